@@ -1,0 +1,12 @@
+"""Nimble: ahead-of-time scheduled, multi-stream CUDA graph execution for PyTorch models.
+
+Importing this package never touches the GPU: the analysis half (TaskGraph, dependencies, stream
+assignment, memory planning, inspection) is plain Python and numpy and runs anywhere.
+"""
+from .taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Access", "Buffer", "BufferKind", "Op", "Pointer", "Task", "TaskGraph", "TaskKind", "TensorRef",
+]

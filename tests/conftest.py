@@ -1,0 +1,33 @@
+"""Shared test configuration: the ``gpu`` marker and the recorded fixtures."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+FIXTURE_DIR = Path(__file__).parent / "fixtures"
+FIXTURE_PATHS = sorted(FIXTURE_DIR.glob("*.json.gz"))
+
+
+def _gpu_skip_reason() -> str | None:
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - torch is a dependency
+        return f"torch is not importable ({e})"
+    if not torch.cuda.is_available():
+        return "needs an NVIDIA GPU and driver: torch.cuda.is_available() is False on this machine"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _gpu_skip_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def fixture_ids() -> list[str]:
+    return [p.name.split(".")[0] for p in FIXTURE_PATHS]
