@@ -1,0 +1,164 @@
+"""Decoding the nodes of a captured CUDA graph (driver level) into :class:`RawNode` data.
+
+For kernels: the function and its names, launch shape, the parameter block as the kernel sees it
+(each parameter at the offset ``cuFuncGetParamInfo`` gives), and every device pointer inside it,
+also inside structs: every 8-byte-aligned word that the driver recognises as a device address
+(``cuMemGetAddressRange``).  For memcpy/memset nodes: their exact byte ranges.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+
+from . import driver
+from .errors import RecordError
+from .names import short_kernel_name
+from .resolve import DeviceRange, RawNode
+from .taskgraph import TaskKind
+
+_MIN_DEVICE_ADDRESS = 1 << 16
+_MAX_DEVICE_ADDRESS = 1 << 57
+
+
+class AddressOracle:
+    """Answers "is this a device address?" with the driver, caching the allocations it finds."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ranges: list[DeviceRange] = []
+        self._misses: set[int] = set()
+
+    def range_of(self, value: int) -> DeviceRange | None:
+        if not _MIN_DEVICE_ADDRESS <= value < _MAX_DEVICE_ADDRESS or value in self._misses:
+            return None
+        i = bisect.bisect_right(self._starts, value) - 1
+        if i >= 0 and self._ranges[i].address <= value < self._ranges[i].end:
+            return self._ranges[i]
+        drv = driver.bindings()
+        ok, got = driver.probe("cuMemGetAddressRange", drv.CUdeviceptr(value))
+        if not ok:
+            self._misses.add(value)
+            return None
+        base, size = int(got[0]), int(got[1])
+        r = DeviceRange(base, size)
+        k = bisect.bisect_left(self._starts, base)
+        self._starts.insert(k, base)
+        self._ranges.insert(k, r)
+        return r
+
+    @property
+    def ranges(self) -> list[DeviceRange]:
+        return list(self._ranges)
+
+
+def node_type_name(node) -> str:
+    t = driver.call("cuGraphNodeGetType", node)
+    return t.name if hasattr(t, "name") else str(t)
+
+
+def decode_node(node, oracle: AddressOracle) -> RawNode:
+    drv = driver.bindings()
+    node_type = driver.call("cuGraphNodeGetType", node)
+    if node_type == drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+        return _decode_kernel(node, oracle)
+    if node_type == drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMSET:
+        return _decode_memset(node)
+    if node_type == drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMCPY:
+        return _decode_memcpy(node)
+    name = getattr(node_type, "name", str(node_type))
+    return RawNode(kind=f"other:{name}", fields={"node_type": name})
+
+
+def kernel_function(params):
+    """The ``CUfunction`` of kernel node params (which may carry a ``CUkernel`` instead)."""
+    func = params.func
+    if func is not None and int(func) != 0:
+        return func
+    kern = params.kern
+    if kern is not None and int(kern) != 0:
+        return driver.call("cuKernelGetFunction", kern)
+    raise RecordError("a kernel node has neither a function nor a kernel handle")
+
+
+def param_layout(func) -> list[tuple[int, int]]:
+    layout = []
+    while True:
+        ok, got = driver.probe("cuFuncGetParamInfo", func, len(layout))
+        if not ok:
+            return layout
+        layout.append((int(got[0]), int(got[1])))
+
+
+def read_param_block(params, layout: list[tuple[int, int]]) -> bytes:
+    """The kernel's parameters laid out at their offsets, read from the node's own copy."""
+    if not layout:
+        return b""
+    array = int(params.kernelParams or 0)
+    if array == 0:
+        raise RecordError(
+            "a kernel node passes its arguments through 'extra' rather than kernelParams; "
+            "Nimble cannot decode it")
+    block = bytearray(max(off + size for off, size in layout))
+    slots = (ctypes.c_void_p * len(layout)).from_address(array)
+    for i, (off, size) in enumerate(layout):
+        block[off:off + size] = driver.read_host(slots[i], size)
+    return bytes(block)
+
+
+def _decode_kernel(node, oracle: AddressOracle) -> RawNode:
+    params = driver.call("cuGraphKernelNodeGetParams", node)
+    func = kernel_function(params)
+    raw_name = driver.call("cuFuncGetName", func)
+    name = raw_name.decode(errors="replace") if isinstance(raw_name, bytes) else str(raw_name)
+    layout = param_layout(func)
+    block = read_param_block(params, layout)
+    pointers = []
+    for off in range(0, len(block) - 7, 8):
+        value = int.from_bytes(block[off:off + 8], "little")
+        if oracle.range_of(value) is not None:
+            pointers.append((off, value))
+    return RawNode(
+        kind=TaskKind.KERNEL, name=name, short_name=short_kernel_name(name),
+        grid=(int(params.gridDimX), int(params.gridDimY), int(params.gridDimZ)),
+        block=(int(params.blockDimX), int(params.blockDimY), int(params.blockDimZ)),
+        shared_mem=int(params.sharedMemBytes), param_layout=layout, params=block,
+        pointers=pointers)
+
+
+def _decode_memset(node) -> RawNode:
+    p = driver.call("cuGraphMemsetNodeGetParams", node)
+    dst, width, height = int(p.dst), int(p.width), max(int(p.height), 1)
+    element, pitch = int(p.elementSize), int(p.pitch)
+    extent = (height - 1) * pitch + width * element
+    fields = {"value": int(p.value), "element_size": element, "width": width,
+              "height": height, "pitch": pitch}
+    return RawNode(kind=TaskKind.MEMSET, name="memset", short_name="memset",
+                   ranges=[("dst", dst, extent, True)], fields=fields)
+
+
+def _copy_side(p, side: str) -> tuple[int, int, int]:
+    """``(memory type, start address, byte extent)`` of one side of a CUDA_MEMCPY3D."""
+    g = lambda f: int(getattr(p, side + f) or 0)  # noqa: E731 - a field reader
+    mtype = int(getattr(p, side + "MemoryType"))
+    base = g("Device") if mtype in (2, 4) else g("Host")
+    pitch, height = g("Pitch"), max(g("Height"), 1)
+    start = base + g("XInBytes") + g("Y") * pitch + g("Z") * height * pitch
+    depth, rows = max(int(p.Depth), 1), max(int(p.Height), 1)
+    extent = ((depth - 1) * height + (rows - 1)) * pitch + int(p.WidthInBytes)
+    return mtype, start, extent
+
+
+def _decode_memcpy(node) -> RawNode:
+    p = driver.call("cuGraphMemcpyNodeGetParams", node)
+    src_type, src, src_extent = _copy_side(p, "src")
+    dst_type, dst, dst_extent = _copy_side(p, "dst")
+    ranges = []
+    device_types = (2, 4)  # CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED
+    if src_type in device_types:
+        ranges.append(("src", src, src_extent, False))
+    if dst_type in device_types:
+        ranges.append(("dst", dst, dst_extent, True))
+    fields = {"src_type": src_type, "dst_type": dst_type, "width": int(p.WidthInBytes),
+              "height": int(p.Height), "depth": int(p.Depth)}
+    return RawNode(kind=TaskKind.MEMCPY, name="memcpy", short_name="memcpy", ranges=ranges,
+                   fields=fields)

@@ -1,0 +1,178 @@
+"""The only module that calls ``cuda.bindings.driver``.
+
+Every driver call goes through :func:`call` (or :func:`probe`, for calls whose failure is an
+answer), which unwraps the ``(CUresult, *values)`` tuple and raises :class:`CudaError` naming the
+call and the ``CUDA_ERROR_*`` code.  Every handle Nimble creates has exactly one owner here; it is
+freed by an idempotent ``close()`` or, failing that, by a ``weakref.finalize`` that never raises.
+
+Importing this module does not touch the GPU: the bindings are imported on first use.
+"""
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import Any
+
+from .errors import CudaError, NoGpuError
+
+_drv: Any = None
+
+
+def bindings():
+    """The ``cuda.bindings.driver`` module (imported on first use)."""
+    global _drv
+    if _drv is None:
+        try:
+            from cuda.bindings import driver
+        except ImportError as e:  # pragma: no cover - a declared dependency
+            raise NoGpuError(
+                "cuda-bindings is not installed: pip install cuda-bindings (the CUDA driver API "
+                f"for Python) to record or run models ({e})") from e
+        _drv = driver
+    return _drv
+
+
+def _error_name(code) -> str:
+    drv = bindings()
+    try:
+        err, name = drv.cuGetErrorName(code)
+        if err == drv.CUresult.CUDA_SUCCESS and name:
+            return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - the name is a courtesy; the code is still reported
+        pass
+    return getattr(code, "name", f"CUresult({int(code)})")
+
+
+def _unwrap(result, name: str, detail: str = ""):
+    code = result[0]
+    if code != _drv.CUresult.CUDA_SUCCESS:
+        raise CudaError(name, int(code), _error_name(code), detail)
+    if len(result) == 1:
+        return None
+    if len(result) == 2:
+        return result[1]
+    return result[1:]
+
+
+def call(name: str, *args, detail: str = ""):
+    """Call driver function ``name``; return its values (none, one, or a tuple); raise on error."""
+    return _unwrap(getattr(bindings(), name)(*args), name, detail)
+
+
+def probe(name: str, *args):
+    """Call a driver function whose failure is an expected answer: ``(ok, values)``."""
+    result = getattr(bindings(), name)(*args)
+    if result[0] != _drv.CUresult.CUDA_SUCCESS:
+        return False, None
+    return True, (result[1] if len(result) == 2 else result[1:] if len(result) > 2 else None)
+
+
+def ensure_context() -> Any:
+    """Initialise the driver and make torch's primary context current on this thread.
+
+    Raises :class:`NoGpuError` where there is no GPU or driver.
+    """
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover
+        raise NoGpuError(f"torch is not importable: {e}") from e
+    if not torch.cuda.is_available():
+        raise NoGpuError(
+            "no CUDA GPU or driver found (torch.cuda.is_available() is False). Nimble records "
+            "and runs models on NVIDIA GPUs; `nimble inspect` works on saved recordings without one.")
+    torch.cuda.init()
+    drv = bindings()
+    call("cuInit", 0)
+    ctx = call("cuCtxGetCurrent")
+    if ctx is None or int(ctx) == 0:
+        dev = call("cuDeviceGet", torch.cuda.current_device())
+        ctx = call("cuDevicePrimaryCtxRetain", dev)
+        call("cuCtxSetCurrent", ctx)
+        call("cuDevicePrimaryCtxRelease", dev)  # torch holds its own reference
+    return ctx if isinstance(ctx, drv.CUcontext) else drv.CUcontext(int(ctx))
+
+
+def read_host(address: int, size: int) -> bytes:
+    """Bytes of host memory owned by the driver (e.g. a node's copy of kernel parameters)."""
+    return ctypes.string_at(address, size)
+
+
+def _quiet(fn_name: str, handle) -> None:
+    """Finalizer body: free a handle, never raise (the driver may already be shut down)."""
+    try:
+        drv = bindings()
+        getattr(drv, fn_name)(handle)
+    except Exception:  # noqa: BLE001 - finalizers must not raise
+        pass
+
+
+class _Owned:
+    """A driver handle with one owner: ``close()`` frees it once; a finalizer covers the rest."""
+
+    _destroy = ""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self._finalizer = weakref.finalize(self, _quiet, self._destroy, handle)
+
+    def close(self) -> None:
+        """Free the handle now (idempotent)."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __int__(self) -> int:
+        return int(self.handle)
+
+
+class Graph(_Owned):
+    """An owned ``CUgraph`` built by Nimble."""
+
+    _destroy = "cuGraphDestroy"
+
+    @classmethod
+    def create(cls) -> "Graph":
+        return cls(call("cuGraphCreate", 0))
+
+
+class GraphExec(_Owned):
+    """An owned ``CUgraphExec``."""
+
+    _destroy = "cuGraphExecDestroy"
+
+    @classmethod
+    def instantiate(cls, graph: Graph) -> "GraphExec":
+        return cls(call("cuGraphInstantiate", graph.handle, 0))
+
+
+class DeviceMemory(_Owned):
+    """An owned ``cuMemAlloc`` allocation: the static arena."""
+
+    _destroy = "cuMemFree"
+
+    def __init__(self, handle, size: int) -> None:
+        super().__init__(handle)
+        self.size = size
+
+    @classmethod
+    def allocate(cls, size: int) -> "DeviceMemory":
+        return cls(call("cuMemAlloc", max(int(size), 1)), int(size))
+
+    @property
+    def address(self) -> int:
+        return int(self.handle)
+
+
+class Event(_Owned):
+    """An owned ``CUevent`` (timing enabled unless ``timing=False``)."""
+
+    _destroy = "cuEventDestroy"
+
+    @classmethod
+    def create(cls, timing: bool = True) -> "Event":
+        drv = bindings()
+        flags = drv.CUevent_flags.CU_EVENT_DEFAULT if timing else \
+            drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        return cls(call("cuEventCreate", int(flags)))

@@ -1,0 +1,43 @@
+"""Typed errors.  Each says what went wrong and what to do about it."""
+from __future__ import annotations
+
+
+class NimbleError(Exception):
+    """Base class of every error Nimble raises on purpose."""
+
+
+class NoGpuError(NimbleError):
+    """No usable NVIDIA GPU or driver on this machine."""
+
+
+class InputError(NimbleError, ValueError):
+    """A model or an input Nimble cannot take as it is (on the CPU, not a tensor, wrong shape...)."""
+
+
+class CaptureError(NimbleError):
+    """The model's forward could not be captured into a CUDA graph."""
+
+
+class RecordError(NimbleError):
+    """The capture succeeded but its nodes could not be decoded into a complete TaskGraph."""
+
+
+class BuildError(NimbleError):
+    """The scheduled TaskGraph could not be turned into a CUDA graph."""
+
+
+class VerificationError(NimbleError):
+    """The rebuilt graph did not reproduce the single-stream reference bit for bit."""
+
+
+class CudaError(NimbleError):
+    """A CUDA driver call failed.  ``call`` names the function, ``name`` the ``CUDA_ERROR_*`` code."""
+
+    def __init__(self, call: str, code: int, name: str, detail: str = "") -> None:
+        self.call = call
+        self.code = code
+        self.name = name
+        msg = f"{call} failed with {name} ({code})"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg)

@@ -1,0 +1,54 @@
+"""Readable short names for mangled CUDA kernel names (no c++filt needed)."""
+from __future__ import annotations
+
+import re
+
+_SUBSTITUTIONS = {"St": "std"}
+
+
+def _read_source_name(s: str, i: int) -> tuple[str, int] | None:
+    m = re.match(r"\d+", s[i:])
+    if not m:
+        return None
+    n = int(m.group())
+    start = i + len(m.group())
+    if start + n > len(s):
+        return None
+    return s[start:start + n], start + n
+
+
+def short_kernel_name(mangled: str, limit: int = 80) -> str:
+    """The qualified function name of an Itanium-mangled kernel, without template arguments.
+
+    ``_ZN2at6native29vectorized_elementwise_kernelILi4E...`` gives
+    ``at::native::vectorized_elementwise_kernel``; names that are not mangled (cuBLAS and cuDNN
+    ship many) come back as they are, cut to ``limit`` characters.
+    """
+    if not mangled.startswith("_Z"):
+        return mangled[:limit]
+    i = 2
+    if i < len(mangled) and mangled[i] == "L":  # internal linkage marker
+        i += 1
+    parts: list[str] = []
+    if mangled.startswith("N", i):
+        i += 1
+        while i < len(mangled) and mangled[i] not in "EI":
+            if mangled.startswith(("St",), i):
+                parts.append(_SUBSTITUTIONS["St"])
+                i += 2
+                continue
+            if mangled[i] in "KVrL":  # qualifiers before a name
+                i += 1
+                continue
+            got = _read_source_name(mangled, i)
+            if got is None:
+                break
+            name, i = got
+            parts.append(name)
+    else:
+        got = _read_source_name(mangled, i)
+        if got is not None:
+            parts.append(got[0])
+    if not parts:
+        return mangled[:limit]
+    return "::".join(parts)[:limit]

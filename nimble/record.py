@@ -1,0 +1,304 @@
+"""Recording: from a PyTorch module and example inputs to a :class:`Recording`.
+
+``record()`` warms the model up on a side stream (cuDNN autotuning, lazy initialisation), then
+captures one forward on a single stream into ``torch.cuda.CUDAGraph(keep_graph=True)`` while
+
+* :class:`~nimble.tracer.OpTracer` notes per ATen op the byte ranges it reads and writes, the graph
+  nodes it created and the allocations it made, and
+* the caching allocator's history records every allocation with its address and size,
+
+then decodes every node (:mod:`nimble.decode`) and resolves addresses into buffers
+(:mod:`nimble.resolve`).  The capture itself is a plain callable (``capture_fn``), so capturing a
+forward *and* backward for training reuses all of this.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from . import driver
+from .decode import AddressOracle, decode_node
+from .errors import CaptureError, InputError, NoGpuError, RecordError
+from .resolve import (AllocEvent, DeviceRange, RawCapture, TensorSpec, build_taskgraph,
+                      unresolved_in_pool)
+from .taskgraph import BufferKind, TaskGraph
+
+
+@dataclass
+class Recording:
+    """A live recording: the TaskGraph plus the CUDA objects needed to rebuild and check it.
+
+    ``torch_graph`` is the captured single-stream graph (the reference); ``nodes[i]`` is the
+    ``CUgraphNode`` of task ``i``; ``static_inputs``/``static_outputs`` are the tensors the capture
+    read and wrote.
+    """
+
+    graph: TaskGraph
+    torch_graph: Any
+    nodes: list
+    static_inputs: list
+    static_outputs: list
+    output_spec: Any
+    raw: RawCapture
+    seconds: dict = field(default_factory=dict)
+
+    def replay_reference(self, inputs: Sequence) -> list:
+        """Run the captured single-stream graph on ``inputs``; return copies of its outputs."""
+        for dst, src in zip(self.static_inputs, inputs):
+            dst.copy_(src)
+        self.torch_graph.replay()
+        return [o.clone() for o in self.static_outputs]
+
+
+def _progress(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[nimble] {msg}", file=sys.stderr, flush=True)
+
+
+def _as_tensor_list(example_inputs) -> list:
+    import torch
+
+    if isinstance(example_inputs, torch.Tensor):
+        items = [example_inputs]
+    elif isinstance(example_inputs, (tuple, list)):
+        items = list(example_inputs)
+    else:
+        raise InputError(
+            f"example inputs must be a tensor or a tuple of tensors, got "
+            f"{type(example_inputs).__name__}")
+    for i, x in enumerate(items):
+        if not isinstance(x, torch.Tensor):
+            raise InputError(f"input {i} is a {type(x).__name__}; Nimble takes tensors (or a "
+                             f"tuple of tensors) as inputs")
+        if x.device.type != "cuda":
+            raise InputError(f"input {i} is on {x.device}; move it to the GPU first "
+                             f"(x.cuda() or x.to('cuda'))")
+        if x.layout != torch.strided:
+            raise InputError(f"input {i} has layout {x.layout}; only dense tensors are supported")
+    return items
+
+
+def check_module(module) -> None:
+    """Raise :class:`InputError` if a parameter or buffer of ``module`` is not on the GPU."""
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        if callable(module):
+            return
+        raise InputError(f"expected a torch.nn.Module, got {type(module).__name__}")
+    for kind, named in (("parameter", module.named_parameters()),
+                        ("buffer", module.named_buffers())):
+        for name, t in named:
+            if t.device.type != "cuda":
+                raise InputError(f"{kind} '{name}' is on {t.device}; move the model to the GPU "
+                                 f"first (model.cuda())")
+
+
+def _statics(module, static_inputs) -> list[DeviceRange]:
+    """Parameters and buffers (one range per storage) and the inputs, as device ranges."""
+    import torch
+
+    ranges: dict[int, DeviceRange] = {}
+    if isinstance(module, torch.nn.Module):
+        named = list(module.named_parameters(remove_duplicate=False)) + \
+            list(module.named_buffers(remove_duplicate=False))
+        for name, t in named:
+            st = t.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in ranges:
+                ranges[st.data_ptr()] = DeviceRange(st.data_ptr(), st.nbytes(), name,
+                                                    BufferKind.PARAM)
+    for i, x in enumerate(static_inputs):
+        st = x.untyped_storage()
+        ranges[st.data_ptr()] = DeviceRange(st.data_ptr(), max(st.nbytes(), 1), f"input{i}",
+                                            BufferKind.INPUT)
+    return list(ranges.values())
+
+
+def _snapshot_blocks(snapshot: dict, pool_id=None) -> tuple[list[DeviceRange], list[DeviceRange]]:
+    """``(active blocks outside the pool, segments of the pool)`` from an allocator snapshot."""
+    blocks, pool = [], []
+    for seg in snapshot.get("segments", []):
+        in_pool = pool_id is not None and tuple(seg.get("segment_pool_id", ())) == tuple(pool_id)
+        if in_pool:
+            pool.append(DeviceRange(seg["address"], seg["total_size"], "graph pool"))
+            continue
+        address = seg["address"]
+        for blk in seg.get("blocks", []):
+            start = blk.get("address", address)
+            if blk.get("state") == "active_allocated":
+                blocks.append(DeviceRange(start, blk["size"], f"block@{start:#x}"))
+            address = start + blk["size"]
+    return blocks, pool
+
+
+def _alloc_counter(device: int) -> Callable[[], int]:
+    import torch
+
+    def count() -> int:
+        return torch._C._cuda_memoryStats(device)["allocation"]["all"]["allocated"]
+    return count
+
+
+def _node_counter() -> tuple[Callable[[], int], list]:
+    """A counter of the capturing graph's nodes; the graph is found at the first call."""
+    import torch
+
+    drv = driver.bindings()
+    state: list = [None]
+
+    def count() -> int:
+        if state[0] is None:
+            stream = drv.CUstream(torch.cuda.current_stream().cuda_stream)
+            info = driver.call("cuStreamGetCaptureInfo", stream)
+            if info[0] != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+                raise CaptureError("the op tracer ran outside of an active stream capture")
+            state[0] = info[2]
+        return int(driver.call("cuGraphGetNodes", state[0], 0)[1])
+    return count, state
+
+
+def _tensor_spec(t) -> TensorSpec:
+    return TensorSpec(t.data_ptr(), list(t.shape), list(t.stride()),
+                      str(t.dtype).removeprefix("torch."))
+
+
+def warm_up(fn: Callable[[], Any], iterations: int) -> None:
+    """Run ``fn`` on a side stream (as torch's graph docs require before capture)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(iterations):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def record(module, example_inputs, *, warmup: int = 3, name: str | None = None,
+           quiet: bool = True) -> Recording:
+    """Record one forward of ``module`` on ``example_inputs`` (a tensor or tuple of tensors).
+
+    Raises :class:`InputError` for inputs or models not on the GPU, :class:`CaptureError` for a
+    forward that cannot be captured (one that synchronises with the host, say), and
+    :class:`RecordError` if a node cannot be decoded or a pointer into the captured memory pool
+    resolves to no buffer.
+    """
+    import torch
+
+    inputs = _as_tensor_list(example_inputs)
+    check_module(module)
+    driver.ensure_context()
+    static_inputs = [x.detach().clone() for x in inputs]
+
+    def forward():
+        return module(*static_inputs)
+
+    return record_callable(forward, static_inputs, module=module, warmup=warmup,
+                           name=name or type(module).__name__, quiet=quiet,
+                           training=bool(getattr(module, "training", False)))
+
+
+def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, warmup: int = 3,
+                    name: str = "model", quiet: bool = True, training: bool = False) -> Recording:
+    """Capture ``fn()`` (which reads ``static_inputs``) and decode it; see :func:`record`."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    from .tracer import ModulePaths, OpTracer
+
+    if not torch.cuda.is_available():
+        raise NoGpuError("no CUDA GPU or driver found (torch.cuda.is_available() is False)")
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    _progress(f"warming up {name} ({warmup} iterations)", quiet)
+    try:
+        warm_up(fn, warmup)
+    except RuntimeError as e:
+        raise CaptureError(f"the model failed to run on the example inputs: {e}") from e
+    seconds["warmup"] = time.perf_counter() - t0
+
+    device = torch.cuda.current_device()
+    before = torch.cuda.memory_snapshot()
+    externals, _ = _snapshot_blocks({"segments": before})
+    statics = _statics(module, static_inputs)
+
+    t0 = time.perf_counter()
+    _progress("capturing one forward on a single stream", quiet)
+    torch_graph = torch.cuda.CUDAGraph(keep_graph=True)
+    node_count, graph_holder = _node_counter()
+    alloc_count = _alloc_counter(device)
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                             clear_history=True)
+    try:
+        alloc_base = alloc_count()
+        with ModulePaths(module if isinstance(module, torch.nn.Module) else None) as paths:
+            tracer = OpTracer(node_count, alloc_count, paths)
+            try:
+                with torch.cuda.graph(torch_graph):
+                    with tracer:
+                        out = fn()
+            except Exception as e:  # noqa: BLE001 - any failure of capture is reported typed
+                torch.cuda.synchronize()
+                raise CaptureError(
+                    f"the forward of {name} cannot be captured into a CUDA graph: {e}. A forward "
+                    "must not synchronise with the host (.item(), .cpu(), printing a tensor, "
+                    "data-dependent Python control flow) and must keep its work on the GPU."
+                ) from e
+        alloc_total = alloc_count() - alloc_base
+        snap = torch.cuda.memory._snapshot(device)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    seconds["capture"] = time.perf_counter() - t0
+
+    trace = snap.get("device_traces", [[]])[device] if snap.get("device_traces") else []
+    allocs = [e for e in trace if e.get("action") == "alloc"]
+    if len(allocs) != alloc_total:
+        raise RecordError(
+            f"the allocator history holds {len(allocs)} allocations but its counter moved by "
+            f"{alloc_total}; cannot tell allocations apart (was memory history already enabled?)")
+    alloc_events = [AllocEvent(alloc_base + i, int(e["addr"]), int(e["size"]))
+                    for i, e in enumerate(allocs)]
+    _, pool = _snapshot_blocks(snap, torch_graph.pool())
+
+    t0 = time.perf_counter()
+    out_leaves, out_spec = tree_flatten(out)
+    outputs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
+    if not outputs or len(outputs) != len(out_leaves):
+        raise InputError(f"the forward of {name} must return a tensor or a (nested) tuple, list "
+                         f"or dict of tensors; got {type(out).__name__}")
+    cu_graph = driver.bindings().CUgraph(torch_graph.raw_cuda_graph())
+    count = int(driver.call("cuGraphGetNodes", cu_graph, 0)[1])
+    nodes = list(driver.call("cuGraphGetNodes", cu_graph, count)[0])[:count]
+    _progress(f"decoding {count} graph nodes from {len(tracer.ops)} ops", quiet)
+    oracle = AddressOracle()
+    raw_nodes = [decode_node(n, oracle) for n in nodes]
+    pool_index = {(r.address, r.size) for r in pool}
+    for r in oracle.ranges:
+        if (r.address, r.size) not in pool_index and not any(
+                p.address <= r.address < p.end for p in pool):
+            externals.append(DeviceRange(r.address, r.size, f"device allocation@{r.address:#x}"))
+    raw = RawCapture(
+        ops=tracer.ops, nodes=raw_nodes, allocs=alloc_events, statics=statics,
+        externals=[e for e in externals if not any(
+            s.address <= e.address < s.end for s in statics)],
+        pool=pool, inputs=[_tensor_spec(x) for x in static_inputs],
+        outputs=[_tensor_spec(x) for x in outputs],
+        meta={"model": name, "training": training, "device": torch.cuda.get_device_name(device),
+              "torch": torch.__version__, "batch": int(static_inputs[0].shape[0])
+              if static_inputs and static_inputs[0].dim() else 0,
+              "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "allocations": len(alloc_events)})
+    graph = build_taskgraph(raw)
+    bad = unresolved_in_pool(graph, raw)
+    if bad:
+        task, ptr = bad[0]
+        raise RecordError(
+            f"{len(bad)} pointer(s) into the captured memory pool resolve to no allocation; "
+            f"first: task {task} ({graph.tasks[task].short_name}) at {ptr.location} = "
+            f"{ptr.value:#x}")
+    seconds["decode"] = time.perf_counter() - t0
+    graph.meta["record_seconds"] = dict(seconds)
+    return Recording(graph, torch_graph, nodes, static_inputs, outputs, out_spec, raw, seconds)

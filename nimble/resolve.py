@@ -1,0 +1,402 @@
+"""From a raw capture to a TaskGraph: buffers by allocation, pointers and byte ranges resolved.
+
+This half of recording is plain data in, plain data out (no CUDA, no torch), so it is tested on
+the CPU.  Its inputs, gathered by ``record.py`` on the GPU, are:
+
+* the ops the tracer saw, each with its window of graph nodes and of allocator allocations, and
+  the absolute byte spans its schema says it reads and writes;
+* the allocator's allocation events during capture, in order (their ordinal is the allocator's
+  allocation counter, the same counter the tracer reads around each op);
+* every graph node decoded, with the device pointers found in its parameters;
+* tensors that existed before capture (parameters, module buffers, inputs) and other device
+  memory that was allocated before capture.
+
+Address → buffer: an address used by op *k* belongs to the latest allocation made before the end of
+op *k*'s window that covers it, so two allocations the caching allocator put at one address stay
+two buffers.  An allocation some tensor lives in is an intermediate (or an output); one that no
+tensor names but kernels point into is **scratch**, and every op using it gets its own scratch
+buffer, because a library workspace carries nothing from one call to the next.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from .taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
+
+
+@dataclass(slots=True)
+class TensorSpan:
+    """Absolute bytes ``[start, start + size)`` an op reads (or writes, if ``write``)."""
+
+    start: int
+    size: int
+    write: bool
+
+
+@dataclass(slots=True)
+class OpRecord:
+    """One traced ATen op: its node window, allocation window and byte spans."""
+
+    name: str
+    module: str
+    node_begin: int
+    node_end: int
+    alloc_begin: int
+    alloc_end: int
+    spans: list[TensorSpan] = field(default_factory=list)
+    fresh: list[TensorSpan] = field(default_factory=list)  # newly allocated returns
+
+
+@dataclass(slots=True)
+class AllocEvent:
+    """One allocation during capture; ``ordinal`` is the allocator's allocation counter."""
+
+    ordinal: int
+    address: int
+    size: int
+
+
+@dataclass(slots=True)
+class DeviceRange:
+    """Device memory not allocated during capture: a parameter, an input, or other memory."""
+
+    address: int
+    size: int
+    name: str = ""
+    kind: str = BufferKind.EXTERNAL
+
+    @property
+    def end(self) -> int:
+        return self.address + self.size
+
+
+@dataclass(slots=True)
+class RawNode:
+    """A decoded graph node.  ``pointers``: ``(location, value)`` of device addresses in its
+    parameters; ``ranges``: ``(location, start, size, write)`` exact ranges of memcpy/memset."""
+
+    kind: str
+    name: str = ""
+    short_name: str = ""
+    grid: tuple[int, int, int] = (1, 1, 1)
+    block: tuple[int, int, int] = (1, 1, 1)
+    shared_mem: int = 0
+    param_layout: list[tuple[int, int]] = field(default_factory=list)
+    params: bytes = b""
+    pointers: list[tuple[int | str, int]] = field(default_factory=list)
+    ranges: list[tuple[str, int, int, bool]] = field(default_factory=list)
+    fields: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TensorSpec:
+    """A graph input or output as an absolute address plus layout."""
+
+    address: int
+    shape: list[int]
+    strides: list[int]
+    dtype: str
+
+
+@dataclass(slots=True)
+class RawCapture:
+    ops: list[OpRecord]
+    nodes: list[RawNode]
+    allocs: list[AllocEvent]
+    statics: list[DeviceRange]  # parameters, module buffers and inputs (kind param / input)
+    externals: list[DeviceRange]  # other memory allocated before capture
+    pool: list[DeviceRange]  # the capture's private memory pool: an address here must resolve
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    meta: dict = field(default_factory=dict)
+
+
+class _Intervals:
+    """Non-overlapping ``[start, end) -> value`` intervals; a new interval clips older ones."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._items: list[tuple[int, int, object]] = []
+
+    def insert(self, start: int, end: int, value) -> None:
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i >= 0 and self._items[i][1] > start:
+            s, e, v = self._items[i]
+            self._starts[i:i + 1], self._items[i:i + 1] = [s], [(s, start, v)]
+            if e > end:
+                self._put(end, e, v)
+        j = bisect.bisect_left(self._starts, start)
+        while j < len(self._items) and self._items[j][0] < end:
+            s, e, v = self._items.pop(j)
+            self._starts.pop(j)
+            if e > end:
+                self._put(end, e, v)
+                break
+        self._put(start, end, value)
+
+    def _put(self, start: int, end: int, value) -> None:
+        k = bisect.bisect_left(self._starts, start)
+        self._starts.insert(k, start)
+        self._items.insert(k, (start, end, value))
+
+    def find(self, address: int):
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i >= 0:
+            s, e, v = self._items[i]
+            if s <= address < e:
+                return v
+        return None
+
+
+def _range_index(ranges: list[DeviceRange]) -> _Intervals:
+    index = _Intervals()
+    for i, r in enumerate(sorted(range(len(ranges)), key=lambda k: ranges[k].size, reverse=True)):
+        index.insert(ranges[r].address, ranges[r].end, r)  # smaller ranges win where nested
+    return index
+
+
+class _Resolver:
+    def __init__(self, raw: RawCapture) -> None:
+        self.raw = raw
+        self.buffers: list[Buffer] = []
+        self.live = _Intervals()
+        self._alloc_pos = 0
+        self._allocs = sorted(raw.allocs, key=lambda a: a.ordinal)
+        self._statics = _range_index(raw.statics)
+        self._externals = _range_index(raw.externals)
+        self._pool = _range_index(raw.pool)
+        self.static_buffer = [self._new(r.kind, r.size, r.address, r.name) for r in raw.statics]
+        self.external_buffer: dict[int, int] = {}
+        self.tensor_buffer: dict[int, int] = {}  # allocation index -> buffer id
+        self.alloc_op: list[int] = self._alloc_ops()
+        self.stats = {"ambiguous_addresses": 0, "unlisted_pointer_accesses": 0,
+                      "op_accesses_without_pointer": 0}
+
+    def _alloc_ops(self) -> list[int]:
+        begins = [op.alloc_begin for op in self.raw.ops]
+        owner = []
+        for a in self._allocs:
+            i = bisect.bisect_right(begins, a.ordinal) - 1
+            inside = i >= 0 and a.ordinal < self.raw.ops[i].alloc_end
+            owner.append(i if inside else -1)
+        return owner
+
+    def _new(self, kind: str, size: int, address: int, name: str, op: int = -1) -> int:
+        bid = len(self.buffers)
+        self.buffers.append(Buffer(bid, kind, size, address, name, op))
+        return bid
+
+    def advance(self, time: int) -> None:
+        """Make every allocation with ordinal < ``time`` visible."""
+        while self._alloc_pos < len(self._allocs) and self._allocs[self._alloc_pos].ordinal < time:
+            a = self._allocs[self._alloc_pos]
+            self.live.insert(a.address, a.address + max(a.size, 1), self._alloc_pos)
+            self._alloc_pos += 1
+
+    def locate(self, address: int):
+        """``('alloc', index)``, ``('buffer', id)`` or None for an address at the current time."""
+        hit = self.live.find(address)
+        if hit is not None:
+            return ("alloc", hit)
+        hit = self._statics.find(address)
+        if hit is not None:
+            return ("buffer", self.static_buffer[hit])
+        hit = self._externals.find(address)
+        if hit is not None:
+            if hit not in self.external_buffer:
+                r = self.raw.externals[hit]
+                self.external_buffer[hit] = self._new(
+                    BufferKind.EXTERNAL, r.size, r.address, r.name or f"external@{r.address:#x}")
+            return ("buffer", self.external_buffer[hit])
+        return None
+
+    def tensor_alloc_buffer(self, index: int, op: int) -> int:
+        if index not in self.tensor_buffer:
+            a = self._allocs[index]
+            self.tensor_buffer[index] = self._new(
+                BufferKind.INTERMEDIATE, a.size, a.address,
+                f"op{op}:{self.raw.ops[op].name}" if op >= 0 else f"alloc{index}", op)
+        return self.tensor_buffer[index]
+
+    def in_pool(self, address: int) -> bool:
+        return self._pool.find(address) is not None
+
+
+def _merge_accesses(accesses: list[Access]) -> list[Access]:
+    merged: dict[tuple[int, int, int], Access] = {}
+    for a in accesses:
+        key = (a.buffer, a.offset, a.size)
+        if key in merged:
+            merged[key].write = merged[key].write or a.write
+        else:
+            merged[key] = Access(a.buffer, a.offset, a.size, a.write)
+    return list(merged.values())
+
+
+def build_taskgraph(raw: RawCapture) -> TaskGraph:
+    """Resolve a raw capture into a TaskGraph (see the module docstring for the rules)."""
+    r = _Resolver(raw)
+    node_op = [-1] * len(raw.nodes)
+    for k, op in enumerate(raw.ops):
+        for n in range(op.node_begin, min(op.node_end, len(raw.nodes))):
+            node_op[n] = k
+    graph = TaskGraph(meta=dict(raw.meta))
+    graph.tasks = [Task(i, n.kind, op=node_op[i], name=n.name, short_name=n.short_name,
+                        grid=n.grid, block=n.block, shared_mem=n.shared_mem,
+                        param_layout=list(n.param_layout), params=n.params, fields=dict(n.fields))
+                   for i, n in enumerate(raw.nodes)]
+    tasks_of_op: dict[int, list[int]] = {}
+    for i, k in enumerate(node_op):
+        tasks_of_op.setdefault(k, []).append(i)
+
+    for k, op in enumerate(raw.ops):
+        r.advance(op.alloc_end)
+        accesses = []
+        for span in op.spans:
+            where = r.locate(span.start)
+            if where is None:
+                continue
+            kind, ref = where
+            bid = r.tensor_alloc_buffer(ref, r.alloc_op[ref]) if kind == "alloc" else ref
+            b = r.buffers[bid]
+            offset = span.start - b.address
+            accesses.append(Access(bid, offset, min(span.size, b.size - offset), span.write))
+        graph.ops.append(Op(k, op.name, op.module, _merge_accesses(accesses)))
+        _resolve_tasks(r, graph, k, tasks_of_op.get(k, []))
+
+    r.advance(1 << 62)
+    _resolve_tasks(r, graph, -1, tasks_of_op.get(-1, []))
+
+    def tensor_ref(spec: TensorSpec, kind: str | None) -> TensorRef:
+        where = r.locate(spec.address)
+        if where is None:
+            raise ValueError(f"graph {kind or 'tensor'} at {spec.address:#x} is in no known buffer")
+        k, ref = where
+        bid = r.tensor_alloc_buffer(ref, r.alloc_op[ref]) if k == "alloc" else ref
+        if kind is not None and r.buffers[bid].kind == BufferKind.INTERMEDIATE:
+            r.buffers[bid].kind = kind
+        return TensorRef(bid, spec.address - r.buffers[bid].address, list(spec.shape),
+                         list(spec.strides), spec.dtype)
+
+    graph.inputs = [tensor_ref(s, None) for s in raw.inputs]
+    graph.outputs = [tensor_ref(s, BufferKind.OUTPUT) for s in raw.outputs]
+    graph.buffers = r.buffers
+    graph.meta.update(r.stats)
+    graph.meta["unattributed_tasks"] = len(tasks_of_op.get(-1, []))
+    graph.validate()
+    return graph
+
+
+def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) -> None:
+    """Pointers and accesses of op ``k``'s tasks (``k`` = -1: tasks outside every op)."""
+    if not task_ids:
+        return
+    raw_nodes = r.raw.nodes
+    located: dict[int, object] = {}
+    scratch_allocs: set[int] = set()
+    for t in task_ids:
+        node = raw_nodes[t]
+        values = [v for _, v in node.pointers] + [s for _, s, _, _ in node.ranges]
+        for v in values:
+            if v in located:
+                continue
+            where = r.locate(v)
+            located[v] = where
+            if where is not None and where[0] == "alloc":
+                if where[1] not in r.tensor_buffer:
+                    scratch_allocs.add(where[1])
+                elif _covered_twice(r, k, v):
+                    r.stats["ambiguous_addresses"] += 1
+
+    # Scratch allocations of this op that overlap (freed and re-made inside it) share one buffer.
+    scratch_of: dict[int, int] = {}
+    groups: list[list[int]] = []
+    for idx in sorted(scratch_allocs, key=lambda i: r._allocs[i].address):
+        a = r._allocs[idx]
+        if groups:
+            last = groups[-1]
+            end = max(r._allocs[j].address + r._allocs[j].size for j in last)
+            if a.address < end:
+                last.append(idx)
+                continue
+        groups.append([idx])
+    for group in groups:
+        start = min(r._allocs[j].address for j in group)
+        end = max(r._allocs[j].address + r._allocs[j].size for j in group)
+        bid = r._new(BufferKind.SCRATCH, end - start, start, f"scratch:op{k}", k)
+        for j in group:
+            scratch_of[j] = bid
+
+    op_accesses = graph.ops[k].accesses if k >= 0 else []
+    by_buffer: dict[int, list[Access]] = {}
+    for a in op_accesses:
+        by_buffer.setdefault(a.buffer, []).append(a)
+    seen_buffers: set[int] = set()
+    for t in task_ids:
+        node, task = raw_nodes[t], graph.tasks[t]
+        accesses: list[Access] = []
+
+        def target(value: int) -> int:
+            where = located[value]
+            if where is None:
+                return -1
+            kind, ref = where
+            if kind == "alloc":
+                return scratch_of[ref] if ref in scratch_of else r.tensor_buffer[ref]
+            return ref
+
+        for location, value in node.pointers:
+            bid = target(value)
+            if bid < 0:
+                task.pointers.append(Pointer(location, value, -1, 0))
+                continue
+            b = r.buffers[bid]
+            task.pointers.append(Pointer(location, value, bid, value - b.address))
+            seen_buffers.add(bid)
+            if b.kind == BufferKind.SCRATCH:
+                accesses.append(Access(bid, 0, b.size, True))
+            elif bid in by_buffer:
+                accesses.extend(by_buffer[bid])
+            else:
+                r.stats["unlisted_pointer_accesses"] += 1
+                accesses.append(Access(bid, 0, b.size, True))
+        for location, start, size, write in node.ranges:
+            bid = target(start)
+            if bid < 0:
+                task.pointers.append(Pointer(location, start, -1, 0))
+                continue
+            b = r.buffers[bid]
+            offset = start - b.address
+            task.pointers.append(Pointer(location, start, bid, offset))
+            seen_buffers.add(bid)
+            accesses.append(Access(bid, offset, min(size, b.size - offset), write))
+        task.accesses = accesses
+
+    # An op access that no task's parameters point at (memory reached indirectly) is given to
+    # every task of the op, so that ordering stays safe.
+    missing = [a for a in op_accesses if a.buffer not in seen_buffers]
+    if missing:
+        r.stats["op_accesses_without_pointer"] += len(missing)
+        for t in task_ids:
+            graph.tasks[t].accesses.extend(missing)
+    for t in task_ids:
+        graph.tasks[t].accesses = _merge_accesses(graph.tasks[t].accesses)
+
+
+def _covered_twice(r: _Resolver, k: int, address: int) -> bool:
+    """Whether two allocations made inside op ``k``'s window both cover ``address``."""
+    if k < 0:
+        return False
+    op = r.raw.ops[k]
+    hits = 0
+    for a in r._allocs:
+        if op.alloc_begin <= a.ordinal < op.alloc_end and a.address <= address < a.address + a.size:
+            hits += 1
+    return hits > 1
+
+
+def unresolved_in_pool(graph: TaskGraph, raw: RawCapture) -> list[tuple[int, Pointer]]:
+    """Unresolved pointers that fall inside the capture's memory pool (always a recorder bug)."""
+    pool = _range_index(raw.pool)
+    return [(t, p) for t, p in graph.unresolved_pointers() if pool.find(p.value) is not None]
