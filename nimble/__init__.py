@@ -3,10 +3,15 @@
 Importing this package never touches the GPU: the analysis half (TaskGraph, dependencies, stream
 assignment, memory planning, inspection) is plain Python and numpy and runs anywhere.
 """
+from .errors import (BuildError, CaptureError, CudaError, InputError, NimbleError, NoGpuError,
+                     RecordError, VerificationError)
+from .runtime import Nimble
 from .taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Nimble", "NimbleError", "NoGpuError", "InputError", "CaptureError", "RecordError",
+    "BuildError", "VerificationError", "CudaError",
     "Access", "Buffer", "BufferKind", "Op", "Pointer", "Task", "TaskGraph", "TaskKind", "TensorRef",
 ]

@@ -164,6 +164,45 @@ def _tensor_spec(t) -> TensorSpec:
                       str(t.dtype).removeprefix("torch."))
 
 
+def check_no_host_sync(fn: Callable[[], Any], name: str) -> None:
+    """Run ``fn`` once with torch's sync debug mode set to error.
+
+    A forward that synchronises with the host cannot be captured, and a failed capture can leave
+    torch's CUDA state (its random generator) unusable for the rest of the process; finding the
+    synchronisation before capturing keeps the process healthy.
+    """
+    import torch
+
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as e:
+        if "synchroniz" not in str(e):
+            raise CaptureError(f"the model failed to run on the example inputs: {e}") from e
+        raise CaptureError(
+            f"the forward of {name} cannot be captured into a CUDA graph: it synchronises with "
+            f"the host ({e}). A forward must not synchronise with the host (.item(), .cpu(), "
+            "printing a tensor, data-dependent Python control flow) and must keep its work on "
+            "the GPU.") from e
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.synchronize()
+
+
+def explain_pointer(graph: TaskGraph, raw: RawCapture, task: int, pointer) -> str:
+    """One line on an unresolved pointer: where it is, and every allocation near its value."""
+    t = graph.tasks[task]
+    op = graph.op_of(t)
+    where = f"{op.name} [op {op.index}, allocations {raw.ops[op.index].alloc_begin}.." \
+            f"{raw.ops[op.index].alloc_end}) in {op.module or '?'}" if op else "no op"
+    near = sorted(raw.allocs, key=lambda a: min(abs(pointer.value - a.address),
+                                                abs(pointer.value - a.address - a.size)))[:3]
+    desc = ", ".join(f"#{a.ordinal} [{a.address:#x}+{a.size:#x})" for a in near)
+    return (f"  task {task} {t.short_name} ({where}) param byte {pointer.location} = "
+            f"{pointer.value:#x}; nearest allocations during capture: {desc or 'none'}")
+
+
 def warm_up(fn: Callable[[], Any], iterations: int) -> None:
     """Run ``fn`` on a side stream (as torch's graph docs require before capture)."""
     import torch
@@ -178,7 +217,7 @@ def warm_up(fn: Callable[[], Any], iterations: int) -> None:
 
 
 def record(module, example_inputs, *, warmup: int = 3, name: str | None = None,
-           quiet: bool = True) -> Recording:
+           quiet: bool = True, strict: bool = True) -> Recording:
     """Record one forward of ``module`` on ``example_inputs`` (a tensor or tuple of tensors).
 
     Raises :class:`InputError` for inputs or models not on the GPU, :class:`CaptureError` for a
@@ -197,13 +236,19 @@ def record(module, example_inputs, *, warmup: int = 3, name: str | None = None,
         return module(*static_inputs)
 
     return record_callable(forward, static_inputs, module=module, warmup=warmup,
-                           name=name or type(module).__name__, quiet=quiet,
+                           name=name or type(module).__name__, quiet=quiet, strict=strict,
                            training=bool(getattr(module, "training", False)))
 
 
 def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, warmup: int = 3,
-                    name: str = "model", quiet: bool = True, training: bool = False) -> Recording:
-    """Capture ``fn()`` (which reads ``static_inputs``) and decode it; see :func:`record`."""
+                    name: str = "model", quiet: bool = True, training: bool = False,
+                    strict: bool = True) -> Recording:
+    """Capture ``fn()`` (which reads ``static_inputs``) and decode it; see :func:`record`.
+
+    With ``strict`` (the default) a pointer into the capture's memory pool that resolves to no
+    allocation is a :class:`RecordError`; without it the recording is returned with the pointer
+    marked unresolved (for debugging).
+    """
     import torch
     from torch.utils._pytree import tree_flatten
 
@@ -218,6 +263,7 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
         warm_up(fn, warmup)
     except RuntimeError as e:
         raise CaptureError(f"the model failed to run on the example inputs: {e}") from e
+    check_no_host_sync(fn, name)
     seconds["warmup"] = time.perf_counter() - t0
 
     device = torch.cuda.current_device()
@@ -259,7 +305,9 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
         raise RecordError(
             f"the allocator history holds {len(allocs)} allocations but its counter moved by "
             f"{alloc_total}; cannot tell allocations apart (was memory history already enabled?)")
-    alloc_events = [AllocEvent(alloc_base + i, int(e["addr"]), int(e["size"]))
+    # The caching allocator hands out blocks rounded up to 512 bytes, and libraries use the
+    # slack: cuDNN points a kernel at a 0-byte region just past its requested workspace size.
+    alloc_events = [AllocEvent(alloc_base + i, int(e["addr"]), -(-int(e["size"]) // 512) * 512)
                     for i, e in enumerate(allocs)]
     _, pool = _snapshot_blocks(snap, torch_graph.pool())
 
@@ -290,15 +338,19 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
               "torch": torch.__version__, "batch": int(static_inputs[0].shape[0])
               if static_inputs and static_inputs[0].dim() else 0,
               "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "allocations": len(alloc_events)})
+              "allocations": len(alloc_events), "pool_bytes": sum(r.size for r in pool)})
+    if hasattr(torch_graph, "instantiate"):  # keep_graph=True leaves that to the first replay
+        torch_graph.instantiate()
     graph = build_taskgraph(raw)
     bad = unresolved_in_pool(graph, raw)
+    graph.meta["unresolved_in_pool"] = len(bad)
     if bad:
-        task, ptr = bad[0]
-        raise RecordError(
-            f"{len(bad)} pointer(s) into the captured memory pool resolve to no allocation; "
-            f"first: task {task} ({graph.tasks[task].short_name}) at {ptr.location} = "
-            f"{ptr.value:#x}")
+        message = (f"{len(bad)} pointer(s) into the captured memory pool resolve to no "
+                   f"allocation:\n" + "\n".join(explain_pointer(graph, raw, t, p)
+                                                for t, p in bad[:4]))
+        if strict:
+            raise RecordError(message)
+        graph.meta["unresolved_report"] = message
     seconds["decode"] = time.perf_counter() - t0
     graph.meta["record_seconds"] = dict(seconds)
     return Recording(graph, torch_graph, nodes, static_inputs, outputs, out_spec, raw, seconds)

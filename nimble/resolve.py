@@ -250,7 +250,15 @@ def build_taskgraph(raw: RawCapture) -> TaskGraph:
     for i, k in enumerate(node_op):
         tasks_of_op.setdefault(k, []).append(i)
 
+    # Tasks outside every op are resolved where they were recorded: before the first op that
+    # begins after them, with only the allocations made by then visible.
+    loose = sorted(tasks_of_op.get(-1, []))
     for k, op in enumerate(raw.ops):
+        if loose and loose[0] < op.node_begin:
+            r.advance(op.alloc_begin)
+            here = [t for t in loose if t < op.node_begin]
+            loose = loose[len(here):]
+            _resolve_tasks(r, graph, -1, here)
         r.advance(op.alloc_end)
         accesses = []
         for span in op.spans:
@@ -266,7 +274,7 @@ def build_taskgraph(raw: RawCapture) -> TaskGraph:
         _resolve_tasks(r, graph, k, tasks_of_op.get(k, []))
 
     r.advance(1 << 62)
-    _resolve_tasks(r, graph, -1, tasks_of_op.get(-1, []))
+    _resolve_tasks(r, graph, -1, loose)
 
     def tensor_ref(spec: TensorSpec, kind: str | None) -> TensorRef:
         where = r.locate(spec.address)

@@ -1,0 +1,245 @@
+"""``nimble bench``: Nimble against eager PyTorch, ``torch.cuda.graph`` and ``torch.compile``.
+
+All modes run in one process on the same model and input.  Each round times every mode in turn
+(interleaved, so clock and thermal drift touch them alike) over ``--iters`` back-to-back calls
+between two CUDA events, after a warm-up; the table gives the median per-call time over
+``--rounds`` rounds and the spread (min–max) of the rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable
+
+from . import models
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("models", nargs="*", default=[models.BUILTIN], metavar="MODEL",
+                   help=f"models to run (default: the built-in {models.BUILTIN}; zoo: "
+                        f"{', '.join(models.ZOO)}, which need the zoo extra)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per mode (default 5)")
+    p.add_argument("--iters", type=int, default=100, help="calls per round (default 100)")
+    p.add_argument("--max-streams", default="2,4,8", metavar="K,K,...",
+                   help="stream caps to try besides unlimited (default 2,4,8; '' for none)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip torch.compile(mode='reduce-overhead') (it compiles for minutes)")
+    p.add_argument("--json", metavar="FILE", help="write every number to FILE as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+
+def _say(args, msg: str) -> None:
+    if not args.quiet:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _time_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int
+                 ) -> dict[str, list[float]]:
+    """Per mode, the mean ms per call of each round; modes interleaved within every round."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for fn in fns.values():  # warm-up
+        for _ in range(10):
+            fn()
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) / iters)
+    return samples
+
+
+def _host_us(fn: Callable[[], object], calls: int = 300) -> float:
+    """Median host time of one call (returning as soon as the work is queued), in µs."""
+    import torch
+
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def _critical_path_limit_us(nm) -> tuple[float, float]:
+    """``(critical-path µs, sum µs)`` of isolated task times on the recording kept by ``nm``."""
+    import torch
+
+    from . import driver
+    from .deps import build_dag, critical_path, transitive_reduction
+    from .timing import measure_task_durations
+
+    rec = nm.recording
+    g = rec.graph
+    stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
+    durations = measure_task_durations(g, rec.nodes, [b.address for b in g.buffers], stream)
+    for t, us in zip(g.tasks, durations):
+        t.duration_us = us
+    cp = critical_path(transitive_reduction(build_dag(g)), durations)
+    return cp.length, sum(durations)
+
+
+def bench_model(name: str, args) -> dict:
+    import torch
+
+    import nimble
+
+    torch.backends.cudnn.benchmark = True
+    model = models.create(name).cuda()
+    x = models.example_input(name, args.batch)
+    fns: dict[str, Callable[[], object]] = {}
+    info: dict = {"model": name, "batch": args.batch}
+
+    def eager():
+        with torch.no_grad():
+            return model(x)
+    fns["eager"] = eager
+
+    _say(args, f"{name}: capturing torch.cuda.graph")
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch_graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(torch_graph):
+        model(static_x)
+    fns["torch.cuda.graph"] = torch_graph.replay
+
+    if not args.no_compile:
+        _say(args, f"{name}: torch.compile(mode='reduce-overhead')")
+        t0 = time.perf_counter()
+        compiled = torch.compile(model, mode="reduce-overhead")
+        with torch.no_grad():
+            for _ in range(3):
+                compiled(x)
+        info["compile_seconds"] = time.perf_counter() - t0
+
+        def run_compiled():
+            with torch.no_grad():
+                return compiled(x)
+        fns["torch.compile"] = run_compiled
+
+    _say(args, f"{name}: nimble prepare (multi-stream, recording kept for the variants)")
+    t0 = time.perf_counter()
+    multi = nimble.Nimble(model).prepare(x, keep_recording=True)
+    info["prepare_seconds"] = time.perf_counter() - t0
+    rec = multi.recording
+    prepared = {"nimble multi": multi}
+    prepared["nimble single"] = nimble.Nimble(model).prepare(
+        x, use_multi_stream=False, recording=rec)
+    caps = [int(k) for k in args.max_streams.split(",") if k.strip()]
+    for k in caps:
+        if k < len(multi.schedule.streams):
+            prepared[f"nimble k={k}"] = nimble.Nimble(model).prepare(
+                x, max_streams=k, recording=rec)
+    for label, nm in prepared.items():
+        fns[label] = (lambda nm=nm: nm(x))
+
+    _say(args, f"{name}: timing {len(fns)} modes, {args.rounds} rounds of {args.iters} calls")
+    samples = _time_rounds(fns, args.rounds, args.iters)
+    info["host_us_per_call"] = _host_us(lambda: multi(x))
+    _say(args, f"{name}: timing every task alone for the critical-path limit")
+    cp_us, serial_us = _critical_path_limit_us(multi)
+
+    rows = {}
+    for label, s in samples.items():
+        rows[label] = {"median_ms": statistics.median(s), "min_ms": min(s), "max_ms": max(s)}
+    graph_ms = rows["torch.cuda.graph"]["median_ms"]
+    eager_ms = rows["eager"]["median_ms"]
+    for r in rows.values():
+        r["x_graph"] = graph_ms / r["median_ms"]
+        r["x_eager"] = eager_ms / r["median_ms"]
+    nimble_rows = {k: v for k, v in rows.items() if k.startswith("nimble") and k != "nimble single"}
+    best = min(nimble_rows, key=lambda k: nimble_rows[k]["median_ms"])
+    s = multi.schedule
+    info.update(
+        modes=rows, best_nimble=best, tasks=len(multi.graph.tasks), streams=len(s.streams),
+        sync_edges=len(s.sync_edges), width=s.width,
+        arena_mb={k: nm.memplan.arena_bytes / 2**20 for k, nm in prepared.items()},
+        pool_mb=multi.graph.meta.get("pool_bytes", 0) / 2**20,
+        critical_path_us=cp_us, serial_kernel_us=serial_us,
+        achieved_over_limit=rows[best]["median_ms"] * 1e3 / cp_us if cp_us else None,
+        prepare_breakdown=multi.prepare_seconds)
+    for nm in prepared.values():
+        nm.close()
+    return info
+
+
+def format_model(info: dict) -> str:
+    out = [f"{info['model']} (batch {info['batch']}): {info['tasks']} tasks, width "
+           f"{info['width']}, {info['streams']} streams, {info['sync_edges']} syncs"]
+    out.append(f"  {'mode':<18}{'median ms':>10}{'spread ms':>18}{'x graph':>9}{'x eager':>9}")
+    for label, r in info["modes"].items():
+        out.append(f"  {label:<18}{r['median_ms']:>10.3f}{r['min_ms']:>9.3f}–{r['max_ms']:<8.3f}"
+                   f"{r['x_graph']:>9.2f}{r['x_eager']:>9.2f}")
+    arena = info["arena_mb"]
+    out.append(f"  arena MB: " + ", ".join(f"{k.removeprefix('nimble ')} {v:.1f}"
+                                           for k, v in arena.items())
+               + f"; torch graph pool {info['pool_mb']:.1f} MB")
+    out.append(f"  prepare {info['prepare_seconds']:.2f} s; host {info['host_us_per_call']:.1f} "
+               f"µs/call; critical-path limit {info['critical_path_us']:.0f} µs (serial "
+               f"{info['serial_kernel_us']:.0f} µs); best {info['best_nimble']} at "
+               f"{info['achieved_over_limit']:.2f}× the limit")
+    return "\n".join(out)
+
+
+def summary_table(results: list[dict]) -> str:
+    head = (f"{'model':<16}{'eager':>8}{'graph':>8}{'compile':>8}{'single':>8}{'multi':>8}"
+            f"{'best':>8}{'best mode':>14}{'x graph':>8}{'x eager':>8}{'arena':>7}{'pool':>7}"
+            f"{'limit':>7}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        m = r["modes"]
+        get = lambda k: f"{m[k]['median_ms']:.3f}" if k in m else "–"  # noqa: E731
+        b = r["best_nimble"]
+        lines.append(
+            f"{r['model']:<16}{get('eager'):>8}{get('torch.cuda.graph'):>8}"
+            f"{get('torch.compile'):>8}{get('nimble single'):>8}{get('nimble multi'):>8}"
+            f"{m[b]['median_ms']:>8.3f}{b.removeprefix('nimble '):>14}{m[b]['x_graph']:>8.2f}"
+            f"{m[b]['x_eager']:>8.1f}{r['arena_mb'][b]:>7.1f}{r['pool_mb']:>7.1f}"
+            f"{r['critical_path_us'] / 1e3:>7.3f}")
+    lines.append("times: median ms per call; best = fastest multi-stream Nimble variant; arena "
+                 "and pool in MB; limit = critical path of isolated task times, ms")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    import torch
+
+    from .errors import NoGpuError
+
+    if not torch.cuda.is_available():
+        raise NoGpuError("nimble bench needs an NVIDIA GPU and driver "
+                         "(torch.cuda.is_available() is False)")
+    results, failed = [], []
+    for name in args.models:
+        try:
+            info = bench_model(name, args)
+        except Exception as e:  # noqa: BLE001 - one model's failure must not hide the others
+            failed.append(name)
+            print(f"{name}: FAILED: {type(e).__name__}: {e}", flush=True)
+            continue
+        results.append(info)
+        print(format_model(info), flush=True)
+    if results:
+        print(summary_table(results))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"results": results, "failed": failed,
+                       "device": torch.cuda.get_device_name(), "torch": torch.__version__},
+                      f, indent=2, default=str)
+    return 1 if failed else 0

@@ -1,0 +1,190 @@
+"""From a scheduled, planned TaskGraph to one instantiated, explicit CUDA graph.
+
+Every node of the recorded graph is added again to a new graph (``cuGraphCreate``), with
+
+* its parameters *relocated*: each pointer into a buffer the memory plan moved (inputs, outputs,
+  intermediates, scratch) is rewritten to the buffer's place in the arena, at the same offset, also
+  when it sits inside a struct; memcpy and memset nodes have their source and destination moved
+  the same way;
+* its launch attributes copied from the recorded node (cluster shape, priority, ...);
+* as dependencies exactly the final edges of the schedule: each stream's order plus the
+  synchronization edges.  CUDA runs the branches of a graph concurrently, so those edges *are*
+  the stream partitioning; the stream of each node is kept for inspection.
+
+Relocation itself (:func:`buffer_bases`, :func:`relocate_params`, :func:`relocated`) is plain data
+and tested without a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from . import driver
+from .errors import BuildError
+from .memplan import MemPlan
+from .taskgraph import Pointer, Task, TaskGraph, TaskKind
+
+
+# ---- relocation (no GPU) --------------------------------------------------------------------
+
+def buffer_bases(graph: TaskGraph, plan: MemPlan | None, arena_base: int) -> list[int]:
+    """The address every buffer has when the built graph runs.
+
+    Buffers with an arena offset move into the arena at ``arena_base``; the others (parameters,
+    external memory) stay where they were recorded.  Without a plan nothing moves.
+    """
+    bases = [b.address for b in graph.buffers]
+    if plan is not None:
+        for bid, offset in plan.offsets.items():
+            bases[bid] = arena_base + offset
+    return bases
+
+
+def relocated(pointer: Pointer, bases: Sequence[int]) -> int:
+    """The value ``pointer`` takes once its buffer lives at ``bases[buffer]``.
+
+    An unresolved pointer (buffer -1) keeps its recorded value: it points at memory Nimble does
+    not own, and the proof in ``prepare()`` shows whether that is right.
+    """
+    if pointer.buffer < 0:
+        return pointer.value
+    return bases[pointer.buffer] + pointer.offset
+
+
+def relocate_params(task: Task, bases: Sequence[int]) -> bytes:
+    """A kernel task's parameter block with every pointer rewritten for ``bases``."""
+    block = bytearray(task.params)
+    for p in task.pointers:
+        if not isinstance(p.location, int):
+            raise BuildError(f"task {task.id}: kernel pointer at non-numeric location "
+                             f"{p.location!r}")
+        if p.location < 0 or p.location + 8 > len(block):
+            raise BuildError(f"task {task.id}: pointer at byte {p.location} lies outside its "
+                             f"{len(block)}-byte parameter block")
+        block[p.location:p.location + 8] = relocated(p, bases).to_bytes(8, "little")
+    return bytes(block)
+
+
+def predecessors(n: int, edges: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """``preds[v]``: the tasks with an edge into ``v``, sorted, from a list of edges."""
+    preds: list[set[int]] = [set() for _ in range(n)]
+    for u, v in edges:
+        if not 0 <= u < v < n:
+            raise BuildError(f"edge ({u}, {v}) does not go forward in recorded order")
+        preds[v].add(u)
+    return [sorted(p) for p in preds]
+
+
+def chain_edges(n: int) -> list[tuple[int, int]]:
+    """The recorded order as edges: every task after the one before it (one stream)."""
+    return [(i, i + 1) for i in range(n - 1)]
+
+
+# ---- graph construction (GPU) ---------------------------------------------------------------
+
+@dataclass
+class BuiltGraph:
+    """An explicit CUDA graph, one node per task (``nodes[t]``), owned together with its exec."""
+
+    graph: driver.Graph
+    exec: driver.GraphExec
+    nodes: list
+    stream_of: list[int] = field(default_factory=list)
+
+    def launch(self, stream) -> None:
+        """Launch on ``stream`` (a ``CUstream`` or its integer handle)."""
+        driver.call("cuGraphLaunch", self.exec.handle, _stream(stream))
+
+    def close(self) -> None:
+        """Free the exec and the graph (idempotent)."""
+        self.exec.close()
+        self.graph.close()
+
+
+def _stream(stream):
+    drv = driver.bindings()
+    return stream if isinstance(stream, drv.CUstream) else drv.CUstream(int(stream or 0))
+
+
+def _add_kernel(graph, task: Task, recorded_node, bases: Sequence[int], deps: list):
+    params = driver.call("cuGraphKernelNodeGetParams", recorded_node)
+    block = relocate_params(task, bases)
+    storage = ctypes.create_string_buffer(block, max(len(block), 1))
+    base = ctypes.addressof(storage)
+    slots = (ctypes.c_void_p * max(len(task.param_layout), 1))(
+        *[base + offset for offset, _ in task.param_layout])
+    params.kernelParams = ctypes.addressof(slots) if task.param_layout else 0
+    params.extra = 0
+    # The driver copies the parameters while adding the node; storage and slots may go after.
+    node = driver.call("cuGraphAddKernelNode", graph, deps, len(deps), params,
+                       detail=f"task {task.id} ({task.short_name})")
+    driver.call("cuGraphKernelNodeCopyAttributes", node, recorded_node)
+    return node
+
+
+def _moved(task: Task, location: str, recorded_value: int, bases: Sequence[int]) -> int:
+    for p in task.pointers:
+        if p.location == location:
+            return recorded_value + relocated(p, bases) - p.value
+    return recorded_value
+
+
+def _add_memset(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx):
+    params = driver.call("cuGraphMemsetNodeGetParams", recorded_node)
+    params.dst = _moved(task, "dst", int(params.dst), bases)
+    return driver.call("cuGraphAddMemsetNode", graph, deps, len(deps), params, ctx,
+                       detail=f"task {task.id} (memset)")
+
+
+def _add_memcpy(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx):
+    params = driver.call("cuGraphMemcpyNodeGetParams", recorded_node)
+    # A pointer row's value is where the copy starts; the struct's base moves by the same delta.
+    for side in ("src", "dst"):
+        if int(getattr(params, side + "MemoryType")) in (2, 4):  # device or unified memory
+            field_name = side + "Device"
+            setattr(params, field_name, _moved(task, side, int(getattr(params, field_name)),
+                                               bases))
+    return driver.call("cuGraphAddMemcpyNode", graph, deps, len(deps), params, ctx,
+                       detail=f"task {task.id} (memcpy)")
+
+
+def add_task_node(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx):
+    """Add ``task`` to ``graph`` (a raw ``CUgraph``), relocated for ``bases``, after ``deps``."""
+    if task.kind == TaskKind.KERNEL:
+        return _add_kernel(graph, task, recorded_node, bases, deps)
+    if task.kind == TaskKind.MEMSET:
+        return _add_memset(graph, task, recorded_node, bases, deps, ctx)
+    if task.kind == TaskKind.MEMCPY:
+        return _add_memcpy(graph, task, recorded_node, bases, deps, ctx)
+    if task.kind == "other:CU_GRAPH_NODE_TYPE_EMPTY":
+        return driver.call("cuGraphAddEmptyNode", graph, deps, len(deps))
+    raise BuildError(f"task {task.id} is a {task.kind} node, which Nimble cannot rebuild yet")
+
+
+def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int],
+                edges: Sequence[tuple[int, int]], stream_of: Sequence[int] | None = None
+                ) -> BuiltGraph:
+    """Build and instantiate the explicit graph of ``graph`` with ``edges`` as its dependencies.
+
+    ``recorded_nodes[t]`` is task ``t``'s node in the captured graph (its function, launch
+    attributes and parameter layout are taken from there); ``bases`` says where every buffer
+    lives (:func:`buffer_bases`).
+    """
+    n = len(graph.tasks)
+    if len(recorded_nodes) != n:
+        raise BuildError(f"{len(recorded_nodes)} recorded nodes for {n} tasks")
+    preds = predecessors(n, edges)
+    ctx = driver.call("cuCtxGetCurrent")
+    owned = driver.Graph.create()
+    nodes: list = []
+    try:
+        for task in graph.tasks:
+            deps = [nodes[u] for u in preds[task.id]]
+            nodes.append(add_task_node(owned.handle, task, recorded_nodes[task.id], bases, deps,
+                                       ctx))
+        exec_ = driver.GraphExec.instantiate(owned)
+    except BaseException:
+        owned.close()
+        raise
+    return BuiltGraph(owned, exec_, nodes, list(stream_of) if stream_of is not None else [0] * n)

@@ -1,0 +1,43 @@
+"""``nimble record``: record a built-in or zoo model's GPU work into a TaskGraph file."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import models
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help=f"{models.BUILTIN}, {models.CHAINS} or a zoo model "
+                        f"({', '.join(models.ZOO)})")
+    p.add_argument("-o", "--output", metavar="FILE", default=None,
+                   help="where to write the TaskGraph (default MODEL.json.gz)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--time-tasks", action="store_true",
+                   help="also time every task alone and store duration_us")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+
+def run(args) -> int:
+    import torch
+
+    from . import driver
+    from .record import record
+    from .timing import measure_task_durations
+
+    torch.backends.cudnn.benchmark = True
+    model = models.create(args.model).cuda()
+    with torch.no_grad():
+        rec = record(model, models.example_input(args.model, args.batch), name=args.model,
+                     quiet=args.quiet)
+    g = rec.graph
+    if args.time_tasks:
+        stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
+        bases = [b.address for b in g.buffers]
+        for task, us in zip(g.tasks, measure_task_durations(g, rec.nodes, bases, stream)):
+            task.duration_us = us
+    path = g.save(args.output or f"{args.model}.json.gz")
+    if not args.quiet:
+        print(f"wrote {path}: {len(g.tasks)} tasks, {len(g.buffers)} buffers", file=sys.stderr)
+    return 0

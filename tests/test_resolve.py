@@ -1,0 +1,229 @@
+"""build_taskgraph: from a hand-made RawCapture to buffers, pointers and accesses (CPU only)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nimble.deps import build_dag
+from nimble.resolve import (AllocEvent, DeviceRange, OpRecord, RawCapture, RawNode, TensorSpan,
+                            TensorSpec, _Intervals, build_taskgraph, unresolved_in_pool)
+from nimble.taskgraph import Access, BufferKind, Pointer, TaskKind
+
+POOL = 0x7F00_0000_0000  # the capture's private pool: [POOL, POOL + 1 MiB)
+W = 0x7E00_0000_0000  # a parameter, 4 KiB
+X = 0x7E00_0010_0000  # the graph input, 1 KiB
+EXT = 0x7D00_0000_0000  # memory allocated before capture, 4 KiB
+STATICS = [DeviceRange(W, 4096, "fc.weight", BufferKind.PARAM),
+           DeviceRange(X, 1024, "input0", BufferKind.INPUT)]
+
+
+def kernel(*pointers: int) -> RawNode:
+    """A kernel node whose parameter block holds ``pointers`` at offsets 0, 8, 16..."""
+    return RawNode(TaskKind.KERNEL, name="k", short_name="k",
+                   pointers=[(8 * i, p) for i, p in enumerate(pointers)])
+
+
+def op(name, nodes, allocs, *spans) -> OpRecord:
+    """Op: node window ``nodes``, alloc window ``allocs``; spans ``(start, size, w)``."""
+    return OpRecord(name, "m", nodes[0], nodes[1], allocs[0], allocs[1],
+                    spans=[TensorSpan(*s) for s in spans])
+
+
+def capture(ops, nodes, allocs=(), outputs=(), inputs=((X, 256),), externals=()) -> RawCapture:
+    """A RawCapture with the standard statics and pool; allocs are ``(address, size)`` in order."""
+    return RawCapture(
+        ops=list(ops), nodes=list(nodes),
+        allocs=[AllocEvent(i, a, s) for i, (a, s) in enumerate(allocs)],
+        statics=list(STATICS), externals=list(externals),
+        pool=[DeviceRange(POOL, 1 << 20, "pool")],
+        inputs=[TensorSpec(a, [n // 4], [1], "float32") for a, n in inputs],
+        outputs=[TensorSpec(a, [n // 4], [1], "float32") for a, n in outputs])
+
+
+def ptr_buffer(graph, task, value) -> int:
+    [p] = [p for p in graph.tasks[task].pointers if p.value == value]
+    return p.buffer
+
+
+# ---- 1. same address, two allocations ----------------------------------------------------------
+
+def two_branches_sharing_an_address():
+    A, B, C = POOL, POOL + 512, POOL + 1024
+    ops = [op("relu", (0, 1), (0, 1), (X, 256, False), (A, 256, True)),
+           op("neg", (1, 2), (1, 2), (A, 256, False), (B, 256, True)),  # then A is freed
+           op("relu", (2, 3), (2, 3), (X, 256, False), (A, 256, True)),  # A again
+           op("neg", (3, 4), (3, 4), (A, 256, False), (C, 256, True))]
+    nodes = [kernel(X, A), kernel(A, B), kernel(X, A), kernel(A, C)]
+    return capture(ops, nodes, [(A, 256), (B, 256), (A, 256), (C, 256)],
+                   outputs=[(B, 256), (C, 256)])
+
+
+def test_reused_address_is_two_buffers_and_branches_stay_independent():
+    g = build_taskgraph(two_branches_sharing_an_address())
+    first, second = ptr_buffer(g, 0, POOL), ptr_buffer(g, 2, POOL)
+    assert first != second
+    assert ptr_buffer(g, 1, POOL) == first and ptr_buffer(g, 3, POOL) == second
+    for bid, k in ((first, 0), (second, 2)):
+        b = g.buffers[bid]
+        assert (b.kind, b.address, b.size, b.op) == (BufferKind.INTERMEDIATE, POOL, 256, k)
+    assert Access(second, 0, 256, True) in g.tasks[2].accesses
+    assert Access(second, 0, 256, False) in g.tasks[3].accesses
+    assert all(a.buffer != first for t in (2, 3) for a in g.tasks[t].accesses)
+    assert all(a.buffer != second for t in (0, 1) for a in g.tasks[t].accesses)
+    assert build_dag(g).edges() == [(0, 1), (2, 3)]
+    assert g.meta["ambiguous_addresses"] == 0
+
+
+# ---- 2. scratch --------------------------------------------------------------------------------
+
+def test_unnamed_allocation_is_scratch_per_op():
+    A, B, WS = POOL, POOL + 512, POOL + 4096
+    ops = [op("mm", (0, 2), (0, 2), (X, 256, False), (W, 4096, False), (A, 256, True)),
+           op("mm", (2, 3), (2, 3), (X, 256, False), (W, 4096, False), (B, 256, True))]
+    # op 0 allocates the workspace (alloc 1) and two kernels use it; op 1 reuses it unallocated
+    nodes = [kernel(X, W, A, WS), kernel(WS + 128), kernel(X, W, B, WS)]
+    g = build_taskgraph(capture(ops, nodes, [(A, 256), (WS, 1024), (B, 256)],
+                                outputs=[(A, 256), (B, 256)]))
+    scratch = [b for b in g.buffers if b.kind == BufferKind.SCRATCH]
+    assert [(b.op, b.address, b.size) for b in scratch] == [(0, WS, 1024), (1, WS, 1024)]
+    s0, s1 = scratch[0].id, scratch[1].id
+    assert Pointer(24, WS, s0, 0) in g.tasks[0].pointers
+    assert g.tasks[1].pointers == [Pointer(0, WS + 128, s0, 128)]
+    assert Pointer(24, WS, s1, 0) in g.tasks[2].pointers
+    assert Access(s0, 0, 1024, True) in g.tasks[0].accesses
+    assert g.tasks[1].accesses == [Access(s0, 0, 1024, True)]  # whole buffer, read-write
+    assert Access(s1, 0, 1024, True) in g.tasks[2].accesses
+    assert not any(a.buffer == s0 for a in g.tasks[2].accesses)
+    assert g.meta["unlisted_pointer_accesses"] == 0
+    # the ops share only reads of X and W: op 1 waits for nobody, scratch or not
+    assert build_dag(g, chain_ops=False).edges() == [(0, 1)]
+    assert all(b.kind != BufferKind.SCRATCH for b in g.buffers if b.address in (A, B))
+
+
+def test_overlapping_scratch_allocations_of_one_op_share_a_buffer():
+    A, WS = POOL, POOL + 4096
+    ops = [op("conv", (0, 1), (0, 3), (X, 256, False), (A, 256, True))]
+    nodes = [kernel(X, A, WS, WS + 128)]  # workspace freed and re-made 128 bytes further in
+    g = build_taskgraph(capture(ops, nodes, [(A, 256), (WS, 256), (WS + 128, 256)]))
+    [s] = [b for b in g.buffers if b.kind == BufferKind.SCRATCH]
+    assert (s.address, s.size, s.op) == (WS, 384, 0)
+    assert Pointer(16, WS, s.id, 0) in g.tasks[0].pointers
+    assert Pointer(24, WS + 128, s.id, 128) in g.tasks[0].pointers
+
+
+# ---- 3. params, inputs, outputs ----------------------------------------------------------------
+
+def test_params_inputs_and_outputs_resolve_with_offsets():
+    A, T = POOL, POOL + 2048
+    ops = [op("addmm", (0, 1), (0, 1), (X, 256, False), (W, 4096, False), (A, 1024, True)),
+           op("relu", (1, 2), (2, 2), (A, 1024, False), (T, 256, False))]
+    nodes = [kernel(X, W, A), kernel(A + 0, T)]
+    g = build_taskgraph(capture(ops, nodes, [(A, 1024), (T, 256)],
+                                inputs=[(X, 256), (X + 512, 256)], outputs=[(A + 64, 512)]))
+    param, inp, out = ptr_buffer(g, 0, W), ptr_buffer(g, 0, X), ptr_buffer(g, 0, A)
+    assert (g.buffers[param].kind, g.buffers[param].name, g.buffers[param].size) == (
+        BufferKind.PARAM, "fc.weight", 4096)
+    assert (g.buffers[inp].kind, g.buffers[inp].name) == (BufferKind.INPUT, "input0")
+    assert g.buffers[out].kind == BufferKind.OUTPUT and g.buffers[out].op == 0
+    assert [(r.buffer, r.offset) for r in g.inputs] == [(inp, 0), (inp, 512)]
+    [o] = g.outputs
+    assert (o.buffer, o.offset, o.shape, o.strides, o.dtype) == (out, 64, [128], [1], "float32")
+    # an allocation made between op windows: an intermediate of no op, never made an output
+    tmp = g.buffers[ptr_buffer(g, 1, T)]
+    assert (tmp.kind, tmp.op, tmp.name) == (BufferKind.INTERMEDIATE, -1, "alloc1")
+    assert g.ops[0].accesses == [Access(inp, 0, 256, False), Access(param, 0, 4096, False),
+                                 Access(out, 0, 1024, True)]
+
+
+# ---- 4. unresolved pointers --------------------------------------------------------------------
+
+def test_unknown_pointer_is_unresolved_and_pool_ones_are_flagged():
+    A, NOWHERE, HOLE = POOL, 0xDEAD_0000, POOL + 0x8000
+    ops = [op("relu", (0, 1), (0, 1), (X, 256, False), (A, 256, True))]
+    raw = capture(ops, [kernel(X, A, NOWHERE, HOLE)], [(A, 256)], outputs=[(A, 256)])
+    g = build_taskgraph(raw)
+    assert g.unresolved_pointers() == [(0, Pointer(16, NOWHERE, -1, 0)),
+                                       (0, Pointer(24, HOLE, -1, 0))]
+    assert unresolved_in_pool(g, raw) == [(0, Pointer(24, HOLE, -1, 0))]
+    assert {a.buffer for a in g.tasks[0].accesses} == {ptr_buffer(g, 0, X), ptr_buffer(g, 0, A)}
+
+
+# ---- 5. memcpy / memset ------------------------------------------------------------------------
+
+def test_memcpy_and_memset_ranges_are_exact():
+    A = POOL
+    ops = [op("copy_", (0, 3), (0, 1), (X, 1024, False), (EXT, 64, False), (A, 1024, True))]
+    nodes = [RawNode(TaskKind.MEMCPY, ranges=[("src", X + 128, 256, False),
+                                               ("dst", A + 64, 256, True)]),
+             RawNode(TaskKind.MEMSET, ranges=[("dst", A, 64, True)]),
+             RawNode(TaskKind.MEMCPY, ranges=[("src", EXT + 8, 32, False),
+                                               ("dst", A + 320, 32, True)])]
+    g = build_taskgraph(capture(ops, nodes, [(A, 1024)],
+                                externals=[DeviceRange(EXT, 4096)]))
+    inp, out = ptr_buffer(g, 0, X + 128), ptr_buffer(g, 0, A + 64)
+    ext = ptr_buffer(g, 2, EXT + 8)
+    assert (g.buffers[ext].kind, g.buffers[ext].name) == (BufferKind.EXTERNAL, f"external@{EXT:#x}")
+    assert g.tasks[0].pointers == [Pointer("src", X + 128, inp, 128),
+                                   Pointer("dst", A + 64, out, 64)]
+    assert g.tasks[0].accesses == [Access(inp, 128, 256, False), Access(out, 64, 256, True)]
+    assert g.tasks[1].accesses == [Access(out, 0, 64, True)]
+    assert g.tasks[2].accesses == [Access(ext, 8, 32, False), Access(out, 320, 32, True)]
+    # disjoint byte ranges: without op chaining nothing orders the three copies
+    assert build_dag(g, chain_ops=False).edges() == []
+
+
+# ---- 6. tasks outside every op -----------------------------------------------------------------
+
+def test_unattributed_task():
+    A = POOL
+    ops = [op("relu", (0, 1), (0, 1), (X, 256, False), (A, 256, True))]
+    g = build_taskgraph(capture(ops, [kernel(X, A), kernel(A)], [(A, 256)]))
+    t = g.tasks[1]
+    assert t.op == -1 and g.op_of(t) is None
+    assert g.meta["unattributed_tasks"] == 1
+    assert t.pointers == [Pointer(0, A, ptr_buffer(g, 0, A), 0)]
+    assert t.accesses == [Access(t.pointers[0].buffer, 0, 256, True)]  # unlisted: whole, rw
+    assert g.meta["unlisted_pointer_accesses"] == 1
+    assert build_dag(g).edges() == [(0, 1)]
+
+
+def test_unattributed_task_between_ops_sees_allocations_of_its_time():
+    A, B = POOL, POOL + 512
+    ops = [op("relu", (0, 1), (0, 1), (X, 256, False), (A, 256, True)),
+           # node 1 (outside every op) reads A; then A is freed and reallocated by op 1
+           op("relu", (2, 3), (1, 2), (X, 256, False), (A, 256, True)),
+           op("neg", (3, 4), (2, 3), (A, 256, False), (B, 256, True))]
+    nodes = [kernel(X, A), kernel(A), kernel(X, A), kernel(A, B)]
+    g = build_taskgraph(capture(ops, nodes, [(A, 256), (A, 256), (B, 256)]))
+    assert ptr_buffer(g, 1, A) == ptr_buffer(g, 0, A) != ptr_buffer(g, 2, A)
+    assert (0, 1) in build_dag(g).edges()
+
+
+# ---- 7. views ----------------------------------------------------------------------------------
+
+def test_view_span_gives_offset_access():
+    A, B = POOL, POOL + 2048
+    ops = [op("relu", (0, 1), (0, 1), (X, 256, False), (A, 1024, True)),
+           op("add_", (1, 2), (1, 1), (A + 256, 128, True), (W + 1024, 128, False)),
+           op("neg", (2, 3), (1, 2), (A + 512, 4096, False), (B, 128, True))]
+    nodes = [kernel(X, A), kernel(A + 256, W + 1024), kernel(A + 512, B)]
+    g = build_taskgraph(capture(ops, nodes, [(A, 1024), (B, 128)]))
+    a, param = ptr_buffer(g, 0, A), ptr_buffer(g, 1, W + 1024)
+    assert g.ops[1].accesses == [Access(a, 256, 128, True), Access(param, 1024, 128, False)]
+    assert Pointer(0, A + 256, a, 256) in g.tasks[1].pointers
+    assert g.tasks[1].accesses == g.ops[1].accesses
+    assert Access(a, 512, 512, False) in g.ops[2].accesses  # clipped at the buffer's end
+    # byte-exact: the neg reads [512, 1024), which the add_ at [256, 384) never touches
+    assert build_dag(g, chain_ops=False).edges() == [(0, 1), (0, 2)]
+
+
+# ---- the interval map under the live-allocation index ------------------------------------------
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), max_size=25))
+def test_intervals_match_a_byte_map(inserts):
+    index, model = _Intervals(), {}
+    for value, (start, size) in enumerate(inserts):
+        index.insert(start, start + size, value)
+        model.update({x: value for x in range(start, start + size)})
+    assert [index.find(x) for x in range(60)] == [model.get(x) for x in range(60)]

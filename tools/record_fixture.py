@@ -1,0 +1,79 @@
+"""Record models into TaskGraph fixtures for the CPU tests (run on the GPU machine).
+
+    python3 tools/record_fixture.py [MODEL ...] [--out tests/fixtures] [--batch 1]
+
+Each model (default: the built-in ones and the zoo) is recorded at batch 1 in eval mode, every
+task is timed alone (``duration_us``), and the TaskGraph is written gzipped as
+``OUT/<model>.json.gz``.  A one-line summary per model goes to stdout; a model that fails is
+reported with its error and the others still run (exit status 1 if any failed).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+DEFAULT_MODELS = ["branchy", "gemm_chains", "resnet50", "inception_v3", "googlenet",
+                  "mobilenet_v2", "efficientnet_b0", "nasnetalarge", "pnasnet5large"]
+
+
+def record_model(name: str, batch: int, out: Path, time_tasks: bool = True) -> dict:
+    import torch
+
+    from nimble import driver, models
+    from nimble.record import record
+    from nimble.timing import measure_task_durations
+
+    torch.backends.cudnn.benchmark = True
+    model = models.create(name).cuda()
+    x = models.example_input(name, batch)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        rec = record(model, x, name=name, strict=False)
+    seconds = time.perf_counter() - t0
+    g = rec.graph
+    if time_tasks:
+        stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
+        bases = [b.address for b in g.buffers]
+        for task, us in zip(g.tasks, measure_task_durations(g, rec.nodes, bases, stream)):
+            task.duration_us = round(us, 3)
+    if g.meta.get("unresolved_report"):
+        print(g.meta["unresolved_report"], flush=True)
+    path = g.save(out / f"{name}.json.gz")
+    return {"model": name, "tasks": len(g.tasks), "kernels": len(g.kernel_tasks()),
+            "ops": len(g.ops), "buffers": len(g.buffers),
+            "unattributed": sum(1 for t in g.kernel_tasks() if t.op < 0),
+            "unresolved": len(g.unresolved_pointers()),
+            "unresolved_in_pool": g.meta.get("unresolved_in_pool"),
+            "scratch": sum(1 for b in g.buffers if b.kind == "scratch"),
+            "external": sum(1 for b in g.buffers if b.kind == "external"),
+            "record_s": round(seconds, 2), "kB": path.stat().st_size // 1024,
+            "sum_us": round(sum(t.duration_us or 0 for t in g.tasks), 1)}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=DEFAULT_MODELS)
+    parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--no-timing", action="store_true", help="skip per-task timing")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for name in args.models:
+        try:
+            print(record_model(name, args.batch, args.out, not args.no_timing), flush=True)
+        except Exception:  # noqa: BLE001 - report and go on with the other models
+            failed += 1
+            print(f"{name}: FAILED", flush=True)
+            traceback.print_exc()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
