@@ -112,6 +112,10 @@ class RawCapture:
     meta: dict = field(default_factory=dict)
 
 
+# How far past the end of an op's own allocation a pointer may lie and still belong to it.
+_PAST_END_SLACK = 256
+
+
 class _Intervals:
     """Non-overlapping ``[start, end) -> value`` intervals; a new interval clips older ones."""
 
@@ -219,6 +223,20 @@ class _Resolver:
                 f"op{op}:{self.raw.ops[op].name}" if op >= 0 else f"alloc{index}", op)
         return self.tensor_buffer[index]
 
+    def just_past_own_allocation(self, k: int, address: int):
+        """``('alloc', index)`` of an allocation op ``k`` made that ends just below ``address``.
+
+        cuDNN hands kernels pointers to zero-byte regions aligned up past the end of the
+        workspace it asked for; they belong to that workspace, not to whatever lies beyond it.
+        """
+        op = self.raw.ops[k]
+        for index in range(len(self._allocs)):
+            a = self._allocs[index]
+            if op.alloc_begin <= a.ordinal < op.alloc_end and \
+                    a.address + a.size <= address < a.address + a.size + _PAST_END_SLACK:
+                return ("alloc", index)
+        return None
+
     def in_pool(self, address: int) -> bool:
         return self._pool.find(address) is not None
 
@@ -310,6 +328,8 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
             if v in located:
                 continue
             where = r.locate(v)
+            if where is None and k >= 0:
+                where = r.just_past_own_allocation(k, v)
             located[v] = where
             if where is not None and where[0] == "alloc":
                 if where[1] not in r.tensor_buffer:

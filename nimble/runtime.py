@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import driver
-from .build import BuiltGraph, buffer_bases, build_graph, chain_edges
+from .build import BuiltGraph, buffer_bases, build_graph
 from .deps import build_dag, transitive_reduction
 from .errors import InputError, NimbleError
 from .memplan import MemPlan, check_plan, plan_memory
@@ -54,6 +54,27 @@ def device_tensor(address: int, ref: TensorRef, owner: Any, device):
 def single_stream_schedule(n: int) -> Schedule:
     """Every task on one stream in recorded order (Nimble with multi-stream off)."""
     return Schedule([0] * n, [list(range(n))] if n else [], [], max(n - 1, 0), 1 if n else 0)
+
+
+def schedule_within(graph: TaskGraph, max_streams: int | None, arena_limit: int | None
+                    ) -> tuple[Schedule, MemPlan]:
+    """Nimble's schedule (at most ``max_streams`` streams) and its memory plan.
+
+    Where the plan needs more than ``arena_limit`` bytes, the stream cap is lowered step by step
+    (by a quarter each time) until it fits or one stream is left: fewer concurrent branches keep
+    fewer buffers alive at once.
+    """
+    dag = build_dag(graph)
+    reduced = transitive_reduction(dag)
+    cap = max_streams
+    while True:
+        schedule = assign_streams(dag, max_streams=cap, reduced=reduced)
+        check_schedule(dag, schedule)
+        plan = plan_memory(graph, schedule.edges())
+        streams = len(schedule.streams)
+        if arena_limit is None or plan.arena_bytes <= arena_limit or streams <= 1:
+            return schedule, plan
+        cap = max(1, min(streams - 1, streams * 3 // 4))
 
 
 @dataclass
@@ -96,14 +117,18 @@ class Nimble:
 
     # ---- preparation ------------------------------------------------------------------------
     def prepare(self, example_inputs, *, training: bool = False, use_multi_stream: bool = True,
-                max_streams: int | None = None, verify: bool = True, relaunches: int = 100,
+                max_streams: int | None = None, arena_limit: int | str | None = "pool",
+                verify: bool = True, relaunches: int = 100,
                 return_copies: bool = False, keep_recording: bool = False,
                 recording=None, quiet: bool = True) -> "Nimble":
         """Record, schedule, plan, build and verify the model on ``example_inputs``.
 
         ``example_inputs`` is a tensor or a tuple of tensors on the GPU; every later call must
         pass tensors of the same shapes and dtypes.  ``use_multi_stream=False`` runs the tasks in
-        recorded order on one stream; ``max_streams`` caps the streams.  With ``verify`` (the
+        recorded order on one stream; ``max_streams`` caps the streams.  ``arena_limit`` (bytes,
+        or ``"pool"``: the memory torch's own graph of the model takes) caps the arena: where
+        full concurrency would need more, streams are merged until the plan fits (never below
+        one stream); ``None`` lifts the cap.  With ``verify`` (the
         default) the built graph is run ``relaunches`` times against the recording with its old
         buffers poisoned, and must match bit for bit (:class:`~nimble.errors.VerificationError`
         otherwise).  ``return_copies`` makes each call return fresh tensors instead of views into
@@ -134,21 +159,16 @@ class Nimble:
         n = len(graph.tasks)
 
         t0 = time.perf_counter()
+        limit = graph.meta.get("pool_bytes") if arena_limit == "pool" else arena_limit
         if use_multi_stream:
             say(f"scheduling {n} tasks")
-            dag = build_dag(graph)
-            schedule = assign_streams(dag, max_streams=max_streams,
-                                      reduced=transitive_reduction(dag))
-            check_schedule(dag, schedule)
+            schedule, plan = schedule_within(graph, max_streams, limit)
         else:
             schedule = single_stream_schedule(n)
+            plan = plan_memory(graph, schedule.edges())
         edges = schedule.edges()
-        seconds["schedule"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        plan = plan_memory(graph, edges)
         check_plan(graph, edges, plan)
-        seconds["memplan"] = time.perf_counter() - t0
+        seconds["schedule_and_memplan"] = time.perf_counter() - t0
         say(f"{len(schedule.streams)} streams, {len(schedule.sync_edges)} syncs; arena "
             f"{plan.arena_bytes / 2**20:.1f} MiB")
 

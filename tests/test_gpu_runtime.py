@@ -78,31 +78,37 @@ def test_wrong_inputs_are_typed_errors():
 
 
 def test_a_missed_relocation_is_caught_by_the_proof(monkeypatch):
-    """Leave one intermediate at its recorded address: the poisoned run must fail loudly."""
+    """Leave one reader's pointer at the recorded address: the poisoned run must fail loudly."""
     from nimble import build
     from nimble.errors import VerificationError
     from nimble.runtime import Nimble
 
     model, x = _model("branchy")
-    real = build.buffer_bases
+    real = build.relocate_params
+    missed = []
 
-    def leaky(graph, plan, arena_base):
-        bases = real(graph, plan, arena_base)
-        victim = next(b.id for b in graph.buffers if b.kind == "intermediate"
-                      and b.size >= 4096 and any(a.buffer == b.id for t in graph.tasks
-                                                 for a in t.accesses if not a.write))
-        bases[victim] = graph.buffers[victim].address
-        return bases
+    def leaky(task, bases):
+        block = bytearray(real(task, bases))
+        if not missed:
+            reads = {a.buffer for a in task.accesses if not a.write}
+            for p in task.pointers:
+                if p.buffer in reads and bases[p.buffer] != p.value - p.offset:
+                    block[p.location:p.location + 8] = p.value.to_bytes(8, "little")
+                    missed.append((task.id, p.buffer))
+                    break
+        return bytes(block)
 
-    monkeypatch.setattr("nimble.runtime.buffer_bases", leaky)
+    monkeypatch.setattr(build, "relocate_params", leaky)
     with pytest.raises(VerificationError, match="differs"):
         Nimble(model).prepare(x, relaunches=2)
+    assert missed
 
 
-@pytest.mark.parametrize("multi", [True, False], ids=["multi", "single"])
-@pytest.mark.parametrize("name", ["resnet50", "inception_v3", "googlenet", "mobilenet_v2",
-                                  "efficientnet_b0", "nasnetalarge", "pnasnet5large",
-                                  "gemm_chains"])
+# ``nimble bench`` prepares (and so verifies) every zoo model in both modes; these cover the
+# shapes that matter without doubling the suite's GPU time.
+@pytest.mark.parametrize("name,multi", [("inception_v3", True), ("inception_v3", False),
+                                        ("resnet50", True), ("gemm_chains", True),
+                                        ("nasnetalarge", True)])
 def test_zoo_model_prepares_and_verifies_bitwise(name, multi):
     import torch
 

@@ -1,7 +1,6 @@
 """build_taskgraph: from a hand-made RawCapture to buffers, pointers and accesses (CPU only)."""
 from __future__ import annotations
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -227,3 +226,19 @@ def test_intervals_match_a_byte_map(inserts):
         index.insert(start, start + size, value)
         model.update({x: value for x in range(start, start + size)})
     assert [index.find(x) for x in range(60)] == [model.get(x) for x in range(60)]
+
+
+def test_pointer_just_past_an_ops_own_workspace_belongs_to_it():
+    """cuDNN points at a zero-byte region 32 bytes past the end of the workspace it asked for."""
+    A, W = POOL, POOL + 4096
+    ops = [op("conv", (0, 1), (0, 2), (X, 256, False), (A, 256, True))]
+    g = build_taskgraph(capture(ops, [kernel(X, A, W, W + 512 + 32)],
+                                [(A, 256), (W, 512)]))
+    scratch = [b for b in g.buffers if b.kind == "scratch"]
+    assert len(scratch) == 1 and scratch[0].address == W
+    past = g.tasks[0].pointers[3]
+    assert (past.buffer, past.offset) == (scratch[0].id, 512 + 32)
+    assert g.unresolved_pointers() == []
+    # far past the end, or past another op's allocation, it stays unresolved
+    g = build_taskgraph(capture(ops, [kernel(X, A, W, W + 512 + 4096)], [(A, 256), (W, 512)]))
+    assert len(g.unresolved_pointers()) == 1
