@@ -225,8 +225,6 @@ def record(module, example_inputs, *, warmup: int = 3, name: str | None = None,
     :class:`RecordError` if a node cannot be decoded or a pointer into the captured memory pool
     resolves to no buffer.
     """
-    import torch
-
     inputs = _as_tensor_list(example_inputs)
     check_module(module)
     driver.ensure_context()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from .taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
+from .taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TensorRef
 
 
 @dataclass(slots=True)
