@@ -78,19 +78,11 @@ def _host_us(fn: Callable[[], object], calls: int = 300) -> float:
 
 def _critical_path_limit_us(nm) -> tuple[float, float]:
     """``(critical-path µs, sum µs)`` of isolated task times on the recording kept by ``nm``."""
-    import torch
-
-    from . import driver
     from .deps import build_dag, critical_path, transitive_reduction
-    from .timing import measure_task_durations
+    from .timing import time_recording
 
-    rec = nm.recording
-    g = rec.graph
-    stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
-    durations = measure_task_durations(g, rec.nodes, [b.address for b in g.buffers], stream)
-    for t, us in zip(g.tasks, durations):
-        t.duration_us = us
-    cp = critical_path(transitive_reduction(build_dag(g)), durations)
+    durations = time_recording(nm.recording)
+    cp = critical_path(transitive_reduction(build_dag(nm.recording.graph)), durations)
     return cp.length, sum(durations)
 
 

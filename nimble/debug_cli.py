@@ -28,11 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import torch
 
-    from . import driver, inspect
+    from . import inspect
     from .errors import NimbleError
     from .record import record
     from .runtime import Nimble
-    from .timing import measure_task_durations
+    from .timing import time_recording
 
     torch.backends.cudnn.benchmark = True
     model = models.create(args.model).cuda()
@@ -55,11 +55,7 @@ def run(args) -> int:
         print(f"{label}: verified over {args.relaunches} launches; {len(s.streams)} streams, "
               f"{len(s.sync_edges)} syncs, arena {nm.memplan.arena_bytes / 2**20:.1f} MiB")
         if multi and args.trace:
-            stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
-            durations = measure_task_durations(g, rec.nodes, [b.address for b in g.buffers],
-                                               stream)
-            for t, us in zip(g.tasks, durations):
-                t.duration_us = us
+            time_recording(rec)
             with open(args.trace, "w", encoding="utf-8") as f:
                 json.dump(inspect.to_chrome_trace(g, s), f)
             print(f"wrote {args.trace}", file=sys.stderr)

@@ -22,9 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import torch
 
-    from . import driver
     from .record import record
-    from .timing import measure_task_durations
+    from .timing import time_recording
 
     torch.backends.cudnn.benchmark = True
     model = models.create(args.model).cuda()
@@ -33,10 +32,7 @@ def run(args) -> int:
                      quiet=args.quiet)
     g = rec.graph
     if args.time_tasks:
-        stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
-        bases = [b.address for b in g.buffers]
-        for task, us in zip(g.tasks, measure_task_durations(g, rec.nodes, bases, stream)):
-            task.duration_us = us
+        time_recording(rec)
     path = g.save(args.output or f"{args.model}.json.gz")
     if not args.quiet:
         print(f"wrote {path}: {len(g.tasks)} tasks, {len(g.buffers)} buffers", file=sys.stderr)

@@ -96,8 +96,7 @@ class _Prepared:
     def close(self) -> None:
         self.built.close()
         self.arena.close()
-        if self.recording is not None:
-            self.recording = None
+        self.recording = None
 
 
 class Nimble:

@@ -65,3 +65,20 @@ def measure_task_durations(graph: TaskGraph, recorded_nodes: Sequence, bases: Se
         owned.close()
         for e in events:
             e.close()
+
+
+def time_recording(rec, repeats: int = 5) -> list[float]:
+    """Time every task of a live recording alone and store it as the task's ``duration_us``.
+
+    Runs on torch's current stream, with the buffers where the recording left them; returns the
+    durations (µs) in task order.
+    """
+    import torch
+
+    g = rec.graph
+    stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
+    durations = measure_task_durations(g, rec.nodes, [b.address for b in g.buffers], stream,
+                                       repeats)
+    for task, us in zip(g.tasks, durations):
+        task.duration_us = us
+    return durations

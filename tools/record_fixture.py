@@ -25,9 +25,9 @@ DEFAULT_MODELS = ["branchy", "gemm_chains", "resnet50", "inception_v3", "googlen
 def record_model(name: str, batch: int, out: Path, time_tasks: bool = True) -> dict:
     import torch
 
-    from nimble import driver, models
+    from nimble import models
     from nimble.record import record
-    from nimble.timing import measure_task_durations
+    from nimble.timing import time_recording
 
     torch.backends.cudnn.benchmark = True
     model = models.create(name).cuda()
@@ -38,10 +38,8 @@ def record_model(name: str, batch: int, out: Path, time_tasks: bool = True) -> d
     seconds = time.perf_counter() - t0
     g = rec.graph
     if time_tasks:
-        stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
-        bases = [b.address for b in g.buffers]
-        for task, us in zip(g.tasks, measure_task_durations(g, rec.nodes, bases, stream)):
-            task.duration_us = round(us, 3)
+        for task, us in zip(g.tasks, time_recording(rec)):
+            task.duration_us = round(us, 3)  # keeps the fixtures small
     if g.meta.get("unresolved_report"):
         print(g.meta["unresolved_report"], flush=True)
     path = g.save(out / f"{name}.json.gz")
