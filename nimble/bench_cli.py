@@ -137,6 +137,8 @@ def bench_model(name: str, args) -> dict:
     prepared = {"nimble multi": multi}
     prepared["nimble single"] = nimble.Nimble(model).prepare(
         x, use_multi_stream=False, recording=rec)
+    prepared["nimble multi, host launch"] = nimble.Nimble(model).prepare(
+        x, device_launch=False, recording=rec)
     uncapped = nimble.Nimble(model).prepare(x, arena_limit=None, recording=rec)
     if len(uncapped.schedule.streams) != len(multi.schedule.streams):
         prepared["nimble uncapped"] = uncapped  # full concurrency, arena above torch's pool
@@ -153,6 +155,9 @@ def bench_model(name: str, args) -> dict:
     _say(args, f"{name}: timing {len(fns)} modes, {args.rounds} rounds of {args.iters} calls")
     samples = _time_rounds(fns, args.rounds, args.iters)
     info["host_us_per_call"] = _host_us(lambda: multi(x))
+    info["launch_mode"] = multi.launch_mode
+    host_launch = prepared["nimble multi, host launch"]
+    info["host_us_per_call_host_launch"] = _host_us(lambda: host_launch(x))
     _say(args, f"{name}: timing every task alone for the critical-path limit")
     cp_us, serial_us = _critical_path_limit_us(multi)
 
@@ -164,7 +169,8 @@ def bench_model(name: str, args) -> dict:
     for r in rows.values():
         r["x_graph"] = graph_ms / r["median_ms"]
         r["x_eager"] = eager_ms / r["median_ms"]
-    nimble_rows = {k: v for k, v in rows.items() if k.startswith("nimble") and k != "nimble single"}
+    nimble_rows = {k: v for k, v in rows.items()
+                   if k.startswith("nimble") and k not in ("nimble single", "nimble multi, host launch")}
     best = min(nimble_rows, key=lambda k: nimble_rows[k]["median_ms"])
     s = multi.schedule
     info.update(
@@ -183,16 +189,18 @@ def bench_model(name: str, args) -> dict:
 def format_model(info: dict) -> str:
     out = [f"{info['model']} (batch {info['batch']}): {info['tasks']} tasks, width "
            f"{info['width']}, {info['streams']} streams, {info['sync_edges']} syncs"]
-    out.append(f"  {'mode':<18}{'median ms':>10}{'spread ms':>18}{'x graph':>9}{'x eager':>9}")
+    out.append(f"  {'mode':<26}{'median ms':>10}{'spread ms':>18}{'x graph':>9}{'x eager':>9}")
     for label, r in info["modes"].items():
-        out.append(f"  {label:<18}{r['median_ms']:>10.3f}{r['min_ms']:>9.3f}–{r['max_ms']:<8.3f}"
+        out.append(f"  {label:<26}{r['median_ms']:>10.3f}{r['min_ms']:>9.3f}–{r['max_ms']:<8.3f}"
                    f"{r['x_graph']:>9.2f}{r['x_eager']:>9.2f}")
     arena = info["arena_mb"]
     out.append("  arena MB: " + ", ".join(f"{k.removeprefix('nimble ')} {v:.1f}"
                                            for k, v in arena.items())
                + f"; torch graph pool {info['pool_mb']:.1f} MB")
     out.append(f"  prepare {info['prepare_seconds']:.2f} s; host {info['host_us_per_call']:.1f} "
-               f"µs/call; critical-path limit {info['critical_path_us']:.0f} µs (serial "
+               f"µs/call ({info['launch_mode']}; "
+               f"{info['host_us_per_call_host_launch']:.1f} µs with a plain host-launch graph)")
+    out.append(f"  critical-path limit {info['critical_path_us']:.0f} µs (serial "
                f"{info['serial_kernel_us']:.0f} µs); best {info['best_nimble']} at "
                f"{info['achieved_over_limit']:.2f}× the limit")
     return "\n".join(out)
@@ -201,7 +209,7 @@ def format_model(info: dict) -> str:
 def summary_table(results: list[dict]) -> str:
     head = (f"{'model':<16}{'eager':>8}{'graph':>8}{'compile':>8}{'single':>8}{'multi':>8}"
             f"{'best':>8}{'best mode':>14}{'x graph':>8}{'x eager':>8}{'arena':>7}{'pool':>7}"
-            f"{'limit':>7}")
+            f"{'limit':>7}{'host µs':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         m = r["modes"]
@@ -212,9 +220,10 @@ def summary_table(results: list[dict]) -> str:
             f"{get('torch.compile'):>8}{get('nimble single'):>8}{get('nimble multi'):>8}"
             f"{m[b]['median_ms']:>8.3f}{b.removeprefix('nimble '):>14}{m[b]['x_graph']:>8.2f}"
             f"{m[b]['x_eager']:>8.1f}{r['arena_mb'][b]:>7.1f}{r['pool_mb']:>7.1f}"
-            f"{r['critical_path_us'] / 1e3:>7.3f}")
+            f"{r['critical_path_us'] / 1e3:>7.3f}{r['host_us_per_call']:>8.1f}")
     lines.append("times: median ms per call; best = fastest multi-stream Nimble variant; arena "
-                 "and pool in MB; limit = critical path of isolated task times, ms")
+                 "and pool in MB; limit = critical path of isolated task times, ms; host µs = one "
+                 "multi call on an idle GPU")
     return "\n".join(lines)
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
-from . import driver
-from .errors import BuildError
+from . import driver, ptx
+from .errors import BuildError, CudaError
 from .memplan import MemPlan
 from .taskgraph import Pointer, Task, TaskGraph, TaskKind
 
@@ -76,6 +76,23 @@ def predecessors(n: int, edges: Sequence[tuple[int, int]]) -> list[list[int]]:
     return [sorted(p) for p in preds]
 
 
+class InputGather(NamedTuple):
+    """One input copied in by the graph itself: ``nbytes`` from ``*cell`` to ``dst``."""
+
+    cell: int  # device address of 8 bytes holding the source address, written before each launch
+    dst: int  # the input's slot in the arena
+    nbytes: int
+
+
+GATHER_BLOCK = 256
+GATHER_MAX_BLOCKS = 1024
+
+
+def gather_grid(nbytes: int) -> int:
+    """Blocks for one gather: a 16-byte vector per thread, grid-stride beyond the cap."""
+    return max(1, min(GATHER_MAX_BLOCKS, -(-nbytes // (16 * GATHER_BLOCK))))
+
+
 def chain_edges(n: int) -> list[tuple[int, int]]:
     """The recorded order as edges: every task after the one before it (one stream)."""
     return [(i, i + 1) for i in range(n - 1)]
@@ -91,6 +108,14 @@ class BuiltGraph:
     exec: driver.GraphExec
     nodes: list
     stream_of: list[int] = field(default_factory=list)
+    #: True when the exec was instantiated for device launch (cheaper host launches too).
+    device_launch: bool = False
+    #: Why a requested device-launchable instantiation was refused ("" when it was not).
+    device_launch_refusal: str = ""
+    #: The input-gather nodes, one per gathered input, ahead of every root task.
+    gather_nodes: list = field(default_factory=list)
+    #: The module of Nimble's kernels the graph's gather nodes run (kept alive with the exec).
+    module: driver.Module | None = None
 
     def launch(self, stream) -> None:
         """Launch on ``stream`` (a ``CUstream`` or its integer handle)."""
@@ -100,6 +125,8 @@ class BuiltGraph:
         """Free the exec and the graph (idempotent)."""
         self.exec.close()
         self.graph.close()
+        if self.module is not None:
+            self.module.close()
 
 
 def _stream(stream):
@@ -149,6 +176,20 @@ def _add_memcpy(graph, task: Task, recorded_node, bases: Sequence[int], deps: li
                        detail=f"task {task.id} (memcpy)")
 
 
+def _add_gather(graph, function, gather: InputGather):
+    drv = driver.bindings()
+    params = drv.CUDA_KERNEL_NODE_PARAMS()
+    params.func = function
+    params.gridDimX, params.gridDimY, params.gridDimZ = gather_grid(gather.nbytes), 1, 1
+    params.blockDimX, params.blockDimY, params.blockDimZ = GATHER_BLOCK, 1, 1
+    params.sharedMemBytes = 0
+    values = (ctypes.c_uint64 * 3)(gather.cell, gather.dst, gather.nbytes)
+    slots = (ctypes.c_void_p * 3)(*[ctypes.addressof(values) + 8 * i for i in range(3)])
+    params.kernelParams = ctypes.addressof(slots)
+    params.extra = 0
+    return driver.call("cuGraphAddKernelNode", graph, [], 0, params, detail="input gather")
+
+
 def add_task_node(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx):
     """Add ``task`` to ``graph`` (a raw ``CUgraph``), relocated for ``bases``, after ``deps``."""
     if task.kind == TaskKind.KERNEL:
@@ -162,14 +203,39 @@ def add_task_node(graph, task: Task, recorded_node, bases: Sequence[int], deps: 
     raise BuildError(f"task {task.id} is a {task.kind} node, which Nimble cannot rebuild yet")
 
 
+def instantiate(owned: driver.Graph, device_launch: bool, upload_stream
+                ) -> tuple[driver.GraphExec, bool, str]:
+    """``(exec, device_launchable, refusal)``: device-launchable where asked and allowed.
+
+    A device-launchable exec lives on the GPU once uploaded, so each host launch is a short
+    constant-cost submission instead of a walk over the graph (on an H100, 5-15 µs against
+    20-30 µs for inception_v3).  Where the driver refuses (a node type it cannot launch from the
+    device), the plain exec is used and the refusal is returned for the caller to report.
+    """
+    if device_launch:
+        try:
+            return driver.GraphExec.instantiate(owned, device_launch=True,
+                                                upload_stream=upload_stream), True, ""
+        except CudaError as e:
+            refusal = str(e)
+        return driver.GraphExec.instantiate(owned, upload_stream=upload_stream), False, refusal
+    return driver.GraphExec.instantiate(owned, upload_stream=upload_stream), False, ""
+
+
 def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int],
-                edges: Sequence[tuple[int, int]], stream_of: Sequence[int] | None = None
+                edges: Sequence[tuple[int, int]], stream_of: Sequence[int] | None = None,
+                *, device_launch: bool = True, upload_stream=None,
+                gathers: Sequence[InputGather] = (), gather_module: driver.Module | None = None
                 ) -> BuiltGraph:
     """Build and instantiate the explicit graph of ``graph`` with ``edges`` as its dependencies.
 
     ``recorded_nodes[t]`` is task ``t``'s node in the captured graph (its function, launch
     attributes and parameter layout are taken from there); ``bases`` says where every buffer
-    lives (:func:`buffer_bases`).
+    lives (:func:`buffer_bases`).  With ``device_launch`` the exec is made device-launchable
+    where the driver allows (see :func:`instantiate`); ``upload_stream`` uploads it there.
+    Each of ``gathers`` becomes a ``nimble_gather_input`` node (from ``gather_module``, which the
+    result then owns) that every root task waits for: the graph copies its own inputs in before
+    anything else runs.
     """
     n = len(graph.tasks)
     if len(recorded_nodes) != n:
@@ -179,12 +245,18 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     owned = driver.Graph.create()
     nodes: list = []
     try:
+        function = gather_module.function(ptx.GATHER_INPUT) if gathers else None
+        gather_nodes = [_add_gather(owned.handle, function, g) for g in gathers]
         for task in graph.tasks:
-            deps = [nodes[u] for u in preds[task.id]]
+            deps = [nodes[u] for u in preds[task.id]] or list(gather_nodes)
             nodes.append(add_task_node(owned.handle, task, recorded_nodes[task.id], bases, deps,
                                        ctx))
-        exec_ = driver.GraphExec.instantiate(owned)
+        exec_, on_device, refusal = instantiate(owned, device_launch, upload_stream)
     except BaseException:
         owned.close()
+        if gather_module is not None:
+            gather_module.close()
         raise
-    return BuiltGraph(owned, exec_, nodes, list(stream_of) if stream_of is not None else [0] * n)
+    return BuiltGraph(owned, exec_, nodes, list(stream_of) if stream_of is not None else [0] * n,
+                      device_launch=on_device, device_launch_refusal=refusal,
+                      gather_nodes=gather_nodes, module=gather_module)

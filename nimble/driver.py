@@ -59,6 +59,16 @@ def call(name: str, *args, detail: str = ""):
     return _unwrap(getattr(bindings(), name)(*args), name, detail)
 
 
+def checked(name: str):
+    """Driver function ``name`` bound once, checked like :func:`call` (for per-call paths)."""
+    fn = getattr(bindings(), name)
+
+    def checked_call(*args, detail: str = ""):
+        return _unwrap(fn(*args), name, detail)
+    checked_call.__name__ = name
+    return checked_call
+
+
 def probe(name: str, *args):
     """Call a driver function whose failure is an expected answer: ``(ok, values)``."""
     result = getattr(bindings(), name)(*args)
@@ -143,8 +153,33 @@ class GraphExec(_Owned):
     _destroy = "cuGraphExecDestroy"
 
     @classmethod
-    def instantiate(cls, graph: Graph) -> "GraphExec":
-        return cls(call("cuGraphInstantiate", graph.handle, 0))
+    def instantiate(cls, graph: Graph, *, device_launch: bool = False,
+                    upload_stream=None) -> "GraphExec":
+        """Instantiate ``graph``.
+
+        ``device_launch`` makes the exec launchable from the device too: the driver keeps the
+        whole graph on the GPU, and a host launch becomes a short, constant-cost submission.
+        ``upload_stream`` uploads the exec there right away, so the first launch costs no more
+        than the others.  A refusal raises :class:`CudaError` naming the driver's reason and node.
+        """
+        drv = bindings()
+        if not device_launch and upload_stream is None:
+            return cls(call("cuGraphInstantiate", graph.handle, 0))
+        params = drv.CUDA_GRAPH_INSTANTIATE_PARAMS()
+        flags = 0
+        if device_launch:
+            flags |= int(drv.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH)
+        if upload_stream is not None:
+            flags |= int(drv.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD)
+            params.hUploadStream = upload_stream
+        params.flags = flags
+        result = drv.cuGraphInstantiateWithParams(graph.handle, params)
+        detail = ""
+        if result[0] != drv.CUresult.CUDA_SUCCESS:
+            reason = getattr(params.result_out, "name", str(params.result_out))
+            detail = f"{reason}, at node {int(params.hErrNode_out):#x}" \
+                if params.hErrNode_out is not None and int(params.hErrNode_out) else reason
+        return cls(_unwrap(result, "cuGraphInstantiateWithParams", detail))
 
 
 class DeviceMemory(_Owned):
@@ -163,6 +198,20 @@ class DeviceMemory(_Owned):
     @property
     def address(self) -> int:
         return int(self.handle)
+
+
+class Module(_Owned):
+    """An owned ``CUmodule`` (Nimble's own kernels, from PTX)."""
+
+    _destroy = "cuModuleUnload"
+
+    @classmethod
+    def load_data(cls, image: bytes, detail: str = "") -> "Module":
+        return cls(call("cuModuleLoadData", image, detail=detail))
+
+    def function(self, name: str):
+        """The ``CUfunction`` called ``name`` in this module."""
+        return call("cuModuleGetFunction", self.handle, name.encode(), detail=name)
 
 
 class Event(_Owned):

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from . import driver
-from .build import BuiltGraph, buffer_bases, build_graph
+from . import driver, ptx
+from .build import BuiltGraph, InputGather, buffer_bases, build_graph
 from .deps import build_dag, transitive_reduction
-from .errors import InputError, NimbleError
+from .errors import NimbleError
+from .launcher import InputSlot, Launcher
 from .memplan import MemPlan, check_plan, plan_memory
 from .schedule import Schedule, assign_streams, check_schedule
 from .taskgraph import TaskGraph, TensorRef
@@ -49,6 +51,21 @@ def device_tensor(address: int, ref: TensorRef, owner: Any, device):
         else 0
     raw = torch.as_tensor(_DeviceBytes(address, max(extent, 1) * element, owner), device=device)
     return raw.view(dtype).as_strided(ref.shape, ref.strides)
+
+
+def input_slot(address: int, ref: TensorRef, owner: Any, device) -> InputSlot:
+    """The arena slot of one graph input, at ``address``."""
+    tensor = device_tensor(address, ref, owner, device)
+    return InputSlot(tensor, address, tensor.numel() * tensor.element_size(), tuple(ref.shape),
+                     tensor.dtype, tensor.is_contiguous())
+
+
+def stream_writes_supported(device) -> bool:
+    """Whether the GPU takes 64-bit stream memory writes (``cuStreamWriteValue64``)."""
+    drv = driver.bindings()
+    attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+    return bool(driver.call("cuDeviceGetAttribute", attr,
+                            driver.call("cuDeviceGet", device.index or 0)))
 
 
 def single_stream_schedule(n: int) -> Schedule:
@@ -85,15 +102,13 @@ class _Prepared:
     built: BuiltGraph
     arena: driver.DeviceMemory
     arena_base: int
-    inputs: list  # tensors over the arena's input slots
-    input_specs: list  # (shape, dtype) per input, checked on every call
-    outputs: list  # tensors over the arena's output bytes
-    output_spec: Any
+    launcher: Launcher  # the per-call path: input slots, outputs, stream cache
     device: Any
     seconds: dict
     recording: Any = None  # kept only with keep_recording=True (debugging)
 
     def close(self) -> None:
+        self.launcher.close()
         self.built.close()
         self.arena.close()
         self.recording = None
@@ -112,11 +127,11 @@ class Nimble:
     def __init__(self, model) -> None:
         self.model = model
         self._prepared: _Prepared | None = None
-        self._return_copies = False
 
     # ---- preparation ------------------------------------------------------------------------
     def prepare(self, example_inputs, *, training: bool = False, use_multi_stream: bool = True,
                 max_streams: int | None = None, arena_limit: int | str | None = "pool",
+                device_launch: bool = True, gather_inputs: bool = True,
                 verify: bool = True, relaunches: int = 100,
                 return_copies: bool = False, keep_recording: bool = False,
                 recording=None, quiet: bool = True) -> "Nimble":
@@ -127,7 +142,13 @@ class Nimble:
         recorded order on one stream; ``max_streams`` caps the streams.  ``arena_limit`` (bytes,
         or ``"pool"``: the memory torch's own graph of the model takes) caps the arena: where
         full concurrency would need more, streams are merged until the plan fits (never below
-        one stream); ``None`` lifts the cap.  With ``verify`` (the
+        one stream); ``None`` lifts the cap.  ``device_launch`` instantiates the graph for
+        launch from the device as well, which makes each host launch a short constant-cost
+        submission; where the driver refuses, the plain graph is used, with a
+        ``RuntimeWarning`` saying why (:attr:`launch_mode` tells which).  ``gather_inputs`` makes
+        the graph copy each (contiguous-slot) input in itself from an address the call writes
+        into a cell (:attr:`input_cells`), so a call costs one small stream write per input
+        instead of a driver memcpy.  With ``verify`` (the
         default) the built graph is run ``relaunches`` times against the recording with its old
         buffers poisoned, and must match bit for bit (:class:`~nimble.errors.VerificationError`
         otherwise).  ``return_copies`` makes each call return fresh tensors instead of views into
@@ -172,32 +193,53 @@ class Nimble:
             f"{plan.arena_bytes / 2**20:.1f} MiB")
 
         t0 = time.perf_counter()
-        arena = driver.DeviceMemory.allocate(plan.arena_bytes + _ARENA_ALIGNMENT)
+        device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
+        cells_at = -(-plan.arena_bytes // 8) * 8
+        arena = driver.DeviceMemory.allocate(cells_at + 8 * len(graph.inputs) + _ARENA_ALIGNMENT)
+        built = None
         try:
             base = -(-arena.address // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
             bases = buffer_bases(graph, plan, base)
-            built = build_graph(graph, rec.nodes, bases, edges, schedule.stream_of)
+            slots = [input_slot(bases[r.buffer] + r.offset, r, arena, device)
+                     for r in graph.inputs]
+            if gather_inputs and slots and stream_writes_supported(device):
+                # A cell starts out naming its own slot: a C host that copies into the slot
+                # and launches (without writing the cell) gets a harmless self-copy.
+                slots = [s._replace(cell=base + cells_at + 8 * i) if s.dense else s
+                         for i, s in enumerate(slots)]
+                for s in slots:
+                    if s.cell:
+                        driver.call("cuMemcpyHtoD", s.cell, s.address.to_bytes(8, "little"), 8)
+            gathers = [InputGather(s.cell, s.address, s.nbytes) for s in slots if s.cell]
+            upload_stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
+            built = build_graph(graph, rec.nodes, bases, edges, schedule.stream_of,
+                                device_launch=device_launch, upload_stream=upload_stream,
+                                gathers=gathers,
+                                gather_module=ptx.load("gather_input.ptx") if gathers else None)
+            launcher = Launcher(
+                built.exec.handle, slots, device,
+                [device_tensor(bases[r.buffer] + r.offset, r, arena, device)
+                 for r in graph.outputs], rec.output_spec)
         except BaseException:
+            if built is not None:
+                built.close()
             arena.close()
             raise
         seconds["build"] = time.perf_counter() - t0
-        device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
+        if built.device_launch_refusal:
+            warnings.warn(
+                "the graph could not be made device-launchable, so each call pays the driver's "
+                f"full host launch cost: {built.device_launch_refusal}", RuntimeWarning,
+                stacklevel=2)
         prepared = _Prepared(
             graph=graph, schedule=schedule, memplan=plan, built=built, arena=arena,
-            arena_base=base,
-            inputs=[device_tensor(bases[r.buffer] + r.offset, r, arena, device)
-                    for r in graph.inputs],
-            input_specs=[(tuple(r.shape), getattr(torch, r.dtype)) for r in graph.inputs],
-            outputs=[device_tensor(bases[r.buffer] + r.offset, r, arena, device)
-                     for r in graph.outputs],
-            output_spec=rec.output_spec, device=device, seconds=seconds)
+            arena_base=base, launcher=launcher, device=device, seconds=seconds)
         self._prepared = prepared
-        self._return_copies = False
         try:
             if verify:
                 t0 = time.perf_counter()
                 say(f"verifying: {relaunches} launches against the single-stream recording")
-                stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
+                stream = launcher.stream()
                 verify_against_reference(
                     graph, rec.replay_reference, self._run_flat, rec.static_inputs,
                     [(base, plan.arena_bytes)], stream, relaunches=relaunches)
@@ -206,7 +248,7 @@ class Nimble:
         except BaseException:
             self.close()
             raise
-        self._return_copies = return_copies
+        launcher.return_copies = return_copies
         graph.meta["prepare_seconds"] = dict(seconds)
         if keep_recording:
             prepared.recording = rec
@@ -219,37 +261,19 @@ class Nimble:
         return self._prepared
 
     def _run_flat(self, inputs) -> list:
-        import torch
-
-        p = self._prepared
-        if len(inputs) != len(p.inputs):
-            raise InputError(f"the model was prepared with {len(p.inputs)} input(s), got "
-                             f"{len(inputs)}")
-        for i, (x, slot, (shape, dtype)) in enumerate(zip(inputs, p.inputs, p.input_specs)):
-            if not isinstance(x, torch.Tensor):
-                raise InputError(f"input {i} is a {type(x).__name__}, not a tensor")
-            if x.shape != shape or x.dtype != dtype or x.device != p.device:
-                raise InputError(
-                    f"input {i} is {tuple(x.shape)} {x.dtype} on {x.device}; the model was "
-                    f"prepared for {shape} {dtype} on {p.device}: call prepare() again for "
-                    "another shape")
-            slot.copy_(x)
-        stream = torch.cuda.current_stream(p.device).cuda_stream
-        driver.call("cuGraphLaunch", p.built.exec.handle, driver.bindings().CUstream(stream))
-        return [o.clone() for o in p.outputs] if self._return_copies else p.outputs
+        return self._state().launcher.run_flat(inputs)
 
     def __call__(self, *inputs):
         """Run the prepared graph on ``inputs`` (same shapes and dtypes as in prepare()).
 
         The outputs are views into the arena, overwritten by the next call (as with CUDA graphs):
-        clone them to keep them, or prepare with ``return_copies=True``.
+        clone them to keep them, or prepare with ``return_copies=True``.  The work is queued on
+        the current stream; the call returns without waiting for it.
         """
-        from torch.utils._pytree import tree_unflatten
-
-        p = self._state()
+        launcher = self._state().launcher
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
-            inputs = tuple(inputs[0])
-        return tree_unflatten(self._run_flat(inputs), p.output_spec)
+            inputs = inputs[0]
+        return launcher.run(inputs)
 
     # ---- inspection -------------------------------------------------------------------------
     @property
@@ -281,6 +305,27 @@ class Nimble:
     def recording(self):
         """The live recording, when prepare() was told ``keep_recording=True`` (else None)."""
         return self._state().recording
+
+    @property
+    def input_cells(self) -> list[int]:
+        """Per input, the device address of the 8-byte cell the graph reads its source address
+        from before anything else (0 where that input is copied into its slot instead).
+
+        A C or C++ host driving :attr:`exec_handle` itself writes the input tensor's address
+        into each cell on the launch stream (``cuStreamWriteValue64``), then calls
+        ``cuGraphLaunch``; or it copies the input to the slot and writes the slot's own address.
+        """
+        return [s.cell for s in self._state().launcher.slots]
+
+    @property
+    def input_addresses(self) -> list[int]:
+        """Per input, the device address of its slot in the arena."""
+        return [s.address for s in self._state().launcher.slots]
+
+    @property
+    def launch_mode(self) -> str:
+        """``"device-launchable"`` (uploaded once, cheap host launches) or ``"host"``."""
+        return "device-launchable" if self._state().built.device_launch else "host"
 
     @property
     def prepare_seconds(self) -> dict:

@@ -54,6 +54,44 @@ def test_outputs_are_views_unless_copies_asked_for():
     assert a.data_ptr() != b.data_ptr()
 
 
+def test_strided_inputs_and_side_streams_give_the_same_bits():
+    import torch
+
+    import nimble
+
+    model, x = _model("branchy")
+    nm = nimble.Nimble(model).prepare(x, relaunches=4, return_copies=True)
+    fresh = torch.randn_like(x)
+    want = nm(fresh)
+    # A channels-last input takes torch's strided copy instead of the flat driver memcpy.
+    strided = fresh.to(memory_format=torch.channels_last)
+    assert not strided.is_contiguous()
+    assert torch.equal(nm(strided), want)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = nm(fresh)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, want)
+    assert not torch.equal(nm(torch.randn_like(x)), want)
+
+
+def test_host_and_device_launchable_graphs_give_the_same_bits():
+    import torch
+
+    import nimble
+
+    model, x = _model("branchy")
+    on_device = nimble.Nimble(model).prepare(x, relaunches=4, keep_recording=True,
+                                             return_copies=True)
+    on_host = nimble.Nimble(model).prepare(x, relaunches=4, device_launch=False,
+                                           recording=on_device.recording, return_copies=True)
+    assert (on_device.launch_mode, on_host.launch_mode) == ("device-launchable", "host")
+    for _ in range(3):
+        fresh = torch.randn_like(x)
+        assert torch.equal(on_device(fresh), on_host(fresh))
+
+
 def test_wrong_inputs_are_typed_errors():
     import torch
 
@@ -73,6 +111,8 @@ def test_wrong_inputs_are_typed_errors():
         nm(x.cpu())
     with pytest.raises(InputError, match="input"):
         nm(x, x)
+    with pytest.raises(InputError, match="not a tensor"):
+        nm(x.cpu().numpy())
     with pytest.raises(NimbleError, match="training"):
         nm.prepare(x, training=True)
 
@@ -123,4 +163,68 @@ def test_zoo_model_prepares_and_verifies_bitwise(name, multi):
     if multi and name in ("inception_v3", "googlenet", "nasnetalarge", "gemm_chains"):
         assert len(nm.schedule.streams) > 1
     assert nm.memplan.arena_bytes <= nm.memplan.buffer_bytes
+    assert nm.launch_mode == "device-launchable"
     nm.close()
+
+
+class _TwoInputs:
+    """A model with two inputs of sizes that are not multiples of 16 bytes."""
+
+    @staticmethod
+    def create():
+        import torch
+        from torch import nn
+
+        class TwoInputs(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.linear = nn.Linear(105, 10)
+
+            def forward(self, a, b):
+                return self.linear(a.flatten(1)), torch.tanh(b) * 2
+
+        return TwoInputs().cuda().eval()
+
+
+def test_inputs_of_any_size_and_alignment_are_gathered_exactly():
+    import torch
+
+    import nimble
+
+    model = _TwoInputs.create()
+    a, b = torch.randn(1, 3, 7, 5, device="cuda"), torch.randn(13, device="cuda")
+    nm = nimble.Nimble(model).prepare((a, b), relaunches=8, return_copies=True)
+    assert all(nm.input_cells)  # 420 and 52 bytes: the gather's byte path
+    copied = nimble.Nimble(model).prepare((a, b), relaunches=8, return_copies=True,
+                                          gather_inputs=False)
+    assert not any(copied.input_cells)
+    big = torch.randn(2 * 105 + 1, device="cuda")
+    unaligned_a = big[1:106].view(1, 3, 7, 5)  # 4 bytes past a 16-byte boundary
+    unaligned_b = torch.randn(14, device="cuda")[1:]
+    assert unaligned_a.data_ptr() % 16 and unaligned_b.data_ptr() % 16
+    for x, y in ((a, b), (unaligned_a, unaligned_b), (torch.randn_like(a), torch.randn_like(b))):
+        got, want = nm(x, y), copied(x.clone(), y.clone())
+        with torch.no_grad():
+            eager = model(x, y)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_a_c_host_drives_the_exec_handle_through_the_input_cells():
+    import torch
+
+    import nimble
+    from nimble import driver
+
+    model, x = _model("branchy")
+    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    fresh = torch.randn_like(x)
+    want = nm(fresh).clone()
+    view = nm(torch.randn_like(x))  # the arena's output bytes, rewritten by every launch
+    # What a C host does with the raw handles: point the cell at its tensor, launch the exec.
+    drv = driver.bindings()
+    stream = drv.CUstream(torch.cuda.current_stream().cuda_stream)
+    driver.call("cuStreamWriteValue64", stream, nm.input_cells[0], fresh.data_ptr(), 0)
+    driver.call("cuGraphLaunch", drv.CUgraphExec(nm.exec_handle), stream)
+    torch.cuda.synchronize()
+    assert torch.equal(view, want)

@@ -1,0 +1,4 @@
+"""Nimble's own GPU kernels, as PTX the driver compiles when a graph is built (no toolkit needed).
+
+Installed as ``nimble._kernels``; :mod:`nimble.ptx` finds them in a source checkout or an install.
+"""
