@@ -9,12 +9,39 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+from typing import Callable, NamedTuple
 
 from . import driver
 from .errors import RecordError
 from .names import short_kernel_name
 from .resolve import DeviceRange, RawNode
 from .taskgraph import TaskKind
+
+class PointerArrayRule(NamedTuple):
+    """A kernel family whose parameter ``param`` starts with a fixed-size pointer array of which
+    only the first ``live(grid)`` entries are read; the host leaves the rest uninitialised, so
+    they hold stale addresses that would otherwise look like real accesses."""
+
+    name_part: str
+    param: int
+    live: Callable[[tuple[int, int, int]], int]
+
+
+# ATen's cat: ``CatArrInputTensorMetadata.input[batch]`` comes first in parameter 1, and block
+# row ``blockIdx.y`` copies input ``blockIdx.y``, so exactly ``gridDim.y`` entries are live.
+POINTER_ARRAY_RULES = (PointerArrayRule("CatArrayBatchedCopy", 1, lambda grid: grid[1]),)
+
+
+def dead_pointer_slot(name: str, grid: tuple[int, int, int], layout: list[tuple[int, int]],
+                      offset: int) -> bool:
+    """Whether the 8 bytes at ``offset`` of the parameter block are a never-read array entry."""
+    for rule in POINTER_ARRAY_RULES:
+        if rule.name_part in name and rule.param < len(layout):
+            start, size = layout[rule.param]
+            if start + 8 * rule.live(grid) <= offset < start + size:
+                return True
+    return False
+
 
 _MIN_DEVICE_ADDRESS = 1 << 16
 _MAX_DEVICE_ADDRESS = 1 << 57
@@ -112,14 +139,14 @@ def _decode_kernel(node, oracle: AddressOracle) -> RawNode:
     name = raw_name.decode(errors="replace") if isinstance(raw_name, bytes) else str(raw_name)
     layout = param_layout(func)
     block = read_param_block(params, layout)
+    grid = (int(params.gridDimX), int(params.gridDimY), int(params.gridDimZ))
     pointers = []
     for off in range(0, len(block) - 7, 8):
         value = int.from_bytes(block[off:off + 8], "little")
-        if oracle.range_of(value) is not None:
+        if oracle.range_of(value) is not None and not dead_pointer_slot(name, grid, layout, off):
             pointers.append((off, value))
     return RawNode(
-        kind=TaskKind.KERNEL, name=name, short_name=short_kernel_name(name),
-        grid=(int(params.gridDimX), int(params.gridDimY), int(params.gridDimZ)),
+        kind=TaskKind.KERNEL, name=name, short_name=short_kernel_name(name), grid=grid,
         block=(int(params.blockDimX), int(params.blockDimY), int(params.blockDimZ)),
         shared_mem=int(params.sharedMemBytes), param_layout=layout, params=block,
         pointers=pointers)

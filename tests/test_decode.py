@@ -1,0 +1,36 @@
+"""Which words of a kernel's parameter block are pointers it may read (no GPU)."""
+from __future__ import annotations
+
+import pytest
+from conftest import FIXTURE_PATHS, fixture_ids
+
+from nimble.decode import dead_pointer_slot
+from nimble.taskgraph import TaskGraph, TaskKind
+
+CAT = "void at::native::(anonymous namespace)::CatArrayBatchedCopy_vectorized<...>"
+LAYOUT = [(0, 8), (8, 2720), (2728, 32), (2760, 4), (2764, 4)]  # as recorded on the H100
+
+
+def test_only_the_first_grid_y_entries_of_cats_input_array_are_live():
+    grid = (264, 3, 1)
+    assert not dead_pointer_slot(CAT, grid, LAYOUT, 0)  # the output
+    assert [dead_pointer_slot(CAT, grid, LAYOUT, 8 + 8 * i) for i in range(5)] == \
+        [False, False, False, True, True]
+    assert dead_pointer_slot(CAT, grid, LAYOUT, 8 + 2720 - 8)
+    assert not dead_pointer_slot(CAT, grid, LAYOUT, 2728)  # the output's sizes and strides
+    assert not dead_pointer_slot("gemm_kernel", grid, LAYOUT, 8 + 8 * 4)
+
+
+@pytest.mark.parametrize("path", FIXTURE_PATHS, ids=fixture_ids())
+def test_recorded_pointers_are_never_in_dead_slots_and_every_live_input_is_found(path):
+    g = TaskGraph.load(path)
+    for t in g.tasks:
+        if t.kind != TaskKind.KERNEL:
+            continue
+        for p in t.pointers:
+            assert not dead_pointer_slot(t.name, t.grid, t.param_layout, p.location), \
+                f"task {t.id} ({t.short_name}) keeps a stale pointer at byte {p.location}"
+        if "CatArrayBatchedCopy" in t.name:
+            start = t.param_layout[1][0]
+            found = {p.location for p in t.pointers if p.buffer >= 0}
+            assert {start + 8 * i for i in range(t.grid[1])} <= found
