@@ -17,6 +17,7 @@ from .names import short_kernel_name
 from .resolve import DeviceRange, RawNode
 from .taskgraph import TaskKind
 
+
 class PointerArrayRule(NamedTuple):
     """A kernel family whose parameter ``param`` starts with a fixed-size pointer array of which
     only the first ``live(grid)`` entries are read; the host leaves the rest uninitialised, so

@@ -29,5 +29,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def random_dag(n: int, fanout: int, window: int, seed: int):
+    """A DAG of ``n`` tasks, each after up to ``fanout`` random ones of the ``window`` before it."""
+    import random
+
+    from nimble.deps import dag_from_edges
+
+    rng = random.Random(seed)
+    edges = [(u, v) for v in range(1, n)
+             for u in rng.sample(range(max(0, v - window), v), min(fanout, v, window))]
+    return dag_from_edges(n, edges)
+
+
 def fixture_ids() -> list[str]:
     return [p.name.split(".")[0] for p in FIXTURE_PATHS]

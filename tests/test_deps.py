@@ -12,7 +12,7 @@ from nimble.deps import (Dag, ancestors, build_dag, critical_path, dag_from_edge
                          task_durations, transitive_reduction)
 from nimble.synthetic import branchy_graph, random_graph
 
-from conftest import FIXTURE_PATHS, fixture_ids
+from conftest import FIXTURE_PATHS, fixture_ids, random_dag
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -277,14 +277,6 @@ def test_synthetic_graphs_match_the_reference(make):
     assert closure_pairs(dag.n, dag.edges()) == closure_pairs(dag.n, reference)
     red = transitive_reduction(dag)
     assert closure_pairs(red.n, red.edges()) == closure_pairs(dag.n, dag.edges())
-
-
-def random_dag(n, fanout, window, seed):
-    import random
-    rng = random.Random(seed)
-    edges = [(u, v) for v in range(1, n)
-             for u in rng.sample(range(max(0, v - window), v), min(fanout, v, window))]
-    return dag_from_edges(n, edges)
 
 
 def test_reduction_of_a_large_dag_is_fast():

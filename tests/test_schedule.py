@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import random
 import time
 
 import pytest
@@ -15,7 +14,7 @@ from nimble.schedule import (Schedule, ScheduleError, assign_streams, check_sche
                              hopcroft_karp, max_antichain_width)
 from nimble.synthetic import branchy_graph, random_graph
 
-from conftest import FIXTURE_PATHS, fixture_ids
+from conftest import FIXTURE_PATHS, fixture_ids, random_dag
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -31,13 +30,6 @@ def sparse_dag_strategy(max_n):
     """Larger DAGs with a few predecessors each, nearby: long chains and wide layers."""
     return st.tuples(st.integers(0, max_n), st.integers(0, 3), st.integers(1, 12),
                      st.integers(0, 2**32)).map(lambda a: random_dag(*a))
-
-
-def random_dag(n, fanout, window, seed):
-    rng = random.Random(seed)
-    edges = [(u, v) for v in range(1, n)
-             for u in rng.sample(range(max(0, v - window), v), min(fanout, v, window))]
-    return dag_from_edges(n, edges)
 
 
 def closure(n, edges):

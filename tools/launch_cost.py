@@ -19,19 +19,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nimble import driver, models  # noqa: E402
+from nimble.bench_cli import _host_us  # noqa: E402
 
 
-def idle_host_us(fn, calls: int = 200) -> float:
-    import torch
-
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+def idle_host_us(fn) -> float:
+    """Median host µs of one call of ``fn`` with the GPU idle before it (the bench's measure)."""
+    return _host_us(fn, calls=200)
 
 
 def busy_host_us(fn, calls: int = 50, rounds: int = 7) -> float:
@@ -90,16 +83,18 @@ def funnel_clone(graph, root: bool, sink: bool):
     return clone
 
 
-def measure_exec(label: str, exec_handle, stream, extra: dict) -> dict:
-    launch = driver.bindings().cuGraphLaunch
-
-    def fn():
-        launch(exec_handle, stream)
-    row = {"variant": label, **extra,
+def measure(label: str, fn, extra: dict | None = None) -> dict:
+    """GPU ms, idle host µs and back-to-back host µs of ``fn``, printed and returned as a row."""
+    row = {"variant": label, **(extra or {}),
            "gpu_ms": gpu_ms(fn), "idle_host_us": idle_host_us(fn), "busy_host_us": busy_host_us(fn)}
     print(f"  {label:44s} gpu {row['gpu_ms']:.3f} ms  idle host {row['idle_host_us']:6.1f} µs  "
           f"busy host {row['busy_host_us']:6.1f} µs", flush=True)
     return row
+
+
+def measure_exec(label: str, exec_handle, stream, extra: dict) -> dict:
+    launch = driver.bindings().cuGraphLaunch
+    return measure(label, lambda: launch(exec_handle, stream), extra)
 
 
 def model_rows(name: str) -> list[dict]:
@@ -123,11 +118,7 @@ def model_rows(name: str) -> list[dict]:
         tg = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(tg):
             model(static_x)
-        row = {"variant": "torch.cuda.graph replay()", "gpu_ms": gpu_ms(tg.replay),
-               "idle_host_us": idle_host_us(tg.replay), "busy_host_us": busy_host_us(tg.replay)}
-        print(f"  {row['variant']:44s} gpu {row['gpu_ms']:.3f} ms  idle host "
-              f"{row['idle_host_us']:6.1f} µs  busy host {row['busy_host_us']:6.1f} µs", flush=True)
-        rows.append(row)
+        rows.append(measure("torch.cuda.graph replay()", tg.replay))
         raw_exec = getattr(tg, "raw_cuda_graph_exec", None)
         if raw_exec is not None:
             rows.append(measure_exec("torch graph exec, bare cuGraphLaunch",
@@ -258,12 +249,7 @@ def stream_rows(name: str) -> list[dict]:
             launch(exec_, own)
             record(ev_out.handle, own)
             wait(caller, ev_out.handle, 0)
-        row = {"variant": f"{label} via event join from legacy stream",
-               "gpu_ms": gpu_ms(joined), "idle_host_us": idle_host_us(joined),
-               "busy_host_us": busy_host_us(joined)}
-        print(f"  {row['variant']:44s} gpu {row['gpu_ms']:.3f} ms  idle host "
-              f"{row['idle_host_us']:6.1f} µs  busy host {row['busy_host_us']:6.1f} µs", flush=True)
-        rows.append(row)
+        rows.append(measure(f"{label} via event join from legacy stream", joined))
         for s_label, ctx in (("legacy", torch.cuda.stream(torch.cuda.default_stream())),
                              ("side", torch.cuda.stream(side))):
             with ctx:
