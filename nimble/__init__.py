@@ -4,7 +4,7 @@ Importing this package never touches the GPU: the analysis half (TaskGraph, depe
 assignment, memory planning, inspection) is plain Python and numpy and runs anywhere.
 """
 from .errors import (BuildError, CaptureError, CudaError, InputError, NimbleError, NoGpuError,
-                     RecordError, VerificationError)
+                     RecordError, VerificationError, WeightsChangedError)
 from .runtime import Nimble
 from .taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
 
@@ -12,6 +12,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Nimble", "NimbleError", "NoGpuError", "InputError", "CaptureError", "RecordError",
-    "BuildError", "VerificationError", "CudaError",
+    "BuildError", "VerificationError", "WeightsChangedError", "CudaError",
     "Access", "Buffer", "BufferKind", "Op", "Pointer", "Task", "TaskGraph", "TaskKind", "TensorRef",
 ]

@@ -3,7 +3,14 @@
 All modes run in one process on the same model and input.  Each round times every mode in turn
 (interleaved, so clock and thermal drift touch them alike) over ``--iters`` back-to-back calls
 between two CUDA events, after a warm-up; the table gives the median per-call time over
-``--rounds`` rounds and the spread (min–max) of the rounds.
+``--rounds`` rounds and the spread (min–max) of the rounds.  Every call of the
+``torch.cuda.graph`` row copies the input into the graph's static input before the replay, as a
+Nimble call copies its input in.
+
+``--dtype`` runs each model once per dtype (model and input converted before anything else);
+``--quick`` times only eager, ``torch.cuda.graph``, ``torch.compile`` (unless ``--no-compile``)
+and Nimble single and multi, without the stream-cap / uncapped / host-launch variants and the
+per-task critical-path timing.
 """
 from __future__ import annotations
 
@@ -15,6 +22,26 @@ import time
 from typing import Callable
 
 from . import models
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """``--dtype``: comma-separated names from :data:`DTYPES`, in the order given, no repeats."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in DTYPES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(bad) or repr(text)}: choose from {', '.join(DTYPES)}, comma-separated")
+    return list(dict.fromkeys(names))
+
+
+def to_dtype(model, x, dtype: str):
+    """``(model, x)`` in ``dtype`` (a name from :data:`DTYPES`); the model is converted in place."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    return model.to(dt), x.to(dt)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stream caps to try besides unlimited (default 2,4,8; '' for none)")
     p.add_argument("--no-compile", action="store_true",
                    help="skip torch.compile(mode='reduce-overhead') (it compiles for minutes)")
+    p.add_argument("--dtype", dest="dtypes", type=parse_dtypes, default=["float32"],
+                   metavar="D,D,...",
+                   help=f"run every model in each of these dtypes ({', '.join(DTYPES)}; "
+                        "default float32)")
+    p.add_argument("--quick", action="store_true",
+                   help="time only eager, torch.cuda.graph, torch.compile and Nimble single and "
+                        "multi: no stream-cap, uncapped or host-launch variants, no "
+                        "critical-path limit")
     p.add_argument("--json", metavar="FILE", help="write every number to FILE as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
@@ -86,23 +121,22 @@ def _critical_path_limit_us(nm) -> tuple[float, float]:
     return cp.length, sum(durations)
 
 
-def bench_model(name: str, args) -> dict:
+def bench_model(name: str, args, dtype: str = "float32") -> dict:
     import torch
 
     import nimble
 
     torch.backends.cudnn.benchmark = True
-    model = models.create(name).cuda()
-    x = models.example_input(name, args.batch)
+    model, x = to_dtype(models.create(name).cuda(), models.example_input(name, args.batch), dtype)
     fns: dict[str, Callable[[], object]] = {}
-    info: dict = {"model": name, "batch": args.batch}
+    info: dict = {"model": name, "dtype": dtype, "batch": args.batch, "quick": args.quick}
 
     def eager():
         with torch.no_grad():
             return model(x)
     fns["eager"] = eager
 
-    _say(args, f"{name}: capturing torch.cuda.graph")
+    _say(args, f"{name} ({dtype}): capturing torch.cuda.graph")
     static_x = x.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -113,10 +147,14 @@ def bench_model(name: str, args) -> dict:
     torch_graph = torch.cuda.CUDAGraph()
     with torch.no_grad(), torch.cuda.graph(torch_graph):
         model(static_x)
-    fns["torch.cuda.graph"] = torch_graph.replay
+
+    def graph_call():
+        static_x.copy_(x)  # each call brings its input, as Nimble's calls do
+        torch_graph.replay()
+    fns["torch.cuda.graph"] = graph_call
 
     if not args.no_compile:
-        _say(args, f"{name}: torch.compile(mode='reduce-overhead')")
+        _say(args, f"{name} ({dtype}): torch.compile(mode='reduce-overhead')")
         t0 = time.perf_counter()
         compiled = torch.compile(model, mode="reduce-overhead")
         with torch.no_grad():
@@ -129,7 +167,7 @@ def bench_model(name: str, args) -> dict:
                 return compiled(x)
         fns["torch.compile"] = run_compiled
 
-    _say(args, f"{name}: nimble prepare (multi-stream, recording kept for the variants)")
+    _say(args, f"{name} ({dtype}): nimble prepare (multi-stream, recording kept for the others)")
     t0 = time.perf_counter()
     multi = nimble.Nimble(model).prepare(x, keep_recording=True)
     info["prepare_seconds"] = time.perf_counter() - t0
@@ -137,29 +175,32 @@ def bench_model(name: str, args) -> dict:
     prepared = {"nimble multi": multi}
     prepared["nimble single"] = nimble.Nimble(model).prepare(
         x, use_multi_stream=False, recording=rec)
-    prepared["nimble multi, host launch"] = nimble.Nimble(model).prepare(
-        x, device_launch=False, recording=rec)
-    uncapped = nimble.Nimble(model).prepare(x, arena_limit=None, recording=rec)
-    if len(uncapped.schedule.streams) != len(multi.schedule.streams):
-        prepared["nimble uncapped"] = uncapped  # full concurrency, arena above torch's pool
-    else:
-        uncapped.close()
-    caps = [int(k) for k in args.max_streams.split(",") if k.strip()]
-    for k in caps:
-        if k < len(multi.schedule.streams) - 1:
-            prepared[f"nimble k={k}"] = nimble.Nimble(model).prepare(
-                x, max_streams=k, recording=rec)
+    if not args.quick:
+        prepared["nimble multi, host launch"] = nimble.Nimble(model).prepare(
+            x, device_launch=False, recording=rec)
+        uncapped = nimble.Nimble(model).prepare(x, arena_limit=None, recording=rec)
+        if len(uncapped.schedule.streams) != len(multi.schedule.streams):
+            prepared["nimble uncapped"] = uncapped  # full concurrency, arena above torch's pool
+        else:
+            uncapped.close()
+        caps = [int(k) for k in args.max_streams.split(",") if k.strip()]
+        for k in caps:
+            if k < len(multi.schedule.streams) - 1:
+                prepared[f"nimble k={k}"] = nimble.Nimble(model).prepare(
+                    x, max_streams=k, recording=rec)
     for label, nm in prepared.items():
         fns[label] = (lambda nm=nm: nm(x))
 
-    _say(args, f"{name}: timing {len(fns)} modes, {args.rounds} rounds of {args.iters} calls")
+    _say(args, f"{name} ({dtype}): timing {len(fns)} modes, {args.rounds} rounds of "
+               f"{args.iters} calls")
     samples = _time_rounds(fns, args.rounds, args.iters)
     info["host_us_per_call"] = _host_us(lambda: multi(x))
     info["launch_mode"] = multi.launch_mode
-    host_launch = prepared["nimble multi, host launch"]
-    info["host_us_per_call_host_launch"] = _host_us(lambda: host_launch(x))
-    _say(args, f"{name}: timing every task alone for the critical-path limit")
-    cp_us, serial_us = _critical_path_limit_us(multi)
+    if not args.quick:
+        host_launch = prepared["nimble multi, host launch"]
+        info["host_us_per_call_host_launch"] = _host_us(lambda: host_launch(x))
+        _say(args, f"{name} ({dtype}): timing every task alone for the critical-path limit")
+        cp_us, serial_us = _critical_path_limit_us(multi)
 
     rows = {}
     for label, s in samples.items():
@@ -178,17 +219,21 @@ def bench_model(name: str, args) -> dict:
         sync_edges=len(s.sync_edges), width=s.width,
         arena_mb={k: nm.memplan.arena_bytes / 2**20 for k, nm in prepared.items()},
         pool_mb=multi.graph.meta.get("pool_bytes", 0) / 2**20,
-        critical_path_us=cp_us, serial_kernel_us=serial_us,
-        achieved_over_limit=rows[best]["median_ms"] * 1e3 / cp_us if cp_us else None,
         prepare_breakdown=multi.prepare_seconds)
+    if not args.quick:
+        info.update(
+            critical_path_us=cp_us, serial_kernel_us=serial_us,
+            achieved_over_limit=rows[best]["median_ms"] * 1e3 / cp_us if cp_us else None)
     for nm in prepared.values():
         nm.close()
     return info
 
 
 def format_model(info: dict) -> str:
-    out = [f"{info['model']} (batch {info['batch']}): {info['tasks']} tasks, width "
-           f"{info['width']}, {info['streams']} streams, {info['sync_edges']} syncs"]
+    """One model's report; ``--quick`` results (no variants, no limit) print fewer lines."""
+    out = [f"{info['model']} ({info.get('dtype', 'float32')}, batch {info['batch']}): "
+           f"{info['tasks']} tasks, width {info['width']}, {info['streams']} streams, "
+           f"{info['sync_edges']} syncs"]
     out.append(f"  {'mode':<26}{'median ms':>10}{'spread ms':>18}{'x graph':>9}{'x eager':>9}")
     for label, r in info["modes"].items():
         out.append(f"  {label:<26}{r['median_ms']:>10.3f}{r['min_ms']:>9.3f}–{r['max_ms']:<8.3f}"
@@ -197,59 +242,75 @@ def format_model(info: dict) -> str:
     out.append("  arena MB: " + ", ".join(f"{k.removeprefix('nimble ')} {v:.1f}"
                                            for k, v in arena.items())
                + f"; torch graph pool {info['pool_mb']:.1f} MB")
-    out.append(f"  prepare {info['prepare_seconds']:.2f} s; host {info['host_us_per_call']:.1f} "
-               f"µs/call ({info['launch_mode']}; "
-               f"{info['host_us_per_call_host_launch']:.1f} µs with a plain host-launch graph)")
-    out.append(f"  critical-path limit {info['critical_path_us']:.0f} µs (serial "
-               f"{info['serial_kernel_us']:.0f} µs); best {info['best_nimble']} at "
-               f"{info['achieved_over_limit']:.2f}× the limit")
+    host = f"  prepare {info['prepare_seconds']:.2f} s; host {info['host_us_per_call']:.1f} " \
+           f"µs/call ({info['launch_mode']}"
+    if "host_us_per_call_host_launch" in info:
+        host += f"; {info['host_us_per_call_host_launch']:.1f} µs with a plain host-launch graph"
+    out.append(host + ")")
+    if "critical_path_us" in info:
+        out.append(f"  critical-path limit {info['critical_path_us']:.0f} µs (serial "
+                   f"{info['serial_kernel_us']:.0f} µs); best {info['best_nimble']} at "
+                   f"{info['achieved_over_limit']:.2f}× the limit")
     return "\n".join(out)
 
 
-def summary_table(results: list[dict]) -> str:
-    head = (f"{'model':<16}{'eager':>8}{'graph':>8}{'compile':>8}{'single':>8}{'multi':>8}"
-            f"{'best':>8}{'best mode':>14}{'x graph':>8}{'x eager':>8}{'arena':>7}{'pool':>7}"
-            f"{'limit':>7}{'host µs':>8}")
+def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
+    """The final table, a row per result.  ``dtype_column``: show each row's dtype (default:
+    where the results hold more than one); without the column the legend names the dtype."""
+    dtypes = list(dict.fromkeys(r.get("dtype", "float32") for r in results)) or ["float32"]
+    if dtype_column is None:
+        dtype_column = len(dtypes) > 1
+    dcol = (lambda text: f"{text:<10}") if dtype_column else (lambda text: "")  # noqa: E731
+    head = (f"{'model':<16}{dcol('dtype')}{'eager':>8}{'graph':>8}{'compile':>8}{'single':>8}"
+            f"{'multi':>8}{'best':>8}{'best mode':>14}{'x graph':>8}{'x eager':>8}{'arena':>7}"
+            f"{'pool':>7}{'limit':>7}{'host µs':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         m = r["modes"]
         get = lambda k: f"{m[k]['median_ms']:.3f}" if k in m else "–"  # noqa: E731
         b = r["best_nimble"]
+        limit = f"{r['critical_path_us'] / 1e3:.3f}" if "critical_path_us" in r else "–"
         lines.append(
-            f"{r['model']:<16}{get('eager'):>8}{get('torch.cuda.graph'):>8}"
+            f"{r['model']:<16}{dcol(r.get('dtype', 'float32'))}{get('eager'):>8}"
+            f"{get('torch.cuda.graph'):>8}"
             f"{get('torch.compile'):>8}{get('nimble single'):>8}{get('nimble multi'):>8}"
             f"{m[b]['median_ms']:>8.3f}{b.removeprefix('nimble '):>14}{m[b]['x_graph']:>8.2f}"
             f"{m[b]['x_eager']:>8.1f}{r['arena_mb'][b]:>7.1f}{r['pool_mb']:>7.1f}"
-            f"{r['critical_path_us'] / 1e3:>7.3f}{r['host_us_per_call']:>8.1f}")
-    lines.append("times: median ms per call; best = fastest multi-stream Nimble variant; arena "
-                 "and pool in MB; limit = critical path of isolated task times, ms; host µs = one "
-                 "multi call on an idle GPU")
+            f"{limit:>7}{r['host_us_per_call']:>8.1f}")
+    in_dtype = "" if dtype_column else f" in {', '.join(dtypes)}"
+    lines.append(f"times: median ms per call{in_dtype}; graph = torch.cuda.graph with the input "
+                 "copied in on every call; best = fastest multi-stream Nimble variant; arena and "
+                 "pool in MB; limit = critical path of isolated task times, ms (– with --quick); "
+                 "host µs = one multi call on an idle GPU")
     return "\n".join(lines)
 
 
 def run(args) -> int:
+    from .cli import check_models, require_gpu
+
+    # Before any work: every name known and its package installed, and a GPU to run on.
+    check_models(args.models)
+    require_gpu("bench")
     import torch
 
-    from .errors import NoGpuError
-
-    if not torch.cuda.is_available():
-        raise NoGpuError("nimble bench needs an NVIDIA GPU and driver "
-                         "(torch.cuda.is_available() is False)")
     results, failed = [], []
     for name in args.models:
-        try:
-            info = bench_model(name, args)
-        except Exception as e:  # noqa: BLE001 - one model's failure must not hide the others
-            failed.append(name)
-            print(f"{name}: FAILED: {type(e).__name__}: {e}", flush=True)
-            continue
-        results.append(info)
-        print(format_model(info), flush=True)
+        for dtype in args.dtypes:
+            try:
+                info = bench_model(name, args, dtype)
+            except Exception as e:  # noqa: BLE001 - one run's failure must not hide the others
+                failed.append({"model": name, "dtype": dtype,
+                               "error": f"{type(e).__name__}: {e}"})
+                print(f"{name} ({dtype}): FAILED: {type(e).__name__}: {e}", flush=True)
+                continue
+            results.append(info)
+            print(format_model(info), flush=True)
     if results:
-        print(summary_table(results))
+        print(summary_table(results, dtype_column=len(args.dtypes) > 1))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"results": results, "failed": failed,
-                       "device": torch.cuda.get_device_name(), "torch": torch.__version__},
+            json.dump({"results": results, "failed": failed, "dtypes": args.dtypes,
+                       "quick": args.quick, "device": torch.cuda.get_device_name(),
+                       "torch": torch.__version__},
                       f, indent=2, default=str)
     return 1 if failed else 0

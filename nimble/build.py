@@ -17,7 +17,7 @@ and tested without a GPU.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 from . import driver, ptx
@@ -107,19 +107,16 @@ class BuiltGraph:
     graph: driver.Graph
     exec: driver.GraphExec
     nodes: list
-    stream_of: list[int] = field(default_factory=list)
     #: True when the exec was instantiated for device launch (cheaper host launches too).
     device_launch: bool = False
     #: Why a requested device-launchable instantiation was refused ("" when it was not).
     device_launch_refusal: str = ""
-    #: The input-gather nodes, one per gathered input, ahead of every root task.
-    gather_nodes: list = field(default_factory=list)
     #: The module of Nimble's kernels the graph's gather nodes run (kept alive with the exec).
     module: driver.Module | None = None
 
     def launch(self, stream) -> None:
         """Launch on ``stream`` (a ``CUstream`` or its integer handle)."""
-        driver.call("cuGraphLaunch", self.exec.handle, _stream(stream))
+        driver.launch(self.exec.handle, stream)
 
     def close(self) -> None:
         """Free the exec and the graph (idempotent)."""
@@ -129,24 +126,32 @@ class BuiltGraph:
             self.module.close()
 
 
-def _stream(stream):
-    drv = driver.bindings()
-    return stream if isinstance(stream, drv.CUstream) else drv.CUstream(int(stream or 0))
+def kernel_arguments(task: Task, block: bytes) -> tuple[int, int, list]:
+    """``(kernelParams, extra, keep)`` addresses that pass ``block`` to the driver as recorded.
+
+    A task recorded from a ``kernelParams`` launch gets a pointer per parameter; one recorded
+    from an ``extra`` launch gets the packed buffer back.  ``keep`` holds the ctypes objects the
+    addresses point into: the driver copies them while adding or updating the node.
+    """
+    storage = ctypes.create_string_buffer(block, max(len(block), 1))
+    base = ctypes.addressof(storage)
+    if task.fields.get("args") == "extra":
+        size = ctypes.c_size_t(len(block))
+        extra = (ctypes.c_void_p * 5)(1, base, 2, ctypes.addressof(size), 0)
+        return 0, ctypes.addressof(extra), [storage, size, extra]
+    if not task.param_layout:
+        return 0, 0, [storage]
+    slots = (ctypes.c_void_p * len(task.param_layout))(
+        *[base + offset for offset, _ in task.param_layout])
+    return ctypes.addressof(slots), 0, [storage, slots]
 
 
 def _add_kernel(graph, task: Task, recorded_node, bases: Sequence[int], deps: list):
-    params = driver.call("cuGraphKernelNodeGetParams", recorded_node)
-    block = relocate_params(task, bases)
-    storage = ctypes.create_string_buffer(block, max(len(block), 1))
-    base = ctypes.addressof(storage)
-    slots = (ctypes.c_void_p * max(len(task.param_layout), 1))(
-        *[base + offset for offset, _ in task.param_layout])
-    params.kernelParams = ctypes.addressof(slots) if task.param_layout else 0
-    params.extra = 0
-    # The driver copies the parameters while adding the node; storage and slots may go after.
-    node = driver.call("cuGraphAddKernelNode", graph, deps, len(deps), params,
-                       detail=f"task {task.id} ({task.short_name})")
-    driver.call("cuGraphKernelNodeCopyAttributes", node, recorded_node)
+    params = driver.kernel_node_params(recorded_node)
+    params.kernelParams, params.extra, keep = kernel_arguments(task, relocate_params(task, bases))
+    node = driver.add_kernel_node(graph, deps, params, detail=f"task {task.id} ({task.short_name})")
+    del keep
+    driver.copy_kernel_attributes(node, recorded_node)
     return node
 
 
@@ -158,22 +163,20 @@ def _moved(task: Task, location: str, recorded_value: int, bases: Sequence[int])
 
 
 def _add_memset(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx):
-    params = driver.call("cuGraphMemsetNodeGetParams", recorded_node)
+    params = driver.memset_node_params(recorded_node)
     params.dst = _moved(task, "dst", int(params.dst), bases)
-    return driver.call("cuGraphAddMemsetNode", graph, deps, len(deps), params, ctx,
-                       detail=f"task {task.id} (memset)")
+    return driver.add_memset_node(graph, deps, params, ctx, detail=f"task {task.id} (memset)")
 
 
 def _add_memcpy(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx):
-    params = driver.call("cuGraphMemcpyNodeGetParams", recorded_node)
+    params = driver.memcpy_node_params(recorded_node)
     # A pointer row's value is where the copy starts; the struct's base moves by the same delta.
     for side in ("src", "dst"):
         if int(getattr(params, side + "MemoryType")) in (2, 4):  # device or unified memory
             field_name = side + "Device"
             setattr(params, field_name, _moved(task, side, int(getattr(params, field_name)),
                                                bases))
-    return driver.call("cuGraphAddMemcpyNode", graph, deps, len(deps), params, ctx,
-                       detail=f"task {task.id} (memcpy)")
+    return driver.add_memcpy_node(graph, deps, params, ctx, detail=f"task {task.id} (memcpy)")
 
 
 def _add_gather(graph, function, gather: InputGather):
@@ -187,7 +190,7 @@ def _add_gather(graph, function, gather: InputGather):
     slots = (ctypes.c_void_p * 3)(*[ctypes.addressof(values) + 8 * i for i in range(3)])
     params.kernelParams = ctypes.addressof(slots)
     params.extra = 0
-    return driver.call("cuGraphAddKernelNode", graph, [], 0, params, detail="input gather")
+    return driver.add_kernel_node(graph, [], params, detail="input gather")
 
 
 def add_task_node(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx):
@@ -199,7 +202,7 @@ def add_task_node(graph, task: Task, recorded_node, bases: Sequence[int], deps: 
     if task.kind == TaskKind.MEMCPY:
         return _add_memcpy(graph, task, recorded_node, bases, deps, ctx)
     if task.kind == "other:CU_GRAPH_NODE_TYPE_EMPTY":
-        return driver.call("cuGraphAddEmptyNode", graph, deps, len(deps))
+        return driver.add_empty_node(graph, deps)
     raise BuildError(f"task {task.id} is a {task.kind} node, which Nimble cannot rebuild yet")
 
 
@@ -212,21 +215,20 @@ def instantiate(owned: driver.Graph, device_launch: bool, upload_stream
     20-30 µs for inception_v3).  Where the driver refuses (a node type it cannot launch from the
     device), the plain exec is used and the refusal is returned for the caller to report.
     """
+    refusal = ""
     if device_launch:
         try:
             return driver.GraphExec.instantiate(owned, device_launch=True,
                                                 upload_stream=upload_stream), True, ""
         except CudaError as e:
             refusal = str(e)
-        return driver.GraphExec.instantiate(owned, upload_stream=upload_stream), False, refusal
-    return driver.GraphExec.instantiate(owned, upload_stream=upload_stream), False, ""
+    return driver.GraphExec.instantiate(owned, upload_stream=upload_stream), False, refusal
 
 
 def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int],
-                edges: Sequence[tuple[int, int]], stream_of: Sequence[int] | None = None,
-                *, device_launch: bool = True, upload_stream=None,
-                gathers: Sequence[InputGather] = (), gather_module: driver.Module | None = None
-                ) -> BuiltGraph:
+                edges: Sequence[tuple[int, int]], *, device_launch: bool = True,
+                upload_stream=None, gathers: Sequence[InputGather] = (),
+                gather_module: driver.Module | None = None) -> BuiltGraph:
     """Build and instantiate the explicit graph of ``graph`` with ``edges`` as its dependencies.
 
     ``recorded_nodes[t]`` is task ``t``'s node in the captured graph (its function, launch
@@ -241,7 +243,7 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     if len(recorded_nodes) != n:
         raise BuildError(f"{len(recorded_nodes)} recorded nodes for {n} tasks")
     preds = predecessors(n, edges)
-    ctx = driver.call("cuCtxGetCurrent")
+    ctx = driver.current_context()
     owned = driver.Graph.create()
     nodes: list = []
     try:
@@ -257,6 +259,39 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
         if gather_module is not None:
             gather_module.close()
         raise
-    return BuiltGraph(owned, exec_, nodes, list(stream_of) if stream_of is not None else [0] * n,
-                      device_launch=on_device, device_launch_refusal=refusal,
-                      gather_nodes=gather_nodes, module=gather_module)
+    return BuiltGraph(owned, exec_, nodes, device_launch=on_device,
+                      device_launch_refusal=refusal, module=gather_module)
+
+
+def tasks_reading(graph: TaskGraph, buffers: set[int]) -> list[Task]:
+    """The tasks with a pointer into any of ``buffers``."""
+    return [t for t in graph.tasks if any(p.buffer in buffers for p in t.pointers)]
+
+
+def repoint(built: BuiltGraph, graph: TaskGraph, bases: Sequence[int], buffers: set[int],
+            stream) -> int:
+    """Re-point the instantiated graph's tasks at ``buffers``' new ``bases``, in place.
+
+    Only kernel arguments change (``cuGraphExecKernelNodeSetParams``): launches already queued
+    keep the old ones, the next launch uses the new.  A device-launchable exec is uploaded again
+    on ``stream``.  Returns the number of nodes changed; raises :class:`BuildError` for a memcpy
+    or memset task, whose endpoints Nimble does not re-point.
+    """
+    tasks = tasks_reading(graph, buffers)
+    for task in tasks:
+        if task.kind != TaskKind.KERNEL:
+            raise BuildError(f"task {task.id} is a {task.kind} node reading a weight that moved; "
+                             "Nimble re-points kernel arguments only: call prepare() again")
+    changed = 0
+    for task in tasks:
+        node = built.nodes[task.id]
+        params = driver.kernel_node_params(node)
+        params.kernelParams, params.extra, keep = kernel_arguments(
+            task, relocate_params(task, bases))
+        driver.set_exec_kernel_params(built.exec.handle, node, params,
+                                      detail=f"task {task.id} ({task.short_name})")
+        del keep
+        changed += 1
+    if changed and built.device_launch:
+        driver.upload(built.exec.handle, stream)
+    return changed

@@ -4,11 +4,16 @@
 ``nimble.<name>_cli`` modules that need torch and a GPU; they are imported only when their
 subcommand is run (or asked for its help), so that ``nimble --help`` and ``nimble inspect`` work
 on machines without either.  Results go to stdout, progress and timings to stderr.
+
+Errors the user can act on end the command with status 2 and one line on stderr: a
+:class:`~nimble.errors.NimbleError` as ``nimble: <ErrorType>: <message>``, a bad file, an unknown
+model or a missing package as ``nimble: <message>``.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import sys
 import time
@@ -16,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import __version__
+from .errors import NimbleError, NoGpuError
 from .taskgraph import TaskGraph
 
 # Subcommands implemented elsewhere: name -> one-line help shown by ``nimble --help``.
@@ -155,6 +161,38 @@ def _add_lazy(sub: argparse._SubParsersAction, name: str, load: bool) -> None:
         p.set_defaults(run=lambda args: int(run(args) or 0))
 
 
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def check_models(names: list[str]) -> None:
+    """Fail (one line, status 2) on an unknown model name or a zoo model missing its package."""
+    from . import models
+
+    for name in names:
+        try:
+            package = models.package_of(name)
+        except ValueError as e:
+            raise _Fail(str(e)) from None
+        if package and not _installed(package):
+            raise _Fail(f"{name} needs {package}, which is not installed here: "
+                        f"pip install 'nimble[zoo]'")
+
+
+def require_gpu(command: str) -> None:
+    """Raise :class:`NoGpuError` unless torch sees a CUDA GPU (``command`` names who needs it)."""
+    try:
+        import torch
+    except ImportError as e:
+        raise _Fail(f"{command}: needs torch, which is not importable here ({_one_line(e)})"
+                    ) from None
+    if not torch.cuda.is_available():
+        raise NoGpuError(
+            f"nimble {command} needs an NVIDIA GPU, and no CUDA GPU/driver is visible here "
+            "(torch.cuda.is_available() is False); run it on a machine with one. "
+            "`nimble inspect` works on recorded TaskGraph files without a GPU.")
+
+
 # ---- entry point ----------------------------------------------------------------------------
 
 def _command_of(argv: list[str]) -> str | None:
@@ -176,7 +214,11 @@ def build_parser(load: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``nimble`` command line; returns the exit status (2 on any user-facing error)."""
+    """Run the ``nimble`` command line; returns the exit status (2 on any user-facing error).
+
+    A :class:`NimbleError` escaping a subcommand prints ``nimble: <ErrorType>: <message>`` (one
+    line; the message says what to do) instead of a traceback.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command_of(argv)
     try:
@@ -191,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except _Fail as e:
         print(f"nimble: {e}", file=sys.stderr)
+        return 2
+    except NimbleError as e:
+        print(f"nimble: {_one_line(e)}", file=sys.stderr)
         return 2
 
 

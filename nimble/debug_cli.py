@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from .cli import check_models, require_gpu
+
+    check_models([args.model])
+    require_gpu("debug")
     import torch
 
     from . import inspect

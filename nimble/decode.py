@@ -62,13 +62,12 @@ class AddressOracle:
         i = bisect.bisect_right(self._starts, value) - 1
         if i >= 0 and self._ranges[i].address <= value < self._ranges[i].end:
             return self._ranges[i]
-        drv = driver.bindings()
-        ok, got = driver.probe("cuMemGetAddressRange", drv.CUdeviceptr(value))
-        if not ok:
+        found = driver.address_range(value)
+        if found is None:
             self._misses.add(value)
             return None
-        base, size = int(got[0]), int(got[1])
-        r = DeviceRange(base, size)
+        r = DeviceRange(*found)
+        base = r.address
         k = bisect.bisect_left(self._starts, base)
         self._starts.insert(k, base)
         self._ranges.insert(k, r)
@@ -79,22 +78,15 @@ class AddressOracle:
         return list(self._ranges)
 
 
-def node_type_name(node) -> str:
-    t = driver.call("cuGraphNodeGetType", node)
-    return t.name if hasattr(t, "name") else str(t)
-
-
 def decode_node(node, oracle: AddressOracle) -> RawNode:
-    drv = driver.bindings()
-    node_type = driver.call("cuGraphNodeGetType", node)
-    if node_type == drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+    node_type = driver.node_type(node)
+    if node_type == "kernel":
         return _decode_kernel(node, oracle)
-    if node_type == drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMSET:
+    if node_type == "memset":
         return _decode_memset(node)
-    if node_type == drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMCPY:
+    if node_type == "memcpy":
         return _decode_memcpy(node)
-    name = getattr(node_type, "name", str(node_type))
-    return RawNode(kind=f"other:{name}", fields={"node_type": name})
+    return RawNode(kind=f"other:{node_type}", fields={"node_type": node_type})
 
 
 def kernel_function(params):
@@ -104,42 +96,78 @@ def kernel_function(params):
         return func
     kern = params.kern
     if kern is not None and int(kern) != 0:
-        return driver.call("cuKernelGetFunction", kern)
+        return driver.kernel_function_of(kern)
     raise RecordError("a kernel node has neither a function nor a kernel handle")
 
 
-def param_layout(func) -> list[tuple[int, int]]:
-    layout = []
-    while True:
-        ok, got = driver.probe("cuFuncGetParamInfo", func, len(layout))
-        if not ok:
-            return layout
-        layout.append((int(got[0]), int(got[1])))
+# ``extra`` keys of a launch (cuda.h): a packed argument buffer and a pointer to its size.
+_LAUNCH_PARAM_END = 0
+_LAUNCH_PARAM_BUFFER_POINTER = 1
+_LAUNCH_PARAM_BUFFER_SIZE = 2
+_MAX_EXTRA_ENTRIES = 64
 
 
-def read_param_block(params, layout: list[tuple[int, int]]) -> bytes:
-    """The kernel's parameters laid out at their offsets, read from the node's own copy."""
-    if not layout:
-        return b""
+def extra_buffer(extra: int) -> bytes:
+    """The packed argument buffer of a launch that passes its arguments through ``extra``.
+
+    ``extra`` is the address of the ``void*`` key/value array (``CU_LAUNCH_PARAM_BUFFER_POINTER``,
+    ``CU_LAUNCH_PARAM_BUFFER_SIZE``, ended by ``CU_LAUNCH_PARAM_END``); the buffer holds every
+    argument at its ABI offset, exactly as a ``kernelParams`` launch would lay them out.
+    """
+    def word(i: int) -> int:  # one at a time: the array may end right after its END key
+        return ctypes.c_void_p.from_address(extra + 8 * i).value or 0
+
+    buffer = size = None
+    for i in range(0, 2 * _MAX_EXTRA_ENTRIES, 2):
+        key = word(i)
+        if key == _LAUNCH_PARAM_END:
+            break
+        if key == _LAUNCH_PARAM_BUFFER_POINTER:
+            buffer = word(i + 1)
+        elif key == _LAUNCH_PARAM_BUFFER_SIZE:
+            size = ctypes.c_size_t.from_address(word(i + 1)).value
+        else:
+            raise RecordError(f"a kernel node's 'extra' array holds key {key:#x}, which Nimble "
+                              "does not know (only the argument buffer and its size)")
+    if buffer is None or size is None:
+        raise RecordError("a kernel node's 'extra' array lacks the argument buffer or its size")
+    return driver.read_host(buffer, size) if size else b""
+
+
+def read_param_block(params, layout: list[tuple[int, int]]) -> tuple[bytes, str]:
+    """``(block, how)``: the kernel's parameters at their offsets, read from the node's own copy.
+
+    ``how`` is ``"params"`` for a ``kernelParams`` launch and ``"extra"`` for one whose
+    arguments came as a packed buffer (cuBLASLt and runtime-compiled kernels launch that way).
+    """
     array = int(params.kernelParams or 0)
+    extra = int(params.extra or 0)
+    if array == 0 and extra:
+        block = extra_buffer(extra)
+        expected = max((off + size for off, size in layout), default=0)
+        if layout and len(block) < expected:
+            raise RecordError(f"a kernel's packed argument buffer holds {len(block)} bytes, but "
+                              f"its parameters end at byte {expected}")
+        return block, "extra"
+    if not layout:
+        return b"", "params"
     if array == 0:
-        raise RecordError(
-            "a kernel node passes its arguments through 'extra' rather than kernelParams; "
-            "Nimble cannot decode it")
+        raise RecordError("a kernel node with parameters passes neither kernelParams nor extra")
     block = bytearray(max(off + size for off, size in layout))
     slots = (ctypes.c_void_p * len(layout)).from_address(array)
     for i, (off, size) in enumerate(layout):
         block[off:off + size] = driver.read_host(slots[i], size)
-    return bytes(block)
+    return bytes(block), "params"
 
 
 def _decode_kernel(node, oracle: AddressOracle) -> RawNode:
-    params = driver.call("cuGraphKernelNodeGetParams", node)
+    params = driver.kernel_node_params(node)
     func = kernel_function(params)
-    raw_name = driver.call("cuFuncGetName", func)
-    name = raw_name.decode(errors="replace") if isinstance(raw_name, bytes) else str(raw_name)
-    layout = param_layout(func)
-    block = read_param_block(params, layout)
+    name = driver.function_name(func)
+    layout = driver.function_param_layout(func)
+    block, how = read_param_block(params, layout)
+    if how == "extra" and not layout and block:
+        layout = [(0, len(block))]  # no per-parameter info: the buffer is one opaque argument
     grid = (int(params.gridDimX), int(params.gridDimY), int(params.gridDimZ))
     pointers = []
     for off in range(0, len(block) - 7, 8):
@@ -150,11 +178,11 @@ def _decode_kernel(node, oracle: AddressOracle) -> RawNode:
         kind=TaskKind.KERNEL, name=name, short_name=short_kernel_name(name), grid=grid,
         block=(int(params.blockDimX), int(params.blockDimY), int(params.blockDimZ)),
         shared_mem=int(params.sharedMemBytes), param_layout=layout, params=block,
-        pointers=pointers)
+        pointers=pointers, fields={"args": how} if how != "params" else {})
 
 
 def _decode_memset(node) -> RawNode:
-    p = driver.call("cuGraphMemsetNodeGetParams", node)
+    p = driver.memset_node_params(node)
     dst, width, height = int(p.dst), int(p.width), max(int(p.height), 1)
     element, pitch = int(p.elementSize), int(p.pitch)
     extent = (height - 1) * pitch + width * element
@@ -177,7 +205,7 @@ def _copy_side(p, side: str) -> tuple[int, int, int]:
 
 
 def _decode_memcpy(node) -> RawNode:
-    p = driver.call("cuGraphMemcpyNodeGetParams", node)
+    p = driver.memcpy_node_params(node)
     src_type, src, src_extent = _copy_side(p, "src")
     dst_type, dst, dst_extent = _copy_side(p, "dst")
     ranges = []

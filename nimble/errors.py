@@ -30,6 +30,11 @@ class VerificationError(NimbleError):
     """The rebuilt graph did not reproduce the single-stream reference bit for bit."""
 
 
+class WeightsChangedError(NimbleError):
+    """A weight the prepared graph reads changed in a way the graph cannot follow (its dtype,
+    shape or layout, or it is gone): prepare again."""
+
+
 class CudaError(NimbleError):
     """A CUDA driver call failed.  ``call`` names the function, ``name`` the ``CUDA_ERROR_*`` code."""
 

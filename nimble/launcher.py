@@ -13,14 +13,22 @@ layout is copied by torch, which knows strides.
 
 The graph's exec serializes its own launches, but the writes ahead of a launch do not: when a call
 comes on another stream than the previous one, the new stream first waits for everything queued on
-the old one.
+the old one.  Calls may come from any thread: the first call on a thread makes the graph's CUDA
+context current there, and a lock makes each call's writes, launch and output copies one unit, so
+calls from several threads are serialized in the order they take the lock (each on its caller's
+stream, ordered after the previous call's).
+
+A graph that draws random numbers reads the generator's seed and offset from two cells of its
+own; each call writes them from torch's CUDA generator and advances the generator's offset by what
+one launch consumes, as ``torch.cuda.graph``'s replay does.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
 from . import driver
-from .errors import InputError
+from .errors import CudaError, InputError
 
 
 class InputSlot(NamedTuple):
@@ -33,6 +41,15 @@ class InputSlot(NamedTuple):
     dtype: Any
     dense: bool  # the slot is contiguous: a flat byte copy of a contiguous input fills it
     cell: int = 0  # device address the graph's gather node reads the source from (0: no gather)
+
+
+class RngCells(NamedTuple):
+    """Where a graph reads the random generator's seed and offset, and what a launch consumes."""
+
+    generator: Any  # torch's CUDA generator of the device
+    seed_cell: int
+    offset_cell: int
+    increment: int  # Philox offset one launch consumes
 
 
 def _raw_stream_getter(device_index: int) -> Callable[[], int]:
@@ -48,11 +65,12 @@ class Launcher:
     """Runs one instantiated graph on the caller's current stream; see :meth:`run`."""
 
     __slots__ = ("_exec", "_slots", "_device", "_outputs", "_unflatten", "return_copies",
-                 "_raw_stream", "_streams", "_launch", "_copy", "_write", "_tensor_type",
-                 "_last_stream", "_switch_event", "_record", "_wait")
+                 "_raw_stream", "_streams", "_api", "_tensor_type", "_last_stream",
+                 "_switch_event", "_context", "_threads", "_lock", "_rng")
 
     def __init__(self, exec_handle, slots: Sequence[InputSlot], device, outputs: list,
-                 output_spec, return_copies: bool = False) -> None:
+                 output_spec, context, rng: RngCells | None = None,
+                 return_copies: bool = False) -> None:
         import torch
         from torch.utils._pytree import tree_unflatten
 
@@ -65,30 +83,56 @@ class Launcher:
             (lambda flat: tree_unflatten(flat, output_spec))
         self._raw_stream = _raw_stream_getter(device.index or 0)
         self._streams: dict[int, Any] = {}
-        self._launch = driver.checked("cuGraphLaunch")
-        self._copy = driver.checked("cuMemcpyDtoDAsync")
-        self._write = driver.checked("cuStreamWriteValue64")
-        self._record = driver.checked("cuEventRecord")
-        self._wait = driver.checked("cuStreamWaitEvent")
+        self._api = driver.CallPath()
         self._tensor_type = torch.Tensor
         self._last_stream = None
         self._switch_event = driver.Event.create(timing=False)
+        self._context = context
+        self._threads = {threading.get_ident()}
+        self._lock = threading.Lock()
+        self._rng = rng
 
     def close(self) -> None:
-        """Free the stream-switch event (idempotent)."""
-        self._switch_event.close()
+        """Wait for the last call's work, then free the stream-switch event (idempotent)."""
+        with self._lock:
+            if self._last_stream is not None and not self._switch_event.closed:
+                try:
+                    driver.stream_synchronize(self._last_stream)
+                except CudaError:  # the caller's stream is gone: wait for everything instead
+                    driver.synchronize_context()
+            self._switch_event.close()
 
     @property
     def slots(self) -> tuple[InputSlot, ...]:
         """The input slots, in call order."""
         return self._slots
 
+    @property
+    def outputs(self) -> list:
+        """The output tensors (views into the arena), flattened."""
+        return self._outputs
+
+    @property
+    def rng(self) -> RngCells | None:
+        """The generator cells the graph reads (None for a graph without random numbers)."""
+        return self._rng
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held during each call; hold it to change the graph between calls."""
+        return self._lock
+
+    @property
+    def last_stream(self):
+        """The stream of the latest call (None before the first)."""
+        return self._last_stream
+
     def stream(self):
         """The caller's current stream as a ``CUstream`` (one object per stream, kept)."""
         raw = self._raw_stream()
         stream = self._streams.get(raw)
         if stream is None:
-            stream = self._streams[raw] = driver.bindings().CUstream(raw)
+            stream = self._streams[raw] = driver.stream(raw)
         return stream
 
     def _bad_input(self, i: int, x) -> InputError:
@@ -106,33 +150,55 @@ class Launcher:
         if len(inputs) != len(slots):
             raise InputError(f"the model was prepared with {len(slots)} input(s), got "
                              f"{len(inputs)}")
-        stream = self.stream()
-        if stream is not self._last_stream:
-            self._join(stream)
         for i, x in enumerate(inputs):
             slot = slots[i]
             if not (isinstance(x, self._tensor_type) and x.shape == slot.shape
                     and x.dtype == slot.dtype and x.device == self._device):
                 raise self._bad_input(i, x)
-            if slot.cell:
-                # A strided input is made contiguous first; torch frees the copy in stream
-                # order, after the graph has read it.
-                source = x if x.is_contiguous() else x.contiguous()
-                self._write(stream, slot.cell, source.data_ptr(), 0)
-            elif slot.dense and x.is_contiguous():
-                self._copy(slot.address, x.data_ptr(), slot.nbytes, stream)
-            else:
-                slot.tensor.copy_(x)
-        self._launch(self._exec, stream)
-        if self.return_copies:
-            return [o.clone() for o in self._outputs]
-        return self._outputs
+        if threading.get_ident() not in self._threads:
+            self._enter_thread()
+        api = self._api
+        with self._lock:
+            stream = self.stream()
+            if stream is not self._last_stream:
+                self._join(stream)
+            for slot, x in zip(slots, inputs):
+                if slot.cell:
+                    # A strided input is made contiguous first; torch frees the copy in stream
+                    # order, after the graph has read it.
+                    source = x if x.is_contiguous() else x.contiguous()
+                    api.write64(stream, slot.cell, source.data_ptr(), 0)
+                elif slot.dense and x.is_contiguous():
+                    api.copy(slot.address, x.data_ptr(), slot.nbytes, stream)
+                else:
+                    slot.tensor.copy_(x)
+            if self._rng is not None:
+                self._draw(stream)
+            api.launch(self._exec, stream)
+            if self.return_copies:
+                return [o.clone() for o in self._outputs]
+            return self._outputs
+
+    def _draw(self, stream) -> None:
+        """Hand this launch the generator's seed and offset, and advance the offset past it."""
+        rng = self._rng
+        gen = rng.generator
+        offset = gen.get_offset()
+        gen.set_offset(offset + rng.increment)
+        self._api.write64(stream, rng.seed_cell, gen.initial_seed(), 0)
+        self._api.write64(stream, rng.offset_cell, offset, 0)
+
+    def _enter_thread(self) -> None:
+        """Make the graph's context current on a thread that has not called before."""
+        self._api.set_context(self._context)
+        with self._lock:
+            self._threads.add(threading.get_ident())
 
     def _join(self, stream) -> None:
         """Order ``stream`` after all work queued so far on the previous call's stream."""
         if self._last_stream is not None:
-            self._record(self._switch_event.handle, self._last_stream)
-            self._wait(stream, self._switch_event.handle, 0)
+            self._api.record(self._switch_event.handle, self._last_stream)
+            self._api.wait(stream, self._switch_event.handle, 0)
         self._last_stream = stream
 
     def run(self, inputs: Sequence):

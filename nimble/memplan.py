@@ -16,12 +16,18 @@ Task sets are handled as reachability bitsets over ``n + 2`` positions: tasks ``
 sink at ``n`` and the source at ``n + 1``.  ``plan_memory`` and ``check_plan`` compute
 reachability separately (numpy rows and Python ints) so that the checker does not inherit the
 planner's mistakes.
+
+``check_plan`` also checks the edges themselves, on every buffer whatever its kind (parameters and
+external memory included, which the plan does not move): two accesses of overlapping bytes, at
+least one a write, must come from tasks a path of edges orders.
 """
 from __future__ import annotations
 
 import bisect
+import heapq
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NoReturn
 
 import numpy as np
 
@@ -284,28 +290,110 @@ def _check_layout(graph: TaskGraph, plan: MemPlan) -> None:
                                f"outside the {plan.arena_bytes}-byte arena")
 
 
-def _check_races(items: list[tuple[int, int, int, int, bool]], reach: list[int]) -> None:
-    """Accesses to one buffer: overlapping ones with a write must come from ordered tasks.
+def _collect_accesses(graph: TaskGraph, offsets: dict[int, int]
+                      ) -> tuple[dict[int, list[tuple[int, int, int, bool]]],
+                                 list[tuple[int, int, int, int, bool]]]:
+    """Every access that touches a byte, in one pass over the tasks.
 
-    This is a property of the edges more than of the plan: a missing dependency shows up here.
+    Returns ``(by_buffer, arena)``: ``by_buffer[b]`` lists ``(lo, hi, task, write)`` in bytes of
+    buffer ``b`` itself, for every buffer of any kind, in task order; ``arena`` lists
+    ``(lo, hi, task, buffer, write)`` in arena bytes for the planned buffers (those in
+    ``offsets``).
     """
-    by_buffer: dict[int, list[tuple[int, int, int, bool]]] = {}
-    for lo, hi, task, buf, write in items:
-        by_buffer.setdefault(buf, []).append((lo, hi, task, write))
+    by_buffer: defaultdict[int, list[tuple[int, int, int, bool]]] = defaultdict(list)
+    for t in graph.tasks:
+        tid = t.id
+        for a in t.accesses:
+            if a.size > 0:
+                by_buffer[a.buffer].append((a.offset, a.offset + a.size, tid, a.write))
+    arena = [(base + lo, base + hi, task, buf, write) for buf, accs in by_buffer.items()
+             if (base := offsets.get(buf)) is not None for lo, hi, task, write in accs]
+    return by_buffer, arena
+
+
+def _check_races(graph: TaskGraph, offsets: dict[int, int],
+                 by_buffer: dict[int, list[tuple[int, int, int, bool]]], reach: list[int]) -> None:
+    """Overlapping accesses to one buffer, at least one a write, must come from ordered tasks.
+
+    Every buffer is checked, whatever its kind: planned ones and the ones that stay where the
+    model has them (parameters, external memory, and any kind a recorder adds).  This is a
+    property of the edges more than of the plan: a missing dependency shows up here.  Buffers
+    that are only ever read, or only by one task, cannot race and are skipped.
+    """
     for buf, accs in by_buffer.items():
-        accs.sort()
-        active: list[tuple[int, int, int, bool]] = []
-        for lo, hi, task, write in accs:
-            active = [x for x in active if x[1] > lo]
-            for _, ohi, other, owrite in active:
-                if (write or owrite) and other != task:
-                    a, b = min(task, other), max(task, other)
-                    if not reach[a] >> b & 1:  # ids are topological: only a can reach b
-                        raise MemPlanError(
-                            f"tasks {a} and {b} both access buffer {buf} at arena bytes "
-                            f"[{lo}, {min(hi, ohi)}), at least one writes, and neither "
-                            f"happens-before the other")
-            active.append((lo, hi, task, write))
+        if accs[0][2] != accs[-1][2] and any(acc[3] for acc in accs):
+            _check_buffer_races(graph, offsets, buf, sorted(accs), reach)
+
+
+def _check_buffer_races(graph: TaskGraph, offsets: dict[int, int], buf: int,
+                        accs: list[tuple[int, int, int, bool]], reach: list[int]) -> None:
+    """One buffer's ``(lo, hi, task, write)`` accesses, sorted, swept by start byte.
+
+    The *active* accesses (those still covering the sweep's byte) all overlap one another, and
+    every conflicting pair among them has been checked when the later one arrived.  So the
+    active writes form a chain in happens-before order, which is task-id order, and every active
+    read is ordered against every active write.  A new access of task ``t`` then needs only:
+    the nearest active writes below and above ``t`` (transitivity covers the rest of the chain)
+    and, if it writes, the active reads of tasks strictly between those two writes (a read
+    below the lower one precedes it, which precedes ``t``; symmetrically above).  Each check that
+    fails names a real pair of overlapping accesses; when none fails every pair is ordered.  The
+    cost stays near-linear where many tasks write one buffer (one check per access) instead of
+    growing with the number of overlapping pairs.
+    """
+    expiry: list[tuple[int, int, bool]] = []  # heap of (hi, task, write) of the active accesses
+    writes: list[tuple[int, int]] = []  # active writes as (task, hi), sorted
+    reads: list[tuple[int, int]] = []  # active reads as (task, hi), sorted
+    # ids are topological, so of two tasks only the lower one can reach the other
+    for lo, hi, task, write in accs:
+        while expiry and expiry[0][0] <= lo:  # half-open: an access ending at lo is gone
+            h, t, w = heapq.heappop(expiry)
+            active = writes if w else reads
+            del active[bisect.bisect_left(active, (t, h))]
+        if writes:
+            i = bisect.bisect_left(writes, (task,))
+            j = bisect.bisect_left(writes, (task + 1,), i)  # writes[i:j]: this task's own
+            below = writes[i - 1][0] if i else -1
+            above = writes[j][0] if j < len(writes) else -1
+            if below >= 0 and not reach[below] >> task & 1:
+                _race(graph, offsets, buf, (below, True), (task, write), lo,
+                      min(hi, writes[i - 1][1]))
+            if above >= 0 and not reach[task] >> above & 1:
+                _race(graph, offsets, buf, (task, write), (above, True), lo,
+                      min(hi, writes[j][1]))
+        else:
+            below = above = -1
+        if write:
+            if reads:
+                r_lo = bisect.bisect_left(reads, (below + 1,)) if below >= 0 else 0
+                r_hi = bisect.bisect_left(reads, (above,)) if above >= 0 else len(reads)
+                for other, ohi in reads[r_lo:r_hi]:
+                    if other < task:
+                        if not reach[other] >> task & 1:
+                            _race(graph, offsets, buf, (other, False), (task, True), lo,
+                                  min(hi, ohi))
+                    elif other > task and not reach[task] >> other & 1:
+                        _race(graph, offsets, buf, (task, True), (other, False), lo,
+                              min(hi, ohi))
+            bisect.insort(writes, (task, hi))
+        else:
+            bisect.insort(reads, (task, hi))
+        heapq.heappush(expiry, (hi, task, write))
+
+
+def _race(graph: TaskGraph, offsets: dict[int, int], buf: int, first: tuple[int, bool],
+          second: tuple[int, bool], lo: int, hi: int) -> NoReturn:
+    """Raise for accesses of tasks ``first`` and ``second`` (``(task, write)``, lower id first)
+    that share bytes ``[lo, hi)`` of buffer ``buf`` with no path between them."""
+    info = graph.buffers[buf]
+    what = info.kind + (f" {info.name!r}" if info.name else "")
+    where = f"bytes [{lo}, {hi})"
+    if buf in offsets:
+        where += f" (arena bytes [{offsets[buf] + lo}, {offsets[buf] + hi}))"
+    (a, wa), (b, wb) = first, second
+    verb = {True: "writes", False: "reads"}
+    raise MemPlanError(
+        f"tasks {a} and {b} both access buffer {buf} ({what}) at {where}: task {a} {verb[wa]}, "
+        f"task {b} {verb[wb]}, and neither happens-before the other")
 
 
 def _merged_ranges(items: list[tuple[int, int, int, int, bool]]) -> list[tuple[int, int, int]]:
@@ -402,7 +490,9 @@ def check_plan(graph: TaskGraph, edges: Iterable[tuple[int, int]], plan: MemPlan
     * the layout: every relocatable buffer (and nothing else) has an aligned offset inside the
       arena;
     * races: two accesses to the same bytes of one buffer, at least one a write, come from tasks
-      ordered by ``edges`` (a missing edge, not a bad offset, makes this fail);
+      ordered by ``edges`` (a missing edge, not a bad offset, makes this fail).  This holds for
+      every buffer, whatever its kind: parameters and external memory, which keep their
+      recorded addresses, race just as planned buffers do;
     * lifetimes: when accesses of two different buffers touch common arena bytes, every access of
       one happens-before every access of the other.  This covers unordered tasks on parallel
       branches and also ordered clobbers (buffer B written between two accesses of A).  The host
@@ -416,13 +506,9 @@ def check_plan(graph: TaskGraph, edges: Iterable[tuple[int, int]], plan: MemPlan
     _check_layout(graph, plan)
     reach = _strict_reach_ints(n, edge_list)
     relocatable = plan.offsets
-    items: list[tuple[int, int, int, int, bool]] = []  # (lo, hi, position, buffer, write)
-    for t in graph.tasks:
-        for a in t.accesses:
-            if a.buffer in relocatable and a.size > 0:
-                base = relocatable[a.buffer] + a.offset
-                items.append((base, base + a.size, t.id, a.buffer, a.write))
-    _check_races(items, reach)
+    # items: (lo, hi, position, buffer, write) in arena bytes, the planned buffers only
+    by_buffer, items = _collect_accesses(graph, relocatable)
+    _check_races(graph, relocatable, by_buffer, reach)
     for b in graph.buffers:
         if b.id in relocatable and b.size > 0 and b.kind in (BufferKind.INPUT, BufferKind.OUTPUT):
             host = n + 1 if b.kind == BufferKind.INPUT else n

@@ -81,6 +81,19 @@ def input_size(name: str) -> int:
             BUILTIN: 64}.get(name, 224)
 
 
+def package_of(name: str) -> str | None:
+    """The package a model needs beyond torch (``torchvision`` or ``timm``), None for built-ins.
+
+    Raises ``ValueError`` for an unknown name.
+    """
+    if name in (BUILTIN, CHAINS):
+        return None
+    if name not in ZOO:
+        raise ValueError(f"unknown model {name!r}: choose {BUILTIN}, {CHAINS} or one of "
+                         f"{', '.join(ZOO)}")
+    return "timm" if name in ("nasnetalarge", "pnasnet5large") else "torchvision"
+
+
 def create(name: str):
     """A freshly initialised model by name (``branchy``, ``gemm_chains`` or a zoo name), in eval mode, on the CPU.
 
@@ -88,25 +101,19 @@ def create(name: str):
     when the zoo packages are missing.
     """
     factories: dict[str, Callable] = {BUILTIN: _branchy, CHAINS: _gemm_chains}
-    if name in factories:
+    package = package_of(name)
+    if package is None:
         return factories[name]().eval()
-    if name not in ZOO:
-        raise ValueError(f"unknown model {name!r}: choose {BUILTIN}, {CHAINS} or one of "
-                         f"{', '.join(ZOO)}")
-    if name in ("nasnetalarge", "pnasnet5large"):
-        try:
-            import timm
-        except ImportError as e:
-            raise ImportError(f"{name} needs timm: pip install 'nimble[zoo]'") from e
-        return timm.create_model(name, pretrained=False).eval()
     try:
-        import torchvision
+        module = __import__(package)
     except ImportError as e:
-        raise ImportError(f"{name} needs torchvision: pip install 'nimble[zoo]'") from e
+        raise ImportError(f"{name} needs {package}: pip install 'nimble[zoo]'") from e
+    if package == "timm":
+        return module.create_model(name, pretrained=False).eval()
     kwargs = {"weights": None}
     if name in ("inception_v3", "googlenet"):
         kwargs.update(aux_logits=False, init_weights=False)
-    return getattr(torchvision.models, name)(**kwargs).eval()
+    return getattr(module.models, name)(**kwargs).eval()
 
 
 def example_input(name: str, batch: int = 1, device: str = "cuda"):

@@ -13,6 +13,7 @@ forward *and* backward for training reuses all of this.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,8 +22,8 @@ from typing import Any, Callable, Sequence
 from . import driver
 from .decode import AddressOracle, decode_node
 from .errors import CaptureError, InputError, NoGpuError, RecordError
-from .resolve import (AllocEvent, DeviceRange, RawCapture, TensorSpec, build_taskgraph,
-                      unresolved_in_pool)
+from .resolve import (RNG_OFFSET, RNG_SEED, AllocEvent, DeviceRange, RawCapture, TensorSpec,
+                      build_taskgraph, mark_rng_cells, unresolved_in_pool)
 from .taskgraph import BufferKind, TaskGraph
 
 
@@ -41,7 +42,6 @@ class Recording:
     static_inputs: list
     static_outputs: list
     output_spec: Any
-    raw: RawCapture
     seconds: dict = field(default_factory=dict)
 
     def replay_reference(self, inputs: Sequence) -> list:
@@ -141,22 +141,19 @@ def _alloc_counter(device: int) -> Callable[[], int]:
     return count
 
 
-def _node_counter() -> tuple[Callable[[], int], list]:
+def _node_counter() -> Callable[[], int]:
     """A counter of the capturing graph's nodes; the graph is found at the first call."""
     import torch
 
-    drv = driver.bindings()
     state: list = [None]
 
     def count() -> int:
         if state[0] is None:
-            stream = drv.CUstream(torch.cuda.current_stream().cuda_stream)
-            info = driver.call("cuStreamGetCaptureInfo", stream)
-            if info[0] != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+            state[0] = driver.capture_graph(torch.cuda.current_stream().cuda_stream)
+            if state[0] is None:
                 raise CaptureError("the op tracer ran outside of an active stream capture")
-            state[0] = info[2]
-        return int(driver.call("cuGraphGetNodes", state[0], 0)[1])
-    return count, state
+        return driver.node_count(state[0])
+    return count
 
 
 def _tensor_spec(t) -> TensorSpec:
@@ -248,9 +245,6 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
     marked unresolved (for debugging).
     """
     import torch
-    from torch.utils._pytree import tree_flatten
-
-    from .tracer import ModulePaths, OpTracer
 
     if not torch.cuda.is_available():
         raise NoGpuError("no CUDA GPU or driver found (torch.cuda.is_available() is False)")
@@ -264,16 +258,67 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
     check_no_host_sync(fn, name)
     seconds["warmup"] = time.perf_counter() - t0
 
-    device = torch.cuda.current_device()
-    before = torch.cuda.memory_snapshot()
-    externals, _ = _snapshot_blocks({"segments": before})
-    statics = _statics(module, static_inputs)
-
     t0 = time.perf_counter()
     _progress("capturing one forward on a single stream", quiet)
+    captured = _capture(fn, module, name)
+    seconds["capture"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    graph, nodes, outputs, out_spec = _decode(
+        captured, _statics(module, static_inputs), static_inputs, name, quiet, strict,
+        meta={"model": name, "training": training,
+              "device": torch.cuda.get_device_name(captured.device), "torch": torch.__version__,
+              "batch": int(static_inputs[0].shape[0])
+              if static_inputs and static_inputs[0].dim() else 0,
+              "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    find_rng_cells(captured.torch_graph, graph, captured.device)
+    seconds["decode"] = time.perf_counter() - t0
+    graph.meta["record_seconds"] = dict(seconds)
+    return Recording(graph, captured.torch_graph, nodes, static_inputs, outputs, out_spec,
+                     seconds)
+
+
+@dataclass
+class _Captured:
+    """What one capture leaves: the torch graph, the forward's result, and the memory story."""
+
+    torch_graph: Any
+    output: Any
+    ops: list
+    allocs: list[AllocEvent]
+    pool: list[DeviceRange]
+    externals: list[DeviceRange]  # allocator blocks alive before capture
+    device: int
+
+
+def _clear_blas_workspaces() -> None:
+    """Drop torch's cached cuBLAS/cuBLASLt workspaces (one per handle and stream).
+
+    Before a capture, so that the workspaces its GEMMs use are allocated inside it, where the
+    recording sees them as op scratch and the arena takes them over; a workspace cached from an
+    earlier capture on the same stream lives in *that* capture's pool and would be shared by the
+    new graph without being owned by it.  After the capture, so that later work does not keep
+    using a workspace inside this capture's pool (torch's cudagraph trees do the same).
+    """
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+def _capture(fn: Callable[[], Any], module, name: str) -> _Captured:
+    """Capture ``fn()`` on one stream while tracing ops and logging every allocation."""
+    import torch
+
+    from .tracer import ModulePaths, OpTracer
+
+    device = torch.cuda.current_device()
+    externals, _ = _snapshot_blocks({"segments": torch.cuda.memory_snapshot()})
     torch_graph = torch.cuda.CUDAGraph(keep_graph=True)
-    node_count, graph_holder = _node_counter()
+    node_count = _node_counter()
     alloc_count = _alloc_counter(device)
+    _clear_blas_workspaces()
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                              clear_history=True)
     try:
@@ -295,7 +340,7 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
         snap = torch.cuda.memory._snapshot(device)
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    seconds["capture"] = time.perf_counter() - t0
+        _clear_blas_workspaces()
 
     trace = snap.get("device_traces", [[]])[device] if snap.get("device_traces") else []
     allocs = [e for e in trace if e.get("action") == "alloc"]
@@ -308,37 +353,41 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
     alloc_events = [AllocEvent(alloc_base + i, int(e["addr"]), -(-int(e["size"]) // 512) * 512)
                     for i, e in enumerate(allocs)]
     _, pool = _snapshot_blocks(snap, torch_graph.pool())
+    return _Captured(torch_graph, out, tracer.ops, alloc_events, pool, externals, device)
 
-    t0 = time.perf_counter()
-    out_leaves, out_spec = tree_flatten(out)
+
+def _decode(captured: _Captured, statics: list[DeviceRange], static_inputs: list, name: str,
+            quiet: bool, strict: bool, meta: dict) -> tuple[TaskGraph, list, list, Any]:
+    """``(graph, nodes, outputs, output spec)``: every node decoded, every address resolved."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    out_leaves, out_spec = tree_flatten(captured.output)
     outputs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
     if not outputs or len(outputs) != len(out_leaves):
         raise InputError(f"the forward of {name} must return a tensor or a (nested) tuple, list "
-                         f"or dict of tensors; got {type(out).__name__}")
-    cu_graph = driver.bindings().CUgraph(torch_graph.raw_cuda_graph())
-    count = int(driver.call("cuGraphGetNodes", cu_graph, 0)[1])
-    nodes = list(driver.call("cuGraphGetNodes", cu_graph, count)[0])[:count]
-    _progress(f"decoding {count} graph nodes from {len(tracer.ops)} ops", quiet)
+                         f"or dict of tensors; got {type(captured.output).__name__}")
+    nodes = driver.graph_nodes(driver.bindings().CUgraph(captured.torch_graph.raw_cuda_graph()))
+    _progress(f"decoding {len(nodes)} graph nodes from {len(captured.ops)} ops", quiet)
     oracle = AddressOracle()
     raw_nodes = [decode_node(n, oracle) for n in nodes]
+    externals = list(captured.externals)
+    pool = captured.pool
     pool_index = {(r.address, r.size) for r in pool}
     for r in oracle.ranges:
         if (r.address, r.size) not in pool_index and not any(
                 p.address <= r.address < p.end for p in pool):
             externals.append(DeviceRange(r.address, r.size, f"device allocation@{r.address:#x}"))
     raw = RawCapture(
-        ops=tracer.ops, nodes=raw_nodes, allocs=alloc_events, statics=statics,
+        ops=captured.ops, nodes=raw_nodes, allocs=captured.allocs, statics=statics,
         externals=[e for e in externals if not any(
             s.address <= e.address < s.end for s in statics)],
         pool=pool, inputs=[_tensor_spec(x) for x in static_inputs],
         outputs=[_tensor_spec(x) for x in outputs],
-        meta={"model": name, "training": training, "device": torch.cuda.get_device_name(device),
-              "torch": torch.__version__, "batch": int(static_inputs[0].shape[0])
-              if static_inputs and static_inputs[0].dim() else 0,
-              "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "allocations": len(alloc_events), "pool_bytes": sum(r.size for r in pool)})
-    if hasattr(torch_graph, "instantiate"):  # keep_graph=True leaves that to the first replay
-        torch_graph.instantiate()
+        meta={**meta, "allocations": len(captured.allocs),
+              "pool_bytes": sum(r.size for r in pool)})
+    if hasattr(captured.torch_graph, "instantiate"):  # keep_graph=True leaves that to replay
+        captured.torch_graph.instantiate()
     graph = build_taskgraph(raw)
     bad = unresolved_in_pool(graph, raw)
     graph.meta["unresolved_in_pool"] = len(bad)
@@ -349,6 +398,55 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
         if strict:
             raise RecordError(message)
         graph.meta["unresolved_report"] = message
-    seconds["decode"] = time.perf_counter() - t0
-    graph.meta["record_seconds"] = dict(seconds)
-    return Recording(graph, torch_graph, nodes, static_inputs, outputs, out_spec, raw, seconds)
+    return graph, nodes, outputs, out_spec
+
+
+def find_rng_cells(torch_graph, graph: TaskGraph, device: int) -> int:
+    """Find where the captured RNG kernels read the generator's seed and offset; mark them.
+
+    One replay of the captured graph with a distinctive seed and offset shows both: torch's
+    replay writes them into the two cells its Philox kernels read, and advances the generator's
+    offset by what the whole graph consumes.  Every 8-byte word that a kernel points at in op
+    scratch or outside memory is read back; the words holding the seed and the offset are the
+    cells (:func:`~nimble.resolve.mark_rng_cells`).  The generator's state is restored.  Returns
+    the offset increment per launch (0 for a graph that draws no random numbers), also kept in
+    ``graph.meta["rng"]``.
+    """
+    import torch
+
+    gen = torch.cuda.default_generators[device]
+    saved = gen.get_state()
+    seed = int.from_bytes(os.urandom(7), "little") | 1 << 56
+    offset = 4 * (int.from_bytes(os.urandom(4), "little") | 1 << 32)
+    cells: dict[int, str] = {}
+    try:
+        gen.manual_seed(seed)
+        gen.set_offset(offset)
+        torch_graph.replay()
+        torch.cuda.synchronize()
+        increment = gen.get_offset() - offset
+        if increment:
+            candidates = sorted({p.value for t in graph.tasks for p in t.pointers
+                                 if p.buffer >= 0 and graph.buffers[p.buffer].kind in
+                                 (BufferKind.SCRATCH, BufferKind.EXTERNAL)
+                                 and p.offset + 8 <= graph.buffers[p.buffer].size})
+            for value in candidates:
+                word = int.from_bytes(driver.copy_to_host(value, 8), "little")
+                if word in (seed, offset):
+                    cells[value] = RNG_SEED if word == seed else RNG_OFFSET
+    finally:
+        gen.set_state(saved)
+    if not increment:
+        return 0
+    if set(cells.values()) != {RNG_SEED, RNG_OFFSET}:
+        raise RecordError(
+            f"the forward draws random numbers (each replay advances the CUDA generator's "
+            f"offset by {increment}), but Nimble found no kernel reading the generator's seed "
+            "and offset cells; random ops that take their own torch.Generator are not "
+            "supported: use the default generator (torch.manual_seed)")
+    try:
+        mark_rng_cells(graph, cells)
+    except ValueError as e:
+        raise RecordError(f"cannot isolate the random generator's cells: {e}") from e
+    graph.meta["rng"] = {"increment": increment, "cells": len(cells)}
+    return increment

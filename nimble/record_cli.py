@@ -20,6 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from .cli import check_models, require_gpu
+
+    check_models([args.model])
+    require_gpu("record")
     import torch
 
     from .record import record

@@ -16,6 +16,13 @@ op *k*'s window that covers it, so two allocations the caching allocator put at 
 two buffers.  An allocation some tensor lives in is an intermediate (or an output); one that no
 tensor names but kernels point into is **scratch**, and every op using it gets its own scratch
 buffer, because a library workspace carries nothing from one call to the next.
+
+Allocations one op makes *inside its own window* that overlap in address (a fused op such as
+``aten::_transformer_encoder_layer_fwd`` frees an internal temporary and allocates the next one, or
+its output, in the same bytes) form one **region**: a pointer into those bytes cannot say which of
+them a kernel meant, so they become one buffer spanning all of them, and the op's own tasks get
+read-write access to all of it.  Resolving such a pointer to the latest allocation alone once let a
+kernel write a 1 MiB temporary into a 256 KiB buffer's arena slot.
 """
 from __future__ import annotations
 
@@ -45,7 +52,6 @@ class OpRecord:
     alloc_begin: int
     alloc_end: int
     spans: list[TensorSpan] = field(default_factory=list)
-    fresh: list[TensorSpan] = field(default_factory=list)  # newly allocated returns
 
 
 @dataclass(slots=True)
@@ -169,13 +175,15 @@ class _Resolver:
         self._allocs = sorted(raw.allocs, key=lambda a: a.ordinal)
         self._statics = _range_index(raw.statics)
         self._externals = _range_index(raw.externals)
-        self._pool = _range_index(raw.pool)
         self.static_buffer = [self._new(r.kind, r.size, r.address, r.name) for r in raw.statics]
         self.external_buffer: dict[int, int] = {}
-        self.tensor_buffer: dict[int, int] = {}  # allocation index -> buffer id
+        self.tensor_buffer: dict[int, int] = {}  # region (its first allocation) -> buffer id
         self.alloc_op: list[int] = self._alloc_ops()
-        self.stats = {"ambiguous_addresses": 0, "unlisted_pointer_accesses": 0,
-                      "op_accesses_without_pointer": 0}
+        self.region, self.extent = self._regions()
+        self.stats = {"allocations_reused_in_op": sum(
+                          1 for i, rep in enumerate(self.region)
+                          if rep != i or self.members(i) > 1),
+                      "unlisted_pointer_accesses": 0, "op_accesses_without_pointer": 0}
 
     def _alloc_ops(self) -> list[int]:
         begins = [op.alloc_begin for op in self.raw.ops]
@@ -185,6 +193,46 @@ class _Resolver:
             inside = i >= 0 and a.ordinal < self.raw.ops[i].alloc_end
             owner.append(i if inside else -1)
         return owner
+
+    def _regions(self) -> tuple[list[int], dict[int, tuple[int, int, int]]]:
+        """Per allocation, its region's first allocation; per region ``(start, end, members)``.
+
+        A region joins the allocations one op made inside its own window whose bytes overlap,
+        directly or through others; every other allocation is a region of its own.
+        """
+        region = list(range(len(self._allocs)))
+
+        def root(i: int) -> int:
+            while region[i] != i:
+                region[i] = region[region[i]]
+                i = region[i]
+            return i
+
+        by_op: dict[int, list[int]] = {}
+        for i, k in enumerate(self.alloc_op):
+            if k >= 0:
+                by_op.setdefault(k, []).append(i)
+        for members in by_op.values():
+            members.sort(key=lambda i: self._allocs[i].address)
+            end, last = -1, -1
+            for i in members:
+                a = self._allocs[i]
+                if a.address < end:
+                    x, y = root(i), root(last)
+                    region[max(x, y)] = min(x, y)
+                if a.address + a.size > end:
+                    end, last = a.address + a.size, i
+        extent: dict[int, tuple[int, int, int]] = {}
+        for i in range(len(region)):
+            rep = region[i] = root(i)
+            a = self._allocs[i]
+            start, stop, n = extent.get(rep, (a.address, a.address + a.size, 0))
+            extent[rep] = (min(start, a.address), max(stop, a.address + a.size), n + 1)
+        return region, extent
+
+    def members(self, index: int) -> int:
+        """How many allocations share ``index``'s region."""
+        return self.extent[self.region[index]][2]
 
     def _new(self, kind: str, size: int, address: int, name: str, op: int = -1) -> int:
         bid = len(self.buffers)
@@ -216,12 +264,14 @@ class _Resolver:
         return None
 
     def tensor_alloc_buffer(self, index: int, op: int) -> int:
-        if index not in self.tensor_buffer:
-            a = self._allocs[index]
-            self.tensor_buffer[index] = self._new(
-                BufferKind.INTERMEDIATE, a.size, a.address,
+        """The buffer of the region of allocation ``index``, which a tensor lives in."""
+        rep = self.region[index]
+        if rep not in self.tensor_buffer:
+            start, end, _ = self.extent[rep]
+            self.tensor_buffer[rep] = self._new(
+                BufferKind.INTERMEDIATE, end - start, start,
                 f"op{op}:{self.raw.ops[op].name}" if op >= 0 else f"alloc{index}", op)
-        return self.tensor_buffer[index]
+        return self.tensor_buffer[rep]
 
     def just_past_own_allocation(self, k: int, address: int):
         """``('alloc', index)`` of an allocation op ``k`` made that ends just below ``address``.
@@ -236,9 +286,6 @@ class _Resolver:
                     a.address + a.size <= address < a.address + a.size + _PAST_END_SLACK:
                 return ("alloc", index)
         return None
-
-    def in_pool(self, address: int) -> bool:
-        return self._pool.find(address) is not None
 
 
 def _merge_accesses(accesses: list[Access]) -> list[Access]:
@@ -319,8 +366,10 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
     if not task_ids:
         return
     raw_nodes = r.raw.nodes
-    located: dict[int, object] = {}
-    scratch_allocs: set[int] = set()
+    # value -> ("region", first allocation) | ("buffer", id) | None
+    located: dict[int, tuple[str, int] | None] = {}
+    scratch_regions: set[int] = set()
+    own_reused: set[int] = set()  # tensor buffers whose bytes this op itself allocated twice
     for t in task_ids:
         node = raw_nodes[t]
         values = [v for _, v in node.pointers] + [s for _, s, _, _ in node.ranges]
@@ -330,50 +379,48 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
             where = r.locate(v)
             if where is None and k >= 0:
                 where = r.just_past_own_allocation(k, v)
-            located[v] = where
             if where is not None and where[0] == "alloc":
-                if where[1] not in r.tensor_buffer:
-                    scratch_allocs.add(where[1])
-                elif _covered_twice(r, k, v):
-                    r.stats["ambiguous_addresses"] += 1
+                rep = r.region[where[1]]
+                where = ("region", rep)
+                if rep not in r.tensor_buffer:
+                    scratch_regions.add(rep)
+                elif k >= 0 and r.alloc_op[rep] == k and r.members(rep) > 1:
+                    own_reused.add(r.tensor_buffer[rep])
+            located[v] = where
 
-    # Scratch allocations of this op that overlap (freed and re-made inside it) share one buffer.
+    # Scratch regions this op uses that overlap (made by other ops at one address) share a buffer.
     scratch_of: dict[int, int] = {}
-    groups: list[list[int]] = []
-    for idx in sorted(scratch_allocs, key=lambda i: r._allocs[i].address):
-        a = r._allocs[idx]
-        if groups:
-            last = groups[-1]
-            end = max(r._allocs[j].address + r._allocs[j].size for j in last)
-            if a.address < end:
-                last.append(idx)
-                continue
-        groups.append([idx])
-    for group in groups:
-        start = min(r._allocs[j].address for j in group)
-        end = max(r._allocs[j].address + r._allocs[j].size for j in group)
+    groups: list[list] = []  # [start, end, regions]
+    for rep in sorted(scratch_regions, key=lambda j: r.extent[j][0]):
+        start, end, _ = r.extent[rep]
+        if groups and start < groups[-1][1]:
+            groups[-1][1] = max(groups[-1][1], end)
+            groups[-1][2].append(rep)
+        else:
+            groups.append([start, end, [rep]])
+    for start, end, reps in groups:
         bid = r._new(BufferKind.SCRATCH, end - start, start, f"scratch:op{k}", k)
-        for j in group:
-            scratch_of[j] = bid
+        for rep in reps:
+            scratch_of[rep] = bid
 
     op_accesses = graph.ops[k].accesses if k >= 0 else []
     by_buffer: dict[int, list[Access]] = {}
     for a in op_accesses:
         by_buffer.setdefault(a.buffer, []).append(a)
     seen_buffers: set[int] = set()
+
+    def target(value: int) -> int:
+        where = located[value]
+        if where is None:
+            return -1
+        kind, ref = where
+        if kind == "region":
+            return scratch_of[ref] if ref in scratch_of else r.tensor_buffer[ref]
+        return ref
+
     for t in task_ids:
         node, task = raw_nodes[t], graph.tasks[t]
         accesses: list[Access] = []
-
-        def target(value: int) -> int:
-            where = located[value]
-            if where is None:
-                return -1
-            kind, ref = where
-            if kind == "alloc":
-                return scratch_of[ref] if ref in scratch_of else r.tensor_buffer[ref]
-            return ref
-
         for location, value in node.pointers:
             bid = target(value)
             if bid < 0:
@@ -382,7 +429,7 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
             b = r.buffers[bid]
             task.pointers.append(Pointer(location, value, bid, value - b.address))
             seen_buffers.add(bid)
-            if b.kind == BufferKind.SCRATCH:
+            if b.kind == BufferKind.SCRATCH or bid in own_reused:
                 accesses.append(Access(bid, 0, b.size, True))
             elif bid in by_buffer:
                 accesses.extend(by_buffer[bid])
@@ -412,19 +459,46 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
         graph.tasks[t].accesses = _merge_accesses(graph.tasks[t].accesses)
 
 
-def _covered_twice(r: _Resolver, k: int, address: int) -> bool:
-    """Whether two allocations made inside op ``k``'s window both cover ``address``."""
-    if k < 0:
-        return False
-    op = r.raw.ops[k]
-    hits = 0
-    for a in r._allocs:
-        if op.alloc_begin <= a.ordinal < op.alloc_end and a.address <= address < a.address + a.size:
-            hits += 1
-    return hits > 1
-
-
 def unresolved_in_pool(graph: TaskGraph, raw: RawCapture) -> list[tuple[int, Pointer]]:
     """Unresolved pointers that fall inside the capture's memory pool (always a recorder bug)."""
     pool = _range_index(raw.pool)
     return [(t, p) for t, p in graph.unresolved_pointers() if pool.find(p.value) is not None]
+
+
+RNG_SEED = "rng seed"
+RNG_OFFSET = "rng offset"
+
+
+def mark_rng_cells(graph: TaskGraph, cells: dict[int, str]) -> list[int]:
+    """Turn the buffers that captured RNG kernels read their seed and offset from into RNG cells.
+
+    ``cells`` maps the recorded address of each 8-byte cell to its role (:data:`RNG_SEED` or
+    :data:`RNG_OFFSET`).  Under capture, torch's Philox kernels read the seed and offset through
+    pointers into two small tensors of the generator's, which ``torch.cuda.graph``'s replay
+    refills before each launch; the resolver saw them as op scratch.  Each buffer starting at a
+    cell becomes kind ``rng`` of 8 bytes, named by its role, and every access of it a read.
+    Returns the ids of the buffers marked.  Raises ``ValueError`` if a kernel points into such a
+    buffer anywhere but at the cell.
+    """
+    pointed: dict[int, set[int]] = {}
+    for t in graph.tasks:
+        for p in t.pointers:
+            if p.buffer >= 0:
+                pointed.setdefault(p.buffer, set()).add(p.value)
+    marked: list[int] = []
+    for b in graph.buffers:
+        values = pointed.get(b.id, set())
+        if not values & cells.keys():
+            continue
+        if values != {b.address} or b.address not in cells:
+            raise ValueError(
+                f"buffer {b.id} ({b.name}) holds a random generator's cell but kernels point into "
+                f"it at {sorted(hex(v) for v in values)}: cannot tell the cell from other data")
+        b.kind, b.name, b.size = BufferKind.RNG, cells[b.address], 8
+        marked.append(b.id)
+    ids = set(marked)
+    for holder in [*graph.tasks, *graph.ops]:
+        holder.accesses = _merge_accesses(
+            [Access(a.buffer, 0, 8, False) if a.buffer in ids else a for a in holder.accesses])
+    graph.validate()
+    return marked

@@ -20,13 +20,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import driver, ptx
-from .build import BuiltGraph, InputGather, buffer_bases, build_graph
+from .build import BuiltGraph, InputGather, buffer_bases, build_graph, repoint
 from .deps import build_dag, transitive_reduction
-from .errors import NimbleError
-from .launcher import InputSlot, Launcher
+from .errors import InputError, NimbleError
+from .launcher import InputSlot, Launcher, RngCells
 from .memplan import MemPlan, check_plan, plan_memory
+from .resolve import RNG_OFFSET, RNG_SEED
 from .schedule import Schedule, assign_streams, check_schedule
-from .taskgraph import TaskGraph, TensorRef
+from .taskgraph import BufferKind, TaskGraph, TensorRef
+from .weights import EPOCH as WEIGHTS_EPOCH
+from .weights import Weights, watch_modules
 
 _ARENA_ALIGNMENT = 512  # the planner's alignment; the arena base gets at least as much
 
@@ -60,14 +63,6 @@ def input_slot(address: int, ref: TensorRef, owner: Any, device) -> InputSlot:
                      tensor.dtype, tensor.is_contiguous())
 
 
-def stream_writes_supported(device) -> bool:
-    """Whether the GPU takes 64-bit stream memory writes (``cuStreamWriteValue64``)."""
-    drv = driver.bindings()
-    attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
-    return bool(driver.call("cuDeviceGetAttribute", attr,
-                            driver.call("cuDeviceGet", device.index or 0)))
-
-
 def single_stream_schedule(n: int) -> Schedule:
     """Every task on one stream in recorded order (Nimble with multi-stream off)."""
     return Schedule([0] * n, [list(range(n))] if n else [], [], max(n - 1, 0), 1 if n else 0)
@@ -96,29 +91,139 @@ def schedule_within(graph: TaskGraph, max_streams: int | None, arena_limit: int 
 
 @dataclass
 class _Prepared:
+    """One built, verified graph with everything it owns; replaced whole by the next prepare."""
+
     graph: TaskGraph
     schedule: Schedule
     memplan: MemPlan
     built: BuiltGraph
     arena: driver.DeviceMemory
     arena_base: int
-    launcher: Launcher  # the per-call path: input slots, outputs, stream cache
-    device: Any
+    bases: list[int]  # where every buffer lives for the built graph (weights may move)
+    launcher: Launcher  # the per-call path: input slots, outputs, stream cache, lock
+    weights: Weights
     seconds: dict
     recording: Any = None  # kept only with keep_recording=True (debugging)
 
     def close(self) -> None:
+        """Wait for the last call, then free exec, graph and arena (idempotent)."""
         self.launcher.close()
         self.built.close()
         self.arena.close()
         self.recording = None
 
 
+def _rng_cells(graph: TaskGraph, device, at: int) -> tuple[dict[int, int], RngCells | None]:
+    """Bases of the graph's RNG buffers in two cells at ``at`` and ``at + 8``, and the cells."""
+    import torch
+
+    rng = graph.meta.get("rng")
+    if not rng:
+        return {}, None
+    cell = {RNG_SEED: at, RNG_OFFSET: at + 8}
+    bases = {b.id: cell[b.name] for b in graph.buffers if b.kind == BufferKind.RNG}
+    generator = torch.cuda.default_generators[device.index or 0]
+    return bases, RngCells(generator, at, at + 8, int(rng["increment"]))
+
+
+def _plan(graph: TaskGraph, use_multi_stream: bool, max_streams: int | None,
+          arena_limit: int | str | None) -> tuple[Schedule, MemPlan]:
+    """The schedule and the arena plan it allows, checked."""
+    limit = graph.meta.get("pool_bytes") if arena_limit == "pool" else arena_limit
+    if use_multi_stream:
+        schedule, plan = schedule_within(graph, max_streams, limit)
+    else:
+        schedule = single_stream_schedule(len(graph.tasks))
+        plan = plan_memory(graph, schedule.edges())
+    check_plan(graph, schedule.edges(), plan)
+    return schedule, plan
+
+
+def _build(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool,
+           gather_inputs: bool, seconds: dict) -> _Prepared:
+    """Arena, cells, explicit graph and launcher for a planned recording (not yet verified).
+
+    The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
+    address the graph's gather node reads), then the generator's seed and offset cells.
+    """
+    import torch
+
+    graph = rec.graph
+    device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
+    cells_at = -(-plan.arena_bytes // 8) * 8
+    rng_at = cells_at + 8 * len(graph.inputs)
+    extra = 16 if graph.meta.get("rng") else 0
+    arena = driver.DeviceMemory.allocate(rng_at + extra + _ARENA_ALIGNMENT)
+    built = None
+    try:
+        base = -(-arena.address // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
+        bases = buffer_bases(graph, plan, base)
+        rng_bases, rng = _rng_cells(graph, device, base + rng_at)
+        for bid, address in rng_bases.items():
+            bases[bid] = address
+        slots = [input_slot(bases[r.buffer] + r.offset, r, arena, device)
+                 for r in graph.inputs]
+        if gather_inputs and slots and driver.device_supports_stream_writes(device.index or 0):
+            # A cell starts out naming its own slot: a C host that copies into the slot
+            # and launches (without writing the cell) gets a harmless self-copy.
+            slots = [s._replace(cell=base + cells_at + 8 * i) if s.dense else s
+                     for i, s in enumerate(slots)]
+            for s in slots:
+                if s.cell:
+                    driver.copy_to_device(s.cell, s.address.to_bytes(8, "little"))
+        gathers = [InputGather(s.cell, s.address, s.nbytes) for s in slots if s.cell]
+        built = build_graph(graph, rec.nodes, bases, schedule.edges(),
+                            device_launch=device_launch,
+                            upload_stream=driver.stream(torch.cuda.current_stream().cuda_stream),
+                            gathers=gathers,
+                            gather_module=ptx.load("gather_input.ptx") if gathers else None)
+        launcher = Launcher(
+            built.exec.handle, slots, device,
+            [device_tensor(bases[r.buffer] + r.offset, r, arena, device)
+             for r in graph.outputs], rec.output_spec, driver.current_context(), rng)
+    except BaseException:
+        if built is not None:
+            built.close()
+        arena.close()
+        raise
+    return _Prepared(graph=graph, schedule=schedule, memplan=plan, built=built, arena=arena,
+                     arena_base=base, bases=bases, launcher=launcher,
+                     weights=Weights(model, graph), seconds=seconds)
+
+
+def _verify(prepared: _Prepared, rec, relaunches: int) -> None:
+    """The proof: ``relaunches`` poisoned launches equal the recording bit for bit.
+
+    A graph that draws random numbers is given the same generator state as the reference for
+    each input set; the generator is restored afterwards.
+    """
+    import torch
+
+    from .verify import verify_against_reference
+
+    rng = prepared.launcher.rng
+    saved = rng.generator.get_state() if rng else None
+    start = rng.generator.get_offset() if rng else 0
+
+    def rng_at(k: int) -> None:
+        rng.generator.set_offset(start + 4096 * k * max(rng.increment, 4))
+    try:
+        verify_against_reference(
+            prepared.graph, rec.replay_reference, prepared.launcher.run_flat, rec.static_inputs,
+            [(prepared.arena_base, prepared.memplan.arena_bytes)], prepared.launcher.stream(),
+            relaunches=relaunches, rng_at=rng_at if rng else None)
+        torch.cuda.synchronize()
+    finally:
+        if saved is not None:
+            rng.generator.set_state(saved)
+
+
 class Nimble:
     """A PyTorch module run as one ahead-of-time scheduled, multi-stream CUDA graph.
 
-    After :meth:`prepare`, calling the object copies the inputs into the arena and launches the
-    graph on the current stream; nothing else happens per call.
+    After :meth:`prepare`, calling the object hands the inputs to the graph and launches it on
+    the current stream; nothing else happens per call.  Calls may come from any thread; they are
+    serialized (see :mod:`nimble.launcher`).
 
     Inspection: :attr:`graph` (the recorded TaskGraph), :attr:`schedule`, :attr:`memplan`,
     :attr:`exec_handle` (the raw ``CUgraphExec`` as an int, for a C or C++ host).
@@ -138,121 +243,92 @@ class Nimble:
         """Record, schedule, plan, build and verify the model on ``example_inputs``.
 
         ``example_inputs`` is a tensor or a tuple of tensors on the GPU; every later call must
-        pass tensors of the same shapes and dtypes.  ``use_multi_stream=False`` runs the tasks in
-        recorded order on one stream; ``max_streams`` caps the streams.  ``arena_limit`` (bytes,
-        or ``"pool"``: the memory torch's own graph of the model takes) caps the arena: where
-        full concurrency would need more, streams are merged until the plan fits (never below
-        one stream); ``None`` lifts the cap.  ``device_launch`` instantiates the graph for
-        launch from the device as well, which makes each host launch a short constant-cost
-        submission; where the driver refuses, the plain graph is used, with a
-        ``RuntimeWarning`` saying why (:attr:`launch_mode` tells which).  ``gather_inputs`` makes
-        the graph copy each (contiguous-slot) input in itself from an address the call writes
-        into a cell (:attr:`input_cells`), so a call costs one small stream write per input
-        instead of a driver memcpy.  With ``verify`` (the
-        default) the built graph is run ``relaunches`` times against the recording with its old
-        buffers poisoned, and must match bit for bit (:class:`~nimble.errors.VerificationError`
-        otherwise).  ``return_copies`` makes each call return fresh tensors instead of views into
-        the arena.  ``recording`` reuses a live :class:`~nimble.record.Recording` of this model
-        (from :func:`nimble.record.record` or an earlier ``keep_recording=True``) instead of
-        recording again.  Progress goes to stderr unless ``quiet``.
+        pass tensors of the same shapes and dtypes.  The model must be in ``eval()`` mode.
+        ``use_multi_stream=False`` runs the tasks in recorded order on one stream;
+        ``max_streams`` caps the streams.  ``arena_limit`` (bytes, or ``"pool"``: the memory
+        torch's own graph of the model takes) caps the arena: where full concurrency would need
+        more, streams are merged until the plan fits (never below one stream); ``None`` lifts
+        the cap.  ``device_launch`` instantiates the graph for launch from the device as well,
+        which makes each host launch a short constant-cost submission; where the driver refuses,
+        the plain graph is used, with a ``RuntimeWarning`` saying why (:attr:`launch_mode` tells
+        which).  ``gather_inputs`` makes the graph copy each (contiguous-slot) input in itself
+        from an address the call writes into a cell (:attr:`input_cells`), so a call costs one
+        small stream write per input instead of a driver memcpy.  With ``verify`` (the default)
+        the built graph is run ``relaunches`` times against the recording with its old buffers
+        poisoned, and must match bit for bit (:class:`~nimble.errors.VerificationError`
+        otherwise).  ``return_copies`` makes each call return fresh tensors instead of views
+        into the arena.  ``recording`` reuses a live :class:`~nimble.record.Recording` of this
+        model (from :func:`nimble.record.record` or an earlier ``keep_recording=True``) instead
+        of recording again.  Progress goes to stderr unless ``quiet``.
+
+        Preparing again is transactional: the graph prepared before keeps serving calls until
+        the new one is proven, and stays if the new prepare fails.
         """
-        import torch
-
-        from .record import record
-        from .verify import verify_against_reference
-
-        if training:
-            raise NimbleError(
-                "prepare(training=True) is not supported yet: Nimble records inference only. "
-                "Prepare the model in eval() mode with training=False.")
-        self.close()
+        self._check_mode(training)
+        watch_modules()
         seconds: dict[str, float] = {}
         say = (lambda msg: None) if quiet else \
             (lambda msg: print(f"[nimble] {msg}", file=sys.stderr, flush=True))
-        if recording is None:
-            with torch.no_grad():
-                rec = record(self.model, example_inputs, quiet=quiet)
-            seconds.update(rec.seconds)
-        else:
-            rec = recording
-        graph = rec.graph
-        n = len(graph.tasks)
+        rec = recording if recording is not None else self._record(example_inputs, quiet)
+        seconds.update(rec.seconds)
 
         t0 = time.perf_counter()
-        limit = graph.meta.get("pool_bytes") if arena_limit == "pool" else arena_limit
-        if use_multi_stream:
-            say(f"scheduling {n} tasks")
-            schedule, plan = schedule_within(graph, max_streams, limit)
-        else:
-            schedule = single_stream_schedule(n)
-            plan = plan_memory(graph, schedule.edges())
-        edges = schedule.edges()
-        check_plan(graph, edges, plan)
+        say(f"scheduling {len(rec.graph.tasks)} tasks")
+        schedule, plan = _plan(rec.graph, use_multi_stream, max_streams, arena_limit)
         seconds["schedule_and_memplan"] = time.perf_counter() - t0
         say(f"{len(schedule.streams)} streams, {len(schedule.sync_edges)} syncs; arena "
             f"{plan.arena_bytes / 2**20:.1f} MiB")
 
         t0 = time.perf_counter()
-        device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
-        cells_at = -(-plan.arena_bytes // 8) * 8
-        arena = driver.DeviceMemory.allocate(cells_at + 8 * len(graph.inputs) + _ARENA_ALIGNMENT)
-        built = None
-        try:
-            base = -(-arena.address // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
-            bases = buffer_bases(graph, plan, base)
-            slots = [input_slot(bases[r.buffer] + r.offset, r, arena, device)
-                     for r in graph.inputs]
-            if gather_inputs and slots and stream_writes_supported(device):
-                # A cell starts out naming its own slot: a C host that copies into the slot
-                # and launches (without writing the cell) gets a harmless self-copy.
-                slots = [s._replace(cell=base + cells_at + 8 * i) if s.dense else s
-                         for i, s in enumerate(slots)]
-                for s in slots:
-                    if s.cell:
-                        driver.call("cuMemcpyHtoD", s.cell, s.address.to_bytes(8, "little"), 8)
-            gathers = [InputGather(s.cell, s.address, s.nbytes) for s in slots if s.cell]
-            upload_stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
-            built = build_graph(graph, rec.nodes, bases, edges, schedule.stream_of,
-                                device_launch=device_launch, upload_stream=upload_stream,
-                                gathers=gathers,
-                                gather_module=ptx.load("gather_input.ptx") if gathers else None)
-            launcher = Launcher(
-                built.exec.handle, slots, device,
-                [device_tensor(bases[r.buffer] + r.offset, r, arena, device)
-                 for r in graph.outputs], rec.output_spec)
-        except BaseException:
-            if built is not None:
-                built.close()
-            arena.close()
-            raise
+        candidate = _build(self.model, rec, schedule, plan, device_launch=device_launch,
+                           gather_inputs=gather_inputs, seconds=seconds)
         seconds["build"] = time.perf_counter() - t0
-        if built.device_launch_refusal:
-            warnings.warn(
-                "the graph could not be made device-launchable, so each call pays the driver's "
-                f"full host launch cost: {built.device_launch_refusal}", RuntimeWarning,
-                stacklevel=2)
-        prepared = _Prepared(
-            graph=graph, schedule=schedule, memplan=plan, built=built, arena=arena,
-            arena_base=base, launcher=launcher, device=device, seconds=seconds)
-        self._prepared = prepared
         try:
+            if candidate.built.device_launch_refusal:
+                warnings.warn(
+                    "the graph could not be made device-launchable, so each call pays the "
+                    f"driver's full host launch cost: {candidate.built.device_launch_refusal}",
+                    RuntimeWarning, stacklevel=2)
             if verify:
                 t0 = time.perf_counter()
                 say(f"verifying: {relaunches} launches against the single-stream recording")
-                stream = launcher.stream()
-                verify_against_reference(
-                    graph, rec.replay_reference, self._run_flat, rec.static_inputs,
-                    [(base, plan.arena_bytes)], stream, relaunches=relaunches)
-                torch.cuda.synchronize()
+                _verify(candidate, rec, relaunches)
                 seconds["verify"] = time.perf_counter() - t0
         except BaseException:
-            self.close()
+            candidate.close()
             raise
-        launcher.return_copies = return_copies
-        graph.meta["prepare_seconds"] = dict(seconds)
+        candidate.launcher.return_copies = return_copies
+        candidate.graph.meta["prepare_seconds"] = dict(seconds)
         if keep_recording:
-            prepared.recording = rec
+            candidate.recording = rec
+        previous, self._prepared = self._prepared, candidate
+        if previous is not None:
+            previous.close()
         return self
+
+    def _check_mode(self, training: bool) -> None:
+        import torch
+
+        if training:
+            raise NimbleError(
+                "prepare(training=True) is not supported yet: Nimble records inference only. "
+                "Prepare the model in eval() mode with training=False.")
+        if isinstance(self.model, torch.nn.Module):
+            in_training = [name or type(m).__name__ for name, m in self.model.named_modules()
+                           if m.training]
+            if in_training:
+                raise InputError(
+                    f"the model is in training mode ({len(in_training)} module(s), e.g. "
+                    f"'{in_training[0]}'), but prepare(training=False) records inference: call "
+                    "model.eval() first (batch norm and dropout behave differently in training)")
+
+    def _record(self, example_inputs, quiet: bool):
+        import torch
+
+        from .record import record
+
+        with torch.no_grad():
+            return record(self.model, example_inputs, quiet=quiet)
 
     # ---- calls ------------------------------------------------------------------------------
     def _state(self) -> _Prepared:
@@ -260,20 +336,54 @@ class Nimble:
             raise NimbleError("call prepare(example_inputs) before running the model")
         return self._prepared
 
-    def _run_flat(self, inputs) -> list:
-        return self._state().launcher.run_flat(inputs)
-
     def __call__(self, *inputs):
         """Run the prepared graph on ``inputs`` (same shapes and dtypes as in prepare()).
 
         The outputs are views into the arena, overwritten by the next call (as with CUDA graphs):
         clone them to keep them, or prepare with ``return_copies=True``.  The work is queued on
-        the current stream; the call returns without waiting for it.
+        the current stream; the call returns without waiting for it.  Weights that moved since
+        the last call (``load_state_dict(assign=True)``, ``model.to(...)``) are followed first
+        (see :meth:`refresh`).
         """
-        launcher = self._state().launcher
+        state = self._state()
+        if state.weights.epoch != WEIGHTS_EPOCH[0]:
+            self._follow_weights(state)
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
             inputs = inputs[0]
-        return launcher.run(inputs)
+        return state.launcher.run(inputs)
+
+    def refresh(self) -> bool:
+        """Re-read the model's weights; re-point the graph at any that moved.  True if any did.
+
+        Calls do this by themselves after torch's module machinery moved weights (parameter or
+        buffer assignment, ``load_state_dict(assign=True)``, ``.to()``, ``.half()``...); call it
+        after changes that go around it (``param.data = t``, ``torch.utils.swap_tensors``).  A
+        weight that changed dtype, shape, strides or device, or is gone, raises
+        :class:`~nimble.errors.WeightsChangedError`: prepare again.  In-place updates need
+        nothing: the graph reads the weights' memory as it is.
+        """
+        return self._follow_weights(self._state())
+
+    def _follow_weights(self, state: _Prepared) -> bool:
+        weights, launcher = state.weights, state.launcher
+        with launcher.lock:
+            moves = weights.moves()
+            if not moves:
+                weights.accept({})
+                return False
+            weights.check_inside(state.bases, moves)
+            bases = list(state.bases)
+            for bid, (delta, _) in moves.items():
+                bases[bid] += delta
+            repoint(state.built, state.graph, bases, set(moves),
+                    launcher.last_stream or launcher.stream())
+            state.bases = bases
+            released = weights.accept(moves)
+            # Launches queued before the re-pointing may still read the old storages.
+            if launcher.last_stream is not None:
+                driver.stream_synchronize(launcher.last_stream)
+            del released
+        return True
 
     # ---- inspection -------------------------------------------------------------------------
     @property
@@ -316,6 +426,21 @@ class Nimble:
         ``cuGraphLaunch``; or it copies the input to the slot and writes the slot's own address.
         """
         return [s.cell for s in self._state().launcher.slots]
+
+    @property
+    def output_addresses(self) -> list[int]:
+        """Per output (flattened), the device address the graph writes it at."""
+        return [o.data_ptr() for o in self._state().launcher.outputs]
+
+    @property
+    def rng_cells(self) -> RngCells | None:
+        """Where a graph that draws random numbers reads the generator's seed and offset.
+
+        None for a graph without random ops.  Python calls fill both cells; a C or C++ host
+        writes the seed and the current offset (then advances its offset by ``increment``)
+        before each launch, as it writes the input cells.
+        """
+        return self._state().launcher.rng
 
     @property
     def input_addresses(self) -> list[int]:

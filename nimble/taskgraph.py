@@ -18,7 +18,6 @@ import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 FORMAT_NAME = "nimble.taskgraph"
 FORMAT_VERSION = 1
@@ -41,9 +40,12 @@ class BufferKind:
     INTERMEDIATE = "intermediate"  # every other tensor an op allocated during recording
     SCRATCH = "scratch"  # an op-private workspace no tensor names (one buffer per op using it)
     EXTERNAL = "external"  # memory allocated before recording that no known tensor names
+    # A random generator's seed or offset cell (8 bytes) that captured RNG kernels read; the
+    # engine gives each graph its own cells and writes them before every launch.
+    RNG = "rng"
 
     RELOCATABLE = frozenset({INPUT, OUTPUT, INTERMEDIATE, SCRATCH})
-    ALL = (PARAM, INPUT, OUTPUT, INTERMEDIATE, SCRATCH, EXTERNAL)
+    ALL = (PARAM, INPUT, OUTPUT, INTERMEDIATE, SCRATCH, EXTERNAL, RNG)
 
 
 @dataclass(slots=True)
@@ -277,10 +279,3 @@ def _task_from_json(d: dict) -> Task:
         accesses=[Access(*a) for a in d.get("accesses", [])],
         fields=dict(d.get("fields", {})), duration_us=d.get("duration_us"),
     )
-
-
-def iter_accesses(graph: TaskGraph) -> Iterable[tuple[int, Access]]:
-    """Every ``(task id, access)`` in recorded order."""
-    for t in graph.tasks:
-        for a in t.accesses:
-            yield t.id, a

@@ -34,29 +34,26 @@ def measure_task_durations(graph: TaskGraph, recorded_nodes: Sequence, bases: Se
     events = [driver.Event.create(timing=True) for _ in range(2 * pairs)]
     owned = driver.Graph.create()
     try:
-        ctx = driver.call("cuCtxGetCurrent")
+        ctx = driver.current_context()
         g = owned.handle
         deps: list = []
         for k in range(pairs):
-            prev = driver.call("cuGraphAddEventRecordNode", g, deps, len(deps),
-                               events[2 * k].handle)
+            prev = driver.add_event_record_node(g, deps, events[2 * k].handle)
             if k >= _EMPTY_PAIRS:
                 task = graph.tasks[k - _EMPTY_PAIRS]
                 prev = add_task_node(g, task, recorded_nodes[task.id], bases, [prev], ctx)
-            deps = [driver.call("cuGraphAddEventRecordNode", g, [prev], 1,
-                                events[2 * k + 1].handle)]
+            deps = [driver.add_event_record_node(g, [prev], events[2 * k + 1].handle)]
         exec_ = driver.GraphExec.instantiate(owned)
         try:
             samples: list[list[float]] = [[] for _ in range(pairs)]
             for round_ in range(repeats + 1):
-                driver.call("cuGraphLaunch", exec_.handle, stream)
-                driver.call("cuStreamSynchronize", stream)
+                driver.launch(exec_.handle, stream)
+                driver.stream_synchronize(stream)
                 if round_ == 0:
                     continue
                 for k in range(pairs):
-                    ms = driver.call("cuEventElapsedTime", events[2 * k].handle,
-                                     events[2 * k + 1].handle)
-                    samples[k].append(float(ms) * 1e3)
+                    ms = driver.event_elapsed_ms(events[2 * k].handle, events[2 * k + 1].handle)
+                    samples[k].append(ms * 1e3)
             gap = statistics.median(x for s in samples[:_EMPTY_PAIRS] for x in s)
             return [max(statistics.median(s) - gap, 0.0) for s in samples[_EMPTY_PAIRS:]]
         finally:
@@ -76,7 +73,7 @@ def time_recording(rec, repeats: int = 5) -> list[float]:
     import torch
 
     g = rec.graph
-    stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
+    stream = driver.stream(torch.cuda.current_stream().cuda_stream)
     durations = measure_task_durations(g, rec.nodes, [b.address for b in g.buffers], stream,
                                        repeats)
     for task, us in zip(g.tasks, durations):

@@ -121,5 +121,5 @@ class OpTracer(TorchDispatchMode):
             name=_op_name(func), module=self._modules.current,
             node_begin=nodes_before, node_end=nodes_after,
             alloc_begin=allocs_before, alloc_end=allocs_after,
-            spans=spans + fresh, fresh=fresh))
+            spans=spans + fresh))
         return out

@@ -37,16 +37,15 @@ def random_like(t, generator=None):
 
 
 def poison_ranges(graph: TaskGraph) -> list[tuple[int, int]]:
-    """``(address, size)`` of every recorded buffer the memory plan moves."""
+    """``(address, size)`` of every recorded buffer the built graph no longer reads there."""
     return [(b.address, b.size) for b in graph.buffers
-            if b.kind in BufferKind.RELOCATABLE and b.size > 0]
+            if (b.kind in BufferKind.RELOCATABLE or b.kind == BufferKind.RNG) and b.size > 0]
 
 
 def poison(ranges: Sequence[tuple[int, int]], stream) -> None:
     """Fill each device range with the poison byte, on ``stream``."""
-    drv = driver.bindings()
     for address, size in ranges:
-        driver.call("cuMemsetD8Async", drv.CUdeviceptr(address), POISON_BYTE, size, stream)
+        driver.fill_bytes_async(address, POISON_BYTE, size, stream)
 
 
 def same_bits(a, b) -> bool:
@@ -72,21 +71,30 @@ def _last_writers(graph: TaskGraph, buffer: int, count: int = 3) -> str:
 def verify_against_reference(graph: TaskGraph, reference: Callable[[list], list],
                              run: Callable[[list], list], example_inputs: Sequence,
                              extra_poison: Sequence[tuple[int, int]], stream,
-                             relaunches: int = 100, seed: int = 0) -> int:
+                             relaunches: int = 100, seed: int = 0,
+                             rng_at: Callable[[int], None] | None = None) -> int:
     """Check ``run`` against ``reference`` as the module docstring says; return launches checked.
 
     ``reference(inputs)`` and ``run(inputs)`` each return the list of output tensors (the
-    reference's as copies).  ``extra_poison`` adds device ranges to poison (the arena).
+    reference's as copies).  ``extra_poison`` adds device ranges to poison (the arena).  For a
+    graph that draws random numbers, ``rng_at(k)`` puts the generator in the state used for
+    input set ``k``, before the reference and before every launch on that set.
     """
     import torch
 
     gen = torch.Generator(device=example_inputs[0].device if example_inputs else "cuda")
     gen.manual_seed(seed)
     input_sets = [[random_like(x, gen) for x in example_inputs] for _ in range(2)]
-    expected = [reference(s) for s in input_sets]
+    expected = []
+    for k, inputs in enumerate(input_sets):
+        if rng_at is not None:
+            rng_at(k)
+        expected.append(reference(inputs))
     poison(poison_ranges(graph) + list(extra_poison), stream)
     for launch in range(max(relaunches, 1)):
         k = launch % 2
+        if rng_at is not None:
+            rng_at(k)
         outputs = run(input_sets[k])
         for i, (got, want) in enumerate(zip(outputs, expected[k])):
             if same_bits(got, want):

@@ -43,3 +43,16 @@ def random_dag(n: int, fanout: int, window: int, seed: int):
 
 def fixture_ids() -> list[str]:
     return [p.name.split(".")[0] for p in FIXTURE_PATHS]
+
+
+def zoo_model(name: str):
+    """``(model on the GPU, example input)`` for a built-in or zoo model; skips without its package."""
+    import torch
+
+    from nimble import models
+
+    torch.backends.cudnn.benchmark = True
+    try:
+        return models.create(name).cuda(), models.example_input(name)
+    except ImportError as e:
+        pytest.skip(str(e))

@@ -1,22 +1,37 @@
-"""The benchmark's report, from a result dict shaped like one ``bench_model`` returns (no GPU)."""
+"""The benchmark's report, from a result dict shaped like one ``bench_model`` returns (no GPU);
+its ``--dtype`` / ``--quick`` arguments and the dtype conversion."""
 from __future__ import annotations
 
-from nimble.bench_cli import format_model, summary_table
+import argparse
+import json
+
+import pytest
+import torch
+
+from nimble import bench_cli, cli, models
+from nimble.bench_cli import format_model, parse_dtypes, summary_table, to_dtype
 
 
-def _info(model: str, multi_ms: float) -> dict:
+def _info(model: str, multi_ms: float, dtype: str = "float32", quick: bool = False) -> dict:
+    """A result as ``bench_model`` makes it; ``quick`` ones lack the variants and the limit."""
+    labels = [("eager", 5.0), ("torch.cuda.graph", 1.0), ("nimble multi", multi_ms),
+              ("nimble single", 1.0)]
+    if not quick:
+        labels.append(("nimble multi, host launch", multi_ms + 0.01))
     modes = {}
-    for label, ms in (("eager", 5.0), ("torch.cuda.graph", 1.0), ("nimble multi", multi_ms),
-                      ("nimble single", 1.0), ("nimble multi, host launch", multi_ms + 0.01)):
+    for label, ms in labels:
         modes[label] = {"median_ms": ms, "min_ms": ms * 0.99, "max_ms": ms * 1.01,
                         "x_graph": 1.0 / ms, "x_eager": 5.0 / ms}
-    return {"model": model, "batch": 1, "tasks": 10, "width": 2, "streams": 2, "sync_edges": 1,
-            "modes": modes, "best_nimble": "nimble multi",
-            "arena_mb": {"nimble multi": 1.5, "nimble single": 1.0,
-                         "nimble multi, host launch": 1.5},
+    info = {"model": model, "dtype": dtype, "batch": 1, "quick": quick, "tasks": 10, "width": 2,
+            "streams": 2, "sync_edges": 1, "modes": modes, "best_nimble": "nimble multi",
+            "arena_mb": {"nimble multi": 1.5, "nimble single": 1.0},
             "pool_mb": 2.0, "prepare_seconds": 0.5, "host_us_per_call": 12.3,
-            "launch_mode": "device-launchable", "host_us_per_call_host_launch": 25.0,
-            "critical_path_us": 400.0, "serial_kernel_us": 900.0, "achieved_over_limit": 1.25}
+            "launch_mode": "device-launchable"}
+    if not quick:
+        info["arena_mb"]["nimble multi, host launch"] = 1.5
+        info.update(host_us_per_call_host_launch=25.0, critical_path_us=400.0,
+                    serial_kernel_us=900.0, achieved_over_limit=1.25)
+    return info
 
 
 def test_per_model_report_names_every_mode_and_the_launch_mode():
@@ -33,3 +48,141 @@ def test_summary_table_has_a_row_per_model_with_its_ratios():
     # x graph and x eager of the best mode, then arena, pool, limit, host µs
     assert rows["a"][-6:] == ["2.00", "10.0", "1.5", "2.0", "0.400", "12.3"]
     assert rows["b"][-6:-4] == ["4.00", "20.0"]
+
+
+def test_summary_table_without_dtype_column_names_the_dtype_in_the_legend():
+    text = summary_table([_info("a", 0.5)])
+    assert "dtype" not in text.splitlines()[0] and "median ms per call in float32" in text
+
+
+# ---- --dtype and --quick --------------------------------------------------------------------
+
+def test_quick_report_has_no_variant_or_limit_lines():
+    text = format_model(_info("toy", 0.5, dtype="bfloat16", quick=True))
+    assert text.splitlines()[0].startswith("toy (bfloat16, batch 1): 10 tasks")
+    assert "host launch" not in text and "limit" not in text
+    assert "12.3 µs/call (device-launchable)" in text and "prepare 0.50 s" in text
+    assert "torch graph pool 2.0 MB" in text and "multi 1.5, single 1.0" in text
+
+
+def test_summary_table_dtype_column_and_quick_rows():
+    results = [_info("a", 0.5, "float16", quick=True), _info("a", 0.25, "bfloat16", quick=True),
+               _info("b", 0.5, "float16")]
+    lines = summary_table(results).splitlines()
+    assert lines[0].split()[:3] == ["model", "dtype", "eager"]
+    rows = [line.split() for line in lines[2:5]]
+    assert [r[:2] for r in rows] == [["a", "float16"], ["a", "bfloat16"], ["b", "float16"]]
+    # x graph, x eager, arena, pool, limit (– without the per-task timing), host µs
+    assert rows[0][-6:] == ["2.00", "10.0", "1.5", "2.0", "–", "12.3"]
+    assert rows[1][-6:-4] == ["4.00", "20.0"]
+    assert rows[2][-2:] == ["0.400", "12.3"]
+    assert len({len(line) for line in lines[:5]}) == 1  # the columns line up
+    # Several dtypes asked for but one left (the others failed): the column stays; by default
+    # one dtype gets none.
+    assert summary_table(results[:1], dtype_column=True).splitlines()[2].split()[1] == "float16"
+    assert "dtype" not in summary_table(results[:1]).splitlines()[0]
+
+
+def test_parse_dtypes():
+    assert parse_dtypes("float16,bfloat16") == ["float16", "bfloat16"]
+    assert parse_dtypes(" float32, float16,float32 ") == ["float32", "float16"]
+    for bad in ("float64", "float16,half", "", ","):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_dtypes(bad)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_to_dtype_converts_model_and_input(dtype):
+    model = models.create(models.BUILTIN)
+    x = models.example_input(models.BUILTIN, 2, device="cpu")
+    model, x = to_dtype(model, x, dtype)
+    want = getattr(torch, dtype)
+    assert x.dtype == want and x.shape == (2, 3, 64, 64)
+    floats = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    assert floats and all(t.dtype == want for t in floats)
+    with torch.no_grad():
+        assert model(x).dtype == want
+
+
+def test_bench_runs_every_model_in_every_dtype(monkeypatch, tmp_path, capsys):
+    """``run`` with the GPU work replaced: the loop, the table's dtype column and the JSON."""
+    seen = []
+
+    def fake_bench_model(name, args, dtype):
+        seen.append((name, dtype, args.quick, args.rounds))
+        if dtype == "bfloat16" and name == models.CHAINS:
+            raise RuntimeError("no kernel")
+        return _info(name, 0.5, dtype, quick=args.quick)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(bench_cli, "bench_model", fake_bench_model)
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", models.BUILTIN, models.CHAINS, "--dtype", "float16,bfloat16", "--quick",
+            "--rounds", "3", "--json", str(out_json)]
+    assert cli.main(argv) == 1  # one run failed, the others are reported
+    assert seen == [(m, d, True, 3) for m in (models.BUILTIN, models.CHAINS)
+                    for d in ("float16", "bfloat16")]
+    out = capsys.readouterr().out
+    assert f"{models.CHAINS} (bfloat16): FAILED: RuntimeError: no kernel" in out
+    table = out[out.index("model "):].splitlines()
+    assert [line.split()[:2] for line in table[2:5]] == [
+        [models.BUILTIN, "float16"], [models.BUILTIN, "bfloat16"], [models.CHAINS, "float16"]]
+    data = json.loads(out_json.read_text())
+    assert [(r["model"], r["dtype"]) for r in data["results"]] == [
+        (models.BUILTIN, "float16"), (models.BUILTIN, "bfloat16"), (models.CHAINS, "float16")]
+    assert data["failed"] == [{"model": models.CHAINS, "dtype": "bfloat16",
+                               "error": "RuntimeError: no kernel"}]
+    assert data["dtypes"] == ["float16", "bfloat16"] and data["quick"] is True
+
+
+def test_bench_defaults_to_float32_and_the_full_mode():
+    args = cli.build_parser("bench").parse_args(["bench"])
+    assert args.dtypes == ["float32"] and not args.quick and args.models == [models.BUILTIN]
+
+
+# ---- tools/gpu_suite.py ---------------------------------------------------------------------
+
+def _gpu_suite():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "gpu_suite.py"
+    spec = importlib.util.spec_from_file_location("gpu_suite", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_suite_runs_the_quick_bench_in_three_dtypes_and_the_full_one_on_demand(
+        monkeypatch, tmp_path, capsys):
+    suite = _gpu_suite()
+    commands = []
+
+    def fake_run(cmd, stdout, **kwargs):
+        args = cmd[cmd.index("bench") + 1:]
+        commands.append(args)
+        quick = "--quick" in cmd
+        dtypes = args[args.index("--dtype") + 1].split(",") if quick else ["float32"]
+        results = [_info(m, 0.5, d, quick) for m in args[:2] for d in dtypes]
+        stdout.write("\n".join(map(format_model, results)) + "\n"
+                     + summary_table(results, dtype_column=quick) + "\n")
+        return suite.subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(suite.subprocess, "run", fake_run)
+    assert suite.main(["--skip-tests", "--out", str(tmp_path)]) == 0
+    [quick] = commands
+    assert quick[:8] == suite.ALL_MODELS.split(",")
+    assert " ".join(quick).endswith("--dtype float32,float16,bfloat16 --quick --rounds 5 "
+                                    "--iters 50 --no-compile")
+    assert quick[quick.index("--json") + 1] == str(tmp_path / "bench.json")
+    assert (tmp_path / "bench.log").exists()
+    out = capsys.readouterr().out
+    summary = out[out.rindex("bench float32,float16,bfloat16 (--quick) ("):]
+    assert "resnet50        float16" in summary and "times: median ms per call" in summary
+
+    commands.clear()
+    assert suite.main(["--skip-tests", "--skip-bench", "--full", "--out", str(tmp_path)]) == 0
+    [full] = commands
+    assert "--quick" not in full and "--dtype" not in full and "--no-compile" in full
+    assert full[full.index("--json") + 1] == str(tmp_path / "bench_full.json")

@@ -3,19 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import zoo_model
+
 pytestmark = pytest.mark.gpu
-
-
-def _model(name: str):
-    import torch
-
-    from nimble import models
-
-    torch.backends.cudnn.benchmark = True
-    try:
-        return models.create(name).cuda(), models.example_input(name)
-    except ImportError as e:
-        pytest.skip(str(e))
 
 
 def test_seed_example_runs_as_written():
@@ -23,7 +13,7 @@ def test_seed_example_runs_as_written():
 
     import nimble
 
-    model, dummy_input = _model("branchy")
+    model, dummy_input = zoo_model("branchy")
     nm = nimble.Nimble(model)
     nm.prepare(dummy_input, training=False)
     real_input = torch.randn_like(dummy_input)
@@ -42,7 +32,7 @@ def test_outputs_are_views_unless_copies_asked_for():
 
     import nimble
 
-    model, x = _model("branchy")
+    model, x = zoo_model("branchy")
     nm = nimble.Nimble(model).prepare(x, relaunches=4)
     a = nm(torch.randn_like(x))
     kept = a.clone()
@@ -59,7 +49,7 @@ def test_strided_inputs_and_side_streams_give_the_same_bits():
 
     import nimble
 
-    model, x = _model("branchy")
+    model, x = zoo_model("branchy")
     nm = nimble.Nimble(model).prepare(x, relaunches=4, return_copies=True)
     fresh = torch.randn_like(x)
     want = nm(fresh)
@@ -81,7 +71,7 @@ def test_host_and_device_launchable_graphs_give_the_same_bits():
 
     import nimble
 
-    model, x = _model("branchy")
+    model, x = zoo_model("branchy")
     on_device = nimble.Nimble(model).prepare(x, relaunches=4, keep_recording=True,
                                              return_copies=True)
     on_host = nimble.Nimble(model).prepare(x, relaunches=4, device_launch=False,
@@ -98,7 +88,7 @@ def test_wrong_inputs_are_typed_errors():
     import nimble
     from nimble.errors import InputError, NimbleError
 
-    model, x = _model("branchy")
+    model, x = zoo_model("branchy")
     nm = nimble.Nimble(model)
     with pytest.raises(NimbleError, match="prepare"):
         nm(x)
@@ -123,7 +113,7 @@ def test_a_missed_relocation_is_caught_by_the_proof(monkeypatch):
     from nimble.errors import VerificationError
     from nimble.runtime import Nimble
 
-    model, x = _model("branchy")
+    model, x = zoo_model("branchy")
     real = build.relocate_params
     missed = []
 
@@ -154,7 +144,7 @@ def test_zoo_model_prepares_and_verifies_bitwise(name, multi):
 
     import nimble
 
-    model, x = _model(name)
+    model, x = zoo_model(name)
     nm = nimble.Nimble(model).prepare(x, use_multi_stream=multi, relaunches=100)
     out = nm(x)
     with torch.no_grad():
@@ -216,7 +206,7 @@ def test_a_c_host_drives_the_exec_handle_through_the_input_cells():
     import nimble
     from nimble import driver
 
-    model, x = _model("branchy")
+    model, x = zoo_model("branchy")
     nm = nimble.Nimble(model).prepare(x, relaunches=4)
     fresh = torch.randn_like(x)
     want = nm(fresh).clone()

@@ -71,7 +71,7 @@ def test_reused_address_is_two_buffers_and_branches_stay_independent():
     assert all(a.buffer != first for t in (2, 3) for a in g.tasks[t].accesses)
     assert all(a.buffer != second for t in (0, 1) for a in g.tasks[t].accesses)
     assert build_dag(g).edges() == [(0, 1), (2, 3)]
-    assert g.meta["ambiguous_addresses"] == 0
+    assert g.meta["allocations_reused_in_op"] == 0
 
 
 # ---- 2. scratch --------------------------------------------------------------------------------
@@ -242,3 +242,71 @@ def test_pointer_just_past_an_ops_own_workspace_belongs_to_it():
     # far past the end, or past another op's allocation, it stays unresolved
     g = build_taskgraph(capture(ops, [kernel(X, A, W, W + 512 + 4096)], [(A, 256), (W, 512)]))
     assert len(g.unresolved_pointers()) == 1
+
+
+# ---- 8. one op reusing its own bytes -----------------------------------------------------------
+
+def test_allocations_one_op_reuses_inside_its_window_are_one_buffer():
+    """A fused op frees a 1 KiB temporary and allocates its 256-byte output at the same address.
+
+    A pointer to that address cannot say which allocation a kernel meant: the kernel that wrote
+    the temporary must get all 1 KiB, or its arena slot is too small (seen: a transformer layer's
+    GEMM writing past the end of the arena).
+    """
+    T, OUT2 = POOL, POOL + 4096
+    ops = [op("fused_layer", (0, 2), (0, 2), (X, 256, False), (T, 256, True)),
+           op("neg", (2, 3), (2, 3), (T, 256, False), (OUT2, 256, True))]
+    # node 0 writes the 1 KiB temporary at T; node 1 reduces it into the output, also at T
+    nodes = [kernel(X, T), kernel(T, T + 512), kernel(T, OUT2)]
+    g = build_taskgraph(capture(ops, nodes, [(T, 1024), (T, 256), (OUT2, 256)],
+                                outputs=[(OUT2, 256)]))
+    region = ptr_buffer(g, 0, T)
+    assert ptr_buffer(g, 1, T) == ptr_buffer(g, 1, T + 512) == region
+    b = g.buffers[region]
+    assert (b.kind, b.address, b.size, b.op) == (BufferKind.INTERMEDIATE, T, 1024, 0)
+    assert Access(region, 0, 1024, True) in g.tasks[0].accesses
+    assert Access(region, 0, 1024, True) in g.tasks[1].accesses
+    # a later op reads only the output's bytes, exactly
+    assert Access(region, 0, 256, False) in g.tasks[2].accesses
+    assert g.meta["allocations_reused_in_op"] == 2
+    assert g.unresolved_pointers() == []
+
+
+def test_allocations_of_different_ops_at_one_address_stay_apart():
+    """Address reuse across ops is the allocator's normal business: two buffers, not a region."""
+    g = build_taskgraph(two_branches_sharing_an_address())
+    assert g.meta["allocations_reused_in_op"] == 0
+    assert len({b.id for b in g.buffers if b.address == POOL}) == 2
+
+
+# ---- 9. random generator cells ------------------------------------------------------------------
+
+def test_rng_cells_become_read_only_rng_buffers():
+    """Two RNG ops read the generator's seed and offset cells, which the first one allocated."""
+    SEED, OFF, A, B = POOL, POOL + 512, POOL + 1024, POOL + 2048
+    ops = [op("native_dropout", (0, 1), (0, 3), (X, 256, False), (A, 256, True)),
+           op("rand_like", (1, 2), (3, 4), (B, 256, True))]
+    nodes = [kernel(X, A, SEED, OFF), kernel(SEED, OFF, B)]
+    from nimble.resolve import RNG_OFFSET, RNG_SEED, mark_rng_cells
+    g = build_taskgraph(capture(ops, nodes, [(SEED, 512), (OFF, 512), (A, 256), (B, 256)]))
+    assert {g.buffers[p.buffer].kind for t in g.tasks for p in t.pointers
+            if p.value in (SEED, OFF)} == {BufferKind.SCRATCH}
+    marked = mark_rng_cells(g, {SEED: RNG_SEED, OFF: RNG_OFFSET})
+    assert len(marked) == 4  # one scratch buffer per op and cell
+    for bid in marked:
+        b = g.buffers[bid]
+        assert b.kind == BufferKind.RNG and b.size == 8 and b.name in (RNG_SEED, RNG_OFFSET)
+    for t in g.tasks:
+        assert all(not a.write for a in t.accesses if a.buffer in marked)
+    assert build_dag(g, chain_ops=False).edges() == []  # reading the cells orders nothing
+
+
+def test_rng_cell_shared_with_other_data_is_refused():
+    import pytest
+
+    from nimble.resolve import RNG_SEED, mark_rng_cells
+    SEED = POOL
+    ops = [op("weird", (0, 1), (0, 1), (X, 256, False))]
+    g = build_taskgraph(capture(ops, [kernel(X, SEED, SEED + 64)], [(SEED, 512)]))
+    with pytest.raises(ValueError, match="cannot tell the cell"):
+        mark_rng_cells(g, {SEED: RNG_SEED})

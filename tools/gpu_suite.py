@@ -1,10 +1,24 @@
-"""The whole GPU check in one call: the GPU tests, then the benchmark, a short table last.
+"""The whole GPU check in one call: the GPU tests, then the benchmark, its table last.
 
-    python3 tools/gpu_suite.py [--models M,M,...] [--compile] [--skip-tests] [--out DIR]
+    python3 tools/gpu_suite.py [--models M,M,...] [--dtypes D,D,...] [--compile] [--full]
+                               [--skip-tests] [--skip-bench] [--out DIR]
 
-Runs ``pytest -m gpu`` (every test that needs the GPU), then ``nimble bench`` on the models, and
-prints the pytest summary line and the benchmark table at the end.  Logs and the benchmark JSON
-go to ``--out`` (default ``$OUT`` on the device machine, else ``./out``).
+Runs, in order:
+
+1. ``pytest -m gpu``: every test that needs the GPU (111 s on an H100 on 2026-11-23);
+2. ``nimble bench --quick --dtype float32,float16,bfloat16 --rounds 5 --iters 50`` on
+   ``--models`` (default: branchy and the seven zoo models): eager, ``torch.cuda.graph`` (input
+   copied in on every call), Nimble single and multi, in each dtype (250 s on an H100);
+3. with ``--full``, also ``nimble bench`` in float32 with every variant (stream caps, uncapped,
+   host launch) and the critical-path limit: several more minutes, so better as its own call
+   (``--skip-tests --skip-bench --full``), since one device command may run 10 minutes.
+
+``torch.compile`` is left out unless ``--compile``.  At the end it prints the pytest summary line
+and the benchmark tables, each phase with the seconds it took.  Logs and the benchmark JSON go to
+``--out`` (default ``$OUT`` on the device machine, else ``./out``): ``gpu_tests.log``,
+``bench.log`` / ``bench.json`` and ``bench_full.log`` / ``bench_full.json`` (a bench's log holds
+its stdout and stderr); the logs are written as the phases run, so a phase cut off by a time limit
+leaves what it printed so far.
 """
 from __future__ import annotations
 
@@ -12,19 +26,57 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL_MODELS = "branchy,resnet50,inception_v3,googlenet,mobilenet_v2,efficientnet_b0," \
-             "nasnetalarge,pnasnet5large"
+ZOO_MODELS = "resnet50,inception_v3,googlenet,mobilenet_v2,efficientnet_b0,nasnetalarge," \
+             "pnasnet5large"
+ALL_MODELS = "branchy," + ZOO_MODELS
+QUICK_ARGS = ["--quick", "--rounds", "5", "--iters", "50"]
+
+
+def _split_table(out: str) -> tuple[str, str | None]:
+    """``(the rest, the table)`` of a bench's log: the table runs from its header line (which
+    starts with ``model``) to its legend (which starts with ``times:``)."""
+    lines = out.rstrip().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("model ")), None)
+    if start is None:
+        return "\n".join(lines), None
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("times:")),
+               len(lines) - 1) + 1
+    return "\n".join(lines[:start] + lines[end:]), "\n".join(lines[start:end])
+
+
+def _bench(title: str, models: str, extra: list[str], name: str, args, env) -> tuple[int, str]:
+    """Run one ``nimble bench``; print its per-model reports, return its status and table."""
+    cmd = [sys.executable, "-m", "nimble.cli", "bench", *models.split(","),
+           "--json", str(args.out / f"{name}.json"), *extra]
+    if not args.compile:
+        cmd.append("--no-compile")
+    print(f"\n$ nimble {' '.join(cmd[3:])}", flush=True)
+    t0 = time.perf_counter()
+    with open(args.out / f"{name}.log", "w") as log:  # progress and errors (stderr) too
+        r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                           text=True)
+    seconds = time.perf_counter() - t0
+    before, table = _split_table((args.out / f"{name}.log").read_text())
+    print(before, flush=True)
+    if table is None:
+        table = "bench printed no table; it ended with:\n" + "\n".join(before.splitlines()[-5:])
+    return r.returncode, f"{title} ({seconds:.0f} s, exit {r.returncode}):\n{table}"
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=ALL_MODELS)
-    p.add_argument("--compile", action="store_true", help="include torch.compile in the bench")
+    p.add_argument("--models", default=ALL_MODELS, help="the benchmark's models")
+    p.add_argument("--dtypes", default="float32,float16,bfloat16",
+                   help="the benchmark's dtypes (default float32,float16,bfloat16)")
+    p.add_argument("--compile", action="store_true", help="include torch.compile in the benches")
+    p.add_argument("--full", action="store_true",
+                   help="also the float32 bench with every variant and the critical-path limit")
     p.add_argument("--skip-tests", action="store_true")
-    p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--skip-bench", action="store_true", help="skip the (quick) benchmark")
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "out")))
     args = p.parse_args(argv)
@@ -35,27 +87,26 @@ def main(argv: list[str]) -> int:
     if not args.skip_tests:
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                "tests", *args.pytest_args.split()]
+        t0 = time.perf_counter()
         with open(args.out / "gpu_tests.log", "w") as log:
-            r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-            log.write(r.stdout)
-        lines = r.stdout.strip().splitlines()
+            r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               text=True)
+        seconds = time.perf_counter() - t0
+        lines = (args.out / "gpu_tests.log").read_text().strip().splitlines()
         print("\n".join(lines[-40:]), flush=True)
-        summary.append("gpu tests: " + (lines[-1] if lines else "no output"))
+        summary.append(f"gpu tests ({seconds:.0f} s): " + (lines[-1] if lines else "no output"))
         status |= r.returncode
     if not args.skip_bench:
-        cmd = [sys.executable, "-m", "nimble.cli", "bench", *args.models.split(","),
-               "--json", str(args.out / "bench.json")]
-        if not args.compile:
-            cmd.append("--no-compile")
-        r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-        (args.out / "bench.log").write_text(r.stdout)
-        out = r.stdout.rstrip()
-        table_at = out.find("model   ")
-        print(out[:table_at] if table_at > 0 else out, flush=True)
-        summary.append(out[table_at:] if table_at >= 0 else "bench printed no table")
-        status |= r.returncode
-    print("\n" + "\n".join(summary))
+        rc, table = _bench(f"bench {args.dtypes} (--quick)", args.models,
+                           ["--dtype", args.dtypes, *QUICK_ARGS], "bench", args, env)
+        summary.append(table)
+        status |= rc
+    if args.full:
+        rc, table = _bench("bench float32, every variant", args.models, [], "bench_full", args,
+                           env)
+        summary.append(table)
+        status |= rc
+    print("\n" + "\n\n".join(summary))
     return status
 
 

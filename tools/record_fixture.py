@@ -1,10 +1,11 @@
 """Record models into TaskGraph fixtures for the CPU tests (run on the GPU machine).
 
     python3 tools/record_fixture.py [MODEL ...] [--out tests/fixtures] [--batch 1]
+                                    [--dtype float16]
 
 Each model (default: the built-in ones and the zoo) is recorded at batch 1 in eval mode, every
 task is timed alone (``duration_us``), and the TaskGraph is written gzipped as
-``OUT/<model>.json.gz``.  A one-line summary per model goes to stdout; a model that fails is
+``OUT/<model>.json.gz`` (``OUT/<model>_<dtype>.json.gz`` for another dtype than float32).  A one-line summary per model goes to stdout; a model that fails is
 reported with its error and the others still run (exit status 1 if any failed).
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ DEFAULT_MODELS = ["branchy", "gemm_chains", "resnet50", "inception_v3", "googlen
                   "mobilenet_v2", "efficientnet_b0", "nasnetalarge", "pnasnet5large"]
 
 
-def record_model(name: str, batch: int, out: Path, time_tasks: bool = True) -> dict:
+def record_model(name: str, batch: int, out: Path, time_tasks: bool = True,
+                 dtype: str = "float32") -> dict:
     import torch
 
     from nimble import models
@@ -30,8 +32,8 @@ def record_model(name: str, batch: int, out: Path, time_tasks: bool = True) -> d
     from nimble.timing import time_recording
 
     torch.backends.cudnn.benchmark = True
-    model = models.create(name).cuda()
-    x = models.example_input(name, batch)
+    model = models.create(name).cuda().to(getattr(torch, dtype))
+    x = models.example_input(name, batch).to(getattr(torch, dtype))
     t0 = time.perf_counter()
     with torch.no_grad():
         rec = record(model, x, name=name, strict=False)
@@ -42,8 +44,9 @@ def record_model(name: str, batch: int, out: Path, time_tasks: bool = True) -> d
             task.duration_us = round(us, 3)  # keeps the fixtures small
     if g.meta.get("unresolved_report"):
         print(g.meta["unresolved_report"], flush=True)
-    path = g.save(out / f"{name}.json.gz")
-    return {"model": name, "tasks": len(g.tasks), "kernels": len(g.kernel_tasks()),
+    stem = name if dtype == "float32" else f"{name}_{dtype}"
+    path = g.save(out / f"{stem}.json.gz")
+    return {"model": stem, "tasks": len(g.tasks), "kernels": len(g.kernel_tasks()),
             "ops": len(g.ops), "buffers": len(g.buffers),
             "unattributed": sum(1 for t in g.kernel_tasks() if t.op < 0),
             "unresolved": len(g.unresolved_pointers()),
@@ -60,12 +63,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--no-timing", action="store_true", help="skip per-task timing")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="the dtype of the weights and the input (default float32)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for name in args.models:
         try:
-            print(record_model(name, args.batch, args.out, not args.no_timing), flush=True)
+            print(record_model(name, args.batch, args.out, not args.no_timing, args.dtype),
+                  flush=True)
         except Exception:  # noqa: BLE001 - report and go on with the other models
             failed += 1
             print(f"{name}: FAILED", flush=True)

@@ -1,0 +1,64 @@
+"""Where the host time of a call goes: idle GPU against busy, whole call against bare driver calls.
+
+    python3 tools/host_time.py resnet50,nasnetalarge,mobilenet_v2
+
+For each model: a Nimble graph (multi-stream) and a ``torch.cuda.graph`` of it; for each step
+(the whole ``nm(x)``, the launcher alone, a bare ``cuGraphLaunch`` of the same exec, the input-cell
+write plus the launch, torch's replay) the host µs of one call with the GPU idle before it (median,
+p10, p90 of 300) and of one call among 200 back-to-back ones, twice; then ``nm(x)`` idle with
+Python's garbage collector off.
+"""
+import gc
+import sys
+import time
+
+import torch
+
+import nimble
+from nimble import driver, models
+
+torch.backends.cudnn.benchmark = True
+
+def idle(fn, n=300):
+    t = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter(); fn(); t.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    t.sort()
+    return f"med {t[n//2]*1e6:6.1f} p10 {t[n//10]*1e6:6.1f} p90 {t[9*n//10]*1e6:6.1f}"
+
+def busy(fn, n=200):
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    for _ in range(n): fn()
+    dt = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    return f"{dt*1e6:6.1f}"
+
+for name in sys.argv[1].split(","):
+    model = models.create(name).cuda(); x = models.example_input(name)
+    nm = nimble.Nimble(model).prepare(x, relaunches=2)
+    st = nm._prepared; L = st.launcher
+    api = driver.CallPath(); stream = L.stream(); ex = st.built.exec.handle
+    cell = L.slots[0].cell
+    g = torch.cuda.CUDAGraph(); sx = x.clone()
+    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.no_grad():
+        model(sx)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.no_grad(), torch.cuda.graph(g):
+        model(sx)
+    steps = {
+        "nm(x)": lambda: nm(x),
+        "launcher.run_flat": lambda: L.run_flat((x,)),
+        "bare launch": lambda: api.launch(ex, stream),
+        "write64+launch": lambda: (api.write64(stream, cell, x.data_ptr(), 0), api.launch(ex, stream)),
+        "torch graph replay": g.replay,
+    }
+    for rep in range(2):
+        for label, fn in steps.items():
+            print(f"{name} r{rep} {label:20s} idle {idle(fn)}  busy {busy(fn)}", flush=True)
+    gc.disable()
+    print(f"{name} gc off  nm(x) idle {idle(lambda: nm(x))}", flush=True)
+    gc.enable()
+    nm.close()
