@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from typing import Callable
 
 from . import models
+from .progress import say
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -68,8 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _say(args, msg: str) -> None:
-    if not args.quiet:
-        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+    say(msg, args.quiet, "bench")
 
 
 def _time_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int

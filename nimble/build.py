@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 from . import driver, ptx
+from .deps import forward_edges
 from .errors import BuildError, CudaError
 from .memplan import MemPlan
 from .taskgraph import Pointer, Task, TaskGraph, TaskKind
@@ -69,9 +70,7 @@ def relocate_params(task: Task, bases: Sequence[int]) -> bytes:
 def predecessors(n: int, edges: Sequence[tuple[int, int]]) -> list[list[int]]:
     """``preds[v]``: the tasks with an edge into ``v``, sorted, from a list of edges."""
     preds: list[set[int]] = [set() for _ in range(n)]
-    for u, v in edges:
-        if not 0 <= u < v < n:
-            raise BuildError(f"edge ({u}, {v}) does not go forward in recorded order")
+    for u, v in forward_edges(n, edges, BuildError):
         preds[v].add(u)
     return [sorted(p) for p in preds]
 

@@ -22,6 +22,7 @@ from typing import Callable
 
 from . import __version__
 from .errors import NimbleError, NoGpuError
+from .progress import say
 from .taskgraph import TaskGraph
 
 # Subcommands implemented elsewhere: name -> one-line help shown by ``nimble --help``.
@@ -41,8 +42,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _progress(args: argparse.Namespace, message: str) -> None:
-    if not getattr(args, "quiet", False):
-        print(message, file=sys.stderr)
+    say(message, getattr(args, "quiet", False), tag=None)
 
 
 # ---- inspect --------------------------------------------------------------------------------

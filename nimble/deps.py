@@ -54,13 +54,26 @@ def dag_from_edges(n: int, edges: Iterable[tuple[int, int]]) -> Dag:
     if n < 0:
         raise ValueError(f"a DAG cannot have {n} tasks")
     succ_sets: list[set[int]] = [set() for _ in range(n)]
-    for u, v in edges:
-        if not 0 <= u < v < n:
-            raise ValueError(
-                f"edge ({u}, {v}) is not allowed in a DAG of {n} tasks: edges go from a lower "
-                "task id to a higher one, both in range")
+    for u, v in forward_edges(n, edges):
         succ_sets[u].add(v)
     return _from_succs([sorted(s) for s in succ_sets])
+
+
+def forward_edges(n: int, edges: Iterable[tuple[int, int]], error: type[Exception] = ValueError,
+                  what: str = "edge") -> list[tuple[int, int]]:
+    """``edges`` as a list of int pairs, each checked to go forward in recorded order.
+
+    Every algorithm on a TaskGraph's DAG walks task ids once, in order, so an edge ``u -> v``
+    must have ``0 <= u < v < n``; anything else raises ``error`` (the caller's own type).
+    """
+    out = []
+    for u, v in edges:
+        u, v = int(u), int(v)
+        if not 0 <= u < v < n:
+            raise error(f"{what} ({u}, {v}) does not go forward (from a lower task id to a "
+                        f"higher one, both in [0, {n}))")
+        out.append((u, v))
+    return out
 
 
 def _from_succs(succs: list[list[int]]) -> Dag:

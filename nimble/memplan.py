@@ -31,6 +31,7 @@ from typing import Iterable, NoReturn
 
 import numpy as np
 
+from .deps import forward_edges
 from .taskgraph import BufferKind, TaskGraph
 
 
@@ -71,16 +72,8 @@ def _planned(graph: TaskGraph) -> list[int]:
 
 
 def _edge_list(n: int, edges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    out = []
-    for u, v in edges:
-        u, v = int(u), int(v)
-        if not 0 <= u < v < n:
-            # Reachability is built in one backward pass over the ids, which needs every edge to
-            # point forward in recorded order.
-            raise MemPlanError(f"edge ({u}, {v}) does not go from a lower to a higher task id "
-                               f"in [0, {n})")
-        out.append((u, v))
-    return out
+    # Reachability is built in one backward pass over the ids, which needs every edge forward.
+    return forward_edges(n, edges, MemPlanError)
 
 
 def _task_sets(graph: TaskGraph) -> dict[int, set[int]]:

@@ -14,7 +14,6 @@ forward *and* backward for training reuses all of this.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -22,6 +21,7 @@ from typing import Any, Callable, Sequence
 from . import driver
 from .decode import AddressOracle, decode_node
 from .errors import CaptureError, InputError, NoGpuError, RecordError
+from .progress import say
 from .resolve import (RNG_OFFSET, RNG_SEED, AllocEvent, DeviceRange, RawCapture, TensorSpec,
                       build_taskgraph, mark_rng_cells, unresolved_in_pool)
 from .taskgraph import BufferKind, TaskGraph
@@ -50,11 +50,6 @@ class Recording:
             dst.copy_(src)
         self.torch_graph.replay()
         return [o.clone() for o in self.static_outputs]
-
-
-def _progress(msg: str, quiet: bool) -> None:
-    if not quiet:
-        print(f"[nimble] {msg}", file=sys.stderr, flush=True)
 
 
 def _as_tensor_list(example_inputs) -> list:
@@ -250,7 +245,7 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
         raise NoGpuError("no CUDA GPU or driver found (torch.cuda.is_available() is False)")
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    _progress(f"warming up {name} ({warmup} iterations)", quiet)
+    say(f"warming up {name} ({warmup} iterations)", quiet)
     try:
         warm_up(fn, warmup)
     except RuntimeError as e:
@@ -259,7 +254,7 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
     seconds["warmup"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    _progress("capturing one forward on a single stream", quiet)
+    say("capturing one forward on a single stream", quiet)
     captured = _capture(fn, module, name)
     seconds["capture"] = time.perf_counter() - t0
 
@@ -368,7 +363,7 @@ def _decode(captured: _Captured, statics: list[DeviceRange], static_inputs: list
         raise InputError(f"the forward of {name} must return a tensor or a (nested) tuple, list "
                          f"or dict of tensors; got {type(captured.output).__name__}")
     nodes = driver.graph_nodes(driver.bindings().CUgraph(captured.torch_graph.raw_cuda_graph()))
-    _progress(f"decoding {len(nodes)} graph nodes from {len(captured.ops)} ops", quiet)
+    say(f"decoding {len(nodes)} graph nodes from {len(captured.ops)} ops", quiet)
     oracle = AddressOracle()
     raw_nodes = [decode_node(n, oracle) for n in nodes]
     externals = list(captured.externals)

@@ -13,7 +13,6 @@ instantiates one explicit CUDA graph, and proves it bit-exact against the record
 """
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from .deps import build_dag, transitive_reduction
 from .errors import InputError, NimbleError
 from .launcher import InputSlot, Launcher, RngCells
 from .memplan import MemPlan, check_plan, plan_memory
+from .progress import say
 from .resolve import RNG_OFFSET, RNG_SEED
 from .schedule import Schedule, assign_streams, check_schedule
 from .taskgraph import BufferKind, TaskGraph, TensorRef
@@ -267,17 +267,15 @@ class Nimble:
         self._check_mode(training)
         watch_modules()
         seconds: dict[str, float] = {}
-        say = (lambda msg: None) if quiet else \
-            (lambda msg: print(f"[nimble] {msg}", file=sys.stderr, flush=True))
         rec = recording if recording is not None else self._record(example_inputs, quiet)
         seconds.update(rec.seconds)
 
         t0 = time.perf_counter()
-        say(f"scheduling {len(rec.graph.tasks)} tasks")
+        say(f"scheduling {len(rec.graph.tasks)} tasks", quiet)
         schedule, plan = _plan(rec.graph, use_multi_stream, max_streams, arena_limit)
         seconds["schedule_and_memplan"] = time.perf_counter() - t0
         say(f"{len(schedule.streams)} streams, {len(schedule.sync_edges)} syncs; arena "
-            f"{plan.arena_bytes / 2**20:.1f} MiB")
+            f"{plan.arena_bytes / 2**20:.1f} MiB", quiet)
 
         t0 = time.perf_counter()
         candidate = _build(self.model, rec, schedule, plan, device_launch=device_launch,
@@ -291,7 +289,8 @@ class Nimble:
                     RuntimeWarning, stacklevel=2)
             if verify:
                 t0 = time.perf_counter()
-                say(f"verifying: {relaunches} launches against the single-stream recording")
+                say(f"verifying: {relaunches} launches against the single-stream recording",
+                    quiet)
                 _verify(candidate, rec, relaunches)
                 seconds["verify"] = time.perf_counter() - t0
         except BaseException:

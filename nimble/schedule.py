@@ -35,7 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .deps import Dag, dag_from_edges, reachability, transitive_reduction
+from .deps import Dag, dag_from_edges, forward_edges, reachability, transitive_reduction
 from .errors import NimbleError
 
 
@@ -381,9 +381,7 @@ def check_schedule(dag: Dag, schedule: Schedule) -> None:
         raise ScheduleError(f"{len(missing)} tasks are on no stream, e.g. task {missing[0]}")
     if schedule.sync_edges != sorted(set(schedule.sync_edges)):
         raise ScheduleError("sync_edges are not sorted and free of duplicates")
-    for u, v in schedule.sync_edges:
-        if not 0 <= u < v < n:
-            raise ScheduleError(f"sync edge ({u}, {v}) does not go from a lower id to a higher one")
+    for u, v in forward_edges(n, schedule.sync_edges, ScheduleError, "sync edge"):
         if schedule.stream_of[u] == schedule.stream_of[v]:
             raise ScheduleError(f"sync edge ({u}, {v}) joins a stream to itself")
     reach = reachability(dag_from_edges(n, schedule.edges()))

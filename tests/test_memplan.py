@@ -210,7 +210,7 @@ def test_malformed_plans_and_edges_are_rejected():
                            ({0: 100}, "misaligned"), ({0: 512}, "outside")]:
         with pytest.raises(MemPlanError, match=match):
             check_plan(g, [], MemPlan(offsets, 512, 512, 512, 512))
-    with pytest.raises(MemPlanError, match="lower to a higher"):
+    with pytest.raises(MemPlanError, match="lower task id to a higher"):
         plan_memory(g, [(0, 0)])
     assert plan_memory(g, []).address_of(0, 1 << 40) == 1 << 40
     with pytest.raises(KeyError):
