@@ -7,7 +7,8 @@ between two CUDA events, after a warm-up; the table gives the median per-call ti
 ``torch.cuda.graph`` row copies the input into the graph's static input before the replay, as a
 Nimble call copies its input in.
 
-``--dtype`` runs each model once per dtype (model and input converted before anything else);
+``--training`` times training steps instead (:mod:`nimble.train_bench`).  ``--dtype`` runs each
+model once per dtype (model and input converted before anything else);
 ``--quick`` times only eager, ``torch.cuda.graph``, ``torch.compile`` (unless ``--no-compile``)
 and Nimble single and multi, without the stream-cap / uncapped / host-launch variants and the
 per-task critical-path timing.
@@ -45,10 +46,18 @@ def to_dtype(model, x, dtype: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("models", nargs="*", default=[models.BUILTIN], metavar="MODEL",
-                   help=f"models to run (default: the built-in {models.BUILTIN}; zoo: "
+    from .train_bench import parse_batches
+
+    p.add_argument("models", nargs="*", default=[], metavar="MODEL",
+                   help=f"models to run (default: the built-in {models.BUILTIN}; with "
+                        "--training, the paper's training models; zoo: "
                         f"{', '.join(models.ZOO)}, which need the zoo extra)")
-    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--batch", dest="batches", type=parse_batches, default=None,
+                   metavar="B,B,...",
+                   help="batch sizes (default 1; 32 with --training)")
+    p.add_argument("--training", action="store_true",
+                   help="time training steps (forward, loss, backward, SGD step) against eager, "
+                        "make_graphed_callables and torch.compile instead of inference calls")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per mode (default 5)")
     p.add_argument("--iters", type=int, default=100, help="calls per round (default 100)")
     p.add_argument("--max-streams", default="2,4,8", metavar="K,K,...",
@@ -287,6 +296,13 @@ def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
 def run(args) -> int:
     from .cli import check_models, require_gpu
 
+    args.models_given = bool(args.models)
+    if args.training:
+        from .train_bench import run as run_training
+
+        args.batches = args.batches or [32]
+        return run_training(args)
+    args.models = args.models or [models.BUILTIN]
     # Before any work: every name known and its package installed, and a GPU to run on.
     check_models(args.models)
     require_gpu("bench")
@@ -294,7 +310,8 @@ def run(args) -> int:
 
     results, failed = [], []
     for name in args.models:
-        for dtype in args.dtypes:
+        for dtype, batch in [(d, b) for b in args.batches or [1] for d in args.dtypes]:
+            args.batch = batch
             try:
                 info = bench_model(name, args, dtype)
             except Exception as e:  # noqa: BLE001 - one run's failure must not hide the others

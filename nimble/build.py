@@ -101,11 +101,13 @@ def chain_edges(n: int) -> list[tuple[int, int]]:
 
 @dataclass
 class BuiltGraph:
-    """An explicit CUDA graph, one node per task (``nodes[t]``), owned together with its exec."""
+    """An explicit CUDA graph, one node per task of ``span`` (task ``t`` is ``nodes[t -
+    span.start]``), owned together with its exec."""
 
     graph: driver.Graph
     exec: driver.GraphExec
     nodes: list
+    span: range = range(0)
     #: True when the exec was instantiated for device launch (cheaper host launches too).
     device_launch: bool = False
     #: Why a requested device-launchable instantiation was refused ("" when it was not).
@@ -148,6 +150,8 @@ def kernel_arguments(task: Task, block: bytes) -> tuple[int, int, list]:
 def _add_kernel(graph, task: Task, recorded_node, bases: Sequence[int], deps: list):
     params = driver.kernel_node_params(recorded_node)
     params.kernelParams, params.extra, keep = kernel_arguments(task, relocate_params(task, bases))
+    if params.sharedMemBytes:
+        driver.allow_dynamic_shared(params.func, int(params.sharedMemBytes))
     node = driver.add_kernel_node(graph, deps, params, detail=f"task {task.id} ({task.short_name})")
     del keep
     driver.copy_kernel_attributes(node, recorded_node)
@@ -227,7 +231,8 @@ def instantiate(owned: driver.Graph, device_launch: bool, upload_stream
 def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int],
                 edges: Sequence[tuple[int, int]], *, device_launch: bool = True,
                 upload_stream=None, gathers: Sequence[InputGather] = (),
-                gather_module: driver.Module | None = None) -> BuiltGraph:
+                gather_module: driver.Module | None = None,
+                span: range | None = None) -> BuiltGraph:
     """Build and instantiate the explicit graph of ``graph`` with ``edges`` as its dependencies.
 
     ``recorded_nodes[t]`` is task ``t``'s node in the captured graph (its function, launch
@@ -236,21 +241,26 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     where the driver allows (see :func:`instantiate`); ``upload_stream`` uploads it there.
     Each of ``gathers`` becomes a ``nimble_gather_input`` node (from ``gather_module``, which the
     result then owns) that every root task waits for: the graph copies its own inputs in before
-    anything else runs.
+    anything else runs.  ``span`` (default: every task) builds one phase of a phased graph
+    (the forward or the backward of a training step): only its tasks, and only the edges
+    between them; the phase before it has finished when it is launched.
     """
     n = len(graph.tasks)
     if len(recorded_nodes) != n:
         raise BuildError(f"{len(recorded_nodes)} recorded nodes for {n} tasks")
+    span = range(n) if span is None else span
     preds = predecessors(n, edges)
     ctx = driver.current_context()
     owned = driver.Graph.create()
     nodes: list = []
+    first = span.start
     try:
         function = gather_module.function(ptx.GATHER_INPUT) if gathers else None
         gather_nodes = [_add_gather(owned.handle, function, g) for g in gathers]
-        for task in graph.tasks:
-            deps = [nodes[u] for u in preds[task.id]] or list(gather_nodes)
-            nodes.append(add_task_node(owned.handle, task, recorded_nodes[task.id], bases, deps,
+        for tid in span:
+            task = graph.tasks[tid]
+            deps = [nodes[u - first] for u in preds[tid] if u >= first] or list(gather_nodes)
+            nodes.append(add_task_node(owned.handle, task, recorded_nodes[tid], bases, deps,
                                        ctx))
         exec_, on_device, refusal = instantiate(owned, device_launch, upload_stream)
     except BaseException:
@@ -258,7 +268,7 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
         if gather_module is not None:
             gather_module.close()
         raise
-    return BuiltGraph(owned, exec_, nodes, device_launch=on_device,
+    return BuiltGraph(owned, exec_, nodes, span, device_launch=on_device,
                       device_launch_refusal=refusal, module=gather_module)
 
 
@@ -276,14 +286,14 @@ def repoint(built: BuiltGraph, graph: TaskGraph, bases: Sequence[int], buffers: 
     on ``stream``.  Returns the number of nodes changed; raises :class:`BuildError` for a memcpy
     or memset task, whose endpoints Nimble does not re-point.
     """
-    tasks = tasks_reading(graph, buffers)
+    tasks = [t for t in tasks_reading(graph, buffers) if t.id in built.span]
     for task in tasks:
         if task.kind != TaskKind.KERNEL:
             raise BuildError(f"task {task.id} is a {task.kind} node reading a weight that moved; "
                              "Nimble re-points kernel arguments only: call prepare() again")
     changed = 0
     for task in tasks:
-        node = built.nodes[task.id]
+        node = built.nodes[task.id - built.span.start]
         params = driver.kernel_node_params(node)
         params.kernelParams, params.extra, keep = kernel_arguments(
             task, relocate_params(task, bases))

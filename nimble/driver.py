@@ -199,6 +199,18 @@ def address_range(address: int) -> tuple[int, int] | None:
     return (int(got[0]), int(got[1])) if ok else None
 
 
+def allow_dynamic_shared(func, nbytes: int) -> None:
+    """Let ``func`` launch with ``nbytes`` of dynamic shared memory (raise its cap if lower).
+
+    A library may raise the cap on another handle of the same kernel (cuDNN's training batch
+    norm does): the function a captured node names can report a cap below what the node
+    launches with, and adding that node to a new graph fails with ``CUDA_ERROR_INVALID_VALUE``.
+    """
+    attr = bindings().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if int(call("cuFuncGetAttribute", attr, func)) < nbytes:
+        call("cuFuncSetAttribute", func, attr, nbytes, detail=f"{nbytes} bytes")
+
+
 def add_kernel_node(graph, deps: list, params, detail: str = "") -> Any:
     return call("cuGraphAddKernelNode", graph, deps, len(deps), params, detail=detail)
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from .deps import CriticalPath, Dag, build_dag, critical_path, task_durations, transitive_reduction
 from .memplan import MemPlan, plan_memory
-from .schedule import Schedule, assign_streams
+from .schedule import Schedule, assign_phased
 from .taskgraph import BufferKind, TaskGraph, TaskKind
 
 PLAN_FORMAT = "nimble.plan"
@@ -116,7 +116,7 @@ def analyze(graph: TaskGraph, max_streams: int | None = None, *,
     start = time.perf_counter()
     dag = build_dag(graph)
     reduced = transitive_reduction(dag)
-    schedule = assign_streams(dag, max_streams=max_streams, reduced=reduced)
+    schedule = assign_phased(dag, graph.meta.get("phases") or [], max_streams)
     durations = task_durations(graph)
     # Reduction keeps reachability and longest paths, and is the smaller graph to walk.
     critical = critical_path(reduced, durations)
@@ -142,7 +142,7 @@ def simulate(graph: TaskGraph, schedule: Schedule) -> list[tuple[float, float]]:
     n = len(graph.tasks)
     preds: list[list[int]] = [[] for _ in range(n)]
     succs: list[list[int]] = [[] for _ in range(n)]
-    for u, v in [*schedule.stream_edges(), *schedule.sync_edges]:
+    for u, v in schedule.edges():
         preds[v].append(u)
         succs[u].append(v)
     missing = [len(p) for p in preds]
@@ -216,8 +216,8 @@ def memplan_summary(graph: TaskGraph, max_streams: int | None = None, *,
 def export_plan(graph: TaskGraph, schedule: Schedule, plan: MemPlan) -> dict:
     """The schedule and arena plan as JSON-able data (format ``nimble.plan``, version 1).
 
-    ``streams[t]`` is task ``t``'s stream, ``edges`` the final happens-before edges (stream order
-    and sync edges), ``offsets`` maps buffer ids (as strings, JSON keys being strings) to arena
+    ``streams[t]`` is task ``t``'s stream, ``edges`` the final happens-before edges (stream order,
+    sync edges and, for a phased graph, the ``barrier_edges`` between its ``phases``), ``offsets`` maps buffer ids (as strings, JSON keys being strings) to arena
     offsets.  ``docs/taskgraph-format.md`` describes it.
     """
     return {
@@ -229,6 +229,8 @@ def export_plan(graph: TaskGraph, schedule: Schedule, plan: MemPlan) -> dict:
         "streams": [int(s) for s in schedule.stream_of],
         "edges": [[int(u), int(v)] for u, v in schedule.edges()],
         "sync_edges": [[int(u), int(v)] for u, v in schedule.sync_edges],
+        "phases": [int(c) for c in schedule.phases],
+        "barrier_edges": [[int(u), int(v)] for u, v in schedule.barrier_edges],
         "offsets": {str(b): int(o) for b, o in sorted(plan.offsets.items())},
         "arena_bytes": int(plan.arena_bytes),
         "alignment": int(plan.alignment),

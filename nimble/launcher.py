@@ -61,16 +61,42 @@ def _raw_stream_getter(device_index: int) -> Callable[[], int]:
     return lambda: torch.cuda.current_stream(device_index).cuda_stream
 
 
+class CallOrder:
+    """What the launchers of one arena share: one lock, the latest call's stream, an event.
+
+    The forward and backward graphs of a training step read and write the same arena, so a
+    call of either must come after everything queued by the last call of both.
+    """
+
+    __slots__ = ("lock", "last_stream", "switch_event", "threads")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.last_stream = None
+        self.switch_event = driver.Event.create(timing=False)
+        self.threads = {threading.get_ident()}
+
+    def close(self) -> None:
+        """Wait for the last call's work, then free the event (idempotent)."""
+        with self.lock:
+            if self.last_stream is not None and not self.switch_event.closed:
+                try:
+                    driver.stream_synchronize(self.last_stream)
+                except CudaError:  # the caller's stream is gone: wait for everything instead
+                    driver.synchronize_context()
+            self.switch_event.close()
+
+
 class Launcher:
     """Runs one instantiated graph on the caller's current stream; see :meth:`run`."""
 
     __slots__ = ("_exec", "_slots", "_device", "_outputs", "_unflatten", "return_copies",
-                 "_raw_stream", "_streams", "_api", "_tensor_type", "_last_stream",
-                 "_switch_event", "_context", "_threads", "_lock", "_rng")
+                 "_raw_stream", "_streams", "_api", "_tensor_type", "_order", "_context",
+                 "_rng")
 
     def __init__(self, exec_handle, slots: Sequence[InputSlot], device, outputs: list,
                  output_spec, context, rng: RngCells | None = None,
-                 return_copies: bool = False) -> None:
+                 return_copies: bool = False, order: CallOrder | None = None) -> None:
         import torch
         from torch.utils._pytree import tree_unflatten
 
@@ -79,28 +105,22 @@ class Launcher:
         self._device = device
         self._outputs = outputs
         self.return_copies = return_copies
-        self._unflatten = (lambda flat: flat[0]) if output_spec.is_leaf() else \
-            (lambda flat: tree_unflatten(flat, output_spec))
+        if output_spec is None:
+            self._unflatten = list
+        else:
+            self._unflatten = (lambda flat: flat[0]) if output_spec.is_leaf() else \
+                (lambda flat: tree_unflatten(flat, output_spec))
         self._raw_stream = _raw_stream_getter(device.index or 0)
         self._streams: dict[int, Any] = {}
         self._api = driver.CallPath()
         self._tensor_type = torch.Tensor
-        self._last_stream = None
-        self._switch_event = driver.Event.create(timing=False)
+        self._order = order if order is not None else CallOrder()
         self._context = context
-        self._threads = {threading.get_ident()}
-        self._lock = threading.Lock()
         self._rng = rng
 
     def close(self) -> None:
         """Wait for the last call's work, then free the stream-switch event (idempotent)."""
-        with self._lock:
-            if self._last_stream is not None and not self._switch_event.closed:
-                try:
-                    driver.stream_synchronize(self._last_stream)
-                except CudaError:  # the caller's stream is gone: wait for everything instead
-                    driver.synchronize_context()
-            self._switch_event.close()
+        self._order.close()
 
     @property
     def slots(self) -> tuple[InputSlot, ...]:
@@ -113,6 +133,11 @@ class Launcher:
         return self._outputs
 
     @property
+    def unflatten(self):
+        """Flat outputs -> the structure the model returned."""
+        return self._unflatten
+
+    @property
     def rng(self) -> RngCells | None:
         """The generator cells the graph reads (None for a graph without random numbers)."""
         return self._rng
@@ -120,12 +145,17 @@ class Launcher:
     @property
     def lock(self) -> threading.Lock:
         """Held during each call; hold it to change the graph between calls."""
-        return self._lock
+        return self._order.lock
+
+    @property
+    def order(self) -> CallOrder:
+        """The call order this launcher shares with the other graphs of its arena."""
+        return self._order
 
     @property
     def last_stream(self):
         """The stream of the latest call (None before the first)."""
-        return self._last_stream
+        return self._order.last_stream
 
     def stream(self):
         """The caller's current stream as a ``CUstream`` (one object per stream, kept)."""
@@ -155,12 +185,13 @@ class Launcher:
             if not (isinstance(x, self._tensor_type) and x.shape == slot.shape
                     and x.dtype == slot.dtype and x.device == self._device):
                 raise self._bad_input(i, x)
-        if threading.get_ident() not in self._threads:
+        order = self._order
+        if threading.get_ident() not in order.threads:
             self._enter_thread()
         api = self._api
-        with self._lock:
+        with order.lock:
             stream = self.stream()
-            if stream is not self._last_stream:
+            if stream is not order.last_stream:
                 self._join(stream)
             for slot, x in zip(slots, inputs):
                 if slot.cell:
@@ -191,15 +222,16 @@ class Launcher:
     def _enter_thread(self) -> None:
         """Make the graph's context current on a thread that has not called before."""
         self._api.set_context(self._context)
-        with self._lock:
-            self._threads.add(threading.get_ident())
+        with self._order.lock:
+            self._order.threads.add(threading.get_ident())
 
     def _join(self, stream) -> None:
         """Order ``stream`` after all work queued so far on the previous call's stream."""
-        if self._last_stream is not None:
-            self._api.record(self._switch_event.handle, self._last_stream)
-            self._api.wait(stream, self._switch_event.handle, 0)
-        self._last_stream = stream
+        order = self._order
+        if order.last_stream is not None:
+            self._api.record(order.switch_event.handle, order.last_stream)
+            self._api.wait(stream, order.switch_event.handle, 0)
+        order.last_stream = stream
 
     def run(self, inputs: Sequence):
         """:meth:`run_flat`, with the outputs in the structure the model returned."""

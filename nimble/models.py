@@ -94,9 +94,10 @@ def package_of(name: str) -> str | None:
     return "timm" if name in ("nasnetalarge", "pnasnet5large") else "torchvision"
 
 
-def create(name: str):
+def create(name: str, num_classes: int | None = None):
     """A freshly initialised model by name (``branchy``, ``gemm_chains`` or a zoo name), in eval mode, on the CPU.
 
+    ``num_classes`` gives a zoo model another classifier size (10 for CIFAR-10 training).
     Raises ``ValueError`` for an unknown name and ``ImportError`` (saying which extra to install)
     when the zoo packages are missing.
     """
@@ -108,19 +109,20 @@ def create(name: str):
         module = __import__(package)
     except ImportError as e:
         raise ImportError(f"{name} needs {package}: pip install 'nimble[zoo]'") from e
+    extra = {} if num_classes is None else {"num_classes": num_classes}
     if package == "timm":
-        return module.create_model(name, pretrained=False).eval()
-    kwargs = {"weights": None}
+        return module.create_model(name, pretrained=False, **extra).eval()
+    kwargs = {"weights": None, **extra}
     if name in ("inception_v3", "googlenet"):
         kwargs.update(aux_logits=False, init_weights=False)
     return getattr(module.models, name)(**kwargs).eval()
 
 
-def example_input(name: str, batch: int = 1, device: str = "cuda"):
-    """A random image batch of the size ``name`` expects."""
+def example_input(name: str, batch: int = 1, device: str = "cuda", side: int | None = None):
+    """A random image batch of the size ``name`` expects (or ``side`` × ``side``)."""
     import torch
 
     if name == CHAINS:
         return torch.randn(batch, 512, device=device)
-    side = input_size(name)
+    side = side or input_size(name)
     return torch.randn(batch, 3, side, side, device=device)

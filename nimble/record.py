@@ -1,15 +1,11 @@
 """Recording: from a PyTorch module and example inputs to a :class:`Recording`.
 
 ``record()`` warms the model up on a side stream (cuDNN autotuning, lazy initialisation), then
-captures one forward on a single stream into ``torch.cuda.CUDAGraph(keep_graph=True)`` while
-
-* :class:`~nimble.tracer.OpTracer` notes per ATen op the byte ranges it reads and writes, the graph
-  nodes it created and the allocations it made, and
-* the caching allocator's history records every allocation with its address and size,
-
-then decodes every node (:mod:`nimble.decode`) and resolves addresses into buffers
-(:mod:`nimble.resolve`).  The capture itself is a plain callable (``capture_fn``), so capturing a
-forward *and* backward for training reuses all of this.
+captures one forward on a single stream (:mod:`nimble.capture`: op tracer and allocator history),
+decodes every node (:mod:`nimble.decode`) and resolves addresses into buffers
+(:mod:`nimble.resolve`).  ``record_step()`` does the same for a training step: the forward and
+its backward, captured as two graphs sharing one pool, become one TaskGraph of two *phases*
+(``meta["phases"]``: the task count of each).
 """
 from __future__ import annotations
 
@@ -20,9 +16,10 @@ from typing import Any, Callable, Sequence
 
 from . import driver
 from .decode import AddressOracle, decode_node
+from .capture import Captured, Phase, capture, check_no_host_sync, quiet_backward, warm_up
 from .errors import CaptureError, InputError, NoGpuError, RecordError
 from .progress import say
-from .resolve import (RNG_OFFSET, RNG_SEED, AllocEvent, DeviceRange, RawCapture, TensorSpec,
+from .resolve import (RNG_OFFSET, RNG_SEED, DeviceRange, RawCapture, TensorSpec,
                       build_taskgraph, mark_rng_cells, unresolved_in_pool)
 from .taskgraph import BufferKind, TaskGraph
 
@@ -43,13 +40,41 @@ class Recording:
     static_outputs: list
     output_spec: Any
     seconds: dict = field(default_factory=dict)
+    #: Every captured graph in launch order (one for inference; forward, backward for training).
+    torch_graphs: list = field(default_factory=list)
+    #: For a training recording, how its flat inputs and outputs map to the autograd step.
+    step: "StepLayout | None" = None
 
     def replay_reference(self, inputs: Sequence) -> list:
-        """Run the captured single-stream graph on ``inputs``; return copies of its outputs."""
-        for dst, src in zip(self.static_inputs, inputs):
-            dst.copy_(src)
-        self.torch_graph.replay()
+        """Run the captured single-stream graph(s) on ``inputs``; return copies of the outputs."""
+        import torch
+
+        with torch.no_grad():  # a training input that requires grad is a leaf
+            for dst, src in zip(self.static_inputs, inputs):
+                dst.copy_(src)
+        for g in self.torch_graphs or [self.torch_graph]:
+            g.replay()
         return [o.clone() for o in self.static_outputs]
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """How a training recording's flat inputs and outputs map onto one autograd step.
+
+    The recording's inputs are the forward's ``forward_inputs`` inputs, then one incoming
+    gradient per ``differentiable`` forward output; its outputs are the forward's
+    ``forward_outputs`` outputs, then the gradients the backward computes.  The gradient
+    *targets* are the inputs in ``inputs_with_grad`` followed by ``params``; ``grad_output_of``
+    gives, per target, the index of its gradient among the recording's outputs (-1 where the
+    target gets no gradient: a parameter the forward does not use).
+    """
+
+    forward_inputs: int
+    forward_outputs: int
+    differentiable: list[int]
+    inputs_with_grad: list[int]
+    params: list
+    grad_output_of: list[int]
 
 
 def _as_tensor_list(example_inputs) -> list:
@@ -111,75 +136,9 @@ def _statics(module, static_inputs) -> list[DeviceRange]:
     return list(ranges.values())
 
 
-def _snapshot_blocks(snapshot: dict, pool_id=None) -> tuple[list[DeviceRange], list[DeviceRange]]:
-    """``(active blocks outside the pool, segments of the pool)`` from an allocator snapshot."""
-    blocks, pool = [], []
-    for seg in snapshot.get("segments", []):
-        in_pool = pool_id is not None and tuple(seg.get("segment_pool_id", ())) == tuple(pool_id)
-        if in_pool:
-            pool.append(DeviceRange(seg["address"], seg["total_size"], "graph pool"))
-            continue
-        address = seg["address"]
-        for blk in seg.get("blocks", []):
-            start = blk.get("address", address)
-            if blk.get("state") == "active_allocated":
-                blocks.append(DeviceRange(start, blk["size"], f"block@{start:#x}"))
-            address = start + blk["size"]
-    return blocks, pool
-
-
-def _alloc_counter(device: int) -> Callable[[], int]:
-    import torch
-
-    def count() -> int:
-        return torch._C._cuda_memoryStats(device)["allocation"]["all"]["allocated"]
-    return count
-
-
-def _node_counter() -> Callable[[], int]:
-    """A counter of the capturing graph's nodes; the graph is found at the first call."""
-    import torch
-
-    state: list = [None]
-
-    def count() -> int:
-        if state[0] is None:
-            state[0] = driver.capture_graph(torch.cuda.current_stream().cuda_stream)
-            if state[0] is None:
-                raise CaptureError("the op tracer ran outside of an active stream capture")
-        return driver.node_count(state[0])
-    return count
-
-
 def _tensor_spec(t) -> TensorSpec:
     return TensorSpec(t.data_ptr(), list(t.shape), list(t.stride()),
                       str(t.dtype).removeprefix("torch."))
-
-
-def check_no_host_sync(fn: Callable[[], Any], name: str) -> None:
-    """Run ``fn`` once with torch's sync debug mode set to error.
-
-    A forward that synchronises with the host cannot be captured, and a failed capture can leave
-    torch's CUDA state (its random generator) unusable for the rest of the process; finding the
-    synchronisation before capturing keeps the process healthy.
-    """
-    import torch
-
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-    except RuntimeError as e:
-        if "synchroniz" not in str(e):
-            raise CaptureError(f"the model failed to run on the example inputs: {e}") from e
-        raise CaptureError(
-            f"the forward of {name} cannot be captured into a CUDA graph: it synchronises with "
-            f"the host ({e}). A forward must not synchronise with the host (.item(), .cpu(), "
-            "printing a tensor, data-dependent Python control flow) and must keep its work on "
-            "the GPU.") from e
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-        torch.cuda.synchronize()
 
 
 def explain_pointer(graph: TaskGraph, raw: RawCapture, task: int, pointer) -> str:
@@ -193,19 +152,6 @@ def explain_pointer(graph: TaskGraph, raw: RawCapture, task: int, pointer) -> st
     desc = ", ".join(f"#{a.ordinal} [{a.address:#x}+{a.size:#x})" for a in near)
     return (f"  task {task} {t.short_name} ({where}) param byte {pointer.location} = "
             f"{pointer.value:#x}; nearest allocations during capture: {desc or 'none'}")
-
-
-def warm_up(fn: Callable[[], Any], iterations: int) -> None:
-    """Run ``fn`` on a side stream (as torch's graph docs require before capture)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(iterations):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
 
 
 def record(module, example_inputs, *, warmup: int = 3, name: str | None = None,
@@ -230,6 +176,46 @@ def record(module, example_inputs, *, warmup: int = 3, name: str | None = None,
                            training=bool(getattr(module, "training", False)))
 
 
+def _require_gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NoGpuError("no CUDA GPU or driver found (torch.cuda.is_available() is False)")
+
+
+def _warm(fn: Callable[[], Any], warmup: int, name: str, what: str, quiet: bool) -> float:
+    t0 = time.perf_counter()
+    say(f"warming up {name} ({warmup} iterations)", quiet)
+    try:
+        warm_up(fn, warmup)
+    except RuntimeError as e:
+        raise CaptureError(f"the model failed to run on the example inputs: {e}") from e
+    check_no_host_sync(fn, name, what)
+    return time.perf_counter() - t0
+
+
+def _meta(name: str, static_inputs: list, training: bool, device: int) -> dict:
+    import torch
+
+    return {"model": name, "training": training,
+            "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+            "batch": int(static_inputs[0].shape[0])
+            if static_inputs and static_inputs[0].dim() else 0,
+            "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _tensor_leaves(value, name: str, what: str = "forward") -> tuple[list, Any]:
+    """The flat tensors of a forward's result and its tree structure; InputError otherwise."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    leaves, spec = tree_flatten(value)
+    if not leaves or not all(isinstance(x, torch.Tensor) for x in leaves):
+        raise InputError(f"the {what} of {name} must return a tensor or a (nested) tuple, list "
+                         f"or dict of tensors; got {type(value).__name__}")
+    return leaves, spec
+
+
 def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, warmup: int = 3,
                     name: str = "model", quiet: bool = True, training: bool = False,
                     strict: bool = True) -> Recording:
@@ -239,130 +225,122 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
     allocation is a :class:`RecordError`; without it the recording is returned with the pointer
     marked unresolved (for debugging).
     """
-    import torch
-
-    if not torch.cuda.is_available():
-        raise NoGpuError("no CUDA GPU or driver found (torch.cuda.is_available() is False)")
-    seconds: dict[str, float] = {}
-    t0 = time.perf_counter()
-    say(f"warming up {name} ({warmup} iterations)", quiet)
-    try:
-        warm_up(fn, warmup)
-    except RuntimeError as e:
-        raise CaptureError(f"the model failed to run on the example inputs: {e}") from e
-    check_no_host_sync(fn, name)
-    seconds["warmup"] = time.perf_counter() - t0
+    _require_gpu()
+    seconds = {"warmup": _warm(fn, warmup, name, "forward", quiet)}
 
     t0 = time.perf_counter()
     say("capturing one forward on a single stream", quiet)
-    captured = _capture(fn, module, name)
+    captured = capture([Phase("forward", lambda _: fn())], module, name)
     seconds["capture"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    graph, nodes, outputs, out_spec = _decode(
-        captured, _statics(module, static_inputs), static_inputs, name, quiet, strict,
-        meta={"model": name, "training": training,
-              "device": torch.cuda.get_device_name(captured.device), "torch": torch.__version__,
-              "batch": int(static_inputs[0].shape[0])
-              if static_inputs and static_inputs[0].dim() else 0,
-              "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    find_rng_cells(captured.torch_graph, graph, captured.device)
+    outputs, out_spec = _tensor_leaves(captured.results[0], name)
+    graph, nodes = _decode(captured, _statics(module, static_inputs), static_inputs, outputs,
+                           name, quiet, strict,
+                           _meta(name, static_inputs, training, captured.device))
+    find_rng_cells(captured.torch_graphs, graph, captured.device)
     seconds["decode"] = time.perf_counter() - t0
     graph.meta["record_seconds"] = dict(seconds)
-    return Recording(graph, captured.torch_graph, nodes, static_inputs, outputs, out_spec,
-                     seconds)
+    return Recording(graph, captured.torch_graphs[0], nodes, static_inputs, outputs, out_spec,
+                     seconds, torch_graphs=captured.torch_graphs)
 
 
-@dataclass
-class _Captured:
-    """What one capture leaves: the torch graph, the forward's result, and the memory story."""
+def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = None,
+                quiet: bool = True, strict: bool = True) -> Recording:
+    """Record one training step of ``module``: its forward, then its backward, as two graphs.
 
-    torch_graph: Any
-    output: Any
-    ops: list
-    allocs: list[AllocEvent]
-    pool: list[DeviceRange]
-    externals: list[DeviceRange]  # allocator blocks alive before capture
-    device: int
-
-
-def _clear_blas_workspaces() -> None:
-    """Drop torch's cached cuBLAS/cuBLASLt workspaces (one per handle and stream).
-
-    Before a capture, so that the workspaces its GEMMs use are allocated inside it, where the
-    recording sees them as op scratch and the arena takes them over; a workspace cached from an
-    earlier capture on the same stream lives in *that* capture's pool and would be shared by the
-    new graph without being owned by it.  After the capture, so that later work does not keep
-    using a workspace inside this capture's pool (torch's cudagraph trees do the same).
+    The backward is ``torch.autograd.grad`` of the forward's outputs that require grad, with
+    incoming gradients read from static tensors, with respect to the inputs that require grad
+    and every parameter that does; both graphs share one memory pool, so the activations the
+    forward saves are buffers the backward reads.  The result's ``step``
+    (:class:`StepLayout`) says which input and output is which.  Module state the warm-up and
+    capture change (batch-norm running statistics) is the caller's to save and restore.
+    Raises as :func:`record` does, and :class:`InputError` when nothing requires grad.
     """
     import torch
 
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
+    inputs = _as_tensor_list(example_inputs)
+    check_module(module)
+    _require_gpu()
+    driver.ensure_context()
+    name = name or type(module).__name__
+    static_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    params = [p for p in module.parameters() if p.requires_grad] \
+        if isinstance(module, torch.nn.Module) else []
+    with_grad = [i for i, x in enumerate(static_inputs) if x.requires_grad]
+    targets = [static_inputs[i] for i in with_grad] + params
+    if not targets:
+        raise InputError(f"nothing in {name} requires grad (no parameter, no input): "
+                         "prepare(training=False) for inference")
+    last: list = []
+
+    def differentiable(out) -> list[int]:
+        leaves, _ = _tensor_leaves(out, name)
+        return [i for i, o in enumerate(leaves) if o.requires_grad]
+
+    def step():
+        with torch.enable_grad():
+            out = module(*static_inputs)
+            leaves, _ = _tensor_leaves(out, name)
+            diff = differentiable(out)
+            if not diff:
+                raise InputError(f"no output of {name} requires grad: there is nothing to "
+                                 "train (are all parameters frozen?)")
+            torch.autograd.grad([leaves[i] for i in diff], targets,
+                                [torch.ones_like(leaves[i]) for i in diff], allow_unused=True)
+        last[:] = [leaves, diff]
+
+    with quiet_backward():
+        seconds = {"warmup": _warm(step, warmup, name, "training step", quiet)}
+    leaves, diff = last
+    grad_inputs = [torch.zeros_like(leaves[i]) for i in diff]
+    del last[:], leaves
+
+    def forward(_):
+        with torch.enable_grad():
+            return module(*static_inputs)
+
+    def backward(out):
+        leaves, _ = _tensor_leaves(out, name)
+        return torch.autograd.grad([leaves[i] for i in diff], targets, grad_inputs,
+                                   allow_unused=True)
+
+    t0 = time.perf_counter()
+    say("capturing one forward and its backward on a single stream", quiet)
+    with quiet_backward():
+        captured = capture([Phase("forward", forward), Phase("backward", backward)], module,
+                           name)
+    seconds["capture"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    forward_out, out_spec = _tensor_leaves(captured.results[0], name)
+    grads = captured.results[1]
+    computed = [g for g in grads if g is not None]
+    grad_output_of, k = [], len(forward_out)
+    for g in grads:
+        grad_output_of.append(-1 if g is None else k)
+        k += g is not None
+    all_inputs = static_inputs + grad_inputs
+    outputs = [o.detach() for o in forward_out] + computed
+    graph, nodes = _decode(captured, _statics(module, all_inputs), all_inputs, outputs, name,
+                           quiet, strict, _meta(name, static_inputs, True, captured.device))
+    graph.meta.update(phases=list(captured.node_counts),
+                      phase_inputs=[len(static_inputs), len(grad_inputs)],
+                      phase_outputs=[len(forward_out), len(computed)])
+    find_rng_cells(captured.torch_graphs, graph, captured.device)
+    seconds["decode"] = time.perf_counter() - t0
+    graph.meta["record_seconds"] = dict(seconds)
+    layout = StepLayout(len(static_inputs), len(forward_out), diff, with_grad, params,
+                        grad_output_of)
+    return Recording(graph, captured.torch_graphs[0], nodes, all_inputs, outputs, out_spec,
+                     seconds, torch_graphs=captured.torch_graphs, step=layout)
 
 
-def _capture(fn: Callable[[], Any], module, name: str) -> _Captured:
-    """Capture ``fn()`` on one stream while tracing ops and logging every allocation."""
-    import torch
-
-    from .tracer import ModulePaths, OpTracer
-
-    device = torch.cuda.current_device()
-    externals, _ = _snapshot_blocks({"segments": torch.cuda.memory_snapshot()})
-    torch_graph = torch.cuda.CUDAGraph(keep_graph=True)
-    node_count = _node_counter()
-    alloc_count = _alloc_counter(device)
-    _clear_blas_workspaces()
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
-                                             clear_history=True)
-    try:
-        alloc_base = alloc_count()
-        with ModulePaths(module if isinstance(module, torch.nn.Module) else None) as paths:
-            tracer = OpTracer(node_count, alloc_count, paths)
-            try:
-                with torch.cuda.graph(torch_graph):
-                    with tracer:
-                        out = fn()
-            except Exception as e:  # noqa: BLE001 - any failure of capture is reported typed
-                torch.cuda.synchronize()
-                raise CaptureError(
-                    f"the forward of {name} cannot be captured into a CUDA graph: {e}. A forward "
-                    "must not synchronise with the host (.item(), .cpu(), printing a tensor, "
-                    "data-dependent Python control flow) and must keep its work on the GPU."
-                ) from e
-        alloc_total = alloc_count() - alloc_base
-        snap = torch.cuda.memory._snapshot(device)
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-        _clear_blas_workspaces()
-
-    trace = snap.get("device_traces", [[]])[device] if snap.get("device_traces") else []
-    allocs = [e for e in trace if e.get("action") == "alloc"]
-    if len(allocs) != alloc_total:
-        raise RecordError(
-            f"the allocator history holds {len(allocs)} allocations but its counter moved by "
-            f"{alloc_total}; cannot tell allocations apart (was memory history already enabled?)")
-    # The caching allocator hands out blocks rounded up to 512 bytes, and libraries use the
-    # slack: cuDNN points a kernel at a 0-byte region just past its requested workspace size.
-    alloc_events = [AllocEvent(alloc_base + i, int(e["addr"]), -(-int(e["size"]) // 512) * 512)
-                    for i, e in enumerate(allocs)]
-    _, pool = _snapshot_blocks(snap, torch_graph.pool())
-    return _Captured(torch_graph, out, tracer.ops, alloc_events, pool, externals, device)
-
-
-def _decode(captured: _Captured, statics: list[DeviceRange], static_inputs: list, name: str,
-            quiet: bool, strict: bool, meta: dict) -> tuple[TaskGraph, list, list, Any]:
-    """``(graph, nodes, outputs, output spec)``: every node decoded, every address resolved."""
-    import torch
-    from torch.utils._pytree import tree_flatten
-
-    out_leaves, out_spec = tree_flatten(captured.output)
-    outputs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
-    if not outputs or len(outputs) != len(out_leaves):
-        raise InputError(f"the forward of {name} must return a tensor or a (nested) tuple, list "
-                         f"or dict of tensors; got {type(captured.output).__name__}")
-    nodes = driver.graph_nodes(driver.bindings().CUgraph(captured.torch_graph.raw_cuda_graph()))
+def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list, outputs: list,
+            name: str, quiet: bool, strict: bool, meta: dict) -> tuple[TaskGraph, list]:
+    """``(graph, nodes)``: every node decoded, every address resolved."""
+    nodes = [n for g in captured.torch_graphs
+             for n in driver.graph_nodes(driver.bindings().CUgraph(g.raw_cuda_graph()))]
     say(f"decoding {len(nodes)} graph nodes from {len(captured.ops)} ops", quiet)
     oracle = AddressOracle()
     raw_nodes = [decode_node(n, oracle) for n in nodes]
@@ -381,8 +359,9 @@ def _decode(captured: _Captured, statics: list[DeviceRange], static_inputs: list
         outputs=[_tensor_spec(x) for x in outputs],
         meta={**meta, "allocations": len(captured.allocs),
               "pool_bytes": sum(r.size for r in pool)})
-    if hasattr(captured.torch_graph, "instantiate"):  # keep_graph=True leaves that to replay
-        captured.torch_graph.instantiate()
+    for g in captured.torch_graphs:
+        if hasattr(g, "instantiate"):  # keep_graph=True leaves that to replay
+            g.instantiate()
     graph = build_taskgraph(raw)
     bad = unresolved_in_pool(graph, raw)
     graph.meta["unresolved_in_pool"] = len(bad)
@@ -393,13 +372,13 @@ def _decode(captured: _Captured, statics: list[DeviceRange], static_inputs: list
         if strict:
             raise RecordError(message)
         graph.meta["unresolved_report"] = message
-    return graph, nodes, outputs, out_spec
+    return graph, nodes
 
 
-def find_rng_cells(torch_graph, graph: TaskGraph, device: int) -> int:
+def find_rng_cells(torch_graphs: Sequence, graph: TaskGraph, device: int) -> int:
     """Find where the captured RNG kernels read the generator's seed and offset; mark them.
 
-    One replay of the captured graph with a distinctive seed and offset shows both: torch's
+    One replay of the first captured graph with a distinctive seed and offset shows both: torch's
     replay writes them into the two cells its Philox kernels read, and advances the generator's
     offset by what the whole graph consumes.  Every 8-byte word that a kernel points at in op
     scratch or outside memory is read back; the words holding the seed and the offset are the
@@ -417,7 +396,7 @@ def find_rng_cells(torch_graph, graph: TaskGraph, device: int) -> int:
     try:
         gen.manual_seed(seed)
         gen.set_offset(offset)
-        torch_graph.replay()
+        torch_graphs[0].replay()
         torch.cuda.synchronize()
         increment = gen.get_offset() - offset
         if increment:
@@ -429,6 +408,13 @@ def find_rng_cells(torch_graph, graph: TaskGraph, device: int) -> int:
                 word = int.from_bytes(driver.copy_to_host(value, 8), "little")
                 if word in (seed, offset):
                     cells[value] = RNG_SEED if word == seed else RNG_OFFSET
+        later = offset + increment
+        for g in torch_graphs[1:]:
+            g.replay()
+        torch.cuda.synchronize()
+        if gen.get_offset() != later:
+            raise RecordError("the backward draws random numbers of its own; Nimble supports "
+                              "random ops in the forward only")
     finally:
         gen.set_state(saved)
     if not increment:

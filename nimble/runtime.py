@@ -16,17 +16,17 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import driver, ptx
 from .build import BuiltGraph, InputGather, buffer_bases, build_graph, repoint
-from .deps import build_dag, transitive_reduction
+from .deps import build_dag
 from .errors import InputError, NimbleError
-from .launcher import InputSlot, Launcher, RngCells
+from .launcher import CallOrder, InputSlot, Launcher, RngCells
 from .memplan import MemPlan, check_plan, plan_memory
 from .progress import say
 from .resolve import RNG_OFFSET, RNG_SEED
-from .schedule import Schedule, assign_streams, check_schedule
+from .schedule import Schedule, assign_phased, check_schedule, phase_spans
 from .taskgraph import BufferKind, TaskGraph, TensorRef
 from .weights import EPOCH as WEIGHTS_EPOCH
 from .weights import Weights, watch_modules
@@ -63,52 +63,75 @@ def input_slot(address: int, ref: TensorRef, owner: Any, device) -> InputSlot:
                      tensor.dtype, tensor.is_contiguous())
 
 
-def single_stream_schedule(n: int) -> Schedule:
-    """Every task on one stream in recorded order (Nimble with multi-stream off)."""
-    return Schedule([0] * n, [list(range(n))] if n else [], [], max(n - 1, 0), 1 if n else 0)
+def single_stream_schedule(n: int, phases: list[int] | None = None) -> Schedule:
+    """Every task on one stream in recorded order (Nimble with multi-stream off); a phased
+    graph gets one stream per phase, each phase after the one before."""
+    spans = [s for s in phase_spans(phases or [], n) if len(s)]
+    streams = [list(s) for s in spans]
+    stream_of = [k for k, s in enumerate(spans) for _ in s]
+    barriers = [(a.stop - 1, b.start) for a, b in zip(spans, spans[1:])]
+    return Schedule(stream_of, streams, [], max(n - len(streams), 0), 1 if n else 0,
+                    phases=list(phases or []), barrier_edges=barriers)
 
 
 def schedule_within(graph: TaskGraph, max_streams: int | None, arena_limit: int | None
                     ) -> tuple[Schedule, MemPlan]:
-    """Nimble's schedule (at most ``max_streams`` streams) and its memory plan.
+    """Nimble's schedule (at most ``max_streams`` streams per phase) and its memory plan.
 
     Where the plan needs more than ``arena_limit`` bytes, the stream cap is lowered step by step
-    (by a quarter each time) until it fits or one stream is left: fewer concurrent branches keep
-    fewer buffers alive at once.
+    (by a quarter each time) until it fits or every phase is down to one stream: fewer
+    concurrent branches keep fewer buffers alive at once.
     """
     dag = build_dag(graph)
-    reduced = transitive_reduction(dag)
+    phases = graph.meta.get("phases") or []
+    spans = phase_spans(phases, len(graph.tasks))
     cap = max_streams
     while True:
-        schedule = assign_streams(dag, max_streams=cap, reduced=reduced)
+        schedule = assign_phased(dag, phases, max_streams=cap)
         check_schedule(dag, schedule)
         plan = plan_memory(graph, schedule.edges())
-        streams = len(schedule.streams)
-        if arena_limit is None or plan.arena_bytes <= arena_limit or streams <= 1:
+        widest = max((len({schedule.stream_of[t] for t in span}) for span in spans), default=0)
+        if arena_limit is None or plan.arena_bytes <= arena_limit or widest <= 1:
             return schedule, plan
-        cap = max(1, min(streams - 1, streams * 3 // 4))
+        cap = max(1, min(widest - 1, widest * 3 // 4))
 
 
 @dataclass
 class _Prepared:
-    """One built, verified graph with everything it owns; replaced whole by the next prepare."""
+    """One built, verified graph with everything it owns; replaced whole by the next prepare.
+
+    A training step has two phases, each its own exec and launcher over one arena: the forward
+    (``builts[0]``, ``launchers[0]``) and the backward; ``step`` joins them for autograd.
+    """
 
     graph: TaskGraph
     schedule: Schedule
     memplan: MemPlan
-    built: BuiltGraph
+    builts: list[BuiltGraph]
     arena: driver.DeviceMemory
     arena_base: int
     bases: list[int]  # where every buffer lives for the built graph (weights may move)
-    launcher: Launcher  # the per-call path: input slots, outputs, stream cache, lock
+    launchers: list[Launcher]  # per phase: input slots, outputs, stream cache (one lock)
     weights: Weights
     seconds: dict
     recording: Any = None  # kept only with keep_recording=True (debugging)
+    step: Any = None  # training.TrainingStep for a training step, else None
+    recording_held: Any = None  # the recording, until prepare() decides whether to keep it
+
+    @property
+    def built(self) -> BuiltGraph:
+        return self.builts[0]
+
+    @property
+    def launcher(self) -> Launcher:
+        return self.launchers[0]
 
     def close(self) -> None:
-        """Wait for the last call, then free exec, graph and arena (idempotent)."""
-        self.launcher.close()
-        self.built.close()
+        """Wait for the last call, then free execs, graphs and arena (idempotent)."""
+        for launcher in self.launchers:
+            launcher.close()
+        for built in self.builts:
+            built.close()
         self.arena.close()
         self.recording = None
 
@@ -133,7 +156,7 @@ def _plan(graph: TaskGraph, use_multi_stream: bool, max_streams: int | None,
     if use_multi_stream:
         schedule, plan = schedule_within(graph, max_streams, limit)
     else:
-        schedule = single_stream_schedule(len(graph.tasks))
+        schedule = single_stream_schedule(len(graph.tasks), graph.meta.get("phases"))
         plan = plan_memory(graph, schedule.edges())
     check_plan(graph, schedule.edges(), plan)
     return schedule, plan
@@ -141,20 +164,25 @@ def _plan(graph: TaskGraph, use_multi_stream: bool, max_streams: int | None,
 
 def _build(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool,
            gather_inputs: bool, seconds: dict) -> _Prepared:
-    """Arena, cells, explicit graph and launcher for a planned recording (not yet verified).
+    """Arena, cells, explicit graph(s) and launchers for a planned recording (not verified).
 
     The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
-    address the graph's gather node reads), then the generator's seed and offset cells.
+    address the graph's gather node reads), then the generator's seed and offset cells.  A
+    phased recording (a training step) gets one graph and one launcher per phase, over the
+    phase's own tasks, inputs and outputs.
     """
     import torch
 
     graph = rec.graph
     device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
+    spans = phase_spans(graph.meta.get("phases") or [], len(graph.tasks))
+    in_counts = graph.meta.get("phase_inputs") or [len(graph.inputs)]
+    out_counts = graph.meta.get("phase_outputs") or [len(graph.outputs)]
     cells_at = -(-plan.arena_bytes // 8) * 8
     rng_at = cells_at + 8 * len(graph.inputs)
     extra = 16 if graph.meta.get("rng") else 0
     arena = driver.DeviceMemory.allocate(rng_at + extra + _ARENA_ALIGNMENT)
-    built = None
+    builts: list[BuiltGraph] = []
     try:
         base = -(-arena.address // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
         bases = buffer_bases(graph, plan, base)
@@ -171,28 +199,58 @@ def _build(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool
             for s in slots:
                 if s.cell:
                     driver.copy_to_device(s.cell, s.address.to_bytes(8, "little"))
-        gathers = [InputGather(s.cell, s.address, s.nbytes) for s in slots if s.cell]
-        built = build_graph(graph, rec.nodes, bases, schedule.edges(),
-                            device_launch=device_launch,
-                            upload_stream=driver.stream(torch.cuda.current_stream().cuda_stream),
-                            gathers=gathers,
-                            gather_module=ptx.load("gather_input.ptx") if gathers else None)
-        launcher = Launcher(
-            built.exec.handle, slots, device,
-            [device_tensor(bases[r.buffer] + r.offset, r, arena, device)
-             for r in graph.outputs], rec.output_spec, driver.current_context(), rng)
+        outputs = [device_tensor(bases[r.buffer] + r.offset, r, arena, device)
+                   for r in graph.outputs]
+        order = CallOrder()
+        context = driver.current_context()
+        upload = driver.stream(torch.cuda.current_stream().cuda_stream)
+        launchers: list[Launcher] = []
+        first_in = first_out = 0
+        for k, span in enumerate(spans):
+            mine = slots[first_in:first_in + in_counts[k]]
+            gathers = [InputGather(s.cell, s.address, s.nbytes) for s in mine if s.cell]
+            built = build_graph(graph, rec.nodes, bases, schedule.edges(),
+                                device_launch=device_launch, upload_stream=upload,
+                                gathers=gathers, span=span,
+                                gather_module=ptx.load("gather_input.ptx") if gathers else None)
+            builts.append(built)
+            launchers.append(Launcher(
+                built.exec.handle, mine, device, outputs[first_out:first_out + out_counts[k]],
+                rec.output_spec if k == 0 else None, context, rng if k == 0 else None,
+                order=order))
+            first_in += in_counts[k]
+            first_out += out_counts[k]
     except BaseException:
-        if built is not None:
+        for built in builts:
             built.close()
         arena.close()
         raise
-    return _Prepared(graph=graph, schedule=schedule, memplan=plan, built=built, arena=arena,
-                     arena_base=base, bases=bases, launcher=launcher,
-                     weights=Weights(model, graph), seconds=seconds)
+    prepared = _Prepared(graph=graph, schedule=schedule, memplan=plan, builts=builts,
+                         arena=arena, arena_base=base, bases=bases, launchers=launchers,
+                         weights=Weights(model, graph), seconds=seconds)
+    if rec.step is not None:
+        from .training import TrainingStep
+
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        prepared.step = TrainingStep(launchers[0], launchers[1], rec.step, names)
+    return prepared
+
+
+def _run_all(prepared: _Prepared):
+    """Run every phase in order on its share of the inputs (for the proof)."""
+    def run(inputs: list) -> list:
+        out, first = [], 0
+        for launcher in prepared.launchers:
+            n = len(launcher.slots)
+            out += launcher.run_flat(inputs[first:first + n])
+            first += n
+        return out
+    return run
 
 
 def _verify(prepared: _Prepared, rec, relaunches: int) -> None:
-    """The proof: ``relaunches`` poisoned launches equal the recording bit for bit.
+    """The proof: ``relaunches`` poisoned launches equal the recording bit for bit (a training
+    step's gradients: within the tolerance :mod:`nimble.verify` states).
 
     A graph that draws random numbers is given the same generator state as the reference for
     each input set; the generator is restored afterwards.
@@ -203,19 +261,57 @@ def _verify(prepared: _Prepared, rec, relaunches: int) -> None:
 
     rng = prepared.launcher.rng
     saved = rng.generator.get_state() if rng else None
+    outputs = len(prepared.graph.outputs)
+    gradients = range(prepared.step.layout.forward_outputs, outputs) if prepared.step else ()
     start = rng.generator.get_offset() if rng else 0
 
     def rng_at(k: int) -> None:
         rng.generator.set_offset(start + 4096 * k * max(rng.increment, 4))
     try:
-        verify_against_reference(
-            prepared.graph, rec.replay_reference, prepared.launcher.run_flat, rec.static_inputs,
+        spread = verify_against_reference(
+            prepared.graph, rec.replay_reference, _run_all(prepared), rec.static_inputs,
             [(prepared.arena_base, prepared.memplan.arena_bytes)], prepared.launcher.stream(),
-            relaunches=relaunches, rng_at=rng_at if rng else None)
+            relaunches=relaunches, rng_at=rng_at if rng else None,
+            repeats=4 if prepared.step is not None else 3, gradients=gradients)
         torch.cuda.synchronize()
+        prepared.graph.meta["verified"] = {
+            "launches": max(relaunches, 1), "outputs": len(prepared.graph.outputs),
+            "not_bitwise": {str(i): d for i, d in sorted(spread.items())}}
     finally:
         if saved is not None:
             rng.generator.set_state(saved)
+
+
+class PhaseView(NamedTuple):
+    """One separately launched graph of a prepared model (see :attr:`Nimble.phases`)."""
+
+    name: str
+    tasks: range  # its tasks in :attr:`Nimble.graph`
+    exec_handle: int
+    input_cells: list[int]
+    input_addresses: list[int]
+    output_addresses: list[int]
+
+
+def _saved_state(model, training: bool):
+    """A function that puts back what preparing changes: the default CUDA generator's state,
+    and for a training step the module buffers (batch-norm running statistics, which warm-up,
+    capture and the proof update as training forwards do)."""
+    import torch
+
+    generator = torch.cuda.default_generators[torch.cuda.current_device()] \
+        if torch.cuda.is_available() else None
+    rng = generator.get_state() if generator is not None else None
+    buffers = [(b, b.detach().clone()) for b in model.buffers()] \
+        if training and isinstance(model, torch.nn.Module) else []
+
+    def restore() -> None:
+        with torch.no_grad():
+            for live, saved in buffers:
+                live.copy_(saved)
+        if rng is not None:
+            generator.set_state(rng)
+    return restore
 
 
 class Nimble:
@@ -237,13 +333,19 @@ class Nimble:
     def prepare(self, example_inputs, *, training: bool = False, use_multi_stream: bool = True,
                 max_streams: int | None = None, arena_limit: int | str | None = "pool",
                 device_launch: bool = True, gather_inputs: bool = True,
-                verify: bool = True, relaunches: int = 100,
+                verify: bool = True, relaunches: int | None = None,
                 return_copies: bool = False, keep_recording: bool = False,
                 recording=None, quiet: bool = True) -> "Nimble":
         """Record, schedule, plan, build and verify the model on ``example_inputs``.
 
         ``example_inputs`` is a tensor or a tuple of tensors on the GPU; every later call must
-        pass tensors of the same shapes and dtypes.  The model must be in ``eval()`` mode.
+        pass tensors of the same shapes and dtypes.  For inference (``training=False``) the model
+        must be in ``eval()`` mode.  With ``training=True`` (model in ``train()`` mode) one
+        training step is recorded instead: the forward and its backward, each scheduled on
+        several streams and rebuilt, sharing one arena; calls then return outputs that carry a
+        ``grad_fn``, and ``backward()`` through them launches the backward graph and fills
+        ``param.grad`` as eager does (see :mod:`nimble.training`).  Batch-norm running
+        statistics and the random generator are left as they were before ``prepare``.
         ``use_multi_stream=False`` runs the tasks in recorded order on one stream;
         ``max_streams`` caps the streams.  ``arena_limit`` (bytes, or ``"pool"``: the memory
         torch's own graph of the model takes) caps the arena: where full concurrency would need
@@ -254,7 +356,8 @@ class Nimble:
         which).  ``gather_inputs`` makes the graph copy each (contiguous-slot) input in itself
         from an address the call writes into a cell (:attr:`input_cells`), so a call costs one
         small stream write per input instead of a driver memcpy.  With ``verify`` (the default)
-        the built graph is run ``relaunches`` times against the recording with its old buffers
+        the built graph is run ``relaunches`` times (default 100; 20 training steps) against
+        the recording with its old buffers
         poisoned, and must match bit for bit (:class:`~nimble.errors.VerificationError`
         otherwise).  ``return_copies`` makes each call return fresh tensors instead of views
         into the arena.  ``recording`` reuses a live :class:`~nimble.record.Recording` of this
@@ -266,8 +369,34 @@ class Nimble:
         """
         self._check_mode(training)
         watch_modules()
+        if relaunches is None:
+            relaunches = 20 if training else 100
+        restore = _saved_state(self.model, training)
+        try:
+            candidate = self._prepare(example_inputs, training, recording, quiet, use_multi_stream,
+                                      max_streams, arena_limit, device_launch, gather_inputs,
+                                      verify, relaunches)
+        finally:
+            restore()
+        candidate.launcher.return_copies = return_copies
+        candidate.graph.meta["prepare_seconds"] = dict(candidate.seconds)
+        if keep_recording:
+            candidate.recording = candidate.recording_held
+        candidate.recording_held = None
+        previous, self._prepared = self._prepared, candidate
+        if previous is not None:
+            previous.close()
+        return self
+
+    def _prepare(self, example_inputs, training, recording, quiet, use_multi_stream, max_streams,
+                 arena_limit, device_launch, gather_inputs, verify, relaunches) -> _Prepared:
         seconds: dict[str, float] = {}
-        rec = recording if recording is not None else self._record(example_inputs, quiet)
+        rec = recording if recording is not None else self._record(example_inputs, training,
+                                                                    quiet)
+        if bool(rec.step) != training:
+            raise InputError("the recording passed to prepare() is of "
+                             f"{'a training step' if rec.step else 'inference'}, but "
+                             f"training={training}")
         seconds.update(rec.seconds)
 
         t0 = time.perf_counter()
@@ -282,11 +411,12 @@ class Nimble:
                            gather_inputs=gather_inputs, seconds=seconds)
         seconds["build"] = time.perf_counter() - t0
         try:
-            if candidate.built.device_launch_refusal:
+            refusal = next((b.device_launch_refusal for b in candidate.builts
+                            if b.device_launch_refusal), "")
+            if refusal:
                 warnings.warn(
                     "the graph could not be made device-launchable, so each call pays the "
-                    f"driver's full host launch cost: {candidate.built.device_launch_refusal}",
-                    RuntimeWarning, stacklevel=2)
+                    f"driver's full host launch cost: {refusal}", RuntimeWarning, stacklevel=3)
             if verify:
                 t0 = time.perf_counter()
                 say(f"verifying: {relaunches} launches against the single-stream recording",
@@ -296,22 +426,21 @@ class Nimble:
         except BaseException:
             candidate.close()
             raise
-        candidate.launcher.return_copies = return_copies
-        candidate.graph.meta["prepare_seconds"] = dict(seconds)
-        if keep_recording:
-            candidate.recording = rec
-        previous, self._prepared = self._prepared, candidate
-        if previous is not None:
-            previous.close()
-        return self
+        candidate.recording_held = rec
+        return candidate
 
     def _check_mode(self, training: bool) -> None:
         import torch
 
         if training:
-            raise NimbleError(
-                "prepare(training=True) is not supported yet: Nimble records inference only. "
-                "Prepare the model in eval() mode with training=False.")
+            if not isinstance(self.model, torch.nn.Module):
+                raise InputError("prepare(training=True) needs a torch.nn.Module (its "
+                                 "parameters are what the backward computes gradients for)")
+            if not self.model.training:
+                raise InputError(
+                    "the model is in eval() mode, but prepare(training=True) records a training "
+                    "step: call model.train() first (or prepare(training=False) for inference)")
+            return
         if isinstance(self.model, torch.nn.Module):
             in_training = [name or type(m).__name__ for name, m in self.model.named_modules()
                            if m.training]
@@ -321,11 +450,13 @@ class Nimble:
                     f"'{in_training[0]}'), but prepare(training=False) records inference: call "
                     "model.eval() first (batch norm and dropout behave differently in training)")
 
-    def _record(self, example_inputs, quiet: bool):
+    def _record(self, example_inputs, training: bool, quiet: bool):
         import torch
 
-        from .record import record
+        from .record import record, record_step
 
+        if training:
+            return record_step(self.model, example_inputs, quiet=quiet)
         with torch.no_grad():
             return record(self.model, example_inputs, quiet=quiet)
 
@@ -349,6 +480,8 @@ class Nimble:
             self._follow_weights(state)
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
             inputs = inputs[0]
+        if state.step is not None:
+            return state.step(inputs, state.launcher.unflatten)
         return state.launcher.run(inputs)
 
     def refresh(self) -> bool:
@@ -374,9 +507,12 @@ class Nimble:
             bases = list(state.bases)
             for bid, (delta, _) in moves.items():
                 bases[bid] += delta
-            repoint(state.built, state.graph, bases, set(moves),
-                    launcher.last_stream or launcher.stream())
+            for built in state.builts:
+                repoint(built, state.graph, bases, set(moves),
+                        launcher.last_stream or launcher.stream())
             state.bases = bases
+            if state.step is not None:
+                state.step.follow_parameters(self.model)
             released = weights.accept(moves)
             # Launches queued before the re-pointing may still read the old storages.
             if launcher.last_stream is not None:
@@ -445,6 +581,17 @@ class Nimble:
     def input_addresses(self) -> list[int]:
         """Per input, the device address of its slot in the arena."""
         return [s.address for s in self._state().launcher.slots]
+
+    @property
+    def phases(self) -> list["PhaseView"]:
+        """Each separately launched graph: one (``"inference"``), or ``"forward"`` and
+        ``"backward"`` for a training step, with its tasks and its handles for a C host."""
+        state = self._state()
+        names = ["forward", "backward"] if state.step is not None else ["inference"]
+        return [PhaseView(name, built.span, int(built.exec.handle),
+                          [s.cell for s in launcher.slots], [s.address for s in launcher.slots],
+                          [o.data_ptr() for o in launcher.outputs])
+                for name, built, launcher in zip(names, state.builts, state.launchers)]
 
     @property
     def launch_mode(self) -> str:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -52,14 +52,21 @@ class Schedule:
     sync_edges: list[tuple[int, int]]
     reduced_edges: int
     width: int
+    #: Task counts of the phases (forward, backward) launched one after another as separate
+    #: graphs; one phase (every task) when empty.
+    phases: list[int] = field(default_factory=list)
+    #: Edges from the last task of every stream of one phase to the first of every stream of the
+    #: next: the order that launching the phases one after another gives, with no event.
+    barrier_edges: list[tuple[int, int]] = field(default_factory=list)
 
     def stream_edges(self) -> list[tuple[int, int]]:
         """Consecutive pairs on each stream: the order a stream imposes by itself."""
         return [(s[i], s[i + 1]) for s in self.streams for i in range(len(s) - 1)]
 
     def edges(self) -> list[tuple[int, int]]:
-        """The final graph: stream edges and synchronizations, sorted, without duplicates."""
-        return sorted(set(self.stream_edges()) | set(self.sync_edges))
+        """Every happens-before edge the execution gives: stream edges, synchronizations and
+        phase barriers, sorted, without duplicates."""
+        return sorted(set(self.stream_edges()) | set(self.sync_edges) | set(self.barrier_edges))
 
 
 # ---- bipartite matching --------------------------------------------------------------------
@@ -393,3 +400,62 @@ def check_schedule(dag: Dag, schedule: Schedule) -> None:
         if lost:
             v = lost.bit_length() - 1
             raise ScheduleError(f"the schedule does not order task {u} before task {v}")
+
+
+# ---- phases ---------------------------------------------------------------------------------
+
+def phase_spans(phases: Sequence[int], n: int) -> list[range]:
+    """The task range of each phase; one span of all ``n`` tasks when ``phases`` is empty.
+
+    Raises ``ValueError`` when the counts do not add up to ``n``.
+    """
+    if not phases:
+        return [range(n)]
+    if any(c < 0 for c in phases) or sum(phases) != n:
+        raise ValueError(f"phases {list(phases)} do not cover the {n} tasks")
+    spans, start = [], 0
+    for count in phases:
+        spans.append(range(start, start + count))
+        start += count
+    return spans
+
+
+def induced(dag: Dag, span: range) -> Dag:
+    """The sub-DAG on the contiguous tasks ``span``, renumbered from 0."""
+    a, b = span.start, span.stop
+    succs = [[v - a for v in dag.succs[u] if v < b] for u in span]
+    preds = [[u - a for u in dag.preds[v] if u >= a] for v in span]
+    return Dag(b - a, succs, preds)
+
+
+def assign_phased(dag: Dag, phases: Sequence[int], max_streams: int | None = None) -> Schedule:
+    """Streams for a graph run as consecutive phases (a forward graph, then a backward graph).
+
+    Each phase is scheduled by itself (:func:`assign_streams` on its sub-DAG): the phases are
+    separate CUDA graphs, and everything of one is done before the next starts, so an edge from
+    one phase into the next needs no synchronization.  The barrier between phases is kept in
+    :attr:`Schedule.barrier_edges`, so that memory planning sees the order.  Streams are
+    numbered on through the phases.
+    """
+    spans = phase_spans(phases, dag.n)
+    if len(spans) == 1:
+        return assign_streams(dag, max_streams)
+    stream_of: list[int] = []
+    streams: list[list[int]] = []
+    syncs: list[tuple[int, int]] = []
+    barriers: list[tuple[int, int]] = []
+    reduced_edges = width = 0
+    previous: list[list[int]] = []
+    for span in spans:
+        part = assign_streams(induced(dag, span), max_streams)
+        a = span.start
+        stream_of += [len(streams) + s for s in part.stream_of]
+        mine = [[a + t for t in tasks] for tasks in part.streams]
+        barriers += [(p[-1], m[0]) for p in previous for m in mine]
+        streams += mine
+        syncs += [(a + u, a + v) for u, v in part.sync_edges]
+        reduced_edges += part.reduced_edges
+        width = max(width, part.width)
+        previous = mine or previous
+    return Schedule(stream_of, streams, sorted(syncs), reduced_edges, width,
+                    phases=list(phases), barrier_edges=sorted(barriers))

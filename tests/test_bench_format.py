@@ -138,7 +138,8 @@ def test_bench_runs_every_model_in_every_dtype(monkeypatch, tmp_path, capsys):
 
 def test_bench_defaults_to_float32_and_the_full_mode():
     args = cli.build_parser("bench").parse_args(["bench"])
-    assert args.dtypes == ["float32"] and not args.quick and args.models == [models.BUILTIN]
+    assert args.dtypes == ["float32"] and not args.quick and args.models == []  # built-in
+    assert args.batches is None and not args.training
 
 
 # ---- tools/gpu_suite.py ---------------------------------------------------------------------
@@ -162,6 +163,9 @@ def test_gpu_suite_runs_the_quick_bench_in_three_dtypes_and_the_full_one_on_dema
     def fake_run(cmd, stdout, **kwargs):
         args = cmd[cmd.index("bench") + 1:]
         commands.append(args)
+        if "--training" in cmd:
+            stdout.write("training table\n")
+            return suite.subprocess.CompletedProcess(cmd, 0)
         quick = "--quick" in cmd
         dtypes = args[args.index("--dtype") + 1].split(",") if quick else ["float32"]
         results = [_info(m, 0.5, d, quick) for m in args[:2] for d in dtypes]
@@ -171,7 +175,9 @@ def test_gpu_suite_runs_the_quick_bench_in_three_dtypes_and_the_full_one_on_dema
 
     monkeypatch.setattr(suite.subprocess, "run", fake_run)
     assert suite.main(["--skip-tests", "--out", str(tmp_path)]) == 0
-    [quick] = commands
+    quick, training = commands
+    assert training[:4] == ["resnet50", "mobilenet_v2", "efficientnet_b0", "googlenet"]
+    assert " ".join(training).endswith("--training --batch 32 --rounds 3 --iters 10 --no-compile")
     assert quick[:8] == suite.ALL_MODELS.split(",")
     assert " ".join(quick).endswith("--dtype float32,float16,bfloat16 --quick --rounds 5 "
                                     "--iters 50 --no-compile")
@@ -182,7 +188,28 @@ def test_gpu_suite_runs_the_quick_bench_in_three_dtypes_and_the_full_one_on_dema
     assert "resnet50        float16" in summary and "times: median ms per call" in summary
 
     commands.clear()
-    assert suite.main(["--skip-tests", "--skip-bench", "--full", "--out", str(tmp_path)]) == 0
+    assert suite.main(["--skip-tests", "--skip-bench", "--skip-training", "--full", "--out",
+                       str(tmp_path)]) == 0
     [full] = commands
     assert "--quick" not in full and "--dtype" not in full and "--no-compile" in full
     assert full[full.index("--json") + 1] == str(tmp_path / "bench_full.json")
+
+
+def test_training_bench_parses_batches_and_formats_its_table():
+    import argparse
+
+    from nimble.train_bench import parse_batches, table
+
+    assert parse_batches("32,64,32") == [32, 64]
+    for bad in ("", "0", "a,b"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_batches(bad)
+    modes = {k: {"median_ms": ms, "min_ms": ms, "max_ms": ms, "x_eager": 10.0 / ms,
+                 "x_graphed": 8.0 / ms}
+             for k, ms in (("eager", 10.0), ("graphed", 8.0), ("nimble single", 6.0),
+                           ("nimble multi", 5.0))}
+    text = table([{"model": "resnet50", "batch": 32, "modes": modes, "paper_x_eager": 1.9,
+                   "arena_mb": 222.6, "pool_mb": 226.0, "prepare_seconds": 20.5}])
+    row = text.splitlines()[2].split()
+    assert row[:2] == ["resnet50", "32"] and row[4] == "–"  # no compile row
+    assert row[7:10] == ["2.00", "1.60", "1.90"]

@@ -155,8 +155,10 @@ def _check_export(graph: TaskGraph, plan: dict) -> None:
     assert offsets.keys() == relocatable
     check_plan(graph, edges, MemPlan(offsets, plan["arena_bytes"], 0, 0, plan["alignment"]))
     members = [[t for t in range(n) if streams[t] == s] for s in range(plan["num_streams"])]
-    check_schedule(build_dag(graph), Schedule(streams, members, [tuple(e) for e in
-                                                                 plan["sync_edges"]], 0, 0))
+    check_schedule(build_dag(graph), Schedule(
+        streams, members, [tuple(e) for e in plan["sync_edges"]], 0, 0, phases=plan["phases"],
+        barrier_edges=[tuple(e) for e in plan["barrier_edges"]]))
+    assert sum(plan["phases"]) in (0, n)
 
 
 def test_export_is_consistent(saved, tmp_path, capsys):

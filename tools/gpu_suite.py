@@ -1,7 +1,8 @@
 """The whole GPU check in one call: the GPU tests, then the benchmark, its table last.
 
     python3 tools/gpu_suite.py [--models M,M,...] [--dtypes D,D,...] [--compile] [--full]
-                               [--skip-tests] [--skip-bench] [--out DIR]
+                               [--training-models M,M,...] [--training-batches B,B,...]
+                               [--skip-tests] [--skip-bench] [--skip-training] [--out DIR]
 
 Runs, in order:
 
@@ -9,7 +10,10 @@ Runs, in order:
 2. ``nimble bench --quick --dtype float32,float16,bfloat16 --rounds 5 --iters 50`` on
    ``--models`` (default: branchy and the seven zoo models): eager, ``torch.cuda.graph`` (input
    copied in on every call), Nimble single and multi, in each dtype (250 s on an H100);
-3. with ``--full``, also ``nimble bench`` in float32 with every variant (stream caps, uncapped,
+3. ``nimble bench --training --rounds 3 --iters 10`` on ``--training-models`` (default resnet50,
+   mobilenet_v2, efficientnet_b0, googlenet) at ``--training-batches`` (default 32): eager,
+   ``make_graphed_callables``, Nimble single and multi training steps;
+4. with ``--full``, also ``nimble bench`` in float32 with every variant (stream caps, uncapped,
    host launch) and the critical-path limit: several more minutes, so better as its own call
    (``--skip-tests --skip-bench --full``), since one device command may run 10 minutes.
 
@@ -77,6 +81,10 @@ def main(argv: list[str]) -> int:
                    help="also the float32 bench with every variant and the critical-path limit")
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--skip-bench", action="store_true", help="skip the (quick) benchmark")
+    p.add_argument("--training-models", default="resnet50,mobilenet_v2,efficientnet_b0,googlenet",
+                   help="the training benchmark's models")
+    p.add_argument("--training-batches", default="32", help="the training benchmark's batches")
+    p.add_argument("--skip-training", action="store_true", help="skip the training benchmark")
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "out")))
     args = p.parse_args(argv)
@@ -99,6 +107,13 @@ def main(argv: list[str]) -> int:
     if not args.skip_bench:
         rc, table = _bench(f"bench {args.dtypes} (--quick)", args.models,
                            ["--dtype", args.dtypes, *QUICK_ARGS], "bench", args, env)
+        summary.append(table)
+        status |= rc
+    if not args.skip_training:
+        rc, table = _bench(f"training bench, batch {args.training_batches}",
+                           args.training_models, ["--training", "--batch", args.training_batches,
+                                                  "--rounds", "3", "--iters", "10"],
+                           "bench_training", args, env)
         summary.append(table)
         status |= rc
     if args.full:

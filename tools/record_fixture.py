@@ -1,11 +1,13 @@
 """Record models into TaskGraph fixtures for the CPU tests (run on the GPU machine).
 
     python3 tools/record_fixture.py [MODEL ...] [--out tests/fixtures] [--batch 1]
-                                    [--dtype float16]
+                                    [--dtype float16] [--training]
 
 Each model (default: the built-in ones and the zoo) is recorded at batch 1 in eval mode, every
 task is timed alone (``duration_us``), and the TaskGraph is written gzipped as
-``OUT/<model>.json.gz`` (``OUT/<model>_<dtype>.json.gz`` for another dtype than float32).  A one-line summary per model goes to stdout; a model that fails is
+``OUT/<model>.json.gz`` (``OUT/<model>_<dtype>.json.gz`` for another dtype than float32).
+With ``--training`` a training step (forward and backward, two phases) is recorded instead, at
+CIFAR-10 shapes (3×32×32, 10 classes) for the zoo models, as ``OUT/<model>_train.json.gz``.  A one-line summary per model goes to stdout; a model that fails is
 reported with its error and the others still run (exit status 1 if any failed).
 """
 from __future__ import annotations
@@ -24,19 +26,25 @@ DEFAULT_MODELS = ["branchy", "gemm_chains", "resnet50", "inception_v3", "googlen
 
 
 def record_model(name: str, batch: int, out: Path, time_tasks: bool = True,
-                 dtype: str = "float32") -> dict:
+                 dtype: str = "float32", training: bool = False) -> dict:
     import torch
 
     from nimble import models
-    from nimble.record import record
+    from nimble.record import record, record_step
     from nimble.timing import time_recording
 
     torch.backends.cudnn.benchmark = True
-    model = models.create(name).cuda().to(getattr(torch, dtype))
-    x = models.example_input(name, batch).to(getattr(torch, dtype))
+    zoo = models.package_of(name) is not None
+    model = models.create(name, num_classes=10 if training and zoo else None)
+    model = model.cuda().to(getattr(torch, dtype))
+    x = models.example_input(name, batch, side=32 if training and zoo else None)
+    x = x.to(getattr(torch, dtype))
     t0 = time.perf_counter()
-    with torch.no_grad():
-        rec = record(model, x, name=name, strict=False)
+    if training:
+        rec = record_step(model.train(), x, name=name, strict=False)
+    else:
+        with torch.no_grad():
+            rec = record(model, x, name=name, strict=False)
     seconds = time.perf_counter() - t0
     g = rec.graph
     if time_tasks:
@@ -45,6 +53,7 @@ def record_model(name: str, batch: int, out: Path, time_tasks: bool = True,
     if g.meta.get("unresolved_report"):
         print(g.meta["unresolved_report"], flush=True)
     stem = name if dtype == "float32" else f"{name}_{dtype}"
+    stem += "_train" if training else ""
     path = g.save(out / f"{stem}.json.gz")
     return {"model": stem, "tasks": len(g.tasks), "kernels": len(g.kernel_tasks()),
             "ops": len(g.ops), "buffers": len(g.buffers),
@@ -63,6 +72,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--no-timing", action="store_true", help="skip per-task timing")
+    parser.add_argument("--training", action="store_true",
+                        help="record a training step (forward and backward)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                         help="the dtype of the weights and the input (default float32)")
     args = parser.parse_args(argv)
@@ -70,8 +81,8 @@ def main(argv: list[str]) -> int:
     failed = 0
     for name in args.models:
         try:
-            print(record_model(name, args.batch, args.out, not args.no_timing, args.dtype),
-                  flush=True)
+            print(record_model(name, args.batch, args.out, not args.no_timing, args.dtype,
+                               args.training), flush=True)
         except Exception:  # noqa: BLE001 - report and go on with the other models
             failed += 1
             print(f"{name}: FAILED", flush=True)
