@@ -262,6 +262,11 @@ def copy_to_device(address: int, data: bytes) -> None:
     call("cuMemcpyHtoD", address, data, len(data))
 
 
+def copy_device(dst: int, src: int, size: int) -> None:
+    """Synchronous device-to-device copy of ``size`` bytes."""
+    call("cuMemcpyDtoD", dst, src, size)
+
+
 def copy_to_host(address: int, size: int) -> bytes:
     """Synchronous device-to-host copy of ``size`` bytes at ``address``."""
     buf = ctypes.create_string_buffer(max(size, 1))

@@ -136,6 +136,18 @@ class _Prepared:
         self.recording = None
 
 
+def written_externals(graph: TaskGraph) -> list[int]:
+    """Memory allocated outside the recording that the graph writes: library-owned scratch.
+
+    cuDNN's training batch norm keeps a partial-sum buffer and a grid semaphore of its own
+    (per handle) that every such kernel writes; a graph that kept pointing there would share
+    them with every other graph and eager call, and lose them if cuDNN reallocated.
+    """
+    written = {a.buffer for t in graph.tasks for a in t.accesses if a.write and a.size > 0}
+    return [b.id for b in graph.buffers if b.kind == BufferKind.EXTERNAL and b.id in written
+            and b.size > 0]
+
+
 def _rng_cells(graph: TaskGraph, device, at: int) -> tuple[dict[int, int], RngCells | None]:
     """Bases of the graph's RNG buffers in two cells at ``at`` and ``at + 8``, and the cells."""
     import torch
@@ -167,7 +179,9 @@ def _build(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool
     """Arena, cells, explicit graph(s) and launchers for a planned recording (not verified).
 
     The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
-    address the graph's gather node reads), then the generator's seed and offset cells.  A
+    address the graph's gather node reads), then the generator's seed and offset cells, then a
+    private copy of every library-owned buffer the graph writes (:func:`written_externals`),
+    initialized from the library's bytes.  A
     phased recording (a training step) gets one graph and one launcher per phase, over the
     phase's own tasks, inputs and outputs.
     """
@@ -181,7 +195,12 @@ def _build(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool
     cells_at = -(-plan.arena_bytes // 8) * 8
     rng_at = cells_at + 8 * len(graph.inputs)
     extra = 16 if graph.meta.get("rng") else 0
-    arena = driver.DeviceMemory.allocate(rng_at + extra + _ARENA_ALIGNMENT)
+    private_at, private = rng_at + extra, {}
+    for bid in written_externals(graph):
+        private_at = -(-private_at // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
+        private[bid] = private_at
+        private_at += graph.buffers[bid].size
+    arena = driver.DeviceMemory.allocate(private_at + _ARENA_ALIGNMENT)
     builts: list[BuiltGraph] = []
     try:
         base = -(-arena.address // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
@@ -189,6 +208,9 @@ def _build(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool
         rng_bases, rng = _rng_cells(graph, device, base + rng_at)
         for bid, address in rng_bases.items():
             bases[bid] = address
+        for bid, at in private.items():
+            driver.copy_device(base + at, graph.buffers[bid].address, graph.buffers[bid].size)
+            bases[bid] = base + at
         slots = [input_slot(bases[r.buffer] + r.offset, r, arena, device)
                  for r in graph.inputs]
         if gather_inputs and slots and driver.device_supports_stream_writes(device.index or 0):

@@ -12,10 +12,11 @@ optimizer work unchanged.
 The gradients the backward graph writes live in the arena.  Autograd adopts a gradient as a
 parameter's ``.grad`` when the parameter has none (no copy, as in eager and as with
 ``make_graphed_callables``), so after ``zero_grad()`` (``set_to_none=True``, the default) a
-``.grad`` is a view into the arena, valid until the next backward.  Before the next backward
-overwrites the arena, every ``.grad`` that is still such a view (the user kept gradients to
-accumulate, or zeroed them in place) is moved to memory of its own, so accumulation adds to the
-right values.
+``.grad`` is a view into the arena, valid until the next call.  The arena plan lets the next
+forward reuse those bytes, so before a forward launches, every ``.grad`` that is still such a view
+(the user kept gradients to accumulate, or zeroed them in place) is moved to memory of its own:
+accumulation then adds to the right values.  A reference to a ``.grad`` kept past
+``zero_grad(set_to_none=True)`` sees the arena change, as with ``make_graphed_callables``.
 
 The arena holds one step's activations.  A second forward before the first one's backward
 overwrites them, so that backward, or a second backward through one forward, raises
@@ -96,6 +97,7 @@ class TrainingStep:
 
     def run_forward(self, inputs: Sequence) -> tuple[list, int]:
         """Launch the forward graph; ``(fresh output tensors, this forward's number)``."""
+        self._release_adopted()
         outputs = self.forward.run_flat(inputs)
         with self._guard:
             self._generation += 1
@@ -132,7 +134,6 @@ class TrainingStep:
             if g is None:
                 g = torch.zeros_like(self.forward.outputs[i])
             incoming.append(g)
-        self._release_adopted()
         computed = self.backward.run_flat(incoming)
         first = layout.forward_outputs
         # Fresh tensor objects over the arena: autograd may adopt them as .grad without a copy.
@@ -156,7 +157,7 @@ class TrainingStep:
         with torch.no_grad():
             for p, address in zip(self.params, self._grad_addresses):
                 g = p.grad
-                if g is not None and address is not None and g.data_ptr() == address:
+                if g is not None and g.data_ptr() == address:
                     p.grad = g.clone()
 
     def follow_parameters(self, model) -> None:

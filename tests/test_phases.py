@@ -257,3 +257,18 @@ def test_builder_span_filter_drops_exactly_the_barrier(name):
     bwd = spans[1]
     roots = {t for t in bwd if not any(u >= bwd.start for u in preds[t])}
     assert roots and roots <= {s[0] for s in schedule.streams if s[0] in bwd}
+
+
+def test_library_scratch_that_training_writes_gets_a_private_copy():
+    """cuDNN's training batch norm writes buffers of its own (partials and a grid semaphore);
+    the engine copies exactly those into the arena, and nothing an inference graph reads."""
+    from nimble.runtime import written_externals
+    from nimble.taskgraph import TaskGraph
+
+    graph = TaskGraph.load(FIXTURE_DIR / "resnet50_train.json.gz")
+    private = written_externals(graph)
+    assert private and all(graph.buffers[b].kind == "external" for b in private)
+    writers = {graph.tasks[t].short_name for t in range(len(graph.tasks))
+               for a in graph.tasks[t].accesses if a.buffer in private and a.write}
+    assert all(name.startswith("cudnn::bn_") for name in writers), writers
+    assert not written_externals(TaskGraph.load(FIXTURE_DIR / "resnet50.json.gz"))
