@@ -391,6 +391,18 @@ def check_schedule(dag: Dag, schedule: Schedule) -> None:
     for u, v in forward_edges(n, schedule.sync_edges, ScheduleError, "sync edge"):
         if schedule.stream_of[u] == schedule.stream_of[v]:
             raise ScheduleError(f"sync edge ({u}, {v}) joins a stream to itself")
+    try:
+        spans = phase_spans(schedule.phases, n)
+    except ValueError as e:
+        raise ScheduleError(str(e)) from None
+    phase_of = [k for k, span in enumerate(spans) for _ in span]
+    for u, v in forward_edges(n, schedule.sync_edges, ScheduleError, "sync edge"):
+        if phase_of[u] != phase_of[v]:
+            raise ScheduleError(f"sync edge ({u}, {v}) crosses from one phase into another; "
+                                "phases are separate graphs")
+    for u, v in forward_edges(n, schedule.barrier_edges, ScheduleError, "barrier edge"):
+        if phase_of[v] <= phase_of[u]:
+            raise ScheduleError(f"barrier edge ({u}, {v}) does not join one phase to a later one")
     reach = reachability(dag_from_edges(n, schedule.edges()))
     for u in range(n):
         need = 0

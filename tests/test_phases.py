@@ -167,14 +167,15 @@ def test_single_stream_schedule_has_one_stream_per_phase():
         check_schedule(dag, Schedule(s.stream_of, s.streams, [], 0, 1))
 
 
-@pytest.mark.xfail(strict=True, reason="check_schedule passes barrier_edges to dag_from_edges "
-                   "unchecked: a backward barrier edge raises a plain ValueError, not ScheduleError")
-def test_check_schedule_rejects_a_backward_barrier_edge_as_a_schedule_error():
+def test_check_schedule_rejects_barrier_and_sync_edges_that_break_the_phases():
+    """A backward barrier, a barrier inside a phase, a sync across phases: ScheduleError."""
     dag = dag_from_edges(4, [(0, 1), (2, 3)])
-    s = assign_phased(dag, [2, 2])
-    s.barrier_edges = [(3, 0)]
-    with pytest.raises(ScheduleError):
-        check_schedule(dag, s)
+    for field, edges in (("barrier_edges", [(3, 0)]), ("barrier_edges", [(0, 1)]),
+                         ("sync_edges", [(0, 3)])):
+        s = assign_phased(dag, [2, 2])
+        setattr(s, field, edges)
+        with pytest.raises(ScheduleError):
+            check_schedule(dag, s)
 
 # ---- the training fixtures --------------------------------------------------------------------
 
