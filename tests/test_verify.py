@@ -1,0 +1,67 @@
+"""The proof's rules (nimble.verify), on the CPU with stand-in reference and rebuilt graphs.
+
+Bitwise by default; an output the recording itself does not reproduce is held to its own spread;
+a training step's gradients may differ within a stated tolerance, and forward outputs may not.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nimble import verify
+from nimble.errors import VerificationError
+from nimble.taskgraph import TaskGraph
+
+
+@pytest.fixture(autouse=True)
+def _no_device(monkeypatch):
+    monkeypatch.setattr(verify, "poison", lambda ranges, stream: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+
+
+def _graphs(noise_of_reference, noise_of_run):
+    """``(reference, run)`` computing two outputs of one input, each output plus noise."""
+    def compute(inputs, noise):
+        (x,) = inputs
+        return [x * 2 + noise[0](), x.sum().reshape(1) + noise[1]()]
+    return (lambda inputs: compute(inputs, noise_of_reference),
+            lambda inputs: compute(inputs, noise_of_run))
+
+
+def _zero():
+    return 0.0
+
+
+def _jitter(scale):
+    return lambda: float(torch.randn(()) * scale)
+
+
+def _check(reference, run, **kw):
+    return verify.verify_against_reference(TaskGraph(), reference, run, [torch.zeros(8)], [],
+                                           None, relaunches=6, **kw)
+
+
+def test_equal_bits_prove_every_output():
+    assert _check(*_graphs([_zero, _zero], [_zero, _zero])) == {}
+
+
+def test_a_forward_output_that_differs_at_all_fails():
+    with pytest.raises(VerificationError, match="output 0 differs"):
+        _check(*_graphs([_zero, _zero], [lambda: 1e-6, _zero]))
+
+
+def test_an_output_the_recording_does_not_reproduce_is_held_to_its_own_spread():
+    torch.manual_seed(0)
+    spread = _check(*_graphs([_zero, _jitter(1e-3)], [_zero, _jitter(1e-3)]), repeats=4)
+    assert set(spread) == {1} and 0 < spread[1] < 1e-2
+    with pytest.raises(VerificationError, match="varies by up to"):
+        _check(*_graphs([_zero, _jitter(1e-3)], [_zero, lambda: 1.0]), repeats=4)
+
+
+def test_gradients_may_differ_within_the_tolerance_and_no_further():
+    big = verify.GRADIENT_RTOL * 100  # |x.sum()| of a standard normal 8-vector is ~3
+    assert 1 in _check(*_graphs([_zero, _zero], [_zero, lambda: 1e-5]), gradients=[1])
+    with pytest.raises(VerificationError, match="output 1"):
+        _check(*_graphs([_zero, _zero], [_zero, lambda: big]), gradients=[1])
+    with pytest.raises(VerificationError, match="output 0"):  # not a gradient: bitwise
+        _check(*_graphs([_zero, _zero], [lambda: 1e-5, _zero]), gradients=[1])
