@@ -189,7 +189,24 @@ def schedule_summary(graph: TaskGraph, max_streams: int | None = None, *,
         "serial_us": float(sum(a.durations)) if known else None,
         "simulated_us": max((e for _, e in simulate(graph, s)), default=0.0) if known else None,
         "analysis_seconds": a.seconds,
+        "phases": _phase_rows(graph, s),
     }
+
+
+def _phase_rows(graph: TaskGraph, schedule: Schedule) -> list[dict]:
+    """Per phase of a phased graph (forward, backward), its tasks, streams and syncs."""
+    if not schedule.phases:
+        return []
+    names = ["forward", "backward"] if len(schedule.phases) == 2 else \
+        [f"phase {k}" for k in range(len(schedule.phases))]
+    rows, start = [], 0
+    for name, count in zip(names, schedule.phases):
+        span = range(start, start + count)
+        rows.append({"name": name, "tasks": count,
+                     "streams": len({schedule.stream_of[t] for t in span}),
+                     "sync_edges": sum(1 for u, _ in schedule.sync_edges if u in span)})
+        start += count
+    return rows
 
 
 def memplan_summary(graph: TaskGraph, max_streams: int | None = None, *,
@@ -348,6 +365,9 @@ def format_summary(summary: dict, schedule: dict | None = None,
         out.append(f"schedule (max streams: {limit}):")
         out.append(f"  streams: {c['streams']} (DAG width {c['width']}); "
                    f"sync edges: {c['sync_edges']}")
+        for row in c.get("phases", []):
+            out.append(f"  {row['name']}: {row['tasks']} tasks on {row['streams']} streams, "
+                       f"{row['sync_edges']} sync edges (a graph of its own)")
         out.append(f"  dependency edges: {c['dag_edges']}, {c['reduced_edges']} after "
                    f"transitive reduction")
         out.append(f"  critical path: {c['critical_path_tasks']} tasks, "
