@@ -28,7 +28,7 @@ import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
 from . import driver
-from .errors import CudaError, InputError
+from .errors import CudaError, InputError, NimbleError
 
 
 class InputSlot(NamedTuple):
@@ -119,8 +119,12 @@ class Launcher:
         self._rng = rng
 
     def close(self) -> None:
-        """Wait for the last call's work, then free the stream-switch event (idempotent)."""
+        """Wait for the last call's work, free the stream-switch event and drop the arena views
+        (idempotent); a later call raises :class:`~nimble.errors.NimbleError`."""
         self._order.close()
+        self._exec = None
+        self._outputs = []
+        self._slots = ()
 
     @property
     def slots(self) -> tuple[InputSlot, ...]:
@@ -176,6 +180,9 @@ class Launcher:
 
     def run_flat(self, inputs: Sequence) -> list:
         """Copy ``inputs`` into their slots and launch; the flat list of outputs."""
+        if self._exec is None:
+            raise NimbleError("this prepared graph was closed (by Nimble.close() or a later "
+                              "prepare()): call the model again through its Nimble object")
         slots = self._slots
         if len(inputs) != len(slots):
             raise InputError(f"the model was prepared with {len(slots)} input(s), got "

@@ -108,7 +108,7 @@ class _Prepared:
     schedule: Schedule
     memplan: MemPlan
     builts: list[BuiltGraph]
-    arena: driver.DeviceMemory
+    arena: driver.DeviceMemory | None
     arena_base: int
     bases: list[int]  # where every buffer lives for the built graph (weights may move)
     launchers: list[Launcher]  # per phase: input slots, outputs, stream cache (one lock)
@@ -127,12 +127,17 @@ class _Prepared:
         return self.launchers[0]
 
     def close(self) -> None:
-        """Wait for the last call, then free execs, graphs and arena (idempotent)."""
+        """Wait for the last call, free execs and graphs, let go of the arena (idempotent).
+
+        The arena is freed once nothing refers to it any more: outputs the caller still holds
+        and gradients autograd adopted as ``.grad`` are views that keep it alive, so closing never
+        leaves a tensor pointing at freed memory.
+        """
         for launcher in self.launchers:
             launcher.close()
         for built in self.builts:
             built.close()
-        self.arena.close()
+        self.arena = None  # freed by its finalizer with the last view
         self.recording = None
 
 
@@ -626,7 +631,8 @@ class Nimble:
         return dict(self._state().seconds)
 
     def close(self) -> None:
-        """Free the graph, its exec and the arena now (idempotent); outputs become invalid."""
+        """Free the graph and its exec now, and the arena once the outputs and gradients handed
+        out are gone (idempotent)."""
         if self._prepared is not None:
             self._prepared.close()
             self._prepared = None

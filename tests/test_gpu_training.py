@@ -277,3 +277,13 @@ def test_training_errors_say_what_to_do():
     # under no_grad a training-prepared model still runs (batch norm in training mode)
     with torch.no_grad():
         assert nm(x).grad_fn is None
+    # closing keeps the adopted .grad views valid: the arena goes with the last of them
+    _step(nm, x, torch.zeros(4, dtype=torch.long, device="cuda"))
+    grads = [p.grad.clone() for p in model.parameters()]
+    nm.close()
+    junk = torch.full((64, 1 << 20), 7.0, device="cuda")  # would reuse freed memory
+    torch.cuda.synchronize()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    del junk
+    with pytest.raises(nimble.NimbleError, match="prepare"):
+        nm(x)
