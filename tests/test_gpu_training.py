@@ -278,6 +278,7 @@ def test_training_errors_say_what_to_do():
     with torch.no_grad():
         assert nm(x).grad_fn is None
     # closing keeps the adopted .grad views valid: the arena goes with the last of them
+    model.zero_grad()
     _step(nm, x, torch.zeros(4, dtype=torch.long, device="cuda"))
     grads = [p.grad.clone() for p in model.parameters()]
     nm.close()
