@@ -209,7 +209,9 @@ def test_training_bench_parses_batches_and_formats_its_table():
              for k, ms in (("eager", 10.0), ("graphed", 8.0), ("nimble single", 6.0),
                            ("nimble multi", 5.0))}
     text = table([{"model": "resnet50", "batch": 32, "modes": modes, "paper_x_eager": 1.9,
-                   "arena_mb": 222.6, "pool_mb": 226.0, "prepare_seconds": 20.5}])
+                   "arena_mb": 222.6, "pool_mb": 226.0, "graphed_pool_mb": 230.0,
+                   "prepare_seconds": {"nimble single": 20.5, "nimble multi": 2.0}}])
     row = text.splitlines()[2].split()
     assert row[:2] == ["resnet50", "32"] and row[4] == "–"  # no compile row
     assert row[7:10] == ["2.00", "1.60", "1.90"]
+    assert row[10:] == ["223", "230", "20.5"]
