@@ -21,7 +21,7 @@ from .errors import CaptureError, InputError, NoGpuError, RecordError
 from .progress import say
 from .resolve import (RNG_OFFSET, RNG_SEED, DeviceRange, RawCapture, TensorSpec,
                       build_taskgraph, mark_rng_cells, unresolved_in_pool)
-from .taskgraph import BufferKind, TaskGraph
+from .taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph
 
 
 @dataclass
@@ -350,7 +350,7 @@ def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list,
     for r in oracle.ranges:
         if (r.address, r.size) not in pool_index and not any(
                 p.address <= r.address < p.end for p in pool):
-            externals.append(DeviceRange(r.address, r.size, f"device allocation@{r.address:#x}"))
+            externals.append(DeviceRange(r.address, r.size, f"{LIBRARY_MEMORY}{r.address:#x}"))
     raw = RawCapture(
         ops=captured.ops, nodes=raw_nodes, allocs=captured.allocs, statics=statics,
         externals=[e for e in externals if not any(

@@ -27,7 +27,7 @@ from .memplan import MemPlan, check_plan, plan_memory
 from .progress import say
 from .resolve import RNG_OFFSET, RNG_SEED
 from .schedule import Schedule, assign_phased, check_schedule, phase_spans
-from .taskgraph import BufferKind, TaskGraph, TensorRef
+from .taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph, TensorRef
 from .weights import EPOCH as WEIGHTS_EPOCH
 from .weights import Weights, watch_modules
 
@@ -142,15 +142,17 @@ class _Prepared:
 
 
 def written_externals(graph: TaskGraph) -> list[int]:
-    """Memory allocated outside the recording that the graph writes: library-owned scratch.
+    """Library-owned memory (never handed out by torch's allocator) that the graph writes.
 
     cuDNN's training batch norm keeps a partial-sum buffer and a grid semaphore of its own
     (per handle) that every such kernel writes; a graph that kept pointing there would share
-    them with every other graph and eager call, and lose them if cuDNN reallocated.
+    them with every other graph and eager call, and lose them if cuDNN reallocated.  Memory from
+    torch's allocator that the graph writes may be a tensor the model updates on purpose (a
+    cache held as a plain attribute), so it stays shared.
     """
     written = {a.buffer for t in graph.tasks for a in t.accesses if a.write and a.size > 0}
     return [b.id for b in graph.buffers if b.kind == BufferKind.EXTERNAL and b.id in written
-            and b.size > 0]
+            and b.size > 0 and b.name.startswith(LIBRARY_MEMORY)]
 
 
 def _rng_cells(graph: TaskGraph, device, at: int) -> tuple[dict[int, int], RngCells | None]:

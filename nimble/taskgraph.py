@@ -48,6 +48,11 @@ class BufferKind:
     ALL = (PARAM, INPUT, OUTPUT, INTERMEDIATE, SCRATCH, EXTERNAL, RNG)
 
 
+#: Name prefix of an external buffer that the caching allocator never handed out: memory a
+#: library allocated for itself (cuDNN's batch-norm scratch), found from a kernel's pointer.
+LIBRARY_MEMORY = "device allocation@"
+
+
 @dataclass(slots=True)
 class Buffer:
     """One allocation.  ``address`` is where it lived during recording."""
