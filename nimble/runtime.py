@@ -15,301 +15,19 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from . import driver, ptx
-from .build import BuiltGraph, InputGather, buffer_bases, build_graph, repoint
-from .deps import build_dag
+from . import driver
+from .build import repoint
 from .errors import InputError, NimbleError
-from .launcher import CallOrder, InputSlot, Launcher, RngCells
-from .memplan import MemPlan, check_plan, plan_memory
+from .launcher import RngCells
+from .memplan import MemPlan
+from .prepared import Prepared, build_prepared, plan_graph, prove
 from .progress import say
-from .resolve import RNG_OFFSET, RNG_SEED
-from .schedule import Schedule, assign_phased, check_schedule, phase_spans
-from .taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph, TensorRef
+from .schedule import Schedule
+from .taskgraph import TaskGraph
 from .weights import EPOCH as WEIGHTS_EPOCH
-from .weights import Weights, watch_modules
-
-_ARENA_ALIGNMENT = 512  # the planner's alignment; the arena base gets at least as much
-
-
-class _DeviceBytes:
-    """``__cuda_array_interface__`` over raw device memory, keeping its owner alive."""
-
-    def __init__(self, address: int, size: int, owner: Any) -> None:
-        self.owner = owner
-        self.__cuda_array_interface__ = {
-            "shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3,
-            "strides": None, "stream": None}
-
-
-def device_tensor(address: int, ref: TensorRef, owner: Any, device):
-    """A torch tensor (shape, strides, dtype of ``ref``) over the device memory at ``address``."""
-    import torch
-
-    dtype = getattr(torch, ref.dtype)
-    element = torch.empty((), dtype=dtype).element_size()
-    extent = 1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.strides)) if all(ref.shape) \
-        else 0
-    raw = torch.as_tensor(_DeviceBytes(address, max(extent, 1) * element, owner), device=device)
-    return raw.view(dtype).as_strided(ref.shape, ref.strides)
-
-
-def input_slot(address: int, ref: TensorRef, owner: Any, device) -> InputSlot:
-    """The arena slot of one graph input, at ``address``."""
-    tensor = device_tensor(address, ref, owner, device)
-    return InputSlot(tensor, address, tensor.numel() * tensor.element_size(), tuple(ref.shape),
-                     tensor.dtype, tensor.is_contiguous())
-
-
-def single_stream_schedule(n: int, phases: list[int] | None = None) -> Schedule:
-    """Every task on one stream in recorded order (Nimble with multi-stream off); a phased
-    graph gets one stream per phase, each phase after the one before."""
-    spans = [s for s in phase_spans(phases or [], n) if len(s)]
-    streams = [list(s) for s in spans]
-    stream_of = [k for k, s in enumerate(spans) for _ in s]
-    barriers = [(a.stop - 1, b.start) for a, b in zip(spans, spans[1:])]
-    return Schedule(stream_of, streams, [], max(n - len(streams), 0), 1 if n else 0,
-                    phases=list(phases or []), barrier_edges=barriers)
-
-
-def schedule_within(graph: TaskGraph, max_streams: int | None, arena_limit: int | None
-                    ) -> tuple[Schedule, MemPlan]:
-    """Nimble's schedule (at most ``max_streams`` streams per phase) and its memory plan.
-
-    Where the plan needs more than ``arena_limit`` bytes, the stream cap is lowered step by step
-    (by a quarter each time) until it fits or every phase is down to one stream: fewer
-    concurrent branches keep fewer buffers alive at once.
-    """
-    dag = build_dag(graph)
-    phases = graph.meta.get("phases") or []
-    spans = phase_spans(phases, len(graph.tasks))
-    cap = max_streams
-    while True:
-        schedule = assign_phased(dag, phases, max_streams=cap)
-        check_schedule(dag, schedule)
-        plan = plan_memory(graph, schedule.edges())
-        widest = max((len({schedule.stream_of[t] for t in span}) for span in spans), default=0)
-        if arena_limit is None or plan.arena_bytes <= arena_limit or widest <= 1:
-            return schedule, plan
-        cap = max(1, min(widest - 1, widest * 3 // 4))
-
-
-@dataclass
-class _Prepared:
-    """One built, verified graph with everything it owns; replaced whole by the next prepare.
-
-    A training step has two phases, each its own exec and launcher over one arena: the forward
-    (``builts[0]``, ``launchers[0]``) and the backward; ``step`` joins them for autograd.
-    """
-
-    graph: TaskGraph
-    schedule: Schedule
-    memplan: MemPlan
-    builts: list[BuiltGraph]
-    arena: driver.DeviceMemory | None
-    arena_base: int
-    bases: list[int]  # where every buffer lives for the built graph (weights may move)
-    launchers: list[Launcher]  # per phase: input slots, outputs, stream cache (one lock)
-    weights: Weights
-    seconds: dict
-    recording: Any = None  # kept only with keep_recording=True (debugging)
-    step: Any = None  # training.TrainingStep for a training step, else None
-    recording_held: Any = None  # the recording, until prepare() decides whether to keep it
-
-    @property
-    def built(self) -> BuiltGraph:
-        return self.builts[0]
-
-    @property
-    def launcher(self) -> Launcher:
-        return self.launchers[0]
-
-    def close(self) -> None:
-        """Wait for the last call, free execs and graphs, let go of the arena (idempotent).
-
-        The arena is freed once nothing refers to it any more: outputs the caller still holds
-        and gradients autograd adopted as ``.grad`` are views that keep it alive, so closing never
-        leaves a tensor pointing at freed memory.
-        """
-        for launcher in self.launchers:
-            launcher.close()
-        for built in self.builts:
-            built.close()
-        self.arena = None  # freed by its finalizer with the last view
-        self.recording = None
-
-
-def written_externals(graph: TaskGraph) -> list[int]:
-    """Library-owned memory (never handed out by torch's allocator) that the graph writes.
-
-    cuDNN's training batch norm keeps a partial-sum buffer and a grid semaphore of its own
-    (per handle) that every such kernel writes; a graph that kept pointing there would share
-    them with every other graph and eager call, and lose them if cuDNN reallocated.  Memory from
-    torch's allocator that the graph writes may be a tensor the model updates on purpose (a
-    cache held as a plain attribute), so it stays shared.
-    """
-    written = {a.buffer for t in graph.tasks for a in t.accesses if a.write and a.size > 0}
-    return [b.id for b in graph.buffers if b.kind == BufferKind.EXTERNAL and b.id in written
-            and b.size > 0 and b.name.startswith(LIBRARY_MEMORY)]
-
-
-def _rng_cells(graph: TaskGraph, device, at: int) -> tuple[dict[int, int], RngCells | None]:
-    """Bases of the graph's RNG buffers in two cells at ``at`` and ``at + 8``, and the cells."""
-    import torch
-
-    rng = graph.meta.get("rng")
-    if not rng:
-        return {}, None
-    cell = {RNG_SEED: at, RNG_OFFSET: at + 8}
-    bases = {b.id: cell[b.name] for b in graph.buffers if b.kind == BufferKind.RNG}
-    generator = torch.cuda.default_generators[device.index or 0]
-    return bases, RngCells(generator, at, at + 8, int(rng["increment"]))
-
-
-def _plan(graph: TaskGraph, use_multi_stream: bool, max_streams: int | None,
-          arena_limit: int | str | None) -> tuple[Schedule, MemPlan]:
-    """The schedule and the arena plan it allows, checked."""
-    limit = graph.meta.get("pool_bytes") if arena_limit == "pool" else arena_limit
-    if use_multi_stream:
-        schedule, plan = schedule_within(graph, max_streams, limit)
-    else:
-        schedule = single_stream_schedule(len(graph.tasks), graph.meta.get("phases"))
-        plan = plan_memory(graph, schedule.edges())
-    check_plan(graph, schedule.edges(), plan)
-    return schedule, plan
-
-
-def _build(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool,
-           gather_inputs: bool, seconds: dict) -> _Prepared:
-    """Arena, cells, explicit graph(s) and launchers for a planned recording (not verified).
-
-    The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
-    address the graph's gather node reads), then the generator's seed and offset cells, then a
-    private copy of every library-owned buffer the graph writes (:func:`written_externals`),
-    initialized from the library's bytes.  A
-    phased recording (a training step) gets one graph and one launcher per phase, over the
-    phase's own tasks, inputs and outputs.
-    """
-    import torch
-
-    graph = rec.graph
-    device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
-    spans = phase_spans(graph.meta.get("phases") or [], len(graph.tasks))
-    in_counts = graph.meta.get("phase_inputs") or [len(graph.inputs)]
-    out_counts = graph.meta.get("phase_outputs") or [len(graph.outputs)]
-    cells_at = -(-plan.arena_bytes // 8) * 8
-    rng_at = cells_at + 8 * len(graph.inputs)
-    extra = 16 if graph.meta.get("rng") else 0
-    private_at, private = rng_at + extra, {}
-    for bid in written_externals(graph):
-        private_at = -(-private_at // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
-        private[bid] = private_at
-        private_at += graph.buffers[bid].size
-    arena = driver.DeviceMemory.allocate(private_at + _ARENA_ALIGNMENT)
-    builts: list[BuiltGraph] = []
-    try:
-        base = -(-arena.address // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
-        bases = buffer_bases(graph, plan, base)
-        rng_bases, rng = _rng_cells(graph, device, base + rng_at)
-        for bid, address in rng_bases.items():
-            bases[bid] = address
-        for bid, at in private.items():
-            driver.copy_device(base + at, graph.buffers[bid].address, graph.buffers[bid].size)
-            bases[bid] = base + at
-        slots = [input_slot(bases[r.buffer] + r.offset, r, arena, device)
-                 for r in graph.inputs]
-        if gather_inputs and slots and driver.device_supports_stream_writes(device.index or 0):
-            # A cell starts out naming its own slot: a C host that copies into the slot
-            # and launches (without writing the cell) gets a harmless self-copy.
-            slots = [s._replace(cell=base + cells_at + 8 * i) if s.dense else s
-                     for i, s in enumerate(slots)]
-            for s in slots:
-                if s.cell:
-                    driver.copy_to_device(s.cell, s.address.to_bytes(8, "little"))
-        outputs = [device_tensor(bases[r.buffer] + r.offset, r, arena, device)
-                   for r in graph.outputs]
-        order = CallOrder()
-        context = driver.current_context()
-        upload = driver.stream(torch.cuda.current_stream().cuda_stream)
-        launchers: list[Launcher] = []
-        first_in = first_out = 0
-        for k, span in enumerate(spans):
-            mine = slots[first_in:first_in + in_counts[k]]
-            gathers = [InputGather(s.cell, s.address, s.nbytes) for s in mine if s.cell]
-            built = build_graph(graph, rec.nodes, bases, schedule.edges(),
-                                device_launch=device_launch, upload_stream=upload,
-                                gathers=gathers, span=span,
-                                gather_module=ptx.load("gather_input.ptx") if gathers else None)
-            builts.append(built)
-            launchers.append(Launcher(
-                built.exec.handle, mine, device, outputs[first_out:first_out + out_counts[k]],
-                rec.output_spec if k == 0 else None, context, rng if k == 0 else None,
-                order=order))
-            first_in += in_counts[k]
-            first_out += out_counts[k]
-    except BaseException:
-        for built in builts:
-            built.close()
-        arena.close()
-        raise
-    prepared = _Prepared(graph=graph, schedule=schedule, memplan=plan, builts=builts,
-                         arena=arena, arena_base=base, bases=bases, launchers=launchers,
-                         weights=Weights(model, graph), seconds=seconds)
-    if rec.step is not None:
-        from .training import TrainingStep
-
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        prepared.step = TrainingStep(launchers[0], launchers[1], rec.step, names)
-    return prepared
-
-
-def _run_all(prepared: _Prepared):
-    """Run every phase in order on its share of the inputs (for the proof)."""
-    def run(inputs: list) -> list:
-        out, first = [], 0
-        for launcher in prepared.launchers:
-            n = len(launcher.slots)
-            out += launcher.run_flat(inputs[first:first + n])
-            first += n
-        return out
-    return run
-
-
-def _verify(prepared: _Prepared, rec, relaunches: int) -> None:
-    """The proof: ``relaunches`` poisoned launches equal the recording bit for bit (a training
-    step's gradients: within the tolerance :mod:`nimble.verify` states).
-
-    A graph that draws random numbers is given the same generator state as the reference for
-    each input set; the generator is restored afterwards.
-    """
-    import torch
-
-    from .verify import verify_against_reference
-
-    rng = prepared.launcher.rng
-    saved = rng.generator.get_state() if rng else None
-    outputs = len(prepared.graph.outputs)
-    gradients = range(prepared.step.layout.forward_outputs, outputs) if prepared.step else ()
-    start = rng.generator.get_offset() if rng else 0
-
-    def rng_at(k: int) -> None:
-        rng.generator.set_offset(start + 4096 * k * max(rng.increment, 4))
-    try:
-        spread = verify_against_reference(
-            prepared.graph, rec.replay_reference, _run_all(prepared), rec.static_inputs,
-            [(prepared.arena_base, prepared.memplan.arena_bytes)], prepared.launcher.stream(),
-            relaunches=relaunches, rng_at=rng_at if rng else None,
-            repeats=4 if prepared.step is not None else 3, gradients=gradients)
-        torch.cuda.synchronize()
-        prepared.graph.meta["verified"] = {
-            "launches": max(relaunches, 1), "outputs": len(prepared.graph.outputs),
-            "not_bitwise": {str(i): d for i, d in sorted(spread.items())}}
-    finally:
-        if saved is not None:
-            rng.generator.set_state(saved)
-
+from .weights import watch_modules
 
 class PhaseView(NamedTuple):
     """One separately launched graph of a prepared model (see :attr:`Nimble.phases`)."""
@@ -356,7 +74,7 @@ class Nimble:
 
     def __init__(self, model) -> None:
         self.model = model
-        self._prepared: _Prepared | None = None
+        self._prepared: Prepared | None = None
 
     # ---- preparation ------------------------------------------------------------------------
     def prepare(self, example_inputs, *, training: bool = False, use_multi_stream: bool = True,
@@ -418,7 +136,7 @@ class Nimble:
         return self
 
     def _prepare(self, example_inputs, training, recording, quiet, use_multi_stream, max_streams,
-                 arena_limit, device_launch, gather_inputs, verify, relaunches) -> _Prepared:
+                 arena_limit, device_launch, gather_inputs, verify, relaunches) -> Prepared:
         seconds: dict[str, float] = {}
         rec = recording if recording is not None else self._record(example_inputs, training,
                                                                     quiet)
@@ -430,14 +148,15 @@ class Nimble:
 
         t0 = time.perf_counter()
         say(f"scheduling {len(rec.graph.tasks)} tasks", quiet)
-        schedule, plan = _plan(rec.graph, use_multi_stream, max_streams, arena_limit)
+        schedule, memplan = plan_graph(rec.graph, use_multi_stream, max_streams, arena_limit)
         seconds["schedule_and_memplan"] = time.perf_counter() - t0
         say(f"{len(schedule.streams)} streams, {len(schedule.sync_edges)} syncs; arena "
-            f"{plan.arena_bytes / 2**20:.1f} MiB", quiet)
+            f"{memplan.arena_bytes / 2**20:.1f} MiB", quiet)
 
         t0 = time.perf_counter()
-        candidate = _build(self.model, rec, schedule, plan, device_launch=device_launch,
-                           gather_inputs=gather_inputs, seconds=seconds)
+        candidate = build_prepared(self.model, rec, schedule, memplan,
+                                   device_launch=device_launch, gather_inputs=gather_inputs,
+                                   seconds=seconds)
         seconds["build"] = time.perf_counter() - t0
         try:
             refusal = next((b.device_launch_refusal for b in candidate.builts
@@ -450,7 +169,7 @@ class Nimble:
                 t0 = time.perf_counter()
                 say(f"verifying: {relaunches} launches against the single-stream recording",
                     quiet)
-                _verify(candidate, rec, relaunches)
+                prove(candidate, rec, relaunches)
                 seconds["verify"] = time.perf_counter() - t0
         except BaseException:
             candidate.close()
@@ -490,7 +209,7 @@ class Nimble:
             return record(self.model, example_inputs, quiet=quiet)
 
     # ---- calls ------------------------------------------------------------------------------
-    def _state(self) -> _Prepared:
+    def _state(self) -> Prepared:
         if self._prepared is None:
             raise NimbleError("call prepare(example_inputs) before running the model")
         return self._prepared
@@ -525,7 +244,7 @@ class Nimble:
         """
         return self._follow_weights(self._state())
 
-    def _follow_weights(self, state: _Prepared) -> bool:
+    def _follow_weights(self, state: Prepared) -> bool:
         weights, launcher = state.weights, state.launcher
         with launcher.lock:
             moves = weights.moves()

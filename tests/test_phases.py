@@ -12,7 +12,7 @@ from nimble import BufferKind, TaskGraph
 from nimble.build import predecessors
 from nimble.deps import build_dag, dag_from_edges, reachability
 from nimble.memplan import check_plan, plan_memory
-from nimble.runtime import schedule_within, single_stream_schedule
+from nimble.prepared import schedule_within, single_stream_schedule
 from nimble.schedule import (Schedule, ScheduleError, assign_phased, assign_streams,
                              check_schedule, induced, phase_spans)
 
@@ -263,7 +263,7 @@ def test_builder_span_filter_drops_exactly_the_barrier(name):
 def test_library_scratch_that_training_writes_gets_a_private_copy():
     """cuDNN's training batch norm writes buffers of its own (partials and a grid semaphore);
     the engine copies exactly those into the arena, and nothing an inference graph reads."""
-    from nimble.runtime import written_externals
+    from nimble.prepared import written_externals
     from nimble.taskgraph import TaskGraph
 
     graph = TaskGraph.load(FIXTURE_DIR / "resnet50_train.json.gz")
