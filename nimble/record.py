@@ -358,7 +358,8 @@ def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list,
         pool=pool, inputs=[_tensor_spec(x) for x in static_inputs],
         outputs=[_tensor_spec(x) for x in outputs],
         meta={**meta, "allocations": len(captured.allocs),
-              "pool_bytes": sum(r.size for r in pool)})
+              "pool_bytes": sum(r.size for r in pool),
+              "pool_segments": [[r.address, r.size] for r in pool]})
     for g in captured.torch_graphs:
         if hasattr(g, "instantiate"):  # keep_graph=True leaves that to replay
             g.instantiate()

@@ -47,9 +47,23 @@ def random_like(t, generator=None):
 
 
 def poison_ranges(graph: TaskGraph) -> list[tuple[int, int]]:
-    """``(address, size)`` of every recorded buffer the built graph no longer reads there."""
+    """``(address, size)`` of every recorded buffer the built graph no longer reads there.
+
+    Only memory the recording still owns: the capture's pool (``meta["pool_segments"]``), the
+    recorded inputs, and the random generator's cells (which torch rewrites before each of its
+    own replays).  A recorded buffer outside them (an allocation the capture made elsewhere and
+    has since given back) may belong to someone else by now, and is left alone.
+    """
+    segments = graph.meta.get("pool_segments")
+    owned = None if segments is None else sorted((int(a), int(a) + int(n)) for a, n in segments)
+
+    def inside(b) -> bool:
+        if owned is None or b.kind in (BufferKind.INPUT, BufferKind.RNG):
+            return True
+        return any(lo <= b.address and b.address + b.size <= hi for lo, hi in owned)
     return [(b.address, b.size) for b in graph.buffers
-            if (b.kind in BufferKind.RELOCATABLE or b.kind == BufferKind.RNG) and b.size > 0]
+            if (b.kind in BufferKind.RELOCATABLE or b.kind == BufferKind.RNG) and b.size > 0
+            and inside(b)]
 
 
 def poison(ranges: Sequence[tuple[int, int]], stream) -> None:

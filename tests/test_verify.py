@@ -65,3 +65,16 @@ def test_gradients_may_differ_within_the_tolerance_and_no_further():
         _check(*_graphs([_zero, _zero], [_zero, lambda: big]), gradients=[1])
     with pytest.raises(VerificationError, match="output 0"):  # not a gradient: bitwise
         _check(*_graphs([_zero, _zero], [lambda: 1e-5, _zero]), gradients=[1])
+
+
+def test_only_memory_the_recording_owns_is_poisoned():
+    from nimble.taskgraph import Buffer
+
+    g = TaskGraph()
+    g.buffers = [Buffer(0, "intermediate", 256, 0x1000), Buffer(1, "intermediate", 256, 0x9000),
+                 Buffer(2, "input", 64, 0x20000), Buffer(3, "param", 64, 0x30000),
+                 Buffer(4, "rng", 8, 0x40000), Buffer(5, "scratch", 0, 0x1100)]
+    everything = [(0x1000, 256), (0x9000, 256), (0x20000, 64), (0x40000, 8)]
+    assert verify.poison_ranges(g) == everything  # an old recording: no pool segments
+    g.meta["pool_segments"] = [[0x1000, 0x1000]]
+    assert verify.poison_ranges(g) == [(0x1000, 256), (0x20000, 64), (0x40000, 8)]
