@@ -240,4 +240,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run the package's module, not this __main__ copy: the subcommands import nimble.cli, and
+    # its error classes must be the ones main() catches.
+    from nimble.cli import main as package_main
+
+    raise SystemExit(package_main())

@@ -16,24 +16,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     p.add_argument("--time-tasks", action="store_true",
                    help="also time every task alone and store duration_us")
+    p.add_argument("--training", action="store_true",
+                   help="record a training step (forward and backward, two phases) of the model "
+                        "in train() mode")
+    p.add_argument("--side", type=int, default=None,
+                   help="image side of the input (default: the model's usual one; 32 for CIFAR)")
+    p.add_argument("--classes", type=int, default=None,
+                   help="classifier size of a zoo model (default: its own; 10 for CIFAR-10)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
 
 def run(args) -> int:
     from .cli import check_models, require_gpu
 
+    from .errors import InputError
+
     check_models([args.model])
+    if args.training and args.time_tasks:
+        raise InputError("--time-tasks times inference recordings only; drop it with --training")
     require_gpu("record")
     import torch
 
-    from .record import record
+    from .record import record, record_step
     from .timing import time_recording
 
     torch.backends.cudnn.benchmark = True
-    model = models.create(args.model).cuda()
-    with torch.no_grad():
-        rec = record(model, models.example_input(args.model, args.batch), name=args.model,
-                     quiet=args.quiet)
+    model = models.create(args.model, num_classes=args.classes).cuda()
+    x = models.example_input(args.model, args.batch, side=args.side)
+    if args.training:
+        rec = record_step(model.train(), x, name=args.model, quiet=args.quiet)
+    else:
+        with torch.no_grad():
+            rec = record(model, x, name=args.model, quiet=args.quiet)
     g = rec.graph
     if args.time_tasks:
         time_recording(rec)

@@ -97,3 +97,19 @@ def test_other_failures_keep_their_traceback_when_the_gpu_is_there(monkeypatch):
 def test_bad_dtype_is_a_usage_error(capsys):
     assert cli.main(["bench", "--dtype", "float16,float64"]) == 2
     assert "float64" in capsys.readouterr().err
+
+
+def test_record_training_refuses_task_timing_in_one_line(capsys):
+    assert cli.main(["record", "branchy", "--training", "--time-tasks"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nimble: InputError:") and "--training" in err
+
+
+def test_python_dash_m_reports_errors_in_one_line():
+    """``python -m nimble.cli`` (how tools/gpu_suite.py runs bench) catches its own errors."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "nimble.cli", "record", "branchy", "--training",
+                        "--time-tasks"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("nimble: InputError:"), r.stderr
