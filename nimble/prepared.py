@@ -159,7 +159,7 @@ def _rng_cells(graph: TaskGraph, device, at: int) -> tuple[dict[int, int], RngCe
 
 
 def plan_graph(graph: TaskGraph, use_multi_stream: bool, max_streams: int | None,
-          arena_limit: int | str | None) -> tuple[Schedule, MemPlan]:
+               arena_limit: int | str | None) -> tuple[Schedule, MemPlan]:
     """The schedule and the arena plan it allows, checked."""
     limit = graph.meta.get("pool_bytes") if arena_limit == "pool" else arena_limit
     if use_multi_stream:
@@ -172,15 +172,14 @@ def plan_graph(graph: TaskGraph, use_multi_stream: bool, max_streams: int | None
 
 
 def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool,
-           gather_inputs: bool, seconds: dict) -> Prepared:
+                   gather_inputs: bool, seconds: dict) -> Prepared:
     """Arena, cells, explicit graph(s) and launchers for a planned recording (not verified).
 
     The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
     address the graph's gather node reads), then the generator's seed and offset cells, then a
     private copy of every library-owned buffer the graph writes (:func:`written_externals`),
-    initialized from the library's bytes.  A
-    phased recording (a training step) gets one graph and one launcher per phase, over the
-    phase's own tasks, inputs and outputs.
+    initialized from the library's bytes.  A phased recording (a training step) gets one graph
+    and one launcher per phase, over the phase's own tasks, inputs and outputs.
     """
     import torch
 
