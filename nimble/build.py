@@ -114,6 +114,8 @@ class BuiltGraph:
     device_launch_refusal: str = ""
     #: The module of Nimble's kernels the graph's gather nodes run (kept alive with the exec).
     module: driver.Module | None = None
+    #: The module of the timestamp nodes of an instrumented graph (see :func:`build_graph`).
+    stamp_module: driver.Module | None = None
 
     def launch(self, stream) -> None:
         """Launch on ``stream`` (a ``CUstream`` or its integer handle)."""
@@ -123,8 +125,9 @@ class BuiltGraph:
         """Free the exec and the graph (idempotent)."""
         self.exec.close()
         self.graph.close()
-        if self.module is not None:
-            self.module.close()
+        for module in (self.module, self.stamp_module):
+            if module is not None:
+                module.close()
 
 
 def kernel_arguments(task: Task, block: bytes) -> tuple[int, int, list]:
@@ -165,21 +168,45 @@ def _moved(task: Task, location: str, recorded_value: int, bases: Sequence[int])
     return recorded_value
 
 
-def _add_memset(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx):
+def _add_memset(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx,
+                move: bool = True):
     params = driver.memset_node_params(recorded_node)
-    params.dst = _moved(task, "dst", int(params.dst), bases)
+    if move:
+        params.dst = _moved(task, "dst", int(params.dst), bases)
     return driver.add_memset_node(graph, deps, params, ctx, detail=f"task {task.id} (memset)")
 
 
-def _add_memcpy(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx):
+def _add_memcpy(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx,
+                move: bool = True):
     params = driver.memcpy_node_params(recorded_node)
     # A pointer row's value is where the copy starts; the struct's base moves by the same delta.
-    for side in ("src", "dst"):
+    for side in ("src", "dst") if move else ():
         if int(getattr(params, side + "MemoryType")) in (2, 4):  # device or unified memory
             field_name = side + "Device"
             setattr(params, field_name, _moved(task, side, int(getattr(params, field_name)),
                                                bases))
     return driver.add_memcpy_node(graph, deps, params, ctx, detail=f"task {task.id} (memcpy)")
+
+
+def _add_timestamp(graph, function, slot: int, deps: list):
+    """A one-thread node writing the GPU's nanosecond timer to ``slot``, after ``deps``."""
+    drv = driver.bindings()
+    params = drv.CUDA_KERNEL_NODE_PARAMS()
+    params.func = function
+    params.gridDimX = params.gridDimY = params.gridDimZ = 1
+    params.blockDimX = params.blockDimY = params.blockDimZ = 1
+    params.sharedMemBytes = 0
+    value = ctypes.c_uint64(slot)
+    slots = (ctypes.c_void_p * 1)(ctypes.addressof(value))
+    params.kernelParams = ctypes.addressof(slots)
+    params.extra = 0
+    return driver.add_kernel_node(graph, deps, params, detail="timestamp")
+
+
+def stamp_slots(span: range, stamps: int) -> dict[int, tuple[int, int]]:
+    """``task -> (start slot, end slot)`` in a stamp buffer at ``stamps``: 16 bytes per task of
+    ``span``, in task order (start, then end)."""
+    return {t: (stamps + 16 * k, stamps + 16 * k + 8) for k, t in enumerate(span)}
 
 
 def _add_gather(graph, function, gather: InputGather):
@@ -196,14 +223,20 @@ def _add_gather(graph, function, gather: InputGather):
     return driver.add_kernel_node(graph, [], params, detail="input gather")
 
 
-def add_task_node(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx):
-    """Add ``task`` to ``graph`` (a raw ``CUgraph``), relocated for ``bases``, after ``deps``."""
+def add_task_node(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx,
+                  node_relocated: bool = False):
+    """Add ``task`` to ``graph`` (a raw ``CUgraph``), relocated for ``bases``, after ``deps``.
+
+    ``node_relocated``: ``recorded_node`` is a node of a graph Nimble built already (its memset
+    and memcpy endpoints sit where ``bases`` puts them); kernel arguments are always rebuilt from
+    the task's recorded block.
+    """
     if task.kind == TaskKind.KERNEL:
         return _add_kernel(graph, task, recorded_node, bases, deps)
     if task.kind == TaskKind.MEMSET:
-        return _add_memset(graph, task, recorded_node, bases, deps, ctx)
+        return _add_memset(graph, task, recorded_node, bases, deps, ctx, not node_relocated)
     if task.kind == TaskKind.MEMCPY:
-        return _add_memcpy(graph, task, recorded_node, bases, deps, ctx)
+        return _add_memcpy(graph, task, recorded_node, bases, deps, ctx, not node_relocated)
     if task.kind == "other:CU_GRAPH_NODE_TYPE_EMPTY":
         return driver.add_empty_node(graph, deps)
     raise BuildError(f"task {task.id} is a {task.kind} node, which Nimble cannot rebuild yet")
@@ -232,7 +265,9 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
                 edges: Sequence[tuple[int, int]], *, device_launch: bool = True,
                 upload_stream=None, gathers: Sequence[InputGather] = (),
                 gather_module: driver.Module | None = None,
-                span: range | None = None) -> BuiltGraph:
+                span: range | None = None, stamps: int = 0,
+                stamp_module: driver.Module | None = None,
+                nodes_relocated: bool = False) -> BuiltGraph:
     """Build and instantiate the explicit graph of ``graph`` with ``edges`` as its dependencies.
 
     ``recorded_nodes[t]`` is task ``t``'s node in the captured graph (its function, launch
@@ -240,10 +275,15 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     lives (:func:`buffer_bases`).  With ``device_launch`` the exec is made device-launchable
     where the driver allows (see :func:`instantiate`); ``upload_stream`` uploads it there.
     Each of ``gathers`` becomes a ``nimble_gather_input`` node (from ``gather_module``, which the
-    result then owns) that every root task waits for: the graph copies its own inputs in before
+    result then owns, as it owns ``stamp_module``) that every root task waits for: the graph copies its own inputs in before
     anything else runs.  ``span`` (default: every task) builds one phase of a phased graph
     (the forward or the backward of a training step): only its tasks, and only the edges
-    between them; the phase before it has finished when it is launched.
+    between them; the phase before it has finished when it is launched.  With ``stamps`` (the
+    device address of 16 bytes per task of the span, see :func:`stamp_slots`) each task gets two
+    ``nimble_timestamp`` nodes from ``stamp_module``: one beside it, after the same
+    predecessors (its start), and one after it (its end).  Neither is anything's predecessor,
+    so the schedule's own chains are not lengthened.  ``nodes_relocated`` says that
+    ``recorded_nodes`` are those of a graph Nimble built (see :func:`add_task_node`).
     """
     n = len(graph.tasks)
     if len(recorded_nodes) != n:
@@ -257,19 +297,26 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     try:
         function = gather_module.function(ptx.GATHER_INPUT) if gathers else None
         gather_nodes = [_add_gather(owned.handle, function, g) for g in gathers]
+        stamp = stamp_module.function(ptx.TIMESTAMP) if stamps else None
+        slots = stamp_slots(span, stamps) if stamps else {}
         for tid in span:
             task = graph.tasks[tid]
             deps = [nodes[u - first] for u in preds[tid] if u >= first] or list(gather_nodes)
             nodes.append(add_task_node(owned.handle, task, recorded_nodes[tid], bases, deps,
-                                       ctx))
+                                       ctx, nodes_relocated))
+            if stamps:
+                _add_timestamp(owned.handle, stamp, slots[tid][0], deps)
+                _add_timestamp(owned.handle, stamp, slots[tid][1], [nodes[-1]])
         exec_, on_device, refusal = instantiate(owned, device_launch, upload_stream)
     except BaseException:
         owned.close()
-        if gather_module is not None:
-            gather_module.close()
+        for module in (gather_module, stamp_module):
+            if module is not None:
+                module.close()
         raise
     return BuiltGraph(owned, exec_, nodes, span, device_launch=on_device,
-                      device_launch_refusal=refusal, module=gather_module)
+                      device_launch_refusal=refusal, module=gather_module,
+                      stamp_module=stamp_module if stamps else None)
 
 
 def tasks_reading(graph: TaskGraph, buffers: set[int]) -> list[Task]:

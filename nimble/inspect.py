@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from .deps import CriticalPath, Dag, build_dag, critical_path, task_durations, transitive_reduction
 from .memplan import MemPlan, plan_memory
@@ -295,13 +295,16 @@ def to_dot(graph: TaskGraph, schedule: Schedule | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_chrome_trace(graph: TaskGraph, schedule: Schedule) -> dict:
-    """A Chrome trace (``{"traceEvents": [...]}``) of the :func:`simulate` timeline.
+def to_chrome_trace(graph: TaskGraph, schedule: Schedule,
+                    times: Sequence[tuple[float, float]] | None = None) -> dict:
+    """A Chrome trace (``{"traceEvents": [...]}``) of ``times`` (µs per task; default: the
+    :func:`simulate` timeline; :mod:`nimble.timeline` passes measured ones).
 
     One row (``tid``) per stream, one complete event per task (``ts``/``dur`` in µs), and a flow
     arrow per sync edge.  Open it in ``chrome://tracing`` or https://ui.perfetto.dev.
     """
-    times = simulate(graph, schedule)
+    simulated = times is None
+    times = simulate(graph, schedule) if simulated else times
     events: list[dict] = [{"ph": "M", "pid": 0, "tid": 0, "name": "process_name",
                            "args": {"name": f"nimble: {graph.meta.get('model') or 'model'}"}}]
     events += [{"ph": "M", "pid": 0, "tid": s, "name": "thread_name",
@@ -324,7 +327,7 @@ def to_chrome_trace(graph: TaskGraph, schedule: Schedule) -> dict:
         events.append({"ph": "f", "bp": "e", "pid": 0, "tid": schedule.stream_of[v],
                        "ts": times[v][0], "id": k, "name": "sync", "cat": "sync"})
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"model": graph.meta.get("model"), "simulated": True}}
+            "otherData": {"model": graph.meta.get("model"), "simulated": simulated}}
 
 
 # ---- text -----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from . import driver
 from .errors import NimbleError
 
 GATHER_INPUT = "nimble_gather_input"  # kernels/gather_input.ptx: cell, dst, nbytes
+TIMESTAMP = "nimble_timestamp"  # kernels/timestamp.ptx: slot
 
 
 def source(filename: str) -> bytes:

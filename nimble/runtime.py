@@ -330,6 +330,18 @@ class Nimble:
         """Per input, the device address of its slot in the arena."""
         return [s.address for s in self._state().launcher.slots]
 
+    def trace(self, *inputs, runs: int = 5):
+        """Measure every task's start and end inside a real multi-stream run of the prepared
+        graph(s); returns a :class:`nimble.timeline.Timeline` (``.summary()``, ``.to_chrome()``).
+
+        ``inputs`` are the flat inputs of every phase (random ones when none are given).  The
+        graph is rebuilt with timestamp nodes for the measurement; the prepared graph itself is
+        not changed and keeps serving calls.
+        """
+        from .timeline import record_timeline
+
+        return record_timeline(self._state(), list(inputs) if inputs else None, runs=runs)
+
     @property
     def phases(self) -> list["PhaseView"]:
         """Each separately launched graph: one (``"inference"``), or ``"forward"`` and

@@ -1,0 +1,215 @@
+"""The real multi-stream timeline: each task's start and end, measured inside the real run.
+
+:func:`record_timeline` rebuilds every phase of a prepared graph once more, over the same arena,
+with two ``nimble_timestamp`` nodes per task (``kernels/timestamp.ptx``: the GPU's
+``%globaltimer``, in ns): one beside the task, after the same predecessors (its start), and one
+after it (its end).  Neither precedes anything, so the schedule's chains are not lengthened; the
+cost is the extra nodes the GPU's front end schedules, which :class:`Timeline` reports as the
+instrumentation's overhead (the instrumented run against the plain one).  The prepared exec is
+not touched.
+
+:class:`Timeline` is plain data and answers the questions on any machine: how many tasks were in
+flight on average (achieved concurrency), how long each stream sat idle inside its active span,
+the critical path the run really took (from the last task to finish, back through the
+predecessor that finished last) beside the planned one (the DAG's longest path with the measured
+durations), and a Chrome/Perfetto trace with one track per stream and the syncs as arrows.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .deps import critical_path, dag_from_edges
+from .schedule import Schedule, phase_spans
+from .taskgraph import TaskGraph
+
+
+@dataclass
+class Timeline:
+    """Measured ``(start, end)`` in µs per task, each phase from its own first start."""
+
+    graph: TaskGraph
+    schedule: Schedule
+    times: list[tuple[float, float]]
+    #: Median µs of one plain and one instrumented run of every phase (0 where not measured).
+    plain_us: float = 0.0
+    instrumented_us: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    def phases(self) -> list[range]:
+        return phase_spans(self.schedule.phases, len(self.graph.tasks))
+
+    def summary(self) -> dict:
+        """Per phase: makespan, busy and idle µs per stream, achieved concurrency, the executed
+        and the planned critical path; and the instrumentation's overhead."""
+        names = ["forward", "backward"] if len(self.phases()) == 2 else \
+            [f"phase {k}" for k in range(len(self.phases()))]
+        rows = [self._phase(name, span) for name, span in zip(names, self.phases()) if len(span)]
+        overhead = (self.instrumented_us / self.plain_us - 1.0) if self.plain_us else None
+        return {"phases": rows, "plain_us": self.plain_us,
+                "instrumented_us": self.instrumented_us, "overhead": overhead}
+
+    def _phase(self, name: str, span: range) -> dict:
+        times, stream_of = self.times, self.schedule.stream_of
+        begin = min(times[t][0] for t in span)
+        end = max(times[t][1] for t in span)
+        makespan = end - begin
+        work = sum(times[t][1] - times[t][0] for t in span)
+        streams: dict[int, list[tuple[float, float]]] = {}
+        for t in span:
+            streams.setdefault(stream_of[t], []).append(times[t])
+        busy = {s: _union_length(iv) for s, iv in streams.items()}
+        idle = {s: (max(e for _, e in iv) - min(b for b, _ in iv)) - busy[s]
+                for s, iv in streams.items()}
+        executed = executed_critical_path(self.schedule, times, span)
+        edges = [(u - span.start, v - span.start) for u, v in self.schedule.edges()
+                 if u in span and v in span]
+        durations = [times[t][1] - times[t][0] for t in span]
+        planned = critical_path(dag_from_edges(len(span), edges), durations)
+        return {"name": name, "tasks": len(span), "streams": len(streams),
+                "makespan_us": makespan, "work_us": work,
+                "concurrency": work / makespan if makespan > 0 else 0.0,
+                "busy_us": busy, "idle_us": idle,
+                "executed_path_tasks": len(executed),
+                "executed_path_busy_us": sum(times[t][1] - times[t][0] for t in executed),
+                "executed_path": executed,
+                "planned_path_us": planned.length,
+                "planned_path_tasks": len(planned.tasks)}
+
+    def to_chrome(self) -> dict:
+        """A Chrome/Perfetto trace of the measured run (see :func:`nimble.inspect.to_chrome_trace`)."""
+        from .inspect import to_chrome_trace
+
+        trace = to_chrome_trace(self.graph, self.schedule, times=self.times)
+        trace["otherData"].update(simulated=False, plain_us=self.plain_us,
+                                  instrumented_us=self.instrumented_us)
+        return trace
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for b, e in sorted(intervals):
+        if e <= reach:
+            continue
+        total += e - max(b, reach)
+        reach = e
+    return total
+
+
+def executed_critical_path(schedule: Schedule, times: Sequence[tuple[float, float]],
+                           span: range | None = None) -> list[int]:
+    """The chain the run really waited on: from the task of ``span`` that ended last, back
+    through the predecessor (stream order or sync) that ended last, to a task with none."""
+    span = range(len(times)) if span is None else span
+    preds: dict[int, list[int]] = {}
+    for u, v in schedule.edges():
+        if u in span and v in span:
+            preds.setdefault(v, []).append(u)
+    t = max(span, key=lambda k: times[k][1])
+    path = [t]
+    while preds.get(t):
+        t = max(preds[t], key=lambda k: times[k][1])
+        path.append(t)
+    path.reverse()
+    return path
+
+
+def times_from_stamps(raw: bytes, span: range) -> list[tuple[float, float]]:
+    """``(start, end)`` µs per task of ``span`` from 16 stamp bytes per task (ns, start then
+    end), relative to the span's first start."""
+    values = struct.unpack(f"<{2 * len(span)}Q", raw[:16 * len(span)])
+    if not values:
+        return []
+    first = min(values[0::2])
+    return [((values[2 * k] - first) / 1e3, (values[2 * k + 1] - first) / 1e3)
+            for k in range(len(span))]
+
+
+def format_timeline(summary: dict) -> str:
+    """The text report of a :meth:`Timeline.summary`."""
+    out = []
+    for p in summary["phases"]:
+        idle = sorted(p["idle_us"].items(), key=lambda kv: -kv[1])[:3]
+        out.append(f"{p['name']}: {p['tasks']} tasks on {p['streams']} streams in "
+                   f"{p['makespan_us']:.1f} µs; achieved concurrency {p['concurrency']:.2f} "
+                   f"(task time {p['work_us']:.1f} µs)")
+        out.append(f"  executed critical path: {p['executed_path_tasks']} tasks, "
+                   f"{p['executed_path_busy_us']:.1f} µs busy of {p['makespan_us']:.1f} µs; "
+                   f"planned: {p['planned_path_tasks']} tasks, {p['planned_path_us']:.1f} µs")
+        out.append("  most idle streams: " + ", ".join(
+            f"stream {s} {us:.1f} µs" for s, us in idle))
+    if summary.get("overhead") is not None:
+        out.append(f"instrumentation: {summary['instrumented_us']:.1f} µs per run against "
+                   f"{summary['plain_us']:.1f} µs plain ({summary['overhead']:+.0%})")
+    return "\n".join(out) + "\n"
+
+
+def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5) -> Timeline:
+    """Measure every task of ``prepared`` (a :class:`nimble.prepared.Prepared`) in a real run.
+
+    ``inputs`` (the flat inputs of every phase, as :func:`nimble.prepared.run_all` takes them;
+    random ones when None) are copied into the arena's slots; each phase's instrumented graph
+    runs ``runs`` times after the plain graphs ran as often, and the last run's stamps are
+    kept.  Needs the GPU; the prepared graph keeps serving calls unchanged.
+    """
+    import torch
+
+    from . import driver, ptx
+    from .build import build_graph
+    from .verify import random_like
+
+    graph, schedule = prepared.graph, prepared.schedule
+    n = len(graph.tasks)
+    launchers = prepared.launchers
+    slots = [s for launcher in launchers for s in launcher.slots]
+    inputs = list(inputs) if inputs is not None else [random_like(s.tensor) for s in slots]
+    stamps = driver.DeviceMemory.allocate(16 * max(n, 1))
+    instrumented = []
+    try:
+        with launchers[0].lock:
+            for built in prepared.builts:
+                nodes: list = [None] * n
+                for t, node in zip(built.span, built.nodes):
+                    nodes[t] = node
+                instrumented.append(build_graph(
+                    graph, nodes, prepared.bases, schedule.edges(), device_launch=False,
+                    span=built.span, stamps=stamps.address + 16 * built.span.start,
+                    stamp_module=ptx.load("timestamp.ptx"), nodes_relocated=True))
+            # A gather node reads its source from the input cell, which still names the last
+            # call's tensor; point every cell at its own slot (a harmless self-copy) first.
+            for slot in slots:
+                if slot.cell:
+                    driver.copy_to_device(slot.cell, slot.address.to_bytes(8, "little"))
+            stream = launchers[0].stream()
+            torch_stream = torch.cuda.ExternalStream(int(stream)) \
+                if int(stream) else torch.cuda.current_stream()
+
+            def run(execs) -> float:
+                with torch.cuda.stream(torch_stream):
+                    for slot, x in zip(slots, inputs):
+                        slot.tensor.copy_(x)
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for exec_handle in execs:
+                        driver.launch(exec_handle, stream)
+                    end.record()
+                end.synchronize()
+                return start.elapsed_time(end) * 1e3
+            plain = sorted(run([b.exec.handle for b in prepared.builts]) for _ in range(runs))
+            timed = sorted(run([b.exec.handle for b in instrumented]) for _ in range(runs))
+            raw = driver.copy_to_host(stamps.address, 16 * n)
+    finally:
+        for built in instrumented:
+            built.close()
+        stamps.close()
+    times: list[tuple[float, float]] = [(0.0, 0.0)] * n
+    for built in prepared.builts:
+        span = built.span
+        chunk = raw[16 * span.start:16 * span.stop]
+        for t, pair in zip(span, times_from_stamps(chunk, span)):
+            times[t] = pair
+    return Timeline(graph, schedule, times, plain_us=plain[len(plain) // 2],
+                    instrumented_us=timed[len(timed) // 2],
+                    meta={"runs": runs, "timer": "%globaltimer"})

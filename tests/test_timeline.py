@@ -1,0 +1,98 @@
+"""The real timeline's analysis (nimble.timeline), on hand-made and simulated times (no GPU).
+
+The GPU half (timestamp nodes in a rebuilt graph) is in tests/test_gpu_timeline.py; here: what a
+set of measured (start, end) times says, and the stamp layout both halves agree on.
+"""
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from nimble import ptx
+from nimble.build import stamp_slots
+from nimble.deps import build_dag
+from nimble.inspect import simulate
+from nimble.schedule import Schedule, assign_streams
+from nimble.synthetic import branchy_graph
+from nimble.taskgraph import Task, TaskGraph
+from nimble.timeline import (Timeline, executed_critical_path, format_timeline,
+                             times_from_stamps)
+
+
+def _diamond():
+    """0 -> (1 on stream 0, 2 on stream 1) -> 3; stream 1 starts late."""
+    g = TaskGraph(meta={"model": "diamond"})
+    g.tasks = [Task(i, "kernel", name=f"k{i}", short_name=f"k{i}") for i in range(4)]
+    s = Schedule([0, 0, 1, 0], [[0, 1, 3], [2]], [(0, 2), (2, 3)], 4, 2)
+    times = [(0.0, 10.0), (10.0, 30.0), (15.0, 25.0), (30.0, 40.0)]
+    return g, s, times
+
+
+def test_concurrency_idle_and_paths_of_a_diamond():
+    g, s, times = _diamond()
+    [p] = Timeline(g, s, times, plain_us=40.0, instrumented_us=44.0).summary()["phases"]
+    assert p["makespan_us"] == 40.0 and p["work_us"] == 50.0
+    assert p["concurrency"] == pytest.approx(1.25)
+    assert p["busy_us"] == {0: 40.0, 1: 10.0}
+    assert p["idle_us"] == {0: 0.0, 1: 0.0}
+    assert p["executed_path"] == [0, 1, 3]  # 3 waited on 1 (ended at 30), not on 2 (25)
+    assert p["planned_path_us"] == 40.0 and p["planned_path_tasks"] == 3
+    text = format_timeline(Timeline(g, s, times, 40.0, 44.0).summary())
+    assert "achieved concurrency 1.25" in text and "+10%" in text
+
+
+def test_gaps_inside_a_stream_count_as_idle_and_overlaps_once():
+    g, s, _ = _diamond()
+    times = [(0.0, 10.0), (12.0, 20.0), (11.0, 14.0), (19.0, 30.0)]  # 1 and 3 overlap by 1 µs
+    [p] = Timeline(g, s, times).summary()["phases"]
+    assert p["busy_us"][0] == pytest.approx(10.0 + 18.0)
+    assert p["idle_us"][0] == pytest.approx(2.0)
+
+
+def test_a_measured_trace_has_a_track_per_stream_and_an_arrow_per_sync():
+    g, s, times = _diamond()
+    trace = Timeline(g, s, times).to_chrome()
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [(e["tid"], e["ts"], e["dur"]) for e in slices] == \
+        [(0, 0.0, 10.0), (0, 10.0, 20.0), (1, 15.0, 10.0), (0, 30.0, 10.0)]
+    assert sum(e["ph"] == "s" for e in trace["traceEvents"]) == len(s.sync_edges)
+    assert trace["otherData"]["simulated"] is False
+
+
+def test_on_the_simulated_schedule_the_executed_path_is_the_planned_one():
+    g = branchy_graph(stages=3, branches=4, depth=3)
+    for t in g.tasks:
+        t.duration_us = 1.0 + (t.id * 7919 % 13)
+    s = assign_streams(build_dag(g))
+    times = simulate(g, s)
+    [p] = Timeline(g, s, times).summary()["phases"]
+    assert p["makespan_us"] == pytest.approx(p["planned_path_us"])
+    path = executed_critical_path(s, times)
+    assert sum(times[t][1] - times[t][0] for t in path) == pytest.approx(p["makespan_us"])
+
+
+def test_phases_are_summarised_apart():
+    g, s, times = _diamond()
+    s.phases = [2, 2]
+    s.sync_edges = []
+    s.streams, s.stream_of = [[0, 1], [2, 3]], [0, 0, 1, 1]
+    s.barrier_edges = [(1, 2)]
+    rows = Timeline(g, s, [(0, 5), (5, 9), (0, 3), (3, 4)]).summary()["phases"]
+    assert [(r["name"], r["tasks"], r["makespan_us"]) for r in rows] == \
+        [("forward", 2, 9), ("backward", 2, 4)]
+
+
+def test_stamps_are_16_bytes_a_task_start_then_end():
+    span = range(3, 6)
+    assert stamp_slots(span, 0x1000) == {3: (0x1000, 0x1008), 4: (0x1010, 0x1018),
+                                         5: (0x1020, 0x1028)}
+    raw = struct.pack("<6Q", 5000, 9000, 7000, 8000, 9500, 12000)
+    assert times_from_stamps(raw, span) == [(0.0, 4.0), (2.0, 3.0), (4.5, 7.0)]
+
+
+def test_the_timestamp_kernel_takes_one_slot_and_reads_the_global_timer():
+    text = ptx.source("timestamp.ptx").decode()
+    entry = text[text.index(".entry " + ptx.TIMESTAMP):]
+    assert entry[:entry.index(")")].count(".param .u64") == 1
+    assert "%globaltimer" in entry and "st.global.u64" in entry
