@@ -267,7 +267,7 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
                 gather_module: driver.Module | None = None,
                 span: range | None = None, stamps: int = 0,
                 stamp_module: driver.Module | None = None,
-                nodes_relocated: bool = False) -> BuiltGraph:
+                nodes_relocated: bool = False, only: set[int] | None = None) -> BuiltGraph:
     """Build and instantiate the explicit graph of ``graph`` with ``edges`` as its dependencies.
 
     ``recorded_nodes[t]`` is task ``t``'s node in the captured graph (its function, launch
@@ -275,15 +275,17 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     lives (:func:`buffer_bases`).  With ``device_launch`` the exec is made device-launchable
     where the driver allows (see :func:`instantiate`); ``upload_stream`` uploads it there.
     Each of ``gathers`` becomes a ``nimble_gather_input`` node (from ``gather_module``, which the
-    result then owns, as it owns ``stamp_module``) that every root task waits for: the graph copies its own inputs in before
-    anything else runs.  ``span`` (default: every task) builds one phase of a phased graph
+    result then owns, as it owns ``stamp_module``) that every root task waits for: the graph
+    copies its own inputs in before anything else runs.  ``span`` (default: every task) builds one phase of a phased graph
     (the forward or the backward of a training step): only its tasks, and only the edges
     between them; the phase before it has finished when it is launched.  With ``stamps`` (the
     device address of 16 bytes per task of the span, see :func:`stamp_slots`) each task gets two
     ``nimble_timestamp`` nodes from ``stamp_module``: one beside it, after the same
     predecessors (its start), and one after it (its end).  Neither is anything's predecessor,
     so the schedule's own chains are not lengthened.  ``nodes_relocated`` says that
-    ``recorded_nodes`` are those of a graph Nimble built (see :func:`add_task_node`).
+    ``recorded_nodes`` are those of a graph Nimble built (see :func:`add_task_node`).  ``only``
+    keeps just those tasks of the span (a set closed under predecessors, for step-through); the
+    others get no node (``nodes`` holds None for them).
     """
     n = len(graph.tasks)
     if len(recorded_nodes) != n:
@@ -300,8 +302,12 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
         stamp = stamp_module.function(ptx.TIMESTAMP) if stamps else None
         slots = stamp_slots(span, stamps) if stamps else {}
         for tid in span:
+            if only is not None and tid not in only:
+                nodes.append(None)
+                continue
             task = graph.tasks[tid]
-            deps = [nodes[u - first] for u in preds[tid] if u >= first] or list(gather_nodes)
+            deps = [nodes[u - first] for u in preds[tid]
+                    if u >= first and nodes[u - first] is not None] or list(gather_nodes)
             nodes.append(add_task_node(owned.handle, task, recorded_nodes[tid], bases, deps,
                                        ctx, nodes_relocated))
             if stamps:

@@ -342,6 +342,19 @@ class Nimble:
 
         return record_timeline(self._state(), list(inputs) if inputs else None, runs=runs)
 
+    def run_until(self, *, task: int | None = None, op: int | None = None,
+                  module: str | None = None, inputs=None):
+        """Step-through: run the prepared graph up to a task, an ATen op (its index in
+        :attr:`graph`) or a module (its path), on ``inputs`` (the flat inputs of every phase;
+        random when None), and return a :class:`nimble.stepper.Snapshot` of every buffer the run
+        touched (``.buffer(b)``, ``.tensor(b, dtype, shape)``, ``.op_outputs(k)``).  The
+        outputs of earlier calls and the model's state are put back afterwards."""
+        from .stepper import run_until, select_tasks
+
+        state = self._state()
+        targets = select_tasks(state.graph, task=task, op=op, module=module)
+        return run_until(state, targets, inputs)
+
     @property
     def phases(self) -> list["PhaseView"]:
         """Each separately launched graph: one (``"inference"``), or ``"forward"`` and

@@ -1,0 +1,180 @@
+"""Step-through: run a prepared graph up to a task, then read any buffer it left.
+
+:func:`select_tasks` names the tasks to stop after — by task id, by ATen op index, or by module
+path — and :func:`ancestor_closure` adds everything they depend on in their phase.
+:func:`run_until` builds that sub-graph (a copy made from the prepared graph's own nodes, over the
+same arena), runs it on the given inputs after the phases before it, and returns a
+:class:`Snapshot` from which any buffer can be read as bytes or as a tensor.  The prepared
+graph's outputs, and the memory outside the arena the run writes (batch-norm statistics), are
+saved before and put back after, so the caller's outputs and the model stay as they were.
+
+:func:`first_true` is the bisection the first-divergence search is built on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .errors import InputError
+from .schedule import Schedule, phase_spans
+from .taskgraph import TaskGraph
+
+
+def select_tasks(graph: TaskGraph, *, task: int | None = None, op: int | None = None,
+                 module: str | None = None) -> list[int]:
+    """The tasks named by exactly one of ``task`` (an id), ``op`` (an ATen op's index) or
+    ``module`` (a module path: the tasks of every op run by it or by a module inside it)."""
+    given = [k for k, v in (("task", task), ("op", op), ("module", module)) if v is not None]
+    if len(given) != 1:
+        raise InputError("name exactly one of task=, op= or module= to stop after")
+    if task is not None:
+        if not 0 <= task < len(graph.tasks):
+            raise InputError(f"task {task} is not one of the graph's {len(graph.tasks)} tasks")
+        return [task]
+    if op is not None:
+        tasks = [t.id for t in graph.tasks if t.op == op]
+        if not tasks:
+            raise InputError(f"op {op} launched no task (ops 0..{len(graph.ops) - 1}; "
+                             "some ops, views for one, launch nothing)")
+        return tasks
+    ops = {o.index for o in graph.ops
+           if o.module == module or o.module.startswith(module + ".")}
+    tasks = [t.id for t in graph.tasks if t.op in ops]
+    if not tasks:
+        known = sorted({o.module for o in graph.ops if o.module})[:5]
+        raise InputError(f"no task ran in module {module!r} (modules look like {known})")
+    return tasks
+
+
+def ancestor_closure(schedule: Schedule, targets: Sequence[int], n: int) -> tuple[set[int], range]:
+    """``(targets and every task they wait for in their phase, that phase's span)``.
+
+    The targets must lie in one phase; the phases before it run whole.
+    """
+    spans = phase_spans(schedule.phases, n)
+    owning = {next(k for k, s in enumerate(spans) if t in s) for t in targets}
+    if len(owning) != 1:
+        raise InputError("the tasks to stop after lie in more than one phase (forward and "
+                         "backward): stop after tasks of one")
+    span = spans[owning.pop()]
+    preds: dict[int, list[int]] = {}
+    for u, v in schedule.edges():
+        if u in span and v in span:
+            preds.setdefault(v, []).append(u)
+    keep, stack = set(), list(targets)
+    while stack:
+        t = stack.pop()
+        if t not in keep:
+            keep.add(t)
+            stack += preds.get(t, [])
+    return keep, span
+
+
+def first_true(count: int, test: Callable[[int], bool]) -> int | None:
+    """The smallest ``k`` in ``range(count)`` with ``test(k)``, for a ``test`` that stays True
+    once True (bisection: about log2(count) calls); None when ``test(count - 1)`` is False."""
+    if count <= 0 or not test(count - 1):
+        return None
+    lo, hi = 0, count - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if test(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@dataclass
+class Snapshot:
+    """Buffers as a step-through left them: ``buffers[b]`` is a copy of buffer ``b``'s bytes."""
+
+    graph: TaskGraph
+    tasks: set[int]
+    buffers: dict[int, Any]
+
+    def buffer(self, bid: int):
+        """Buffer ``bid``'s bytes (a uint8 tensor)."""
+        return self.buffers[bid]
+
+    def tensor(self, bid: int, dtype, shape: Sequence[int], offset: int = 0):
+        """Buffer ``bid``'s bytes from ``offset`` seen as a contiguous ``dtype`` tensor."""
+        import math
+
+        raw = self.buffers[bid]
+        count = math.prod(shape)
+        size = count * (raw.new_empty((), dtype=dtype).element_size())
+        return raw[offset:offset + size].view(dtype).view(*shape)
+
+    def op_outputs(self, op: int) -> list:
+        """The bytes each of op ``op``'s written ranges holds (in its access order)."""
+        return [self.buffers[a.buffer][a.offset:a.offset + a.size]
+                for a in self.graph.ops[op].accesses if a.write]
+
+
+def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None) -> Snapshot:
+    """Run ``prepared`` (a :class:`nimble.prepared.Prepared`) up to ``targets`` on ``inputs``
+    (the flat inputs of every phase; random when None) and copy out every buffer the run
+    touched.  Needs the GPU; the prepared graph's outputs are put back afterwards."""
+    import torch
+
+    from . import driver
+    from .build import build_graph
+    from .verify import random_like
+
+    graph, schedule = prepared.graph, prepared.schedule
+    n = len(graph.tasks)
+    keep, span = ancestor_closure(schedule, targets, n)
+    launchers = prepared.launchers
+    slots = [s for launcher in launchers for s in launcher.slots]
+    inputs = list(inputs) if inputs is not None else [random_like(s.tensor) for s in slots]
+    phase = next(k for k, b in enumerate(prepared.builts) if b.span == span)
+    nodes: list = [None] * n
+    for t, node in zip(prepared.builts[phase].span, prepared.builts[phase].nodes):
+        nodes[t] = node
+    sub = build_graph(graph, nodes, prepared.bases, schedule.edges(), device_launch=False,
+                      span=span, nodes_relocated=True, only=keep)
+    ran = [t for b in prepared.builts[:phase] for t in b.span] + sorted(keep)
+    # Memory outside the arena that the run writes (batch-norm statistics in training mode,
+    # library scratch): saved, and put back afterwards with the outputs.
+    outside = sorted({a.buffer for t in ran for a in graph.tasks[t].accesses
+                      if a.write and graph.buffers[a.buffer].kind in ("param", "external")})
+    try:
+        with launchers[0].lock:
+            saved = [o.clone() for launcher in launchers for o in launcher.outputs]
+            kept = {b: driver.copy_to_host(prepared.bases[b], graph.buffers[b].size)
+                    for b in outside}
+            for slot in slots:
+                if slot.cell:  # the plain phases' gathers then copy each slot onto itself
+                    driver.copy_to_device(slot.cell, slot.address.to_bytes(8, "little"))
+            stream = launchers[0].stream()
+            with torch.no_grad():
+                for slot, x in zip(slots, inputs):
+                    slot.tensor.copy_(x)
+                torch.cuda.synchronize()
+                for built in prepared.builts[:phase]:
+                    driver.launch(built.exec.handle, stream)
+                driver.launch(sub.exec.handle, stream)
+                driver.stream_synchronize(stream)
+                touched = {a.buffer for t in keep for a in graph.tasks[t].accesses}
+                buffers = {b: _read(prepared, b) for b in sorted(touched)}
+                outs = [o for launcher in launchers for o in launcher.outputs]
+                for live, old in zip(outs, saved):
+                    live.copy_(old)
+                torch.cuda.synchronize()
+                for b, data in kept.items():
+                    driver.copy_to_device(prepared.bases[b], data)
+    finally:
+        sub.close()
+    return Snapshot(graph, keep, buffers)
+
+
+def _read(prepared, bid: int):
+    import torch
+
+    from . import driver
+
+    size = prepared.graph.buffers[bid].size
+    raw = driver.copy_to_host(prepared.bases[bid], size) if size else b""
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
+        torch.empty(0, dtype=torch.uint8)

@@ -1,0 +1,76 @@
+"""Debugging tools on the GPU: the measured timeline (nimble.timeline) and step-through
+(nimble.stepper)."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import zoo_model
+
+pytestmark = pytest.mark.gpu
+
+
+def test_branchy_timeline_measures_every_task_and_shows_concurrency():
+    import torch
+
+    import nimble
+
+    model, x = zoo_model("branchy")
+    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    fresh = torch.randn_like(x)
+    want = nm(fresh).clone()
+    timeline = nm.trace(fresh)
+    n = len(nm.graph.tasks)
+    assert len(timeline.times) == n
+    assert all(0.0 <= start <= end for start, end in timeline.times)
+    [phase] = timeline.summary()["phases"]
+    assert phase["streams"] == len(nm.schedule.streams) > 1
+    assert phase["concurrency"] > 1.0  # branches really ran side by side
+    assert 0 < timeline.plain_us and 0 < timeline.instrumented_us
+    # the prepared graph is untouched and still right
+    assert torch.equal(nm(fresh), want)
+    slices = [e for e in timeline.to_chrome()["traceEvents"] if e["ph"] == "X"]
+    assert len(slices) == n
+
+
+def test_a_training_step_is_traced_phase_by_phase():
+    import torch
+
+    import nimble
+
+    tv = pytest.importorskip("torchvision")
+    model = tv.models.resnet18(num_classes=10).cuda().train()
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    nm = nimble.Nimble(model).prepare(x, training=True, relaunches=2)
+    rows = nm.trace().summary()["phases"]
+    assert [r["name"] for r in rows] == ["forward", "backward"]
+    assert all(r["makespan_us"] > 0 for r in rows)
+
+
+def test_step_through_reads_an_intermediate_and_leaves_the_outputs_alone():
+    import torch
+
+    import nimble
+
+    model, x = zoo_model("branchy")
+    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    fresh = torch.randn_like(x)
+    out = nm(fresh)
+    kept = out.clone()
+    g = nm.graph
+    out_buffer = g.outputs[0].buffer
+    last_writer = max(t.id for t in g.tasks
+                      if any(a.buffer == out_buffer and a.write for a in t.accesses))
+    snap = nm.run_until(task=last_writer, inputs=[fresh])
+    got = snap.tensor(out_buffer, out.dtype, list(out.shape), g.outputs[0].offset)
+    assert torch.equal(got, kept.cpu())  # the sub-graph computed the output's final value
+    assert torch.equal(out, kept)  # and the caller's output view is as it was
+    # an earlier op's result matches eager's for the same input
+    first_conv = next(o for o in g.ops if o.name.startswith("aten::convolution"))
+    snap = nm.run_until(op=first_conv.index, inputs=[fresh])
+    conv = model.stem[0][0]
+    with torch.no_grad():
+        eager = torch.nn.functional.conv2d(fresh, conv.weight, conv.bias, padding=conv.padding)
+    size = eager.numel() * eager.element_size()
+    written = [b for b in snap.op_outputs(first_conv.index) if b.numel() == size]
+    assert written, "the convolution's output range is among its written accesses"
+    torch.testing.assert_close(written[0].view(eager.dtype).view(eager.shape), eager.cpu())
