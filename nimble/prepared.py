@@ -116,6 +116,23 @@ class Prepared:
     def launcher(self) -> Launcher:
         return self.launchers[0]
 
+    def built_nodes(self, phase: int) -> list:
+        """Per task, its node in phase ``phase``'s built graph (None outside the phase): what
+        :func:`~nimble.build.build_graph` takes to rebuild a copy (``nodes_relocated=True``)."""
+        built = self.builts[phase]
+        nodes: list = [None] * len(self.graph.tasks)
+        for t, node in zip(built.span, built.nodes):
+            nodes[t] = node
+        return nodes
+
+    def cells_to_own_slots(self) -> None:
+        """Point every input cell at its own slot, so that a launch without a call (a debugging
+        run with the inputs copied into the slots) gathers each slot onto itself."""
+        for launcher in self.launchers:
+            for slot in launcher.slots:
+                if slot.cell:
+                    driver.copy_to_device(slot.cell, slot.address.to_bytes(8, "little"))
+
     def close(self) -> None:
         """Wait for the last call, free execs and graphs, let go of the arena (idempotent).
 

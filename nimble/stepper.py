@@ -129,10 +129,7 @@ def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None) 
     slots = [s for launcher in launchers for s in launcher.slots]
     inputs = list(inputs) if inputs is not None else [random_like(s.tensor) for s in slots]
     phase = next(k for k, b in enumerate(prepared.builts) if b.span == span)
-    nodes: list = [None] * n
-    for t, node in zip(prepared.builts[phase].span, prepared.builts[phase].nodes):
-        nodes[t] = node
-    sub = build_graph(graph, nodes, prepared.bases, schedule.edges(), device_launch=False,
+    sub = build_graph(graph, prepared.built_nodes(phase), prepared.bases, schedule.edges(), device_launch=False,
                       span=span, nodes_relocated=True, only=keep)
     ran = [t for b in prepared.builts[:phase] for t in b.span] + sorted(keep)
     # Memory outside the arena that the run writes (batch-norm statistics in training mode,
@@ -144,9 +141,7 @@ def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None) 
             saved = [o.clone() for launcher in launchers for o in launcher.outputs]
             kept = {b: driver.copy_to_host(prepared.bases[b], graph.buffers[b].size)
                     for b in outside}
-            for slot in slots:
-                if slot.cell:  # the plain phases' gathers then copy each slot onto itself
-                    driver.copy_to_device(slot.cell, slot.address.to_bytes(8, "little"))
+            prepared.cells_to_own_slots()  # earlier phases then gather each slot onto itself
             stream = launchers[0].stream()
             with torch.no_grad():
                 for slot, x in zip(slots, inputs):

@@ -168,19 +168,14 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5) -> 
     instrumented = []
     try:
         with launchers[0].lock:
-            for built in prepared.builts:
-                nodes: list = [None] * n
-                for t, node in zip(built.span, built.nodes):
-                    nodes[t] = node
+            for phase, built in enumerate(prepared.builts):
                 instrumented.append(build_graph(
-                    graph, nodes, prepared.bases, schedule.edges(), device_launch=False,
+                    graph, prepared.built_nodes(phase), prepared.bases, schedule.edges(), device_launch=False,
                     span=built.span, stamps=stamps.address + 16 * built.span.start,
                     stamp_module=ptx.load("timestamp.ptx"), nodes_relocated=True))
             # A gather node reads its source from the input cell, which still names the last
-            # call's tensor; point every cell at its own slot (a harmless self-copy) first.
-            for slot in slots:
-                if slot.cell:
-                    driver.copy_to_device(slot.cell, slot.address.to_bytes(8, "little"))
+            # call's tensor: the plain runs must gather each slot onto itself instead.
+            prepared.cells_to_own_slots()
             stream = launchers[0].stream()
             torch_stream = torch.cuda.ExternalStream(int(stream)) \
                 if int(stream) else torch.cuda.current_stream()
