@@ -6,6 +6,8 @@ poisoned.  A failure in the single-stream build points at relocation (a pointer 
 not find); a failure only with several streams points at a missing dependency.  With ``--trace``
 the multi-stream graph is run once more with every task's start and end measured inside the run
 (:mod:`nimble.timeline`): the summary is printed and a Chrome/Perfetto trace written.
+``--compare`` walks the ops for the first whose output differs from eager's, ``--nan`` for the
+first that writes NaN or Inf (:mod:`nimble.divergence`).
 """
 from __future__ import annotations
 
@@ -25,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", metavar="FILE",
                    help="measure every task in a real multi-stream run; write a Chrome trace")
     p.add_argument("--save", metavar="FILE", help="write the recorded TaskGraph")
+    p.add_argument("--compare", action="store_true",
+                   help="find the first op whose output differs from eager's")
+    p.add_argument("--nan", action="store_true",
+                   help="find the first op that writes NaN or Inf")
 
 
 def run(args) -> int:
@@ -60,6 +66,13 @@ def run(args) -> int:
         s = nm.schedule
         print(f"{label}: verified over {args.relaunches} launches; {len(s.streams)} streams, "
               f"{len(s.sync_edges)} syncs, arena {nm.memplan.arena_bytes / 2**20:.1f} MiB")
+        if multi and (args.compare or args.nan):
+            for flag, nonfinite in (("compare", False), ("nan", True)):
+                if getattr(args, flag):
+                    found = nm.first_divergence(x, nonfinite=nonfinite)
+                    print(f"--{flag}: " + (found.detail + f" (tasks {found.tasks[:8]})"
+                                           if found else "no op goes wrong"))
+                    status |= found is not None
         if multi and args.trace:
             timeline = nm.trace()
             print(format_timeline(timeline.summary()), end="")

@@ -355,6 +355,31 @@ class Nimble:
         targets = select_tasks(state.graph, task=task, op=op, module=module)
         return run_until(state, targets, inputs)
 
+    def first_divergence(self, *inputs, nonfinite: bool = False):
+        """The first ATen op whose output in the prepared graph differs from eager's on
+        ``inputs`` (dtype-aware tolerance), or with ``nonfinite`` the first to write NaN or Inf;
+        a :class:`nimble.divergence.Divergence` (op, module, tasks, difference) or None.
+
+        Walks the ops in recorded order with a step-through run (:meth:`run_until`) per op and
+        stops at the first that goes wrong.
+        Inference graphs only; the model must dispatch the same ops eagerly as when recorded.
+        """
+        from .divergence import align, eager_ops, first_divergence, first_nonfinite
+        from .stepper import run_until, select_tasks
+
+        state = self._state()
+        if state.step is not None:
+            raise InputError("first_divergence compares inference graphs with eager; prepare "
+                             "with training=False to search the forward")
+        if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
+            inputs = tuple(inputs[0])
+        aligned = align(state.graph, eager_ops(self.model, inputs))
+
+        def run(op: int):
+            return run_until(state, select_tasks(state.graph, op=op), list(inputs))
+        search = first_nonfinite if nonfinite else first_divergence
+        return search(run, state.graph, aligned)
+
     @property
     def phases(self) -> list["PhaseView"]:
         """Each separately launched graph: one (``"inference"``), or ``"forward"`` and

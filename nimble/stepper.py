@@ -7,13 +7,11 @@ same arena), runs it on the given inputs after the phases before it, and returns
 :class:`Snapshot` from which any buffer can be read as bytes or as a tensor.  The prepared
 graph's outputs, and the memory outside the arena the run writes (batch-norm statistics), are
 saved before and put back after, so the caller's outputs and the model stay as they were.
-
-:func:`first_true` is the bisection the first-divergence search is built on.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from .errors import InputError
 from .schedule import Schedule, phase_spans
@@ -68,21 +66,6 @@ def ancestor_closure(schedule: Schedule, targets: Sequence[int], n: int) -> tupl
             keep.add(t)
             stack += preds.get(t, [])
     return keep, span
-
-
-def first_true(count: int, test: Callable[[int], bool]) -> int | None:
-    """The smallest ``k`` in ``range(count)`` with ``test(k)``, for a ``test`` that stays True
-    once True (bisection: about log2(count) calls); None when ``test(count - 1)`` is False."""
-    if count <= 0 or not test(count - 1):
-        return None
-    lo, hi = 0, count - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if test(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 @dataclass

@@ -35,12 +35,12 @@ def tensor_span(t: torch.Tensor, write: bool) -> TensorSpan | None:
     return TensorSpan(t.data_ptr() + lo * el, (hi - lo + 1) * el, write)
 
 
-def _tensors(value) -> list[torch.Tensor]:
+def tensors_of(value) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(value)
     return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
-def _op_name(func) -> str:
+def op_name(func) -> str:
     schema = func._schema
     overload = schema.overload_name
     return schema.name + (f".{overload}" if overload and overload != "default" else "")
@@ -100,7 +100,7 @@ class OpTracer(TorchDispatchMode):
             else:
                 continue
             write = arg.alias_info is not None and arg.alias_info.is_write
-            for t in _tensors(value):
+            for t in tensors_of(value):
                 span = tensor_span(t, write)
                 if span is not None:
                     spans.append(span)
@@ -113,12 +113,12 @@ class OpTracer(TorchDispatchMode):
             alias = ret.alias_info
             if alias is not None and not alias.is_write:
                 continue  # a view of an input: no bytes touched
-            for t in _tensors(value):
+            for t in tensors_of(value):
                 span = tensor_span(t, True)
                 if span is not None:
                     (fresh if alias is None else spans).append(span)
         self.ops.append(OpRecord(
-            name=_op_name(func), module=self._modules.current,
+            name=op_name(func), module=self._modules.current,
             node_begin=nodes_before, node_end=nodes_after,
             alloc_begin=allocs_before, alloc_end=allocs_after,
             spans=spans + fresh))

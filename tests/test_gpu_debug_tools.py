@@ -74,3 +74,34 @@ def test_step_through_reads_an_intermediate_and_leaves_the_outputs_alone():
     written = [b for b in snap.op_outputs(first_conv.index) if b.numel() == size]
     assert written, "the convolution's output range is among its written accesses"
     torch.testing.assert_close(written[0].view(eager.dtype).view(eager.shape), eager.cpu())
+
+
+def test_the_nan_hunt_and_the_bisect_name_the_op_a_fault_was_put_in():
+    import torch
+
+    import nimble
+
+    model, x = zoo_model("branchy")
+    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    assert nm.first_divergence(x) is None
+    g = nm.graph
+    # a weight read through the wrong pointer: the first op reading it diverges
+    state = nm._state()
+    params = [b for b in g.buffers if b.kind == "param" and b.size >= 4096]
+    victim = next(b for b in params if any(o.size == b.size for o in params if o.id != b.id))
+    other = next(o for o in params if o.size == victim.size and o.id != victim.id)
+    reader = min(t.op for t in g.tasks if any(a.buffer == victim.id for a in t.accesses))
+    saved = state.bases[victim.id]
+    state.bases[victim.id] = state.bases[other.id]
+    try:
+        found = nm.first_divergence(x)
+    finally:
+        state.bases[victim.id] = saved
+    assert found is not None and found.op == reader, found
+    # a NaN weight: the hunt names the first op that reads it
+    conv = model.stem[0][0]
+    with torch.no_grad():
+        conv.weight[0, 0, 0, 0] = float("nan")
+    found = nm.first_divergence(x, nonfinite=True)
+    first_conv = next(o.index for o in g.ops if o.name.startswith("aten::convolution"))
+    assert found is not None and found.op == first_conv, found

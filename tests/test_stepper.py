@@ -9,7 +9,7 @@ from nimble.deps import build_dag
 from nimble.errors import InputError
 from nimble.prepared import single_stream_schedule
 from nimble.schedule import assign_phased
-from nimble.stepper import Snapshot, ancestor_closure, first_true, select_tasks
+from nimble.stepper import Snapshot, ancestor_closure, select_tasks
 from nimble.taskgraph import Access, Op, TaskGraph
 
 _GRAPHS: dict = {}
@@ -59,19 +59,6 @@ def test_targets_in_two_phases_are_refused():
     fwd, _ = g.meta["phases"]
     with pytest.raises(InputError, match="more than one phase"):
         ancestor_closure(s, [0, fwd + 1], len(g.tasks))
-
-
-def test_bisection_finds_the_first_true_in_log_calls():
-    calls = []
-
-    def test(k):
-        calls.append(k)
-        return k >= 37
-    assert first_true(1000, test) == 37
-    assert len(calls) <= 12
-    assert first_true(10, lambda k: False) is None
-    assert first_true(0, lambda k: True) is None
-    assert first_true(5, lambda k: True) == 0
 
 
 def test_a_snapshot_reads_buffers_as_bytes_tensors_and_op_outputs():
