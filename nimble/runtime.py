@@ -376,7 +376,8 @@ class Nimble:
         aligned = align(state.graph, eager_ops(self.model, inputs))
 
         def run(op: int):
-            return run_until(state, select_tasks(state.graph, op=op), list(inputs))
+            written = {a.buffer for a in state.graph.ops[op].accesses if a.write}
+            return run_until(state, select_tasks(state.graph, op=op), list(inputs), written)
         search = first_nonfinite if nonfinite else first_divergence
         return search(run, state.graph, aligned)
 

@@ -95,10 +95,12 @@ class Snapshot:
                 for a in self.graph.ops[op].accesses if a.write]
 
 
-def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None) -> Snapshot:
+def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None,
+              read: set[int] | None = None) -> Snapshot:
     """Run ``prepared`` (a :class:`nimble.prepared.Prepared`) up to ``targets`` on ``inputs``
     (the flat inputs of every phase; random when None) and copy out every buffer the run
-    touched.  Needs the GPU; the prepared graph's outputs are put back afterwards."""
+    touched (only those in ``read``, when given).  Needs the GPU; the prepared graph's outputs
+    are put back afterwards."""
     import torch
 
     from . import driver
@@ -135,6 +137,8 @@ def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None) 
                 driver.launch(sub.exec.handle, stream)
                 driver.stream_synchronize(stream)
                 touched = {a.buffer for t in keep for a in graph.tasks[t].accesses}
+                if read is not None:
+                    touched &= set(read)
                 buffers = {b: _read(prepared, b) for b in sorted(touched)}
                 outs = [o for launcher in launchers for o in launcher.outputs]
                 for live, old in zip(outs, saved):
