@@ -52,7 +52,9 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         "inspect", help="summarise a recorded TaskGraph, its schedule and memory plan",
         description="Summarise a TaskGraph file (.json.gz or .json): tasks, kernels, buffers; "
                     "optionally its stream schedule and arena plan, and export them.")
-    p.add_argument("path", metavar="PATH", help="a TaskGraph file (.json.gz or .json)")
+    p.add_argument("path", metavar="PATH",
+                   help="a TaskGraph file (.json.gz or .json), or a measured Chrome trace "
+                        "(nm.trace(), nimble debug --trace) to summarise")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of the text report")
     p.add_argument("--schedule", action="store_true",
@@ -77,6 +79,26 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
+
+
+def _load_timeline(path: str):
+    """The measured timeline in a Chrome trace written by Nimble, or None for other files."""
+    p = Path(path)
+    if not p.is_file() or p.suffix != ".json":
+        return None
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or "traceEvents" not in data:
+        return None
+    from .timeline import Timeline
+
+    try:
+        return Timeline.from_chrome(data)
+    except (ValueError, KeyError, TypeError) as e:
+        raise _Fail(f"{path}: a Chrome trace, but not a measured Nimble timeline ({e}); "
+                    "simulated traces carry no measurements") from None
 
 
 def _load(path: str) -> TaskGraph:
@@ -106,6 +128,16 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from . import inspect as ins
 
     start = time.perf_counter()
+    timeline = _load_timeline(args.path)
+    if timeline is not None:  # a measured trace (nm.trace(), nimble debug --trace)
+        from .timeline import format_timeline
+
+        summary = timeline.summary()
+        if args.json:
+            print(json.dumps(summary, indent=2, default=str))
+        else:
+            sys.stdout.write(format_timeline(summary))
+        return 0
     graph = _load(args.path)
     _progress(args, f"loaded {args.path}: {len(graph.tasks)} tasks, {len(graph.buffers)} "
                     f"buffers in {time.perf_counter() - start:.2f} s")

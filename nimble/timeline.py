@@ -82,9 +82,42 @@ class Timeline:
         from .inspect import to_chrome_trace
 
         trace = to_chrome_trace(self.graph, self.schedule, times=self.times)
+        s = self.schedule
         trace["otherData"].update(simulated=False, plain_us=self.plain_us,
                                   instrumented_us=self.instrumented_us)
+        # Enough to analyse the run again offline (``nimble inspect TRACE``).
+        trace["otherData"]["nimble_timeline"] = {
+            "times": [[b, e] for b, e in self.times], "stream_of": list(s.stream_of),
+            "sync_edges": [list(e) for e in s.sync_edges], "phases": list(s.phases),
+            "barrier_edges": [list(e) for e in s.barrier_edges],
+            "plain_us": self.plain_us, "instrumented_us": self.instrumented_us}
         return trace
+
+    @classmethod
+    def from_chrome(cls, trace: dict) -> "Timeline":
+        """The timeline a :meth:`to_chrome` trace carries (raises ``ValueError`` for a trace
+        that is not a measured Nimble timeline)."""
+        data = (trace.get("otherData") or {}).get("nimble_timeline")
+        if not data:
+            raise ValueError("not a measured Nimble timeline (written by nm.trace() or "
+                             "nimble debug --trace)")
+        stream_of = [int(x) for x in data["stream_of"]]
+        streams: list[list[int]] = [[] for _ in range(max(stream_of, default=-1) + 1)]
+        for t, sid in enumerate(stream_of):
+            streams[sid].append(t)
+        graph = TaskGraph(meta={"model": trace["otherData"].get("model")})
+        from .taskgraph import Task
+
+        names = {e["args"]["task"]: e["name"] for e in trace.get("traceEvents", [])
+                 if e.get("ph") == "X" and "task" in e.get("args", {})}
+        graph.tasks = [Task(t, "kernel", short_name=names.get(t, "")) for t in
+                       range(len(stream_of))]
+        schedule = Schedule(stream_of, streams, [tuple(e) for e in data["sync_edges"]], 0, 0,
+                            phases=list(data.get("phases") or []),
+                            barrier_edges=[tuple(e) for e in data.get("barrier_edges") or []])
+        return cls(graph, schedule, [(float(b), float(e)) for b, e in data["times"]],
+                   plain_us=float(data.get("plain_us") or 0.0),
+                   instrumented_us=float(data.get("instrumented_us") or 0.0))
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:

@@ -96,3 +96,24 @@ def test_the_timestamp_kernel_takes_one_slot_and_reads_the_global_timer():
     entry = text[text.index(".entry " + ptx.TIMESTAMP):]
     assert entry[:entry.index(")")].count(".param .u64") == 1
     assert "%globaltimer" in entry and "st.global.u64" in entry
+
+
+def test_a_saved_trace_is_summarised_offline_by_inspect(tmp_path, capsys):
+    import json
+
+    from nimble import cli
+
+    g, s, times = _diamond()
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(Timeline(g, s, times, 40.0, 44.0).to_chrome()))
+    again = Timeline.from_chrome(json.loads(path.read_text()))
+    assert again.summary()["phases"][0]["concurrency"] == pytest.approx(1.25)
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "achieved concurrency 1.25" in out and "+10%" in out
+    # a simulated trace carries no measurements: one line, status 2
+    from nimble.inspect import to_chrome_trace
+    sim = tmp_path / "sim.json"
+    sim.write_text(json.dumps(to_chrome_trace(g, s, times)))
+    assert cli.main(["inspect", str(sim)]) == 2
+    assert "not a measured Nimble timeline" in capsys.readouterr().err
