@@ -339,6 +339,12 @@ def build_taskgraph(raw: RawCapture) -> TaskGraph:
         _resolve_tasks(r, graph, k, tasks_of_op.get(k, []))
 
     r.advance(1 << 62)
+    # The graph's outputs are tensors: a task outside every op that points into one writes that
+    # tensor's buffer (not a scratch buffer at the same address).
+    for spec in raw.outputs:
+        where = r.locate(spec.address)
+        if where is not None and where[0] == "alloc":
+            r.tensor_alloc_buffer(where[1], r.alloc_op[where[1]])
     _resolve_tasks(r, graph, -1, loose)
 
     def tensor_ref(spec: TensorSpec, kind: str | None) -> TensorRef:

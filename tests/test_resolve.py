@@ -310,3 +310,20 @@ def test_rng_cell_shared_with_other_data_is_refused():
     g = build_taskgraph(capture(ops, [kernel(X, SEED, SEED + 64)], [(SEED, 512)]))
     with pytest.raises(ValueError, match="cannot tell the cell"):
         mark_rng_cells(g, {SEED: RNG_SEED})
+
+
+def test_tasks_outside_every_op_write_the_output_buffers_themselves():
+    """Without op records (a capture the tracer did not see), pointers still resolve to the
+    graph's outputs, and every kernel is ordered after the one it reads from."""
+    raw = two_branches_sharing_an_address()
+    raw.ops = []
+    g = build_taskgraph(raw)
+    outputs = {r.buffer for r in g.outputs}
+    assert all(g.buffers[b].kind == BufferKind.OUTPUT for b in outputs)
+    written = {a.buffer for t in g.tasks for a in t.accesses if a.write}
+    assert outputs <= written
+    from nimble.deps import reachability
+
+    reach = reachability(build_dag(g))
+    for u, v in [(0, 1), (2, 3)]:  # each reader after its writer
+        assert reach[u] >> v & 1
