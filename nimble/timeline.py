@@ -203,8 +203,9 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5) -> 
         with launchers[0].lock:
             for phase, built in enumerate(prepared.builts):
                 instrumented.append(build_graph(
-                    graph, prepared.built_nodes(phase), prepared.bases, schedule.edges(), device_launch=False,
-                    span=built.span, stamps=stamps.address + 16 * built.span.start,
+                    graph, prepared.built_nodes(phase), prepared.bases, schedule.edges(),
+                    device_launch=False, span=built.span,
+                    stamps=stamps.address + 16 * built.span.start,
                     stamp_module=ptx.load("timestamp.ptx"), nodes_relocated=True))
             # A gather node reads its source from the input cell, which still names the last
             # call's tensor: the plain runs must gather each slot onto itself instead.
