@@ -271,21 +271,21 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     """Build and instantiate the explicit graph of ``graph`` with ``edges`` as its dependencies.
 
     ``recorded_nodes[t]`` is task ``t``'s node in the captured graph (its function, launch
-    attributes and parameter layout are taken from there); ``bases`` says where every buffer
-    lives (:func:`buffer_bases`).  With ``device_launch`` the exec is made device-launchable
-    where the driver allows (see :func:`instantiate`); ``upload_stream`` uploads it there.
-    Each of ``gathers`` becomes a ``nimble_gather_input`` node (from ``gather_module``, which the
-    result then owns, as it owns ``stamp_module``) that every root task waits for: the graph
-    copies its own inputs in before anything else runs.  ``span`` (default: every task) builds one phase of a phased graph
-    (the forward or the backward of a training step): only its tasks, and only the edges
-    between them; the phase before it has finished when it is launched.  With ``stamps`` (the
+    attributes and parameter layout are taken from there); ``bases`` says where every buffer lives
+    (:func:`buffer_bases`).  With ``device_launch`` the exec is made device-launchable where the
+    driver allows (see :func:`instantiate`); ``upload_stream`` uploads it there. Each of
+    ``gathers`` becomes a ``nimble_gather_input`` node (from ``gather_module``, which the result
+    then owns, as it owns ``stamp_module``) that every root task waits for: the graph copies its
+    own inputs in before anything else runs.  ``span`` (default: every task) builds one phase of a
+    phased graph (the forward or the backward of a training step): only its tasks, and only the
+    edges between them; the phase before it has finished when it is launched.  With ``stamps`` (the
     device address of 16 bytes per task of the span, see :func:`stamp_slots`) each task gets two
-    ``nimble_timestamp`` nodes from ``stamp_module``: one beside it, after the same
-    predecessors (its start), and one after it (its end).  Neither is anything's predecessor,
-    so the schedule's own chains are not lengthened.  ``nodes_relocated`` says that
-    ``recorded_nodes`` are those of a graph Nimble built (see :func:`add_task_node`).  ``only``
-    keeps just those tasks of the span (a set closed under predecessors, for step-through); the
-    others get no node (``nodes`` holds None for them).
+    ``nimble_timestamp`` nodes from ``stamp_module``: one beside it, after the same predecessors
+    (its start), and one after it (its end).  Neither is anything's predecessor, so the schedule's
+    own chains are not lengthened.  ``nodes_relocated`` says that ``recorded_nodes`` are those of a
+    graph Nimble built (see :func:`add_task_node`).  ``only`` keeps just those tasks of the span (a
+    set closed under predecessors, for step-through); the others get no node (``nodes`` holds None
+    for them).
     """
     n = len(graph.tasks)
     if len(recorded_nodes) != n:

@@ -234,8 +234,9 @@ def export_plan(graph: TaskGraph, schedule: Schedule, plan: MemPlan) -> dict:
     """The schedule and arena plan as JSON-able data (format ``nimble.plan``, version 1).
 
     ``streams[t]`` is task ``t``'s stream, ``edges`` the final happens-before edges (stream order,
-    sync edges and, for a phased graph, the ``barrier_edges`` between its ``phases``), ``offsets`` maps buffer ids (as strings, JSON keys being strings) to arena
-    offsets.  ``docs/taskgraph-format.md`` describes it.
+    sync edges and, for a phased graph, the ``barrier_edges`` between its ``phases``), ``offsets``
+    maps buffer ids (as strings, JSON keys being strings) to arena offsets.
+    ``docs/taskgraph-format.md`` describes it.
     """
     return {
         "format": PLAN_FORMAT,

@@ -1,9 +1,9 @@
 """A prepared graph: its schedule and arena plan, its explicit graph(s), launchers and proof.
 
-:func:`plan_graph` schedules a recording and plans its arena; :func:`build_prepared` allocates the arena (the
-planned buffers, the input cells, the random generator's cells, private copies of library
-scratch), builds one explicit graph and one launcher per phase (one for inference; forward and
-backward for a training step); :func:`prove` runs the proof.  :class:`Prepared` owns the result
+:func:`plan_graph` schedules a recording and plans its arena; :func:`build_prepared` allocates the
+arena (the planned buffers, the input cells, the random generator's cells, private copies of
+library scratch), builds one explicit graph and one launcher per phase (one for inference; forward
+and backward for a training step); :func:`prove` runs the proof.  :class:`Prepared` owns the result
 and is what :class:`nimble.Nimble` swaps in whole.
 """
 from __future__ import annotations
