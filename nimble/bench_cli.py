@@ -80,7 +80,7 @@ def _say(args, msg: str) -> None:
     say(msg, args.quiet, "bench")
 
 
-def _time_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int
+def time_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int
                  ) -> dict[str, list[float]]:
     """Per mode, the mean ms per call of each round; modes interleaved within every round."""
     import torch
@@ -201,7 +201,7 @@ def bench_model(name: str, args, dtype: str = "float32") -> dict:
 
     _say(args, f"{name} ({dtype}): timing {len(fns)} modes, {args.rounds} rounds of "
                f"{args.iters} calls")
-    samples = _time_rounds(fns, args.rounds, args.iters)
+    samples = time_rounds(fns, args.rounds, args.iters)
     info["host_us_per_call"] = _host_us(lambda: multi(x))
     info["launch_mode"] = multi.launch_mode
     if not args.quick:

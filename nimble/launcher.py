@@ -152,11 +152,6 @@ class Launcher:
         return self._order.lock
 
     @property
-    def order(self) -> CallOrder:
-        """The call order this launcher shares with the other graphs of its arena."""
-        return self._order
-
-    @property
     def last_stream(self):
         """The stream of the latest call (None before the first)."""
         return self._order.last_stream

@@ -106,7 +106,6 @@ class Prepared:
     seconds: dict
     recording: Any = None  # kept only with keep_recording=True (debugging)
     step: Any = None  # training.TrainingStep for a training step, else None
-    recording_held: Any = None  # the recording, until prepare() decides whether to keep it
 
     @property
     def built(self) -> BuiltGraph:

@@ -274,15 +274,11 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
                          "prepare(training=False) for inference")
     last: list = []
 
-    def differentiable(out) -> list[int]:
-        leaves, _ = _tensor_leaves(out, name)
-        return [i for i, o in enumerate(leaves) if o.requires_grad]
-
     def step():
         with torch.enable_grad():
             out = module(*static_inputs)
             leaves, _ = _tensor_leaves(out, name)
-            diff = differentiable(out)
+            diff = [i for i, o in enumerate(leaves) if o.requires_grad]
             if not diff:
                 raise InputError(f"no output of {name} requires grad: there is nothing to "
                                  "train (are all parameters frozen?)")

@@ -29,6 +29,7 @@ from .taskgraph import TaskGraph
 from .weights import EPOCH as WEIGHTS_EPOCH
 from .weights import watch_modules
 
+
 class PhaseView(NamedTuple):
     """One separately launched graph of a prepared model (see :attr:`Nimble.phases`)."""
 
@@ -122,25 +123,23 @@ class Nimble:
         try:
             candidate = self._prepare(example_inputs, training, recording, quiet, use_multi_stream,
                                       max_streams, arena_limit, device_launch, gather_inputs,
-                                      verify, relaunches)
+                                      verify, relaunches, keep_recording)
         finally:
             restore()
         candidate.launcher.return_copies = return_copies
         candidate.graph.meta["prepare_seconds"] = dict(candidate.seconds)
-        if keep_recording:
-            candidate.recording = candidate.recording_held
-        candidate.recording_held = None
         previous, self._prepared = self._prepared, candidate
         if previous is not None:
             previous.close()
         return self
 
     def _prepare(self, example_inputs, training, recording, quiet, use_multi_stream, max_streams,
-                 arena_limit, device_launch, gather_inputs, verify, relaunches) -> Prepared:
+                 arena_limit, device_launch, gather_inputs, verify, relaunches,
+                 keep_recording) -> Prepared:
         seconds: dict[str, float] = {}
         rec = recording if recording is not None else self._record(example_inputs, training,
                                                                     quiet)
-        if bool(rec.step) != training:
+        if (rec.step is not None) != training:
             raise InputError("the recording passed to prepare() is of "
                              f"{'a training step' if rec.step else 'inference'}, but "
                              f"training={training}")
@@ -174,7 +173,7 @@ class Nimble:
         except BaseException:
             candidate.close()
             raise
-        candidate.recording_held = rec
+        candidate.recording = rec if keep_recording else None
         return candidate
 
     def _check_mode(self, training: bool) -> None:

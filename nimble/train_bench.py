@@ -89,7 +89,7 @@ def bench_training(name: str, batch: int, args) -> dict:
 
     import nimble
 
-    from .bench_cli import _time_rounds
+    from .bench_cli import time_rounds
 
     torch.backends.cudnn.benchmark = True
     base, x, y = _setup(name, batch)
@@ -121,7 +121,7 @@ def bench_training(name: str, batch: int, args) -> dict:
                         pool_mb=nm.graph.meta["pool_bytes"] / 2**20,
                         not_bitwise=len(nm.graph.meta.get("verified", {}).get("not_bitwise", {})))
     say(f"timing {name} batch {batch}: {', '.join(steps)}", args.quiet, "bench")
-    samples = _time_rounds(steps, args.rounds, args.iters)
+    samples = time_rounds(steps, args.rounds, args.iters)
     medians = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
     info["modes"] = {k: {"median_ms": medians[k], "min_ms": min(v), "max_ms": max(v),
                          "x_eager": medians["eager"] / medians[k],

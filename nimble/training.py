@@ -76,7 +76,11 @@ class TrainingStep:
         self._generation = 0
         self._backward_done = True
         self._guard = threading.Lock()
-        self._grad_addresses: list | None = None
+        # Where the backward graph writes each parameter's gradient (None: no gradient).
+        first, outs = layout.forward_outputs, backward.outputs
+        self._grad_addresses = [None if k < 0 else outs[k - first].data_ptr()
+                                for k in layout.grad_output_of[len(layout.inputs_with_grad):]]
+        self._handed_out = False  # gradients given to autograd since the last forward
 
     # ---- calls ------------------------------------------------------------------------------
     def __call__(self, inputs: Sequence, unflatten):
@@ -138,6 +142,7 @@ class TrainingStep:
         first = layout.forward_outputs
         # Fresh tensor objects over the arena: autograd may adopt them as .grad without a copy.
         grads = [None if k < 0 else computed[k - first].detach() for k in layout.grad_output_of]
+        self._handed_out = True
         n_in = len(layout.inputs_with_grad)
         for_inputs: list[Any] = [None] * layout.forward_inputs
         for j, i in enumerate(layout.inputs_with_grad):
@@ -149,11 +154,9 @@ class TrainingStep:
         """Give every parameter ``.grad`` that still lies in the arena memory of its own."""
         import torch
 
-        if self._grad_addresses is None:
-            first = self.layout.forward_outputs
-            outs = self.backward.outputs
-            self._grad_addresses = [None if k < 0 else outs[k - first].data_ptr()
-                                    for k in self.layout.grad_output_of[len(self._with_grad):]]
+        if not self._handed_out:  # no backward since the last forward: nothing in the arena
+            return
+        self._handed_out = False
         with torch.no_grad():
             for p, address in zip(self.params, self._grad_addresses):
                 g = p.grad
