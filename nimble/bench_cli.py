@@ -210,6 +210,9 @@ def bench_model(name: str, args, dtype: str = "float32") -> dict:
         _say(args, f"{name} ({dtype}): timing every task alone for the critical-path limit")
         cp_us, serial_us = _critical_path_limit_us(multi)
 
+    _say(args, f"{name} ({dtype}): tracing the multi-stream run (achieved concurrency)")
+    info["trace"] = _trace_info(multi, x)
+
     rows = {}
     for label, s in samples.items():
         rows[label] = {"median_ms": statistics.median(s), "min_ms": min(s), "max_ms": max(s)}
@@ -237,6 +240,18 @@ def bench_model(name: str, args, dtype: str = "float32") -> dict:
     return info
 
 
+def _trace_info(nm, x) -> dict:
+    """Achieved concurrency and idle streams of one measured run (:meth:`nimble.Nimble.trace`),
+    and the overhead of the two instrumentations (start and end stamps; end stamps only)."""
+    full = nm.trace(x).summary()
+    ends = nm.trace(x, start_stamps=False).summary()
+    [phase] = full["phases"]
+    return {"concurrency": phase["concurrency"], "makespan_us": phase["makespan_us"],
+            "idle_us": phase["idle_us"], "overhead": full["overhead"],
+            "overhead_ends_only": ends["overhead"],
+            "concurrency_ends_only": ends["phases"][0]["concurrency"]}
+
+
 def format_model(info: dict) -> str:
     """One model's report; ``--quick`` results (no variants, no limit) print fewer lines."""
     out = [f"{info['model']} ({info.get('dtype', 'float32')}, batch {info['batch']}): "
@@ -255,6 +270,14 @@ def format_model(info: dict) -> str:
     if "host_us_per_call_host_launch" in info:
         host += f"; {info['host_us_per_call_host_launch']:.1f} µs with a plain host-launch graph"
     out.append(host + ")")
+    if "trace" in info:
+        t = info["trace"]
+        idle = sorted(t["idle_us"].items(), key=lambda kv: -kv[1])[:3]
+        out.append(f"  trace: achieved concurrency {t['concurrency']:.2f} (DAG width "
+                   f"{info['width']}, {info['streams']} streams) over {t['makespan_us']:.0f} µs; "
+                   f"instrumentation {t['overhead']:+.0%} ({t['overhead_ends_only']:+.0%} with "
+                   "end stamps only); most idle streams "
+                   + ", ".join(f"{k} {us:.0f} µs" for k, us in idle))
     if "critical_path_us" in info:
         out.append(f"  critical-path limit {info['critical_path_us']:.0f} µs (serial "
                    f"{info['serial_kernel_us']:.0f} µs); best {info['best_nimble']} at "
@@ -271,25 +294,27 @@ def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
     dcol = (lambda text: f"{text:<10}") if dtype_column else (lambda text: "")  # noqa: E731
     head = (f"{'model':<16}{dcol('dtype')}{'eager':>8}{'graph':>8}{'compile':>8}{'single':>8}"
             f"{'multi':>8}{'best':>8}{'best mode':>14}{'x graph':>8}{'x eager':>8}{'arena':>7}"
-            f"{'pool':>7}{'limit':>7}{'host µs':>8}")
+            f"{'pool':>7}{'limit':>7}{'host µs':>8}{'conc':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
         m = r["modes"]
         get = lambda k: f"{m[k]['median_ms']:.3f}" if k in m else "–"  # noqa: E731
         b = r["best_nimble"]
         limit = f"{r['critical_path_us'] / 1e3:.3f}" if "critical_path_us" in r else "–"
+        conc = f"{r['trace']['concurrency']:.2f}" if "trace" in r else "–"
         lines.append(
             f"{r['model']:<16}{dcol(r.get('dtype', 'float32'))}{get('eager'):>8}"
             f"{get('torch.cuda.graph'):>8}"
             f"{get('torch.compile'):>8}{get('nimble single'):>8}{get('nimble multi'):>8}"
             f"{m[b]['median_ms']:>8.3f}{b.removeprefix('nimble '):>14}{m[b]['x_graph']:>8.2f}"
             f"{m[b]['x_eager']:>8.1f}{r['arena_mb'][b]:>7.1f}{r['pool_mb']:>7.1f}"
-            f"{limit:>7}{r['host_us_per_call']:>8.1f}")
+            f"{limit:>7}{r['host_us_per_call']:>8.1f}{conc:>6}")
     in_dtype = "" if dtype_column else f" in {', '.join(dtypes)}"
     lines.append(f"times: median ms per call{in_dtype}; graph = torch.cuda.graph with the input "
                  "copied in on every call; best = fastest multi-stream Nimble variant; arena and "
                  "pool in MB; limit = critical path of isolated task times, ms (– with --quick); "
-                 "host µs = one multi call on an idle GPU")
+                 "host µs = one multi call on an idle GPU; conc = achieved concurrency of the "
+                 "multi-stream run (tasks in flight on average, measured by nm.trace())")
     return "\n".join(lines)
 
 

@@ -266,7 +266,7 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
                 upload_stream=None, gathers: Sequence[InputGather] = (),
                 gather_module: driver.Module | None = None,
                 span: range | None = None, stamps: int = 0,
-                stamp_module: driver.Module | None = None,
+                stamp_module: driver.Module | None = None, start_stamps: bool = True,
                 nodes_relocated: bool = False, only: set[int] | None = None) -> BuiltGraph:
     """Build and instantiate the explicit graph of ``graph`` with ``edges`` as its dependencies.
 
@@ -281,8 +281,8 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     edges between them; the phase before it has finished when it is launched.  With ``stamps`` (the
     device address of 16 bytes per task of the span, see :func:`stamp_slots`) each task gets two
     ``nimble_timestamp`` nodes from ``stamp_module``: one beside it, after the same predecessors
-    (its start), and one after it (its end).  Neither is anything's predecessor, so the schedule's
-    own chains are not lengthened.  ``nodes_relocated`` says that ``recorded_nodes`` are those of a
+    (its start; with ``start_stamps=False`` only a root task gets one), and one after it (its
+    end).  Neither is anything's predecessor, so the schedule's own chains are not lengthened.  ``nodes_relocated`` says that ``recorded_nodes`` are those of a
     graph Nimble built (see :func:`add_task_node`).  ``only`` keeps just those tasks of the span (a
     set closed under predecessors, for step-through); the others get no node (``nodes`` holds None
     for them).
@@ -311,7 +311,8 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
             nodes.append(add_task_node(owned.handle, task, recorded_nodes[tid], bases, deps,
                                        ctx, nodes_relocated))
             if stamps:
-                _add_timestamp(owned.handle, stamp, slots[tid][0], deps)
+                if start_stamps or not preds[tid] or all(u < first for u in preds[tid]):
+                    _add_timestamp(owned.handle, stamp, slots[tid][0], deps)
                 _add_timestamp(owned.handle, stamp, slots[tid][1], [nodes[-1]])
         exec_, on_device, refusal = instantiate(owned, device_launch, upload_stream)
     except BaseException:

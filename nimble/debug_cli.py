@@ -41,6 +41,7 @@ def run(args) -> int:
     import torch
 
     from . import inspect
+    from .deps import build_dag
     from .errors import NimbleError
     from .record import record
     from .runtime import Nimble
@@ -76,6 +77,10 @@ def run(args) -> int:
         if multi and args.trace:
             timeline = nm.trace()
             print(format_timeline(timeline.summary()), end="")
+            broken = timeline.overlapped(build_dag(nm.graph).edges())
+            print(f"dependencies the run broke (a task started before one it depends on "
+                  f"ended): {len(broken)}" + (f", e.g. {broken[:4]}" if broken else ""))
+            status |= bool(broken)
             with open(args.trace, "w", encoding="utf-8") as f:
                 json.dump(timeline.to_chrome(), f)
             print(f"wrote {args.trace}", file=sys.stderr)

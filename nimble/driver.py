@@ -205,10 +205,21 @@ def allow_dynamic_shared(func, nbytes: int) -> None:
     A library may raise the cap on another handle of the same kernel (cuDNN's training batch
     norm does): the function a captured node names can report a cap below what the node
     launches with, and adding that node to a new graph fails with ``CUDA_ERROR_INVALID_VALUE``.
+    The cap is raised to the most the device allows, never to ``nbytes`` alone: the setting is
+    shared with the library's own handle, and a lower cap than the library set would make its
+    later launches with more shared memory fail (cuDNN then reports
+    ``CUDNN_STATUS_EXECUTION_FAILED_CUDART`` in eager code run after a prepare).
     """
-    attr = bindings().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    if int(call("cuFuncGetAttribute", attr, func)) < nbytes:
-        call("cuFuncSetAttribute", func, attr, nbytes, detail=f"{nbytes} bytes")
+    drv = bindings()
+    attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if int(call("cuFuncGetAttribute", attr, func)) >= nbytes:
+        return
+    static = int(call("cuFuncGetAttribute",
+                      drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func))
+    optin = int(call("cuDeviceGetAttribute",
+                     drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                     call("cuCtxGetDevice")))
+    call("cuFuncSetAttribute", func, attr, max(nbytes, optin - static), detail=f"{nbytes} bytes")
 
 
 def add_kernel_node(graph, deps: list, params, detail: str = "") -> Any:

@@ -8,7 +8,8 @@ An input reaches its arena slot one of two ways.  Where the slot has a *cell*, t
 node copies the input in itself (``kernels/gather_input.ptx``) from the address in the cell, and
 the call only writes the tensor's address there with one stream-ordered
 ``cuStreamWriteValue64`` (about 5 µs of host time on an H100, against 8-22 µs for a driver memcpy
-of an image).  Otherwise a contiguous input goes in with one ``cuMemcpyDtoDAsync``, and any other
+of an image), and only when it differs from the address the cell already holds (a serving loop
+that fills one input buffer writes nothing).  Otherwise a contiguous input goes in with one ``cuMemcpyDtoDAsync``, and any other
 layout is copied by torch, which knows strides.
 
 The graph's exec serializes its own launches, but the writes ahead of a launch do not: when a call
@@ -92,7 +93,7 @@ class Launcher:
 
     __slots__ = ("_exec", "_slots", "_device", "_outputs", "_unflatten", "return_copies",
                  "_raw_stream", "_streams", "_api", "_tensor_type", "_order", "_context",
-                 "_rng")
+                 "_rng", "_in_cells")
 
     def __init__(self, exec_handle, slots: Sequence[InputSlot], device, outputs: list,
                  output_spec, context, rng: RngCells | None = None,
@@ -102,6 +103,9 @@ class Launcher:
 
         self._exec = exec_handle
         self._slots = tuple(slots)
+        # Per slot, the address its cell holds once the writes queued so far have run (None:
+        # not known).  A call passing the same tensor again writes nothing.
+        self._in_cells: list = [None] * len(self._slots)
         self._device = device
         self._outputs = outputs
         self.return_copies = return_copies
@@ -195,12 +199,17 @@ class Launcher:
             stream = self.stream()
             if stream is not order.last_stream:
                 self._join(stream)
-            for slot, x in zip(slots, inputs):
+            in_cells = self._in_cells
+            for i, x in enumerate(inputs):
+                slot = slots[i]
                 if slot.cell:
                     # A strided input is made contiguous first; torch frees the copy in stream
                     # order, after the graph has read it.
                     source = x if x.is_contiguous() else x.contiguous()
-                    api.write64(stream, slot.cell, source.data_ptr(), 0)
+                    address = source.data_ptr()
+                    if address != in_cells[i] or source is not x:
+                        api.write64(stream, slot.cell, address, 0)
+                        in_cells[i] = address if source is x else None
                 elif slot.dense and x.is_contiguous():
                     api.copy(slot.address, x.data_ptr(), slot.nbytes, stream)
                 else:
@@ -211,6 +220,12 @@ class Launcher:
             if self.return_copies:
                 return [o.clone() for o in self._outputs]
             return self._outputs
+
+    def forget_cells(self) -> None:
+        """Make the next call write every input cell: something other than a call (a C host, a
+        debugging run) may have written them.  Takes no lock: call it holding :attr:`lock` or
+        between calls."""
+        self._in_cells = [None] * len(self._slots)
 
     def _draw(self, stream) -> None:
         """Hand this launch the generator's seed and offset, and advance the offset past it."""

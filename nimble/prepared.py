@@ -131,6 +131,7 @@ class Prepared:
             for slot in launcher.slots:
                 if slot.cell:
                     driver.copy_to_device(slot.cell, slot.address.to_bytes(8, "little"))
+            launcher.forget_cells()
 
     def close(self) -> None:
         """Wait for the last call, free execs and graphs, let go of the arena (idempotent).

@@ -360,8 +360,9 @@ def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list,
         if hasattr(g, "instantiate"):  # keep_graph=True leaves that to replay
             g.instantiate()
     graph = build_taskgraph(raw)
-    bad = unresolved_in_pool(graph, raw)
+    bad, padded = unresolved_in_pool(graph, raw)
     graph.meta["unresolved_in_pool"] = len(bad)
+    graph.meta["padded_int_words"] = padded
     if bad:
         message = (f"{len(bad)} pointer(s) into the captured memory pool resolve to no "
                    f"allocation:\n" + "\n".join(explain_pointer(graph, raw, t, p)

@@ -465,10 +465,31 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
         graph.tasks[t].accesses = _merge_accesses(graph.tasks[t].accesses)
 
 
-def unresolved_in_pool(graph: TaskGraph, raw: RawCapture) -> list[tuple[int, Pointer]]:
-    """Unresolved pointers that fall inside the capture's memory pool (always a recorder bug)."""
+_PADDED_INT_LIMIT = 1 << 20
+
+
+def padded_int_word(value: int) -> bool:
+    """Whether an 8-byte word that lands in no live allocation reads as a small ``int`` field
+    followed by 4 bytes of struct padding.
+
+    Kernel argument structs (ATen's elementwise functors) leave the padding after an ``int``
+    uninitialised; it often holds the upper half of a stale host-stack pointer, so the whole
+    word can fall inside a pool segment (seen on googlenet's training step: ``5`` beside
+    ``0x7f54``).  A real pointer into the pool resolves to an allocation live at its op; one
+    that does not, with a small low half, is taken for such a pair (the proof in ``prepare()``
+    would catch a real pointer read through it: it poisons the recorded pool).
+    """
+    return (value & 0xFFFFFFFF) < _PADDED_INT_LIMIT
+
+
+def unresolved_in_pool(graph: TaskGraph, raw: RawCapture) -> tuple[list[tuple[int, Pointer]],
+                                                                   int]:
+    """Unresolved pointers inside the capture's memory pool (a recorder bug), and how many
+    unresolved words there were taken for an ``int`` and its padding (:func:`padded_int_word`)."""
     pool = _range_index(raw.pool)
-    return [(t, p) for t, p in graph.unresolved_pointers() if pool.find(p.value) is not None]
+    inside = [(t, p) for t, p in graph.unresolved_pointers() if pool.find(p.value) is not None]
+    bad = [(t, p) for t, p in inside if not padded_int_word(p.value)]
+    return bad, len(inside) - len(bad)
 
 
 RNG_SEED = "rng seed"

@@ -306,8 +306,13 @@ class Nimble:
         A C or C++ host driving :attr:`exec_handle` itself writes the input tensor's address
         into each cell on the launch stream (``cuStreamWriteValue64``), then calls
         ``cuGraphLaunch``; or it copies the input to the slot and writes the slot's own address.
+        A Python call skips writing a cell that already holds its input's address; reading this
+        property makes the next Python call write every cell, so a host that writes cells
+        between Python calls reads it again before handing back to Python.
         """
-        return [s.cell for s in self._state().launcher.slots]
+        launcher = self._state().launcher
+        launcher.forget_cells()  # the caller may write them: later calls write every cell
+        return [s.cell for s in launcher.slots]
 
     @property
     def output_addresses(self) -> list[int]:
@@ -329,17 +334,19 @@ class Nimble:
         """Per input, the device address of its slot in the arena."""
         return [s.address for s in self._state().launcher.slots]
 
-    def trace(self, *inputs, runs: int = 5):
+    def trace(self, *inputs, runs: int = 5, start_stamps: bool = True):
         """Measure every task's start and end inside a real multi-stream run of the prepared
         graph(s); returns a :class:`nimble.timeline.Timeline` (``.summary()``, ``.to_chrome()``).
 
         ``inputs`` are the flat inputs of every phase (random ones when none are given).  The
         graph is rebuilt with timestamp nodes for the measurement; the prepared graph itself is
-        not changed and keeps serving calls.
+        not changed and keeps serving calls.  ``start_stamps=False`` halves the timestamp nodes
+        (each start is then its task's ready time; see :func:`nimble.timeline.record_timeline`).
         """
         from .timeline import record_timeline
 
-        return record_timeline(self._state(), list(inputs) if inputs else None, runs=runs)
+        return record_timeline(self._state(), list(inputs) if inputs else None, runs=runs,
+                               start_stamps=start_stamps)
 
     def run_until(self, *, task: int | None = None, op: int | None = None,
                   module: str | None = None, inputs=None):
@@ -386,6 +393,8 @@ class Nimble:
         ``"backward"`` for a training step, with its tasks and its handles for a C host."""
         state = self._state()
         names = ["forward", "backward"] if state.step is not None else ["inference"]
+        for launcher in state.launchers:
+            launcher.forget_cells()  # a C host may write them: later calls write every cell
         return [PhaseView(name, built.span, int(built.exec.handle),
                           [s.cell for s in launcher.slots], [s.address for s in launcher.slots],
                           [o.data_ptr() for o in launcher.outputs])

@@ -2,7 +2,8 @@
 
 :func:`record_timeline` rebuilds every phase of a prepared graph once more, over the same arena,
 with two ``nimble_timestamp`` nodes per task (``kernels/timestamp.ptx``: the GPU's
-``%globaltimer``, in ns): one beside the task, after the same predecessors (its start), and one
+``%globaltimer``, in ns): one beside the task, after the same predecessors (its start, held
+between its last predecessor's end and its own end: see :func:`times_from_stamps`), and one
 after it (its end).  Neither precedes anything, so the schedule's chains are not lengthened; the
 cost is the extra nodes the GPU's front end schedules, which :class:`Timeline` reports as the
 instrumentation's overhead (the instrumented run against the plain one).  The prepared exec is
@@ -77,6 +78,12 @@ class Timeline:
                 "planned_path_us": planned.length,
                 "planned_path_tasks": len(planned.tasks)}
 
+    def overlapped(self, edges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The dependencies ``(u, v)`` among ``edges`` (the DAG's, :func:`nimble.deps.build_dag`)
+        that the run broke: ``v`` started before ``u`` ended.  A schedule that enforces its DAG
+        gives none; a missing synchronization shows up here."""
+        return [(u, v) for u, v in edges if self.times[v][0] < self.times[u][1]]
+
     def to_chrome(self) -> dict:
         """A Chrome/Perfetto trace of the measured run (see :func:`nimble.inspect.to_chrome_trace`)."""
         from .inspect import to_chrome_trace
@@ -148,15 +155,32 @@ def executed_critical_path(schedule: Schedule, times: Sequence[tuple[float, floa
     return path
 
 
-def times_from_stamps(raw: bytes, span: range) -> list[tuple[float, float]]:
+def times_from_stamps(raw: bytes, span: range,
+                      edges: Sequence[tuple[int, int]] = ()) -> list[tuple[float, float]]:
     """``(start, end)`` µs per task of ``span`` from 16 stamp bytes per task (ns, start then
-    end), relative to the span's first start."""
+    end), relative to the span's earliest stamp.
+
+    A start stamp runs beside its task (after the same predecessors), so the GPU may run it
+    after the task has begun, even after it has ended.  A task cannot start before its last
+    predecessor (``edges``, task ids) ended, nor after it ended itself: its start is the start
+    stamp held between those two bounds (a root's lower bound is the span's earliest stamp).
+    """
     values = struct.unpack(f"<{2 * len(span)}Q", raw[:16 * len(span)])
-    if not values:
-        return []
-    first = min(values[0::2])
-    return [((values[2 * k] - first) / 1e3, (values[2 * k + 1] - first) / 1e3)
-            for k in range(len(span))]
+    if not any(values):
+        return [(0.0, 0.0)] * len(span)
+    first = min(v for v in values if v)
+    preds: dict[int, list[int]] = {}
+    for u, v in edges:
+        if u in span and v in span:
+            preds.setdefault(v - span.start, []).append(u - span.start)
+    ends = [(values[2 * k + 1] - first) / 1e3 for k in range(len(span))]
+    times = []
+    for k in range(len(span)):
+        ready = max((ends[u] for u in preds.get(k, ())), default=0.0)
+        # 0: no start stamp (record_timeline(start_stamps=False)): the ready time stands
+        stamp = (values[2 * k] - first) / 1e3 if values[2 * k] else ready
+        times.append((min(max(stamp, ready), ends[k]), ends[k]))
+    return times
 
 
 def format_timeline(summary: dict) -> str:
@@ -178,13 +202,16 @@ def format_timeline(summary: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5) -> Timeline:
+def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
+                    start_stamps: bool = True) -> Timeline:
     """Measure every task of ``prepared`` (a :class:`nimble.prepared.Prepared`) in a real run.
 
     ``inputs`` (the flat inputs of every phase, as :func:`nimble.prepared.run_all` takes them;
     random ones when None) are copied into the arena's slots; each phase's instrumented graph
     runs ``runs`` times after the plain graphs ran as often, and the last run's stamps are
-    kept.  Needs the GPU; the prepared graph keeps serving calls unchanged.
+    kept.  ``start_stamps=False`` stamps only the ends (and the roots' starts): half the extra
+    nodes, each start then being its ready time (its last predecessor's end).  Needs the GPU;
+    the prepared graph keeps serving calls unchanged.
     """
     import torch
 
@@ -198,6 +225,7 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5) -> 
     slots = [s for launcher in launchers for s in launcher.slots]
     inputs = list(inputs) if inputs is not None else [random_like(s.tensor) for s in slots]
     stamps = driver.DeviceMemory.allocate(16 * max(n, 1))
+    driver.copy_to_device(stamps.address, bytes(16 * max(n, 1)))  # 0: not stamped
     instrumented = []
     try:
         with launchers[0].lock:
@@ -206,7 +234,8 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5) -> 
                     graph, prepared.built_nodes(phase), prepared.bases, schedule.edges(),
                     device_launch=False, span=built.span,
                     stamps=stamps.address + 16 * built.span.start,
-                    stamp_module=ptx.load("timestamp.ptx"), nodes_relocated=True))
+                    stamp_module=ptx.load("timestamp.ptx"), start_stamps=start_stamps,
+                    nodes_relocated=True))
             # A gather node reads its source from the input cell, which still names the last
             # call's tensor: the plain runs must gather each slot onto itself instead.
             prepared.cells_to_own_slots()
@@ -237,8 +266,8 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5) -> 
     for built in prepared.builts:
         span = built.span
         chunk = raw[16 * span.start:16 * span.stop]
-        for t, pair in zip(span, times_from_stamps(chunk, span)):
+        for t, pair in zip(span, times_from_stamps(chunk, span, schedule.edges())):
             times[t] = pair
     return Timeline(graph, schedule, times, plain_us=plain[len(plain) // 2],
                     instrumented_us=timed[len(timed) // 2],
-                    meta={"runs": runs, "timer": "%globaltimer"})
+                    meta={"runs": runs, "timer": "%globaltimer", "start_stamps": start_stamps})

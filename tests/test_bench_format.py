@@ -30,7 +30,10 @@ def _info(model: str, multi_ms: float, dtype: str = "float32", quick: bool = Fal
     if not quick:
         info["arena_mb"]["nimble multi, host launch"] = 1.5
         info.update(host_us_per_call_host_launch=25.0, critical_path_us=400.0,
-                    serial_kernel_us=900.0, achieved_over_limit=1.25)
+                    serial_kernel_us=900.0, achieved_over_limit=1.25,
+                    trace={"concurrency": 1.76, "makespan_us": 336.0, "idle_us": {0: 3.0, 1: 40.0},
+                           "overhead": 0.207, "overhead_ends_only": 0.08,
+                           "concurrency_ends_only": 1.8})
     return info
 
 
@@ -39,6 +42,8 @@ def test_per_model_report_names_every_mode_and_the_launch_mode():
     for label in ("eager", "torch.cuda.graph", "nimble multi, host launch", "nimble single"):
         assert label in text
     assert "device-launchable" in text and "12.3 µs/call" in text and "1.25× the limit" in text
+    assert "achieved concurrency 1.76 (DAG width 2, 2 streams)" in text
+    assert "instrumentation +21% (+8% with end stamps only)" in text
 
 
 def test_summary_table_has_a_row_per_model_with_its_ratios():
@@ -46,8 +51,8 @@ def test_summary_table_has_a_row_per_model_with_its_ratios():
     rows = {line.split()[0]: line.split() for line in lines[2:4]}
     assert set(rows) == {"a", "b"}
     # x graph and x eager of the best mode, then arena, pool, limit, host µs
-    assert rows["a"][-6:] == ["2.00", "10.0", "1.5", "2.0", "0.400", "12.3"]
-    assert rows["b"][-6:-4] == ["4.00", "20.0"]
+    assert rows["a"][-7:] == ["2.00", "10.0", "1.5", "2.0", "0.400", "12.3", "1.76"]
+    assert rows["b"][-7:-5] == ["4.00", "20.0"]
 
 
 def test_summary_table_without_dtype_column_names_the_dtype_in_the_legend():
@@ -72,10 +77,10 @@ def test_summary_table_dtype_column_and_quick_rows():
     assert lines[0].split()[:3] == ["model", "dtype", "eager"]
     rows = [line.split() for line in lines[2:5]]
     assert [r[:2] for r in rows] == [["a", "float16"], ["a", "bfloat16"], ["b", "float16"]]
-    # x graph, x eager, arena, pool, limit (– without the per-task timing), host µs
-    assert rows[0][-6:] == ["2.00", "10.0", "1.5", "2.0", "–", "12.3"]
-    assert rows[1][-6:-4] == ["4.00", "20.0"]
-    assert rows[2][-2:] == ["0.400", "12.3"]
+    # x graph, x eager, arena, pool, limit (– without the per-task timing), host µs, concurrency
+    assert rows[0][-7:] == ["2.00", "10.0", "1.5", "2.0", "–", "12.3", "–"]
+    assert rows[1][-7:-5] == ["4.00", "20.0"]
+    assert rows[2][-3:] == ["0.400", "12.3", "1.76"]
     assert len({len(line) for line in lines[:5]}) == 1  # the columns line up
     # Several dtypes asked for but one left (the others failed): the column stays; by default
     # one dtype gets none.

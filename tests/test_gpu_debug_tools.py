@@ -32,6 +32,43 @@ def test_branchy_timeline_measures_every_task_and_shows_concurrency():
     assert len(slices) == n
 
 
+def test_a_removed_sync_edge_shows_in_the_trace_as_a_broken_dependency():
+    import dataclasses
+
+    import torch
+
+    import nimble
+    from nimble.deps import build_dag
+    from nimble.timeline import record_timeline
+
+    model, x = zoo_model("branchy")
+    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    state = nm._state()
+    dag_edges = build_dag(nm.graph).edges()
+    clean = nm.trace(x)
+    assert clean.overlapped(dag_edges) == []
+    # Remove the sync edge whose consumer waited longest on it alone: without it the consumer
+    # is free to start that much earlier, while its producer still runs.
+    times, s = clean.times, nm.schedule
+    preds: dict[int, list[int]] = {}
+    for u, v in s.edges():
+        preds.setdefault(v, []).append(u)
+
+    def slack(edge) -> float:
+        u, v = edge
+        others = [times[w][1] for w in preds[v] if w != u]
+        return times[u][1] - max(others, default=times[v][0] - 1e9)
+    victim = max(s.sync_edges, key=slack)
+    assert slack(victim) > 5.0, "branchy has a sync edge that alone holds its consumer back"
+    faulty = dataclasses.replace(s, sync_edges=[e for e in s.sync_edges if e != victim])
+    broken = record_timeline(dataclasses.replace(state, schedule=faulty), [x])
+    u, v = victim
+    assert (u, v) in broken.overlapped(faulty.edges() + [victim]), (
+        f"the consumer {v} started at {broken.times[v][0]:.1f} µs, its producer {u} ended at "
+        f"{broken.times[u][1]:.1f} µs")
+    torch.cuda.synchronize()
+
+
 def test_a_training_step_is_traced_phase_by_phase():
     import torch
 

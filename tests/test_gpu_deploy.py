@@ -264,3 +264,33 @@ def test_random_ops_draw_fresh_numbers_and_match_eager_for_one_generator_state()
         # the same masks as eager for the same generator state (the GEMMs may round apart)
         torch.testing.assert_close(got_multi, eager, rtol=1e-5, atol=1e-5)
     assert not torch.equal(multi(x), multi(x))  # each call draws fresh numbers
+
+
+def test_the_same_input_tensor_again_is_read_anew_and_cells_written_elsewhere_are_rewritten():
+    import torch
+
+    import nimble
+
+    model, x = zoo_model("branchy")
+    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    buf = torch.randn_like(x)
+
+    def reference(t):
+        return nm(t.clone()).clone()  # a new address: the cell is written
+    for _ in range(3):
+        want = reference(buf)
+        assert torch.equal(nm(buf).clone(), want)  # first or repeated: same tensor, same answer
+        buf.copy_(torch.randn_like(x))  # changed in place: no cell write, new contents read
+        got = nm(buf).clone()  # before the reference's launch overwrites the output
+        assert torch.equal(got, reference(buf))
+    # A debugging run points the cells at the slots; a C host may write them: calls rewrite.
+    nm.trace(torch.randn_like(x))
+    got = nm(buf).clone()
+    assert torch.equal(got, reference(buf))
+    [cell] = nm.input_cells
+    other = torch.randn_like(x)
+    nimble.driver.copy_to_device(cell, other.data_ptr().to_bytes(8, "little"))
+    torch.cuda.synchronize()
+    got = nm(buf).clone()
+    assert torch.equal(got, reference(buf))
+    assert not torch.equal(got, reference(other))

@@ -6,10 +6,11 @@ from hypothesis import strategies as st
 
 from nimble.deps import build_dag
 from nimble.resolve import (AllocEvent, DeviceRange, OpRecord, RawCapture, RawNode, TensorSpan,
-                            TensorSpec, _Intervals, build_taskgraph, unresolved_in_pool)
+                            TensorSpec, _Intervals, build_taskgraph, padded_int_word,
+                            unresolved_in_pool)
 from nimble.taskgraph import Access, BufferKind, Pointer, TaskKind
 
-POOL = 0x7F00_0000_0000  # the capture's private pool: [POOL, POOL + 1 MiB)
+POOL = 0x7F00_1230_0000  # the capture's private pool: [POOL, POOL + 1 MiB)
 W = 0x7E00_0000_0000  # a parameter, 4 KiB
 X = 0x7E00_0010_0000  # the graph input, 1 KiB
 EXT = 0x7D00_0000_0000  # memory allocated before capture, 4 KiB
@@ -29,13 +30,14 @@ def op(name, nodes, allocs, *spans) -> OpRecord:
                     spans=[TensorSpan(*s) for s in spans])
 
 
-def capture(ops, nodes, allocs=(), outputs=(), inputs=((X, 256),), externals=()) -> RawCapture:
+def capture(ops, nodes, allocs=(), outputs=(), inputs=((X, 256),), externals=(),
+            pool=(POOL, 1 << 20)) -> RawCapture:
     """A RawCapture with the standard statics and pool; allocs are ``(address, size)`` in order."""
     return RawCapture(
         ops=list(ops), nodes=list(nodes),
         allocs=[AllocEvent(i, a, s) for i, (a, s) in enumerate(allocs)],
         statics=list(STATICS), externals=list(externals),
-        pool=[DeviceRange(POOL, 1 << 20, "pool")],
+        pool=[DeviceRange(*pool, "pool")],
         inputs=[TensorSpec(a, [n // 4], [1], "float32") for a, n in inputs],
         outputs=[TensorSpec(a, [n // 4], [1], "float32") for a, n in outputs])
 
@@ -144,8 +146,22 @@ def test_unknown_pointer_is_unresolved_and_pool_ones_are_flagged():
     g = build_taskgraph(raw)
     assert g.unresolved_pointers() == [(0, Pointer(16, NOWHERE, -1, 0)),
                                        (0, Pointer(24, HOLE, -1, 0))]
-    assert unresolved_in_pool(g, raw) == [(0, Pointer(24, HOLE, -1, 0))]
+    assert unresolved_in_pool(g, raw) == ([(0, Pointer(24, HOLE, -1, 0))], 0)
     assert {a.buffer for a in g.tasks[0].accesses} == {ptr_buffer(g, 0, X), ptr_buffer(g, 0, A)}
+
+
+def test_small_int_beside_stale_padding_in_the_pool_is_not_a_pointer():
+    # googlenet's training step: an elementwise functor's ``int 5`` followed by 4 bytes of
+    # padding holding the top half of a stale stack pointer: the word falls inside the pool,
+    # where no allocation lives.  A word with a large low half still counts as a recorder bug.
+    seg, A = 0x7F53_FA00_0000, 0x7F53_FA00_0000 + 512
+    padded, stale = 0x7F54_0000_0005, 0x7F53_FB00_0000
+    ops = [op("relu", (0, 1), (0, 1), (X, 256, False), (A, 256, True))]
+    raw = capture(ops, [kernel(X, A, padded, stale)], [(A, 256)], outputs=[(A, 256)],
+                  pool=(seg, 0x620_0000))
+    g = build_taskgraph(raw)
+    assert padded_int_word(padded) and not padded_int_word(stale)
+    assert unresolved_in_pool(g, raw) == ([(0, Pointer(24, stale, -1, 0))], 1)
 
 
 # ---- 5. memcpy / memset ------------------------------------------------------------------------

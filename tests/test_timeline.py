@@ -91,6 +91,17 @@ def test_stamps_are_16_bytes_a_task_start_then_end():
     assert times_from_stamps(raw, span) == [(0.0, 4.0), (2.0, 3.0), (4.5, 7.0)]
 
 
+def test_a_start_stamp_that_ran_late_is_held_between_the_ready_time_and_the_end():
+    # 3 -> 4 -> 5 in span 3..5; 4's start stamp ran after 4 ended, 5's before 4 (its only
+    # predecessor) ended; 3 is a root whose start stamp came after its own end.
+    span = range(3, 6)
+    raw = struct.pack("<6Q", 6000, 5000, 9500, 9000, 8000, 12000)
+    assert times_from_stamps(raw, span, [(3, 4), (4, 5)]) == [
+        (0.0, 0.0), (4.0, 4.0), (4.0, 7.0)]
+    for start, end in times_from_stamps(raw, span, [(3, 4), (4, 5)]):
+        assert 0.0 <= start <= end
+
+
 def test_the_timestamp_kernel_takes_one_slot_and_reads_the_global_timer():
     text = ptx.source("timestamp.ptx").decode()
     entry = text[text.index(".entry " + ptx.TIMESTAMP):]
@@ -117,3 +128,12 @@ def test_a_saved_trace_is_summarised_offline_by_inspect(tmp_path, capsys):
     sim.write_text(json.dumps(to_chrome_trace(g, s, times)))
     assert cli.main(["inspect", str(sim)]) == 2
     assert "not a measured Nimble timeline" in capsys.readouterr().err
+
+
+def test_a_dependency_the_run_broke_is_reported():
+    g, s, times = _diamond()
+    ok = Timeline(g, s, times)
+    assert ok.overlapped([(0, 1), (0, 2), (1, 3), (2, 3)]) == []
+    # 3 started at 20 while 2 (which it depends on) ran until 25: a missing synchronization
+    raced = Timeline(g, s, [(0.0, 10.0), (10.0, 20.0), (15.0, 25.0), (20.0, 30.0)])
+    assert raced.overlapped([(0, 1), (0, 2), (1, 3), (2, 3)]) == [(2, 3)]
