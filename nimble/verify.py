@@ -161,5 +161,8 @@ def verify_against_reference(graph: TaskGraph, reference: Callable[[list], list]
                 f"last tasks writing it: {_last_writers(graph, buffer)}. A NaN means a read of "
                 "poisoned memory (a pointer relocation missed); a small difference means two "
                 "tasks ran unordered that must not (a missing dependency). Re-run prepare() "
-                "with use_multi_stream=False to tell the two apart.")
+                "with use_multi_stream=False to tell the two apart."
+                + (f" The recording left stale-looking words unrelocated; one may be a pointer "
+                   f"after all: {graph.meta['unresolved_report']}"
+                   if graph.meta.get("unresolved_report") else ""))
     return spread
