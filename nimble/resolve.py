@@ -289,7 +289,8 @@ class _Resolver:
 
 
     def just_past_live(self, address: int):
-        """``('alloc', index)`` of a live allocation ending exactly at ``address``.
+        """``('alloc', index)`` of a live allocation ending exactly at ``address`` (or
+        ``('buffer', id)`` of such an input or parameter).
 
         A kernel may be handed a tensor's one-past-the-end pointer (ATen's reductions carry
         one, seen on inception_v3's training step); it names that tensor, not the block after.
@@ -299,6 +300,9 @@ class _Resolver:
             a = self._allocs[hit]
             if a.address + a.size == address:
                 return ("alloc", hit)
+        hit = self._statics.find(address - 1)
+        if hit is not None and self.raw.statics[hit].end == address:
+            return ("buffer", self.static_buffer[hit])
         return None
 
 

@@ -272,6 +272,11 @@ def test_a_tensors_one_past_the_end_pointer_names_that_tensor():
     assert g.unresolved_pointers() == []
     past = next(p for p in g.tasks[1].pointers if p.value == A + 1024)
     assert (past.buffer, past.offset) == (ptr_buffer(g, 0, A), 1024)
+    # the same for an input (a static, outside the pool)
+    g = build_taskgraph(capture(ops, [kernel(X, A), kernel(A, B + 1024, X + 256), kernel(X, B)],
+                                [(A, 1024), (B + 1024, 256), (B, 256)]))
+    past = next(p for p in g.tasks[1].pointers if p.value == X + 256)
+    assert (past.buffer, past.offset) == (ptr_buffer(g, 0, X), 256)
 
 
 # ---- 8. one op reusing its own bytes -----------------------------------------------------------
