@@ -282,10 +282,10 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     device address of 16 bytes per task of the span, see :func:`stamp_slots`) each task gets two
     ``nimble_timestamp`` nodes from ``stamp_module``: one beside it, after the same predecessors
     (its start; with ``start_stamps=False`` only a root task gets one), and one after it (its
-    end).  Neither is anything's predecessor, so the schedule's own chains are not lengthened.  ``nodes_relocated`` says that ``recorded_nodes`` are those of a
-    graph Nimble built (see :func:`add_task_node`).  ``only`` keeps just those tasks of the span (a
-    set closed under predecessors, for step-through); the others get no node (``nodes`` holds None
-    for them).
+    end).  Neither is anything's predecessor, so the schedule's own chains are not lengthened.
+    ``nodes_relocated`` says that ``recorded_nodes`` are those of a graph Nimble built (see
+    :func:`add_task_node`).  ``only`` keeps just those tasks of the span (a set closed under
+    predecessors, for step-through); the others get no node (``nodes`` holds None for them).
     """
     n = len(graph.tasks)
     if len(recorded_nodes) != n:
@@ -311,7 +311,7 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
             nodes.append(add_task_node(owned.handle, task, recorded_nodes[tid], bases, deps,
                                        ctx, nodes_relocated))
             if stamps:
-                if start_stamps or not preds[tid] or all(u < first for u in preds[tid]):
+                if start_stamps or all(u < first for u in preds[tid]):  # or a root
                     _add_timestamp(owned.handle, stamp, slots[tid][0], deps)
                 _add_timestamp(owned.handle, stamp, slots[tid][1], [nodes[-1]])
         exec_, on_device, refusal = instantiate(owned, device_launch, upload_stream)

@@ -9,8 +9,8 @@ node copies the input in itself (``kernels/gather_input.ptx``) from the address 
 the call only writes the tensor's address there with one stream-ordered
 ``cuStreamWriteValue64`` (about 5 µs of host time on an H100, against 8-22 µs for a driver memcpy
 of an image), and only when it differs from the address the cell already holds (a serving loop
-that fills one input buffer writes nothing).  Otherwise a contiguous input goes in with one ``cuMemcpyDtoDAsync``, and any other
-layout is copied by torch, which knows strides.
+that fills one input buffer writes nothing).  Otherwise a contiguous input goes in with one
+``cuMemcpyDtoDAsync``, and any other layout is copied by torch, which knows strides.
 
 The graph's exec serializes its own launches, but the writes ahead of a launch do not: when a call
 comes on another stream than the previous one, the new stream first waits for everything queued on

@@ -287,7 +287,6 @@ class _Resolver:
                 return ("alloc", index)
         return None
 
-
     def just_past_live(self, address: int):
         """``('alloc', index)`` of a live allocation ending exactly at ``address`` (or
         ``('buffer', id)`` of such an input or parameter).
