@@ -63,7 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-streams", default="2,4,8", metavar="K,K,...",
                    help="stream caps to try besides unlimited (default 2,4,8; '' for none)")
     p.add_argument("--no-compile", action="store_true",
-                   help="skip torch.compile(mode='reduce-overhead') (it compiles for minutes)")
+                   help="skip torch.compile(mode='reduce-overhead') and the nimble+inductor rows "
+                        "(they compile for minutes)")
+    p.add_argument("--no-inductor", action="store_true",
+                   help="skip the nimble+inductor rows (Nimble on torch.compile(model)'s kernels)")
     p.add_argument("--dtype", dest="dtypes", type=parse_dtypes, default=["float32"],
                    metavar="D,D,...",
                    help=f"run every model in each of these dtypes ({', '.join(DTYPES)}; "
@@ -175,6 +178,31 @@ def bench_model(name: str, args, dtype: str = "float32") -> dict:
                 return compiled(x)
         fns["torch.compile"] = run_compiled
 
+    inductor: dict = {}
+    if not args.no_compile and not args.no_inductor:
+        _say(args, f"{name} ({dtype}): torch.compile(model) for nimble+inductor")
+        t0 = time.perf_counter()
+        default_compiled = torch.compile(model)
+        with torch.no_grad():
+            for _ in range(3):
+                default_compiled(x)
+        info["inductor_compile_seconds"] = time.perf_counter() - t0
+        _say(args, f"{name} ({dtype}): nimble+inductor prepare")
+        t0 = time.perf_counter()
+        inductor["nimble+inductor multi"] = nimble.Nimble(default_compiled).prepare(
+            x, keep_recording=True)
+        info["inductor_prepare_seconds"] = time.perf_counter() - t0
+        inductor["nimble+inductor single"] = nimble.Nimble(default_compiled).prepare(
+            x, use_multi_stream=False, recording=inductor["nimble+inductor multi"].recording)
+        ind = inductor["nimble+inductor multi"]
+        info["inductor"] = {"tasks": len(ind.graph.tasks), "streams": len(ind.schedule.streams),
+                            "sync_edges": len(ind.schedule.sync_edges),
+                            "width": ind.schedule.width,
+                            "triton_launches": ind.graph.meta.get("triton_launches", 0),
+                            "arena_mb": ind.memplan.arena_bytes / 2**20}
+        for label, nm in inductor.items():
+            fns[label] = (lambda nm=nm: nm(x))
+
     _say(args, f"{name} ({dtype}): nimble prepare (multi-stream, recording kept for the others)")
     t0 = time.perf_counter()
     multi = nimble.Nimble(model).prepare(x, keep_recording=True)
@@ -222,7 +250,7 @@ def bench_model(name: str, args, dtype: str = "float32") -> dict:
         r["x_graph"] = graph_ms / r["median_ms"]
         r["x_eager"] = eager_ms / r["median_ms"]
     nimble_rows = {k: v for k, v in rows.items()
-                   if k.startswith("nimble") and k not in ("nimble single", "nimble multi, host launch")}
+                   if k.startswith("nimble ") and k not in ("nimble single", "nimble multi, host launch")}
     best = min(nimble_rows, key=lambda k: nimble_rows[k]["median_ms"])
     s = multi.schedule
     info.update(
@@ -235,7 +263,11 @@ def bench_model(name: str, args, dtype: str = "float32") -> dict:
         info.update(
             critical_path_us=cp_us, serial_kernel_us=serial_us,
             achieved_over_limit=rows[best]["median_ms"] * 1e3 / cp_us if cp_us else None)
-    for nm in prepared.values():
+    if "torch.compile" in rows:
+        compile_ms = rows["torch.compile"]["median_ms"]
+        for r in rows.values():
+            r["x_compile"] = compile_ms / r["median_ms"]
+    for nm in [*prepared.values(), *inductor.values()]:
         nm.close()
     return info
 
@@ -257,10 +289,13 @@ def format_model(info: dict) -> str:
     out = [f"{info['model']} ({info.get('dtype', 'float32')}, batch {info['batch']}): "
            f"{info['tasks']} tasks, width {info['width']}, {info['streams']} streams, "
            f"{info['sync_edges']} syncs"]
-    out.append(f"  {'mode':<26}{'median ms':>10}{'spread ms':>18}{'x graph':>9}{'x eager':>9}")
+    with_compile = any("x_compile" in r for r in info["modes"].values())
+    out.append(f"  {'mode':<26}{'median ms':>10}{'spread ms':>18}{'x graph':>9}{'x eager':>9}"
+               + (f"{'x compile':>11}" if with_compile else ""))
     for label, r in info["modes"].items():
         out.append(f"  {label:<26}{r['median_ms']:>10.3f}{r['min_ms']:>9.3f}–{r['max_ms']:<8.3f}"
-                   f"{r['x_graph']:>9.2f}{r['x_eager']:>9.2f}")
+                   f"{r['x_graph']:>9.2f}{r['x_eager']:>9.2f}"
+                   + (f"{r['x_compile']:>11.2f}" if with_compile else ""))
     arena = info["arena_mb"]
     out.append("  arena MB: " + ", ".join(f"{k.removeprefix('nimble ')} {v:.1f}"
                                            for k, v in arena.items())
@@ -270,6 +305,13 @@ def format_model(info: dict) -> str:
     if "host_us_per_call_host_launch" in info:
         host += f"; {info['host_us_per_call_host_launch']:.1f} µs with a plain host-launch graph"
     out.append(host + ")")
+    if "inductor" in info:
+        ind = info["inductor"]
+        out.append(f"  nimble+inductor: {ind['tasks']} tasks ({ind['triton_launches']} Triton "
+                   f"launches), width {ind['width']}, {ind['streams']} streams, "
+                   f"{ind['sync_edges']} syncs, arena {ind['arena_mb']:.1f} MB; compile "
+                   f"{info['inductor_compile_seconds']:.1f} s, then prepare "
+                   f"{info['inductor_prepare_seconds']:.2f} s")
     if "trace" in info:
         t = info["trace"]
         idle = sorted(t["idle_us"].items(), key=lambda kv: -kv[1])[:3]
@@ -285,6 +327,15 @@ def format_model(info: dict) -> str:
     return "\n".join(out)
 
 
+def _x_compile(modes: dict) -> str:
+    """``torch.compile`` time over the fastest multi-stream Nimble row (eager or Inductor
+    kernels); "–" without a ``torch.compile`` row."""
+    if "torch.compile" not in modes:
+        return "–"
+    ours = [modes[k]["median_ms"] for k in ("nimble multi", "nimble+inductor multi") if k in modes]
+    return f"{modes['torch.compile']['median_ms'] / min(ours):.2f}" if ours else "–"
+
+
 def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
     """The final table, a row per result.  ``dtype_column``: show each row's dtype (default:
     where the results hold more than one); without the column the legend names the dtype."""
@@ -294,7 +345,8 @@ def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
     dcol = (lambda text: f"{text:<10}") if dtype_column else (lambda text: "")  # noqa: E731
     head = (f"{'model':<16}{dcol('dtype')}{'eager':>8}{'graph':>8}{'compile':>8}{'single':>8}"
             f"{'multi':>8}{'best':>8}{'best mode':>14}{'x graph':>8}{'x eager':>8}{'arena':>7}"
-            f"{'pool':>7}{'limit':>7}{'host µs':>8}{'conc':>6}")
+            f"{'pool':>7}{'limit':>7}{'host µs':>8}{'conc':>6}{'ind.1':>8}{'ind.N':>8}"
+            f"{'x comp':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         m = r["modes"]
@@ -308,13 +360,18 @@ def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
             f"{get('torch.compile'):>8}{get('nimble single'):>8}{get('nimble multi'):>8}"
             f"{m[b]['median_ms']:>8.3f}{b.removeprefix('nimble '):>14}{m[b]['x_graph']:>8.2f}"
             f"{m[b]['x_eager']:>8.1f}{r['arena_mb'][b]:>7.1f}{r['pool_mb']:>7.1f}"
-            f"{limit:>7}{r['host_us_per_call']:>8.1f}{conc:>6}")
+            f"{limit:>7}{r['host_us_per_call']:>8.1f}{conc:>6}"
+            f"{get('nimble+inductor single'):>8}{get('nimble+inductor multi'):>8}"
+            f"{_x_compile(m):>7}")
     in_dtype = "" if dtype_column else f" in {', '.join(dtypes)}"
     lines.append(f"times: median ms per call{in_dtype}; graph = torch.cuda.graph with the input "
                  "copied in on every call; best = fastest multi-stream Nimble variant; arena and "
                  "pool in MB; limit = critical path of isolated task times, ms (– with --quick); "
                  "host µs = one multi call on an idle GPU; conc = achieved concurrency of the "
-                 "multi-stream run (tasks in flight on average, measured by nm.trace())")
+                 "multi-stream run (tasks in flight on average, measured by nm.trace()); "
+                 "ind.1 / ind.N = Nimble on torch.compile(model)'s kernels, single / multi "
+                 "stream; x comp = torch.compile(mode='reduce-overhead') time over the faster "
+                 "of Nimble multi and nimble+inductor multi")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from . import driver
+from .compiled import is_compiled
 from .errors import CaptureError, RecordError
 from .resolve import AllocEvent, DeviceRange
 
@@ -194,7 +195,10 @@ def capture(phases: Sequence[Phase], module, name: str) -> Captured:
     try:
         alloc_base = count_allocs()
         value = None
-        with ModulePaths(module if isinstance(module, torch.nn.Module) else None) as paths:
+        # Module hooks never fire inside compiled code, and torch warns that they fire twice
+        # around a compiled module: a compiled module's tasks are named by their kernels.
+        with ModulePaths(module if isinstance(module, torch.nn.Module) else None,
+                         enabled=not is_compiled(module)) as paths:
             for phase in phases:
                 torch_graph = torch.cuda.CUDAGraph(keep_graph=True)
                 tracer = OpTracer(node_counter(sum(node_counts)), count_allocs, paths)

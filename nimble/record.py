@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 from . import driver
 from .decode import AddressOracle, decode_node
 from .capture import Captured, Phase, capture, check_no_host_sync, quiet_backward, warm_up
+from .compiled import check_compiled, module_name
 from .errors import CaptureError, InputError, NoGpuError, RecordError
 from .progress import say
 from .resolve import (RNG_OFFSET, RNG_SEED, DeviceRange, RawCapture, TensorSpec,
@@ -101,9 +102,11 @@ def _as_tensor_list(example_inputs) -> list:
 
 
 def check_module(module) -> None:
-    """Raise :class:`InputError` if a parameter or buffer of ``module`` is not on the GPU."""
+    """Raise :class:`InputError` if a parameter or buffer of ``module`` is not on the GPU, or if
+    it was compiled to run CUDA graphs of its own."""
     import torch
 
+    check_compiled(module)
     if not isinstance(module, torch.nn.Module):
         if callable(module):
             return
@@ -172,7 +175,7 @@ def record(module, example_inputs, *, warmup: int = 3, name: str | None = None,
         return module(*static_inputs)
 
     return record_callable(forward, static_inputs, module=module, warmup=warmup,
-                           name=name or type(module).__name__, quiet=quiet, strict=strict,
+                           name=name or module_name(module), quiet=quiet, strict=strict,
                            training=bool(getattr(module, "training", False)))
 
 
@@ -264,7 +267,7 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
     check_module(module)
     _require_gpu()
     driver.ensure_context()
-    name = name or type(module).__name__
+    name = name or module_name(module)
     static_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
     params = [p for p in module.parameters() if p.requires_grad] \
         if isinstance(module, torch.nn.Module) else []
@@ -355,6 +358,7 @@ def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list,
         pool=pool, inputs=[_tensor_spec(x) for x in static_inputs],
         outputs=[_tensor_spec(x) for x in outputs],
         meta={**meta, "allocations": len(captured.allocs),
+              "triton_launches": sum(1 for op in captured.ops if "::" not in op.name),
               "pool_bytes": sum(r.size for r in pool),
               "pool_segments": [[r.address, r.size] for r in pool]})
     for g in captured.torch_graphs:

@@ -6,9 +6,17 @@ caching allocator's allocation counter before and after), and the byte ranges it
 reads and writes: every tensor argument is read, arguments the schema marks mutable (``Tensor(a!)``)
 are written, fresh returns are written, and returns that alias an input without ``!`` (views) touch
 nothing.
+
+Kernels that Inductor generates (``torch.compile``) launch without an ATen op: the tracer also
+wraps the launch of Inductor's Triton kernels and records each launch as an op of its own, named by
+the kernel, with its tensor arguments read or written as Inductor's argument names say
+(``in_ptr*`` read, ``out_ptr*`` written, ``in_out_ptr*`` both, and any other tensor, or one listed
+as mutated, written).  The library kernels a compiled model calls (cuBLAS, cuDNN) still go through
+ATen and are traced as ops.
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -49,12 +57,15 @@ def op_name(func) -> str:
 class ModulePaths:
     """Tracks the qualified name of the module whose forward is running (global module hooks)."""
 
-    def __init__(self, root: torch.nn.Module | None) -> None:
+    def __init__(self, root: torch.nn.Module | None, enabled: bool = True) -> None:
         self._names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
         self._stack: list[str] = []
         self._handles: list = []
+        self._enabled = enabled
 
     def __enter__(self) -> "ModulePaths":
+        if not self._enabled:
+            return self
         hooks = torch.nn.modules.module
         self._handles = [hooks.register_module_forward_pre_hook(self._pre),
                          hooks.register_module_forward_hook(self._post)]
@@ -77,8 +88,41 @@ class ModulePaths:
         return self._stack[-1] if self._stack else ""
 
 
+#: Inductor's names for a Triton kernel's pointer arguments: prefix -> written.
+TRITON_ARG_ROLES = (("in_out_ptr", True), ("out_ptr", True), ("in_ptr", False))
+
+
+def triton_arg_writes(name: str, mutated: frozenset = frozenset()) -> bool:
+    """Whether a Triton kernel of Inductor's writes its tensor argument called ``name``.
+
+    Unknown names are taken as written: ordering stays safe, only concurrency is lost.
+    """
+    if name in mutated:
+        return True
+    for prefix, write in TRITON_ARG_ROLES:
+        if name.startswith(prefix):
+            return write
+    return True
+
+
+def triton_arg_names(kernel) -> list[str]:
+    """The argument names of one of Inductor's Triton kernels (its ``CachingAutotuner``), in
+    launch order; empty where they cannot be found."""
+    names = list(getattr(getattr(kernel, "fn", None), "arg_names", None) or [])
+    if not names:
+        names = list((getattr(kernel, "triton_meta", None) or {}).get("signature", {}).keys())
+    return names
+
+
+def _inductor_autotuner():
+    """Inductor's Triton launcher class, if Inductor is loaded (it is never imported here)."""
+    module = sys.modules.get("torch._inductor.runtime.triton_heuristics")
+    return getattr(module, "CachingAutotuner", None)
+
+
 class OpTracer(TorchDispatchMode):
-    """Records an :class:`OpRecord` per ATen op dispatched while active."""
+    """Records an :class:`OpRecord` per ATen op dispatched while active, and per Triton kernel
+    Inductor launches."""
 
     def __init__(self, node_count: Callable[[], int], alloc_count: Callable[[], int],
                  modules: ModulePaths) -> None:
@@ -87,9 +131,78 @@ class OpTracer(TorchDispatchMode):
         self._alloc_count = alloc_count
         self._modules = modules
         self.ops: list[OpRecord] = []
+        self._in_kernel = False
+        self._patched: tuple | None = None
+
+    def __enter__(self):
+        autotuner = _inductor_autotuner()
+        if autotuner is not None:
+            original = autotuner.run
+            tracer = self
+
+            def run(kernel, *args, **kwargs):
+                return tracer._launch(original, kernel, args, kwargs)
+            autotuner.run = run
+            self._patched = (autotuner, original)
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._unpatch()
+            raise
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let ``torch.compile``'d code run compiled under the tracer.
+
+        Dynamo runs a frame eagerly while a dispatch mode without this is active, and the
+        recording would then hold the eager kernels, not Inductor's.  The compiled code's own ATen
+        calls (the library kernels) still reach the tracer at run time.
+        """
+        return True
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._unpatch()
+
+    def _unpatch(self) -> None:
+        if self._patched is not None:
+            autotuner, original = self._patched
+            autotuner.run = original
+            self._patched = None
+
+    def _launch(self, original, kernel, args, kwargs):
+        """One Triton kernel launch from Inductor's code, recorded as an op of its own."""
+        if self._in_kernel:
+            return original(kernel, *args, **kwargs)
+        names = triton_arg_names(kernel)
+        mutated = frozenset(getattr(kernel, "mutated_arg_names", None) or ())
+        spans: list[TensorSpan] = []
+        for i, value in enumerate(args):
+            if isinstance(value, torch.Tensor):
+                name = names[i] if i < len(names) else ""
+                span = tensor_span(value, triton_arg_writes(name, mutated))
+                if span is not None:
+                    spans.append(span)
+        fn = getattr(kernel, "fn", None)
+        record = OpRecord(name=getattr(fn, "__name__", None) or "triton_kernel",
+                          module=self._modules.current, node_begin=self._node_count(),
+                          node_end=0, alloc_begin=self._alloc_count(), alloc_end=0, spans=spans)
+        # ATen ops inside the launch (a scratch allocation for the kernel) belong to it.
+        self._in_kernel = True
+        try:
+            out = original(kernel, *args, **kwargs)
+        finally:
+            self._in_kernel = False
+        record.node_end, record.alloc_end = self._node_count(), self._alloc_count()
+        self.ops.append(record)
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._in_kernel:
+            return func(*args, **kwargs)
         schema = func._schema
         spans: list[TensorSpan] = []
         for i, arg in enumerate(schema.arguments):

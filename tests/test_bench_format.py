@@ -50,14 +50,43 @@ def test_summary_table_has_a_row_per_model_with_its_ratios():
     lines = summary_table([_info("a", 0.5), _info("b", 0.25)]).splitlines()
     rows = {line.split()[0]: line.split() for line in lines[2:4]}
     assert set(rows) == {"a", "b"}
-    # x graph and x eager of the best mode, then arena, pool, limit, host µs
-    assert rows["a"][-7:] == ["2.00", "10.0", "1.5", "2.0", "0.400", "12.3", "1.76"]
-    assert rows["b"][-7:-5] == ["4.00", "20.0"]
+    # x graph and x eager of the best mode, then arena, pool, limit, host µs, concurrency, and
+    # no nimble+inductor or torch.compile rows
+    assert rows["a"][-10:] == ["2.00", "10.0", "1.5", "2.0", "0.400", "12.3", "1.76", "–", "–",
+                               "–"]
+    assert rows["b"][-10:-8] == ["4.00", "20.0"]
 
 
 def test_summary_table_without_dtype_column_names_the_dtype_in_the_legend():
     text = summary_table([_info("a", 0.5)])
     assert "dtype" not in text.splitlines()[0] and "median ms per call in float32" in text
+
+
+def _with_inductor(info: dict, compile_ms: float, single_ms: float, multi_ms: float) -> dict:
+    for label, ms in (("torch.compile", compile_ms), ("nimble+inductor single", single_ms),
+                      ("nimble+inductor multi", multi_ms)):
+        info["modes"][label] = {"median_ms": ms, "min_ms": ms, "max_ms": ms, "x_graph": 1.0 / ms,
+                                "x_eager": 5.0 / ms}
+    for r in info["modes"].values():
+        r["x_compile"] = compile_ms / r["median_ms"]
+    info.update(inductor={"tasks": 7, "triton_launches": 5, "width": 3, "streams": 3,
+                          "sync_edges": 2, "arena_mb": 0.5},
+                inductor_compile_seconds=12.5, inductor_prepare_seconds=0.75)
+    return info
+
+
+def test_inductor_rows_and_the_ratio_to_torch_compile():
+    """x comp is torch.compile over the faster of Nimble multi and nimble+inductor multi."""
+    info = _with_inductor(_info("a", 0.5), compile_ms=0.4, single_ms=0.3, multi_ms=0.2)
+    row = summary_table([info]).splitlines()[2].split()
+    assert row[-3:] == ["0.300", "0.200", "2.00"]
+    text = format_model(info)
+    assert "x compile" in text.splitlines()[1]
+    assert "nimble+inductor: 7 tasks (5 Triton launches), width 3, 3 streams, 2 syncs" in text
+    assert "compile 12.5 s, then prepare 0.75 s" in text
+    # Eager-kernel Nimble faster than the Inductor rows: the ratio takes it.
+    slow = _with_inductor(_info("b", 0.1), compile_ms=0.4, single_ms=0.5, multi_ms=0.45)
+    assert summary_table([slow]).splitlines()[2].split()[-1] == "4.00"
 
 
 # ---- --dtype and --quick --------------------------------------------------------------------
@@ -78,9 +107,9 @@ def test_summary_table_dtype_column_and_quick_rows():
     rows = [line.split() for line in lines[2:5]]
     assert [r[:2] for r in rows] == [["a", "float16"], ["a", "bfloat16"], ["b", "float16"]]
     # x graph, x eager, arena, pool, limit (– without the per-task timing), host µs, concurrency
-    assert rows[0][-7:] == ["2.00", "10.0", "1.5", "2.0", "–", "12.3", "–"]
-    assert rows[1][-7:-5] == ["4.00", "20.0"]
-    assert rows[2][-3:] == ["0.400", "12.3", "1.76"]
+    assert rows[0][-10:-3] == ["2.00", "10.0", "1.5", "2.0", "–", "12.3", "–"]
+    assert rows[1][-10:-8] == ["4.00", "20.0"]
+    assert rows[2][-6:-3] == ["0.400", "12.3", "1.76"]
     assert len({len(line) for line in lines[:5]}) == 1  # the columns line up
     # Several dtypes asked for but one left (the others failed): the column stays; by default
     # one dtype gets none.

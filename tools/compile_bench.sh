@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # torch.compile(mode="reduce-overhead") beside every other mode, one process per model so that a
 # model whose compile runs past its time limit does not lose the others' results.
-#   tools/compile_bench.sh OUT_DIR SECONDS_PER_MODEL MODEL...
+#   [BENCH_ARGS="--quick --dtype float32,float16"] tools/compile_bench.sh OUT_DIR SECONDS_PER_MODEL MODEL...
 # Writes OUT_DIR/compile.json (all results) and OUT_DIR/compile.log (every model's output).
+# Each run also has the nimble+inductor rows (Nimble on torch.compile(model)'s kernels).
 set -u
 out=$1; limit=$2; shift 2
 work=$(mktemp -d)
 for m in "$@"; do
-  timeout "$limit" python3 -m nimble.cli bench "$m" --json "$work/$m.json" \
+  # shellcheck disable=SC2086 # BENCH_ARGS is a list of words
+  timeout "$limit" python3 -m nimble.cli bench "$m" ${BENCH_ARGS:-} --json "$work/$m.json" \
     > "$work/$m.log" 2>&1 || echo "$m: bench exited $? (limit ${limit}s)"
   cat "$work/$m.log" >> "$out/compile.log"
 done

@@ -1,0 +1,84 @@
+"""Nimble on ``torch.compile``'d modules: Inductor's Triton kernels scheduled on many streams."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import zoo_model
+
+pytestmark = pytest.mark.gpu
+
+
+def _compiled(name: str, dtype: str = "float32", **options):
+    import torch
+
+    model, x = zoo_model(name)
+    dt = getattr(torch, dtype)
+    model, x = model.to(dt), x.to(dt)
+    compiled = torch.compile(model, **options)
+    with torch.no_grad():
+        compiled(x)  # compile before prepare (Nimble's warm-up would do it too)
+    return model, compiled, x
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_compiled_branchy_model_runs_its_triton_kernels_on_several_streams(dtype):
+    import torch
+
+    import nimble
+
+    model, compiled, x = _compiled("branchy", dtype)
+    nm = nimble.Nimble(compiled).prepare(x, relaunches=20, return_copies=True)
+    meta = nm.graph.meta
+    assert meta["triton_launches"] > 0, "no Triton kernel was traced"
+    triton_tasks = [t for t in nm.graph.tasks if t.op >= 0 and "::" not in nm.graph.ops[t.op].name]
+    assert triton_tasks and all(t.name.startswith("triton") for t in triton_tasks)
+    assert len(nm.schedule.streams) > 1, "the four branches of a stage found no concurrency"
+    fresh = torch.randn_like(x)
+    with torch.no_grad():
+        want = compiled(fresh)
+    torch.testing.assert_close(nm(fresh), want)
+    nm.close()
+
+
+def test_a_compile_mode_with_its_own_cuda_graphs_is_refused_and_the_process_stays_usable():
+    import torch
+
+    import nimble
+
+    model, x = zoo_model("branchy")
+    with pytest.raises(nimble.InputError, match="max-autotune-no-cudagraphs"):
+        nimble.Nimble(torch.compile(model, mode="reduce-overhead")).prepare(x)
+    nm = nimble.Nimble(model).prepare(x, relaunches=5)
+    nm(x)
+    nm.close()
+
+
+def test_graph_breaks_are_captured_with_the_eager_code_between_them():
+    import torch
+
+    import nimble
+
+    class Broken(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Conv2d(3, 16, 3, padding=1)
+            self.b = torch.nn.Conv2d(3, 16, 3, padding=1)
+            self.c = torch.nn.Conv2d(32, 8, 1)
+
+        def forward(self, x):
+            left = torch.relu(self.a(x))
+            torch._dynamo.graph_break()
+            right = torch.sigmoid(self.b(x))
+            return self.c(torch.cat([left, right], 1)).tanh()
+
+    model = Broken().cuda().eval()
+    x = torch.randn(2, 3, 32, 32, device="cuda")
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        compiled(x)
+    nm = nimble.Nimble(compiled).prepare(x, relaunches=10, return_copies=True)
+    assert nm.graph.meta["triton_launches"] > 0
+    fresh = torch.randn_like(x)
+    with torch.no_grad():
+        torch.testing.assert_close(nm(fresh), model(fresh), rtol=1e-4, atol=1e-4)
+    nm.close()
