@@ -1,13 +1,16 @@
 """Record models into TaskGraph fixtures for the CPU tests (run on the GPU machine).
 
     python3 tools/record_fixture.py [MODEL ...] [--out tests/fixtures] [--batch 1]
-                                    [--dtype float16] [--training]
+                                    [--dtype float16] [--training] [--compiled]
 
 Each model (default: the built-in ones and the zoo) is recorded at batch 1 in eval mode, every
 task is timed alone (``duration_us``), and the TaskGraph is written gzipped as
 ``OUT/<model>.json.gz`` (``OUT/<model>_<dtype>.json.gz`` for another dtype than float32).
 With ``--training`` a training step (forward and backward, two phases) is recorded instead, at
-CIFAR-10 shapes (3×32×32, 10 classes) for the zoo models, as ``OUT/<model>_train.json.gz``.  A one-line summary per model goes to stdout; a model that fails is
+CIFAR-10 shapes (3×32×32, 10 classes) for the zoo models, as ``OUT/<model>_train.json.gz``.
+With ``--compiled`` the model is ``torch.compile(model)`` (Inductor's Triton kernels, traced by
+their launches), as ``OUT/<model>_inductor.json.gz``.  A one-line summary per model goes to
+stdout; a model that fails is
 reported with its error and the others still run (exit status 1 if any failed).
 """
 from __future__ import annotations
@@ -26,7 +29,7 @@ DEFAULT_MODELS = ["branchy", "gemm_chains", "resnet50", "inception_v3", "googlen
 
 
 def record_model(name: str, batch: int, out: Path, time_tasks: bool = True,
-                 dtype: str = "float32", training: bool = False) -> dict:
+                 dtype: str = "float32", training: bool = False, compiled: bool = False) -> dict:
     import torch
 
     from nimble import models
@@ -39,6 +42,10 @@ def record_model(name: str, batch: int, out: Path, time_tasks: bool = True,
     model = model.cuda().to(getattr(torch, dtype))
     x = models.example_input(name, batch, side=32 if training and zoo else None)
     x = x.to(getattr(torch, dtype))
+    if compiled:
+        model = torch.compile(model)
+        with torch.no_grad():
+            model.eval()(x)  # compile before the recording's clock starts
     t0 = time.perf_counter()
     if training:
         rec = record_step(model.train(), x, name=name, strict=False)
@@ -54,11 +61,13 @@ def record_model(name: str, batch: int, out: Path, time_tasks: bool = True,
         print(g.meta["unresolved_report"], flush=True)
     stem = name if dtype == "float32" else f"{name}_{dtype}"
     stem += "_train" if training else ""
+    stem += "_inductor" if compiled else ""
     path = g.save(out / f"{stem}.json.gz")
     return {"model": stem, "tasks": len(g.tasks), "kernels": len(g.kernel_tasks()),
             "ops": len(g.ops), "buffers": len(g.buffers),
             "unattributed": sum(1 for t in g.kernel_tasks() if t.op < 0),
             "unresolved": len(g.unresolved_pointers()),
+            "triton_launches": g.meta.get("triton_launches", 0),
             "stale_pool_words": g.meta.get("stale_pool_words"),
             "scratch": sum(1 for b in g.buffers if b.kind == "scratch"),
             "external": sum(1 for b in g.buffers if b.kind == "external"),
@@ -76,13 +85,15 @@ def main(argv: list[str]) -> int:
                         help="record a training step (forward and backward)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                         help="the dtype of the weights and the input (default float32)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="record torch.compile(model) (Inductor's kernels)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for name in args.models:
         try:
             print(record_model(name, args.batch, args.out, not args.no_timing, args.dtype,
-                               args.training), flush=True)
+                               args.training, args.compiled), flush=True)
         except Exception:  # noqa: BLE001 - report and go on with the other models
             failed += 1
             print(f"{name}: FAILED", flush=True)
