@@ -82,3 +82,22 @@ def test_graph_breaks_are_captured_with_the_eager_code_between_them():
     with torch.no_grad():
         torch.testing.assert_close(nm(fresh), model(fresh), rtol=1e-4, atol=1e-4)
     nm.close()
+
+
+def test_dynamic_shapes_are_prepared_for_the_example_and_other_shapes_refused():
+    import torch
+
+    import nimble
+
+    model, x = zoo_model("branchy")
+    compiled = torch.compile(model, dynamic=True)
+    with torch.no_grad():
+        compiled(x)
+    nm = nimble.Nimble(compiled).prepare(x, relaunches=10, return_copies=True)
+    assert nm.graph.meta["triton_launches"] > 0
+    fresh = torch.randn_like(x)
+    with torch.no_grad():
+        torch.testing.assert_close(nm(fresh), compiled(fresh))
+    with pytest.raises(nimble.InputError, match="shape"):
+        nm(torch.randn(x.shape[0] + 1, *x.shape[1:], device="cuda"))
+    nm.close()
