@@ -1,12 +1,13 @@
 """Where the host time of a call goes: idle GPU against busy, whole call against bare driver calls.
 
-    python3 tools/host_time.py resnet50,nasnetalarge,mobilenet_v2
+    python3 tools/host_time.py resnet50,nasnetalarge,mobilenet_v2 [DTYPE] [--only-call]
 
 For each model: a Nimble graph (multi-stream) and a ``torch.cuda.graph`` of it; for each step
 (the whole ``nm(x)``, the launcher alone, a bare ``cuGraphLaunch`` of the same exec, the input-cell
 write plus the launch, torch's replay) the host µs of one call with the GPU idle before it (median,
 p10, p90 of 300) and of one call among 200 back-to-back ones, twice; then ``nm(x)`` idle with
-Python's garbage collector off.
+Python's garbage collector off.  ``DTYPE`` (float32, float16, bfloat16; default float32)
+converts model and input first; ``--only-call`` measures ``nm(x)`` idle only, three times.
 """
 import gc
 import sys
@@ -35,9 +36,16 @@ def busy(fn, n=200):
     torch.cuda.synchronize()
     return f"{dt*1e6:6.1f}"
 
-for name in sys.argv[1].split(","):
-    model = models.create(name).cuda(); x = models.example_input(name)
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+dtype = getattr(torch, args[1]) if len(args) > 1 else torch.float32
+for name in args[0].split(","):
+    model = models.create(name).cuda().to(dtype); x = models.example_input(name).to(dtype)
     nm = nimble.Nimble(model).prepare(x, relaunches=2)
+    if "--only-call" in sys.argv:
+        for rep in range(3):
+            print(f"{name} {dtype} r{rep} nm(x) idle {idle(lambda: nm(x))}", flush=True)
+        nm.close()
+        continue
     st = nm._prepared; L = st.launcher
     api = driver.CallPath(); stream = L.stream(); ex = st.built.exec.handle
     cell = L.slots[0].cell
