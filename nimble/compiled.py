@@ -10,9 +10,6 @@ import sys
 
 from .errors import InputError
 
-CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
 def compiler_config(module) -> dict | None:
     """The Inductor options ``torch.compile`` was given for ``module``; None if not compiled."""
     getter = getattr(module, "get_compiler_config", None)

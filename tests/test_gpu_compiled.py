@@ -8,16 +8,39 @@ from conftest import zoo_model
 pytestmark = pytest.mark.gpu
 
 
+def _compile(model, x, **options):
+    """``torch.compile(model, **options)``, compiled by one call on ``x`` before prepare
+    (Nimble's warm-up would do it too)."""
+    import torch
+
+    compiled = torch.compile(model, **options)
+    with torch.no_grad():
+        compiled(x)
+    return compiled
+
+
 def _compiled(name: str, dtype: str = "float32", **options):
     import torch
 
     model, x = zoo_model(name)
     dt = getattr(torch, dtype)
     model, x = model.to(dt), x.to(dt)
-    compiled = torch.compile(model, **options)
+    return model, _compile(model, x, **options), x
+
+
+def _prepared_like(compiled, x, reference, **tolerance):
+    """Nimble on ``compiled``, proven in prepare, with Triton kernels traced, and a call on a
+    fresh input checked against ``reference``."""
+    import torch
+
+    import nimble
+
+    nm = nimble.Nimble(compiled).prepare(x, relaunches=10, return_copies=True)
+    assert nm.graph.meta["triton_launches"] > 0
+    fresh = torch.randn_like(x)
     with torch.no_grad():
-        compiled(x)  # compile before prepare (Nimble's warm-up would do it too)
-    return model, compiled, x
+        torch.testing.assert_close(nm(fresh), reference(fresh), **tolerance)
+    return nm
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -56,8 +79,6 @@ def test_a_compile_mode_with_its_own_cuda_graphs_is_refused_and_the_process_stay
 def test_graph_breaks_are_captured_with_the_eager_code_between_them():
     import torch
 
-    import nimble
-
     class Broken(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -73,15 +94,7 @@ def test_graph_breaks_are_captured_with_the_eager_code_between_them():
 
     model = Broken().cuda().eval()
     x = torch.randn(2, 3, 32, 32, device="cuda")
-    compiled = torch.compile(model)
-    with torch.no_grad():
-        compiled(x)
-    nm = nimble.Nimble(compiled).prepare(x, relaunches=10, return_copies=True)
-    assert nm.graph.meta["triton_launches"] > 0
-    fresh = torch.randn_like(x)
-    with torch.no_grad():
-        torch.testing.assert_close(nm(fresh), model(fresh), rtol=1e-4, atol=1e-4)
-    nm.close()
+    _prepared_like(_compile(model, x), x, model, rtol=1e-4, atol=1e-4).close()
 
 
 def test_dynamic_shapes_are_prepared_for_the_example_and_other_shapes_refused():
@@ -89,15 +102,8 @@ def test_dynamic_shapes_are_prepared_for_the_example_and_other_shapes_refused():
 
     import nimble
 
-    model, x = zoo_model("branchy")
-    compiled = torch.compile(model, dynamic=True)
-    with torch.no_grad():
-        compiled(x)
-    nm = nimble.Nimble(compiled).prepare(x, relaunches=10, return_copies=True)
-    assert nm.graph.meta["triton_launches"] > 0
-    fresh = torch.randn_like(x)
-    with torch.no_grad():
-        torch.testing.assert_close(nm(fresh), compiled(fresh))
+    _, compiled, x = _compiled("branchy", dynamic=True)
+    nm = _prepared_like(compiled, x, compiled)
     with pytest.raises(nimble.InputError, match="shape"):
         nm(torch.randn(x.shape[0] + 1, *x.shape[1:], device="cuda"))
     nm.close()
