@@ -170,6 +170,34 @@ def clear_blas_workspaces() -> None:
         clear()
 
 
+_FREE_ACTIONS = ("free_requested", "free", "free_completed")
+
+
+def alloc_events_from_trace(trace: Sequence[dict], alloc_base: int) -> list[AllocEvent]:
+    """The allocations of an allocator history (``_snapshot()["device_traces"][device]``), in
+    order, numbered from ``alloc_base``, each with the allocation count at its free.
+
+    The caching allocator hands out blocks rounded up to 512 bytes, and libraries use the
+    slack (cuDNN points a kernel at a 0-byte region just past its requested workspace size),
+    so each size is rounded up as well.  A free is taken at its request, the point after which
+    no newly captured kernel may use the block (its completion may wait on stream events).
+    """
+    events: list[AllocEvent] = []
+    live: dict[int, AllocEvent] = {}
+    for entry in trace:
+        action = entry.get("action")
+        if action == "alloc":
+            event = AllocEvent(alloc_base + len(events), int(entry["addr"]),
+                               -(-int(entry["size"]) // 512) * 512)
+            events.append(event)
+            live[event.address] = event
+        elif action in _FREE_ACTIONS:
+            event = live.pop(int(entry["addr"]), None)
+            if event is not None:
+                event.freed_at = alloc_base + len(events)
+    return events
+
+
 def capture(phases: Sequence[Phase], module, name: str) -> Captured:
     """Capture each phase into its own graph (one shared pool), tracing ops and allocations."""
     import torch
@@ -226,14 +254,11 @@ def capture(phases: Sequence[Phase], module, name: str) -> Captured:
         clear_blas_workspaces()
 
     trace = snap.get("device_traces", [[]])[device] if snap.get("device_traces") else []
-    allocs = [e for e in trace if e.get("action") == "alloc"]
-    if len(allocs) != alloc_total:
+    alloc_events = alloc_events_from_trace(trace, alloc_base)
+    if len(alloc_events) != alloc_total:
         raise RecordError(
-            f"the allocator history holds {len(allocs)} allocations but its counter moved by "
-            f"{alloc_total}; cannot tell allocations apart (was memory history already enabled?)")
-    # The caching allocator hands out blocks rounded up to 512 bytes, and libraries use the
-    # slack: cuDNN points a kernel at a 0-byte region just past its requested workspace size.
-    alloc_events = [AllocEvent(alloc_base + i, int(e["addr"]), -(-int(e["size"]) // 512) * 512)
-                    for i, e in enumerate(allocs)]
+            f"the allocator history holds {len(alloc_events)} allocations but its counter moved "
+            f"by {alloc_total}; cannot tell allocations apart (was memory history already "
+            "enabled?)")
     _, pool = snapshot_blocks(snap, graphs[0].pool())
     return Captured(graphs, results, node_counts, ops, alloc_events, pool, externals, device)

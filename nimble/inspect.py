@@ -361,6 +361,9 @@ def format_summary(summary: dict, schedule: dict | None = None,
             out.append(f"  {kind:<13}{count:>7}  {_mib(s['bytes_by_kind'][kind]):>14}")
     out.append(f"inputs: {s['inputs']}; outputs: {s['outputs']}")
     out.append(f"unresolved pointers: {s['unresolved_pointers']}")
+    if s["meta"].get("words_not_pointers"):
+        out.append(f"address-like words taken for integers, not pointers: "
+                   f"{s['meta']['words_not_pointers']} (meta['not_pointer_words'])")
     for e in s.get("unresolved_examples", []):
         out.append(f"  task {e['task']} at {e['location']}: {e['value']}")
     if schedule is not None:

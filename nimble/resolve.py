@@ -17,12 +17,25 @@ two buffers.  An allocation some tensor lives in is an intermediate (or an outpu
 tensor names but kernels point into is **scratch**, and every op using it gets its own scratch
 buffer, because a library workspace carries nothing from one call to the next.
 
-Allocations one op makes *inside its own window* that overlap in address (a fused op such as
-``aten::_transformer_encoder_layer_fwd`` frees an internal temporary and allocates the next one, or
-its output, in the same bytes) form one **region**: a pointer into those bytes cannot say which of
-them a kernel meant, so they become one buffer spanning all of them, and the op's own tasks get
-read-write access to all of it.  Resolving such a pointer to the latest allocation alone once let a
-kernel write a 1 MiB temporary into a 256 KiB buffer's arena slot.
+Not every word that looks like an address is one.  A 32-bit integer or float followed by 4 bytes
+of padding that hold the top half of an old address reads as an address near other addresses:
+cuDNN's layout transforms carry a channel count that way (``0x7f8e_00000004`` for 4 channels), and
+ATen's dropout backward its scale (``0x7fea_3fa00000``: 1.25f); ATen's elementwise kernels also
+keep stale entries past the used part of their pointer arrays.  Resolving such a word makes
+relocation rewrite the integer, and adds false dependencies.  So a kernel word of op *k* is taken
+for a pointer only where a kernel of op *k* could use the memory:
+
+* not in an allocation freed before op *k* began (no kernel may touch freed memory);
+* not in a tensor (of the capture, or a graph input) that op *k* neither names among its
+  arguments and results nor allocated itself;
+* not inside an element (``0x7f76_00000005`` in a float tensor the op names is the int 5);
+* not in another op's workspace less than 2 MiB above a 4 GiB boundary at an offset no block
+  starts from (512-aligned): there a padded integer is likelier than a pointer.
+
+Such words are not listed among the task's pointers and keep their recorded value; the graph lists
+them as ``meta["not_pointer_words"]`` (``[task, byte offset, value]``, their count as
+``meta["words_not_pointers"]``).  A real pointer taken for one would keep pointing into the
+recorded pool, which the proof in ``prepare()`` poisons, so the mistake cannot pass unseen.
 """
 from __future__ import annotations
 
@@ -39,6 +52,7 @@ class TensorSpan:
     start: int
     size: int
     write: bool
+    element: int = 1  # the tensor's element size: a kernel points at whole elements
 
 
 @dataclass(slots=True)
@@ -56,11 +70,16 @@ class OpRecord:
 
 @dataclass(slots=True)
 class AllocEvent:
-    """One allocation during capture; ``ordinal`` is the allocator's allocation counter."""
+    """One allocation during capture; ``ordinal`` is the allocator's allocation counter.
+
+    ``freed_at`` is the allocation counter when the block was freed during capture (how many
+    allocations had been made by then), or None if it was still allocated at the end.
+    """
 
     ordinal: int
     address: int
     size: int
+    freed_at: int | None = None
 
 
 @dataclass(slots=True)
@@ -120,6 +139,15 @@ class RawCapture:
 
 # How far past the end of an op's own allocation a pointer may lie and still belong to it.
 _PAST_END_SLACK = 256
+# A 32-bit integer followed by 4 bytes of padding that hold the top half of an old address
+# reads as an address at most this far above a 4 GiB boundary.
+_PADDED_INT_LIMIT = 1 << 21
+_BLOCK_ALIGNMENT = 512  # the caching allocator's block alignment
+
+
+def padded_int_like(value: int) -> bool:
+    """Whether ``value`` could be a small 32-bit integer under a padding word's stale top half."""
+    return (value & 0xFFFF_FFFF) < _PADDED_INT_LIMIT
 
 
 class _Intervals:
@@ -183,7 +211,9 @@ class _Resolver:
         self.stats = {"allocations_reused_in_op": sum(
                           1 for i, rep in enumerate(self.region)
                           if rep != i or self.members(i) > 1),
-                      "unlisted_pointer_accesses": 0, "op_accesses_without_pointer": 0}
+                      "unlisted_pointer_accesses": 0, "op_accesses_without_pointer": 0,
+                      "words_not_pointers": 0}
+        self.not_pointer_words: list[list[int]] = []  # [task, location, value]
 
     def _alloc_ops(self) -> list[int]:
         begins = [op.alloc_begin for op in self.raw.ops]
@@ -245,6 +275,27 @@ class _Resolver:
             a = self._allocs[self._alloc_pos]
             self.live.insert(a.address, a.address + max(a.size, 1), self._alloc_pos)
             self._alloc_pos += 1
+
+    def not_a_pointer(self, value: int, where: tuple[str, int], k: int, named: set[int]) -> bool:
+        """Whether a kernel word of op ``k`` that falls at ``where`` (as :meth:`locate` says) is
+        better taken for a padded integer or a stale entry (see the module docstring)."""
+        if k < 0:
+            return False
+        covering = [s for s in self.raw.ops[k].spans if s.start <= value < s.start + s.size]
+        if covering and all((value - s.start) % s.element for s in covering):
+            return True  # inside an element of every tensor of the op it falls in
+        kind, ref = where
+        if kind == "buffer":
+            return self.buffers[ref].kind == BufferKind.INPUT and ref not in named
+        rep = self.region[ref]
+        if self.alloc_op[rep] == k:
+            return False  # the op's own allocation
+        freed = self._allocs[ref].freed_at
+        if freed is not None and freed < self.raw.ops[k].alloc_begin:
+            return True
+        if rep in self.tensor_buffer:
+            return self.tensor_buffer[rep] not in named
+        return padded_int_like(value) and (value - self._allocs[ref].address) % _BLOCK_ALIGNMENT != 0
 
     def locate(self, address: int):
         """``('alloc', index)``, ``('buffer', id)`` or None for an address at the current time."""
@@ -379,6 +430,7 @@ def build_taskgraph(raw: RawCapture) -> TaskGraph:
     graph.outputs = [tensor_ref(s, BufferKind.OUTPUT) for s in raw.outputs]
     graph.buffers = r.buffers
     graph.meta.update(r.stats)
+    graph.meta["not_pointer_words"] = r.not_pointer_words
     graph.meta["unattributed_tasks"] = len(tasks_of_op.get(-1, []))
     graph.validate()
     return graph
@@ -391,11 +443,14 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
     raw_nodes = r.raw.nodes
     # value -> ("region", first allocation) | ("buffer", id) | None
     located: dict[int, tuple[str, int] | None] = {}
+    not_pointers: set[int] = set()
     scratch_regions: set[int] = set()
     own_reused: set[int] = set()  # tensor buffers whose bytes this op itself allocated twice
+    named = {a.buffer for a in graph.ops[k].accesses} if k >= 0 else set()
     for t in task_ids:
         node = raw_nodes[t]
-        values = [v for _, v in node.pointers] + [s for _, s, _, _ in node.ranges]
+        copy_ends = {s for _, s, _, _ in node.ranges}  # memcpy/memset addresses are addresses
+        values = [v for _, v in node.pointers] + list(copy_ends)
         for v in values:
             if v in located:
                 continue
@@ -404,6 +459,9 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
                 where = r.just_past_own_allocation(k, v)
             if where is None:
                 where = r.just_past_live(v)
+            if where is not None and v not in copy_ends and r.not_a_pointer(v, where, k, named):
+                not_pointers.add(v)
+                where = None
             if where is not None and where[0] == "alloc":
                 rep = r.region[where[1]]
                 where = ("region", rep)
@@ -447,6 +505,10 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
         node, task = raw_nodes[t], graph.tasks[t]
         accesses: list[Access] = []
         for location, value in node.pointers:
+            if value in not_pointers:
+                r.stats["words_not_pointers"] += 1
+                r.not_pointer_words.append([t, location, value])
+                continue
             bid = target(value)
             if bid < 0:
                 task.pointers.append(Pointer(location, value, -1, 0))

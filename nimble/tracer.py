@@ -40,7 +40,7 @@ def tensor_span(t: torch.Tensor, write: bool) -> TensorSpan | None:
             lo += step
         else:
             hi += step
-    return TensorSpan(t.data_ptr() + lo * el, (hi - lo + 1) * el, write)
+    return TensorSpan(t.data_ptr() + lo * el, (hi - lo + 1) * el, write, el)
 
 
 def tensors_of(value) -> list[torch.Tensor]:

@@ -31,10 +31,11 @@ def op(name, nodes, allocs, *spans) -> OpRecord:
 
 def capture(ops, nodes, allocs=(), outputs=(), inputs=((X, 256),), externals=(),
             pool=(POOL, 1 << 20)) -> RawCapture:
-    """A RawCapture with the standard statics and pool; allocs are ``(address, size)`` in order."""
+    """A RawCapture with the standard statics and pool; allocs are ``(address, size)`` in order,
+    or ``(address, size, freed_at)``."""
     return RawCapture(
         ops=list(ops), nodes=list(nodes),
-        allocs=[AllocEvent(i, a, s) for i, (a, s) in enumerate(allocs)],
+        allocs=[AllocEvent(i, *a) for i, a in enumerate(allocs)],
         statics=list(STATICS), externals=list(externals),
         pool=[DeviceRange(*pool, "pool")],
         inputs=[TensorSpec(a, [n // 4], [1], "float32") for a, n in inputs],
@@ -164,6 +165,138 @@ def test_stale_words_in_the_pool_where_nothing_lives_are_named_and_left_alone():
     assert {a.buffer for a in g.tasks[0].accesses} == {ptr_buffer(g, 0, X), ptr_buffer(g, 0, A)}
 
 
+def freed_workspace_then(freed_at: int):
+    """op 0 allocates a tensor A and a workspace WS (freed when ``freed_at`` allocations had
+    been made); op 1 writes B; op 2 (allocation window from 3) writes C and carries a word inside
+    WS's old bytes: cuDNN's ``int 4`` channel count with the top half of an old address as
+    padding."""
+    A, WS, B, C = POOL, POOL + 0x1000, POOL + 0x2_0000, POOL + 0x3_0000
+    word = WS + 4
+    ops = [op("conv", (0, 1), (0, 2), (X, 256, False), (A, 256, True)),
+           op("relu", (1, 2), (2, 3), (A, 256, False), (B, 256, True)),
+           op("transform", (2, 3), (3, 4), (B, 256, False), (C, 256, True))]
+    nodes = [kernel(X, A, WS), kernel(A, B), kernel(B, C, word)]
+    raw = capture(ops, nodes, [(A, 256), (WS, 0x1_0000, freed_at), (B, 256), (C, 256)],
+                  outputs=[(C, 256)])
+    return raw, word
+
+
+def test_a_word_in_an_allocation_freed_before_the_op_is_no_pointer():
+    raw, word = freed_workspace_then(freed_at=2)  # freed before op 1 allocated anything
+    g = build_taskgraph(raw)
+    assert unresolved_in_pool(g, raw) == []
+    assert g.meta["not_pointer_words"] == [[2, 16, word]]
+    assert g.meta["words_not_pointers"] == 1
+    assert [p.location for p in g.tasks[2].pointers] == [0, 8]  # B and C; the word left out
+    assert all(g.buffers[a.buffer].kind != BufferKind.SCRATCH for a in g.tasks[2].accesses)
+    assert build_dag(g).edges() == [(0, 1), (1, 2)]  # through A and B only
+    # op 0 itself used the workspace while it was allocated
+    assert g.buffers[ptr_buffer(g, 0, raw.allocs[1].address)].kind == BufferKind.SCRATCH
+
+
+def test_a_word_in_an_allocation_freed_when_the_op_may_have_begun_still_resolves():
+    # freed at count 3: after op 1's allocation, perhaps inside op 2 before it allocated
+    raw, word = freed_workspace_then(freed_at=3)
+    g = build_taskgraph(raw)
+    assert g.unresolved_pointers() == []
+    assert g.meta["words_not_pointers"] == 0
+    assert g.buffers[ptr_buffer(g, 2, word)].kind == BufferKind.SCRATCH
+
+
+BOUNDARY = 0x7F8E_0000_0000  # a 4 GiB boundary inside the pool below
+LOW_POOL = (BOUNDARY - 0x10_0000, 0x40_0000)
+
+
+def word_above_a_4gib_boundary(*, named: bool, workspace: bool, word: int):
+    """op 0 allocates T at BOUNDARY - 1 MiB, 2 MiB long (a tensor, or with ``workspace`` a
+    workspace no tensor names); op 1 reads X (and T where ``named``), writes B and carries
+    ``word``, which falls inside T."""
+    T, B = BOUNDARY - 0x10_0000, BOUNDARY + 0x20_0000
+    first = op("conv", (0, 1), (0, 1), (X, 256, False)) if workspace else \
+        op("conv", (0, 1), (0, 1), (X, 256, False), (T, 0x20_0000, True))
+    spans = [(X, 256, False), (B, 256, True)] + ([(T, 0x20_0000, False)] if named else [])
+    ops = [first, op("add", (1, 2), (1, 2), *spans)]
+    nodes = [kernel(X, T), kernel(X, B, word)]
+    return capture(ops, nodes, [(T, 0x20_0000), (B, 256)], outputs=[(B, 256)], pool=LOW_POOL)
+
+
+def test_a_word_in_a_tensor_the_op_does_not_name_is_no_pointer():
+    # dropout backward's ``float scale`` (1.25f = 0x3fa00000) under a padding word's stale top
+    # half, landing inside a live activation; and a stale entry naming the graph input
+    A, B = POOL, POOL + 0x1000
+    word = A + 0x80
+    ops = [op("relu", (0, 1), (0, 1), (X, 256, False), (A, 256, True)),
+           op("scale", (1, 2), (1, 2), (W, 256, False), (B, 256, True))]
+    raw = capture(ops, [kernel(X, A), kernel(W, B, word, X)], [(A, 256), (B, 256)],
+                  outputs=[(A, 256), (B, 256)])
+    g = build_taskgraph(raw)
+    assert g.unresolved_pointers() == []
+    assert g.meta["not_pointer_words"] == [[1, 16, word], [1, 24, X]]
+    assert g.meta["words_not_pointers"] == 2
+    assert build_dag(g).edges() == []  # the two ops share nothing
+
+
+def test_a_padded_integer_over_a_tensor_the_op_does_not_name_is_no_pointer():
+    word = BOUNDARY + 0x40  # int 64 under the top half of an address
+    raw = word_above_a_4gib_boundary(named=False, workspace=False, word=word)
+    g = build_taskgraph(raw)
+    assert g.meta["not_pointer_words"] == [[1, 16, word]]
+    assert g.meta["words_not_pointers"] == 1
+
+
+def test_a_low_word_into_a_tensor_the_op_names_is_a_pointer():
+    word = BOUNDARY + 0x40
+    g = build_taskgraph(word_above_a_4gib_boundary(named=True, workspace=False, word=word))
+    assert g.unresolved_pointers() == []
+    assert g.meta["words_not_pointers"] == 0
+    assert g.tasks[1].pointers[2].offset == 0x10_0040
+
+
+def test_a_word_inside_an_element_of_the_ops_tensors_is_no_pointer():
+    """threshold_backward's functor: the int 5 under a padding word's stale top half lands 5 bytes
+    into a float tensor the op reads (seen on googlenet's training step)."""
+    T, B = BOUNDARY - 0x10_0000, BOUNDARY + 0x20_0000
+    ops = [op("conv", (0, 1), (0, 1), (X, 256, False), (T, 0x20_0000, True, 4)),
+           op("threshold_backward", (1, 2), (1, 2), (T, 0x20_0000, False, 4),
+              (B, 256, True, 4))]
+    for word, pointer in ((BOUNDARY + 5, False), (BOUNDARY + 8, True)):
+        nodes = [kernel(X, T), kernel(T, B, word)]
+        g = build_taskgraph(capture(ops, nodes, [(T, 0x20_0000), (B, 256)], outputs=[(B, 256)],
+                                    pool=LOW_POOL))
+        assert (g.meta["not_pointer_words"] == []) is pointer, hex(word)
+    # a byte tensor may be pointed into anywhere
+    ops[1].spans[0].element = 1
+    g = build_taskgraph(capture(ops, [kernel(X, T), kernel(T, B, BOUNDARY + 5)],
+                                [(T, 0x20_0000), (B, 256)], outputs=[(B, 256)], pool=LOW_POOL))
+    assert g.meta["not_pointer_words"] == []
+
+
+def test_a_block_aligned_word_into_another_ops_workspace_is_a_pointer():
+    # a library workspace that an earlier op allocated and every later call shares
+    word = BOUNDARY  # 1 MiB into the workspace: a multiple of the allocator's 512 bytes
+    g = build_taskgraph(word_above_a_4gib_boundary(named=False, workspace=True, word=word))
+    assert g.unresolved_pointers() == []
+    assert g.buffers[g.tasks[1].pointers[2].buffer].kind == BufferKind.SCRATCH
+
+
+def test_an_unaligned_low_word_into_another_ops_workspace_is_no_pointer():
+    word = BOUNDARY + 4
+    g = build_taskgraph(word_above_a_4gib_boundary(named=False, workspace=True, word=word))
+    assert g.meta["not_pointer_words"] == [[1, 16, word]]
+    assert g.meta["words_not_pointers"] == 1
+
+
+def test_a_memset_at_a_low_address_is_an_address():
+    T = BOUNDARY - 0x10_0000
+    ops = [op("zero", (0, 1), (0, 1), (T, 0x20_0000, True)),
+           op("fill", (1, 2), (1, 1))]
+    nodes = [kernel(T), RawNode(TaskKind.MEMSET, ranges=[("dst", BOUNDARY + 4, 16, True)])]
+    g = build_taskgraph(capture(ops, nodes, [(T, 0x20_0000)], outputs=[(T, 0x20_0000)],
+                                pool=LOW_POOL))
+    assert g.unresolved_pointers() == []
+    assert g.meta["words_not_pointers"] == 0
+
+
 # ---- 5. memcpy / memset ------------------------------------------------------------------------
 
 def test_memcpy_and_memset_ranges_are_exact():
@@ -272,8 +405,9 @@ def test_a_tensors_one_past_the_end_pointer_names_that_tensor():
     assert g.unresolved_pointers() == []
     past = next(p for p in g.tasks[1].pointers if p.value == A + 1024)
     assert (past.buffer, past.offset) == (ptr_buffer(g, 0, A), 1024)
-    # the same for an input (a static, outside the pool)
-    g = build_taskgraph(capture(ops, [kernel(X, A), kernel(A, B + 1024, X + 256), kernel(X, B)],
+    # the same for an input (a static, outside the pool) the op reads
+    ops[1] = op("mean", (1, 2), (1, 2), (X, 256, False), (B + 1024, 256, True))
+    g = build_taskgraph(capture(ops, [kernel(X, A), kernel(X, B + 1024, X + 256), kernel(X, B)],
                                 [(A, 1024), (B + 1024, 256), (B, 256)]))
     past = next(p for p in g.tasks[1].pointers if p.value == X + 256)
     assert (past.buffer, past.offset) == (ptr_buffer(g, 0, X), 256)
