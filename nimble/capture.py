@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from . import driver
@@ -43,6 +43,12 @@ def snapshot_blocks(snapshot: dict, pool_id=None) -> tuple[list[DeviceRange], li
                 blocks.append(DeviceRange(start, blk["size"], f"block@{start:#x}"))
             address = start + blk["size"]
     return blocks, pool
+
+
+def allocator_segments(snapshot: dict) -> list[DeviceRange]:
+    """Every segment torch's caching allocator holds, as an allocator snapshot lists them."""
+    return [DeviceRange(seg["address"], seg["total_size"], f"segment@{seg['address']:#x}")
+            for seg in snapshot.get("segments", [])]
 
 
 def alloc_counter(device: int) -> Callable[[], int]:
@@ -152,6 +158,7 @@ class Captured:
     pool: list[DeviceRange]
     externals: list[DeviceRange]  # allocator blocks alive before capture
     device: int
+    allocator: list[DeviceRange] = field(default_factory=list)  # its segments before capture
 
 
 def clear_blas_workspaces() -> None:
@@ -205,7 +212,8 @@ def capture(phases: Sequence[Phase], module, name: str) -> Captured:
     from .tracer import ModulePaths, OpTracer
 
     device = torch.cuda.current_device()
-    externals, _ = snapshot_blocks({"segments": torch.cuda.memory_snapshot()})
+    before = {"segments": torch.cuda.memory_snapshot()}
+    externals, _ = snapshot_blocks(before)
     count_allocs = alloc_counter(device)
     graphs: list = []
     results: list = []
@@ -261,4 +269,5 @@ def capture(phases: Sequence[Phase], module, name: str) -> Captured:
             f"by {alloc_total}; cannot tell allocations apart (was memory history already "
             "enabled?)")
     _, pool = snapshot_blocks(snap, graphs[0].pool())
-    return Captured(graphs, results, node_counts, ops, alloc_events, pool, externals, device)
+    return Captured(graphs, results, node_counts, ops, alloc_events, pool, externals, device,
+                    allocator_segments(before))

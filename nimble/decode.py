@@ -44,6 +44,16 @@ def dead_pointer_slot(name: str, grid: tuple[int, int, int], layout: list[tuple[
     return False
 
 
+def in_pointerless_param(layout: list[tuple[int, int]], offset: int) -> bool:
+    """Whether the 8 bytes at ``offset`` lie in a parameter that cannot hold a pointer: one
+    whose size is not a multiple of 8 (a struct with a pointer in it is 8-aligned, so its size
+    is), such as cuDNN's 68-byte dimension structs, whose integers sit under stale padding."""
+    for start, size in layout:
+        if start <= offset < start + size:
+            return size % 8 != 0 or offset + 8 > start + size
+    return False
+
+
 _MIN_DEVICE_ADDRESS = 1 << 16
 _MAX_DEVICE_ADDRESS = 1 << 57
 
@@ -166,13 +176,15 @@ def _decode_kernel(node, oracle: AddressOracle) -> RawNode:
     name = driver.function_name(func)
     layout = driver.function_param_layout(func)
     block, how = read_param_block(params, layout)
-    if how == "extra" and not layout and block:
+    opaque = how == "extra" and not layout
+    if opaque and block:
         layout = [(0, len(block))]  # no per-parameter info: the buffer is one opaque argument
     grid = (int(params.gridDimX), int(params.gridDimY), int(params.gridDimZ))
     pointers = []
     for off in range(0, len(block) - 7, 8):
         value = int.from_bytes(block[off:off + 8], "little")
-        if oracle.range_of(value) is not None and not dead_pointer_slot(name, grid, layout, off):
+        if oracle.range_of(value) is not None and not dead_pointer_slot(name, grid, layout, off) \
+                and (opaque or not in_pointerless_param(layout, off)):
             pointers.append((off, value))
     return RawNode(
         kind=TaskKind.KERNEL, name=name, short_name=short_kernel_name(name), grid=grid,

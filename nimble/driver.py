@@ -97,8 +97,9 @@ def ensure_context() -> Any:
     if ctx is None or int(ctx) == 0:
         dev = call("cuDeviceGet", torch.cuda.current_device())
         ctx = call("cuDevicePrimaryCtxRetain", dev)
+        # The reference is kept: torch may not have made its own yet (its CUDA init is lazy),
+        # and releasing the only one would destroy the context under us.
         call("cuCtxSetCurrent", ctx)
-        call("cuDevicePrimaryCtxRelease", dev)  # torch holds its own reference
     return ctx if isinstance(ctx, drv.CUcontext) else drv.CUcontext(int(ctx))
 
 
@@ -396,6 +397,15 @@ class DeviceMemory(_Owned):
     def __init__(self, handle, size: int) -> None:
         super().__init__(handle)
         self.size = size
+        # memory that lives as long as the arena does (whatever keeps the arena alive, such as an
+        # output tensor viewing it, keeps these alive too)
+        self.companions: list = []
+
+    def close(self) -> None:
+        """Free the arena and its companions now (idempotent)."""
+        for companion in self.companions:
+            companion.close()
+        super().close()
 
     @classmethod
     def allocate(cls, size: int) -> "DeviceMemory":
@@ -404,6 +414,73 @@ class DeviceMemory(_Owned):
     @property
     def address(self) -> int:
         return int(self.handle)
+
+
+_FOUR_GIB = 1 << 32
+
+
+def _unmap_quietly(steps: list) -> None:
+    """Finalizer body of :class:`LowBitsMemory`: undo its mapping steps, newest first."""
+    for fn_name, args in reversed(steps):
+        try:
+            getattr(bindings(), fn_name)(*args)
+        except Exception:  # noqa: BLE001 - finalizers must not raise
+            pass
+
+
+class LowBitsMemory:
+    """Device memory at an address whose low 32 bits the caller chose (``cuMemAddressReserve``
+    plus ``cuMemCreate``/``cuMemMap``), owned like every handle here.
+
+    A buffer that a kernel word may point into *or* that the word may merely resemble (a 32-bit
+    integer whose padding holds the top half of an old address; see :mod:`nimble.resolve`) lives
+    here, at its recorded address plus a multiple of 4 GiB: relocating the word then rewrites only
+    its top half, which is right for a pointer and harmless for an integer.
+    """
+
+    def __init__(self, address: int, size: int, steps: list) -> None:
+        self.address = address
+        self.size = size
+        self._finalizer = weakref.finalize(self, _unmap_quietly, steps)
+
+    @classmethod
+    def allocate(cls, size: int, low_bits: int, device: int) -> "LowBitsMemory":
+        drv = bindings()
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        grain = int(call("cuMemGetAllocationGranularity", prop,
+                         drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+        low_bits %= _FOUR_GIB
+        first = low_bits - low_bits % grain
+        span = -(-(low_bits + max(int(size), 1) - first) // grain) * grain
+        reserve = 2 * _FOUR_GIB + span  # room for a 4 GiB-aligned window and the span after it
+        steps: list = []
+        try:
+            va = int(call("cuMemAddressReserve", reserve, 0, 0, 0))
+            steps.append(("cuMemAddressFree", (va, reserve)))
+            window = -(-va // _FOUR_GIB) * _FOUR_GIB
+            handle = call("cuMemCreate", span, prop, 0)
+            steps.append(("cuMemRelease", (handle,)))
+            call("cuMemMap", window + first, span, 0, handle, 0)
+            steps.append(("cuMemUnmap", (window + first, span)))
+            access = drv.CUmemAccessDesc()
+            access.location = prop.location
+            access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            call("cuMemSetAccess", window + first, span, [access], 1)
+        except BaseException:
+            _unmap_quietly(steps)
+            raise
+        return cls(window + low_bits, int(size), steps)
+
+    def close(self) -> None:
+        """Unmap and free now (idempotent)."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
 
 class Module(_Owned):

@@ -195,7 +195,9 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
     address the graph's gather node reads), then the generator's seed and offset cells, then a
     private copy of every library-owned buffer the graph writes (:func:`written_externals`),
-    initialized from the library's bytes.  A phased recording (a training step) gets one graph
+    initialized from the library's bytes.  Each buffer in ``meta["low_word_buffers"]`` gets memory
+    of its own at its recorded address plus a multiple of 4 GiB (:class:`~nimble.driver.LowBitsMemory`),
+    owned with the arena; its arena slot stays unused.  A phased recording (a training step) gets one graph
     and one launcher per phase, over the phase's own tasks, inputs and outputs.
     """
     import torch
@@ -224,6 +226,11 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
         for bid, at in private.items():
             driver.copy_device(base + at, graph.buffers[bid].address, graph.buffers[bid].size)
             bases[bid] = base + at
+        for bid in graph.meta.get("low_word_buffers", []):
+            b = graph.buffers[bid]
+            memory = driver.LowBitsMemory.allocate(b.size, b.address, device.index or 0)
+            arena.companions.append(memory)
+            bases[bid] = memory.address
         slots = [input_slot(bases[r.buffer] + r.offset, r, arena, device)
                  for r in graph.inputs]
         if gather_inputs and slots and driver.device_supports_stream_writes(device.index or 0):
@@ -271,6 +278,13 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     return prepared
 
 
+def low_word_ranges(prepared: Prepared) -> list[tuple[int, int]]:
+    """``(address, size)`` of the buffers placed outside the arena to keep their low 32 bits."""
+    graph = prepared.graph
+    return [(prepared.bases[b], graph.buffers[b].size)
+            for b in graph.meta.get("low_word_buffers", []) if graph.buffers[b].size]
+
+
 def run_all(prepared: Prepared):
     """Run every phase in order on its share of the inputs (for the proof)."""
     def run(inputs: list) -> list:
@@ -305,7 +319,8 @@ def prove(prepared: Prepared, rec, relaunches: int) -> None:
     try:
         spread = verify_against_reference(
             prepared.graph, rec.replay_reference, run_all(prepared), rec.static_inputs,
-            [(prepared.arena_base, prepared.memplan.arena_bytes)], prepared.launcher.stream(),
+            [(prepared.arena_base, prepared.memplan.arena_bytes)] + low_word_ranges(prepared),
+            prepared.launcher.stream(),
             relaunches=relaunches, rng_at=rng_at if rng else None,
             repeats=4 if prepared.step is not None else 3, gradients=gradients)
         torch.cuda.synchronize()

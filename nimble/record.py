@@ -344,18 +344,14 @@ def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list,
     say(f"decoding {len(nodes)} graph nodes from {len(captured.ops)} ops", quiet)
     oracle = AddressOracle()
     raw_nodes = [decode_node(n, oracle) for n in nodes]
-    externals = list(captured.externals)
     pool = captured.pool
-    pool_index = {(r.address, r.size) for r in pool}
-    for r in oracle.ranges:
-        if (r.address, r.size) not in pool_index and not any(
-                p.address <= r.address < p.end for p in pool):
-            externals.append(DeviceRange(r.address, r.size, f"{LIBRARY_MEMORY}{r.address:#x}"))
+    externals = list(captured.externals) + library_memory(oracle.ranges, pool, captured.allocator)
     raw = RawCapture(
         ops=captured.ops, nodes=raw_nodes, allocs=captured.allocs, statics=statics,
         externals=[e for e in externals if not any(
             s.address <= e.address < s.end for s in statics)],
-        pool=pool, inputs=[_tensor_spec(x) for x in static_inputs],
+        pool=pool, allocator=list(captured.allocator),
+        inputs=[_tensor_spec(x) for x in static_inputs],
         outputs=[_tensor_spec(x) for x in outputs],
         meta={**meta, "allocations": len(captured.allocs),
               "triton_launches": sum(1 for op in captured.ops if "::" not in op.name),
@@ -375,6 +371,16 @@ def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list,
             raise RecordError(message)
         graph.meta["unresolved_report"] = message
     return graph, nodes
+
+
+def library_memory(found: Sequence[DeviceRange], pool: Sequence[DeviceRange],
+                   allocator: Sequence[DeviceRange]) -> list[DeviceRange]:
+    """The driver allocations kernel words point into (``found``) that a library made itself:
+    those that overlap neither the capture's pool nor any segment of torch's allocator (free
+    allocator memory, or another graph's pool, is not a library's; see :mod:`nimble.resolve`)."""
+    torch_memory = list(pool) + list(allocator)
+    return [DeviceRange(r.address, r.size, f"{LIBRARY_MEMORY}{r.address:#x}") for r in found
+            if not any(p.address < r.end and r.address < p.end for p in torch_memory)]
 
 
 def find_rng_cells(torch_graphs: Sequence, graph: TaskGraph, device: int) -> int:

@@ -29,6 +29,12 @@ for a pointer only where a kernel of op *k* could use the memory:
 * not in a tensor (of the capture, or a graph input) that op *k* neither names among its
   arguments and results nor allocated itself;
 * not inside an element (``0x7f76_00000005`` in a float tensor the op names is the int 5);
+* not in memory torch's allocator holds but no live block covers (free memory, or another
+  graph's pool: a word from ``make_graphed_callables``' pool once made its bytes look like
+  library memory the graph writes, and relocating the word broke dropout's scale);
+* for ATen's own kernels (they reach only tensors, their op's own workspaces and the random
+  generator's cells), not in library memory nor in a workspace another op allocated (dropout
+  backward's 1.25f scale landed in a cuDNN workspace);
 * not in another op's workspace less than 2 MiB above a 4 GiB boundary at an offset no block
   starts from (512-aligned): there a padded integer is likelier than a pointer.
 
@@ -36,13 +42,19 @@ Such words are not listed among the task's pointers and keep their recorded valu
 them as ``meta["not_pointer_words"]`` (``[task, byte offset, value]``, their count as
 ``meta["words_not_pointers"]``).  A real pointer taken for one would keep pointing into the
 recorded pool, which the proof in ``prepare()`` poisons, so the mistake cannot pass unseen.
+
+A word that may be either (less than 2 MiB above a 4 GiB boundary, inside a struct argument, in a
+buffer the op may use) stays a pointer, and its buffer is listed in ``meta["low_word_buffers"]``:
+the engine places such a buffer at its recorded address plus a multiple of 4 GiB, so relocation
+rewrites only the word's top half, which is right for a pointer and harmless for the integer.
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
 
-from .taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TensorRef
+from .taskgraph import (LIBRARY_MEMORY, Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph,
+                        TensorRef)
 
 
 @dataclass(slots=True)
@@ -135,6 +147,10 @@ class RawCapture:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     meta: dict = field(default_factory=dict)
+    # torch's allocator segments outside the pool when the capture began: an address in them
+    # that no block of ``externals`` covers is memory the allocator holds free (or in another
+    # graph's pool), which no kernel of this capture may use
+    allocator: list[DeviceRange] = field(default_factory=list)
 
 
 # How far past the end of an op's own allocation a pointer may lie and still belong to it.
@@ -143,6 +159,13 @@ _PAST_END_SLACK = 256
 # reads as an address at most this far above a 4 GiB boundary.
 _PADDED_INT_LIMIT = 1 << 21
 _BLOCK_ALIGNMENT = 512  # the caching allocator's block alignment
+
+
+_ATEN_KERNEL = "at::native::"  # ATen's own kernels reach only tensors and ATen's workspaces
+
+
+def _library_memory(buffer: Buffer) -> bool:
+    return buffer.kind == BufferKind.EXTERNAL and buffer.name.startswith(LIBRARY_MEMORY)
 
 
 def padded_int_like(value: int) -> bool:
@@ -203,6 +226,7 @@ class _Resolver:
         self._allocs = sorted(raw.allocs, key=lambda a: a.ordinal)
         self._statics = _range_index(raw.statics)
         self._externals = _range_index(raw.externals)
+        self._allocator = _range_index(raw.allocator)
         self.static_buffer = [self._new(r.kind, r.size, r.address, r.name) for r in raw.statics]
         self.external_buffer: dict[int, int] = {}
         self.tensor_buffer: dict[int, int] = {}  # region (its first allocation) -> buffer id
@@ -214,6 +238,7 @@ class _Resolver:
                       "unlisted_pointer_accesses": 0, "op_accesses_without_pointer": 0,
                       "words_not_pointers": 0}
         self.not_pointer_words: list[list[int]] = []  # [task, location, value]
+        self.low_word_buffers: set[int] = set()
 
     def _alloc_ops(self) -> list[int]:
         begins = [op.alloc_begin for op in self.raw.ops]
@@ -296,6 +321,10 @@ class _Resolver:
         if rep in self.tensor_buffer:
             return self.tensor_buffer[rep] not in named
         return padded_int_like(value) and (value - self._allocs[ref].address) % _BLOCK_ALIGNMENT != 0
+
+    def in_allocator_free(self, address: int) -> bool:
+        """Whether ``address`` lies in torch's allocator memory outside every live block."""
+        return self._allocator.find(address) is not None and self.locate(address) is None
 
     def locate(self, address: int):
         """``('alloc', index)``, ``('buffer', id)`` or None for an address at the current time."""
@@ -431,6 +460,7 @@ def build_taskgraph(raw: RawCapture) -> TaskGraph:
     graph.buffers = r.buffers
     graph.meta.update(r.stats)
     graph.meta["not_pointer_words"] = r.not_pointer_words
+    graph.meta["low_word_buffers"] = sorted(r.low_word_buffers)
     graph.meta["unattributed_tasks"] = len(tasks_of_op.get(-1, []))
     graph.validate()
     return graph
@@ -444,6 +474,7 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
     # value -> ("region", first allocation) | ("buffer", id) | None
     located: dict[int, tuple[str, int] | None] = {}
     not_pointers: set[int] = set()
+    others_workspace: set[int] = set()  # values in a workspace another op allocated
     scratch_regions: set[int] = set()
     own_reused: set[int] = set()  # tensor buffers whose bytes this op itself allocated twice
     named = {a.buffer for a in graph.ops[k].accesses} if k >= 0 else set()
@@ -459,7 +490,10 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
                 where = r.just_past_own_allocation(k, v)
             if where is None:
                 where = r.just_past_live(v)
-            if where is not None and v not in copy_ends and r.not_a_pointer(v, where, k, named):
+            if v in copy_ends:
+                pass
+            elif where is not None and r.not_a_pointer(v, where, k, named) \
+                    or where is None and r.in_allocator_free(v):
                 not_pointers.add(v)
                 where = None
             if where is not None and where[0] == "alloc":
@@ -467,6 +501,8 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
                 where = ("region", rep)
                 if rep not in r.tensor_buffer:
                     scratch_regions.add(rep)
+                    if r.alloc_op[rep] not in (k, -1):
+                        others_workspace.add(v)
                 elif k >= 0 and r.alloc_op[rep] == k and r.members(rep) > 1:
                     own_reused.add(r.tensor_buffer[rep])
             located[v] = where
@@ -504,18 +540,23 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
     for t in task_ids:
         node, task = raw_nodes[t], graph.tasks[t]
         accesses: list[Access] = []
+        aten_kernel = _ATEN_KERNEL in node.name
+        whole_params = {off for off, size in node.param_layout if size == 8}
         for location, value in node.pointers:
-            if value in not_pointers:
+            bid = target(value)
+            if value in not_pointers or aten_kernel and (
+                    value in others_workspace or bid >= 0 and _library_memory(r.buffers[bid])):
                 r.stats["words_not_pointers"] += 1
                 r.not_pointer_words.append([t, location, value])
                 continue
-            bid = target(value)
             if bid < 0:
                 task.pointers.append(Pointer(location, value, -1, 0))
                 continue
             b = r.buffers[bid]
             task.pointers.append(Pointer(location, value, bid, value - b.address))
             seen_buffers.add(bid)
+            if b.relocatable and padded_int_like(value) and location not in whole_params:
+                r.low_word_buffers.add(bid)  # a pointer, or an integer under stale padding
             if b.kind == BufferKind.SCRATCH or bid in own_reused:
                 accesses.append(Access(bid, 0, b.size, True))
             elif bid in by_buffer:

@@ -25,3 +25,15 @@ def test_allocations_are_numbered_rounded_and_carry_their_free_time():
 
 def test_an_empty_history_has_no_allocations():
     assert alloc_events_from_trace([], alloc_base=0) == []
+
+
+def test_only_driver_allocations_outside_torchs_memory_are_library_memory():
+    from nimble.record import library_memory
+    from nimble.resolve import DeviceRange
+
+    pool = [DeviceRange(0x7F00_0000_0000, 0x20_0000, "graph pool")]
+    allocator = [DeviceRange(0x7E00_0000_0000, 0x40_0000, "segment")]  # another graph's pool
+    found = [DeviceRange(0x7F00_0000_0000, 0x20_0000), DeviceRange(0x7E00_0000_0000, 0x40_0000),
+             DeviceRange(0x7D00_0000_0000, 0x6300)]  # the last: cuDNN's own
+    assert [(r.address, r.name) for r in library_memory(found, pool, allocator)] == [
+        (0x7D00_0000_0000, "device allocation@0x7d0000000000")]

@@ -34,3 +34,17 @@ def test_recorded_pointers_are_never_in_dead_slots_and_every_live_input_is_found
             start = t.param_layout[1][0]
             found = {p.location for p in t.pointers if p.buffer >= 0}
             assert {start + 8 * i for i in range(t.grid[1])} <= found
+
+
+def test_a_word_in_a_parameter_no_pointer_fits_is_not_a_pointer():
+    from nimble.decode import in_pointerless_param
+
+    # cuDNN's nchwToNhwcKernel: a 68-byte dims struct, then the input and output pointers
+    layout = [(0, 68), (72, 8), (80, 8)]
+    assert [in_pointerless_param(layout, off) for off in (0, 32, 64, 72, 80)] == \
+        [True, True, True, False, False]
+    # bn_bw: four 4-byte ints, then a 104-byte descriptor (8-aligned: may hold pointers)
+    layout = [(0, 4), (4, 4), (8, 4), (12, 4), (16, 104), (120, 8)]
+    assert [in_pointerless_param(layout, off) for off in (0, 8, 16, 112, 120)] == \
+        [True, True, False, False, False]
+    assert not in_pointerless_param([], 0)  # no layout known

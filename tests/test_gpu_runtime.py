@@ -218,3 +218,45 @@ def test_a_c_host_drives_the_exec_handle_through_the_input_cells():
     driver.call("cuGraphLaunch", drv.CUgraphExec(nm.exec_handle), stream)
     torch.cuda.synchronize()
     assert torch.equal(view, want)
+
+
+def test_memory_at_chosen_low_bits_is_usable_and_freed_once():
+    import torch
+
+    from nimble import driver
+
+    driver.ensure_context()
+    low = 0x7F8E_0000_0004 % (1 << 32)
+    memory = driver.LowBitsMemory.allocate(3 << 20, 0x7F8E_0000_0004, torch.cuda.current_device())
+    assert memory.address % (1 << 32) == low and memory.size == 3 << 20
+    data = bytes(range(256)) * 16
+    driver.copy_to_device(memory.address + (3 << 20) - len(data), data)  # its last bytes
+    assert driver.copy_to_host(memory.address + (3 << 20) - len(data), len(data)) == data
+    memory.close()
+    memory.close()
+    assert memory.closed
+
+
+def test_buffers_kept_at_their_low_bits_run_right():
+    """Buffers that a word may point into or merely resemble (``low_word_buffers``) live at their
+    recorded address plus a multiple of 4 GiB; the graph over them proves and runs right."""
+    import torch
+
+    from nimble.record import record
+    from nimble.runtime import Nimble
+
+    model, x = zoo_model("branchy")
+    rec = record(model, (x,), quiet=True)
+    g = rec.graph
+    chosen = [b.id for b in g.buffers if b.kind in ("intermediate", "scratch")][::3]
+    assert chosen
+    g.meta["low_word_buffers"] = chosen
+    nm = Nimble(model).prepare(x, recording=rec, relaunches=4)
+    bases = nm._prepared.bases
+    assert all(bases[b] % (1 << 32) == g.buffers[b].address % (1 << 32) for b in chosen)
+    assert all(bases[b] != g.buffers[b].address for b in chosen)
+    for _ in range(3):
+        x2 = torch.randn_like(x)
+        with torch.no_grad():
+            want = model(x2)
+        torch.testing.assert_close(nm(x2), want, rtol=1e-4, atol=1e-4)

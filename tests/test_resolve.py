@@ -250,6 +250,16 @@ def test_a_low_word_into_a_tensor_the_op_names_is_a_pointer():
     assert g.unresolved_pointers() == []
     assert g.meta["words_not_pointers"] == 0
     assert g.tasks[1].pointers[2].offset == 0x10_0040
+    # it may still be an integer under stale padding: its buffer keeps its low 32 bits
+    assert g.tasks[1].pointers[2].buffer in g.meta["low_word_buffers"]
+
+
+def test_a_low_word_that_is_a_whole_pointer_parameter_keeps_no_low_bits():
+    raw = word_above_a_4gib_boundary(named=True, workspace=False, word=BOUNDARY + 0x40)
+    raw.nodes[1].param_layout = [(0, 8), (8, 8), (16, 8)]  # three pointer-sized parameters
+    g = build_taskgraph(raw)
+    assert g.tasks[1].pointers[2].buffer >= 0
+    assert g.tasks[1].pointers[2].buffer not in g.meta["low_word_buffers"]
 
 
 def test_a_word_inside_an_element_of_the_ops_tensors_is_no_pointer():
@@ -269,6 +279,54 @@ def test_a_word_inside_an_element_of_the_ops_tensors_is_no_pointer():
     g = build_taskgraph(capture(ops, [kernel(X, T), kernel(T, B, BOUNDARY + 5)],
                                 [(T, 0x20_0000), (B, 256)], outputs=[(B, 256)], pool=LOW_POOL))
     assert g.meta["not_pointer_words"] == []
+
+
+OTHER_POOL = 0x7D10_0000_0000  # another graph's pool in torch's allocator, 2 MiB
+LIBRARY = 0x7D20_0000_0000  # cuDNN's own memory (cudaMalloc'd by the library), 64 KiB
+
+
+def words_outside_the_capture(kernel_name: str):
+    """op 0 writes A; its kernel carries a word in OTHER_POOL's free bytes (dropout's 1.25f
+    scale under a padding word's stale top half) and one into library memory."""
+    A = POOL
+    free_word, library_word = OTHER_POOL + 0x3FA0_0000 % 0x20_0000, LIBRARY + 0x40
+    node = kernel(X, A, free_word, library_word)
+    node.name = kernel_name
+    raw = capture([op("scale", (0, 1), (0, 1), (X, 256, False), (A, 256, True))], [node],
+                  [(A, 256)], outputs=[(A, 256)],
+                  externals=[DeviceRange(LIBRARY, 0x1_0000, "device allocation@0x7d2000000000")])
+    raw.allocator = [DeviceRange(OTHER_POOL, 0x20_0000)]
+    return build_taskgraph(raw), free_word, library_word
+
+
+def test_a_word_in_free_allocator_memory_is_no_pointer():
+    g, free_word, library_word = words_outside_the_capture("cudnn::bn_bw_1C11_kernel_new")
+    assert g.meta["not_pointer_words"] == [[0, 16, free_word]]
+    assert g.unresolved_pointers() == []
+    assert g.buffers[g.tasks[0].pointers[2].buffer].kind == BufferKind.EXTERNAL  # cuDNN's own
+
+
+def test_an_aten_kernels_word_in_library_memory_is_no_pointer():
+    g, free_word, library_word = words_outside_the_capture(
+        "void at::native::vectorized_elementwise_kernel<4, at::native::AUnaryFunctor<...>>")
+    assert g.meta["not_pointer_words"] == [[0, 16, free_word], [0, 24, library_word]]
+    assert all(g.buffers[a.buffer].kind != BufferKind.EXTERNAL for a in g.tasks[0].accesses)
+
+
+def test_an_aten_kernels_word_in_another_ops_workspace_is_no_pointer():
+    """dropout backward's 1.25f scale under a padding word's stale top half, 26 MiB into the
+    workspace of an earlier convolution; a cuDNN kernel's word there stays a pointer."""
+    WS, A = POOL, POOL + 0x8_0000
+    word = WS + 0x1000
+    for name, pointer in (("void at::native::vectorized_elementwise_kernel<4>", False),
+                          ("cudnn::bn_bw_1C11_kernel_new", True)):
+        ops = [op("conv", (0, 1), (0, 1), (X, 256, False)),
+               op("dropout_backward", (1, 2), (1, 2), (X, 256, False), (A, 256, True))]
+        node = kernel(X, A, word)
+        node.name = name
+        g = build_taskgraph(capture(ops, [kernel(X, WS), node], [(WS, 0x1_0000), (A, 256)],
+                                    outputs=[(A, 256)]))
+        assert (g.meta["not_pointer_words"] == []) is pointer, name
 
 
 def test_a_block_aligned_word_into_another_ops_workspace_is_a_pointer():
