@@ -269,5 +269,7 @@ def capture(phases: Sequence[Phase], module, name: str) -> Captured:
             f"by {alloc_total}; cannot tell allocations apart (was memory history already "
             "enabled?)")
     _, pool = snapshot_blocks(snap, graphs[0].pool())
+    # Another prepared graph's arena counts as allocator memory: none of this capture's.
+    others = [DeviceRange(a, n, f"nimble@{a:#x}") for a, n in driver.nimble_memory()]
     return Captured(graphs, results, node_counts, ops, alloc_events, pool, externals, device,
-                    allocator_segments(before))
+                    allocator_segments(before) + others)

@@ -389,6 +389,21 @@ class GraphExec(_Owned):
         return cls(_unwrap(result, "cuGraphInstantiateWithParams", detail))
 
 
+# Device memory Nimble allocated and still holds, ``{address: size}``: a recording made while
+# another prepared graph lives must not take that graph's arena for a library's memory.
+_nimble_memory: dict[int, int] = {}
+
+
+def nimble_memory() -> list[tuple[int, int]]:
+    """``(address, size)`` of every device allocation Nimble holds now (arenas and the like)."""
+    return list(_nimble_memory.items())
+
+
+def _hold(owner, address: int, size: int) -> None:
+    _nimble_memory[address] = size
+    weakref.finalize(owner, _nimble_memory.pop, address, None)
+
+
 class DeviceMemory(_Owned):
     """An owned ``cuMemAlloc`` allocation: the static arena."""
 
@@ -397,6 +412,7 @@ class DeviceMemory(_Owned):
     def __init__(self, handle, size: int) -> None:
         super().__init__(handle)
         self.size = size
+        _hold(self, int(handle), max(int(size), 1))
         # memory that lives as long as the arena does (whatever keeps the arena alive, such as an
         # output tensor viewing it, keeps these alive too)
         self.companions: list = []
@@ -405,6 +421,7 @@ class DeviceMemory(_Owned):
         """Free the arena and its companions now (idempotent)."""
         for companion in self.companions:
             companion.close()
+        _nimble_memory.pop(int(self.handle), None)
         super().close()
 
     @classmethod
@@ -442,6 +459,7 @@ class LowBitsMemory:
         self.address = address
         self.size = size
         self._finalizer = weakref.finalize(self, _unmap_quietly, steps)
+        _hold(self, address, max(size, 1))
 
     @classmethod
     def allocate(cls, size: int, low_bits: int, device: int) -> "LowBitsMemory":
@@ -476,6 +494,7 @@ class LowBitsMemory:
 
     def close(self) -> None:
         """Unmap and free now (idempotent)."""
+        _nimble_memory.pop(self.address, None)
         self._finalizer()
 
     @property

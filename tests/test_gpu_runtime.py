@@ -229,12 +229,14 @@ def test_memory_at_chosen_low_bits_is_usable_and_freed_once():
     low = 0x7F8E_0000_0004 % (1 << 32)
     memory = driver.LowBitsMemory.allocate(3 << 20, 0x7F8E_0000_0004, torch.cuda.current_device())
     assert memory.address % (1 << 32) == low and memory.size == 3 << 20
+    assert (memory.address, 3 << 20) in driver.nimble_memory()  # no library's, to a recording
     data = bytes(range(256)) * 16
     driver.copy_to_device(memory.address + (3 << 20) - len(data), data)  # its last bytes
     assert driver.copy_to_host(memory.address + (3 << 20) - len(data), len(data)) == data
     memory.close()
     memory.close()
     assert memory.closed
+    assert (memory.address, 3 << 20) not in driver.nimble_memory()
 
 
 def test_buffers_kept_at_their_low_bits_run_right():
