@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 from . import driver
 from .compiled import is_compiled
 from .errors import CaptureError, RecordError
-from .resolve import AllocEvent, DeviceRange
+from .rawcapture import AllocEvent, DeviceRange
 
 HOST_SYNC_HELP = ("must not synchronise with the host (.item(), .cpu(), printing a tensor, "
                   "data-dependent Python control flow) and must keep its work on the GPU")

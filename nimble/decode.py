@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 from . import driver
 from .errors import RecordError
 from .names import short_kernel_name
-from .resolve import DeviceRange, RawNode
+from .rawcapture import DeviceRange, RawNode
 from .taskgraph import TaskKind
 
 

@@ -20,8 +20,8 @@ from .capture import Captured, Phase, capture, check_no_host_sync, quiet_backwar
 from .compiled import check_compiled, module_name
 from .errors import CaptureError, InputError, NoGpuError, RecordError
 from .progress import say
-from .resolve import (RNG_OFFSET, RNG_SEED, DeviceRange, RawCapture, TensorSpec,
-                      build_taskgraph, mark_rng_cells, unresolved_in_pool)
+from .rawcapture import DeviceRange, RawCapture, TensorSpec
+from .resolve import RNG_OFFSET, RNG_SEED, build_taskgraph, mark_rng_cells, unresolved_in_pool
 from .taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph
 
 

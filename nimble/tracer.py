@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .resolve import OpRecord, TensorSpan
+from .rawcapture import OpRecord, TensorSpan
 
 
 def tensor_span(t: torch.Tensor, write: bool) -> TensorSpan | None:

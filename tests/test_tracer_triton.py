@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nimble import tracer
-from nimble.resolve import TensorSpan
+from nimble.rawcapture import TensorSpan
 from nimble.tracer import ModulePaths, OpTracer, triton_arg_names, triton_arg_writes
 
 HEURISTICS = "torch._inductor.runtime.triton_heuristics"
