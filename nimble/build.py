@@ -242,8 +242,8 @@ def add_task_node(graph, task: Task, recorded_node, bases: Sequence[int], deps: 
     raise BuildError(f"task {task.id} is a {task.kind} node, which Nimble cannot rebuild yet")
 
 
-def instantiate(owned: driver.Graph, device_launch: bool, upload_stream
-                ) -> tuple[driver.GraphExec, bool, str]:
+def instantiate(owned: driver.Graph, device_launch: bool, upload_stream,
+                node_priority: bool = False) -> tuple[driver.GraphExec, bool, str]:
     """``(exec, device_launchable, refusal)``: device-launchable where asked and allowed.
 
     A device-launchable exec lives on the GPU once uploaded, so each host launch is a short
@@ -255,10 +255,12 @@ def instantiate(owned: driver.Graph, device_launch: bool, upload_stream
     if device_launch:
         try:
             return driver.GraphExec.instantiate(owned, device_launch=True,
-                                                upload_stream=upload_stream), True, ""
+                                                upload_stream=upload_stream,
+                                                node_priority=node_priority), True, ""
         except CudaError as e:
             refusal = str(e)
-    return driver.GraphExec.instantiate(owned, upload_stream=upload_stream), False, refusal
+    return driver.GraphExec.instantiate(owned, upload_stream=upload_stream,
+                                        node_priority=node_priority), False, refusal
 
 
 def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int],
@@ -267,7 +269,8 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
                 gather_module: driver.Module | None = None,
                 span: range | None = None, stamps: int = 0,
                 stamp_module: driver.Module | None = None, start_stamps: bool = True,
-                nodes_relocated: bool = False, only: set[int] | None = None) -> BuiltGraph:
+                nodes_relocated: bool = False, only: set[int] | None = None,
+                priorities: Sequence[int] | None = None) -> BuiltGraph:
     """Build and instantiate the explicit graph of ``graph`` with ``edges`` as its dependencies.
 
     ``recorded_nodes[t]`` is task ``t``'s node in the captured graph (its function, launch
@@ -286,6 +289,8 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     ``nodes_relocated`` says that ``recorded_nodes`` are those of a graph Nimble built (see
     :func:`add_task_node`).  ``only`` keeps just those tasks of the span (a set closed under
     predecessors, for step-through); the others get no node (``nodes`` holds None for them).
+    ``priorities`` (a driver priority number per task of the graph, see
+    :mod:`nimble.priority`) is given to each kernel node, and the exec honours it.
     """
     n = len(graph.tasks)
     if len(recorded_nodes) != n:
@@ -299,6 +304,11 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     try:
         function = gather_module.function(ptx.GATHER_INPUT) if gathers else None
         gather_nodes = [_add_gather(owned.handle, function, g) for g in gathers]
+        # Nimble's own nodes (gathers, stamps) are tiny: at the top priority they never wait
+        # behind a big kernel, so a stamp is taken when its task ends.
+        top = min(priorities, default=0) if priorities is not None else None
+        for node in gather_nodes if top is not None else ():
+            driver.set_kernel_priority(node, top)
         stamp = stamp_module.function(ptx.TIMESTAMP) if stamps else None
         slots = stamp_slots(span, stamps) if stamps else {}
         for tid in span:
@@ -310,11 +320,16 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
                     if u >= first and nodes[u - first] is not None] or list(gather_nodes)
             nodes.append(add_task_node(owned.handle, task, recorded_nodes[tid], bases, deps,
                                        ctx, nodes_relocated))
+            if priorities is not None and task.kind == TaskKind.KERNEL:
+                driver.set_kernel_priority(nodes[-1], priorities[tid])
             if stamps:
+                added = [_add_timestamp(owned.handle, stamp, slots[tid][1], [nodes[-1]])]
                 if start_stamps or all(u < first for u in preds[tid]):  # or a root
-                    _add_timestamp(owned.handle, stamp, slots[tid][0], deps)
-                _add_timestamp(owned.handle, stamp, slots[tid][1], [nodes[-1]])
-        exec_, on_device, refusal = instantiate(owned, device_launch, upload_stream)
+                    added.append(_add_timestamp(owned.handle, stamp, slots[tid][0], deps))
+                for node in added if top is not None else ():
+                    driver.set_kernel_priority(node, top)
+        exec_, on_device, refusal = instantiate(owned, device_launch, upload_stream,
+                                                priorities is not None)
     except BaseException:
         owned.close()
         for module in (gather_module, stamp_module):

@@ -231,6 +231,31 @@ def copy_kernel_attributes(dst, src) -> None:
     call("cuGraphKernelNodeCopyAttributes", dst, src)
 
 
+def stream_priority_range() -> tuple[int, int]:
+    """``(least, greatest)`` priority numbers of the current context; ``greatest`` is the
+    numerically lower, and the higher priority."""
+    least, greatest = call("cuCtxGetStreamPriorityRange")
+    return int(least), int(greatest)
+
+
+def set_kernel_priority(node, priority: int) -> None:
+    """Give a kernel node a scheduling priority (see :func:`stream_priority_range`); it holds
+    where the exec is instantiated with ``node_priority``."""
+    drv = bindings()
+    value = drv.CUkernelNodeAttrValue()
+    value.priority = int(priority)
+    call("cuGraphKernelNodeSetAttribute", node,
+         drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY, value, detail=f"priority {priority}")
+
+
+def kernel_priority(node) -> int:
+    """A kernel node's priority attribute (see :func:`set_kernel_priority`)."""
+    drv = bindings()
+    value = call("cuGraphKernelNodeGetAttribute", node,
+                 drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY)
+    return int(value.priority)
+
+
 def add_memset_node(graph, deps: list, params, ctx, detail: str = "") -> Any:
     return call("cuGraphAddMemsetNode", graph, deps, len(deps), params, ctx, detail=detail)
 
@@ -361,23 +386,28 @@ class GraphExec(_Owned):
 
     @classmethod
     def instantiate(cls, graph: Graph, *, device_launch: bool = False,
-                    upload_stream=None) -> "GraphExec":
+                    upload_stream=None, node_priority: bool = False) -> "GraphExec":
         """Instantiate ``graph``.
 
         ``device_launch`` makes the exec launchable from the device too: the driver keeps the
         whole graph on the GPU, and a host launch becomes a short, constant-cost submission.
         ``upload_stream`` uploads the exec there right away, so the first launch costs no more
-        than the others.  A refusal raises :class:`CudaError` naming the driver's reason and node.
+        than the others.  ``node_priority`` makes the kernel nodes' own priorities count (see
+        :func:`set_kernel_priority`) instead of the launch stream's.  A refusal raises
+        :class:`CudaError` naming the driver's reason and node.
         """
         drv = bindings()
-        if not device_launch and upload_stream is None:
-            return cls(call("cuGraphInstantiate", graph.handle, 0))
-        params = drv.CUDA_GRAPH_INSTANTIATE_PARAMS()
         flags = 0
+        kinds = drv.CUgraphInstantiate_flags
+        if node_priority:
+            flags |= int(kinds.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)
+        if not device_launch and upload_stream is None:
+            return cls(call("cuGraphInstantiate", graph.handle, flags))
+        params = drv.CUDA_GRAPH_INSTANTIATE_PARAMS()
         if device_launch:
-            flags |= int(drv.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH)
+            flags |= int(kinds.CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH)
         if upload_stream is not None:
-            flags |= int(drv.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD)
+            flags |= int(kinds.CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD)
             params.hUploadStream = upload_stream
         params.flags = flags
         result = drv.cuGraphInstantiateWithParams(graph.handle, params)

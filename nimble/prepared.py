@@ -16,6 +16,7 @@ from .build import BuiltGraph, InputGather, buffer_bases, build_graph
 from .deps import build_dag
 from .launcher import CallOrder, InputSlot, Launcher, RngCells
 from .memplan import MemPlan, check_plan, plan_memory
+from .priority import driver_priorities, priority_levels
 from .resolve import RNG_OFFSET, RNG_SEED
 from .schedule import Schedule, assign_phased, check_schedule, phase_spans
 from .taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph, TensorRef
@@ -70,20 +71,38 @@ def schedule_within(graph: TaskGraph, max_streams: int | None, arena_limit: int 
 
     Where the plan needs more than ``arena_limit`` bytes, the stream cap is lowered step by step
     (by a quarter each time) until it fits or every phase is down to one stream: fewer
-    concurrent branches keep fewer buffers alive at once.
+    concurrent branches keep fewer buffers alive at once.  The widest cap that fits is then
+    sought between the last cap that fitted and the one before it (bisecting to within an
+    eighth), since each stream given up can cost concurrency.
     """
     dag = build_dag(graph)
     phases = graph.meta.get("phases") or []
     spans = phase_spans(phases, len(graph.tasks))
-    cap = max_streams
-    while True:
+
+    def attempt(cap: int | None) -> tuple[Schedule, MemPlan, int, bool]:
         schedule = assign_phased(dag, phases, max_streams=cap)
         check_schedule(dag, schedule)
         plan = plan_memory(graph, schedule.edges())
         widest = max((len({schedule.stream_of[t] for t in span}) for span in spans), default=0)
-        if arena_limit is None or plan.arena_bytes <= arena_limit or widest <= 1:
-            return schedule, plan
+        return schedule, plan, widest, arena_limit is None or plan.arena_bytes <= arena_limit
+
+    schedule, plan, widest, fits = attempt(max_streams)
+    too_wide = None  # the narrowest cap known not to fit
+    while not fits and widest > 1:
+        too_wide = widest
         cap = max(1, min(widest - 1, widest * 3 // 4))
+        schedule, plan, widest, fits = attempt(cap)
+    if not fits or too_wide is None:
+        return schedule, plan
+    fitted = cap
+    while too_wide - fitted > max(1, fitted // 8):
+        middle = (fitted + too_wide) // 2
+        wider = attempt(middle)
+        if wider[3]:
+            schedule, plan, fitted = wider[0], wider[1], middle
+        else:
+            too_wide = middle
+    return schedule, plan
 
 
 @dataclass
@@ -104,6 +123,8 @@ class Prepared:
     launchers: list[Launcher]  # per phase: input slots, outputs, stream cache (one lock)
     weights: Weights
     seconds: dict
+    #: The driver priority number of each task's node (None: the graph ignores priorities).
+    priorities: list[int] | None = None
     recording: Any = None  # kept only with keep_recording=True (debugging)
     step: Any = None  # training.TrainingStep for a training step, else None
 
@@ -188,8 +209,23 @@ def plan_graph(graph: TaskGraph, use_multi_stream: bool, max_streams: int | None
     return schedule, plan
 
 
+def kernel_priorities(rec, schedule: Schedule) -> list[int]:
+    """Driver priority numbers per task from its slack in ``schedule`` (:mod:`nimble.priority`),
+    each task weighted by its isolated duration (measured now on the live recording when the
+    recording does not carry them)."""
+    from .deps import task_durations
+    from .timing import time_recording
+
+    durations = task_durations(rec.graph) or time_recording(rec)
+    least, greatest = driver.stream_priority_range()
+    levels = priority_levels(len(rec.graph.tasks), schedule.edges(), durations,
+                             least - greatest + 1)
+    return driver_priorities(levels, least, greatest)
+
+
 def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool,
-                   gather_inputs: bool, seconds: dict) -> Prepared:
+                   gather_inputs: bool, seconds: dict,
+                   priorities: list[int] | None = None) -> Prepared:
     """Arena, cells, explicit graph(s) and launchers for a planned recording (not verified).
 
     The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
@@ -199,6 +235,8 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     of its own at its recorded address plus a multiple of 4 GiB (:class:`~nimble.driver.LowBitsMemory`),
     owned with the arena; its arena slot stays unused.  A phased recording (a training step) gets one graph
     and one launcher per phase, over the phase's own tasks, inputs and outputs.
+    ``priorities`` (driver priority numbers per task, :func:`kernel_priorities`) go to the kernel
+    nodes.
     """
     import torch
 
@@ -253,7 +291,7 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
             gathers = [InputGather(s.cell, s.address, s.nbytes) for s in mine if s.cell]
             built = build_graph(graph, rec.nodes, bases, schedule.edges(),
                                 device_launch=device_launch, upload_stream=upload,
-                                gathers=gathers, span=span,
+                                gathers=gathers, span=span, priorities=priorities,
                                 gather_module=ptx.load("gather_input.ptx") if gathers else None)
             builts.append(built)
             launchers.append(Launcher(
@@ -269,7 +307,7 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
         raise
     prepared = Prepared(graph=graph, schedule=schedule, memplan=plan, builts=builts,
                          arena=arena, arena_base=base, bases=bases, launchers=launchers,
-                         weights=Weights(model, graph), seconds=seconds)
+                         weights=Weights(model, graph), seconds=seconds, priorities=priorities)
     if rec.step is not None:
         from .training import TrainingStep
 

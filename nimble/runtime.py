@@ -22,7 +22,7 @@ from .build import repoint
 from .errors import InputError, NimbleError
 from .launcher import RngCells
 from .memplan import MemPlan
-from .prepared import Prepared, build_prepared, plan_graph, prove
+from .prepared import Prepared, build_prepared, kernel_priorities, plan_graph, prove
 from .progress import say
 from .schedule import Schedule
 from .taskgraph import TaskGraph
@@ -83,7 +83,7 @@ class Nimble:
                 device_launch: bool = True, gather_inputs: bool = True,
                 verify: bool = True, relaunches: int | None = None,
                 return_copies: bool = False, keep_recording: bool = False,
-                recording=None, quiet: bool = True) -> "Nimble":
+                recording=None, priorities: bool = True, quiet: bool = True) -> "Nimble":
         """Record, schedule, plan, build and verify the model on ``example_inputs``.
 
         ``example_inputs`` is a tensor or a tuple of tensors on the GPU; every later call must
@@ -110,7 +110,10 @@ class Nimble:
         otherwise).  ``return_copies`` makes each call return fresh tensors instead of views
         into the arena.  ``recording`` reuses a live :class:`~nimble.record.Recording` of this
         model (from :func:`nimble.record.record` or an earlier ``keep_recording=True``) instead
-        of recording again.  Progress goes to stderr unless ``quiet``.
+        of recording again.  ``priorities`` gives every kernel of a multi-stream graph a
+        scheduling priority from its slack on the critical path (:mod:`nimble.priority`; each
+        task is timed alone once for it), so that where kernels compete for the GPU, those the
+        run waits for get the SMs first.  Progress goes to stderr unless ``quiet``.
 
         Preparing again is transactional: the graph prepared before keeps serving calls until
         the new one is proven, and stays if the new prepare fails.
@@ -123,7 +126,7 @@ class Nimble:
         try:
             candidate = self._prepare(example_inputs, training, recording, quiet, use_multi_stream,
                                       max_streams, arena_limit, device_launch, gather_inputs,
-                                      verify, relaunches, keep_recording)
+                                      verify, relaunches, keep_recording, priorities)
         finally:
             restore()
         candidate.launcher.return_copies = return_copies
@@ -135,7 +138,7 @@ class Nimble:
 
     def _prepare(self, example_inputs, training, recording, quiet, use_multi_stream, max_streams,
                  arena_limit, device_launch, gather_inputs, verify, relaunches,
-                 keep_recording) -> Prepared:
+                 keep_recording, priorities) -> Prepared:
         seconds: dict[str, float] = {}
         rec = recording if recording is not None else self._record(example_inputs, training,
                                                                     quiet)
@@ -152,10 +155,16 @@ class Nimble:
         say(f"{len(schedule.streams)} streams, {len(schedule.sync_edges)} syncs; arena "
             f"{memplan.arena_bytes / 2**20:.1f} MiB", quiet)
 
+        ranks = None
+        if priorities and len(schedule.streams) > 1:
+            t0 = time.perf_counter()
+            say("timing every task alone for the kernel priorities", quiet)
+            ranks = kernel_priorities(rec, schedule)
+            seconds["priorities"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         candidate = build_prepared(self.model, rec, schedule, memplan,
                                    device_launch=device_launch, gather_inputs=gather_inputs,
-                                   seconds=seconds)
+                                   seconds=seconds, priorities=ranks)
         seconds["build"] = time.perf_counter() - t0
         try:
             refusal = next((b.device_launch_refusal for b in candidate.builts
@@ -399,6 +408,14 @@ class Nimble:
                           [s.cell for s in launcher.slots], [s.address for s in launcher.slots],
                           [o.data_ptr() for o in launcher.outputs])
                 for name, built, launcher in zip(names, state.builts, state.launchers)]
+
+    @property
+    def priorities(self) -> list[int] | None:
+        """The driver priority number each task's kernel node runs at (lower numbers run first,
+        see :mod:`nimble.priority`), or None when the graph runs without priorities
+        (``prepare(priorities=False)`` or one stream)."""
+        got = self._state().priorities
+        return None if got is None else list(got)
 
     @property
     def launch_mode(self) -> str:

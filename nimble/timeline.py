@@ -235,7 +235,7 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
                     device_launch=False, span=built.span,
                     stamps=stamps.address + 16 * built.span.start,
                     stamp_module=ptx.load("timestamp.ptx"), start_stamps=start_stamps,
-                    nodes_relocated=True))
+                    nodes_relocated=True, priorities=prepared.priorities))
             # A gather node reads its source from the input cell, which still names the last
             # call's tensor: the plain runs must gather each slot onto itself instead.
             prepared.cells_to_own_slots()

@@ -262,3 +262,36 @@ def test_buffers_kept_at_their_low_bits_run_right():
         with torch.no_grad():
             want = model(x2)
         torch.testing.assert_close(nm(x2), want, rtol=1e-4, atol=1e-4)
+
+
+def test_kernels_run_at_priorities_from_their_slack_and_give_the_same_bits():
+    """Every kernel node carries the priority computed for it, the exec stays
+    device-launchable with node priorities on, and the answer is the one without them."""
+    import warnings
+
+    import torch
+
+    import nimble
+    from nimble import driver
+
+    model, x = zoo_model("branchy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no refused device-launchable exec
+        nm = nimble.Nimble(model).prepare(x, relaunches=4, keep_recording=True,
+                                          return_copies=True)
+    plain = nimble.Nimble(model).prepare(x, relaunches=4, priorities=False,
+                                         recording=nm.recording, return_copies=True)
+    assert nm.launch_mode == "device-launchable" and plain.priorities is None
+    least, greatest = driver.stream_priority_range()
+    priorities = nm.priorities
+    assert priorities is not None and len(priorities) == len(nm.graph.tasks)
+    assert all(greatest <= p <= least for p in priorities)
+    assert min(priorities) == greatest  # the critical path runs at the top priority
+    built = nm._state().built
+    kernels = [t for t in built.span if nm.graph.tasks[t].kind == "kernel"]
+    assert kernels
+    for t in kernels:
+        assert driver.kernel_priority(built.nodes[t - built.span.start]) == priorities[t]
+    for _ in range(3):
+        fresh = torch.randn_like(x)
+        assert torch.equal(nm(fresh), plain(fresh))
