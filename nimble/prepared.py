@@ -73,35 +73,47 @@ def schedule_within(graph: TaskGraph, max_streams: int | None, arena_limit: int 
     (by a quarter each time) until it fits or every phase is down to one stream: fewer
     concurrent branches keep fewer buffers alive at once.  The widest cap that fits is then
     sought between the last cap that fitted and the one before it (bisecting to within an
-    eighth), since each stream given up can cost concurrency.
+    eighth), since each stream given up can cost concurrency.  Last, each phase of a phased
+    graph gets its cap back alone where the plan still fits: a training step's memory is the
+    backward's to save (the forward's activations are all kept for it anyway), and capping the
+    forward too would cost its concurrency for nothing.
     """
     dag = build_dag(graph)
     phases = graph.meta.get("phases") or []
     spans = phase_spans(phases, len(graph.tasks))
 
-    def attempt(cap: int | None) -> tuple[Schedule, MemPlan, int, bool]:
-        schedule = assign_phased(dag, phases, max_streams=cap)
+    def attempt(caps: list) -> tuple[Schedule, MemPlan, int, bool]:
+        schedule = assign_phased(dag, phases, max_streams=caps)
         check_schedule(dag, schedule)
         plan = plan_memory(graph, schedule.edges())
         widest = max((len({schedule.stream_of[t] for t in span}) for span in spans), default=0)
         return schedule, plan, widest, arena_limit is None or plan.arena_bytes <= arena_limit
 
-    schedule, plan, widest, fits = attempt(max_streams)
+    def uniform(cap: int | None) -> list:
+        return [cap] * max(len(spans), 1)
+
+    schedule, plan, widest, fits = attempt(uniform(max_streams))
     too_wide = None  # the narrowest cap known not to fit
+    cap = max_streams
     while not fits and widest > 1:
         too_wide = widest
         cap = max(1, min(widest - 1, widest * 3 // 4))
-        schedule, plan, widest, fits = attempt(cap)
+        schedule, plan, widest, fits = attempt(uniform(cap))
     if not fits or too_wide is None:
         return schedule, plan
-    fitted = cap
-    while too_wide - fitted > max(1, fitted // 8):
-        middle = (fitted + too_wide) // 2
-        wider = attempt(middle)
+    while too_wide - cap > max(1, cap // 8):
+        middle = (cap + too_wide) // 2
+        wider = attempt(uniform(middle))
         if wider[3]:
-            schedule, plan, fitted = wider[0], wider[1], middle
+            schedule, plan, cap = wider[0], wider[1], middle
         else:
             too_wide = middle
+    caps = uniform(cap)
+    for k in range(len(spans) if len(spans) > 1 else 0):
+        relaxed = caps[:k] + [max_streams] + caps[k + 1:]
+        wider = attempt(relaxed)
+        if wider[3]:
+            schedule, plan, caps = wider[0], wider[1], relaxed
     return schedule, plan
 
 

@@ -440,26 +440,31 @@ def induced(dag: Dag, span: range) -> Dag:
     return Dag(b - a, succs, preds)
 
 
-def assign_phased(dag: Dag, phases: Sequence[int], max_streams: int | None = None) -> Schedule:
+def assign_phased(dag: Dag, phases: Sequence[int],
+                  max_streams: int | None | Sequence[int | None] = None) -> Schedule:
     """Streams for a graph run as consecutive phases (a forward graph, then a backward graph).
 
     Each phase is scheduled by itself (:func:`assign_streams` on its sub-DAG): the phases are
     separate CUDA graphs, and everything of one is done before the next starts, so an edge from
     one phase into the next needs no synchronization.  The barrier between phases is kept in
     :attr:`Schedule.barrier_edges`, so that memory planning sees the order.  Streams are
-    numbered on through the phases.
+    numbered on through the phases.  ``max_streams`` caps every phase, or is a cap per phase.
     """
     spans = phase_spans(phases, dag.n)
+    caps = list(max_streams) if isinstance(max_streams, (list, tuple)) else \
+        [max_streams] * len(spans)
+    if len(caps) != len(spans):
+        raise ValueError(f"{len(caps)} stream caps for {len(spans)} phases")
     if len(spans) == 1:
-        return assign_streams(dag, max_streams)
+        return assign_streams(dag, caps[0])
     stream_of: list[int] = []
     streams: list[list[int]] = []
     syncs: list[tuple[int, int]] = []
     barriers: list[tuple[int, int]] = []
     reduced_edges = width = 0
     previous: list[list[int]] = []
-    for span in spans:
-        part = assign_streams(induced(dag, span), max_streams)
+    for span, cap in zip(spans, caps):
+        part = assign_streams(induced(dag, span), cap)
         a = span.start
         stream_of += [len(streams) + s for s in part.stream_of]
         mine = [[a + t for t in tasks] for tasks in part.streams]

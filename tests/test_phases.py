@@ -277,3 +277,31 @@ def test_library_scratch_that_training_writes_gets_a_private_copy():
     bf16 = TaskGraph.load(FIXTURE_DIR / "inception_v3_bfloat16.json.gz")
     assert any(b.kind == "external" and b.name.startswith("block@") for b in bf16.buffers)
     assert not written_externals(bf16)
+
+
+def test_a_phase_whose_cap_saves_no_memory_keeps_its_full_width():
+    """resnet50's training step needs more than torch's pool with every phase uncapped; only the
+    backward's cap saves memory, so the forward keeps all its streams and the plan fits."""
+    graph = load("resnet50_train")
+    dag = build_dag(graph)
+    phases = graph.meta["phases"]
+    fwd, bwd = phase_spans(phases, len(graph.tasks))
+    free = assign_phased(dag, phases)
+    assert plan_memory(graph, free.edges()).arena_bytes > graph.meta["pool_bytes"]
+    _, schedule, plan = scheduled("resnet50_train")
+    assert plan.arena_bytes <= graph.meta["pool_bytes"]
+    assert streams_in(schedule, fwd) == set(range(len(streams_in(free, fwd))))
+    assert len(streams_in(schedule, bwd)) < len(streams_in(free, bwd))
+
+
+def test_per_phase_caps_apply_to_their_own_phase_and_must_match_the_phases():
+    graph = load("mobilenet_v2_train")
+    dag = build_dag(graph)
+    phases = graph.meta["phases"]
+    fwd, bwd = phase_spans(phases, len(graph.tasks))
+    schedule = assign_phased(dag, phases, max_streams=[None, 2])
+    check_schedule(dag, schedule)
+    assert len(streams_in(schedule, bwd)) == 2
+    assert len(streams_in(schedule, fwd)) == len(streams_in(assign_phased(dag, phases), fwd))
+    with pytest.raises(ValueError, match="caps"):
+        assign_phased(dag, phases, max_streams=[None])
