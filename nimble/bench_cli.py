@@ -272,15 +272,21 @@ def bench_model(name: str, args, dtype: str = "float32") -> dict:
     return info
 
 
+#: Stamp groups of the bench's third trace (see :func:`nimble.timeline.stamp_groups`).
+TRACE_GROUPS = 8
+
+
 def _trace_info(nm, x) -> dict:
     """Achieved concurrency and idle streams of one measured run (:meth:`nimble.Nimble.trace`),
-    and the overhead of the two instrumentations (start and end stamps; end stamps only)."""
+    and the overhead of three instrumentations (start and end stamps; end stamps only; end
+    stamps spread over :data:`TRACE_GROUPS` runs)."""
     full = nm.trace(x).summary()
     ends = nm.trace(x, start_stamps=False).summary()
+    grouped = nm.trace(x, start_stamps=False, groups=TRACE_GROUPS).summary()
     [phase] = full["phases"]
     return {"concurrency": phase["concurrency"], "makespan_us": phase["makespan_us"],
             "idle_us": phase["idle_us"], "overhead": full["overhead"],
-            "overhead_ends_only": ends["overhead"],
+            "overhead_ends_only": ends["overhead"], "overhead_grouped": grouped["overhead"],
             "concurrency_ends_only": ends["phases"][0]["concurrency"]}
 
 
@@ -318,7 +324,8 @@ def format_model(info: dict) -> str:
         out.append(f"  trace: achieved concurrency {t['concurrency']:.2f} (DAG width "
                    f"{info['width']}, {info['streams']} streams) over {t['makespan_us']:.0f} µs; "
                    f"instrumentation {t['overhead']:+.0%} ({t['overhead_ends_only']:+.0%} with "
-                   "end stamps only); most idle streams "
+                   f"end stamps only, {t['overhead_grouped']:+.0%} with them in {TRACE_GROUPS} "
+                   "groups); most idle streams "
                    + ", ".join(f"{k} {us:.0f} µs" for k, us in idle))
     if "critical_path_us" in info:
         out.append(f"  critical-path limit {info['critical_path_us']:.0f} µs (serial "

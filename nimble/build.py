@@ -270,7 +270,8 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
                 span: range | None = None, stamps: int = 0,
                 stamp_module: driver.Module | None = None, start_stamps: bool = True,
                 nodes_relocated: bool = False, only: set[int] | None = None,
-                priorities: Sequence[int] | None = None) -> BuiltGraph:
+                priorities: Sequence[int] | None = None,
+                stamped: set[int] | None = None) -> BuiltGraph:
     """Build and instantiate the explicit graph of ``graph`` with ``edges`` as its dependencies.
 
     ``recorded_nodes[t]`` is task ``t``'s node in the captured graph (its function, launch
@@ -284,13 +285,15 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     edges between them; the phase before it has finished when it is launched.  With ``stamps`` (the
     device address of 16 bytes per task of the span, see :func:`stamp_slots`) each task gets two
     ``nimble_timestamp`` nodes from ``stamp_module``: one beside it, after the same predecessors
-    (its start; with ``start_stamps=False`` only a root task gets one), and one after it (its
+    (its start; with ``start_stamps=False`` only the first root gets one), and one after it (its
     end).  Neither is anything's predecessor, so the schedule's own chains are not lengthened.
     ``nodes_relocated`` says that ``recorded_nodes`` are those of a graph Nimble built (see
     :func:`add_task_node`).  ``only`` keeps just those tasks of the span (a set closed under
     predecessors, for step-through); the others get no node (``nodes`` holds None for them).
     ``priorities`` (a driver priority number per task of the graph, see
-    :mod:`nimble.priority`) is given to each kernel node, and the exec honours it.
+    :mod:`nimble.priority`) is given to each kernel node, and the exec honours it.  ``stamped``
+    limits the stamps to those tasks.  The first root's start is stamped in any case: it dates
+    the run, and the other roots start with it.
     """
     n = len(graph.tasks)
     if len(recorded_nodes) != n:
@@ -311,6 +314,7 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
             driver.set_kernel_priority(node, top)
         stamp = stamp_module.function(ptx.TIMESTAMP) if stamps else None
         slots = stamp_slots(span, stamps) if stamps else {}
+        dated = False  # the first root's start is always stamped: it dates the run
         for tid in span:
             if only is not None and tid not in only:
                 nodes.append(None)
@@ -323,9 +327,12 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
             if priorities is not None and task.kind == TaskKind.KERNEL:
                 driver.set_kernel_priority(nodes[-1], priorities[tid])
             if stamps:
-                added = [_add_timestamp(owned.handle, stamp, slots[tid][1], [nodes[-1]])]
-                if start_stamps or all(u < first for u in preds[tid]):  # or a root
+                mine = stamped is None or tid in stamped
+                added = [_add_timestamp(owned.handle, stamp, slots[tid][1], [nodes[-1]])] \
+                    if mine else []
+                if (start_stamps and mine) or (not dated and all(u < first for u in preds[tid])):
                     added.append(_add_timestamp(owned.handle, stamp, slots[tid][0], deps))
+                    dated = True
                 for node in added if top is not None else ():
                     driver.set_kernel_priority(node, top)
         exec_, on_device, refusal = instantiate(owned, device_launch, upload_stream,

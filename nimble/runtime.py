@@ -343,7 +343,7 @@ class Nimble:
         """Per input, the device address of its slot in the arena."""
         return [s.address for s in self._state().launcher.slots]
 
-    def trace(self, *inputs, runs: int = 5, start_stamps: bool = True):
+    def trace(self, *inputs, runs: int = 5, start_stamps: bool = True, groups: int = 1):
         """Measure every task's start and end inside a real multi-stream run of the prepared
         graph(s); returns a :class:`nimble.timeline.Timeline` (``.summary()``, ``.to_chrome()``).
 
@@ -351,11 +351,13 @@ class Nimble:
         graph is rebuilt with timestamp nodes for the measurement; the prepared graph itself is
         not changed and keeps serving calls.  ``start_stamps=False`` halves the timestamp nodes
         (each start is then its task's ready time; see :func:`nimble.timeline.record_timeline`).
+        ``groups=k`` measures a ``k``-th of the tasks in each of ``k`` instrumented runs and joins
+        them, so each run is disturbed less.
         """
         from .timeline import record_timeline
 
         return record_timeline(self._state(), list(inputs) if inputs else None, runs=runs,
-                               start_stamps=start_stamps)
+                               start_stamps=start_stamps, groups=groups)
 
     def run_until(self, *, task: int | None = None, op: int | None = None,
                   module: str | None = None, inputs=None):

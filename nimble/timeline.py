@@ -202,21 +202,66 @@ def format_timeline(summary: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def stamp_groups(schedule: Schedule, groups: int) -> list[set[int]]:
+    """The tasks split into ``groups`` sets by their place on their stream: every
+    ``groups``-th task of each stream falls in one set, so each set's stamps are spread evenly
+    over the streams and over the run."""
+    if groups < 1:
+        raise ValueError(f"groups must be at least 1, got {groups}")
+    out: list[set[int]] = [set() for _ in range(groups)]
+    for stream in schedule.streams:
+        for position, t in enumerate(stream):
+            out[position % groups].add(t)
+    return out
+
+
+def merge_group_stamps(raws: Sequence[bytes], members: Sequence[set[int]], span: range,
+                       roots: set[int]) -> bytes:
+    """One stamp block for ``span`` from the runs of several stamp groups.
+
+    Run ``g`` stamped the tasks in ``members[g]`` and the start of the root in ``roots``
+    (every run does: it dates the run).  Each run's stamps are taken relative to its own earliest root start,
+    so runs at different times line up; each task's stamps come from the run that stamped it.
+    """
+    base = 1 << 40  # a positive origin: a stamp of 0 means "not stamped"
+    out = [0] * (2 * len(span))
+    for raw, group in zip(raws, members):
+        values = struct.unpack(f"<{2 * len(span)}Q", raw[:16 * len(span)])
+        starts = [values[2 * (t - span.start)] for t in roots if t in span]
+        origin = min((v for v in starts if v), default=0)
+        if not origin:
+            continue
+        for t in span:
+            if t not in group:
+                continue
+            k = t - span.start
+            for slot in (2 * k, 2 * k + 1):
+                if values[slot]:
+                    out[slot] = values[slot] - origin + base
+    return struct.pack(f"<{len(out)}Q", *out)
+
+
 def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
-                    start_stamps: bool = True) -> Timeline:
+                    start_stamps: bool = True, groups: int = 1) -> Timeline:
     """Measure every task of ``prepared`` (a :class:`nimble.prepared.Prepared`) in a real run.
 
     ``inputs`` (the flat inputs of every phase, as :func:`nimble.prepared.run_all` takes them;
     random ones when None) are copied into the arena's slots; each phase's instrumented graph
     runs ``runs`` times after the plain graphs ran as often, and the last run's stamps are
-    kept.  ``start_stamps=False`` stamps only the ends (and the roots' starts): half the extra
-    nodes, each start then being its ready time (its last predecessor's end).  Needs the GPU;
-    the prepared graph keeps serving calls unchanged.
+    kept.  ``start_stamps=False`` stamps only the ends (and the first root's start, which
+    dates the run): half the extra nodes, each start then being its ready time (its last
+    predecessor's end; the launch for a root).  ``groups=k``
+    spreads the stamps over ``k`` instrumented graphs (:func:`stamp_groups`), each run
+    ``runs`` times, so each measured run carries a ``k``-th of them and is disturbed that much
+    less; the timeline joins the runs (:func:`merge_group_stamps`) and the overhead reported is
+    the largest of theirs.  The instrumented graphs are launched as the prepared ones are
+    (device-launchable where those are).  Needs the GPU; the prepared graph keeps serving calls
+    unchanged.
     """
     import torch
 
     from . import driver, ptx
-    from .build import build_graph
+    from .build import build_graph, predecessors
     from .verify import random_like
 
     graph, schedule = prepared.graph, prepared.schedule
@@ -224,18 +269,15 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
     launchers = prepared.launchers
     slots = [s for launcher in launchers for s in launcher.slots]
     inputs = list(inputs) if inputs is not None else [random_like(s.tensor) for s in slots]
+    members = stamp_groups(schedule, groups) if groups > 1 else [set(range(n))]
+    preds = predecessors(n, schedule.edges())
+    roots = {next(t for t in b.span if all(u < b.span.start for u in preds[t]))
+             for b in prepared.builts if len(b.span)}  # the stamp dating each run
     stamps = driver.DeviceMemory.allocate(16 * max(n, 1))
-    driver.copy_to_device(stamps.address, bytes(16 * max(n, 1)))  # 0: not stamped
-    instrumented = []
+    raws: list[bytes] = []
+    timed: list[float] = []
     try:
         with launchers[0].lock:
-            for phase, built in enumerate(prepared.builts):
-                instrumented.append(build_graph(
-                    graph, prepared.built_nodes(phase), prepared.bases, schedule.edges(),
-                    device_launch=False, span=built.span,
-                    stamps=stamps.address + 16 * built.span.start,
-                    stamp_module=ptx.load("timestamp.ptx"), start_stamps=start_stamps,
-                    nodes_relocated=True, priorities=prepared.priorities))
             # A gather node reads its source from the input cell, which still names the last
             # call's tensor: the plain runs must gather each slot onto itself instead.
             prepared.cells_to_own_slots()
@@ -256,18 +298,39 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
                 end.synchronize()
                 return start.elapsed_time(end) * 1e3
             plain = sorted(run([b.exec.handle for b in prepared.builts]) for _ in range(runs))
-            timed = sorted(run([b.exec.handle for b in instrumented]) for _ in range(runs))
-            raw = driver.copy_to_host(stamps.address, 16 * n)
+            for group in members:
+                driver.copy_to_device(stamps.address, bytes(16 * max(n, 1)))  # 0: not stamped
+                instrumented = []
+                try:
+                    for phase, built in enumerate(prepared.builts):
+                        instrumented.append(build_graph(
+                            graph, prepared.built_nodes(phase), prepared.bases,
+                            schedule.edges(), device_launch=built.device_launch,
+                            upload_stream=stream, span=built.span,
+                            stamps=stamps.address + 16 * built.span.start,
+                            stamp_module=ptx.load("timestamp.ptx"), start_stamps=start_stamps,
+                            nodes_relocated=True, priorities=prepared.priorities,
+                            stamped=group if groups > 1 else None))
+                    times_of = sorted(run([b.exec.handle for b in instrumented])
+                                      for _ in range(runs))
+                    timed.append(times_of[len(times_of) // 2])
+                    raws.append(driver.copy_to_host(stamps.address, 16 * n))
+                finally:
+                    for built in instrumented:
+                        built.close()
     finally:
-        for built in instrumented:
-            built.close()
         stamps.close()
     times: list[tuple[float, float]] = [(0.0, 0.0)] * n
     for built in prepared.builts:
         span = built.span
-        chunk = raw[16 * span.start:16 * span.stop]
+        if groups > 1:
+            chunk = merge_group_stamps([r[16 * span.start:16 * span.stop] for r in raws],
+                                       members, span, roots)
+        else:
+            chunk = raws[0][16 * span.start:16 * span.stop]
         for t, pair in zip(span, times_from_stamps(chunk, span, schedule.edges())):
             times[t] = pair
     return Timeline(graph, schedule, times, plain_us=plain[len(plain) // 2],
-                    instrumented_us=timed[len(timed) // 2],
-                    meta={"runs": runs, "timer": "%globaltimer", "start_stamps": start_stamps})
+                    instrumented_us=max(timed),
+                    meta={"runs": runs, "timer": "%globaltimer", "start_stamps": start_stamps,
+                          "groups": groups})

@@ -32,6 +32,30 @@ def test_branchy_timeline_measures_every_task_and_shows_concurrency():
     assert len(slices) == n
 
 
+@pytest.mark.parametrize("name,dtype", [("branchy", "float32"), ("googlenet", "float16")])
+def test_a_timeline_joined_from_stamp_groups_covers_every_task_once(name, dtype):
+    """Three instrumented runs, each stamping a third of the tasks: every task gets its times
+    from one of them, the joined run spans about what one run takes, and it agrees with the
+    single-run timeline on which streams ran."""
+    import torch
+
+    import nimble
+
+    model, x = zoo_model(name)
+    model, x = model.to(getattr(torch, dtype)), x.to(getattr(torch, dtype))
+    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    joined = nm.trace(x, start_stamps=False, groups=3)
+    whole = nm.trace(x, start_stamps=False)
+    n = len(nm.graph.tasks)
+    assert joined.meta["groups"] == 3 and len(joined.times) == n
+    assert all(0.0 <= start <= end for start, end in joined.times)
+    # every task stamped: only roots may end at 0 µs, and none ends after the run could have
+    assert sum(end > 0.0 for _, end in joined.times) >= n - len(nm.schedule.streams)
+    [j], [w] = joined.summary()["phases"], whole.summary()["phases"]
+    assert j["streams"] == w["streams"]
+    assert 0.5 * w["makespan_us"] < j["makespan_us"] < 2.0 * w["makespan_us"]
+
+
 def test_a_removed_sync_edge_shows_in_the_trace_as_a_broken_dependency():
     import dataclasses
 
@@ -150,3 +174,28 @@ def test_the_nan_hunt_and_the_bisect_name_the_op_a_fault_was_put_in():
     found = nm.first_divergence(x, nonfinite=True)
     first_conv = next(o.index for o in g.ops if o.name.startswith("aten::convolution"))
     assert found is not None and found.op == first_conv, found
+
+
+@pytest.mark.parametrize("name,dtype", [("googlenet", "float16"), ("inception_v3", "float32")])
+def test_on_zoo_models_the_bisect_finds_nothing_and_the_nan_hunt_names_the_poisoned_conv(
+        name, dtype):
+    """On a clean zoo model the compare against eager finds no op beyond the dtype's tolerance;
+    a NaN put into a convolution weight in the middle of the network is traced to the first op
+    that reads that weight."""
+    import torch
+
+    import nimble
+
+    model, x = zoo_model(name)
+    model, x = model.to(getattr(torch, dtype)), x.to(getattr(torch, dtype))
+    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    assert nm.first_divergence(x) is None
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    victim = convs[len(convs) // 2].weight
+    g = nm.graph
+    [buffer] = [b for b in g.buffers if b.kind == "param" and b.address == victim.data_ptr()]
+    reader = min(t.op for t in g.tasks if any(a.buffer == buffer.id for a in t.accesses))
+    with torch.no_grad():
+        victim[0, 0, 0, 0] = float("nan")
+    found = nm.first_divergence(x, nonfinite=True)
+    assert found is not None and found.op == reader, found

@@ -17,7 +17,7 @@ from nimble.schedule import Schedule, assign_streams
 from nimble.synthetic import branchy_graph
 from nimble.taskgraph import Task, TaskGraph
 from nimble.timeline import (Timeline, executed_critical_path, format_timeline,
-                             times_from_stamps)
+                             merge_group_stamps, stamp_groups, times_from_stamps)
 
 
 def _diamond():
@@ -137,3 +137,36 @@ def test_a_dependency_the_run_broke_is_reported():
     # 3 started at 20 while 2 (which it depends on) ran until 25: a missing synchronization
     raced = Timeline(g, s, [(0.0, 10.0), (10.0, 20.0), (15.0, 25.0), (20.0, 30.0)])
     assert raced.overlapped([(0, 1), (0, 2), (1, 3), (2, 3)]) == [(2, 3)]
+
+
+def test_stamp_groups_split_each_stream_evenly_and_cover_every_task_once():
+    g = branchy_graph()
+    s = assign_streams(build_dag(g))
+    groups = stamp_groups(s, 3)
+    assert sorted(t for grp in groups for t in grp) == list(range(len(g.tasks)))
+    for stream in s.streams:
+        counts = [len(set(stream) & grp) for grp in groups]
+        assert max(counts) - min(counts) <= 1
+    assert stamp_groups(s, 1) == [set(range(len(g.tasks)))]
+    with pytest.raises(ValueError):
+        stamp_groups(s, 0)
+
+
+def test_runs_of_stamp_groups_are_joined_on_their_own_root_starts():
+    """Two runs 1 s apart: each task's stamps come from the run that took them, measured from
+    that run's root start, so the joined times are those of one run."""
+    span = range(3)  # 0 is the root; 1 and 2 follow it
+    run_a_origin, run_b_origin = 5_000_000_000, 6_000_000_000
+
+    def block(origin, stamped):
+        values = [0] * 6
+        values[0] = origin  # every run stamps the root's start
+        ends = {0: 10_000, 1: 30_000, 2: 25_000}
+        for t in stamped:
+            values[2 * t + 1] = origin + ends[t]
+        return struct.pack("<6Q", *values)
+
+    raw = merge_group_stamps([block(run_a_origin, {0, 2}), block(run_b_origin, {1})],
+                             [{0, 2}, {1}], span, roots={0})
+    times = times_from_stamps(raw, span, [(0, 1), (0, 2)])
+    assert times == [(0.0, 10.0), (10.0, 30.0), (10.0, 25.0)]
