@@ -243,12 +243,12 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
     address the graph's gather node reads), then the generator's seed and offset cells, then a
     private copy of every library-owned buffer the graph writes (:func:`written_externals`),
-    initialized from the library's bytes.  Each buffer in ``meta["low_word_buffers"]`` gets memory
-    of its own at its recorded address plus a multiple of 4 GiB (:class:`~nimble.driver.LowBitsMemory`),
-    owned with the arena; its arena slot stays unused.  A phased recording (a training step) gets one graph
-    and one launcher per phase, over the phase's own tasks, inputs and outputs.
-    ``priorities`` (driver priority numbers per task, :func:`kernel_priorities`) go to the kernel
-    nodes.
+    initialized from the library's bytes.  Each buffer in ``meta["low_word_buffers"]`` gets
+    memory of its own at its recorded address plus a multiple of 4 GiB
+    (:class:`~nimble.driver.LowBitsMemory`), owned with the arena; its arena slot stays unused.
+    A phased recording (a training step) gets one graph and one launcher per phase, over the
+    phase's own tasks, inputs and outputs.  ``priorities`` (driver priority numbers per task,
+    :func:`kernel_priorities`) go to the kernel nodes.
     """
     import torch
 
