@@ -220,8 +220,9 @@ def merge_group_stamps(raws: Sequence[bytes], members: Sequence[set[int]], span:
     """One stamp block for ``span`` from the runs of several stamp groups.
 
     Run ``g`` stamped the tasks in ``members[g]`` and the start of the root in ``roots``
-    (every run does: it dates the run).  Each run's stamps are taken relative to its own earliest root start,
-    so runs at different times line up; each task's stamps come from the run that stamped it.
+    (every run does: it dates the run).  Each run's stamps are taken relative to that root's
+    start, so runs at different times line up; each task's stamps come from the run that
+    stamped it.
     """
     base = 1 << 40  # a positive origin: a stamp of 0 means "not stamped"
     out = [0] * (2 * len(span))
@@ -250,11 +251,10 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
     runs ``runs`` times after the plain graphs ran as often, and the last run's stamps are
     kept.  ``start_stamps=False`` stamps only the ends (and the first root's start, which
     dates the run): half the extra nodes, each start then being its ready time (its last
-    predecessor's end; the launch for a root).  ``groups=k``
-    spreads the stamps over ``k`` instrumented graphs (:func:`stamp_groups`), each run
-    ``runs`` times, so each measured run carries a ``k``-th of them and is disturbed that much
-    less; the timeline joins the runs (:func:`merge_group_stamps`) and the overhead reported is
-    the largest of theirs.  The instrumented graphs are launched as the prepared ones are
+    predecessor's end; the launch for a root).  ``groups=k`` spreads the stamps over ``k``
+    instrumented graphs (:func:`stamp_groups`), each run ``runs`` times, so each measured run
+    carries a ``k``-th of them and is disturbed that much less; the timeline joins the runs
+    (:func:`merge_group_stamps`) and the overhead reported is the largest of theirs.  The instrumented graphs are launched as the prepared ones are
     (device-launchable where those are).  Needs the GPU; the prepared graph keeps serving calls
     unchanged.
     """
