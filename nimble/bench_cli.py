@@ -83,6 +83,28 @@ def _say(args, msg: str) -> None:
     say(msg, args.quiet, "bench")
 
 
+def torch_graph_call(model, x) -> Callable[[], None]:
+    """``model`` under ``torch.cuda.graph`` (warmed up on a side stream first): a call copies
+    ``x`` into the graph's static input, as each Nimble call brings its input in, and replays."""
+    import torch
+
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch_graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(torch_graph):
+        model(static_x)
+
+    def graph_call() -> None:
+        static_x.copy_(x)
+        torch_graph.replay()
+    return graph_call
+
+
 def time_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int
                  ) -> dict[str, list[float]]:
     """Per mode, the mean ms per call of each round; modes interleaved within every round."""
@@ -148,21 +170,7 @@ def bench_model(name: str, args, dtype: str = "float32") -> dict:
     fns["eager"] = eager
 
     _say(args, f"{name} ({dtype}): capturing torch.cuda.graph")
-    static_x = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(3):
-            model(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    torch_graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(torch_graph):
-        model(static_x)
-
-    def graph_call():
-        static_x.copy_(x)  # each call brings its input, as Nimble's calls do
-        torch_graph.replay()
-    fns["torch.cuda.graph"] = graph_call
+    fns["torch.cuda.graph"] = torch_graph_call(model, x)
 
     if not args.no_compile:
         _say(args, f"{name} ({dtype}): torch.compile(mode='reduce-overhead')")

@@ -310,8 +310,9 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
         # Nimble's own nodes (gathers, stamps) are tiny: at the top priority they never wait
         # behind a big kernel, so a stamp is taken when its task ends.
         top = min(priorities, default=0) if priorities is not None else None
-        for node in gather_nodes if top is not None else ():
-            driver.set_kernel_priority(node, top)
+        if top is not None:
+            for node in gather_nodes:
+                driver.set_kernel_priority(node, top)
         stamp = stamp_module.function(ptx.TIMESTAMP) if stamps else None
         slots = stamp_slots(span, stamps) if stamps else {}
         dated = False  # the first root's start is always stamped: it dates the run
@@ -333,8 +334,9 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
                 if (start_stamps and mine) or (not dated and all(u < first for u in preds[tid])):
                     added.append(_add_timestamp(owned.handle, stamp, slots[tid][0], deps))
                     dated = True
-                for node in added if top is not None else ():
-                    driver.set_kernel_priority(node, top)
+                if top is not None:
+                    for node in added:
+                        driver.set_kernel_priority(node, top)
         exec_, on_device, refusal = instantiate(owned, device_launch, upload_stream,
                                                 priorities is not None)
     except BaseException:

@@ -146,8 +146,7 @@ class _Resolver:
         self.stats = {"allocations_reused_in_op": sum(
                           1 for i, rep in enumerate(self.region)
                           if rep != i or self.members(i) > 1),
-                      "unlisted_pointer_accesses": 0, "op_accesses_without_pointer": 0,
-                      "words_not_pointers": 0}
+                      "unlisted_pointer_accesses": 0, "op_accesses_without_pointer": 0}
         self.not_pointer_words: list[list[int]] = []  # [task, location, value]
         self.low_word_buffers: set[int] = set()
 
@@ -371,6 +370,7 @@ def build_taskgraph(raw: RawCapture) -> TaskGraph:
     graph.buffers = r.buffers
     graph.meta.update(r.stats)
     graph.meta["not_pointer_words"] = r.not_pointer_words
+    graph.meta["words_not_pointers"] = len(r.not_pointer_words)
     graph.meta["low_word_buffers"] = sorted(r.low_word_buffers)
     graph.meta["unattributed_tasks"] = len(tasks_of_op.get(-1, []))
     graph.validate()
@@ -401,10 +401,8 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
                 where = r.just_past_own_allocation(k, v)
             if where is None:
                 where = r.just_past_live(v)
-            if v in copy_ends:
-                pass
-            elif where is not None and r.not_a_pointer(v, where, k, named) \
-                    or where is None and r.in_allocator_free(v):
+            if v not in copy_ends and (where is not None and r.not_a_pointer(v, where, k, named)
+                                       or where is None and r.in_allocator_free(v)):
                 not_pointers.add(v)
                 where = None
             if where is not None and where[0] == "alloc":
@@ -457,7 +455,6 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
             bid = target(value)
             if value in not_pointers or aten_kernel and (
                     value in others_workspace or bid >= 0 and _library_memory(r.buffers[bid])):
-                r.stats["words_not_pointers"] += 1
                 r.not_pointer_words.append([t, location, value])
                 continue
             if bid < 0:

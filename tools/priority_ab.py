@@ -17,7 +17,7 @@ import torch
 
 import nimble
 from nimble import models, train_bench
-from nimble.bench_cli import time_rounds
+from nimble.bench_cli import time_rounds, torch_graph_call
 
 VARIANTS = [("single", {"use_multi_stream": False}),
             ("multi, no priorities", {"priorities": False}),
@@ -42,21 +42,7 @@ def main() -> int:
     else:
         model = models.create(name).cuda().eval().to(dtype)
         x = models.example_input(name, batch).to(dtype)
-        static = x.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(3):
-                model(static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.no_grad():
-            model(static)
-
-        def replay() -> None:
-            static.copy_(x)
-            graph.replay()
-        steps["torch graph"] = replay
+        steps["torch graph"] = torch_graph_call(model, x)
         for label, kw in VARIANTS:
             nm = nimble.Nimble(model).prepare(x, **kw)
             steps[label] = (lambda nm=nm: nm(x))
