@@ -15,7 +15,8 @@ from . import driver, ptx
 from .build import BuiltGraph, InputGather, buffer_bases, build_graph
 from .deps import build_dag
 from .launcher import CallOrder, InputSlot, Launcher, RngCells
-from .memplan import MemPlan, check_plan, plan_memory
+from .memplan import MemPlan, plan_memory
+from .plancheck import check_plan
 from .priority import driver_priorities, priority_levels
 from .resolve import RNG_OFFSET, RNG_SEED
 from .schedule import Schedule, assign_phased, check_schedule, phase_spans

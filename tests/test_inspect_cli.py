@@ -14,7 +14,8 @@ import pytest
 from nimble import Pointer, TaskGraph, cli
 from nimble import inspect as ins
 from nimble.deps import build_dag
-from nimble.memplan import MemPlan, check_plan
+from nimble.memplan import MemPlan
+from nimble.plancheck import check_plan
 from nimble.schedule import Schedule, check_schedule
 from nimble.synthetic import branchy_graph, random_graph
 from nimble.taskgraph import BufferKind, FORMAT_VERSION

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from nimble import Access, Buffer, BufferKind, Task, TaskGraph, TaskKind
 from nimble.deps import build_dag, dag_from_edges, reachability, transitive_reduction
-from nimble.memplan import MemPlan, MemPlanError, check_plan, lower_bound_bytes, plan_memory
+from nimble.memplan import MemPlan, MemPlanError, lower_bound_bytes, plan_memory
+from nimble.plancheck import check_plan
 from nimble.schedule import assign_streams
 from nimble.synthetic import branchy_graph, random_graph
 

@@ -11,7 +11,8 @@ import pytest
 from nimble import BufferKind, TaskGraph
 from nimble.build import predecessors
 from nimble.deps import build_dag, dag_from_edges, reachability
-from nimble.memplan import check_plan, plan_memory
+from nimble.memplan import plan_memory
+from nimble.plancheck import check_plan
 from nimble.prepared import schedule_within, single_stream_schedule
 from nimble.schedule import (Schedule, ScheduleError, assign_phased, assign_streams,
                              check_schedule, induced, phase_spans)

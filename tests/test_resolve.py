@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from nimble.deps import build_dag
 from nimble.rawcapture import (AllocEvent, DeviceRange, OpRecord, RawCapture, RawNode, TensorSpan,
                                TensorSpec)
-from nimble.resolve import _Intervals, build_taskgraph, unresolved_in_pool
+from nimble.resolve import build_taskgraph, unresolved_in_pool
+from nimble.resolver import _Intervals
 from nimble.taskgraph import Access, BufferKind, Pointer, TaskKind
 
 POOL = 0x7F00_1230_0000  # the capture's private pool: [POOL, POOL + 1 MiB)

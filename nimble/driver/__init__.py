@@ -1,0 +1,40 @@
+"""The only package that calls ``cuda.bindings.driver``.
+
+Every driver call goes through :func:`call` (or :func:`probe`, for calls whose failure is an
+answer), which unwraps the ``(CUresult, *values)`` tuple and raises :class:`CudaError` naming the
+call and the ``CUDA_ERROR_*`` code.  Every handle Nimble creates has exactly one owner here; it is
+freed by an idempotent ``close()`` or, failing that, by a ``weakref.finalize`` that never raises.
+
+Importing this package does not touch the GPU: the bindings are imported on first use.  Its
+modules: :mod:`~nimble.driver.calls` (the bindings, checked calls, the context),
+:mod:`~nimble.driver.nodes` (graphs and their nodes, launches, copies) and
+:mod:`~nimble.driver.handles` (the owned handles and device memory).  The rest of Nimble uses the
+names re-exported here (``driver.call``, ``driver.GraphExec``, ...).
+"""
+from __future__ import annotations
+
+from .calls import (bindings, call, checked, current_context, device_supports_stream_writes,
+                    ensure_context, probe, synchronize_context)
+from .handles import (DeviceMemory, Event, Graph, GraphExec, LowBitsMemory, Module,
+                      nimble_memory)
+from .nodes import (CallPath, add_empty_node, add_event_record_node, add_kernel_node,
+                    add_memcpy_node, add_memset_node, address_range, allow_dynamic_shared,
+                    capture_graph, copy_device, copy_kernel_attributes, copy_to_device,
+                    copy_to_host, event_elapsed_ms, fill_bytes_async, function_name,
+                    function_param_layout, graph_nodes, kernel_function_of, kernel_node_params,
+                    kernel_priority, launch, memcpy_node_params, memset_node_params, node_count,
+                    node_type, read_host, set_exec_kernel_params, set_kernel_priority, stream,
+                    stream_priority_range, stream_synchronize, upload)
+
+__all__ = [
+    "CallPath", "DeviceMemory", "Event", "Graph", "GraphExec", "LowBitsMemory", "Module",
+    "add_empty_node", "add_event_record_node", "add_kernel_node", "add_memcpy_node",
+    "add_memset_node", "address_range", "allow_dynamic_shared", "bindings", "call",
+    "capture_graph", "checked", "copy_device", "copy_kernel_attributes", "copy_to_device",
+    "copy_to_host", "current_context", "device_supports_stream_writes", "ensure_context",
+    "event_elapsed_ms", "fill_bytes_async", "function_name", "function_param_layout",
+    "graph_nodes", "kernel_function_of", "kernel_node_params", "kernel_priority", "launch",
+    "memcpy_node_params", "memset_node_params", "nimble_memory", "node_count", "node_type",
+    "probe", "read_host", "set_exec_kernel_params", "set_kernel_priority", "stream",
+    "stream_priority_range", "stream_synchronize", "synchronize_context", "upload",
+]

@@ -1,0 +1,117 @@
+"""Checked calls into ``cuda.bindings.driver``, and the current context.
+
+This module owns the one lazily imported copy of the bindings (:func:`bindings`; the module
+itself is held in ``_drv`` here and nowhere else), the turning of a ``(CUresult, *values)`` tuple
+into values or a :class:`CudaError` naming the call and its ``CUDA_ERROR_*`` code (:func:`call`,
+:func:`checked`, and :func:`probe` for calls whose failure is an answer), and the helpers that set
+up and query the context and device Nimble runs in (:func:`ensure_context` and the like).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CudaError, NoGpuError
+
+_drv: Any = None
+
+
+def bindings():
+    """The ``cuda.bindings.driver`` module (imported on first use)."""
+    global _drv
+    if _drv is None:
+        try:
+            from cuda.bindings import driver
+        except ImportError as e:  # pragma: no cover - a declared dependency
+            raise NoGpuError(
+                "cuda-bindings is not installed: pip install cuda-bindings (the CUDA driver API "
+                f"for Python) to record or run models ({e})") from e
+        _drv = driver
+    return _drv
+
+
+def _error_name(code) -> str:
+    drv = bindings()
+    try:
+        err, name = drv.cuGetErrorName(code)
+        if err == drv.CUresult.CUDA_SUCCESS and name:
+            return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - the name is a courtesy; the code is still reported
+        pass
+    return getattr(code, "name", f"CUresult({int(code)})")
+
+
+def _unwrap(result, name: str, detail: str = ""):
+    code = result[0]
+    if code != _drv.CUresult.CUDA_SUCCESS:
+        raise CudaError(name, int(code), _error_name(code), detail)
+    if len(result) == 1:
+        return None
+    if len(result) == 2:
+        return result[1]
+    return result[1:]
+
+
+def call(name: str, *args, detail: str = ""):
+    """Call driver function ``name``; return its values (none, one, or a tuple); raise on error."""
+    return _unwrap(getattr(bindings(), name)(*args), name, detail)
+
+
+def checked(name: str):
+    """Driver function ``name`` bound once, checked like :func:`call` (for per-call paths)."""
+    fn = getattr(bindings(), name)
+
+    def checked_call(*args, detail: str = ""):
+        return _unwrap(fn(*args), name, detail)
+    checked_call.__name__ = name
+    return checked_call
+
+
+def probe(name: str, *args):
+    """Call a driver function whose failure is an expected answer: ``(ok, values)``."""
+    result = getattr(bindings(), name)(*args)
+    if result[0] != _drv.CUresult.CUDA_SUCCESS:
+        return False, None
+    return True, (result[1] if len(result) == 2 else result[1:] if len(result) > 2 else None)
+
+
+def ensure_context() -> Any:
+    """Initialise the driver and make torch's primary context current on this thread.
+
+    Raises :class:`NoGpuError` where there is no GPU or driver.
+    """
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover
+        raise NoGpuError(f"torch is not importable: {e}") from e
+    if not torch.cuda.is_available():
+        raise NoGpuError(
+            "no CUDA GPU or driver found (torch.cuda.is_available() is False). Nimble records "
+            "and runs models on NVIDIA GPUs; `nimble inspect` works on saved recordings without one.")
+    torch.cuda.init()
+    drv = bindings()
+    call("cuInit", 0)
+    ctx = call("cuCtxGetCurrent")
+    if ctx is None or int(ctx) == 0:
+        dev = call("cuDeviceGet", torch.cuda.current_device())
+        ctx = call("cuDevicePrimaryCtxRetain", dev)
+        # The reference is kept: torch may not have made its own yet (its CUDA init is lazy),
+        # and releasing the only one would destroy the context under us.
+        call("cuCtxSetCurrent", ctx)
+    return ctx if isinstance(ctx, drv.CUcontext) else drv.CUcontext(int(ctx))
+
+
+def current_context() -> Any:
+    """The ``CUcontext`` current on this thread."""
+    return call("cuCtxGetCurrent")
+
+
+def synchronize_context() -> None:
+    """Wait for all work in the current context."""
+    call("cuCtxSynchronize")
+
+
+def device_supports_stream_writes(ordinal: int) -> bool:
+    """Whether the GPU takes 64-bit stream memory writes (``cuStreamWriteValue64``)."""
+    drv = bindings()
+    attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+    return bool(call("cuDeviceGetAttribute", attr, call("cuDeviceGet", ordinal)))

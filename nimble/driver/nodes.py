@@ -1,0 +1,234 @@
+"""Typed wrappers for graphs, their nodes, streams and device memory copies.
+
+This module owns the driver calls that read a captured graph (its nodes, their kinds and
+parameters, the functions kernels name), that add nodes to a graph Nimble builds and set their
+kernel priorities, that change and launch an instantiated graph, and that copy bytes between host
+and device; plus :class:`CallPath`, the per-call path's checked functions bound once.  Each is a
+thin, checked :func:`~nimble.driver.calls.call`, so the rest of Nimble never names a ``cu*``
+function.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from .calls import bindings, call, checked, probe
+
+
+# ---- typed wrappers: the rest of Nimble calls these, never a ``cu*`` function by name -------
+
+def stream(handle) -> Any:
+    """A ``CUstream`` for ``handle`` (a ``CUstream``, a raw integer handle, or 0/None)."""
+    drv = bindings()
+    return handle if isinstance(handle, drv.CUstream) else drv.CUstream(int(handle or 0))
+
+
+def capture_graph(stream_handle) -> Any | None:
+    """The graph ``stream_handle`` is capturing into, or None when it is not capturing."""
+    drv = bindings()
+    info = call("cuStreamGetCaptureInfo", stream(stream_handle))
+    if info[0] != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+        return None
+    return info[2]
+
+
+def node_count(graph) -> int:
+    """How many nodes ``graph`` holds."""
+    return int(call("cuGraphGetNodes", graph, 0)[1])
+
+
+def graph_nodes(graph) -> list:
+    """Every node of ``graph``, in the driver's order (creation order for a captured graph)."""
+    count = node_count(graph)
+    return list(call("cuGraphGetNodes", graph, count)[0])[:count]
+
+
+def node_type(node) -> str:
+    """``"kernel"``, ``"memset"``, ``"memcpy"``, or the driver's ``CU_GRAPH_NODE_TYPE_*`` name."""
+    drv = bindings()
+    t = call("cuGraphNodeGetType", node)
+    kinds = {drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL: "kernel",
+             drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMSET: "memset",
+             drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMCPY: "memcpy"}
+    return kinds.get(t, getattr(t, "name", str(t)))
+
+
+def kernel_node_params(node) -> Any:
+    """A kernel node's ``CUDA_KERNEL_NODE_PARAMS`` (argument memory owned by the node)."""
+    return call("cuGraphKernelNodeGetParams", node)
+
+
+def memset_node_params(node) -> Any:
+    """A memset node's ``CUDA_MEMSET_NODE_PARAMS``."""
+    return call("cuGraphMemsetNodeGetParams", node)
+
+
+def memcpy_node_params(node) -> Any:
+    """A memcpy node's ``CUDA_MEMCPY3D``."""
+    return call("cuGraphMemcpyNodeGetParams", node)
+
+
+def kernel_function_of(kernel) -> Any:
+    """The ``CUfunction`` of a library ``CUkernel`` in the current context."""
+    return call("cuKernelGetFunction", kernel)
+
+
+def function_name(func) -> str:
+    """A function's (mangled) name."""
+    raw = call("cuFuncGetName", func)
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+
+
+def function_param_layout(func) -> list[tuple[int, int]]:
+    """``(offset, size)`` of each parameter of ``func``; empty where the driver has no info."""
+    layout: list[tuple[int, int]] = []
+    while True:
+        ok, got = probe("cuFuncGetParamInfo", func, len(layout))
+        if not ok:
+            return layout
+        layout.append((int(got[0]), int(got[1])))
+
+
+def address_range(address: int) -> tuple[int, int] | None:
+    """``(base, size)`` of the device allocation holding ``address``, or None if none does."""
+    ok, got = probe("cuMemGetAddressRange", bindings().CUdeviceptr(address))
+    return (int(got[0]), int(got[1])) if ok else None
+
+
+def allow_dynamic_shared(func, nbytes: int) -> None:
+    """Let ``func`` launch with ``nbytes`` of dynamic shared memory (raise its cap if lower).
+
+    A library may raise the cap on another handle of the same kernel (cuDNN's training batch
+    norm does): the function a captured node names can report a cap below what the node
+    launches with, and adding that node to a new graph fails with ``CUDA_ERROR_INVALID_VALUE``.
+    The cap is raised to the most the device allows, never to ``nbytes`` alone: the setting is
+    shared with the library's own handle, and a lower cap than the library set would make its
+    later launches with more shared memory fail (cuDNN then reports
+    ``CUDNN_STATUS_EXECUTION_FAILED_CUDART`` in eager code run after a prepare).
+    """
+    drv = bindings()
+    attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if int(call("cuFuncGetAttribute", attr, func)) >= nbytes:
+        return
+    static = int(call("cuFuncGetAttribute",
+                      drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func))
+    optin = int(call("cuDeviceGetAttribute",
+                     drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                     call("cuCtxGetDevice")))
+    call("cuFuncSetAttribute", func, attr, max(nbytes, optin - static), detail=f"{nbytes} bytes")
+
+
+def add_kernel_node(graph, deps: list, params, detail: str = "") -> Any:
+    return call("cuGraphAddKernelNode", graph, deps, len(deps), params, detail=detail)
+
+
+def copy_kernel_attributes(dst, src) -> None:
+    call("cuGraphKernelNodeCopyAttributes", dst, src)
+
+
+def stream_priority_range() -> tuple[int, int]:
+    """``(least, greatest)`` priority numbers of the current context; ``greatest`` is the
+    numerically lower, and the higher priority."""
+    least, greatest = call("cuCtxGetStreamPriorityRange")
+    return int(least), int(greatest)
+
+
+def set_kernel_priority(node, priority: int) -> None:
+    """Give a kernel node a scheduling priority (see :func:`stream_priority_range`); it holds
+    where the exec is instantiated with ``node_priority``."""
+    drv = bindings()
+    value = drv.CUkernelNodeAttrValue()
+    value.priority = int(priority)
+    call("cuGraphKernelNodeSetAttribute", node,
+         drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY, value, detail=f"priority {priority}")
+
+
+def kernel_priority(node) -> int:
+    """A kernel node's priority attribute (see :func:`set_kernel_priority`)."""
+    drv = bindings()
+    value = call("cuGraphKernelNodeGetAttribute", node,
+                 drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY)
+    return int(value.priority)
+
+
+def add_memset_node(graph, deps: list, params, ctx, detail: str = "") -> Any:
+    return call("cuGraphAddMemsetNode", graph, deps, len(deps), params, ctx, detail=detail)
+
+
+def add_memcpy_node(graph, deps: list, params, ctx, detail: str = "") -> Any:
+    return call("cuGraphAddMemcpyNode", graph, deps, len(deps), params, ctx, detail=detail)
+
+
+def add_empty_node(graph, deps: list) -> Any:
+    return call("cuGraphAddEmptyNode", graph, deps, len(deps))
+
+
+def add_event_record_node(graph, deps: list, event) -> Any:
+    return call("cuGraphAddEventRecordNode", graph, deps, len(deps), event)
+
+
+def set_exec_kernel_params(exec_handle, node, params, detail: str = "") -> None:
+    """Change a kernel node's arguments in an instantiated graph (no re-instantiation)."""
+    call("cuGraphExecKernelNodeSetParams", exec_handle, node, params, detail=detail)
+
+
+def upload(exec_handle, stream_handle) -> None:
+    """Upload an exec to the device ahead of its next launch (after it was changed)."""
+    call("cuGraphUpload", exec_handle, stream(stream_handle))
+
+
+def launch(exec_handle, stream_handle) -> None:
+    call("cuGraphLaunch", exec_handle, stream(stream_handle))
+
+
+def stream_synchronize(stream_handle) -> None:
+    call("cuStreamSynchronize", stream(stream_handle))
+
+
+def event_elapsed_ms(start, end) -> float:
+    return float(call("cuEventElapsedTime", start, end))
+
+
+def copy_to_device(address: int, data: bytes) -> None:
+    """Synchronous host-to-device copy of ``data`` to ``address``."""
+    call("cuMemcpyHtoD", address, data, len(data))
+
+
+def copy_device(dst: int, src: int, size: int) -> None:
+    """Synchronous device-to-device copy of ``size`` bytes."""
+    call("cuMemcpyDtoD", dst, src, size)
+
+
+def copy_to_host(address: int, size: int) -> bytes:
+    """Synchronous device-to-host copy of ``size`` bytes at ``address``."""
+    buf = ctypes.create_string_buffer(max(size, 1))
+    call("cuMemcpyDtoH", ctypes.addressof(buf), address, size)
+    return buf.raw[:size]
+
+
+def fill_bytes_async(address: int, value: int, size: int, stream_handle) -> None:
+    """Set ``size`` bytes at ``address`` to ``value``, in stream order."""
+    call("cuMemsetD8Async", bindings().CUdeviceptr(address), value, size, stream(stream_handle))
+
+
+class CallPath:
+    """The driver functions a prepared graph's per-call path uses, bound and checked once.
+
+    Attribute lookups on this object are all a call pays: no name lookup in the bindings, no
+    argument conversion beyond the driver's own.
+    """
+
+    __slots__ = ("launch", "copy", "write64", "record", "wait", "set_context")
+
+    def __init__(self) -> None:
+        self.launch = checked("cuGraphLaunch")
+        self.copy = checked("cuMemcpyDtoDAsync")
+        self.write64 = checked("cuStreamWriteValue64")
+        self.record = checked("cuEventRecord")
+        self.wait = checked("cuStreamWaitEvent")
+        self.set_context = checked("cuCtxSetCurrent")
+
+
+def read_host(address: int, size: int) -> bytes:
+    """Bytes of host memory owned by the driver (e.g. a node's copy of kernel parameters)."""
+    return ctypes.string_at(address, size)
