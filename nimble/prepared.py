@@ -118,6 +118,11 @@ def schedule_within(graph: TaskGraph, max_streams: int | None, arena_limit: int 
     return schedule, plan
 
 
+def gathers_of(slots) -> list[InputGather]:
+    """One gather per input slot a call writes through a cell (the slots of one phase)."""
+    return [InputGather(s.cell, s.address, s.nbytes) for s in slots if s.cell]
+
+
 @dataclass
 class Prepared:
     """One built, verified graph with everything it owns; replaced whole by the next prepare.
@@ -157,6 +162,11 @@ class Prepared:
         for t, node in zip(built.span, built.nodes):
             nodes[t] = node
         return nodes
+
+    def gathers(self, phase: int) -> list[InputGather]:
+        """The input gathers phase ``phase``'s graph starts with: a copy of the graph rebuilt
+        with them (and the same priorities) runs as the served one does, single entry and all."""
+        return gathers_of(self.launchers[phase].slots)
 
     def cells_to_own_slots(self) -> None:
         """Point every input cell at its own slot, so that a launch without a call (a debugging
@@ -301,7 +311,7 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
         first_in = first_out = 0
         for k, span in enumerate(spans):
             mine = slots[first_in:first_in + in_counts[k]]
-            gathers = [InputGather(s.cell, s.address, s.nbytes) for s in mine if s.cell]
+            gathers = gathers_of(mine)
             built = build_graph(graph, rec.nodes, bases, schedule.edges(),
                                 device_launch=device_launch, upload_stream=upload,
                                 gathers=gathers, span=span, priorities=priorities,

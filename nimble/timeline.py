@@ -303,10 +303,14 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
                 instrumented = []
                 try:
                     for phase, built in enumerate(prepared.builts):
+                        # With the served graph's gathers: without them its roots would be
+                        # many graph roots, a shape the driver runs measurably slower.
+                        gathers = prepared.gathers(phase)
                         instrumented.append(build_graph(
                             graph, prepared.built_nodes(phase), prepared.bases,
                             schedule.edges(), device_launch=built.device_launch,
-                            upload_stream=stream, span=built.span,
+                            upload_stream=stream, span=built.span, gathers=gathers,
+                            gather_module=ptx.load("gather_input.ptx") if gathers else None,
                             stamps=stamps.address + 16 * built.span.start,
                             stamp_module=ptx.load("timestamp.ptx"), start_stamps=start_stamps,
                             nodes_relocated=True, priorities=prepared.priorities,
