@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true",
                    help="find the first op whose output differs from eager's")
     p.add_argument("--nan", action="store_true",
-                   help="find the first op that writes NaN or Inf")
+                   help="find the first op that writes NaN or Inf (an infinity a padding or "
+                   "mask op writes on purpose does not count)")
 
 
 def run(args) -> int:

@@ -9,20 +9,40 @@ recorded (topological) order: for each it runs the prepared graph up to that op
 tolerance that depends on the dtype, and stops at the first that differs.  A walk, not a
 bisection: a wrong value propagates only along its own branch, so ops on parallel branches after
 the faulty one still agree, and "some op up to here differs" is not monotone in the op index.
-:func:`first_nonfinite` does the same for NaN or Inf.
+:func:`first_nonfinite` does the same for NaN or Inf (not counting the infinities that padding and
+masking ops write on purpose, :data:`INF_SENTINEL_OPS`).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .errors import InputError
 from .taskgraph import Access, TaskGraph
 
-#: ``(rtol, atol)`` per dtype name: the same kernels run in both, so these only absorb
-#: library algorithms that differ between an eager call and a graph replay.
-TOLERANCES = {"float64": (1e-7, 1e-9), "float32": (1e-4, 1e-5), "float16": (1e-2, 1e-3),
-              "bfloat16": (2e-2, 1e-2)}
+#: ``(rtol, atol)`` per dtype name.  A tensor agrees with eager's when its largest difference is
+#: within ``atol + rtol *`` its largest magnitude: rounding in a long sum is relative to the size
+#: of its terms, so near a zero crossing it is measured against the tensor's scale, not the
+#: element's.  These absorb only library algorithms that differ between an eager call and the
+#: recording (cuDNN's benchmark cache keys on pointer alignment, so eager may pick another).
+#: ``"tf32"`` is float32 while torch lets convolutions or matmuls round their inputs to TF32
+#: (``torch.backends.cudnn.allow_tf32``, on by default): another algorithm then differs by
+#: TF32's rounding, as much as half precision's.
+TOLERANCES = {"float64": (1e-7, 1e-9), "float32": (1e-4, 1e-5), "tf32": (1e-2, 1e-3),
+              "float16": (1e-2, 1e-3), "bfloat16": (2e-2, 1e-2)}
+
+
+#: Seconds between two progress lines of a walk.
+PROGRESS_SECONDS = 5.0
+
+#: Ops that write an infinity on purpose, as a sentinel the next op absorbs: padding before a
+#: max pool ("same" pooling in timm's NASNet and PNASNet pads with -inf), attention masks
+#: before a softmax.  The NaN hunt counts only NaN in their outputs, or it would stop at every
+#: such pad.
+INF_SENTINEL_OPS = frozenset({"aten::constant_pad_nd", "aten::masked_fill", "aten::masked_fill_",
+                              "aten::fill", "aten::fill_", "aten::full", "aten::full_like",
+                              "aten::new_full", "aten::where", "aten::scalar_tensor"})
 
 
 @dataclass
@@ -113,9 +133,20 @@ def align(graph: TaskGraph, eager: Sequence[EagerOp]) -> list[AlignedOp]:
     return out
 
 
-def tolerance(dtype) -> tuple[float, float]:
-    """``(rtol, atol)`` for comparing tensors of ``dtype`` (exact for integers and bools)."""
-    return TOLERANCES.get(str(dtype).removeprefix("torch."), (0.0, 0.0))
+def tolerance(dtype, tf32: bool | None = None) -> tuple[float, float]:
+    """``(rtol, atol)`` for comparing tensors of ``dtype`` (exact for integers and bools);
+    float32 gets TF32's when ``tf32`` (default: whether torch allows TF32 now)."""
+    name = str(dtype).removeprefix("torch.")
+    if name == "float32" and (tf32_allowed() if tf32 is None else tf32):
+        name = "tf32"
+    return TOLERANCES.get(name, (0.0, 0.0))
+
+
+def tf32_allowed() -> bool:
+    """Whether torch lets cuDNN convolutions or cuBLAS matmuls compute float32 in TF32."""
+    import torch
+
+    return bool(torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32)
 
 
 def graph_tensor(raw, like):
@@ -131,22 +162,37 @@ def _compare(raw, want) -> tuple[bool, float]:
     if not want.is_floating_point():
         same = bool(torch.equal(got, want))
         return same, 0.0 if same else float("inf")
+    if not want.numel():
+        return True, 0.0
     rtol, atol = tolerance(want.dtype)
-    diff = (got.double() - want.double()).abs()
-    worst = float(diff.nan_to_num(float("inf")).max()) if diff.numel() else 0.0
-    ok = bool(torch.allclose(got.double(), want.double(), rtol=rtol, atol=atol, equal_nan=True))
-    return ok, worst
+    got, want = got.double(), want.double()
+    finite = torch.isfinite(want)
+    # NaN where eager has NaN and the same infinities are agreement; any other non-finite is not
+    same_nonfinite = bool(torch.equal(torch.isnan(got), torch.isnan(want))) and bool(
+        torch.equal(got[torch.isinf(want)], want[torch.isinf(want)]))
+    if not same_nonfinite or not bool(torch.isfinite(got[finite]).all()):
+        return False, float("inf")
+    diff = (got[finite] - want[finite]).abs()
+    worst = float(diff.max()) if diff.numel() else 0.0
+    scale = float(want[finite].abs().max()) if diff.numel() else 0.0
+    return worst <= atol + rtol * scale, worst
 
 
 def _walk(run_until: Callable[[int], Any], graph: TaskGraph, ops: Sequence[AlignedOp],
-          wrong: Callable[[Any, AlignedOp], tuple[bool, float]]) -> tuple[AlignedOp, float] | None:
-    """The first of ``ops`` (in order) for which ``wrong(snapshot, op)`` says so."""
+          wrong: Callable[[Any, AlignedOp], tuple[bool, float]],
+          progress: Callable[[str], None] | None = None) -> tuple[AlignedOp, float] | None:
+    """The first of ``ops`` (in order) for which ``wrong(snapshot, op)`` says so; ``progress``
+    gets a line every few seconds on a long walk."""
     with_tasks = {t.op for t in graph.tasks}
-    for op in ops:
-        if op.pairs and op.index in with_tasks:
-            bad, diff = wrong(run_until(op.index), op)
-            if bad:
-                return op, diff
+    todo = [op for op in ops if op.pairs and op.index in with_tasks]
+    last = time.monotonic()
+    for k, op in enumerate(todo):
+        bad, diff = wrong(run_until(op.index), op)
+        if bad:
+            return op, diff
+        if progress is not None and time.monotonic() - last > PROGRESS_SECONDS:
+            progress(f"compared {k + 1} of {len(todo)} ops: up to op {op.index} all agree")
+            last = time.monotonic()
     return None
 
 
@@ -157,7 +203,8 @@ def _found(graph: TaskGraph, op: AlignedOp, diff: float, what: str) -> Divergenc
 
 
 def first_divergence(run_until: Callable[[int], Any], graph: TaskGraph,
-                     aligned: Sequence[AlignedOp]) -> Divergence | None:
+                     aligned: Sequence[AlignedOp],
+                     progress: Callable[[str], None] | None = None) -> Divergence | None:
     """The first op (in recorded order) whose outputs, as ``run_until(op)`` (a
     :class:`nimble.stepper.Snapshot`) leaves them, differ from eager's; None if none does."""
     def differs(snap, op: AlignedOp) -> tuple[bool, float]:
@@ -167,23 +214,42 @@ def first_divergence(run_until: Callable[[int], Any], graph: TaskGraph,
             bad |= not ok
             worst = max(worst, diff)
         return bad, worst
-    hit = _walk(run_until, graph, aligned, differs)
+    hit = _walk(run_until, graph, aligned, differs, progress)
     return None if hit is None else _found(graph, hit[0], hit[1],
                                            f"differs from eager by up to {hit[1]:.3g}")
 
 
 def first_nonfinite(run_until: Callable[[int], Any], graph: TaskGraph,
-                    aligned: Sequence[AlignedOp]) -> Divergence | None:
-    """The first op (in recorded order) whose floating-point outputs hold NaN or Inf."""
-    import torch
+                    aligned: Sequence[AlignedOp],
+                    progress: Callable[[str], None] | None = None) -> Divergence | None:
+    """The first op (in recorded order) whose floating-point outputs hold NaN or Inf (only NaN
+    for the ops of :data:`INF_SENTINEL_OPS`, whose infinities are meant)."""
+    found: dict[int, str] = {}
 
     def nonfinite(snap, op: AlignedOp) -> tuple[bool, float]:
-        bad = any(not bool(torch.isfinite(graph_tensor(_range(snap, a), t.cpu())).all())
-                  for a, t in op.pairs if t.is_floating_point())
-        return bad, float("nan")
-    hit = _walk(run_until, graph, aligned, nonfinite)
+        kinds = nonfinite_kinds([graph_tensor(_range(snap, a), t.cpu())
+                                 for a, t in op.pairs if t.is_floating_point()])
+        if op.name.split(".")[0] in INF_SENTINEL_OPS:
+            kinds.discard("Inf")
+        if kinds:
+            found[op.index] = " and ".join(sorted(kinds, reverse=True))
+        return bool(kinds), float("nan")
+    hit = _walk(run_until, graph, aligned, nonfinite, progress)
     return None if hit is None else _found(graph, hit[0], hit[1],
-                                           "is the first to write NaN or Inf")
+                                           f"is the first to write {found[hit[0].index]}")
+
+
+def nonfinite_kinds(tensors: Sequence) -> set[str]:
+    """Which of ``"NaN"`` and ``"Inf"`` the floating-point ``tensors`` hold."""
+    import torch
+
+    kinds = set()
+    for t in tensors:
+        if bool(torch.isnan(t).any()):
+            kinds.add("NaN")
+        if bool(torch.isinf(t).any()):
+            kinds.add("Inf")
+    return kinds
 
 
 def _range(snap, access: Access):

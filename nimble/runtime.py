@@ -372,17 +372,18 @@ class Nimble:
         targets = select_tasks(state.graph, task=task, op=op, module=module)
         return run_until(state, targets, inputs)
 
-    def first_divergence(self, *inputs, nonfinite: bool = False):
+    def first_divergence(self, *inputs, nonfinite: bool = False, quiet: bool = False):
         """The first ATen op whose output in the prepared graph differs from eager's on
         ``inputs`` (dtype-aware tolerance), or with ``nonfinite`` the first to write NaN or Inf;
         a :class:`nimble.divergence.Divergence` (op, module, tasks, difference) or None.
 
         Walks the ops in recorded order with a step-through run (:meth:`run_until`) per op and
-        stops at the first that goes wrong.
+        stops at the first that goes wrong; a long walk reports its progress on stderr unless
+        ``quiet``.
         Inference graphs only; the model must dispatch the same ops eagerly as when recorded.
         """
         from .divergence import align, eager_ops, first_divergence, first_nonfinite
-        from .stepper import run_until, select_tasks
+        from .stepper import StepThrough, run_until, select_tasks
 
         state = self._state()
         if state.step is not None:
@@ -391,12 +392,17 @@ class Nimble:
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
             inputs = tuple(inputs[0])
         aligned = align(state.graph, eager_ops(self.model, inputs))
+        stepper = StepThrough(state, 0)
 
         def run(op: int):
             written = {a.buffer for a in state.graph.ops[op].accesses if a.write}
-            return run_until(state, select_tasks(state.graph, op=op), list(inputs), written)
+            return run_until(state, select_tasks(state.graph, op=op), list(inputs), written,
+                             stepper)
         search = first_nonfinite if nonfinite else first_divergence
-        return search(run, state.graph, aligned)
+        try:
+            return search(run, state.graph, aligned, lambda line: say(line, quiet))
+        finally:
+            stepper.close()
 
     @property
     def phases(self) -> list["PhaseView"]:

@@ -2,8 +2,9 @@
 
 :func:`select_tasks` names the tasks to stop after — by task id, by ATen op index, or by module
 path — and :func:`ancestor_closure` adds everything they depend on in their phase.
-:func:`run_until` builds that sub-graph (a copy made from the prepared graph's own nodes, over the
-same arena), runs it on the given inputs after the phases before it, and returns a
+:func:`run_until` runs that sub-graph (a whole copy of the phase built from the prepared graph's
+own nodes, over the same arena, with the other tasks' nodes switched off: :class:`StepThrough`)
+on the given inputs after the phases before it, and returns a
 :class:`Snapshot` from which any buffer can be read as bytes or as a tensor.  The prepared
 graph's outputs, and the memory outside the arena the run writes (batch-norm statistics), are
 saved before and put back after, so the caller's outputs and the model stay as they were.
@@ -95,16 +96,85 @@ class Snapshot:
                 for a in self.graph.ops[op].accesses if a.write]
 
 
+class StepThrough:
+    """A whole copy of one phase of a prepared graph whose runs switch on only the tasks a stop
+    needs (``cuGraphNodeSetEnabled``; a node switched off runs as an empty node).  A walk of
+    :mod:`nimble.divergence` stops after each of hundreds of ops: switching the few nodes that
+    change between two stops costs far less than building and instantiating a sub-graph for
+    each.  The driver refuses to switch off some nodes (kernels launched in thread-block
+    clusters: ``CUDA_ERROR_INVALID_CLUSTER_SIZE``); a stop that needs one of those off gets a
+    sub-graph of its own, as before.  Owns its graphs; :meth:`close` (idempotent) frees them."""
+
+    def __init__(self, prepared, phase: int):
+        self.prepared = prepared
+        self.phase = phase
+        self.span = prepared.builts[phase].span
+        self.copy = self._build(None)
+        self._on = set(self.span)
+        self._one_off = None  # the last stop's own sub-graph, kept until the next run
+        #: Tasks whose node the driver will not switch off.
+        self.fixed: set[int] = set()
+        try:
+            self._find_fixed()
+        except BaseException:
+            self.copy.close()
+            raise
+
+    def _build(self, only: set[int] | None):
+        from .build import build_graph
+
+        p = self.prepared
+        return build_graph(p.graph, p.built_nodes(self.phase), p.bases, p.schedule.edges(),
+                           device_launch=False, span=self.span, nodes_relocated=True, only=only)
+
+    def _find_fixed(self) -> None:
+        from . import driver
+        from .errors import CudaError
+
+        for t, node in zip(self.span, self.copy.nodes):
+            try:
+                driver.set_node_enabled(self.copy.exec.handle, node, False)
+            except CudaError:
+                self.fixed.add(t)
+                continue
+            driver.set_node_enabled(self.copy.exec.handle, node, True)
+
+    def launch(self, keep: set[int], stream) -> None:
+        """Launch on ``stream`` a graph that runs exactly the tasks of ``keep`` (of this phase,
+        closed under predecessors)."""
+        from . import driver
+
+        keep = set(keep) & set(self.span)
+        if self._one_off is not None:
+            self._one_off.close()
+            self._one_off = None
+        if self.fixed - keep:
+            self._one_off = self._build(keep)
+            driver.launch(self._one_off.exec.handle, stream)
+            return
+        for t in keep.symmetric_difference(self._on):
+            driver.set_node_enabled(self.copy.exec.handle, self.copy.nodes[t - self.span.start],
+                                    t in keep)
+        self._on = keep
+        driver.launch(self.copy.exec.handle, stream)
+
+    def close(self) -> None:
+        if self._one_off is not None:
+            self._one_off.close()
+            self._one_off = None
+        self.copy.close()
+
+
 def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None,
-              read: set[int] | None = None) -> Snapshot:
+              read: set[int] | None = None, stepper: StepThrough | None = None) -> Snapshot:
     """Run ``prepared`` (a :class:`nimble.prepared.Prepared`) up to ``targets`` on ``inputs``
     (the flat inputs of every phase; random when None) and copy out every buffer the run
-    touched (only those in ``read``, when given).  Needs the GPU; the prepared graph's outputs
-    are put back afterwards."""
+    touched (only those in ``read``, when given).  ``stepper`` (a :class:`StepThrough` of the
+    targets' phase) is used for the run when given, and one is made for it when not.  Needs the
+    GPU; the prepared graph's outputs are put back afterwards."""
     import torch
 
     from . import driver
-    from .build import build_graph
     from .verify import random_like
 
     graph, schedule = prepared.graph, prepared.schedule
@@ -114,8 +184,8 @@ def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None,
     slots = [s for launcher in launchers for s in launcher.slots]
     inputs = list(inputs) if inputs is not None else [random_like(s.tensor) for s in slots]
     phase = next(k for k, b in enumerate(prepared.builts) if b.span == span)
-    sub = build_graph(graph, prepared.built_nodes(phase), prepared.bases, schedule.edges(), device_launch=False,
-                      span=span, nodes_relocated=True, only=keep)
+    own = stepper is None or stepper.phase != phase
+    sub = StepThrough(prepared, phase) if own else stepper
     ran = [t for b in prepared.builts[:phase] for t in b.span] + sorted(keep)
     # Memory outside the arena that the run writes (batch-norm statistics in training mode,
     # library scratch): saved, and put back afterwards with the outputs.
@@ -134,7 +204,7 @@ def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None,
                 torch.cuda.synchronize()
                 for built in prepared.builts[:phase]:
                     driver.launch(built.exec.handle, stream)
-                driver.launch(sub.exec.handle, stream)
+                sub.launch(keep, stream)
                 driver.stream_synchronize(stream)
                 touched = {a.buffer for t in keep for a in graph.tasks[t].accesses}
                 if read is not None:
@@ -147,7 +217,8 @@ def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None,
                 for b, data in kept.items():
                     driver.copy_to_device(prepared.bases[b], data)
     finally:
-        sub.close()
+        if own:
+            sub.close()
     return Snapshot(graph, keep, buffers)
 
 

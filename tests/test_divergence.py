@@ -63,8 +63,31 @@ def test_differences_inside_the_dtype_tolerance_are_not_divergence():
     g, eager = _chain()
     run, _ = _runs(g, eager, wrong_from=3, value=1e-7)
     assert first_divergence(run, g, align(g, eager)) is None
-    assert tolerance(torch.float16)[0] > tolerance(torch.float32)[0]
+    assert tolerance(torch.float16)[0] > tolerance(torch.float32, tf32=False)[0]
+    assert tolerance(torch.float32, tf32=True) == tolerance(torch.float16)
     assert tolerance(torch.int64) == (0.0, 0.0)
+
+
+def test_a_difference_is_measured_against_the_tensors_scale_and_nonfinite_must_match():
+    """Rounding in a long sum is relative to its terms: 1e-5 off an element near zero of a tensor
+    whose largest element is 1e3 agrees in float32; 0.05 off a tensor of ones does not; a NaN or
+    an infinity where eager has a finite value never agrees, while the same NaN does."""
+    from nimble.divergence import _compare
+
+    def raw(t):
+        return t.contiguous().view(torch.uint8).clone()
+    want = torch.tensor([1000.0, 1e-6, -3.0])
+    got = want.clone()
+    got[1] += 1e-5
+    assert _compare(raw(got), want) == (True, pytest.approx(1e-5, rel=1e-2))
+    ones = torch.ones(3)
+    assert _compare(raw(ones + 0.05), ones)[0] is False  # beyond TF32 rounding too
+    for bad in (float("nan"), float("inf")):
+        got = want.clone()
+        got[2] = bad
+        assert _compare(raw(got), want) == (False, float("inf"))
+    with_nan = torch.tensor([float("nan"), 1.0])
+    assert _compare(raw(with_nan), with_nan) == (True, 0.0)
 
 
 def test_the_nan_hunt_names_the_first_op_writing_nan():
@@ -72,6 +95,41 @@ def test_the_nan_hunt_names_the_first_op_writing_nan():
     run, _ = _runs(g, eager, wrong_from=5, value=float("nan"))
     found = first_nonfinite(run, g, align(g, eager))
     assert found.op == 5 and "NaN" in found.detail
+
+
+def test_the_nan_hunt_passes_over_an_infinity_a_pad_writes_on_purpose_but_not_a_nan():
+    """timm's "same" max pools pad with -inf: the hunt must not stop at each pad, while an
+    infinity any other op writes, and a NaN a pad writes, still count."""
+    g, eager = _chain()
+    g.ops[2].name = eager[2].name = "aten::constant_pad_nd"
+
+    def run_with(bad: dict[int, float]):
+        def run_until(op: int) -> Snapshot:
+            buffers = {}
+            for k, e in enumerate(eager):
+                t = e.outputs[0].clone()
+                if k in bad:
+                    t[1] = bad[k]
+                buffers[k] = t.view(torch.uint8).clone()
+            return Snapshot(g, set(range(op + 1)), buffers)
+        return run_until
+    aligned = align(g, eager)
+    assert first_nonfinite(run_with({2: float("-inf")}), g, aligned) is None
+    found = first_nonfinite(run_with({2: float("-inf"), 7: float("inf")}), g, aligned)
+    assert found.op == 7 and found.detail.endswith("write Inf")
+    found = first_nonfinite(run_with({2: float("nan"), 7: float("inf")}), g, aligned)
+    assert found.op == 2 and found.detail.endswith("write NaN")
+
+
+def test_a_long_walk_reports_its_progress(monkeypatch):
+    import nimble.divergence as divergence
+
+    monkeypatch.setattr(divergence, "PROGRESS_SECONDS", 0.0)
+    g, eager = _chain(6)
+    run, _ = _runs(g, eager, wrong_from=1000)
+    lines: list[str] = []
+    assert first_divergence(run, g, align(g, eager), lines.append) is None
+    assert lines[0] == "compared 1 of 6 ops: up to op 0 all agree" and len(lines) == 6
 
 
 def test_alignment_refuses_another_op_sequence_and_pairs_outputs_by_extent():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import zoo_model
+from nimble.models import ZOO
 
 pytestmark = pytest.mark.gpu
 
@@ -176,12 +177,16 @@ def test_the_nan_hunt_and_the_bisect_name_the_op_a_fault_was_put_in():
     assert found is not None and found.op == first_conv, found
 
 
-@pytest.mark.parametrize("name,dtype", [("googlenet", "float16"), ("inception_v3", "float32")])
-def test_on_zoo_models_the_bisect_finds_nothing_and_the_nan_hunt_names_the_poisoned_conv(
+ZOO_DTYPES = [(name, dtype) for name in ZOO for dtype in ("float32", "float16")]
+
+
+@pytest.mark.parametrize("name,dtype", ZOO_DTYPES)
+def test_on_every_zoo_model_the_tools_trace_every_task_find_no_divergence_and_name_a_nan(
         name, dtype):
-    """On a clean zoo model the compare against eager finds no op beyond the dtype's tolerance;
-    a NaN put into a convolution weight in the middle of the network is traced to the first op
-    that reads that weight."""
+    """Every zoo model in fp32 and fp16: a trace in two stamp groups times every task; the compare
+    against eager finds no op beyond the dtype's tolerance (the -inf that NASNet's and PNASNet's
+    "same" pools pad with included); a NaN put into a convolution weight in the middle of the
+    network is traced to the first op that reads that weight."""
     import torch
 
     import nimble
@@ -189,7 +194,12 @@ def test_on_zoo_models_the_bisect_finds_nothing_and_the_nan_hunt_names_the_poiso
     model, x = zoo_model(name)
     model, x = model.to(getattr(torch, dtype)), x.to(getattr(torch, dtype))
     nm = nimble.Nimble(model).prepare(x, relaunches=4)
-    assert nm.first_divergence(x) is None
+    n = len(nm.graph.tasks)
+    timeline = nm.trace(x, start_stamps=False, groups=2)
+    assert len(timeline.times) == n and all(0.0 <= a <= b for a, b in timeline.times)
+    assert sum(end > 0.0 for _, end in timeline.times) >= n - len(nm.schedule.streams)
+    assert timeline.instrumented_us > 0 and timeline.plain_us > 0
+    assert nm.first_divergence(x, quiet=True) is None
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     victim = convs[len(convs) // 2].weight
     g = nm.graph
@@ -197,5 +207,7 @@ def test_on_zoo_models_the_bisect_finds_nothing_and_the_nan_hunt_names_the_poiso
     reader = min(t.op for t in g.tasks if any(a.buffer == buffer.id for a in t.accesses))
     with torch.no_grad():
         victim[0, 0, 0, 0] = float("nan")
-    found = nm.first_divergence(x, nonfinite=True)
+    found = nm.first_divergence(x, nonfinite=True, quiet=True)
     assert found is not None and found.op == reader, found
+    assert "NaN" in found.detail
+    nm.close()

@@ -23,8 +23,8 @@ from .nodes import (CallPath, add_empty_node, add_event_record_node, add_kernel_
                     copy_to_host, event_elapsed_ms, fill_bytes_async, function_name,
                     function_param_layout, graph_nodes, kernel_function_of, kernel_node_params,
                     kernel_priority, launch, memcpy_node_params, memset_node_params, node_count,
-                    node_type, read_host, set_exec_kernel_params, set_kernel_priority, stream,
-                    stream_priority_range, stream_synchronize, upload)
+                    node_type, read_host, set_exec_kernel_params, set_kernel_priority,
+                    set_node_enabled, stream, stream_priority_range, stream_synchronize, upload)
 
 __all__ = [
     "CallPath", "DeviceMemory", "Event", "Graph", "GraphExec", "LowBitsMemory", "Module",
@@ -35,6 +35,7 @@ __all__ = [
     "event_elapsed_ms", "fill_bytes_async", "function_name", "function_param_layout",
     "graph_nodes", "kernel_function_of", "kernel_node_params", "kernel_priority", "launch",
     "memcpy_node_params", "memset_node_params", "nimble_memory", "node_count", "node_type",
-    "probe", "read_host", "set_exec_kernel_params", "set_kernel_priority", "stream",
+    "probe", "read_host", "set_exec_kernel_params", "set_kernel_priority", "set_node_enabled",
+    "stream",
     "stream_priority_range", "stream_synchronize", "synchronize_context", "upload",
 ]
