@@ -19,7 +19,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from . import models
 from .progress import say
@@ -132,16 +132,38 @@ def _host_us(fn: Callable[[], object], calls: int = 300) -> float:
 
     The GPU is idle before each call, so a full launch queue never makes the host wait.
     """
+    return _host_us_beside([fn], calls)[0]
+
+
+def _host_us_beside(fns: Sequence[Callable[[], object]], calls: int = 300) -> list[float]:
+    """Median host µs of one call of each of ``fns``, taken in turn (GPU idle before each).
+
+    On the GPU machine a bare ``cuGraphLaunch`` alone measured 6–30 µs median in different
+    300-call rounds of one process: sampled in turn, calls are compared under the same machine
+    state, so the difference between them is the cost of what they do differently.
+    """
     import torch
 
-    times = []
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        for fn, mine in zip(fns, times):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            mine.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+    return [statistics.median(t) * 1e6 for t in times]
+
+
+def bare_launch(nm) -> Callable[[], None]:
+    """A ``cuGraphLaunch`` of ``nm``'s exec on its launcher's stream, and nothing else: the
+    driver's share of a call."""
+    from . import driver
+
+    api = driver.CallPath()
+    launcher = nm._state().launcher
+    exec_handle, stream = nm._state().built.exec.handle, launcher.stream()
+    return lambda: api.launch(exec_handle, stream)
 
 
 def _critical_path_limit_us(nm) -> tuple[float, float]:
@@ -238,7 +260,8 @@ def bench_model(name: str, args, dtype: str = "float32") -> dict:
     _say(args, f"{name} ({dtype}): timing {len(fns)} modes, {args.rounds} rounds of "
                f"{args.iters} calls")
     samples = time_rounds(fns, args.rounds, args.iters)
-    info["host_us_per_call"] = _host_us(lambda: multi(x))
+    info["host_us_per_call"], info["host_us_bare_launch"] = _host_us_beside(
+        [lambda: multi(x), bare_launch(multi)])
     info["launch_mode"] = multi.launch_mode
     if not args.quick:
         host_launch = prepared["nimble multi, host launch"]
@@ -316,6 +339,8 @@ def format_model(info: dict) -> str:
                + f"; torch graph pool {info['pool_mb']:.1f} MB")
     host = f"  prepare {info['prepare_seconds']:.2f} s; host {info['host_us_per_call']:.1f} " \
            f"µs/call ({info['launch_mode']}"
+    if "host_us_bare_launch" in info:
+        host += f"; a bare cuGraphLaunch of it beside: {info['host_us_bare_launch']:.1f} µs"
     if "host_us_per_call_host_launch" in info:
         host += f"; {info['host_us_per_call_host_launch']:.1f} µs with a plain host-launch graph"
     out.append(host + ")")
@@ -382,7 +407,8 @@ def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
     lines.append(f"times: median ms per call{in_dtype}; graph = torch.cuda.graph with the input "
                  "copied in on every call; best = fastest multi-stream Nimble variant; arena and "
                  "pool in MB; limit = critical path of isolated task times, ms (– with --quick); "
-                 "host µs = one multi call on an idle GPU; conc = achieved concurrency of the "
+                 "host µs = one multi call on an idle GPU (each model's lines above give a bare "
+                 "cuGraphLaunch sampled beside it); conc = achieved concurrency of the "
                  "multi-stream run (tasks in flight on average, measured by nm.trace()); "
                  "ind.1 / ind.N = Nimble on torch.compile(model)'s kernels, single / multi "
                  "stream; x comp = torch.compile(mode='reduce-overhead') time over the faster "

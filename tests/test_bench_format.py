@@ -29,7 +29,8 @@ def _info(model: str, multi_ms: float, dtype: str = "float32", quick: bool = Fal
             "launch_mode": "device-launchable"}
     if not quick:
         info["arena_mb"]["nimble multi, host launch"] = 1.5
-        info.update(host_us_per_call_host_launch=25.0, critical_path_us=400.0,
+        info.update(host_us_per_call_host_launch=25.0, host_us_bare_launch=7.5,
+                    critical_path_us=400.0,
                     serial_kernel_us=900.0, achieved_over_limit=1.25,
                     trace={"concurrency": 1.76, "makespan_us": 336.0, "idle_us": {0: 3.0, 1: 40.0},
                            "overhead": 0.207, "overhead_ends_only": 0.08, "overhead_grouped": 0.03,
@@ -42,6 +43,7 @@ def test_per_model_report_names_every_mode_and_the_launch_mode():
     for label in ("eager", "torch.cuda.graph", "nimble multi, host launch", "nimble single"):
         assert label in text
     assert "device-launchable" in text and "12.3 µs/call" in text and "1.25× the limit" in text
+    assert "a bare cuGraphLaunch of it beside: 7.5 µs" in text
     assert "achieved concurrency 1.76 (DAG width 2, 2 streams)" in text
     assert "instrumentation +21% (+8% with end stamps only, +3% with them in 8 groups)" in text
 

@@ -7,7 +7,9 @@ For each model: a Nimble graph (multi-stream) and a ``torch.cuda.graph`` of it; 
 write plus the launch, torch's replay) the host µs of one call with the GPU idle before it (median,
 p10, p90 of 300) and of one call among 200 back-to-back ones, twice; then ``nm(x)`` idle with
 Python's garbage collector off.  ``DTYPE`` (float32, float16, bfloat16; default float32)
-converts model and input first; ``--only-call`` measures ``nm(x)`` idle only, three times.
+converts model and input first; ``--only-call`` measures ``nm(x)`` idle only, three times, each
+time in turn with a bare ``cuGraphLaunch`` of its exec (the machine's launch cost drifts between
+rounds; sampled in turn, the difference is Nimble's own).
 """
 import gc
 import sys
@@ -17,6 +19,7 @@ import torch
 
 import nimble
 from nimble import driver, models
+from nimble.bench_cli import _host_us_beside, bare_launch
 
 torch.backends.cudnn.benchmark = True
 
@@ -43,7 +46,9 @@ for name in args[0].split(","):
     nm = nimble.Nimble(model).prepare(x, relaunches=2)
     if "--only-call" in sys.argv:
         for rep in range(3):
-            print(f"{name} {dtype} r{rep} nm(x) idle {idle(lambda: nm(x))}", flush=True)
+            call_us, bare_us = _host_us_beside([lambda: nm(x), bare_launch(nm)])
+            print(f"{name} {dtype} r{rep} nm(x) idle median {call_us:.1f} µs, a bare cuGraphLaunch "
+                  f"sampled beside it {bare_us:.1f} µs", flush=True)
         nm.close()
         continue
     st = nm._prepared; L = st.launcher
