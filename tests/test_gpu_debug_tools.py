@@ -177,6 +177,48 @@ def test_the_nan_hunt_and_the_bisect_name_the_op_a_fault_was_put_in():
     assert found is not None and found.op == first_conv, found
 
 
+def test_the_bisect_names_the_op_whose_kernel_writes_its_output_elsewhere_after_prepare():
+    """A fault put in after prepare: one convolution kernel's output pointer is turned to another
+    intermediate buffer, so its own output keeps stale bytes and someone else's is overwritten.
+    On fresh inputs the compare against eager names that convolution, the first op to go wrong."""
+    import torch
+
+    import nimble
+
+    model, x = zoo_model("branchy")
+    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    nm(x)
+    g = nm.graph
+    fresh = torch.randn_like(x)
+    assert nm.first_divergence(fresh, quiet=True) is None
+    convs = [o.index for o in g.ops if o.name.startswith("aten::convolution")]
+    victim_op = convs[len(convs) // 2]
+    writers = [t for t in g.tasks if t.op == victim_op and t.kind == "kernel"]
+    task, row = next((t, p) for t in reversed(writers) for p in t.pointers
+                     if p.buffer >= 0 and g.buffers[p.buffer].kind == "intermediate"
+                     and any(a.buffer == p.buffer and a.write for a in t.accesses))
+    size, bases = g.buffers[row.buffer].size, nm._state().bases
+    mine = (bases[row.buffer], bases[row.buffer] + size)
+    elsewhere = next(b.id for b in g.buffers if b.kind == "intermediate" and b.size >= size
+                     and all(a.buffer != b.id for a in task.accesses)
+                     and (bases[b.id] >= mine[1] or bases[b.id] + size <= mine[0]))
+    nm(x)  # the arena now holds another input's values: the clean walk's are gone
+    # every word of the kernel's parameters that names its output (a library kernel may carry
+    # the address more than once)
+    rows = [(p, p.buffer, p.offset) for p in task.pointers if p.buffer == row.buffer]
+    low = min(offset for _, _, offset in rows)
+    for p, _, offset in rows:
+        p.buffer, p.offset = elsewhere, offset - low
+    try:
+        found = nm.first_divergence(fresh, quiet=True)
+    finally:
+        for p, buffer, offset in rows:
+            p.buffer, p.offset = buffer, offset
+    assert found is not None and found.op == victim_op, (found, task.short_name, len(rows))
+    assert task.id in found.tasks
+    assert nm.first_divergence(fresh, quiet=True) is None  # put back, all agree again
+
+
 ZOO_DTYPES = [(name, dtype) for name in ZOO for dtype in ("float32", "float16")]
 
 
