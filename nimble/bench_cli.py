@@ -160,9 +160,8 @@ def bare_launch(nm) -> Callable[[], None]:
     driver's share of a call."""
     from . import driver
 
-    api = driver.CallPath()
-    launcher = nm._state().launcher
-    exec_handle, stream = nm._state().built.exec.handle, launcher.stream()
+    api, state = driver.CallPath(), nm._state()
+    exec_handle, stream = state.built.exec.handle, state.launcher.stream()
     return lambda: api.launch(exec_handle, stream)
 
 

@@ -144,7 +144,7 @@ class StepThrough:
         closed under predecessors)."""
         from . import driver
 
-        keep = set(keep) & set(self.span)
+        keep = {t for t in keep if t in self.span}
         if self._one_off is not None:
             self._one_off.close()
             self._one_off = None
