@@ -11,6 +11,15 @@ bisection: a wrong value propagates only along its own branch, so ops on paralle
 the faulty one still agree, and "some op up to here differs" is not monotone in the op index.
 :func:`first_nonfinite` does the same for NaN or Inf (not counting the infinities that padding and
 masking ops write on purpose, :data:`INF_SENTINEL_OPS`).
+
+Rounding differences grow with depth: eager and the recording may run other library algorithms,
+so deep in a 1,000-op fp16 network an op's output can differ from the eager chain's by more
+than one op's tolerance while every op computes right.  So an op that differs from the eager
+chain is judged again in isolation (:func:`isolated_difference`): its eager twin runs once more
+on the graph's own inputs to it (the values the recorded ops before it left, read after a run
+of every task before it), and only a difference from that counts.  Weights, the model's input
+and whatever else no recorded op wrote come from the eager run, so a kernel that reads the wrong
+weight still shows.
 """
 from __future__ import annotations
 
@@ -36,6 +45,16 @@ TOLERANCES = {"float64": (1e-7, 1e-9), "float32": (1e-4, 1e-5), "tf32": (1e-2, 1
 #: Seconds between two progress lines of a walk.
 PROGRESS_SECONDS = 5.0
 
+#: Ops whose every output element is a sum of products of their inputs (bias included).
+#: Two algorithms round such a sum differently by up to a fraction of the sum of its terms'
+#: magnitudes, which can be far larger than the sum itself (a ReLU'd input under random-signed
+#: weights cancels): run alone on the graph's inputs, such an op is held to a tolerance relative
+#: to the same op run on its inputs' magnitudes, element by element.
+SUM_OPS = frozenset({"aten::convolution", "aten::_convolution", "aten::cudnn_convolution",
+                     "aten::conv2d", "aten::conv1d", "aten::conv3d", "aten::linear", "aten::mm",
+                     "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::mv",
+                     "aten::addmv", "aten::dot", "aten::_convolution_mode"})
+
 #: Ops that write an infinity on purpose, as a sentinel the next op absorbs: padding before a
 #: max pool ("same" pooling in timm's NASNet and PNASNet pads with -inf), attention masks
 #: before a softmax.  The NaN hunt counts only NaN in their outputs, or it would stop at every
@@ -45,22 +64,69 @@ INF_SENTINEL_OPS = frozenset({"aten::constant_pad_nd", "aten::masked_fill", "ate
                               "aten::new_full", "aten::where", "aten::scalar_tensor"})
 
 
+@dataclass(slots=True)
+class EagerInput:
+    """A tensor argument of an eager op, as the op saw it.
+
+    ``source`` is ``(op, output)``: the fresh output of an earlier eager op whose storage holds
+    it, ``offset`` bytes past that output's first byte; None for a tensor no op produced (a
+    weight, the model's input), whose copy is ``value``.
+    """
+
+    shape: tuple
+    stride: tuple
+    dtype: Any
+    device: Any
+    source: tuple[int, int] | None = None
+    offset: int = 0
+    value: Any = None
+
+
+class InputSlot:
+    """Where argument ``k`` (an :class:`EagerInput`) goes in an eager op's argument template."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+
 @dataclass
 class EagerOp:
-    """One op of an eager run: its name and copies of the tensors it returned fresh."""
+    """One op of an eager run: its name and copies of the tensors it returned fresh; with
+    ``keep_inputs``, also the op itself and its arguments, to run it again on other inputs."""
 
     name: str
     outputs: list = field(default_factory=list)
+    func: Any = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    inputs: list[EagerInput] = field(default_factory=list)
 
 
 @dataclass
 class AlignedOp:
-    """A recorded op, with each eager output and the written range of the graph that holds it."""
+    """A recorded op, with each eager output and the written range of the graph that holds it.
+
+    ``outputs[i]`` is the index among the eager op's fresh outputs of ``pairs[i]``'s tensor;
+    ``sources[k]`` the range of the graph holding the eager op's input ``k`` (None where no
+    recorded op wrote it: the eager value serves).
+    """
 
     index: int
     name: str
     module: str
     pairs: list[tuple[Access, Any]]  # (written range, eager tensor)
+    outputs: list[int] = field(default_factory=list)
+    eager: EagerOp | None = None
+    sources: list[Access | None] = field(default_factory=list)
+
+    @property
+    def isolable(self) -> bool:
+        """Whether the op can run again on the graph's inputs (every input found or kept)."""
+        e = self.eager
+        return e is not None and e.func is not None and all(
+            src is not None or inp.value is not None for inp, src in zip(e.inputs, self.sources))
 
 
 @dataclass
@@ -75,28 +141,66 @@ class Divergence:
     detail: str
 
 
-def eager_ops(model, inputs: Sequence) -> list[EagerOp]:
-    """Run ``model(*inputs)`` eagerly, keeping every dispatched op's fresh outputs (copies)."""
+def eager_ops(model, inputs: Sequence, keep_inputs: bool = False) -> list[EagerOp]:
+    """Run ``model(*inputs)`` eagerly, keeping every dispatched op's fresh outputs (copies).
+
+    With ``keep_inputs`` each op also keeps what it needs to run again (:class:`EagerInput`):
+    where each tensor argument came from, and a copy of those no op produced.
+    """
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
 
-    from .tracer import op_name, tensors_of
+    from .tracer import op_name
 
     ops: list[EagerOp] = []
+    # storage address -> (op, fresh output, byte offset of that output in its storage): the
+    # latest fresh output in each live storage (a freed address the allocator hands out again
+    # is taken over by its new owner)
+    producers: dict[int, tuple[int, int, int]] = {}
+
+    def describe(t, found: list[EagerInput]):
+        if not isinstance(t, torch.Tensor):
+            return t
+        start = t.storage_offset() * t.element_size()
+        made = producers.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        entry = EagerInput(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+        if made is not None:
+            entry.source, entry.offset = (made[0], made[1]), start - made[2]
+        else:
+            entry.value = t.detach().clone()
+        found.append(entry)
+        return InputSlot(len(found) - 1)
 
     class Keep(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            schema = func._schema
-            returns = out if isinstance(out, (tuple, list)) and len(schema.returns) > 1 else (out,)
-            fresh = [t.detach().clone() for ret, value in zip(schema.returns, returns)
-                     if ret.alias_info is None for t in tensors_of(value)]
-            ops.append(EagerOp(op_name(func), fresh))
+            kwargs = kwargs or {}
+            record = EagerOp(op_name(func))
+            if keep_inputs:
+                record.func = func
+                record.args = tree_map(lambda v: describe(v, record.inputs), tuple(args))
+                record.kwargs = tree_map(lambda v: describe(v, record.inputs), dict(kwargs))
+            out = func(*args, **kwargs)
+            fresh = fresh_tensors(func, out)
+            record.outputs = [t.detach().clone() for t in fresh]
+            for i, t in enumerate(fresh):
+                producers[t.untyped_storage().data_ptr()] = (
+                    len(ops), i, t.storage_offset() * t.element_size())
+            ops.append(record)
             return out
 
     with torch.no_grad(), Keep():
         model(*inputs)
     return ops
+
+
+def fresh_tensors(func, out) -> list:
+    """The tensors among ``func``'s results that alias none of its inputs."""
+    from .tracer import tensors_of
+
+    returns = out if isinstance(out, (tuple, list)) and len(func._schema.returns) > 1 else (out,)
+    return [t for ret, value in zip(func._schema.returns, returns)
+            if ret.alias_info is None for t in tensors_of(value)]
 
 
 def span_bytes(shape: Sequence[int], strides: Sequence[int], element: int) -> int:
@@ -117,20 +221,44 @@ def align(graph: TaskGraph, eager: Sequence[EagerOp]) -> list[AlignedOp]:
             f"{graph.ops[first].name if first < len(graph.ops) else 'none'} recorded, "
             f"{eager[first].name if first < len(eager) else 'none'} eager); a forward with "
             "data-dependent control flow cannot be compared op by op")
-    out = []
+    out: list[AlignedOp] = []
     for op, twin in zip(graph.ops, eager):
         written = [a for a in op.accesses if a.write]
         used: set[int] = set()
-        pairs = []
-        for t in twin.outputs:
+        pairs, outputs = [], []
+        for i, t in enumerate(twin.outputs):
             size = span_bytes(t.shape, t.stride(), t.element_size())
             k = next((i for i, a in enumerate(written) if i not in used and a.size == size),
                      None)
             if k is not None and size:
                 used.add(k)
                 pairs.append((written[k], t))
-        out.append(AlignedOp(op.index, op.name, op.module, pairs))
+                outputs.append(i)
+        sources = [_source(out, op, inp) for inp in twin.inputs]
+        out.append(AlignedOp(op.index, op.name, op.module, pairs, outputs, twin, sources))
     return out
+
+
+def _source(aligned: Sequence[AlignedOp], op, inp: EagerInput) -> Access | None:
+    """The graph's range holding an eager input of ``op`` (a recorded op) that an earlier op
+    produced; None if no op produced it, or if ``op``'s recorded accesses do not cover the
+    range where its producer's output lies (then the op is not judged alone)."""
+    if inp.source is None:
+        return None
+    producer, output = inp.source
+    made = aligned[producer]
+    if output not in made.outputs:
+        return None
+    holder = made.pairs[made.outputs.index(output)][0]
+    element = inp.dtype.itemsize
+    size = span_bytes(inp.shape, inp.stride, element)
+    if inp.offset < 0 or inp.offset + size > holder.size or any(s < 0 for s in inp.stride):
+        return None
+    found = Access(holder.buffer, holder.offset + inp.offset, size, False)
+    if not any(a.buffer == found.buffer and a.offset <= found.offset and found.end <= a.end
+               for a in op.accesses):
+        return None
+    return found
 
 
 def tolerance(dtype, tf32: bool | None = None) -> tuple[float, float]:
@@ -154,7 +282,10 @@ def graph_tensor(raw, like):
     return raw.view(like.dtype).as_strided(tuple(like.shape), tuple(like.stride()))
 
 
-def _compare(raw, want) -> tuple[bool, float]:
+def _compare(raw, want, magnitude=None) -> tuple[bool, float]:
+    """``(agrees, largest difference)`` of the graph's bytes ``raw`` with ``want``; the
+    tolerance is relative to ``want``'s largest magnitude, or to ``magnitude`` element by
+    element when given (see :data:`SUM_OPS`)."""
     import torch
 
     got = graph_tensor(raw, want.cpu())
@@ -174,6 +305,9 @@ def _compare(raw, want) -> tuple[bool, float]:
         return False, float("inf")
     diff = (got[finite] - want[finite]).abs()
     worst = float(diff.max()) if diff.numel() else 0.0
+    if magnitude is not None:
+        bound = atol + rtol * magnitude.cpu().double()[finite]
+        return bool((diff <= bound).all()), worst
     scale = float(want[finite].abs().max()) if diff.numel() else 0.0
     return worst <= atol + rtol * scale, worst
 
@@ -204,19 +338,73 @@ def _found(graph: TaskGraph, op: AlignedOp, diff: float, what: str) -> Divergenc
 
 def first_divergence(run_until: Callable[[int], Any], graph: TaskGraph,
                      aligned: Sequence[AlignedOp],
-                     progress: Callable[[str], None] | None = None) -> Divergence | None:
+                     progress: Callable[[str], None] | None = None,
+                     run_before: Callable[[int, set[int]], Any] | None = None
+                     ) -> Divergence | None:
     """The first op (in recorded order) whose outputs, as ``run_until(op)`` (a
-    :class:`nimble.stepper.Snapshot`) leaves them, differ from eager's; None if none does."""
+    :class:`nimble.stepper.Snapshot`) leaves them, differ from eager's; None if none does.
+
+    With ``run_before(op, buffers)`` (a snapshot of ``buffers`` after every task before ``op``)
+    an op that differs from the eager chain counts only if it also differs from its eager twin
+    run on the graph's own inputs (:func:`isolated_difference`).
+    """
+    judged: dict[int, str] = {}
+
     def differs(snap, op: AlignedOp) -> tuple[bool, float]:
         worst, bad = 0.0, False
         for access, want in op.pairs:
             ok, diff = _compare(_range(snap, access), want)
             bad |= not ok
             worst = max(worst, diff)
-        return bad, worst
+        if not bad or run_before is None or not op.isolable:
+            return bad, worst
+        alone = isolated_difference(op, run_before(op.index, {a.buffer for a in op.sources if a}),
+                                    snap)
+        judged[op.index] = (f"differs from eager by up to {worst:.3g}, and by up to "
+                            f"{alone[1]:.3g} from its eager twin run on the graph's own inputs")
+        return alone
     hit = _walk(run_until, graph, aligned, differs, progress)
-    return None if hit is None else _found(graph, hit[0], hit[1],
-                                           f"differs from eager by up to {hit[1]:.3g}")
+    if hit is None:
+        return None
+    return _found(graph, hit[0], hit[1], judged.get(
+        hit[0].index, f"differs from eager by up to {hit[1]:.3g}"))
+
+
+def isolated_difference(op: AlignedOp, before, after) -> tuple[bool, float]:
+    """``(differs, largest difference)`` of ``op``'s outputs in ``after`` (a snapshot taken
+    after it ran) from its eager twin run again on the inputs the graph gave it, read from
+    ``before`` (a snapshot of every task before it).  Arguments no recorded op wrote keep their
+    eager values."""
+    twin = op.eager
+    values = []
+    for inp, src in zip(twin.inputs, op.sources):
+        if src is None:
+            values.append(inp.value)
+            continue
+        raw = _range(before, src)
+        values.append(raw.view(inp.dtype).as_strided(inp.shape, inp.stride).to(inp.device))
+    fresh = _rerun(twin, values)
+    magnitudes = [None] * len(fresh)
+    if op.name.split(".")[0] in SUM_OPS:
+        magnitudes = _rerun(twin, [v.abs() if v.is_floating_point() else v for v in values])
+    worst, bad = 0.0, False
+    for (access, _), i in zip(op.pairs, op.outputs):
+        ok, diff = _compare(_range(after, access), fresh[i], magnitudes[i])
+        bad |= not ok
+        worst = max(worst, diff)
+    return bad, worst
+
+
+def _rerun(twin: EagerOp, values: Sequence) -> list:
+    """``twin``'s fresh outputs, run again with ``values`` as its tensor arguments."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def fill(v):
+        return values[v.k] if isinstance(v, InputSlot) else v
+    with torch.no_grad():
+        out = twin.func(*tree_map(fill, twin.args), **tree_map(fill, twin.kwargs))
+    return fresh_tensors(twin.func, out)
 
 
 def first_nonfinite(run_until: Callable[[int], Any], graph: TaskGraph,

@@ -379,11 +379,14 @@ class Nimble:
 
         Walks the ops in recorded order with a step-through run (:meth:`run_until`) per op and
         stops at the first that goes wrong; a long walk reports its progress on stderr unless
-        ``quiet``.
+        ``quiet``.  An op that differs from the eager chain counts only if it also differs from
+        its eager twin run on the graph's own inputs to it, so rounding that builds up over a
+        deep network is not taken for a fault
+        (:func:`nimble.divergence.isolated_difference`).
         Inference graphs only; the model must dispatch the same ops eagerly as when recorded.
         """
         from .divergence import align, eager_ops, first_divergence, first_nonfinite
-        from .stepper import StepThrough, run_until, select_tasks
+        from .stepper import StepThrough, run_before, run_until, select_tasks
 
         state = self._state()
         if state.step is not None:
@@ -391,16 +394,21 @@ class Nimble:
                              "with training=False to search the forward")
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
             inputs = tuple(inputs[0])
-        aligned = align(state.graph, eager_ops(self.model, inputs))
+        aligned = align(state.graph, eager_ops(self.model, inputs, keep_inputs=not nonfinite))
         stepper = StepThrough(state, 0)
 
         def run(op: int):
             written = {a.buffer for a in state.graph.ops[op].accesses if a.write}
             return run_until(state, select_tasks(state.graph, op=op), list(inputs), written,
                              stepper)
-        search = first_nonfinite if nonfinite else first_divergence
+
+        def before(op: int, read: set[int]):
+            return run_before(state, op, list(inputs), read, stepper)
+        progress = lambda line: say(line, quiet)  # noqa: E731
         try:
-            return search(run, state.graph, aligned, lambda line: say(line, quiet))
+            if nonfinite:
+                return first_nonfinite(run, state.graph, aligned, progress)
+            return first_divergence(run, state.graph, aligned, progress, run_before=before)
         finally:
             stepper.close()
 

@@ -148,6 +148,8 @@ class StepThrough:
         if self._one_off is not None:
             self._one_off.close()
             self._one_off = None
+        if not keep:
+            return
         if self.fixed - keep:
             self._one_off = self._build(keep)
             driver.launch(self._one_off.exec.handle, stream)
@@ -172,18 +174,40 @@ def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None,
     touched (only those in ``read``, when given).  ``stepper`` (a :class:`StepThrough` of the
     targets' phase) is used for the run when given, and one is made for it when not.  Needs the
     GPU; the prepared graph's outputs are put back afterwards."""
+    keep, span = ancestor_closure(prepared.schedule, targets, len(prepared.graph.tasks))
+    phase = next(k for k, b in enumerate(prepared.builts) if b.span == span)
+    return run_tasks(prepared, phase, keep, inputs, read, stepper)
+
+
+def run_before(prepared, op: int, inputs: Sequence | None = None,
+               read: set[int] | None = None, stepper: StepThrough | None = None) -> Snapshot:
+    """Run every task of op ``op``'s phase recorded before op ``op``'s first task (the phases
+    before it whole) and copy out the buffers in ``read`` (all it touched when None): what the
+    recorded ops before ``op`` left for it to read.  Edges only go forward in recorded order, so
+    such a prefix holds its tasks' predecessors; and the arena lets no earlier task overwrite a
+    range that a later one still reads."""
+    tasks = [t.id for t in prepared.graph.tasks if t.op == op]
+    if not tasks:
+        raise InputError(f"op {op} launched no task")
+    phase = next(k for k, b in enumerate(prepared.builts) if tasks[0] in b.span)
+    span = prepared.builts[phase].span
+    return run_tasks(prepared, phase, set(range(span.start, min(tasks))), inputs, read, stepper)
+
+
+def run_tasks(prepared, phase: int, keep: set[int], inputs: Sequence | None = None,
+              read: set[int] | None = None, stepper: StepThrough | None = None) -> Snapshot:
+    """Run the tasks ``keep`` of phase ``phase`` (closed under predecessors) after the phases
+    before it, on ``inputs`` (random when None), and copy out every buffer the run touched
+    (only those in ``read``, when given); see :func:`run_until`."""
     import torch
 
     from . import driver
     from .verify import random_like
 
-    graph, schedule = prepared.graph, prepared.schedule
-    n = len(graph.tasks)
-    keep, span = ancestor_closure(schedule, targets, n)
+    graph = prepared.graph
     launchers = prepared.launchers
     slots = [s for launcher in launchers for s in launcher.slots]
     inputs = list(inputs) if inputs is not None else [random_like(s.tensor) for s in slots]
-    phase = next(k for k, b in enumerate(prepared.builts) if b.span == span)
     own = stepper is None or stepper.phase != phase
     sub = StepThrough(prepared, phase) if own else stepper
     ran = [t for b in prepared.builts[:phase] for t in b.span] + sorted(keep)

@@ -150,3 +150,140 @@ def test_eager_ops_keep_every_op_and_its_fresh_outputs():
     assert ops and all(isinstance(o.name, str) for o in ops)
     final = [o for o in ops if o.outputs and tuple(o.outputs[0].shape) == (2, 3)]
     assert final and torch.allclose(final[-1].outputs[0], lin(x).detach())
+
+
+class _Scaled(torch.nn.Module):
+    """``n`` multiplications by a weight, one fresh output each."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+        self.w = torch.nn.Parameter(torch.tensor([1.5, 1.25, 0.75, 1.1]), requires_grad=False)
+
+    def forward(self, x):
+        for _ in range(self.n):
+            x = x * self.w
+        return x
+
+
+def _scaled_graph(n: int, eager):
+    """The recording of :class:`_Scaled`: op k reads buffer k (buffer 0 the input), writes
+    buffer k + 1."""
+    g = TaskGraph()
+    g.ops = [Op(k, e.name, f"mul{k}", [Access(k, 0, 16, False), Access(k + 1, 0, 16, True)])
+             for k, e in enumerate(eager)]
+    g.tasks = [Task(k, "kernel", op=k) for k in range(n)]
+    return g
+
+
+def _graph_values(x, w, n, rounding: float, fault_at: int = -1, wrong_weight_at: int = -1):
+    """What the graph's buffers hold: each op off by ``rounding`` (relative) from its exact
+    product, op ``fault_at`` 5.0 off, op ``wrong_weight_at`` multiplied by another weight."""
+    values = [x.clone()]
+    for k in range(n):
+        weight = w * 1.1 if k == wrong_weight_at else w
+        y = values[-1] * weight * (1 + rounding)
+        values.append(y + 5.0 if k == fault_at else y)
+    return {k: v.contiguous().view(torch.uint8).clone() for k, v in enumerate(values)}
+
+
+def _stand_ins(g, buffers, before_calls):
+    def run_until(op):
+        return Snapshot(g, set(range(op + 1)), buffers)
+
+    def run_before(op, read):
+        before_calls.append((op, set(read)))
+        return Snapshot(g, set(range(op)), {b: buffers[b] for b in read})
+    return run_until, run_before
+
+
+@pytest.fixture
+def no_tf32(monkeypatch):
+    import nimble.divergence as divergence
+    monkeypatch.setattr(divergence, "tf32_allowed", lambda: False)
+
+
+def test_the_eager_run_knows_which_earlier_output_each_input_was_and_keeps_the_rest():
+    """An input made by an earlier op is found in the graph range holding that op's output (at
+    the right offset for a view of it); a weight or the model's input is kept by value."""
+    class Sliced(torch.nn.Module):
+        def forward(self, x, w):
+            y = x * w
+            return y[2:] * w[:2]
+    x, w = torch.arange(4.0) + 1, torch.tensor([2.0, 3.0, 4.0, 5.0])
+    eager = eager_ops(Sliced(), (x, w), keep_inputs=True)
+    assert [e.name for e in eager] == ["aten::mul.Tensor", "aten::slice.Tensor",
+                                       "aten::slice.Tensor", "aten::mul.Tensor"]
+    g = TaskGraph()
+    g.ops = [Op(0, eager[0].name, "", [Access(0, 0, 16, False), Access(2, 0, 16, True)]),
+             Op(1, eager[1].name, ""), Op(2, eager[2].name, ""),
+             Op(3, eager[3].name, "", [Access(2, 8, 8, False), Access(3, 0, 8, True)])]
+    aligned = align(g, eager)
+    assert aligned[0].sources == [None, None]  # the model's input and the weight
+    assert torch.equal(eager[0].inputs[0].value, x) and torch.equal(eager[0].inputs[1].value, w)
+    assert aligned[3].sources[0] == Access(2, 8, 8, False)  # y[2:]: 8 bytes into y's range
+    assert aligned[3].sources[1] is None and torch.equal(eager[3].inputs[1].value, w[:2])
+    assert aligned[3].isolable and aligned[3].outputs == [0]
+
+
+def test_rounding_that_builds_up_over_depth_is_not_a_divergence_but_a_fault_still_is(no_tf32):
+    """Each op of the graph is 5e-5 off (within float32's 1e-4): run from the model's input, the
+    chain drifts past the tolerance within a few ops, while each op run again on the graph's own
+    inputs agrees.  A kernel 5.0 off, and one reading another weight, are still named."""
+    n = 12
+    model, x = _Scaled(n), torch.arange(4.0) + 1
+    eager = eager_ops(model, (x,), keep_inputs=True)
+    g = _scaled_graph(n, eager)
+    aligned = align(g, eager)
+    drifting = _graph_values(x, model.w.detach(), n, 5e-5)
+    calls = []
+    run_until, run_before = _stand_ins(g, drifting, calls)
+    chained = first_divergence(run_until, g, aligned)
+    assert chained is not None and chained.op < n // 2  # without isolation: a false alarm
+    assert first_divergence(run_until, g, aligned, run_before=run_before) is None
+    assert calls and all(read == {op} for op, read in calls)  # read each op's input buffer
+    for fault in ({"fault_at": 7}, {"wrong_weight_at": 9}):
+        values = _graph_values(x, model.w.detach(), n, 5e-5, **fault)
+        run_until, run_before = _stand_ins(g, values, [])
+        found = first_divergence(run_until, g, aligned, run_before=run_before)
+        assert found is not None and found.op == next(iter(fault.values())), (fault, found)
+        assert "its eager twin run on the graph's own inputs" in found.detail
+
+
+def test_a_sum_of_products_run_alone_is_held_to_its_terms_magnitude(no_tf32):
+    """64 terms of 100 with alternating signs sum to 0: another summation order may leave 0.3
+    (a 2e-5 fraction of the terms' 6,400) and still be right, while 5.0 off is a fault.  The
+    eager chain, measured against the result's own size, cannot tell the two apart."""
+    class Product(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([[1.0], [-1.0]] * 32), requires_grad=False)
+
+        def forward(self, x):
+            return x @ self.w
+    x = torch.full((1, 64), 100.0)
+    eager = eager_ops(Product(), (x,), keep_inputs=True)
+    assert [e.name for e in eager] == ["aten::mm"]
+    g = TaskGraph()
+    g.ops = [Op(0, "aten::mm", "", [Access(0, 0, 256, False), Access(1, 0, 4, True)])]
+    g.tasks = [Task(0, "kernel", op=0)]
+    aligned = align(g, eager)
+    for off, wrong in ((0.3, False), (5.0, True)):
+        buffers = {0: x.view(torch.uint8).clone(),
+                   1: (eager[0].outputs[0] + off).view(torch.uint8).clone()}
+        run_until, run_before = _stand_ins(g, buffers, [])
+        assert first_divergence(run_until, g, aligned) is not None  # the chain alone: alarm
+        found = first_divergence(run_until, g, aligned, run_before=run_before)
+        assert (found is not None) == wrong, (off, found)
+
+
+def test_an_input_the_recorded_op_does_not_read_where_its_producer_wrote_is_not_judged_alone():
+    """If the recorded op's accesses do not cover the range its producer's output was paired
+    with, the eager twin cannot be fed the graph's values: the chain's verdict stands."""
+    n = 3
+    model, x = _Scaled(n), torch.arange(4.0) + 1
+    eager = eager_ops(model, (x,), keep_inputs=True)
+    g = _scaled_graph(n, eager)
+    g.ops[2].accesses[0] = Access(7, 0, 16, False)  # reads elsewhere than op 1 wrote
+    aligned = align(g, eager)
+    assert aligned[1].isolable and aligned[2].sources[0] is None and not aligned[2].isolable
