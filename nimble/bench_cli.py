@@ -135,19 +135,24 @@ def _host_us(fn: Callable[[], object], calls: int = 300) -> float:
     return _host_us_beside([fn], calls)[0]
 
 
-def _host_us_beside(fns: Sequence[Callable[[], object]], calls: int = 300) -> list[float]:
+def _host_us_beside(fns: Sequence[Callable[[], object]], calls: int = 300,
+                    device_sync: bool = False) -> list[float]:
     """Median host µs of one call of each of ``fns``, taken in turn (GPU idle before each).
 
+    Before each call the host waits for the current stream, as a server waits for the call
+    before (``device_sync``: for the whole device, ``torch.cuda.synchronize()``; on the H200 the
+    next launch then took about twice as long, the bare ``cuGraphLaunch`` as much as a call).
     On the GPU machine a bare ``cuGraphLaunch`` alone measured 6–30 µs median in different
     300-call rounds of one process: sampled in turn, calls are compared under the same machine
     state, so the difference between them is the cost of what they do differently.
     """
     import torch
 
+    wait = torch.cuda.synchronize if device_sync else torch.cuda.current_stream().synchronize
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(calls):
         for fn, mine in zip(fns, times):
-            torch.cuda.synchronize()
+            wait()
             t0 = time.perf_counter()
             fn()
             mine.append(time.perf_counter() - t0)

@@ -82,7 +82,7 @@ class EagerInput:
     value: Any = None
 
 
-class InputSlot:
+class ArgSlot:
     """Where argument ``k`` (an :class:`EagerInput`) goes in an eager op's argument template."""
 
     __slots__ = ("k",)
@@ -170,7 +170,7 @@ def eager_ops(model, inputs: Sequence, keep_inputs: bool = False) -> list[EagerO
         else:
             entry.value = t.detach().clone()
         found.append(entry)
-        return InputSlot(len(found) - 1)
+        return ArgSlot(len(found) - 1)
 
     class Keep(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -401,7 +401,7 @@ def _rerun(twin: EagerOp, values: Sequence) -> list:
     from torch.utils._pytree import tree_map
 
     def fill(v):
-        return values[v.k] if isinstance(v, InputSlot) else v
+        return values[v.k] if isinstance(v, ArgSlot) else v
     with torch.no_grad():
         out = twin.func(*tree_map(fill, twin.args), **tree_map(fill, twin.kwargs))
     return fresh_tensors(twin.func, out)

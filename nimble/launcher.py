@@ -19,6 +19,10 @@ context current there, and a lock makes each call's writes, launch and output co
 calls from several threads are serialized in the order they take the lock (each on its caller's
 stream, ordered after the previous call's).
 
+After the first call, a plain call (tensors of the prepared shapes, contiguous, every slot a cell,
+a thread that called before) runs :meth:`Launcher.fast_call`'s path, with everything it reads
+bound once; any other call, and every error, goes the general way (:meth:`Launcher.run_flat`).
+
 A graph that draws random numbers reads the generator's seed and offset from two cells of its
 own; each call writes them from torch's CUDA generator and advances the generator's offset by what
 one launch consumes, as ``torch.cuda.graph``'s replay does.
@@ -30,6 +34,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from . import driver
 from .errors import CudaError, InputError, NimbleError
+
+
+#: What :meth:`Launcher.fast_call`'s call returns when the call needs the general path.
+TAKE_GENERAL_PATH = object()
 
 
 class InputSlot(NamedTuple):
@@ -93,7 +101,7 @@ class Launcher:
 
     __slots__ = ("_exec", "_slots", "_device", "_outputs", "_unflatten", "return_copies",
                  "_raw_stream", "_streams", "_api", "_tensor_type", "_order", "_context",
-                 "_rng", "_in_cells")
+                 "_rng", "_in_cells", "_leaf")
 
     def __init__(self, exec_handle, slots: Sequence[InputSlot], device, outputs: list,
                  output_spec, context, rng: RngCells | None = None,
@@ -109,6 +117,7 @@ class Launcher:
         self._device = device
         self._outputs = outputs
         self.return_copies = return_copies
+        self._leaf = output_spec is not None and output_spec.is_leaf()
         if output_spec is None:
             self._unflatten = list
         else:
@@ -186,18 +195,19 @@ class Launcher:
         if len(inputs) != len(slots):
             raise InputError(f"the model was prepared with {len(slots)} input(s), got "
                              f"{len(inputs)}")
-        for i, x in enumerate(inputs):
-            slot = slots[i]
-            if not (isinstance(x, self._tensor_type) and x.shape == slot.shape
-                    and x.dtype == slot.dtype and x.device == self._device):
-                raise self._bad_input(i, x)
+        tensor, device = self._tensor_type, self._device
+        for x, slot in zip(inputs, slots):
+            if not (isinstance(x, tensor) and x.shape == slot.shape and x.dtype is slot.dtype
+                    and x.device == device):
+                raise self._bad_input(next(i for i, s in enumerate(slots) if s is slot), x)
         order = self._order
         if threading.get_ident() not in order.threads:
             self._enter_thread()
         api = self._api
         with order.lock:
-            stream = self.stream()
-            if stream is not order.last_stream:
+            stream = self._streams.get(self._raw_stream())
+            if stream is None or stream is not order.last_stream:
+                stream = self.stream()
                 self._join(stream)
             in_cells = self._in_cells
             for i, x in enumerate(inputs):
@@ -225,7 +235,52 @@ class Launcher:
         """Make the next call write every input cell: something other than a call (a C host, a
         debugging run) may have written them.  Takes no lock: call it holding :attr:`lock` or
         between calls."""
-        self._in_cells = [None] * len(self._slots)
+        self._in_cells[:] = [None] * len(self._in_cells)
+
+    def fast_call(self, weights) -> Callable[[tuple], Any] | None:
+        """The common call, with everything it reads bound once: the inputs are tensors of the
+        prepared shapes and dtypes, contiguous, on a thread that called before, every slot has a
+        cell, no random numbers, views returned.  It returns :data:`TAKE_GENERAL_PATH` for any
+        other call (and when ``weights`` moved), for :meth:`run_flat` to handle; None where the
+        graph has no such call.  On a loaded host the Python around a launch costs as much as
+        the launch: each layer and attribute lookup removed here is a few µs there."""
+        slots = self._slots
+        if self._rng is not None or self.return_copies or not all(s.cell for s in slots):
+            return None
+        from .weights import EPOCH
+
+        n = len(slots)
+        expected = tuple((s.shape, s.dtype) for s in slots)
+        cells = tuple(s.cell for s in slots)
+        in_cells, order, streams = self._in_cells, self._order, self._streams
+        lock, threads, raw_stream = order.lock, order.threads, self._raw_stream
+        launch, write64 = self._api.launch, self._api.write64
+        exec_handle, outputs, tensor, device = self._exec, self._outputs, self._tensor_type, \
+            self._device
+        leaf, unflatten, get_ident = self._leaf, self._unflatten, threading.get_ident
+        general = TAKE_GENERAL_PATH
+
+        def call(inputs: tuple):
+            if len(inputs) != n or weights.epoch != EPOCH[0] or self._exec is None \
+                    or get_ident() not in threads:
+                return general
+            for x, (shape, dtype) in zip(inputs, expected):
+                if not (isinstance(x, tensor) and x.shape == shape and x.dtype is dtype
+                        and x.device == device and x.is_contiguous()):
+                    return general
+            with lock:
+                stream = streams.get(raw_stream())
+                if stream is None or stream is not order.last_stream:
+                    stream = self.stream()
+                    self._join(stream)
+                for i, x in enumerate(inputs):
+                    address = x.data_ptr()
+                    if address != in_cells[i]:
+                        write64(stream, cells[i], address, 0)
+                        in_cells[i] = address
+                launch(exec_handle, stream)
+            return outputs[0] if leaf else unflatten(outputs)
+        return call
 
     def _draw(self, stream) -> None:
         """Hand this launch the generator's seed and offset, and advance the offset past it."""

@@ -20,7 +20,7 @@ from typing import NamedTuple
 from . import driver
 from .build import repoint
 from .errors import InputError, NimbleError
-from .launcher import RngCells
+from .launcher import TAKE_GENERAL_PATH, RngCells
 from .memplan import MemPlan
 from .prepared import Prepared, build_prepared, kernel_priorities, plan_graph, prove
 from .progress import say
@@ -76,6 +76,8 @@ class Nimble:
     def __init__(self, model) -> None:
         self.model = model
         self._prepared: Prepared | None = None
+        # The current graph's common call (Launcher.fast_call), once a call has made it
+        self._fast = None
 
     # ---- preparation ------------------------------------------------------------------------
     def prepare(self, example_inputs, *, training: bool = False, use_multi_stream: bool = True,
@@ -132,6 +134,7 @@ class Nimble:
         candidate.launcher.return_copies = return_copies
         candidate.graph.meta["prepare_seconds"] = dict(candidate.seconds)
         previous, self._prepared = self._prepared, candidate
+        self._fast = None
         if previous is not None:
             previous.close()
         return self
@@ -231,6 +234,15 @@ class Nimble:
         the last call (``load_state_dict(assign=True)``, ``model.to(...)``) are followed first
         (see :meth:`refresh`).
         """
+        fast = self._fast
+        if fast is not None:
+            out = fast(inputs)
+            if out is not TAKE_GENERAL_PATH:
+                return out
+        return self._call(inputs)
+
+    def _call(self, inputs: tuple):
+        """A call by the general path: any input form, followed weights, training steps."""
         state = self._state()
         if state.weights.epoch != WEIGHTS_EPOCH[0]:
             self._follow_weights(state)
@@ -238,7 +250,11 @@ class Nimble:
             inputs = inputs[0]
         if state.step is not None:
             return state.step(inputs, state.launcher.unflatten)
-        return state.launcher.run(inputs)
+        launcher = state.launcher
+        if self._fast is None and state.fast_call is None:
+            state.fast_call = launcher.fast_call(state.weights) or False
+            self._fast = state.fast_call or None
+        return launcher.unflatten(launcher.run_flat(inputs))
 
     def refresh(self) -> bool:
         """Re-read the model's weights; re-point the graph at any that moved.  True if any did.
@@ -446,6 +462,7 @@ class Nimble:
     def close(self) -> None:
         """Free the graph and its exec now, and the arena once the outputs and gradients handed
         out are gone (idempotent)."""
+        self._fast = None
         if self._prepared is not None:
             self._prepared.close()
             self._prepared = None

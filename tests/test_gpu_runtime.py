@@ -107,6 +107,40 @@ def test_wrong_inputs_are_typed_errors():
         nm.prepare(x, training=True)
 
 
+def test_the_common_call_is_bound_once_and_every_other_call_takes_the_general_path():
+    """After the first call, a plain call runs a path with everything bound once
+    (``Launcher.fast_call``); a wrong input, a strided one, one wrapped in a tuple, another
+    stream, and a closed graph still get what the general path gives them."""
+    import torch
+
+    import nimble
+    from nimble.errors import InputError, NimbleError
+
+    model, x = zoo_model("branchy")
+    nm = nimble.Nimble(model).prepare(x, relaunches=2)
+    fresh = torch.randn_like(x)
+    want = nm(fresh).clone()
+    assert nm._fast is not None
+    assert torch.equal(nm(fresh), want) and torch.equal(nm((fresh,)), want)
+    with pytest.raises(InputError, match="prepared for"):
+        nm(x.double())
+    with pytest.raises(InputError, match="input"):
+        nm(x, x)
+    assert torch.equal(nm(fresh.to(memory_format=torch.channels_last)), want)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = nm(fresh).clone()
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, want)
+    other = torch.randn_like(x)
+    assert not torch.equal(nm(other), want)  # a new address is written into the cell
+    assert torch.equal(nm(fresh), want)
+    nm.close()
+    with pytest.raises(NimbleError, match="prepare"):
+        nm(fresh)
+
+
 def test_a_missed_relocation_is_caught_by_the_proof(monkeypatch):
     """Leave one reader's pointer at the recorded address: the poisoned run must fail loudly."""
     from nimble import build

@@ -9,7 +9,8 @@ p10, p90 of 300) and of one call among 200 back-to-back ones, twice; then ``nm(x
 Python's garbage collector off.  ``DTYPE`` (float32, float16, bfloat16; default float32)
 converts model and input first; ``--only-call`` measures ``nm(x)`` idle only, three times, each
 time in turn with a bare ``cuGraphLaunch`` of its exec (the machine's launch cost drifts between
-rounds; sampled in turn, the difference is Nimble's own).
+rounds; sampled in turn, the difference is Nimble's own), once waiting for the stream before each
+call (as a server waits for its previous call) and once for the whole device.
 """
 import gc
 import sys
@@ -46,9 +47,12 @@ for name in args[0].split(","):
     nm = nimble.Nimble(model).prepare(x, relaunches=2)
     if "--only-call" in sys.argv:
         for rep in range(3):
-            call_us, bare_us = _host_us_beside([lambda: nm(x), bare_launch(nm)])
-            print(f"{name} {dtype} r{rep} nm(x) idle median {call_us:.1f} µs, a bare cuGraphLaunch "
-                  f"sampled beside it {bare_us:.1f} µs", flush=True)
+            for device_sync in (False, True):
+                call_us, bare_us = _host_us_beside([lambda: nm(x), bare_launch(nm)],
+                                                   device_sync=device_sync)
+                after = "device synchronize" if device_sync else "stream synchronize"
+                print(f"{name} {dtype} r{rep} after a {after}: nm(x) idle median {call_us:.1f} "
+                      f"µs, a bare cuGraphLaunch sampled beside it {bare_us:.1f} µs", flush=True)
         nm.close()
         continue
     st = nm._prepared; L = st.launcher
