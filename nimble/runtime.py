@@ -414,8 +414,9 @@ class Nimble:
         stepper = StepThrough(state, 0)
 
         def run(op: int):
-            written = {a.buffer for a in state.graph.ops[op].accesses if a.write}
-            return run_until(state, select_tasks(state.graph, op=op), list(inputs), written,
+            read = {a.buffer for a in state.graph.ops[op].accesses if a.write}
+            read |= {a.buffer for a in aligned[op].sources if a is not None}
+            return run_until(state, select_tasks(state.graph, op=op), list(inputs), read,
                              stepper)
 
         def before(op: int, read: set[int]):

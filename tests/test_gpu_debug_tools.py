@@ -178,6 +178,49 @@ def test_the_nan_hunt_and_the_bisect_name_the_op_a_fault_was_put_in():
     assert found is not None and found.op == first_conv, found
 
 
+def test_ops_that_drift_from_the_eager_chain_are_judged_on_the_graphs_own_inputs(monkeypatch):
+    """Every eager output made 1.0 off, as if rounding had built up: each op then differs from
+    the chain, is run again alone on what the graph gave it (after a run of every task before
+    it), agrees, and the walk goes on to the end.  A weight read through the wrong pointer is
+    still named: run alone, the op gets the true weight from the eager run."""
+    import nimble
+    import nimble.divergence as divergence
+
+    model, x = zoo_model("branchy")
+    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    real_eager, real_alone = divergence.eager_ops, divergence.isolated_difference
+    judged = []
+
+    def drifted(model, inputs, keep_inputs=False):
+        ops = real_eager(model, inputs, keep_inputs)
+        for op in ops:
+            op.outputs = [t + 1.0 if t.is_floating_point() else t for t in op.outputs]
+        return ops
+
+    def alone(op, before, after):
+        judged.append(op.index)
+        return real_alone(op, before, after)
+    monkeypatch.setattr(divergence, "eager_ops", drifted)
+    monkeypatch.setattr(divergence, "isolated_difference", alone)
+    assert nm.first_divergence(x, quiet=True) is None
+    g = nm.graph
+    compared = {o.index for o in g.ops for t in g.tasks if t.op == o.index}
+    assert len(judged) >= len(compared) // 2, (len(judged), len(compared))
+    state = nm._state()
+    params = [b for b in g.buffers if b.kind == "param" and b.size >= 4096]
+    victim = next(b for b in params if any(o.size == b.size for o in params if o.id != b.id))
+    other = next(o for o in params if o.size == victim.size and o.id != victim.id)
+    reader = min(t.op for t in g.tasks if any(a.buffer == victim.id for a in t.accesses))
+    saved = state.bases[victim.id]
+    state.bases[victim.id] = state.bases[other.id]
+    try:
+        found = nm.first_divergence(x, quiet=True)
+    finally:
+        state.bases[victim.id] = saved
+    assert found is not None and found.op == reader, found
+    assert "graph's own inputs" in found.detail
+
+
 def test_the_bisect_names_the_op_whose_kernel_writes_its_output_elsewhere_after_prepare():
     """A fault put in after prepare: one convolution kernel's output pointer is turned to another
     intermediate buffer, so its own output keeps stale bytes and someone else's is overwritten.
