@@ -304,7 +304,3 @@ class Launcher:
             self._api.record(order.switch_event.handle, order.last_stream)
             self._api.wait(stream, order.switch_event.handle, 0)
         order.last_stream = stream
-
-    def run(self, inputs: Sequence):
-        """:meth:`run_flat`, with the outputs in the structure the model returned."""
-        return self._unflatten(self.run_flat(inputs))

@@ -147,6 +147,22 @@ def test_step_through_reads_an_intermediate_and_leaves_the_outputs_alone():
     torch.testing.assert_close(written[0].view(eager.dtype).view(eager.shape), eager.cpu())
 
 
+def _compare_with_a_weight_read_elsewhere(nm, x):
+    """``(nm.first_divergence(x), the first op reading the weight)`` while one weight's buffer
+    is read through the address of another weight of the same size (put back afterwards)."""
+    g, state = nm.graph, nm._state()
+    params = [b for b in g.buffers if b.kind == "param" and b.size >= 4096]
+    victim = next(b for b in params if any(o.size == b.size for o in params if o.id != b.id))
+    other = next(o for o in params if o.size == victim.size and o.id != victim.id)
+    reader = min(t.op for t in g.tasks if any(a.buffer == victim.id for a in t.accesses))
+    saved = state.bases[victim.id]
+    state.bases[victim.id] = state.bases[other.id]
+    try:
+        return nm.first_divergence(x, quiet=True), reader
+    finally:
+        state.bases[victim.id] = saved
+
+
 def test_the_nan_hunt_and_the_bisect_name_the_op_a_fault_was_put_in():
     import torch
 
@@ -157,17 +173,7 @@ def test_the_nan_hunt_and_the_bisect_name_the_op_a_fault_was_put_in():
     assert nm.first_divergence(x) is None
     g = nm.graph
     # a weight read through the wrong pointer: the first op reading it diverges
-    state = nm._state()
-    params = [b for b in g.buffers if b.kind == "param" and b.size >= 4096]
-    victim = next(b for b in params if any(o.size == b.size for o in params if o.id != b.id))
-    other = next(o for o in params if o.size == victim.size and o.id != victim.id)
-    reader = min(t.op for t in g.tasks if any(a.buffer == victim.id for a in t.accesses))
-    saved = state.bases[victim.id]
-    state.bases[victim.id] = state.bases[other.id]
-    try:
-        found = nm.first_divergence(x)
-    finally:
-        state.bases[victim.id] = saved
+    found, reader = _compare_with_a_weight_read_elsewhere(nm, x)
     assert found is not None and found.op == reader, found
     # a NaN weight: the hunt names the first op that reads it
     conv = model.stem[0][0]
@@ -206,17 +212,7 @@ def test_ops_that_drift_from_the_eager_chain_are_judged_on_the_graphs_own_inputs
     g = nm.graph
     compared = {o.index for o in g.ops for t in g.tasks if t.op == o.index}
     assert len(judged) >= len(compared) // 2, (len(judged), len(compared))
-    state = nm._state()
-    params = [b for b in g.buffers if b.kind == "param" and b.size >= 4096]
-    victim = next(b for b in params if any(o.size == b.size for o in params if o.id != b.id))
-    other = next(o for o in params if o.size == victim.size and o.id != victim.id)
-    reader = min(t.op for t in g.tasks if any(a.buffer == victim.id for a in t.accesses))
-    saved = state.bases[victim.id]
-    state.bases[victim.id] = state.bases[other.id]
-    try:
-        found = nm.first_divergence(x, quiet=True)
-    finally:
-        state.bases[victim.id] = saved
+    found, reader = _compare_with_a_weight_read_elsewhere(nm, x)
     assert found is not None and found.op == reader, found
     assert "graph's own inputs" in found.detail
 
