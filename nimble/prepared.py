@@ -9,17 +9,17 @@ and is what :class:`nimble.Nimble` swaps in whole.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from . import driver, ptx
 from .build import BuiltGraph, InputGather, buffer_bases, build_graph
-from .deps import build_dag
 from .launcher import CallOrder, InputSlot, Launcher, RngCells
 from .memplan import MemPlan, plan_memory
 from .plancheck import check_plan
 from .priority import driver_priorities, priority_levels
 from .resolve import RNG_OFFSET, RNG_SEED
-from .schedule import Schedule, assign_phased, check_schedule, phase_spans
+from .fit import schedule_within
+from .schedule import Schedule, phase_spans
 from .taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph, TensorRef
 from .weights import Weights
 
@@ -64,58 +64,6 @@ def single_stream_schedule(n: int, phases: list[int] | None = None) -> Schedule:
     barriers = [(a.stop - 1, b.start) for a, b in zip(spans, spans[1:])]
     return Schedule(stream_of, streams, [], max(n - len(streams), 0), 1 if n else 0,
                     phases=list(phases or []), barrier_edges=barriers)
-
-
-def schedule_within(graph: TaskGraph, max_streams: int | None, arena_limit: int | None
-                    ) -> tuple[Schedule, MemPlan]:
-    """Nimble's schedule (at most ``max_streams`` streams per phase) and its memory plan.
-
-    Where the plan needs more than ``arena_limit`` bytes, the stream cap is lowered step by step
-    (by a quarter each time) until it fits or every phase is down to one stream: fewer
-    concurrent branches keep fewer buffers alive at once.  The widest cap that fits is then
-    sought between the last cap that fitted and the one before it (bisecting to within an
-    eighth), since each stream given up can cost concurrency.  Last, each phase of a phased
-    graph gets its cap back alone where the plan still fits: a training step's memory is the
-    backward's to save (the forward's activations are all kept for it anyway), and capping the
-    forward too would cost its concurrency for nothing.
-    """
-    dag = build_dag(graph)
-    phases = graph.meta.get("phases") or []
-    spans = phase_spans(phases, len(graph.tasks))
-
-    def attempt(caps: list) -> tuple[Schedule, MemPlan, int, bool]:
-        schedule = assign_phased(dag, phases, max_streams=caps)
-        check_schedule(dag, schedule)
-        plan = plan_memory(graph, schedule.edges())
-        widest = max((len({schedule.stream_of[t] for t in span}) for span in spans), default=0)
-        return schedule, plan, widest, arena_limit is None or plan.arena_bytes <= arena_limit
-
-    def uniform(cap: int | None) -> list:
-        return [cap] * max(len(spans), 1)
-
-    schedule, plan, widest, fits = attempt(uniform(max_streams))
-    too_wide = None  # the narrowest cap known not to fit
-    cap = max_streams
-    while not fits and widest > 1:
-        too_wide = widest
-        cap = max(1, min(widest - 1, widest * 3 // 4))
-        schedule, plan, widest, fits = attempt(uniform(cap))
-    if not fits or too_wide is None:
-        return schedule, plan
-    while too_wide - cap > max(1, cap // 8):
-        middle = (cap + too_wide) // 2
-        wider = attempt(uniform(middle))
-        if wider[3]:
-            schedule, plan, cap = wider[0], wider[1], middle
-        else:
-            too_wide = middle
-    caps = uniform(cap)
-    for k in range(len(spans) if len(spans) > 1 else 0):
-        relaxed = caps[:k] + [max_streams] + caps[k + 1:]
-        wider = attempt(relaxed)
-        if wider[3]:
-            schedule, plan, caps = wider[0], wider[1], relaxed
-    return schedule, plan
 
 
 def gathers_of(slots) -> list[InputGather]:
@@ -223,11 +171,14 @@ def _rng_cells(graph: TaskGraph, device, at: int) -> tuple[dict[int, int], RngCe
 
 
 def plan_graph(graph: TaskGraph, use_multi_stream: bool, max_streams: int | None,
-               arena_limit: int | str | None) -> tuple[Schedule, MemPlan]:
-    """The schedule and the arena plan it allows, checked."""
+               arena_limit: int | str | None, durations: Sequence[float] | None = None
+               ) -> tuple[Schedule, MemPlan]:
+    """The schedule and the arena plan it allows, checked.  ``durations`` (each task's
+    isolated µs) pick among the schedules that fit the arena (:func:`nimble.fit.schedule_within`).
+    """
     limit = graph.meta.get("pool_bytes") if arena_limit == "pool" else arena_limit
     if use_multi_stream:
-        schedule, plan = schedule_within(graph, max_streams, limit)
+        schedule, plan = schedule_within(graph, max_streams, limit, durations)
     else:
         schedule = single_stream_schedule(len(graph.tasks), graph.meta.get("phases"))
         plan = plan_memory(graph, schedule.edges())
@@ -235,16 +186,19 @@ def plan_graph(graph: TaskGraph, use_multi_stream: bool, max_streams: int | None
     return schedule, plan
 
 
-def kernel_priorities(rec, schedule: Schedule) -> list[int]:
-    """Driver priority numbers per task from its slack in ``schedule`` (:mod:`nimble.priority`),
-    each task weighted by its isolated duration (measured now on the live recording when the
-    recording does not carry them)."""
+def task_times(rec) -> list[float]:
+    """Each task's isolated µs: carried by the recording, or measured now on it (live)."""
     from .deps import task_durations
     from .timing import time_recording
 
-    durations = task_durations(rec.graph) or time_recording(rec)
+    return task_durations(rec.graph) or time_recording(rec)
+
+
+def kernel_priorities(schedule: Schedule, durations: Sequence[float]) -> list[int]:
+    """Driver priority numbers per task from its slack in ``schedule`` (:mod:`nimble.priority`),
+    each task weighted by its isolated duration."""
     least, greatest = driver.stream_priority_range()
-    levels = priority_levels(len(rec.graph.tasks), schedule.edges(), durations,
+    levels = priority_levels(len(durations), schedule.edges(), durations,
                              least - greatest + 1)
     return driver_priorities(levels, least, greatest)
 

@@ -22,7 +22,8 @@ from .build import repoint
 from .errors import InputError, NimbleError
 from .launcher import TAKE_GENERAL_PATH, RngCells
 from .memplan import MemPlan
-from .prepared import Prepared, build_prepared, kernel_priorities, plan_graph, prove
+from .prepared import (Prepared, build_prepared, kernel_priorities, plan_graph, prove,
+                       task_times)
 from .progress import say
 from .schedule import Schedule
 from .taskgraph import TaskGraph
@@ -151,19 +152,24 @@ class Nimble:
                              f"training={training}")
         seconds.update(rec.seconds)
 
+        durations = None
+        if priorities and use_multi_stream:
+            # Timed before scheduling: the times also pick among schedules that fit the arena.
+            t0 = time.perf_counter()
+            say("timing every task alone for the kernel priorities", quiet)
+            durations = task_times(rec)
+            seconds["timing"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         say(f"scheduling {len(rec.graph.tasks)} tasks", quiet)
-        schedule, memplan = plan_graph(rec.graph, use_multi_stream, max_streams, arena_limit)
+        schedule, memplan = plan_graph(rec.graph, use_multi_stream, max_streams, arena_limit,
+                                       durations)
         seconds["schedule_and_memplan"] = time.perf_counter() - t0
         say(f"{len(schedule.streams)} streams, {len(schedule.sync_edges)} syncs; arena "
             f"{memplan.arena_bytes / 2**20:.1f} MiB", quiet)
 
         ranks = None
-        if priorities and len(schedule.streams) > 1:
-            t0 = time.perf_counter()
-            say("timing every task alone for the kernel priorities", quiet)
-            ranks = kernel_priorities(rec, schedule)
-            seconds["priorities"] = time.perf_counter() - t0
+        if durations is not None and len(schedule.streams) > 1:
+            ranks = kernel_priorities(schedule, durations)
         t0 = time.perf_counter()
         candidate = build_prepared(self.model, rec, schedule, memplan,
                                    device_launch=device_launch, gather_inputs=gather_inputs,

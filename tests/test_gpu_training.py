@@ -288,3 +288,24 @@ def test_training_errors_say_what_to_do():
     del junk
     with pytest.raises(nimble.NimbleError, match="prepare"):
         nm(x)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open bug (2026-11-25): in the bench's sequence, inception_v3's multi-stream training "
+    "prepare after googlenet's fails its proof (3 runs of 3; once the process died with an "
+    "unspecified launch failure); each model alone, and googlenet's Nimble, graphed or eager "
+    "steps alone before inception_v3's prepare, pass"))
+def test_two_models_trained_in_the_benchs_sequence_in_one_process():
+    """The training bench's own sequence (eager, make_graphed_callables, Nimble single and multi
+    per model) for googlenet, then inception_v3, in one process.  It runs as a child process:
+    a failure can take the CUDA context with it."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "nimble.cli", "bench", "--training", "googlenet", "inception_v3",
+         "--batch", "32", "--rounds", "1", "--iters", "2", "--no-compile"],
+        capture_output=True, text=True, timeout=400)
+    failed = [line for line in run.stdout.splitlines() + run.stderr.splitlines()
+              if "FAILED" in line]
+    assert run.returncode == 0 and not failed, (run.returncode, failed or run.stderr[-2000:])

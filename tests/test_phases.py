@@ -11,9 +11,10 @@ import pytest
 from nimble import BufferKind, TaskGraph
 from nimble.build import predecessors
 from nimble.deps import build_dag, dag_from_edges, reachability
+from nimble.fit import schedule_within
 from nimble.memplan import plan_memory
 from nimble.plancheck import check_plan
-from nimble.prepared import schedule_within, single_stream_schedule
+from nimble.prepared import single_stream_schedule
 from nimble.schedule import (Schedule, ScheduleError, assign_phased, assign_streams,
                              check_schedule, induced, phase_spans)
 

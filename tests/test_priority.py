@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from nimble.deps import critical_path, dag_from_edges
-from nimble.prepared import schedule_within
+from nimble.fit import schedule_within
 from nimble.priority import (SLACK_BOUNDS, driver_priorities, priority_levels, slack)
 from nimble.taskgraph import TaskGraph
 

@@ -7,7 +7,8 @@ Each model (default: the built-in ones and the zoo) is recorded at batch 1 in ev
 task is timed alone (``duration_us``), and the TaskGraph is written gzipped as
 ``OUT/<model>.json.gz`` (``OUT/<model>_<dtype>.json.gz`` for another dtype than float32).
 With ``--training`` a training step (forward and backward, two phases) is recorded instead, at
-CIFAR-10 shapes (3×32×32, 10 classes) for the zoo models, as ``OUT/<model>_train.json.gz``.
+the shapes ``nimble bench --training`` uses (CIFAR-10's 3×32×32 and 10 classes for resnet50,
+mobilenet_v2 and efficientnet_b0; ImageNet's for the others), as ``OUT/<model>_train.json.gz``.
 With ``--compiled`` the model is ``torch.compile(model)`` (Inductor's Triton kernels, traced by
 their launches), as ``OUT/<model>_inductor.json.gz``.  A one-line summary per model goes to
 stdout; a model that fails is
@@ -34,13 +35,14 @@ def record_model(name: str, batch: int, out: Path, time_tasks: bool = True,
 
     from nimble import models
     from nimble.record import record, record_step
+    from nimble.train_bench import CIFAR_MODELS
     from nimble.timing import time_recording
 
     torch.backends.cudnn.benchmark = True
-    zoo = models.package_of(name) is not None
-    model = models.create(name, num_classes=10 if training and zoo else None)
+    cifar = training and name in CIFAR_MODELS  # the shapes `nimble bench --training` uses
+    model = models.create(name, num_classes=10 if cifar else None)
     model = model.cuda().to(getattr(torch, dtype))
-    x = models.example_input(name, batch, side=32 if training and zoo else None)
+    x = models.example_input(name, batch, side=32 if cifar else None)
     x = x.to(getattr(torch, dtype))
     if compiled:
         model = torch.compile(model)
