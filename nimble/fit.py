@@ -44,8 +44,7 @@ class Fitted(NamedTuple):
 def workspace_bytes(graph: TaskGraph) -> list[int]:
     """Per task, the bytes of the scratch buffers it touches (library workspaces)."""
     scratch = {b.id: b.size for b in graph.buffers if b.kind == BufferKind.SCRATCH}
-    return [sum(scratch.get(a.buffer, 0) for a in {a.buffer: a for a in t.accesses}.values())
-            for t in graph.tasks]
+    return [sum(scratch.get(b, 0) for b in {a.buffer for a in t.accesses}) for t in graph.tasks]
 
 
 def chain_workspaces(graph: TaskGraph, dag: Dag, threshold: int,
@@ -138,9 +137,8 @@ def schedule_within(graph: TaskGraph, max_streams: int | None, arena_limit: int 
 
     The cap search alone first (:func:`capped_schedule`).  In the phases where it had to lower
     the cap, the tasks with the largest workspaces are chained (:func:`chain_workspaces`) at
-    thresholds
-    halving from the largest workspace down to :data:`SMALLEST_CHAINED_WORKSPACE`, each followed
-    by the cap search, until a chain fits with no cap lowered (or :data:`PATIENCE` thresholds in a
+    thresholds halving from the largest workspace down to :data:`SMALLEST_CHAINED_WORKSPACE`,
+    each followed by the cap search, until a chain fits with no cap lowered (or :data:`PATIENCE` thresholds in a
     row gave nothing shorter: each try costs a cap search).  Of the candidates that fit, the
     one with the shortest critical path on its schedule's edges wins (``durations``: each task's
     isolated µs; without them each task counts one), the cap alone on a tie.
