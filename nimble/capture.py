@@ -9,7 +9,8 @@
 
 so that :mod:`nimble.record` can decode the nodes and resolve every address to a buffer.  Memory
 a later phase reads from an earlier one (the activations a forward saves for its backward) is
-then one buffer with accesses in both.
+then one buffer with accesses in both.  The phases are then captured once more at other
+addresses (:mod:`nimble.twin`), which tells pointers from integers that resemble them.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from . import driver
 from .compiled import is_compiled
 from .errors import CaptureError, RecordError
 from .rawcapture import AllocEvent, DeviceRange
+from .twin import capture_twin
 
 HOST_SYNC_HELP = ("must not synchronise with the host (.item(), .cpu(), printing a tensor, "
                   "data-dependent Python control flow) and must keep its work on the GPU")
@@ -159,6 +161,8 @@ class Captured:
     externals: list[DeviceRange]  # allocator blocks alive before capture
     device: int
     allocator: list[DeviceRange] = field(default_factory=list)  # its segments before capture
+    twin: list | None = None  # node signatures of a second capture (see nimble.twin)
+    twin_note: str = ""  # why there is no twin
 
 
 def clear_blas_workspaces() -> None:
@@ -261,6 +265,11 @@ def capture(phases: Sequence[Phase], module, name: str) -> Captured:
         torch.cuda.memory._record_memory_history(enabled=None)
         clear_blas_workspaces()
 
+    # While this capture's pool is held, a second capture lies at other addresses.
+    twin, twin_note = capture_twin(phases, clear_blas_workspaces)
+    # Segments the allocator took since (the twin's, if it keeps them cached) are torch's
+    # memory, never a library's: a padded integer pointing into one must not be relocated.
+    since = allocator_segments({"segments": torch.cuda.memory_snapshot()})
     trace = snap.get("device_traces", [[]])[device] if snap.get("device_traces") else []
     alloc_events = alloc_events_from_trace(trace, alloc_base)
     if len(alloc_events) != alloc_total:
@@ -272,4 +281,6 @@ def capture(phases: Sequence[Phase], module, name: str) -> Captured:
     # Another prepared graph's arena counts as allocator memory: none of this capture's.
     others = [DeviceRange(a, n, f"nimble@{a:#x}") for a, n in driver.nimble_memory()]
     return Captured(graphs, results, node_counts, ops, alloc_events, pool, externals, device,
-                    allocator_segments(before) + others)
+                    allocator_segments(before) + others + [
+                        s for s in since if not any(s.address < p.end and p.address < s.end
+                                                    for p in pool)], twin, twin_note)

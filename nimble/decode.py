@@ -99,6 +99,19 @@ def decode_node(node, oracle: AddressOracle) -> RawNode:
     return RawNode(kind=f"other:{node_type}", fields={"node_type": node_type})
 
 
+def node_signature(node) -> tuple[str, str, bytes]:
+    """``(kind, kernel name, parameter block)`` of a node, as :func:`decode_node` reads them:
+    what a second capture of the same work must reproduce (see :mod:`nimble.twin`)."""
+    node_type = driver.node_type(node)
+    if node_type != "kernel":
+        known = node_type in ("memset", "memcpy")
+        return (node_type if known else f"other:{node_type}"), "", b""
+    params = driver.kernel_node_params(node)
+    func = kernel_function(params)
+    block, _ = read_param_block(params, driver.function_param_layout(func))
+    return TaskKind.KERNEL, driver.function_name(func), block
+
+
 def kernel_function(params):
     """The ``CUfunction`` of kernel node params (which may carry a ``CUkernel`` instead)."""
     func = params.func

@@ -105,3 +105,6 @@ class RawCapture:
     # that no block of ``externals`` covers is memory the allocator holds free (or in another
     # graph's pool), which no kernel of this capture may use
     allocator: list[DeviceRange] = field(default_factory=list)
+    # per node, the byte offsets of pointer-like kernel words that moved in a second capture at
+    # other addresses (nimble.twin); None: no such evidence, the value rules alone decide
+    moved_words: list[frozenset[int]] | None = None

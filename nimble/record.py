@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -23,6 +24,7 @@ from .progress import say
 from .rawcapture import DeviceRange, RawCapture, TensorSpec
 from .resolve import RNG_OFFSET, RNG_SEED, build_taskgraph, mark_rng_cells, unresolved_in_pool
 from .taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph
+from .twin import moved_words
 
 
 @dataclass
@@ -344,6 +346,11 @@ def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list,
     say(f"decoding {len(nodes)} graph nodes from {len(captured.ops)} ops", quiet)
     oracle = AddressOracle()
     raw_nodes = [decode_node(n, oracle) for n in nodes]
+    moved, evidence = moved_words(raw_nodes, captured.twin, captured.twin_note)
+    if moved is None:
+        warnings.warn(f"recording {name}: kernel words that resemble pointers are told apart "
+                      f"by their values alone ({evidence}); prepare()'s proof still checks the "
+                      "rebuilt graph", RuntimeWarning, stacklevel=4)
     pool = captured.pool
     externals = list(captured.externals) + library_memory(oracle.ranges, pool, captured.allocator)
     raw = RawCapture(
@@ -353,7 +360,8 @@ def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list,
         pool=pool, allocator=list(captured.allocator),
         inputs=[_tensor_spec(x) for x in static_inputs],
         outputs=[_tensor_spec(x) for x in outputs],
-        meta={**meta, "allocations": len(captured.allocs),
+        moved_words=moved,
+        meta={**meta, "allocations": len(captured.allocs), "pointer_evidence": evidence,
               "triton_launches": sum(1 for op in captured.ops if "::" not in op.name),
               "pool_bytes": sum(r.size for r in pool),
               "pool_segments": [[r.address, r.size] for r in pool]})

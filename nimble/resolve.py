@@ -45,6 +45,11 @@ for a pointer only where a kernel of op *k* could use the memory:
 * not in another op's workspace less than 2 MiB above a 4 GiB boundary at an offset no block
   starts from (512-aligned): there a padded integer is likelier than a pointer.
 
+The value rules hold while the pool lies where integers seldom reach (``0x7f66_...``); a pool
+the driver put at a low address (``0x7_0600_0000``) is hit by pairs of small integers.  So a
+second capture of the same work at other addresses (:mod:`nimble.twin`) vetoes first: a word into
+the pool that kept its value there, while every pool allocation moved, is no pointer.
+
 Such words are not listed among the task's pointers and keep their recorded value; the graph lists
 them as ``meta["not_pointer_words"]`` (``[task, byte offset, value]``, their count as
 ``meta["words_not_pointers"]``).  A real pointer taken for one would keep pointing into the
@@ -164,10 +169,19 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
     scratch_regions: set[int] = set()
     own_reused: set[int] = set()  # tensor buffers whose bytes this op itself allocated twice
     named = {a.buffer for a in graph.ops[k].accesses} if k >= 0 else set()
+    words: dict[int, list[tuple[int | str, int]]] = {}  # per task, the words that may be pointers
+    for t in task_ids:
+        words[t] = []
+        for location, value in raw_nodes[t].pointers:
+            if r.unmoved(t, location, value):
+                r.not_pointer_words.append([t, location, value])
+                r.stats["twin_unmoved_words"] += 1
+            else:
+                words[t].append((location, value))
     for t in task_ids:
         node = raw_nodes[t]
         copy_ends = {s for _, s, _, _ in node.ranges}  # memcpy/memset addresses are addresses
-        values = [v for _, v in node.pointers] + list(copy_ends)
+        values = [v for _, v in words[t]] + list(copy_ends)
         for v in values:
             if v in located:
                 continue
@@ -226,7 +240,7 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
         accesses: list[Access] = []
         aten_kernel = _ATEN_KERNEL in node.name
         whole_params = {off for off, size in node.param_layout if size == 8}
-        for location, value in node.pointers:
+        for location, value in words[t]:
             bid = target(value)
             if value in not_pointers or aten_kernel and (
                     value in others_workspace or bid >= 0 and _library_memory(r.buffers[bid])):

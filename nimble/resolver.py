@@ -82,6 +82,7 @@ class _Resolver:
         self._statics = _range_index(raw.statics)
         self._externals = _range_index(raw.externals)
         self._allocator = _range_index(raw.allocator)
+        self._pool = _range_index(raw.pool)
         self.static_buffer = [self._new(r.kind, r.size, r.address, r.name) for r in raw.statics]
         self.external_buffer: dict[int, int] = {}
         self.tensor_buffer: dict[int, int] = {}  # region (its first allocation) -> buffer id
@@ -90,9 +91,17 @@ class _Resolver:
         self.stats = {"allocations_reused_in_op": sum(
                           1 for i, rep in enumerate(self.region)
                           if rep != i or self.members(i) > 1),
-                      "unlisted_pointer_accesses": 0, "op_accesses_without_pointer": 0}
+                      "unlisted_pointer_accesses": 0, "op_accesses_without_pointer": 0,
+                      "twin_unmoved_words": 0}
         self.not_pointer_words: list[list[int]] = []  # [task, location, value]
         self.low_word_buffers: set[int] = set()
+
+    def unmoved(self, task: int, location, value: int) -> bool:
+        """Whether a kernel word of ``task`` points into the capture's pool yet kept its value
+        when the work was captured again at other addresses (:mod:`nimble.twin`): no pointer."""
+        moved = self.raw.moved_words
+        return (moved is not None and isinstance(location, int) and location not in moved[task]
+                and self._pool.find(value) is not None)
 
     def _alloc_ops(self) -> list[int]:
         begins = [op.alloc_begin for op in self.raw.ops]

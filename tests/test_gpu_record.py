@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from nimble.twin import TWIN_EVIDENCE
+
 pytestmark = pytest.mark.gpu
 
 ZOO_RECORDED = ["resnet50", "inception_v3", "googlenet", "mobilenet_v2", "nasnetalarge"]
@@ -32,6 +34,8 @@ def test_every_kernel_attributed_and_every_pointer_resolved(name):
     assert g.unresolved_pointers() == []
     assert all(g.ops[t.op].module or g.ops[t.op].name for t in kernels)
     assert not [t for t in g.tasks if t.kind.startswith("other:")]
+    # the twin capture reproduced every node, so every pool word was checked by it
+    assert g.meta["pointer_evidence"] == TWIN_EVIDENCE
 
 
 def test_gemm_chains_are_eight_independent_chains():
