@@ -6,10 +6,13 @@
 
 Runs, in order:
 
-1. ``pytest -m gpu``: every test that needs the GPU (111 s on an H100 on 2026-11-23);
+1. ``pytest -m gpu``: every test that needs the GPU (500 s on the H200 on 2026-11-25, with the
+   two-model training sequence and the expandable-segments test in child processes);
 2. ``nimble bench --quick --dtype float32,float16,bfloat16 --rounds 5 --iters 50`` on
    ``--models`` (default: branchy and the seven zoo models): eager, ``torch.cuda.graph`` (input
-   copied in on every call), Nimble single and multi, in each dtype (250 s on an H100);
+   copied in on every call), Nimble single and multi, in each dtype (258 s for the seven zoo
+   models on the H200 on 2026-11-25).  Together the two pass one device command's 10 minutes:
+   run them as two calls (``--skip-bench --skip-training``, then ``--skip-tests``);
 3. ``nimble bench --training --rounds 3 --iters 10`` on ``--training-models`` (default resnet50,
    mobilenet_v2, efficientnet_b0, googlenet) at ``--training-batches`` (default 32): eager,
    ``make_graphed_callables``, Nimble single and multi training steps;
