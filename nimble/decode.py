@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from . import driver
 from .errors import RecordError
@@ -106,10 +106,28 @@ def node_signature(node) -> tuple[str, str, bytes]:
     if node_type != "kernel":
         known = node_type in ("memset", "memcpy")
         return (node_type if known else f"other:{node_type}"), "", b""
+    launch = read_kernel_launch(node)
+    return TaskKind.KERNEL, launch.name, launch.block
+
+
+class KernelLaunch(NamedTuple):
+    """What a kernel node launches: its params, the function's name and parameter layout, and
+    the argument block with how it was passed (``"params"`` or ``"extra"``)."""
+
+    params: Any
+    name: str
+    layout: list
+    block: bytes
+    how: str
+
+
+def read_kernel_launch(node) -> KernelLaunch:
+    """A kernel node's launch as the driver holds it (shared by the decoder and the twin)."""
     params = driver.kernel_node_params(node)
     func = kernel_function(params)
-    block, _ = read_param_block(params, driver.function_param_layout(func))
-    return TaskKind.KERNEL, driver.function_name(func), block
+    layout = driver.function_param_layout(func)
+    block, how = read_param_block(params, layout)
+    return KernelLaunch(params, driver.function_name(func), layout, block, how)
 
 
 def kernel_function(params):
@@ -184,11 +202,7 @@ def read_param_block(params, layout: list[tuple[int, int]]) -> tuple[bytes, str]
 
 
 def _decode_kernel(node, oracle: AddressOracle) -> RawNode:
-    params = driver.kernel_node_params(node)
-    func = kernel_function(params)
-    name = driver.function_name(func)
-    layout = driver.function_param_layout(func)
-    block, how = read_param_block(params, layout)
+    params, name, layout, block, how = read_kernel_launch(node)
     opaque = how == "extra" and not layout
     if opaque and block:
         layout = [(0, len(block))]  # no per-parameter info: the buffer is one opaque argument

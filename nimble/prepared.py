@@ -93,9 +93,6 @@ class Prepared:
     priorities: list[int] | None = None
     recording: Any = None  # kept only with keep_recording=True (debugging)
     step: Any = None  # training.TrainingStep for a training step, else None
-    #: The launcher's common call (Launcher.fast_call): None until a call made it, False where
-    #: the graph has none.
-    fast_call: Any = None
 
     @property
     def built(self) -> BuiltGraph:

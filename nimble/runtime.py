@@ -77,7 +77,8 @@ class Nimble:
     def __init__(self, model) -> None:
         self.model = model
         self._prepared: Prepared | None = None
-        # The current graph's common call (Launcher.fast_call), once a call has made it
+        # The current graph's common call (Launcher.fast_call): None until a call made it,
+        # False where the graph has none.
         self._fast = None
 
     # ---- preparation ------------------------------------------------------------------------
@@ -241,7 +242,7 @@ class Nimble:
         (see :meth:`refresh`).
         """
         fast = self._fast
-        if fast is not None:
+        if fast:
             out = fast(inputs)
             if out is not TAKE_GENERAL_PATH:
                 return out
@@ -257,9 +258,8 @@ class Nimble:
         if state.step is not None:
             return state.step(inputs, state.launcher.unflatten)
         launcher = state.launcher
-        if self._fast is None and state.fast_call is None:
-            state.fast_call = launcher.fast_call(state.weights) or False
-            self._fast = state.fast_call or None
+        if self._fast is None:
+            self._fast = launcher.fast_call(state.weights) or False
         return launcher.unflatten(launcher.run_flat(inputs))
 
     def refresh(self) -> bool:

@@ -2,9 +2,9 @@
 
 :func:`select_tasks` names the tasks to stop after — by task id, by ATen op index, or by module
 path — and :func:`ancestor_closure` adds everything they depend on in their phase.
-:func:`run_until` runs that sub-graph (a whole copy of the phase built from the prepared graph's
-own nodes, over the same arena, with the other tasks' nodes switched off: :class:`StepThrough`)
-on the given inputs after the phases before it, and returns a
+:func:`run_until` runs that sub-graph (built from the prepared graph's own nodes, over the same
+arena; a walk of many stops reuses one whole copy of the phase with the other tasks' nodes
+switched off: :class:`StepThrough`) on the given inputs after the phases before it, and returns a
 :class:`Snapshot` from which any buffer can be read as bytes or as a tensor.  The prepared
 graph's outputs, and the memory outside the arena the run writes (batch-norm statistics), are
 saved before and put back after, so the caller's outputs and the model stay as they were.
@@ -96,6 +96,16 @@ class Snapshot:
                 for a in self.graph.ops[op].accesses if a.write]
 
 
+def build_phase(prepared, phase: int, only: set[int] | None):
+    """A copy of phase ``phase`` of ``prepared`` from its own nodes, over the same arena: the
+    whole phase, or only the tasks of ``only``."""
+    from .build import build_graph
+
+    return build_graph(prepared.graph, prepared.built_nodes(phase), prepared.bases,
+                       prepared.schedule.edges(), device_launch=False,
+                       span=prepared.builts[phase].span, nodes_relocated=True, only=only)
+
+
 class StepThrough:
     """A whole copy of one phase of a prepared graph whose runs switch on only the tasks a stop
     needs (``cuGraphNodeSetEnabled``; a node switched off runs as an empty node).  A walk of
@@ -121,11 +131,7 @@ class StepThrough:
             raise
 
     def _build(self, only: set[int] | None):
-        from .build import build_graph
-
-        p = self.prepared
-        return build_graph(p.graph, p.built_nodes(self.phase), p.bases, p.schedule.edges(),
-                           device_launch=False, span=self.span, nodes_relocated=True, only=only)
+        return build_phase(self.prepared, self.phase, only)
 
     def _find_fixed(self) -> None:
         from . import driver
@@ -172,7 +178,8 @@ def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None,
     """Run ``prepared`` (a :class:`nimble.prepared.Prepared`) up to ``targets`` on ``inputs``
     (the flat inputs of every phase; random when None) and copy out every buffer the run
     touched (only those in ``read``, when given).  ``stepper`` (a :class:`StepThrough` of the
-    targets' phase) is used for the run when given, and one is made for it when not.  Needs the
+    targets' phase) is used for the run when given; without one the kept tasks' sub-graph is
+    built for this run alone.  Needs the
     GPU; the prepared graph's outputs are put back afterwards."""
     keep, span = ancestor_closure(prepared.schedule, targets, len(prepared.graph.tasks))
     phase = next(k for k, b in enumerate(prepared.builts) if b.span == span)
@@ -208,8 +215,11 @@ def run_tasks(prepared, phase: int, keep: set[int], inputs: Sequence | None = No
     launchers = prepared.launchers
     slots = [s for launcher in launchers for s in launcher.slots]
     inputs = list(inputs) if inputs is not None else [random_like(s.tensor) for s in slots]
-    own = stepper is None or stepper.phase != phase
-    sub = StepThrough(prepared, phase) if own else stepper
+    if stepper is not None and stepper.phase == phase:
+        own = None
+    else:  # a single run: the kept tasks' sub-graph alone is less driver work than a stepper
+        stepper = None
+        own = build_phase(prepared, phase, keep) if keep else None
     ran = [t for b in prepared.builts[:phase] for t in b.span] + sorted(keep)
     # Memory outside the arena that the run writes (batch-norm statistics in training mode,
     # library scratch): saved, and put back afterwards with the outputs.
@@ -228,7 +238,10 @@ def run_tasks(prepared, phase: int, keep: set[int], inputs: Sequence | None = No
                 torch.cuda.synchronize()
                 for built in prepared.builts[:phase]:
                     driver.launch(built.exec.handle, stream)
-                sub.launch(keep, stream)
+                if stepper is not None:
+                    stepper.launch(keep, stream)
+                elif own is not None:
+                    driver.launch(own.exec.handle, stream)
                 driver.stream_synchronize(stream)
                 touched = {a.buffer for t in keep for a in graph.tasks[t].accesses}
                 if read is not None:
@@ -241,8 +254,8 @@ def run_tasks(prepared, phase: int, keep: set[int], inputs: Sequence | None = No
                 for b, data in kept.items():
                     driver.copy_to_device(prepared.bases[b], data)
     finally:
-        if own:
-            sub.close()
+        if own is not None:
+            own.close()
     return Snapshot(graph, keep, buffers)
 
 
