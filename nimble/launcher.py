@@ -29,6 +29,7 @@ one launch consumes, as ``torch.cuda.graph``'s replay does.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -66,7 +67,7 @@ def _raw_stream_getter(device_index: int) -> Callable[[], int]:
 
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
-        return lambda: raw(device_index)
+        return functools.partial(raw, device_index)  # no Python frame per call
     return lambda: torch.cuda.current_stream(device_index).cuda_stream
 
 

@@ -13,7 +13,7 @@ names re-exported here (``driver.call``, ``driver.GraphExec``, ...).
 """
 from __future__ import annotations
 
-from .calls import (bindings, call, checked, current_context, device_supports_stream_writes,
+from .calls import (bindings, call, checked_status, current_context, device_supports_stream_writes,
                     ensure_context, probe, synchronize_context)
 from .handles import (DeviceMemory, Event, Graph, GraphExec, LowBitsMemory, Module,
                       nimble_memory)
@@ -30,7 +30,7 @@ __all__ = [
     "CallPath", "DeviceMemory", "Event", "Graph", "GraphExec", "LowBitsMemory", "Module",
     "add_empty_node", "add_event_record_node", "add_kernel_node", "add_memcpy_node",
     "add_memset_node", "address_range", "allow_dynamic_shared", "bindings", "call",
-    "capture_graph", "checked", "copy_device", "copy_kernel_attributes", "copy_to_device",
+    "capture_graph", "checked_status", "copy_device", "copy_kernel_attributes", "copy_to_device",
     "copy_to_host", "current_context", "device_supports_stream_writes", "ensure_context",
     "event_elapsed_ms", "fill_bytes_async", "function_name", "function_param_layout",
     "graph_nodes", "kernel_function_of", "kernel_node_params", "kernel_priority", "launch",

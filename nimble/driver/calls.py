@@ -3,8 +3,9 @@
 This module owns the one lazily imported copy of the bindings (:func:`bindings`; the module
 itself is held in ``_drv`` here and nowhere else), the turning of a ``(CUresult, *values)`` tuple
 into values or a :class:`CudaError` naming the call and its ``CUDA_ERROR_*`` code (:func:`call`,
-:func:`checked`, and :func:`probe` for calls whose failure is an answer), and the helpers that set
-up and query the context and device Nimble runs in (:func:`ensure_context` and the like).
+:func:`checked_status` for the per-call path, and :func:`probe` for calls whose failure is an
+answer), and the helpers that set up and query the context and device Nimble runs in
+(:func:`ensure_context` and the like).
 """
 from __future__ import annotations
 
@@ -56,14 +57,17 @@ def call(name: str, *args, detail: str = ""):
     return _unwrap(getattr(bindings(), name)(*args), name, detail)
 
 
-def checked(name: str):
-    """Driver function ``name`` bound once, checked like :func:`call` (for per-call paths)."""
+def checked_status(name: str):
+    """Driver function ``name``, which returns no value, bound once and checked with one tuple
+    read and one test: the per-call path's launch, writes and event calls."""
     fn = getattr(bindings(), name)
 
-    def checked_call(*args, detail: str = ""):
-        return _unwrap(fn(*args), name, detail)
-    checked_call.__name__ = name
-    return checked_call
+    def status_call(*args):
+        code = fn(*args)[0]
+        if code:  # CUresult is an int; CUDA_SUCCESS is 0
+            raise CudaError(name, int(code), _error_name(code), "")
+    status_call.__name__ = name
+    return status_call
 
 
 def probe(name: str, *args):

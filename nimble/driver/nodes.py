@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from .calls import bindings, call, checked, probe
+from .calls import bindings, call, checked_status, probe
 
 
 # ---- typed wrappers: the rest of Nimble calls these, never a ``cu*`` function by name -------
@@ -227,12 +227,12 @@ class CallPath:
     __slots__ = ("launch", "copy", "write64", "record", "wait", "set_context")
 
     def __init__(self) -> None:
-        self.launch = checked("cuGraphLaunch")
-        self.copy = checked("cuMemcpyDtoDAsync")
-        self.write64 = checked("cuStreamWriteValue64")
-        self.record = checked("cuEventRecord")
-        self.wait = checked("cuStreamWaitEvent")
-        self.set_context = checked("cuCtxSetCurrent")
+        self.launch = checked_status("cuGraphLaunch")
+        self.copy = checked_status("cuMemcpyDtoDAsync")
+        self.write64 = checked_status("cuStreamWriteValue64")
+        self.record = checked_status("cuEventRecord")
+        self.wait = checked_status("cuStreamWaitEvent")
+        self.set_context = checked_status("cuCtxSetCurrent")
 
 
 def read_host(address: int, size: int) -> bytes:
