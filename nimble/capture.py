@@ -282,5 +282,5 @@ def capture(phases: Sequence[Phase], module, name: str) -> Captured:
     others = [DeviceRange(a, n, f"nimble@{a:#x}") for a, n in driver.nimble_memory()]
     return Captured(graphs, results, node_counts, ops, alloc_events, pool, externals, device,
                     allocator_segments(before) + others + [
-                        s for s in since if not any(s.address < p.end and p.address < s.end
-                                                    for p in pool)], twin, twin_note)
+                        s for s in since if not any(s.overlaps(p) for p in pool)],
+                    twin, twin_note)

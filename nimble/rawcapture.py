@@ -61,6 +61,10 @@ class DeviceRange:
     def end(self) -> int:
         return self.address + self.size
 
+    def overlaps(self, other: "DeviceRange") -> bool:
+        """Whether the two ranges share a byte."""
+        return self.address < other.end and other.address < self.end
+
 
 @dataclass(slots=True)
 class RawNode:

@@ -388,7 +388,7 @@ def library_memory(found: Sequence[DeviceRange], pool: Sequence[DeviceRange],
     allocator memory, or another graph's pool, is not a library's; see :mod:`nimble.resolve`)."""
     torch_memory = list(pool) + list(allocator)
     return [DeviceRange(r.address, r.size, f"{LIBRARY_MEMORY}{r.address:#x}") for r in found
-            if not any(p.address < r.end and r.address < p.end for p in torch_memory)]
+            if not any(r.overlaps(p) for p in torch_memory)]
 
 
 def find_rng_cells(torch_graphs: Sequence, graph: TaskGraph, device: int) -> int:

@@ -179,8 +179,8 @@ def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None,
     (the flat inputs of every phase; random when None) and copy out every buffer the run
     touched (only those in ``read``, when given).  ``stepper`` (a :class:`StepThrough` of the
     targets' phase) is used for the run when given; without one the kept tasks' sub-graph is
-    built for this run alone.  Needs the
-    GPU; the prepared graph's outputs are put back afterwards."""
+    built for this run alone.  Needs the GPU; the prepared graph's outputs are put back
+    afterwards."""
     keep, span = ancestor_closure(prepared.schedule, targets, len(prepared.graph.tasks))
     phase = next(k for k, b in enumerate(prepared.builts) if b.span == span)
     return run_tasks(prepared, phase, keep, inputs, read, stepper)
