@@ -6,7 +6,7 @@
 
 Runs, in order:
 
-1. ``pytest -m gpu``: every test that needs the GPU (383-500 s on the H200 on 2026-11-25, with the
+1. ``pytest -m gpu``: every test that needs the GPU (383-551 s on the H200 on 2026-11-25, with the
    two-model training sequence and the expandable-segments test in child processes);
 2. ``nimble bench --quick --dtype float32,float16,bfloat16 --rounds 5 --iters 50`` on
    ``--models`` (default: branchy and the seven zoo models): eager, ``torch.cuda.graph`` (input
