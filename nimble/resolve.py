@@ -62,6 +62,7 @@ rewrites only the word's top half, which is right for a pointer and harmless for
 """
 from __future__ import annotations
 
+from .names import short_kernel_name
 from .rawcapture import RawCapture, TensorSpec
 from .resolver import _range_index, _Resolver, padded_int_like
 from .taskgraph import (LIBRARY_MEMORY, Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph,
@@ -69,6 +70,12 @@ from .taskgraph import (LIBRARY_MEMORY, Access, Buffer, BufferKind, Op, Pointer,
 
 
 _ATEN_KERNEL = "at::native::"  # ATen's own kernels reach only tensors and ATen's workspaces
+
+
+def _is_aten_kernel(name: str) -> bool:
+    """Whether a kernel is one of ATen's own, by its name as the driver reports it (mangled:
+    ``_ZN2at6native29vectorized_elementwise_kernel...``) or already demangled."""
+    return _ATEN_KERNEL in name or short_kernel_name(name).startswith(_ATEN_KERNEL)
 
 
 def _library_memory(buffer: Buffer) -> bool:
@@ -238,7 +245,7 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
     for t in task_ids:
         node, task = raw_nodes[t], graph.tasks[t]
         accesses: list[Access] = []
-        aten_kernel = _ATEN_KERNEL in node.name
+        aten_kernel = _is_aten_kernel(node.name)
         whole_params = {off for off, size in node.param_layout if size == 8}
         for location, value in words[t]:
             bid = target(value)
