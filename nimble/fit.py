@@ -21,7 +21,7 @@ the shortest critical path (task durations where known, else task counts).
 """
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from .deps import Dag, build_dag, critical_path, dag_from_edges
 from .memplan import MemPlan, plan_memory
@@ -131,7 +131,8 @@ def schedule_length(schedule: Schedule, n: int, durations: Sequence[float] | Non
 
 
 def schedule_within(graph: TaskGraph, max_streams: int | None, arena_limit: int | None,
-                    durations: Sequence[float] | None = None) -> tuple[Schedule, MemPlan]:
+                    durations: Sequence[float] | Callable[[], Sequence[float]] | None = None
+                    ) -> tuple[Schedule, MemPlan]:
     """Nimble's schedule (at most ``max_streams`` streams per phase) and its memory plan, fitted
     into ``arena_limit`` bytes (None: no limit).
 
@@ -141,13 +142,16 @@ def schedule_within(graph: TaskGraph, max_streams: int | None, arena_limit: int 
     each followed by the cap search, until a chain fits with no cap lowered (or :data:`PATIENCE` thresholds in a
     row gave nothing shorter: each try costs a cap search).  Of the candidates that fit, the
     one with the shortest critical path on its schedule's edges wins (``durations``: each task's
-    isolated µs; without them each task counts one), the cap alone on a tie.
+    isolated µs, or a callable giving them, called only when the limit binds; without them each
+    task counts one), the cap alone on a tie.
     """
     dag = build_dag(graph)
     best = capped_schedule(graph, dag, max_streams, arena_limit)
     if not best.lowered:
         return best.schedule, best.plan
     phases = best.lowered
+    if callable(durations):
+        durations = durations()  # timing the tasks costs seconds: only where there is a choice
     n = len(graph.tasks)
     workspaces = workspace_bytes(graph)
     best_length = schedule_length(best.schedule, n, durations) if best.fits else float("inf")

@@ -9,7 +9,7 @@ and is what :class:`nimble.Nimble` swaps in whole.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from . import driver, ptx
 from .build import BuiltGraph, InputGather, buffer_bases, build_graph
@@ -168,10 +168,12 @@ def _rng_cells(graph: TaskGraph, device, at: int) -> tuple[dict[int, int], RngCe
 
 
 def plan_graph(graph: TaskGraph, use_multi_stream: bool, max_streams: int | None,
-               arena_limit: int | str | None, durations: Sequence[float] | None = None
+               arena_limit: int | str | None,
+               durations: Sequence[float] | Callable[[], Sequence[float]] | None = None
                ) -> tuple[Schedule, MemPlan]:
     """The schedule and the arena plan it allows, checked.  ``durations`` (each task's
-    isolated µs) pick among the schedules that fit the arena (:func:`nimble.fit.schedule_within`).
+    isolated µs, or a callable that measures them when the limit binds) pick among the
+    schedules that fit the arena (:func:`nimble.fit.schedule_within`).
     """
     limit = graph.meta.get("pool_bytes") if arena_limit == "pool" else arena_limit
     if use_multi_stream:

@@ -153,24 +153,29 @@ class Nimble:
                              f"training={training}")
         seconds.update(rec.seconds)
 
-        durations = None
-        if priorities and use_multi_stream:
-            # Timed before scheduling: the times also pick among schedules that fit the arena.
-            t0 = time.perf_counter()
-            say("timing every task alone for the kernel priorities", quiet)
-            durations = task_times(rec)
-            seconds["timing"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        timed: list = []
+
+        def durations() -> list[float]:
+            # The same times pick among the schedules that fit the arena (only asked for when
+            # the limit binds) and rank the kernels (priorities on): measured once, when needed.
+            if not timed:
+                t0 = time.perf_counter()
+                say("timing every task alone", quiet)
+                timed.append(task_times(rec))
+                seconds["timing"] = time.perf_counter() - t0
+            return timed[0]
+        t0, timed_before = time.perf_counter(), seconds.get("timing", 0.0)
         say(f"scheduling {len(rec.graph.tasks)} tasks", quiet)
         schedule, memplan = plan_graph(rec.graph, use_multi_stream, max_streams, arena_limit,
                                        durations)
-        seconds["schedule_and_memplan"] = time.perf_counter() - t0
+        seconds["schedule_and_memplan"] = (time.perf_counter() - t0
+                                           - (seconds.get("timing", 0.0) - timed_before))
         say(f"{len(schedule.streams)} streams, {len(schedule.sync_edges)} syncs; arena "
             f"{memplan.arena_bytes / 2**20:.1f} MiB", quiet)
 
         ranks = None
-        if durations is not None and len(schedule.streams) > 1:
-            ranks = kernel_priorities(schedule, durations)
+        if priorities and use_multi_stream and len(schedule.streams) > 1:
+            ranks = kernel_priorities(schedule, durations())
         t0 = time.perf_counter()
         candidate = build_prepared(self.model, rec, schedule, memplan,
                                    device_launch=device_launch, gather_inputs=gather_inputs,

@@ -93,6 +93,27 @@ def test_durations_pick_among_the_schedules_that_fit(resnet50_train):
                                                                       durations)
 
 
+def test_task_times_are_asked_for_once_and_only_where_the_limit_binds(resnet50_train):
+    """prepare() times the tasks (seconds of GPU work) for the search even with kernel
+    priorities off, so that both settings pick the same schedule; a graph that fits uncapped
+    needs no times."""
+    graph = resnet50_train
+    pool = graph.meta["pool_bytes"]
+    durations = [100.0 if w >= 4 * MB else 1.0 for w in workspace_bytes(graph)]
+    asked = []
+
+    def timer():
+        asked.append(1)
+        return durations
+    lazy = schedule_within(graph, None, pool, timer)
+    given = schedule_within(graph, None, pool, durations)
+    assert len(asked) == 1
+    assert lazy[0].stream_of == given[0].stream_of and lazy[0].edges() == given[0].edges()
+    small = TaskGraph.load(FIXTURE_DIR / "mobilenet_v2_train.json.gz")
+    schedule_within(small, None, small.meta["pool_bytes"], timer)
+    assert len(asked) == 1
+
+
 def test_a_schedule_that_fits_uncapped_is_left_as_it_is():
     graph = TaskGraph.load(FIXTURE_DIR / "mobilenet_v2_train.json.gz")
     dag = build_dag(graph)
