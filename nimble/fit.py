@@ -126,8 +126,15 @@ def capped_schedule(graph: TaskGraph, dag: Dag, max_streams: int | None,
 
 
 def schedule_length(schedule: Schedule, n: int, durations: Sequence[float] | None) -> float:
-    """The critical path of ``schedule``'s edges: µs of ``durations``, or tasks without them."""
-    return critical_path(dag_from_edges(n, schedule.edges()), durations).length
+    """The critical path of ``schedule``'s edges: µs of ``durations``, or tasks without them.
+    Phases are launched one after another, so their critical paths add up."""
+    edges = schedule.edges()
+    total = 0.0
+    for span in (s for s in phase_spans(schedule.phases, n) if len(s)):
+        local = [(u - span.start, v - span.start) for u, v in edges if u in span and v in span]
+        weights = None if durations is None else list(durations[span.start:span.stop])
+        total += critical_path(dag_from_edges(len(span), local), weights).length
+    return total
 
 
 def schedule_within(graph: TaskGraph, max_streams: int | None, arena_limit: int | None,

@@ -197,8 +197,9 @@ def kernel_priorities(schedule: Schedule, durations: Sequence[float]) -> list[in
     """Driver priority numbers per task from its slack in ``schedule`` (:mod:`nimble.priority`),
     each task weighted by its isolated duration."""
     least, greatest = driver.stream_priority_range()
-    levels = priority_levels(len(durations), schedule.edges(), durations,
-                             least - greatest + 1)
+    n = len(durations)
+    levels = priority_levels(n, schedule.edges(), durations, least - greatest + 1,
+                             phase_spans(schedule.phases, n))
     return driver_priorities(levels, least, greatest)
 
 

@@ -11,7 +11,10 @@ higher-priority kernel are dispatched before those of a lower one.
 A task's *slack* is how long it could be delayed without lengthening the longest path through
 the DAG, with each task weighted by its isolated duration.  Tasks with no slack get the highest
 priority, and priority falls as the slack grows relative to the whole path.  The DAG is the built
-graph's own dependencies (the schedule's edges), so the slack is that of the graph as it runs.
+graph's own dependencies (the schedule's edges), so the slack is that of the graph as it runs;
+a training step's forward and backward are two launches with the host between them, so each
+phase's slack is its own (an edge from a forward task into the backward orders nothing inside
+either launch).
 """
 from __future__ import annotations
 
@@ -59,20 +62,26 @@ def slack(n: int, edges: Sequence[tuple[int, int]], durations: Sequence[float]) 
 
 
 def priority_levels(n: int, edges: Sequence[tuple[int, int]], durations: Sequence[float],
-                    levels: int) -> list[int]:
+                    levels: int, phases: Sequence[range] | None = None) -> list[int]:
     """Each task's priority level, ``0`` the highest and ``levels - 1`` the lowest.
 
     Levels follow slack as a fraction of the critical path (:data:`SLACK_BOUNDS`); with fewer
-    levels than bounds, the finest bounds are the ones kept.
+    levels than bounds, the finest bounds are the ones kept.  ``phases`` (consecutive spans of
+    task ids covering all ``n``) are separate launches with a barrier between them: each
+    phase's slack is measured within it, over its own edges, against its own critical path.
     """
     if levels < 1:
         raise ValueError(f"levels must be at least 1, got {levels}")
-    timing = slack(n, edges, durations)
     bounds = SLACK_BOUNDS[:levels - 1]
-    out = []
-    for s in timing.slack:
-        fraction = s / timing.length if timing.length > 0 else 0.0
-        out.append(next((k for k, b in enumerate(bounds) if fraction <= b), len(bounds)))
+    out: list[int] = []
+    for span in phases if phases is not None else [range(n)]:
+        local = [(u - span.start, v - span.start) for u, v in edges if u in span and v in span]
+        timing = slack(len(span), local, durations[span.start:span.stop])
+        for s in timing.slack:
+            fraction = s / timing.length if timing.length > 0 else 0.0
+            out.append(next((k for k, b in enumerate(bounds) if fraction <= b), len(bounds)))
+    if len(out) != n:
+        raise ValueError(f"the phases cover {len(out)} of {n} tasks")
     return out
 
 

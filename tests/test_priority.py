@@ -61,6 +61,29 @@ def test_levels_follow_the_bounds_and_fewer_levels_keep_the_finest():
     assert priority_levels(n, edges, durations, 2)[chain:] == [0] + [1] * len(SLACK_BOUNDS)
 
 
+def test_each_phase_of_a_training_step_has_its_own_slack():
+    """Forward 0 -> 2 (5 us each) beside a 1 us task 1 whose output the backward's first task
+    reads; backward 3 -> 4 -> 5 (10 us each), whose last task reads task 2's output.  Over both
+    phases as one DAG, 1 -> 3 -> 4 -> 5 is the longest path and 0 -> 2 may wait; but the
+    backward launches after the whole forward, so inside the forward it is the other way round."""
+    edges = [(0, 2), (1, 3), (3, 4), (4, 5), (2, 5)]
+    durations = [5.0, 1.0, 5.0, 10.0, 10.0, 10.0]
+    joined = priority_levels(6, edges, durations, 6)
+    phased = priority_levels(6, edges, durations, 6, [range(0, 3), range(3, 6)])
+    assert joined == [5, 0, 5, 0, 0, 0]
+    assert phased == [0, 5, 0, 0, 0, 0]
+    with pytest.raises(ValueError):
+        priority_levels(6, edges, durations, 6, [range(0, 3)])
+
+
+def test_the_length_of_a_phased_schedule_adds_its_phases_critical_paths():
+    from nimble.fit import schedule_length
+    from nimble.prepared import single_stream_schedule
+
+    one = single_stream_schedule(6, [3, 3])
+    assert schedule_length(one, 6, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == 21.0
+
+
 def test_driver_numbers_run_from_greatest_to_least():
     assert driver_priorities([0, 1, 5, 9], least=0, greatest=-5) == [-5, -4, 0, 0]
     assert driver_priorities([0, 3], least=0, greatest=0) == [0, 0]
