@@ -25,7 +25,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 from .deps import Dag, build_dag, critical_path, dag_from_edges
 from .memplan import MemPlan, plan_memory
-from .schedule import Schedule, assign_phased, check_schedule, phase_spans
+from .schedule import Schedule, assign_phased, check_schedule, edges_within, phase_spans
 from .taskgraph import BufferKind, TaskGraph
 
 SMALLEST_CHAINED_WORKSPACE = 1 << 20  # below this a workspace is not worth a serialization
@@ -131,9 +131,9 @@ def schedule_length(schedule: Schedule, n: int, durations: Sequence[float] | Non
     edges = schedule.edges()
     total = 0.0
     for span in (s for s in phase_spans(schedule.phases, n) if len(s)):
-        local = [(u - span.start, v - span.start) for u, v in edges if u in span and v in span]
         weights = None if durations is None else list(durations[span.start:span.stop])
-        total += critical_path(dag_from_edges(len(span), local), weights).length
+        total += critical_path(dag_from_edges(len(span), edges_within(edges, span)),
+                               weights).length
     return total
 
 

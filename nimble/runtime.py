@@ -164,12 +164,11 @@ class Nimble:
                 timed.append(task_times(rec))
                 seconds["timing"] = time.perf_counter() - t0
             return timed[0]
-        t0, timed_before = time.perf_counter(), seconds.get("timing", 0.0)
+        t0 = time.perf_counter()
         say(f"scheduling {len(rec.graph.tasks)} tasks", quiet)
         schedule, memplan = plan_graph(rec.graph, use_multi_stream, max_streams, arena_limit,
                                        durations)
-        seconds["schedule_and_memplan"] = (time.perf_counter() - t0
-                                           - (seconds.get("timing", 0.0) - timed_before))
+        seconds["schedule_and_memplan"] = time.perf_counter() - t0 - seconds.get("timing", 0.0)
         say(f"{len(schedule.streams)} streams, {len(schedule.sync_edges)} syncs; arena "
             f"{memplan.arena_bytes / 2**20:.1f} MiB", quiet)
 
