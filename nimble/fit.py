@@ -25,7 +25,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 from .deps import Dag, build_dag, critical_path, dag_from_edges
 from .memplan import MemPlan, plan_memory
-from .schedule import Schedule, assign_phased, check_schedule, edges_within, phase_spans
+from .schedule import Schedule, assign_phased, check_schedule, induced, phase_spans
 from .taskgraph import BufferKind, TaskGraph
 
 SMALLEST_CHAINED_WORKSPACE = 1 << 20  # below this a workspace is not worth a serialization
@@ -128,13 +128,10 @@ def capped_schedule(graph: TaskGraph, dag: Dag, max_streams: int | None,
 def schedule_length(schedule: Schedule, n: int, durations: Sequence[float] | None) -> float:
     """The critical path of ``schedule``'s edges: µs of ``durations``, or tasks without them.
     Phases are launched one after another, so their critical paths add up."""
-    edges = schedule.edges()
-    total = 0.0
-    for span in (s for s in phase_spans(schedule.phases, n) if len(s)):
-        weights = None if durations is None else list(durations[span.start:span.stop])
-        total += critical_path(dag_from_edges(len(span), edges_within(edges, span)),
-                               weights).length
-    return total
+    dag = dag_from_edges(n, schedule.edges())
+    return sum(critical_path(induced(dag, span), None if durations is None
+                             else list(durations[span.start:span.stop])).length
+               for span in phase_spans(schedule.phases, n) if len(span))
 
 
 def schedule_within(graph: TaskGraph, max_streams: int | None, arena_limit: int | None,

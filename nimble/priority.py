@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from .schedule import edges_within
+from .deps import dag_from_edges
+from .schedule import induced
 
 #: Upper bounds of slack, as fractions of the critical path, for each level from the highest
 #: priority down; a slack beyond the last bound gets the lowest level.  Fine steps near zero
@@ -75,9 +76,10 @@ def priority_levels(n: int, edges: Sequence[tuple[int, int]], durations: Sequenc
     if levels < 1:
         raise ValueError(f"levels must be at least 1, got {levels}")
     bounds = SLACK_BOUNDS[:levels - 1]
+    dag = dag_from_edges(n, edges)
     out: list[int] = []
     for span in phases if phases is not None else [range(n)]:
-        timing = slack(len(span), edges_within(edges, span), durations[span.start:span.stop])
+        timing = slack(len(span), induced(dag, span).edges(), durations[span.start:span.stop])
         for s in timing.slack:
             fraction = s / timing.length if timing.length > 0 else 0.0
             out.append(next((k for k, b in enumerate(bounds) if fraction <= b), len(bounds)))

@@ -432,11 +432,6 @@ def phase_spans(phases: Sequence[int], n: int) -> list[range]:
     return spans
 
 
-def edges_within(edges: Sequence[tuple[int, int]], span: range) -> list[tuple[int, int]]:
-    """The edges between tasks of the contiguous ``span``, renumbered from 0."""
-    return [(u - span.start, v - span.start) for u, v in edges if u in span and v in span]
-
-
 def induced(dag: Dag, span: range) -> Dag:
     """The sub-DAG on the contiguous tasks ``span``, renumbered from 0."""
     a, b = span.start, span.stop
