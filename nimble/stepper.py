@@ -3,8 +3,8 @@
 :func:`select_tasks` names the tasks to stop after — by task id, by ATen op index, or by module
 path — and :func:`ancestor_closure` adds everything they depend on in their phase.
 :func:`run_until` runs that sub-graph (built from the prepared graph's own nodes, over the same
-arena; a walk of many stops reuses one whole copy of the phase with the other tasks' nodes
-switched off: :class:`StepThrough`) on the given inputs after the phases before it, and returns a
+arena; a walk of many stops prunes one whole copy of the phase to each stop's tasks:
+:class:`StepThrough`) on the given inputs after the phases before it, and returns a
 :class:`Snapshot` from which any buffer can be read as bytes or as a tensor.  The prepared
 graph's outputs, and the memory outside the arena the run writes (batch-norm statistics), are
 saved before and put back after, so the caller's outputs and the model stay as they were.
@@ -107,43 +107,24 @@ def build_phase(prepared, phase: int, only: set[int] | None):
 
 
 class StepThrough:
-    """A whole copy of one phase of a prepared graph whose runs switch on only the tasks a stop
-    needs (``cuGraphNodeSetEnabled``; a node switched off runs as an empty node).  A walk of
-    :mod:`nimble.divergence` stops after each of hundreds of ops: switching the few nodes that
-    change between two stops costs far less than building and instantiating a sub-graph for
-    each.  The driver refuses to switch off some nodes (kernels launched in thread-block
-    clusters: ``CUDA_ERROR_INVALID_CLUSTER_SIZE``); a stop that needs one of those off gets a
-    sub-graph of its own, as before.  Owns its graphs; :meth:`close` (idempotent) frees them."""
+    """One whole copy of one phase of a prepared graph, from which each stop of a walk runs a
+    graph of exactly its tasks: the copy cloned, the other tasks' nodes removed
+    (``cuGraphClone``, ``cuGraphDestroyNode``), instantiated for that run.  A walk of
+    :mod:`nimble.divergence` stops after each of hundreds of ops; cloning and pruning in the
+    driver costs far less than adding every kept node again from Python.
+
+    The stops do not switch nodes off in one exec (``cuGraphNodeSetEnabled``) instead: on the
+    H200, in some processes, a copy with the later nodes switched off ran some of them anyway in
+    about every other launch (their writes landed in arena ranges the stop reads, so two runs of
+    one stop differed), while a graph holding only the stop's nodes repeated bit for bit.  Owns
+    its graphs; :meth:`close` (idempotent) frees them."""
 
     def __init__(self, prepared, phase: int):
         self.prepared = prepared
         self.phase = phase
         self.span = prepared.builts[phase].span
-        self.copy = self._build(None)
-        self._on = set(self.span)
-        self._one_off = None  # the last stop's own sub-graph, kept until the next run
-        #: Tasks whose node the driver will not switch off.
-        self.fixed: set[int] = set()
-        try:
-            self._find_fixed()
-        except BaseException:
-            self.copy.close()
-            raise
-
-    def _build(self, only: set[int] | None):
-        return build_phase(self.prepared, self.phase, only)
-
-    def _find_fixed(self) -> None:
-        from . import driver
-        from .errors import CudaError
-
-        for t, node in zip(self.span, self.copy.nodes):
-            try:
-                driver.set_node_enabled(self.copy.exec.handle, node, False)
-            except CudaError:
-                self.fixed.add(t)
-                continue
-            driver.set_node_enabled(self.copy.exec.handle, node, True)
+        self.whole = build_phase(prepared, phase, None)
+        self._stop = None  # the last stop's (graph, exec), kept until the next run
 
     def launch(self, keep: set[int], stream) -> None:
         """Launch on ``stream`` a graph that runs exactly the tasks of ``keep`` (of this phase,
@@ -151,26 +132,32 @@ class StepThrough:
         from . import driver
 
         keep = {t for t in keep if t in self.span}
-        if self._one_off is not None:
-            self._one_off.close()
-            self._one_off = None
+        self._release()
         if not keep:
             return
-        if self.fixed - keep:
-            self._one_off = self._build(keep)
-            driver.launch(self._one_off.exec.handle, stream)
+        if len(keep) == len(self.span):
+            driver.launch(self.whole.exec.handle, stream)
             return
-        for t in keep.symmetric_difference(self._on):
-            driver.set_node_enabled(self.copy.exec.handle, self.copy.nodes[t - self.span.start],
-                                    t in keep)
-        self._on = keep
-        driver.launch(self.copy.exec.handle, stream)
+        graph = self.whole.graph.copy_without(
+            [node for t, node in zip(self.span, self.whole.nodes) if t not in keep])
+        try:
+            exec_ = driver.GraphExec.instantiate(graph)
+        except BaseException:
+            graph.close()
+            raise
+        self._stop = (graph, exec_)
+        driver.launch(exec_.handle, stream)
+
+    def _release(self) -> None:
+        if self._stop is not None:
+            graph, exec_ = self._stop
+            self._stop = None
+            exec_.close()
+            graph.close()
 
     def close(self) -> None:
-        if self._one_off is not None:
-            self._one_off.close()
-            self._one_off = None
-        self.copy.close()
+        self._release()
+        self.whole.close()
 
 
 def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None,

@@ -147,6 +147,38 @@ def test_step_through_reads_an_intermediate_and_leaves_the_outputs_alone():
     torch.testing.assert_close(written[0].view(eager.dtype).view(eager.shape), eager.cpu())
 
 
+def test_every_stop_of_a_walk_repeats_bit_for_bit_and_equals_its_own_sub_graph():
+    """A walk's stops (one whole copy of the graph, pruned to each stop's tasks) give the bytes
+    a graph built of exactly those tasks gives, twice in a row, after an eager run of the model
+    in the same process (as ``first_divergence`` does).  A copy with the other nodes switched
+    off (``cuGraphNodeSetEnabled``) failed this on the H200 in some processes: it ran switched-off
+    nodes in about every other launch."""
+    import torch
+
+    import nimble
+    from nimble.stepper import StepThrough, run_until, select_tasks
+
+    model, x = zoo_model("resnet50")
+    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    with torch.no_grad():
+        model(x)
+    state, g = nm._state(), nm.graph
+    stepper = StepThrough(state, 0)
+    bad = []
+    try:
+        for op in sorted({t.op for t in g.tasks if t.op >= 0}):
+            targets = select_tasks(g, op=op)
+            read = {a.buffer for a in g.ops[op].accesses if a.write}
+            runs = [run_until(state, targets, [x], read, stepper) for _ in range(2)]
+            runs.append(run_until(state, targets, [x], read, None))
+            if any(not torch.equal(runs[0].buffers[b], r.buffers[b])
+                   for r in runs[1:] for b in read):
+                bad.append(f"op {op} {g.ops[op].name} {g.ops[op].module}")
+    finally:
+        stepper.close()
+    assert not bad, bad[:5]
+
+
 def _compare_with_a_weight_read_elsewhere(nm, x):
     """``(nm.first_divergence(x), the first op reading the weight)`` while one weight's buffer
     is read through the address of another weight of the same size (put back afterwards)."""

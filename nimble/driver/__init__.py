@@ -24,7 +24,7 @@ from .nodes import (CallPath, add_empty_node, add_event_record_node, add_kernel_
                     function_param_layout, graph_nodes, kernel_function_of, kernel_node_params,
                     kernel_priority, launch, memcpy_node_params, memset_node_params, node_count,
                     node_type, read_host, set_exec_kernel_params, set_kernel_priority,
-                    set_node_enabled, stream, stream_priority_range, stream_synchronize, upload)
+                    stream, stream_priority_range, stream_synchronize, upload)
 
 __all__ = [
     "CallPath", "DeviceMemory", "Event", "Graph", "GraphExec", "LowBitsMemory", "Module",
@@ -35,7 +35,6 @@ __all__ = [
     "event_elapsed_ms", "fill_bytes_async", "function_name", "function_param_layout",
     "graph_nodes", "kernel_function_of", "kernel_node_params", "kernel_priority", "launch",
     "memcpy_node_params", "memset_node_params", "nimble_memory", "node_count", "node_type",
-    "probe", "read_host", "set_exec_kernel_params", "set_kernel_priority", "set_node_enabled",
-    "stream",
+    "probe", "read_host", "set_exec_kernel_params", "set_kernel_priority", "stream",
     "stream_priority_range", "stream_synchronize", "synchronize_context", "upload",
 ]

@@ -52,6 +52,17 @@ class Graph(_Owned):
     def create(cls) -> "Graph":
         return cls(call("cuGraphCreate", 0))
 
+    def copy_without(self, nodes) -> "Graph":
+        """A copy of this graph without ``nodes`` (nodes of this graph) and their edges."""
+        copy = Graph(call("cuGraphClone", self.handle))
+        try:
+            for node in nodes:
+                call("cuGraphDestroyNode", call("cuGraphNodeFindInClone", node, copy.handle))
+        except BaseException:
+            copy.close()
+            raise
+        return copy
+
 
 class GraphExec(_Owned):
     """An owned ``CUgraphExec``."""

@@ -172,12 +172,6 @@ def set_exec_kernel_params(exec_handle, node, params, detail: str = "") -> None:
     call("cuGraphExecKernelNodeSetParams", exec_handle, node, params, detail=detail)
 
 
-def set_node_enabled(exec_handle, node, enabled: bool) -> None:
-    """Switch a kernel, memset or memcpy node of an instantiated graph on or off; off, it runs as
-    an empty node and its dependencies still hold."""
-    call("cuGraphNodeSetEnabled", exec_handle, node, 1 if enabled else 0)
-
-
 def upload(exec_handle, stream_handle) -> None:
     """Upload an exec to the device ahead of its next launch (after it was changed)."""
     call("cuGraphUpload", exec_handle, stream(stream_handle))
