@@ -114,9 +114,9 @@ class StepThrough:
     driver costs far less than adding every kept node again from Python.
 
     The stops do not switch nodes off in one exec (``cuGraphNodeSetEnabled``) instead: on the
-    H200, in some processes, a copy with the later nodes switched off ran some of them anyway in
-    about every other launch (their writes landed in arena ranges the stop reads, so two runs of
-    one stop differed), while a graph holding only the stop's nodes repeated bit for bit.  Owns
+    H200, in some processes, a copy with the later nodes switched off behaved as if it ran some of
+    them in about every other launch (their values landed in arena ranges the stop reads, so two
+    runs of one stop differed), while a graph holding only the stop's nodes repeated bit for bit.  Owns
     its graphs; :meth:`close` (idempotent) frees them."""
 
     def __init__(self, prepared, phase: int):

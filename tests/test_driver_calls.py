@@ -40,3 +40,53 @@ def test_a_failed_status_call_raises_naming_the_call_and_the_error(fake_bindings
         launch(1, 2)
     assert (e.value.call, e.value.code, e.value.name) == \
         ("cuGraphLaunch", 719, "CUDA_ERROR_LAUNCH_FAILED")
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """Stand-in bindings holding graphs as sets of node names; a clone's node is ``name'``."""
+    graphs = {1: {"a", "b", "c"}}
+    destroyed = []
+
+    def clone(graph):
+        graphs[len(graphs) + 1] = {n + "'" for n in graphs[graph]}
+        return 0, len(graphs)
+
+    def find_in_clone(node, clone_graph):
+        return (0, node + "'") if node + "'" in graphs[clone_graph] else (500, None)
+
+    def destroy_node(node):
+        for nodes in graphs.values():
+            nodes.discard(node)
+        return (0,)
+
+    fake = SimpleNamespace(
+        cuGraphClone=clone, cuGraphNodeFindInClone=find_in_clone, cuGraphDestroyNode=destroy_node,
+        cuGraphDestroy=lambda graph: destroyed.append(graph) or (0,),
+        cuGetErrorName=lambda code: (0, b"CUDA_ERROR_NOT_FOUND"),
+        CUresult=SimpleNamespace(CUDA_SUCCESS=0))
+    monkeypatch.setattr(calls, "_drv", fake)
+    return graphs, destroyed
+
+
+def test_a_graph_copied_without_some_nodes_keeps_the_others_and_leaves_the_original(fake_graphs):
+    from nimble.driver import Graph
+
+    graphs, destroyed = fake_graphs
+    original = Graph(1)
+    copy = original.copy_without(["b"])
+    assert graphs[copy.handle] == {"a'", "c'"}
+    assert graphs[1] == {"a", "b", "c"}
+    copy.close()
+    assert destroyed == [copy.handle]
+
+
+def test_a_failed_removal_frees_the_copy_and_names_the_call(fake_graphs):
+    from nimble.driver import Graph
+
+    graphs, destroyed = fake_graphs
+    original = Graph(1)
+    with pytest.raises(CudaError, match="cuGraphNodeFindInClone failed"):
+        original.copy_without(["a", "missing"])
+    assert destroyed == [2]  # the half-pruned clone, not the original
+    assert graphs[1] == {"a", "b", "c"}
