@@ -114,15 +114,17 @@ class StepThrough:
     driver costs far less than adding every kept node again from Python.
 
     The stops do not switch nodes off in one exec (``cuGraphNodeSetEnabled``) instead: on the
-    H200, in some processes, a copy with the later nodes switched off behaved as if it ran some of
-    them in about every other launch (their values landed in arena ranges the stop reads, so two
-    runs of one stop differed), while a graph holding only the stop's nodes repeated bit for bit.  Owns
-    its graphs; :meth:`close` (idempotent) frees them."""
+    H200, in some processes, a copy with the later nodes switched off behaved as if it ran some
+    of them in about every other launch (their values landed in arena ranges the stop reads, so
+    two runs of one stop differed), while a graph holding only the stop's nodes repeated bit for
+    bit.  Owns its graphs; :meth:`close` (idempotent) frees them."""
 
     def __init__(self, prepared, phase: int):
         self.prepared = prepared
         self.phase = phase
         self.span = prepared.builts[phase].span
+        # Built from the buffers' current addresses, not cloned from the served graph: re-pointing
+        # moved weights changes the served exec only, so its graph's nodes keep the old addresses.
         self.whole = build_phase(prepared, phase, None)
         self._stop = None  # the last stop's (graph, exec), kept until the next run
 
