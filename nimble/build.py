@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from . import driver, ptx
 from .deps import forward_edges
@@ -271,7 +271,8 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
                 stamp_module: driver.Module | None = None, start_stamps: bool = True,
                 nodes_relocated: bool = False, only: set[int] | None = None,
                 priorities: Sequence[int] | None = None,
-                stamped: set[int] | None = None) -> BuiltGraph:
+                stamped: set[int] | None = None,
+                late_edges: Sequence[tuple[int, int]] = ()) -> BuiltGraph:
     """Build and instantiate the explicit graph of ``graph`` with ``edges`` as its dependencies.
 
     ``recorded_nodes[t]`` is task ``t``'s node in the captured graph (its function, launch
@@ -293,7 +294,9 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     ``priorities`` (a driver priority number per task of the graph, see
     :mod:`nimble.priority`) is given to each kernel node, and the exec honours it.  ``stamped``
     limits the stamps to those tasks.  The first root's start is stamped in any case: it dates
-    the run, and the other roots start with it.
+    the run, and the other roots start with it.  ``late_edges`` (``(u, v)`` task ids, either
+    order, see :mod:`nimble.backfill`) are added once every node exists, where both tasks have
+    a node; a task's start stamp waits for them too.
     """
     n = len(graph.tasks)
     if len(recorded_nodes) != n:
@@ -316,6 +319,7 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
         stamp = stamp_module.function(ptx.TIMESTAMP) if stamps else None
         slots = stamp_slots(span, stamps) if stamps else {}
         dated = False  # the first root's start is always stamped: it dates the run
+        start_stamp: dict[int, Any] = {}
         for tid in span:
             if only is not None and tid not in only:
                 nodes.append(None)
@@ -333,10 +337,17 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
                     if mine else []
                 if (start_stamps and mine) or (not dated and all(u < first for u in preds[tid])):
                     added.append(_add_timestamp(owned.handle, stamp, slots[tid][0], deps))
+                    start_stamp[tid] = added[-1]
                     dated = True
                 if top is not None:
                     for node in added:
                         driver.set_kernel_priority(node, top)
+        late = [(nodes[u - first], nodes[v - first]) for u, v in late_edges
+                if u in span and v in span and nodes[u - first] is not None
+                and nodes[v - first] is not None]
+        late += [(nodes[u - first], start_stamp[v]) for u, v in late_edges
+                 if v in start_stamp and u in span and nodes[u - first] is not None]
+        driver.add_dependencies(owned.handle, late)
         exec_, on_device, refusal = instantiate(owned, device_launch, upload_stream,
                                                 priorities is not None)
     except BaseException:

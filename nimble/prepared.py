@@ -8,10 +8,10 @@ and is what :class:`nimble.Nimble` swaps in whole.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from . import driver, ptx
+from . import backfill, driver, ptx
 from .build import BuiltGraph, InputGather, buffer_bases, build_graph
 from .launcher import CallOrder, InputSlot, Launcher, RngCells
 from .memplan import MemPlan, plan_memory
@@ -20,7 +20,7 @@ from .priority import driver_priorities, priority_levels
 from .resolve import RNG_OFFSET, RNG_SEED
 from .fit import schedule_within
 from .schedule import Schedule, phase_spans
-from .taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph, TensorRef
+from .taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph, TaskKind, TensorRef
 from .weights import Weights
 
 _ARENA_ALIGNMENT = 512  # the planner's alignment; the arena base gets at least as much
@@ -91,12 +91,20 @@ class Prepared:
     seconds: dict
     #: The driver priority number of each task's node (None: the graph ignores priorities).
     priorities: list[int] | None = None
+    #: Per phase whose tail backfill was measured, what was (:class:`nimble.backfill.Picked`).
+    backfill: list = field(default_factory=list)
     recording: Any = None  # kept only with keep_recording=True (debugging)
     step: Any = None  # training.TrainingStep for a training step, else None
 
     @property
     def built(self) -> BuiltGraph:
         return self.builts[0]
+
+    @property
+    def late_edges(self) -> list[tuple[int, int]]:
+        """The built graphs' edges beyond the schedule's: the tail backfill kept
+        (:mod:`nimble.backfill`); a copy of a phase needs them to run as the served one does."""
+        return [e for p in self.backfill if p.kept is not None for e in p.kept.edges()]
 
     @property
     def launcher(self) -> Launcher:
@@ -203,9 +211,24 @@ def kernel_priorities(schedule: Schedule, durations: Sequence[float]) -> list[in
     return driver_priorities(levels, least, greatest)
 
 
+def backfill_trials(graph: TaskGraph, schedule: Schedule,
+                    durations: Sequence[float]) -> dict[int, list[backfill.Backfill]]:
+    """The tail backfills worth timing per phase (:func:`nimble.backfill.plan_trials`), from
+    each kernel's block count and the current device's SM count."""
+    import torch
+
+    n = len(graph.tasks)
+    blocks = [t.grid[0] * t.grid[1] * t.grid[2] if t.kind == TaskKind.KERNEL else 1
+              for t in graph.tasks]
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return backfill.plan_trials(n, schedule.edges(), phase_spans(schedule.phases, n),
+                                durations, blocks, sms)
+
+
 def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool,
                    gather_inputs: bool, seconds: dict,
-                   priorities: list[int] | None = None) -> Prepared:
+                   priorities: list[int] | None = None,
+                   backfill_trials: dict[int, list] | None = None) -> Prepared:
     """Arena, cells, explicit graph(s) and launchers for a planned recording (not verified).
 
     The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
@@ -216,7 +239,9 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     (:class:`~nimble.driver.LowBitsMemory`), owned with the arena; its arena slot stays unused.
     A phased recording (a training step) gets one graph and one launcher per phase, over the
     phase's own tasks, inputs and outputs.  ``priorities`` (driver priority numbers per task,
-    :func:`kernel_priorities`) go to the kernel nodes.
+    :func:`kernel_priorities`) go to the kernel nodes.  ``backfill_trials`` (per phase,
+    :func:`nimble.backfill.plan_trials`) are built and timed against the phase built without
+    them (:func:`nimble.backfill.pick`), each after the phases before it, and the fastest kept.
     """
     import torch
 
@@ -265,14 +290,27 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
         context = driver.current_context()
         upload = driver.stream(torch.cuda.current_stream().cuda_stream)
         launchers: list[Launcher] = []
+        picked: list[backfill.Picked] = []
         first_in = first_out = 0
         for k, span in enumerate(spans):
             mine = slots[first_in:first_in + in_counts[k]]
             gathers = gathers_of(mine)
-            built = build_graph(graph, rec.nodes, bases, schedule.edges(),
-                                device_launch=device_launch, upload_stream=upload,
-                                gathers=gathers, span=span, priorities=priorities,
-                                gather_module=ptx.load("gather_input.ptx") if gathers else None)
+
+            def build(late=(), span=span, gathers=gathers) -> BuiltGraph:
+                return build_graph(graph, rec.nodes, bases, schedule.edges(),
+                                   device_launch=device_launch, upload_stream=upload,
+                                   gathers=gathers, span=span, priorities=priorities,
+                                   gather_module=ptx.load("gather_input.ptx") if gathers
+                                   else None, late_edges=late)
+            built = build()
+            if backfill_trials and backfill_trials.get(k):
+                try:
+                    built, report = backfill.pick(built, backfill_trials[k], build,
+                                                  _after_phases(builts, upload))
+                except BaseException:
+                    built.close()  # pick frees the graphs it built, not this one
+                    raise
+                picked.append(report)
             builts.append(built)
             launchers.append(Launcher(
                 built.exec.handle, mine, device, outputs[first_out:first_out + out_counts[k]],
@@ -287,13 +325,36 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
         raise
     prepared = Prepared(graph=graph, schedule=schedule, memplan=plan, builts=builts,
                          arena=arena, arena_base=base, bases=bases, launchers=launchers,
-                         weights=Weights(model, graph), seconds=seconds, priorities=priorities)
+                         weights=Weights(model, graph), seconds=seconds, priorities=priorities,
+                         backfill=picked)
     if rec.step is not None:
         from .training import TrainingStep
 
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         prepared.step = TrainingStep(launchers[0], launchers[1], rec.step, names)
     return prepared
+
+
+def _after_phases(before: Sequence[BuiltGraph], stream) -> Callable[[BuiltGraph, int], float]:
+    """``launch(built, count) -> ms``: ``count`` launches of ``built``, each after one launch of
+    every phase of ``before`` (so it reads what they write: a backward reads the forward's
+    saved max-pool indices, and its own writes may reuse their bytes), timing ``built`` only."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def launch(built: BuiltGraph, count: int) -> float:
+        total = 0.0
+        for _ in range(count):
+            for b in before:
+                driver.launch(b.exec.handle, stream)
+            start.record()
+            driver.launch(built.exec.handle, stream)
+            end.record()
+            end.synchronize()
+            total += start.elapsed_time(end)
+        return total
+    return launch
 
 
 def low_word_ranges(prepared: Prepared) -> list[tuple[int, int]]:

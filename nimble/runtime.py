@@ -23,8 +23,8 @@ from .build import repoint
 from .errors import InputError, NimbleError
 from .launcher import TAKE_GENERAL_PATH, RngCells
 from .memplan import MemPlan
-from .prepared import (Prepared, build_prepared, kernel_priorities, plan_graph, prove,
-                       task_times)
+from .prepared import (Prepared, backfill_trials, build_prepared, kernel_priorities,
+                       plan_graph, prove, task_times)
 from .progress import say
 from .schedule import Schedule
 from .taskgraph import TaskGraph
@@ -88,7 +88,8 @@ class Nimble:
                 device_launch: bool = True, gather_inputs: bool = True,
                 verify: bool = True, relaunches: int | None = None,
                 return_copies: bool = False, keep_recording: bool = False,
-                recording=None, priorities: bool = True, quiet: bool = True) -> "Nimble":
+                recording=None, priorities: bool = True, backfill: bool | None = None,
+                quiet: bool = True) -> "Nimble":
         """Record, schedule, plan, build and verify the model on ``example_inputs``.
 
         ``example_inputs`` is a tensor or a tuple of tensors on the GPU; every later call must
@@ -118,7 +119,10 @@ class Nimble:
         of recording again.  ``priorities`` gives every kernel of a multi-stream graph a
         scheduling priority from its slack on the critical path (:mod:`nimble.priority`; each
         task is timed alone once for it), so that where kernels compete for the GPU, those the
-        run waits for get the SMs first.  Progress goes to stderr unless ``quiet``.
+        run waits for get the SMs first.  ``backfill`` (default: on for training) lets a phase
+        whose critical path ends in narrow kernels run work with slack beside them, if that
+        measures faster at prepare (:mod:`nimble.backfill`; :attr:`backfill` says what was
+        measured and kept).  Progress goes to stderr unless ``quiet``.
 
         Preparing again is transactional: the graph prepared before keeps serving calls until
         the new one is proven, and stays if the new prepare fails.
@@ -131,7 +135,8 @@ class Nimble:
         try:
             candidate = self._prepare(example_inputs, training, recording, quiet, use_multi_stream,
                                       max_streams, arena_limit, device_launch, gather_inputs,
-                                      verify, relaunches, keep_recording, priorities)
+                                      verify, relaunches, keep_recording, priorities,
+                                      training if backfill is None else backfill)
         finally:
             restore()
         candidate.launcher.return_copies = return_copies
@@ -144,7 +149,7 @@ class Nimble:
 
     def _prepare(self, example_inputs, training, recording, quiet, use_multi_stream, max_streams,
                  arena_limit, device_launch, gather_inputs, verify, relaunches,
-                 keep_recording, priorities) -> Prepared:
+                 keep_recording, priorities, backfill) -> Prepared:
         seconds: dict[str, float] = {}
         rec = recording if recording is not None else self._record(example_inputs, training,
                                                                     quiet)
@@ -171,14 +176,22 @@ class Nimble:
         say(f"{len(schedule.streams)} streams, {len(schedule.sync_edges)} syncs; arena "
             f"{memplan.arena_bytes / 2**20:.1f} MiB", quiet)
 
-        ranks = None
+        ranks, trials = None, None
         if priorities and use_multi_stream and len(schedule.streams) > 1:
             ranks = kernel_priorities(schedule, durations())
+        if backfill and use_multi_stream and len(schedule.streams) > 1:
+            trials = backfill_trials(rec.graph, schedule, durations())
         t0 = time.perf_counter()
+        if trials:
+            say(f"timing {sum(map(len, trials.values()))} tail backfill(s) against none", quiet)
         candidate = build_prepared(self.model, rec, schedule, memplan,
                                    device_launch=device_launch, gather_inputs=gather_inputs,
-                                   seconds=seconds, priorities=ranks)
+                                   seconds=seconds, priorities=ranks, backfill_trials=trials)
         seconds["build"] = time.perf_counter() - t0
+        for p in candidate.backfill:
+            say(f"phase {p.phase}: {p.plain_ms:.3f} ms per launch plain, "
+                + ", ".join(f"{ms:.3f}" for ms in p.trial_ms) + " with backfill; "
+                + (f"kept {len(p.kept.deferred)} edge(s)" if p.kept else "kept none"), quiet)
         try:
             refusal = next((b.device_launch_refusal for b in candidate.builts
                             if b.device_launch_refusal), "")
@@ -458,6 +471,14 @@ class Nimble:
         (``prepare(priorities=False)`` or one stream)."""
         got = self._state().priorities
         return None if got is None else list(got)
+
+    @property
+    def backfill(self) -> list:
+        """Per phase whose tail backfill was tried at prepare (:mod:`nimble.backfill`), a
+        :class:`~nimble.backfill.Picked`: the phase's median ms per launch without late edges
+        and with each candidate, and the candidate kept (None: the plain graph was faster).
+        Empty where none was tried (one stream, inference by default, no narrow tail)."""
+        return list(self._state().backfill)
 
     @property
     def launch_mode(self) -> str:

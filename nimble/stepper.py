@@ -103,7 +103,8 @@ def build_phase(prepared, phase: int, only: set[int] | None):
 
     return build_graph(prepared.graph, prepared.built_nodes(phase), prepared.bases,
                        prepared.schedule.edges(), device_launch=False,
-                       span=prepared.builts[phase].span, nodes_relocated=True, only=only)
+                       span=prepared.builts[phase].span, nodes_relocated=True, only=only,
+                       late_edges=prepared.late_edges)
 
 
 class StepThrough:

@@ -314,7 +314,8 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
                             stamps=stamps.address + 16 * built.span.start,
                             stamp_module=ptx.load("timestamp.ptx"), start_stamps=start_stamps,
                             nodes_relocated=True, priorities=prepared.priorities,
-                            stamped=group if groups > 1 else None))
+                            stamped=group if groups > 1 else None,
+                            late_edges=prepared.late_edges))
                     times_of = sorted(run([b.exec.handle for b in instrumented])
                                       for _ in range(runs))
                     timed.append(times_of[len(times_of) // 2])
@@ -332,7 +333,8 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
                                        members, span, roots)
         else:
             chunk = raws[0][16 * span.start:16 * span.stop]
-        for t, pair in zip(span, times_from_stamps(chunk, span, schedule.edges())):
+        for t, pair in zip(span, times_from_stamps(chunk, span,
+                                                   schedule.edges() + prepared.late_edges)):
             times[t] = pair
     return Timeline(graph, schedule, times, plain_us=plain[len(plain) // 2],
                     instrumented_us=max(timed),

@@ -90,3 +90,31 @@ def test_a_failed_removal_frees_the_copy_and_names_the_call(fake_graphs):
         original.copy_without(["a", "missing"])
     assert destroyed == [2]  # the half-pruned clone, not the original
     assert graphs[1] == {"a", "b", "c"}
+
+
+def test_late_edges_go_to_the_driver_as_one_call_and_no_pairs_make_no_call(monkeypatch):
+    from nimble import driver
+
+    calls_made = []
+    fake = SimpleNamespace(
+        cuGraphAddDependencies=lambda *args: calls_made.append(args) or (0,),
+        cuGetErrorName=lambda code: (0, b"CUDA_ERROR_INVALID_VALUE"),
+        CUresult=SimpleNamespace(CUDA_SUCCESS=0))
+    monkeypatch.setattr(calls, "_drv", fake)
+    driver.add_dependencies("graph", [])
+    assert calls_made == []
+    driver.add_dependencies("graph", [("a", "x"), ("a", "y")])
+    assert calls_made == [("graph", ["a", "a"], ["x", "y"], None, 2)]
+
+
+def test_a_refused_late_edge_raises_naming_the_call(monkeypatch):
+    from nimble import driver
+
+    fake = SimpleNamespace(
+        cuGraphAddDependencies=lambda *args: (1,),
+        cuGetErrorName=lambda code: (0, b"CUDA_ERROR_INVALID_VALUE"),
+        CUresult=SimpleNamespace(CUDA_SUCCESS=0))
+    monkeypatch.setattr(calls, "_drv", fake)
+    with pytest.raises(CudaError, match="cuGraphAddDependencies failed with "
+                                        "CUDA_ERROR_INVALID_VALUE"):
+        driver.add_dependencies("graph", [("a", "x")])

@@ -345,3 +345,61 @@ def test_training_prepares_with_torch_expandable_segments():
     print(result[0])
     assert evidence == "twin_capture" and finite == "True"
     assert int(top, 16) < 0x7000  # the setting did move torch's memory low
+
+
+def test_a_kept_tail_backfill_is_proven_built_and_enforced(monkeypatch):
+    """googlenet's backward ends in its stem's narrow batch norms: with any candidate kept
+    (the measured gain requirement lifted), the step still verifies bit for bit at prepare, the
+    built backward holds each late edge, and a measured run starts every deferred task after
+    its anchor ends."""
+    import torch
+    from cuda.bindings import driver as cu
+
+    import nimble
+    from nimble import backfill, train_bench
+
+    monkeypatch.setattr(backfill, "MIN_GAIN", -1.0)
+    base, x, y = train_bench._setup("googlenet", 32)
+    model, twin = copy.deepcopy(base), copy.deepcopy(base)
+    nm = nimble.Nimble(model).prepare(x, training=True)  # verify=True: proven with the edges
+    picked = {p.phase: p for p in nm.backfill}[1]
+    assert picked.kept is not None
+    assert len(picked.trial_ms) >= 1 and picked.plain_ms > 0
+    state = nm._state()
+    late = state.late_edges
+    backward = state.builts[1]
+    assert late and all(u in backward.span and v in backward.span for u, v in late)
+    for u, v in late:
+        node = backward.nodes[v - backward.span.start]
+        got = cu.cuGraphNodeGetDependencies(node, 256)
+        assert got[0] == cu.CUresult.CUDA_SUCCESS, got
+        anchor = int(backward.nodes[u - backward.span.start])
+        assert any(d is not None and int(d) == anchor for d in got[1]), (u, v)
+    timeline = nm.trace(runs=3)
+    assert timeline.overlapped(late) == []
+    fresh = torch.randn_like(x)
+    torch.manual_seed(3)
+    want = _step(twin, fresh, y)
+    torch.manual_seed(3)
+    got = _step(nm, fresh, y)
+    assert abs(float(got) - float(want)) <= 1e-4 * max(1.0, abs(float(want)))
+    for (pname, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert _rel(p.grad, q.grad) < 1e-2, pname
+
+
+def test_backfill_is_measured_only_where_asked():
+    import torch
+
+    import nimble
+    from nimble import train_bench
+
+    base, x, _ = train_bench._setup("googlenet", 32)
+    off = nimble.Nimble(copy.deepcopy(base)).prepare(x, training=True, backfill=False)
+    assert off.backfill == [] and off._state().late_edges == []
+    single = nimble.Nimble(copy.deepcopy(base)).prepare(x, training=True,
+                                                         use_multi_stream=False)
+    assert single.backfill == []
+    model = copy.deepcopy(base).eval()
+    with torch.no_grad():
+        infer = nimble.Nimble(model).prepare(x[:1])
+    assert infer.backfill == []  # inference: off unless asked for

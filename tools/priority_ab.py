@@ -1,9 +1,10 @@
-"""Kernel priorities on and off, side by side in one process (GPU).
+"""Kernel priorities and the tail backfill on and off, side by side in one process (GPU).
 
     python3 tools/priority_ab.py MODEL BATCH {train,infer} [DTYPE]
 
 Times Nimble single-stream, multi-stream without kernel priorities
-(``prepare(priorities=False)``) and multi-stream with them (the default) against
+(``prepare(priorities=False)``), without the tail backfill (``prepare(backfill=False)``; it is on
+by default in training) and the default (both on) against
 ``make_graphed_callables`` (train: a full SGD step as ``nimble bench --training`` takes it) or
 ``torch.cuda.graph`` with the input copied in (infer).  Median ms of the rounds, CUDA events,
 warm-up first; the last column is the speed-up over torch's graph.
@@ -21,7 +22,8 @@ from nimble.bench_cli import time_rounds, torch_graph_call
 
 VARIANTS = [("single", {"use_multi_stream": False}),
             ("multi, no priorities", {"priorities": False}),
-            ("multi, priorities", {})]
+            ("multi, no backfill", {"backfill": False}),
+            ("multi, default", {})]
 
 
 def main() -> int:

@@ -163,6 +163,15 @@ def add_empty_node(graph, deps: list) -> Any:
     return call("cuGraphAddEmptyNode", graph, deps, len(deps))
 
 
+def add_dependencies(graph, pairs) -> None:
+    """Add an edge ``u -> v`` to ``graph`` for each node pair of ``pairs``, after both nodes
+    exist (edges against the order the nodes were added in); no call for no pairs."""
+    pairs = list(pairs)
+    if pairs:
+        call("cuGraphAddDependencies", graph, [u for u, _ in pairs], [v for _, v in pairs],
+             None, len(pairs))
+
+
 def add_event_record_node(graph, deps: list, event) -> Any:
     return call("cuGraphAddEventRecordNode", graph, deps, len(deps), event)
 
