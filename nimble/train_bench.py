@@ -154,7 +154,8 @@ def table(results: list[dict]) -> str:
                  "make_graphed_callables; paper: the paper's x PyTorch (V100, batch 32); arena: "
                  "Nimble's MB for forward and backward; graphed: MB of the memory pool "
                  "make_graphed_callables took; prep s: the longer of the two "
-                 "prepare(training=True), the first one with cuDNN's autotuning cold")
+                 "prepare(training=True), cuDNN's autotuning partly warm from "
+                 "make_graphed_callables")
     return "\n".join(lines)
 
 
