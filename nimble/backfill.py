@@ -82,10 +82,10 @@ def _reach(start: int, nbrs: Sequence[Sequence[int]]) -> set[int]:
 
 
 def plan_phase(n: int, edges: Sequence[tuple[int, int]], durations: Sequence[float],
-               width: Sequence[float], fill: float, tail_idle: float
-               ) -> tuple[int, list[int], int, float, float] | None:
-    """One phase (tasks ``0..n-1``, ``edges`` forward): ``(anchor, deferred, moved, idle µs,
-    moved µs)``, or None when its critical path has no narrow tail worth filling."""
+               width: Sequence[float], fill: float, tail_idle: float, phase: int = 0,
+               first: int = 0) -> Backfill | None:
+    """The backfill of one phase (tasks ``0..n-1`` here, ``first..first+n-1`` in the result;
+    ``edges`` forward), or None when its critical path has no narrow tail worth filling."""
     if n < 2:
         return None
     d = [max(float(x), 0.0) for x in durations]
@@ -133,7 +133,8 @@ def plan_phase(n: int, edges: Sequence[tuple[int, int]], durations: Sequence[flo
         deferred.append(t)
     if not deferred:
         return None
-    return anchor, deferred, len(moved), idle_us, work
+    return Backfill(phase, anchor + first, tuple(t + first for t in deferred), len(moved),
+                    idle_us, work)
 
 
 def plan_backfill(n: int, edges: Sequence[tuple[int, int]], spans: Sequence[range],
@@ -152,13 +153,10 @@ def plan_backfill(n: int, edges: Sequence[tuple[int, int]], spans: Sequence[rang
     for k, span in enumerate(spans):
         if phases is not None and k not in phases:
             continue
-        local = induced(dag, span)
-        got = plan_phase(len(span), local.edges(), durations[span.start:span.stop],
-                         share[span.start:span.stop], fill, tail_idle)
+        got = plan_phase(len(span), induced(dag, span).edges(), durations[span.start:span.stop],
+                         share[span.start:span.stop], fill, tail_idle, k, span.start)
         if got is not None:
-            anchor, deferred, moved, idle_us, work = got
-            out.append(Backfill(k, anchor + span.start,
-                                tuple(t + span.start for t in deferred), moved, idle_us, work))
+            out.append(got)
     return out
 
 
@@ -190,8 +188,9 @@ def pick(plain, candidates: Sequence[Backfill], build: Callable, launch: Callabl
          rounds: int = 5, launches: int = 3):
     """``(built, Picked)``: the fastest of ``plain`` (a built phase) and the phase built with each
     candidate's edges (``build(edges)``), timed by ``launch(built) -> ms`` of ``launches``
-    launches in alternating rounds.  The losers are closed; a candidate wins only when its
-    median beats the plain one by :data:`MIN_GAIN`."""
+    launches in alternating rounds.  A candidate wins only when its median beats the plain
+    one's by :data:`MIN_GAIN`.  The losers are closed, ``plain`` too when a candidate wins; on
+    an error only the graphs built here are."""
     builts = [plain]
     try:
         for c in candidates:

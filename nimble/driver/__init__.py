@@ -28,8 +28,8 @@ from .nodes import (CallPath, add_dependencies, add_empty_node, add_event_record
 
 __all__ = [
     "CallPath", "DeviceMemory", "Event", "Graph", "GraphExec", "LowBitsMemory", "Module",
-    "add_dependencies", "add_empty_node", "add_event_record_node", "add_kernel_node", "add_memcpy_node",
-    "add_memset_node", "address_range", "allow_dynamic_shared", "bindings", "call",
+    "add_dependencies", "add_empty_node", "add_event_record_node", "add_kernel_node",
+    "add_memcpy_node", "add_memset_node", "address_range", "allow_dynamic_shared", "bindings", "call",
     "capture_graph", "checked_status", "copy_device", "copy_kernel_attributes", "copy_to_device",
     "copy_to_host", "current_context", "device_supports_stream_writes", "ensure_context",
     "event_elapsed_ms", "fill_bytes_async", "function_name", "function_param_layout",
