@@ -37,9 +37,9 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
-from .deps import critical_path, dag_from_edges
+from .deps import Dag, ancestors, critical_path, dag_from_edges, reachability
 from .priority import slack
-from .schedule import induced
+from .schedule import induced, set_bits
 
 #: ``(fill, tail_idle)`` of the candidates :func:`plan_trials` makes, in the order tried.
 TRIALS = ((0.5, 0.3), (1.0, 0.3), (0.5, 0.5))
@@ -70,27 +70,16 @@ def widths(blocks: Sequence[int], sm_count: int) -> list[float]:
     return [min(1.0, max(int(b), 1) / sm_count) for b in blocks]
 
 
-def _reach(start: int, nbrs: Sequence[Sequence[int]]) -> set[int]:
-    seen = {start}
-    stack = [start]
-    while stack:
-        for v in nbrs[stack.pop()]:
-            if v not in seen:
-                seen.add(v)
-                stack.append(v)
-    return seen
-
-
-def plan_phase(n: int, edges: Sequence[tuple[int, int]], durations: Sequence[float],
-               width: Sequence[float], fill: float, tail_idle: float, phase: int = 0,
-               first: int = 0) -> Backfill | None:
-    """The backfill of one phase (tasks ``0..n-1`` here, ``first..first+n-1`` in the result;
-    ``edges`` forward), or None when its critical path has no narrow tail worth filling."""
+def plan_phase(dag: Dag, durations: Sequence[float], width: Sequence[float], fill: float,
+               tail_idle: float, phase: int = 0, first: int = 0) -> Backfill | None:
+    """The backfill of one phase (its own DAG, tasks ``0..n-1`` here and ``first..first+n-1`` in
+    the result), or None when its critical path has no narrow tail worth filling."""
+    n = dag.n
     if n < 2:
         return None
     d = [max(float(x), 0.0) for x in durations]
-    timing = slack(n, edges, d)
-    path = critical_path(dag_from_edges(n, edges), d).tasks
+    timing = slack(n, dag.edges(), d)
+    path = critical_path(dag, d).tasks
     # The suffix whose idle SM time most exceeds ``tail_idle`` of its length: it begins at a
     # narrow kernel, and reaches back only as far as the idle time keeps that share.
     excess = best = 0.0
@@ -107,34 +96,31 @@ def plan_phase(n: int, edges: Sequence[tuple[int, int]], durations: Sequence[flo
         return None
     anchor = path[start - 1]
     anchor_end = timing.earliest[anchor] + d[anchor]
-    succs: list[list[int]] = [[] for _ in range(n)]
-    preds: list[list[int]] = [[] for _ in range(n)]
-    for u, v in edges:
-        succs[u].append(v)
-        preds[v].append(u)
-    before, after = _reach(anchor, preds), _reach(anchor, succs)
+    reach = reachability(dag)
+    ordered = reach[anchor] | ancestors(dag)[anchor] | (1 << anchor)  # before or after it
+    after = reach[anchor] | (1 << anchor)
     # From a task's start, through it, to the phase's end.
     to_end = [timing.length - timing.earliest[t] - timing.slack[t] for t in range(n)]
-    candidates = [t for t in range(n) if t not in before and t not in after and d[t] > 0
+    candidates = [t for t in range(n) if not (ordered >> t) & 1 and d[t] > 0
                   and timing.earliest[t] < anchor_end
                   and to_end[t] <= timing.length - anchor_end]
     candidates.sort(key=lambda t: -timing.slack[t])
-    moved: set[int] = set()
+    moved = 0  # bitset of the tasks put behind the anchor so far
     deferred: list[int] = []
     work = 0.0
     for t in candidates:
         if work >= fill * idle_us:
             break
-        if t in moved:
+        if (moved >> t) & 1:
             continue  # already behind the anchor through a deferred predecessor
-        newly = _reach(t, succs) - after - moved
+        newly = (reach[t] | (1 << t)) & ~after & ~moved
         moved |= newly
-        work += sum(d[u] * width[u] for u in newly)
+        work += sum(d[u] * width[u] for u in set_bits(newly))
         deferred.append(t)
     if not deferred:
         return None
-    return Backfill(phase, anchor + first, tuple(t + first for t in deferred), len(moved),
-                    idle_us, work)
+    return Backfill(phase, anchor + first, tuple(t + first for t in deferred),
+                    moved.bit_count(), idle_us, work)
 
 
 def plan_backfill(n: int, edges: Sequence[tuple[int, int]], spans: Sequence[range],
@@ -153,7 +139,7 @@ def plan_backfill(n: int, edges: Sequence[tuple[int, int]], spans: Sequence[rang
     for k, span in enumerate(spans):
         if phases is not None and k not in phases:
             continue
-        got = plan_phase(len(span), induced(dag, span).edges(), durations[span.start:span.stop],
+        got = plan_phase(induced(dag, span), durations[span.start:span.stop],
                          share[span.start:span.stop], fill, tail_idle, k, span.start)
         if got is not None:
             out.append(got)

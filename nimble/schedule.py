@@ -71,7 +71,7 @@ class Schedule:
 
 # ---- bipartite matching --------------------------------------------------------------------
 
-def _bits(x: int) -> list[int]:
+def set_bits(x: int) -> list[int]:
     """The positions of the set bits of ``x``, ascending."""
     if x.bit_count() > 64:  # dense: let numpy unpack the bytes instead of peeling bit by bit
         raw = np.frombuffer(x.to_bytes((x.bit_length() + 7) // 8, "little"), dtype=np.uint8)
@@ -121,7 +121,7 @@ def _match_bits(n_left: int, n_right: int, adj: Sequence[int]) -> tuple[list[int
                 layers.append(hit)
                 break
             layers.append(nxt)
-            frontier = [match_r[v] for v in _bits(nxt)]
+            frontier = [match_r[v] for v in set_bits(nxt)]
         if not layers or not layers[-1] & free_r:
             break  # no augmenting path: the matching is maximum
         last = len(layers) - 1
