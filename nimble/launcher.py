@@ -78,11 +78,12 @@ class CallOrder:
     call of either must come after everything queued by the last call of both.
     """
 
-    __slots__ = ("lock", "last_stream", "switch_event", "threads")
+    __slots__ = ("lock", "last_stream", "last_raw", "switch_event", "threads")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.last_stream = None
+        self.last_raw = None  # the raw handle of last_stream
         self.switch_event = driver.Event.create(timing=False)
         self.threads = {threading.get_ident()}
 
@@ -170,9 +171,11 @@ class Launcher:
         """The stream of the latest call (None before the first)."""
         return self._order.last_stream
 
-    def stream(self):
-        """The caller's current stream as a ``CUstream`` (one object per stream, kept)."""
-        raw = self._raw_stream()
+    def stream(self, raw: int | None = None):
+        """The caller's current stream (or raw handle ``raw``) as a ``CUstream`` (one object per
+        stream, kept)."""
+        if raw is None:
+            raw = self._raw_stream()
         stream = self._streams.get(raw)
         if stream is None:
             stream = self._streams[raw] = driver.stream(raw)
@@ -206,10 +209,7 @@ class Launcher:
             self._enter_thread()
         api = self._api
         with order.lock:
-            stream = self._streams.get(self._raw_stream())
-            if stream is None or stream is not order.last_stream:
-                stream = self.stream()
-                self._join(stream)
+            stream = self._stream_of_call()
             in_cells = self._in_cells
             for i, x in enumerate(inputs):
                 slot = slots[i]
@@ -239,49 +239,83 @@ class Launcher:
         self._in_cells[:] = [None] * len(self._in_cells)
 
     def fast_call(self, weights) -> Callable[[tuple], Any] | None:
-        """The common call, with everything it reads bound once: the inputs are tensors of the
-        prepared shapes and dtypes, contiguous, on a thread that called before, every slot has a
-        cell, no random numbers, views returned.  It returns :data:`TAKE_GENERAL_PATH` for any
-        other call (and when ``weights`` moved), for :meth:`run_flat` to handle; None where the
-        graph has no such call.  On a loaded host the Python around a launch costs as much as
-        the launch: each layer and attribute lookup removed here is a few µs there."""
+        """The common call, with everything it reads bound once: the inputs are tensors (exactly
+        ``torch.Tensor``) of the prepared shapes and dtypes, contiguous, on the prepared device,
+        on a thread that called before, every slot has a cell, no random numbers, views
+        returned.  It returns :data:`TAKE_GENERAL_PATH` for any other call (and when ``weights``
+        moved), for :meth:`run_flat` to handle; None where the graph has no such call.
+
+        On an idle GPU each attribute read, Python frame and torch getter here costs 0.2-0.5 µs
+        of host time (cold caches after the wait for the previous call; H200,
+        2026-11-25), several times its warm cost, so the path reads as little as it can: the
+        device index rather than a ``torch.device``, the stream's raw handle compared with the
+        last call's, and the launch's status read inline rather than through a checking frame.
+        """
         slots = self._slots
-        if self._rng is not None or self.return_copies or not all(s.cell for s in slots):
+        if self._rng is not None or self.return_copies or not slots \
+                or not all(s.cell for s in slots):
             return None
         from .weights import EPOCH
 
         n = len(slots)
         expected = tuple((s.shape, s.dtype) for s in slots)
         cells = tuple(s.cell for s in slots)
-        in_cells, order, streams = self._in_cells, self._order, self._streams
+        device_index = slots[0].tensor.get_device()  # what an input's get_device() must say
+        in_cells, order = self._in_cells, self._order
         lock, threads, raw_stream = order.lock, order.threads, self._raw_stream
-        launch, write64 = self._api.launch, self._api.write64
-        exec_handle, outputs, tensor, device = self._exec, self._outputs, self._tensor_type, \
-            self._device
-        leaf, unflatten, get_ident = self._leaf, self._unflatten, threading.get_ident
-        general = TAKE_GENERAL_PATH
+        launch, failed, write64 = self._api.graph_launch, driver.raise_status, self._api.write64
+        exec_handle, outputs, tensor = self._exec, self._outputs, self._tensor_type
+        get_ident, general, leaf = threading.get_ident, TAKE_GENERAL_PATH, self._leaf
+        finish = (lambda flat: flat[0]) if self._leaf else self._unflatten
+        join_stream = self._stream_of_call
+        if n == 1:
+            (shape, dtype), = expected
+            cell = cells[0]
 
-        def call(inputs: tuple):
-            if len(inputs) != n or weights.epoch != EPOCH[0] or self._exec is None \
-                    or get_ident() not in threads:
+            def call(inputs: tuple):
+                if len(inputs) != 1 or weights.epoch != EPOCH[0] or get_ident() not in threads \
+                        or self._exec is None:
+                    return general
+                x = inputs[0]
+                if x.__class__ is not tensor or x.dtype is not dtype or x.shape != shape \
+                        or x.get_device() != device_index or not x.is_contiguous():
+                    return general
+                with lock:
+                    if raw_stream() != order.last_raw:
+                        join_stream()
+                    stream = order.last_stream
+                    address = x.data_ptr()
+                    if address != in_cells[0]:
+                        write64(stream, cell, address, 0)
+                        in_cells[0] = address
+                    code = launch(exec_handle, stream)[0]
+                    if code:  # CUresult is an int; CUDA_SUCCESS is 0
+                        failed("cuGraphLaunch", code)
+                return outputs[0] if leaf else finish(outputs)
+            return call
+
+        def call_many(inputs: tuple):
+            if len(inputs) != n or weights.epoch != EPOCH[0] or get_ident() not in threads \
+                    or self._exec is None:
                 return general
             for x, (shape, dtype) in zip(inputs, expected):
-                if not (isinstance(x, tensor) and x.shape == shape and x.dtype is dtype
-                        and x.device == device and x.is_contiguous()):
+                if x.__class__ is not tensor or x.dtype is not dtype or x.shape != shape \
+                        or x.get_device() != device_index or not x.is_contiguous():
                     return general
             with lock:
-                stream = streams.get(raw_stream())
-                if stream is None or stream is not order.last_stream:
-                    stream = self.stream()
-                    self._join(stream)
+                if raw_stream() != order.last_raw:
+                    join_stream()
+                stream = order.last_stream
                 for i, x in enumerate(inputs):
                     address = x.data_ptr()
                     if address != in_cells[i]:
                         write64(stream, cells[i], address, 0)
                         in_cells[i] = address
-                launch(exec_handle, stream)
-            return outputs[0] if leaf else unflatten(outputs)
-        return call
+                code = launch(exec_handle, stream)[0]
+                if code:
+                    failed("cuGraphLaunch", code)
+            return finish(outputs)
+        return call_many
 
     def _draw(self, stream) -> None:
         """Hand this launch the generator's seed and offset, and advance the offset past it."""
@@ -298,10 +332,20 @@ class Launcher:
         with self._order.lock:
             self._order.threads.add(threading.get_ident())
 
-    def _join(self, stream) -> None:
-        """Order ``stream`` after all work queued so far on the previous call's stream."""
+    def _stream_of_call(self):
+        """The caller's current stream, ordered after the previous call's when it is another
+        one.  Call it holding :attr:`lock`."""
+        raw = self._raw_stream()
+        order = self._order
+        if raw != order.last_raw:
+            self._join(self.stream(raw), raw)
+        return order.last_stream
+
+    def _join(self, stream, raw: int) -> None:
+        """Order ``stream`` (raw handle ``raw``) after all work queued so far on the previous
+        call's stream."""
         order = self._order
         if order.last_stream is not None:
             self._api.record(order.switch_event.handle, order.last_stream)
             self._api.wait(stream, order.switch_event.handle, 0)
-        order.last_stream = stream
+        order.last_stream, order.last_raw = stream, raw

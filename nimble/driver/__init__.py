@@ -14,7 +14,7 @@ names re-exported here (``driver.call``, ``driver.GraphExec``, ...).
 from __future__ import annotations
 
 from .calls import (bindings, call, checked_status, current_context, device_supports_stream_writes,
-                    ensure_context, probe, synchronize_context)
+                    ensure_context, probe, raise_status, synchronize_context)
 from .handles import (DeviceMemory, Event, Graph, GraphExec, LowBitsMemory, Module,
                       nimble_memory)
 from .nodes import (CallPath, add_dependencies, add_empty_node, add_event_record_node,
@@ -35,6 +35,6 @@ __all__ = [
     "event_elapsed_ms", "fill_bytes_async", "function_name", "function_param_layout",
     "graph_nodes", "kernel_function_of", "kernel_node_params", "kernel_priority", "launch",
     "memcpy_node_params", "memset_node_params", "nimble_memory", "node_count", "node_type",
-    "probe", "read_host", "set_exec_kernel_params", "set_kernel_priority", "stream",
+    "probe", "raise_status", "read_host", "set_exec_kernel_params", "set_kernel_priority", "stream",
     "stream_priority_range", "stream_synchronize", "synchronize_context", "upload",
 ]

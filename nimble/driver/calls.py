@@ -3,7 +3,7 @@
 This module owns the one lazily imported copy of the bindings (:func:`bindings`; the module
 itself is held in ``_drv`` here and nowhere else), the turning of a ``(CUresult, *values)`` tuple
 into values or a :class:`CudaError` naming the call and its ``CUDA_ERROR_*`` code (:func:`call`,
-:func:`checked_status` for the per-call path, and :func:`probe` for calls whose failure is an
+:func:`checked_status` and :func:`raise_status` for the per-call path, and :func:`probe` for calls whose failure is an
 answer), and the helpers that set up and query the context and device Nimble runs in
 (:func:`ensure_context` and the like).
 """
@@ -65,9 +65,16 @@ def checked_status(name: str):
     def status_call(*args):
         code = fn(*args)[0]
         if code:  # CUresult is an int; CUDA_SUCCESS is 0
-            raise CudaError(name, int(code), _error_name(code), "")
+            raise_status(name, code)
     status_call.__name__ = name
     return status_call
+
+
+def raise_status(name: str, code) -> None:
+    """Raise the :class:`CudaError` for driver call ``name`` having returned ``code``: the check
+    of a call whose ``(CUresult,)`` tuple the hottest path reads itself (see
+    :attr:`CallPath.graph_launch`)."""
+    raise CudaError(name, int(code), _error_name(code), "")
 
 
 def probe(name: str, *args):

@@ -224,13 +224,17 @@ class CallPath:
     """The driver functions a prepared graph's per-call path uses, bound and checked once.
 
     Attribute lookups on this object are all a call pays: no name lookup in the bindings, no
-    argument conversion beyond the driver's own.
+    argument conversion beyond the driver's own.  ``graph_launch`` is the binding itself, for
+    the one caller that reads its ``(CUresult,)`` and passes a failure to
+    :func:`~nimble.driver.raise_status` inline (a Python frame is a measurable share of an idle
+    call's host time); every other function here is checked.
     """
 
-    __slots__ = ("launch", "copy", "write64", "record", "wait", "set_context")
+    __slots__ = ("launch", "graph_launch", "copy", "write64", "record", "wait", "set_context")
 
     def __init__(self) -> None:
         self.launch = checked_status("cuGraphLaunch")
+        self.graph_launch = bindings().cuGraphLaunch
         self.copy = checked_status("cuMemcpyDtoDAsync")
         self.write64 = checked_status("cuStreamWriteValue64")
         self.record = checked_status("cuEventRecord")
