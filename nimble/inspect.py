@@ -297,12 +297,14 @@ def to_dot(graph: TaskGraph, schedule: Schedule | None = None) -> str:
 
 
 def to_chrome_trace(graph: TaskGraph, schedule: Schedule,
-                    times: Sequence[tuple[float, float]] | None = None) -> dict:
+                    times: Sequence[tuple[float, float]] | None = None,
+                    late_edges: Sequence[tuple[int, int]] = ()) -> dict:
     """A Chrome trace (``{"traceEvents": [...]}``) of ``times`` (µs per task; default: the
     :func:`simulate` timeline; :mod:`nimble.timeline` passes measured ones).
 
     One row (``tid``) per stream, one complete event per task (``ts``/``dur`` in µs), and a flow
-    arrow per sync edge.  Open it in ``chrome://tracing`` or https://ui.perfetto.dev.
+    arrow per sync edge, and per late edge (named ``late``; :mod:`nimble.backfill`).  Open it in
+    ``chrome://tracing`` or https://ui.perfetto.dev.
     """
     simulated = times is None
     times = simulate(graph, schedule) if simulated else times
@@ -321,12 +323,14 @@ def to_chrome_trace(graph: TaskGraph, schedule: Schedule,
                      "module": op.module if op else None,
                      "duration_known": t.duration_us is not None},
         })
-    for k, (u, v) in enumerate(schedule.sync_edges):
+    arrows = [(u, v, "sync") for u, v in schedule.sync_edges] + \
+        [(u, v, "late") for u, v in late_edges]
+    for k, (u, v, kind) in enumerate(arrows):
         # Flow ends bind to the slice enclosing their timestamp, hence the start of each slice.
         events.append({"ph": "s", "pid": 0, "tid": schedule.stream_of[u], "ts": times[u][0],
-                       "id": k, "name": "sync", "cat": "sync"})
+                       "id": k, "name": kind, "cat": kind})
         events.append({"ph": "f", "bp": "e", "pid": 0, "tid": schedule.stream_of[v],
-                       "ts": times[v][0], "id": k, "name": "sync", "cat": "sync"})
+                       "ts": times[v][0], "id": k, "name": kind, "cat": kind})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"model": graph.meta.get("model"), "simulated": simulated}}
 

@@ -13,7 +13,9 @@ not touched.
 flight on average (achieved concurrency), how long each stream sat idle inside its active span,
 the critical path the run really took (from the last task to finish, back through the
 predecessor that finished last) beside the planned one (the DAG's longest path with the measured
-durations), and a Chrome/Perfetto trace with one track per stream and the syncs as arrows.
+durations), and a Chrome/Perfetto trace with one track per stream and the syncs as arrows.  A
+training step's late edges (:mod:`nimble.backfill`) order tasks as the syncs do: both paths
+follow them, and the trace draws them as arrows of their own.
 """
 from __future__ import annotations
 
@@ -37,6 +39,13 @@ class Timeline:
     plain_us: float = 0.0
     instrumented_us: float = 0.0
     meta: dict = field(default_factory=dict)
+    #: The built graphs' late edges (:attr:`nimble.prepared.Prepared.late_edges`), which the run
+    #: enforced beside the schedule's.
+    late_edges: list[tuple[int, int]] = field(default_factory=list)
+
+    def edges(self) -> list[tuple[int, int]]:
+        """Every ordering the run enforced: the schedule's edges and the late edges."""
+        return self.schedule.edges() + [tuple(e) for e in self.late_edges]
 
     def phases(self) -> list[range]:
         return phase_spans(self.schedule.phases, len(self.graph.tasks))
@@ -63,8 +72,8 @@ class Timeline:
         busy = {s: _union_length(iv) for s, iv in streams.items()}
         idle = {s: (max(e for _, e in iv) - min(b for b, _ in iv)) - busy[s]
                 for s, iv in streams.items()}
-        executed = executed_critical_path(self.schedule, times, span)
-        edges = [(u - span.start, v - span.start) for u, v in self.schedule.edges()
+        executed = executed_critical_path(self.schedule, times, span, self.late_edges)
+        edges = [(u - span.start, v - span.start) for u, v in self.edges()
                  if u in span and v in span]
         durations = [times[t][1] - times[t][0] for t in span]
         planned = critical_path(dag_from_edges(len(span), edges), durations)
@@ -76,7 +85,8 @@ class Timeline:
                 "executed_path_busy_us": sum(times[t][1] - times[t][0] for t in executed),
                 "executed_path": executed,
                 "planned_path_us": planned.length,
-                "planned_path_tasks": len(planned.tasks)}
+                "planned_path_tasks": len(planned.tasks),
+                "late_edges": sum(1 for u, v in self.late_edges if u in span and v in span)}
 
     def overlapped(self, edges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """The dependencies ``(u, v)`` among ``edges`` (the DAG's, :func:`nimble.deps.build_dag`)
@@ -88,7 +98,8 @@ class Timeline:
         """A Chrome/Perfetto trace of the measured run (see :func:`nimble.inspect.to_chrome_trace`)."""
         from .inspect import to_chrome_trace
 
-        trace = to_chrome_trace(self.graph, self.schedule, times=self.times)
+        trace = to_chrome_trace(self.graph, self.schedule, times=self.times,
+                                late_edges=self.late_edges)
         s = self.schedule
         trace["otherData"].update(simulated=False, plain_us=self.plain_us,
                                   instrumented_us=self.instrumented_us)
@@ -97,6 +108,7 @@ class Timeline:
             "times": [[b, e] for b, e in self.times], "stream_of": list(s.stream_of),
             "sync_edges": [list(e) for e in s.sync_edges], "phases": list(s.phases),
             "barrier_edges": [list(e) for e in s.barrier_edges],
+            "late_edges": [list(e) for e in self.late_edges],
             "plain_us": self.plain_us, "instrumented_us": self.instrumented_us}
         return trace
 
@@ -124,7 +136,8 @@ class Timeline:
                             barrier_edges=[tuple(e) for e in data.get("barrier_edges") or []])
         return cls(graph, schedule, [(float(b), float(e)) for b, e in data["times"]],
                    plain_us=float(data.get("plain_us") or 0.0),
-                   instrumented_us=float(data.get("instrumented_us") or 0.0))
+                   instrumented_us=float(data.get("instrumented_us") or 0.0),
+                   late_edges=[tuple(e) for e in data.get("late_edges") or []])
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -138,12 +151,14 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 
 
 def executed_critical_path(schedule: Schedule, times: Sequence[tuple[float, float]],
-                           span: range | None = None) -> list[int]:
+                           span: range | None = None,
+                           late_edges: Sequence[tuple[int, int]] = ()) -> list[int]:
     """The chain the run really waited on: from the task of ``span`` that ended last, back
-    through the predecessor (stream order or sync) that ended last, to a task with none."""
+    through the predecessor (stream order, sync or late edge) that ended last, to a task with
+    none."""
     span = range(len(times)) if span is None else span
     preds: dict[int, list[int]] = {}
-    for u, v in schedule.edges():
+    for u, v in schedule.edges() + [tuple(e) for e in late_edges]:
         if u in span and v in span:
             preds.setdefault(v, []).append(u)
     t = max(span, key=lambda k: times[k][1])
@@ -193,7 +208,9 @@ def format_timeline(summary: dict) -> str:
                    f"(task time {p['work_us']:.1f} µs)")
         out.append(f"  executed critical path: {p['executed_path_tasks']} tasks, "
                    f"{p['executed_path_busy_us']:.1f} µs busy of {p['makespan_us']:.1f} µs; "
-                   f"planned: {p['planned_path_tasks']} tasks, {p['planned_path_us']:.1f} µs")
+                   f"planned: {p['planned_path_tasks']} tasks, {p['planned_path_us']:.1f} µs"
+                   + (f" (both through {p['late_edges']} late edges)" if p.get("late_edges")
+                      else ""))
         out.append("  most idle streams: " + ", ".join(
             f"stream {s} {us:.1f} µs" for s, us in idle))
     if summary.get("overhead") is not None:
@@ -339,4 +356,4 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
     return Timeline(graph, schedule, times, plain_us=plain[len(plain) // 2],
                     instrumented_us=max(timed),
                     meta={"runs": runs, "timer": "%globaltimer", "start_stamps": start_stamps,
-                          "groups": groups})
+                          "groups": groups}, late_edges=list(prepared.late_edges))

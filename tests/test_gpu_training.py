@@ -384,6 +384,10 @@ def test_a_kept_tail_backfill_is_proven_built_and_enforced(monkeypatch):
         assert any(d is not None and int(d) == anchor for d in got[1]), (u, v)
     timeline = nm.trace(runs=3)
     assert timeline.overlapped(late) == []
+    assert sorted(timeline.late_edges) == sorted(late)  # followed by its paths and its trace
+    assert timeline.summary()["phases"][1]["late_edges"] == len(late)
+    assert sum(e.get("name") == "late" and e["ph"] == "s"
+               for e in timeline.to_chrome()["traceEvents"]) == len(late)
     _step_matches_eager(nm, model, twin, x, y, seed=3)
 
 
