@@ -19,11 +19,12 @@ follow them, and the trace draws them as arrows of their own.
 """
 from __future__ import annotations
 
+import heapq
 import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .deps import critical_path, dag_from_edges
+from .deps import CriticalPath, critical_path, dag_from_edges
 from .schedule import Schedule, phase_spans
 from .taskgraph import TaskGraph
 
@@ -76,7 +77,7 @@ class Timeline:
         edges = [(u - span.start, v - span.start) for u, v in self.edges()
                  if u in span and v in span]
         durations = [times[t][1] - times[t][0] for t in span]
-        planned = critical_path(dag_from_edges(len(span), edges), durations)
+        planned = _longest_path(len(span), edges, durations)
         return {"name": name, "tasks": len(span), "streams": len(streams),
                 "makespan_us": makespan, "work_us": work,
                 "concurrency": work / makespan if makespan > 0 else 0.0,
@@ -140,6 +141,34 @@ class Timeline:
                    late_edges=[tuple(e) for e in data.get("late_edges") or []])
 
 
+def _longest_path(n: int, edges: Sequence[tuple[int, int]],
+                  durations: Sequence[float]) -> CriticalPath:
+    """The DAG's longest path where some edges go against task order (late edges run from a
+    later anchor to an earlier task): relabelled in a topological order for
+    :func:`nimble.deps.critical_path`, then mapped back to task ids."""
+    succs: list[list[int]] = [[] for _ in range(n)]
+    indegree = [0] * n
+    for u, v in edges:
+        succs[u].append(v)
+        indegree[v] += 1
+    ready = [t for t in range(n) if not indegree[t]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        u = heapq.heappop(ready)
+        order.append(u)
+        for v in succs[u]:
+            indegree[v] -= 1
+            if not indegree[v]:
+                heapq.heappush(ready, v)
+    if len(order) != n:
+        raise ValueError("the timeline's edges have a cycle")
+    rank = {t: k for k, t in enumerate(order)}
+    path = critical_path(dag_from_edges(n, [(rank[u], rank[v]) for u, v in edges]),
+                         [durations[t] for t in order])
+    return CriticalPath(path.length, [order[k] for k in path.tasks])
+
+
 def _union_length(intervals: list[tuple[float, float]]) -> float:
     total, reach = 0.0, float("-inf")
     for b, e in sorted(intervals):
@@ -162,9 +191,12 @@ def executed_critical_path(schedule: Schedule, times: Sequence[tuple[float, floa
         if u in span and v in span:
             preds.setdefault(v, []).append(u)
     t = max(span, key=lambda k: times[k][1])
-    path = [t]
+    path, seen = [t], {t}
     while preds.get(t):
         t = max(preds[t], key=lambda k: times[k][1])
+        if t in seen:
+            raise ValueError("the timeline's edges have a cycle")
+        seen.add(t)
         path.append(t)
     path.reverse()
     return path

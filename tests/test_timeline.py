@@ -62,23 +62,26 @@ def test_a_measured_trace_has_a_track_per_stream_and_an_arrow_per_sync():
 
 
 def test_late_edges_are_followed_by_both_paths_drawn_as_arrows_and_kept_in_the_trace():
-    # The backfill deferred 2 behind 1 (a late edge 1 -> 2): 2 ran after 1, and 3 waited on 2.
+    # The backfill deferred task 1 behind task 2 (a late edge goes against task order, from the
+    # later anchor to the earlier task): 1 started when 2 ended, and 3 waited on 1.
     g, s, _ = _diamond()
-    times = [(0.0, 10.0), (10.0, 30.0), (30.0, 38.0), (38.0, 48.0)]
+    times = [(0.0, 10.0), (18.0, 38.0), (10.0, 18.0), (38.0, 48.0)]
     plain = Timeline(g, s, times).summary()["phases"][0]
-    assert plain["executed_path"] == [0, 2, 3] and plain["planned_path_us"] == 40.0
-    late = Timeline(g, s, times, late_edges=[(1, 2)])
+    assert plain["executed_path"] == [0, 1, 3] and plain["planned_path_us"] == 40.0
+    late = Timeline(g, s, times, late_edges=[(2, 1)])
     [p] = late.summary()["phases"]
-    assert p["executed_path"] == [0, 1, 2, 3] and p["late_edges"] == 1
+    assert p["executed_path"] == [0, 2, 1, 3] and p["late_edges"] == 1
     assert p["planned_path_us"] == 48.0 and p["planned_path_tasks"] == 4
     assert "through 1 late edges" in format_timeline(late.summary())
     trace = late.to_chrome()
     arrows = [(e["ph"], e["tid"], e["ts"]) for e in trace["traceEvents"]
               if e.get("name") == "late"]
-    assert arrows == [("s", 0, 10.0), ("f", 1, 30.0)]
+    assert arrows == [("s", 1, 10.0), ("f", 0, 18.0)]
     again = Timeline.from_chrome(json.loads(json.dumps(trace)))
-    assert again.late_edges == [(1, 2)]
-    assert again.summary()["phases"][0]["executed_path"] == [0, 1, 2, 3]
+    assert again.late_edges == [(2, 1)]
+    assert again.summary()["phases"][0]["executed_path"] == [0, 2, 1, 3]
+    with pytest.raises(ValueError, match="cycle"):
+        Timeline(g, s, times, late_edges=[(3, 0)]).summary()
 
 
 def test_on_the_simulated_schedule_the_executed_path_is_the_planned_one():
