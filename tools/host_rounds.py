@@ -20,7 +20,8 @@ tiny = driver.GraphExec.instantiate(g, upload_stream=stream)
 slots = L.slots; T = torch.Tensor; index = x.get_device(); order = L._order
 def checks_only():  # what Launcher.fast_call reads before its launch
     for xx, slot in zip((x,), slots):
-        if xx.__class__ is not T or xx.dtype is not slot.dtype or xx.shape != slot.shape or xx.get_device() != index or not xx.is_contiguous():
+        if xx.__class__ is not T or xx.dtype is not slot.dtype or xx.shape != slot.shape \
+                or xx.get_device() != index or not xx.is_contiguous():
             raise RuntimeError
     with order.lock:
         L._raw_stream() != order.last_raw

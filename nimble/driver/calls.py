@@ -3,8 +3,8 @@
 This module owns the one lazily imported copy of the bindings (:func:`bindings`; the module
 itself is held in ``_drv`` here and nowhere else), the turning of a ``(CUresult, *values)`` tuple
 into values or a :class:`CudaError` naming the call and its ``CUDA_ERROR_*`` code (:func:`call`,
-:func:`checked_status` and :func:`raise_status` for the per-call path, and :func:`probe` for calls whose failure is an
-answer), and the helpers that set up and query the context and device Nimble runs in
+:func:`checked_status` and :func:`raise_status` for the per-call path, and :func:`probe` for
+calls whose failure is an answer), and the helpers that set up and query the context and device Nimble runs in
 (:func:`ensure_context` and the like).
 """
 from __future__ import annotations
