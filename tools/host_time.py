@@ -1,6 +1,6 @@
 """Where the host time of a call goes: idle GPU against busy, whole call against bare driver calls.
 
-    python3 tools/host_time.py resnet50,nasnetalarge,mobilenet_v2 [DTYPE] [--only-call]
+    python3 tools/host_time.py resnet50,nasnetalarge,mobilenet_v2 [DTYPE] [--only-call [--fresh]]
 
 For each model: a Nimble graph (multi-stream) and a ``torch.cuda.graph`` of it; for each step
 (the whole ``nm(x)``, the launcher alone, a bare ``cuGraphLaunch`` of the same exec, the input-cell
@@ -10,9 +10,12 @@ Python's garbage collector off.  ``DTYPE`` (float32, float16, bfloat16; default 
 converts model and input first; ``--only-call`` measures ``nm(x)`` idle only, three times, each
 time in turn with a bare ``cuGraphLaunch`` of its exec (the machine's launch cost drifts between
 rounds; sampled in turn, the difference is Nimble's own), once waiting for the stream before each
-call (as a server waits for its previous call) and once for the whole device.
+call (as a server waits for its previous call) and once for the whole device.  With ``--fresh``
+those calls alternate between two input tensors, so every call writes the input cell (a server
+handed a new tensor per request) instead of finding the address already there.
 """
 import gc
+import itertools
 import sys
 import time
 
@@ -46,9 +49,10 @@ for name in args[0].split(","):
     model = models.create(name).cuda().to(dtype); x = models.example_input(name).to(dtype)
     nm = nimble.Nimble(model).prepare(x, relaunches=2)
     if "--only-call" in sys.argv:
+        next_input = itertools.cycle([x, x.clone()] if "--fresh" in sys.argv else [x]).__next__
         for rep in range(3):
             for device_sync in (False, True):
-                call_us, bare_us = _host_us_beside([lambda: nm(x), bare_launch(nm)],
+                call_us, bare_us = _host_us_beside([lambda: nm(next_input()), bare_launch(nm)],
                                                    device_sync=device_sync)
                 after = "device synchronize" if device_sync else "stream synchronize"
                 print(f"{name} {dtype} r{rep} after a {after}: nm(x) idle median {call_us:.1f} "
