@@ -5,8 +5,8 @@ assignment, memory planning, inspection) is plain Python and numpy and runs anyw
 """
 from .errors import (BuildError, CaptureError, CudaError, InputError, NimbleError, NoGpuError,
                      RecordError, VerificationError, WeightsChangedError)
-from .runtime import Nimble
-from .taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
+from .api import Nimble
+from .ir.taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
 
 __version__ = "0.1.0"
 

@@ -33,7 +33,7 @@ def random_dag(n: int, fanout: int, window: int, seed: int):
     """A DAG of ``n`` tasks, each after up to ``fanout`` random ones of the ``window`` before it."""
     import random
 
-    from nimble.deps import dag_from_edges
+    from nimble.analysis.deps import dag_from_edges
 
     rng = random.Random(seed)
     edges = [(u, v) for v in range(1, n)
@@ -49,7 +49,7 @@ def zoo_model(name: str):
     """``(model on the GPU, example input)`` for a built-in or zoo model; skips without its package."""
     import torch
 
-    from nimble import models
+    from nimble.cli import models
 
     torch.backends.cudnn.benchmark = True
     try:

@@ -1,11 +1,11 @@
-"""Tail backfill (nimble.backfill): which tasks move behind which anchor, and the measured pick."""
+"""Tail backfill (nimble.analysis.backfill): which tasks move behind which anchor, and the measured pick."""
 import pytest
 
 from conftest import FIXTURE_DIR
-from nimble import backfill
-from nimble.deps import build_dag, dag_from_edges, reachability, task_durations
-from nimble.schedule import phase_spans
-from nimble.taskgraph import TaskGraph
+from nimble.analysis import backfill
+from nimble.analysis.deps import build_dag, dag_from_edges, reachability, task_durations
+from nimble.analysis.schedule import phase_spans
+from nimble.ir.taskgraph import TaskGraph
 
 SMS = 132
 #   0 m0 -> 2 m1 -> 4 m2 -> 5 n1 -> 6 n2     (the critical path; n1, n2 narrow and long)

@@ -8,8 +8,12 @@ import json
 import pytest
 import torch
 
-from nimble import bench_cli, cli, models
-from nimble.bench_cli import format_model, parse_dtypes, summary_table, to_dtype
+from nimble.cli import bench as bench_cli
+
+import nimble.cli.main as cli
+
+from nimble.cli import models
+from nimble.cli.bench import format_model, parse_dtypes, summary_table, to_dtype
 
 
 def _info(model: str, multi_ms: float, dtype: str = "float32", quick: bool = False) -> dict:
@@ -234,7 +238,7 @@ def test_gpu_suite_runs_the_quick_bench_in_three_dtypes_and_the_full_one_on_dema
 def test_training_bench_parses_batches_and_formats_its_table():
     import argparse
 
-    from nimble.train_bench import parse_batches, table
+    from nimble.cli.train_bench import parse_batches, table
 
     assert parse_batches("32,64,32") == [32, 64]
     for bad in ("", "0", "a,b"):

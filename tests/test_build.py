@@ -1,17 +1,17 @@
-"""Relocation and graph-shape decisions of ``nimble.build``, on recorded fixtures (no GPU)."""
+"""Relocation and graph-shape decisions of ``nimble.engine.build``, on recorded fixtures (no GPU)."""
 from __future__ import annotations
 
 import pytest
 from conftest import FIXTURE_PATHS, fixture_ids
 
-from nimble import ptx
-from nimble.build import (GATHER_MAX_BLOCKS, InputGather, buffer_bases, chain_edges, gather_grid,
+from nimble.engine import kernels
+from nimble.engine.build import (GATHER_MAX_BLOCKS, InputGather, buffer_bases, chain_edges, gather_grid,
                           predecessors, relocate_params, relocated)
-from nimble.deps import build_dag, transitive_reduction
+from nimble.analysis.deps import build_dag, transitive_reduction
 from nimble.errors import BuildError
-from nimble.memplan import plan_memory
-from nimble.schedule import assign_streams
-from nimble.taskgraph import TaskGraph, TaskKind
+from nimble.analysis.memplan import plan_memory
+from nimble.analysis.schedule import assign_streams
+from nimble.ir.taskgraph import TaskGraph, TaskKind
 
 ARENA = 0x7F00_0000_0000
 
@@ -68,8 +68,8 @@ def test_gather_grid_covers_the_input_with_16_byte_vectors_up_to_a_cap(nbytes, b
 
 
 def test_the_gather_kernel_source_matches_what_build_passes_it():
-    text = ptx.source("gather_input.ptx").decode()
-    entry = text[text.index(".entry " + ptx.GATHER_INPUT):]
+    text = kernels.source("gather_input.ptx").decode()
+    entry = text[text.index(".entry " + kernels.GATHER_INPUT):]
     params = entry[:entry.index(")")]
     assert params.count(".param .u64") == len(InputGather._fields) == 3
     assert ".version" in text and ".target" in text

@@ -2,8 +2,8 @@
 allocation count at each free (CPU only)."""
 from __future__ import annotations
 
-from nimble.capture import alloc_events_from_trace
-from nimble.rawcapture import AllocEvent
+from nimble.record.capture import alloc_events_from_trace
+from nimble.record.raw import AllocEvent
 
 
 def test_allocations_are_numbered_rounded_and_carry_their_free_time():
@@ -28,8 +28,8 @@ def test_an_empty_history_has_no_allocations():
 
 
 def test_only_driver_allocations_outside_torchs_memory_are_library_memory():
-    from nimble.record import library_memory
-    from nimble.rawcapture import DeviceRange
+    from nimble.record.recorder import library_memory
+    from nimble.record.raw import DeviceRange
 
     pool = [DeviceRange(0x7F00_0000_0000, 0x20_0000, "graph pool")]
     allocator = [DeviceRange(0x7E00_0000_0000, 0x40_0000, "segment")]  # another graph's pool

@@ -6,7 +6,9 @@ import types
 import pytest
 import torch
 
-from nimble import bench_cli, cli
+from nimble.cli import bench as bench_cli
+
+import nimble.cli.main as cli
 from nimble.errors import CaptureError
 
 # On a machine with a GPU, record and debug would start real work instead.
@@ -76,7 +78,7 @@ def _fake_debug(monkeypatch, error: BaseException) -> None:
 
     fake = types.SimpleNamespace(add_arguments=lambda p: p.add_argument("model"), run=run)
     monkeypatch.setattr(cli.importlib, "import_module",
-                        lambda name: fake if name == "nimble.debug_cli" else None)
+                        lambda name: fake if name == "nimble.cli.debug" else None)
 
 
 def test_nimble_error_from_a_subcommand_is_one_typed_line(monkeypatch, capsys):
@@ -106,10 +108,10 @@ def test_record_training_refuses_task_timing_in_one_line(capsys):
 
 
 def test_python_dash_m_reports_errors_in_one_line():
-    """``python -m nimble.cli`` (how tools/gpu_suite.py runs bench) catches its own errors."""
+    """``python -m nimble`` (how tools/gpu_suite.py runs bench) catches its own errors."""
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "nimble.cli", "record", "branchy", "--training",
+    r = subprocess.run([sys.executable, "-m", "nimble", "record", "branchy", "--training",
                         "--time-tasks"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("nimble: InputError:"), r.stderr

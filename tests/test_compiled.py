@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nimble.compiled import check_compiled, is_compiled, module_name
+from nimble.record.compiled import check_compiled, is_compiled, module_name
 from nimble.errors import InputError
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from conftest import FIXTURE_PATHS, fixture_ids
 
-from nimble.decode import dead_pointer_slot
-from nimble.taskgraph import TaskGraph, TaskKind
+from nimble.record.decode import dead_pointer_slot
+from nimble.ir.taskgraph import TaskGraph, TaskKind
 
 CAT = "void at::native::(anonymous namespace)::CatArrayBatchedCopy_vectorized<...>"
 LAYOUT = [(0, 8), (8, 2720), (2728, 32), (2760, 4), (2764, 4)]  # as recorded on the H100
@@ -37,7 +37,7 @@ def test_recorded_pointers_are_never_in_dead_slots_and_every_live_input_is_found
 
 
 def test_a_word_in_a_parameter_no_pointer_fits_is_not_a_pointer():
-    from nimble.decode import in_pointerless_param
+    from nimble.record.decode import in_pointerless_param
 
     # cuDNN's nchwToNhwcKernel: a 68-byte dims struct, then the input and output pointers
     layout = [(0, 68), (72, 8), (80, 8)]

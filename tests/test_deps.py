@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nimble import Access, Buffer, BufferKind, Task, TaskGraph, TaskKind
-from nimble.deps import (Dag, ancestors, build_dag, critical_path, dag_from_edges, reachability,
+from nimble.analysis.deps import (Dag, ancestors, build_dag, critical_path, dag_from_edges, reachability,
                          task_durations, transitive_reduction)
-from nimble.synthetic import branchy_graph, random_graph
+from nimble.ir.synthetic import branchy_graph, random_graph
 
 from conftest import FIXTURE_PATHS, fixture_ids, random_dag
 

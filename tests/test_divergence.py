@@ -1,14 +1,14 @@
-"""First divergence and the NaN hunt (nimble.divergence) with stand-in graph runs (no GPU)."""
+"""First divergence and the NaN hunt (nimble.debug.divergence) with stand-in graph runs (no GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nimble.divergence import (EagerOp, align, eager_ops, first_divergence, first_nonfinite,
+from nimble.debug.divergence import (EagerOp, align, eager_ops, first_divergence, first_nonfinite,
                                span_bytes, tolerance)
 from nimble.errors import InputError
-from nimble.stepper import Snapshot
-from nimble.taskgraph import Access, Op, Task, TaskGraph
+from nimble.debug.step_through import Snapshot
+from nimble.ir.taskgraph import Access, Op, Task, TaskGraph
 
 
 def _chain(n: int = 12):
@@ -72,7 +72,7 @@ def test_a_difference_is_measured_against_the_tensors_scale_and_nonfinite_must_m
     """Rounding in a long sum is relative to its terms: 1e-5 off an element near zero of a tensor
     whose largest element is 1e3 agrees in float32; 0.05 off a tensor of ones does not; a NaN or
     an infinity where eager has a finite value never agrees, while the same NaN does."""
-    from nimble.divergence import _compare
+    from nimble.debug.divergence import _compare
 
     def raw(t):
         return t.contiguous().view(torch.uint8).clone()
@@ -122,7 +122,7 @@ def test_the_nan_hunt_passes_over_an_infinity_a_pad_writes_on_purpose_but_not_a_
 
 
 def test_a_long_walk_reports_its_progress(monkeypatch):
-    import nimble.divergence as divergence
+    import nimble.debug.divergence as divergence
 
     monkeypatch.setattr(divergence, "PROGRESS_SECONDS", 0.0)
     g, eager = _chain(6)
@@ -199,7 +199,7 @@ def _stand_ins(g, buffers, before_calls):
 
 @pytest.fixture
 def no_tf32(monkeypatch):
-    import nimble.divergence as divergence
+    import nimble.debug.divergence as divergence
     monkeypatch.setattr(divergence, "tf32_allowed", lambda: False)
 
 
@@ -292,7 +292,7 @@ def test_an_input_the_recorded_op_does_not_read_where_its_producer_wrote_is_not_
 def test_an_op_that_writes_over_its_inputs_is_judged_on_a_run_of_the_tasks_before_it(no_tf32):
     """When the arena placed an op's output (or scratch) over an input it has finished reading,
     its own run no longer holds that input: the inputs come from a run of every task before it."""
-    from nimble.divergence import overwrites_inputs
+    from nimble.debug.divergence import overwrites_inputs
 
     n = 6
     model, x = _Scaled(n), torch.arange(4.0) + 1

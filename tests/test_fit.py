@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from nimble import TaskGraph
-from nimble.deps import build_dag, reachability
-from nimble.fit import (capped_schedule, chain_workspaces, schedule_length, schedule_within,
+from nimble.analysis.deps import build_dag, reachability
+from nimble.analysis.arena_fit import (capped_schedule, chain_workspaces, schedule_length, schedule_within,
                         workspace_bytes)
-from nimble.plancheck import check_plan
-from nimble.schedule import assign_phased, phase_spans
+from nimble.analysis.plan_check import check_plan
+from nimble.analysis.schedule import assign_phased, phase_spans
 
 from conftest import FIXTURE_DIR
 

@@ -165,7 +165,7 @@ def test_a_c_library_on_the_driver_api_drives_the_prepared_graph(tmp_path):
     import torch
 
     import nimble
-    from nimble import models
+    from nimble.cli import models
 
     torch.cuda.init()  # libcuda loaded and the primary context current on this thread
     lib = _build(tmp_path)

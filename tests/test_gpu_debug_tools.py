@@ -1,12 +1,12 @@
-"""Debugging tools on the GPU: the measured timeline (nimble.timeline) and step-through
-(nimble.stepper)."""
+"""Debugging tools on the GPU: the measured timeline (nimble.debug.timeline) and step-through
+(nimble.debug.step_through)."""
 from __future__ import annotations
 
 
 import pytest
 
 from conftest import zoo_model
-from nimble.models import ZOO
+from nimble.cli.models import ZOO
 
 pytestmark = pytest.mark.gpu
 
@@ -64,8 +64,8 @@ def test_a_removed_sync_edge_shows_in_the_trace_as_a_broken_dependency():
     import torch
 
     import nimble
-    from nimble.deps import build_dag
-    from nimble.timeline import record_timeline
+    from nimble.analysis.deps import build_dag
+    from nimble.debug.timeline import record_timeline
 
     model, x = zoo_model("branchy")
     nm = nimble.Nimble(model).prepare(x, relaunches=4)
@@ -156,7 +156,7 @@ def test_every_stop_of_a_walk_repeats_bit_for_bit_and_equals_its_own_sub_graph()
     import torch
 
     import nimble
-    from nimble.stepper import StepThrough, run_until, select_tasks
+    from nimble.debug.step_through import StepThrough, run_until, select_tasks
 
     model, x = zoo_model("resnet50")
     nm = nimble.Nimble(model).prepare(x, relaunches=4)
@@ -222,7 +222,7 @@ def test_ops_that_drift_from_the_eager_chain_are_judged_on_the_graphs_own_inputs
     it), agrees, and the walk goes on to the end.  A weight read through the wrong pointer is
     still named: run alone, the op gets the true weight from the eager run."""
     import nimble
-    import nimble.divergence as divergence
+    import nimble.debug.divergence as divergence
 
     model, x = zoo_model("branchy")
     nm = nimble.Nimble(model).prepare(x, relaunches=4)

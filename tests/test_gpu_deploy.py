@@ -193,7 +193,7 @@ def test_a_failed_prepare_leaves_the_working_graph_serving(monkeypatch):
     import torch
 
     import nimble
-    from nimble import verify
+    from nimble.engine import proof
     from nimble.errors import VerificationError
 
     model, x = zoo_model("branchy")
@@ -205,7 +205,7 @@ def test_a_failed_prepare_leaves_the_working_graph_serving(monkeypatch):
     def refuse(*args, **kwargs):
         raise VerificationError("refused by the test")
 
-    monkeypatch.setattr(verify, "verify_against_reference", refuse)
+    monkeypatch.setattr(proof, "verify_against_reference", refuse)
     with pytest.raises(VerificationError, match="refused"):
         nm.prepare(x, relaunches=4, return_copies=True)
     assert nm.exec_handle == exec_before

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from nimble.twin import TWIN_EVIDENCE
+from nimble.record.twin import TWIN_EVIDENCE
 
 pytestmark = pytest.mark.gpu
 
@@ -13,8 +13,8 @@ ZOO_RECORDED = ["resnet50", "inception_v3", "googlenet", "mobilenet_v2", "nasnet
 def _record(name: str):
     import torch
 
-    from nimble import models
-    from nimble.record import record
+    from nimble.cli import models
+    from nimble.record.recorder import record
 
     torch.backends.cudnn.benchmark = True
     try:
@@ -39,7 +39,7 @@ def test_every_kernel_attributed_and_every_pointer_resolved(name):
 
 
 def test_gemm_chains_are_eight_independent_chains():
-    from nimble.deps import build_dag, reachability
+    from nimble.analysis.deps import build_dag, reachability
 
     g = _record("gemm_chains").graph
     dag = build_dag(g)
@@ -84,9 +84,9 @@ def test_replay_as_recorded_equals_torch_graph_bitwise(name):
 def test_cpu_model_and_inputs_are_rejected_with_advice():
     import torch
 
-    from nimble import models
+    from nimble.cli import models
     from nimble.errors import InputError
-    from nimble.record import record
+    from nimble.record.recorder import record
 
     model = models.create("branchy")
     with pytest.raises(InputError, match="model.cuda"):
@@ -102,7 +102,7 @@ def test_forward_that_syncs_with_the_host_is_a_capture_error():
     import torch
 
     from nimble.errors import CaptureError
-    from nimble.record import record
+    from nimble.record.recorder import record
 
     class Syncs(torch.nn.Module):
         def forward(self, x):

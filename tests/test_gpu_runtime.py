@@ -143,9 +143,9 @@ def test_the_common_call_is_bound_once_and_every_other_call_takes_the_general_pa
 
 def test_a_missed_relocation_is_caught_by_the_proof(monkeypatch):
     """Leave one reader's pointer at the recorded address: the poisoned run must fail loudly."""
-    from nimble import build
+    from nimble.engine import build
     from nimble.errors import VerificationError
-    from nimble.runtime import Nimble
+    from nimble.api import Nimble
 
     model, x = zoo_model("branchy")
     real = build.relocate_params
@@ -278,8 +278,8 @@ def test_buffers_kept_at_their_low_bits_run_right():
     recorded address plus a multiple of 4 GiB; the graph over them proves and runs right."""
     import torch
 
-    from nimble.record import record
-    from nimble.runtime import Nimble
+    from nimble.record.recorder import record
+    from nimble.api import Nimble
 
     model, x = zoo_model("branchy")
     rec = record(model, (x,), quiet=True)

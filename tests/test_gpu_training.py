@@ -305,12 +305,12 @@ def test_two_models_trained_in_the_benchs_sequence_in_one_process():
 
     After googlenet's, inception_v3's capture pool lay at low addresses, where pairs of small
     integers in cuDNN's arguments read as pointers into live buffers; relocating them broke
-    the rebuilt step (even on one stream).  The twin capture (:mod:`nimble.twin`) fixed it."""
+    the rebuilt step (even on one stream).  The twin capture (:mod:`nimble.record.twin`) fixed it."""
     import subprocess
     import sys
 
     run = subprocess.run(
-        [sys.executable, "-m", "nimble.cli", "bench", "--training", "googlenet", "inception_v3",
+        [sys.executable, "-m", "nimble", "bench", "--training", "googlenet", "inception_v3",
          "--batch", "32", "--rounds", "1", "--iters", "2", "--no-compile"],
         capture_output=True, text=True, timeout=400)
     failed = [line for line in run.stdout.splitlines() + run.stderr.splitlines()
@@ -329,7 +329,7 @@ def test_training_prepares_with_torch_expandable_segments():
 
     script = (
         "import torch, nimble\n"
-        "from nimble.train_bench import _setup\n"
+        "from nimble.cli.train_bench import _setup\n"
         "torch.backends.cudnn.benchmark = True\n"
         "model, x, y = _setup('inception_v3', 32)\n"
         "nm = nimble.Nimble(model).prepare(x, training=True)\n"
@@ -363,7 +363,8 @@ def test_a_kept_tail_backfill_is_proven_built_and_enforced(monkeypatch):
     from cuda.bindings import driver as cu
 
     import nimble
-    from nimble import backfill, train_bench
+    from nimble.analysis import backfill
+    from nimble.cli import train_bench
 
     monkeypatch.setattr(backfill, "MIN_GAIN", -1.0)
     base, x, y = train_bench._setup("googlenet", 32)
@@ -395,7 +396,7 @@ def test_backfill_is_measured_only_where_asked():
     import torch
 
     import nimble
-    from nimble import train_bench
+    from nimble.cli import train_bench
 
     base, x, _ = train_bench._setup("googlenet", 32)
     off = nimble.Nimble(copy.deepcopy(base)).prepare(x, training=True, backfill=False)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import FIXTURE_DIR
-from nimble.deps import build_dag
-from nimble.schedule import assign_phased, check_schedule
-from nimble.taskgraph import TaskGraph
+from nimble.analysis.deps import build_dag
+from nimble.analysis.schedule import assign_phased, check_schedule
+from nimble.ir.taskgraph import TaskGraph
 
 INDUCTOR = sorted(FIXTURE_DIR.glob("*_inductor.json.gz"))
 

@@ -1,4 +1,4 @@
-"""``nimble.inspect`` and the ``nimble inspect`` command, on synthetic graphs and the fixtures."""
+"""``nimble.analysis.report`` and the ``nimble inspect`` command, on synthetic graphs and the fixtures."""
 from __future__ import annotations
 
 import gzip
@@ -11,14 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from nimble import Pointer, TaskGraph, cli
-from nimble import inspect as ins
-from nimble.deps import build_dag
-from nimble.memplan import MemPlan
-from nimble.plancheck import check_plan
-from nimble.schedule import Schedule, check_schedule
-from nimble.synthetic import branchy_graph, random_graph
-from nimble.taskgraph import BufferKind, FORMAT_VERSION
+from nimble import Pointer, TaskGraph
+
+import nimble.cli.main as cli
+from nimble.analysis import report as ins
+from nimble.analysis.deps import build_dag
+from nimble.analysis.memplan import MemPlan
+from nimble.analysis.plan_check import check_plan
+from nimble.analysis.schedule import Schedule, check_schedule
+from nimble.ir.synthetic import branchy_graph, random_graph
+from nimble.ir.taskgraph import BufferKind, FORMAT_VERSION
 
 from conftest import FIXTURE_PATHS, fixture_ids
 
@@ -255,7 +257,7 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
 
 
 def test_help_runs_as_module():
-    r = subprocess.run([sys.executable, "-m", "nimble.cli", "--help"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "nimble", "--help"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     for name in ("inspect", "bench", "record", "debug"):
@@ -274,7 +276,7 @@ def test_lazy_subcommand_missing_or_broken(monkeypatch, capsys):
     monkeypatch.setattr(cli.importlib, "import_module", missing)
     assert cli.main(["bench", "--model", "resnet50"]) == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "nimble.bench_cli" in err
+    assert len(err.strip().splitlines()) == 1 and "nimble.cli.bench" in err
 
     def broken(name):
         raise OSError("libcuda.so.1: cannot open shared object file")
@@ -292,7 +294,7 @@ def test_lazy_subcommand_runs(monkeypatch, capsys):
         add_arguments=lambda p: p.add_argument("--model"),
         run=lambda args: seen.setdefault("model", args.model) and 3)
     monkeypatch.setattr(cli.importlib, "import_module",
-                        lambda name: fake if name == "nimble.debug_cli" else None)
+                        lambda name: fake if name == "nimble.cli.debug" else None)
     assert cli.main(["debug", "--model", "vgg"]) == 3 and seen == {"model": "vgg"}
 
 

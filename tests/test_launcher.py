@@ -1,4 +1,4 @@
-"""The per-call path (nimble.launcher) on stand-in driver bindings and CPU tensors: which calls
+"""The per-call path (nimble.engine.launcher) on stand-in driver bindings and CPU tensors: which calls
 take the bound fast path, what reaches the driver, and what is left to the general path."""
 import threading
 from types import SimpleNamespace
@@ -6,11 +6,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nimble import driver, launcher as launcher_module
+from nimble import driver
+
+from nimble.engine import launcher as launcher_module
 from nimble.driver import calls
 from nimble.errors import CudaError, InputError, NimbleError
-from nimble.launcher import TAKE_GENERAL_PATH, InputSlot, Launcher
-from nimble.weights import EPOCH
+from nimble.engine.launcher import TAKE_GENERAL_PATH, InputSlot, Launcher
+from nimble.engine.weights import EPOCH
 
 
 class FakeEvent:

@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nimble import Access, Buffer, BufferKind, Task, TaskGraph, TaskKind
-from nimble.deps import build_dag, dag_from_edges, reachability, transitive_reduction
-from nimble.memplan import MemPlan, MemPlanError, lower_bound_bytes, plan_memory
-from nimble.plancheck import check_plan
-from nimble.schedule import assign_streams
-from nimble.synthetic import branchy_graph, random_graph
+from nimble.analysis.deps import build_dag, dag_from_edges, reachability, transitive_reduction
+from nimble.analysis.memplan import MemPlan, MemPlanError, lower_bound_bytes, plan_memory
+from nimble.analysis.plan_check import check_plan
+from nimble.analysis.schedule import assign_streams
+from nimble.ir.synthetic import branchy_graph, random_graph
 
 from conftest import FIXTURE_PATHS, fixture_ids
 

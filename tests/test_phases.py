@@ -9,13 +9,13 @@ from contextlib import contextmanager
 import pytest
 
 from nimble import BufferKind, TaskGraph
-from nimble.build import predecessors
-from nimble.deps import build_dag, dag_from_edges, reachability
-from nimble.fit import schedule_within
-from nimble.memplan import plan_memory
-from nimble.plancheck import check_plan
-from nimble.prepared import single_stream_schedule
-from nimble.schedule import (Schedule, ScheduleError, assign_phased, assign_streams,
+from nimble.engine.build import predecessors
+from nimble.analysis.deps import build_dag, dag_from_edges, reachability
+from nimble.analysis.arena_fit import schedule_within
+from nimble.analysis.memplan import plan_memory
+from nimble.analysis.plan_check import check_plan
+from nimble.engine.prepared import single_stream_schedule
+from nimble.analysis.schedule import (Schedule, ScheduleError, assign_phased, assign_streams,
                              check_schedule, induced, phase_spans)
 
 from conftest import FIXTURE_DIR, random_dag
@@ -265,8 +265,8 @@ def test_builder_span_filter_drops_exactly_the_barrier(name):
 def test_library_scratch_that_training_writes_gets_a_private_copy():
     """cuDNN's training batch norm writes buffers of its own (partials and a grid semaphore);
     the engine copies exactly those into the arena, and nothing an inference graph reads."""
-    from nimble.prepared import written_externals
-    from nimble.taskgraph import TaskGraph
+    from nimble.engine.prepared import written_externals
+    from nimble.ir.taskgraph import TaskGraph
 
     graph = TaskGraph.load(FIXTURE_DIR / "resnet50_train.json.gz")
     private = written_externals(graph)

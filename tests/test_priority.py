@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from nimble.deps import critical_path, dag_from_edges
-from nimble.fit import schedule_within
-from nimble.priority import (SLACK_BOUNDS, driver_priorities, priority_levels, slack)
-from nimble.taskgraph import TaskGraph
+from nimble.analysis.deps import critical_path, dag_from_edges
+from nimble.analysis.arena_fit import schedule_within
+from nimble.analysis.priorities import (SLACK_BOUNDS, driver_priorities, priority_levels, slack)
+from nimble.ir.taskgraph import TaskGraph
 
 from conftest import FIXTURE_DIR, random_dag
 
@@ -77,8 +77,8 @@ def test_each_phase_of_a_training_step_has_its_own_slack():
 
 
 def test_the_length_of_a_phased_schedule_adds_its_phases_critical_paths():
-    from nimble.fit import schedule_length
-    from nimble.prepared import single_stream_schedule
+    from nimble.analysis.arena_fit import schedule_length
+    from nimble.engine.prepared import single_stream_schedule
 
     one = single_stream_schedule(6, [3, 3])
     assert schedule_length(one, 6, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == 21.0

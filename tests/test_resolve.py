@@ -5,12 +5,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nimble.deps import build_dag
-from nimble.rawcapture import (AllocEvent, DeviceRange, OpRecord, RawCapture, RawNode, TensorSpan,
+from nimble.analysis.deps import build_dag
+from nimble.record.raw import (AllocEvent, DeviceRange, OpRecord, RawCapture, RawNode, TensorSpan,
                                TensorSpec)
-from nimble.resolve import build_taskgraph, unresolved_in_pool
-from nimble.resolver import _Intervals
-from nimble.taskgraph import Access, BufferKind, Pointer, TaskKind
+from nimble.record.resolve import build_taskgraph, unresolved_in_pool
+from nimble.record.pointers import _Intervals
+from nimble.ir.taskgraph import Access, BufferKind, Pointer, TaskKind
 
 POOL = 0x7F00_1230_0000  # the capture's private pool: [POOL, POOL + 1 MiB)
 W = 0x7E00_0000_0000  # a parameter, 4 KiB
@@ -532,7 +532,7 @@ def test_rng_cells_become_read_only_rng_buffers():
     ops = [op("native_dropout", (0, 1), (0, 3), (X, 256, False), (A, 256, True)),
            op("rand_like", (1, 2), (3, 4), (B, 256, True))]
     nodes = [kernel(X, A, SEED, OFF), kernel(SEED, OFF, B)]
-    from nimble.resolve import RNG_OFFSET, RNG_SEED, mark_rng_cells
+    from nimble.record.resolve import RNG_OFFSET, RNG_SEED, mark_rng_cells
     g = build_taskgraph(capture(ops, nodes, [(SEED, 512), (OFF, 512), (A, 256), (B, 256)]))
     assert {g.buffers[p.buffer].kind for t in g.tasks for p in t.pointers
             if p.value in (SEED, OFF)} == {BufferKind.SCRATCH}
@@ -549,7 +549,7 @@ def test_rng_cells_become_read_only_rng_buffers():
 def test_rng_cell_shared_with_other_data_is_refused():
     import pytest
 
-    from nimble.resolve import RNG_SEED, mark_rng_cells
+    from nimble.record.resolve import RNG_SEED, mark_rng_cells
     SEED = POOL
     ops = [op("weird", (0, 1), (0, 1), (X, 256, False))]
     g = build_taskgraph(capture(ops, [kernel(X, SEED, SEED + 64)], [(SEED, 512)]))
@@ -567,7 +567,7 @@ def test_tasks_outside_every_op_write_the_output_buffers_themselves():
     assert all(g.buffers[b].kind == BufferKind.OUTPUT for b in outputs)
     written = {a.buffer for t in g.tasks for a in t.accesses if a.write}
     assert outputs <= written
-    from nimble.deps import reachability
+    from nimble.analysis.deps import reachability
 
     reach = reachability(build_dag(g))
     for u, v in [(0, 1), (2, 3)]:  # each reader after its writer

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nimble import TaskGraph
-from nimble.deps import build_dag, dag_from_edges, reachability, transitive_reduction
-from nimble.schedule import (Schedule, ScheduleError, assign_streams, check_schedule,
+from nimble.analysis.deps import build_dag, dag_from_edges, reachability, transitive_reduction
+from nimble.analysis.schedule import (Schedule, ScheduleError, assign_streams, check_schedule,
                              hopcroft_karp, max_antichain_width)
-from nimble.synthetic import branchy_graph, random_graph
+from nimble.ir.synthetic import branchy_graph, random_graph
 
 from conftest import FIXTURE_PATHS, fixture_ids, random_dag
 

@@ -1,16 +1,16 @@
-"""Step-through's choices (nimble.stepper) on recorded fixtures and stand-in data (no GPU)."""
+"""Step-through's choices (nimble.debug.step_through) on recorded fixtures and stand-in data (no GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import FIXTURE_DIR
 
-from nimble.deps import build_dag
+from nimble.analysis.deps import build_dag
 from nimble.errors import InputError
-from nimble.prepared import single_stream_schedule
-from nimble.schedule import assign_phased
-from nimble.stepper import Snapshot, ancestor_closure, select_tasks
-from nimble.taskgraph import Access, Op, TaskGraph
+from nimble.engine.prepared import single_stream_schedule
+from nimble.analysis.schedule import assign_phased
+from nimble.debug.step_through import Snapshot, ancestor_closure, select_tasks
+from nimble.ir.taskgraph import Access, Op, TaskGraph
 
 _GRAPHS: dict = {}
 

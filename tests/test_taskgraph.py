@@ -4,8 +4,8 @@ import json
 import pytest
 
 from nimble import Access, TaskGraph
-from nimble.synthetic import branchy_graph, random_graph
-from nimble.taskgraph import FORMAT_VERSION
+from nimble.ir.synthetic import branchy_graph, random_graph
+from nimble.ir.taskgraph import FORMAT_VERSION
 
 from conftest import FIXTURE_PATHS, fixture_ids
 

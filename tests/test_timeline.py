@@ -1,4 +1,4 @@
-"""The real timeline's analysis (nimble.timeline), on hand-made and simulated times (no GPU).
+"""The real timeline's analysis (nimble.debug.timeline), on hand-made and simulated times (no GPU).
 
 The GPU half (timestamp nodes in a rebuilt graph) is in tests/test_gpu_timeline.py; here: what a
 set of measured (start, end) times says, and the stamp layout both halves agree on.
@@ -10,14 +10,14 @@ import struct
 
 import pytest
 
-from nimble import ptx
-from nimble.build import stamp_slots
-from nimble.deps import build_dag
-from nimble.inspect import simulate
-from nimble.schedule import Schedule, assign_streams
-from nimble.synthetic import branchy_graph
-from nimble.taskgraph import Task, TaskGraph
-from nimble.timeline import (Timeline, executed_critical_path, format_timeline,
+from nimble.engine import kernels
+from nimble.engine.build import stamp_slots
+from nimble.analysis.deps import build_dag
+from nimble.analysis.report import simulate
+from nimble.analysis.schedule import Schedule, assign_streams
+from nimble.ir.synthetic import branchy_graph
+from nimble.ir.taskgraph import Task, TaskGraph
+from nimble.debug.timeline import (Timeline, executed_critical_path, format_timeline,
                              merge_group_stamps, stamp_groups, times_from_stamps)
 
 
@@ -127,8 +127,8 @@ def test_a_start_stamp_that_ran_late_is_held_between_the_ready_time_and_the_end(
 
 
 def test_the_timestamp_kernel_takes_one_slot_and_reads_the_global_timer():
-    text = ptx.source("timestamp.ptx").decode()
-    entry = text[text.index(".entry " + ptx.TIMESTAMP):]
+    text = kernels.source("timestamp.ptx").decode()
+    entry = text[text.index(".entry " + kernels.TIMESTAMP):]
     assert entry[:entry.index(")")].count(".param .u64") == 1
     assert "%globaltimer" in entry and "st.global.u64" in entry
 
@@ -136,7 +136,7 @@ def test_the_timestamp_kernel_takes_one_slot_and_reads_the_global_timer():
 def test_a_saved_trace_is_summarised_offline_by_inspect(tmp_path, capsys):
     import json
 
-    from nimble import cli
+    import nimble.cli.main as cli
 
     g, s, times = _diamond()
     path = tmp_path / "trace.json"
@@ -147,7 +147,7 @@ def test_a_saved_trace_is_summarised_offline_by_inspect(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "achieved concurrency 1.25" in out and "+10%" in out
     # a simulated trace carries no measurements: one line, status 2
-    from nimble.inspect import to_chrome_trace
+    from nimble.analysis.report import to_chrome_trace
     sim = tmp_path / "sim.json"
     sim.write_text(json.dumps(to_chrome_trace(g, s, times)))
     assert cli.main(["inspect", str(sim)]) == 2

@@ -7,9 +7,9 @@ import types
 import pytest
 import torch
 
-from nimble import tracer
-from nimble.rawcapture import TensorSpan
-from nimble.tracer import ModulePaths, OpTracer, triton_arg_names, triton_arg_writes
+from nimble.record import tracer
+from nimble.record.raw import TensorSpan
+from nimble.record.tracer import ModulePaths, OpTracer, triton_arg_names, triton_arg_writes
 
 HEURISTICS = "torch._inductor.runtime.triton_heuristics"
 

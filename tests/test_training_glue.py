@@ -1,4 +1,4 @@
-"""The autograd glue of training calls (nimble.training), on the CPU with stand-in graphs.
+"""The autograd glue of training calls (nimble.engine.autograd), on the CPU with stand-in graphs.
 
 The stand-in forward and backward "graphs" compute ``y = x @ w`` and its gradients into fixed
 tensors, as the real ones write into the arena, and the forward scribbles over the gradient
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from nimble.errors import InputError, NimbleError
-from nimble.record import StepLayout
-from nimble.training import TrainingStep
+from nimble.record.recorder import StepLayout
+from nimble.engine.autograd import TrainingStep
 
 
 class _Forward:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import struct
 
-from nimble.rawcapture import (AllocEvent, DeviceRange, OpRecord, RawCapture, RawNode, TensorSpan,
+from nimble.record.raw import (AllocEvent, DeviceRange, OpRecord, RawCapture, RawNode, TensorSpan,
                                TensorSpec)
-from nimble.resolve import build_taskgraph
-from nimble.taskgraph import Access, BufferKind, TaskKind
-from nimble.twin import TWIN_EVIDENCE, moved_words
+from nimble.record.resolve import build_taskgraph
+from nimble.ir.taskgraph import Access, BufferKind, TaskKind
+from nimble.record.twin import TWIN_EVIDENCE, moved_words
 
 POOL = 0x7_0600_0000  # a pool at a low address, as after other memory was reserved and freed
 A, B = POOL, POOL + 0x10_0000  # two 1 MiB activations

@@ -1,4 +1,4 @@
-"""The proof's rules (nimble.verify), on the CPU with stand-in reference and rebuilt graphs.
+"""The proof's rules (nimble.engine.proof), on the CPU with stand-in reference and rebuilt graphs.
 
 Bitwise by default; an output the recording itself does not reproduce is held to its own spread;
 a training step's gradients may differ within a stated tolerance, and forward outputs may not.
@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nimble import verify
+from nimble.engine import proof
 from nimble.errors import VerificationError
-from nimble.taskgraph import TaskGraph
+from nimble.ir.taskgraph import TaskGraph
 
 
 @pytest.fixture(autouse=True)
 def _no_device(monkeypatch):
-    monkeypatch.setattr(verify, "poison", lambda ranges, stream: None)
+    monkeypatch.setattr(proof, "poison", lambda ranges, stream: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
 
 
@@ -37,7 +37,7 @@ def _jitter(scale):
 
 
 def _check(reference, run, **kw):
-    return verify.verify_against_reference(TaskGraph(), reference, run, [torch.zeros(8)], [],
+    return proof.verify_against_reference(TaskGraph(), reference, run, [torch.zeros(8)], [],
                                            None, relaunches=6, **kw)
 
 
@@ -59,7 +59,7 @@ def test_an_output_the_recording_does_not_reproduce_is_held_to_its_own_spread():
 
 
 def test_gradients_may_differ_within_the_tolerance_and_no_further():
-    big = verify.GRADIENT_RTOL * 100  # |x.sum()| of a standard normal 8-vector is ~3
+    big = proof.GRADIENT_RTOL * 100  # |x.sum()| of a standard normal 8-vector is ~3
     assert 1 in _check(*_graphs([_zero, _zero], [_zero, lambda: 1e-5]), gradients=[1])
     with pytest.raises(VerificationError, match="output 1"):
         _check(*_graphs([_zero, _zero], [_zero, lambda: big]), gradients=[1])
@@ -68,13 +68,13 @@ def test_gradients_may_differ_within_the_tolerance_and_no_further():
 
 
 def test_only_memory_the_recording_owns_is_poisoned():
-    from nimble.taskgraph import Buffer
+    from nimble.ir.taskgraph import Buffer
 
     g = TaskGraph()
     g.buffers = [Buffer(0, "intermediate", 256, 0x1000), Buffer(1, "intermediate", 256, 0x9000),
                  Buffer(2, "input", 64, 0x20000), Buffer(3, "param", 64, 0x30000),
                  Buffer(4, "rng", 8, 0x40000), Buffer(5, "scratch", 0, 0x1100)]
     everything = [(0x1000, 256), (0x9000, 256), (0x20000, 64), (0x40000, 8)]
-    assert verify.poison_ranges(g) == everything  # an old recording: no pool segments
+    assert proof.poison_ranges(g) == everything  # an old recording: no pool segments
     g.meta["pool_segments"] = [[0x1000, 0x1000]]
-    assert verify.poison_ranges(g) == [(0x1000, 256), (0x20000, 64), (0x40000, 8)]
+    assert proof.poison_ranges(g) == [(0x1000, 256), (0x20000, 64), (0x40000, 8)]

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from nimble.errors import WeightsChangedError
-from nimble.taskgraph import Buffer, BufferKind, TaskGraph
-from nimble.weights import EPOCH, Weights, named_weights, watch_modules
+from nimble.ir.taskgraph import Buffer, BufferKind, TaskGraph
+from nimble.engine.weights import EPOCH, Weights, named_weights, watch_modules
 
 
 def _model():

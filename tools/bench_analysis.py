@@ -16,10 +16,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from nimble.deps import build_dag, critical_path, transitive_reduction  # noqa: E402
-from nimble.schedule import assign_streams, check_schedule  # noqa: E402
-from nimble.synthetic import branchy_graph, random_graph  # noqa: E402
-from nimble.taskgraph import TaskGraph  # noqa: E402
+from nimble.analysis.deps import build_dag, critical_path, transitive_reduction  # noqa: E402
+from nimble.analysis.schedule import assign_streams, check_schedule  # noqa: E402
+from nimble.ir.synthetic import branchy_graph, random_graph  # noqa: E402
+from nimble.ir.taskgraph import TaskGraph  # noqa: E402
 
 COLUMNS = [("graph", 20), ("tasks", 6), ("edges", 6), ("reduced", 7), ("width", 5),
            ("streams", 7), ("syncs", 6), ("crit", 5), ("deps ms", 8), ("reduce ms", 9),

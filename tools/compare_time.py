@@ -4,7 +4,7 @@
 
 For each ``MODEL:DTYPE``: prepare, then ``nm.first_divergence(x)`` on the example input, timed,
 with the count of ops whose drift from the eager chain sent them to
-``nimble.divergence.isolated_difference``.
+``nimble.debug.divergence.isolated_difference``.
 """
 import sys
 import time
@@ -12,8 +12,8 @@ import time
 import torch
 
 import nimble
-import nimble.divergence as divergence
-from nimble import models
+import nimble.debug.divergence as divergence
+from nimble.cli import models
 
 torch.backends.cudnn.benchmark = True
 for spec in sys.argv[1:]:

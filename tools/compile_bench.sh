@@ -9,14 +9,14 @@ out=$1; limit=$2; shift 2
 work=$(mktemp -d)
 for m in "$@"; do
   # shellcheck disable=SC2086 # BENCH_ARGS is a list of words
-  timeout "$limit" python3 -m nimble.cli bench "$m" ${BENCH_ARGS:-} --json "$work/$m.json" \
+  timeout "$limit" python3 -m nimble bench "$m" ${BENCH_ARGS:-} --json "$work/$m.json" \
     > "$work/$m.log" 2>&1 || echo "$m: bench exited $? (limit ${limit}s)"
   cat "$work/$m.log" >> "$out/compile.log"
 done
 python3 - "$out" "$work" "$@" <<'PY'
 import json, sys
 from pathlib import Path
-from nimble.bench_cli import summary_table
+from nimble.cli.bench import summary_table
 out, work = Path(sys.argv[1]), Path(sys.argv[2]); results = []
 for m in sys.argv[3:]:
     p = work / f"{m}.json"

@@ -11,7 +11,8 @@ processes copying memory beside them, and quiet again.
 import sys, os, time, random, statistics, subprocess, ctypes, glob
 from pathlib import Path
 import torch, nimble
-from nimble import driver, models
+from nimble import driver
+from nimble.cli import models
 torch.backends.cudnn.benchmark = True
 out = os.environ.get("OUT", "/tmp")
 subprocess.run(["nvcc", "-arch=sm_90", "-rdc=true", "-ptx", str(Path(__file__).with_name("launch_graph.cu")), "-o", f"{out}/launch_graph.ptx"], check=True)

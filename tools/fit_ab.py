@@ -16,10 +16,11 @@ import sys
 import torch
 
 import nimble
-import nimble.prepared
-from nimble import fit, train_bench
-from nimble.bench_cli import time_rounds
-from nimble.deps import build_dag
+import nimble.engine.prepared
+from nimble.analysis import arena_fit
+from nimble.cli import train_bench
+from nimble.cli.bench import time_rounds
+from nimble.analysis.deps import build_dag
 
 
 def fixed_chain(threshold: int | None):
@@ -27,11 +28,11 @@ def fixed_chain(threshold: int | None):
     phases the cap alone had to narrow, then runs the cap search."""
     def schedule_within(graph, max_streams, arena_limit, durations=None):
         dag = build_dag(graph)
-        alone = fit.capped_schedule(graph, dag, max_streams, arena_limit)
+        alone = arena_fit.capped_schedule(graph, dag, max_streams, arena_limit)
         if threshold is None or not alone.lowered:
             return alone.schedule, alone.plan
-        chained, _ = fit.chain_workspaces(graph, dag, threshold, phases=alone.lowered)
-        tried = fit.capped_schedule(graph, chained, max_streams, arena_limit)
+        chained, _ = arena_fit.chain_workspaces(graph, dag, threshold, phases=alone.lowered)
+        tried = arena_fit.capped_schedule(graph, chained, max_streams, arena_limit)
         return tried.schedule, tried.plan
     return schedule_within
 
@@ -47,14 +48,14 @@ def main() -> int:
     variants = [("cap alone", fixed_chain(None), {})]
     variants += [(f"chain >= {t} MB", fixed_chain(t << 20), {}) for t in thresholds]
     variants += [("prepare's choice", None, {}), ("no arena limit", None, {"arena_limit": None})]
-    own = nimble.prepared.schedule_within
+    own = nimble.engine.prepared.schedule_within
     for label, patched, kwargs in variants:
-        nimble.prepared.schedule_within = patched or own
+        nimble.engine.prepared.schedule_within = patched or own
         try:
             model = copy.deepcopy(base)
             nm = nimble.Nimble(model).prepare(x, training=True, **kwargs)
         finally:
-            nimble.prepared.schedule_within = own
+            nimble.engine.prepared.schedule_within = own
         print(f"{label:<24}{len(nm.schedule.streams):4d} streams, arena "
               f"{nm.memplan.arena_bytes / 2**20:.0f} MB", flush=True)
         steps[label] = train_bench._stepper(nm, model, x, y)

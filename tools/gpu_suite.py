@@ -57,7 +57,7 @@ def _split_table(out: str) -> tuple[str, str | None]:
 
 def _bench(title: str, models: str, extra: list[str], name: str, args, env) -> tuple[int, str]:
     """Run one ``nimble bench``; print its per-model reports, return its status and table."""
-    cmd = [sys.executable, "-m", "nimble.cli", "bench", *models.split(","),
+    cmd = [sys.executable, "-m", "nimble", "bench", *models.split(","),
            "--json", str(args.out / f"{name}.json"), *extra]
     if not args.compile:
         cmd.append("--no-compile")

@@ -9,7 +9,8 @@ the CPU's user / system / idle / steal shares from /proc/stat over the round.  O
 """
 import sys, time, random, statistics
 import torch, nimble
-from nimble import driver, models
+from nimble import driver
+from nimble.cli import models
 torch.backends.cudnn.benchmark = True
 name, dt = sys.argv[1].split(":"); dtype = getattr(torch, dt); seconds = float(sys.argv[2])
 m = models.create(name).cuda().eval().to(dtype); x = models.example_input(name).to(dtype)

@@ -22,8 +22,9 @@ import time
 import torch
 
 import nimble
-from nimble import driver, models
-from nimble.bench_cli import _host_us_beside, bare_launch
+from nimble import driver
+from nimble.cli import models
+from nimble.cli.bench import _host_us_beside, bare_launch
 
 torch.backends.cudnn.benchmark = True
 

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nimble import driver, models  # noqa: E402
-from nimble.bench_cli import _host_us  # noqa: E402
+from nimble.cli.bench import _host_us  # noqa: E402
 
 
 def idle_host_us(fn) -> float:

@@ -17,8 +17,9 @@ import sys
 import torch
 
 import nimble
-from nimble import models, train_bench
-from nimble.bench_cli import time_rounds, torch_graph_call
+from nimble.cli import models
+from nimble.cli import train_bench
+from nimble.cli.bench import time_rounds, torch_graph_call
 
 VARIANTS = [("single", {"use_multi_stream": False}),
             ("multi, no priorities", {"priorities": False}),

@@ -33,10 +33,10 @@ def record_model(name: str, batch: int, out: Path, time_tasks: bool = True,
                  dtype: str = "float32", training: bool = False, compiled: bool = False) -> dict:
     import torch
 
-    from nimble import models
-    from nimble.record import record, record_step
-    from nimble.train_bench import CIFAR_MODELS
-    from nimble.timing import time_recording
+    from nimble.cli import models
+    from nimble.record.recorder import record, record_step
+    from nimble.cli.train_bench import CIFAR_MODELS
+    from nimble.engine.task_timing import time_recording
 
     torch.backends.cudnn.benchmark = True
     cifar = training and name in CIFAR_MODELS  # the shapes `nimble bench --training` uses

@@ -16,10 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def check(name: str) -> dict:
     import torch
 
-    from nimble import driver, models
-    from nimble.build import build_graph, chain_edges
-    from nimble.record import record
-    from nimble.verify import random_like, same_bits
+    from nimble import driver
+
+    from nimble.cli import models
+    from nimble.engine.build import build_graph, chain_edges
+    from nimble.record.recorder import record
+    from nimble.engine.proof import random_like, same_bits
 
     torch.backends.cudnn.benchmark = True
     model = models.create(name).cuda()

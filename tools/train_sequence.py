@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     import nimble
-    from nimble.train_bench import _setup
+    from nimble.cli.train_bench import _setup
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("models")

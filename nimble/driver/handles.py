@@ -165,7 +165,7 @@ class LowBitsMemory:
     plus ``cuMemCreate``/``cuMemMap``), owned like every handle here.
 
     A buffer that a kernel word may point into *or* that the word may merely resemble (a 32-bit
-    integer whose padding holds the top half of an old address; see :mod:`nimble.resolve`) lives
+    integer whose padding holds the top half of an old address; see :mod:`nimble.record.resolve`) lives
     here, at its recorded address plus a multiple of 4 GiB: relocating the word then rewrites only
     its top half, which is right for a pointer and harmless for an integer.
     """

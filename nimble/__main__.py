@@ -1,0 +1,6 @@
+"""``python -m nimble``: the ``nimble`` command."""
+import sys
+
+from .cli.main import main
+
+sys.exit(main())

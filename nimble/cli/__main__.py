@@ -1,0 +1,6 @@
+"""``python -m nimble.cli``: the ``nimble`` command."""
+import sys
+
+from .main import main
+
+sys.exit(main())

@@ -1,0 +1,459 @@
+"""``nimble bench``: Nimble against eager PyTorch, ``torch.cuda.graph`` and ``torch.compile``.
+
+All modes run in one process on the same model and input.  Each round times every mode in turn
+(interleaved, so clock and thermal drift touch them alike) over ``--iters`` back-to-back calls
+between two CUDA events, after a warm-up; the table gives the median per-call time over
+``--rounds`` rounds and the spread (min–max) of the rounds.  Every call of the
+``torch.cuda.graph`` row copies the input into the graph's static input before the replay, as a
+Nimble call copies its input in.
+
+``--training`` times training steps instead (:mod:`nimble.cli.train_bench`).  ``--dtype`` runs each
+model once per dtype (model and input converted before anything else);
+``--quick`` times only eager, ``torch.cuda.graph``, ``torch.compile`` (unless ``--no-compile``)
+and Nimble single and multi, without the stream-cap / uncapped / host-launch variants and the
+per-task critical-path timing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable, Sequence
+
+from . import models
+from ..progress import say
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """``--dtype``: comma-separated names from :data:`DTYPES`, in the order given, no repeats."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in DTYPES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(bad) or repr(text)}: choose from {', '.join(DTYPES)}, comma-separated")
+    return list(dict.fromkeys(names))
+
+
+def to_dtype(model, x, dtype: str):
+    """``(model, x)`` in ``dtype`` (a name from :data:`DTYPES`); the model is converted in place."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    return model.to(dt), x.to(dt)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .train_bench import parse_batches
+
+    p.add_argument("models", nargs="*", default=[], metavar="MODEL",
+                   help=f"models to run (default: the built-in {models.BUILTIN}; with "
+                        "--training, the paper's training models; zoo: "
+                        f"{', '.join(models.ZOO)}, which need the zoo extra)")
+    p.add_argument("--batch", dest="batches", type=parse_batches, default=None,
+                   metavar="B,B,...",
+                   help="batch sizes (default 1; 32 with --training)")
+    p.add_argument("--training", action="store_true",
+                   help="time training steps (forward, loss, backward, SGD step) against eager, "
+                        "make_graphed_callables and torch.compile instead of inference calls")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per mode (default 5)")
+    p.add_argument("--iters", type=int, default=100, help="calls per round (default 100)")
+    p.add_argument("--max-streams", default="2,4,8", metavar="K,K,...",
+                   help="stream caps to try besides unlimited (default 2,4,8; '' for none)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip torch.compile(mode='reduce-overhead') and the nimble+inductor rows "
+                        "(they compile for minutes)")
+    p.add_argument("--no-inductor", action="store_true",
+                   help="skip the nimble+inductor rows (Nimble on torch.compile(model)'s kernels)")
+    p.add_argument("--dtype", dest="dtypes", type=parse_dtypes, default=["float32"],
+                   metavar="D,D,...",
+                   help=f"run every model in each of these dtypes ({', '.join(DTYPES)}; "
+                        "default float32)")
+    p.add_argument("--quick", action="store_true",
+                   help="time only eager, torch.cuda.graph, torch.compile and Nimble single and "
+                        "multi: no stream-cap, uncapped or host-launch variants, no "
+                        "critical-path limit")
+    p.add_argument("--json", metavar="FILE", help="write every number to FILE as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+
+def _say(args, msg: str) -> None:
+    say(msg, args.quiet, "bench")
+
+
+def torch_graph_call(model, x) -> Callable[[], None]:
+    """``model`` under ``torch.cuda.graph`` (warmed up on a side stream first): a call copies
+    ``x`` into the graph's static input, as each Nimble call brings its input in, and replays."""
+    import torch
+
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch_graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(torch_graph):
+        model(static_x)
+
+    def graph_call() -> None:
+        static_x.copy_(x)
+        torch_graph.replay()
+    return graph_call
+
+
+def time_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int
+                 ) -> dict[str, list[float]]:
+    """Per mode, the mean ms per call of each round; modes interleaved within every round."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for fn in fns.values():  # warm-up
+        for _ in range(10):
+            fn()
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) / iters)
+    return samples
+
+
+def _host_us(fn: Callable[[], object], calls: int = 300) -> float:
+    """Median host time of one call (returning as soon as the work is queued), in µs.
+
+    The GPU is idle before each call, so a full launch queue never makes the host wait.
+    """
+    return _host_us_beside([fn], calls)[0]
+
+
+def _host_us_beside(fns: Sequence[Callable[[], object]], calls: int = 300,
+                    device_sync: bool = False) -> list[float]:
+    """Median host µs of one call of each of ``fns``, taken in turn (GPU idle before each).
+
+    Before each call the host waits for the current stream, as a server waits for the call
+    before (``device_sync``: for the whole device, ``torch.cuda.synchronize()``; on the H200 the
+    next launch then took about twice as long, the bare ``cuGraphLaunch`` as much as a call).
+    On the GPU machine a bare ``cuGraphLaunch`` alone measured 6–30 µs median in different
+    300-call rounds of one process: sampled in turn, calls are compared under the same machine
+    state, so the difference between them is the cost of what they do differently.
+    """
+    import torch
+
+    wait = torch.cuda.synchronize if device_sync else torch.cuda.current_stream().synchronize
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(calls):
+        for fn, mine in zip(fns, times):
+            wait()
+            t0 = time.perf_counter()
+            fn()
+            mine.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return [statistics.median(t) * 1e6 for t in times]
+
+
+def bare_launch(nm) -> Callable[[], None]:
+    """A ``cuGraphLaunch`` of ``nm``'s exec on its launcher's stream, and nothing else: the
+    driver's share of a call."""
+    from .. import driver
+
+    api, state = driver.CallPath(), nm._state()
+    exec_handle, stream = state.built.exec.handle, state.launcher.stream()
+    return lambda: api.launch(exec_handle, stream)
+
+
+def _critical_path_limit_us(nm) -> tuple[float, float]:
+    """``(critical-path µs, sum µs)`` of isolated task times on the recording kept by ``nm``."""
+    from ..analysis.deps import build_dag, critical_path, transitive_reduction
+    from ..engine.task_timing import time_recording
+
+    durations = time_recording(nm.recording)
+    cp = critical_path(transitive_reduction(build_dag(nm.recording.graph)), durations)
+    return cp.length, sum(durations)
+
+
+def bench_model(name: str, args, dtype: str = "float32") -> dict:
+    import torch
+
+    import nimble
+
+    torch.backends.cudnn.benchmark = True
+    model, x = to_dtype(models.create(name).cuda(), models.example_input(name, args.batch), dtype)
+    fns: dict[str, Callable[[], object]] = {}
+    info: dict = {"model": name, "dtype": dtype, "batch": args.batch, "quick": args.quick}
+
+    def eager():
+        with torch.no_grad():
+            return model(x)
+    fns["eager"] = eager
+
+    _say(args, f"{name} ({dtype}): capturing torch.cuda.graph")
+    fns["torch.cuda.graph"] = torch_graph_call(model, x)
+
+    if not args.no_compile:
+        _say(args, f"{name} ({dtype}): torch.compile(mode='reduce-overhead')")
+        t0 = time.perf_counter()
+        compiled = torch.compile(model, mode="reduce-overhead")
+        with torch.no_grad():
+            for _ in range(3):
+                compiled(x)
+        info["compile_seconds"] = time.perf_counter() - t0
+
+        def run_compiled():
+            with torch.no_grad():
+                return compiled(x)
+        fns["torch.compile"] = run_compiled
+
+    inductor: dict = {}
+    if not args.no_compile and not args.no_inductor:
+        _say(args, f"{name} ({dtype}): torch.compile(model) for nimble+inductor")
+        t0 = time.perf_counter()
+        default_compiled = torch.compile(model)
+        with torch.no_grad():
+            for _ in range(3):
+                default_compiled(x)
+        info["inductor_compile_seconds"] = time.perf_counter() - t0
+        _say(args, f"{name} ({dtype}): nimble+inductor prepare")
+        t0 = time.perf_counter()
+        inductor["nimble+inductor multi"] = nimble.Nimble(default_compiled).prepare(
+            x, keep_recording=True)
+        info["inductor_prepare_seconds"] = time.perf_counter() - t0
+        inductor["nimble+inductor single"] = nimble.Nimble(default_compiled).prepare(
+            x, use_multi_stream=False, recording=inductor["nimble+inductor multi"].recording)
+        ind = inductor["nimble+inductor multi"]
+        info["inductor"] = {"tasks": len(ind.graph.tasks), "streams": len(ind.schedule.streams),
+                            "sync_edges": len(ind.schedule.sync_edges),
+                            "width": ind.schedule.width,
+                            "triton_launches": ind.graph.meta.get("triton_launches", 0),
+                            "arena_mb": ind.memplan.arena_bytes / 2**20}
+        for label, nm in inductor.items():
+            fns[label] = (lambda nm=nm: nm(x))
+
+    _say(args, f"{name} ({dtype}): nimble prepare (multi-stream, recording kept for the others)")
+    t0 = time.perf_counter()
+    multi = nimble.Nimble(model).prepare(x, keep_recording=True)
+    info["prepare_seconds"] = time.perf_counter() - t0
+    rec = multi.recording
+    prepared = {"nimble multi": multi}
+    prepared["nimble single"] = nimble.Nimble(model).prepare(
+        x, use_multi_stream=False, recording=rec)
+    if not args.quick:
+        prepared["nimble multi, host launch"] = nimble.Nimble(model).prepare(
+            x, device_launch=False, recording=rec)
+        uncapped = nimble.Nimble(model).prepare(x, arena_limit=None, recording=rec)
+        if len(uncapped.schedule.streams) != len(multi.schedule.streams):
+            prepared["nimble uncapped"] = uncapped  # full concurrency, arena above torch's pool
+        else:
+            uncapped.close()
+        caps = [int(k) for k in args.max_streams.split(",") if k.strip()]
+        for k in caps:
+            if k < len(multi.schedule.streams) - 1:
+                prepared[f"nimble k={k}"] = nimble.Nimble(model).prepare(
+                    x, max_streams=k, recording=rec)
+    for label, nm in prepared.items():
+        fns[label] = (lambda nm=nm: nm(x))
+
+    _say(args, f"{name} ({dtype}): timing {len(fns)} modes, {args.rounds} rounds of "
+               f"{args.iters} calls")
+    samples = time_rounds(fns, args.rounds, args.iters)
+    info["host_us_per_call"], info["host_us_bare_launch"] = _host_us_beside(
+        [lambda: multi(x), bare_launch(multi)])
+    info["launch_mode"] = multi.launch_mode
+    if not args.quick:
+        host_launch = prepared["nimble multi, host launch"]
+        info["host_us_per_call_host_launch"] = _host_us(lambda: host_launch(x))
+        _say(args, f"{name} ({dtype}): timing every task alone for the critical-path limit")
+        cp_us, serial_us = _critical_path_limit_us(multi)
+
+    _say(args, f"{name} ({dtype}): tracing the multi-stream run (achieved concurrency)")
+    info["trace"] = _trace_info(multi, x)
+
+    rows = {}
+    for label, s in samples.items():
+        rows[label] = {"median_ms": statistics.median(s), "min_ms": min(s), "max_ms": max(s)}
+    graph_ms = rows["torch.cuda.graph"]["median_ms"]
+    eager_ms = rows["eager"]["median_ms"]
+    for r in rows.values():
+        r["x_graph"] = graph_ms / r["median_ms"]
+        r["x_eager"] = eager_ms / r["median_ms"]
+    nimble_rows = {k: v for k, v in rows.items()
+                   if k.startswith("nimble ") and k not in ("nimble single", "nimble multi, host launch")}
+    best = min(nimble_rows, key=lambda k: nimble_rows[k]["median_ms"])
+    s = multi.schedule
+    info.update(
+        modes=rows, best_nimble=best, tasks=len(multi.graph.tasks), streams=len(s.streams),
+        sync_edges=len(s.sync_edges), width=s.width,
+        arena_mb={k: nm.memplan.arena_bytes / 2**20 for k, nm in prepared.items()},
+        pool_mb=multi.graph.meta.get("pool_bytes", 0) / 2**20,
+        prepare_breakdown=multi.prepare_seconds)
+    if not args.quick:
+        info.update(
+            critical_path_us=cp_us, serial_kernel_us=serial_us,
+            achieved_over_limit=rows[best]["median_ms"] * 1e3 / cp_us if cp_us else None)
+    if "torch.compile" in rows:
+        compile_ms = rows["torch.compile"]["median_ms"]
+        for r in rows.values():
+            r["x_compile"] = compile_ms / r["median_ms"]
+    for nm in [*prepared.values(), *inductor.values()]:
+        nm.close()
+    return info
+
+
+#: Stamp groups of the bench's third trace (see :func:`nimble.debug.timeline.stamp_groups`).
+TRACE_GROUPS = 8
+
+
+def _trace_info(nm, x) -> dict:
+    """Achieved concurrency and idle streams of one measured run (:meth:`nimble.Nimble.trace`),
+    and the overhead of three instrumentations (start and end stamps; end stamps only; end
+    stamps spread over :data:`TRACE_GROUPS` runs)."""
+    full = nm.trace(x).summary()
+    ends = nm.trace(x, start_stamps=False).summary()
+    grouped = nm.trace(x, start_stamps=False, groups=TRACE_GROUPS).summary()
+    [phase] = full["phases"]
+    return {"concurrency": phase["concurrency"], "makespan_us": phase["makespan_us"],
+            "idle_us": phase["idle_us"], "overhead": full["overhead"],
+            "overhead_ends_only": ends["overhead"], "overhead_grouped": grouped["overhead"],
+            "concurrency_ends_only": ends["phases"][0]["concurrency"]}
+
+
+def format_model(info: dict) -> str:
+    """One model's report; ``--quick`` results (no variants, no limit) print fewer lines."""
+    out = [f"{info['model']} ({info.get('dtype', 'float32')}, batch {info['batch']}): "
+           f"{info['tasks']} tasks, width {info['width']}, {info['streams']} streams, "
+           f"{info['sync_edges']} syncs"]
+    with_compile = any("x_compile" in r for r in info["modes"].values())
+    out.append(f"  {'mode':<26}{'median ms':>10}{'spread ms':>18}{'x graph':>9}{'x eager':>9}"
+               + (f"{'x compile':>11}" if with_compile else ""))
+    for label, r in info["modes"].items():
+        out.append(f"  {label:<26}{r['median_ms']:>10.3f}{r['min_ms']:>9.3f}–{r['max_ms']:<8.3f}"
+                   f"{r['x_graph']:>9.2f}{r['x_eager']:>9.2f}"
+                   + (f"{r['x_compile']:>11.2f}" if with_compile else ""))
+    arena = info["arena_mb"]
+    out.append("  arena MB: " + ", ".join(f"{k.removeprefix('nimble ')} {v:.1f}"
+                                           for k, v in arena.items())
+               + f"; torch graph pool {info['pool_mb']:.1f} MB")
+    host = f"  prepare {info['prepare_seconds']:.2f} s; host {info['host_us_per_call']:.1f} " \
+           f"µs/call ({info['launch_mode']}"
+    if "host_us_bare_launch" in info:
+        host += f"; a bare cuGraphLaunch of it beside: {info['host_us_bare_launch']:.1f} µs"
+    if "host_us_per_call_host_launch" in info:
+        host += f"; {info['host_us_per_call_host_launch']:.1f} µs with a plain host-launch graph"
+    out.append(host + ")")
+    if "inductor" in info:
+        ind = info["inductor"]
+        out.append(f"  nimble+inductor: {ind['tasks']} tasks ({ind['triton_launches']} Triton "
+                   f"launches), width {ind['width']}, {ind['streams']} streams, "
+                   f"{ind['sync_edges']} syncs, arena {ind['arena_mb']:.1f} MB; compile "
+                   f"{info['inductor_compile_seconds']:.1f} s, then prepare "
+                   f"{info['inductor_prepare_seconds']:.2f} s")
+    if "trace" in info:
+        t = info["trace"]
+        idle = sorted(t["idle_us"].items(), key=lambda kv: -kv[1])[:3]
+        out.append(f"  trace: achieved concurrency {t['concurrency']:.2f} (DAG width "
+                   f"{info['width']}, {info['streams']} streams) over {t['makespan_us']:.0f} µs; "
+                   f"instrumentation {t['overhead']:+.0%} ({t['overhead_ends_only']:+.0%} with "
+                   f"end stamps only, {t['overhead_grouped']:+.0%} with them in {TRACE_GROUPS} "
+                   "groups); most idle streams "
+                   + ", ".join(f"{k} {us:.0f} µs" for k, us in idle))
+    if "critical_path_us" in info:
+        out.append(f"  critical-path limit {info['critical_path_us']:.0f} µs (serial "
+                   f"{info['serial_kernel_us']:.0f} µs); best {info['best_nimble']} at "
+                   f"{info['achieved_over_limit']:.2f}× the limit")
+    return "\n".join(out)
+
+
+def _x_compile(modes: dict) -> str:
+    """``torch.compile`` time over the fastest multi-stream Nimble row (eager or Inductor
+    kernels); "–" without a ``torch.compile`` row."""
+    if "torch.compile" not in modes:
+        return "–"
+    ours = [modes[k]["median_ms"] for k in ("nimble multi", "nimble+inductor multi") if k in modes]
+    return f"{modes['torch.compile']['median_ms'] / min(ours):.2f}" if ours else "–"
+
+
+def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
+    """The final table, a row per result.  ``dtype_column``: show each row's dtype (default:
+    where the results hold more than one); without the column the legend names the dtype."""
+    dtypes = list(dict.fromkeys(r.get("dtype", "float32") for r in results)) or ["float32"]
+    if dtype_column is None:
+        dtype_column = len(dtypes) > 1
+    dcol = (lambda text: f"{text:<10}") if dtype_column else (lambda text: "")  # noqa: E731
+    head = (f"{'model':<16}{dcol('dtype')}{'eager':>8}{'graph':>8}{'compile':>8}{'single':>8}"
+            f"{'multi':>8}{'best':>8}{'best mode':>14}{'x graph':>8}{'x eager':>8}{'arena':>7}"
+            f"{'pool':>7}{'limit':>7}{'host µs':>8}{'conc':>6}{'ind.1':>8}{'ind.N':>8}"
+            f"{'x comp':>7}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        m = r["modes"]
+        get = lambda k: f"{m[k]['median_ms']:.3f}" if k in m else "–"  # noqa: E731
+        b = r["best_nimble"]
+        limit = f"{r['critical_path_us'] / 1e3:.3f}" if "critical_path_us" in r else "–"
+        conc = f"{r['trace']['concurrency']:.2f}" if "trace" in r else "–"
+        lines.append(
+            f"{r['model']:<16}{dcol(r.get('dtype', 'float32'))}{get('eager'):>8}"
+            f"{get('torch.cuda.graph'):>8}"
+            f"{get('torch.compile'):>8}{get('nimble single'):>8}{get('nimble multi'):>8}"
+            f"{m[b]['median_ms']:>8.3f}{b.removeprefix('nimble '):>14}{m[b]['x_graph']:>8.2f}"
+            f"{m[b]['x_eager']:>8.1f}{r['arena_mb'][b]:>7.1f}{r['pool_mb']:>7.1f}"
+            f"{limit:>7}{r['host_us_per_call']:>8.1f}{conc:>6}"
+            f"{get('nimble+inductor single'):>8}{get('nimble+inductor multi'):>8}"
+            f"{_x_compile(m):>7}")
+    in_dtype = "" if dtype_column else f" in {', '.join(dtypes)}"
+    lines.append(f"times: median ms per call{in_dtype}; graph = torch.cuda.graph with the input "
+                 "copied in on every call; best = fastest multi-stream Nimble variant; arena and "
+                 "pool in MB; limit = critical path of isolated task times, ms (– with --quick); "
+                 "host µs = one multi call on an idle GPU (each model's lines above give a bare "
+                 "cuGraphLaunch sampled beside it); conc = achieved concurrency of the "
+                 "multi-stream run (tasks in flight on average, measured by nm.trace()); "
+                 "ind.1 / ind.N = Nimble on torch.compile(model)'s kernels, single / multi "
+                 "stream; x comp = torch.compile(mode='reduce-overhead') time over the faster "
+                 "of Nimble multi and nimble+inductor multi")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from .main import check_models, require_gpu
+
+    args.models_given = bool(args.models)
+    if args.training:
+        from .train_bench import run as run_training
+
+        args.batches = args.batches or [32]
+        return run_training(args)
+    args.models = args.models or [models.BUILTIN]
+    # Before any work: every name known and its package installed, and a GPU to run on.
+    check_models(args.models)
+    require_gpu("bench")
+    import torch
+
+    results, failed = [], []
+    for name in args.models:
+        for dtype, batch in [(d, b) for b in args.batches or [1] for d in args.dtypes]:
+            args.batch = batch
+            try:
+                info = bench_model(name, args, dtype)
+            except Exception as e:  # noqa: BLE001 - one run's failure must not hide the others
+                failed.append({"model": name, "dtype": dtype,
+                               "error": f"{type(e).__name__}: {e}"})
+                print(f"{name} ({dtype}): FAILED: {type(e).__name__}: {e}", flush=True)
+                continue
+            results.append(info)
+            print(format_model(info), flush=True)
+    if results:
+        print(summary_table(results, dtype_column=len(args.dtypes) > 1))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"results": results, "failed": failed, "dtypes": args.dtypes,
+                       "quick": args.quick, "device": torch.cuda.get_device_name(),
+                       "torch": torch.__version__},
+                      f, indent=2, default=str)
+    return 1 if failed else 0

@@ -1,0 +1,57 @@
+"""``nimble record``: record a built-in or zoo model's GPU work into a TaskGraph file."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import models
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help=f"{models.BUILTIN}, {models.CHAINS} or a zoo model "
+                        f"({', '.join(models.ZOO)})")
+    p.add_argument("-o", "--output", metavar="FILE", default=None,
+                   help="where to write the TaskGraph (default MODEL.json.gz)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--time-tasks", action="store_true",
+                   help="also time every task alone and store duration_us")
+    p.add_argument("--training", action="store_true",
+                   help="record a training step (forward and backward, two phases) of the model "
+                        "in train() mode")
+    p.add_argument("--side", type=int, default=None,
+                   help="image side of the input (default: the model's usual one; 32 for CIFAR)")
+    p.add_argument("--classes", type=int, default=None,
+                   help="classifier size of a zoo model (default: its own; 10 for CIFAR-10)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+
+def run(args) -> int:
+    from .main import check_models, require_gpu
+
+    from ..errors import InputError
+
+    check_models([args.model])
+    if args.training and args.time_tasks:
+        raise InputError("--time-tasks times inference recordings only; drop it with --training")
+    require_gpu("record")
+    import torch
+
+    from ..record.recorder import record, record_step
+    from ..engine.task_timing import time_recording
+
+    torch.backends.cudnn.benchmark = True
+    model = models.create(args.model, num_classes=args.classes).cuda()
+    x = models.example_input(args.model, args.batch, side=args.side)
+    if args.training:
+        rec = record_step(model.train(), x, name=args.model, quiet=args.quiet)
+    else:
+        with torch.no_grad():
+            rec = record(model, x, name=args.model, quiet=args.quiet)
+    g = rec.graph
+    if args.time_tasks:
+        time_recording(rec)
+    path = g.save(args.output or f"{args.model}.json.gz")
+    if not args.quiet:
+        print(f"wrote {path}: {len(g.tasks)} tasks, {len(g.buffers)} buffers", file=sys.stderr)
+    return 0

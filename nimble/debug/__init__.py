@@ -1,0 +1,2 @@
+"""Debugging a prepared graph: the measured timeline, step-through and first divergence.
+"""

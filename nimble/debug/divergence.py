@@ -1,0 +1,461 @@
+"""First divergence: the first ATen op whose output in the prepared graph differs from eager's.
+
+:func:`eager_ops` runs the model eagerly under a dispatch mode that keeps every op's fresh outputs;
+:func:`align` pairs each op of the recording with its eager twin (same position, same name; a
+different sequence means data-dependent control flow, refused) and each eager output with the
+written byte range of the recorded op that holds it.  :func:`first_divergence` walks the ops in
+recorded (topological) order: for each it runs the prepared graph up to that op
+(:func:`nimble.debug.step_through.run_until`) and compares the op's outputs with eager's, within a
+tolerance that depends on the dtype, and stops at the first that differs.  A walk, not a
+bisection: a wrong value propagates only along its own branch, so ops on parallel branches after
+the faulty one still agree, and "some op up to here differs" is not monotone in the op index.
+:func:`first_nonfinite` does the same for NaN or Inf (not counting the infinities that padding and
+masking ops write on purpose, :data:`INF_SENTINEL_OPS`).
+
+Rounding differences grow with depth: eager and the recording may run other library algorithms,
+so deep in a 1,000-op fp16 network an op's output can differ from the eager chain's by more
+than one op's tolerance while every op computes right.  So an op that differs from the eager
+chain is judged again in isolation (:func:`isolated_difference`): its eager twin runs once more
+on the graph's own inputs to it (the values the recorded ops before it left, read after a run
+of every task before it), and only a difference from that counts.  Weights, the model's input
+and whatever else no recorded op wrote come from the eager run, so a kernel that reads the wrong
+weight still shows.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..errors import InputError
+from ..ir.taskgraph import Access, TaskGraph
+
+#: ``(rtol, atol)`` per dtype name.  A tensor agrees with eager's when its largest difference is
+#: within ``atol + rtol *`` its largest magnitude: rounding in a long sum is relative to the size
+#: of its terms, so near a zero crossing it is measured against the tensor's scale, not the
+#: element's.  These absorb only library algorithms that differ between an eager call and the
+#: recording (cuDNN's benchmark cache keys on pointer alignment, so eager may pick another).
+#: ``"tf32"`` is float32 while torch lets convolutions or matmuls round their inputs to TF32
+#: (``torch.backends.cudnn.allow_tf32``, on by default): another algorithm then differs by
+#: TF32's rounding, as much as half precision's.
+TOLERANCES = {"float64": (1e-7, 1e-9), "float32": (1e-4, 1e-5), "tf32": (1e-2, 1e-3),
+              "float16": (1e-2, 1e-3), "bfloat16": (2e-2, 1e-2)}
+
+
+#: Seconds between two progress lines of a walk.
+PROGRESS_SECONDS = 5.0
+
+#: Ops whose every output element is a sum of products of their inputs (bias included).
+#: Two algorithms round such a sum differently by up to a fraction of the magnitudes of its
+#: terms, which can be far larger than the sum itself (a ReLU'd input under random-signed weights
+#: cancels), and a transform-based algorithm (Winograd, FFT) spreads one element's rounding over
+#: its neighbours: run alone on the graph's inputs, such an op is held to a tolerance relative to
+#: the largest element of the same op run on its inputs' magnitudes.
+SUM_OPS = frozenset({"aten::convolution", "aten::_convolution", "aten::cudnn_convolution",
+                     "aten::conv2d", "aten::conv1d", "aten::conv3d", "aten::linear", "aten::mm",
+                     "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::mv",
+                     "aten::addmv", "aten::dot", "aten::_convolution_mode"})
+
+#: Ops that write an infinity on purpose, as a sentinel the next op absorbs: padding before a
+#: max pool ("same" pooling in timm's NASNet and PNASNet pads with -inf), attention masks
+#: before a softmax.  The NaN hunt counts only NaN in their outputs, or it would stop at every
+#: such pad.
+INF_SENTINEL_OPS = frozenset({"aten::constant_pad_nd", "aten::masked_fill", "aten::masked_fill_",
+                              "aten::fill", "aten::fill_", "aten::full", "aten::full_like",
+                              "aten::new_full", "aten::where", "aten::scalar_tensor"})
+
+
+@dataclass(slots=True)
+class EagerInput:
+    """A tensor argument of an eager op, as the op saw it.
+
+    ``source`` is ``(op, output)``: the fresh output of an earlier eager op whose storage holds
+    it, ``offset`` bytes past that output's first byte; None for a tensor no op produced (a
+    weight, the model's input), whose copy is ``value``.
+    """
+
+    shape: tuple
+    stride: tuple
+    dtype: Any
+    device: Any
+    source: tuple[int, int] | None = None
+    offset: int = 0
+    value: Any = None
+
+
+class ArgSlot:
+    """Where argument ``k`` (an :class:`EagerInput`) goes in an eager op's argument template."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+
+@dataclass
+class EagerOp:
+    """One op of an eager run: its name and copies of the tensors it returned fresh; with
+    ``keep_inputs``, also the op itself and its arguments, to run it again on other inputs."""
+
+    name: str
+    outputs: list = field(default_factory=list)
+    func: Any = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    inputs: list[EagerInput] = field(default_factory=list)
+
+
+@dataclass
+class AlignedOp:
+    """A recorded op, with each eager output and the written range of the graph that holds it.
+
+    ``outputs[i]`` is the index among the eager op's fresh outputs of ``pairs[i]``'s tensor;
+    ``sources[k]`` the range of the graph holding the eager op's input ``k`` (None where no
+    recorded op wrote it: the eager value serves).
+    """
+
+    index: int
+    name: str
+    module: str
+    pairs: list[tuple[Access, Any]]  # (written range, eager tensor)
+    outputs: list[int] = field(default_factory=list)
+    eager: EagerOp | None = None
+    sources: list[Access | None] = field(default_factory=list)
+
+    @property
+    def isolable(self) -> bool:
+        """Whether the op can run again on the graph's inputs (every input found or kept)."""
+        e = self.eager
+        return e is not None and e.func is not None and all(
+            src is not None or inp.value is not None for inp, src in zip(e.inputs, self.sources))
+
+
+@dataclass
+class Divergence:
+    """The first op whose output differs (or holds NaN/Inf), and by how much."""
+
+    op: int
+    name: str
+    module: str
+    tasks: list[int]
+    max_abs_diff: float
+    detail: str
+
+
+def eager_ops(model, inputs: Sequence, keep_inputs: bool = False) -> list[EagerOp]:
+    """Run ``model(*inputs)`` eagerly, keeping every dispatched op's fresh outputs (copies).
+
+    With ``keep_inputs`` each op also keeps what it needs to run again (:class:`EagerInput`):
+    where each tensor argument came from, and a copy of those no op produced.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
+
+    from ..record.tracer import op_name
+
+    ops: list[EagerOp] = []
+    # storage address -> (op, fresh output, byte offset of that output in its storage): the
+    # latest fresh output in each live storage (a freed address the allocator hands out again
+    # is taken over by its new owner)
+    producers: dict[int, tuple[int, int, int]] = {}
+
+    def describe(t, found: list[EagerInput]):
+        if not isinstance(t, torch.Tensor):
+            return t
+        start = t.storage_offset() * t.element_size()
+        made = producers.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        entry = EagerInput(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+        if made is not None:
+            entry.source, entry.offset = (made[0], made[1]), start - made[2]
+        else:
+            entry.value = t.detach().clone()
+        found.append(entry)
+        return ArgSlot(len(found) - 1)
+
+    class Keep(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            record = EagerOp(op_name(func))
+            if keep_inputs:
+                record.func = func
+                record.args = tree_map(lambda v: describe(v, record.inputs), tuple(args))
+                record.kwargs = tree_map(lambda v: describe(v, record.inputs), dict(kwargs))
+            out = func(*args, **kwargs)
+            fresh = fresh_tensors(func, out)
+            record.outputs = [t.detach().clone() for t in fresh]
+            for i, t in enumerate(fresh):
+                producers[t.untyped_storage().data_ptr()] = (
+                    len(ops), i, t.storage_offset() * t.element_size())
+            ops.append(record)
+            return out
+
+    with torch.no_grad(), Keep():
+        model(*inputs)
+    return ops
+
+
+def fresh_tensors(func, out) -> list:
+    """The tensors among ``func``'s results that alias none of its inputs."""
+    from ..record.tracer import tensors_of
+
+    returns = out if isinstance(out, (tuple, list)) and len(func._schema.returns) > 1 else (out,)
+    return [t for ret, value in zip(func._schema.returns, returns)
+            if ret.alias_info is None for t in tensors_of(value)]
+
+
+def span_bytes(shape: Sequence[int], strides: Sequence[int], element: int) -> int:
+    """Bytes from a tensor's lowest element to its highest (what the tracer records)."""
+    if any(s == 0 for s in shape):
+        return 0
+    return element * (1 + sum((s - 1) * abs(st) for s, st in zip(shape, strides)))
+
+
+def align(graph: TaskGraph, eager: Sequence[EagerOp]) -> list[AlignedOp]:
+    """Pair the recording's ops with the eager run's; raise :class:`InputError` if the two
+    dispatched different op sequences."""
+    if [o.name for o in graph.ops] != [e.name for e in eager]:
+        first = next((k for k, (o, e) in enumerate(zip(graph.ops, eager)) if o.name != e.name),
+                     min(len(graph.ops), len(eager)))
+        raise InputError(
+            f"the eager run dispatched other ops than the recording (first at op {first}: "
+            f"{graph.ops[first].name if first < len(graph.ops) else 'none'} recorded, "
+            f"{eager[first].name if first < len(eager) else 'none'} eager); a forward with "
+            "data-dependent control flow cannot be compared op by op")
+    out: list[AlignedOp] = []
+    for op, twin in zip(graph.ops, eager):
+        written = [a for a in op.accesses if a.write]
+        used: set[int] = set()
+        pairs, outputs = [], []
+        for i, t in enumerate(twin.outputs):
+            size = span_bytes(t.shape, t.stride(), t.element_size())
+            k = next((i for i, a in enumerate(written) if i not in used and a.size == size),
+                     None)
+            if k is not None and size:
+                used.add(k)
+                pairs.append((written[k], t))
+                outputs.append(i)
+        sources = [_source(out, op, inp) for inp in twin.inputs]
+        out.append(AlignedOp(op.index, op.name, op.module, pairs, outputs, twin, sources))
+    return out
+
+
+def _source(aligned: Sequence[AlignedOp], op, inp: EagerInput) -> Access | None:
+    """The graph's range holding an eager input of ``op`` (a recorded op) that an earlier op
+    produced; None if no op produced it, or if ``op``'s recorded accesses do not cover the
+    range where its producer's output lies (then the op is not judged alone)."""
+    if inp.source is None:
+        return None
+    producer, output = inp.source
+    made = aligned[producer]
+    if output not in made.outputs:
+        return None
+    holder = made.pairs[made.outputs.index(output)][0]
+    element = inp.dtype.itemsize
+    size = span_bytes(inp.shape, inp.stride, element)
+    if inp.offset < 0 or inp.offset + size > holder.size or any(s < 0 for s in inp.stride):
+        return None
+    found = Access(holder.buffer, holder.offset + inp.offset, size, False)
+    if not any(a.buffer == found.buffer and a.offset <= found.offset and found.end <= a.end
+               for a in op.accesses):
+        return None
+    return found
+
+
+def tolerance(dtype, tf32: bool | None = None) -> tuple[float, float]:
+    """``(rtol, atol)`` for comparing tensors of ``dtype`` (exact for integers and bools);
+    float32 gets TF32's when ``tf32`` (default: whether torch allows TF32 now)."""
+    name = str(dtype).removeprefix("torch.")
+    if name == "float32" and (tf32_allowed() if tf32 is None else tf32):
+        name = "tf32"
+    return TOLERANCES.get(name, (0.0, 0.0))
+
+
+def tf32_allowed() -> bool:
+    """Whether torch lets cuDNN convolutions or cuBLAS matmuls compute float32 in TF32."""
+    import torch
+
+    return bool(torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32)
+
+
+def graph_tensor(raw, like):
+    """The bytes ``raw`` of a written range seen with ``like``'s dtype, shape and strides."""
+    return raw.view(like.dtype).as_strided(tuple(like.shape), tuple(like.stride()))
+
+
+def _compare(raw, want, magnitude=None) -> tuple[bool, float]:
+    """``(agrees, largest difference)`` of the graph's bytes ``raw`` with ``want``; the
+    tolerance is relative to ``want``'s largest magnitude, or to ``magnitude``'s largest element
+    when given (see :data:`SUM_OPS`)."""
+    import torch
+
+    got = graph_tensor(raw, want.cpu())
+    want = want.cpu()
+    if not want.is_floating_point():
+        same = bool(torch.equal(got, want))
+        return same, 0.0 if same else float("inf")
+    if not want.numel():
+        return True, 0.0
+    rtol, atol = tolerance(want.dtype)
+    got, want = got.double(), want.double()
+    finite = torch.isfinite(want)
+    # NaN where eager has NaN and the same infinities are agreement; any other non-finite is not
+    same_nonfinite = bool(torch.equal(torch.isnan(got), torch.isnan(want))) and bool(
+        torch.equal(got[torch.isinf(want)], want[torch.isinf(want)]))
+    if not same_nonfinite or not bool(torch.isfinite(got[finite]).all()):
+        return False, float("inf")
+    diff = (got[finite] - want[finite]).abs()
+    worst = float(diff.max()) if diff.numel() else 0.0
+    if magnitude is not None:
+        largest = magnitude.cpu().double()[finite]
+        return worst <= atol + rtol * (float(largest.max()) if largest.numel() else 0.0), worst
+    scale = float(want[finite].abs().max()) if diff.numel() else 0.0
+    return worst <= atol + rtol * scale, worst
+
+
+def _walk(run_until: Callable[[int], Any], graph: TaskGraph, ops: Sequence[AlignedOp],
+          wrong: Callable[[Any, AlignedOp], tuple[bool, float]],
+          progress: Callable[[str], None] | None = None) -> tuple[AlignedOp, float] | None:
+    """The first of ``ops`` (in order) for which ``wrong(snapshot, op)`` says so; ``progress``
+    gets a line every few seconds on a long walk."""
+    with_tasks = {t.op for t in graph.tasks}
+    todo = [op for op in ops if op.pairs and op.index in with_tasks]
+    last = time.monotonic()
+    for k, op in enumerate(todo):
+        bad, diff = wrong(run_until(op.index), op)
+        if bad:
+            return op, diff
+        if progress is not None and time.monotonic() - last > PROGRESS_SECONDS:
+            progress(f"compared {k + 1} of {len(todo)} ops: up to op {op.index} all agree")
+            last = time.monotonic()
+    return None
+
+
+def _found(graph: TaskGraph, op: AlignedOp, diff: float, what: str) -> Divergence:
+    return Divergence(op.index, op.name, op.module,
+                      [t.id for t in graph.tasks if t.op == op.index], diff,
+                      f"op {op.index} {op.name} in {op.module or 'the model'} {what}")
+
+
+def first_divergence(run_until: Callable[[int], Any], graph: TaskGraph,
+                     aligned: Sequence[AlignedOp],
+                     progress: Callable[[str], None] | None = None,
+                     run_before: Callable[[int, set[int]], Any] | None = None
+                     ) -> Divergence | None:
+    """The first op (in recorded order) whose outputs, as ``run_until(op)`` (a
+    :class:`nimble.debug.step_through.Snapshot`) leaves them, differ from eager's; None if none does.
+
+    With ``run_before(op, buffers)`` (a snapshot of ``buffers`` after every task before ``op``)
+    an op that differs from the eager chain counts only if it also differs from its eager twin
+    run on the graph's own inputs (:func:`isolated_difference`); ``run_until(op)`` must then
+    hold the ranges those inputs lie in too.
+    """
+    judged: dict[int, str] = {}
+
+    def differs(snap, op: AlignedOp) -> tuple[bool, float]:
+        worst, bad = 0.0, False
+        for access, want in op.pairs:
+            ok, diff = _compare(_range(snap, access), want)
+            bad |= not ok
+            worst = max(worst, diff)
+        if not bad or run_before is None or not op.isolable:
+            return bad, worst
+        # The inputs as the same run left them, unless the op writes over one of them: two runs
+        # of a kernel that sums in a varying order (split-K, atomics) differ by its rounding,
+        # which the ops after it would count against themselves.
+        inputs = snap if not overwrites_inputs(graph, op) else run_before(
+            op.index, {a.buffer for a in op.sources if a})
+        alone = isolated_difference(op, inputs, snap)
+        judged[op.index] = (f"differs from eager by up to {worst:.3g}, and by up to "
+                            f"{alone[1]:.3g} from its eager twin run on the graph's own inputs")
+        return alone
+    hit = _walk(run_until, graph, aligned, differs, progress)
+    if hit is None:
+        return None
+    return _found(graph, hit[0], hit[1], judged.get(
+        hit[0].index, f"differs from eager by up to {hit[1]:.3g}"))
+
+
+def overwrites_inputs(graph: TaskGraph, op: AlignedOp) -> bool:
+    """Whether a task of ``op`` writes bytes of a range the op reads its inputs from (in place,
+    or scratch the arena placed over an input the op has finished reading)."""
+    sources = [a for a in op.sources if a is not None]
+    written = [a for t in graph.tasks if t.op == op.index for a in t.accesses if a.write]
+    written += [a for a in graph.ops[op.index].accesses if a.write]
+    return any(w.buffer == s.buffer and w.offset < s.end and s.offset < w.end
+               for w in written for s in sources)
+
+
+def isolated_difference(op: AlignedOp, before, after) -> tuple[bool, float]:
+    """``(differs, largest difference)`` of ``op``'s outputs in ``after`` (a snapshot taken
+    after it ran) from its eager twin run again on the inputs the graph gave it, read from
+    ``before`` (``after`` itself, or a snapshot of every task before the op where it writes over
+    its inputs: :func:`overwrites_inputs`).  Arguments no recorded op wrote keep their eager
+    values."""
+    twin = op.eager
+    values = []
+    for inp, src in zip(twin.inputs, op.sources):
+        if src is None:
+            values.append(inp.value)
+            continue
+        raw = _range(before, src)
+        values.append(raw.view(inp.dtype).as_strided(inp.shape, inp.stride).to(inp.device))
+    fresh = _rerun(twin, values)
+    magnitudes = [None] * len(fresh)
+    if op.name.split(".")[0] in SUM_OPS:
+        magnitudes = _rerun(twin, [v.abs() if v.is_floating_point() else v for v in values])
+    worst, bad = 0.0, False
+    for (access, _), i in zip(op.pairs, op.outputs):
+        ok, diff = _compare(_range(after, access), fresh[i], magnitudes[i])
+        bad |= not ok
+        worst = max(worst, diff)
+    return bad, worst
+
+
+def _rerun(twin: EagerOp, values: Sequence) -> list:
+    """``twin``'s fresh outputs, run again with ``values`` as its tensor arguments."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def fill(v):
+        return values[v.k] if isinstance(v, ArgSlot) else v
+    with torch.no_grad():
+        out = twin.func(*tree_map(fill, twin.args), **tree_map(fill, twin.kwargs))
+    return fresh_tensors(twin.func, out)
+
+
+def first_nonfinite(run_until: Callable[[int], Any], graph: TaskGraph,
+                    aligned: Sequence[AlignedOp],
+                    progress: Callable[[str], None] | None = None) -> Divergence | None:
+    """The first op (in recorded order) whose floating-point outputs hold NaN or Inf (only NaN
+    for the ops of :data:`INF_SENTINEL_OPS`, whose infinities are meant)."""
+    found: dict[int, str] = {}
+
+    def nonfinite(snap, op: AlignedOp) -> tuple[bool, float]:
+        kinds = nonfinite_kinds([graph_tensor(_range(snap, a), t.cpu())
+                                 for a, t in op.pairs if t.is_floating_point()])
+        if op.name.split(".")[0] in INF_SENTINEL_OPS:
+            kinds.discard("Inf")
+        if kinds:
+            found[op.index] = " and ".join(sorted(kinds, reverse=True))
+        return bool(kinds), float("nan")
+    hit = _walk(run_until, graph, aligned, nonfinite, progress)
+    return None if hit is None else _found(graph, hit[0], hit[1],
+                                           f"is the first to write {found[hit[0].index]}")
+
+
+def nonfinite_kinds(tensors: Sequence) -> set[str]:
+    """Which of ``"NaN"`` and ``"Inf"`` the floating-point ``tensors`` hold."""
+    import torch
+
+    kinds = set()
+    for t in tensors:
+        if bool(torch.isnan(t).any()):
+            kinds.add("NaN")
+        if bool(torch.isinf(t).any()):
+            kinds.add("Inf")
+    return kinds
+
+
+def _range(snap, access: Access):
+    return snap.buffer(access.buffer)[access.offset:access.offset + access.size]

@@ -1,0 +1,392 @@
+"""The real multi-stream timeline: each task's start and end, measured inside the real run.
+
+:func:`record_timeline` rebuilds every phase of a prepared graph once more, over the same arena,
+with two ``nimble_timestamp`` nodes per task (``kernels/timestamp.ptx``: the GPU's
+``%globaltimer``, in ns): one beside the task, after the same predecessors (its start, held
+between its last predecessor's end and its own end: see :func:`times_from_stamps`), and one
+after it (its end).  Neither precedes anything, so the schedule's chains are not lengthened; the
+cost is the extra nodes the GPU's front end schedules, which :class:`Timeline` reports as the
+instrumentation's overhead (the instrumented run against the plain one).  The prepared exec is
+not touched.
+
+:class:`Timeline` is plain data and answers the questions on any machine: how many tasks were in
+flight on average (achieved concurrency), how long each stream sat idle inside its active span,
+the critical path the run really took (from the last task to finish, back through the
+predecessor that finished last) beside the planned one (the DAG's longest path with the measured
+durations), and a Chrome/Perfetto trace with one track per stream and the syncs as arrows.  A
+training step's late edges (:mod:`nimble.analysis.backfill`) order tasks as the syncs do: both paths
+follow them, and the trace draws them as arrows of their own.
+"""
+from __future__ import annotations
+
+import heapq
+import struct
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..analysis.deps import CriticalPath, critical_path, dag_from_edges
+from ..analysis.schedule import Schedule, phase_spans
+from ..ir.taskgraph import TaskGraph
+
+
+@dataclass
+class Timeline:
+    """Measured ``(start, end)`` in µs per task, each phase from its own first start."""
+
+    graph: TaskGraph
+    schedule: Schedule
+    times: list[tuple[float, float]]
+    #: Median µs of one plain and one instrumented run of every phase (0 where not measured).
+    plain_us: float = 0.0
+    instrumented_us: float = 0.0
+    meta: dict = field(default_factory=dict)
+    #: The built graphs' late edges (:attr:`nimble.engine.prepared.Prepared.late_edges`), which the run
+    #: enforced beside the schedule's.
+    late_edges: list[tuple[int, int]] = field(default_factory=list)
+
+    def edges(self) -> list[tuple[int, int]]:
+        """Every ordering the run enforced: the schedule's edges and the late edges."""
+        return self.schedule.edges() + [tuple(e) for e in self.late_edges]
+
+    def phases(self) -> list[range]:
+        return phase_spans(self.schedule.phases, len(self.graph.tasks))
+
+    def summary(self) -> dict:
+        """Per phase: makespan, busy and idle µs per stream, achieved concurrency, the executed
+        and the planned critical path; and the instrumentation's overhead."""
+        names = ["forward", "backward"] if len(self.phases()) == 2 else \
+            [f"phase {k}" for k in range(len(self.phases()))]
+        rows = [self._phase(name, span) for name, span in zip(names, self.phases()) if len(span)]
+        overhead = (self.instrumented_us / self.plain_us - 1.0) if self.plain_us else None
+        return {"phases": rows, "plain_us": self.plain_us,
+                "instrumented_us": self.instrumented_us, "overhead": overhead}
+
+    def _phase(self, name: str, span: range) -> dict:
+        times, stream_of = self.times, self.schedule.stream_of
+        begin = min(times[t][0] for t in span)
+        end = max(times[t][1] for t in span)
+        makespan = end - begin
+        work = sum(times[t][1] - times[t][0] for t in span)
+        streams: dict[int, list[tuple[float, float]]] = {}
+        for t in span:
+            streams.setdefault(stream_of[t], []).append(times[t])
+        busy = {s: _union_length(iv) for s, iv in streams.items()}
+        idle = {s: (max(e for _, e in iv) - min(b for b, _ in iv)) - busy[s]
+                for s, iv in streams.items()}
+        executed = executed_critical_path(self.schedule, times, span, self.late_edges)
+        edges = [(u - span.start, v - span.start) for u, v in self.edges()
+                 if u in span and v in span]
+        durations = [times[t][1] - times[t][0] for t in span]
+        planned = _longest_path(len(span), edges, durations)
+        return {"name": name, "tasks": len(span), "streams": len(streams),
+                "makespan_us": makespan, "work_us": work,
+                "concurrency": work / makespan if makespan > 0 else 0.0,
+                "busy_us": busy, "idle_us": idle,
+                "executed_path_tasks": len(executed),
+                "executed_path_busy_us": sum(times[t][1] - times[t][0] for t in executed),
+                "executed_path": executed,
+                "planned_path_us": planned.length,
+                "planned_path_tasks": len(planned.tasks),
+                "late_edges": sum(1 for u, v in self.late_edges if u in span and v in span)}
+
+    def overlapped(self, edges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The dependencies ``(u, v)`` among ``edges`` (the DAG's, :func:`nimble.analysis.deps.build_dag`)
+        that the run broke: ``v`` started before ``u`` ended.  A schedule that enforces its DAG
+        gives none; a missing synchronization shows up here."""
+        return [(u, v) for u, v in edges if self.times[v][0] < self.times[u][1]]
+
+    def to_chrome(self) -> dict:
+        """A Chrome/Perfetto trace of the measured run (see :func:`nimble.analysis.report.to_chrome_trace`)."""
+        from ..analysis.report import to_chrome_trace
+
+        trace = to_chrome_trace(self.graph, self.schedule, times=self.times,
+                                late_edges=self.late_edges)
+        s = self.schedule
+        trace["otherData"].update(simulated=False, plain_us=self.plain_us,
+                                  instrumented_us=self.instrumented_us)
+        # Enough to analyse the run again offline (``nimble inspect TRACE``).
+        trace["otherData"]["nimble_timeline"] = {
+            "times": [[b, e] for b, e in self.times], "stream_of": list(s.stream_of),
+            "sync_edges": [list(e) for e in s.sync_edges], "phases": list(s.phases),
+            "barrier_edges": [list(e) for e in s.barrier_edges],
+            "late_edges": [list(e) for e in self.late_edges],
+            "plain_us": self.plain_us, "instrumented_us": self.instrumented_us}
+        return trace
+
+    @classmethod
+    def from_chrome(cls, trace: dict) -> "Timeline":
+        """The timeline a :meth:`to_chrome` trace carries (raises ``ValueError`` for a trace
+        that is not a measured Nimble timeline)."""
+        data = (trace.get("otherData") or {}).get("nimble_timeline")
+        if not data:
+            raise ValueError("not a measured Nimble timeline (written by nm.trace() or "
+                             "nimble debug --trace)")
+        stream_of = [int(x) for x in data["stream_of"]]
+        streams: list[list[int]] = [[] for _ in range(max(stream_of, default=-1) + 1)]
+        for t, sid in enumerate(stream_of):
+            streams[sid].append(t)
+        graph = TaskGraph(meta={"model": trace["otherData"].get("model")})
+        from ..ir.taskgraph import Task
+
+        names = {e["args"]["task"]: e["name"] for e in trace.get("traceEvents", [])
+                 if e.get("ph") == "X" and "task" in e.get("args", {})}
+        graph.tasks = [Task(t, "kernel", short_name=names.get(t, "")) for t in
+                       range(len(stream_of))]
+        schedule = Schedule(stream_of, streams, [tuple(e) for e in data["sync_edges"]], 0, 0,
+                            phases=list(data.get("phases") or []),
+                            barrier_edges=[tuple(e) for e in data.get("barrier_edges") or []])
+        return cls(graph, schedule, [(float(b), float(e)) for b, e in data["times"]],
+                   plain_us=float(data.get("plain_us") or 0.0),
+                   instrumented_us=float(data.get("instrumented_us") or 0.0),
+                   late_edges=[tuple(e) for e in data.get("late_edges") or []])
+
+
+def _longest_path(n: int, edges: Sequence[tuple[int, int]],
+                  durations: Sequence[float]) -> CriticalPath:
+    """The DAG's longest path where some edges go against task order (late edges run from a
+    later anchor to an earlier task): relabelled in a topological order for
+    :func:`nimble.analysis.deps.critical_path`, then mapped back to task ids."""
+    succs: list[list[int]] = [[] for _ in range(n)]
+    indegree = [0] * n
+    for u, v in edges:
+        succs[u].append(v)
+        indegree[v] += 1
+    ready = [t for t in range(n) if not indegree[t]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        u = heapq.heappop(ready)
+        order.append(u)
+        for v in succs[u]:
+            indegree[v] -= 1
+            if not indegree[v]:
+                heapq.heappush(ready, v)
+    if len(order) != n:
+        raise ValueError("the timeline's edges have a cycle")
+    rank = {t: k for k, t in enumerate(order)}
+    path = critical_path(dag_from_edges(n, [(rank[u], rank[v]) for u, v in edges]),
+                         [durations[t] for t in order])
+    return CriticalPath(path.length, [order[k] for k in path.tasks])
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for b, e in sorted(intervals):
+        if e <= reach:
+            continue
+        total += e - max(b, reach)
+        reach = e
+    return total
+
+
+def executed_critical_path(schedule: Schedule, times: Sequence[tuple[float, float]],
+                           span: range | None = None,
+                           late_edges: Sequence[tuple[int, int]] = ()) -> list[int]:
+    """The chain the run really waited on: from the task of ``span`` that ended last, back
+    through the predecessor (stream order, sync or late edge) that ended last, to a task with
+    none."""
+    span = range(len(times)) if span is None else span
+    preds: dict[int, list[int]] = {}
+    for u, v in schedule.edges() + [tuple(e) for e in late_edges]:
+        if u in span and v in span:
+            preds.setdefault(v, []).append(u)
+    t = max(span, key=lambda k: times[k][1])
+    path, seen = [t], {t}
+    while preds.get(t):
+        t = max(preds[t], key=lambda k: times[k][1])
+        if t in seen:
+            raise ValueError("the timeline's edges have a cycle")
+        seen.add(t)
+        path.append(t)
+    path.reverse()
+    return path
+
+
+def times_from_stamps(raw: bytes, span: range,
+                      edges: Sequence[tuple[int, int]] = ()) -> list[tuple[float, float]]:
+    """``(start, end)`` µs per task of ``span`` from 16 stamp bytes per task (ns, start then
+    end), relative to the span's earliest stamp.
+
+    A start stamp runs beside its task (after the same predecessors), so the GPU may run it
+    after the task has begun, even after it has ended.  A task cannot start before its last
+    predecessor (``edges``, task ids) ended, nor after it ended itself: its start is the start
+    stamp held between those two bounds (a root's lower bound is the span's earliest stamp).
+    """
+    values = struct.unpack(f"<{2 * len(span)}Q", raw[:16 * len(span)])
+    if not any(values):
+        return [(0.0, 0.0)] * len(span)
+    first = min(v for v in values if v)
+    preds: dict[int, list[int]] = {}
+    for u, v in edges:
+        if u in span and v in span:
+            preds.setdefault(v - span.start, []).append(u - span.start)
+    ends = [(values[2 * k + 1] - first) / 1e3 for k in range(len(span))]
+    times = []
+    for k in range(len(span)):
+        ready = max((ends[u] for u in preds.get(k, ())), default=0.0)
+        # 0: no start stamp (record_timeline(start_stamps=False)): the ready time stands
+        stamp = (values[2 * k] - first) / 1e3 if values[2 * k] else ready
+        times.append((min(max(stamp, ready), ends[k]), ends[k]))
+    return times
+
+
+def format_timeline(summary: dict) -> str:
+    """The text report of a :meth:`Timeline.summary`."""
+    out = []
+    for p in summary["phases"]:
+        idle = sorted(p["idle_us"].items(), key=lambda kv: -kv[1])[:3]
+        out.append(f"{p['name']}: {p['tasks']} tasks on {p['streams']} streams in "
+                   f"{p['makespan_us']:.1f} µs; achieved concurrency {p['concurrency']:.2f} "
+                   f"(task time {p['work_us']:.1f} µs)")
+        out.append(f"  executed critical path: {p['executed_path_tasks']} tasks, "
+                   f"{p['executed_path_busy_us']:.1f} µs busy of {p['makespan_us']:.1f} µs; "
+                   f"planned: {p['planned_path_tasks']} tasks, {p['planned_path_us']:.1f} µs"
+                   + (f" (both through {p['late_edges']} late edges)" if p.get("late_edges")
+                      else ""))
+        out.append("  most idle streams: " + ", ".join(
+            f"stream {s} {us:.1f} µs" for s, us in idle))
+    if summary.get("overhead") is not None:
+        out.append(f"instrumentation: {summary['instrumented_us']:.1f} µs per run against "
+                   f"{summary['plain_us']:.1f} µs plain ({summary['overhead']:+.0%})")
+    return "\n".join(out) + "\n"
+
+
+def stamp_groups(schedule: Schedule, groups: int) -> list[set[int]]:
+    """The tasks split into ``groups`` sets by their place on their stream: every
+    ``groups``-th task of each stream falls in one set, so each set's stamps are spread evenly
+    over the streams and over the run."""
+    if groups < 1:
+        raise ValueError(f"groups must be at least 1, got {groups}")
+    out: list[set[int]] = [set() for _ in range(groups)]
+    for stream in schedule.streams:
+        for position, t in enumerate(stream):
+            out[position % groups].add(t)
+    return out
+
+
+def merge_group_stamps(raws: Sequence[bytes], members: Sequence[set[int]], span: range,
+                       roots: set[int]) -> bytes:
+    """One stamp block for ``span`` from the runs of several stamp groups.
+
+    Run ``g`` stamped the tasks in ``members[g]`` and the start of the root in ``roots``
+    (every run does: it dates the run).  Each run's stamps are taken relative to that root's
+    start, so runs at different times line up; each task's stamps come from the run that
+    stamped it.
+    """
+    base = 1 << 40  # a positive origin: a stamp of 0 means "not stamped"
+    out = [0] * (2 * len(span))
+    for raw, group in zip(raws, members):
+        values = struct.unpack(f"<{2 * len(span)}Q", raw[:16 * len(span)])
+        starts = [values[2 * (t - span.start)] for t in roots if t in span]
+        origin = min((v for v in starts if v), default=0)
+        if not origin:
+            continue
+        for t in span:
+            if t not in group:
+                continue
+            k = t - span.start
+            for slot in (2 * k, 2 * k + 1):
+                if values[slot]:
+                    out[slot] = values[slot] - origin + base
+    return struct.pack(f"<{len(out)}Q", *out)
+
+
+def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
+                    start_stamps: bool = True, groups: int = 1) -> Timeline:
+    """Measure every task of ``prepared`` (a :class:`nimble.engine.prepared.Prepared`) in a real run.
+
+    ``inputs`` (the flat inputs of every phase, as :func:`nimble.engine.prepared.run_all` takes them;
+    random ones when None) are copied into the arena's slots; each phase's instrumented graph
+    runs ``runs`` times after the plain graphs ran as often, and the last run's stamps are
+    kept.  ``start_stamps=False`` stamps only the ends (and the first root's start, which
+    dates the run): half the extra nodes, each start then being its ready time (its last
+    predecessor's end; the launch for a root).  ``groups=k`` spreads the stamps over ``k``
+    instrumented graphs (:func:`stamp_groups`), each run ``runs`` times, so each measured run
+    carries a ``k``-th of them and is disturbed that much less; the timeline joins the runs
+    (:func:`merge_group_stamps`) and the overhead reported is the largest of theirs.  The instrumented graphs are launched as the prepared ones are
+    (device-launchable where those are).  Needs the GPU; the prepared graph keeps serving calls
+    unchanged.
+    """
+    import torch
+
+    from .. import driver
+    from ..engine import kernels
+    from ..engine.build import build_graph, predecessors
+    from ..engine.proof import random_like
+
+    graph, schedule = prepared.graph, prepared.schedule
+    n = len(graph.tasks)
+    launchers = prepared.launchers
+    slots = [s for launcher in launchers for s in launcher.slots]
+    inputs = list(inputs) if inputs is not None else [random_like(s.tensor) for s in slots]
+    members = stamp_groups(schedule, groups) if groups > 1 else [set(range(n))]
+    preds = predecessors(n, schedule.edges())
+    roots = {next(t for t in b.span if all(u < b.span.start for u in preds[t]))
+             for b in prepared.builts if len(b.span)}  # the stamp dating each run
+    stamps = driver.DeviceMemory.allocate(16 * max(n, 1))
+    raws: list[bytes] = []
+    timed: list[float] = []
+    try:
+        with launchers[0].lock:
+            # A gather node reads its source from the input cell, which still names the last
+            # call's tensor: the plain runs must gather each slot onto itself instead.
+            prepared.cells_to_own_slots()
+            stream = launchers[0].stream()
+            torch_stream = torch.cuda.ExternalStream(int(stream)) \
+                if int(stream) else torch.cuda.current_stream()
+
+            def run(execs) -> float:
+                with torch.cuda.stream(torch_stream):
+                    for slot, x in zip(slots, inputs):
+                        slot.tensor.copy_(x)
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for exec_handle in execs:
+                        driver.launch(exec_handle, stream)
+                    end.record()
+                end.synchronize()
+                return start.elapsed_time(end) * 1e3
+            plain = sorted(run([b.exec.handle for b in prepared.builts]) for _ in range(runs))
+            for group in members:
+                driver.copy_to_device(stamps.address, bytes(16 * max(n, 1)))  # 0: not stamped
+                instrumented = []
+                try:
+                    for phase, built in enumerate(prepared.builts):
+                        # With the served graph's gathers: without them its roots would be
+                        # many graph roots, a shape the driver runs measurably slower.
+                        gathers = prepared.gathers(phase)
+                        instrumented.append(build_graph(
+                            graph, prepared.built_nodes(phase), prepared.bases,
+                            schedule.edges(), device_launch=built.device_launch,
+                            upload_stream=stream, span=built.span, gathers=gathers,
+                            gather_module=kernels.load("gather_input.ptx") if gathers else None,
+                            stamps=stamps.address + 16 * built.span.start,
+                            stamp_module=kernels.load("timestamp.ptx"), start_stamps=start_stamps,
+                            nodes_relocated=True, priorities=prepared.priorities,
+                            stamped=group if groups > 1 else None,
+                            late_edges=prepared.late_edges))
+                    times_of = sorted(run([b.exec.handle for b in instrumented])
+                                      for _ in range(runs))
+                    timed.append(times_of[len(times_of) // 2])
+                    raws.append(driver.copy_to_host(stamps.address, 16 * n))
+                finally:
+                    for built in instrumented:
+                        built.close()
+    finally:
+        stamps.close()
+    times: list[tuple[float, float]] = [(0.0, 0.0)] * n
+    for built in prepared.builts:
+        span = built.span
+        if groups > 1:
+            chunk = merge_group_stamps([r[16 * span.start:16 * span.stop] for r in raws],
+                                       members, span, roots)
+        else:
+            chunk = raws[0][16 * span.start:16 * span.stop]
+        for t, pair in zip(span, times_from_stamps(chunk, span,
+                                                   schedule.edges() + prepared.late_edges)):
+            times[t] = pair
+    return Timeline(graph, schedule, times, plain_us=plain[len(plain) // 2],
+                    instrumented_us=max(timed),
+                    meta={"runs": runs, "timer": "%globaltimer", "start_stamps": start_stamps,
+                          "groups": groups}, late_edges=list(prepared.late_edges))

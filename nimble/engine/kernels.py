@@ -1,0 +1,29 @@
+"""Nimble's own kernels: PTX from ``kernels/``, loaded through the driver's JIT once per prepare.
+
+Finding a source needs no GPU; loading it does.  The module handle is owned by a
+:class:`~nimble.driver.Module`, which the graph that uses its functions keeps alive.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import driver
+from ..errors import NimbleError
+
+GATHER_INPUT = "nimble_gather_input"  # kernels/gather_input.ptx: cell, dst, nbytes
+TIMESTAMP = "nimble_timestamp"  # kernels/timestamp.ptx: slot
+
+
+def source(filename: str) -> bytes:
+    """The text of ``kernels/<filename>`` from a source checkout or an installed package."""
+    package = Path(__file__).resolve().parents[1]  # nimble/
+    for candidate in (package.parent / "kernels" / filename, package / "_kernels" / filename):
+        if candidate.is_file():
+            return candidate.read_bytes()
+    raise NimbleError(f"Nimble's kernel source {filename} is missing (looked in kernels/ beside "
+                      "the package and in nimble/_kernels/): reinstall nimble")
+
+
+def load(filename: str) -> driver.Module:
+    """``kernels/<filename>`` compiled for the current GPU and loaded into the current context."""
+    return driver.Module.load_data(source(filename) + b"\0", detail=filename)

@@ -1,0 +1,413 @@
+"""A prepared graph: its schedule and arena plan, its explicit graph(s), launchers and proof.
+
+:func:`plan_graph` schedules a recording and plans its arena; :func:`build_prepared` allocates the
+arena (the planned buffers, the input cells, the random generator's cells, private copies of
+library scratch), builds one explicit graph and one launcher per phase (one for inference; forward
+and backward for a training step); :func:`prove` runs the proof.  :class:`Prepared` owns the result
+and is what :class:`nimble.Nimble` swaps in whole.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..analysis import backfill
+from .. import driver
+from . import kernels
+from .build import BuiltGraph, InputGather, buffer_bases, build_graph
+from .launcher import CallOrder, InputSlot, Launcher, RngCells
+from ..analysis.memplan import MemPlan, plan_memory
+from ..analysis.plan_check import check_plan
+from ..analysis.priorities import driver_priorities, priority_levels
+from ..record.resolve import RNG_OFFSET, RNG_SEED
+from ..analysis.arena_fit import schedule_within
+from ..analysis.schedule import Schedule, phase_spans
+from ..ir.taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph, TaskKind, TensorRef
+from .weights import Weights
+
+_ARENA_ALIGNMENT = 512  # the planner's alignment; the arena base gets at least as much
+
+
+class _DeviceBytes:
+    """``__cuda_array_interface__`` over raw device memory, keeping its owner alive."""
+
+    def __init__(self, address: int, size: int, owner: Any) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3,
+            "strides": None, "stream": None}
+
+
+def device_tensor(address: int, ref: TensorRef, owner: Any, device):
+    """A torch tensor (shape, strides, dtype of ``ref``) over the device memory at ``address``."""
+    import torch
+
+    dtype = getattr(torch, ref.dtype)
+    element = torch.empty((), dtype=dtype).element_size()
+    extent = 1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.strides)) if all(ref.shape) \
+        else 0
+    raw = torch.as_tensor(_DeviceBytes(address, max(extent, 1) * element, owner), device=device)
+    return raw.view(dtype).as_strided(ref.shape, ref.strides)
+
+
+def input_slot(address: int, ref: TensorRef, owner: Any, device) -> InputSlot:
+    """The arena slot of one graph input, at ``address``."""
+    tensor = device_tensor(address, ref, owner, device)
+    return InputSlot(tensor, address, tensor.numel() * tensor.element_size(), tuple(ref.shape),
+                     tensor.dtype, tensor.is_contiguous())
+
+
+def single_stream_schedule(n: int, phases: list[int] | None = None) -> Schedule:
+    """Every task on one stream in recorded order (Nimble with multi-stream off); a phased
+    graph gets one stream per phase, each phase after the one before."""
+    spans = [s for s in phase_spans(phases or [], n) if len(s)]
+    streams = [list(s) for s in spans]
+    stream_of = [k for k, s in enumerate(spans) for _ in s]
+    barriers = [(a.stop - 1, b.start) for a, b in zip(spans, spans[1:])]
+    return Schedule(stream_of, streams, [], max(n - len(streams), 0), 1 if n else 0,
+                    phases=list(phases or []), barrier_edges=barriers)
+
+
+def gathers_of(slots) -> list[InputGather]:
+    """One gather per input slot a call writes through a cell (the slots of one phase)."""
+    return [InputGather(s.cell, s.address, s.nbytes) for s in slots if s.cell]
+
+
+@dataclass
+class Prepared:
+    """One built, verified graph with everything it owns; replaced whole by the next prepare.
+
+    A training step has two phases, each its own exec and launcher over one arena: the forward
+    (``builts[0]``, ``launchers[0]``) and the backward; ``step`` joins them for autograd.
+    """
+
+    graph: TaskGraph
+    schedule: Schedule
+    memplan: MemPlan
+    builts: list[BuiltGraph]
+    arena: driver.DeviceMemory | None
+    arena_base: int
+    bases: list[int]  # where every buffer lives for the built graph (weights may move)
+    launchers: list[Launcher]  # per phase: input slots, outputs, stream cache (one lock)
+    weights: Weights
+    seconds: dict
+    #: The driver priority number of each task's node (None: the graph ignores priorities).
+    priorities: list[int] | None = None
+    #: Per phase whose tail backfill was measured, what was (:class:`nimble.analysis.backfill.Picked`).
+    backfill: list = field(default_factory=list)
+    recording: Any = None  # kept only with keep_recording=True (debugging)
+    step: Any = None  # training.TrainingStep for a training step, else None
+
+    @property
+    def built(self) -> BuiltGraph:
+        return self.builts[0]
+
+    @property
+    def late_edges(self) -> list[tuple[int, int]]:
+        """The built graphs' edges beyond the schedule's: the tail backfill kept
+        (:mod:`nimble.analysis.backfill`); a copy of a phase needs them to run as the served one does."""
+        return [e for p in self.backfill if p.kept is not None for e in p.kept.edges()]
+
+    @property
+    def launcher(self) -> Launcher:
+        return self.launchers[0]
+
+    def built_nodes(self, phase: int) -> list:
+        """Per task, its node in phase ``phase``'s built graph (None outside the phase): what
+        :func:`~nimble.engine.build.build_graph` takes to rebuild a copy (``nodes_relocated=True``)."""
+        built = self.builts[phase]
+        nodes: list = [None] * len(self.graph.tasks)
+        for t, node in zip(built.span, built.nodes):
+            nodes[t] = node
+        return nodes
+
+    def gathers(self, phase: int) -> list[InputGather]:
+        """The input gathers phase ``phase``'s graph starts with: a copy of the graph rebuilt
+        with them (and the same priorities) runs as the served one does, single entry and all."""
+        return gathers_of(self.launchers[phase].slots)
+
+    def cells_to_own_slots(self) -> None:
+        """Point every input cell at its own slot, so that a launch without a call (a debugging
+        run with the inputs copied into the slots) gathers each slot onto itself."""
+        for launcher in self.launchers:
+            for slot in launcher.slots:
+                if slot.cell:
+                    driver.copy_to_device(slot.cell, slot.address.to_bytes(8, "little"))
+            launcher.forget_cells()
+
+    def close(self) -> None:
+        """Wait for the last call, free execs and graphs, let go of the arena (idempotent).
+
+        The arena is freed once nothing refers to it any more: outputs the caller still holds
+        and gradients autograd adopted as ``.grad`` are views that keep it alive, so closing never
+        leaves a tensor pointing at freed memory.
+        """
+        for launcher in self.launchers:
+            launcher.close()
+        for built in self.builts:
+            built.close()
+        self.arena = None  # freed by its finalizer with the last view
+        self.recording = None
+
+
+def written_externals(graph: TaskGraph) -> list[int]:
+    """Library-owned memory (never handed out by torch's allocator) that the graph writes.
+
+    cuDNN's training batch norm keeps a partial-sum buffer and a grid semaphore of its own
+    (per handle) that every such kernel writes; a graph that kept pointing there would share
+    them with every other graph and eager call, and lose them if cuDNN reallocated.  Memory from
+    torch's allocator that the graph writes may be a tensor the model updates on purpose (a
+    cache held as a plain attribute), so it stays shared.
+    """
+    written = {a.buffer for t in graph.tasks for a in t.accesses if a.write and a.size > 0}
+    return [b.id for b in graph.buffers if b.kind == BufferKind.EXTERNAL and b.id in written
+            and b.size > 0 and b.name.startswith(LIBRARY_MEMORY)]
+
+
+def _rng_cells(graph: TaskGraph, device, at: int) -> tuple[dict[int, int], RngCells | None]:
+    """Bases of the graph's RNG buffers in two cells at ``at`` and ``at + 8``, and the cells."""
+    import torch
+
+    rng = graph.meta.get("rng")
+    if not rng:
+        return {}, None
+    cell = {RNG_SEED: at, RNG_OFFSET: at + 8}
+    bases = {b.id: cell[b.name] for b in graph.buffers if b.kind == BufferKind.RNG}
+    generator = torch.cuda.default_generators[device.index or 0]
+    return bases, RngCells(generator, at, at + 8, int(rng["increment"]))
+
+
+def plan_graph(graph: TaskGraph, use_multi_stream: bool, max_streams: int | None,
+               arena_limit: int | str | None,
+               durations: Sequence[float] | Callable[[], Sequence[float]] | None = None
+               ) -> tuple[Schedule, MemPlan]:
+    """The schedule and the arena plan it allows, checked.  ``durations`` (each task's
+    isolated µs, or a callable that measures them when the limit binds) pick among the
+    schedules that fit the arena (:func:`nimble.analysis.arena_fit.schedule_within`).
+    """
+    limit = graph.meta.get("pool_bytes") if arena_limit == "pool" else arena_limit
+    if use_multi_stream:
+        schedule, plan = schedule_within(graph, max_streams, limit, durations)
+    else:
+        schedule = single_stream_schedule(len(graph.tasks), graph.meta.get("phases"))
+        plan = plan_memory(graph, schedule.edges())
+    check_plan(graph, schedule.edges(), plan)
+    return schedule, plan
+
+
+def task_times(rec) -> list[float]:
+    """Each task's isolated µs: carried by the recording, or measured now on it (live)."""
+    from ..analysis.deps import task_durations
+    from .task_timing import time_recording
+
+    return task_durations(rec.graph) or time_recording(rec)
+
+
+def kernel_priorities(schedule: Schedule, durations: Sequence[float]) -> list[int]:
+    """Driver priority numbers per task from its slack in ``schedule`` (:mod:`nimble.analysis.priorities`),
+    each task weighted by its isolated duration."""
+    least, greatest = driver.stream_priority_range()
+    n = len(durations)
+    levels = priority_levels(n, schedule.edges(), durations, least - greatest + 1,
+                             phase_spans(schedule.phases, n))
+    return driver_priorities(levels, least, greatest)
+
+
+def backfill_trials(graph: TaskGraph, schedule: Schedule,
+                    durations: Sequence[float]) -> dict[int, list[backfill.Backfill]]:
+    """The tail backfills worth timing per phase (:func:`nimble.analysis.backfill.plan_trials`), from
+    each kernel's block count and the current device's SM count."""
+    import torch
+
+    n = len(graph.tasks)
+    blocks = [t.grid[0] * t.grid[1] * t.grid[2] if t.kind == TaskKind.KERNEL else 1
+              for t in graph.tasks]
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return backfill.plan_trials(n, schedule.edges(), phase_spans(schedule.phases, n),
+                                durations, blocks, sms)
+
+
+def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool,
+                   gather_inputs: bool, seconds: dict,
+                   priorities: list[int] | None = None,
+                   backfill_trials: dict[int, list] | None = None) -> Prepared:
+    """Arena, cells, explicit graph(s) and launchers for a planned recording (not verified).
+
+    The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
+    address the graph's gather node reads), then the generator's seed and offset cells, then a
+    private copy of every library-owned buffer the graph writes (:func:`written_externals`),
+    initialized from the library's bytes.  Each buffer in ``meta["low_word_buffers"]`` gets
+    memory of its own at its recorded address plus a multiple of 4 GiB
+    (:class:`~nimble.driver.LowBitsMemory`), owned with the arena; its arena slot stays unused.
+    A phased recording (a training step) gets one graph and one launcher per phase, over the
+    phase's own tasks, inputs and outputs.  ``priorities`` (driver priority numbers per task,
+    :func:`kernel_priorities`) go to the kernel nodes.  ``backfill_trials`` (per phase,
+    :func:`nimble.analysis.backfill.plan_trials`) are built and timed against the phase built without
+    them (:func:`nimble.analysis.backfill.pick`), each after the phases before it, and the fastest kept.
+    """
+    import torch
+
+    graph = rec.graph
+    device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
+    spans = phase_spans(graph.meta.get("phases") or [], len(graph.tasks))
+    in_counts = graph.meta.get("phase_inputs") or [len(graph.inputs)]
+    out_counts = graph.meta.get("phase_outputs") or [len(graph.outputs)]
+    cells_at = -(-plan.arena_bytes // 8) * 8
+    rng_at = cells_at + 8 * len(graph.inputs)
+    extra = 16 if graph.meta.get("rng") else 0
+    private_at, private = rng_at + extra, {}
+    for bid in written_externals(graph):
+        private_at = -(-private_at // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
+        private[bid] = private_at
+        private_at += graph.buffers[bid].size
+    arena = driver.DeviceMemory.allocate(private_at + _ARENA_ALIGNMENT)
+    builts: list[BuiltGraph] = []
+    try:
+        base = -(-arena.address // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
+        bases = buffer_bases(graph, plan, base)
+        rng_bases, rng = _rng_cells(graph, device, base + rng_at)
+        for bid, address in rng_bases.items():
+            bases[bid] = address
+        for bid, at in private.items():
+            driver.copy_device(base + at, graph.buffers[bid].address, graph.buffers[bid].size)
+            bases[bid] = base + at
+        for bid in graph.meta.get("low_word_buffers", []):
+            b = graph.buffers[bid]
+            memory = driver.LowBitsMemory.allocate(b.size, b.address, device.index or 0)
+            arena.companions.append(memory)
+            bases[bid] = memory.address
+        slots = [input_slot(bases[r.buffer] + r.offset, r, arena, device)
+                 for r in graph.inputs]
+        if gather_inputs and slots and driver.device_supports_stream_writes(device.index or 0):
+            # A cell starts out naming its own slot: a C host that copies into the slot
+            # and launches (without writing the cell) gets a harmless self-copy.
+            slots = [s._replace(cell=base + cells_at + 8 * i) if s.dense else s
+                     for i, s in enumerate(slots)]
+            for s in slots:
+                if s.cell:
+                    driver.copy_to_device(s.cell, s.address.to_bytes(8, "little"))
+        outputs = [device_tensor(bases[r.buffer] + r.offset, r, arena, device)
+                   for r in graph.outputs]
+        order = CallOrder()
+        context = driver.current_context()
+        upload = driver.stream(torch.cuda.current_stream().cuda_stream)
+        launchers: list[Launcher] = []
+        picked: list[backfill.Picked] = []
+        first_in = first_out = 0
+        for k, span in enumerate(spans):
+            mine = slots[first_in:first_in + in_counts[k]]
+            gathers = gathers_of(mine)
+
+            def build(late=(), span=span, gathers=gathers) -> BuiltGraph:
+                return build_graph(graph, rec.nodes, bases, schedule.edges(),
+                                   device_launch=device_launch, upload_stream=upload,
+                                   gathers=gathers, span=span, priorities=priorities,
+                                   gather_module=kernels.load("gather_input.ptx") if gathers
+                                   else None, late_edges=late)
+            built = build()
+            if backfill_trials and backfill_trials.get(k):
+                try:
+                    built, report = backfill.pick(built, backfill_trials[k], build,
+                                                  _after_phases(builts, upload))
+                except BaseException:
+                    built.close()  # pick frees the graphs it built, not this one
+                    raise
+                picked.append(report)
+            builts.append(built)
+            launchers.append(Launcher(
+                built.exec.handle, mine, device, outputs[first_out:first_out + out_counts[k]],
+                rec.output_spec if k == 0 else None, context, rng if k == 0 else None,
+                order=order))
+            first_in += in_counts[k]
+            first_out += out_counts[k]
+    except BaseException:
+        for built in builts:
+            built.close()
+        arena.close()
+        raise
+    prepared = Prepared(graph=graph, schedule=schedule, memplan=plan, builts=builts,
+                         arena=arena, arena_base=base, bases=bases, launchers=launchers,
+                         weights=Weights(model, graph), seconds=seconds, priorities=priorities,
+                         backfill=picked)
+    if rec.step is not None:
+        from .autograd import TrainingStep
+
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        prepared.step = TrainingStep(launchers[0], launchers[1], rec.step, names)
+    return prepared
+
+
+def _after_phases(before: Sequence[BuiltGraph], stream) -> Callable[[BuiltGraph, int], float]:
+    """``launch(built, count) -> ms``: ``count`` launches of ``built``, each after one launch of
+    every phase of ``before`` (so it reads what they write: a backward reads the forward's
+    saved max-pool indices, and its own writes may reuse their bytes), timing ``built`` only."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def launch(built: BuiltGraph, count: int) -> float:
+        total = 0.0
+        for _ in range(count):
+            for b in before:
+                driver.launch(b.exec.handle, stream)
+            start.record()
+            driver.launch(built.exec.handle, stream)
+            end.record()
+            end.synchronize()
+            total += start.elapsed_time(end)
+        return total
+    return launch
+
+
+def low_word_ranges(prepared: Prepared) -> list[tuple[int, int]]:
+    """``(address, size)`` of the buffers placed outside the arena to keep their low 32 bits."""
+    graph = prepared.graph
+    return [(prepared.bases[b], graph.buffers[b].size)
+            for b in graph.meta.get("low_word_buffers", []) if graph.buffers[b].size]
+
+
+def run_all(prepared: Prepared):
+    """Run every phase in order on its share of the inputs (for the proof)."""
+    def run(inputs: list) -> list:
+        out, first = [], 0
+        for launcher in prepared.launchers:
+            n = len(launcher.slots)
+            out += launcher.run_flat(inputs[first:first + n])
+            first += n
+        return out
+    return run
+
+
+def prove(prepared: Prepared, rec, relaunches: int) -> None:
+    """The proof: ``relaunches`` poisoned launches equal the recording bit for bit (a training
+    step's gradients: within the tolerance :mod:`nimble.engine.proof` states).
+
+    A graph that draws random numbers is given the same generator state as the reference for
+    each input set; the generator is restored afterwards.
+    """
+    import torch
+
+    from .proof import verify_against_reference
+
+    rng = prepared.launcher.rng
+    saved = rng.generator.get_state() if rng else None
+    outputs = len(prepared.graph.outputs)
+    gradients = range(prepared.step.layout.forward_outputs, outputs) if prepared.step else ()
+    start = rng.generator.get_offset() if rng else 0
+
+    def rng_at(k: int) -> None:
+        rng.generator.set_offset(start + 4096 * k * max(rng.increment, 4))
+    try:
+        spread = verify_against_reference(
+            prepared.graph, rec.replay_reference, run_all(prepared), rec.static_inputs,
+            [(prepared.arena_base, prepared.memplan.arena_bytes)] + low_word_ranges(prepared),
+            prepared.launcher.stream(),
+            relaunches=relaunches, rng_at=rng_at if rng else None,
+            repeats=4 if prepared.step is not None else 3, gradients=gradients)
+        torch.cuda.synchronize()
+        prepared.graph.meta["verified"] = {
+            "launches": max(relaunches, 1), "outputs": len(prepared.graph.outputs),
+            "not_bitwise": {str(i): d for i, d in sorted(spread.items())}}
+    finally:
+        if saved is not None:
+            rng.generator.set_state(saved)

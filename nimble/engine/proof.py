@@ -1,0 +1,168 @@
+"""The proof in ``prepare()``: the rebuilt graph reproduces the single-stream recording bit for bit.
+
+A pointer that relocation missed still points at the old, still-mapped memory and can give right
+answers by luck; a missing dependency can give right answers most of the time.  So:
+
+1. two sets of fresh random inputs are run through the captured single-stream graph (the
+   reference), each ``repeats`` times: an output that differs between replays of the recording
+   itself comes from a kernel that is not deterministic (cuDNN's weight-gradient algorithms
+   that add with atomics, say), and no schedule can reproduce it bit for bit;
+2. every recorded buffer Nimble moved (inputs, outputs, intermediates, scratch at their recorded
+   addresses) and the whole arena are filled with a NaN pattern;
+3. the rebuilt graph runs ``relaunches`` times, alternating the two input sets (so a race that
+   reads the previous launch's values cannot pass by reading identical ones), and every output of
+   every launch must equal its reference byte for byte; an output the recording itself does not
+   reproduce must stay within ``NONDETERMINISTIC_SLACK`` times the largest difference seen
+   between the reference's own replays (such outputs are named in the result).
+
+A failure raises :class:`~nimble.errors.VerificationError` naming the launch, the first differing
+output and the last tasks that wrote it.  Nothing falls back silently.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from .. import driver
+from ..errors import VerificationError
+from ..ir.taskgraph import BufferKind, TaskGraph
+
+POISON_BYTE = 0xFF  # 0xFFFFFFFF is a NaN in float32 (and 0xFFFF one in float16 / bfloat16)
+NONDETERMINISTIC_SLACK = 16.0
+#: How far (relative to the largest reference value) a gradient may differ from its reference:
+#: cuDNN's backward kernels (weight gradients, batch-norm backward) add with atomics, so the
+#: recording itself does not reproduce them bit for bit, and a multi-stream order perturbs them
+#: further through every layer below.
+GRADIENT_RTOL = 1e-2
+
+
+def random_like(t, generator=None):
+    """A fresh random tensor with ``t``'s shape, dtype and device."""
+    import torch
+
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator)
+    if t.dtype == torch.bool:
+        return torch.rand(t.shape, device=t.device, generator=generator) > 0.5
+    return torch.randint(0, 2, t.shape, dtype=t.dtype, device=t.device, generator=generator)
+
+
+def poison_ranges(graph: TaskGraph) -> list[tuple[int, int]]:
+    """``(address, size)`` of every recorded buffer the built graph no longer reads there.
+
+    Only memory the recording still owns: the capture's pool (``meta["pool_segments"]``), the
+    recorded inputs, and the random generator's cells (which torch rewrites before each of its
+    own replays).  A recorded buffer outside them (an allocation the capture made elsewhere and
+    has since given back) may belong to someone else by now, and is left alone.
+    """
+    segments = graph.meta.get("pool_segments")
+    owned = None if segments is None else sorted((int(a), int(a) + int(n)) for a, n in segments)
+
+    def inside(b) -> bool:
+        if owned is None or b.kind in (BufferKind.INPUT, BufferKind.RNG):
+            return True
+        return any(lo <= b.address and b.address + b.size <= hi for lo, hi in owned)
+    return [(b.address, b.size) for b in graph.buffers
+            if (b.kind in BufferKind.RELOCATABLE or b.kind == BufferKind.RNG) and b.size > 0
+            and inside(b)]
+
+
+def poison(ranges: Sequence[tuple[int, int]], stream) -> None:
+    """Fill each device range with the poison byte, on ``stream``."""
+    for address, size in ranges:
+        driver.fill_bytes_async(address, POISON_BYTE, size, stream)
+
+
+def same_bits(a, b) -> bool:
+    """Bitwise equality (NaNs with equal bits are equal, -0.0 differs from 0.0)."""
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8),
+                       b.contiguous().view(-1).view(torch.uint8))
+
+
+def _last_writers(graph: TaskGraph, buffer: int, count: int = 3) -> str:
+    writers = [t for t in graph.tasks if any(a.buffer == buffer and a.write for a in t.accesses)]
+    parts = []
+    for t in writers[-count:]:
+        op = graph.op_of(t)
+        parts.append(f"task {t.id} {t.short_name or t.kind}"
+                     + (f" ({op.name} in {op.module or 'the model'})" if op else ""))
+    return "; ".join(parts) or "no task writes it"
+
+
+def _max_diff(a, b) -> float:
+    diff = (a.double() - b.double()).abs()
+    return float(diff.nan_to_num(float("inf")).max()) if diff.numel() else 0.0
+
+
+def verify_against_reference(graph: TaskGraph, reference: Callable[[list], list],
+                             run: Callable[[list], list], example_inputs: Sequence,
+                             extra_poison: Sequence[tuple[int, int]], stream,
+                             relaunches: int = 100, seed: int = 0,
+                             rng_at: Callable[[int], None] | None = None,
+                             repeats: int = 3, gradients: Sequence[int] = ()
+                             ) -> dict[int, float]:
+    """Check ``run`` against ``reference`` as the module docstring says.
+
+    ``reference(inputs)`` and ``run(inputs)`` each return the list of output tensors (the
+    reference's as copies).  ``extra_poison`` adds device ranges to poison (the arena).  For a
+    graph that draws random numbers, ``rng_at(k)`` puts the generator in the state used for
+    input set ``k``, before the reference and before every launch on that set.  Outputs listed
+    in ``gradients`` (a training step's backward results) that are not bitwise equal must lie
+    within ``GRADIENT_RTOL`` of their reference's largest magnitude, or within
+    ``NONDETERMINISTIC_SLACK`` times the recording's own spread.  Returns the outputs that were
+    not proven bit for bit, with the largest difference seen (the reference's own spread where
+    it varied, else the difference to the rebuilt graph).
+    """
+    import torch
+
+    gen = torch.Generator(device=example_inputs[0].device if example_inputs else "cuda")
+    gen.manual_seed(seed)
+    input_sets = [[random_like(x, gen) for x in example_inputs] for _ in range(2)]
+    expected = []
+    spread: dict[int, float] = {}
+    for k, inputs in enumerate(input_sets):
+        for r in range(max(repeats, 1)):
+            if rng_at is not None:
+                rng_at(k)
+            outputs = reference(inputs)
+            if not r:
+                expected.append(outputs)
+                continue
+            for i, (again, first) in enumerate(zip(outputs, expected[k])):
+                if not same_bits(again, first):
+                    spread[i] = max(spread.get(i, 0.0), _max_diff(again, first))
+    poison(poison_ranges(graph) + list(extra_poison), stream)
+    tolerant = set(gradients)
+    for launch in range(max(relaunches, 1)):
+        k = launch % 2
+        if rng_at is not None:
+            rng_at(k)
+        outputs = run(input_sets[k])
+        for i, (got, want) in enumerate(zip(outputs, expected[k])):
+            if same_bits(got, want):
+                continue
+            torch.cuda.synchronize()
+            worst = _max_diff(got, want)
+            if i in spread and worst <= NONDETERMINISTIC_SLACK * spread[i]:
+                continue
+            if i in tolerant and worst <= GRADIENT_RTOL * float(want.abs().max()):
+                spread[i] = max(spread.get(i, 0.0), worst)
+                continue
+            nan = int(torch.isnan(got).sum().item()) if got.is_floating_point() else 0
+            buffer = graph.outputs[i].buffer if i < len(graph.outputs) else -1
+            own = (f"; the recording itself varies by up to {spread[i]:.3g} between replays"
+                   if i in spread else "")
+            raise VerificationError(
+                f"launch {launch}: output {i} differs from the single-stream reference "
+                f"(max abs diff {worst:.3g}, {nan} NaN elements of {got.numel()}{own}); the "
+                f"last tasks writing it: {_last_writers(graph, buffer)}. A NaN means a read of "
+                "poisoned memory (a pointer relocation missed); a small difference means two "
+                "tasks ran unordered that must not (a missing dependency). Re-run prepare() "
+                "with use_multi_stream=False to tell the two apart."
+                + (f" The recording left stale-looking words unrelocated; one may be a pointer "
+                   f"after all: {graph.meta['unresolved_report']}"
+                   if graph.meta.get("unresolved_report") else ""))
+    return spread

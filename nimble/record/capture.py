@@ -1,0 +1,286 @@
+"""CUDA graph capture with the memory story: warm-up, host-sync check, traced phased capture.
+
+:func:`capture` captures one or more *phases* (a forward; or a forward, then its backward) into
+``torch.cuda.CUDAGraph`` objects that share one memory pool, while
+
+* :class:`~nimble.record.tracer.OpTracer` notes per ATen op the byte ranges it reads and writes, the graph
+  nodes it created (numbered on through the phases) and the allocations it made, and
+* the caching allocator's history records every allocation with its address and size,
+
+so that :mod:`nimble.record.recorder` can decode the nodes and resolve every address to a buffer.  Memory
+a later phase reads from an earlier one (the activations a forward saves for its backward) is
+then one buffer with accesses in both.  The phases are then captured once more at other
+addresses (:mod:`nimble.record.twin`), which tells pointers from integers that resemble them.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+from .. import driver
+from .compiled import is_compiled
+from ..errors import CaptureError, RecordError
+from .raw import AllocEvent, DeviceRange
+from .twin import capture_twin
+
+HOST_SYNC_HELP = ("must not synchronise with the host (.item(), .cpu(), printing a tensor, "
+                  "data-dependent Python control flow) and must keep its work on the GPU")
+
+
+def snapshot_blocks(snapshot: dict, pool_id=None) -> tuple[list[DeviceRange], list[DeviceRange]]:
+    """``(active blocks outside the pool, segments of the pool)`` from an allocator snapshot."""
+    blocks, pool = [], []
+    for seg in snapshot.get("segments", []):
+        in_pool = pool_id is not None and tuple(seg.get("segment_pool_id", ())) == tuple(pool_id)
+        if in_pool:
+            pool.append(DeviceRange(seg["address"], seg["total_size"], "graph pool"))
+            continue
+        address = seg["address"]
+        for blk in seg.get("blocks", []):
+            start = blk.get("address", address)
+            if blk.get("state") == "active_allocated":
+                blocks.append(DeviceRange(start, blk["size"], f"block@{start:#x}"))
+            address = start + blk["size"]
+    return blocks, pool
+
+
+def allocator_segments(snapshot: dict) -> list[DeviceRange]:
+    """Every segment torch's caching allocator holds, as an allocator snapshot lists them."""
+    return [DeviceRange(seg["address"], seg["total_size"], f"segment@{seg['address']:#x}")
+            for seg in snapshot.get("segments", [])]
+
+
+def alloc_counter(device: int) -> Callable[[], int]:
+    """The caching allocator's count of allocations so far on ``device``."""
+    import torch
+
+    def count() -> int:
+        return torch._C._cuda_memoryStats(device)["allocation"]["all"]["allocated"]
+    return count
+
+
+def node_counter(offset: int = 0) -> Callable[[], int]:
+    """A counter of the capturing graph's nodes, plus ``offset`` (the nodes of the graphs
+    captured before it); the graph is found at the first call."""
+    import torch
+
+    state: list = [None]
+
+    def count() -> int:
+        if state[0] is None:
+            state[0] = driver.capture_graph(torch.cuda.current_stream().cuda_stream)
+            if state[0] is None:
+                raise CaptureError("the op tracer ran outside of an active stream capture")
+        return offset + driver.node_count(state[0])
+    return count
+
+
+def check_no_host_sync(fn: Callable[[], Any], name: str, what: str = "forward") -> None:
+    """Run ``fn`` once with torch's sync debug mode set to error.
+
+    Work that synchronises with the host cannot be captured, and a failed capture can leave
+    torch's CUDA state (its random generator) unusable for the rest of the process; finding the
+    synchronisation before capturing keeps the process healthy.
+    """
+    import torch
+
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as e:
+        if "synchroniz" not in str(e):
+            raise CaptureError(f"the model failed to run on the example inputs: {e}") from e
+        raise CaptureError(
+            f"the {what} of {name} cannot be captured into a CUDA graph: it synchronises with "
+            f"the host ({e}). A {what} {HOST_SYNC_HELP}.") from e
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.synchronize()
+
+
+def warm_up(fn: Callable[[], Any], iterations: int) -> None:
+    """Run ``fn`` on a side stream (as torch's graph docs require before capture)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(iterations):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def quiet_backward() -> Iterator[None]:
+    """Silence what torch says about a backward run on a side stream or under capture.
+
+    The autograd engine's device thread starts without a current CUDA context (torch then sets
+    the primary one, and says so), and a backward on the warm-up stream does not match the
+    stream of the parameters' gradient-accumulation nodes (unused here: the recorded backward
+    computes gradients with ``torch.autograd.grad``).  Neither is the user's concern.
+    """
+    import torch
+
+    setter = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no "
+                                "current CUDA context")
+        warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream")
+        if setter is not None:
+            setter(False)
+        try:
+            yield
+        finally:
+            if setter is not None:
+                setter(True)
+
+
+@dataclass
+class Phase:
+    """One part of the work captured into its own graph: ``run(previous result) -> result``."""
+
+    name: str  # "forward", "backward": for messages
+    run: Callable[[Any], Any]
+
+
+@dataclass
+class Captured:
+    """What a capture leaves: the torch graphs, each phase's result, and the memory story."""
+
+    torch_graphs: list
+    results: list  # per phase
+    node_counts: list[int]  # per phase
+    ops: list
+    allocs: list[AllocEvent]
+    pool: list[DeviceRange]
+    externals: list[DeviceRange]  # allocator blocks alive before capture
+    device: int
+    allocator: list[DeviceRange] = field(default_factory=list)  # its segments before capture
+    twin: list | None = None  # node signatures of a second capture (see nimble.record.twin)
+    twin_note: str = ""  # why there is no twin
+
+
+def clear_blas_workspaces() -> None:
+    """Drop torch's cached cuBLAS/cuBLASLt workspaces (one per handle and stream).
+
+    Before a capture, so that the workspaces its GEMMs use are allocated inside it, where the
+    recording sees them as op scratch and the arena takes them over; a workspace cached from an
+    earlier capture on the same stream lives in *that* capture's pool and would be shared by the
+    new graph without being owned by it.  After the capture, so that later work does not keep
+    using a workspace inside this capture's pool (torch's cudagraph trees do the same).
+    """
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+_FREE_ACTIONS = ("free_requested", "free", "free_completed")
+
+
+def alloc_events_from_trace(trace: Sequence[dict], alloc_base: int) -> list[AllocEvent]:
+    """The allocations of an allocator history (``_snapshot()["device_traces"][device]``), in
+    order, numbered from ``alloc_base``, each with the allocation count at its free.
+
+    The caching allocator hands out blocks rounded up to 512 bytes, and libraries use the
+    slack (cuDNN points a kernel at a 0-byte region just past its requested workspace size),
+    so each size is rounded up as well.  A free is taken at its request, the point after which
+    no newly captured kernel may use the block (its completion may wait on stream events).
+    """
+    events: list[AllocEvent] = []
+    live: dict[int, AllocEvent] = {}
+    for entry in trace:
+        action = entry.get("action")
+        if action == "alloc":
+            event = AllocEvent(alloc_base + len(events), int(entry["addr"]),
+                               -(-int(entry["size"]) // 512) * 512)
+            events.append(event)
+            live[event.address] = event
+        elif action in _FREE_ACTIONS:
+            event = live.pop(int(entry["addr"]), None)
+            if event is not None:
+                event.freed_at = alloc_base + len(events)
+    return events
+
+
+def capture(phases: Sequence[Phase], module, name: str) -> Captured:
+    """Capture each phase into its own graph (one shared pool), tracing ops and allocations."""
+    import torch
+
+    from .tracer import ModulePaths, OpTracer
+
+    device = torch.cuda.current_device()
+    before = {"segments": torch.cuda.memory_snapshot()}
+    externals, _ = snapshot_blocks(before)
+    count_allocs = alloc_counter(device)
+    graphs: list = []
+    results: list = []
+    node_counts: list[int] = []
+    ops: list = []
+    clear_blas_workspaces()
+    # A garbage collection during capture may free an old graph's arena (cuMemFree), which a
+    # global-mode capture forbids: the capture is invalidated, and torch's random generator is
+    # left believing it is still capturing.  Collect first, and not at all while capturing.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                             clear_history=True)
+    try:
+        alloc_base = count_allocs()
+        value = None
+        # Module hooks never fire inside compiled code, and torch warns that they fire twice
+        # around a compiled module: a compiled module's tasks are named by their kernels.
+        with ModulePaths(module if isinstance(module, torch.nn.Module) else None,
+                         enabled=not is_compiled(module)) as paths:
+            for phase in phases:
+                torch_graph = torch.cuda.CUDAGraph(keep_graph=True)
+                tracer = OpTracer(node_counter(sum(node_counts)), count_allocs, paths)
+                try:
+                    with torch.cuda.graph(torch_graph,
+                                          pool=graphs[0].pool() if graphs else None):
+                        with tracer:
+                            value = phase.run(value)
+                except Exception as e:  # noqa: BLE001 - any failure of capture is reported typed
+                    torch.cuda.synchronize()
+                    raise CaptureError(
+                        f"the {phase.name} of {name} cannot be captured into a CUDA graph: {e}. "
+                        f"A {phase.name} {HOST_SYNC_HELP}.") from e
+                graphs.append(torch_graph)
+                results.append(value)
+                node_counts.append(driver.node_count(
+                    driver.bindings().CUgraph(torch_graph.raw_cuda_graph())))
+                ops += tracer.ops
+        alloc_total = count_allocs() - alloc_base
+        snap = torch.cuda.memory._snapshot(device)
+    finally:
+        if collecting:
+            gc.enable()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        clear_blas_workspaces()
+
+    # While this capture's pool is held, a second capture lies at other addresses.
+    twin, twin_note = capture_twin(phases, clear_blas_workspaces)
+    # Segments the allocator took since (the twin's, if it keeps them cached) are torch's
+    # memory, never a library's: a padded integer pointing into one must not be relocated.
+    since = allocator_segments({"segments": torch.cuda.memory_snapshot()})
+    trace = snap.get("device_traces", [[]])[device] if snap.get("device_traces") else []
+    alloc_events = alloc_events_from_trace(trace, alloc_base)
+    if len(alloc_events) != alloc_total:
+        raise RecordError(
+            f"the allocator history holds {len(alloc_events)} allocations but its counter moved "
+            f"by {alloc_total}; cannot tell allocations apart (was memory history already "
+            "enabled?)")
+    _, pool = snapshot_blocks(snap, graphs[0].pool())
+    # Another prepared graph's arena counts as allocator memory: none of this capture's.
+    others = [DeviceRange(a, n, f"nimble@{a:#x}") for a, n in driver.nimble_memory()]
+    return Captured(graphs, results, node_counts, ops, alloc_events, pool, externals, device,
+                    allocator_segments(before) + others + [
+                        s for s in since if not any(s.overlaps(p) for p in pool)],
+                    twin, twin_note)
