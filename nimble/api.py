@@ -243,10 +243,22 @@ class Nimble:
             return record(self.model, example_inputs, quiet=quiet)
 
     # ---- calls ------------------------------------------------------------------------------
-    def _state(self) -> Prepared:
+    @property
+    def engine(self) -> Prepared:
+        """The prepared graph behind this object (:class:`~nimble.engine.prepared.Prepared`):
+        the built graph and its exec (``engine.built``), the per-call launcher, the arena's
+        buffer addresses (``engine.bases``), the weights it reads and the late edges it kept.
+
+        For tools, tests and embedding hosts that need more than the properties below; its
+        fields belong to the engine and may change between versions.  Raises
+        :class:`~nimble.errors.NimbleError` before prepare().
+        """
         if self._prepared is None:
             raise NimbleError("call prepare(example_inputs) before running the model")
         return self._prepared
+
+    def _state(self) -> Prepared:
+        return self.engine
 
     def __call__(self, *inputs):
         """Run the prepared graph on ``inputs`` (same shapes and dtypes as in prepare()).
