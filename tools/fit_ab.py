@@ -19,7 +19,7 @@ import nimble
 import nimble.engine.prepared
 from nimble.analysis import arena_fit
 from nimble.cli import train_bench
-from nimble.cli.bench import time_rounds
+from nimble.cli.harness import time_rounds
 from nimble.analysis.deps import build_dag
 
 

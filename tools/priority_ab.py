@@ -19,7 +19,8 @@ import torch
 import nimble
 from nimble.cli import models
 from nimble.cli import train_bench
-from nimble.cli.bench import time_rounds, torch_graph_call
+from nimble.cli.bench import torch_graph_call
+from nimble.cli.harness import time_rounds
 
 VARIANTS = [("single", {"use_multi_stream": False}),
             ("multi, no priorities", {"priorities": False}),
