@@ -12,8 +12,10 @@ def _cifar(name: str, batch: int = 32):
     """A torchvision classifier for CIFAR-10 shapes, in train mode, and a batch for it."""
     import torch
 
+    from nimble.driver.gpu import use_cudnn_benchmark
+
     tv = pytest.importorskip("torchvision")
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     kwargs = {"num_classes": 10}
     if name in ("googlenet", "inception_v3"):
         kwargs.update(aux_logits=False, init_weights=False)
@@ -330,7 +332,8 @@ def test_training_prepares_with_torch_expandable_segments():
     script = (
         "import torch, nimble\n"
         "from nimble.cli.train_bench import _setup\n"
-        "torch.backends.cudnn.benchmark = True\n"
+        "from nimble.driver.gpu import use_cudnn_benchmark\n"
+        "use_cudnn_benchmark()\n"
         "model, x, y = _setup('inception_v3', 32)\n"
         "nm = nimble.Nimble(model).prepare(x, training=True)\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"

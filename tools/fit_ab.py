@@ -20,6 +20,7 @@ import nimble.engine.prepared
 from nimble.analysis import arena_fit
 from nimble.cli import train_bench
 from nimble.cli.harness import time_rounds
+from nimble.driver.gpu import use_cudnn_benchmark
 from nimble.analysis.deps import build_dag
 
 
@@ -40,7 +41,7 @@ def fixed_chain(threshold: int | None):
 def main() -> int:
     name, batch = sys.argv[1], int(sys.argv[2])
     thresholds = [int(t) for t in sys.argv[3:]] or [32, 64]
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     base, x, y = train_bench._setup(name, batch)
     graphed_model = copy.deepcopy(base)
     graphed = torch.cuda.make_graphed_callables(graphed_model, (x,))

@@ -18,8 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nimble import driver, models  # noqa: E402
+from nimble import driver  # noqa: E402
+from nimble.cli import models  # noqa: E402
 from nimble.cli.harness import host_us  # noqa: E402
+from nimble.driver.gpu import use_cudnn_benchmark  # noqa: E402
 
 
 def idle_host_us(fn) -> float:
@@ -102,7 +104,7 @@ def model_rows(name: str) -> list[dict]:
 
     import nimble
 
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     model = models.create(name).cuda()
     x = models.example_input(name)
     drv = driver.bindings()
@@ -177,7 +179,8 @@ def model_rows(name: str) -> list[dict]:
 
         # The steps of one call, each alone.
         launcher = multi.engine.launcher
-        slot = launcher._slots[0]
+        slot = launcher.slots[0]
+        device = slot.tensor.device
         dtod = drv.cuMemcpyDtoDAsync
         cell = driver.DeviceMemory.allocate(8)
         write64 = drv.cuStreamWriteValue64
@@ -193,7 +196,7 @@ def model_rows(name: str) -> list[dict]:
             "bare cuMemcpyDtoDAsync(slot, x)": lambda: dtod(slot.address, x.data_ptr(),
                                                             slot.nbytes, stream),
             "shape/dtype/device check": lambda: (x.shape == slot.shape, x.dtype == slot.dtype,
-                                                 x.device == launcher._device),
+                                                 x.device == device),
             "x.data_ptr() + is_contiguous()": lambda: (x.data_ptr(), x.is_contiguous()),
             "bare cuGraphLaunch (multi)": lambda: drv.cuGraphLaunch(
                 multi.engine.built.exec.handle, stream),
@@ -213,7 +216,7 @@ def stream_rows(name: str) -> list[dict]:
 
     import nimble
 
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     model = models.create(name).cuda()
     x = models.example_input(name)
     drv = driver.bindings()
@@ -258,7 +261,7 @@ def stream_rows(name: str) -> list[dict]:
             rows.append({"variant": f"whole call {label} {s_label}", "idle_host_us": us})
     # Segments of one call, timed inside the same call.
     launcher = on_device.engine.launcher
-    slot = launcher._slots[0]
+    slot = launcher.slots[0]
     exec_ = on_device.engine.built.exec.handle
     cell = driver.DeviceMemory.allocate(8)
     pairs = {

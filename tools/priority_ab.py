@@ -21,6 +21,7 @@ from nimble.cli import models
 from nimble.cli import train_bench
 from nimble.cli.bench import torch_graph_call
 from nimble.cli.harness import time_rounds
+from nimble.driver.gpu import use_cudnn_benchmark
 
 VARIANTS = [("single", {"use_multi_stream": False}),
             ("multi, no priorities", {"priorities": False}),
@@ -31,7 +32,7 @@ VARIANTS = [("single", {"use_multi_stream": False}),
 def main() -> int:
     name, batch, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     dtype = getattr(torch, sys.argv[4] if len(sys.argv) > 4 else "float32")
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     steps = {}
     if kind == "train":
         base, x, y = train_bench._setup(name, batch)
