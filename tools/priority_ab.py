@@ -35,14 +35,14 @@ def main() -> int:
     use_cudnn_benchmark()
     steps = {}
     if kind == "train":
-        base, x, y = train_bench._setup(name, batch)
+        base, x, y = train_bench.setup(name, batch)
         graphed_model = copy.deepcopy(base)
         graphed = torch.cuda.make_graphed_callables(graphed_model, (x,))
-        steps["torch graph"] = train_bench._stepper(graphed, graphed_model, x, y)
+        steps["torch graph"] = train_bench.training_step(graphed, graphed_model, x, y)
         for label, kw in VARIANTS:
             model = copy.deepcopy(base)
             nm = nimble.Nimble(model).prepare(x, training=True, **kw)
-            steps[label] = train_bench._stepper(nm, model, x, y)
+            steps[label] = train_bench.training_step(nm, model, x, y)
         rounds, iters = 5, 10
     else:
         model = models.create(name).cuda().eval().to(dtype)

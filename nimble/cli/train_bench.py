@@ -36,7 +36,7 @@ CIFAR_MODELS = ("resnet50", "mobilenet_v2", "efficientnet_b0")
 DEFAULT_MODELS = ["resnet50", "mobilenet_v2", "efficientnet_b0", "googlenet", "inception_v3"]
 
 
-def _setup(name: str, batch: int):
+def setup(name: str, batch: int):
     """``(model in train mode on the GPU, input, labels)`` at the shape the table uses."""
     import torch
 
@@ -47,7 +47,9 @@ def _setup(name: str, batch: int):
     return model, x, y
 
 
-def _stepper(forward: Callable, model, x, y) -> Callable[[], None]:
+def training_step(forward: Callable, model, x, y) -> Callable[[], None]:
+    """One SGD step (momentum 0.9) of ``model``'s parameters on the loss of ``forward(x)``
+    against ``y``, as every mode of the table takes it."""
     import torch
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -81,18 +83,18 @@ def bench_training(name: str, batch: int, args) -> dict:
     import nimble
 
     use_cudnn_benchmark()
-    base, x, y = _setup(name, batch)
+    base, x, y = setup(name, batch)
     steps: dict[str, Callable[[], None]] = {}
     eager = copy.deepcopy(base)
-    steps["eager"] = _stepper(eager, eager, x, y)
+    steps["eager"] = training_step(eager, eager, x, y)
     graphed_model = copy.deepcopy(base)
     before = _pool_ids()
     graphed = torch.cuda.make_graphed_callables(graphed_model, (x,))
     graphed_pool = _pool_bytes(_pool_ids() - before - {(0, 0), ()})
-    steps["graphed"] = _stepper(graphed, graphed_model, x, y)
+    steps["graphed"] = training_step(graphed, graphed_model, x, y)
     if not args.no_compile:
         compiled_model = copy.deepcopy(base)
-        steps["compile"] = _stepper(torch.compile(compiled_model), compiled_model, x, y)
+        steps["compile"] = training_step(torch.compile(compiled_model), compiled_model, x, y)
     info: dict = {"model": name, "batch": batch, "input": list(x.shape),
                   "graphed_pool_mb": graphed_pool / 2**20, "prepare_seconds": {}}
     for label, multi in (("nimble single", False), ("nimble multi", True)):
@@ -101,7 +103,7 @@ def bench_training(name: str, batch: int, args) -> dict:
         nm = nimble.Nimble(model).prepare(x, training=True, use_multi_stream=multi,
                                           quiet=args.quiet)
         info["prepare_seconds"][label] = time.perf_counter() - t0
-        steps[label] = _stepper(nm, model, x, y)
+        steps[label] = training_step(nm, model, x, y)
         if multi:
             info.update(streams=len(nm.schedule.streams),
                         syncs=len(nm.schedule.sync_edges), tasks=len(nm.graph.tasks),
