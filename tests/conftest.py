@@ -47,11 +47,10 @@ def fixture_ids() -> list[str]:
 
 def zoo_model(name: str):
     """``(model on the GPU, example input)`` for a built-in or zoo model; skips without its package."""
-    import torch
-
     from nimble.cli import models
+    from nimble.driver.gpu import use_cudnn_benchmark
 
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     try:
         return models.create(name).cuda(), models.example_input(name)
     except ImportError as e:

@@ -238,7 +238,8 @@ def test_gpu_suite_runs_the_quick_bench_in_three_dtypes_and_the_full_one_on_dema
 def test_training_bench_parses_batches_and_formats_its_table():
     import argparse
 
-    from nimble.cli.train_bench import parse_batches, table
+    from nimble.cli.common import parse_batches
+    from nimble.cli.train_bench import table
 
     assert parse_batches("32,64,32") == [32, 64]
     for bad in ("", "0", "a,b"):

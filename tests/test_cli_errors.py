@@ -9,6 +9,7 @@ import torch
 from nimble.cli import bench as bench_cli
 
 import nimble.cli.main as cli
+from nimble.cli import common
 from nimble.errors import CaptureError
 
 # On a machine with a GPU, record and debug would start real work instead.
@@ -58,7 +59,7 @@ def test_unknown_model_is_one_line(command, no_gpu, capsys):
 
 
 def test_bench_zoo_model_without_its_package_is_one_line(no_gpu, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_installed", lambda package: False)
+    monkeypatch.setattr(common, "_installed", lambda package: False)
     assert cli.main(["bench", "branchy", "resnet50"]) == 2
     assert "resnet50 needs torchvision" in _one_error_line(capsys)
     assert cli.main(["bench", "pnasnet5large"]) == 2
@@ -66,7 +67,7 @@ def test_bench_zoo_model_without_its_package_is_one_line(no_gpu, monkeypatch, ca
 
 
 @no_real_gpu
-@pytest.mark.skipif(cli._installed("torchvision"), reason="torchvision is installed here")
+@pytest.mark.skipif(common._installed("torchvision"), reason="torchvision is installed here")
 def test_record_zoo_model_without_torchvision_is_one_line(capsys):
     assert cli.main(["record", "googlenet"]) == 2
     assert "googlenet needs torchvision" in _one_error_line(capsys)

@@ -166,11 +166,12 @@ def test_a_c_library_on_the_driver_api_drives_the_prepared_graph(tmp_path):
 
     import nimble
     from nimble.cli import models
+    from nimble.driver.gpu import use_cudnn_benchmark
 
     torch.cuda.init()  # libcuda loaded and the primary context current on this thread
     lib = _build(tmp_path)
 
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     model, x = models.create("branchy").cuda(), models.example_input("branchy")
     nm = nimble.Nimble(model).prepare(x, relaunches=4)
     cells = nm.input_cells

@@ -14,9 +14,10 @@ def _record(name: str):
     import torch
 
     from nimble.cli import models
+    from nimble.driver.gpu import use_cudnn_benchmark
     from nimble.record.recorder import record
 
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     try:
         model = models.create(name).cuda()
     except ImportError as e:

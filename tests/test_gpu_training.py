@@ -12,8 +12,10 @@ def _cifar(name: str, batch: int = 32):
     """A torchvision classifier for CIFAR-10 shapes, in train mode, and a batch for it."""
     import torch
 
+    from nimble.driver.gpu import use_cudnn_benchmark
+
     tv = pytest.importorskip("torchvision")
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     kwargs = {"num_classes": 10}
     if name in ("googlenet", "inception_v3"):
         kwargs.update(aux_logits=False, init_weights=False)
@@ -329,9 +331,10 @@ def test_training_prepares_with_torch_expandable_segments():
 
     script = (
         "import torch, nimble\n"
-        "from nimble.cli.train_bench import _setup\n"
-        "torch.backends.cudnn.benchmark = True\n"
-        "model, x, y = _setup('inception_v3', 32)\n"
+        "from nimble.cli.train_bench import setup\n"
+        "from nimble.driver.gpu import use_cudnn_benchmark\n"
+        "use_cudnn_benchmark()\n"
+        "model, x, y = setup('inception_v3', 32)\n"
         "nm = nimble.Nimble(model).prepare(x, training=True)\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
         "losses = []\n"
@@ -367,7 +370,7 @@ def test_a_kept_tail_backfill_is_proven_built_and_enforced(monkeypatch):
     from nimble.cli import train_bench
 
     monkeypatch.setattr(backfill, "MIN_GAIN", -1.0)
-    base, x, y = train_bench._setup("googlenet", 32)
+    base, x, y = train_bench.setup("googlenet", 32)
     model, twin = copy.deepcopy(base), copy.deepcopy(base)
     nm = nimble.Nimble(model).prepare(x, training=True)  # verify=True: proven with the edges
     picked = {p.phase: p for p in nm.backfill}[1]
@@ -398,7 +401,7 @@ def test_backfill_is_measured_only_where_asked():
     import nimble
     from nimble.cli import train_bench
 
-    base, x, _ = train_bench._setup("googlenet", 32)
+    base, x, _ = train_bench.setup("googlenet", 32)
     off = nimble.Nimble(copy.deepcopy(base)).prepare(x, training=True, backfill=False)
     assert off.backfill == [] and off._state().late_edges == []
     single = nimble.Nimble(copy.deepcopy(base)).prepare(x, training=True,

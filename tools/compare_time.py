@@ -14,8 +14,9 @@ import torch
 import nimble
 import nimble.debug.divergence as divergence
 from nimble.cli import models
+from nimble.driver.gpu import use_cudnn_benchmark
 
-torch.backends.cudnn.benchmark = True
+use_cudnn_benchmark()
 for spec in sys.argv[1:]:
     name, dt = spec.split(":")
     dtype = getattr(torch, dt)

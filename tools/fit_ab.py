@@ -19,7 +19,8 @@ import nimble
 import nimble.engine.prepared
 from nimble.analysis import arena_fit
 from nimble.cli import train_bench
-from nimble.cli.bench import time_rounds
+from nimble.cli.harness import time_rounds
+from nimble.driver.gpu import use_cudnn_benchmark
 from nimble.analysis.deps import build_dag
 
 
@@ -40,11 +41,11 @@ def fixed_chain(threshold: int | None):
 def main() -> int:
     name, batch = sys.argv[1], int(sys.argv[2])
     thresholds = [int(t) for t in sys.argv[3:]] or [32, 64]
-    torch.backends.cudnn.benchmark = True
-    base, x, y = train_bench._setup(name, batch)
+    use_cudnn_benchmark()
+    base, x, y = train_bench.setup(name, batch)
     graphed_model = copy.deepcopy(base)
     graphed = torch.cuda.make_graphed_callables(graphed_model, (x,))
-    steps = {"make_graphed_callables": train_bench._stepper(graphed, graphed_model, x, y)}
+    steps = {"make_graphed_callables": train_bench.training_step(graphed, graphed_model, x, y)}
     variants = [("cap alone", fixed_chain(None), {})]
     variants += [(f"chain >= {t} MB", fixed_chain(t << 20), {}) for t in thresholds]
     variants += [("prepare's choice", None, {}), ("no arena limit", None, {"arena_limit": None})]
@@ -58,7 +59,7 @@ def main() -> int:
             nimble.engine.prepared.schedule_within = own
         print(f"{label:<24}{len(nm.schedule.streams):4d} streams, arena "
               f"{nm.memplan.arena_bytes / 2**20:.0f} MB", flush=True)
-        steps[label] = train_bench._stepper(nm, model, x, y)
+        steps[label] = train_bench.training_step(nm, model, x, y)
     for repeat in range(3):
         samples = time_rounds(steps, 5, 10)
         medians = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}

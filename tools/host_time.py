@@ -24,9 +24,11 @@ import torch
 import nimble
 from nimble import driver
 from nimble.cli import models
-from nimble.cli.bench import _host_us_beside, bare_launch
+from nimble.cli.bench import bare_launch
+from nimble.cli.harness import host_us_beside
+from nimble.driver.gpu import use_cudnn_benchmark
 
-torch.backends.cudnn.benchmark = True
+use_cudnn_benchmark()
 
 def idle(fn, n=300):
     t = []
@@ -53,14 +55,14 @@ for name in args[0].split(","):
         next_input = itertools.cycle([x, x.clone()] if "--fresh" in sys.argv else [x]).__next__
         for rep in range(3):
             for device_sync in (False, True):
-                call_us, bare_us = _host_us_beside([lambda: nm(next_input()), bare_launch(nm)],
-                                                   device_sync=device_sync)
+                call_us, bare_us = host_us_beside([lambda: nm(next_input()), bare_launch(nm)],
+                                                  device_sync=device_sync)
                 after = "device synchronize" if device_sync else "stream synchronize"
                 print(f"{name} {dtype} r{rep} after a {after}: nm(x) idle median {call_us:.1f} "
                       f"µs, a bare cuGraphLaunch sampled beside it {bare_us:.1f} µs", flush=True)
         nm.close()
         continue
-    st = nm._prepared; L = st.launcher
+    st = nm.engine; L = st.launcher
     api = driver.CallPath(); stream = L.stream(); ex = st.built.exec.handle
     cell = L.slots[0].cell
     g = torch.cuda.CUDAGraph(); sx = x.clone()

@@ -19,7 +19,9 @@ import torch
 import nimble
 from nimble.cli import models
 from nimble.cli import train_bench
-from nimble.cli.bench import time_rounds, torch_graph_call
+from nimble.cli.bench import torch_graph_call
+from nimble.cli.harness import time_rounds
+from nimble.driver.gpu import use_cudnn_benchmark
 
 VARIANTS = [("single", {"use_multi_stream": False}),
             ("multi, no priorities", {"priorities": False}),
@@ -30,17 +32,17 @@ VARIANTS = [("single", {"use_multi_stream": False}),
 def main() -> int:
     name, batch, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     dtype = getattr(torch, sys.argv[4] if len(sys.argv) > 4 else "float32")
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     steps = {}
     if kind == "train":
-        base, x, y = train_bench._setup(name, batch)
+        base, x, y = train_bench.setup(name, batch)
         graphed_model = copy.deepcopy(base)
         graphed = torch.cuda.make_graphed_callables(graphed_model, (x,))
-        steps["torch graph"] = train_bench._stepper(graphed, graphed_model, x, y)
+        steps["torch graph"] = train_bench.training_step(graphed, graphed_model, x, y)
         for label, kw in VARIANTS:
             model = copy.deepcopy(base)
             nm = nimble.Nimble(model).prepare(x, training=True, **kw)
-            steps[label] = train_bench._stepper(nm, model, x, y)
+            steps[label] = train_bench.training_step(nm, model, x, y)
         rounds, iters = 5, 10
     else:
         model = models.create(name).cuda().eval().to(dtype)

@@ -36,9 +36,10 @@ def record_model(name: str, batch: int, out: Path, time_tasks: bool = True,
     from nimble.cli import models
     from nimble.record.recorder import record, record_step
     from nimble.cli.train_bench import CIFAR_MODELS
+    from nimble.driver.gpu import use_cudnn_benchmark
     from nimble.engine.task_timing import time_recording
 
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     cifar = training and name in CIFAR_MODELS  # the shapes `nimble bench --training` uses
     model = models.create(name, num_classes=10 if cifar else None)
     model = model.cuda().to(getattr(torch, dtype))

@@ -19,11 +19,12 @@ def check(name: str) -> dict:
     from nimble import driver
 
     from nimble.cli import models
+    from nimble.driver.gpu import use_cudnn_benchmark
     from nimble.engine.build import build_graph, chain_edges
     from nimble.record.recorder import record
     from nimble.engine.proof import random_like, same_bits
 
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     model = models.create(name).cuda()
     with torch.no_grad():
         rec = record(model, models.example_input(name), name=name)

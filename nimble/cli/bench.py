@@ -16,12 +16,16 @@ per-task critical-path timing.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
+import copy
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 from . import models
+from .common import check_models, parse_batches, require_gpu
+from .harness import (Case, Column, add_speedup, format_table, host_us, host_us_beside,
+                      mode_rows, run_cases, time_rounds, write_json)
+from .train_bench import run as run_training
+from ..driver.gpu import use_cudnn_benchmark
 from ..progress import say
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -46,8 +50,6 @@ def to_dtype(model, x, dtype: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .train_bench import parse_batches
-
     p.add_argument("models", nargs="*", default=[], metavar="MODEL",
                    help=f"models to run (default: the built-in {models.BUILTIN}; with "
                         "--training, the paper's training models; zoo: "
@@ -105,68 +107,13 @@ def torch_graph_call(model, x) -> Callable[[], None]:
     return graph_call
 
 
-def time_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int
-                 ) -> dict[str, list[float]]:
-    """Per mode, the mean ms per call of each round; modes interleaved within every round."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for fn in fns.values():  # warm-up
-        for _ in range(10):
-            fn()
-    torch.cuda.synchronize()
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) / iters)
-    return samples
-
-
-def _host_us(fn: Callable[[], object], calls: int = 300) -> float:
-    """Median host time of one call (returning as soon as the work is queued), in µs.
-
-    The GPU is idle before each call, so a full launch queue never makes the host wait.
-    """
-    return _host_us_beside([fn], calls)[0]
-
-
-def _host_us_beside(fns: Sequence[Callable[[], object]], calls: int = 300,
-                    device_sync: bool = False) -> list[float]:
-    """Median host µs of one call of each of ``fns``, taken in turn (GPU idle before each).
-
-    Before each call the host waits for the current stream, as a server waits for the call
-    before (``device_sync``: for the whole device, ``torch.cuda.synchronize()``; on the H200 the
-    next launch then took about twice as long, the bare ``cuGraphLaunch`` as much as a call).
-    On the GPU machine a bare ``cuGraphLaunch`` alone measured 6–30 µs median in different
-    300-call rounds of one process: sampled in turn, calls are compared under the same machine
-    state, so the difference between them is the cost of what they do differently.
-    """
-    import torch
-
-    wait = torch.cuda.synchronize if device_sync else torch.cuda.current_stream().synchronize
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(calls):
-        for fn, mine in zip(fns, times):
-            wait()
-            t0 = time.perf_counter()
-            fn()
-            mine.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return [statistics.median(t) * 1e6 for t in times]
-
-
 def bare_launch(nm) -> Callable[[], None]:
     """A ``cuGraphLaunch`` of ``nm``'s exec on its launcher's stream, and nothing else: the
     driver's share of a call."""
     from .. import driver
 
-    api, state = driver.CallPath(), nm._state()
-    exec_handle, stream = state.built.exec.handle, state.launcher.stream()
+    api, engine = driver.CallPath(), nm.engine
+    exec_handle, stream = engine.built.exec.handle, engine.launcher.stream()
     return lambda: api.launch(exec_handle, stream)
 
 
@@ -180,64 +127,59 @@ def _critical_path_limit_us(nm) -> tuple[float, float]:
     return cp.length, sum(durations)
 
 
-def bench_model(name: str, args, dtype: str = "float32") -> dict:
+def _no_grad_call(fn: Callable, x) -> Callable[[], object]:
+    """``fn(x)`` without autograd, as an inference call."""
     import torch
 
+    def call():
+        with torch.no_grad():
+            return fn(x)
+    return call
+
+
+def _warm_compile(model, x, **options):
+    """``torch.compile(model, **options)`` run three times, so that compiling is over."""
+    import torch
+
+    compiled = torch.compile(model, **options)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(x)
+    return compiled
+
+
+def _nimble_calls(prepared: dict, x) -> dict[str, Callable[[], object]]:
+    return {label: (lambda nm=nm: nm(x)) for label, nm in prepared.items()}
+
+
+def _prepare_on_inductor(model, x, info: dict, step: Callable[[str], None]) -> dict:
+    """Nimble single and multi on the kernels of ``torch.compile(model)`` (default mode)."""
     import nimble
 
-    torch.backends.cudnn.benchmark = True
-    model, x = to_dtype(models.create(name).cuda(), models.example_input(name, args.batch), dtype)
-    fns: dict[str, Callable[[], object]] = {}
-    info: dict = {"model": name, "dtype": dtype, "batch": args.batch, "quick": args.quick}
+    step("torch.compile(model) for nimble+inductor")
+    t0 = time.perf_counter()
+    compiled = _warm_compile(model, x)
+    info["inductor_compile_seconds"] = time.perf_counter() - t0
+    step("nimble+inductor prepare")
+    t0 = time.perf_counter()
+    multi = nimble.Nimble(compiled).prepare(x, keep_recording=True)
+    info["inductor_prepare_seconds"] = time.perf_counter() - t0
+    single = nimble.Nimble(compiled).prepare(x, use_multi_stream=False,
+                                             recording=multi.recording)
+    info["inductor"] = {"tasks": len(multi.graph.tasks), "streams": len(multi.schedule.streams),
+                        "sync_edges": len(multi.schedule.sync_edges),
+                        "width": multi.schedule.width,
+                        "triton_launches": multi.graph.meta.get("triton_launches", 0),
+                        "arena_mb": multi.memplan.arena_bytes / 2**20}
+    return {"nimble+inductor multi": multi, "nimble+inductor single": single}
 
-    def eager():
-        with torch.no_grad():
-            return model(x)
-    fns["eager"] = eager
 
-    _say(args, f"{name} ({dtype}): capturing torch.cuda.graph")
-    fns["torch.cuda.graph"] = torch_graph_call(model, x)
+def _prepare_variants(model, x, args, info: dict) -> dict:
+    """Nimble multi-stream (its recording kept and reused by the others) and single-stream;
+    unless ``--quick``, also host launch, uncapped (where it has other streams) and each stream
+    cap below the schedule's."""
+    import nimble
 
-    if not args.no_compile:
-        _say(args, f"{name} ({dtype}): torch.compile(mode='reduce-overhead')")
-        t0 = time.perf_counter()
-        compiled = torch.compile(model, mode="reduce-overhead")
-        with torch.no_grad():
-            for _ in range(3):
-                compiled(x)
-        info["compile_seconds"] = time.perf_counter() - t0
-
-        def run_compiled():
-            with torch.no_grad():
-                return compiled(x)
-        fns["torch.compile"] = run_compiled
-
-    inductor: dict = {}
-    if not args.no_compile and not args.no_inductor:
-        _say(args, f"{name} ({dtype}): torch.compile(model) for nimble+inductor")
-        t0 = time.perf_counter()
-        default_compiled = torch.compile(model)
-        with torch.no_grad():
-            for _ in range(3):
-                default_compiled(x)
-        info["inductor_compile_seconds"] = time.perf_counter() - t0
-        _say(args, f"{name} ({dtype}): nimble+inductor prepare")
-        t0 = time.perf_counter()
-        inductor["nimble+inductor multi"] = nimble.Nimble(default_compiled).prepare(
-            x, keep_recording=True)
-        info["inductor_prepare_seconds"] = time.perf_counter() - t0
-        inductor["nimble+inductor single"] = nimble.Nimble(default_compiled).prepare(
-            x, use_multi_stream=False, recording=inductor["nimble+inductor multi"].recording)
-        ind = inductor["nimble+inductor multi"]
-        info["inductor"] = {"tasks": len(ind.graph.tasks), "streams": len(ind.schedule.streams),
-                            "sync_edges": len(ind.schedule.sync_edges),
-                            "width": ind.schedule.width,
-                            "triton_launches": ind.graph.meta.get("triton_launches", 0),
-                            "arena_mb": ind.memplan.arena_bytes / 2**20}
-        for label, nm in inductor.items():
-            fns[label] = (lambda nm=nm: nm(x))
-
-    _say(args, f"{name} ({dtype}): nimble prepare (multi-stream, recording kept for the others)")
     t0 = time.perf_counter()
     multi = nimble.Nimble(model).prepare(x, keep_recording=True)
     info["prepare_seconds"] = time.perf_counter() - t0
@@ -245,48 +187,52 @@ def bench_model(name: str, args, dtype: str = "float32") -> dict:
     prepared = {"nimble multi": multi}
     prepared["nimble single"] = nimble.Nimble(model).prepare(
         x, use_multi_stream=False, recording=rec)
-    if not args.quick:
-        prepared["nimble multi, host launch"] = nimble.Nimble(model).prepare(
-            x, device_launch=False, recording=rec)
-        uncapped = nimble.Nimble(model).prepare(x, arena_limit=None, recording=rec)
-        if len(uncapped.schedule.streams) != len(multi.schedule.streams):
-            prepared["nimble uncapped"] = uncapped  # full concurrency, arena above torch's pool
-        else:
-            uncapped.close()
-        caps = [int(k) for k in args.max_streams.split(",") if k.strip()]
-        for k in caps:
-            if k < len(multi.schedule.streams) - 1:
-                prepared[f"nimble k={k}"] = nimble.Nimble(model).prepare(
-                    x, max_streams=k, recording=rec)
-    for label, nm in prepared.items():
-        fns[label] = (lambda nm=nm: nm(x))
+    if args.quick:
+        return prepared
+    prepared["nimble multi, host launch"] = nimble.Nimble(model).prepare(
+        x, device_launch=False, recording=rec)
+    uncapped = nimble.Nimble(model).prepare(x, arena_limit=None, recording=rec)
+    if len(uncapped.schedule.streams) != len(multi.schedule.streams):
+        prepared["nimble uncapped"] = uncapped  # full concurrency, arena above torch's pool
+    else:
+        uncapped.close()
+    for k in [int(k) for k in args.max_streams.split(",") if k.strip()]:
+        if k < len(multi.schedule.streams) - 1:
+            prepared[f"nimble k={k}"] = nimble.Nimble(model).prepare(
+                x, max_streams=k, recording=rec)
+    return prepared
 
-    _say(args, f"{name} ({dtype}): timing {len(fns)} modes, {args.rounds} rounds of "
-               f"{args.iters} calls")
+
+def _measure(fns: dict, prepared: dict, x, args, info: dict,
+             step: Callable[[str], None]) -> dict[str, list[float]]:
+    """Every mode's rounds, and into ``info`` the host times of a call, the critical-path limit
+    (unless ``--quick``) and the measured trace of the multi-stream run."""
+    multi = prepared["nimble multi"]
+    step(f"timing {len(fns)} modes, {args.rounds} rounds of {args.iters} calls")
     samples = time_rounds(fns, args.rounds, args.iters)
-    info["host_us_per_call"], info["host_us_bare_launch"] = _host_us_beside(
+    info["host_us_per_call"], info["host_us_bare_launch"] = host_us_beside(
         [lambda: multi(x), bare_launch(multi)])
     info["launch_mode"] = multi.launch_mode
     if not args.quick:
         host_launch = prepared["nimble multi, host launch"]
-        info["host_us_per_call_host_launch"] = _host_us(lambda: host_launch(x))
-        _say(args, f"{name} ({dtype}): timing every task alone for the critical-path limit")
-        cp_us, serial_us = _critical_path_limit_us(multi)
-
-    _say(args, f"{name} ({dtype}): tracing the multi-stream run (achieved concurrency)")
+        info["host_us_per_call_host_launch"] = host_us(lambda: host_launch(x))
+        step("timing every task alone for the critical-path limit")
+        info["critical_path_us"], info["serial_kernel_us"] = _critical_path_limit_us(multi)
+    step("tracing the multi-stream run (achieved concurrency)")
     info["trace"] = _trace_info(multi, x)
+    return samples
 
-    rows = {}
-    for label, s in samples.items():
-        rows[label] = {"median_ms": statistics.median(s), "min_ms": min(s), "max_ms": max(s)}
-    graph_ms = rows["torch.cuda.graph"]["median_ms"]
-    eager_ms = rows["eager"]["median_ms"]
-    for r in rows.values():
-        r["x_graph"] = graph_ms / r["median_ms"]
-        r["x_eager"] = eager_ms / r["median_ms"]
-    nimble_rows = {k: v for k, v in rows.items()
-                   if k.startswith("nimble ") and k not in ("nimble single", "nimble multi, host launch")}
+
+def _add_results(info: dict, samples: dict[str, list[float]], prepared: dict) -> None:
+    """The rows of every mode with their speed-ups, the best multi-stream Nimble variant and
+    the multi-stream schedule's numbers."""
+    rows = mode_rows(samples)
+    add_speedup(rows, "x_graph", "torch.cuda.graph")
+    add_speedup(rows, "x_eager", "eager")
+    nimble_rows = {k: v for k, v in rows.items() if k.startswith("nimble ")
+                   and k not in ("nimble single", "nimble multi, host launch")}
     best = min(nimble_rows, key=lambda k: nimble_rows[k]["median_ms"])
+    multi = prepared["nimble multi"]
     s = multi.schedule
     info.update(
         modes=rows, best_nimble=best, tasks=len(multi.graph.tasks), streams=len(s.streams),
@@ -294,14 +240,39 @@ def bench_model(name: str, args, dtype: str = "float32") -> dict:
         arena_mb={k: nm.memplan.arena_bytes / 2**20 for k, nm in prepared.items()},
         pool_mb=multi.graph.meta.get("pool_bytes", 0) / 2**20,
         prepare_breakdown=multi.prepare_seconds)
-    if not args.quick:
-        info.update(
-            critical_path_us=cp_us, serial_kernel_us=serial_us,
-            achieved_over_limit=rows[best]["median_ms"] * 1e3 / cp_us if cp_us else None)
+    if "critical_path_us" in info:
+        cp_us = info["critical_path_us"]
+        info["achieved_over_limit"] = rows[best]["median_ms"] * 1e3 / cp_us if cp_us else None
     if "torch.compile" in rows:
-        compile_ms = rows["torch.compile"]["median_ms"]
-        for r in rows.values():
-            r["x_compile"] = compile_ms / r["median_ms"]
+        add_speedup(rows, "x_compile", "torch.compile")
+
+
+def bench_model(name: str, args, dtype: str = "float32") -> dict:
+    """Time every mode of ``name`` in ``dtype`` at ``args.batch``; the numbers as a dict."""
+    use_cudnn_benchmark()
+    model, x = to_dtype(models.create(name).cuda(), models.example_input(name, args.batch), dtype)
+    info: dict = {"model": name, "dtype": dtype, "batch": args.batch, "quick": args.quick}
+
+    def step(what: str) -> None:
+        _say(args, f"{name} ({dtype}): {what}")
+
+    fns: dict[str, Callable[[], object]] = {"eager": _no_grad_call(model, x)}
+    step("capturing torch.cuda.graph")
+    fns["torch.cuda.graph"] = torch_graph_call(model, x)
+    if not args.no_compile:
+        step("torch.compile(mode='reduce-overhead')")
+        t0 = time.perf_counter()
+        fns["torch.compile"] = _no_grad_call(_warm_compile(model, x, mode="reduce-overhead"), x)
+        info["compile_seconds"] = time.perf_counter() - t0
+    inductor = {}
+    if not args.no_compile and not args.no_inductor:
+        inductor = _prepare_on_inductor(model, x, info, step)
+        fns.update(_nimble_calls(inductor, x))
+    step("nimble prepare (multi-stream, recording kept for the others)")
+    prepared = _prepare_variants(model, x, args, info)
+    fns.update(_nimble_calls(prepared, x))
+    samples = _measure(fns, prepared, x, args, info, step)
+    _add_results(info, samples, prepared)
     for nm in [*prepared.values(), *inductor.values()]:
         nm.close()
     return info
@@ -380,53 +351,61 @@ def _x_compile(modes: dict) -> str:
     return f"{modes['torch.compile']['median_ms'] / min(ours):.2f}" if ours else "–"
 
 
+def _summary_columns(dtype_column: bool) -> list[Column]:
+    dtype = [Column("dtype", 10, left=True)] if dtype_column else []
+    return [Column("model", 16, left=True), *dtype,
+            *(Column(t, 8) for t in ("eager", "graph", "compile", "single", "multi", "best")),
+            Column("best mode", 14), Column("x graph", 8), Column("x eager", 8),
+            Column("arena", 7), Column("pool", 7), Column("limit", 7), Column("host µs", 8),
+            Column("conc", 6), Column("ind.1", 8), Column("ind.N", 8), Column("x comp", 7)]
+
+
+def _summary_row(r: dict, dtype_column: bool) -> list[str]:
+    m = r["modes"]
+    get = lambda k: f"{m[k]['median_ms']:.3f}" if k in m else "–"  # noqa: E731
+    b = r["best_nimble"]
+    return [r["model"], *([r.get("dtype", "float32")] if dtype_column else []),
+            get("eager"), get("torch.cuda.graph"), get("torch.compile"), get("nimble single"),
+            get("nimble multi"), f"{m[b]['median_ms']:.3f}", b.removeprefix("nimble "),
+            f"{m[b]['x_graph']:.2f}", f"{m[b]['x_eager']:.1f}", f"{r['arena_mb'][b]:.1f}",
+            f"{r['pool_mb']:.1f}",
+            f"{r['critical_path_us'] / 1e3:.3f}" if "critical_path_us" in r else "–",
+            f"{r['host_us_per_call']:.1f}",
+            f"{r['trace']['concurrency']:.2f}" if "trace" in r else "–",
+            get("nimble+inductor single"), get("nimble+inductor multi"), _x_compile(m)]
+
+
 def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
     """The final table, a row per result.  ``dtype_column``: show each row's dtype (default:
     where the results hold more than one); without the column the legend names the dtype."""
     dtypes = list(dict.fromkeys(r.get("dtype", "float32") for r in results)) or ["float32"]
     if dtype_column is None:
         dtype_column = len(dtypes) > 1
-    dcol = (lambda text: f"{text:<10}") if dtype_column else (lambda text: "")  # noqa: E731
-    head = (f"{'model':<16}{dcol('dtype')}{'eager':>8}{'graph':>8}{'compile':>8}{'single':>8}"
-            f"{'multi':>8}{'best':>8}{'best mode':>14}{'x graph':>8}{'x eager':>8}{'arena':>7}"
-            f"{'pool':>7}{'limit':>7}{'host µs':>8}{'conc':>6}{'ind.1':>8}{'ind.N':>8}"
-            f"{'x comp':>7}")
-    lines = [head, "-" * len(head)]
-    for r in results:
-        m = r["modes"]
-        get = lambda k: f"{m[k]['median_ms']:.3f}" if k in m else "–"  # noqa: E731
-        b = r["best_nimble"]
-        limit = f"{r['critical_path_us'] / 1e3:.3f}" if "critical_path_us" in r else "–"
-        conc = f"{r['trace']['concurrency']:.2f}" if "trace" in r else "–"
-        lines.append(
-            f"{r['model']:<16}{dcol(r.get('dtype', 'float32'))}{get('eager'):>8}"
-            f"{get('torch.cuda.graph'):>8}"
-            f"{get('torch.compile'):>8}{get('nimble single'):>8}{get('nimble multi'):>8}"
-            f"{m[b]['median_ms']:>8.3f}{b.removeprefix('nimble '):>14}{m[b]['x_graph']:>8.2f}"
-            f"{m[b]['x_eager']:>8.1f}{r['arena_mb'][b]:>7.1f}{r['pool_mb']:>7.1f}"
-            f"{limit:>7}{r['host_us_per_call']:>8.1f}{conc:>6}"
-            f"{get('nimble+inductor single'):>8}{get('nimble+inductor multi'):>8}"
-            f"{_x_compile(m):>7}")
     in_dtype = "" if dtype_column else f" in {', '.join(dtypes)}"
-    lines.append(f"times: median ms per call{in_dtype}; graph = torch.cuda.graph with the input "
-                 "copied in on every call; best = fastest multi-stream Nimble variant; arena and "
-                 "pool in MB; limit = critical path of isolated task times, ms (– with --quick); "
-                 "host µs = one multi call on an idle GPU (each model's lines above give a bare "
-                 "cuGraphLaunch sampled beside it); conc = achieved concurrency of the "
-                 "multi-stream run (tasks in flight on average, measured by nm.trace()); "
-                 "ind.1 / ind.N = Nimble on torch.compile(model)'s kernels, single / multi "
-                 "stream; x comp = torch.compile(mode='reduce-overhead') time over the faster "
-                 "of Nimble multi and nimble+inductor multi")
-    return "\n".join(lines)
+    legend = (f"times: median ms per call{in_dtype}; graph = torch.cuda.graph with the input "
+              "copied in on every call; best = fastest multi-stream Nimble variant; arena and "
+              "pool in MB; limit = critical path of isolated task times, ms (– with --quick); "
+              "host µs = one multi call on an idle GPU (each model's lines above give a bare "
+              "cuGraphLaunch sampled beside it); conc = achieved concurrency of the "
+              "multi-stream run (tasks in flight on average, measured by nm.trace()); "
+              "ind.1 / ind.N = Nimble on torch.compile(model)'s kernels, single / multi "
+              "stream; x comp = torch.compile(mode='reduce-overhead') time over the faster "
+              "of Nimble multi and nimble+inductor multi")
+    return format_table(_summary_columns(dtype_column),
+                        [_summary_row(r, dtype_column) for r in results], legend)
+
+
+def _case(name: str, args, dtype: str, batch: int) -> Case:
+    at_batch = copy.copy(args)
+    at_batch.batch = batch
+    return Case(f"{name} ({dtype})", {"model": name, "dtype": dtype},
+                lambda: bench_model(name, at_batch, dtype))
 
 
 def run(args) -> int:
-    from .main import check_models, require_gpu
-
+    """``nimble bench``."""
     args.models_given = bool(args.models)
     if args.training:
-        from .train_bench import run as run_training
-
         args.batches = args.batches or [32]
         return run_training(args)
     args.models = args.models or [models.BUILTIN]
@@ -435,25 +414,14 @@ def run(args) -> int:
     require_gpu("bench")
     import torch
 
-    results, failed = [], []
-    for name in args.models:
-        for dtype, batch in [(d, b) for b in args.batches or [1] for d in args.dtypes]:
-            args.batch = batch
-            try:
-                info = bench_model(name, args, dtype)
-            except Exception as e:  # noqa: BLE001 - one run's failure must not hide the others
-                failed.append({"model": name, "dtype": dtype,
-                               "error": f"{type(e).__name__}: {e}"})
-                print(f"{name} ({dtype}): FAILED: {type(e).__name__}: {e}", flush=True)
-                continue
-            results.append(info)
-            print(format_model(info), flush=True)
-    if results:
-        print(summary_table(results, dtype_column=len(args.dtypes) > 1))
+    outcome = run_cases([_case(name, args, dtype, batch) for name in args.models
+                         for batch in args.batches or [1] for dtype in args.dtypes],
+                        format_model)
+    if outcome.results:
+        print(summary_table(outcome.results, dtype_column=len(args.dtypes) > 1))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"results": results, "failed": failed, "dtypes": args.dtypes,
-                       "quick": args.quick, "device": torch.cuda.get_device_name(),
-                       "torch": torch.__version__},
-                      f, indent=2, default=str)
-    return 1 if failed else 0
+        write_json(args.json, {"results": outcome.results, "failed": outcome.failed,
+                               "dtypes": args.dtypes, "quick": args.quick,
+                               "device": torch.cuda.get_device_name(),
+                               "torch": torch.__version__})
+    return outcome.status

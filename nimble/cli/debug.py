@@ -16,6 +16,8 @@ import json
 import sys
 
 from . import models
+from .common import check_models, positive_int, require_gpu
+from ..driver.gpu import use_cudnn_benchmark
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,9 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--relaunches", type=int, default=100, help="verified launches (default 100)")
     p.add_argument("--trace", metavar="FILE",
                    help="measure every task in a real multi-stream run; write a Chrome trace")
-    from .main import _positive_int
-
-    p.add_argument("--trace-groups", type=_positive_int, default=1, metavar="K",
+    p.add_argument("--trace-groups", type=positive_int, default=1, metavar="K",
                    help="with --trace: spread the timestamps over K runs, each measuring a K-th "
                         "of the tasks (less disturbed runs; default 1)")
     p.add_argument("--save", metavar="FILE", help="write the recorded TaskGraph")
@@ -40,8 +40,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from .main import check_models, require_gpu
-
     check_models([args.model])
     require_gpu("debug")
     import torch
@@ -53,7 +51,7 @@ def run(args) -> int:
     from ..api import Nimble
     from ..debug.timeline import format_timeline
 
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     model = models.create(args.model).cuda()
     x = models.example_input(args.model, args.batch)
     with torch.no_grad():

@@ -5,6 +5,9 @@ import argparse
 import sys
 
 from . import models
+from .common import check_models, require_gpu
+from ..driver.gpu import use_cudnn_benchmark
+from ..errors import InputError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,10 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from .main import check_models, require_gpu
-
-    from ..errors import InputError
-
     check_models([args.model])
     if args.training and args.time_tasks:
         raise InputError("--time-tasks times inference recordings only; drop it with --training")
@@ -40,7 +39,7 @@ def run(args) -> int:
     from ..record.recorder import record, record_step
     from ..engine.task_timing import time_recording
 
-    torch.backends.cudnn.benchmark = True
+    use_cudnn_benchmark()
     model = models.create(args.model, num_classes=args.classes).cuda()
     x = models.example_input(args.model, args.batch, side=args.side)
     if args.training:

@@ -24,6 +24,10 @@ import time
 from typing import Callable
 
 from . import models
+from .common import check_models, require_gpu
+from .harness import (Case, Column, add_speedup, format_table, mode_rows, run_cases,
+                      time_rounds, write_json)
+from ..driver.gpu import use_cudnn_benchmark
 from ..progress import say
 
 #: The paper's training speed-ups over PyTorch (batch 32, CIFAR-10, V100).
@@ -32,20 +36,7 @@ CIFAR_MODELS = ("resnet50", "mobilenet_v2", "efficientnet_b0")
 DEFAULT_MODELS = ["resnet50", "mobilenet_v2", "efficientnet_b0", "googlenet", "inception_v3"]
 
 
-def parse_batches(text: str) -> list[int]:
-    """``--batch`` for training: comma-separated positive ints."""
-    import argparse
-
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give batch sizes like 32 or 32,64,128")
-    return list(dict.fromkeys(values))
-
-
-def _setup(name: str, batch: int):
+def setup(name: str, batch: int):
     """``(model in train mode on the GPU, input, labels)`` at the shape the table uses."""
     import torch
 
@@ -56,7 +47,9 @@ def _setup(name: str, batch: int):
     return model, x, y
 
 
-def _stepper(forward: Callable, model, x, y) -> Callable[[], None]:
+def training_step(forward: Callable, model, x, y) -> Callable[[], None]:
+    """One SGD step (momentum 0.9) of ``model``'s parameters on the loss of ``forward(x)``
+    against ``y``, as every mode of the table takes it."""
     import torch
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -89,21 +82,19 @@ def bench_training(name: str, batch: int, args) -> dict:
 
     import nimble
 
-    from .bench import time_rounds
-
-    torch.backends.cudnn.benchmark = True
-    base, x, y = _setup(name, batch)
+    use_cudnn_benchmark()
+    base, x, y = setup(name, batch)
     steps: dict[str, Callable[[], None]] = {}
     eager = copy.deepcopy(base)
-    steps["eager"] = _stepper(eager, eager, x, y)
+    steps["eager"] = training_step(eager, eager, x, y)
     graphed_model = copy.deepcopy(base)
     before = _pool_ids()
     graphed = torch.cuda.make_graphed_callables(graphed_model, (x,))
     graphed_pool = _pool_bytes(_pool_ids() - before - {(0, 0), ()})
-    steps["graphed"] = _stepper(graphed, graphed_model, x, y)
+    steps["graphed"] = training_step(graphed, graphed_model, x, y)
     if not args.no_compile:
         compiled_model = copy.deepcopy(base)
-        steps["compile"] = _stepper(torch.compile(compiled_model), compiled_model, x, y)
+        steps["compile"] = training_step(torch.compile(compiled_model), compiled_model, x, y)
     info: dict = {"model": name, "batch": batch, "input": list(x.shape),
                   "graphed_pool_mb": graphed_pool / 2**20, "prepare_seconds": {}}
     for label, multi in (("nimble single", False), ("nimble multi", True)):
@@ -112,7 +103,7 @@ def bench_training(name: str, batch: int, args) -> dict:
         nm = nimble.Nimble(model).prepare(x, training=True, use_multi_stream=multi,
                                           quiet=args.quiet)
         info["prepare_seconds"][label] = time.perf_counter() - t0
-        steps[label] = _stepper(nm, model, x, y)
+        steps[label] = training_step(nm, model, x, y)
         if multi:
             info.update(streams=len(nm.schedule.streams),
                         syncs=len(nm.schedule.sync_edges), tasks=len(nm.graph.tasks),
@@ -121,68 +112,64 @@ def bench_training(name: str, batch: int, args) -> dict:
                         pool_mb=nm.graph.meta["pool_bytes"] / 2**20,
                         not_bitwise=len(nm.graph.meta.get("verified", {}).get("not_bitwise", {})))
     say(f"timing {name} batch {batch}: {', '.join(steps)}", args.quiet, "bench")
-    samples = time_rounds(steps, args.rounds, args.iters)
-    medians = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
-    info["modes"] = {k: {"median_ms": medians[k], "min_ms": min(v), "max_ms": max(v),
-                         "x_eager": medians["eager"] / medians[k],
-                         "x_graphed": medians["graphed"] / medians[k]}
-                     for k, v in samples.items()}
+    rows = mode_rows(time_rounds(steps, args.rounds, args.iters))
+    add_speedup(rows, "x_eager", "eager")
+    add_speedup(rows, "x_graphed", "graphed")
+    info["modes"] = rows
     info["paper_x_eager"] = PAPER_X_EAGER.get(name) if name in CIFAR_MODELS and batch == 32 \
         else None
     return info
 
 
+_COLUMNS = [Column("model", 16, left=True), Column("batch", 6), Column("eager", 8),
+            Column("graphed", 9), Column("compile", 9), Column("single", 8), Column("multi", 8),
+            Column("x eager", 8), Column("x graphed", 10), Column("paper", 7),
+            Column("arena", 7), Column("graphed", 8), Column("prep s", 7)]
+
+
+def _row(r: dict) -> list[str]:
+    m = r["modes"]
+    get = lambda k: f"{m[k]['median_ms']:.2f}" if k in m else "–"  # noqa: E731
+    multi = m["nimble multi"]
+    return [r["model"], str(r["batch"]), get("eager"), get("graphed"), get("compile"),
+            get("nimble single"), get("nimble multi"), f"{multi['x_eager']:.2f}",
+            f"{multi['x_graphed']:.2f}",
+            f"{r['paper_x_eager']:.2f}" if r["paper_x_eager"] else "–",
+            f"{r['arena_mb']:.0f}", f"{r['graphed_pool_mb']:.0f}",
+            f"{max(r['prepare_seconds'].values()):.1f}"]
+
+
 def table(results: list[dict]) -> str:
     """The final table: a row per model and batch."""
-    head = (f"{'model':<16}{'batch':>6}{'eager':>8}{'graphed':>9}{'compile':>9}{'single':>8}"
-            f"{'multi':>8}{'x eager':>8}{'x graphed':>10}{'paper':>7}{'arena':>7}{'graphed':>8}"
-            f"{'prep s':>7}")
-    lines = [head, "-" * len(head)]
-    for r in results:
-        m = r["modes"]
-        get = lambda k: f"{m[k]['median_ms']:.2f}" if k in m else "–"  # noqa: E731
-        multi = m["nimble multi"]
-        paper = f"{r['paper_x_eager']:.2f}" if r["paper_x_eager"] else "–"
-        lines.append(
-            f"{r['model']:<16}{r['batch']:>6}{get('eager'):>8}{get('graphed'):>9}"
-            f"{get('compile'):>9}{get('nimble single'):>8}{get('nimble multi'):>8}"
-            f"{multi['x_eager']:>8.2f}{multi['x_graphed']:>10.2f}{paper:>7}"
-            f"{r['arena_mb']:>7.0f}{r['graphed_pool_mb']:>8.0f}"
-            f"{max(r['prepare_seconds'].values()):>7.1f}")
-    lines.append("times: median ms per training step (zero_grad, forward, loss, backward, SGD "
-                 "step); x eager / x graphed: Nimble multi-stream against eager and "
-                 "make_graphed_callables; paper: the paper's x PyTorch (V100, batch 32); arena: "
-                 "Nimble's MB for forward and backward; graphed: MB of the memory pool "
-                 "make_graphed_callables took; prep s: the longer of the two "
-                 "prepare(training=True), cuDNN's autotuning partly warm from "
-                 "make_graphed_callables")
-    return "\n".join(lines)
+    return format_table(_COLUMNS, map(_row, results),
+                        "times: median ms per training step (zero_grad, forward, loss, backward, "
+                        "SGD step); x eager / x graphed: Nimble multi-stream against eager and "
+                        "make_graphed_callables; paper: the paper's x PyTorch (V100, batch 32); "
+                        "arena: Nimble's MB for forward and backward; graphed: MB of the memory "
+                        "pool make_graphed_callables took; prep s: the longer of the two "
+                        "prepare(training=True), cuDNN's autotuning partly warm from "
+                        "make_graphed_callables")
+
+
+def _report(info: dict) -> str:
+    return f"{info['model']} batch {info['batch']}: " + ", ".join(
+        f"{k} {v['median_ms']:.2f} ms" for k, v in info["modes"].items())
+
+
+def _case(name: str, batch: int, args) -> Case:
+    return Case(f"{name} (batch {batch})", {"model": name, "batch": batch},
+                lambda: bench_training(name, batch, args))
 
 
 def run(args) -> int:
     """``nimble bench --training``."""
-    import json
-
-    from .main import check_models, require_gpu
-
     names = args.models if args.models_given else DEFAULT_MODELS
     check_models(names)
     require_gpu("bench --training")
-    results, failed = [], []
-    for name in names:
-        for batch in args.batches:
-            try:
-                info = bench_training(name, batch, args)
-            except Exception as e:  # noqa: BLE001 - one run's failure must not hide the others
-                failed.append({"model": name, "batch": batch, "error": f"{type(e).__name__}: {e}"})
-                print(f"{name} (batch {batch}): FAILED: {type(e).__name__}: {e}", flush=True)
-                continue
-            results.append(info)
-            print(f"{name} batch {batch}: " + ", ".join(
-                f"{k} {v['median_ms']:.2f} ms" for k, v in info["modes"].items()), flush=True)
-    if results:
-        print(table(results))
+    outcome = run_cases([_case(name, batch, args) for name in names for batch in args.batches],
+                        _report)
+    if outcome.results:
+        print(table(outcome.results))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"results": results, "failed": failed}, f, indent=2, default=str)
-    return 1 if failed else 0
+        write_json(args.json, {"results": outcome.results, "failed": outcome.failed})
+    return outcome.status

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CudaError, NoGpuError
+from .gpu import require_gpu
 
 _drv: Any = None
 
@@ -90,14 +91,9 @@ def ensure_context() -> Any:
 
     Raises :class:`NoGpuError` where there is no GPU or driver.
     """
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover
-        raise NoGpuError(f"torch is not importable: {e}") from e
-    if not torch.cuda.is_available():
-        raise NoGpuError(
-            "no CUDA GPU or driver found (torch.cuda.is_available() is False). Nimble records "
-            "and runs models on NVIDIA GPUs; `nimble inspect` works on saved recordings without one.")
+    require_gpu()
+    import torch
+
     torch.cuda.init()
     drv = bindings()
     call("cuInit", 0)

@@ -19,7 +19,8 @@ from .. import driver
 from .decode import AddressOracle, decode_node
 from .capture import Captured, Phase, capture, check_no_host_sync, quiet_backward, warm_up
 from .compiled import check_compiled, module_name
-from ..errors import CaptureError, InputError, NoGpuError, RecordError
+from ..driver.gpu import require_gpu
+from ..errors import CaptureError, InputError, RecordError
 from ..progress import say
 from .raw import DeviceRange, RawCapture, TensorSpec
 from .resolve import RNG_OFFSET, RNG_SEED, build_taskgraph, mark_rng_cells, unresolved_in_pool
@@ -181,13 +182,6 @@ def record(module, example_inputs, *, warmup: int = 3, name: str | None = None,
                            training=bool(getattr(module, "training", False)))
 
 
-def _require_gpu() -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise NoGpuError("no CUDA GPU or driver found (torch.cuda.is_available() is False)")
-
-
 def _warm(fn: Callable[[], Any], warmup: int, name: str, what: str, quiet: bool) -> float:
     t0 = time.perf_counter()
     say(f"warming up {name} ({warmup} iterations)", quiet)
@@ -231,7 +225,7 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
     real read through one; ``graph.meta["unresolved_report"]`` names them); with ``strict`` it
     is a :class:`RecordError` instead.
     """
-    _require_gpu()
+    require_gpu()
     seconds = {"warmup": _warm(fn, warmup, name, "forward", quiet)}
 
     t0 = time.perf_counter()
@@ -267,7 +261,7 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
 
     inputs = _as_tensor_list(example_inputs)
     check_module(module)
-    _require_gpu()
+    require_gpu()
     driver.ensure_context()
     name = name or module_name(module)
     static_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]

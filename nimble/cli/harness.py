@@ -1,0 +1,152 @@
+"""The benchmark harness shared by ``nimble bench`` (inference) and ``nimble bench --training``.
+
+Timing: every mode in turn within each round (interleaved, so clock and thermal drift touch them
+alike), ``iters`` back-to-back calls between two CUDA events after a warm-up; host time of one
+call on an idle GPU.  Results: a row per mode with the median and the spread (min–max) of its
+rounds and its speed-ups over other modes.  Reporting: fixed-width tables, one case after
+another with a failure reported and the rest still run, and the JSON file.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+
+# ---- timing ---------------------------------------------------------------------------------
+
+def time_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int
+                ) -> dict[str, list[float]]:
+    """Per mode, the mean ms per call of each round; modes interleaved within every round."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for fn in fns.values():  # warm-up
+        for _ in range(10):
+            fn()
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) / iters)
+    return samples
+
+
+def host_us(fn: Callable[[], object], calls: int = 300) -> float:
+    """Median host time of one call (returning as soon as the work is queued), in µs.
+
+    The GPU is idle before each call, so a full launch queue never makes the host wait.
+    """
+    return host_us_beside([fn], calls)[0]
+
+
+def host_us_beside(fns: Sequence[Callable[[], object]], calls: int = 300,
+                   device_sync: bool = False) -> list[float]:
+    """Median host µs of one call of each of ``fns``, taken in turn (GPU idle before each).
+
+    Before each call the host waits for the current stream, as a server waits for the call
+    before (``device_sync``: for the whole device, ``torch.cuda.synchronize()``, which makes the
+    next launch slower).  A bare ``cuGraphLaunch`` varies several-fold between rounds of one
+    process (see README.md, "Results"): sampled in turn, calls are compared under the same
+    machine state, so the difference between them is the cost of what they do differently.
+    """
+    import torch
+
+    wait = torch.cuda.synchronize if device_sync else torch.cuda.current_stream().synchronize
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(calls):
+        for fn, mine in zip(fns, times):
+            wait()
+            t0 = time.perf_counter()
+            fn()
+            mine.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return [statistics.median(t) * 1e6 for t in times]
+
+
+# ---- results --------------------------------------------------------------------------------
+
+def mode_rows(samples: dict[str, list[float]]) -> dict[str, dict]:
+    """Per mode, the median and the spread of its rounds' ms per call."""
+    return {label: {"median_ms": statistics.median(s), "min_ms": min(s), "max_ms": max(s)}
+            for label, s in samples.items()}
+
+
+def add_speedup(rows: dict[str, dict], key: str, over: str) -> None:
+    """Give every row ``key``: how many times faster its median is than mode ``over``'s."""
+    base = rows[over]["median_ms"]
+    for row in rows.values():
+        row[key] = base / row["median_ms"]
+
+
+# ---- reporting ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Column:
+    """A fixed-width table column: its title and cells are padded to ``width``."""
+    title: str
+    width: int
+    left: bool = False
+
+    def cell(self, text: str) -> str:
+        return f"{text:<{self.width}}" if self.left else f"{text:>{self.width}}"
+
+
+def format_table(columns: Sequence[Column], rows: Iterable[Sequence[str]], legend: str) -> str:
+    """The header, a rule under it, a line per row (one text per column) and the legend."""
+    head = "".join(c.cell(c.title) for c in columns)
+    lines = [head, "-" * len(head)]
+    lines += ["".join(c.cell(text) for c, text in zip(columns, row)) for row in rows]
+    lines.append(legend)
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark run: ``measure`` returns its numbers; ``label`` names it in the printed
+    lines and ``fields`` in the record of its failure."""
+    label: str
+    fields: dict
+    measure: Callable[[], dict]
+
+
+@dataclass
+class Outcome:
+    """The numbers of the cases that ran and the record of each that failed."""
+    results: list[dict] = field(default_factory=list)
+    failed: list[dict] = field(default_factory=list)
+
+    @property
+    def status(self) -> int:
+        """The command's exit status: 1 if any case failed."""
+        return 1 if self.failed else 0
+
+
+def run_cases(cases: Iterable[Case], report: Callable[[dict], str]) -> Outcome:
+    """Measure every case, printing ``report`` of its numbers as it ends; a case that raises
+    is printed and recorded as failed and the others still run."""
+    outcome = Outcome()
+    for case in cases:
+        try:
+            info = case.measure()
+        except Exception as e:  # noqa: BLE001 - one run's failure must not hide the others
+            error = f"{type(e).__name__}: {e}"
+            outcome.failed.append({**case.fields, "error": error})
+            print(f"{case.label}: FAILED: {error}", flush=True)
+            continue
+        outcome.results.append(info)
+        print(report(info), flush=True)
+    return outcome
+
+
+def write_json(path: str, data: dict) -> None:
+    """Every number of a bench, to ``path`` (objects JSON cannot hold are written as text)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, default=str)
