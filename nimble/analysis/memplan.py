@@ -29,6 +29,7 @@ from typing import Iterable
 import numpy as np
 
 from .deps import forward_edges
+from ..ir.alignment import ALIGNMENT, align_up
 from ..ir.taskgraph import BufferKind, TaskGraph
 
 
@@ -60,10 +61,6 @@ class MemPlan:
                            f"(input, output, intermediate, scratch) are planned") from None
 
 
-def _round_up(size: int, alignment: int) -> int:
-    return -(-size // alignment) * alignment
-
-
 def _planned(graph: TaskGraph) -> list[int]:
     return [b.id for b in graph.buffers if b.kind in BufferKind.RELOCATABLE]
 
@@ -93,7 +90,7 @@ def _task_sets(graph: TaskGraph) -> dict[int, set[int]]:
     return sets
 
 
-def lower_bound_bytes(graph: TaskGraph, alignment: int = 512) -> int:
+def lower_bound_bytes(graph: TaskGraph, alignment: int = ALIGNMENT) -> int:
     """Peak over recorded time of the aligned sizes of live relocatable buffers.
 
     A buffer is live from its first accessing task to its last; inputs from before the first task,
@@ -123,7 +120,7 @@ def lower_bound_bytes(graph: TaskGraph, alignment: int = 512) -> int:
             lo, hi = (n if lo is None else lo), n
         if lo is None:
             continue  # never touched: occupies nothing at any point
-        size = _round_up(b.size, alignment)
+        size = align_up(b.size, alignment)
         delta[lo + 1] += size
         delta[hi + 2] -= size
     return int(np.cumsum(delta).max(initial=0))
@@ -203,7 +200,7 @@ def _place(order: np.ndarray, sizes: np.ndarray, conflict: np.ndarray) -> np.nda
 
 
 def plan_memory(graph: TaskGraph, edges: Iterable[tuple[int, int]],
-                alignment: int = 512) -> MemPlan:
+                alignment: int = ALIGNMENT) -> MemPlan:
     """Give every relocatable buffer an aligned arena offset, reusing bytes where ``edges`` allow.
 
     ``edges`` are the executed graph's happens-before edges (low task id to high).  Two greedy
@@ -214,7 +211,7 @@ def plan_memory(graph: TaskGraph, edges: Iterable[tuple[int, int]],
     n = len(graph.tasks)
     edge_list = _edge_list(n, edges)
     ids = _planned(graph)
-    sizes = np.array([_round_up(graph.buffers[b].size, alignment) for b in ids], dtype=np.int64)
+    sizes = np.array([align_up(graph.buffers[b].size, alignment) for b in ids], dtype=np.int64)
     bound = lower_bound_bytes(graph, alignment)
     if not ids:
         return MemPlan({}, 0, 0, bound, alignment)
