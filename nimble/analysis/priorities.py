@@ -24,9 +24,9 @@ from .deps import dag_from_edges, path_lengths
 from .schedule import induced
 
 #: Upper bounds of slack, as fractions of the critical path, for each level from the highest
-#: priority down; a slack beyond the last bound gets the lowest level.  Fine steps near zero
-#: did best on an H200 training step (inception_v3 at batch 32: 1.18x make_graphed_callables,
-#: against 1.17x for bounds of 0.5%-35% and 1.16x for one step at 5%).
+#: priority down; a slack beyond the last bound gets the lowest level.  Fine steps near zero:
+#: the tasks that most need the SMs first are the ones with almost no slack, so that is where
+#: levels are worth telling apart (the comparison of bounds is in docs/findings.md).
 SLACK_BOUNDS = (0.001, 0.005, 0.01, 0.03, 0.1)
 
 
