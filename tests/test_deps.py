@@ -11,6 +11,7 @@ from nimble import Access, Buffer, BufferKind, Task, TaskGraph, TaskKind
 from nimble.analysis.deps import (Dag, ancestors, build_dag, critical_path, dag_from_edges,
                                   path_lengths, reachability, task_durations, topological_order,
                                   transitive_reduction)
+from nimble.analysis.schedule import induced
 from nimble.ir.synthetic import branchy_graph, random_graph
 
 from conftest import FIXTURE_PATHS, fixture_ids, random_dag
@@ -331,6 +332,8 @@ def test_a_backward_edge_is_walked_in_topological_order():
     assert out.through == [10.0, 6.0, 9.0, 4.0] and out.via == [2, 3, 1, -1]
     with pytest.raises(ValueError):
         reachability(dag)  # only the longest paths take edges against task order
+    with pytest.raises(ValueError):
+        induced(dag, range(1, 3))
 
 
 def test_a_cycle_raises():

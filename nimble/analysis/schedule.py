@@ -430,7 +430,10 @@ def phase_spans(phases: Sequence[int], n: int) -> list[range]:
 
 
 def induced(dag: Dag, span: range) -> Dag:
-    """The sub-DAG on the contiguous tasks ``span``, renumbered from 0."""
+    """The sub-DAG on the contiguous tasks ``span``, renumbered from 0 (of an ordered DAG: an
+    edge against task order could leave the span below)."""
+    if not dag.ordered:
+        raise ValueError("only a DAG whose edges go from lower to higher ids has induced spans")
     a, b = span.start, span.stop
     succs = [[v - a for v in dag.succs[u] if v < b] for u in span]
     preds = [[u - a for u in dag.preds[v] if u >= a] for v in span]
