@@ -8,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nimble import Access, Buffer, BufferKind, Task, TaskGraph, TaskKind
-from nimble.analysis.deps import (Dag, ancestors, build_dag, critical_path, dag_from_edges, reachability,
-                         task_durations, transitive_reduction)
+from nimble.analysis.deps import (Dag, ancestors, build_dag, critical_path, dag_from_edges,
+                                  path_lengths, reachability, task_durations, topological_order,
+                                  transitive_reduction)
+from nimble.analysis.schedule import induced
 from nimble.ir.synthetic import branchy_graph, random_graph
 
 from conftest import FIXTURE_PATHS, fixture_ids, random_dag
@@ -302,3 +304,64 @@ def test_fixture_dag(path):
     assert red.num_edges <= dag.num_edges
     assert reachability(red) == reachability(dag)
     assert elapsed < 3.0
+
+
+# ---- one edge-list helper, one longest path -------------------------------------------------
+
+def test_dag_from_edges_merges_duplicates_and_checks_direction():
+    dag = dag_from_edges(4, [(0, 2), (1, 2), (0, 2), (2, 3)])
+    assert dag.succs == [[2], [2], [3], []] and dag.preds == [[], [], [0, 1], [2]]
+    with pytest.raises(KeyError, match="forward"):
+        dag_from_edges(3, [(2, 1)], KeyError)
+    late = dag_from_edges(3, [(0, 2), (2, 1)], ordered=False)
+    assert late.succs == [[2], [], [1]] and late.preds == [[], [2], [0]]
+    with pytest.raises(ValueError, match="outside"):
+        dag_from_edges(3, [(0, 3)], ordered=False)
+
+
+def test_a_backward_edge_is_walked_in_topological_order():
+    # 0 -> 2 -> 1 -> 3: the late edge (2, 1) runs against task order
+    dag = dag_from_edges(4, [(0, 2), (2, 1), (1, 3)], ordered=False)
+    assert topological_order(dag) == [0, 2, 1, 3]
+    path = critical_path(dag, [1.0, 2.0, 3.0, 4.0])
+    assert path.tasks == [0, 2, 1, 3] and path.length == 10.0
+    lengths = path_lengths(dag, [1.0, 2.0, 3.0, 4.0])
+    assert lengths.before == [0.0, 4.0, 1.0, 6.0]
+    assert lengths.via == [-1, 2, 0, 1]
+    out = path_lengths(dag, [1.0, 2.0, 3.0, 4.0], reverse=True)
+    assert out.through == [10.0, 6.0, 9.0, 4.0] and out.via == [2, 3, 1, -1]
+    with pytest.raises(ValueError):
+        reachability(dag)  # only the longest paths take edges against task order
+    with pytest.raises(ValueError):
+        induced(dag, range(1, 3))
+
+
+def test_a_cycle_raises():
+    dag = dag_from_edges(3, [(0, 1), (1, 2), (2, 1)], ordered=False)
+    with pytest.raises(ValueError, match="cycle"):
+        topological_order(dag)
+    with pytest.raises(ValueError, match="cycle"):
+        critical_path(dag)
+
+
+def test_ties_go_to_the_predecessor_first_in_topological_order():
+    # 2 and 1 both lead into 3 with equal lengths; 2 comes first in the walk
+    dag = dag_from_edges(4, [(0, 2), (2, 1), (0, 3), (1, 3), (2, 3)], ordered=False)
+    assert critical_path(dag, [1.0, 0.0, 1.0, 1.0]).tasks == [0, 2, 3]
+    assert critical_path(dag_from_edges(3, [(0, 2), (1, 2)]), [1.0, 1.0, 1.0]).tasks == [0, 2]
+
+
+@settings(max_examples=100, deadline=None)
+@given(dags, st.lists(st.floats(0, 100), min_size=9, max_size=9))
+def test_path_lengths_forward_and_backward_meet_on_the_critical_path(dag, weights):
+    w = weights[:dag.n]
+    into = path_lengths(dag, w)
+    out = path_lengths(dag, w, reverse=True)
+    length = critical_path(dag, w).length
+    for t in range(dag.n):
+        assert into.through[t] == pytest.approx(into.before[t] + w[t])
+        assert into.before[t] + out.through[t] <= length + 1e-9
+    # relabelled against task order, the same DAG has the same longest path
+    flip = dag_from_edges(dag.n, [(dag.n - 1 - v, dag.n - 1 - u) for u, v in dag.edges()],
+                          ordered=False)
+    assert critical_path(flip, w[::-1]).length == pytest.approx(length)

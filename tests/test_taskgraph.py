@@ -43,3 +43,11 @@ def test_fixture_loads_and_is_consistent(path):
     assert all(0 <= t.op < len(g.ops) for t in g.kernel_tasks()), "every kernel attributed to an op"
     assert g.unresolved_pointers() == []
     assert g.inputs and g.outputs
+
+
+def test_align_up_rounds_to_the_one_alignment():
+    from nimble.ir.alignment import ALIGNMENT, align_up
+
+    assert ALIGNMENT == 512
+    assert [align_up(n) for n in (0, 1, 511, 512, 513)] == [0, 512, 512, 512, 1024]
+    assert align_up(17, 8) == 24 and align_up(-1) == 0

@@ -9,11 +9,9 @@ schedule's arena is over the limit, two ways of giving concurrency up are tried:
 * **Workspace chains** (:func:`chain_workspaces`): the tasks whose library workspaces (scratch
   buffers) reach a threshold run one at a time, in recorded order, within their phase, so their
   workspaces can share bytes.  Those are the big convolutions and matrix products, which fill the
-  GPU on their own; everything else keeps its concurrency.  On inception_v3's training step
-  (batch 32) the widest schedule needs 5.9 GB against a 4.4 GB pool; a cap alone fits at 45
-  backward streams, a chain of the 64 MB workspaces at 49 streams, with the critical path of the
-  schedule 11.55 ms against 11.08 ms, and the training step 1.168× against 1.187×
-  ``make_graphed_callables`` (H200).
+  GPU on their own; everything else keeps its concurrency, so a chain that fits usually keeps
+  more streams and a shorter critical path than a cap alone (docs/findings.md has a training
+  step that shows it).
 
 :func:`schedule_within` tries the cap alone and then chains at halving thresholds, each followed
 by the cap search, until a chain fits without a cap, and keeps the candidate whose schedule has

@@ -1,11 +1,11 @@
 """Tail backfill: work with slack moved into the narrow end of a phase, where SMs sit idle.
 
-A training step's backward ends in the network's stem.  On inception_v3 at 299² and batch 32,
-the last three batch norms run cuDNN's per-channel backward kernel, one block per channel (32 or
-64 blocks on an H200's 132 SMs), about 1 ms each, one after another; by then nothing else is
-left to run beside them.  The kernels that could have (weight gradients of later layers, read
-only by the optimizer) ran earlier, while the GPU was full anyway.  Deferring some of them until
-the narrow tail begins lets them use the idle SMs instead of competing for busy ones.
+A training step's backward ends in the network's stem, where kernels can be narrower than the
+GPU: cuDNN's per-channel batch-norm backward runs one block per channel, fewer blocks than a big
+GPU has SMs, one such kernel after another, with nothing else left to run beside them.  The
+kernels that could have (weight gradients of later layers, read only by the optimizer) ran
+earlier, while the GPU was full anyway.  Deferring some of them until the narrow tail begins
+lets them use the idle SMs instead of competing for busy ones.
 
 **Finding the tail.**  On the phase's critical path (tasks weighted by their isolated
 durations), a kernel of ``b`` blocks is taken to keep ``min(1, b / SMs)`` of the GPU busy.  The
@@ -28,10 +28,10 @@ run against the recorded order, so they are not added to the schedule, whose edg
 to higher task ids.  They are added to the built graph after its nodes
 (:func:`nimble.engine.build.build_graph`'s ``late_edges``).
 
-**Whether they pay** is measured, not assumed.  :func:`pick` times each candidate against the
-phase built without them and keeps the fastest.  On an H200, inception_v3's training step at
-batch 32 went from 26.59 to 26.21 ms (``tools/priority_ab.py inception_v3 32 train``, side by
-side; its backward launch 18.79 -> 18.39 ms).
+**Whether they pay** is measured, not assumed: the narrow kernels' real width and what the
+deferred work costs them are the GPU's to tell.  :func:`pick` times each candidate against the
+phase built without them and keeps the fastest (what it gained on a training step is in
+docs/findings.md).
 """
 from __future__ import annotations
 

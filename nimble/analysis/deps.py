@@ -1,18 +1,22 @@
 """The happens-before DAG of a TaskGraph, and the graph algorithms the scheduler needs.
 
 A TaskGraph's tasks are in recorded (single-stream) order, so every dependency goes from a lower
-task id to a higher one and id order is a topological order.  Every algorithm here relies on that:
-none of them sorts, and all of them reject an edge ``u -> v`` with ``u >= v``.
+task id to a higher one and id order is a topological order.  The reduction, reachability and
+ancestors rely on that: none of them sorts, and all of them reject an edge ``u -> v`` with
+``u >= v``.  Only the longest paths (:func:`path_lengths`, :func:`critical_path`) also take a
+DAG built with ``ordered=False``, whose edges may go against task order (a backfill's late
+edges do): they walk it in :func:`topological_order`, which raises on a cycle.
 
 Reachability is kept as Python ints used as bitsets (bit ``v`` of ``r[u]`` set when ``v`` is
-reachable from ``u``): an OR of two 1,350-bit ints is a handful of machine words, which is what
-makes the transitive reduction and the closure cheap in pure Python.
+reachable from ``u``): an OR of two ints of a few thousand bits is a handful of machine words,
+which is what makes the transitive reduction and the closure cheap in pure Python.
 """
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from ..ir.taskgraph import TaskGraph
 
@@ -21,12 +25,15 @@ from ..ir.taskgraph import TaskGraph
 class Dag:
     """A DAG on tasks ``0 .. n-1`` whose edges all go from a lower id to a higher one.
 
-    ``succs[u]`` and ``preds[v]`` are sorted and hold no duplicates.
+    ``succs[u]`` and ``preds[v]`` are sorted and hold no duplicates.  With ``ordered`` False the
+    edges may go either way (and a cycle is found only by :func:`topological_order`); only the
+    longest paths accept such a graph.
     """
 
     n: int
     succs: list[list[int]]
     preds: list[list[int]]
+    ordered: bool = True
 
     def edges(self) -> list[tuple[int, int]]:
         """Every edge ``(u, v)``, sorted."""
@@ -45,18 +52,21 @@ class CriticalPath:
     tasks: list[int] = field(default_factory=list)
 
 
-def dag_from_edges(n: int, edges: Iterable[tuple[int, int]]) -> Dag:
-    """A :class:`Dag` on ``n`` tasks; duplicate edges are merged.
+def dag_from_edges(n: int, edges: Iterable[tuple[int, int]], error: type[Exception] = ValueError,
+                   what: str = "edge", *, ordered: bool = True) -> Dag:
+    """A :class:`Dag` on ``n`` tasks from a list of edges ``(u, v)``; duplicates are merged.
 
-    Raises ``ValueError`` for an edge that is out of range or does not go from a lower id to a
-    higher one.
+    Raises ``error`` for an edge that is out of range or, when ``ordered``, does not go from a
+    lower id to a higher one (:func:`forward_edges`).
     """
     if n < 0:
         raise ValueError(f"a DAG cannot have {n} tasks")
     succ_sets: list[set[int]] = [set() for _ in range(n)]
-    for u, v in forward_edges(n, edges):
+    checked = forward_edges(n, edges, error, what) if ordered else \
+        _edges_in_range(n, edges, error, what)
+    for u, v in checked:
         succ_sets[u].add(v)
-    return _from_succs([sorted(s) for s in succ_sets])
+    return _from_succs([sorted(s) for s in succ_sets], ordered)
 
 
 def forward_edges(n: int, edges: Iterable[tuple[int, int]], error: type[Exception] = ValueError,
@@ -76,13 +86,50 @@ def forward_edges(n: int, edges: Iterable[tuple[int, int]], error: type[Exceptio
     return out
 
 
-def _from_succs(succs: list[list[int]]) -> Dag:
+def _edges_in_range(n: int, edges: Iterable[tuple[int, int]], error: type[Exception],
+                    what: str) -> list[tuple[int, int]]:
+    out = []
+    for u, v in edges:
+        u, v = int(u), int(v)
+        if not (0 <= u < n and 0 <= v < n):
+            raise error(f"{what} ({u}, {v}) names a task outside [0, {n})")
+        out.append((u, v))
+    return out
+
+
+def _from_succs(succs: list[list[int]], ordered: bool = True) -> Dag:
     n = len(succs)
     preds: list[list[int]] = [[] for _ in range(n)]
     for u in range(n):  # ascending u keeps every preds list sorted
         for v in succs[u]:
             preds[v].append(u)
-    return Dag(n, succs, preds)
+    return Dag(n, succs, preds, ordered)
+
+
+def topological_order(dag: Dag) -> list[int]:
+    """The tasks in an order that every edge follows: id order for an ordered DAG, else the
+    lowest id first among the tasks whose predecessors are all placed.
+
+    Raises ``ValueError`` when the edges form a cycle.
+    """
+    n = dag.n
+    if dag.ordered:
+        return list(range(n))
+    waiting = [len(p) for p in dag.preds]
+    ready = [t for t in range(n) if not waiting[t]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        u = heapq.heappop(ready)
+        order.append(u)
+        for v in dag.succs[u]:
+            waiting[v] -= 1
+            if not waiting[v]:
+                heapq.heappush(ready, v)
+    if len(order) != n:
+        raise ValueError(f"the edges form a cycle ({n - len(order)} of {n} tasks never "
+                         f"become ready)")
+    return order
 
 
 def _from_preds(preds: list[list[int]]) -> Dag:
@@ -177,8 +224,17 @@ def build_dag(graph: TaskGraph, chain_ops: bool = True) -> Dag:
     return _from_preds(preds)
 
 
+_NOT_ORDERED = "edges must go from a lower task id to a higher one"
+
+
+def _require_ordered(dag: Dag) -> None:
+    if not dag.ordered:
+        raise ValueError(_NOT_ORDERED)
+
+
 def _reduce(dag: Dag) -> tuple[list[list[int]], list[int]]:
     """``(kept successors, reach)``: the transitive reduction's edges and every task's reach."""
+    _require_ordered(dag)
     n = dag.n
     reach = [0] * n
     kept: list[list[int]] = [[]] * n
@@ -202,7 +258,7 @@ def transitive_reduction(dag: Dag) -> Dag:
     A DAG has exactly one such graph; it has the same reachability as ``dag``.
     """
     if any(u >= v for u in range(dag.n) for v in dag.succs[u][:1]):
-        raise ValueError("edges must go from a lower task id to a higher one")
+        raise ValueError(_NOT_ORDERED)
     kept, _ = _reduce(dag)
     return _from_succs(kept)
 
@@ -214,6 +270,7 @@ def reachability(dag: Dag) -> list[int]:
 
 def ancestors(dag: Dag) -> list[int]:
     """``a[v]``: bitset of every task from which ``v`` is reachable (``v`` itself excluded)."""
+    _require_ordered(dag)
     anc = [0] * dag.n
     for v in range(dag.n):
         a = 0
@@ -223,33 +280,76 @@ def ancestors(dag: Dag) -> list[int]:
     return anc
 
 
-def critical_path(dag: Dag, durations: Sequence[float] | None = None) -> CriticalPath:
-    """The longest path through ``dag``.
+class PathLengths(NamedTuple):
+    """The longest weighted path into every task (:func:`path_lengths`).
 
-    Without ``durations`` its length is the number of tasks on it; with them, the sum of its
-    tasks' durations (µs).  Ties go to the path through the lowest-id predecessor.
+    ``before[t]`` ends just before ``t`` (0 for a task with no predecessor: its earliest start
+    when weights are durations), ``through[t]`` is ``before[t]`` plus ``t``'s own weight, and
+    ``via[t]`` is the predecessor the path comes through (-1 for none).  ``order`` is the
+    topological order walked.
+    """
+
+    before: list[float]
+    through: list[float]
+    via: list[int]
+    order: list[int]
+
+
+def path_lengths(dag: Dag, weights: Sequence[float] | None = None, *,
+                 reverse: bool = False) -> PathLengths:
+    """The longest path into every task of ``dag``, each task weighing ``weights[t]`` (1 each
+    without them); with ``reverse``, the longest path out of every task to the end, following
+    the edges backwards (``via`` is then the successor).
+
+    Ties go to the predecessor that comes first in the walked order.  Raises ``ValueError``
+    for a weight count other than the task count, or when the edges form a cycle.
     """
     n = dag.n
-    if durations is not None and len(durations) != n:
-        raise ValueError(f"{len(durations)} durations for {n} tasks")
-    best = [0.0] * n
+    if weights is not None and len(weights) != n:
+        raise ValueError(f"{len(weights)} durations for {n} tasks")
+    order = topological_order(dag)
+    into = dag.preds
+    if reverse:
+        order.reverse()
+        into = dag.succs
+    # into[v] is sorted by id; an unordered DAG's walk needs it in walked order instead.
+    position = None if dag.ordered else {t: k for k, t in enumerate(order)}
+    before = [0.0] * n
+    through = [0.0] * n
     via = [-1] * n
-    for v in range(n):
+    for v in order:
+        sources: Iterable[int] = into[v]
+        if position is not None:
+            sources = sorted(sources, key=position.__getitem__)
+        elif reverse:
+            sources = reversed(into[v])
         b, arg = 0.0, -1
-        for u in dag.preds[v]:
-            if arg < 0 or best[u] > b:
-                b, arg = best[u], u
-        best[v] = b + (1.0 if durations is None else float(durations[v]))
+        for u in sources:
+            if arg < 0 or through[u] > b:
+                b, arg = through[u], u
+        before[v] = b
+        through[v] = b + (1.0 if weights is None else float(weights[v]))
         via[v] = arg
-    if n == 0:
+    return PathLengths(before, through, via, order)
+
+
+def critical_path(dag: Dag, durations: Sequence[float] | None = None) -> CriticalPath:
+    """The longest path through ``dag`` (:func:`path_lengths`).
+
+    Without ``durations`` its length is the number of tasks on it; with them, the sum of its
+    tasks' durations (µs).  Ties go to the path through the predecessor first in topological
+    order (the lowest id in an ordered DAG), and end at the task first in that order.
+    """
+    lengths = path_lengths(dag, durations)
+    if dag.n == 0:
         return CriticalPath(0.0, [])
-    end = max(range(n), key=best.__getitem__)
+    end = max(lengths.order, key=lengths.through.__getitem__)
     path = []
     while end >= 0:
         path.append(end)
-        end = via[end]
+        end = lengths.via[end]
     path.reverse()
-    return CriticalPath(best[path[-1]], path)
+    return CriticalPath(lengths.through[path[-1]], path)
 
 
 def task_durations(graph: TaskGraph) -> list[float] | None:

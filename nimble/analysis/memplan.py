@@ -28,7 +28,8 @@ from typing import Iterable
 
 import numpy as np
 
-from .deps import forward_edges
+from .deps import Dag, dag_from_edges
+from ..ir.alignment import ALIGNMENT, align_up
 from ..ir.taskgraph import BufferKind, TaskGraph
 
 
@@ -60,17 +61,13 @@ class MemPlan:
                            f"(input, output, intermediate, scratch) are planned") from None
 
 
-def _round_up(size: int, alignment: int) -> int:
-    return -(-size // alignment) * alignment
-
-
 def _planned(graph: TaskGraph) -> list[int]:
     return [b.id for b in graph.buffers if b.kind in BufferKind.RELOCATABLE]
 
 
-def _edge_list(n: int, edges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+def _edge_dag(n: int, edges: Iterable[tuple[int, int]]) -> Dag:
     # Reachability is built in one backward pass over the ids, which needs every edge forward.
-    return forward_edges(n, edges, MemPlanError)
+    return dag_from_edges(n, edges, MemPlanError)
 
 
 def _task_sets(graph: TaskGraph) -> dict[int, set[int]]:
@@ -93,7 +90,7 @@ def _task_sets(graph: TaskGraph) -> dict[int, set[int]]:
     return sets
 
 
-def lower_bound_bytes(graph: TaskGraph, alignment: int = 512) -> int:
+def lower_bound_bytes(graph: TaskGraph, alignment: int = ALIGNMENT) -> int:
     """Peak over recorded time of the aligned sizes of live relocatable buffers.
 
     A buffer is live from its first accessing task to its last; inputs from before the first task,
@@ -123,7 +120,7 @@ def lower_bound_bytes(graph: TaskGraph, alignment: int = 512) -> int:
             lo, hi = (n if lo is None else lo), n
         if lo is None:
             continue  # never touched: occupies nothing at any point
-        size = _round_up(b.size, alignment)
+        size = align_up(b.size, alignment)
         delta[lo + 1] += size
         delta[hi + 2] -= size
     return int(np.cumsum(delta).max(initial=0))
@@ -131,13 +128,11 @@ def lower_bound_bytes(graph: TaskGraph, alignment: int = 512) -> int:
 
 # ---- planning -------------------------------------------------------------------------------
 
-def _strict_reach_rows(n: int, edges: list[tuple[int, int]]) -> np.ndarray:
+def _strict_reach_rows(dag: Dag) -> np.ndarray:
     """Packed rows (``bitorder='little'``): row ``p`` holds the positions strictly after ``p``."""
+    n, succs = dag.n, dag.succs
     width = n + 2
     nbytes = (width + 7) // 8
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for u, v in edges:
-        succs[u].append(v)
     strict = np.zeros((width, nbytes), dtype=np.uint8)
     closed = np.zeros((width, nbytes), dtype=np.uint8)  # strict plus the position itself
     sink_byte, sink_bit = n >> 3, np.uint8(1 << (n & 7))
@@ -152,11 +147,10 @@ def _strict_reach_rows(n: int, edges: list[tuple[int, int]]) -> np.ndarray:
     return strict
 
 
-def _conflicts(graph: TaskGraph, ids: list[int], edges: list[tuple[int, int]]) -> np.ndarray:
+def _conflicts(graph: TaskGraph, ids: list[int], dag: Dag) -> np.ndarray:
     """``C[i, j]``: planned buffers ``ids[i]`` and ``ids[j]`` must not overlap."""
-    n = len(graph.tasks)
-    width = n + 2
-    strict = _strict_reach_rows(n, edges)
+    width = dag.n + 2
+    strict = _strict_reach_rows(dag)
     sets = _task_sets(graph)
     index = [np.fromiter(sorted(sets[b]), dtype=np.int64, count=len(sets[b])) for b in ids]
     # after[i]: positions strictly after every access of buffer i (everything if it has none).
@@ -203,7 +197,7 @@ def _place(order: np.ndarray, sizes: np.ndarray, conflict: np.ndarray) -> np.nda
 
 
 def plan_memory(graph: TaskGraph, edges: Iterable[tuple[int, int]],
-                alignment: int = 512) -> MemPlan:
+                alignment: int = ALIGNMENT) -> MemPlan:
     """Give every relocatable buffer an aligned arena offset, reusing bytes where ``edges`` allow.
 
     ``edges`` are the executed graph's happens-before edges (low task id to high).  Two greedy
@@ -212,13 +206,13 @@ def plan_memory(graph: TaskGraph, edges: Iterable[tuple[int, int]],
     if alignment <= 0:
         raise MemPlanError(f"alignment must be positive, not {alignment}")
     n = len(graph.tasks)
-    edge_list = _edge_list(n, edges)
+    dag = _edge_dag(n, edges)
     ids = _planned(graph)
-    sizes = np.array([_round_up(graph.buffers[b].size, alignment) for b in ids], dtype=np.int64)
+    sizes = np.array([align_up(graph.buffers[b].size, alignment) for b in ids], dtype=np.int64)
     bound = lower_bound_bytes(graph, alignment)
     if not ids:
         return MemPlan({}, 0, 0, bound, alignment)
-    conflict = _conflicts(graph, ids, edge_list)
+    conflict = _conflicts(graph, ids, dag)
     first_access = np.full(len(ids), n + 1, dtype=np.int64)
     pos = {b: i for i, b in enumerate(ids)}
     for t in reversed(graph.tasks):

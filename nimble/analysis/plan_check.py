@@ -14,24 +14,20 @@ import heapq
 from collections import defaultdict
 from typing import Iterable, NoReturn
 
-from .memplan import MemPlan, MemPlanError, _edge_list, _planned
+from .deps import Dag, reachability
+from .memplan import MemPlan, MemPlanError, _edge_dag, _planned
 from ..ir.taskgraph import BufferKind, TaskGraph
 
 
-def _strict_reach_ints(n: int, edges: list[tuple[int, int]]) -> list[int]:
-    """Python-int bitsets: bit ``q`` of entry ``p`` is set when position ``q`` is after ``p``."""
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for u, v in edges:
-        succs[u].append(v)
+def _strict_reach_ints(dag: Dag) -> list[int]:
+    """Python-int bitsets: bit ``q`` of entry ``p`` is set when position ``q`` is after ``p``.
+
+    The sink (``n``) follows every task and precedes nothing; the source (``n + 1``) precedes
+    every task and the sink.
+    """
+    n = dag.n
     sink = 1 << n
-    reach = [0] * (n + 2)
-    for t in range(n - 1, -1, -1):
-        r = sink
-        for s in succs[t]:
-            r |= reach[s] | (1 << s)
-        reach[t] = r
-    reach[n + 1] = (1 << (n + 1)) - 1
-    return reach
+    return [r | sink for r in reachability(dag)] + [0, (1 << (n + 1)) - 1]
 
 
 def _who(p: int, n: int) -> str:
@@ -270,9 +266,9 @@ def check_plan(graph: TaskGraph, edges: Iterable[tuple[int, int]], plan: MemPlan
       output's may share them.  Inputs and outputs never share bytes.
     """
     n = len(graph.tasks)
-    edge_list = _edge_list(n, edges)
+    dag = _edge_dag(n, edges)
     _check_layout(graph, plan)
-    reach = _strict_reach_ints(n, edge_list)
+    reach = _strict_reach_ints(dag)
     relocatable = plan.offsets
     # items: (lo, hi, position, buffer, write) in arena bytes, the planned buffers only
     by_buffer, items = _collect_accesses(graph, relocatable)

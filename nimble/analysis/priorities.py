@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from .deps import dag_from_edges
+from .deps import dag_from_edges, path_lengths
 from .schedule import induced
 
 #: Upper bounds of slack, as fractions of the critical path, for each level from the highest
-#: priority down; a slack beyond the last bound gets the lowest level.  Fine steps near zero
-#: did best on an H200 training step (inception_v3 at batch 32: 1.18x make_graphed_callables,
-#: against 1.17x for bounds of 0.5%-35% and 1.16x for one step at 5%).
+#: priority down; a slack beyond the last bound gets the lowest level.  Fine steps near zero:
+#: the tasks that most need the SMs first are the ones with almost no slack, so that is where
+#: levels are worth telling apart (the comparison of bounds is in docs/findings.md).
 SLACK_BOUNDS = (0.001, 0.005, 0.01, 0.03, 0.1)
 
 
@@ -45,20 +45,11 @@ def slack(n: int, edges: Sequence[tuple[int, int]], durations: Sequence[float]) 
     """
     if len(durations) != n:
         raise ValueError(f"{len(durations)} durations for {n} tasks")
-    succs: list[list[int]] = [[] for _ in range(n)]
-    preds: list[list[int]] = [[] for _ in range(n)]
-    for u, v in edges:
-        if not 0 <= u < v < n:
-            raise ValueError(f"edge {u}->{v} does not go forward in a DAG of {n} tasks")
-        succs[u].append(v)
-        preds[v].append(u)
+    dag = dag_from_edges(n, edges)
     weight = [max(float(d), 0.0) for d in durations]
-    earliest = [0.0] * n
-    for v in range(n):
-        earliest[v] = max((earliest[u] + weight[u] for u in preds[v]), default=0.0)
-    remaining = [0.0] * n  # from a task's start to the end of the run, through the task
-    for u in range(n - 1, -1, -1):
-        remaining[u] = weight[u] + max((remaining[v] for v in succs[u]), default=0.0)
+    earliest = path_lengths(dag, weight).before
+    # from a task's start to the end of the run, through the task
+    remaining = path_lengths(dag, weight, reverse=True).through
     length = max((earliest[t] + remaining[t] for t in range(n)), default=0.0)
     return Slack(earliest, [max(length - earliest[t] - remaining[t], 0.0) for t in range(n)],
                  length)

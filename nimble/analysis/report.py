@@ -13,10 +13,11 @@ and returns plain data (dicts of numbers, strings and lists, ready for ``json.du
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import NamedTuple, Sequence
 
-from .deps import CriticalPath, Dag, build_dag, critical_path, task_durations, transitive_reduction
+from .deps import (CriticalPath, Dag, build_dag, critical_path, dag_from_edges, path_lengths,
+                   task_durations, transitive_reduction)
 from .memplan import MemPlan, plan_memory
 from .schedule import Schedule, assign_phased
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
@@ -138,28 +139,14 @@ def simulate(graph: TaskGraph, schedule: Schedule) -> list[tuple[float, float]]:
 
     A task starts when its stream predecessor and its sync predecessors have ended, and lasts its
     ``duration_us`` (1 µs when unknown).  Launch overheads and contention are not modelled.
+    Raises ``ValueError`` when the schedule's edges form a cycle.
     """
-    n = len(graph.tasks)
-    preds: list[list[int]] = [[] for _ in range(n)]
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for u, v in schedule.edges():
-        preds[v].append(u)
-        succs[u].append(v)
-    missing = [len(p) for p in preds]
-    ready = deque(v for v in range(n) if not missing[v])
-    times: list[tuple[float, float] | None] = [None] * n
-    while ready:
-        v = ready.popleft()
-        begin = max((times[u][1] for u in preds[v]), default=0.0)
-        d = graph.tasks[v].duration_us
-        times[v] = (begin, begin + (_DEFAULT_DURATION_US if d is None else float(d)))
-        for w in succs[v]:
-            missing[w] -= 1
-            if not missing[w]:
-                ready.append(w)
-    if any(t is None for t in times):
-        raise ValueError("the schedule's stream and sync edges form a cycle")
-    return times  # type: ignore[return-value]
+    durations = [_DEFAULT_DURATION_US if t.duration_us is None else float(t.duration_us)
+                 for t in graph.tasks]
+    # A malformed schedule's streams may run against task order: walked as a cycle check.
+    dag = dag_from_edges(len(graph.tasks), schedule.edges(), ordered=False)
+    lengths = path_lengths(dag, durations)
+    return list(zip(lengths.before, lengths.through))
 
 
 def schedule_summary(graph: TaskGraph, max_streams: int | None = None, *,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -82,6 +82,14 @@ def set_bits(x: int) -> list[int]:
         out.append(low.bit_length() - 1)
         x ^= low
     return out
+
+
+def bitset(positions: Iterable[int]) -> int:
+    """The int whose set bits are ``positions`` (the inverse of :func:`set_bits`)."""
+    x = 0
+    for p in positions:
+        x |= 1 << p
+    return x
 
 
 def _match_bits(n_left: int, n_right: int, adj: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -205,13 +213,7 @@ def _walk(heads: list[int], nxt: list[int]) -> list[list[int]]:
 def _path_cover(reduced: Dag) -> tuple[list[list[int]], int]:
     """Steps 2-3: chains along matched edges of ``G'``, and the matching's size."""
     n = reduced.n
-    adj = [0] * n
-    for u in range(n):
-        m = 0
-        for v in reduced.succs[u]:
-            m |= 1 << v
-        adj[u] = m
-    match_l, match_r = _match_bits(n, n, adj)
+    match_l, match_r = _match_bits(n, n, [bitset(vs) for vs in reduced.succs])
     heads = [v for v in range(n) if match_r[v] < 0]
     return _walk(heads, match_l), n - len(heads)
 
@@ -224,9 +226,7 @@ def _concatenate(chains: list[list[int]], reach: list[int]) -> list[list[int]]:
     last task on the left, its first task on the right.
     """
     n = len(reach)
-    firsts = 0
-    for c in chains:
-        firsts |= 1 << c[0]
+    firsts = bitset(c[0] for c in chains)
     adj = [0] * n
     for c in chains:
         adj[c[-1]] = reach[c[-1]] & firsts
@@ -405,10 +405,7 @@ def check_schedule(dag: Dag, schedule: Schedule) -> None:
             raise ScheduleError(f"barrier edge ({u}, {v}) does not join one phase to a later one")
     reach = reachability(dag_from_edges(n, schedule.edges()))
     for u in range(n):
-        need = 0
-        for v in dag.succs[u]:
-            need |= 1 << v
-        lost = need & ~reach[u]
+        lost = bitset(dag.succs[u]) & ~reach[u]
         if lost:
             v = lost.bit_length() - 1
             raise ScheduleError(f"the schedule does not order task {u} before task {v}")
@@ -433,7 +430,10 @@ def phase_spans(phases: Sequence[int], n: int) -> list[range]:
 
 
 def induced(dag: Dag, span: range) -> Dag:
-    """The sub-DAG on the contiguous tasks ``span``, renumbered from 0."""
+    """The sub-DAG on the contiguous tasks ``span``, renumbered from 0 (of an ordered DAG: an
+    edge against task order could leave the span below)."""
+    if not dag.ordered:
+        raise ValueError("only a DAG whose edges go from lower to higher ids has induced spans")
     a, b = span.start, span.stop
     succs = [[v - a for v in dag.succs[u] if v < b] for u in span]
     preds = [[u - a for u in dag.preds[v] if u >= a] for v in span]

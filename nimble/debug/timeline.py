@@ -19,12 +19,11 @@ follow them, and the trace draws them as arrows of their own.
 """
 from __future__ import annotations
 
-import heapq
 import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..analysis.deps import CriticalPath, critical_path, dag_from_edges
+from ..analysis.deps import critical_path, dag_from_edges
 from ..analysis.schedule import Schedule, phase_spans
 from ..ir.taskgraph import TaskGraph
 
@@ -77,7 +76,8 @@ class Timeline:
         edges = [(u - span.start, v - span.start) for u, v in self.edges()
                  if u in span and v in span]
         durations = [times[t][1] - times[t][0] for t in span]
-        planned = _longest_path(len(span), edges, durations)
+        # late edges run against task order: the path follows a topological order
+        planned = critical_path(dag_from_edges(len(span), edges, ordered=False), durations)
         return {"name": name, "tasks": len(span), "streams": len(streams),
                 "makespan_us": makespan, "work_us": work,
                 "concurrency": work / makespan if makespan > 0 else 0.0,
@@ -139,34 +139,6 @@ class Timeline:
                    plain_us=float(data.get("plain_us") or 0.0),
                    instrumented_us=float(data.get("instrumented_us") or 0.0),
                    late_edges=[tuple(e) for e in data.get("late_edges") or []])
-
-
-def _longest_path(n: int, edges: Sequence[tuple[int, int]],
-                  durations: Sequence[float]) -> CriticalPath:
-    """The DAG's longest path where some edges go against task order (late edges run from a
-    later anchor to an earlier task): relabelled in a topological order for
-    :func:`nimble.analysis.deps.critical_path`, then mapped back to task ids."""
-    succs: list[list[int]] = [[] for _ in range(n)]
-    indegree = [0] * n
-    for u, v in edges:
-        succs[u].append(v)
-        indegree[v] += 1
-    ready = [t for t in range(n) if not indegree[t]]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        u = heapq.heappop(ready)
-        order.append(u)
-        for v in succs[u]:
-            indegree[v] -= 1
-            if not indegree[v]:
-                heapq.heappush(ready, v)
-    if len(order) != n:
-        raise ValueError("the timeline's edges have a cycle")
-    rank = {t: k for k, t in enumerate(order)}
-    path = critical_path(dag_from_edges(n, [(rank[u], rank[v]) for u, v in edges]),
-                         [durations[t] for t in order])
-    return CriticalPath(path.length, [order[k] for k in path.tasks])
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Sequence
 
 from .. import driver
 from . import kernels
-from ..analysis.deps import forward_edges
+from ..analysis.deps import dag_from_edges
 from ..errors import BuildError, CudaError
 from ..analysis.memplan import MemPlan
 from ..ir.taskgraph import Pointer, Task, TaskGraph, TaskKind
@@ -70,10 +70,7 @@ def relocate_params(task: Task, bases: Sequence[int]) -> bytes:
 
 def predecessors(n: int, edges: Sequence[tuple[int, int]]) -> list[list[int]]:
     """``preds[v]``: the tasks with an edge into ``v``, sorted, from a list of edges."""
-    preds: list[set[int]] = [set() for _ in range(n)]
-    for u, v in forward_edges(n, edges, BuildError):
-        preds[v].add(u)
-    return [sorted(p) for p in preds]
+    return dag_from_edges(n, edges, BuildError).preds
 
 
 class InputGather(NamedTuple):

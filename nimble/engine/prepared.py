@@ -22,10 +22,9 @@ from ..analysis.priorities import driver_priorities, priority_levels
 from ..record.resolve import RNG_OFFSET, RNG_SEED
 from ..analysis.arena_fit import schedule_within
 from ..analysis.schedule import Schedule, phase_spans
+from ..ir.alignment import ALIGNMENT, align_up
 from ..ir.taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph, TaskKind, TensorRef
 from .weights import Weights
-
-_ARENA_ALIGNMENT = 512  # the planner's alignment; the arena base gets at least as much
 
 
 class _DeviceBytes:
@@ -252,18 +251,18 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     spans = phase_spans(graph.meta.get("phases") or [], len(graph.tasks))
     in_counts = graph.meta.get("phase_inputs") or [len(graph.inputs)]
     out_counts = graph.meta.get("phase_outputs") or [len(graph.outputs)]
-    cells_at = -(-plan.arena_bytes // 8) * 8
+    cells_at = align_up(plan.arena_bytes, 8)
     rng_at = cells_at + 8 * len(graph.inputs)
     extra = 16 if graph.meta.get("rng") else 0
     private_at, private = rng_at + extra, {}
     for bid in written_externals(graph):
-        private_at = -(-private_at // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
+        private_at = align_up(private_at)
         private[bid] = private_at
         private_at += graph.buffers[bid].size
-    arena = driver.DeviceMemory.allocate(private_at + _ARENA_ALIGNMENT)
+    arena = driver.DeviceMemory.allocate(private_at + ALIGNMENT)
     builts: list[BuiltGraph] = []
     try:
-        base = -(-arena.address // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
+        base = align_up(arena.address)
         bases = buffer_bases(graph, plan, base)
         rng_bases, rng = _rng_cells(graph, device, base + rng_at)
         for bid, address in rng_bases.items():

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import random
 
+from .alignment import align_up
 from .taskgraph import Access, Buffer, BufferKind, Op, Task, TaskGraph, TaskKind, TensorRef
-
-_ALIGN = 512
 
 
 class _Builder:
@@ -22,7 +21,7 @@ class _Builder:
     def buffer(self, kind: str, size: int, op: int = -1, name: str = "") -> int:
         bid = len(self.g.buffers)
         self.g.buffers.append(Buffer(bid, kind, size, self._next_address, name or f"{kind}{bid}", op))
-        self._next_address += (size + _ALIGN - 1) // _ALIGN * _ALIGN
+        self._next_address += align_up(size)
         return bid
 
     def task(self, op: int, accesses: list[Access], duration_us: float | None = None) -> int:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 from .. import driver
 from .compiled import is_compiled
 from ..errors import CaptureError, RecordError
+from ..ir.alignment import align_up
 from .raw import AllocEvent, DeviceRange
 from .twin import capture_twin
 
@@ -199,7 +200,7 @@ def alloc_events_from_trace(trace: Sequence[dict], alloc_base: int) -> list[Allo
         action = entry.get("action")
         if action == "alloc":
             event = AllocEvent(alloc_base + len(events), int(entry["addr"]),
-                               -(-int(entry["size"]) // 512) * 512)
+                               align_up(int(entry["size"])))
             events.append(event)
             live[event.address] = event
         elif action in _FREE_ACTIONS:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 
 from .raw import DeviceRange, RawCapture
+from ..ir.alignment import ALIGNMENT
 from ..ir.taskgraph import Buffer, BufferKind
 
 
@@ -20,7 +21,6 @@ _PAST_END_SLACK = 256
 # A 32-bit integer followed by 4 bytes of padding that hold the top half of an old address
 # reads as an address at most this far above a 4 GiB boundary.
 _PADDED_INT_LIMIT = 1 << 21
-_BLOCK_ALIGNMENT = 512  # the caching allocator's block alignment
 
 
 def padded_int_like(value: int) -> bool:
@@ -183,7 +183,7 @@ class _Resolver:
             return True
         if rep in self.tensor_buffer:
             return self.tensor_buffer[rep] not in named
-        return padded_int_like(value) and (value - self._allocs[ref].address) % _BLOCK_ALIGNMENT != 0
+        return padded_int_like(value) and (value - self._allocs[ref].address) % ALIGNMENT != 0
 
     def in_allocator_free(self, address: int) -> bool:
         """Whether ``address`` lies in torch's allocator memory outside every live block."""
