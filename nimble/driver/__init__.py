@@ -18,8 +18,8 @@ from .calls import (bindings, call, checked_status, current_context, device_supp
 from .handles import (DeviceMemory, Event, Graph, GraphExec, LowBitsMemory, Module,
                       nimble_memory)
 from .nodes import (CallPath, add_dependencies, add_empty_node, add_event_record_node,
-                    add_kernel_node, add_memcpy_node, add_memset_node, address_range,
-                    allow_dynamic_shared, capture_graph, copy_device, copy_kernel_attributes,
+                    add_function_node, add_kernel_node, add_memcpy_node, add_memset_node,
+                    address_range, allow_dynamic_shared, capture_graph, copy_device, copy_kernel_attributes,
                     copy_to_device, copy_to_host, event_elapsed_ms, fill_bytes_async, function_name,
                     function_param_layout, graph_nodes, kernel_function_of, kernel_node_params,
                     kernel_priority, launch, memcpy_node_params, memset_node_params, node_count,
@@ -28,8 +28,9 @@ from .nodes import (CallPath, add_dependencies, add_empty_node, add_event_record
 
 __all__ = [
     "CallPath", "DeviceMemory", "Event", "Graph", "GraphExec", "LowBitsMemory", "Module",
-    "add_dependencies", "add_empty_node", "add_event_record_node", "add_kernel_node",
-    "add_memcpy_node", "add_memset_node", "address_range", "allow_dynamic_shared", "bindings", "call",
+    "add_dependencies", "add_empty_node", "add_event_record_node", "add_function_node",
+    "add_kernel_node", "add_memcpy_node", "add_memset_node", "address_range",
+    "allow_dynamic_shared", "bindings", "call",
     "capture_graph", "checked_status", "copy_device", "copy_kernel_attributes", "copy_to_device",
     "copy_to_host", "current_context", "device_supports_stream_writes", "ensure_context",
     "event_elapsed_ms", "fill_bytes_async", "function_name", "function_param_layout",

@@ -122,6 +122,27 @@ def add_kernel_node(graph, deps: list, params, detail: str = "") -> Any:
     return call("cuGraphAddKernelNode", graph, deps, len(deps), params, detail=detail)
 
 
+def add_function_node(graph, deps: list, function, grid: tuple[int, int, int],
+                      block: tuple[int, int, int], args: tuple[int, ...] | list[int],
+                      detail: str = "") -> Any:
+    """Add a kernel node running ``function`` (a ``CUfunction`` of a :class:`Module`) on
+    ``grid`` blocks of ``block`` threads, without dynamic shared memory, each of ``args`` passed
+    as one 64-bit parameter (an address or a count), after ``deps``."""
+    drv = bindings()
+    params = drv.CUDA_KERNEL_NODE_PARAMS()
+    params.func = function
+    params.gridDimX, params.gridDimY, params.gridDimZ = grid
+    params.blockDimX, params.blockDimY, params.blockDimZ = block
+    params.sharedMemBytes = 0
+    # The driver copies the values while adding the node: these locals outlive the call.
+    values = (ctypes.c_uint64 * max(len(args), 1))(*args)
+    slots = (ctypes.c_void_p * max(len(args), 1))(
+        *[ctypes.addressof(values) + 8 * i for i in range(len(args))])
+    params.kernelParams = ctypes.addressof(slots) if args else 0
+    params.extra = 0
+    return add_kernel_node(graph, deps, params, detail=detail)
+
+
 def copy_kernel_attributes(dst, src) -> None:
     call("cuGraphKernelNodeCopyAttributes", dst, src)
 
