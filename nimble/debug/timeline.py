@@ -42,8 +42,8 @@ class Timeline:
     plain_us: float = 0.0
     instrumented_us: float = 0.0
     meta: dict = field(default_factory=dict)
-    #: The built graphs' late edges (:attr:`nimble.engine.prepared.Prepared.late_edges`), which the run
-    #: enforced beside the schedule's.
+    #: The built graphs' late edges (:attr:`nimble.engine.prepared.Prepared.late_edges`), which
+    #: the run enforced beside the schedule's.
     late_edges: list[tuple[int, int]] = field(default_factory=list)
 
     def edges(self) -> list[tuple[int, int]]:
@@ -92,13 +92,15 @@ class Timeline:
                 "late_edges": sum(1 for u, v in self.late_edges if u in span and v in span)}
 
     def overlapped(self, edges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The dependencies ``(u, v)`` among ``edges`` (the DAG's, :func:`nimble.analysis.deps.build_dag`)
-        that the run broke: ``v`` started before ``u`` ended.  A schedule that enforces its DAG
-        gives none; a missing synchronization shows up here."""
+        """The dependencies ``(u, v)`` among ``edges`` (the DAG's,
+        :func:`nimble.analysis.deps.build_dag`) that the run broke: ``v`` started before ``u``
+        ended.  A schedule that enforces its DAG gives none; a missing synchronization shows up
+        here."""
         return [(u, v) for u, v in edges if self.times[v][0] < self.times[u][1]]
 
     def to_chrome(self) -> dict:
-        """A Chrome/Perfetto trace of the measured run (see :func:`nimble.analysis.report.to_chrome_trace`)."""
+        """A Chrome/Perfetto trace of the measured run (see
+        :func:`nimble.analysis.report.to_chrome_trace`)."""
         from ..analysis.report import to_chrome_trace
 
         trace = to_chrome_trace(self.graph, self.schedule, times=self.times,

@@ -18,19 +18,21 @@ from .calls import (bindings, call, checked_status, current_context, device_supp
 from .handles import (DeviceMemory, Event, Graph, GraphExec, LowBitsMemory, Module,
                       nimble_memory)
 from .nodes import (CallPath, add_dependencies, add_empty_node, add_event_record_node,
-                    add_function_node, add_kernel_node, add_memcpy_node, add_memset_node,
-                    address_range, allow_dynamic_shared, capture_graph, copy_device, copy_kernel_attributes,
+                    add_kernel_node, add_memcpy_node, add_memset_node, address_range,
+                    allow_dynamic_shared, capture_graph, copy_device, copy_kernel_attributes,
                     copy_to_device, copy_to_host, event_elapsed_ms, fill_bytes_async, function_name,
                     function_param_layout, graph_nodes, kernel_function_of, kernel_node_params,
                     kernel_priority, launch, memcpy_node_params, memset_node_params, node_count,
                     node_type, read_host, set_exec_kernel_params, set_kernel_priority,
                     stream, stream_priority_range, stream_synchronize, upload)
+# The nodes Nimble builds from its own kernels and from recorded nodes.
+from .nodes import (add_function_node, add_kernel_node_like, add_memcpy_node_like,
+                    add_memset_node_like, kernel_arguments, set_exec_kernel_arguments)
 
 __all__ = [
     "CallPath", "DeviceMemory", "Event", "Graph", "GraphExec", "LowBitsMemory", "Module",
-    "add_dependencies", "add_empty_node", "add_event_record_node", "add_function_node",
-    "add_kernel_node", "add_memcpy_node", "add_memset_node", "address_range",
-    "allow_dynamic_shared", "bindings", "call",
+    "add_dependencies", "add_empty_node", "add_event_record_node", "add_kernel_node",
+    "add_memcpy_node", "add_memset_node", "address_range", "allow_dynamic_shared", "bindings", "call",
     "capture_graph", "checked_status", "copy_device", "copy_kernel_attributes", "copy_to_device",
     "copy_to_host", "current_context", "device_supports_stream_writes", "ensure_context",
     "event_elapsed_ms", "fill_bytes_async", "function_name", "function_param_layout",
@@ -38,4 +40,6 @@ __all__ = [
     "memcpy_node_params", "memset_node_params", "nimble_memory", "node_count", "node_type",
     "probe", "raise_status", "read_host", "set_exec_kernel_params", "set_kernel_priority", "stream",
     "stream_priority_range", "stream_synchronize", "synchronize_context", "upload",
+    "add_function_node", "add_kernel_node_like", "add_memcpy_node_like", "add_memset_node_like",
+    "kernel_arguments", "set_exec_kernel_arguments",
 ]

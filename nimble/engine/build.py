@@ -16,7 +16,6 @@ and tested without a GPU.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import AbstractSet as Set, Any, NamedTuple, Sequence
 
@@ -131,62 +130,27 @@ class BuiltGraph:
                 module.close()
 
 
-def kernel_arguments(task: Task, block: bytes) -> tuple[int, int, list]:
-    """``(kernelParams, extra, keep)`` addresses that pass ``block`` to the driver as recorded.
-
-    A task recorded from a ``kernelParams`` launch gets a pointer per parameter; one recorded
-    from an ``extra`` launch gets the packed buffer back.  ``keep`` holds the ctypes objects the
-    addresses point into: the driver copies them while adding or updating the node.
-    """
-    storage = ctypes.create_string_buffer(block, max(len(block), 1))
-    base = ctypes.addressof(storage)
-    if task.fields.get("args") == "extra":
-        size = ctypes.c_size_t(len(block))
-        extra = (ctypes.c_void_p * 5)(1, base, 2, ctypes.addressof(size), 0)
-        return 0, ctypes.addressof(extra), [storage, size, extra]
-    if not task.param_layout:
-        return 0, 0, [storage]
-    slots = (ctypes.c_void_p * len(task.param_layout))(
-        *[base + offset for offset, _ in task.param_layout])
-    return ctypes.addressof(slots), 0, [storage, slots]
+def _packed(task: Task) -> bool:
+    """The task was recorded from an ``extra`` launch (one packed argument buffer)."""
+    return task.fields.get("args") == "extra"
 
 
 def _add_kernel(graph, task: Task, recorded_node, bases: Sequence[int], deps: list):
-    params = driver.kernel_node_params(recorded_node)
-    params.kernelParams, params.extra, keep = kernel_arguments(task, relocate_params(task, bases))
-    if params.sharedMemBytes:
-        driver.allow_dynamic_shared(params.func, int(params.sharedMemBytes))
-    node = driver.add_kernel_node(graph, deps, params, detail=f"task {task.id} ({task.short_name})")
-    del keep
-    driver.copy_kernel_attributes(node, recorded_node)
-    return node
+    return driver.add_kernel_node_like(graph, deps, recorded_node, relocate_params(task, bases),
+                                       task.param_layout, _packed(task),
+                                       detail=f"task {task.id} ({task.short_name})")
 
 
-def _moved(task: Task, location: str, recorded_value: int, bases: Sequence[int]) -> int:
-    for p in task.pointers:
-        if p.location == location:
-            return recorded_value + relocated(p, bases) - p.value
-    return recorded_value
-
-
-def _add_memset(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx,
-                move: bool = True):
-    params = driver.memset_node_params(recorded_node)
-    if move:
-        params.dst = _moved(task, "dst", int(params.dst), bases)
-    return driver.add_memset_node(graph, deps, params, ctx, detail=f"task {task.id} (memset)")
-
-
-def _add_memcpy(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx,
-                move: bool = True):
-    params = driver.memcpy_node_params(recorded_node)
-    # A pointer row's value is where the copy starts; the struct's base moves by the same delta.
-    for side in ("src", "dst") if move else ():
-        if int(getattr(params, side + "MemoryType")) in (2, 4):  # device or unified memory
-            field_name = side + "Device"
-            setattr(params, field_name, _moved(task, side, int(getattr(params, field_name)),
-                                               bases))
-    return driver.add_memcpy_node(graph, deps, params, ctx, detail=f"task {task.id} (memcpy)")
+def _mover(task: Task, bases: Sequence[int]):
+    """``move(location, recorded address) -> address`` for the endpoints of a memset or memcpy
+    task: a pointer row's value is where the copy starts, and the struct's base moves by the
+    same delta."""
+    def move(location: str, recorded_value: int) -> int:
+        for p in task.pointers:
+            if p.location == location:
+                return recorded_value + relocated(p, bases) - p.value
+        return recorded_value
+    return move
 
 
 def stamp_slots(span: range, stamps: int) -> dict[int, tuple[int, int]]:
@@ -205,10 +169,13 @@ def add_task_node(graph, task: Task, recorded_node, bases: Sequence[int], deps: 
     """
     if task.kind == TaskKind.KERNEL:
         return _add_kernel(graph, task, recorded_node, bases, deps)
+    move = None if node_relocated else _mover(task, bases)
     if task.kind == TaskKind.MEMSET:
-        return _add_memset(graph, task, recorded_node, bases, deps, ctx, not node_relocated)
+        return driver.add_memset_node_like(graph, deps, recorded_node, ctx, move,
+                                           detail=f"task {task.id} (memset)")
     if task.kind == TaskKind.MEMCPY:
-        return _add_memcpy(graph, task, recorded_node, bases, deps, ctx, not node_relocated)
+        return driver.add_memcpy_node_like(graph, deps, recorded_node, ctx, move,
+                                           detail=f"task {task.id} (memcpy)")
     if task.kind == "other:CU_GRAPH_NODE_TYPE_EMPTY":
         return driver.add_empty_node(graph, deps)
     raise BuildError(f"task {task.id} is a {task.kind} node, which Nimble cannot rebuild yet")
@@ -219,9 +186,9 @@ def instantiate(owned: driver.Graph, device_launch: bool, upload_stream,
     """``(exec, device_launchable, refusal)``: device-launchable where asked and allowed.
 
     A device-launchable exec lives on the GPU once uploaded, so each host launch is a short
-    constant-cost submission instead of a walk over the graph (on an H100, 5-15 µs against
-    20-30 µs for inception_v3).  Where the driver refuses (a node type it cannot launch from the
-    device), the plain exec is used and the refusal is returned for the caller to report.
+    constant-cost submission instead of a walk over the graph.  Where the driver refuses (a
+    node type it cannot launch from the device), the plain exec is used and the refusal is
+    returned for the caller to report.
     """
     refusal = ""
     if device_launch:
@@ -419,13 +386,10 @@ def repoint(built: BuiltGraph, graph: TaskGraph, bases: Sequence[int], buffers: 
                              "Nimble re-points kernel arguments only: call prepare() again")
     changed = 0
     for task in tasks:
-        node = built.nodes[task.id - built.span.start]
-        params = driver.kernel_node_params(node)
-        params.kernelParams, params.extra, keep = kernel_arguments(
-            task, relocate_params(task, bases))
-        driver.set_exec_kernel_params(built.exec.handle, node, params,
-                                      detail=f"task {task.id} ({task.short_name})")
-        del keep
+        driver.set_exec_kernel_arguments(
+            built.exec.handle, built.nodes[task.id - built.span.start],
+            relocate_params(task, bases), task.param_layout, _packed(task),
+            detail=f"task {task.id} ({task.short_name})")
         changed += 1
     if changed and built.device_launch:
         driver.upload(built.exec.handle, stream)

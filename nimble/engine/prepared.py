@@ -93,7 +93,8 @@ class Prepared:
     seconds: dict
     #: The driver priority number of each task's node (None: the graph ignores priorities).
     priorities: list[int] | None = None
-    #: Per phase whose tail backfill was measured, what was (:class:`nimble.analysis.backfill.Picked`).
+    #: Per phase whose tail backfill was measured, what was
+    #: (:class:`nimble.analysis.backfill.Picked`).
     backfill: list = field(default_factory=list)
     recording: Any = None  # kept only with keep_recording=True (debugging)
     step: Any = None  # training.TrainingStep for a training step, else None
@@ -105,7 +106,8 @@ class Prepared:
     @property
     def late_edges(self) -> list[tuple[int, int]]:
         """The built graphs' edges beyond the schedule's: the tail backfill kept
-        (:mod:`nimble.analysis.backfill`); a copy of a phase needs them to run as the served one does."""
+        (:mod:`nimble.analysis.backfill`); a copy of a phase needs them to run as the served
+        one does."""
         return [e for p in self.backfill if p.kept is not None for e in p.kept.edges()]
 
     @property
@@ -127,10 +129,11 @@ class Prepared:
         return gathers_of(self.launchers[phase].slots)
 
     def phase_builder(self, upload_stream=None) -> PhaseBuilder:
-        """The builder of copies of the served phases (:class:`~nimble.engine.rebuild.PhaseBuilder`):
-        from the built graphs' own nodes, over the same arena, with the current schedule's
-        edges, the served gathers, priorities and late edges, each phase device-launchable
-        where the served one is; ``upload_stream`` uploads each copy at instantiation."""
+        """The builder of copies of the served phases
+        (:class:`~nimble.engine.rebuild.PhaseBuilder`): from the built graphs' own nodes, over
+        the same arena, with the current schedule's edges, the served gathers, priorities and
+        late edges, each phase device-launchable where the served one is; ``upload_stream``
+        uploads each copy at instantiation."""
         phases = range(len(self.builts))
         return PhaseBuilder(self.graph, [self.built_nodes(k) for k in phases], self.bases,
                             self.schedule.edges(), [b.span for b in self.builts],
@@ -216,8 +219,8 @@ def task_times(rec) -> list[float]:
 
 
 def kernel_priorities(schedule: Schedule, durations: Sequence[float]) -> list[int]:
-    """Driver priority numbers per task from its slack in ``schedule`` (:mod:`nimble.analysis.priorities`),
-    each task weighted by its isolated duration."""
+    """Driver priority numbers per task from its slack in ``schedule``
+    (:mod:`nimble.analysis.priorities`), each task weighted by its isolated duration."""
     least, greatest = driver.stream_priority_range()
     n = len(durations)
     levels = priority_levels(n, schedule.edges(), durations, least - greatest + 1,
@@ -227,8 +230,8 @@ def kernel_priorities(schedule: Schedule, durations: Sequence[float]) -> list[in
 
 def backfill_trials(graph: TaskGraph, schedule: Schedule,
                     durations: Sequence[float]) -> dict[int, list[backfill.Backfill]]:
-    """The tail backfills worth timing per phase (:func:`nimble.analysis.backfill.plan_trials`), from
-    each kernel's block count and the current device's SM count."""
+    """The tail backfills worth timing per phase (:func:`nimble.analysis.backfill.plan_trials`),
+    from each kernel's block count and the current device's SM count."""
     import torch
 
     n = len(graph.tasks)
