@@ -11,6 +11,9 @@ Every node of the recorded graph is added again to a new graph (``cuGraphCreate`
   synchronization edges.  CUDA runs the branches of a graph concurrently, so those edges *are*
   the stream partitioning; the stream of each node is kept for inspection.
 
+What :func:`build_graph` builds beyond that (one phase of a training step, input gathers, node
+priorities, late edges, timestamp nodes, a subset of the tasks) is a :class:`GraphSpec`; the
+builds of a prepared graph's phases all go through :class:`nimble.engine.rebuild.PhaseBuilder`.
 Relocation itself (:func:`buffer_bases`, :func:`relocate_params`, :func:`relocated`) is plain data
 and tested without a GPU.
 """
