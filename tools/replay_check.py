@@ -20,7 +20,7 @@ def check(name: str) -> dict:
 
     from nimble.cli import models
     from nimble.driver.gpu import use_cudnn_benchmark
-    from nimble.engine.build import build_graph, chain_edges
+    from nimble.engine.build import GraphSpec, build_graph, chain_edges
     from nimble.record.recorder import record
     from nimble.engine.proof import random_like, same_bits
 
@@ -34,7 +34,8 @@ def check(name: str) -> dict:
     count = int(driver.call("cuGraphGetEdges", cu, 0)[3])
     frm, to = driver.call("cuGraphGetEdges", cu, count)[:2]
     backward = sum(1 for a, b in zip(frm, to) if index[int(a)] >= index[int(b)])
-    built = build_graph(g, rec.nodes, [b.address for b in g.buffers], chain_edges(len(g.tasks)))
+    built = build_graph(g, rec.nodes, [b.address for b in g.buffers],
+                        GraphSpec(chain_edges(len(g.tasks))))
     stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
     xs = [random_like(x) for x in rec.static_inputs]
     a = rec.replay_reference(xs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ..engine.rebuild import PhaseOptions
 from ..errors import InputError
 from ..analysis.schedule import Schedule, phase_spans
 from ..ir.taskgraph import TaskGraph
@@ -96,15 +97,22 @@ class Snapshot:
                 for a in self.graph.ops[op].accesses if a.write]
 
 
+def stop_options(only: set[int] | None) -> PhaseOptions:
+    """How a step-through copy differs from the served phase: only the tasks of ``only`` (all
+    when None), no input gathers, no node priorities, a plain exec.
+
+    A step-through reads values, not times.  Its inputs are copied straight into the slots
+    (:func:`run_tasks`), so a gather would copy each slot onto itself; priorities and device
+    launch change when and how nodes run, never what they compute; and each stop's pruned clone
+    is instantiated plainly (:meth:`StepThrough.launch`) whatever the copy was.
+    """
+    return PhaseOptions(priorities=False, gathers=False, device_launch=False, only=only)
+
+
 def build_phase(prepared, phase: int, only: set[int] | None):
     """A copy of phase ``phase`` of ``prepared`` from its own nodes, over the same arena: the
-    whole phase, or only the tasks of ``only``."""
-    from ..engine.build import build_graph
-
-    return build_graph(prepared.graph, prepared.built_nodes(phase), prepared.bases,
-                       prepared.schedule.edges(), device_launch=False,
-                       span=prepared.builts[phase].span, nodes_relocated=True, only=only,
-                       late_edges=prepared.late_edges)
+    whole phase, or only the tasks of ``only`` (:func:`stop_options`)."""
+    return prepared.phase_builder().build(phase, stop_options(only))
 
 
 class StepThrough:
@@ -114,11 +122,10 @@ class StepThrough:
     :mod:`nimble.debug.divergence` stops after each of hundreds of ops; cloning and pruning in the
     driver costs far less than adding every kept node again from Python.
 
-    The stops do not switch nodes off in one exec (``cuGraphNodeSetEnabled``) instead: on the
-    H200, in some processes, a copy with the later nodes switched off behaved as if it ran some
-    of them in about every other launch (their values landed in arena ranges the stop reads, so
-    two runs of one stop differed), while a graph holding only the stop's nodes repeated bit for
-    bit.  Owns its graphs; :meth:`close` (idempotent) frees them."""
+    The stops do not switch nodes off in one exec (``cuGraphNodeSetEnabled``) instead: a copy
+    with its later nodes switched off is not reliably kept from running some of them, whose
+    values then land in arena ranges the stop reads, while a graph holding only the stop's nodes
+    repeats bit for bit.  Owns its graphs; :meth:`close` (idempotent) frees them."""
 
     def __init__(self, prepared, phase: int):
         self.prepared = prepared

@@ -25,6 +25,8 @@ from typing import Sequence
 
 from ..analysis.deps import critical_path, dag_from_edges
 from ..analysis.schedule import Schedule, phase_spans
+from ..engine.build import StampSpec
+from ..engine.rebuild import PhaseOptions
 from ..ir.taskgraph import TaskGraph
 
 
@@ -39,8 +41,8 @@ class Timeline:
     plain_us: float = 0.0
     instrumented_us: float = 0.0
     meta: dict = field(default_factory=dict)
-    #: The built graphs' late edges (:attr:`nimble.engine.prepared.Prepared.late_edges`), which the run
-    #: enforced beside the schedule's.
+    #: The built graphs' late edges (:attr:`nimble.engine.prepared.Prepared.late_edges`), which
+    #: the run enforced beside the schedule's.
     late_edges: list[tuple[int, int]] = field(default_factory=list)
 
     def edges(self) -> list[tuple[int, int]]:
@@ -90,13 +92,15 @@ class Timeline:
                 "late_edges": sum(1 for u, v in self.late_edges if u in span and v in span)}
 
     def overlapped(self, edges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The dependencies ``(u, v)`` among ``edges`` (the DAG's, :func:`nimble.analysis.deps.build_dag`)
-        that the run broke: ``v`` started before ``u`` ended.  A schedule that enforces its DAG
-        gives none; a missing synchronization shows up here."""
+        """The dependencies ``(u, v)`` among ``edges`` (the DAG's,
+        :func:`nimble.analysis.deps.build_dag`) that the run broke: ``v`` started before ``u``
+        ended.  A schedule that enforces its DAG gives none; a missing synchronization shows up
+        here."""
         return [(u, v) for u, v in edges if self.times[v][0] < self.times[u][1]]
 
     def to_chrome(self) -> dict:
-        """A Chrome/Perfetto trace of the measured run (see :func:`nimble.analysis.report.to_chrome_trace`)."""
+        """A Chrome/Perfetto trace of the measured run (see
+        :func:`nimble.analysis.report.to_chrome_trace`)."""
         from ..analysis.report import to_chrome_trace
 
         trace = to_chrome_trace(self.graph, self.schedule, times=self.times,
@@ -263,90 +267,120 @@ def merge_group_stamps(raws: Sequence[bytes], members: Sequence[set[int]], span:
     return struct.pack(f"<{len(out)}Q", *out)
 
 
+def instrumented_options(stamps: int, span: range, start_stamps: bool,
+                         tasks: set[int] | None) -> PhaseOptions:
+    """How an instrumented copy differs from the served phase: timestamp nodes for the tasks of
+    ``span`` (``tasks`` only, when given) in a stamp buffer at ``stamps`` (16 bytes per task of
+    the graph, from task 0), and nothing else.  It keeps the served gathers: without them its
+    roots would be many graph roots, a shape the driver runs slower than the served one."""
+    return PhaseOptions(stamps=StampSpec(stamps + 16 * span.start, start_stamps, tasks))
+
+
 def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
                     start_stamps: bool = True, groups: int = 1) -> Timeline:
-    """Measure every task of ``prepared`` (a :class:`nimble.engine.prepared.Prepared`) in a real run.
+    """Measure every task of ``prepared`` (a :class:`nimble.engine.prepared.Prepared`) in a real
+    run.
 
-    ``inputs`` (the flat inputs of every phase, as :func:`nimble.engine.prepared.run_all` takes them;
-    random ones when None) are copied into the arena's slots; each phase's instrumented graph
-    runs ``runs`` times after the plain graphs ran as often, and the last run's stamps are
-    kept.  ``start_stamps=False`` stamps only the ends (and the first root's start, which
-    dates the run): half the extra nodes, each start then being its ready time (its last
-    predecessor's end; the launch for a root).  ``groups=k`` spreads the stamps over ``k``
-    instrumented graphs (:func:`stamp_groups`), each run ``runs`` times, so each measured run
-    carries a ``k``-th of them and is disturbed that much less; the timeline joins the runs
-    (:func:`merge_group_stamps`) and the overhead reported is the largest of theirs.  The instrumented graphs are launched as the prepared ones are
+    ``inputs`` (the flat inputs of every phase, as :func:`nimble.engine.prepared.run_all` takes
+    them; random ones when None) are copied into the arena's slots; each phase's instrumented
+    graph (:func:`instrumented_options`) runs ``runs`` times after the plain graphs ran as
+    often, and the last run's stamps are kept.  ``start_stamps=False`` stamps only the ends
+    (and the first root's start, which dates the run): half the extra nodes, each start then
+    being its ready time (its last predecessor's end; the launch for a root).  ``groups=k``
+    spreads the stamps over ``k`` instrumented graphs (:func:`stamp_groups`), each run ``runs``
+    times, so each measured run carries a ``k``-th of them and is disturbed that much less; the
+    timeline joins the runs (:func:`merge_group_stamps`) and the overhead reported is the
+    largest of theirs.  The instrumented graphs are launched as the prepared ones are
     (device-launchable where those are).  Needs the GPU; the prepared graph keeps serving calls
     unchanged.
     """
-    import torch
-
     from .. import driver
-    from ..engine import kernels
-    from ..engine.build import build_graph, predecessors
     from ..engine.proof import random_like
 
-    graph, schedule = prepared.graph, prepared.schedule
-    n = len(graph.tasks)
-    launchers = prepared.launchers
-    slots = [s for launcher in launchers for s in launcher.slots]
+    n = len(prepared.graph.tasks)
+    slots = [s for launcher in prepared.launchers for s in launcher.slots]
     inputs = list(inputs) if inputs is not None else [random_like(s.tensor) for s in slots]
-    members = stamp_groups(schedule, groups) if groups > 1 else [set(range(n))]
-    preds = predecessors(n, schedule.edges())
-    roots = {next(t for t in b.span if all(u < b.span.start for u in preds[t]))
-             for b in prepared.builts if len(b.span)}  # the stamp dating each run
+    members = stamp_groups(prepared.schedule, groups) if groups > 1 else [set(range(n))]
     stamps = driver.DeviceMemory.allocate(16 * max(n, 1))
-    raws: list[bytes] = []
-    timed: list[float] = []
     try:
-        with launchers[0].lock:
+        with prepared.launchers[0].lock:
             # A gather node reads its source from the input cell, which still names the last
             # call's tensor: the plain runs must gather each slot onto itself instead.
             prepared.cells_to_own_slots()
-            stream = launchers[0].stream()
-            torch_stream = torch.cuda.ExternalStream(int(stream)) \
-                if int(stream) else torch.cuda.current_stream()
-
-            def run(execs) -> float:
-                with torch.cuda.stream(torch_stream):
-                    for slot, x in zip(slots, inputs):
-                        slot.tensor.copy_(x)
-                    start = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for exec_handle in execs:
-                        driver.launch(exec_handle, stream)
-                    end.record()
-                end.synchronize()
-                return start.elapsed_time(end) * 1e3
-            plain = sorted(run([b.exec.handle for b in prepared.builts]) for _ in range(runs))
-            for group in members:
-                driver.copy_to_device(stamps.address, bytes(16 * max(n, 1)))  # 0: not stamped
-                instrumented = []
-                try:
-                    for phase, built in enumerate(prepared.builts):
-                        # With the served graph's gathers: without them its roots would be
-                        # many graph roots, a shape the driver runs measurably slower.
-                        gathers = prepared.gathers(phase)
-                        instrumented.append(build_graph(
-                            graph, prepared.built_nodes(phase), prepared.bases,
-                            schedule.edges(), device_launch=built.device_launch,
-                            upload_stream=stream, span=built.span, gathers=gathers,
-                            gather_module=kernels.load("gather_input.ptx") if gathers else None,
-                            stamps=stamps.address + 16 * built.span.start,
-                            stamp_module=kernels.load("timestamp.ptx"), start_stamps=start_stamps,
-                            nodes_relocated=True, priorities=prepared.priorities,
-                            stamped=group if groups > 1 else None,
-                            late_edges=prepared.late_edges))
-                    times_of = sorted(run([b.exec.handle for b in instrumented])
-                                      for _ in range(runs))
-                    timed.append(times_of[len(times_of) // 2])
-                    raws.append(driver.copy_to_host(stamps.address, 16 * n))
-                finally:
-                    for built in instrumented:
-                        built.close()
+            runner = _Runner(prepared.launchers[0].stream(), slots, inputs)
+            plain = sorted(runner.run([b.exec.handle for b in prepared.builts])
+                           for _ in range(runs))
+            builder = prepared.phase_builder(runner.stream)
+            measured = [_run_stamped(prepared, builder, runner, stamps, runs, start_stamps,
+                                     group if groups > 1 else None) for group in members]
     finally:
         stamps.close()
+    times = _joined_times(prepared, [raw for _, raw in measured], members, groups)
+    return Timeline(prepared.graph, prepared.schedule, times, plain_us=plain[len(plain) // 2],
+                    instrumented_us=max(us for us, _ in measured),
+                    meta={"runs": runs, "timer": "%globaltimer", "start_stamps": start_stamps,
+                          "groups": groups}, late_edges=list(prepared.late_edges))
+
+
+class _Runner:
+    """Timed launches on the prepared graph's stream, each after the inputs are copied in."""
+
+    def __init__(self, stream, slots: Sequence, inputs: Sequence) -> None:
+        import torch
+
+        self.stream, self.slots, self.inputs = stream, slots, inputs
+        self.torch_stream = torch.cuda.ExternalStream(int(stream)) \
+            if int(stream) else torch.cuda.current_stream()
+
+    def run(self, execs: Sequence) -> float:
+        """µs from before the first of ``execs`` to after the last, launched in turn."""
+        import torch
+
+        from .. import driver
+
+        with torch.cuda.stream(self.torch_stream):
+            for slot, x in zip(self.slots, self.inputs):
+                slot.tensor.copy_(x)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for exec_handle in execs:
+                driver.launch(exec_handle, self.stream)
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+
+def _run_stamped(prepared, builder, runner: _Runner, stamps, runs: int, start_stamps: bool,
+                 tasks: set[int] | None) -> tuple[float, bytes]:
+    """``(median µs, stamp bytes)`` of ``runs`` runs of every phase instrumented for ``tasks``
+    (every task when None); the copies are freed afterwards."""
+    from .. import driver
+
+    n = len(prepared.graph.tasks)
+    driver.copy_to_device(stamps.address, bytes(16 * max(n, 1)))  # 0: not stamped
+    instrumented = []
+    try:
+        for phase, built in enumerate(prepared.builts):
+            instrumented.append(builder.build(phase, instrumented_options(
+                stamps.address, built.span, start_stamps, tasks)))
+        times = sorted(runner.run([b.exec.handle for b in instrumented]) for _ in range(runs))
+        return times[len(times) // 2], driver.copy_to_host(stamps.address, 16 * n)
+    finally:
+        for built in instrumented:
+            built.close()
+
+
+def _joined_times(prepared, raws: Sequence[bytes], members: Sequence[set[int]],
+                  groups: int) -> list[tuple[float, float]]:
+    """Each task's ``(start, end)`` µs from the stamp bytes of the runs of every group."""
+    from ..engine.build import predecessors
+
+    schedule = prepared.schedule
+    n = len(prepared.graph.tasks)
+    preds = predecessors(n, schedule.edges())
+    roots = {next(t for t in b.span if all(u < b.span.start for u in preds[t]))
+             for b in prepared.builts if len(b.span)}  # the stamp dating each run
     times: list[tuple[float, float]] = [(0.0, 0.0)] * n
     for built in prepared.builts:
         span = built.span
@@ -358,7 +392,4 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
         for t, pair in zip(span, times_from_stamps(chunk, span,
                                                    schedule.edges() + prepared.late_edges)):
             times[t] = pair
-    return Timeline(graph, schedule, times, plain_us=plain[len(plain) // 2],
-                    instrumented_us=max(timed),
-                    meta={"runs": runs, "timer": "%globaltimer", "start_stamps": start_stamps,
-                          "groups": groups}, late_edges=list(prepared.late_edges))
+    return times

@@ -25,6 +25,9 @@ from .nodes import (CallPath, add_dependencies, add_empty_node, add_event_record
                     kernel_priority, launch, memcpy_node_params, memset_node_params, node_count,
                     node_type, read_host, set_exec_kernel_params, set_kernel_priority,
                     stream, stream_priority_range, stream_synchronize, upload)
+# The nodes Nimble builds from its own kernels and from recorded nodes.
+from .nodes import (add_function_node, add_kernel_node_like, add_memcpy_node_like,
+                    add_memset_node_like, kernel_arguments, set_exec_kernel_arguments)
 
 __all__ = [
     "CallPath", "DeviceMemory", "Event", "Graph", "GraphExec", "LowBitsMemory", "Module",
@@ -37,4 +40,6 @@ __all__ = [
     "memcpy_node_params", "memset_node_params", "nimble_memory", "node_count", "node_type",
     "probe", "raise_status", "read_host", "set_exec_kernel_params", "set_kernel_priority", "stream",
     "stream_priority_range", "stream_synchronize", "synchronize_context", "upload",
+    "add_function_node", "add_kernel_node_like", "add_memcpy_node_like", "add_memset_node_like",
+    "kernel_arguments", "set_exec_kernel_arguments",
 ]

@@ -122,6 +122,94 @@ def add_kernel_node(graph, deps: list, params, detail: str = "") -> Any:
     return call("cuGraphAddKernelNode", graph, deps, len(deps), params, detail=detail)
 
 
+def add_function_node(graph, deps: list, function, grid: tuple[int, int, int],
+                      block: tuple[int, int, int], args: tuple[int, ...] | list[int],
+                      detail: str = "") -> Any:
+    """Add a kernel node running ``function`` (a ``CUfunction`` of a :class:`Module`) on
+    ``grid`` blocks of ``block`` threads, without dynamic shared memory, each of ``args`` passed
+    as one 64-bit parameter (an address or a count), after ``deps``."""
+    drv = bindings()
+    params = drv.CUDA_KERNEL_NODE_PARAMS()
+    params.func = function
+    params.gridDimX, params.gridDimY, params.gridDimZ = grid
+    params.blockDimX, params.blockDimY, params.blockDimZ = block
+    params.sharedMemBytes = 0
+    # The driver copies the values while adding the node: these locals outlive the call.
+    values = (ctypes.c_uint64 * max(len(args), 1))(*args)
+    slots = (ctypes.c_void_p * max(len(args), 1))(
+        *[ctypes.addressof(values) + 8 * i for i in range(len(args))])
+    params.kernelParams = ctypes.addressof(slots) if args else 0
+    params.extra = 0
+    return add_kernel_node(graph, deps, params, detail=detail)
+
+
+def kernel_arguments(block: bytes, layout, packed: bool) -> tuple[int, int, list]:
+    """``(kernelParams, extra, keep)`` addresses that pass the argument bytes ``block`` to the
+    driver: one pointer per parameter of ``layout`` (``(offset, size)`` pairs), or with
+    ``packed`` the whole buffer through ``extra``.  ``keep`` holds the ctypes objects the
+    addresses point into: the driver copies them while adding or updating the node.
+    """
+    storage = ctypes.create_string_buffer(block, max(len(block), 1))
+    base = ctypes.addressof(storage)
+    if packed:
+        size = ctypes.c_size_t(len(block))
+        # CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE, CU_LAUNCH_PARAM_END
+        extra = (ctypes.c_void_p * 5)(1, base, 2, ctypes.addressof(size), 0)
+        return 0, ctypes.addressof(extra), [storage, size, extra]
+    if not layout:
+        return 0, 0, [storage]
+    slots = (ctypes.c_void_p * len(layout))(*[base + offset for offset, _ in layout])
+    return ctypes.addressof(slots), 0, [storage, slots]
+
+
+def add_kernel_node_like(graph, deps: list, model, block: bytes, layout, packed: bool,
+                         detail: str = "") -> Any:
+    """Add a kernel node like ``model`` (a kernel node: its function, launch shape, shared
+    memory and launch attributes) with the argument bytes ``block`` (see
+    :func:`kernel_arguments`), after ``deps``."""
+    params = kernel_node_params(model)
+    params.kernelParams, params.extra, keep = kernel_arguments(block, layout, packed)
+    if params.sharedMemBytes:
+        allow_dynamic_shared(params.func, int(params.sharedMemBytes))
+    node = add_kernel_node(graph, deps, params, detail=detail)
+    del keep
+    copy_kernel_attributes(node, model)
+    return node
+
+
+def set_exec_kernel_arguments(exec_handle, node, block: bytes, layout, packed: bool,
+                              detail: str = "") -> None:
+    """Give kernel node ``node`` of an instantiated graph the argument bytes ``block`` (see
+    :func:`kernel_arguments`), without instantiating it again."""
+    params = kernel_node_params(node)
+    params.kernelParams, params.extra, keep = kernel_arguments(block, layout, packed)
+    set_exec_kernel_params(exec_handle, node, params, detail=detail)
+    del keep
+
+
+_DEVICE_MEMORY_TYPES = (2, 4)  # CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED
+
+
+def add_memset_node_like(graph, deps: list, model, ctx, move=None, detail: str = "") -> Any:
+    """Add a memset node like ``model``, its destination at ``move("dst", address)`` (where it
+    was when ``move`` is None), after ``deps``."""
+    params = memset_node_params(model)
+    if move is not None:
+        params.dst = move("dst", int(params.dst))
+    return add_memset_node(graph, deps, params, ctx, detail=detail)
+
+
+def add_memcpy_node_like(graph, deps: list, model, ctx, move=None, detail: str = "") -> Any:
+    """Add a memcpy node like ``model``, each end in device memory at ``move("src" or "dst",
+    address)`` (where it was when ``move`` is None), after ``deps``."""
+    params = memcpy_node_params(model)
+    for side in ("src", "dst") if move is not None else ():
+        if int(getattr(params, side + "MemoryType")) in _DEVICE_MEMORY_TYPES:
+            field_name = side + "Device"
+            setattr(params, field_name, move(side, int(getattr(params, field_name))))
+    return add_memcpy_node(graph, deps, params, ctx, detail=detail)
+
+
 def copy_kernel_attributes(dst, src) -> None:
     call("cuGraphKernelNodeCopyAttributes", dst, src)
 

@@ -11,14 +11,16 @@ Every node of the recorded graph is added again to a new graph (``cuGraphCreate`
   synchronization edges.  CUDA runs the branches of a graph concurrently, so those edges *are*
   the stream partitioning; the stream of each node is kept for inspection.
 
+What :func:`build_graph` builds beyond that (one phase of a training step, input gathers, node
+priorities, late edges, timestamp nodes, a subset of the tasks) is a :class:`GraphSpec`; the
+builds of a prepared graph's phases all go through :class:`nimble.engine.rebuild.PhaseBuilder`.
 Relocation itself (:func:`buffer_bases`, :func:`relocate_params`, :func:`relocated`) is plain data
 and tested without a GPU.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import AbstractSet as Set, Any, NamedTuple, Sequence
 
 from .. import driver
 from . import kernels
@@ -128,97 +130,33 @@ class BuiltGraph:
                 module.close()
 
 
-def kernel_arguments(task: Task, block: bytes) -> tuple[int, int, list]:
-    """``(kernelParams, extra, keep)`` addresses that pass ``block`` to the driver as recorded.
-
-    A task recorded from a ``kernelParams`` launch gets a pointer per parameter; one recorded
-    from an ``extra`` launch gets the packed buffer back.  ``keep`` holds the ctypes objects the
-    addresses point into: the driver copies them while adding or updating the node.
-    """
-    storage = ctypes.create_string_buffer(block, max(len(block), 1))
-    base = ctypes.addressof(storage)
-    if task.fields.get("args") == "extra":
-        size = ctypes.c_size_t(len(block))
-        extra = (ctypes.c_void_p * 5)(1, base, 2, ctypes.addressof(size), 0)
-        return 0, ctypes.addressof(extra), [storage, size, extra]
-    if not task.param_layout:
-        return 0, 0, [storage]
-    slots = (ctypes.c_void_p * len(task.param_layout))(
-        *[base + offset for offset, _ in task.param_layout])
-    return ctypes.addressof(slots), 0, [storage, slots]
+def _packed(task: Task) -> bool:
+    """The task was recorded from an ``extra`` launch (one packed argument buffer)."""
+    return task.fields.get("args") == "extra"
 
 
 def _add_kernel(graph, task: Task, recorded_node, bases: Sequence[int], deps: list):
-    params = driver.kernel_node_params(recorded_node)
-    params.kernelParams, params.extra, keep = kernel_arguments(task, relocate_params(task, bases))
-    if params.sharedMemBytes:
-        driver.allow_dynamic_shared(params.func, int(params.sharedMemBytes))
-    node = driver.add_kernel_node(graph, deps, params, detail=f"task {task.id} ({task.short_name})")
-    del keep
-    driver.copy_kernel_attributes(node, recorded_node)
-    return node
+    return driver.add_kernel_node_like(graph, deps, recorded_node, relocate_params(task, bases),
+                                       task.param_layout, _packed(task),
+                                       detail=f"task {task.id} ({task.short_name})")
 
 
-def _moved(task: Task, location: str, recorded_value: int, bases: Sequence[int]) -> int:
-    for p in task.pointers:
-        if p.location == location:
-            return recorded_value + relocated(p, bases) - p.value
-    return recorded_value
-
-
-def _add_memset(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx,
-                move: bool = True):
-    params = driver.memset_node_params(recorded_node)
-    if move:
-        params.dst = _moved(task, "dst", int(params.dst), bases)
-    return driver.add_memset_node(graph, deps, params, ctx, detail=f"task {task.id} (memset)")
-
-
-def _add_memcpy(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx,
-                move: bool = True):
-    params = driver.memcpy_node_params(recorded_node)
-    # A pointer row's value is where the copy starts; the struct's base moves by the same delta.
-    for side in ("src", "dst") if move else ():
-        if int(getattr(params, side + "MemoryType")) in (2, 4):  # device or unified memory
-            field_name = side + "Device"
-            setattr(params, field_name, _moved(task, side, int(getattr(params, field_name)),
-                                               bases))
-    return driver.add_memcpy_node(graph, deps, params, ctx, detail=f"task {task.id} (memcpy)")
-
-
-def _add_timestamp(graph, function, slot: int, deps: list):
-    """A one-thread node writing the GPU's nanosecond timer to ``slot``, after ``deps``."""
-    drv = driver.bindings()
-    params = drv.CUDA_KERNEL_NODE_PARAMS()
-    params.func = function
-    params.gridDimX = params.gridDimY = params.gridDimZ = 1
-    params.blockDimX = params.blockDimY = params.blockDimZ = 1
-    params.sharedMemBytes = 0
-    value = ctypes.c_uint64(slot)
-    slots = (ctypes.c_void_p * 1)(ctypes.addressof(value))
-    params.kernelParams = ctypes.addressof(slots)
-    params.extra = 0
-    return driver.add_kernel_node(graph, deps, params, detail="timestamp")
+def _mover(task: Task, bases: Sequence[int]):
+    """``move(location, recorded address) -> address`` for the endpoints of a memset or memcpy
+    task: a pointer row's value is where the copy starts, and the struct's base moves by the
+    same delta."""
+    def move(location: str, recorded_value: int) -> int:
+        for p in task.pointers:
+            if p.location == location:
+                return recorded_value + relocated(p, bases) - p.value
+        return recorded_value
+    return move
 
 
 def stamp_slots(span: range, stamps: int) -> dict[int, tuple[int, int]]:
     """``task -> (start slot, end slot)`` in a stamp buffer at ``stamps``: 16 bytes per task of
     ``span``, in task order (start, then end)."""
     return {t: (stamps + 16 * k, stamps + 16 * k + 8) for k, t in enumerate(span)}
-
-
-def _add_gather(graph, function, gather: InputGather):
-    drv = driver.bindings()
-    params = drv.CUDA_KERNEL_NODE_PARAMS()
-    params.func = function
-    params.gridDimX, params.gridDimY, params.gridDimZ = gather_grid(gather.nbytes), 1, 1
-    params.blockDimX, params.blockDimY, params.blockDimZ = GATHER_BLOCK, 1, 1
-    params.sharedMemBytes = 0
-    values = (ctypes.c_uint64 * 3)(gather.cell, gather.dst, gather.nbytes)
-    slots = (ctypes.c_void_p * 3)(*[ctypes.addressof(values) + 8 * i for i in range(3)])
-    params.kernelParams = ctypes.addressof(slots)
-    params.extra = 0
-    return driver.add_kernel_node(graph, [], params, detail="input gather")
 
 
 def add_task_node(graph, task: Task, recorded_node, bases: Sequence[int], deps: list, ctx,
@@ -231,10 +169,13 @@ def add_task_node(graph, task: Task, recorded_node, bases: Sequence[int], deps: 
     """
     if task.kind == TaskKind.KERNEL:
         return _add_kernel(graph, task, recorded_node, bases, deps)
+    move = None if node_relocated else _mover(task, bases)
     if task.kind == TaskKind.MEMSET:
-        return _add_memset(graph, task, recorded_node, bases, deps, ctx, not node_relocated)
+        return driver.add_memset_node_like(graph, deps, recorded_node, ctx, move,
+                                           detail=f"task {task.id} (memset)")
     if task.kind == TaskKind.MEMCPY:
-        return _add_memcpy(graph, task, recorded_node, bases, deps, ctx, not node_relocated)
+        return driver.add_memcpy_node_like(graph, deps, recorded_node, ctx, move,
+                                           detail=f"task {task.id} (memcpy)")
     if task.kind == "other:CU_GRAPH_NODE_TYPE_EMPTY":
         return driver.add_empty_node(graph, deps)
     raise BuildError(f"task {task.id} is a {task.kind} node, which Nimble cannot rebuild yet")
@@ -245,9 +186,9 @@ def instantiate(owned: driver.Graph, device_launch: bool, upload_stream,
     """``(exec, device_launchable, refusal)``: device-launchable where asked and allowed.
 
     A device-launchable exec lives on the GPU once uploaded, so each host launch is a short
-    constant-cost submission instead of a walk over the graph (on an H100, 5-15 µs against
-    20-30 µs for inception_v3).  Where the driver refuses (a node type it cannot launch from the
-    device), the plain exec is used and the refusal is returned for the caller to report.
+    constant-cost submission instead of a walk over the graph.  Where the driver refuses (a
+    node type it cannot launch from the device), the plain exec is used and the refusal is
+    returned for the caller to report.
     """
     refusal = ""
     if device_launch:
@@ -261,102 +202,167 @@ def instantiate(owned: driver.Graph, device_launch: bool, upload_stream,
                                         node_priority=node_priority), False, refusal
 
 
+@dataclass(frozen=True)
+class StampSpec:
+    """The ``nimble_timestamp`` nodes of an instrumented graph (see :class:`GraphSpec`)."""
+
+    #: Device address of 16 bytes per task of the span (:func:`stamp_slots`).
+    address: int
+    #: False: only the ends are stamped (and the first root's start, which dates the run).
+    start_stamps: bool = True
+    #: The tasks stamped (None: every task of the span).
+    tasks: Set[int] | None = None
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """What :func:`build_graph` builds from a recorded (or built) graph's nodes.
+
+    ``edges`` are the dependencies (the schedule's: each stream's order and the syncs).
+    ``span`` (None: every task) builds one phase of a phased graph (the forward or the backward
+    of a training step): only its tasks, and only the edges between them; the phase before it
+    has finished when it is launched.
+    """
+
+    edges: Sequence[tuple[int, int]]
+    span: range | None = None
+    #: Make the exec device-launchable where the driver allows (see :func:`instantiate`).
+    device_launch: bool = True
+    #: Where the exec is uploaded at instantiation (None: on its first launch).
+    upload_stream: Any = None
+    #: Each becomes a ``nimble_gather_input`` node that every root task waits for: the graph
+    #: copies its own inputs in before anything else runs.
+    gathers: Sequence[InputGather] = ()
+    #: A driver priority number per task of the graph (:mod:`nimble.analysis.priorities`) for
+    #: each kernel node; the exec honours them.  None: no node priorities.
+    priorities: Sequence[int] | None = None
+    #: ``(u, v)`` task ids in either order (:mod:`nimble.analysis.backfill`), added once every
+    #: node exists, where both tasks have a node; a task's start stamp waits for them too.
+    late_edges: Sequence[tuple[int, int]] = ()
+    #: Keep just these tasks of the span (a set closed under predecessors, for step-through);
+    #: the others get no node (``nodes`` holds None for them).
+    only: Set[int] | None = None
+    #: The nodes given are those of a graph Nimble built (see :func:`add_task_node`).
+    nodes_relocated: bool = False
+    #: Two timestamp nodes per stamped task: one beside it, after the same predecessors (its
+    #: start), and one after it (its end).  Neither is anything's predecessor, so the
+    #: schedule's own chains are not lengthened.  The first root's start is stamped in any
+    #: case: it dates the run, and the other roots start with it.
+    stamps: StampSpec | None = None
+
+
+class _Assembly:
+    """The nodes of one graph under construction: the span's tasks and Nimble's own nodes."""
+
+    def __init__(self, handle, graph: TaskGraph, recorded_nodes: Sequence,
+                 bases: Sequence[int], spec: GraphSpec, span: range,
+                 preds: list[list[int]]) -> None:
+        self.handle, self.graph, self.recorded_nodes = handle, graph, recorded_nodes
+        self.bases, self.spec, self.span, self.preds = bases, spec, span, preds
+        self.ctx = driver.current_context()
+        self.nodes: list = []
+        self.gather_nodes: list = []
+        self.start_stamp: dict[int, Any] = {}
+        self.dated = False  # the first root's start is always stamped: it dates the run
+        # Nimble's own nodes (gathers, stamps) are tiny: at the top priority they never wait
+        # behind a big kernel, so a stamp is taken when its task ends.
+        self.top = min(spec.priorities, default=0) if spec.priorities is not None else None
+
+    def node(self, task: int):
+        """``task``'s node, or None where it has none (outside the span, or left out)."""
+        return self.nodes[task - self.span.start] if task in self.span else None
+
+    def _on_top(self, nodes: list) -> None:
+        if self.top is not None:
+            for node in nodes:
+                driver.set_kernel_priority(node, self.top)
+
+    def add_gathers(self, module: driver.Module | None) -> None:
+        function = module.function(kernels.GATHER_INPUT) if self.spec.gathers else None
+        self.gather_nodes = [
+            driver.add_function_node(self.handle, [], function, (gather_grid(g.nbytes), 1, 1),
+                                     (GATHER_BLOCK, 1, 1), tuple(g), detail="input gather")
+            for g in self.spec.gathers]
+        self._on_top(self.gather_nodes)
+
+    def add_tasks(self, stamp_module: driver.Module | None) -> None:
+        spec = self.spec
+        stamp = stamp_module.function(kernels.TIMESTAMP) if spec.stamps else None
+        slots = stamp_slots(self.span, spec.stamps.address) if spec.stamps else {}
+        for tid in self.span:
+            if spec.only is not None and tid not in spec.only:
+                self.nodes.append(None)
+                continue
+            task = self.graph.tasks[tid]
+            deps = [self.node(u) for u in self.preds[tid]
+                    if u >= self.span.start and self.node(u) is not None] or list(self.gather_nodes)
+            node = add_task_node(self.handle, task, self.recorded_nodes[tid], self.bases, deps,
+                                 self.ctx, spec.nodes_relocated)
+            self.nodes.append(node)
+            if spec.priorities is not None and task.kind == TaskKind.KERNEL:
+                driver.set_kernel_priority(node, spec.priorities[tid])
+            if stamp is not None:
+                self._add_stamps(tid, node, deps, stamp, slots[tid])
+
+    def _add_stamps(self, tid: int, node, deps: list, function, slots: tuple[int, int]) -> None:
+        stamps = self.spec.stamps
+        mine = stamps.tasks is None or tid in stamps.tasks
+        added = [_add_timestamp(self.handle, function, slots[1], [node])] if mine else []
+        root = all(u < self.span.start for u in self.preds[tid])
+        if (stamps.start_stamps and mine) or (not self.dated and root):
+            added.append(_add_timestamp(self.handle, function, slots[0], deps))
+            self.start_stamp[tid] = added[-1]
+            self.dated = True
+        self._on_top(added)
+
+    def add_late_edges(self) -> None:
+        late = [(self.node(u), self.node(v)) for u, v in self.spec.late_edges
+                if self.node(u) is not None and self.node(v) is not None]
+        late += [(self.node(u), self.start_stamp[v]) for u, v in self.spec.late_edges
+                 if v in self.start_stamp and self.node(u) is not None]
+        driver.add_dependencies(self.handle, late)
+
+
+def _add_timestamp(graph, function, slot: int, deps: list):
+    """A one-thread node writing the GPU's nanosecond timer to ``slot``, after ``deps``."""
+    return driver.add_function_node(graph, deps, function, (1, 1, 1), (1, 1, 1), (slot,),
+                                    detail="timestamp")
+
+
 def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int],
-                edges: Sequence[tuple[int, int]], *, device_launch: bool = True,
-                upload_stream=None, gathers: Sequence[InputGather] = (),
-                gather_module: driver.Module | None = None,
-                span: range | None = None, stamps: int = 0,
-                stamp_module: driver.Module | None = None, start_stamps: bool = True,
-                nodes_relocated: bool = False, only: set[int] | None = None,
-                priorities: Sequence[int] | None = None,
-                stamped: set[int] | None = None,
-                late_edges: Sequence[tuple[int, int]] = ()) -> BuiltGraph:
-    """Build and instantiate the explicit graph of ``graph`` with ``edges`` as its dependencies.
+                spec: GraphSpec) -> BuiltGraph:
+    """Build and instantiate the explicit graph of ``graph`` that ``spec`` describes.
 
     ``recorded_nodes[t]`` is task ``t``'s node in the captured graph (its function, launch
-    attributes and parameter layout are taken from there); ``bases`` says where every buffer lives
-    (:func:`buffer_bases`).  With ``device_launch`` the exec is made device-launchable where the
-    driver allows (see :func:`instantiate`); ``upload_stream`` uploads it there. Each of
-    ``gathers`` becomes a ``nimble_gather_input`` node (from ``gather_module``, which the result
-    then owns, as it owns ``stamp_module``) that every root task waits for: the graph copies its
-    own inputs in before anything else runs.  ``span`` (default: every task) builds one phase of a
-    phased graph (the forward or the backward of a training step): only its tasks, and only the
-    edges between them; the phase before it has finished when it is launched.  With ``stamps`` (the
-    device address of 16 bytes per task of the span, see :func:`stamp_slots`) each task gets two
-    ``nimble_timestamp`` nodes from ``stamp_module``: one beside it, after the same predecessors
-    (its start; with ``start_stamps=False`` only the first root gets one), and one after it (its
-    end).  Neither is anything's predecessor, so the schedule's own chains are not lengthened.
-    ``nodes_relocated`` says that ``recorded_nodes`` are those of a graph Nimble built (see
-    :func:`add_task_node`).  ``only`` keeps just those tasks of the span (a set closed under
-    predecessors, for step-through); the others get no node (``nodes`` holds None for them).
-    ``priorities`` (a driver priority number per task of the graph, see
-    :mod:`nimble.analysis.priorities`) is given to each kernel node, and the exec honours it.  ``stamped``
-    limits the stamps to those tasks.  The first root's start is stamped in any case: it dates
-    the run, and the other roots start with it.  ``late_edges`` (``(u, v)`` task ids, either
-    order, see :mod:`nimble.analysis.backfill`) are added once every node exists, where both tasks have
-    a node; a task's start stamp waits for them too.
+    attributes and parameter layout are taken from there); ``bases`` says where every buffer
+    lives (:func:`buffer_bases`).  The modules of Nimble's own kernels that the gathers and
+    stamps run are loaded here and owned by the result.
     """
     n = len(graph.tasks)
     if len(recorded_nodes) != n:
         raise BuildError(f"{len(recorded_nodes)} recorded nodes for {n} tasks")
-    span = range(n) if span is None else span
-    preds = predecessors(n, edges)
-    ctx = driver.current_context()
+    span = range(n) if spec.span is None else spec.span
+    preds = predecessors(n, spec.edges)
     owned = driver.Graph.create()
-    nodes: list = []
-    first = span.start
+    gather_module = stamp_module = None
     try:
-        function = gather_module.function(kernels.GATHER_INPUT) if gathers else None
-        gather_nodes = [_add_gather(owned.handle, function, g) for g in gathers]
-        # Nimble's own nodes (gathers, stamps) are tiny: at the top priority they never wait
-        # behind a big kernel, so a stamp is taken when its task ends.
-        top = min(priorities, default=0) if priorities is not None else None
-        if top is not None:
-            for node in gather_nodes:
-                driver.set_kernel_priority(node, top)
-        stamp = stamp_module.function(kernels.TIMESTAMP) if stamps else None
-        slots = stamp_slots(span, stamps) if stamps else {}
-        dated = False  # the first root's start is always stamped: it dates the run
-        start_stamp: dict[int, Any] = {}
-        for tid in span:
-            if only is not None and tid not in only:
-                nodes.append(None)
-                continue
-            task = graph.tasks[tid]
-            deps = [nodes[u - first] for u in preds[tid]
-                    if u >= first and nodes[u - first] is not None] or list(gather_nodes)
-            nodes.append(add_task_node(owned.handle, task, recorded_nodes[tid], bases, deps,
-                                       ctx, nodes_relocated))
-            if priorities is not None and task.kind == TaskKind.KERNEL:
-                driver.set_kernel_priority(nodes[-1], priorities[tid])
-            if stamps:
-                mine = stamped is None or tid in stamped
-                added = [_add_timestamp(owned.handle, stamp, slots[tid][1], [nodes[-1]])] \
-                    if mine else []
-                if (start_stamps and mine) or (not dated and all(u < first for u in preds[tid])):
-                    added.append(_add_timestamp(owned.handle, stamp, slots[tid][0], deps))
-                    start_stamp[tid] = added[-1]
-                    dated = True
-                if top is not None:
-                    for node in added:
-                        driver.set_kernel_priority(node, top)
-        late = [(nodes[u - first], nodes[v - first]) for u, v in late_edges
-                if u in span and v in span and nodes[u - first] is not None
-                and nodes[v - first] is not None]
-        late += [(nodes[u - first], start_stamp[v]) for u, v in late_edges
-                 if v in start_stamp and u in span and nodes[u - first] is not None]
-        driver.add_dependencies(owned.handle, late)
-        exec_, on_device, refusal = instantiate(owned, device_launch, upload_stream,
-                                                priorities is not None)
+        gather_module = kernels.load(kernels.GATHER_SOURCE) if spec.gathers else None
+        stamp_module = kernels.load(kernels.TIMESTAMP_SOURCE) if spec.stamps else None
+        assembly = _Assembly(owned.handle, graph, recorded_nodes, bases, spec, span, preds)
+        assembly.add_gathers(gather_module)
+        assembly.add_tasks(stamp_module)
+        assembly.add_late_edges()
+        exec_, on_device, refusal = instantiate(owned, spec.device_launch, spec.upload_stream,
+                                                spec.priorities is not None)
     except BaseException:
         owned.close()
         for module in (gather_module, stamp_module):
             if module is not None:
                 module.close()
         raise
-    return BuiltGraph(owned, exec_, nodes, span, device_launch=on_device,
+    return BuiltGraph(owned, exec_, assembly.nodes, span, device_launch=on_device,
                       device_launch_refusal=refusal, module=gather_module,
-                      stamp_module=stamp_module if stamps else None)
+                      stamp_module=stamp_module)
 
 
 def tasks_reading(graph: TaskGraph, buffers: set[int]) -> list[Task]:
@@ -380,13 +386,10 @@ def repoint(built: BuiltGraph, graph: TaskGraph, bases: Sequence[int], buffers: 
                              "Nimble re-points kernel arguments only: call prepare() again")
     changed = 0
     for task in tasks:
-        node = built.nodes[task.id - built.span.start]
-        params = driver.kernel_node_params(node)
-        params.kernelParams, params.extra, keep = kernel_arguments(
-            task, relocate_params(task, bases))
-        driver.set_exec_kernel_params(built.exec.handle, node, params,
-                                      detail=f"task {task.id} ({task.short_name})")
-        del keep
+        driver.set_exec_kernel_arguments(
+            built.exec.handle, built.nodes[task.id - built.span.start],
+            relocate_params(task, bases), task.param_layout, _packed(task),
+            detail=f"task {task.id} ({task.short_name})")
         changed += 1
     if changed and built.device_launch:
         driver.upload(built.exec.handle, stream)

@@ -10,8 +10,10 @@ from pathlib import Path
 from .. import driver
 from ..errors import NimbleError
 
-GATHER_INPUT = "nimble_gather_input"  # kernels/gather_input.ptx: cell, dst, nbytes
-TIMESTAMP = "nimble_timestamp"  # kernels/timestamp.ptx: slot
+GATHER_SOURCE = "gather_input.ptx"
+GATHER_INPUT = "nimble_gather_input"  # in GATHER_SOURCE: cell, dst, nbytes
+TIMESTAMP_SOURCE = "timestamp.ptx"
+TIMESTAMP = "nimble_timestamp"  # in TIMESTAMP_SOURCE: slot
 
 
 def source(filename: str) -> bytes:

@@ -13,9 +13,9 @@ from typing import Any, Callable, Sequence
 
 from ..analysis import backfill
 from .. import driver
-from . import kernels
-from .build import BuiltGraph, InputGather, buffer_bases, build_graph
+from .build import BuiltGraph, InputGather, buffer_bases
 from .launcher import CallOrder, InputSlot, Launcher, RngCells
+from .rebuild import PhaseBuilder, PhaseOptions
 from ..analysis.memplan import MemPlan, plan_memory
 from ..analysis.plan_check import check_plan
 from ..analysis.priorities import driver_priorities, priority_levels
@@ -92,7 +92,8 @@ class Prepared:
     seconds: dict
     #: The driver priority number of each task's node (None: the graph ignores priorities).
     priorities: list[int] | None = None
-    #: Per phase whose tail backfill was measured, what was (:class:`nimble.analysis.backfill.Picked`).
+    #: Per phase whose tail backfill was measured, what was
+    #: (:class:`nimble.analysis.backfill.Picked`).
     backfill: list = field(default_factory=list)
     recording: Any = None  # kept only with keep_recording=True (debugging)
     step: Any = None  # training.TrainingStep for a training step, else None
@@ -104,7 +105,8 @@ class Prepared:
     @property
     def late_edges(self) -> list[tuple[int, int]]:
         """The built graphs' edges beyond the schedule's: the tail backfill kept
-        (:mod:`nimble.analysis.backfill`); a copy of a phase needs them to run as the served one does."""
+        (:mod:`nimble.analysis.backfill`); a copy of a phase needs them to run as the served
+        one does."""
         return [e for p in self.backfill if p.kept is not None for e in p.kept.edges()]
 
     @property
@@ -112,8 +114,8 @@ class Prepared:
         return self.launchers[0]
 
     def built_nodes(self, phase: int) -> list:
-        """Per task, its node in phase ``phase``'s built graph (None outside the phase): what
-        :func:`~nimble.engine.build.build_graph` takes to rebuild a copy (``nodes_relocated=True``)."""
+        """Per task, its node in phase ``phase``'s built graph (None outside the phase): what a
+        copy of the phase is built from (:meth:`phase_builder`)."""
         built = self.builts[phase]
         nodes: list = [None] * len(self.graph.tasks)
         for t, node in zip(built.span, built.nodes):
@@ -124,6 +126,19 @@ class Prepared:
         """The input gathers phase ``phase``'s graph starts with: a copy of the graph rebuilt
         with them (and the same priorities) runs as the served one does, single entry and all."""
         return gathers_of(self.launchers[phase].slots)
+
+    def phase_builder(self, upload_stream=None) -> PhaseBuilder:
+        """The builder of copies of the served phases
+        (:class:`~nimble.engine.rebuild.PhaseBuilder`): from the built graphs' own nodes, over
+        the same arena, with the current schedule's edges, the served gathers, priorities and
+        late edges, each phase device-launchable where the served one is; ``upload_stream``
+        uploads each copy at instantiation."""
+        phases = range(len(self.builts))
+        return PhaseBuilder(self.graph, [self.built_nodes(k) for k in phases], self.bases,
+                            self.schedule.edges(), [b.span for b in self.builts],
+                            [self.gathers(k) for k in phases], self.priorities,
+                            [b.device_launch for b in self.builts], upload_stream,
+                            late_edges=self.late_edges, nodes_relocated=True)
 
     def cells_to_own_slots(self) -> None:
         """Point every input cell at its own slot, so that a launch without a call (a debugging
@@ -203,8 +218,8 @@ def task_times(rec) -> list[float]:
 
 
 def kernel_priorities(schedule: Schedule, durations: Sequence[float]) -> list[int]:
-    """Driver priority numbers per task from its slack in ``schedule`` (:mod:`nimble.analysis.priorities`),
-    each task weighted by its isolated duration."""
+    """Driver priority numbers per task from its slack in ``schedule``
+    (:mod:`nimble.analysis.priorities`), each task weighted by its isolated duration."""
     least, greatest = driver.stream_priority_range()
     n = len(durations)
     levels = priority_levels(n, schedule.edges(), durations, least - greatest + 1,
@@ -214,8 +229,8 @@ def kernel_priorities(schedule: Schedule, durations: Sequence[float]) -> list[in
 
 def backfill_trials(graph: TaskGraph, schedule: Schedule,
                     durations: Sequence[float]) -> dict[int, list[backfill.Backfill]]:
-    """The tail backfills worth timing per phase (:func:`nimble.analysis.backfill.plan_trials`), from
-    each kernel's block count and the current device's SM count."""
+    """The tail backfills worth timing per phase (:func:`nimble.analysis.backfill.plan_trials`),
+    from each kernel's block count and the current device's SM count."""
     import torch
 
     n = len(graph.tasks)
@@ -224,6 +239,102 @@ def backfill_trials(graph: TaskGraph, schedule: Schedule,
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return backfill.plan_trials(n, schedule.edges(), phase_spans(schedule.phases, n),
                                 durations, blocks, sms)
+
+
+@dataclass(frozen=True)
+class _ArenaLayout:
+    """Where the arena keeps what follows the plan's buffers (offsets from its aligned base)."""
+
+    cells_at: int  # an 8-byte cell per graph input
+    rng_at: int  # the generator's seed and offset cells
+    private: dict[int, int]  # buffer -> offset of its private copy (:func:`written_externals`)
+    size: int  # bytes to allocate, alignment slack included
+
+
+def _arena_layout(graph: TaskGraph, plan: MemPlan) -> _ArenaLayout:
+    cells_at = align_up(plan.arena_bytes, 8)
+    rng_at = cells_at + 8 * len(graph.inputs)
+    private_at, private = rng_at + (16 if graph.meta.get("rng") else 0), {}
+    for bid in written_externals(graph):
+        private_at = align_up(private_at)
+        private[bid] = private_at
+        private_at += graph.buffers[bid].size
+    return _ArenaLayout(cells_at, rng_at, private, private_at + ALIGNMENT)
+
+
+def _place_buffers(graph: TaskGraph, plan: MemPlan, layout: _ArenaLayout,
+                   arena: driver.DeviceMemory, device) -> tuple[int, list[int], RngCells | None]:
+    """``(aligned arena base, where every buffer lives, the generator's cells)``; copies the
+    library's bytes into the private copies and gives each low-word buffer its own memory."""
+    base = align_up(arena.address)
+    bases = buffer_bases(graph, plan, base)
+    rng_bases, rng = _rng_cells(graph, device, base + layout.rng_at)
+    for bid, address in rng_bases.items():
+        bases[bid] = address
+    for bid, at in layout.private.items():
+        driver.copy_device(base + at, graph.buffers[bid].address, graph.buffers[bid].size)
+        bases[bid] = base + at
+    for bid in graph.meta.get("low_word_buffers", []):
+        b = graph.buffers[bid]
+        memory = driver.LowBitsMemory.allocate(b.size, b.address, device.index or 0)
+        arena.companions.append(memory)
+        bases[bid] = memory.address
+    return base, bases, rng
+
+
+def _input_slots(graph: TaskGraph, bases: Sequence[int], cells: int, arena, device,
+                 gather_inputs: bool) -> list[InputSlot]:
+    """The graph inputs' slots; with ``gather_inputs`` (where the GPU allows) each dense one
+    gets its cell at ``cells + 8 * i``, written to name the slot itself."""
+    slots = [input_slot(bases[r.buffer] + r.offset, r, arena, device) for r in graph.inputs]
+    if gather_inputs and slots and driver.device_supports_stream_writes(device.index or 0):
+        # A cell starts out naming its own slot: a C host that copies into the slot
+        # and launches (without writing the cell) gets a harmless self-copy.
+        slots = [s._replace(cell=cells + 8 * i) if s.dense else s for i, s in enumerate(slots)]
+        for s in slots:
+            if s.cell:
+                driver.copy_to_device(s.cell, s.address.to_bytes(8, "little"))
+    return slots
+
+
+def _counts(graph: TaskGraph, key: str, total: int) -> list[int]:
+    return graph.meta.get(key) or [total]
+
+
+def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: list,
+                  device, rng: RngCells | None, backfill_trials: dict[int, list] | None,
+                  builts: list[BuiltGraph]) -> tuple[list[Launcher], list[backfill.Picked]]:
+    """Each phase built as served (appended to ``builts``, which the caller frees on an error),
+    its tail backfill trials timed, and its launcher over its share of inputs and outputs."""
+    graph = rec.graph
+    in_counts = _counts(graph, "phase_inputs", len(graph.inputs))
+    out_counts = _counts(graph, "phase_outputs", len(graph.outputs))
+    order = CallOrder()
+    context = driver.current_context()
+    launchers: list[Launcher] = []
+    picked: list[backfill.Picked] = []
+    first_in = first_out = 0
+    for k in range(len(builder.spans)):
+        built = builder.build(k)
+        if backfill_trials and backfill_trials.get(k):
+            try:
+                built, report = backfill.pick(
+                    built, backfill_trials[k],
+                    lambda late, k=k: builder.build(k, PhaseOptions(late_edges=late)),
+                    _after_phases(builts, builder.upload_stream))
+            except BaseException:
+                built.close()  # pick frees the graphs it built, not this one
+                raise
+            picked.append(report)
+        builts.append(built)
+        launchers.append(Launcher(
+            built.exec.handle, slots[first_in:first_in + in_counts[k]], device,
+            outputs[first_out:first_out + out_counts[k]],
+            rec.output_spec if k == 0 else None, context, rng if k == 0 else None,
+            order=order))
+        first_in += in_counts[k]
+        first_out += out_counts[k]
+    return launchers, picked
 
 
 def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool,
@@ -241,93 +352,41 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     A phased recording (a training step) gets one graph and one launcher per phase, over the
     phase's own tasks, inputs and outputs.  ``priorities`` (driver priority numbers per task,
     :func:`kernel_priorities`) go to the kernel nodes.  ``backfill_trials`` (per phase,
-    :func:`nimble.analysis.backfill.plan_trials`) are built and timed against the phase built without
-    them (:func:`nimble.analysis.backfill.pick`), each after the phases before it, and the fastest kept.
+    :func:`nimble.analysis.backfill.plan_trials`) are built and timed against the phase built
+    without them (:func:`nimble.analysis.backfill.pick`), each after the phases before it, and
+    the fastest kept.
     """
     import torch
 
     graph = rec.graph
     device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
     spans = phase_spans(graph.meta.get("phases") or [], len(graph.tasks))
-    in_counts = graph.meta.get("phase_inputs") or [len(graph.inputs)]
-    out_counts = graph.meta.get("phase_outputs") or [len(graph.outputs)]
-    cells_at = align_up(plan.arena_bytes, 8)
-    rng_at = cells_at + 8 * len(graph.inputs)
-    extra = 16 if graph.meta.get("rng") else 0
-    private_at, private = rng_at + extra, {}
-    for bid in written_externals(graph):
-        private_at = align_up(private_at)
-        private[bid] = private_at
-        private_at += graph.buffers[bid].size
-    arena = driver.DeviceMemory.allocate(private_at + ALIGNMENT)
+    layout = _arena_layout(graph, plan)
+    arena = driver.DeviceMemory.allocate(layout.size)
     builts: list[BuiltGraph] = []
     try:
-        base = align_up(arena.address)
-        bases = buffer_bases(graph, plan, base)
-        rng_bases, rng = _rng_cells(graph, device, base + rng_at)
-        for bid, address in rng_bases.items():
-            bases[bid] = address
-        for bid, at in private.items():
-            driver.copy_device(base + at, graph.buffers[bid].address, graph.buffers[bid].size)
-            bases[bid] = base + at
-        for bid in graph.meta.get("low_word_buffers", []):
-            b = graph.buffers[bid]
-            memory = driver.LowBitsMemory.allocate(b.size, b.address, device.index or 0)
-            arena.companions.append(memory)
-            bases[bid] = memory.address
-        slots = [input_slot(bases[r.buffer] + r.offset, r, arena, device)
-                 for r in graph.inputs]
-        if gather_inputs and slots and driver.device_supports_stream_writes(device.index or 0):
-            # A cell starts out naming its own slot: a C host that copies into the slot
-            # and launches (without writing the cell) gets a harmless self-copy.
-            slots = [s._replace(cell=base + cells_at + 8 * i) if s.dense else s
-                     for i, s in enumerate(slots)]
-            for s in slots:
-                if s.cell:
-                    driver.copy_to_device(s.cell, s.address.to_bytes(8, "little"))
+        base, bases, rng = _place_buffers(graph, plan, layout, arena, device)
+        slots = _input_slots(graph, bases, base + layout.cells_at, arena, device, gather_inputs)
         outputs = [device_tensor(bases[r.buffer] + r.offset, r, arena, device)
                    for r in graph.outputs]
-        order = CallOrder()
-        context = driver.current_context()
-        upload = driver.stream(torch.cuda.current_stream().cuda_stream)
-        launchers: list[Launcher] = []
-        picked: list[backfill.Picked] = []
-        first_in = first_out = 0
-        for k, span in enumerate(spans):
-            mine = slots[first_in:first_in + in_counts[k]]
-            gathers = gathers_of(mine)
-
-            def build(late=(), span=span, gathers=gathers) -> BuiltGraph:
-                return build_graph(graph, rec.nodes, bases, schedule.edges(),
-                                   device_launch=device_launch, upload_stream=upload,
-                                   gathers=gathers, span=span, priorities=priorities,
-                                   gather_module=kernels.load("gather_input.ptx") if gathers
-                                   else None, late_edges=late)
-            built = build()
-            if backfill_trials and backfill_trials.get(k):
-                try:
-                    built, report = backfill.pick(built, backfill_trials[k], build,
-                                                  _after_phases(builts, upload))
-                except BaseException:
-                    built.close()  # pick frees the graphs it built, not this one
-                    raise
-                picked.append(report)
-            builts.append(built)
-            launchers.append(Launcher(
-                built.exec.handle, mine, device, outputs[first_out:first_out + out_counts[k]],
-                rec.output_spec if k == 0 else None, context, rng if k == 0 else None,
-                order=order))
-            first_in += in_counts[k]
-            first_out += out_counts[k]
+        in_counts = _counts(graph, "phase_inputs", len(graph.inputs))
+        starts = [sum(in_counts[:k]) for k in range(len(spans))]
+        builder = PhaseBuilder(
+            graph, [rec.nodes] * len(spans), bases, schedule.edges(), spans,
+            [gathers_of(slots[at:at + count]) for at, count in zip(starts, in_counts)],
+            priorities, [device_launch] * len(spans),
+            upload_stream=driver.stream(torch.cuda.current_stream().cuda_stream))
+        launchers, picked = _build_phases(builder, rec, slots, outputs, device, rng,
+                                          backfill_trials, builts)
     except BaseException:
         for built in builts:
             built.close()
         arena.close()
         raise
     prepared = Prepared(graph=graph, schedule=schedule, memplan=plan, builts=builts,
-                         arena=arena, arena_base=base, bases=bases, launchers=launchers,
-                         weights=Weights(model, graph), seconds=seconds, priorities=priorities,
-                         backfill=picked)
+                        arena=arena, arena_base=base, bases=bases, launchers=launchers,
+                        weights=Weights(model, graph), seconds=seconds, priorities=priorities,
+                        backfill=picked)
     if rec.step is not None:
         from .autograd import TrainingStep
 

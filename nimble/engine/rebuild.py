@@ -1,0 +1,74 @@
+"""One way to build a phase of a prepared graph: as it is served, or a copy with named changes.
+
+Every build of a phase goes through :class:`PhaseBuilder`: the served graph at prepare, each
+tail-backfill trial (:func:`nimble.analysis.backfill.pick`), the step-through's copies
+(:mod:`nimble.debug.step_through`) and the instrumented copies of the measured timeline
+(:mod:`nimble.debug.timeline`).  How a build differs from the served phase is a
+:class:`PhaseOptions`; the defaults build the phase as served.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AbstractSet as Set, Any, Sequence
+
+from .build import BuiltGraph, GraphSpec, InputGather, StampSpec, build_graph
+from ..ir.taskgraph import TaskGraph
+
+
+@dataclass(frozen=True)
+class PhaseOptions:
+    """How one build of a phase differs from the phase as served (the defaults: not at all)."""
+
+    #: The kernel nodes carry the served priorities, and the exec honours them.
+    priorities: bool = True
+    #: The graph starts with the served input gathers (reading the input cells).
+    gathers: bool = True
+    #: Device-launchable where the served phase is.
+    device_launch: bool = True
+    #: The late edges (:mod:`nimble.analysis.backfill`); None: the served phase's.
+    late_edges: Sequence[tuple[int, int]] | None = None
+    #: Only these tasks of the phase (closed under predecessors); None: every task.
+    only: Set[int] | None = None
+    #: Timestamp nodes (:class:`~nimble.engine.build.StampSpec`); None: none.
+    stamps: StampSpec | None = None
+
+
+AS_SERVED = PhaseOptions()
+
+
+@dataclass
+class PhaseBuilder:
+    """What every phase of one prepared graph is built from, and the phases as served.
+
+    ``nodes[k]`` holds, per task, the node phase ``k`` is built from: the recorded node at
+    prepare, the served graph's own node for a copy (``nodes_relocated``).  ``device_launch[k]``
+    says whether phase ``k`` is (asked to be) device-launchable, ``gathers[k]`` are its input
+    gathers, ``late_edges`` the served graph's late edges (all phases).
+    """
+
+    graph: TaskGraph
+    nodes: list[Sequence]
+    bases: Sequence[int]
+    edges: Sequence[tuple[int, int]]
+    spans: list[range]
+    gathers: list[list[InputGather]]
+    priorities: Sequence[int] | None
+    device_launch: list[bool]
+    upload_stream: Any = None
+    late_edges: Sequence[tuple[int, int]] = ()
+    nodes_relocated: bool = False
+
+    def spec(self, phase: int, options: PhaseOptions = AS_SERVED) -> GraphSpec:
+        """The :class:`~nimble.engine.build.GraphSpec` of phase ``phase`` built with ``options``."""
+        return GraphSpec(
+            edges=self.edges, span=self.spans[phase],
+            device_launch=options.device_launch and self.device_launch[phase],
+            upload_stream=self.upload_stream,
+            gathers=tuple(self.gathers[phase]) if options.gathers else (),
+            priorities=self.priorities if options.priorities else None,
+            late_edges=self.late_edges if options.late_edges is None else options.late_edges,
+            only=options.only, nodes_relocated=self.nodes_relocated, stamps=options.stamps)
+
+    def build(self, phase: int, options: PhaseOptions = AS_SERVED) -> BuiltGraph:
+        """Phase ``phase`` built and instantiated with ``options``."""
+        return build_graph(self.graph, self.nodes[phase], self.bases, self.spec(phase, options))
