@@ -30,9 +30,10 @@ import numpy as np
 
 from .deps import forward_edges
 from ..ir.taskgraph import BufferKind, TaskGraph
+from ..errors import NimbleError
 
 
-class MemPlanError(ValueError):
+class MemPlanError(NimbleError, ValueError):
     """A memory plan that is malformed or lets two live byte ranges collide."""
 
 
