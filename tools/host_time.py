@@ -48,7 +48,7 @@ args = [a for a in sys.argv[1:] if not a.startswith("--")]
 dtype = getattr(torch, args[1]) if len(args) > 1 else torch.float32
 for name in args[0].split(","):
     model = models.create(name).cuda().to(dtype); x = models.example_input(name).to(dtype)
-    nm = nimble.Nimble(model).prepare(x, relaunches=2)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=2))
     if "--only-call" in sys.argv:
         next_input = itertools.cycle([x, x.clone()] if "--fresh" in sys.argv else [x]).__next__
         for rep in range(3):
@@ -60,8 +60,8 @@ for name in args[0].split(","):
                       f"µs, a bare cuGraphLaunch sampled beside it {bare_us:.1f} µs", flush=True)
         nm.close()
         continue
-    st = nm._prepared; L = st.launcher
-    api = driver.CallPath(); stream = L.stream(); ex = st.built.exec.handle
+    L = nm.engine.launcher
+    api = driver.CallPath(); stream = L.stream(); ex = nm.engine.built.exec.handle
     cell = L.slots[0].cell
     g = torch.cuda.CUDAGraph(); sx = x.clone()
     s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())

@@ -124,7 +124,8 @@ def model_rows(name: str) -> list[dict]:
             rows.append(measure_exec("torch graph exec, bare cuGraphLaunch",
                                      drv.CUgraphExec(raw_exec()), stream, {}))
 
-        multi = nimble.Nimble(model).prepare(x, keep_recording=True, arena_limit=None)
+        multi = nimble.Nimble(model).prepare(
+            x, options=nimble.PrepareOptions(keep_recording=True, arena_limit=None))
         rec = multi.recording
         full = len(multi.schedule.streams)
         caps = sorted({1, 2, 4, 8, full} - {k for k in (8, 4) if k >= full})
@@ -138,8 +139,9 @@ def model_rows(name: str) -> list[dict]:
         }
         for k in caps:
             nm = multi if k == full else nimble.Nimble(model).prepare(
-                x, max_streams=k, arena_limit=None, recording=rec, relaunches=10)
-            built = nm._prepared.built
+                x, max_streams=k,
+                options=nimble.PrepareOptions(arena_limit=None, recording=rec, relaunches=10))
+            built = nm.engine.built
             roots, leaves = roots_and_leaves(built.graph.handle)
             info = {"streams": len(nm.schedule.streams), "syncs": len(nm.schedule.sync_edges),
                     "roots": len(roots), "leaves": len(leaves), "flags": "0"}
@@ -176,8 +178,9 @@ def model_rows(name: str) -> list[dict]:
                 nm.close()
 
         # The steps of one call, each alone.
-        launcher = multi._prepared.launcher
-        slot = launcher._slots[0]
+        launcher = multi.engine.launcher
+        slot = launcher.slots[0]
+        device = slot.tensor.device
         dtod = drv.cuMemcpyDtoDAsync
         cell = driver.DeviceMemory.allocate(8)
         write64 = drv.cuStreamWriteValue64
@@ -193,10 +196,10 @@ def model_rows(name: str) -> list[dict]:
             "bare cuMemcpyDtoDAsync(slot, x)": lambda: dtod(slot.address, x.data_ptr(),
                                                             slot.nbytes, stream),
             "shape/dtype/device check": lambda: (x.shape == slot.shape, x.dtype == slot.dtype,
-                                                 x.device == launcher._device),
+                                                 x.device == device),
             "x.data_ptr() + is_contiguous()": lambda: (x.data_ptr(), x.is_contiguous()),
             "bare cuGraphLaunch (multi)": lambda: drv.cuGraphLaunch(
-                multi._prepared.built.exec.handle, stream),
+                multi.engine.built.exec.handle, stream),
         }
         for label, fn in steps.items():
             us = idle_host_us(fn)
@@ -219,9 +222,9 @@ def stream_rows(name: str) -> list[dict]:
     drv = driver.bindings()
     print(f"{name}: streams", flush=True)
     rows = []
-    on_device = nimble.Nimble(model).prepare(x, keep_recording=True)
-    on_host = nimble.Nimble(model).prepare(x, device_launch=False,
-                                           recording=on_device.recording)
+    on_device = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(keep_recording=True))
+    on_host = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(
+        device_launch=False, recording=on_device.recording))
     side = torch.cuda.Stream()
     own = driver.call("cuStreamCreate", int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
     streams = {
@@ -231,7 +234,7 @@ def stream_rows(name: str) -> list[dict]:
         "cuStreamCreate NON_BLOCKING": own,
     }
     for label, nm in (("device-launchable", on_device), ("host", on_host)):
-        exec_ = nm._prepared.built.exec.handle
+        exec_ = nm.engine.built.exec.handle
         for s_label, stream in streams.items():
             rows.append(measure_exec(f"{label} on {s_label}", exec_, stream,
                                      {"launch_mode": label, "stream": s_label}))
@@ -240,7 +243,7 @@ def stream_rows(name: str) -> list[dict]:
     record, wait = drv.cuEventRecord, drv.cuStreamWaitEvent
     caller = drv.CUstream(0)
     for label, nm in (("device-launchable", on_device), ("host", on_host)):
-        exec_ = nm._prepared.built.exec.handle
+        exec_ = nm.engine.built.exec.handle
         launch = drv.cuGraphLaunch
 
         def joined():
@@ -257,9 +260,9 @@ def stream_rows(name: str) -> list[dict]:
             print(f"  whole call, {label}, {s_label} stream: {us:6.1f} µs", flush=True)
             rows.append({"variant": f"whole call {label} {s_label}", "idle_host_us": us})
     # Segments of one call, timed inside the same call.
-    launcher = on_device._prepared.launcher
-    slot = launcher._slots[0]
-    exec_ = on_device._prepared.built.exec.handle
+    launcher = on_device.engine.launcher
+    slot = launcher.slots[0]
+    exec_ = on_device.engine.built.exec.handle
     cell = driver.DeviceMemory.allocate(8)
     pairs = {
         "memcpy then launch": (
