@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import zoo_model
 from nimble import PrepareOptions
+
+from conftest import zoo_model
 from nimble.cli.models import ZOO
 
 pytestmark = pytest.mark.gpu

@@ -5,8 +5,9 @@ import threading
 
 import pytest
 
-from conftest import zoo_model
 from nimble import PrepareOptions
+
+from conftest import zoo_model
 
 pytestmark = pytest.mark.gpu
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import zoo_model
 from nimble import PrepareOptions
+
+from conftest import zoo_model
 
 pytestmark = pytest.mark.gpu
 

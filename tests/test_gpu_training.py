@@ -400,8 +400,7 @@ def test_backfill_is_measured_only_where_asked():
     from nimble.cli import train_bench
 
     base, x, _ = train_bench._setup("googlenet", 32)
-    off = nimble.Nimble(copy.deepcopy(base)).prepare(x, training=True,
-                                                      options=PrepareOptions(backfill=False))
+    off = nimble.Nimble(copy.deepcopy(base)).prepare(x, training=True, backfill=False)
     assert off.backfill_trials == [] and off.late_edges == []
     single = nimble.Nimble(copy.deepcopy(base)).prepare(x, training=True,
                                                          use_multi_stream=False)

@@ -45,16 +45,16 @@ def main() -> int:
     graphed_model = copy.deepcopy(base)
     graphed = torch.cuda.make_graphed_callables(graphed_model, (x,))
     steps = {"make_graphed_callables": train_bench._stepper(graphed, graphed_model, x, y)}
-    variants = [("cap alone", fixed_chain(None), None)]
-    variants += [(f"chain >= {t} MB", fixed_chain(t << 20), None) for t in thresholds]
-    variants += [("prepare's choice", None, None),
-                 ("no arena limit", None, nimble.PrepareOptions(arena_limit=None))]
+    variants = [("cap alone", fixed_chain(None), {})]
+    variants += [(f"chain >= {t} MB", fixed_chain(t << 20), {}) for t in thresholds]
+    variants += [("prepare's choice", None, {}),
+                 ("no arena limit", None, {"options": nimble.PrepareOptions(arena_limit=None)})]
     own = nimble.engine.prepared.schedule_within
-    for label, patched, options in variants:
+    for label, patched, kwargs in variants:
         nimble.engine.prepared.schedule_within = patched or own
         try:
             model = copy.deepcopy(base)
-            nm = nimble.Nimble(model).prepare(x, training=True, options=options)
+            nm = nimble.Nimble(model).prepare(x, training=True, **kwargs)
         finally:
             nimble.engine.prepared.schedule_within = own
         print(f"{label:<24}{len(nm.schedule.streams):4d} streams, arena "

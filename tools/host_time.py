@@ -60,8 +60,8 @@ for name in args[0].split(","):
                       f"µs, a bare cuGraphLaunch sampled beside it {bare_us:.1f} µs", flush=True)
         nm.close()
         continue
-    L = nm.engine.launcher
-    api = driver.CallPath(); stream = L.stream(); ex = nm.engine.built.exec.handle
+    st = nm.engine; L = st.launcher
+    api = driver.CallPath(); stream = L.stream(); ex = st.built.exec.handle
     cell = L.slots[0].cell
     g = torch.cuda.CUDAGraph(); sx = x.clone()
     s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
