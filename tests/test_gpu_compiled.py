@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import pytest
 
-from nimble import PrepareOptions
-
 from conftest import zoo_model
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +36,7 @@ def _prepared_like(compiled, x, reference, **tolerance):
     import nimble
 
     nm = nimble.Nimble(compiled).prepare(x, return_copies=True,
-                                         options=PrepareOptions(relaunches=10))
+                                         options=nimble.PrepareOptions(relaunches=10))
     assert nm.graph.meta["triton_launches"] > 0
     fresh = torch.randn_like(x)
     with torch.no_grad():
@@ -54,7 +52,7 @@ def test_a_compiled_branchy_model_runs_its_triton_kernels_on_several_streams(dty
 
     model, compiled, x = _compiled("branchy", dtype)
     nm = nimble.Nimble(compiled).prepare(x, return_copies=True,
-                                         options=PrepareOptions(relaunches=20))
+                                         options=nimble.PrepareOptions(relaunches=20))
     meta = nm.graph.meta
     assert meta["triton_launches"] > 0, "no Triton kernel was traced"
     triton_tasks = [t for t in nm.graph.tasks if t.op >= 0 and "::" not in nm.graph.ops[t.op].name]
@@ -75,7 +73,7 @@ def test_a_compile_mode_with_its_own_cuda_graphs_is_refused_and_the_process_stay
     model, x = zoo_model("branchy")
     with pytest.raises(nimble.InputError, match="max-autotune-no-cudagraphs"):
         nimble.Nimble(torch.compile(model, mode="reduce-overhead")).prepare(x)
-    nm = nimble.Nimble(model).prepare(x, options=PrepareOptions(relaunches=5))
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=5))
     nm(x)
     nm.close()
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from nimble import PrepareOptions
-
 from conftest import zoo_model
 from nimble.cli.models import ZOO
 
@@ -19,7 +17,7 @@ def test_branchy_timeline_measures_every_task_and_shows_concurrency():
     import nimble
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, options=PrepareOptions(relaunches=4))
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     fresh = torch.randn_like(x)
     want = nm(fresh).clone()
     timeline = nm.trace(fresh)
@@ -47,7 +45,7 @@ def test_a_timeline_joined_from_stamp_groups_covers_every_task_once(name, dtype)
 
     model, x = zoo_model(name)
     model, x = model.to(getattr(torch, dtype)), x.to(getattr(torch, dtype))
-    nm = nimble.Nimble(model).prepare(x, options=PrepareOptions(relaunches=4))
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     joined = nm.trace(x, start_stamps=False, groups=3)
     whole = nm.trace(x, start_stamps=False)
     n = len(nm.graph.tasks)
@@ -70,7 +68,7 @@ def test_a_removed_sync_edge_shows_in_the_trace_as_a_broken_dependency():
     from nimble.debug.timeline import record_timeline
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, options=PrepareOptions(relaunches=4))
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     state = nm.engine
     dag_edges = build_dag(nm.graph).edges()
     clean = nm.trace(x)
@@ -113,7 +111,7 @@ def test_a_training_step_is_traced_phase_by_phase():
     tv = pytest.importorskip("torchvision")
     model = tv.models.resnet18(num_classes=10).cuda().train()
     x = torch.randn(8, 3, 32, 32, device="cuda")
-    nm = nimble.Nimble(model).prepare(x, training=True, options=PrepareOptions(relaunches=2))
+    nm = nimble.Nimble(model).prepare(x, training=True, options=nimble.PrepareOptions(relaunches=2))
     rows = nm.trace().summary()["phases"]
     assert [r["name"] for r in rows] == ["forward", "backward"]
     assert all(r["makespan_us"] > 0 for r in rows)
@@ -125,7 +123,7 @@ def test_step_through_reads_an_intermediate_and_leaves_the_outputs_alone():
     import nimble
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, options=PrepareOptions(relaunches=4))
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     fresh = torch.randn_like(x)
     out = nm(fresh)
     kept = out.clone()
@@ -161,7 +159,7 @@ def test_every_stop_of_a_walk_repeats_bit_for_bit_and_equals_its_own_sub_graph()
     from nimble.debug.step_through import StepThrough, run_until, select_tasks
 
     model, x = zoo_model("resnet50")
-    nm = nimble.Nimble(model).prepare(x, options=PrepareOptions(relaunches=4))
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     with torch.no_grad():
         model(x)
     state, g = nm.engine, nm.graph
@@ -203,7 +201,7 @@ def test_the_nan_hunt_and_the_bisect_name_the_op_a_fault_was_put_in():
     import nimble
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, options=PrepareOptions(relaunches=4))
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     assert nm.first_divergence(x) is None
     g = nm.graph
     # a weight read through the wrong pointer: the first op reading it diverges
@@ -227,7 +225,7 @@ def test_ops_that_drift_from_the_eager_chain_are_judged_on_the_graphs_own_inputs
     import nimble.debug.divergence as divergence
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, options=PrepareOptions(relaunches=4))
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     real_eager, real_alone = divergence.eager_ops, divergence.isolated_difference
     judged = []
 
@@ -260,7 +258,7 @@ def test_the_bisect_names_the_op_whose_kernel_writes_its_output_elsewhere_after_
     import nimble
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, options=PrepareOptions(relaunches=4))
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     nm(x)
     g = nm.graph
     fresh = torch.randn_like(x)
@@ -309,7 +307,7 @@ def test_on_every_zoo_model_the_tools_trace_every_task_find_no_divergence_and_na
 
     model, x = zoo_model(name)
     model, x = model.to(getattr(torch, dtype)), x.to(getattr(torch, dtype))
-    nm = nimble.Nimble(model).prepare(x, options=PrepareOptions(relaunches=4))
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     n = len(nm.graph.tasks)
     timeline = nm.trace(x, start_stamps=False, groups=2)
     assert len(timeline.times) == n and all(0.0 <= a <= b for a, b in timeline.times)
