@@ -57,7 +57,7 @@ def _options_with(options: PrepareOptions | None, switches: dict) -> PrepareOpti
     if unknown:
         raise TypeError(f"prepare() got an unexpected keyword argument '{unknown[0]}'")
     given = ", ".join(f"{k}={v!r}" for k, v in switches.items())
-    warnings.warn(f"prepare({', '.join(switches)}=...) is deprecated: pass "
+    warnings.warn(f"prepare()'s keyword(s) {', '.join(switches)} are deprecated: pass "
                   f"options=nimble.PrepareOptions({given})", DeprecationWarning, stacklevel=3)
     return dataclasses.replace(options, **switches)
 
