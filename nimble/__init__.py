@@ -1,17 +1,52 @@
 """Nimble: ahead-of-time scheduled, multi-stream CUDA graph execution for PyTorch models.
 
 Importing this package never touches the GPU: the analysis half (TaskGraph, dependencies, stream
-assignment, memory planning, inspection) is plain Python and numpy and runs anywhere.
+assignment, memory planning, inspection) is plain Python and numpy and runs anywhere.  The types
+the :class:`Nimble` object returns are importable from here too; each loads its module on first
+use (:data:`RESULT_TYPES`), so ``import nimble`` loads neither torch nor the CUDA driver.
 """
+from __future__ import annotations
+
+import importlib
+
 from .errors import (BuildError, CaptureError, CudaError, InputError, NimbleError, NoGpuError,
                      RecordError, VerificationError, WeightsChangedError)
-from .api import Nimble
+from .api import Nimble, PhaseView
+from .engine.options import PrepareOptions
 from .ir.taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
 
 __version__ = "0.1.0"
 
+#: What the Nimble object's methods and properties return, by the module that defines each.
+RESULT_TYPES = {
+    "Timeline": "nimble.debug.timeline",          # Nimble.trace()
+    "Snapshot": "nimble.debug.step_through",      # Nimble.run_until()
+    "Divergence": "nimble.debug.divergence",      # Nimble.first_divergence()
+    "Recording": "nimble.record.recorder",        # Nimble.recording
+    "Schedule": "nimble.analysis.schedule",       # Nimble.schedule
+    "MemPlan": "nimble.analysis.memplan",         # Nimble.memplan
+    "Picked": "nimble.analysis.backfill",         # Nimble.backfill_trials
+    "RngCells": "nimble.engine.launcher",         # Nimble.rng_cells
+    "Prepared": "nimble.engine.prepared",         # Nimble.engine
+}
+
 __all__ = [
-    "Nimble", "NimbleError", "NoGpuError", "InputError", "CaptureError", "RecordError",
+    "Nimble", "PrepareOptions", "PhaseView",
+    "NimbleError", "NoGpuError", "InputError", "CaptureError", "RecordError",
     "BuildError", "VerificationError", "WeightsChangedError", "CudaError",
     "Access", "Buffer", "BufferKind", "Op", "Pointer", "Task", "TaskGraph", "TaskKind", "TensorRef",
+    *RESULT_TYPES,
 ]
+
+
+def __getattr__(name: str):
+    module = RESULT_TYPES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nimble' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(RESULT_TYPES))

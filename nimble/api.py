@@ -9,12 +9,13 @@
 
 ``prepare()`` does all the scheduling work: it records one forward on a single stream, builds the
 happens-before DAG, assigns streams (Nimble's algorithm), plans the static arena, builds and
-instantiates one explicit CUDA graph, and proves it bit-exact against the recording.
+instantiates one explicit CUDA graph, and proves it bit-exact against the recording
+(:mod:`nimble.engine.preparation`).  How it builds and checks is a
+:class:`~nimble.engine.options.PrepareOptions`.
 """
 from __future__ import annotations
 
-import functools
-import time
+import dataclasses
 import warnings
 from typing import NamedTuple
 
@@ -23,9 +24,9 @@ from .engine.build import repoint
 from .errors import InputError, NimbleError
 from .engine.launcher import TAKE_GENERAL_PATH, RngCells
 from .analysis.memplan import MemPlan
-from .engine.prepared import (Prepared, backfill_trials, build_prepared, kernel_priorities,
-                       plan_graph, prove, task_times)
-from .progress import say
+from .engine.options import PrepareOptions
+from .engine.preparation import check_mode, prepare_engine, saved_state
+from .engine.prepared import Prepared
 from .analysis.schedule import Schedule
 from .ir.taskgraph import TaskGraph
 from .engine.weights import EPOCH as WEIGHTS_EPOCH
@@ -43,25 +44,22 @@ class PhaseView(NamedTuple):
     output_addresses: list[int]
 
 
-def _saved_state(model, training: bool):
-    """A function that puts back what preparing changes: the default CUDA generator's state,
-    and for a training step the module buffers (batch-norm running statistics, which warm-up,
-    capture and the proof update as training forwards do)."""
-    import torch
+_SWITCHES = frozenset(f.name for f in dataclasses.fields(PrepareOptions))
 
-    generator = torch.cuda.default_generators[torch.cuda.current_device()] \
-        if torch.cuda.is_available() else None
-    rng = generator.get_state() if generator is not None else None
-    buffers = [(b, b.detach().clone()) for b in model.buffers()] \
-        if training and isinstance(model, torch.nn.Module) else []
 
-    def restore() -> None:
-        with torch.no_grad():
-            for live, saved in buffers:
-                live.copy_(saved)
-        if rng is not None:
-            generator.set_state(rng)
-    return restore
+def _options_with(options: PrepareOptions | None, switches: dict) -> PrepareOptions:
+    """``options`` (or the defaults) with the switches passed to prepare() as keywords, the
+    form before :class:`PrepareOptions`; it stays for one release, with a DeprecationWarning."""
+    options = options if options is not None else PrepareOptions()
+    if not switches:
+        return options
+    unknown = sorted(set(switches) - _SWITCHES)
+    if unknown:
+        raise TypeError(f"prepare() got an unexpected keyword argument '{unknown[0]}'")
+    given = ", ".join(f"{k}={v!r}" for k, v in switches.items())
+    warnings.warn(f"prepare()'s keyword(s) {', '.join(switches)} are deprecated: pass "
+                  f"options=nimble.PrepareOptions({given})", DeprecationWarning, stacklevel=3)
+    return dataclasses.replace(options, **switches)
 
 
 class Nimble:
@@ -72,7 +70,8 @@ class Nimble:
     serialized (see :mod:`nimble.engine.launcher`).
 
     Inspection: :attr:`graph` (the recorded TaskGraph), :attr:`schedule`, :attr:`memplan`,
-    :attr:`exec_handle` (the raw ``CUgraphExec`` as an int, for a C or C++ host).
+    :attr:`exec_handle` (the raw ``CUgraphExec`` as an int, for a C or C++ host), :attr:`phases`,
+    :attr:`kernel_priorities`, :attr:`late_edges`; :attr:`engine` for everything else.
     """
 
     def __init__(self, model) -> None:
@@ -84,59 +83,64 @@ class Nimble:
 
     # ---- preparation ------------------------------------------------------------------------
     def prepare(self, example_inputs, *, training: bool = False, use_multi_stream: bool = True,
-                max_streams: int | None = None, arena_limit: int | str | None = "pool",
-                device_launch: bool = True, gather_inputs: bool = True,
-                verify: bool = True, relaunches: int | None = None,
-                return_copies: bool = False, keep_recording: bool = False,
-                recording=None, priorities: bool = True, backfill: bool | None = None,
-                quiet: bool = True) -> "Nimble":
+                max_streams: int | None = None, return_copies: bool = False, quiet: bool = True,
+                options: PrepareOptions | None = None, **switches) -> "Nimble":
         """Record, schedule, plan, build and verify the model on ``example_inputs``.
 
-        ``example_inputs`` is a tensor or a tuple of tensors on the GPU; every later call must
-        pass tensors of the same shapes and dtypes.  For inference (``training=False``) the model
-        must be in ``eval()`` mode.  With ``training=True`` (model in ``train()`` mode) one
-        training step is recorded instead: the forward and its backward, each scheduled on
-        several streams and rebuilt, sharing one arena; calls then return outputs that carry a
-        ``grad_fn``, and ``backward()`` through them launches the backward graph and fills
-        ``param.grad`` as eager does (see :mod:`nimble.engine.autograd`).  Batch-norm running
-        statistics and the random generator are left as they were before ``prepare``.
-        ``use_multi_stream=False`` runs the tasks in recorded order on one stream;
-        ``max_streams`` caps the streams.  ``arena_limit`` (bytes, or ``"pool"``: the memory
-        torch's own graph of the model takes) caps the arena: where full concurrency would need
-        more, streams are merged until the plan fits (never below one stream); ``None`` lifts
-        the cap.  ``device_launch`` instantiates the graph for launch from the device as well,
-        which makes each host launch a short constant-cost submission; where the driver refuses,
-        the plain graph is used, with a ``RuntimeWarning`` saying why (:attr:`launch_mode` tells
-        which).  ``gather_inputs`` makes the graph copy each (contiguous-slot) input in itself
-        from an address the call writes into a cell (:attr:`input_cells`), so a call costs one
-        small stream write per input instead of a driver memcpy.  With ``verify`` (the default)
-        the built graph is run ``relaunches`` times (default 100; 20 training steps) against
-        the recording with its old buffers
-        poisoned, and must match bit for bit (:class:`~nimble.errors.VerificationError`
-        otherwise).  ``return_copies`` makes each call return fresh tensors instead of views
-        into the arena.  ``recording`` reuses a live :class:`~nimble.record.recorder.Recording` of this
-        model (from :func:`nimble.record.recorder.record` or an earlier ``keep_recording=True``) instead
-        of recording again.  ``priorities`` gives every kernel of a multi-stream graph a
-        scheduling priority from its slack on the critical path (:mod:`nimble.analysis.priorities`; each
-        task is timed alone once for it), so that where kernels compete for the GPU, those the
-        run waits for get the SMs first.  ``backfill`` (default: on for training) lets a phase
-        whose critical path ends in narrow kernels run work with slack beside them, if that
-        measures faster at prepare (:mod:`nimble.analysis.backfill`; :attr:`backfill` says what was
-        measured and kept).  Progress goes to stderr unless ``quiet``.
-
         Preparing again is transactional: the graph prepared before keeps serving calls until
-        the new one is proven, and stays if the new prepare fails.
+        the new one is proven, and stays if the new prepare fails.  Batch-norm running
+        statistics and the random generator are left as they were before ``prepare``.
+
+        Parameters
+        ----------
+        example_inputs : torch.Tensor or tuple of torch.Tensor
+            Inputs on the GPU; every later call must pass tensors of the same shapes and dtypes.
+        training : bool, default False
+            False: record inference (the model must be in ``eval()`` mode).  True (model in
+            ``train()`` mode): record one training step, the forward and its backward, each
+            scheduled on several streams and rebuilt, sharing one arena; calls then return
+            outputs that carry a ``grad_fn``, and ``backward()`` through them launches the
+            backward graph and fills ``param.grad`` as eager does
+            (see :mod:`nimble.engine.autograd`).
+        use_multi_stream : bool, default True
+            False runs the tasks in recorded order on one stream.
+        max_streams : int, optional
+            Caps the streams.
+        return_copies : bool, default False
+            Each call returns fresh tensors instead of views into the arena (which the next
+            call overwrites).
+        quiet : bool, default True
+            False reports progress on stderr.
+        options : PrepareOptions, optional
+            How the graph is built and checked: the arena's cap, device launch, input cells,
+            the proof, kernel priorities, the tail backfill, keeping or reusing the recording
+            (see :class:`~nimble.engine.options.PrepareOptions`; its defaults when None).
+        **switches
+            Any field of :class:`PrepareOptions` as a keyword (``relaunches=4``): deprecated,
+            kept for one release with a ``DeprecationWarning``.
+
+        Returns
+        -------
+        Nimble
+            This object, ready to call.
+
+        Raises
+        ------
+        InputError
+            The model's mode does not match ``training``, or an input cannot be taken.
+        VerificationError
+            The built graph did not reproduce the recording bit for bit.
+        NimbleError
+            Any other failure to record, build or launch (its subclasses say which).
         """
-        self._check_mode(training)
+        options = _options_with(options, switches)
+        check_mode(self.model, training)
         watch_modules()
-        if relaunches is None:
-            relaunches = 20 if training else 100
-        restore = _saved_state(self.model, training)
+        restore = saved_state(self.model, training)
         try:
-            candidate = self._prepare(example_inputs, training, recording, quiet, use_multi_stream,
-                                      max_streams, arena_limit, device_launch, gather_inputs,
-                                      verify, relaunches, keep_recording, priorities,
-                                      training if backfill is None else backfill)
+            candidate = prepare_engine(self.model, example_inputs, training=training,
+                                       use_multi_stream=use_multi_stream,
+                                       max_streams=max_streams, options=options, quiet=quiet)
         finally:
             restore()
         candidate.launcher.return_copies = return_copies
@@ -146,101 +150,6 @@ class Nimble:
         if previous is not None:
             previous.close()
         return self
-
-    def _prepare(self, example_inputs, training, recording, quiet, use_multi_stream, max_streams,
-                 arena_limit, device_launch, gather_inputs, verify, relaunches,
-                 keep_recording, priorities, backfill) -> Prepared:
-        seconds: dict[str, float] = {}
-        rec = recording if recording is not None else self._record(example_inputs, training,
-                                                                    quiet)
-        if (rec.step is not None) != training:
-            raise InputError("the recording passed to prepare() is of "
-                             f"{'a training step' if rec.step else 'inference'}, but "
-                             f"training={training}")
-        seconds.update(rec.seconds)
-
-        @functools.cache
-        def durations() -> list[float]:
-            # The same times pick among the schedules that fit the arena (only asked for when
-            # the limit binds) and rank the kernels (priorities on): measured once, when needed.
-            t0 = time.perf_counter()
-            say("timing every task alone", quiet)
-            times = task_times(rec)
-            seconds["timing"] = time.perf_counter() - t0
-            return times
-        t0 = time.perf_counter()
-        say(f"scheduling {len(rec.graph.tasks)} tasks", quiet)
-        schedule, memplan = plan_graph(rec.graph, use_multi_stream, max_streams, arena_limit,
-                                       durations)
-        seconds["schedule_and_memplan"] = time.perf_counter() - t0 - seconds.get("timing", 0.0)
-        say(f"{len(schedule.streams)} streams, {len(schedule.sync_edges)} syncs; arena "
-            f"{memplan.arena_bytes / 2**20:.1f} MiB", quiet)
-
-        ranks, trials = None, None
-        if priorities and use_multi_stream and len(schedule.streams) > 1:
-            ranks = kernel_priorities(schedule, durations())
-        if backfill and use_multi_stream and len(schedule.streams) > 1:
-            trials = backfill_trials(rec.graph, schedule, durations())
-        t0 = time.perf_counter()
-        if trials:
-            say(f"timing {sum(map(len, trials.values()))} tail backfill(s) against none", quiet)
-        candidate = build_prepared(self.model, rec, schedule, memplan,
-                                   device_launch=device_launch, gather_inputs=gather_inputs,
-                                   seconds=seconds, priorities=ranks, backfill_trials=trials)
-        seconds["build"] = time.perf_counter() - t0
-        for p in candidate.backfill:
-            say(f"phase {p.phase}: {p.plain_ms:.3f} ms per launch plain, "
-                + ", ".join(f"{ms:.3f}" for ms in p.trial_ms) + " with backfill; "
-                + (f"kept {len(p.kept.deferred)} edge(s)" if p.kept else "kept none"), quiet)
-        try:
-            refusal = next((b.device_launch_refusal for b in candidate.builts
-                            if b.device_launch_refusal), "")
-            if refusal:
-                warnings.warn(
-                    "the graph could not be made device-launchable, so each call pays the "
-                    f"driver's full host launch cost: {refusal}", RuntimeWarning, stacklevel=3)
-            if verify:
-                t0 = time.perf_counter()
-                say(f"verifying: {relaunches} launches against the single-stream recording",
-                    quiet)
-                prove(candidate, rec, relaunches)
-                seconds["verify"] = time.perf_counter() - t0
-        except BaseException:
-            candidate.close()
-            raise
-        candidate.recording = rec if keep_recording else None
-        return candidate
-
-    def _check_mode(self, training: bool) -> None:
-        import torch
-
-        if training:
-            if not isinstance(self.model, torch.nn.Module):
-                raise InputError("prepare(training=True) needs a torch.nn.Module (its "
-                                 "parameters are what the backward computes gradients for)")
-            if not self.model.training:
-                raise InputError(
-                    "the model is in eval() mode, but prepare(training=True) records a training "
-                    "step: call model.train() first (or prepare(training=False) for inference)")
-            return
-        if isinstance(self.model, torch.nn.Module):
-            in_training = [name or type(m).__name__ for name, m in self.model.named_modules()
-                           if m.training]
-            if in_training:
-                raise InputError(
-                    f"the model is in training mode ({len(in_training)} module(s), e.g. "
-                    f"'{in_training[0]}'), but prepare(training=False) records inference: call "
-                    "model.eval() first (batch norm and dropout behave differently in training)")
-
-    def _record(self, example_inputs, training: bool, quiet: bool):
-        import torch
-
-        from .record.recorder import record, record_step
-
-        if training:
-            return record_step(self.model, example_inputs, quiet=quiet)
-        with torch.no_grad():
-            return record(self.model, example_inputs, quiet=quiet)
 
     # ---- calls ------------------------------------------------------------------------------
     @property
@@ -258,6 +167,7 @@ class Nimble:
         return self._prepared
 
     def _state(self) -> Prepared:
+        """The same as :attr:`engine`, for callers not yet moved to it."""
         return self.engine
 
     def __call__(self, *inputs):
@@ -278,7 +188,7 @@ class Nimble:
 
     def _call(self, inputs: tuple):
         """A call by the general path: any input form, followed weights, training steps."""
-        state = self._state()
+        state = self.engine
         if state.weights.epoch != WEIGHTS_EPOCH[0]:
             self._follow_weights(state)
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
@@ -300,7 +210,7 @@ class Nimble:
         :class:`~nimble.errors.WeightsChangedError`: prepare again.  In-place updates need
         nothing: the graph reads the weights' memory as it is.
         """
-        return self._follow_weights(self._state())
+        return self._follow_weights(self.engine)
 
     def _follow_weights(self, state: Prepared) -> bool:
         weights, launcher = state.weights, state.launcher
@@ -330,32 +240,33 @@ class Nimble:
     @property
     def graph(self) -> TaskGraph:
         """The recorded TaskGraph (tasks, buffers, accesses)."""
-        return self._state().graph
+        return self.engine.graph
 
     @property
     def schedule(self) -> Schedule:
         """The stream assignment and synchronization edges the built graph runs."""
-        return self._state().schedule
+        return self.engine.schedule
 
     @property
     def memplan(self) -> MemPlan:
         """The arena plan: an offset per relocatable buffer."""
-        return self._state().memplan
+        return self.engine.memplan
 
     @property
     def exec_handle(self) -> int:
         """The raw ``CUgraphExec`` as an int: launch it from C with ``cuGraphLaunch``."""
-        return int(self._state().built.exec.handle)
+        return int(self.engine.built.exec.handle)
 
     @property
     def arena_address(self) -> int:
         """The device address of the arena (buffer ``b`` lives at this + ``memplan.offsets[b]``)."""
-        return self._state().arena_base
+        return self.engine.arena_base
 
     @property
     def recording(self):
-        """The live recording, when prepare() was told ``keep_recording=True`` (else None)."""
-        return self._state().recording
+        """The live recording, when prepared with ``PrepareOptions(keep_recording=True)`` (else
+        None)."""
+        return self.engine.recording
 
     @property
     def input_cells(self) -> list[int]:
@@ -365,18 +276,31 @@ class Nimble:
         A C or C++ host driving :attr:`exec_handle` itself writes the input tensor's address
         into each cell on the launch stream (``cuStreamWriteValue64``), then calls
         ``cuGraphLaunch``; or it copies the input to the slot and writes the slot's own address.
-        A Python call skips writing a cell that already holds its input's address; reading this
-        property makes the next Python call write every cell, so a host that writes cells
-        between Python calls reads it again before handing back to Python.
+        A Python call skips writing a cell that already holds its input's address, so a host
+        that writes cells between Python calls calls :meth:`host_writes_cells` before handing
+        back to Python.
         """
-        launcher = self._state().launcher
-        launcher.forget_cells()  # the caller may write them: later calls write every cell
-        return [s.cell for s in launcher.slots]
+        return [s.cell for s in self.engine.launcher.slots]
+
+    def host_writes_cells(self) -> None:
+        """Say that something other than a Python call (a C or C++ host, see
+        :attr:`input_cells` and :attr:`phases`) wrote or will write the input cells: the next
+        Python call of every phase writes each of its cells again instead of trusting the
+        address it wrote last."""
+        for launcher in self.engine.launchers:
+            with launcher.lock:
+                launcher.forget_cells()
+
+    @property
+    def buffer_addresses(self) -> list[int]:
+        """Per buffer of :attr:`graph`, the device address the built graph reads and writes it
+        at (in the arena, or a weight's own memory as the weights are now)."""
+        return list(self.engine.bases)
 
     @property
     def output_addresses(self) -> list[int]:
         """Per output (flattened), the device address the graph writes it at."""
-        return [o.data_ptr() for o in self._state().launcher.outputs]
+        return [o.data_ptr() for o in self.engine.launcher.outputs]
 
     @property
     def rng_cells(self) -> RngCells | None:
@@ -386,46 +310,50 @@ class Nimble:
         writes the seed and the current offset (then advances its offset by ``increment``)
         before each launch, as it writes the input cells.
         """
-        return self._state().launcher.rng
+        return self.engine.launcher.rng
 
     @property
     def input_addresses(self) -> list[int]:
         """Per input, the device address of its slot in the arena."""
-        return [s.address for s in self._state().launcher.slots]
+        return [s.address for s in self.engine.launcher.slots]
 
     def trace(self, *inputs, runs: int = 5, start_stamps: bool = True, groups: int = 1):
         """Measure every task's start and end inside a real multi-stream run of the prepared
-        graph(s); returns a :class:`nimble.debug.timeline.Timeline` (``.summary()``, ``.to_chrome()``).
+        graph(s); returns a :class:`~nimble.debug.timeline.Timeline` (``nimble.Timeline``:
+        ``.summary()``, ``.to_chrome()``).
 
         ``inputs`` are the flat inputs of every phase (random ones when none are given).  The
         graph is rebuilt with timestamp nodes for the measurement; the prepared graph itself is
         not changed and keeps serving calls.  ``start_stamps=False`` halves the timestamp nodes
-        (each start is then its task's ready time; see :func:`nimble.debug.timeline.record_timeline`).
+        (each start is then its task's ready time; see
+        :func:`nimble.debug.timeline.record_timeline`).
         ``groups=k`` measures a ``k``-th of the tasks in each of ``k`` instrumented runs and joins
         them, so each run is disturbed less.
         """
         from .debug.timeline import record_timeline
 
-        return record_timeline(self._state(), list(inputs) if inputs else None, runs=runs,
+        return record_timeline(self.engine, list(inputs) if inputs else None, runs=runs,
                                start_stamps=start_stamps, groups=groups)
 
     def run_until(self, *, task: int | None = None, op: int | None = None,
                   module: str | None = None, inputs=None):
         """Step-through: run the prepared graph up to a task, an ATen op (its index in
         :attr:`graph`) or a module (its path), on ``inputs`` (the flat inputs of every phase;
-        random when None), and return a :class:`nimble.debug.step_through.Snapshot` of every buffer the run
-        touched (``.buffer(b)``, ``.tensor(b, dtype, shape)``, ``.op_outputs(k)``).  The
-        outputs of earlier calls and the model's state are put back afterwards."""
+        random when None), and return a :class:`~nimble.debug.step_through.Snapshot`
+        (``nimble.Snapshot``) of every buffer the run touched (``.buffer(b)``,
+        ``.tensor(b, dtype, shape)``, ``.op_outputs(k)``).  The outputs of earlier calls and the
+        model's state are put back afterwards."""
         from .debug.step_through import run_until, select_tasks
 
-        state = self._state()
+        state = self.engine
         targets = select_tasks(state.graph, task=task, op=op, module=module)
         return run_until(state, targets, inputs)
 
     def first_divergence(self, *inputs, nonfinite: bool = False, quiet: bool = False):
         """The first ATen op whose output in the prepared graph differs from eager's on
         ``inputs`` (dtype-aware tolerance), or with ``nonfinite`` the first to write NaN or Inf;
-        a :class:`nimble.debug.divergence.Divergence` (op, module, tasks, difference) or None.
+        a :class:`~nimble.debug.divergence.Divergence` (``nimble.Divergence``: op, module,
+        tasks, difference) or None.
 
         Walks the ops in recorded order with a step-through run (:meth:`run_until`) per op and
         stops at the first that goes wrong; a long walk reports its progress on stderr unless
@@ -438,7 +366,7 @@ class Nimble:
         from .debug.divergence import align, eager_ops, first_divergence, first_nonfinite
         from .debug.step_through import StepThrough, run_before, run_until, select_tasks
 
-        state = self._state()
+        state = self.engine
         if state.step is not None:
             raise InputError("first_divergence compares inference graphs with eager; prepare "
                              "with training=False to search the forward")
@@ -466,41 +394,47 @@ class Nimble:
     @property
     def phases(self) -> list["PhaseView"]:
         """Each separately launched graph: one (``"inference"``), or ``"forward"`` and
-        ``"backward"`` for a training step, with its tasks and its handles for a C host."""
-        state = self._state()
+        ``"backward"`` for a training step, with its tasks and its handles for a C host (which
+        calls :meth:`host_writes_cells` before handing back to Python)."""
+        state = self.engine
         names = ["forward", "backward"] if state.step is not None else ["inference"]
-        for launcher in state.launchers:
-            launcher.forget_cells()  # a C host may write them: later calls write every cell
         return [PhaseView(name, built.span, int(built.exec.handle),
                           [s.cell for s in launcher.slots], [s.address for s in launcher.slots],
                           [o.data_ptr() for o in launcher.outputs])
                 for name, built, launcher in zip(names, state.builts, state.launchers)]
 
     @property
-    def priorities(self) -> list[int] | None:
-        """The driver priority number each task's kernel node runs at (lower numbers run first,
-        see :mod:`nimble.analysis.priorities`), or None when the graph runs without priorities
-        (``prepare(priorities=False)`` or one stream)."""
-        got = self._state().priorities
+    def kernel_priorities(self) -> list[int] | None:
+        """Per task, the driver priority number its kernel node runs at (lower numbers run
+        first, see :mod:`nimble.analysis.priorities`), or None when the graph runs without
+        priorities (``PrepareOptions(priorities=False)`` or one stream)."""
+        got = self.engine.priorities
         return None if got is None else list(got)
 
     @property
-    def backfill(self) -> list:
-        """Per phase whose tail backfill was tried at prepare (:mod:`nimble.analysis.backfill`), a
-        :class:`~nimble.analysis.backfill.Picked`: the phase's median ms per launch without late edges
-        and with each candidate, and the candidate kept (None: the plain graph was faster).
-        Empty where none was tried (one stream, inference by default, no narrow tail)."""
-        return list(self._state().backfill)
+    def backfill_trials(self) -> list:
+        """Per phase whose tail backfill was tried at prepare (:mod:`nimble.analysis.backfill`),
+        a :class:`~nimble.analysis.backfill.Picked`: the phase's median ms per launch without
+        late edges and with each candidate, and the candidate kept (None: the plain graph was
+        faster).  Empty where none was tried (``PrepareOptions(backfill=False)``, one stream,
+        inference by default, no narrow tail)."""
+        return list(self.engine.backfill)
+
+    @property
+    def late_edges(self) -> list[tuple[int, int]]:
+        """The built graphs' dependency edges beyond :attr:`schedule`'s, ``(anchor, task)``:
+        the tail backfill kept (:attr:`backfill_trials`); empty without one."""
+        return self.engine.late_edges
 
     @property
     def launch_mode(self) -> str:
         """``"device-launchable"`` (uploaded once, cheap host launches) or ``"host"``."""
-        return "device-launchable" if self._state().built.device_launch else "host"
+        return "device-launchable" if self.engine.built.device_launch else "host"
 
     @property
     def prepare_seconds(self) -> dict:
         """Seconds each step of the last prepare() took."""
-        return dict(self._state().seconds)
+        return dict(self.engine.seconds)
 
     def close(self) -> None:
         """Free the graph and its exec now, and the arena once the outputs and gradients handed

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from nimble import PrepareOptions
+
 pytestmark = pytest.mark.gpu
 
 SOURCE = Path(__file__).parent / "c_host" / "nimble_host.c"
@@ -173,7 +175,7 @@ def test_a_c_library_on_the_driver_api_drives_the_prepared_graph(tmp_path):
 
     use_cudnn_benchmark()
     model, x = models.create("branchy").cuda(), models.example_input("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    nm = nimble.Nimble(model).prepare(x, options=PrepareOptions(relaunches=4))
     cells = nm.input_cells
     if not all(cells):
         pytest.skip("this GPU takes no 64-bit stream memory writes, so the graph copies its "
@@ -209,5 +211,6 @@ def test_a_c_library_on_the_driver_api_drives_the_prepared_graph(tmp_path):
         assert torch.equal(host[i], w), f"the C host's output {i} differs from the Python call's"
 
     # Python calls go on working after the C host used the same exec and cells.
+    nm.host_writes_cells()
     assert torch.equal(_raw_bytes(nm(*inputs[0])), want[0])
     nm.close()

@@ -35,7 +35,8 @@ def _prepared_like(compiled, x, reference, **tolerance):
 
     import nimble
 
-    nm = nimble.Nimble(compiled).prepare(x, relaunches=10, return_copies=True)
+    nm = nimble.Nimble(compiled).prepare(x, return_copies=True,
+                                         options=nimble.PrepareOptions(relaunches=10))
     assert nm.graph.meta["triton_launches"] > 0
     fresh = torch.randn_like(x)
     with torch.no_grad():
@@ -50,7 +51,8 @@ def test_a_compiled_branchy_model_runs_its_triton_kernels_on_several_streams(dty
     import nimble
 
     model, compiled, x = _compiled("branchy", dtype)
-    nm = nimble.Nimble(compiled).prepare(x, relaunches=20, return_copies=True)
+    nm = nimble.Nimble(compiled).prepare(x, return_copies=True,
+                                         options=nimble.PrepareOptions(relaunches=20))
     meta = nm.graph.meta
     assert meta["triton_launches"] > 0, "no Triton kernel was traced"
     triton_tasks = [t for t in nm.graph.tasks if t.op >= 0 and "::" not in nm.graph.ops[t.op].name]
@@ -71,7 +73,7 @@ def test_a_compile_mode_with_its_own_cuda_graphs_is_refused_and_the_process_stay
     model, x = zoo_model("branchy")
     with pytest.raises(nimble.InputError, match="max-autotune-no-cudagraphs"):
         nimble.Nimble(torch.compile(model, mode="reduce-overhead")).prepare(x)
-    nm = nimble.Nimble(model).prepare(x, relaunches=5)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=5))
     nm(x)
     nm.close()
 

@@ -17,7 +17,7 @@ def test_branchy_timeline_measures_every_task_and_shows_concurrency():
     import nimble
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     fresh = torch.randn_like(x)
     want = nm(fresh).clone()
     timeline = nm.trace(fresh)
@@ -45,7 +45,7 @@ def test_a_timeline_joined_from_stamp_groups_covers_every_task_once(name, dtype)
 
     model, x = zoo_model(name)
     model, x = model.to(getattr(torch, dtype)), x.to(getattr(torch, dtype))
-    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     joined = nm.trace(x, start_stamps=False, groups=3)
     whole = nm.trace(x, start_stamps=False)
     n = len(nm.graph.tasks)
@@ -68,8 +68,8 @@ def test_a_removed_sync_edge_shows_in_the_trace_as_a_broken_dependency():
     from nimble.debug.timeline import record_timeline
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4)
-    state = nm._state()
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
+    state = nm.engine
     dag_edges = build_dag(nm.graph).edges()
     clean = nm.trace(x)
     assert clean.overlapped(dag_edges) == []
@@ -111,7 +111,7 @@ def test_a_training_step_is_traced_phase_by_phase():
     tv = pytest.importorskip("torchvision")
     model = tv.models.resnet18(num_classes=10).cuda().train()
     x = torch.randn(8, 3, 32, 32, device="cuda")
-    nm = nimble.Nimble(model).prepare(x, training=True, relaunches=2)
+    nm = nimble.Nimble(model).prepare(x, training=True, options=nimble.PrepareOptions(relaunches=2))
     rows = nm.trace().summary()["phases"]
     assert [r["name"] for r in rows] == ["forward", "backward"]
     assert all(r["makespan_us"] > 0 for r in rows)
@@ -123,7 +123,7 @@ def test_step_through_reads_an_intermediate_and_leaves_the_outputs_alone():
     import nimble
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     fresh = torch.randn_like(x)
     out = nm(fresh)
     kept = out.clone()
@@ -159,10 +159,10 @@ def test_every_stop_of_a_walk_repeats_bit_for_bit_and_equals_its_own_sub_graph()
     from nimble.debug.step_through import StepThrough, run_until, select_tasks
 
     model, x = zoo_model("resnet50")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     with torch.no_grad():
         model(x)
-    state, g = nm._state(), nm.graph
+    state, g = nm.engine, nm.graph
     stepper = StepThrough(state, 0)
     bad = []
     try:
@@ -182,7 +182,7 @@ def test_every_stop_of_a_walk_repeats_bit_for_bit_and_equals_its_own_sub_graph()
 def _compare_with_a_weight_read_elsewhere(nm, x):
     """``(nm.first_divergence(x), the first op reading the weight)`` while one weight's buffer
     is read through the address of another weight of the same size (put back afterwards)."""
-    g, state = nm.graph, nm._state()
+    g, state = nm.graph, nm.engine
     params = [b for b in g.buffers if b.kind == "param" and b.size >= 4096]
     victim = next(b for b in params if any(o.size == b.size for o in params if o.id != b.id))
     other = next(o for o in params if o.size == victim.size and o.id != victim.id)
@@ -201,7 +201,7 @@ def test_the_nan_hunt_and_the_bisect_name_the_op_a_fault_was_put_in():
     import nimble
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     assert nm.first_divergence(x) is None
     g = nm.graph
     # a weight read through the wrong pointer: the first op reading it diverges
@@ -225,7 +225,7 @@ def test_ops_that_drift_from_the_eager_chain_are_judged_on_the_graphs_own_inputs
     import nimble.debug.divergence as divergence
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     real_eager, real_alone = divergence.eager_ops, divergence.isolated_difference
     judged = []
 
@@ -258,7 +258,7 @@ def test_the_bisect_names_the_op_whose_kernel_writes_its_output_elsewhere_after_
     import nimble
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     nm(x)
     g = nm.graph
     fresh = torch.randn_like(x)
@@ -269,7 +269,7 @@ def test_the_bisect_names_the_op_whose_kernel_writes_its_output_elsewhere_after_
     task, row = next((t, p) for t in reversed(writers) for p in t.pointers
                      if p.buffer >= 0 and g.buffers[p.buffer].kind == "intermediate"
                      and any(a.buffer == p.buffer and a.write for a in t.accesses))
-    size, bases = g.buffers[row.buffer].size, nm._state().bases
+    size, bases = g.buffers[row.buffer].size, nm.buffer_addresses
     mine = (bases[row.buffer], bases[row.buffer] + size)
     elsewhere = next(b.id for b in g.buffers if b.kind == "intermediate" and b.size >= size
                      and all(a.buffer != b.id for a in task.accesses)
@@ -307,7 +307,7 @@ def test_on_every_zoo_model_the_tools_trace_every_task_find_no_divergence_and_na
 
     model, x = zoo_model(name)
     model, x = model.to(getattr(torch, dtype)), x.to(getattr(torch, dtype))
-    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     n = len(nm.graph.tasks)
     timeline = nm.trace(x, start_stamps=False, groups=2)
     assert len(timeline.times) == n and all(0.0 <= a <= b for a, b in timeline.times)

@@ -52,7 +52,8 @@ def test_zoo_model_prepares_and_verifies_in_every_precision(name, variant):
     import nimble
 
     model, x = _variant(*zoo_model(name), variant)
-    nm = nimble.Nimble(model).prepare(x, relaunches=10, return_copies=True)
+    nm = nimble.Nimble(model).prepare(x, return_copies=True,
+                                      options=nimble.PrepareOptions(relaunches=10))
     fresh = torch.randn_like(x)
     with torch.no_grad():
         want = model(fresh)
@@ -107,7 +108,8 @@ def test_calls_from_threads_on_their_own_streams_are_all_right():
     import nimble
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4, return_copies=True)
+    nm = nimble.Nimble(model).prepare(x, return_copies=True,
+                                      options=nimble.PrepareOptions(relaunches=4))
     inputs = [torch.randn_like(x) for _ in range(4)]
     expected = [nm(i).clone() for i in inputs]
     assert not torch.equal(expected[0], expected[1])
@@ -157,7 +159,8 @@ def test_weights_changed_in_place_or_moved_are_followed():
 
     model = _linear_model()
     x = torch.randn(4, 64, device="cuda")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4, return_copies=True)
+    nm = nimble.Nimble(model).prepare(x, return_copies=True,
+                                      options=nimble.PrepareOptions(relaunches=4))
     _check(nm, model, x)
     model.load_state_dict(_linear_model().state_dict() | {
         "0.weight": torch.randn(64, 64, device="cuda")})  # copied in place
@@ -197,7 +200,8 @@ def test_a_failed_prepare_leaves_the_working_graph_serving(monkeypatch):
     from nimble.errors import VerificationError
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4, return_copies=True)
+    nm = nimble.Nimble(model).prepare(x, return_copies=True,
+                                      options=nimble.PrepareOptions(relaunches=4))
     fresh = torch.randn_like(x)
     want = nm(fresh)
     exec_before = nm.exec_handle
@@ -207,7 +211,7 @@ def test_a_failed_prepare_leaves_the_working_graph_serving(monkeypatch):
 
     monkeypatch.setattr(proof, "verify_against_reference", refuse)
     with pytest.raises(VerificationError, match="refused"):
-        nm.prepare(x, relaunches=4, return_copies=True)
+        nm.prepare(x, return_copies=True, options=nimble.PrepareOptions(relaunches=4))
     assert nm.exec_handle == exec_before
     assert torch.equal(nm(fresh), want)
     with pytest.raises(nimble.InputError):
@@ -244,10 +248,11 @@ def test_random_ops_draw_fresh_numbers_and_match_eager_for_one_generator_state()
 
     model = _Random.create()
     x = torch.randn(32, 256, device="cuda")
-    multi = nimble.Nimble(model).prepare(x, relaunches=10, keep_recording=True,
-                                         return_copies=True)
-    single = nimble.Nimble(model).prepare(x, use_multi_stream=False, relaunches=10,
-                                          recording=multi.recording, return_copies=True)
+    multi = nimble.Nimble(model).prepare(
+        x, return_copies=True, options=nimble.PrepareOptions(relaunches=10, keep_recording=True))
+    single = nimble.Nimble(model).prepare(
+        x, use_multi_stream=False, return_copies=True,
+        options=nimble.PrepareOptions(relaunches=10, recording=multi.recording))
     assert multi.graph.meta["rng"]["increment"] > 0
     gen = torch.cuda.default_generators[0]
     for seed in range(3):
@@ -272,7 +277,7 @@ def test_the_same_input_tensor_again_is_read_anew_and_cells_written_elsewhere_ar
     import nimble
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     buf = torch.randn_like(x)
 
     def reference(t):
@@ -283,7 +288,8 @@ def test_the_same_input_tensor_again_is_read_anew_and_cells_written_elsewhere_ar
         buf.copy_(torch.randn_like(x))  # changed in place: no cell write, new contents read
         got = nm(buf).clone()  # before the reference's launch overwrites the output
         assert torch.equal(got, reference(buf))
-    # A debugging run points the cells at the slots; a C host may write them: calls rewrite.
+    # A debugging run points the cells at the slots, a C host that writes them says so: calls
+    # rewrite them.
     nm.trace(torch.randn_like(x))
     got = nm(buf).clone()
     assert torch.equal(got, reference(buf))
@@ -291,6 +297,7 @@ def test_the_same_input_tensor_again_is_read_anew_and_cells_written_elsewhere_ar
     other = torch.randn_like(x)
     nimble.driver.copy_to_device(cell, other.data_ptr().to_bytes(8, "little"))
     torch.cuda.synchronize()
+    nm.host_writes_cells()
     got = nm(buf).clone()
     assert torch.equal(got, reference(buf))
     assert not torch.equal(got, reference(other))

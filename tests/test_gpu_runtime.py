@@ -33,12 +33,12 @@ def test_outputs_are_views_unless_copies_asked_for():
     import nimble
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     a = nm(torch.randn_like(x))
     kept = a.clone()
     b = nm(torch.randn_like(x))
     assert a.data_ptr() == b.data_ptr() and not torch.equal(kept, b)
-    nm.prepare(x, relaunches=4, return_copies=True)
+    nm.prepare(x, return_copies=True, options=nimble.PrepareOptions(relaunches=4))
     a = nm(x)
     b = nm(torch.randn_like(x))
     assert a.data_ptr() != b.data_ptr()
@@ -50,7 +50,8 @@ def test_strided_inputs_and_side_streams_give_the_same_bits():
     import nimble
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4, return_copies=True)
+    nm = nimble.Nimble(model).prepare(x, return_copies=True,
+                                      options=nimble.PrepareOptions(relaunches=4))
     fresh = torch.randn_like(x)
     want = nm(fresh)
     # A channels-last input takes torch's strided copy instead of the flat driver memcpy.
@@ -72,10 +73,12 @@ def test_host_and_device_launchable_graphs_give_the_same_bits():
     import nimble
 
     model, x = zoo_model("branchy")
-    on_device = nimble.Nimble(model).prepare(x, relaunches=4, keep_recording=True,
-                                             return_copies=True)
-    on_host = nimble.Nimble(model).prepare(x, relaunches=4, device_launch=False,
-                                           recording=on_device.recording, return_copies=True)
+    on_device = nimble.Nimble(model).prepare(
+        x, return_copies=True, options=nimble.PrepareOptions(relaunches=4, keep_recording=True))
+    on_host = nimble.Nimble(model).prepare(
+        x, return_copies=True,
+        options=nimble.PrepareOptions(relaunches=4, device_launch=False,
+                                      recording=on_device.recording))
     assert (on_device.launch_mode, on_host.launch_mode) == ("device-launchable", "host")
     for _ in range(3):
         fresh = torch.randn_like(x)
@@ -92,7 +95,7 @@ def test_wrong_inputs_are_typed_errors():
     nm = nimble.Nimble(model)
     with pytest.raises(NimbleError, match="prepare"):
         nm(x)
-    nm.prepare(x, relaunches=2)
+    nm.prepare(x, options=nimble.PrepareOptions(relaunches=2))
     with pytest.raises(InputError, match="prepared for"):
         nm(torch.randn(2, 3, 64, 64, device="cuda"))
     with pytest.raises(InputError, match="prepared for"):
@@ -117,7 +120,7 @@ def test_the_common_call_is_bound_once_and_every_other_call_takes_the_general_pa
     from nimble.errors import InputError, NimbleError
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=2)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=2))
     fresh = torch.randn_like(x)
     want = nm(fresh).clone()
     assert callable(nm._fast)
@@ -146,6 +149,7 @@ def test_a_missed_relocation_is_caught_by_the_proof(monkeypatch):
     from nimble.engine import build
     from nimble.errors import VerificationError
     from nimble.api import Nimble
+    from nimble import PrepareOptions
 
     model, x = zoo_model("branchy")
     real = build.relocate_params
@@ -164,7 +168,7 @@ def test_a_missed_relocation_is_caught_by_the_proof(monkeypatch):
 
     monkeypatch.setattr(build, "relocate_params", leaky)
     with pytest.raises(VerificationError, match="differs"):
-        Nimble(model).prepare(x, relaunches=2)
+        Nimble(model).prepare(x, options=PrepareOptions(relaunches=2))
     assert missed
 
 
@@ -179,7 +183,8 @@ def test_zoo_model_prepares_and_verifies_bitwise(name, multi):
     import nimble
 
     model, x = zoo_model(name)
-    nm = nimble.Nimble(model).prepare(x, use_multi_stream=multi, relaunches=100)
+    nm = nimble.Nimble(model).prepare(x, use_multi_stream=multi,
+                                      options=nimble.PrepareOptions(relaunches=100))
     out = nm(x)
     with torch.no_grad():
         want = model(x)
@@ -217,10 +222,12 @@ def test_inputs_of_any_size_and_alignment_are_gathered_exactly():
 
     model = _TwoInputs.create()
     a, b = torch.randn(1, 3, 7, 5, device="cuda"), torch.randn(13, device="cuda")
-    nm = nimble.Nimble(model).prepare((a, b), relaunches=8, return_copies=True)
+    nm = nimble.Nimble(model).prepare((a, b), return_copies=True,
+                                      options=nimble.PrepareOptions(relaunches=8))
     assert all(nm.input_cells)  # 420 and 52 bytes: the gather's byte path
-    copied = nimble.Nimble(model).prepare((a, b), relaunches=8, return_copies=True,
-                                          gather_inputs=False)
+    copied = nimble.Nimble(model).prepare(
+        (a, b), return_copies=True,
+        options=nimble.PrepareOptions(relaunches=8, gather_inputs=False))
     assert not any(copied.input_cells)
     big = torch.randn(2 * 105 + 1, device="cuda")
     unaligned_a = big[1:106].view(1, 3, 7, 5)  # 4 bytes past a 16-byte boundary
@@ -241,7 +248,7 @@ def test_a_c_host_drives_the_exec_handle_through_the_input_cells():
     from nimble import driver
 
     model, x = zoo_model("branchy")
-    nm = nimble.Nimble(model).prepare(x, relaunches=4)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     fresh = torch.randn_like(x)
     want = nm(fresh).clone()
     view = nm(torch.randn_like(x))  # the arena's output bytes, rewritten by every launch
@@ -280,6 +287,7 @@ def test_buffers_kept_at_their_low_bits_run_right():
 
     from nimble.record.recorder import record
     from nimble.api import Nimble
+    from nimble import PrepareOptions
 
     model, x = zoo_model("branchy")
     rec = record(model, (x,), quiet=True)
@@ -287,8 +295,8 @@ def test_buffers_kept_at_their_low_bits_run_right():
     chosen = [b.id for b in g.buffers if b.kind in ("intermediate", "scratch")][::3]
     assert chosen
     g.meta["low_word_buffers"] = chosen
-    nm = Nimble(model).prepare(x, recording=rec, relaunches=4)
-    bases = nm._prepared.bases
+    nm = Nimble(model).prepare(x, options=PrepareOptions(recording=rec, relaunches=4))
+    bases = nm.buffer_addresses
     assert all(bases[b] % (1 << 32) == g.buffers[b].address % (1 << 32) for b in chosen)
     assert all(bases[b] != g.buffers[b].address for b in chosen)
     for _ in range(3):
@@ -311,17 +319,18 @@ def test_kernels_run_at_priorities_from_their_slack_and_give_the_same_bits():
     model, x = zoo_model("branchy")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no refused device-launchable exec
-        nm = nimble.Nimble(model).prepare(x, relaunches=4, keep_recording=True,
-                                          return_copies=True)
-    plain = nimble.Nimble(model).prepare(x, relaunches=4, priorities=False,
-                                         recording=nm.recording, return_copies=True)
-    assert nm.launch_mode == "device-launchable" and plain.priorities is None
+        nm = nimble.Nimble(model).prepare(
+            x, return_copies=True, options=nimble.PrepareOptions(relaunches=4, keep_recording=True))
+    plain = nimble.Nimble(model).prepare(
+        x, return_copies=True,
+        options=nimble.PrepareOptions(relaunches=4, priorities=False, recording=nm.recording))
+    assert nm.launch_mode == "device-launchable" and plain.kernel_priorities is None
     least, greatest = driver.stream_priority_range()
-    priorities = nm.priorities
+    priorities = nm.kernel_priorities
     assert priorities is not None and len(priorities) == len(nm.graph.tasks)
     assert all(greatest <= p <= least for p in priorities)
     assert min(priorities) == greatest  # the critical path runs at the top priority
-    built = nm._state().built
+    built = nm.engine.built
     kernels = [t for t in built.span if nm.graph.tasks[t].kind == "kernel"]
     assert kernels
     for t in kernels:

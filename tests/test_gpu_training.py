@@ -5,6 +5,8 @@ import copy
 
 import pytest
 
+from nimble import PrepareOptions
+
 pytestmark = pytest.mark.gpu
 
 
@@ -373,12 +375,11 @@ def test_a_kept_tail_backfill_is_proven_built_and_enforced(monkeypatch):
     base, x, y = train_bench.setup("googlenet", 32)
     model, twin = copy.deepcopy(base), copy.deepcopy(base)
     nm = nimble.Nimble(model).prepare(x, training=True)  # verify=True: proven with the edges
-    picked = {p.phase: p for p in nm.backfill}[1]
+    picked = {p.phase: p for p in nm.backfill_trials}[1]
     assert picked.kept is not None
     assert len(picked.trial_ms) >= 1 and picked.plain_ms > 0
-    state = nm._state()
-    late = state.late_edges
-    backward = state.builts[1]
+    late = nm.late_edges
+    backward = nm.engine.builts[1]
     assert late and all(u in backward.span and v in backward.span for u, v in late)
     for u, v in late:
         node = backward.nodes[v - backward.span.start]
@@ -403,11 +404,11 @@ def test_backfill_is_measured_only_where_asked():
 
     base, x, _ = train_bench.setup("googlenet", 32)
     off = nimble.Nimble(copy.deepcopy(base)).prepare(x, training=True, backfill=False)
-    assert off.backfill == [] and off._state().late_edges == []
+    assert off.backfill_trials == [] and off.late_edges == []
     single = nimble.Nimble(copy.deepcopy(base)).prepare(x, training=True,
                                                          use_multi_stream=False)
-    assert single.backfill == []
+    assert single.backfill_trials == []
     model = copy.deepcopy(base).eval()
     with torch.no_grad():
         infer = nimble.Nimble(model).prepare(x[:1])
-    assert infer.backfill == []  # inference: off unless asked for
+    assert infer.backfill_trials == []  # inference: off unless asked for

@@ -168,3 +168,26 @@ def test_no_fast_path_for_random_graphs_copies_or_slots_without_cells(fake):
     bare, _ = make_launcher()
     bare._slots = (bare.slots[0]._replace(cell=0),)
     assert bare.fast_call(SimpleNamespace(epoch=EPOCH[0])) is None
+
+
+def test_reading_cells_or_phases_changes_nothing_and_host_writes_cells_makes_calls_write_again(
+        fake, monkeypatch):
+    import nimble
+
+    launch, _ = make_launcher()
+    built = SimpleNamespace(span=range(0, 4), exec=SimpleNamespace(handle=5))
+    engine = SimpleNamespace(launcher=launch, launchers=[launch], builts=[built], step=None)
+    monkeypatch.setattr(nimble.Nimble, "engine", property(lambda self: engine))
+    nm = nimble.Nimble(None)
+    x = torch.randn(2, 3)
+    launch.run_flat((x,))
+    assert nm.input_cells == [0x9000]
+    [phase] = nm.phases
+    assert (phase.name, phase.tasks, phase.exec_handle, phase.input_cells) == \
+        ("inference", range(0, 4), 5, [0x9000])
+    launch.run_flat((x,))
+    assert driver_calls(fake, "cuStreamWriteValue64") == [("stream7", 0x9000, x.data_ptr(), 0)]
+    nm.host_writes_cells()  # a C host wrote the cell: the next call writes it again
+    launch.run_flat((x,))
+    assert driver_calls(fake, "cuStreamWriteValue64") == \
+        [("stream7", 0x9000, x.data_ptr(), 0)] * 2

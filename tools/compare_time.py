@@ -22,7 +22,7 @@ for spec in sys.argv[1:]:
     dtype = getattr(torch, dt)
     model = models.create(name).cuda().to(dtype).eval()
     x = models.example_input(name).to(dtype)
-    nm = nimble.Nimble(model).prepare(x, relaunches=2)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=2))
     judged = []
     real = divergence.isolated_difference
 

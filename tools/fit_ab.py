@@ -48,7 +48,8 @@ def main() -> int:
     steps = {"make_graphed_callables": train_bench.training_step(graphed, graphed_model, x, y)}
     variants = [("cap alone", fixed_chain(None), {})]
     variants += [(f"chain >= {t} MB", fixed_chain(t << 20), {}) for t in thresholds]
-    variants += [("prepare's choice", None, {}), ("no arena limit", None, {"arena_limit": None})]
+    variants += [("prepare's choice", None, {}),
+                 ("no arena limit", None, {"options": nimble.PrepareOptions(arena_limit=None)})]
     own = nimble.engine.prepared.schedule_within
     for label, patched, kwargs in variants:
         nimble.engine.prepared.schedule_within = patched or own

@@ -50,7 +50,7 @@ args = [a for a in sys.argv[1:] if not a.startswith("--")]
 dtype = getattr(torch, args[1]) if len(args) > 1 else torch.float32
 for name in args[0].split(","):
     model = models.create(name).cuda().to(dtype); x = models.example_input(name).to(dtype)
-    nm = nimble.Nimble(model).prepare(x, relaunches=2)
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=2))
     if "--only-call" in sys.argv:
         next_input = itertools.cycle([x, x.clone()] if "--fresh" in sys.argv else [x]).__next__
         for rep in range(3):

@@ -126,7 +126,8 @@ def model_rows(name: str) -> list[dict]:
             rows.append(measure_exec("torch graph exec, bare cuGraphLaunch",
                                      drv.CUgraphExec(raw_exec()), stream, {}))
 
-        multi = nimble.Nimble(model).prepare(x, keep_recording=True, arena_limit=None)
+        multi = nimble.Nimble(model).prepare(
+            x, options=nimble.PrepareOptions(keep_recording=True, arena_limit=None))
         rec = multi.recording
         full = len(multi.schedule.streams)
         caps = sorted({1, 2, 4, 8, full} - {k for k in (8, 4) if k >= full})
@@ -140,7 +141,8 @@ def model_rows(name: str) -> list[dict]:
         }
         for k in caps:
             nm = multi if k == full else nimble.Nimble(model).prepare(
-                x, max_streams=k, arena_limit=None, recording=rec, relaunches=10)
+                x, max_streams=k,
+                options=nimble.PrepareOptions(arena_limit=None, recording=rec, relaunches=10))
             built = nm.engine.built
             roots, leaves = roots_and_leaves(built.graph.handle)
             info = {"streams": len(nm.schedule.streams), "syncs": len(nm.schedule.sync_edges),
@@ -222,9 +224,9 @@ def stream_rows(name: str) -> list[dict]:
     drv = driver.bindings()
     print(f"{name}: streams", flush=True)
     rows = []
-    on_device = nimble.Nimble(model).prepare(x, keep_recording=True)
-    on_host = nimble.Nimble(model).prepare(x, device_launch=False,
-                                           recording=on_device.recording)
+    on_device = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(keep_recording=True))
+    on_host = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(
+        device_launch=False, recording=on_device.recording))
     side = torch.cuda.Stream()
     own = driver.call("cuStreamCreate", int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
     streams = {

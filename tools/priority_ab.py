@@ -3,8 +3,9 @@
     python3 tools/priority_ab.py MODEL BATCH {train,infer} [DTYPE]
 
 Times Nimble single-stream, multi-stream without kernel priorities
-(``prepare(priorities=False)``), without the tail backfill (``prepare(backfill=False)``; it is on
-by default in training) and the default (both on) against
+(``PrepareOptions(priorities=False)``), without the tail backfill
+(``PrepareOptions(backfill=False)``; it is on by default in training) and the default (both on)
+against
 ``make_graphed_callables`` (train: a full SGD step as ``nimble bench --training`` takes it) or
 ``torch.cuda.graph`` with the input copied in (infer).  Median ms of the rounds, CUDA events,
 warm-up first; the last column is the speed-up over torch's graph.
@@ -24,8 +25,8 @@ from nimble.cli.harness import time_rounds
 from nimble.driver.gpu import use_cudnn_benchmark
 
 VARIANTS = [("single", {"use_multi_stream": False}),
-            ("multi, no priorities", {"priorities": False}),
-            ("multi, no backfill", {"backfill": False}),
+            ("multi, no priorities", {"options": nimble.PrepareOptions(priorities=False)}),
+            ("multi, no backfill", {"options": nimble.PrepareOptions(backfill=False)}),
             ("multi, default", {})]
 
 

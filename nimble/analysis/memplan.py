@@ -31,9 +31,10 @@ import numpy as np
 from .deps import Dag, dag_from_edges
 from ..ir.alignment import ALIGNMENT, align_up
 from ..ir.taskgraph import BufferKind, TaskGraph
+from ..errors import NimbleError
 
 
-class MemPlanError(ValueError):
+class MemPlanError(NimbleError, ValueError):
     """A memory plan that is malformed or lets two live byte ranges collide."""
 
 

@@ -7,8 +7,8 @@ structure, and a ``CUstream`` per raw stream handle.
 An input reaches its arena slot one of two ways.  Where the slot has a *cell*, the graph's first
 node copies the input in itself (``kernels/gather_input.ptx``) from the address in the cell, and
 the call only writes the tensor's address there with one stream-ordered
-``cuStreamWriteValue64`` (about 5 µs of host time on an H100, against 8-22 µs for a driver memcpy
-of an image), and only when it differs from the address the cell already holds (a serving loop
+``cuStreamWriteValue64`` (less host time than a driver memcpy of the input; see
+docs/findings.md), and only when it differs from the address the cell already holds (a serving loop
 that fills one input buffer writes nothing).  Otherwise a contiguous input goes in with one
 ``cuMemcpyDtoDAsync``, and any other layout is copied by torch, which knows strides.
 
@@ -245,11 +245,11 @@ class Launcher:
         returned.  It returns :data:`TAKE_GENERAL_PATH` for any other call (and when ``weights``
         moved), for :meth:`run_flat` to handle; None where the graph has no such call.
 
-        On an idle GPU each attribute read, Python frame and torch getter here costs 0.2-0.5 µs
-        of host time (cold caches after the wait for the previous call; H200,
-        2026-11-25), several times its warm cost, so the path reads as little as it can: the
-        device index rather than a ``torch.device``, the stream's raw handle compared with the
-        last call's, and the launch's status read inline rather than through a checking frame.
+        On an idle GPU every attribute read, Python frame and torch getter here costs several
+        times its warm cost (the caches went cold during the wait for the previous call; see
+        docs/findings.md), so the path reads as little as it can: the device index rather than
+        a ``torch.device``, the stream's raw handle compared with the last call's, and the
+        launch's status read inline rather than through a checking frame.
         """
         slots = self._slots
         if self._rng is not None or self.return_copies or not slots \
@@ -268,10 +268,8 @@ class Launcher:
         get_ident, general, leaf = threading.get_ident, TAKE_GENERAL_PATH, self._leaf
         finish = self._unflatten
         join_stream = self._stream_of_call
-        # One input (every zoo model) gets a closure of its own, without the loops: sampled in
-        # turn on the H200 (2026-11-25), call_many on a one-input model took 1.2-1.7 µs more
-        # per idle call (median of round medians: 10.30 against 9.04 µs on googlenet fp16,
-        # 13.81 against 12.10 on nasnetalarge fp16).
+        # One input (every zoo model) gets a closure of its own, without the loops, which cost
+        # a one-input call measurable host time (docs/findings.md, "Host time per call").
         if n == 1:
             (shape, dtype), = expected
             cell = cells[0]

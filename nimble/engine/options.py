@@ -1,0 +1,72 @@
+"""The engineering switches of ``Nimble.prepare``: how the graph is built and checked.
+
+What a user of the model chooses (training or inference, streams, copies, progress) stays a
+keyword of :meth:`nimble.Nimble.prepare`; the switches here are for measuring, debugging and
+embedding, and their defaults are what a user wants.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """How ``prepare()`` builds and checks the graph (``nm.prepare(x, options=...)``).
+
+    Attributes
+    ----------
+    arena_limit : int, "pool" or None
+        Caps the arena, in bytes; ``"pool"`` is the memory torch's own graph of the model takes.
+        Where full concurrency would need more, streams are merged until the plan fits (never
+        below one stream).  None lifts the cap.
+    device_launch : bool
+        Instantiates the graph for launch from the device as well, which makes each host
+        launch a short constant-cost submission.  Where the driver refuses, the plain graph is
+        used, with a ``RuntimeWarning`` saying why (``nm.launch_mode`` tells which).
+    gather_inputs : bool
+        The graph copies each (contiguous-slot) input in itself from an address the call
+        writes into a cell (``nm.input_cells``), so a call costs one small stream write per
+        input instead of a driver memcpy.
+    verify : bool
+        Runs the built graph ``relaunches`` times against the recording with its old buffers
+        poisoned; it must match bit for bit (:class:`~nimble.errors.VerificationError`).
+    relaunches : int or None
+        Launches of the proof; None: 100 for inference, 20 for a training step.
+    keep_recording : bool
+        Keeps the live recording (``nm.recording``) for debugging and for a later prepare.
+    recording : Recording or None
+        A live :class:`~nimble.record.recorder.Recording` of this model (from
+        :func:`nimble.record.recorder.record` or an earlier ``keep_recording=True``) to use
+        instead of recording again.
+    priorities : bool
+        Gives every kernel of a multi-stream graph a scheduling priority from its slack on the
+        critical path (:mod:`nimble.analysis.priorities`; each task is timed alone once for
+        it), so that where kernels compete for the GPU, those the run waits for get the SMs
+        first.  ``nm.kernel_priorities`` shows them.
+    backfill : bool or None
+        Lets a phase whose critical path ends in narrow kernels run work with slack beside
+        them, if that measures faster at prepare (:mod:`nimble.analysis.backfill`).  None: on
+        for a training step, off for inference.  ``nm.backfill_trials`` says what was measured,
+        ``nm.late_edges`` what was kept.
+    """
+
+    arena_limit: int | str | None = "pool"
+    device_launch: bool = True
+    gather_inputs: bool = True
+    verify: bool = True
+    relaunches: int | None = None
+    keep_recording: bool = False
+    recording: Any = None
+    priorities: bool = True
+    backfill: bool | None = None
+
+    def proof_launches(self, training: bool) -> int:
+        """How many launches the proof runs (``relaunches``, or its default for the kind)."""
+        if self.relaunches is not None:
+            return self.relaunches
+        return 20 if training else 100
+
+    def backfill_on(self, training: bool) -> bool:
+        """Whether the tail backfill is tried (``backfill``, or its default for the kind)."""
+        return training if self.backfill is None else self.backfill
