@@ -2,6 +2,8 @@
 made before any work (the models known and installed, a GPU to run on)."""
 from __future__ import annotations
 
+from ..errors import NimbleError
+
 import argparse
 import importlib.util
 
@@ -9,8 +11,9 @@ from . import models
 from ..driver import gpu
 
 
-class Fail(Exception):
-    """A user-facing failure: its message is printed on one line and the command exits 2."""
+class Fail(NimbleError):
+    """A user-facing failure of the command line: its message is printed on one line (without
+    a type name) and the command exits 2."""
 
 
 def one_line(e: BaseException) -> str:
