@@ -254,8 +254,7 @@ def capture(phases: Sequence[Phase], module, name: str) -> Captured:
                         f"A {phase.name} {HOST_SYNC_HELP}.") from e
                 graphs.append(torch_graph)
                 results.append(value)
-                node_counts.append(driver.node_count(
-                    driver.bindings().CUgraph(torch_graph.raw_cuda_graph())))
+                node_counts.append(driver.node_count_of(torch_graph.raw_cuda_graph()))
                 ops += tracer.ops
         alloc_total = count_allocs() - alloc_base
         snap = torch.cuda.memory._snapshot(device)

@@ -341,8 +341,7 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
 def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list, outputs: list,
             name: str, quiet: bool, strict: bool, meta: dict) -> tuple[TaskGraph, list]:
     """``(graph, nodes)``: every node decoded, every address resolved."""
-    nodes = [n for g in captured.torch_graphs
-             for n in driver.graph_nodes(driver.bindings().CUgraph(g.raw_cuda_graph()))]
+    nodes = [n for g in captured.torch_graphs for n in driver.graph_nodes_of(g.raw_cuda_graph())]
     say(f"decoding {len(nodes)} graph nodes from {len(captured.ops)} ops", quiet)
     oracle = AddressOracle()
     raw_nodes = [decode_node(n, oracle) for n in nodes]

@@ -58,7 +58,7 @@ def capture_twin(phases: Sequence, clear_workspaces) -> tuple[list[tuple] | None
             graphs.append(graph)
         del value
         return [node_signature(n) for g in graphs
-                for n in driver.graph_nodes(driver.bindings().CUgraph(g.raw_cuda_graph()))], ""
+                for n in driver.graph_nodes_of(g.raw_cuda_graph())], ""
     except torch.cuda.OutOfMemoryError:
         return None, "not enough device memory for a second capture"
     except Exception as e:  # noqa: BLE001 - the first capture succeeded; report, don't fail
