@@ -64,7 +64,8 @@ from __future__ import annotations
 
 from ..ir.kernel_names import short_kernel_name
 from .raw import RawCapture, TensorSpec
-from .pointers import _range_index, _Resolver, padded_int_like
+from .intervals import range_index
+from .pointers import AddressResolver, padded_int_like
 from ..ir.taskgraph import (LIBRARY_MEMORY, Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph,
                         TensorRef)
 
@@ -95,7 +96,7 @@ def _merge_accesses(accesses: list[Access]) -> list[Access]:
 
 def build_taskgraph(raw: RawCapture) -> TaskGraph:
     """Resolve a raw capture into a TaskGraph (see the module docstring for the rules)."""
-    r = _Resolver(raw)
+    r = AddressResolver(raw)
     node_op = [-1] * len(raw.nodes)
     for k, op in enumerate(raw.ops):
         for n in range(op.node_begin, min(op.node_end, len(raw.nodes))):
@@ -164,7 +165,7 @@ def build_taskgraph(raw: RawCapture) -> TaskGraph:
     return graph
 
 
-def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) -> None:
+def _resolve_tasks(r: AddressResolver, graph: TaskGraph, k: int, task_ids: list[int]) -> None:
     """Pointers and accesses of op ``k``'s tasks (``k`` = -1: tasks outside every op)."""
     if not task_ids:
         return
@@ -223,7 +224,7 @@ def _resolve_tasks(r: _Resolver, graph: TaskGraph, k: int, task_ids: list[int]) 
         else:
             groups.append([start, end, [rep]])
     for start, end, reps in groups:
-        bid = r._new(BufferKind.SCRATCH, end - start, start, f"scratch:op{k}", k)
+        bid = r.new_buffer(BufferKind.SCRATCH, end - start, start, f"scratch:op{k}", k)
         for rep in reps:
             scratch_of[rep] = bid
 
@@ -301,7 +302,7 @@ def unresolved_in_pool(graph: TaskGraph, raw: RawCapture) -> list[tuple[int, Poi
     training steps), which are left as they are.  A resolver bug would look the same; the proof
     in ``prepare()`` poisons the recorded pool, so a real read through one fails it.
     """
-    pool = _range_index(raw.pool)
+    pool = range_index(raw.pool)
     return [(t, p) for t, p in graph.unresolved_pointers() if pool.find(p.value) is not None]
 
 
