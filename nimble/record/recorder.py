@@ -263,21 +263,78 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
     capture change (batch-norm running statistics) is the caller's to save and restore.
     Raises as :func:`record` does, and :class:`InputError` when nothing requires grad.
     """
-    import torch
-
     inputs = _as_tensor_list(example_inputs)
     check_module(module)
     _require_gpu()
     driver.ensure_context()
     name = name or module_name(module)
     static_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    targets = _grad_targets(module, static_inputs, name)
+    warm = _warm_step(module, static_inputs, targets, warmup, name, quiet)
+    seconds = {"warmup": warm.seconds}
+
+    t0 = time.perf_counter()
+    captured = _capture_step(module, static_inputs, targets, warm, name, quiet)
+    seconds["capture"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    forward_out, out_spec = _tensor_leaves(captured.results[0], name)
+    computed, grad_output_of = _computed_gradients(captured.results[1], len(forward_out))
+    all_inputs = static_inputs + warm.grad_inputs
+    outputs = [o.detach() for o in forward_out] + computed
+    graph, nodes = _decode(captured, _statics(module, all_inputs), all_inputs, outputs, name,
+                           quiet, strict, _meta(name, static_inputs, True, captured.device))
+    graph.meta.update(phases=list(captured.node_counts),
+                      phase_inputs=[len(static_inputs), len(warm.grad_inputs)],
+                      phase_outputs=[len(forward_out), len(computed)])
+    find_rng_cells(captured.torch_graphs, graph, captured.device)
+    seconds["decode"] = time.perf_counter() - t0
+    graph.meta["record_seconds"] = dict(seconds)
+    layout = StepLayout(len(static_inputs), len(forward_out), warm.differentiable,
+                        targets.inputs_with_grad, targets.params, grad_output_of)
+    return Recording(graph, captured.torch_graphs[0], nodes, all_inputs, outputs, out_spec,
+                     seconds, torch_graphs=captured.torch_graphs, step=layout)
+
+
+@dataclass(slots=True)
+class _GradTargets:
+    """What a training step differentiates with respect to: the inputs that require grad, then
+    the parameters that do."""
+
+    inputs_with_grad: list[int]  # positions among the static inputs
+    params: list
+    tensors: list  # the inputs, then the parameters
+
+
+def _grad_targets(module, static_inputs: list, name: str) -> _GradTargets:
+    """The gradient targets of a training step; InputError where nothing requires grad."""
+    import torch
+
     params = [p for p in module.parameters() if p.requires_grad] \
         if isinstance(module, torch.nn.Module) else []
     with_grad = [i for i, x in enumerate(static_inputs) if x.requires_grad]
-    targets = [static_inputs[i] for i in with_grad] + params
-    if not targets:
+    tensors = [static_inputs[i] for i in with_grad] + params
+    if not tensors:
         raise InputError(f"nothing in {name} requires grad (no parameter, no input): "
                          "prepare(training=False) for inference")
+    return _GradTargets(with_grad, params, tensors)
+
+
+@dataclass(slots=True)
+class _WarmStep:
+    """What warming a training step up found out."""
+
+    seconds: float
+    differentiable: list[int]  # the forward outputs that require grad
+    grad_inputs: list  # per differentiable output, the static tensor of its incoming gradient
+
+
+def _warm_step(module, static_inputs: list, targets: _GradTargets, warmup: int, name: str,
+               quiet: bool) -> _WarmStep:
+    """Run the whole step ``warmup`` times; which outputs are differentiated, and static
+    tensors for their incoming gradients."""
+    import torch
+
     last: list = []
 
     def step():
@@ -288,15 +345,20 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
             if not diff:
                 raise InputError(f"no output of {name} requires grad: there is nothing to "
                                  "train (are all parameters frozen?)")
-            torch.autograd.grad([leaves[i] for i in diff], targets,
+            torch.autograd.grad([leaves[i] for i in diff], targets.tensors,
                                 [torch.ones_like(leaves[i]) for i in diff], allow_unused=True)
         last[:] = [leaves, diff]
 
     with quiet_backward():
-        seconds = {"warmup": _warm(step, warmup, name, "training step", quiet)}
+        seconds = _warm(step, warmup, name, "training step", quiet)
     leaves, diff = last
-    grad_inputs = [torch.zeros_like(leaves[i]) for i in diff]
-    del last[:], leaves
+    return _WarmStep(seconds, diff, [torch.zeros_like(leaves[i]) for i in diff])
+
+
+def _capture_step(module, static_inputs: list, targets: _GradTargets, warm: _WarmStep,
+                  name: str, quiet: bool) -> Captured:
+    """Capture the step's forward and its backward, as two phases."""
+    import torch
 
     def forward(_):
         with torch.enable_grad():
@@ -304,38 +366,23 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
 
     def backward(out):
         leaves, _ = _tensor_leaves(out, name)
-        return torch.autograd.grad([leaves[i] for i in diff], targets, grad_inputs,
-                                   allow_unused=True)
+        return torch.autograd.grad([leaves[i] for i in warm.differentiable], targets.tensors,
+                                   warm.grad_inputs, allow_unused=True)
 
-    t0 = time.perf_counter()
     say("capturing one forward and its backward on a single stream", quiet)
     with quiet_backward():
-        captured = capture([Phase("forward", forward), Phase("backward", backward)], module,
-                           name)
-    seconds["capture"] = time.perf_counter() - t0
+        return capture([Phase("forward", forward), Phase("backward", backward)], module, name)
 
-    t0 = time.perf_counter()
-    forward_out, out_spec = _tensor_leaves(captured.results[0], name)
-    grads = captured.results[1]
+
+def _computed_gradients(grads, first_output: int) -> tuple[list, list[int]]:
+    """``(the gradients computed, per target the index of its gradient among the outputs or
+    -1)``, the gradients' outputs numbered from ``first_output``."""
     computed = [g for g in grads if g is not None]
-    grad_output_of, k = [], len(forward_out)
+    grad_output_of, k = [], first_output
     for g in grads:
         grad_output_of.append(-1 if g is None else k)
         k += g is not None
-    all_inputs = static_inputs + grad_inputs
-    outputs = [o.detach() for o in forward_out] + computed
-    graph, nodes = _decode(captured, _statics(module, all_inputs), all_inputs, outputs, name,
-                           quiet, strict, _meta(name, static_inputs, True, captured.device))
-    graph.meta.update(phases=list(captured.node_counts),
-                      phase_inputs=[len(static_inputs), len(grad_inputs)],
-                      phase_outputs=[len(forward_out), len(computed)])
-    find_rng_cells(captured.torch_graphs, graph, captured.device)
-    seconds["decode"] = time.perf_counter() - t0
-    graph.meta["record_seconds"] = dict(seconds)
-    layout = StepLayout(len(static_inputs), len(forward_out), diff, with_grad, params,
-                        grad_output_of)
-    return Recording(graph, captured.torch_graphs[0], nodes, all_inputs, outputs, out_spec,
-                     seconds, torch_graphs=captured.torch_graphs, step=layout)
+    return computed, grad_output_of
 
 
 def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list, outputs: list,
