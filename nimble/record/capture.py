@@ -3,13 +3,13 @@
 :func:`capture` captures one or more *phases* (a forward; or a forward, then its backward) into
 ``torch.cuda.CUDAGraph`` objects that share one memory pool, while
 
-* :class:`~nimble.record.tracer.OpTracer` notes per ATen op the byte ranges it reads and writes, the graph
-  nodes it created (numbered on through the phases) and the allocations it made, and
+* :class:`~nimble.record.tracer.OpTracer` notes per ATen op the byte ranges it reads and writes,
+  the graph nodes it created (numbered on through the phases) and the allocations it made, and
 * the caching allocator's history records every allocation with its address and size,
 
-so that :mod:`nimble.record.recorder` can decode the nodes and resolve every address to a buffer.  Memory
-a later phase reads from an earlier one (the activations a forward saves for its backward) is
-then one buffer with accesses in both.  The phases are then captured once more at other
+so that :mod:`nimble.record.recorder` can decode the nodes and resolve every address to a
+buffer.  Memory a later phase reads from an earlier one (the activations a forward saves for its
+backward) is then one buffer with accesses in both.  The phases are then captured once more at other
 addresses (:mod:`nimble.record.twin`), which tells pointers from integers that resemble them.
 """
 from __future__ import annotations

@@ -42,7 +42,8 @@ class AddressResolver:
         self._externals = range_index(raw.externals)
         self._allocator = range_index(raw.allocator)
         self._pool = range_index(raw.pool)
-        self.static_buffer = [self.new_buffer(r.kind, r.size, r.address, r.name) for r in raw.statics]
+        self.static_buffer = [self.new_buffer(r.kind, r.size, r.address, r.name)
+                              for r in raw.statics]
         self.external_buffer: dict[int, int] = {}
         self.tensor_buffer: dict[int, int] = {}  # region (its first allocation) -> buffer id
         self.alloc_op: list[int] = self._alloc_ops()
@@ -57,7 +58,8 @@ class AddressResolver:
 
     def unmoved(self, task: int, location, value: int) -> bool:
         """Whether a kernel word of ``task`` points into the capture's pool yet kept its value
-        when the work was captured again at other addresses (:mod:`nimble.record.twin`): no pointer."""
+        when the work was captured again at other addresses (:mod:`nimble.record.twin`): no
+        pointer."""
         moved = self.raw.moved_words
         return (moved is not None and isinstance(location, int) and location not in moved[task]
                 and self._pool.find(value) is not None)
@@ -195,7 +197,7 @@ class AddressResolver:
         ``('buffer', id)`` of such an input or parameter).
 
         A kernel may be handed a tensor's one-past-the-end pointer (ATen's reductions carry
-        one, seen on inception_v3's training step); it names that tensor, not the block after.
+        one); it names that tensor, not the block after.
         """
         hit = self.live.find(address - 1)
         if hit is not None:

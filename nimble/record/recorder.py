@@ -1,11 +1,11 @@
 """Recording: from a PyTorch module and example inputs to a :class:`Recording`.
 
 ``record()`` warms the model up on a side stream (cuDNN autotuning, lazy initialisation), then
-captures one forward on a single stream (:mod:`nimble.record.capture`: op tracer and allocator history),
-decodes every node (:mod:`nimble.record.decode`) and resolves addresses into buffers
-(:mod:`nimble.record.resolve`).  ``record_step()`` does the same for a training step: the forward and
-its backward, captured as two graphs sharing one pool, become one TaskGraph of two *phases*
-(``meta["phases"]``: the task count of each).
+captures one forward on a single stream (:mod:`nimble.record.capture`: op tracer and allocator
+history), decodes every node (:mod:`nimble.record.decode`) and resolves addresses into buffers
+(:mod:`nimble.record.resolve`).  ``record_step()`` does the same for a training step: the
+forward and its backward, captured as two graphs sharing one pool, become one TaskGraph of two
+*phases* (``meta["phases"]``: the task count of each).
 """
 from __future__ import annotations
 
@@ -431,7 +431,8 @@ def library_memory(found: Sequence[DeviceRange], pool: Sequence[DeviceRange],
                    allocator: Sequence[DeviceRange]) -> list[DeviceRange]:
     """The driver allocations kernel words point into (``found``) that a library made itself:
     those that overlap neither the capture's pool nor any segment of torch's allocator (free
-    allocator memory, or another graph's pool, is not a library's; see :mod:`nimble.record.resolve`)."""
+    allocator memory, or another graph's pool, is not a library's; see
+    :mod:`nimble.record.resolve`)."""
     torch_memory = list(pool) + list(allocator)
     return [DeviceRange(r.address, r.size, f"{LIBRARY_MEMORY}{r.address:#x}") for r in found
             if not any(r.overlaps(p) for p in torch_memory)]
@@ -444,9 +445,9 @@ def find_rng_cells(torch_graphs: Sequence, graph: TaskGraph, device: int) -> int
     replay writes them into the two cells its Philox kernels read, and advances the generator's
     offset by what the whole graph consumes.  Every 8-byte word that a kernel points at in op
     scratch or outside memory is read back; the words holding the seed and the offset are the
-    cells (:func:`~nimble.record.resolve.mark_rng_cells`).  The generator's state is restored.  Returns
-    the offset increment per launch (0 for a graph that draws no random numbers), also kept in
-    ``graph.meta["rng"]``.
+    cells (:func:`~nimble.record.resolve.mark_rng_cells`).  The generator's state is restored.
+    Returns the offset increment per launch (0 for a graph that draws no random numbers), also
+    kept in ``graph.meta["rng"]``.
     """
     import torch
 

@@ -1,7 +1,8 @@
 """From a raw capture to a TaskGraph: buffers by allocation, pointers and byte ranges resolved.
 
 This half of recording is plain data in, plain data out (no CUDA, no torch), so it is tested on
-the CPU.  Its inputs, gathered by ``record.py`` on the GPU, are:
+the CPU.  Its inputs (:class:`~nimble.record.raw.RawCapture`), gathered on the GPU by
+:mod:`nimble.record.recorder`, are:
 
 * the ops the tracer saw, each with its window of graph nodes and of allocator allocations, and
   the absolute byte spans its schema says it reads and writes;
@@ -11,18 +12,18 @@ the CPU.  Its inputs, gathered by ``record.py`` on the GPU, are:
 * tensors that existed before capture (parameters, module buffers, inputs) and other device
   memory that was allocated before capture.
 
-Address → buffer: an address used by op *k* belongs to the latest allocation made before the end of
-op *k*'s window that covers it, so two allocations the caching allocator put at one address stay
-two buffers.  An allocation some tensor lives in is an intermediate (or an output); one that no
+Address → buffer: an address used by op *k* belongs to the latest allocation made before the end
+of op *k*'s window that covers it, so two allocations the caching allocator put at one address
+stay two buffers.  An allocation some tensor lives in is an intermediate (or an output); one that no
 tensor names but kernels point into is **scratch**, and every op using it gets its own scratch
 buffer, because a library workspace carries nothing from one call to the next.
 
 Allocations one op makes *inside its own window* that overlap in address (a fused op such as
-``aten::_transformer_encoder_layer_fwd`` frees an internal temporary and allocates the next one, or
-its output, in the same bytes) form one **region**: a pointer into those bytes cannot say which of
-them a kernel meant, so they become one buffer spanning all of them, and the op's own tasks get
-read-write access to all of it.  Resolving such a pointer to the latest allocation alone once let a
-kernel write a 1 MiB temporary into a 256 KiB buffer's arena slot.
+``aten::_transformer_encoder_layer_fwd`` frees an internal temporary and allocates the next one,
+or its output, in the same bytes) form one **region**: a pointer into those bytes cannot say which
+of them a kernel meant, so they become one buffer spanning all of them, and the op's own tasks
+get read-write access to all of it.  Resolved to the latest allocation alone, such a pointer
+could name a buffer smaller than the temporary a kernel writes through it.
 
 Not every word that looks like an address is one.  A 32-bit integer or float followed by 4 bytes
 of padding that hold the top half of an old address reads as an address near other addresses:
@@ -37,21 +38,21 @@ for a pointer only where a kernel of op *k* could use the memory:
   arguments and results nor allocated itself;
 * not inside an element (``0x7f76_00000005`` in a float tensor the op names is the int 5);
 * not in memory torch's allocator holds but no live block covers (free memory, or another
-  graph's pool: a word from ``make_graphed_callables``' pool once made its bytes look like
-  library memory the graph writes, and relocating the word broke dropout's scale);
+  graph's pool such as ``make_graphed_callables``': no kernel of this capture uses it, and
+  taking its bytes for library memory would relocate an integer);
 * for ATen's own kernels (they reach only tensors, their op's own workspaces and the random
-  generator's cells), not in library memory nor in a workspace another op allocated (dropout
-  backward's 1.25f scale landed in a cuDNN workspace);
+  generator's cells), not in library memory nor in a workspace another op allocated (a padded
+  float scale can land in a cuDNN workspace);
 * not in another op's workspace less than 2 MiB above a 4 GiB boundary at an offset no block
   starts from (512-aligned): there a padded integer is likelier than a pointer.
 
 The value rules hold while the pool lies where integers seldom reach (``0x7f66_...``); a pool
 the driver put at a low address (``0x7_0600_0000``) is hit by pairs of small integers.  So a
-second capture of the same work at other addresses (:mod:`nimble.record.twin`) vetoes first: a word into
-the pool that kept its value there, while every pool allocation moved, is no pointer.
+second capture of the same work at other addresses (:mod:`nimble.record.twin`) vetoes first: a
+word into the pool that kept its value there, while every pool allocation moved, is no pointer.
 
-Such words are not listed among the task's pointers and keep their recorded value; the graph lists
-them as ``meta["not_pointer_words"]`` (``[task, byte offset, value]``, their count as
+Such words are not listed among the task's pointers and keep their recorded value; the graph
+lists them as ``meta["not_pointer_words"]`` (``[task, byte offset, value]``, their count as
 ``meta["words_not_pointers"]``).  A real pointer taken for one would keep pointing into the
 recorded pool, which the proof in ``prepare()`` poisons, so the mistake cannot pass unseen.
 
@@ -68,8 +69,8 @@ from ..ir.kernel_names import short_kernel_name
 from .raw import OpRecord, RawCapture, TensorSpec
 from .intervals import range_index
 from .pointers import AddressResolver, padded_int_like
-from ..ir.taskgraph import (LIBRARY_MEMORY, Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph,
-                        TensorRef)
+from ..ir.taskgraph import (LIBRARY_MEMORY, Access, Buffer, BufferKind, Op, Pointer, Task,
+                           TaskGraph, TensorRef)
 
 
 _ATEN_KERNEL = "at::native::"  # ATen's own kernels reach only tensors and ATen's workspaces
@@ -359,9 +360,9 @@ def unresolved_in_pool(graph: TaskGraph, raw: RawCapture) -> list[tuple[int, Poi
 
     No kernel can read through such a word (nothing is allocated there), so it is a stale
     value the host left in an argument struct: uninitialised padding or array entries beyond
-    the ones in use (seen in ATen's elementwise functors on googlenet's and inception_v3's
-    training steps), which are left as they are.  A resolver bug would look the same; the proof
-    in ``prepare()`` poisons the recorded pool, so a real read through one fails it.
+    the ones in use (ATen's elementwise functors carry such entries), which are left as they
+    are.  A resolver bug would look the same; the proof in ``prepare()`` poisons the recorded
+    pool, so a real read through one fails it.
     """
     pool = range_index(raw.pool)
     return [(t, p) for t, p in graph.unresolved_pointers() if pool.find(p.value) is not None]
