@@ -118,3 +118,41 @@ def test_a_refused_late_edge_raises_naming_the_call(monkeypatch):
     with pytest.raises(CudaError, match="cuGraphAddDependencies failed with "
                                         "CUDA_ERROR_INVALID_VALUE"):
         driver.add_dependencies("graph", [("a", "x")])
+
+
+@pytest.fixture
+def fake_captured_graph(monkeypatch):
+    """Stand-in bindings holding one captured graph of three nodes, under raw handle 7."""
+    nodes = {7: ["n0", "n1", "n2"]}
+
+    class CUgraph:
+        def __init__(self, raw):
+            self.raw = raw
+
+    def get_nodes(graph, count):
+        if graph.raw not in nodes:
+            return (400, None, 0)
+        held = nodes[graph.raw]
+        return (0, held[:count] + [None] * (count - len(held)) if count else None, len(held))
+
+    fake = SimpleNamespace(
+        CUgraph=CUgraph, cuGraphGetNodes=get_nodes,
+        cuGetErrorName=lambda code: (0, b"CUDA_ERROR_INVALID_HANDLE"),
+        CUresult=SimpleNamespace(CUDA_SUCCESS=0))
+    monkeypatch.setattr(calls, "_drv", fake)
+    return nodes
+
+
+def test_a_borrowed_graph_is_read_through_its_raw_handle(fake_captured_graph):
+    from nimble import driver
+
+    assert driver.borrowed_graph(7).raw == 7
+    assert driver.node_count_of(7) == 3
+    assert driver.graph_nodes_of(7) == ["n0", "n1", "n2"]
+
+
+def test_reading_an_unknown_raw_graph_raises_naming_the_call(fake_captured_graph):
+    from nimble import driver
+
+    with pytest.raises(CudaError, match="cuGraphGetNodes failed with CUDA_ERROR_INVALID_HANDLE"):
+        driver.graph_nodes_of(8)

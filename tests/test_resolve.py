@@ -9,7 +9,7 @@ from nimble.analysis.deps import build_dag
 from nimble.record.raw import (AllocEvent, DeviceRange, OpRecord, RawCapture, RawNode, TensorSpan,
                                TensorSpec)
 from nimble.record.resolve import build_taskgraph, unresolved_in_pool
-from nimble.record.pointers import _Intervals
+from nimble.record.intervals import Intervals
 from nimble.ir.taskgraph import Access, BufferKind, Pointer, TaskKind
 
 POOL = 0x7F00_1230_0000  # the capture's private pool: [POOL, POOL + 1 MiB)
@@ -446,7 +446,7 @@ def test_view_span_gives_offset_access():
 
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), max_size=25))
 def test_intervals_match_a_byte_map(inserts):
-    index, model = _Intervals(), {}
+    index, model = Intervals(), {}
     for value, (start, size) in enumerate(inserts):
         index.insert(start, start + size, value)
         model.update({x: value for x in range(start, start + size)})

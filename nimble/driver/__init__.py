@@ -7,14 +7,16 @@ freed by an idempotent ``close()`` or, failing that, by a ``weakref.finalize`` t
 
 Importing this package does not touch the GPU: the bindings are imported on first use.  Its
 modules: :mod:`~nimble.driver.calls` (the bindings, checked calls, the context),
-:mod:`~nimble.driver.nodes` (graphs and their nodes, launches, copies) and
-:mod:`~nimble.driver.handles` (the owned handles and device memory).  The rest of Nimble uses the
-names re-exported here (``driver.call``, ``driver.GraphExec``, ...).
+:mod:`~nimble.driver.nodes` (graphs and their nodes, launches, copies),
+:mod:`~nimble.driver.handles` (the owned handles and device memory) and
+:mod:`~nimble.driver.graphs` (graphs another library owns, read by their raw handle).  The
+rest of Nimble uses the names re-exported here (``driver.call``, ``driver.GraphExec``, ...).
 """
 from __future__ import annotations
 
 from .calls import (bindings, call, checked_status, current_context, device_supports_stream_writes,
                     ensure_context, probe, raise_status, synchronize_context)
+from .graphs import borrowed_graph, graph_nodes_of, node_count_of
 from .handles import (DeviceMemory, Event, Graph, GraphExec, LowBitsMemory, Module,
                       nimble_memory)
 from .nodes import (CallPath, add_dependencies, add_empty_node, add_event_record_node,
@@ -42,4 +44,5 @@ __all__ = [
     "stream_priority_range", "stream_synchronize", "synchronize_context", "upload",
     "add_function_node", "add_kernel_node_like", "add_memcpy_node_like", "add_memset_node_like",
     "kernel_arguments", "set_exec_kernel_arguments",
+    "borrowed_graph", "graph_nodes_of", "node_count_of",
 ]

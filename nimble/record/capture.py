@@ -3,13 +3,13 @@
 :func:`capture` captures one or more *phases* (a forward; or a forward, then its backward) into
 ``torch.cuda.CUDAGraph`` objects that share one memory pool, while
 
-* :class:`~nimble.record.tracer.OpTracer` notes per ATen op the byte ranges it reads and writes, the graph
-  nodes it created (numbered on through the phases) and the allocations it made, and
+* :class:`~nimble.record.tracer.OpTracer` notes per ATen op the byte ranges it reads and writes,
+  the graph nodes it created (numbered on through the phases) and the allocations it made, and
 * the caching allocator's history records every allocation with its address and size,
 
-so that :mod:`nimble.record.recorder` can decode the nodes and resolve every address to a buffer.  Memory
-a later phase reads from an earlier one (the activations a forward saves for its backward) is
-then one buffer with accesses in both.  The phases are then captured once more at other
+so that :mod:`nimble.record.recorder` can decode the nodes and resolve every address to a
+buffer.  Memory a later phase reads from an earlier one (the activations a forward saves for its
+backward) is then one buffer with accesses in both.  The phases are then captured once more at other
 addresses (:mod:`nimble.record.twin`), which tells pointers from integers that resemble them.
 """
 from __future__ import annotations
@@ -214,16 +214,10 @@ def capture(phases: Sequence[Phase], module, name: str) -> Captured:
     """Capture each phase into its own graph (one shared pool), tracing ops and allocations."""
     import torch
 
-    from .tracer import ModulePaths, OpTracer
-
     device = torch.cuda.current_device()
     before = {"segments": torch.cuda.memory_snapshot()}
     externals, _ = snapshot_blocks(before)
     count_allocs = alloc_counter(device)
-    graphs: list = []
-    results: list = []
-    node_counts: list[int] = []
-    ops: list = []
     clear_blas_workspaces()
     # A garbage collection during capture may free an old graph's arena (cuMemFree), which a
     # global-mode capture forbids: the capture is invalidated, and torch's random generator is
@@ -235,29 +229,7 @@ def capture(phases: Sequence[Phase], module, name: str) -> Captured:
                                              clear_history=True)
     try:
         alloc_base = count_allocs()
-        value = None
-        # Module hooks never fire inside compiled code, and torch warns that they fire twice
-        # around a compiled module: a compiled module's tasks are named by their kernels.
-        with ModulePaths(module if isinstance(module, torch.nn.Module) else None,
-                         enabled=not is_compiled(module)) as paths:
-            for phase in phases:
-                torch_graph = torch.cuda.CUDAGraph(keep_graph=True)
-                tracer = OpTracer(node_counter(sum(node_counts)), count_allocs, paths)
-                try:
-                    with torch.cuda.graph(torch_graph,
-                                          pool=graphs[0].pool() if graphs else None):
-                        with tracer:
-                            value = phase.run(value)
-                except Exception as e:  # noqa: BLE001 - any failure of capture is reported typed
-                    torch.cuda.synchronize()
-                    raise CaptureError(
-                        f"the {phase.name} of {name} cannot be captured into a CUDA graph: {e}. "
-                        f"A {phase.name} {HOST_SYNC_HELP}.") from e
-                graphs.append(torch_graph)
-                results.append(value)
-                node_counts.append(driver.node_count(
-                    driver.bindings().CUgraph(torch_graph.raw_cuda_graph())))
-                ops += tracer.ops
+        traced = _capture_traced(phases, module, name, count_allocs)
         alloc_total = count_allocs() - alloc_base
         snap = torch.cuda.memory._snapshot(device)
     finally:
@@ -278,10 +250,54 @@ def capture(phases: Sequence[Phase], module, name: str) -> Captured:
             f"the allocator history holds {len(alloc_events)} allocations but its counter moved "
             f"by {alloc_total}; cannot tell allocations apart (was memory history already "
             "enabled?)")
-    _, pool = snapshot_blocks(snap, graphs[0].pool())
+    _, pool = snapshot_blocks(snap, traced.graphs[0].pool())
     # Another prepared graph's arena counts as allocator memory: none of this capture's.
     others = [DeviceRange(a, n, f"nimble@{a:#x}") for a, n in driver.nimble_memory()]
-    return Captured(graphs, results, node_counts, ops, alloc_events, pool, externals, device,
-                    allocator_segments(before) + others + [
+    return Captured(traced.graphs, traced.results, traced.node_counts, traced.ops, alloc_events,
+                    pool, externals, device, allocator_segments(before) + others + [
                         s for s in since if not any(s.overlaps(p) for p in pool)],
                     twin, twin_note)
+
+
+@dataclass
+class _TracedPhases:
+    """The phases captured under the op tracer: per phase its graph, result and node count."""
+
+    graphs: list = field(default_factory=list)
+    results: list = field(default_factory=list)
+    node_counts: list[int] = field(default_factory=list)
+    ops: list = field(default_factory=list)  # of every phase, in order
+
+
+def _capture_traced(phases: Sequence[Phase], module, name: str,
+                    count_allocs: Callable[[], int]) -> _TracedPhases:
+    """Capture each phase into a graph of its own (the first one's pool shared), tracing its
+    ops; a phase that cannot be captured raises :class:`CaptureError`."""
+    import torch
+
+    from .tracer import ModulePaths, OpTracer
+
+    traced = _TracedPhases()
+    value = None
+    # Module hooks never fire inside compiled code, and torch warns that they fire twice
+    # around a compiled module: a compiled module's tasks are named by their kernels.
+    with ModulePaths(module if isinstance(module, torch.nn.Module) else None,
+                     enabled=not is_compiled(module)) as paths:
+        for phase in phases:
+            torch_graph = torch.cuda.CUDAGraph(keep_graph=True)
+            tracer = OpTracer(node_counter(sum(traced.node_counts)), count_allocs, paths)
+            try:
+                with torch.cuda.graph(torch_graph,
+                                      pool=traced.graphs[0].pool() if traced.graphs else None):
+                    with tracer:
+                        value = phase.run(value)
+            except Exception as e:  # noqa: BLE001 - any failure of capture is reported typed
+                torch.cuda.synchronize()
+                raise CaptureError(
+                    f"the {phase.name} of {name} cannot be captured into a CUDA graph: {e}. "
+                    f"A {phase.name} {HOST_SYNC_HELP}.") from e
+            traced.graphs.append(torch_graph)
+            traced.results.append(value)
+            traced.node_counts.append(driver.node_count_of(torch_graph.raw_cuda_graph()))
+            traced.ops += tracer.ops
+    return traced

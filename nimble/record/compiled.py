@@ -1,14 +1,16 @@
 """What Nimble needs to know of a module compiled with ``torch.compile``.
 
 A compiled module is prepared like any other: its forward is captured, and the Triton kernels
-Inductor generates are traced by their launches (:mod:`nimble.record.tracer`).  Two compile settings
-cannot be captured into Nimble's graph and are refused up front, with what to use instead.
+Inductor generates are traced by their launches (:mod:`nimble.record.tracer`).  Two compile
+settings cannot be captured into Nimble's graph and are refused up front, with what to use
+instead.
 """
 from __future__ import annotations
 
 import sys
 
 from ..errors import InputError
+
 
 def compiler_config(module) -> dict | None:
     """The Inductor options ``torch.compile`` was given for ``module``; None if not compiled."""

@@ -231,11 +231,15 @@ def _decode_memset(node) -> RawNode:
                    ranges=[("dst", dst, extent, True)], fields=fields)
 
 
+# ``CU_MEMORYTYPE_DEVICE`` and ``CU_MEMORYTYPE_UNIFIED``: the memcpy sides that are device memory
+_DEVICE_MEMORY_TYPES = (2, 4)
+
+
 def _copy_side(p, side: str) -> tuple[int, int, int]:
     """``(memory type, start address, byte extent)`` of one side of a CUDA_MEMCPY3D."""
     g = lambda f: int(getattr(p, side + f) or 0)  # noqa: E731 - a field reader
     mtype = int(getattr(p, side + "MemoryType"))
-    base = g("Device") if mtype in (2, 4) else g("Host")
+    base = g("Device") if mtype in _DEVICE_MEMORY_TYPES else g("Host")
     pitch, height = g("Pitch"), max(g("Height"), 1)
     start = base + g("XInBytes") + g("Y") * pitch + g("Z") * height * pitch
     depth, rows = max(int(p.Depth), 1), max(int(p.Height), 1)
@@ -248,10 +252,9 @@ def _decode_memcpy(node) -> RawNode:
     src_type, src, src_extent = _copy_side(p, "src")
     dst_type, dst, dst_extent = _copy_side(p, "dst")
     ranges = []
-    device_types = (2, 4)  # CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED
-    if src_type in device_types:
+    if src_type in _DEVICE_MEMORY_TYPES:
         ranges.append(("src", src, src_extent, False))
-    if dst_type in device_types:
+    if dst_type in _DEVICE_MEMORY_TYPES:
         ranges.append(("dst", dst, dst_extent, True))
     fields = {"src_type": src_type, "dst_type": dst_type, "width": int(p.WidthInBytes),
               "height": int(p.Height), "depth": int(p.Depth)}

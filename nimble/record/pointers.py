@@ -1,17 +1,17 @@
-"""Pointer resolution for :mod:`nimble.record.resolve`: which buffer an address of a capture names.
+"""Which buffer an address of a capture names, and which kernel words are no pointers.
 
-This module owns the machinery behind :func:`~nimble.record.resolve.build_taskgraph`: :class:`_Intervals`
-(non-overlapping address intervals, newest wins), :func:`_range_index` over device ranges, and
-:class:`_Resolver`, which replays the allocator's allocations in order, groups an op's overlapping
-allocations into regions, creates buffers as addresses are met, and decides (by the rules in
-:mod:`nimble.record.resolve`'s docstring) which kernel words are pointers and which are padded integers
-or stale entries; plus :func:`padded_int_like`, the test for the latter.
+:class:`AddressResolver` replays the allocator's allocations in order, groups an op's
+overlapping allocations into regions, creates buffers as addresses are met, and decides (by the
+rules in :mod:`nimble.record.resolve`'s docstring) which kernel words are pointers and which are
+padded integers or stale entries; :func:`padded_int_like` is the test for the latter.
+:func:`~nimble.record.resolve.build_taskgraph` drives it.
 """
 from __future__ import annotations
 
 import bisect
 
-from .raw import DeviceRange, RawCapture
+from .intervals import Intervals, range_index
+from .raw import RawCapture
 from ..ir.alignment import ALIGNMENT
 from ..ir.taskgraph import Buffer, BufferKind
 
@@ -28,62 +28,22 @@ def padded_int_like(value: int) -> bool:
     return (value & 0xFFFF_FFFF) < _PADDED_INT_LIMIT
 
 
-class _Intervals:
-    """Non-overlapping ``[start, end) -> value`` intervals; a new interval clips older ones."""
+class AddressResolver:
+    """Addresses of one raw capture resolved to buffers, op by op in capture order: the
+    allocations made so far are live (:meth:`advance`), and buffers are made as they are met."""
 
-    def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._items: list[tuple[int, int, object]] = []
-
-    def insert(self, start: int, end: int, value) -> None:
-        i = bisect.bisect_right(self._starts, start) - 1
-        if i >= 0 and self._items[i][1] > start:
-            s, e, v = self._items[i]
-            self._starts[i:i + 1], self._items[i:i + 1] = [s], [(s, start, v)]
-            if e > end:
-                self._put(end, e, v)
-        j = bisect.bisect_left(self._starts, start)
-        while j < len(self._items) and self._items[j][0] < end:
-            s, e, v = self._items.pop(j)
-            self._starts.pop(j)
-            if e > end:
-                self._put(end, e, v)
-                break
-        self._put(start, end, value)
-
-    def _put(self, start: int, end: int, value) -> None:
-        k = bisect.bisect_left(self._starts, start)
-        self._starts.insert(k, start)
-        self._items.insert(k, (start, end, value))
-
-    def find(self, address: int):
-        i = bisect.bisect_right(self._starts, address) - 1
-        if i >= 0:
-            s, e, v = self._items[i]
-            if s <= address < e:
-                return v
-        return None
-
-
-def _range_index(ranges: list[DeviceRange]) -> _Intervals:
-    index = _Intervals()
-    for i, r in enumerate(sorted(range(len(ranges)), key=lambda k: ranges[k].size, reverse=True)):
-        index.insert(ranges[r].address, ranges[r].end, r)  # smaller ranges win where nested
-    return index
-
-
-class _Resolver:
     def __init__(self, raw: RawCapture) -> None:
         self.raw = raw
         self.buffers: list[Buffer] = []
-        self.live = _Intervals()
+        self.live = Intervals()
         self._alloc_pos = 0
         self._allocs = sorted(raw.allocs, key=lambda a: a.ordinal)
-        self._statics = _range_index(raw.statics)
-        self._externals = _range_index(raw.externals)
-        self._allocator = _range_index(raw.allocator)
-        self._pool = _range_index(raw.pool)
-        self.static_buffer = [self._new(r.kind, r.size, r.address, r.name) for r in raw.statics]
+        self._statics = range_index(raw.statics)
+        self._externals = range_index(raw.externals)
+        self._allocator = range_index(raw.allocator)
+        self._pool = range_index(raw.pool)
+        self.static_buffer = [self.new_buffer(r.kind, r.size, r.address, r.name)
+                              for r in raw.statics]
         self.external_buffer: dict[int, int] = {}
         self.tensor_buffer: dict[int, int] = {}  # region (its first allocation) -> buffer id
         self.alloc_op: list[int] = self._alloc_ops()
@@ -98,7 +58,8 @@ class _Resolver:
 
     def unmoved(self, task: int, location, value: int) -> bool:
         """Whether a kernel word of ``task`` points into the capture's pool yet kept its value
-        when the work was captured again at other addresses (:mod:`nimble.record.twin`): no pointer."""
+        when the work was captured again at other addresses (:mod:`nimble.record.twin`): no
+        pointer."""
         moved = self.raw.moved_words
         return (moved is not None and isinstance(location, int) and location not in moved[task]
                 and self._pool.find(value) is not None)
@@ -152,7 +113,8 @@ class _Resolver:
         """How many allocations share ``index``'s region."""
         return self.extent[self.region[index]][2]
 
-    def _new(self, kind: str, size: int, address: int, name: str, op: int = -1) -> int:
+    def new_buffer(self, kind: str, size: int, address: int, name: str, op: int = -1) -> int:
+        """Add a buffer; its id."""
         bid = len(self.buffers)
         self.buffers.append(Buffer(bid, kind, size, address, name, op))
         return bid
@@ -201,7 +163,7 @@ class _Resolver:
         if hit is not None:
             if hit not in self.external_buffer:
                 r = self.raw.externals[hit]
-                self.external_buffer[hit] = self._new(
+                self.external_buffer[hit] = self.new_buffer(
                     BufferKind.EXTERNAL, r.size, r.address, r.name or f"external@{r.address:#x}")
             return ("buffer", self.external_buffer[hit])
         return None
@@ -211,7 +173,7 @@ class _Resolver:
         rep = self.region[index]
         if rep not in self.tensor_buffer:
             start, end, _ = self.extent[rep]
-            self.tensor_buffer[rep] = self._new(
+            self.tensor_buffer[rep] = self.new_buffer(
                 BufferKind.INTERMEDIATE, end - start, start,
                 f"op{op}:{self.raw.ops[op].name}" if op >= 0 else f"alloc{index}", op)
         return self.tensor_buffer[rep]
@@ -235,7 +197,7 @@ class _Resolver:
         ``('buffer', id)`` of such an input or parameter).
 
         A kernel may be handed a tensor's one-past-the-end pointer (ATen's reductions carry
-        one, seen on inception_v3's training step); it names that tensor, not the block after.
+        one); it names that tensor, not the block after.
         """
         hit = self.live.find(address - 1)
         if hit is not None:

@@ -1,8 +1,9 @@
 """What a capture hands the resolver: traced ops with their byte spans, the allocation history,
 decoded graph nodes, and the memory that existed before (:class:`RawCapture`).
 
-Plain data, no GPU: :mod:`nimble.record.capture`, :mod:`nimble.record.tracer` and :mod:`nimble.record.decode` fill it
-in on the GPU machine; :func:`nimble.record.resolve.build_taskgraph` turns it into a TaskGraph anywhere.
+Plain data, no GPU: :mod:`nimble.record.capture`, :mod:`nimble.record.tracer` and
+:mod:`nimble.record.decode` fill it in on the GPU machine;
+:func:`nimble.record.resolve.build_taskgraph` turns it into a TaskGraph anywhere.
 """
 from __future__ import annotations
 

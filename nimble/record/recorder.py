@@ -1,15 +1,14 @@
 """Recording: from a PyTorch module and example inputs to a :class:`Recording`.
 
 ``record()`` warms the model up on a side stream (cuDNN autotuning, lazy initialisation), then
-captures one forward on a single stream (:mod:`nimble.record.capture`: op tracer and allocator history),
-decodes every node (:mod:`nimble.record.decode`) and resolves addresses into buffers
-(:mod:`nimble.record.resolve`).  ``record_step()`` does the same for a training step: the forward and
-its backward, captured as two graphs sharing one pool, become one TaskGraph of two *phases*
-(``meta["phases"]``: the task count of each).
+captures one forward on a single stream (:mod:`nimble.record.capture`: op tracer and allocator
+history), decodes every node (:mod:`nimble.record.decode`) and resolves addresses into buffers
+(:mod:`nimble.record.resolve`).  ``record_step()`` does the same for a training step: the
+forward and its backward, captured as two graphs sharing one pool, become one TaskGraph of two
+*phases* (``meta["phases"]``: the task count of each).
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -23,7 +22,8 @@ from ..driver.gpu import require_gpu
 from ..errors import CaptureError, InputError, RecordError
 from ..progress import say
 from .raw import DeviceRange, RawCapture, TensorSpec
-from .resolve import RNG_OFFSET, RNG_SEED, build_taskgraph, mark_rng_cells, unresolved_in_pool
+from .resolve import build_taskgraph, unresolved_in_pool
+from .rng_cells import find_rng_cells
 from ..ir.taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph
 from .twin import moved_words
 
@@ -257,21 +257,78 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
     capture change (batch-norm running statistics) is the caller's to save and restore.
     Raises as :func:`record` does, and :class:`InputError` when nothing requires grad.
     """
-    import torch
-
     inputs = _as_tensor_list(example_inputs)
     check_module(module)
     require_gpu()
     driver.ensure_context()
     name = name or module_name(module)
     static_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    targets = _grad_targets(module, static_inputs, name)
+    warm = _warm_step(module, static_inputs, targets, warmup, name, quiet)
+    seconds = {"warmup": warm.seconds}
+
+    t0 = time.perf_counter()
+    captured = _capture_step(module, static_inputs, targets, warm, name, quiet)
+    seconds["capture"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    forward_out, out_spec = _tensor_leaves(captured.results[0], name)
+    computed, grad_output_of = _computed_gradients(captured.results[1], len(forward_out))
+    all_inputs = static_inputs + warm.grad_inputs
+    outputs = [o.detach() for o in forward_out] + computed
+    graph, nodes = _decode(captured, _statics(module, all_inputs), all_inputs, outputs, name,
+                           quiet, strict, _meta(name, static_inputs, True, captured.device))
+    graph.meta.update(phases=list(captured.node_counts),
+                      phase_inputs=[len(static_inputs), len(warm.grad_inputs)],
+                      phase_outputs=[len(forward_out), len(computed)])
+    find_rng_cells(captured.torch_graphs, graph, captured.device)
+    seconds["decode"] = time.perf_counter() - t0
+    graph.meta["record_seconds"] = dict(seconds)
+    layout = StepLayout(len(static_inputs), len(forward_out), warm.differentiable,
+                        targets.inputs_with_grad, targets.params, grad_output_of)
+    return Recording(graph, captured.torch_graphs[0], nodes, all_inputs, outputs, out_spec,
+                     seconds, torch_graphs=captured.torch_graphs, step=layout)
+
+
+@dataclass(slots=True)
+class _GradTargets:
+    """What a training step differentiates with respect to: the inputs that require grad, then
+    the parameters that do."""
+
+    inputs_with_grad: list[int]  # positions among the static inputs
+    params: list
+    tensors: list  # the inputs, then the parameters
+
+
+def _grad_targets(module, static_inputs: list, name: str) -> _GradTargets:
+    """The gradient targets of a training step; InputError where nothing requires grad."""
+    import torch
+
     params = [p for p in module.parameters() if p.requires_grad] \
         if isinstance(module, torch.nn.Module) else []
     with_grad = [i for i, x in enumerate(static_inputs) if x.requires_grad]
-    targets = [static_inputs[i] for i in with_grad] + params
-    if not targets:
+    tensors = [static_inputs[i] for i in with_grad] + params
+    if not tensors:
         raise InputError(f"nothing in {name} requires grad (no parameter, no input): "
                          "prepare(training=False) for inference")
+    return _GradTargets(with_grad, params, tensors)
+
+
+@dataclass(slots=True)
+class _WarmStep:
+    """What warming a training step up found out."""
+
+    seconds: float
+    differentiable: list[int]  # the forward outputs that require grad
+    grad_inputs: list  # per differentiable output, the static tensor of its incoming gradient
+
+
+def _warm_step(module, static_inputs: list, targets: _GradTargets, warmup: int, name: str,
+               quiet: bool) -> _WarmStep:
+    """Run the whole step ``warmup`` times; which outputs are differentiated, and static
+    tensors for their incoming gradients."""
+    import torch
+
     last: list = []
 
     def step():
@@ -282,15 +339,20 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
             if not diff:
                 raise InputError(f"no output of {name} requires grad: there is nothing to "
                                  "train (are all parameters frozen?)")
-            torch.autograd.grad([leaves[i] for i in diff], targets,
+            torch.autograd.grad([leaves[i] for i in diff], targets.tensors,
                                 [torch.ones_like(leaves[i]) for i in diff], allow_unused=True)
         last[:] = [leaves, diff]
 
     with quiet_backward():
-        seconds = {"warmup": _warm(step, warmup, name, "training step", quiet)}
+        seconds = _warm(step, warmup, name, "training step", quiet)
     leaves, diff = last
-    grad_inputs = [torch.zeros_like(leaves[i]) for i in diff]
-    del last[:], leaves
+    return _WarmStep(seconds, diff, [torch.zeros_like(leaves[i]) for i in diff])
+
+
+def _capture_step(module, static_inputs: list, targets: _GradTargets, warm: _WarmStep,
+                  name: str, quiet: bool) -> Captured:
+    """Capture the step's forward and its backward, as two phases."""
+    import torch
 
     def forward(_):
         with torch.enable_grad():
@@ -298,45 +360,29 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
 
     def backward(out):
         leaves, _ = _tensor_leaves(out, name)
-        return torch.autograd.grad([leaves[i] for i in diff], targets, grad_inputs,
-                                   allow_unused=True)
+        return torch.autograd.grad([leaves[i] for i in warm.differentiable], targets.tensors,
+                                   warm.grad_inputs, allow_unused=True)
 
-    t0 = time.perf_counter()
     say("capturing one forward and its backward on a single stream", quiet)
     with quiet_backward():
-        captured = capture([Phase("forward", forward), Phase("backward", backward)], module,
-                           name)
-    seconds["capture"] = time.perf_counter() - t0
+        return capture([Phase("forward", forward), Phase("backward", backward)], module, name)
 
-    t0 = time.perf_counter()
-    forward_out, out_spec = _tensor_leaves(captured.results[0], name)
-    grads = captured.results[1]
+
+def _computed_gradients(grads, first_output: int) -> tuple[list, list[int]]:
+    """``(the gradients computed, per target the index of its gradient among the outputs or
+    -1)``, the gradients' outputs numbered from ``first_output``."""
     computed = [g for g in grads if g is not None]
-    grad_output_of, k = [], len(forward_out)
+    grad_output_of, k = [], first_output
     for g in grads:
         grad_output_of.append(-1 if g is None else k)
         k += g is not None
-    all_inputs = static_inputs + grad_inputs
-    outputs = [o.detach() for o in forward_out] + computed
-    graph, nodes = _decode(captured, _statics(module, all_inputs), all_inputs, outputs, name,
-                           quiet, strict, _meta(name, static_inputs, True, captured.device))
-    graph.meta.update(phases=list(captured.node_counts),
-                      phase_inputs=[len(static_inputs), len(grad_inputs)],
-                      phase_outputs=[len(forward_out), len(computed)])
-    find_rng_cells(captured.torch_graphs, graph, captured.device)
-    seconds["decode"] = time.perf_counter() - t0
-    graph.meta["record_seconds"] = dict(seconds)
-    layout = StepLayout(len(static_inputs), len(forward_out), diff, with_grad, params,
-                        grad_output_of)
-    return Recording(graph, captured.torch_graphs[0], nodes, all_inputs, outputs, out_spec,
-                     seconds, torch_graphs=captured.torch_graphs, step=layout)
+    return computed, grad_output_of
 
 
 def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list, outputs: list,
             name: str, quiet: bool, strict: bool, meta: dict) -> tuple[TaskGraph, list]:
     """``(graph, nodes)``: every node decoded, every address resolved."""
-    nodes = [n for g in captured.torch_graphs
-             for n in driver.graph_nodes(driver.bindings().CUgraph(g.raw_cuda_graph()))]
+    nodes = [n for g in captured.torch_graphs for n in driver.graph_nodes_of(g.raw_cuda_graph())]
     say(f"decoding {len(nodes)} graph nodes from {len(captured.ops)} ops", quiet)
     oracle = AddressOracle()
     raw_nodes = [decode_node(n, oracle) for n in nodes]
@@ -379,65 +425,8 @@ def library_memory(found: Sequence[DeviceRange], pool: Sequence[DeviceRange],
                    allocator: Sequence[DeviceRange]) -> list[DeviceRange]:
     """The driver allocations kernel words point into (``found``) that a library made itself:
     those that overlap neither the capture's pool nor any segment of torch's allocator (free
-    allocator memory, or another graph's pool, is not a library's; see :mod:`nimble.record.resolve`)."""
+    allocator memory, or another graph's pool, is not a library's; see
+    :mod:`nimble.record.resolve`)."""
     torch_memory = list(pool) + list(allocator)
     return [DeviceRange(r.address, r.size, f"{LIBRARY_MEMORY}{r.address:#x}") for r in found
             if not any(r.overlaps(p) for p in torch_memory)]
-
-
-def find_rng_cells(torch_graphs: Sequence, graph: TaskGraph, device: int) -> int:
-    """Find where the captured RNG kernels read the generator's seed and offset; mark them.
-
-    One replay of the first captured graph with a distinctive seed and offset shows both: torch's
-    replay writes them into the two cells its Philox kernels read, and advances the generator's
-    offset by what the whole graph consumes.  Every 8-byte word that a kernel points at in op
-    scratch or outside memory is read back; the words holding the seed and the offset are the
-    cells (:func:`~nimble.record.resolve.mark_rng_cells`).  The generator's state is restored.  Returns
-    the offset increment per launch (0 for a graph that draws no random numbers), also kept in
-    ``graph.meta["rng"]``.
-    """
-    import torch
-
-    gen = torch.cuda.default_generators[device]
-    saved = gen.get_state()
-    seed = int.from_bytes(os.urandom(7), "little") | 1 << 56
-    offset = 4 * (int.from_bytes(os.urandom(4), "little") | 1 << 32)
-    cells: dict[int, str] = {}
-    try:
-        gen.manual_seed(seed)
-        gen.set_offset(offset)
-        torch_graphs[0].replay()
-        torch.cuda.synchronize()
-        increment = gen.get_offset() - offset
-        if increment:
-            candidates = sorted({p.value for t in graph.tasks for p in t.pointers
-                                 if p.buffer >= 0 and graph.buffers[p.buffer].kind in
-                                 (BufferKind.SCRATCH, BufferKind.EXTERNAL)
-                                 and p.offset + 8 <= graph.buffers[p.buffer].size})
-            for value in candidates:
-                word = int.from_bytes(driver.copy_to_host(value, 8), "little")
-                if word in (seed, offset):
-                    cells[value] = RNG_SEED if word == seed else RNG_OFFSET
-        later = offset + increment
-        for g in torch_graphs[1:]:
-            g.replay()
-        torch.cuda.synchronize()
-        if gen.get_offset() != later:
-            raise RecordError("the backward draws random numbers of its own; Nimble supports "
-                              "random ops in the forward only")
-    finally:
-        gen.set_state(saved)
-    if not increment:
-        return 0
-    if set(cells.values()) != {RNG_SEED, RNG_OFFSET}:
-        raise RecordError(
-            f"the forward draws random numbers (each replay advances the CUDA generator's "
-            f"offset by {increment}), but Nimble found no kernel reading the generator's seed "
-            "and offset cells; random ops that take their own torch.Generator are not "
-            "supported: use the default generator (torch.manual_seed)")
-    try:
-        mark_rng_cells(graph, cells)
-    except ValueError as e:
-        raise RecordError(f"cannot isolate the random generator's cells: {e}") from e
-    graph.meta["rng"] = {"increment": increment, "cells": len(cells)}
-    return increment

@@ -1,14 +1,12 @@
 """Evidence for pointers: the same work captured a second time, at other addresses.
 
 A kernel's parameter block is bytes; which 8-byte words in it are device pointers is a guess
-from their values (:mod:`nimble.record.resolve`).  The guess is good while the capture's memory pool
-sits at addresses no integer resembles (``0x7f66_0d80_0000``), and fails where the driver hands
-the pool low addresses: after other device memory was reserved and freed in the process, an
-inception_v3 training pool lay at ``0x5_xxxx_xxxx``–``0x9_xxxx_xxxx``, where two 32-bit integers
-such as a width and a kernel size of 7 read as an address inside a live buffer.  Relocating
-such a "pointer" rewrites the integers; in that process the rebuilt graph computed wrong
-gradients, even on one stream, with 499 words set aside by the value rules against 69 in a fresh
-process.
+from their values (:mod:`nimble.record.resolve`).  The guess is good while the capture's memory
+pool sits at addresses no integer resembles (``0x7f66_0d80_0000``), and fails where the driver
+hands the pool low addresses (it may, once other device memory was reserved and freed in the
+process): there two 32-bit integers, such as a width and a kernel size, read as an address
+inside a live buffer.  Relocating such a "pointer" rewrites the integers, and the rebuilt graph
+computes wrong results even on one stream.
 
 So the phases are captured twice.  The second capture (the *twin*) goes into a fresh memory pool
 while the first capture's pool is still held, so every allocation of the twin lies at another
@@ -58,7 +56,7 @@ def capture_twin(phases: Sequence, clear_workspaces) -> tuple[list[tuple] | None
             graphs.append(graph)
         del value
         return [node_signature(n) for g in graphs
-                for n in driver.graph_nodes(driver.bindings().CUgraph(g.raw_cuda_graph()))], ""
+                for n in driver.graph_nodes_of(g.raw_cuda_graph())], ""
     except torch.cuda.OutOfMemoryError:
         return None, "not enough device memory for a second capture"
     except Exception as e:  # noqa: BLE001 - the first capture succeeded; report, don't fail
