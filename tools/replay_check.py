@@ -30,13 +30,13 @@ def check(name: str) -> dict:
         rec = record(model, models.example_input(name), name=name)
     g = rec.graph
     index = {int(n): i for i, n in enumerate(rec.nodes)}
-    cu = driver.bindings().CUgraph(rec.torch_graph.raw_cuda_graph())
+    cu = driver.borrowed_graph(rec.torch_graph.raw_cuda_graph())
     count = int(driver.call("cuGraphGetEdges", cu, 0)[3])
     frm, to = driver.call("cuGraphGetEdges", cu, count)[:2]
     backward = sum(1 for a, b in zip(frm, to) if index[int(a)] >= index[int(b)])
     built = build_graph(g, rec.nodes, [b.address for b in g.buffers],
                         GraphSpec(chain_edges(len(g.tasks))))
-    stream = driver.bindings().CUstream(torch.cuda.current_stream().cuda_stream)
+    stream = driver.stream(torch.cuda.current_stream().cuda_stream)
     xs = [random_like(x) for x in rec.static_inputs]
     a = rec.replay_reference(xs)
     b = rec.replay_reference(xs)
