@@ -8,7 +8,7 @@ from .errors import (BuildError, CaptureError, CudaError, InputError, NimbleErro
 from .api import Nimble
 from .ir.taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "Nimble", "NimbleError", "NoGpuError", "InputError", "CaptureError", "RecordError",

@@ -12,7 +12,7 @@ from nimble.analysis.deps import (Dag, ancestors, build_dag, critical_path, dag_
                          task_durations, transitive_reduction)
 from nimble.ir.synthetic import branchy_graph, random_graph
 
-from conftest import FIXTURE_PATHS, fixture_ids, random_dag
+from helpers import FIXTURE_PATHS, fixture_ids, random_dag
 
 
 # ---- helpers ---------------------------------------------------------------------------------
