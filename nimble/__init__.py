@@ -15,7 +15,7 @@ from .api import Nimble, PhaseView
 from .engine.options import PrepareOptions
 from .ir.taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 #: What the Nimble object's methods and properties return, by the module that defines each.
 RESULT_TYPES = {

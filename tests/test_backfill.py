@@ -1,7 +1,7 @@
 """Tail backfill (nimble.analysis.backfill): which tasks move behind which anchor, and the measured pick."""
 import pytest
 
-from conftest import FIXTURE_DIR
+from helpers import FIXTURE_DIR
 from nimble.analysis import backfill
 from nimble.analysis.deps import build_dag, dag_from_edges, reachability, task_durations
 from nimble.analysis.schedule import phase_spans

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import FIXTURE_PATHS, fixture_ids
+from helpers import FIXTURE_PATHS, fixture_ids
 
 from nimble.engine import kernels
 from nimble.engine.build import (GATHER_MAX_BLOCKS, InputGather, buffer_bases, chain_edges, gather_grid,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import FIXTURE_PATHS, fixture_ids
+from helpers import FIXTURE_PATHS, fixture_ids
 
 from nimble.record.decode import dead_pointer_slot
 from nimble.ir.taskgraph import TaskGraph, TaskKind

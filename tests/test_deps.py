@@ -14,7 +14,7 @@ from nimble.analysis.deps import (Dag, ancestors, build_dag, critical_path, dag_
 from nimble.analysis.schedule import induced
 from nimble.ir.synthetic import branchy_graph, random_graph
 
-from conftest import FIXTURE_PATHS, fixture_ids, random_dag
+from helpers import FIXTURE_PATHS, fixture_ids, random_dag
 
 
 # ---- helpers ---------------------------------------------------------------------------------

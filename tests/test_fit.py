@@ -11,7 +11,7 @@ from nimble.analysis.arena_fit import (capped_schedule, chain_workspaces, schedu
 from nimble.analysis.plan_check import check_plan
 from nimble.analysis.schedule import assign_phased, phase_spans
 
-from conftest import FIXTURE_DIR
+from helpers import FIXTURE_DIR
 
 MB = 1 << 20
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import zoo_model
+from helpers import zoo_model
 from nimble.cli.models import ZOO
 
 pytestmark = pytest.mark.gpu

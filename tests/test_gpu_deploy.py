@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from conftest import zoo_model
+from helpers import zoo_model
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import zoo_model
+from helpers import zoo_model
 
 pytestmark = pytest.mark.gpu
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import zoo_model
+from helpers import zoo_model
 
 pytestmark = pytest.mark.gpu
 

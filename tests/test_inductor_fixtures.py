@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import FIXTURE_DIR
+from helpers import FIXTURE_DIR
 from nimble.analysis.deps import build_dag
 from nimble.analysis.schedule import assign_phased, check_schedule
 from nimble.ir.taskgraph import TaskGraph

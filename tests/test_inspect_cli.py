@@ -22,7 +22,7 @@ from nimble.analysis.schedule import Schedule, check_schedule
 from nimble.ir.synthetic import branchy_graph, random_graph
 from nimble.ir.taskgraph import BufferKind, FORMAT_VERSION
 
-from conftest import FIXTURE_PATHS, fixture_ids
+from helpers import FIXTURE_PATHS, fixture_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,9 +18,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "nimble"
 
 # The stages in pipeline order: a module may import from its own stage or an earlier one.
-STAGES = ["errors", "progress", "driver", "ir", "analysis", "record", "engine", "debug", "api",
+STAGES = ["_version", "errors", "progress", "driver", "ir", "analysis", "record", "engine", "debug",
+          "api",
           "__init__", "__main__", "cli"]
-RANK = {"errors": 0, "progress": 0, "driver": 1, "ir": 1, "analysis": 2, "record": 3,
+RANK = {"_version": 0, "errors": 0, "progress": 0, "driver": 1, "ir": 1, "analysis": 2, "record": 3,
         "engine": 4, "debug": 5, "api": 6, "__init__": 7, "__main__": 8, "cli": 8}
 
 

@@ -16,7 +16,7 @@ from nimble.analysis.plan_check import check_plan
 from nimble.analysis.schedule import assign_streams
 from nimble.ir.synthetic import branchy_graph, random_graph
 
-from conftest import FIXTURE_PATHS, fixture_ids
+from helpers import FIXTURE_PATHS, fixture_ids
 
 
 # ---- references, deliberately naive -----------------------------------------------------------

@@ -18,7 +18,7 @@ from nimble.engine.prepared import single_stream_schedule
 from nimble.analysis.schedule import (Schedule, ScheduleError, assign_phased, assign_streams,
                              check_schedule, induced, phase_spans)
 
-from conftest import FIXTURE_DIR, random_dag
+from helpers import FIXTURE_DIR, random_dag
 
 TRAIN = ["resnet50_train", "mobilenet_v2_train"]
 _CACHE: dict = {}

@@ -8,7 +8,7 @@ from nimble.analysis.arena_fit import schedule_within
 from nimble.analysis.priorities import (SLACK_BOUNDS, driver_priorities, priority_levels, slack)
 from nimble.ir.taskgraph import TaskGraph
 
-from conftest import FIXTURE_DIR, random_dag
+from helpers import FIXTURE_DIR, random_dag
 
 
 def test_slack_of_a_diamond_is_the_shorter_branch_s_spare_time():

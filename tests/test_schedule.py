@@ -14,7 +14,7 @@ from nimble.analysis.schedule import (Schedule, ScheduleError, assign_streams, c
                              hopcroft_karp, max_antichain_width)
 from nimble.ir.synthetic import branchy_graph, random_graph
 
-from conftest import FIXTURE_PATHS, fixture_ids, random_dag
+from helpers import FIXTURE_PATHS, fixture_ids, random_dag
 
 
 # ---- helpers ---------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR
+from helpers import FIXTURE_DIR
 
 from nimble.analysis.deps import build_dag
 from nimble.errors import InputError

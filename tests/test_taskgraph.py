@@ -7,7 +7,7 @@ from nimble import Access, TaskGraph
 from nimble.ir.synthetic import branchy_graph, random_graph
 from nimble.ir.taskgraph import FORMAT_VERSION
 
-from conftest import FIXTURE_PATHS, fixture_ids
+from helpers import FIXTURE_PATHS, fixture_ids
 
 
 @pytest.mark.parametrize("make", [branchy_graph, lambda: random_graph(40, seed=3)])

@@ -56,7 +56,7 @@ def check_models(names: list[str]) -> None:
             raise Fail(str(e)) from None
         if package and not _installed(package):
             raise Fail(f"{name} needs {package}, which is not installed here: "
-                       f"pip install 'nimble[zoo]'")
+                       f"python -m pip install 'nimble-gpu[zoo]'")
 
 
 def require_gpu(command: str) -> None:

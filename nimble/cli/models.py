@@ -108,7 +108,7 @@ def create(name: str, num_classes: int | None = None):
     try:
         module = __import__(package)
     except ImportError as e:
-        raise ImportError(f"{name} needs {package}: pip install 'nimble[zoo]'") from e
+        raise ImportError(f"{name} needs {package}: python -m pip install 'nimble-gpu[zoo]'") from e
     extra = {} if num_classes is None else {"num_classes": num_classes}
     if package == "timm":
         return module.create_model(name, pretrained=False, **extra).eval()

@@ -25,8 +25,8 @@ def bindings():
             from cuda.bindings import driver
         except ImportError as e:  # pragma: no cover - a declared dependency
             raise NoGpuError(
-                "cuda-bindings is not installed: pip install cuda-bindings (the CUDA driver API "
-                f"for Python) to record or run models ({e})") from e
+                "cuda-bindings is not installed: python -m pip install 'cuda-bindings>=13.3,<14' "
+                f"(the CUDA driver API for Python) to record or run models ({e})") from e
         _drv = driver
     return _drv
 

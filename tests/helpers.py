@@ -1,0 +1,41 @@
+"""Helpers the test modules share: the recorded fixtures, random DAGs, zoo models.
+
+Test modules import them as ``from helpers import ...`` (pytest puts ``tests/`` on the path);
+``conftest.py`` keeps only pytest's hooks.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+FIXTURE_DIR = Path(__file__).parent / "fixtures"
+FIXTURE_PATHS = sorted(FIXTURE_DIR.glob("*.json.gz"))
+
+
+def random_dag(n: int, fanout: int, window: int, seed: int):
+    """A DAG of ``n`` tasks, each after up to ``fanout`` random ones of the ``window`` before it."""
+    import random
+
+    from nimble.analysis.deps import dag_from_edges
+
+    rng = random.Random(seed)
+    edges = [(u, v) for v in range(1, n)
+             for u in rng.sample(range(max(0, v - window), v), min(fanout, v, window))]
+    return dag_from_edges(n, edges)
+
+
+def fixture_ids() -> list[str]:
+    return [p.name.split(".")[0] for p in FIXTURE_PATHS]
+
+
+def zoo_model(name: str):
+    """``(model on the GPU, example input)`` for a built-in or zoo model; skips without its package."""
+    from nimble.cli import models
+    from nimble.driver.gpu import use_cudnn_benchmark
+
+    use_cudnn_benchmark()
+    try:
+        return models.create(name).cuda(), models.example_input(name)
+    except ImportError as e:
+        pytest.skip(str(e))
