@@ -17,10 +17,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nimble"
 
-# The stages in pipeline order: a module may import from its own stage or an earlier one.
-STAGES = ["_version", "errors", "progress", "driver", "ir", "analysis", "record", "engine", "debug",
-          "api",
-          "__init__", "__main__", "cli"]
+# Each stage's place in the pipeline: a module may import from its own stage or an earlier one.
 RANK = {"_version": 0, "errors": 0, "progress": 0, "driver": 1, "ir": 1, "analysis": 2, "record": 3,
         "engine": 4, "debug": 5, "api": 6, "__init__": 7, "__main__": 8, "cli": 8}
 
