@@ -25,8 +25,10 @@ def saved_state(model, training: bool) -> Callable[[], None]:
     capture and the proof update as training forwards do)."""
     import torch
 
-    generator = torch.cuda.default_generators[torch.cuda.current_device()] \
-        if torch.cuda.is_available() else None
+    generator = None
+    if torch.cuda.is_available():
+        torch.cuda.init()  # the default generators exist only once CUDA is initialised
+        generator = torch.cuda.default_generators[torch.cuda.current_device()]
     rng = generator.get_state() if generator is not None else None
     buffers = [(b, b.detach().clone()) for b in model.buffers()] \
         if training and isinstance(model, torch.nn.Module) else []
