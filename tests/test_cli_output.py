@@ -179,3 +179,11 @@ def test_a_plan_export_gives_streams_syncs_and_arena(graph_file, tmp_path, capsy
     assert summary["streams"] == data["num_streams"]
     assert summary["sync_edges"] == len(data["sync_edges"])
     assert summary["arena_bytes"] == data["arena_bytes"]
+
+
+def test_a_path_taken_by_json_is_named_and_nothing_is_written(graph_file, capsys):
+    before = graph_file.read_bytes()
+    assert cli.main(["inspect", "--json", str(graph_file)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--json -" in err
+    assert graph_file.read_bytes() == before

@@ -41,7 +41,8 @@ class _Renamed(argparse.Action):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", metavar="PATH",
+    # Optional to argparse only so that a PATH taken by --json gets its own message (run).
+    p.add_argument("path", metavar="PATH", nargs="?",
                    help="a TaskGraph file (.json.gz or .json), a plan export, or a simulated or "
                         "measured Chrome trace")
     p.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="FILE",
@@ -141,7 +142,17 @@ def _report_graph(file: NimbleFile, args: argparse.Namespace, out: Outputs,
             ins.format_summary(summary, sched, mem))
 
 
+def _require_path(args: argparse.Namespace) -> None:
+    if args.path is not None:
+        return
+    if args.json not in (None, STDOUT):
+        raise Fail(f"inspect: no PATH to read; --json took {args.json!r} as the FILE to write: "
+                   "put --json after PATH, or write --json - for stdout")
+    raise Fail("inspect: give the PATH of a file to read (see nimble inspect --help)")
+
+
 def run(args: argparse.Namespace) -> int:
+    _require_path(args)
     start = time.perf_counter()
     out = outputs(args, "json", "export", "dot", "simulated_trace")
     file = read_nimble_file(args.path)
