@@ -187,3 +187,22 @@ def test_a_path_taken_by_json_is_named_and_nothing_is_written(graph_file, capsys
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--json -" in err
     assert graph_file.read_bytes() == before
+
+
+@pytest.mark.parametrize("command", [["record", "branchy", "-o"], ["bench", "--json"],
+                                     ["debug", "branchy", "--trace"]])
+def test_an_output_that_cannot_be_written_is_named_before_any_work(command, tmp_path,
+                                                                    monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def must_not_run(*a, **k):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr(bench_cli, "bench_model", must_not_run)
+    monkeypatch.setattr(torch.cuda, "get_device_name", must_not_run)
+    monkeypatch.setattr(models, "create", must_not_run)
+    for target, why in ((tmp_path / "no_dir" / "out.json", "no directory"),
+                        (tmp_path, "a directory")):
+        assert cli.main([*command, str(target)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and why in err, err

@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except NimbleError as e:
         print(f"nimble: {one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("nimble: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -74,10 +74,18 @@ class Outputs:
     paths: dict[str, str | None]
 
     def __post_init__(self) -> None:
+        """Check every output before any work, so that a long run is not lost at its end."""
         on_stdout = [name for name, path in self.paths.items() if path == STDOUT]
         if len(on_stdout) > 1:
             raise Fail(f"{' and '.join(on_stdout)} both write to stdout ('-'); give one of "
                        "them a file name")
+        for name, path in self.paths.items():
+            if path in (None, STDOUT):
+                continue
+            if Path(path).is_dir():
+                raise Fail(f"{name} {path}: a directory; give a file name")
+            if not Path(path).parent.is_dir():
+                raise Fail(f"{name} {path}: there is no directory {Path(path).parent}")
 
     @property
     def stdout_taken(self) -> bool:
