@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
 
 from ..progress import say
 from .common import Fail, add_quiet_argument, add_stream_cap_argument
-from .inspect_files import (FileKind, NimbleFile, plan_summary, read_nimble_file,
-                            simulated_trace_summary, taskgraph_of)
 from .output import STDOUT, Outputs, outputs
+
+if TYPE_CHECKING:
+    from .inspect_files import NimbleFile
 
 #: ``nimble --help``'s line for the command.
 HELP = "summarise a file Nimble wrote: a TaskGraph (its schedule and memory plan), a plan, a trace"
@@ -82,6 +84,7 @@ def _report(args: argparse.Namespace, out: Outputs, data: dict, text: str) -> No
 
 def _report_other(file: NimbleFile, args: argparse.Namespace, out: Outputs) -> None:
     """The summary of a plan export or a trace."""
+    from .inspect_files import FileKind, plan_summary, simulated_trace_summary
     if file.kind is FileKind.MEASURED_TRACE:
         from ..debug.timeline import Timeline, format_timeline
 
@@ -111,8 +114,8 @@ def _report_other(file: NimbleFile, args: argparse.Namespace, out: Outputs) -> N
 
 def _report_graph(file: NimbleFile, args: argparse.Namespace, out: Outputs,
                   start: float) -> None:
-    # Imported here so that ``nimble --help`` does not pay for the analysis modules.
     from ..analysis import report as ins
+    from .inspect_files import taskgraph_of
 
     graph = taskgraph_of(file)
     say(f"loaded {args.path}: {len(graph.tasks)} tasks, {len(graph.buffers)} buffers in "
@@ -152,6 +155,9 @@ def _require_path(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here so that ``nimble --help`` does not pay for the analysis modules.
+    from .inspect_files import FileKind, read_nimble_file
+
     _require_path(args)
     start = time.perf_counter()
     out = outputs(args, "json", "export", "dot", "simulated_trace")
