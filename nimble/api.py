@@ -166,10 +166,6 @@ class Nimble:
             raise NimbleError("call prepare(example_inputs) before running the model")
         return self._prepared
 
-    def _state(self) -> Prepared:
-        """The same as :attr:`engine`, for callers not yet moved to it."""
-        return self.engine
-
     def __call__(self, *inputs):
         """Run the prepared graph on ``inputs`` (same shapes and dtypes as in prepare()).
 

@@ -198,7 +198,7 @@ def test_dot_output(saved, tmp_path, capsys):
 def test_chrome_trace(saved, tmp_path, capsys):
     graph, path = saved
     trace_path, plan_path = tmp_path / "t.json", tmp_path / "p.json"
-    assert cli.main(["inspect", str(path), "--trace", str(trace_path),
+    assert cli.main(["inspect", str(path), "--simulated-trace", str(trace_path),
                      "--export", str(plan_path)]) == 0
     capsys.readouterr()
     trace, plan = json.loads(trace_path.read_text()), json.loads(plan_path.read_text())
@@ -304,7 +304,8 @@ def test_lazy_subcommand_runs(monkeypatch, capsys):
 def test_fixture_inspects(path, tmp_path, capsys):
     graph = TaskGraph.load(path)
     out = tmp_path / "plan.json"
-    s = _run_json(capsys, path, "--memplan", "--export", out, "--trace", tmp_path / "t.json")
+    s = _run_json(capsys, path, "--memplan", "--export", out, "--simulated-trace",
+                  tmp_path / "t.json")
     _check_summary(graph, s)
     assert (SCHEDULE_KEYS | MEMPLAN_KEYS) <= s.keys()
     assert s["lower_bound_bytes"] <= s["arena_bytes"] <= s["buffer_bytes"]

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import time
 from typing import Callable
 
 from . import models
-from .common import check_models, parse_batches, require_gpu
+from .common import (add_batch_argument, add_quiet_argument, check_models, model_help,
+                     parse_stream_caps, positive_int, require_gpu)
 from .harness import (Case, Column, add_speedup, format_table, host_us, host_us_beside,
-                      mode_rows, run_cases, time_rounds, write_json)
+                      mode_rows, run_cases, time_rounds)
+from .output import outputs
 from .train_bench import run as run_training
 from ..driver.gpu import use_cudnn_benchmark
 from ..progress import say
@@ -51,18 +54,17 @@ def to_dtype(model, x, dtype: str):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("models", nargs="*", default=[], metavar="MODEL",
-                   help=f"models to run (default: the built-in {models.BUILTIN}; with "
-                        "--training, the paper's training models; zoo: "
-                        f"{', '.join(models.ZOO)}, which need the zoo extra)")
-    p.add_argument("--batch", dest="batches", type=parse_batches, default=None,
-                   metavar="B,B,...",
-                   help="batch sizes (default 1; 32 with --training)")
+                   help=model_help(f"models to run (default {models.BUILTIN}; with --training, "
+                                   "the paper's training models)"))
+    add_batch_argument(p, several=True, default="1; 32 with --training")
     p.add_argument("--training", action="store_true",
                    help="time training steps (forward, loss, backward, SGD step) against eager, "
                         "make_graphed_callables and torch.compile instead of inference calls")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds per mode (default 5)")
-    p.add_argument("--iters", type=int, default=100, help="calls per round (default 100)")
-    p.add_argument("--max-streams", default="2,4,8", metavar="K,K,...",
+    p.add_argument("--rounds", type=positive_int, default=5,
+                   help="timed rounds per mode (default 5)")
+    p.add_argument("--iters", type=positive_int, default=100,
+                   help="calls per round (default 100)")
+    p.add_argument("--max-streams", type=parse_stream_caps, default=[2, 4, 8], metavar="K,K,...",
                    help="stream caps to try besides unlimited (default 2,4,8; '' for none)")
     p.add_argument("--no-compile", action="store_true",
                    help="skip torch.compile(mode='reduce-overhead') and the nimble+inductor rows "
@@ -77,8 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time only eager, torch.cuda.graph, torch.compile and Nimble single and "
                         "multi: no stream-cap, uncapped or host-launch variants, no "
                         "critical-path limit")
-    p.add_argument("--json", metavar="FILE", help="write every number to FILE as JSON")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--json", metavar="FILE",
+                   help="write every number to FILE as JSON ('-': stdout; the text report then "
+                        "goes to stderr)")
+    add_quiet_argument(p)
 
 
 def _say(args, msg: str) -> None:
@@ -162,10 +166,11 @@ def _prepare_on_inductor(model, x, info: dict, step: Callable[[str], None]) -> d
     info["inductor_compile_seconds"] = time.perf_counter() - t0
     step("nimble+inductor prepare")
     t0 = time.perf_counter()
-    multi = nimble.Nimble(compiled).prepare(x, keep_recording=True)
+    multi = nimble.Nimble(compiled).prepare(
+        x, options=nimble.PrepareOptions(keep_recording=True))
     info["inductor_prepare_seconds"] = time.perf_counter() - t0
-    single = nimble.Nimble(compiled).prepare(x, use_multi_stream=False,
-                                             recording=multi.recording)
+    single = nimble.Nimble(compiled).prepare(
+        x, use_multi_stream=False, options=nimble.PrepareOptions(recording=multi.recording))
     info["inductor"] = {"tasks": len(multi.graph.tasks), "streams": len(multi.schedule.streams),
                         "sync_edges": len(multi.schedule.sync_edges),
                         "width": multi.schedule.width,
@@ -181,25 +186,27 @@ def _prepare_variants(model, x, args, info: dict) -> dict:
     import nimble
 
     t0 = time.perf_counter()
-    multi = nimble.Nimble(model).prepare(x, keep_recording=True)
+    multi = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(keep_recording=True))
     info["prepare_seconds"] = time.perf_counter() - t0
     rec = multi.recording
     prepared = {"nimble multi": multi}
+    reuse = nimble.PrepareOptions(recording=rec)
     prepared["nimble single"] = nimble.Nimble(model).prepare(
-        x, use_multi_stream=False, recording=rec)
+        x, use_multi_stream=False, options=reuse)
     if args.quick:
         return prepared
     prepared["nimble multi, host launch"] = nimble.Nimble(model).prepare(
-        x, device_launch=False, recording=rec)
-    uncapped = nimble.Nimble(model).prepare(x, arena_limit=None, recording=rec)
+        x, options=dataclasses.replace(reuse, device_launch=False))
+    uncapped = nimble.Nimble(model).prepare(
+        x, options=dataclasses.replace(reuse, arena_limit=None))
     if len(uncapped.schedule.streams) != len(multi.schedule.streams):
         prepared["nimble uncapped"] = uncapped  # full concurrency, arena above torch's pool
     else:
         uncapped.close()
-    for k in [int(k) for k in args.max_streams.split(",") if k.strip()]:
+    for k in args.max_streams:
         if k < len(multi.schedule.streams) - 1:
             prepared[f"nimble k={k}"] = nimble.Nimble(model).prepare(
-                x, max_streams=k, recording=rec)
+                x, max_streams=k, options=reuse)
     return prepared
 
 
@@ -409,6 +416,7 @@ def run(args) -> int:
         args.batches = args.batches or [32]
         return run_training(args)
     args.models = args.models or [models.BUILTIN]
+    out = outputs(args, "json")
     # Before any work: every name known and its package installed, and a GPU to run on.
     check_models(args.models)
     require_gpu("bench")
@@ -416,12 +424,12 @@ def run(args) -> int:
 
     outcome = run_cases([_case(name, args, dtype, batch) for name in args.models
                          for batch in args.batches or [1] for dtype in args.dtypes],
-                        format_model)
+                        format_model, out.report)
     if outcome.results:
-        print(summary_table(outcome.results, dtype_column=len(args.dtypes) > 1))
+        print(summary_table(outcome.results, dtype_column=len(args.dtypes) > 1), file=out.report)
     if args.json:
-        write_json(args.json, {"results": outcome.results, "failed": outcome.failed,
-                               "dtypes": args.dtypes, "quick": args.quick,
-                               "device": torch.cuda.get_device_name(),
-                               "torch": torch.__version__})
+        out.write_json("--json", {"results": outcome.results, "failed": outcome.failed,
+                                  "dtypes": args.dtypes, "quick": args.quick,
+                                  "device": torch.cuda.get_device_name(),
+                                  "torch": torch.__version__}, "bench results")
     return outcome.status

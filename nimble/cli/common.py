@@ -32,15 +32,71 @@ def positive_int(text: str) -> int:
     return value
 
 
-def parse_batches(text: str) -> list[int]:
-    """``--batch``: comma-separated positive ints, in the order given, no repeats."""
+def _positive_ints(text: str, example: str, allow_none: bool = False) -> list[int]:
+    """Comma-separated positive ints, in the order given, no repeats (``example`` shows the
+    syntax in the error); an empty list only where ``allow_none``."""
     try:
         values = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give batch sizes like 32 or 32,64,128")
+        values = None
+    if values is None or (not values and not allow_none) or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give {example}")
     return list(dict.fromkeys(values))
+
+
+def parse_batches(text: str) -> list[int]:
+    """``--batch``: comma-separated positive ints, in the order given, no repeats."""
+    return _positive_ints(text, "batch sizes like 32 or 32,64,128")
+
+
+def parse_stream_caps(text: str) -> list[int]:
+    """``bench --max-streams``: the stream caps to try, like ``--batch``; '' for none."""
+    return _positive_ints(text, "stream caps like 4 or 2,4,8 ('' for none)", allow_none=True)
+
+
+def parse_one_batch(text: str) -> int:
+    """``--batch`` of a command that runs one batch size: :func:`parse_batches`'s syntax and
+    checks, one value."""
+    values = parse_batches(text)
+    if len(values) > 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: this command takes one batch size, like 32")
+    return values[0]
+
+
+def add_batch_argument(p: argparse.ArgumentParser, several: bool, default: str) -> None:
+    """``--batch``, the same syntax in every command: a list where several make sense."""
+    if several:
+        p.add_argument("--batch", dest="batches", type=parse_batches, default=None,
+                       metavar="B,B,...", help=f"batch sizes, comma-separated (default {default})")
+    else:
+        p.add_argument("--batch", type=parse_one_batch, default=1, metavar="B",
+                       help=f"batch size (default {default})")
+
+
+def add_quiet_argument(p: argparse.ArgumentParser) -> None:
+    """``-q``, the same in every command: the ``nimble`` logger's progress silenced."""
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+
+def add_stream_cap_argument(p: argparse.ArgumentParser) -> None:
+    """``--max-streams K`` of a command that builds one schedule (``bench`` tries a list)."""
+    p.add_argument("--max-streams", type=positive_int, default=None, metavar="K",
+                   help="use at most K streams (default: as many as the DAG's width)")
+
+
+def model_help(what: str) -> str:
+    """The help of a MODEL argument: ``what`` it is, then every model a command can run."""
+    return (f"{what}: the built-in {models.BUILTIN} or {models.CHAINS}, or a zoo model "
+            f"({', '.join(models.ZOO)}; pip install 'nimble[zoo]')")
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line: ``nimble: <command>: <message>``."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        command = self.prog.removeprefix("nimble").strip()
+        self.exit(2, f"nimble: {command + ': ' if command else ''}{message} "
+                     f"(see {self.prog} --help)\n")
 
 
 def _installed(package: str) -> bool:

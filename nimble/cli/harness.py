@@ -4,15 +4,15 @@ Timing: every mode in turn within each round (interleaved, so clock and thermal 
 alike), ``iters`` back-to-back calls between two CUDA events after a warm-up; host time of one
 call on an idle GPU.  Results: a row per mode with the median and the spread (min–max) of its
 rounds and its speed-ups over other modes.  Reporting: fixed-width tables, one case after
-another with a failure reported and the rest still run, and the JSON file.
+another with a failure reported and the rest still run.
 """
 from __future__ import annotations
 
-import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TextIO
 
 
 # ---- timing ---------------------------------------------------------------------------------
@@ -129,9 +129,10 @@ class Outcome:
         return 1 if self.failed else 0
 
 
-def run_cases(cases: Iterable[Case], report: Callable[[dict], str]) -> Outcome:
-    """Measure every case, printing ``report`` of its numbers as it ends; a case that raises
-    is printed and recorded as failed and the others still run."""
+def run_cases(cases: Iterable[Case], report: Callable[[dict], str],
+              out: TextIO | None = None) -> Outcome:
+    """Measure every case, printing ``report`` of its numbers to ``out`` (default stdout) as it
+    ends; a case that raises is printed and recorded as failed and the others still run."""
     outcome = Outcome()
     for case in cases:
         try:
@@ -139,14 +140,8 @@ def run_cases(cases: Iterable[Case], report: Callable[[dict], str]) -> Outcome:
         except Exception as e:  # noqa: BLE001 - one run's failure must not hide the others
             error = f"{type(e).__name__}: {e}"
             outcome.failed.append({**case.fields, "error": error})
-            print(f"{case.label}: FAILED: {error}", flush=True)
+            print(f"{case.label}: FAILED: {error}", file=out or sys.stdout, flush=True)
             continue
         outcome.results.append(info)
-        print(report(info), flush=True)
+        print(report(info), file=out or sys.stdout, flush=True)
     return outcome
-
-
-def write_json(path: str, data: dict) -> None:
-    """Every number of a bench, to ``path`` (objects JSON cannot hold are written as text)."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=str)

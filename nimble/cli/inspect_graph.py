@@ -1,130 +1,170 @@
-"""``nimble inspect``: summarise a recorded TaskGraph (its schedule and memory plan on demand),
-or a measured Chrome trace; plain Python, no torch or GPU needed."""
+"""``nimble inspect``: summarise any file Nimble writes; plain Python, no torch or GPU needed.
+
+A TaskGraph gets its summary and, on demand, its stream schedule and arena plan, with their
+exports (plan, DOT, simulated trace); a plan export, a simulated trace and a measured trace each
+get their own summary.  Options that do not apply to the file given are an error.
+"""
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..ir.taskgraph import TaskGraph
 from ..progress import say
-from .common import Fail, one_line, positive_int
+from .common import Fail, add_quiet_argument, add_stream_cap_argument
+from .output import STDOUT, Outputs, outputs
+
+if TYPE_CHECKING:
+    from .inspect_files import NimbleFile
 
 #: ``nimble --help``'s line for the command.
-HELP = "summarise a recorded TaskGraph, its schedule and memory plan"
+HELP = "summarise a file Nimble wrote: a TaskGraph (its schedule and memory plan), a plan, a trace"
 DESCRIPTION = ("Summarise a TaskGraph file (.json.gz or .json): tasks, kernels, buffers; "
-               "optionally its stream schedule and arena plan, and export them.")
+               "optionally its stream schedule and arena plan, and export them.  Also reads the "
+               "files Nimble writes besides: a plan export (--export), a simulated trace "
+               "(--simulated-trace) and a measured trace (nm.trace(), nimble debug --trace).  "
+               "Every output FILE may be '-' for stdout; the text report then goes to stderr.")
+
+#: The options that only a TaskGraph takes, by attribute -> as the user writes it.
+_GRAPH_ONLY = {"schedule": "--schedule", "memplan": "--memplan", "max_streams": "--max-streams",
+               "export": "--export", "dot": "--dot", "simulated_trace": "--simulated-trace"}
 
 
-def _progress(args: argparse.Namespace, message: str) -> None:
-    say(message, getattr(args, "quiet", False), tag=None)
+class _Renamed(argparse.Action):
+    """An old option spelling that now fails and names the new one."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} is now {self.new}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", metavar="PATH",
-                   help="a TaskGraph file (.json.gz or .json), or a measured Chrome trace "
-                        "(nm.trace(), nimble debug --trace) to summarise")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object instead of the text report")
+    # Optional to argparse only so that a PATH taken by --json gets its own message (run).
+    p.add_argument("path", metavar="PATH", nargs="?",
+                   help="a TaskGraph file (.json.gz or .json), a plan export, or a simulated or "
+                        "measured Chrome trace")
+    p.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="FILE",
+                   help="write the report as one JSON object to FILE ('-' or no FILE: stdout, "
+                        "instead of the text report)")
     p.add_argument("--schedule", action="store_true",
                    help="also assign streams and report the schedule")
     p.add_argument("--memplan", action="store_true",
                    help="also plan the memory arena (implies --schedule)")
-    p.add_argument("--max-streams", type=positive_int, default=None, metavar="K",
-                   help="use at most K streams (default: as many as the DAG's width)")
-    p.add_argument("--export", metavar="FILE", help="write the schedule and plan (nimble.plan JSON)")
+    add_stream_cap_argument(p)
+    p.add_argument("--export", metavar="FILE",
+                   help="write the schedule and plan (nimble.plan JSON)")
     p.add_argument("--dot", metavar="FILE", help="write the task graph as Graphviz DOT")
-    p.add_argument("--trace", metavar="FILE",
-                   help="write a Chrome trace of the simulated multi-stream timeline")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--simulated-trace", metavar="FILE",
+                   help="write a Chrome trace of the simulated multi-stream timeline (recorded "
+                        "task durations, not a measurement: nimble debug --trace measures)")
+    p.add_argument("--trace", nargs="?", action=_Renamed,
+                   new="--simulated-trace FILE (a simulated timeline; nimble debug --trace "
+                       "measures one)")
+    add_quiet_argument(p)
 
 
-def _load_timeline(path: str):
-    """The measured timeline in a Chrome trace written by Nimble, or None for other files."""
-    p = Path(path)
-    if not p.is_file() or p.suffix != ".json":
-        return None
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or "traceEvents" not in data:
-        return None
-    from ..debug.timeline import Timeline
-
-    try:
-        return Timeline.from_chrome(data)
-    except (ValueError, KeyError, TypeError) as e:
-        raise Fail(f"{path}: a Chrome trace, but not a measured Nimble timeline ({e}); "
-                   "simulated traces carry no measurements") from None
+def _refuse_options_for(file: NimbleFile, args: argparse.Namespace) -> None:
+    given = [flag for name, flag in _GRAPH_ONLY.items() if getattr(args, name) not in (None, False)]
+    if given:
+        raise Fail(f"{file.path}: a {file.kind.value}; {', '.join(given)} "
+                   f"appl{'ies' if len(given) == 1 else 'y'} to a TaskGraph only")
 
 
-def _load(path: str) -> TaskGraph:
-    p = Path(path)
-    if not p.exists():
-        raise Fail(f"{path}: no such file")
-    if p.is_dir():
-        raise Fail(f"{path}: is a directory, not a TaskGraph file")
-    try:
-        return TaskGraph.load(p)
-    # A truncated or foreign file can fail in the gzip, JSON or row-decoding layers; all of
-    # them mean the same thing to the user.
-    except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise Fail(f"{path}: cannot read TaskGraph: {one_line(e)}") from None
+def _report(args: argparse.Namespace, out: Outputs, data: dict, text: str) -> None:
+    """The report as JSON with ``--json``, and as text unless the JSON took stdout."""
+    if args.json is not None:
+        out.write_json("--json", data, "JSON report")
+    if args.json != STDOUT:
+        out.report.write(text)
 
 
-def _write(path: str, text: str, what: str, args: argparse.Namespace) -> None:
-    try:
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as e:
-        raise Fail(f"cannot write {what} to {path}: {one_line(e)}") from None
-    _progress(args, f"wrote {what} to {path}")
+def _report_other(file: NimbleFile, args: argparse.Namespace, out: Outputs) -> None:
+    """The summary of a plan export or a trace."""
+    from .inspect_files import FileKind, plan_summary, simulated_trace_summary
+    if file.kind is FileKind.MEASURED_TRACE:
+        from ..debug.timeline import Timeline, format_timeline
+
+        try:
+            summary = Timeline.from_chrome(file.data).summary()
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+            raise Fail(f"{file.path}: a measured trace that does not decode; the file is "
+                       "damaged, trace the run again") from None
+        text = f"{file.path}: measured trace\n" + format_timeline(summary)
+    elif file.kind is FileKind.PLAN:
+        summary = plan_summary(file)
+        text = (f"{file.path}: plan export (nimble.plan) of {summary['model'] or 'a model'}\n"
+                f"  tasks: {summary['tasks']}, streams: {summary['streams']}, "
+                f"syncs: {summary['sync_edges']}, edges: {summary['edges']}"
+                + (f", phases: {summary['phases']}" if summary["phases"] else "")
+                + f"\n  arena: {summary['arena_bytes'] / 2**20:.1f} MiB for "
+                f"{summary['buffers_placed']} buffers\n")
+    else:
+        summary = simulated_trace_summary(file)
+        text = (f"{file.path}: simulated trace (the schedule run on recorded task durations, "
+                f"not a measurement) of {summary['model'] or 'a model'}\n"
+                f"  tasks: {summary['tasks']}, streams: {summary['streams']}, "
+                f"syncs: {summary['sync_edges']}, simulated makespan: "
+                f"{summary['simulated_us']:.1f} µs\n")
+    _report(args, out, summary, text)
 
 
-def run(args: argparse.Namespace) -> int:
-    # Imported here so that ``nimble --help`` does not pay for the analysis modules.
+def _report_graph(file: NimbleFile, args: argparse.Namespace, out: Outputs,
+                  start: float) -> None:
     from ..analysis import report as ins
+    from .inspect_files import taskgraph_of
 
-    start = time.perf_counter()
-    timeline = _load_timeline(args.path)
-    if timeline is not None:  # a measured trace (nm.trace(), nimble debug --trace)
-        from ..debug.timeline import format_timeline
-
-        summary = timeline.summary()
-        if args.json:
-            print(json.dumps(summary, indent=2, default=str))
-        else:
-            sys.stdout.write(format_timeline(summary))
-        return 0
-    graph = _load(args.path)
-    _progress(args, f"loaded {args.path}: {len(graph.tasks)} tasks, {len(graph.buffers)} "
-                    f"buffers in {time.perf_counter() - start:.2f} s")
+    graph = taskgraph_of(file)
+    say(f"loaded {args.path}: {len(graph.tasks)} tasks, {len(graph.buffers)} buffers in "
+        f"{time.perf_counter() - start:.2f} s", tag=None)
     summary = ins.summarize(graph)
     want_schedule = args.schedule or args.memplan
     want_plan = args.memplan or args.export is not None
     analysis = None
-    if want_schedule or want_plan or args.trace or args.dot:
+    if want_schedule or want_plan or args.simulated_trace or args.dot:
         analysis = ins.analyze(graph, args.max_streams, memplan=want_plan)
-        _progress(args, f"scheduled in {analysis.seconds:.2f} s"
-                  + (f", planned memory in {analysis.plan_seconds:.2f} s" if want_plan else ""))
+        say(f"scheduled in {analysis.seconds:.2f} s"
+            + (f", planned memory in {analysis.plan_seconds:.2f} s" if want_plan else ""),
+            tag=None)
     sched = ins.schedule_summary(graph, analysis=analysis) if want_schedule else None
     mem = ins.memplan_summary(graph, analysis=analysis) if args.memplan else None
 
     if args.export:
         plan = ins.export_plan(graph, analysis.schedule, analysis.plan)
-        _write(args.export, json.dumps(plan, separators=(",", ":")) + "\n", "plan", args)
+        out.write("--export", json.dumps(plan, separators=(",", ":")) + "\n", "plan")
     if args.dot:
-        _write(args.dot, ins.to_dot(graph, analysis.schedule), "DOT graph", args)
-    if args.trace:
+        out.write("--dot", ins.to_dot(graph, analysis.schedule), "DOT graph")
+    if args.simulated_trace:
         trace = ins.to_chrome_trace(graph, analysis.schedule)
-        _write(args.trace, json.dumps(trace, separators=(",", ":")) + "\n", "Chrome trace", args)
+        out.write("--simulated-trace", json.dumps(trace, separators=(",", ":")) + "\n",
+                  "simulated Chrome trace")
+    _report(args, out, {**summary, **(sched or {}), **(mem or {})},
+            ins.format_summary(summary, sched, mem))
 
-    if args.json:
-        result = {**summary, **(sched or {}), **(mem or {})}
-        # ``default=str`` because a live recording's meta may hold objects that are not JSON.
-        print(json.dumps(result, indent=2, default=str))
+
+def _require_path(args: argparse.Namespace) -> None:
+    if args.path is not None:
+        return
+    if args.json not in (None, STDOUT):
+        raise Fail(f"inspect: no PATH to read; --json took {args.json!r} as the FILE to write: "
+                   "put --json after PATH, or write --json - for stdout")
+    raise Fail("inspect: give the PATH of a file to read (see nimble inspect --help)")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so that ``nimble --help`` does not pay for the analysis modules.
+    from .inspect_files import FileKind, read_nimble_file
+
+    _require_path(args)
+    start = time.perf_counter()
+    out = outputs(args, "json", "export", "dot", "simulated_trace")
+    file = read_nimble_file(args.path)
+    if file.kind is FileKind.TASKGRAPH:
+        _report_graph(file, args, out, start)
     else:
-        sys.stdout.write(ins.format_summary(summary, sched, mem))
+        _refuse_options_for(file, args)
+        _report_other(file, args, out)
     return 0

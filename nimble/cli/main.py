@@ -5,7 +5,8 @@ This module holds the parser and the dispatch; each command lives in its own mod
 ``bench``, ``record`` and ``debug`` live in ``nimble.cli.<name>`` modules that need torch and a
 GPU; they are imported only when their subcommand is run (or asked for its help), so that
 ``nimble --help`` and ``nimble inspect`` work on machines without either.  Results go to stdout,
-progress and timings to stderr.
+progress and timings to stderr through the ``nimble`` logger (:mod:`nimble.cli.output`); every
+command takes ``-q`` to silence them.
 
 Errors the user can act on end the command with status 2 and one line on stderr: a
 :class:`~nimble.errors.NimbleError` as ``nimble: <ErrorType>: <message>``, a bad file, an unknown
@@ -21,7 +22,8 @@ from typing import Callable
 from .. import __version__
 from ..errors import NimbleError
 from . import inspect_graph
-from .common import Fail, one_line
+from .common import Fail, Parser, one_line
+from .output import logging_to_stderr
 
 # Subcommands implemented elsewhere: name -> one-line help shown by ``nimble --help``.
 _LAZY = {
@@ -67,9 +69,9 @@ def _command_of(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
-def build_parser(load: str | None = None) -> argparse.ArgumentParser:
+def build_parser(load: str | None = None) -> Parser:
     """The ``nimble`` parser; the lazy subcommand named ``load`` gets its real arguments."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="nimble", description="Ahead-of-time scheduled, multi-stream CUDA graph execution "
                                    "for PyTorch models.")
     parser.add_argument("--version", action="version", version=f"nimble {__version__}")
@@ -97,13 +99,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
-        return args.run(args)
+        with logging_to_stderr(getattr(args, "quiet", False)):
+            return args.run(args)
     except Fail as e:
         print(f"nimble: {e}", file=sys.stderr)
         return 2
     except NimbleError as e:
         print(f"nimble: {one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("nimble: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -2,34 +2,36 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from . import models
-from .common import check_models, require_gpu
+from .common import (add_batch_argument, add_quiet_argument, check_models, model_help,
+                     positive_int, require_gpu)
+from .output import outputs
 from ..driver.gpu import use_cudnn_benchmark
 from ..errors import InputError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL",
-                   help=f"{models.BUILTIN}, {models.CHAINS} or a zoo model "
-                        f"({', '.join(models.ZOO)})")
+    p.add_argument("model", metavar="MODEL", help=model_help("the model to record"))
     p.add_argument("-o", "--output", metavar="FILE", default=None,
-                   help="where to write the TaskGraph (default MODEL.json.gz)")
-    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+                   help="where to write the TaskGraph (default MODEL.json.gz; '-': stdout, "
+                        "as plain JSON)")
+    add_batch_argument(p, several=False, default="1")
     p.add_argument("--time-tasks", action="store_true",
                    help="also time every task alone and store duration_us")
     p.add_argument("--training", action="store_true",
                    help="record a training step (forward and backward, two phases) of the model "
                         "in train() mode")
-    p.add_argument("--side", type=int, default=None,
+    p.add_argument("--side", type=positive_int, default=None,
                    help="image side of the input (default: the model's usual one; 32 for CIFAR)")
-    p.add_argument("--classes", type=int, default=None,
+    p.add_argument("--classes", type=positive_int, default=None,
                    help="classifier size of a zoo model (default: its own; 10 for CIFAR-10)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    add_quiet_argument(p)
 
 
 def run(args) -> int:
+    args.output = args.output or f"{args.model}.json.gz"
+    out = outputs(args, "output")
     check_models([args.model])
     if args.training and args.time_tasks:
         raise InputError("--time-tasks times inference recordings only; drop it with --training")
@@ -50,7 +52,5 @@ def run(args) -> int:
     g = rec.graph
     if args.time_tasks:
         time_recording(rec)
-    path = g.save(args.output or f"{args.model}.json.gz")
-    if not args.quiet:
-        print(f"wrote {path}: {len(g.tasks)} tasks, {len(g.buffers)} buffers", file=sys.stderr)
+    out.write_taskgraph("--output", g)
     return 0

@@ -26,7 +26,8 @@ from typing import Callable
 from . import models
 from .common import check_models, require_gpu
 from .harness import (Case, Column, add_speedup, format_table, mode_rows, run_cases,
-                      time_rounds, write_json)
+                      time_rounds)
+from .output import outputs
 from ..driver.gpu import use_cudnn_benchmark
 from ..progress import say
 
@@ -164,12 +165,14 @@ def _case(name: str, batch: int, args) -> Case:
 def run(args) -> int:
     """``nimble bench --training``."""
     names = args.models if args.models_given else DEFAULT_MODELS
+    out = outputs(args, "json")
     check_models(names)
     require_gpu("bench --training")
     outcome = run_cases([_case(name, batch, args) for name in names for batch in args.batches],
-                        _report)
+                        _report, out.report)
     if outcome.results:
-        print(table(outcome.results))
+        print(table(outcome.results), file=out.report)
     if args.json:
-        write_json(args.json, {"results": outcome.results, "failed": outcome.failed})
+        out.write_json("--json", {"results": outcome.results, "failed": outcome.failed},
+                       "bench results")
     return outcome.status

@@ -89,7 +89,9 @@ def check_no_host_sync(fn: Callable[[], Any], name: str, what: str = "forward") 
     import torch
 
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():  # torch's note that the mode is a prototype: not the user's
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode("error")
     try:
         fn()
     except RuntimeError as e:
