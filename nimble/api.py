@@ -29,6 +29,7 @@ from .engine.preparation import check_mode, prepare_engine, saved_state
 from .engine.prepared import Prepared
 from .analysis.schedule import Schedule
 from .ir.taskgraph import TaskGraph
+from .progress import say
 from .engine.weights import EPOCH as WEIGHTS_EPOCH
 from .engine.weights import watch_modules
 

@@ -160,3 +160,29 @@ def test_importing_nimble_loads_neither_torch_nor_the_driver():
     """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == ""
+
+
+def test_no_module_names_a_variable_it_never_defines():
+    """A name used but never bound (an import lost in a move) fails only when its line runs,
+    which for a debugging path may be on the GPU alone: pyflakes finds it statically."""
+    pyflakes = pytest.importorskip("pyflakes.api", reason="pyflakes is in the test extra")
+    from pyflakes.messages import UndefinedName
+
+    class Collect:
+        def __init__(self) -> None:
+            self.found: list[str] = []
+
+        def flake(self, message) -> None:
+            if isinstance(message, UndefinedName):
+                self.found.append(str(message))
+
+        def unexpectedError(self, filename, message) -> None:
+            self.found.append(f"{filename}: {message}")
+
+        def syntaxError(self, filename, message, lineno, offset, text) -> None:
+            self.found.append(f"{filename}:{lineno}: {message}")
+
+    report = Collect()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        pyflakes.checkPath(str(path), report)
+    assert not report.found, "\n".join(report.found)
