@@ -133,13 +133,56 @@ class FuzzBudget:
             self.spent_seconds + fuzz_seconds <= self.time_factor * proof_seconds
 
 
-class _Comparison:
-    """The expected outputs of both input sets and what the outputs may deviate by."""
+class Reference:
+    """The reference outputs of the proof's two input sets, and how runs are held to them.
 
-    def __init__(self, graph: TaskGraph, expected: list, spread: dict[int, float],
-                 gradients: Sequence[int]) -> None:
-        self.graph, self.expected, self.spread = graph, expected, spread
+    Built once (:meth:`record`), it checks any number of runs: the served graph's launches
+    (:meth:`launches`), the fuzz copies' (:meth:`fuzz_launches`), or a broken copy's in a
+    measurement of the proof's power (``tools/proof_power.py``).
+    """
+
+    def __init__(self, graph: TaskGraph, input_sets: list, expected: list,
+                 spread: dict[int, float], gradients: Sequence[int] = (),
+                 rng_at: Callable[[int], None] | None = None) -> None:
+        self.graph, self.input_sets, self.expected, self.spread = \
+            graph, input_sets, expected, spread
         self.tolerant = set(gradients)
+        self.rng_at = rng_at
+
+    @classmethod
+    def record(cls, graph: TaskGraph, reference: Callable[[list], list],
+               example_inputs: Sequence, seed: int = 0,
+               rng_at: Callable[[int], None] | None = None, repeats: int = 3,
+               gradients: Sequence[int] = ()) -> "Reference":
+        """Two fresh random input sets like ``example_inputs`` run through ``reference``."""
+        import torch
+
+        gen = torch.Generator(device=example_inputs[0].device if example_inputs else "cuda")
+        gen.manual_seed(seed)
+        input_sets = [[random_like(x, gen) for x in example_inputs] for _ in range(2)]
+        expected, spread = _expected_outputs(reference, input_sets, rng_at, repeats)
+        return cls(graph, input_sets, expected, spread, gradients, rng_at)
+
+    def launches(self, run: Callable[[list], list], count: int, label: str = "launch") -> None:
+        """``count`` launches of ``run``, alternating the input sets, each checked."""
+        for launch in range(count):
+            self._check_one(f"{label} {launch}", run, launch)
+
+    def fuzz_launches(self, fuzz: FuzzRuns, budget: FuzzBudget, proof_seconds: float) -> None:
+        """Launches of ``fuzz`` as ``budget`` allows after a proof of ``proof_seconds``, each
+        after a fresh draw, checked the same way."""
+        started = time.perf_counter()
+        launch = 0
+        while budget.allows(launch, proof_seconds, time.perf_counter() - started):
+            fuzz.draw()
+            self._check_one(f"fuzz launch {launch} (with random delays)", fuzz.run, launch)
+            launch += 1
+
+    def _check_one(self, label: str, run: Callable[[list], list], launch: int) -> None:
+        k = launch % 2
+        if self.rng_at is not None:
+            self.rng_at(k)
+        self.check(label, run(self.input_sets[k]), k)
 
     def check(self, label: str, outputs: list, k: int) -> None:
         """Raise :class:`VerificationError` unless ``outputs`` match input set ``k``'s."""
@@ -221,30 +264,11 @@ def verify_against_reference(graph: TaskGraph, reference: Callable[[list], list]
     outputs that were not proven bit for bit, with the largest difference seen (the
     reference's own spread where it varied, else the difference to the rebuilt graph).
     """
-    import torch
-
     began = time.perf_counter()
-    gen = torch.Generator(device=example_inputs[0].device if example_inputs else "cuda")
-    gen.manual_seed(seed)
-    input_sets = [[random_like(x, gen) for x in example_inputs] for _ in range(2)]
-    expected, spread = _expected_outputs(reference, input_sets, rng_at, repeats)
+    ref = Reference.record(graph, reference, example_inputs, seed, rng_at, repeats, gradients)
     poison(poison_ranges(graph) + list(extra_poison), stream)
-    comparison = _Comparison(graph, expected, spread, gradients)
-    for launch in range(max(relaunches, 1)):
-        k = launch % 2
-        if rng_at is not None:
-            rng_at(k)
-        comparison.check(f"launch {launch}", run(input_sets[k]), k)
-    if fuzz is None:
-        return spread
-    budget = fuzz_budget or FuzzBudget(launches=max(relaunches, 1))
-    started = time.perf_counter()
-    launch = 0
-    while budget.allows(launch, started - began, time.perf_counter() - started):
-        k = launch % 2
-        if rng_at is not None:
-            rng_at(k)
-        fuzz.draw()
-        comparison.check(f"fuzz launch {launch} (with random delays)", fuzz.run(input_sets[k]), k)
-        launch += 1
-    return spread
+    ref.launches(run, max(relaunches, 1))
+    if fuzz is not None:
+        ref.fuzz_launches(fuzz, fuzz_budget or FuzzBudget(launches=max(relaunches, 1)),
+                          time.perf_counter() - began)
+    return ref.spread
