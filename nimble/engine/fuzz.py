@@ -89,12 +89,14 @@ class FuzzStats:
                 "max_delay_us": self.max_delay_ns / 1000}
 
 
-def _free(memory: driver.DeviceMemory, builts: list[BuiltGraph], launchers: list) -> None:
+def _free(memory: driver.DeviceMemory | None, builts: list[BuiltGraph],
+          launchers: list) -> None:
     for launcher in launchers:
         launcher.close()
     for built in builts:
         built.close()
-    memory.close()
+    if memory is not None:
+        memory.close()
 
 
 class FuzzCopies:
@@ -103,21 +105,27 @@ class FuzzCopies:
 
     ``run(inputs)`` runs every phase in order like the served launchers; :meth:`draw` writes a
     fresh draw into the table first (after the previous launch has finished reading it).
+    ``options`` change the copies further (a power measurement's broken copies); with
+    ``delays=False`` they get no delay nodes and no table, and :meth:`draw` draws nothing.
     """
 
     def __init__(self, builder: PhaseBuilder, served: Sequence[Launcher], device,
-                 seed: int = 0, options: PhaseOptions | None = None) -> None:
+                 seed: int = 0, options: PhaseOptions | None = None,
+                 delays: bool = True) -> None:
         n = len(builder.graph.tasks)
         self.caps_ns = delay_caps_ns(builder.graph, builder.spans)
-        self.table = driver.DeviceMemory.allocate(max(4 * n, 4))
+        self.table = driver.DeviceMemory.allocate(max(4 * n, 4)) if delays else None
         self.builts: list[BuiltGraph] = []
         self.launchers: list[Launcher] = []
         self._finalizer = weakref.finalize(self, _free, self.table, self.builts, self.launchers)
         self._rng = np.random.default_rng(seed)
         self.stats = FuzzStats()
-        options = replace(options or PhaseOptions(), delays=DelaySpec(self.table.address))
+        options = options or PhaseOptions()
+        if delays:
+            options = replace(options, delays=DelaySpec(self.table.address))
         try:
-            driver.copy_to_device(self.table.address, bytes(4 * n))
+            if delays:
+                driver.copy_to_device(self.table.address, bytes(4 * n))
             order = CallOrder()
             context = driver.current_context()
             for k in range(len(builder.spans)):
@@ -134,6 +142,8 @@ class FuzzCopies:
         """Write a fresh draw into the delay table, once the work queued so far has run."""
         import torch
 
+        if self.table is None:
+            return
         if self.stats.first_draw_at is None:
             self.stats.first_draw_at = time.perf_counter()
         delays = draw_delays(self._rng, self.caps_ns)
