@@ -144,15 +144,19 @@ def test_a_draw_delays_about_half_the_tasks_within_their_caps():
 
 def _served_launchers():
     slot = InputSlot(torch.zeros(4), 0x1000, 16, (4,), torch.float32, True, 0x9000)
-    return [SimpleNamespace(slots=[slot], outputs=[torch.zeros(1)], rng=None),
-            SimpleNamespace(slots=[], outputs=[], rng=None)]
+    forgot: list = []
+    return [SimpleNamespace(slots=[slot], outputs=[torch.zeros(1)], rng=None, forgot=forgot,
+                            forget_cells=lambda: forgot.append(0)),
+            SimpleNamespace(slots=[], outputs=[], rng=None, forgot=forgot,
+                            forget_cells=lambda: forgot.append(1))]
 
 
 def test_the_fuzz_copies_draw_anew_before_each_launch_and_are_freed(bindings, monkeypatch):
     launched = []
     monkeypatch.setattr(fuzz_module.Launcher, "run_flat",
                         lambda self, inputs: launched.append(self) or [])
-    copies = FuzzCopies(served_builder(), _served_launchers(), torch.device("cpu"), seed=1)
+    served = _served_launchers()
+    copies = FuzzCopies(served_builder(), served, torch.device("cpu"), seed=1)
     assert all(len(d.deps) <= 1 for d in _delays(bindings).values())
     assert len(_delays(bindings)) == 6  # every task of both phases
     assert bindings.tables == [bytes(24)]  # the table starts at no delay
@@ -168,6 +172,7 @@ def test_the_fuzz_copies_draw_anew_before_each_launch_and_are_freed(bindings, mo
         int(np.frombuffer(d, dtype=np.uint32).max()) for d in draws)
     copies.close()
     copies.close()
+    assert served[0].forgot[:2] == [0, 1]  # the served calls write their cells again
     modules = [h for name, h in bindings.freed if name == "cuModuleUnload"]
     assert modules.count("delay module") == 2  # both phases' copies
     assert ("cuMemFree", copies.table.address) in bindings.freed

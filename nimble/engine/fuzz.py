@@ -119,6 +119,7 @@ class FuzzCopies:
         self.launchers: list[Launcher] = []
         self._finalizer = weakref.finalize(self, _free, self.table, self.builts, self.launchers)
         self._rng = np.random.default_rng(seed)
+        self._served = list(served)
         self.stats = FuzzStats()
         options = options or PhaseOptions()
         if delays:
@@ -159,5 +160,8 @@ class FuzzCopies:
         return run_phases(self.launchers)(inputs)
 
     def close(self) -> None:
-        """Free the copies, their launchers and the table (idempotent)."""
+        """Free the copies, their launchers and the table (idempotent).  The copies wrote the
+        served input cells: the served launchers' next calls write every cell again."""
         self._finalizer()
+        for launcher in self._served:
+            launcher.forget_cells()
