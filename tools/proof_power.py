@@ -1,4 +1,4 @@
-"""The proof's power, measured: break prepared graphs on purpose and count what the proof catches (GPU).
+"""The proof's power, measured: break prepared graphs on purpose, count what the proof catches.
 
     python3 tools/proof_power.py MODEL[,MODEL...] [--dtype float32,float16] [--sync-trials 50]
         [--war-trials 20] [--share-trials 20] [--launches 25] [--fuzz-launches 25]

@@ -3,8 +3,9 @@
 Every build of a phase goes through :class:`PhaseBuilder`: the served graph at prepare, each
 tail-backfill trial (:func:`nimble.analysis.backfill.pick`), the step-through's copies
 (:mod:`nimble.debug.step_through`), the instrumented copies of the measured timeline
-(:mod:`nimble.debug.timeline`) and the proof's fuzz copies (:mod:`nimble.engine.fuzz`).  How a build differs from the served phase is a
-:class:`PhaseOptions`; the defaults build the phase as served.
+(:mod:`nimble.debug.timeline`) and the proof's fuzz copies (:mod:`nimble.engine.fuzz`).  How a
+build differs from the served phase is a :class:`PhaseOptions`; the defaults build the phase as
+served.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class PhaseOptions:
     #: Edges of the schedule left out (the late edges are kept).
     removed_edges: Set[tuple[int, int]] = frozenset()
     #: Where every buffer lives instead of the served bases (two buffers forced to share
-    #: bytes, say); None: the served bases.
+    #: bytes, say); None: the served bases.  Memset and memcpy endpoints move only in a build
+    #: from the recorded nodes (a builder with ``nodes_relocated`` False).
     bases: Sequence[int] | None = None
 
 
