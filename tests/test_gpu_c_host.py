@@ -186,6 +186,8 @@ def test_a_c_library_on_the_driver_api_drives_the_prepared_graph(tmp_path):
     want = []
     for args in inputs:
         out = nm(*args)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(*args), rtol=1e-4, atol=1e-4)
         want.append(_raw_bytes(out))
     assert isinstance(out, torch.Tensor) and out.is_contiguous()
     output, nbytes = out.data_ptr(), out.numel() * out.element_size()

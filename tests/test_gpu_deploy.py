@@ -113,6 +113,9 @@ def test_calls_from_threads_on_their_own_streams_are_all_right():
     inputs = [torch.randn_like(x) for _ in range(4)]
     expected = [nm(i).clone() for i in inputs]
     assert not torch.equal(expected[0], expected[1])
+    with torch.no_grad():
+        for i, want in zip(inputs, expected):
+            torch.testing.assert_close(want, model(i), rtol=1e-4, atol=1e-4)
     failures: list[str] = []
 
     def worker(k: int, own_stream: bool) -> None:

@@ -54,6 +54,8 @@ def test_strided_inputs_and_side_streams_give_the_same_bits():
                                       options=nimble.PrepareOptions(relaunches=4))
     fresh = torch.randn_like(x)
     want = nm(fresh)
+    with torch.no_grad():
+        torch.testing.assert_close(want, model(fresh), rtol=1e-4, atol=1e-4)
     # A channels-last input takes torch's strided copy instead of the flat driver memcpy.
     strided = fresh.to(memory_format=torch.channels_last)
     assert not strided.is_contiguous()
@@ -83,6 +85,8 @@ def test_host_and_device_launchable_graphs_give_the_same_bits():
     for _ in range(3):
         fresh = torch.randn_like(x)
         assert torch.equal(on_device(fresh), on_host(fresh))
+        # and both equal the single-stream recording on the same input
+        assert torch.equal(on_device(fresh), on_device.recording.replay_reference([fresh])[0])
 
 
 def test_wrong_inputs_are_typed_errors():
@@ -338,3 +342,4 @@ def test_kernels_run_at_priorities_from_their_slack_and_give_the_same_bits():
     for _ in range(3):
         fresh = torch.randn_like(x)
         assert torch.equal(nm(fresh), plain(fresh))
+        assert torch.equal(nm(fresh), nm.recording.replay_reference([fresh])[0])

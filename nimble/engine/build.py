@@ -12,10 +12,10 @@ Every node of the recorded graph is added again to a new graph (``cuGraphCreate`
   the stream partitioning; the stream of each node is kept for inspection.
 
 What :func:`build_graph` builds beyond that (one phase of a training step, input gathers, node
-priorities, late edges, timestamp nodes, a subset of the tasks) is a :class:`GraphSpec`; the
-builds of a prepared graph's phases all go through :class:`nimble.engine.rebuild.PhaseBuilder`.
-Relocation itself (:func:`buffer_bases`, :func:`relocate_params`, :func:`relocated`) is plain data
-and tested without a GPU.
+priorities, late edges, timestamp nodes, the proof's delay nodes, a subset of the tasks) is a
+:class:`GraphSpec`; the builds of a prepared graph's phases all go through
+:class:`nimble.engine.rebuild.PhaseBuilder`.  Relocation itself (:func:`buffer_bases`,
+:func:`relocate_params`, :func:`relocated`) is plain data and tested without a GPU.
 """
 from __future__ import annotations
 
@@ -116,6 +116,8 @@ class BuiltGraph:
     module: driver.Module | None = None
     #: The module of the timestamp nodes of an instrumented graph (see :func:`build_graph`).
     stamp_module: driver.Module | None = None
+    #: The module of the delay nodes of a fuzz copy (see :class:`DelaySpec`).
+    delay_module: driver.Module | None = None
 
     def launch(self, stream) -> None:
         """Launch on ``stream`` (a ``CUstream`` or its integer handle)."""
@@ -125,7 +127,7 @@ class BuiltGraph:
         """Free the exec and the graph (idempotent)."""
         self.exec.close()
         self.graph.close()
-        for module in (self.module, self.stamp_module):
+        for module in (self.module, self.stamp_module, self.delay_module):
             if module is not None:
                 module.close()
 
@@ -215,6 +217,22 @@ class StampSpec:
 
 
 @dataclass(frozen=True)
+class DelaySpec:
+    """The ``nimble_delay`` nodes of a fuzz copy (see :class:`GraphSpec`).
+
+    Each delayed task waits for a one-thread node that spins for the nanoseconds in slot
+    ``task`` of the table (a u32 per task of the graph, 0: no delay), and that node waits for
+    the task's predecessors: the task starts late by what the table says when the node runs,
+    and no other order changes.
+    """
+
+    #: Device address of a u32 per task of the graph, indexed by task id.
+    table: int
+    #: The tasks given a delay node (None: every task of the span).
+    tasks: Set[int] | None = None
+
+
+@dataclass(frozen=True)
 class GraphSpec:
     """What :func:`build_graph` builds from a recorded (or built) graph's nodes.
 
@@ -249,6 +267,8 @@ class GraphSpec:
     #: schedule's own chains are not lengthened.  The first root's start is stamped in any
     #: case: it dates the run, and the other roots start with it.
     stamps: StampSpec | None = None
+    #: A delay node before each delayed task (:class:`DelaySpec`); for verification copies only.
+    delays: DelaySpec | None = None
 
 
 class _Assembly:
@@ -285,9 +305,11 @@ class _Assembly:
             for g in self.spec.gathers]
         self._on_top(self.gather_nodes)
 
-    def add_tasks(self, stamp_module: driver.Module | None) -> None:
+    def add_tasks(self, stamp_module: driver.Module | None,
+                  delay_module: driver.Module | None = None) -> None:
         spec = self.spec
         stamp = stamp_module.function(kernels.TIMESTAMP) if spec.stamps else None
+        delay = delay_module.function(kernels.DELAY) if spec.delays else None
         slots = stamp_slots(self.span, spec.stamps.address) if spec.stamps else {}
         for tid in self.span:
             if spec.only is not None and tid not in spec.only:
@@ -296,6 +318,8 @@ class _Assembly:
             task = self.graph.tasks[tid]
             deps = [self.node(u) for u in self.preds[tid]
                     if u >= self.span.start and self.node(u) is not None] or list(self.gather_nodes)
+            if delay is not None and (spec.delays.tasks is None or tid in spec.delays.tasks):
+                deps = [self._add_delay(tid, delay, deps)]
             node = add_task_node(self.handle, task, self.recorded_nodes[tid], self.bases, deps,
                                  self.ctx, spec.nodes_relocated)
             self.nodes.append(node)
@@ -303,6 +327,12 @@ class _Assembly:
                 driver.set_kernel_priority(node, spec.priorities[tid])
             if stamp is not None:
                 self._add_stamps(tid, node, deps, stamp, slots[tid])
+
+    def _add_delay(self, tid: int, function, deps: list):
+        node = driver.add_function_node(self.handle, deps, function, (1, 1, 1), (1, 1, 1),
+                                        (self.spec.delays.table, tid), detail="delay")
+        self._on_top([node])
+        return node
 
     def _add_stamps(self, tid: int, node, deps: list, function, slots: tuple[int, int]) -> None:
         stamps = self.spec.stamps
@@ -344,25 +374,26 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     span = range(n) if spec.span is None else spec.span
     preds = predecessors(n, spec.edges)
     owned = driver.Graph.create()
-    gather_module = stamp_module = None
+    gather_module = stamp_module = delay_module = None
     try:
         gather_module = kernels.load(kernels.GATHER_SOURCE) if spec.gathers else None
         stamp_module = kernels.load(kernels.TIMESTAMP_SOURCE) if spec.stamps else None
+        delay_module = kernels.load(kernels.DELAY_SOURCE) if spec.delays else None
         assembly = _Assembly(owned.handle, graph, recorded_nodes, bases, spec, span, preds)
         assembly.add_gathers(gather_module)
-        assembly.add_tasks(stamp_module)
+        assembly.add_tasks(stamp_module, delay_module)
         assembly.add_late_edges()
         exec_, on_device, refusal = instantiate(owned, spec.device_launch, spec.upload_stream,
                                                 spec.priorities is not None)
     except BaseException:
         owned.close()
-        for module in (gather_module, stamp_module):
+        for module in (gather_module, stamp_module, delay_module):
             if module is not None:
                 module.close()
         raise
     return BuiltGraph(owned, exec_, assembly.nodes, span, device_launch=on_device,
                       device_launch_refusal=refusal, module=gather_module,
-                      stamp_module=stamp_module)
+                      stamp_module=stamp_module, delay_module=delay_module)
 
 
 def tasks_reading(graph: TaskGraph, buffers: set[int]) -> list[Task]:

@@ -14,6 +14,8 @@ GATHER_SOURCE = "gather_input.ptx"
 GATHER_INPUT = "nimble_gather_input"  # in GATHER_SOURCE: cell, dst, nbytes
 TIMESTAMP_SOURCE = "timestamp.ptx"
 TIMESTAMP = "nimble_timestamp"  # in TIMESTAMP_SOURCE: slot
+DELAY_SOURCE = "delay.ptx"
+DELAY = "nimble_delay"  # in DELAY_SOURCE: table, slot (u32 nanoseconds per task)
 
 
 def source(filename: str) -> bytes:

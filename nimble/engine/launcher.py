@@ -351,3 +351,15 @@ class Launcher:
             self._api.record(order.switch_event.handle, order.last_stream)
             self._api.wait(stream, order.switch_event.handle, 0)
         order.last_stream, order.last_raw = stream, raw
+
+
+def run_phases(launchers: Sequence[Launcher]):
+    """``run(inputs) -> outputs``: each launcher in order on its share of the flat inputs."""
+    def run(inputs: list) -> list:
+        out, first = [], 0
+        for launcher in launchers:
+            n = len(launcher.slots)
+            out += launcher.run_flat(inputs[first:first + n])
+            first += n
+        return out
+    return run

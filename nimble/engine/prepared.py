@@ -8,13 +8,15 @@ and is what :class:`nimble.Nimble` swaps in whole.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..analysis import backfill
 from .. import driver
 from .build import BuiltGraph, InputGather, buffer_bases
-from .launcher import CallOrder, InputSlot, Launcher, RngCells
+from .fuzz import FuzzCopies, FuzzStats
+from .launcher import CallOrder, InputSlot, Launcher, RngCells, run_phases
 from .rebuild import PhaseBuilder, PhaseOptions
 from ..analysis.memplan import MemPlan, plan_memory
 from ..analysis.plan_check import check_plan
@@ -426,26 +428,32 @@ def low_word_ranges(prepared: Prepared) -> list[tuple[int, int]]:
 
 def run_all(prepared: Prepared):
     """Run every phase in order on its share of the inputs (for the proof)."""
-    def run(inputs: list) -> list:
-        out, first = [], 0
-        for launcher in prepared.launchers:
-            n = len(launcher.slots)
-            out += launcher.run_flat(inputs[first:first + n])
-            first += n
-        return out
-    return run
+    return run_phases(prepared.launchers)
 
 
-def prove(prepared: Prepared, rec, relaunches: int) -> None:
+#: Fuzz launches the proof runs at most after the served ones; fewer when they take longer
+#: than the proof without them did (:func:`prove`).
+FUZZ_LAUNCHES = 100
+
+
+def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
+          fuzz_launches: int = FUZZ_LAUNCHES, seed: int = 0) -> None:
     """The proof: ``relaunches`` poisoned launches equal the recording bit for bit (a training
-    step's gradients: within the tolerance :mod:`nimble.engine.proof` states).
+    step's gradients: within the tolerance :mod:`nimble.engine.proof` states); with ``fuzz``,
+    then up to ``fuzz_launches`` launches of delay-noded copies of the phases
+    (:mod:`nimble.engine.fuzz`), each after a fresh draw of delays, held to the same outputs.
+
+    The fuzz launches stop (after a few) once building and running the copies has taken as long
+    as the proof before them, so the fuzzer at most doubles the proof's time.  The copies are
+    freed before this returns or raises.  What ran goes to ``graph.meta["verified"]``, and the
+    seconds of both parts to ``prepared.seconds`` (``verify_served``, ``verify_fuzz``).
 
     A graph that draws random numbers is given the same generator state as the reference for
     each input set; the generator is restored afterwards.
     """
     import torch
 
-    from .proof import verify_against_reference
+    from .proof import FuzzBudget, verify_against_reference
 
     rng = prepared.launcher.rng
     saved = rng.generator.get_state() if rng else None
@@ -455,17 +463,40 @@ def prove(prepared: Prepared, rec, relaunches: int) -> None:
 
     def rng_at(k: int) -> None:
         rng.generator.set_offset(start + 4096 * k * max(rng.increment, 4))
+    began = time.perf_counter()
+    copies = None
     try:
+        if fuzz:
+            copies = _fuzz_copies(prepared, rec, seed)
+        built = time.perf_counter()
         spread = verify_against_reference(
             prepared.graph, rec.replay_reference, run_all(prepared), rec.static_inputs,
             [(prepared.arena_base, prepared.memplan.arena_bytes)] + low_word_ranges(prepared),
             prepared.launcher.stream(),
             relaunches=relaunches, rng_at=rng_at if rng else None,
-            repeats=4 if prepared.step is not None else 3, gradients=gradients)
+            repeats=4 if prepared.step is not None else 3, gradients=gradients, fuzz=copies,
+            fuzz_budget=FuzzBudget(fuzz_launches, time_factor=1.0,
+                                   spent_seconds=built - began))
         torch.cuda.synchronize()
+        ended = time.perf_counter()
+        stats = copies.stats if copies else FuzzStats()
+        fuzz_began = stats.first_draw_at or ended
+        prepared.seconds["verify_served"] = fuzz_began - built
+        prepared.seconds["verify_fuzz"] = (built - began) + (ended - fuzz_began)
         prepared.graph.meta["verified"] = {
             "launches": max(relaunches, 1), "outputs": len(prepared.graph.outputs),
-            "not_bitwise": {str(i): d for i, d in sorted(spread.items())}}
+            "not_bitwise": {str(i): d for i, d in sorted(spread.items())},
+            "fuzz": fuzz, **stats.as_meta()}
     finally:
+        if copies is not None:
+            copies.close()
         if saved is not None:
             rng.generator.set_state(saved)
+
+
+def _fuzz_copies(prepared: Prepared, rec, seed: int):
+    """The delay-noded copies of every phase (:class:`nimble.engine.fuzz.FuzzCopies`)."""
+    import torch
+
+    device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
+    return FuzzCopies(prepared.phase_builder(), prepared.launchers, device, seed=seed)

@@ -13,14 +13,20 @@ answers by luck; a missing dependency can give right answers most of the time.  
    reads the previous launch's values cannot pass by reading identical ones), and every output of
    every launch must equal its reference byte for byte; an output the recording itself does not
    reproduce must stay within ``NONDETERMINISTIC_SLACK`` times the largest difference seen
-   between the reference's own replays (such outputs are named in the result).
+   between the reference's own replays (such outputs are named in the result);
+4. with the race fuzzer (:mod:`nimble.engine.fuzz`), a verification-only copy of the graph with
+   a delay node before every task runs further launches, a fresh random draw of delays before
+   each, checked exactly as the served launches: a missing dependency shows when the two tasks
+   run in the wrong order, and the delays make both orders come up.
 
 A failure raises :class:`~nimble.errors.VerificationError` naming the launch, the first differing
 output and the last tasks that wrote it.  Nothing falls back silently.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
 
 from .. import driver
 from ..errors import VerificationError
@@ -82,7 +88,8 @@ def same_bits(a, b) -> bool:
                        b.contiguous().view(-1).view(torch.uint8))
 
 
-def _last_writers(graph: TaskGraph, buffer: int, count: int = 3) -> str:
+def last_writers(graph: TaskGraph, buffer: int, count: int = 3) -> str:
+    """The last ``count`` tasks writing ``buffer``, each with the op it came from."""
     writers = [t for t in graph.tasks if any(a.buffer == buffer and a.write for a in t.accesses)]
     parts = []
     for t in writers[-count:]:
@@ -97,30 +104,128 @@ def _max_diff(a, b) -> float:
     return float(diff.nan_to_num(float("inf")).max()) if diff.numel() else 0.0
 
 
-def verify_against_reference(graph: TaskGraph, reference: Callable[[list], list],
-                             run: Callable[[list], list], example_inputs: Sequence,
-                             extra_poison: Sequence[tuple[int, int]], stream,
-                             relaunches: int = 100, seed: int = 0,
-                             rng_at: Callable[[int], None] | None = None,
-                             repeats: int = 3, gradients: Sequence[int] = ()
-                             ) -> dict[int, float]:
-    """Check ``run`` against ``reference`` as the module docstring says.
+class FuzzRuns(Protocol):
+    """The proof's fuzz launches (:class:`nimble.engine.fuzz.FuzzCopies`): ``draw()`` before
+    each ``run(inputs)``."""
 
-    ``reference(inputs)`` and ``run(inputs)`` each return the list of output tensors (the
-    reference's as copies).  ``extra_poison`` adds device ranges to poison (the arena).  For a
-    graph that draws random numbers, ``rng_at(k)`` puts the generator in the state used for
-    input set ``k``, before the reference and before every launch on that set.  Outputs listed
-    in ``gradients`` (a training step's backward results) that are not bitwise equal must lie
-    within ``GRADIENT_RTOL`` of their reference's largest magnitude, or within
-    ``NONDETERMINISTIC_SLACK`` times the recording's own spread.  Returns the outputs that were
-    not proven bit for bit, with the largest difference seen (the reference's own spread where
-    it varied, else the difference to the rebuilt graph).
+    def draw(self) -> None: ...
+
+    def run(self, inputs: list) -> list: ...
+
+
+@dataclass(frozen=True)
+class FuzzBudget:
+    """How many fuzz launches the proof runs after the served ones: ``launches`` at most, and
+    once ``at_least`` have run, none after the fuzz part (``spent_seconds`` already spent on it
+    beforehand, building the copies, plus its launches) has taken ``time_factor`` times as
+    long as the proof before it."""
+
+    launches: int
+    time_factor: float = float("inf")
+    spent_seconds: float = 0.0
+    at_least: int = 4
+
+    def allows(self, launch: int, proof_seconds: float, fuzz_seconds: float) -> bool:
+        """Whether fuzz launch number ``launch`` runs."""
+        if launch >= self.launches:
+            return False
+        return launch < self.at_least or \
+            self.spent_seconds + fuzz_seconds <= self.time_factor * proof_seconds
+
+
+class Reference:
+    """The reference outputs of the proof's two input sets, and how runs are held to them.
+
+    Built once (:meth:`record`), it checks any number of runs: the served graph's launches
+    (:meth:`launches`), the fuzz copies' (:meth:`fuzz_launches`), or a broken copy's in a
+    measurement of the proof's power (``tools/proof_power.py``).
     """
-    import torch
 
-    gen = torch.Generator(device=example_inputs[0].device if example_inputs else "cuda")
-    gen.manual_seed(seed)
-    input_sets = [[random_like(x, gen) for x in example_inputs] for _ in range(2)]
+    def __init__(self, graph: TaskGraph, input_sets: list, expected: list,
+                 spread: dict[int, float], gradients: Sequence[int] = (),
+                 rng_at: Callable[[int], None] | None = None) -> None:
+        self.graph, self.input_sets, self.expected, self.spread = \
+            graph, input_sets, expected, spread
+        self.tolerant = set(gradients)
+        self.rng_at = rng_at
+
+    @classmethod
+    def record(cls, graph: TaskGraph, reference: Callable[[list], list],
+               example_inputs: Sequence, seed: int = 0,
+               rng_at: Callable[[int], None] | None = None, repeats: int = 3,
+               gradients: Sequence[int] = ()) -> "Reference":
+        """Two fresh random input sets like ``example_inputs`` run through ``reference``."""
+        import torch
+
+        gen = torch.Generator(device=example_inputs[0].device if example_inputs else "cuda")
+        gen.manual_seed(seed)
+        input_sets = [[random_like(x, gen) for x in example_inputs] for _ in range(2)]
+        expected, spread = _expected_outputs(reference, input_sets, rng_at, repeats)
+        return cls(graph, input_sets, expected, spread, gradients, rng_at)
+
+    def launches(self, run: Callable[[list], list], count: int, label: str = "launch") -> None:
+        """``count`` launches of ``run``, alternating the input sets, each checked."""
+        for launch in range(count):
+            self._check_one(f"{label} {launch}", run, launch)
+
+    def fuzz_launches(self, fuzz: FuzzRuns, budget: FuzzBudget, proof_seconds: float) -> None:
+        """Launches of ``fuzz`` as ``budget`` allows after a proof of ``proof_seconds``, each
+        after a fresh draw, checked the same way."""
+        started = time.perf_counter()
+        launch = 0
+        while budget.allows(launch, proof_seconds, time.perf_counter() - started):
+            fuzz.draw()
+            self._check_one(f"fuzz launch {launch} (with random delays)", fuzz.run, launch)
+            launch += 1
+
+    def _check_one(self, label: str, run: Callable[[list], list], launch: int) -> None:
+        k = launch % 2
+        if self.rng_at is not None:
+            self.rng_at(k)
+        self.check(label, run(self.input_sets[k]), k)
+
+    def check(self, label: str, outputs: list, k: int) -> None:
+        """Raise :class:`VerificationError` unless ``outputs`` match input set ``k``'s."""
+        import torch
+
+        spread = self.spread
+        for i, (got, want) in enumerate(zip(outputs, self.expected[k])):
+            if same_bits(got, want):
+                continue
+            torch.cuda.synchronize()
+            worst = _max_diff(got, want)
+            if i in spread and worst <= NONDETERMINISTIC_SLACK * spread[i]:
+                continue
+            if i in self.tolerant and worst <= GRADIENT_RTOL * float(want.abs().max()):
+                spread[i] = max(spread.get(i, 0.0), worst)
+                continue
+            raise self._failure(label, i, got, worst)
+
+    def _failure(self, label: str, i: int, got, worst: float) -> VerificationError:
+        import torch
+
+        graph, spread = self.graph, self.spread
+        nan = int(torch.isnan(got).sum().item()) if got.is_floating_point() else 0
+        buffer = graph.outputs[i].buffer if i < len(graph.outputs) else -1
+        own = (f"; the recording itself varies by up to {spread[i]:.3g} between replays"
+               if i in spread else "")
+        return VerificationError(
+            f"{label}: output {i} differs from the single-stream reference "
+            f"(max abs diff {worst:.3g}, {nan} NaN elements of {got.numel()}{own}); the "
+            f"last tasks writing it: {last_writers(graph, buffer)}. A NaN means a read of "
+            "poisoned memory (a pointer relocation missed); a small difference means two "
+            "tasks ran unordered that must not (a missing dependency). Re-run prepare() "
+            "with use_multi_stream=False to tell the two apart."
+            + (f" The recording left stale-looking words unrelocated; one may be a pointer "
+               f"after all: {graph.meta['unresolved_report']}"
+               if graph.meta.get("unresolved_report") else ""))
+
+
+def _expected_outputs(reference: Callable[[list], list], input_sets: list,
+                      rng_at: Callable[[int], None] | None, repeats: int
+                      ) -> tuple[list, dict[int, float]]:
+    """Each input set's reference outputs, and per output the largest difference between the
+    reference's own replays (only where it varied)."""
     expected = []
     spread: dict[int, float] = {}
     for k, inputs in enumerate(input_sets):
@@ -134,35 +239,36 @@ def verify_against_reference(graph: TaskGraph, reference: Callable[[list], list]
             for i, (again, first) in enumerate(zip(outputs, expected[k])):
                 if not same_bits(again, first):
                     spread[i] = max(spread.get(i, 0.0), _max_diff(again, first))
+    return expected, spread
+
+
+def verify_against_reference(graph: TaskGraph, reference: Callable[[list], list],
+                             run: Callable[[list], list], example_inputs: Sequence,
+                             extra_poison: Sequence[tuple[int, int]], stream,
+                             relaunches: int = 100, seed: int = 0,
+                             rng_at: Callable[[int], None] | None = None,
+                             repeats: int = 3, gradients: Sequence[int] = (),
+                             fuzz: FuzzRuns | None = None,
+                             fuzz_budget: FuzzBudget | None = None) -> dict[int, float]:
+    """Check ``run`` against ``reference`` as the module docstring says.
+
+    ``reference(inputs)`` and ``run(inputs)`` each return the list of output tensors (the
+    reference's as copies).  ``extra_poison`` adds device ranges to poison (the arena).  For a
+    graph that draws random numbers, ``rng_at(k)`` puts the generator in the state used for
+    input set ``k``, before the reference and before every launch on that set.  Outputs listed
+    in ``gradients`` (a training step's backward results) that are not bitwise equal must lie
+    within ``GRADIENT_RTOL`` of their reference's largest magnitude, or within
+    ``NONDETERMINISTIC_SLACK`` times the recording's own spread.  With ``fuzz``, after the
+    served launches ``fuzz.run`` is launched as ``fuzz_budget`` allows, each launch after
+    ``fuzz.draw()`` and checked the same way on the same alternating input sets.  Returns the
+    outputs that were not proven bit for bit, with the largest difference seen (the
+    reference's own spread where it varied, else the difference to the rebuilt graph).
+    """
+    began = time.perf_counter()
+    ref = Reference.record(graph, reference, example_inputs, seed, rng_at, repeats, gradients)
     poison(poison_ranges(graph) + list(extra_poison), stream)
-    tolerant = set(gradients)
-    for launch in range(max(relaunches, 1)):
-        k = launch % 2
-        if rng_at is not None:
-            rng_at(k)
-        outputs = run(input_sets[k])
-        for i, (got, want) in enumerate(zip(outputs, expected[k])):
-            if same_bits(got, want):
-                continue
-            torch.cuda.synchronize()
-            worst = _max_diff(got, want)
-            if i in spread and worst <= NONDETERMINISTIC_SLACK * spread[i]:
-                continue
-            if i in tolerant and worst <= GRADIENT_RTOL * float(want.abs().max()):
-                spread[i] = max(spread.get(i, 0.0), worst)
-                continue
-            nan = int(torch.isnan(got).sum().item()) if got.is_floating_point() else 0
-            buffer = graph.outputs[i].buffer if i < len(graph.outputs) else -1
-            own = (f"; the recording itself varies by up to {spread[i]:.3g} between replays"
-                   if i in spread else "")
-            raise VerificationError(
-                f"launch {launch}: output {i} differs from the single-stream reference "
-                f"(max abs diff {worst:.3g}, {nan} NaN elements of {got.numel()}{own}); the "
-                f"last tasks writing it: {_last_writers(graph, buffer)}. A NaN means a read of "
-                "poisoned memory (a pointer relocation missed); a small difference means two "
-                "tasks ran unordered that must not (a missing dependency). Re-run prepare() "
-                "with use_multi_stream=False to tell the two apart."
-                + (f" The recording left stale-looking words unrelocated; one may be a pointer "
-                   f"after all: {graph.meta['unresolved_report']}"
-                   if graph.meta.get("unresolved_report") else ""))
-    return spread
+    ref.launches(run, max(relaunches, 1))
+    if fuzz is not None:
+        ref.fuzz_launches(fuzz, fuzz_budget or FuzzBudget(launches=max(relaunches, 1)),
+                          time.perf_counter() - began)
+    return ref.spread

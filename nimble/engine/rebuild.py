@@ -2,16 +2,17 @@
 
 Every build of a phase goes through :class:`PhaseBuilder`: the served graph at prepare, each
 tail-backfill trial (:func:`nimble.analysis.backfill.pick`), the step-through's copies
-(:mod:`nimble.debug.step_through`) and the instrumented copies of the measured timeline
-(:mod:`nimble.debug.timeline`).  How a build differs from the served phase is a
-:class:`PhaseOptions`; the defaults build the phase as served.
+(:mod:`nimble.debug.step_through`), the instrumented copies of the measured timeline
+(:mod:`nimble.debug.timeline`) and the proof's fuzz copies (:mod:`nimble.engine.fuzz`).  How a
+build differs from the served phase is a :class:`PhaseOptions`; the defaults build the phase as
+served.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import AbstractSet as Set, Any, Sequence
 
-from .build import BuiltGraph, GraphSpec, InputGather, StampSpec, build_graph
+from .build import BuiltGraph, DelaySpec, GraphSpec, InputGather, StampSpec, build_graph
 from ..ir.taskgraph import TaskGraph
 
 
@@ -31,6 +32,16 @@ class PhaseOptions:
     only: Set[int] | None = None
     #: Timestamp nodes (:class:`~nimble.engine.build.StampSpec`); None: none.
     stamps: StampSpec | None = None
+    # The options below build verification copies only (the proof's fuzz copies and the
+    # power tool's broken ones): a served phase never has them.
+    #: Delay nodes before tasks (:class:`~nimble.engine.build.DelaySpec`); None: none.
+    delays: DelaySpec | None = None
+    #: Edges of the schedule left out (the late edges are kept).
+    removed_edges: Set[tuple[int, int]] = frozenset()
+    #: Where every buffer lives instead of the served bases (two buffers forced to share
+    #: bytes, say); None: the served bases.  Memset and memcpy endpoints move only in a build
+    #: from the recorded nodes (a builder with ``nodes_relocated`` False).
+    bases: Sequence[int] | None = None
 
 
 AS_SERVED = PhaseOptions()
@@ -60,15 +71,19 @@ class PhaseBuilder:
 
     def spec(self, phase: int, options: PhaseOptions = AS_SERVED) -> GraphSpec:
         """The :class:`~nimble.engine.build.GraphSpec` of phase ``phase`` built with ``options``."""
+        edges = self.edges if not options.removed_edges else \
+            [e for e in self.edges if e not in options.removed_edges]
         return GraphSpec(
-            edges=self.edges, span=self.spans[phase],
+            edges=edges, span=self.spans[phase],
             device_launch=options.device_launch and self.device_launch[phase],
             upload_stream=self.upload_stream,
             gathers=tuple(self.gathers[phase]) if options.gathers else (),
             priorities=self.priorities if options.priorities else None,
             late_edges=self.late_edges if options.late_edges is None else options.late_edges,
-            only=options.only, nodes_relocated=self.nodes_relocated, stamps=options.stamps)
+            only=options.only, nodes_relocated=self.nodes_relocated, stamps=options.stamps,
+            delays=options.delays)
 
     def build(self, phase: int, options: PhaseOptions = AS_SERVED) -> BuiltGraph:
         """Phase ``phase`` built and instantiated with ``options``."""
-        return build_graph(self.graph, self.nodes[phase], self.bases, self.spec(phase, options))
+        bases = self.bases if options.bases is None else options.bases
+        return build_graph(self.graph, self.nodes[phase], bases, self.spec(phase, options))

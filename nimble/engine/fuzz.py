@@ -1,0 +1,167 @@
+"""The proof's race fuzzer: verification-only copies of every phase with a delay node per task.
+
+A race in a schedule (two tasks that touch the same bytes, at least one writing, with no path
+between them) gives a wrong answer only when the GPU runs the two in the wrong order, which a
+few launches of the served graph may never do.  The fuzz copies drive the interleavings: each
+task of a copy waits for a ``nimble_delay`` node (``kernels/delay.ptx``) that waits for the
+task's predecessors, and before every launch the host writes a fresh draw into the delay table.
+
+The draw (:func:`draw_delays`): each task is delayed with probability one half, by a time drawn
+log-uniformly between :data:`MIN_DELAY_NS` and a cap of twice the longest isolated duration of
+the phase's tasks (``Task.duration_us``; :data:`UNTIMED_CAP_NS` where none is known), at most
+:data:`MAX_DELAY_NS`.  Why both orders of every unordered pair come up: take tasks ``a`` and
+``b`` with no path between them, ``b`` running first when nothing is delayed.  In a launch
+where ``b`` is delayed and ``a`` is not (probability one quarter), ``b`` ends up behind ``a``
+as soon as its delay exceeds ``a``'s lead plus ``a``'s duration; both are bounded by the
+phase's longest task, and a log-uniform delay lands above any given point of its range with a
+probability that falls only with the logarithm of that point, so a delay of that size comes in
+a steady fraction of the draws whatever the tasks' scale.  The served order itself (nothing
+between them delayed) comes in a quarter of the launches too.  Over the proof's fuzz launches
+the chance that an unordered pair never shows its wrong order falls geometrically.
+
+The copies are built through :class:`~nimble.engine.rebuild.PhaseBuilder` from the served graph's
+own nodes (same gathers, priorities, late edges, arena, inputs and outputs); the served graph has
+no delay node.  :class:`FuzzCopies` owns them with the table, and is closed after the proof.
+"""
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+
+from .. import driver
+from ..ir.taskgraph import TaskGraph
+from .build import BuiltGraph, DelaySpec
+from .launcher import CallOrder, Launcher, run_phases
+from .rebuild import PhaseBuilder, PhaseOptions
+
+#: The shortest delay drawn: below it the delay node's own launch dominates.
+MIN_DELAY_NS = 500
+#: The cap where no task of a phase has a known duration.
+UNTIMED_CAP_NS = 8_000
+#: No delay beyond this: a longer one only slows the proof down.
+MAX_DELAY_NS = 500_000
+#: The chance that a task is delayed in one draw (one half gives a pair of tasks the most
+#: draws with one delayed and the other not).
+DELAY_CHANCE = 0.5
+
+
+def delay_caps_ns(graph: TaskGraph, spans: Sequence[range]) -> np.ndarray:
+    """Per task, the longest delay it may be drawn (nanoseconds): twice the longest known
+    duration of its phase, :data:`UNTIMED_CAP_NS` where the phase has none, within
+    ``[2 * MIN_DELAY_NS, MAX_DELAY_NS]``."""
+    caps = np.full(len(graph.tasks), UNTIMED_CAP_NS, dtype=np.int64)
+    for span in spans:
+        known = [graph.tasks[t].duration_us for t in span
+                 if graph.tasks[t].duration_us is not None]
+        if known:
+            caps[span.start:span.stop] = int(2_000 * max(known))
+    return np.clip(caps, 2 * MIN_DELAY_NS, MAX_DELAY_NS)
+
+
+def draw_delays(rng: np.random.Generator, caps_ns: np.ndarray) -> np.ndarray:
+    """One draw: a u32 of nanoseconds per task, 0 for the tasks not delayed (see the module
+    docstring for the distribution)."""
+    chosen = rng.random(len(caps_ns)) < DELAY_CHANCE
+    low = math.log(MIN_DELAY_NS)
+    high = np.log(caps_ns.astype(np.float64))
+    delays = np.exp(low + rng.random(len(caps_ns)) * (high - low))
+    return np.where(chosen, delays, 0).astype(np.uint32)
+
+
+@dataclass
+class FuzzStats:
+    """What the fuzz launches ran (recorded in ``graph.meta["verified"]``)."""
+
+    launches: int = 0
+    draws: int = 0
+    delayed: int = 0  # tasks delayed, summed over the draws
+    max_delay_ns: int = 0
+    first_draw_at: float | None = None  # time.perf_counter() at the first draw
+
+    def as_meta(self) -> dict:
+        return {"fuzz_launches": self.launches, "delay_draws": self.draws,
+                "tasks_delayed_per_draw": self.delayed / self.draws if self.draws else 0.0,
+                "max_delay_us": self.max_delay_ns / 1000}
+
+
+def _free(memory: driver.DeviceMemory | None, builts: list[BuiltGraph],
+          launchers: list) -> None:
+    for launcher in launchers:
+        launcher.close()
+    for built in builts:
+        built.close()
+    if memory is not None:
+        memory.close()
+
+
+class FuzzCopies:
+    """A delay-noded copy of every phase, its launchers over the served slots and outputs, and
+    the delay table: owned together, freed by :meth:`close` (idempotent) or when collected.
+
+    ``run(inputs)`` runs every phase in order like the served launchers; :meth:`draw` writes a
+    fresh draw into the table first (after the previous launch has finished reading it).
+    ``options`` change the copies further (a power measurement's broken copies); with
+    ``delays=False`` they get no delay nodes and no table, and :meth:`draw` draws nothing.
+    """
+
+    def __init__(self, builder: PhaseBuilder, served: Sequence[Launcher], device,
+                 seed: int = 0, options: PhaseOptions | None = None,
+                 delays: bool = True) -> None:
+        n = len(builder.graph.tasks)
+        self.caps_ns = delay_caps_ns(builder.graph, builder.spans)
+        self.table = driver.DeviceMemory.allocate(max(4 * n, 4)) if delays else None
+        self.builts: list[BuiltGraph] = []
+        self.launchers: list[Launcher] = []
+        self._finalizer = weakref.finalize(self, _free, self.table, self.builts, self.launchers)
+        self._rng = np.random.default_rng(seed)
+        self._served = list(served)
+        self.stats = FuzzStats()
+        options = options or PhaseOptions()
+        if delays:
+            options = replace(options, delays=DelaySpec(self.table.address))
+        try:
+            if delays:
+                driver.copy_to_device(self.table.address, bytes(4 * n))
+            order = CallOrder()
+            context = driver.current_context()
+            for k in range(len(builder.spans)):
+                built = builder.build(k, options)
+                self.builts.append(built)
+                self.launchers.append(Launcher(
+                    built.exec.handle, served[k].slots, device, served[k].outputs, None,
+                    context, served[k].rng, order=order))
+        except BaseException:
+            self.close()
+            raise
+
+    def draw(self) -> None:
+        """Write a fresh draw into the delay table, once the work queued so far has run."""
+        import torch
+
+        if self.table is None:
+            return
+        if self.stats.first_draw_at is None:
+            self.stats.first_draw_at = time.perf_counter()
+        delays = draw_delays(self._rng, self.caps_ns)
+        torch.cuda.synchronize()
+        driver.copy_to_device(self.table.address, delays.tobytes())
+        self.stats.draws += 1
+        self.stats.delayed += int(np.count_nonzero(delays))
+        self.stats.max_delay_ns = max(self.stats.max_delay_ns, int(delays.max(initial=0)))
+
+    def run(self, inputs: list) -> list:
+        """Every phase's copy in order on its share of ``inputs``: the flat outputs."""
+        self.stats.launches += 1
+        return run_phases(self.launchers)(inputs)
+
+    def close(self) -> None:
+        """Free the copies, their launchers and the table (idempotent).  The copies wrote the
+        served input cells: the served launchers' next calls write every cell again."""
+        self._finalizer()
+        for launcher in self._served:
+            launcher.forget_cells()

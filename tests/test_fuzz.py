@@ -1,0 +1,294 @@
+"""The proof's race fuzzer (nimble.engine.fuzz) on stand-in driver bindings: where the delay nodes
+go, what a draw is, the fuzz launches the proof runs, what it records, and that the copies are
+freed whether the proof passes or fails.  No GPU."""
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from nimble.driver import calls
+from nimble.engine import fuzz as fuzz_module
+from nimble.engine import prepared as prepared_module
+from nimble.engine import proof, rebuild
+from nimble.engine.build import DelaySpec, build_graph
+from nimble.engine.fuzz import FuzzCopies, delay_caps_ns, draw_delays
+from nimble.engine.launcher import InputSlot
+from nimble.engine.rebuild import PhaseOptions
+from nimble.errors import VerificationError
+from nimble.ir.taskgraph import TaskGraph
+from test_rebuild import SCHEDULE, SPANS, StandIn, served_builder, task_graph
+
+TABLE = 0x7000
+
+
+class DelayStandIn(StandIn):
+    """The rebuild tests' stand-in bindings, knowing the delay kernel and device memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: list[bytes] = []  # every host-to-device copy into a delay table
+        self.allocated: list[int] = []
+
+    def cuModuleLoadData(self, image):
+        if b"nimble_delay" in image:
+            return 0, "delay module"
+        return super().cuModuleLoadData(image)
+
+    def cuGraphAddKernelNode(self, graph, deps, count, params):
+        code, node = super().cuGraphAddKernelNode(graph, deps, count, params)
+        if params.func == "nimble_delay":
+            slots = ctypes.cast(params.kernelParams, ctypes.POINTER(ctypes.c_void_p))
+            self.nodes[node].args = [ctypes.c_uint64.from_address(slots[i]).value
+                                     for i in range(2)]
+        return code, node
+
+    def cuMemAlloc(self, size):
+        self.allocated.append(TABLE + 0x1000 * len(self.allocated))
+        return 0, self.allocated[-1]
+
+    def cuMemFree(self, handle):
+        self.freed.append(("cuMemFree", handle))
+        return (0,)
+
+    def cuMemcpyHtoD(self, address, data, size):
+        self.tables.append(bytes(data))
+        return (0,)
+
+
+@pytest.fixture
+def bindings(monkeypatch):
+    fake = DelayStandIn()
+    monkeypatch.setattr(calls, "_drv", fake)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    return fake
+
+
+def _delays(bindings) -> dict[int, SimpleNamespace]:
+    """Delay node -> its stand-in record."""
+    return {k: v for k, v in bindings.nodes.items() if v.func == "nimble_delay"}
+
+
+def test_each_delay_node_sits_between_its_task_and_the_tasks_predecessors(bindings):
+    spec = served_builder().spec(1, PhaseOptions(delays=DelaySpec(TABLE), late_edges=[(5, 4)]))
+    built = build_graph(task_graph(), [f"recorded {t}" for t in range(6)], [], spec)
+    three, four, five = built.nodes
+    delays = _delays(bindings)
+    by_task = {v.args[1]: k for k, v in delays.items()}
+    assert set(by_task) == {3, 4, 5} and all(v.args[0] == TABLE for v in delays.values())
+    for task, node in zip((3, 4, 5), built.nodes):
+        assert bindings.nodes[node].deps == [by_task[task]]  # the task waits for its delay alone
+    assert delays[by_task[4]].deps == [three] and delays[by_task[5]].deps == [three]
+    assert delays[by_task[3]].deps == []  # a root of the phase (no gathers in phase 1)
+    assert bindings.late == [(five, four)]  # late edges still end at the task itself
+    assert all(bindings.priority[k] == -3 for k in delays)  # at the top priority
+    assert built.delay_module.handle == "delay module"
+    built.close()
+    assert ("cuModuleUnload", "delay module") in bindings.freed
+
+
+def test_only_the_chosen_tasks_are_delayed(bindings):
+    spec = served_builder().spec(1, PhaseOptions(delays=DelaySpec(TABLE, tasks={4})))
+    built = build_graph(task_graph(), [f"recorded {t}" for t in range(6)], [], spec)
+    (delay,) = _delays(bindings)
+    assert bindings.nodes[delay].args == [TABLE, 4]
+    assert bindings.nodes[built.nodes[1]].deps == [delay]
+    assert bindings.nodes[built.nodes[2]].deps == [built.nodes[0]]
+
+
+def test_the_served_phases_have_no_delay_nodes(bindings):
+    builder = served_builder()
+    assert all(builder.spec(k).delays is None for k in range(2))
+    for k in range(2):
+        builder.build(k).close()
+    assert not _delays(bindings)
+
+
+def test_verification_copies_may_leave_edges_out_and_move_buffers(monkeypatch, bindings):
+    builder = served_builder()
+    spec = builder.spec(0, PhaseOptions(removed_edges={(0, 2)}))
+    assert (0, 2) not in spec.edges and set(spec.edges) == set(SCHEDULE.edges()) - {(0, 2)}
+    seen = []
+    monkeypatch.setattr(rebuild, "build_graph", lambda g, nodes, bases, spec: seen.append(bases))
+    builder.build(0, PhaseOptions(bases=[7, 8]))
+    builder.build(0)
+    assert seen == [[7, 8], []]
+
+
+def test_delay_caps_follow_the_longest_task_of_each_phase():
+    graph = task_graph()
+    graph.tasks[1].duration_us = 30.0
+    graph.tasks[2].duration_us = 5.0
+    caps = delay_caps_ns(graph, SPANS)
+    assert list(caps[:3]) == [60_000] * 3  # twice phase 0's longest task
+    assert list(caps[3:]) == [fuzz_module.UNTIMED_CAP_NS] * 3  # phase 1: none timed
+    graph.tasks[4].duration_us = 1e6
+    assert delay_caps_ns(graph, SPANS)[4] == fuzz_module.MAX_DELAY_NS
+
+
+def test_a_draw_delays_about_half_the_tasks_within_their_caps():
+    caps = np.array([4_000, 60_000] * 500)
+    delays = draw_delays(np.random.default_rng(0), caps)
+    assert delays.dtype == np.uint32
+    chosen = delays > 0
+    assert 0.4 < chosen.mean() < 0.6
+    assert (delays[chosen] >= fuzz_module.MIN_DELAY_NS).all() and (delays <= caps).all()
+    # log-uniform: as many delays in the lower as in the upper half of the log range
+    long = delays[1::2][chosen[1::2]]
+    middle = np.sqrt(fuzz_module.MIN_DELAY_NS * 60_000)
+    assert 0.4 < (long < middle).mean() < 0.6
+
+
+def _served_launchers():
+    slot = InputSlot(torch.zeros(4), 0x1000, 16, (4,), torch.float32, True, 0x9000)
+    forgot: list = []
+    return [SimpleNamespace(slots=[slot], outputs=[torch.zeros(1)], rng=None, forgot=forgot,
+                            forget_cells=lambda: forgot.append(0)),
+            SimpleNamespace(slots=[], outputs=[], rng=None, forgot=forgot,
+                            forget_cells=lambda: forgot.append(1))]
+
+
+def test_the_fuzz_copies_draw_anew_before_each_launch_and_are_freed(bindings, monkeypatch):
+    launched = []
+    monkeypatch.setattr(fuzz_module.Launcher, "run_flat",
+                        lambda self, inputs: launched.append(self) or [])
+    served = _served_launchers()
+    copies = FuzzCopies(served_builder(), served, torch.device("cpu"), seed=1)
+    assert all(len(d.deps) <= 1 for d in _delays(bindings).values())
+    assert len(_delays(bindings)) == 6  # every task of both phases
+    assert bindings.tables == [bytes(24)]  # the table starts at no delay
+    for _ in range(3):
+        copies.draw()
+        copies.run([torch.zeros(4)])
+    draws = bindings.tables[1:]
+    assert len(draws) == 3 and len(set(draws)) == 3  # a different draw for each launch
+    assert len(launched) == 6 and copies.stats.launches == copies.stats.draws == 3
+    meta = copies.stats.as_meta()
+    assert meta["fuzz_launches"] == meta["delay_draws"] == 3
+    assert meta["max_delay_us"] * 1000 == max(
+        int(np.frombuffer(d, dtype=np.uint32).max()) for d in draws)
+    copies.close()
+    copies.close()
+    assert served[0].forgot[:2] == [0, 1]  # the served calls write their cells again
+    modules = [h for name, h in bindings.freed if name == "cuModuleUnload"]
+    assert modules.count("delay module") == 2  # both phases' copies
+    assert ("cuMemFree", copies.table.address) in bindings.freed
+
+
+def test_a_failed_build_frees_what_was_built(bindings, monkeypatch):
+    builder = served_builder()
+    real = builder.build
+    calls_made = []
+
+    def build(k, options):
+        calls_made.append(k)
+        if k == 1:
+            raise RuntimeError("no more nodes")
+        return real(k, options)
+    monkeypatch.setattr(builder, "build", build)
+    with pytest.raises(RuntimeError):
+        FuzzCopies(builder, _served_launchers(), torch.device("cpu"))
+    assert calls_made == [0, 1]
+    assert [h for name, h in bindings.freed if name == "cuModuleUnload"] == \
+        ["gather module", "delay module"]
+    assert ("cuMemFree", TABLE) in bindings.freed
+
+
+# ---- the fuzz launches inside the proof (CPU stand-ins for the reference and the runs) ----
+
+class FakeFuzz:
+    """Fuzz copies that are right until ``wrong_at`` (a fuzz launch index)."""
+
+    def __init__(self, wrong_at: int | None = None) -> None:
+        self.events: list[str] = []
+        self.wrong_at = wrong_at
+        self.stats = fuzz_module.FuzzStats()
+        self.closed = 0
+
+    def draw(self) -> None:
+        self.events.append("draw")
+        self.stats.draws += 1
+
+    def run(self, inputs):
+        self.events.append("run")
+        self.stats.launches += 1
+        (x,) = inputs
+        return [x * 2 + (1.0 if self.stats.launches - 1 == self.wrong_at else 0.0)]
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def _check(fake, **kw):
+    def double(inputs):
+        return [inputs[0] * 2]
+    return proof.verify_against_reference(TaskGraph(), double, double, [torch.zeros(8)], [],
+                                          None, relaunches=4, fuzz=fake, **kw)
+
+
+@pytest.fixture
+def no_device(monkeypatch):
+    monkeypatch.setattr(proof, "poison", lambda ranges, stream: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+
+
+def test_every_fuzz_launch_follows_a_fresh_draw(no_device):
+    fake = FakeFuzz()
+    assert _check(fake, fuzz_budget=proof.FuzzBudget(6)) == {}
+    assert fake.events == ["draw", "run"] * 6
+
+
+def test_a_race_only_the_delays_expose_fails_the_proof(no_device):
+    with pytest.raises(VerificationError, match=r"fuzz launch 3 \(with random delays\)"):
+        _check(FakeFuzz(wrong_at=3), fuzz_budget=proof.FuzzBudget(6))
+
+
+def test_the_budget_stops_the_fuzz_launches_once_they_take_as_long_as_the_proof():
+    budget = proof.FuzzBudget(100, time_factor=1.0, spent_seconds=0.5, at_least=4)
+    assert budget.allows(3, proof_seconds=0.1, fuzz_seconds=9.0)  # the first few run anyway
+    assert budget.allows(4, proof_seconds=2.0, fuzz_seconds=1.4)
+    assert not budget.allows(4, proof_seconds=2.0, fuzz_seconds=1.6)
+    assert not budget.allows(100, proof_seconds=1e9, fuzz_seconds=0.0)
+
+
+def _stand_in_prove(monkeypatch, fake: FakeFuzz):
+    """``prove`` on a stand-in prepared graph whose fuzz copies are ``fake``."""
+    monkeypatch.setattr(prepared_module, "_fuzz_copies", lambda prepared, rec, seed: fake)
+    monkeypatch.setattr(prepared_module, "low_word_ranges", lambda prepared: [])
+    graph = TaskGraph()
+    launcher = SimpleNamespace(rng=None, stream=lambda: None, slots=[0],
+                               run_flat=lambda inputs: [inputs[0] * 2])
+    prepared = SimpleNamespace(graph=graph, launcher=launcher, launchers=[launcher], step=None,
+                               arena_base=0, memplan=SimpleNamespace(arena_bytes=0), seconds={})
+    rec = SimpleNamespace(replay_reference=lambda inputs: [inputs[0] * 2],
+                          static_inputs=[torch.zeros(8)])
+    return prepared, rec
+
+
+def test_prove_records_what_the_fuzzer_ran_and_frees_the_copies(no_device, monkeypatch):
+    fake = FakeFuzz()
+    prepared, rec = _stand_in_prove(monkeypatch, fake)
+    prepared_module.prove(prepared, rec, 4, fuzz_launches=5)
+    verified = prepared.graph.meta["verified"]
+    assert verified["launches"] == 4 and verified["fuzz"] is True
+    assert verified["fuzz_launches"] == verified["delay_draws"] == 5
+    assert fake.closed == 1
+    assert {"verify_served", "verify_fuzz"} <= set(prepared.seconds)
+
+
+def test_prove_frees_the_copies_when_the_fuzzer_finds_a_race(no_device, monkeypatch):
+    fake = FakeFuzz(wrong_at=1)
+    prepared, rec = _stand_in_prove(monkeypatch, fake)
+    with pytest.raises(VerificationError, match="fuzz launch 1"):
+        prepared_module.prove(prepared, rec, 4, fuzz_launches=5)
+    assert fake.closed == 1 and "verified" not in prepared.graph.meta
+
+
+def test_prove_without_the_fuzzer_builds_no_copies(no_device, monkeypatch):
+    fake = FakeFuzz(wrong_at=0)
+    prepared, rec = _stand_in_prove(monkeypatch, fake)
+    prepared_module.prove(prepared, rec, 4, fuzz=False)
+    assert fake.events == [] and prepared.graph.meta["verified"]["fuzz_launches"] == 0

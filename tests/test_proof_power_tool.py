@@ -1,0 +1,78 @@
+"""tools/proof_power.py's choice of trials and its static classification, on synthetic graphs
+(the proof runs need the GPU: tests/test_gpu_proof_power.py)."""
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from nimble.engine.prepared import plan_graph
+from nimble.ir.synthetic import random_graph
+
+_PATH = Path(__file__).resolve().parent.parent / "tools" / "proof_power.py"
+_spec = importlib.util.spec_from_file_location("proof_power", _PATH)
+power = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = power  # its dataclasses look their module up
+_spec.loader.exec_module(power)
+
+COUNTS = {"sync": 50, "war": 20, "share": 20}
+
+
+@pytest.fixture(scope="module")
+def planned():
+    graph = random_graph(60, seed=1)
+    schedule, plan = plan_graph(graph, True, None, None)
+    return graph, schedule, plan
+
+
+def test_the_trials_repeat_for_a_seed_and_differ_for_another(planned):
+    graph, schedule, plan = planned
+    first = power.plan_trials(graph, schedule, plan, 0, COUNTS)
+    assert first == power.plan_trials(graph, schedule, plan, 0, COUNTS)
+    assert first != power.plan_trials(graph, schedule, plan, 1, COUNTS)
+    kinds = [t.kind for t in first]
+    assert kinds.count("sync") == min(50, len(schedule.sync_edges))
+    assert kinds.count("war") == 20 and kinds.count("share") == 20
+
+
+def test_a_war_only_edge_reads_what_its_successor_writes_and_nothing_more(planned):
+    graph, schedule, plan = planned
+    edges = power.war_only_edges(graph, schedule.edges(), plan)
+    assert edges
+    for u, v in edges:
+        pairs = [(x, y) for x in power._ranges(graph, plan.offsets, u)
+                 for y in power._ranges(graph, plan.offsets, v)
+                 if x[0] == y[0] and x[1] < y[2] and y[1] < x[2]]
+        assert any(not x[3] and y[3] for x, y in pairs)
+        assert not any(x[3] for x, _ in pairs)
+
+
+def test_shared_buffers_have_overlapping_lifetimes(planned):
+    graph, _, plan = planned
+    live = power.lifetimes(graph)
+    changes = power.share_changes(graph, plan, random.Random(0), 10)
+    assert len(changes) == 10
+    for change in changes:
+        ((moved, offset),) = change.moved
+        assert offset == plan.offsets[change.onto] != plan.offsets[moved]
+        assert offset + graph.buffers[moved].size <= plan.arena_bytes
+        (a0, a1), (b0, b1) = live[change.onto], live[moved]
+        assert a0 <= b1 and b0 <= a1
+
+
+def test_the_plan_check_tells_a_needed_removal_from_a_redundant_one(planned):
+    graph, schedule, plan = planned
+    edges = schedule.edges()
+    u, v = schedule.sync_edges[0]
+    is_needed, reason = power.needed(graph, edges, plan,
+                                     power.Change("sync", removed_edges=frozenset({(u, v)})))
+    assert is_needed and reason
+    # another path from u to v (through a task between them) makes the edge redundant
+    u, v = next((u, v) for u, v in schedule.sync_edges if v - u > 1)
+    detour = edges + [(u, u + 1), (u + 1, v)]
+    is_needed, reason = power.needed(graph, detour, plan,
+                                     power.Change("sync", removed_edges=frozenset({(u, v)})))
+    assert not is_needed and "other edges" in reason

@@ -1,0 +1,364 @@
+"""The proof's power, measured: break prepared graphs on purpose, count what the proof catches.
+
+    python3 tools/proof_power.py MODEL[,MODEL...] [--dtype float32,float16] [--sync-trials 50]
+        [--war-trials 20] [--share-trials 20] [--launches 25] [--fuzz-launches 25]
+        [--seed 0] [--json FILE]
+
+Each model is prepared (its recording kept), then each trial breaks one thing in a
+verification copy of the served phases, built from the recording over the same arena:
+
+* ``sync``: one random cross-stream synchronization edge of the schedule removed;
+* ``war``: one edge of the schedule whose only reason is a write-after-read hazard removed (the
+  edge's first task reads bytes the second writes, and neither writes what the other reads);
+* ``share``: two buffers whose lifetimes overlap in recorded order forced onto the same arena
+  bytes (the second moved to the first's offset).
+
+The static plan check (:func:`nimble.analysis.plan_check.check_plan`) decides first whether the
+change can be exposed at all: where it still passes (another path orders every conflicting
+access; the lifetimes do not overlap in the schedule), the trial is *redundant* and counted apart
+with that reason.  Every *needed* trial runs the proof on the broken copy: ``--launches`` poisoned
+launches alternating two input sets, as ``prepare()`` does (caught without the fuzzer), then the
+fuzz launches (:mod:`nimble.engine.fuzz`: a delay-noded copy with the same change, a fresh draw
+before each, at most ``--fuzz-launches`` and no longer than the launches before them took, as
+in ``prepare()``).  Prints one table per model and dtype; seeded, so a run repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from nimble.analysis.memplan import MemPlan, MemPlanError
+from nimble.analysis.plan_check import check_plan
+from nimble.ir.taskgraph import BufferKind, TaskGraph
+
+KINDS = ("sync", "war", "share")
+
+
+@dataclass(frozen=True)
+class Change:
+    """What one trial breaks: schedule edges removed, or buffers moved to other arena offsets."""
+
+    kind: str
+    removed_edges: frozenset = frozenset()
+    moved: tuple[tuple[int, int], ...] = ()  # (buffer, arena offset)
+    onto: int = -1  # the buffer whose bytes the moved one now shares
+
+    def describe(self) -> str:
+        if self.kind == "share":
+            return ", ".join(f"buffer {b} moved onto buffer {self.onto} (offset {o})"
+                             for b, o in self.moved)
+        return ", ".join(f"edge {u}->{v} removed" for u, v in sorted(self.removed_edges))
+
+
+# ---- choosing and classifying changes (no GPU) ----------------------------------------------
+
+def _ranges(graph: TaskGraph, offsets: dict[int, int], task: int) -> list[tuple]:
+    """``(space, lo, hi, write)`` per access of ``task``: planned buffers in arena bytes (which
+    buffers sharing bytes have in common), the others in their own buffer's bytes."""
+    out = []
+    for a in graph.tasks[task].accesses:
+        if a.size <= 0:
+            continue
+        if a.buffer in offsets:
+            lo = offsets[a.buffer] + a.offset
+            out.append(("arena", lo, lo + a.size, a.write))
+        else:
+            out.append((a.buffer, a.offset, a.end, a.write))
+    return out
+
+
+def war_only_edges(graph: TaskGraph, edges: Sequence[tuple[int, int]],
+                   plan: MemPlan) -> list[tuple[int, int]]:
+    """The edges ``(u, v)`` whose only hazard is write-after-read: ``u`` reads bytes ``v``
+    writes, and no byte ``u`` writes is touched by ``v`` (no read- or write-after-write)."""
+    found = []
+    for u, v in edges:
+        war = other = False
+        for space, lo, hi, write in _ranges(graph, plan.offsets, u):
+            for space2, lo2, hi2, write2 in _ranges(graph, plan.offsets, v):
+                if space != space2 or hi <= lo2 or hi2 <= lo:
+                    continue
+                if write:
+                    other = True
+                elif write2:
+                    war = True
+        if war and not other:
+            found.append((u, v))
+    return found
+
+
+def lifetimes(graph: TaskGraph) -> dict[int, tuple[int, int]]:
+    """``buffer -> (first task, last task)`` touching it, for the intermediates and scratch."""
+    spans: dict[int, tuple[int, int]] = {}
+    for t in graph.tasks:
+        for a in t.accesses:
+            if a.size > 0 and graph.buffers[a.buffer].kind in (BufferKind.INTERMEDIATE,
+                                                               BufferKind.SCRATCH):
+                lo, hi = spans.get(a.buffer, (t.id, t.id))
+                spans[a.buffer] = (min(lo, t.id), max(hi, t.id))
+    return spans
+
+
+def share_changes(graph: TaskGraph, plan: MemPlan, rng: random.Random,
+                  count: int) -> list[Change]:
+    """Up to ``count`` changes each moving one buffer onto another whose lifetime overlaps its
+    own in recorded order (and whose offset leaves it inside the arena)."""
+    live = {b: s for b, s in lifetimes(graph).items() if b in plan.offsets}
+    ids = sorted(live)
+    changes: list[Change] = []
+    seen = set()
+    for _ in range(50 * max(count, 1)):
+        if len(changes) >= count or len(ids) < 2:
+            break
+        a, b = rng.sample(ids, 2)
+        (a0, a1), (b0, b1) = live[a], live[b]
+        offset = plan.offsets[a]
+        if (a, b) in seen or a1 < b0 or b1 < a0 or offset == plan.offsets[b] \
+                or offset + graph.buffers[b].size > plan.arena_bytes:
+            continue
+        seen.add((a, b))
+        changes.append(Change("share", moved=((b, offset),), onto=a))
+    return changes
+
+
+def edge_changes(kind: str, edges: Sequence[tuple[int, int]], rng: random.Random,
+                 count: int) -> list[Change]:
+    """Up to ``count`` of ``edges``, drawn without repeats, each removed alone."""
+    picked = rng.sample(list(edges), min(count, len(edges)))
+    return [Change(kind, removed_edges=frozenset({e})) for e in picked]
+
+
+def needed(graph: TaskGraph, edges: Sequence[tuple[int, int]], plan: MemPlan,
+           change: Change) -> tuple[bool, str]:
+    """``(needed, reason)``: whether the plan check finds the race or overlap ``change``
+    makes (its message), or why the change is redundant."""
+    kept = [e for e in edges if e not in change.removed_edges]
+    offsets = dict(plan.offsets)
+    offsets.update(change.moved)
+    try:
+        check_plan(graph, kept, dataclasses.replace(plan, offsets=offsets))
+    except MemPlanError as e:
+        return True, str(e)
+    if change.kind == "share":
+        return False, "the plan check passes: every access of one buffer is ordered before " \
+                      "every access of the other in the schedule"
+    return False, "the plan check passes: other edges order every conflicting access"
+
+
+def plan_trials(graph: TaskGraph, schedule, plan: MemPlan, seed: int,
+                counts: dict[str, int]) -> list[Change]:
+    """The seeded trials of each kind (``counts[kind]`` of each)."""
+    rng = random.Random(seed)
+    edges = schedule.edges()
+    trials = edge_changes("sync", schedule.sync_edges, rng, counts.get("sync", 0))
+    trials += edge_changes("war", war_only_edges(graph, edges, plan), rng,
+                           counts.get("war", 0))
+    trials += share_changes(graph, plan, rng, counts.get("share", 0))
+    return trials
+
+
+# ---- running the proof on a broken copy (GPU) -----------------------------------------------
+
+@dataclass
+class Trial:
+    change: Change
+    needed: bool
+    reason: str
+    caught_plain: bool = False
+    caught_fuzz: bool = False
+    seconds_plain: float = 0.0
+    seconds_fuzz: float = 0.0  # the whole proof with the fuzzer (plain launches included)
+    message: str = ""
+
+    def as_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["change"] = {"kind": self.change.kind, "what": self.change.describe()}
+        return d
+
+
+def copy_builder(prepared, rec):
+    """A builder of verification copies of the served phases from the recorded nodes (moved
+    buffers need the recorded memset and memcpy endpoints)."""
+    return dataclasses.replace(prepared.phase_builder(), nodes=[rec.nodes] * len(
+        prepared.builts), nodes_relocated=False)
+
+
+def options_of(prepared, change: Change):
+    from nimble.engine.rebuild import PhaseOptions
+
+    bases = None
+    if change.moved:
+        bases = list(prepared.bases)
+        for buffer, offset in change.moved:
+            bases[buffer] = prepared.arena_base + offset
+    return PhaseOptions(removed_edges=change.removed_edges, bases=bases)
+
+
+def poison_all(prepared) -> None:
+    from nimble.engine import proof
+    from nimble.engine.prepared import low_word_ranges
+
+    proof.poison(proof.poison_ranges(prepared.graph)
+                 + [(prepared.arena_base, prepared.memplan.arena_bytes)]
+                 + low_word_ranges(prepared), prepared.launcher.stream())
+
+
+def run_trial(prepared, rec, reference, change: Change, launches: int, fuzz_launches: int,
+              seed: int) -> tuple[bool, bool, float, float, str]:
+    """``(caught without the fuzzer, caught with it, seconds without, seconds with, message)``
+    of the proof on ``prepared``'s phases broken by ``change``."""
+    import torch
+
+    from nimble.engine.fuzz import FuzzCopies
+    from nimble.engine.proof import FuzzBudget
+    from nimble.errors import VerificationError
+
+    builder, options = copy_builder(prepared, rec), options_of(prepared, change)
+    device = rec.static_inputs[0].device
+    began = time.perf_counter()
+    poison_all(prepared)
+    plain = FuzzCopies(builder, prepared.launchers, device, options=options, delays=False)
+    try:
+        reference.launches(plain.run, launches)
+    except VerificationError as e:
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - began
+        return True, True, seconds, seconds, str(e)
+    finally:
+        plain.close()
+    torch.cuda.synchronize()
+    plain_seconds = time.perf_counter() - began
+    fuzz_began = time.perf_counter()
+    copies = FuzzCopies(builder, prepared.launchers, device, seed=seed, options=options)
+    try:
+        budget = FuzzBudget(fuzz_launches, time_factor=1.0,
+                            spent_seconds=time.perf_counter() - fuzz_began)
+        reference.fuzz_launches(copies, budget, plain_seconds)
+        caught, message = False, ""
+    except VerificationError as e:
+        caught, message = True, str(e)
+    finally:
+        copies.close()
+    torch.cuda.synchronize()
+    return False, caught, plain_seconds, plain_seconds + time.perf_counter() - fuzz_began, message
+
+
+@dataclass
+class Summary:
+    model: str
+    dtype: str
+    trials: list[Trial] = field(default_factory=list)
+    proof_seconds: dict = field(default_factory=dict)  # prepare()'s own proof, both parts
+
+    def rows(self) -> list[list[str]]:
+        rows = []
+        for kind in KINDS:
+            mine = [t for t in self.trials if t.change.kind == kind]
+            need = [t for t in mine if t.needed]
+            if not mine:
+                continue
+            mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
+            rows.append([kind, str(len(mine)), str(len(mine) - len(need)), str(len(need)),
+                         f"{sum(t.caught_plain for t in need)}/{len(need)}",
+                         f"{sum(t.caught_fuzz for t in need)}/{len(need)}",
+                         f"{mean([t.seconds_plain for t in need]):.2f}",
+                         f"{mean([t.seconds_fuzz for t in need]):.2f}"])
+        return rows
+
+
+HEADER = ["kind", "trials", "redundant", "needed", "caught w/o fuzz", "caught w/ fuzz",
+          "proof s w/o", "proof s w/"]
+
+
+def table(summary: Summary) -> str:
+    rows = [HEADER] + summary.rows()
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    lines = [f"{summary.model} {summary.dtype}: prepare()'s proof "
+             + ", ".join(f"{k} {v:.2f} s" for k, v in summary.proof_seconds.items())]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def measure(name: str, dtype: str, counts: dict[str, int], launches: int,
+            fuzz_launches: int, seed: int, say=print) -> Summary:
+    """Prepare ``name`` in ``dtype`` and run the trials ``counts`` asks for."""
+    import torch
+
+    import nimble
+    from nimble.cli import models
+    from nimble.driver.gpu import use_cudnn_benchmark
+    from nimble.engine.proof import Reference
+
+    use_cudnn_benchmark()
+    model = models.create(name).cuda().eval().to(getattr(torch, dtype))
+    x = models.example_input(name).to(getattr(torch, dtype))
+    nm = nimble.Nimble(model).prepare(x, quiet=True, keep_recording=True)
+    try:
+        prepared, rec = nm.engine, nm.recording
+        summary = Summary(name, dtype, proof_seconds={
+            k: v for k, v in prepared.seconds.items() if k.startswith("verify")})
+        reference = Reference.record(prepared.graph, rec.replay_reference, rec.static_inputs,
+                                     seed=seed)
+        edges = prepared.schedule.edges()
+        trials = plan_trials(prepared.graph, prepared.schedule, prepared.memplan, seed, counts)
+        started = time.perf_counter()
+        for i, change in enumerate(trials):
+            is_needed, reason = needed(prepared.graph, edges, prepared.memplan, change)
+            trial = Trial(change, is_needed, reason)
+            if is_needed:
+                (trial.caught_plain, trial.caught_fuzz, trial.seconds_plain, trial.seconds_fuzz,
+                 trial.message) = run_trial(prepared, rec, reference, change, launches,
+                                            fuzz_launches, seed + i)
+            summary.trials.append(trial)
+            say(f"  {name} {dtype} trial {i + 1}/{len(trials)} ({change.kind}): "
+                + ("redundant" if not is_needed else
+                   "caught" if trial.caught_plain else
+                   "caught by the fuzzer" if trial.caught_fuzz else "NOT caught")
+                + f"  [{time.perf_counter() - started:.0f} s]")
+        return summary
+    finally:
+        nm.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models")
+    parser.add_argument("--dtype", default="float32,float16")
+    parser.add_argument("--sync-trials", type=int, default=50)
+    parser.add_argument("--war-trials", type=int, default=20)
+    parser.add_argument("--share-trials", type=int, default=20)
+    parser.add_argument("--launches", type=int, default=25,
+                        help="poisoned launches of each broken copy (prepare() runs 100)")
+    parser.add_argument("--fuzz-launches", type=int, default=25,
+                        help="fuzz launches at most after them")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write every trial to this file")
+    args = parser.parse_args(argv)
+    counts = {"sync": args.sync_trials, "war": args.war_trials, "share": args.share_trials}
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+    summaries = []
+    for name in args.models.split(","):
+        for dtype in args.dtype.split(","):
+            say(f"{name} {dtype}: preparing")
+            summary = measure(name, dtype, counts, args.launches, args.fuzz_launches,
+                              args.seed, say)
+            summaries.append(summary)
+            print(table(summary), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"model": s.model, "dtype": s.dtype, "proof_seconds": s.proof_seconds,
+                        "trials": [t.as_json() for t in s.trials]} for s in summaries], f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
