@@ -33,6 +33,11 @@ class PrepareOptions:
         poisoned; it must match bit for bit (:class:`~nimble.errors.VerificationError`).
     relaunches : int or None
         Launches of the proof; None: 100 for inference, 20 for a training step.
+    fuzz : bool
+        After those launches, the proof runs a verification-only copy of each phase with a
+        delay kernel before randomly chosen tasks, a new draw each launch, so that tasks the
+        schedule leaves unordered meet in both orders (:mod:`nimble.engine.fuzz`); it takes at
+        most about as long as the launches before it.  The served graph has no delay nodes.
     keep_recording : bool
         Keeps the live recording (``nm.recording``) for debugging and for a later prepare.
     recording : Recording or None
@@ -56,6 +61,7 @@ class PrepareOptions:
     gather_inputs: bool = True
     verify: bool = True
     relaunches: int | None = None
+    fuzz: bool = True
     keep_recording: bool = False
     recording: Any = None
     priorities: bool = True

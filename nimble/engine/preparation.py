@@ -140,8 +140,10 @@ def prepare_engine(model, example_inputs, *, training: bool, use_multi_stream: b
         if options.verify:
             relaunches = options.proof_launches(training)
             t0 = time.perf_counter()
-            say(f"verifying: {relaunches} launches against the single-stream recording", quiet)
-            prove(candidate, rec, relaunches)
+            say(f"verifying: {relaunches} launches against the single-stream recording"
+                + (", then launches with random delays (the race fuzzer)" if options.fuzz else ""),
+                quiet)
+            prove(candidate, rec, relaunches, fuzz=options.fuzz)
             seconds["verify"] = time.perf_counter() - t0
     except BaseException:
         candidate.close()
