@@ -292,3 +292,23 @@ def test_prove_without_the_fuzzer_builds_no_copies(no_device, monkeypatch):
     prepared, rec = _stand_in_prove(monkeypatch, fake)
     prepared_module.prove(prepared, rec, 4, fuzz=False)
     assert fake.events == [] and prepared.graph.meta["verified"]["fuzz_launches"] == 0
+
+
+def test_a_stream_draw_delays_whole_streams_by_one_amount_each():
+    import numpy as np
+
+    from nimble.engine.fuzz import MIN_DELAY_NS, draw_stream_delays
+
+    stream_of = np.array([0, 1, 2, 3] * 50)
+    caps = np.full(len(stream_of), 40_000, dtype=np.int64)
+    rng = np.random.default_rng(3)
+    slow_counts = []
+    for _ in range(200):
+        delays = draw_stream_delays(rng, caps, stream_of)
+        for s in range(4):
+            values = set(delays[stream_of == s].tolist())
+            assert len(values) == 1  # one amount for the whole stream, or none
+            (value,) = values
+            assert value == 0 or MIN_DELAY_NS <= value <= 40_000
+        slow_counts.append(sum(1 for s in range(4) if delays[stream_of == s][0]))
+    assert 1.5 < sum(slow_counts) / len(slow_counts) < 2.5  # about half the streams slow

@@ -6,18 +6,22 @@ few launches of the served graph may never do.  The fuzz copies drive the interl
 task of a copy waits for a ``nimble_delay`` node (``kernels/delay.ptx``) that waits for the
 task's predecessors, and before every launch the host writes a fresh draw into the delay table.
 
-The draw (:func:`draw_delays`): each task is delayed with probability one half, by a time drawn
-log-uniformly between :data:`MIN_DELAY_NS` and a cap of twice the longest isolated duration of
-the phase's tasks (``Task.duration_us``; :data:`UNTIMED_CAP_NS` where none is known), at most
-:data:`MAX_DELAY_NS`.  Why both orders of every unordered pair come up: take tasks ``a`` and
-``b`` with no path between them, ``b`` running first when nothing is delayed.  In a launch
-where ``b`` is delayed and ``a`` is not (probability one quarter), ``b`` ends up behind ``a``
-as soon as its delay exceeds ``a``'s lead plus ``a``'s duration; both are bounded by the
-phase's longest task, and a log-uniform delay lands above any given point of its range with a
-probability that falls only with the logarithm of that point, so a delay of that size comes in
-a steady fraction of the draws whatever the tasks' scale.  The served order itself (nothing
-between them delayed) comes in a quarter of the launches too.  Over the proof's fuzz launches
-the chance that an unordered pair never shows its wrong order falls geometrically.
+Two kinds of draw alternate (:func:`draw_delays`, :func:`draw_stream_delays`).
+
+* **Per task**: each task is delayed with probability one half, by a time drawn log-uniformly
+  between :data:`MIN_DELAY_NS` and a cap of twice the longest isolated duration of the phase's
+  tasks (``Task.duration_us``; :data:`UNTIMED_CAP_NS` where none is known), at most
+  :data:`MAX_DELAY_NS`.  This reorders tasks whose natural start times lie close together.
+* **Per stream**: each stream is slow with probability one half, and every task on a slow
+  stream is delayed by that stream's own log-uniform draw.  A missing synchronization from a
+  producer on stream A to a consumer on stream B usually has slack of many tasks: B reaches the
+  consumer long after A's producer finished.  Delays on single tasks, drawn on both streams
+  alike, mostly cancel out there; a slow A and a fast B shift the producer behind the consumer
+  by the sum of the delays of A's tasks before it, so the missing order shows.  Each ordered
+  pair of streams is (slow, fast) in a quarter of these draws.
+
+The per-task kind alone caught 3 of 20 removed syncs in inception_v3 fp16 in the launches the
+proof can afford (docs/findings.md); both kinds together are what the proof runs.
 
 The copies are built through :class:`~nimble.engine.rebuild.PhaseBuilder` from the served graph's
 own nodes (same gathers, priorities, late edges, arena, inputs and outputs); the served graph has
@@ -63,14 +67,30 @@ def delay_caps_ns(graph: TaskGraph, spans: Sequence[range]) -> np.ndarray:
     return np.clip(caps, 2 * MIN_DELAY_NS, MAX_DELAY_NS)
 
 
-def draw_delays(rng: np.random.Generator, caps_ns: np.ndarray) -> np.ndarray:
-    """One draw: a u32 of nanoseconds per task, 0 for the tasks not delayed (see the module
-    docstring for the distribution)."""
-    chosen = rng.random(len(caps_ns)) < DELAY_CHANCE
+def _log_uniform(rng: np.random.Generator, caps_ns: np.ndarray) -> np.ndarray:
     low = math.log(MIN_DELAY_NS)
     high = np.log(caps_ns.astype(np.float64))
-    delays = np.exp(low + rng.random(len(caps_ns)) * (high - low))
-    return np.where(chosen, delays, 0).astype(np.uint32)
+    return np.exp(low + rng.random(len(caps_ns)) * (high - low))
+
+
+def draw_delays(rng: np.random.Generator, caps_ns: np.ndarray) -> np.ndarray:
+    """A per-task draw: a u32 of nanoseconds per task, 0 for the tasks not delayed (see the
+    module docstring for the distribution)."""
+    chosen = rng.random(len(caps_ns)) < DELAY_CHANCE
+    return np.where(chosen, _log_uniform(rng, caps_ns), 0).astype(np.uint32)
+
+
+def draw_stream_delays(rng: np.random.Generator, caps_ns: np.ndarray,
+                       stream_of: np.ndarray) -> np.ndarray:
+    """A per-stream draw: every task of a slow stream delayed by its stream's draw, the tasks
+    of the other streams not at all (see the module docstring)."""
+    streams = int(stream_of.max(initial=-1)) + 1
+    slow = rng.random(streams) < DELAY_CHANCE
+    per_stream = _log_uniform(rng, np.full(streams, int(caps_ns.max(initial=0)), np.int64))
+    on = stream_of >= 0
+    delays = np.zeros(len(caps_ns))
+    delays[on] = np.where(slow[stream_of[on]], per_stream[stream_of[on]], 0)
+    return np.minimum(delays, caps_ns).astype(np.uint32)
 
 
 @dataclass
@@ -111,8 +131,10 @@ class FuzzCopies:
 
     def __init__(self, builder: PhaseBuilder, served: Sequence[Launcher], device,
                  seed: int = 0, options: PhaseOptions | None = None,
-                 delays: bool = True) -> None:
+                 delays: bool = True, stream_of: Sequence[int] | None = None) -> None:
         n = len(builder.graph.tasks)
+        #: The stream of every task, for the per-stream draws (None: per-task draws only).
+        self.stream_of = None if stream_of is None else np.asarray(stream_of, dtype=np.int64)
         self.caps_ns = delay_caps_ns(builder.graph, builder.spans)
         self.table = driver.DeviceMemory.allocate(max(4 * n, 4)) if delays else None
         self.builts: list[BuiltGraph] = []
@@ -147,7 +169,10 @@ class FuzzCopies:
             return
         if self.stats.first_draw_at is None:
             self.stats.first_draw_at = time.perf_counter()
-        delays = draw_delays(self._rng, self.caps_ns)
+        if self.stream_of is not None and self.stats.draws % 2:
+            delays = draw_stream_delays(self._rng, self.caps_ns, self.stream_of)
+        else:
+            delays = draw_delays(self._rng, self.caps_ns)
         torch.cuda.synchronize()
         driver.copy_to_device(self.table.address, delays.tobytes())
         self.stats.draws += 1

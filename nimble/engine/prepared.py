@@ -499,4 +499,5 @@ def _fuzz_copies(prepared: Prepared, rec, seed: int):
     import torch
 
     device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
-    return FuzzCopies(prepared.phase_builder(), prepared.launchers, device, seed=seed)
+    return FuzzCopies(prepared.phase_builder(), prepared.launchers, device, seed=seed,
+                      stream_of=prepared.schedule.stream_of)
