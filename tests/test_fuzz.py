@@ -312,3 +312,20 @@ def test_a_stream_draw_delays_whole_streams_by_one_amount_each():
             assert value == 0 or MIN_DELAY_NS <= value <= 40_000
         slow_counts.append(sum(1 for s in range(4) if delays[stream_of == s][0]))
     assert 1.5 < sum(slow_counts) / len(slow_counts) < 2.5  # about half the streams slow
+
+
+def test_every_fuzz_launch_starts_from_a_poisoned_arena(bindings, monkeypatch):
+    events = []
+    monkeypatch.setattr(fuzz_module.Launcher, "run_flat",
+                        lambda self, inputs: events.append("launch") or [])
+    monkeypatch.setattr(fuzz_module.Launcher, "stream", lambda self, raw=None: "stream")
+    monkeypatch.setattr(fuzz_module, "poison",
+                        lambda ranges, stream: events.append(("poison", tuple(ranges), stream)))
+    copies = FuzzCopies(served_builder(), _served_launchers(), torch.device("cpu"), seed=1,
+                        repoison=[(0x5000, 256)])
+    for _ in range(2):
+        copies.draw()
+        copies.run([torch.zeros(4)])
+    poisoned = ("poison", ((0x5000, 256),), "stream")
+    assert events == [poisoned, "launch", "launch", poisoned, "launch", "launch"]
+    copies.close()

@@ -236,7 +236,8 @@ def run_trial(prepared, rec, reference, change: Change, launches: int, fuzz_laun
     plain_seconds = time.perf_counter() - began
     fuzz_began = time.perf_counter()
     copies = FuzzCopies(builder, prepared.launchers, device, seed=seed, options=options,
-                        stream_of=prepared.schedule.stream_of)
+                        stream_of=prepared.schedule.stream_of,
+                        repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)])
     try:
         budget = FuzzBudget(fuzz_launches, time_factor=1.0,
                             spent_seconds=time.perf_counter() - fuzz_began)

@@ -6,7 +6,8 @@ few launches of the served graph may never do.  The fuzz copies drive the interl
 task of a copy waits for a ``nimble_delay`` node (``kernels/delay.ptx``) that waits for the
 task's predecessors, and before every launch the host writes a fresh draw into the delay table.
 
-Two kinds of draw alternate (:func:`draw_delays`, :func:`draw_stream_delays`).
+Before every fuzz launch the arena is poisoned again (``repoison``), so every launch of a copy
+reads only what it wrote itself.  Two kinds of draw alternate (:func:`draw_delays`, :func:`draw_stream_delays`).
 
 * **Per task**: each task is delayed with probability one half, by a time drawn log-uniformly
   between :data:`MIN_DELAY_NS` and a cap of twice the longest isolated duration of the phase's
@@ -41,6 +42,7 @@ from .. import driver
 from ..ir.taskgraph import TaskGraph
 from .build import BuiltGraph, DelaySpec
 from .launcher import CallOrder, Launcher, run_phases
+from .proof import poison
 from .rebuild import PhaseBuilder, PhaseOptions
 
 #: The shortest delay drawn: below it the delay node's own launch dominates.
@@ -131,8 +133,11 @@ class FuzzCopies:
 
     def __init__(self, builder: PhaseBuilder, served: Sequence[Launcher], device,
                  seed: int = 0, options: PhaseOptions | None = None,
-                 delays: bool = True, stream_of: Sequence[int] | None = None) -> None:
+                 delays: bool = True, stream_of: Sequence[int] | None = None,
+                 repoison: Sequence[tuple[int, int]] = ()) -> None:
         n = len(builder.graph.tasks)
+        #: ``(address, size)`` ranges poisoned again before every fuzz launch (the arena).
+        self.repoison = list(repoison)
         #: The stream of every task, for the per-stream draws (None: per-task draws only).
         self.stream_of = None if stream_of is None else np.asarray(stream_of, dtype=np.int64)
         self.caps_ns = delay_caps_ns(builder.graph, builder.spans)
@@ -175,6 +180,11 @@ class FuzzCopies:
             delays = draw_delays(self._rng, self.caps_ns)
         torch.cuda.synchronize()
         driver.copy_to_device(self.table.address, delays.tobytes())
+        # Every launch starts from a poisoned arena: a read that a race moves before its write
+        # then sees NaNs, even where the write puts the same bytes every launch (a buffer that
+        # depends on the weights alone), which the previous launch would have left in place.
+        if self.repoison:
+            poison(self.repoison, self.launchers[0].stream())
         self.stats.draws += 1
         self.stats.delayed += int(np.count_nonzero(delays))
         self.stats.max_delay_ns = max(self.stats.max_delay_ns, int(delays.max(initial=0)))

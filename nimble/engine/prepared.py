@@ -500,4 +500,5 @@ def _fuzz_copies(prepared: Prepared, rec, seed: int):
 
     device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
     return FuzzCopies(prepared.phase_builder(), prepared.launchers, device, seed=seed,
-                      stream_of=prepared.schedule.stream_of)
+                      stream_of=prepared.schedule.stream_of,
+                      repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)])
