@@ -294,24 +294,34 @@ def test_prove_without_the_fuzzer_builds_no_copies(no_device, monkeypatch):
     assert fake.events == [] and prepared.graph.meta["verified"]["fuzz_launches"] == 0
 
 
-def test_a_stream_draw_delays_whole_streams_by_one_amount_each():
+def test_a_heavy_draw_delays_one_task_of_each_slow_stream_by_up_to_the_scale():
     import numpy as np
 
-    from nimble.engine.fuzz import MIN_DELAY_NS, draw_stream_delays
+    from nimble.engine.fuzz import draw_stream_delays
 
-    stream_of = np.array([0, 1, 2, 3] * 50)
-    caps = np.full(len(stream_of), 40_000, dtype=np.int64)
+    stream_of = np.array([0, 1, 2, 3, -1] * 40)
     rng = np.random.default_rng(3)
-    slow_counts = []
-    for _ in range(200):
-        delays = draw_stream_delays(rng, caps, stream_of)
+    slow = []
+    for _ in range(300):
+        delays = draw_stream_delays(rng, stream_of, 1_000_000)
+        assert not delays[stream_of < 0].any()
         for s in range(4):
-            values = set(delays[stream_of == s].tolist())
-            assert len(values) == 1  # one amount for the whole stream, or none
-            (value,) = values
-            assert value == 0 or MIN_DELAY_NS <= value <= 40_000
-        slow_counts.append(sum(1 for s in range(4) if delays[stream_of == s][0]))
-    assert 1.5 < sum(slow_counts) / len(slow_counts) < 2.5  # about half the streams slow
+            mine = delays[stream_of == s]
+            assert np.count_nonzero(mine) <= 1
+            assert all(500_000 <= d <= 1_000_000 for d in mine[mine > 0])
+        slow.append(sum(1 for s in range(4) if delays[stream_of == s].any()))
+    assert 1.0 < sum(slow) / len(slow) < 1.67  # a third of the four streams
+
+
+def test_the_heavy_scale_is_the_critical_path_of_the_known_durations():
+    from nimble.engine.fuzz import HEAVY_DELAY_NS, heavy_delay_ns
+    from nimble.ir.taskgraph import Task, TaskGraph
+
+    g = TaskGraph()
+    g.tasks = [Task(i, "kernel", duration_us=d) for i, d in enumerate([30.0, 50.0, 20.0])]
+    assert heavy_delay_ns(g, [(0, 2), (1, 2)]) == 70_000  # 50 then 20
+    g.tasks = [Task(i, "kernel") for i in range(3)]
+    assert heavy_delay_ns(g, []) == HEAVY_DELAY_NS[1]
 
 
 def test_every_fuzz_launch_starts_from_a_poisoned_arena(bindings, monkeypatch):

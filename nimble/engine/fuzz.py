@@ -7,22 +7,24 @@ task of a copy waits for a ``nimble_delay`` node (``kernels/delay.ptx``) that wa
 task's predecessors, and before every launch the host writes a fresh draw into the delay table.
 
 Before every fuzz launch the arena is poisoned again (``repoison``), so every launch of a copy
-reads only what it wrote itself.  Two kinds of draw alternate (:func:`draw_delays`, :func:`draw_stream_delays`).
+reads only what it wrote itself.  Two kinds of draw take turns, two heavy draws to one per-task draw (:func:`draw_delays`,
+:func:`draw_stream_delays`).
 
 * **Per task**: each task is delayed with probability one half, by a time drawn log-uniformly
   between :data:`MIN_DELAY_NS` and a cap of twice the longest isolated duration of the phase's
   tasks (``Task.duration_us``; :data:`UNTIMED_CAP_NS` where none is known), at most
   :data:`MAX_DELAY_NS`.  This reorders tasks whose natural start times lie close together.
-* **Per stream**: each stream is slow with probability one half, and every task on a slow
-  stream is delayed by that stream's own log-uniform draw.  A missing synchronization from a
-  producer on stream A to a consumer on stream B usually has slack of many tasks: B reaches the
-  consumer long after A's producer finished.  Delays on single tasks, drawn on both streams
-  alike, mostly cancel out there; a slow A and a fast B shift the producer behind the consumer
-  by the sum of the delays of A's tasks before it, so the missing order shows.  Each ordered
-  pair of streams is (slow, fast) in a quarter of these draws.
+* **Per stream, heavy**: each stream is slow with probability :data:`SLOW_STREAM_CHANCE`, and on
+  a slow stream one task, picked at random, waits between half and all of the graph's critical
+  path (:func:`heavy_delay_ns`).  A missing synchronization from a writer on stream A to a
+  reader on stream B usually has slack of whole kernels: the reader also waits for B's own
+  work (a convolution, say), which the small writer beats every time.  Only a delay larger
+  than that slack on the writer, and none on the reader's side, shows the race; delays of a
+  task's own size on both sides cancel out.  With the writer's stream slow, its pick at or
+  before the writer, and the few streams on the reader's side fast, the writer ends after the
+  reader reads.
 
-The per-task kind alone caught 3 of 20 removed syncs in inception_v3 fp16 in the launches the
-proof can afford (docs/findings.md); both kinds together are what the proof runs.
+Why the heavy kind exists, with the catch rates of each kind: docs/findings.md.
 
 The copies are built through :class:`~nimble.engine.rebuild.PhaseBuilder` from the served graph's
 own nodes (same gathers, priorities, late edges, arena, inputs and outputs); the served graph has
@@ -54,6 +56,12 @@ MAX_DELAY_NS = 500_000
 #: The chance that a task is delayed in one draw (one half gives a pair of tasks the most
 #: draws with one delayed and the other not).
 DELAY_CHANCE = 0.5
+#: The chance that a stream is slow in a heavy draw: a race needs the writer's stream slow and
+#: the few streams on the reader's side fast.
+SLOW_STREAM_CHANCE = 1 / 3
+#: Bounds of the heavy delay (ns): a critical path shorter than the first still needs a delay
+#: past the launch overheads; the second keeps a fuzz launch of a large model affordable.
+HEAVY_DELAY_NS = (20_000, 5_000_000)
 
 
 def delay_caps_ns(graph: TaskGraph, spans: Sequence[range]) -> np.ndarray:
@@ -82,17 +90,29 @@ def draw_delays(rng: np.random.Generator, caps_ns: np.ndarray) -> np.ndarray:
     return np.where(chosen, _log_uniform(rng, caps_ns), 0).astype(np.uint32)
 
 
-def draw_stream_delays(rng: np.random.Generator, caps_ns: np.ndarray,
-                       stream_of: np.ndarray) -> np.ndarray:
-    """A per-stream draw: every task of a slow stream delayed by its stream's draw, the tasks
-    of the other streams not at all (see the module docstring)."""
-    streams = int(stream_of.max(initial=-1)) + 1
-    slow = rng.random(streams) < DELAY_CHANCE
-    per_stream = _log_uniform(rng, np.full(streams, int(caps_ns.max(initial=0)), np.int64))
-    on = stream_of >= 0
-    delays = np.zeros(len(caps_ns))
-    delays[on] = np.where(slow[stream_of[on]], per_stream[stream_of[on]], 0)
-    return np.minimum(delays, caps_ns).astype(np.uint32)
+def heavy_delay_ns(graph: TaskGraph, edges: Sequence[tuple[int, int]]) -> int:
+    """The heavy delay's scale: the critical path of the tasks' known durations (ns), within
+    :data:`HEAVY_DELAY_NS`; its upper bound where no duration is known."""
+    from ..analysis.deps import critical_path, dag_from_edges
+
+    durations = [t.duration_us or 0.0 for t in graph.tasks]
+    if not any(durations):
+        return HEAVY_DELAY_NS[1]
+    length = critical_path(dag_from_edges(len(graph.tasks), edges), durations).length
+    return int(min(max(1000 * length, HEAVY_DELAY_NS[0]), HEAVY_DELAY_NS[1]))
+
+
+def draw_stream_delays(rng: np.random.Generator, stream_of: np.ndarray,
+                       heavy_ns: int) -> np.ndarray:
+    """A heavy draw: on each slow stream one random task waits between half and all of
+    ``heavy_ns``; every other task not at all (see the module docstring)."""
+    delays = np.zeros(len(stream_of), dtype=np.uint32)
+    for stream in np.unique(stream_of[stream_of >= 0]):
+        if rng.random() >= SLOW_STREAM_CHANCE:
+            continue
+        tasks = np.flatnonzero(stream_of == stream)
+        delays[rng.choice(tasks)] = int(heavy_ns * (0.5 + 0.5 * rng.random()))
+    return delays
 
 
 @dataclass
@@ -140,6 +160,7 @@ class FuzzCopies:
         self.repoison = list(repoison)
         #: The stream of every task, for the per-stream draws (None: per-task draws only).
         self.stream_of = None if stream_of is None else np.asarray(stream_of, dtype=np.int64)
+        self.heavy_ns = heavy_delay_ns(builder.graph, builder.edges)
         self.caps_ns = delay_caps_ns(builder.graph, builder.spans)
         self.table = driver.DeviceMemory.allocate(max(4 * n, 4)) if delays else None
         self.builts: list[BuiltGraph] = []
@@ -174,8 +195,8 @@ class FuzzCopies:
             return
         if self.stats.first_draw_at is None:
             self.stats.first_draw_at = time.perf_counter()
-        if self.stream_of is not None and self.stats.draws % 2:
-            delays = draw_stream_delays(self._rng, self.caps_ns, self.stream_of)
+        if self.stream_of is not None and self.stats.draws % 3:
+            delays = draw_stream_delays(self._rng, self.stream_of, self.heavy_ns)
         else:
             delays = draw_delays(self._rng, self.caps_ns)
         torch.cuda.synchronize()
