@@ -37,7 +37,8 @@ def test_removed_sync_edges_are_caught_by_the_fuzzed_proof():
     power = _power()
     model, x = zoo_model("googlenet")
     model, x = model.half(), x.half()
-    nm = nimble.Nimble(model).prepare(x, quiet=True, keep_recording=True)
+    nm = nimble.Nimble(model).prepare(
+        x, quiet=True, options=nimble.PrepareOptions(keep_recording=True))
     try:
         prepared, rec = nm.engine, nm.recording
         verified = nm.graph.meta["verified"]
