@@ -31,7 +31,7 @@ RESULT_TYPES = {
 }
 
 __all__ = [
-    "Nimble", "PrepareOptions", "PhaseView",
+    "__version__", "Nimble", "PrepareOptions", "PhaseView",
     "NimbleError", "NoGpuError", "InputError", "CaptureError", "RecordError",
     "BuildError", "VerificationError", "WeightsChangedError", "CudaError",
     "Access", "Buffer", "BufferKind", "Op", "Pointer", "Task", "TaskGraph", "TaskKind", "TensorRef",

@@ -5,8 +5,6 @@ import copy
 
 import pytest
 
-from nimble import PrepareOptions
-
 pytestmark = pytest.mark.gpu
 
 
