@@ -32,6 +32,7 @@ from .ir.taskgraph import TaskGraph
 from .progress import say
 from .engine.weights import EPOCH as WEIGHTS_EPOCH
 from .engine.weights import watch_modules
+from .engine.profiler_guard import host_launch_if_profiled, watch_profiler
 
 
 class PhaseView(NamedTuple):
@@ -77,6 +78,7 @@ class Nimble:
 
     def __init__(self, model) -> None:
         self.model = model
+        watch_profiler()
         self._prepared: Prepared | None = None
         # The current graph's common call (Launcher.fast_call): None until a call made it,
         # False where the graph has none.
@@ -212,6 +214,8 @@ class Nimble:
     def _follow_weights(self, state: Prepared) -> bool:
         weights, launcher = state.weights, state.launcher
         with launcher.lock:
+            if host_launch_if_profiled(state):
+                self._fast = None  # its closure holds the exec replaced
             moves = weights.moves()
             if not moves:
                 weights.accept({})

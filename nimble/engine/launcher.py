@@ -141,6 +141,12 @@ class Launcher:
         self._outputs = []
         self._slots = ()
 
+    def set_exec(self, exec_handle) -> None:
+        """Launch ``exec_handle`` from now on: a rebuilt copy of the same graph over the same
+        arena.  Call holding :attr:`lock`; a :meth:`fast_call` closure made before still
+        launches the old exec, so make it again."""
+        self._exec = exec_handle
+
     @property
     def slots(self) -> tuple[InputSlot, ...]:
         """The input slots, in call order."""

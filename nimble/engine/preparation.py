@@ -15,6 +15,7 @@ from typing import Callable
 from ..errors import InputError
 from ..progress import say
 from .options import PrepareOptions
+from .profiler_guard import device_launch_allowed
 from .prepared import (Prepared, backfill_trials, build_prepared, kernel_priorities, plan_graph,
                        prove, task_times)
 
@@ -121,7 +122,7 @@ def prepare_engine(model, example_inputs, *, training: bool, use_multi_stream: b
     if trials:
         say(f"timing {sum(map(len, trials.values()))} tail backfill(s) against none", quiet)
     candidate = build_prepared(model, rec, schedule, memplan,
-                               device_launch=options.device_launch,
+                               device_launch=device_launch_allowed(options.device_launch),
                                gather_inputs=options.gather_inputs,
                                seconds=seconds, priorities=ranks, backfill_trials=trials)
     seconds["build"] = time.perf_counter() - t0

@@ -1,0 +1,127 @@
+"""Nimble's graphs in a process where a profiler ran.
+
+``torch.profiler`` (Kineto) attaches NVIDIA's CUPTI when a profiler starts, whatever activities it
+records, and leaves it attached for the rest of the process unless the environment has
+``TEARDOWN_CUPTI=1`` when the profiler stops.  With CUPTI attached, the kernels of a graph
+instantiated for *device launch* (Nimble's default, :class:`~nimble.engine.options.PrepareOptions`)
+run about a fifth slower on the GPU, while the same graph instantiated for host launch, and
+``torch.cuda.graph``'s graphs, run as before; every driver call also costs the host far more, in
+any graph runtime (the measurements: docs/findings.md, "A profiler run and device-launchable
+graphs").
+
+So Nimble watches the profiler: :func:`watch_profiler` wraps ``torch.autograd.profiler``'s
+start hook once (both ``torch.profiler.profile`` and ``torch.autograd.profiler.profile`` call it),
+as :mod:`nimble.engine.weights` wraps ``Module._apply``.  A start without ``TEARDOWN_CUPTI=1``
+marks CUPTI attached for good and bumps the weights epoch, so the next call of every prepared
+graph leaves the fast path; there :func:`host_launch_if_profiled` rebuilds each device-launchable
+phase for host launch (same nodes, same arena) and swaps it in, and a later ``prepare()``
+instantiates for host launch from the start.  One ``RuntimeWarning`` per process says what
+happened and what to do.  A profiler that ran before the first :class:`nimble.Nimble` was made is
+not seen: the watch starts then.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import warnings
+
+from .weights import EPOCH
+
+log = logging.getLogger("nimble")
+
+_state = {"watching": False, "attached": False, "warned": False}
+
+#: What the warning says, once per process.
+ADVICE = (
+    "a torch profiler ran in this process and left CUPTI attached (Kineto keeps it unless "
+    "TEARDOWN_CUPTI=1 is in the environment when the profiler stops); with CUPTI attached a "
+    "device-launchable graph runs slower on the GPU, so Nimble's graphs now launch from the "
+    "host (nm.launch_mode == 'host'). Every driver call, in any graph runtime, also costs the "
+    "host more while CUPTI stays attached. To keep both as before, set TEARDOWN_CUPTI=1 before "
+    "profiling, or profile in another process.")
+
+
+def cupti_attached() -> bool:
+    """Whether a profiler started in this process since the watch began without asking Kineto
+    to tear CUPTI down (``TEARDOWN_CUPTI=1``)."""
+    return _state["attached"]
+
+
+def _profiler_started() -> None:
+    if os.environ.get("TEARDOWN_CUPTI") == "1" or _state["attached"]:
+        return
+    _state["attached"] = True
+    EPOCH[0] += 1  # every prepared graph's next call takes the general path
+    log.info("a profiler started without TEARDOWN_CUPTI=1: Nimble's graphs will launch "
+             "from the host")
+
+
+def watch_profiler() -> None:
+    """Start watching for profiler runs (idempotent; needs torch)."""
+    if _state["watching"]:
+        return
+    _state["watching"] = True
+    from torch.autograd import profiler
+
+    original = getattr(profiler, "_run_on_profiler_start", None)
+    if original is None or getattr(original, "_nimble_watch", False):
+        return  # a torch without the hook: nothing to watch
+
+    @functools.wraps(original)
+    def started(*args, **kwargs):
+        _profiler_started()
+        return original(*args, **kwargs)
+    started._nimble_watch = True  # type: ignore[attr-defined]
+    profiler._run_on_profiler_start = started
+
+
+def warn_once(stacklevel: int = 3) -> None:
+    """The one warning of the process about an attached CUPTI (:data:`ADVICE`)."""
+    if _state["warned"]:
+        return
+    _state["warned"] = True
+    warnings.warn(ADVICE, RuntimeWarning, stacklevel=stacklevel)
+
+
+def device_launch_allowed(requested: bool) -> bool:
+    """Whether a graph built now should be device-launchable (warning once where the request
+    is turned down because CUPTI is attached)."""
+    if requested and cupti_attached():
+        warn_once(stacklevel=4)
+        return False
+    return requested
+
+
+def host_launch_if_profiled(prepared) -> bool:
+    """Rebuild every device-launchable phase of ``prepared`` for host launch where CUPTI is
+    attached; True if any was.  Call holding the phases' launch lock.
+
+    The copies are built as served (:meth:`~nimble.engine.prepared.Prepared.phase_builder`:
+    the built nodes, the current weight addresses, the gathers, priorities and late edges), so
+    only the instantiation changes; each old exec is freed after the launches queued on it.
+    """
+    if not cupti_attached() or not any(b.device_launch for b in prepared.builts):
+        return False
+    from .. import driver
+    from .rebuild import PhaseOptions
+
+    builder = prepared.phase_builder()
+    replaced = []
+    try:
+        for k, built in enumerate(prepared.builts):
+            if built.device_launch:
+                replaced.append((k, builder.build(k, PhaseOptions(device_launch=False))))
+    except BaseException:
+        for _, copy in replaced:
+            copy.close()
+        raise
+    last = prepared.launchers[0].last_stream
+    if last is not None:
+        driver.stream_synchronize(last)
+    for k, copy in replaced:
+        old, prepared.builts[k] = prepared.builts[k], copy
+        prepared.launchers[k].set_exec(copy.exec.handle)
+        old.close()
+    warn_once(stacklevel=5)
+    return True
