@@ -1,8 +1,8 @@
 """The benchmark harness shared by ``nimble bench`` (inference) and ``nimble bench --training``.
 
 Timing: every mode in turn within each round (interleaved, so clock and thermal drift touch them
-alike), ``iters`` back-to-back calls between two CUDA events after a warm-up; host time of one
-call on an idle GPU.  Results: a row per mode with the median and the spread (min–max) of its
+alike), in an order that changes from round to round (:func:`round_orders`), ``iters``
+back-to-back calls between two CUDA events after a warm-up; host time of one call on an idle GPU.  Results: a row per mode with the median and the spread (min–max) of its
 rounds and its speed-ups over other modes.  Reporting: fixed-width tables, one case after
 another with a failure reported and the rest still run.
 """
@@ -17,9 +17,30 @@ from typing import Callable, Iterable, Sequence, TextIO
 
 # ---- timing ---------------------------------------------------------------------------------
 
+def round_orders(modes: Sequence[str], rounds: int) -> list[list[str]]:
+    """The order of ``modes`` in each of ``rounds`` rounds: a balanced Latin square (Williams
+    design) repeated as often as needed.
+
+    Over every ``n`` rounds (``2n`` for an odd number ``n`` of modes) each mode runs once in
+    each position and follows each other mode equally often, so neither going first (after the
+    warm-up or a synchronisation) nor running after a heavy mode favours one of them.  Over any
+    number of rounds each mode's count in each position differs by at most one.
+    """
+    n = len(modes)
+    # 0, 1, n-1, 2, n-2, ...: shifted by the round, every difference of neighbours occurs once.
+    base = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    orders = []
+    for r in range(rounds):
+        row = [modes[(b + r) % n] for b in base]
+        orders.append(row[::-1] if n % 2 and (r // n) % 2 else row)
+    return orders
+
+
 def time_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int
                 ) -> dict[str, list[float]]:
-    """Per mode, the mean ms per call of each round; modes interleaved within every round."""
+    """Per mode, the mean ms per call of each round; modes interleaved within every round, in
+    the order :func:`round_orders` gives it.  Every mode gets ``rounds`` samples of ``iters``
+    calls."""
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -28,8 +49,9 @@ def time_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int
             fn()
     torch.cuda.synchronize()
     samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for order in round_orders(list(fns), rounds):
+        for name in order:
+            fn = fns[name]
             start.record()
             for _ in range(iters):
                 fn()
