@@ -16,7 +16,6 @@ per-task critical-path timing.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import time
 from typing import Callable
@@ -24,8 +23,8 @@ from typing import Callable
 from . import models
 from .common import (add_batch_argument, add_quiet_argument, check_models, model_help,
                      parse_stream_caps, positive_int, require_gpu)
-from .harness import (Case, Column, add_speedup, format_table, host_us, host_us_beside,
-                      mode_rows, run_cases, time_rounds)
+from .harness import (Column, add_speedup, format_table, host_us, host_us_beside, mode_rows,
+                      model_cases, run_cases, time_rounds, to_dtype, torch_graph_call)
 from .output import outputs
 from .train_bench import run as run_training
 from ..driver.gpu import use_cudnn_benchmark
@@ -42,14 +41,6 @@ def parse_dtypes(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"{', '.join(bad) or repr(text)}: choose from {', '.join(DTYPES)}, comma-separated")
     return list(dict.fromkeys(names))
-
-
-def to_dtype(model, x, dtype: str):
-    """``(model, x)`` in ``dtype`` (a name from :data:`DTYPES`); the model is converted in place."""
-    import torch
-
-    dt = getattr(torch, dtype)
-    return model.to(dt), x.to(dt)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,28 +78,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _say(args, msg: str) -> None:
     say(msg, args.quiet, "bench")
-
-
-def torch_graph_call(model, x) -> Callable[[], None]:
-    """``model`` under ``torch.cuda.graph`` (warmed up on a side stream first): a call copies
-    ``x`` into the graph's static input, as each Nimble call brings its input in, and replays."""
-    import torch
-
-    static_x = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(3):
-            model(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    torch_graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(torch_graph):
-        model(static_x)
-
-    def graph_call() -> None:
-        static_x.copy_(x)
-        torch_graph.replay()
-    return graph_call
 
 
 def bare_launch(nm) -> Callable[[], None]:
@@ -406,13 +375,6 @@ def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
                         [_summary_row(r, dtype_column) for r in results], legend)
 
 
-def _case(name: str, args, dtype: str, batch: int) -> Case:
-    at_batch = copy.copy(args)
-    at_batch.batch = batch
-    return Case(f"{name} ({dtype})", {"model": name, "dtype": dtype},
-                lambda: bench_model(name, at_batch, dtype))
-
-
 def run(args) -> int:
     """``nimble bench``."""
     args.models_given = bool(args.models)
@@ -426,9 +388,7 @@ def run(args) -> int:
     require_gpu("bench")
     import torch
 
-    outcome = run_cases([_case(name, args, dtype, batch) for name in args.models
-                         for batch in args.batches or [1] for dtype in args.dtypes],
-                        format_model, out.report)
+    outcome = run_cases(model_cases(args, bench_model), format_model, out.report)
     if outcome.results:
         print(summary_table(outcome.results, dtype_column=len(args.dtypes) > 1), file=out.report)
     if args.json:

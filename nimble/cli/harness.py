@@ -1,18 +1,55 @@
-"""The benchmark harness shared by ``nimble bench`` (inference) and ``nimble bench --training``.
+"""The benchmark harness shared by ``nimble bench`` (inference), ``nimble bench --training`` and
+``nimble bench --profiler``.
 
-Timing: every mode in turn within each round (interleaved, so clock and thermal drift touch them
-alike), in an order that changes from round to round (:func:`round_orders`), ``iters``
-back-to-back calls between two CUDA events after a warm-up; host time of one call on an idle GPU.  Results: a row per mode with the median and the spread (min–max) of its
-rounds and its speed-ups over other modes.  Reporting: fixed-width tables, one case after
+Baselines: a model and its input in a dtype, the model under ``torch.cuda.graph``.  Timing: every
+mode in turn within each round (interleaved, so clock and thermal drift touch them alike), in an
+order that changes from round to round (:func:`round_orders`), ``iters`` back-to-back calls
+between two CUDA events after a warm-up; host time of one call on an idle GPU.  Results: a row
+per mode with the median and the spread (min–max) of its rounds and its speed-ups over other
+modes.  Reporting: fixed-width tables, one case after
 another with a failure reported and the rest still run.
 """
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence, TextIO
+
+
+# ---- the modes every bench compares against --------------------------------------------------
+
+def to_dtype(model, x, dtype: str):
+    """``(model, x)`` in ``dtype`` (a torch dtype's name, e.g. ``"float16"``); the model is
+    converted in place."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    return model.to(dt), x.to(dt)
+
+
+def torch_graph_call(model, x) -> Callable[[], None]:
+    """``model`` under ``torch.cuda.graph`` (warmed up on a side stream first): a call copies
+    ``x`` into the graph's static input, as each Nimble call brings its input in, and replays."""
+    import torch
+
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch_graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(torch_graph):
+        model(static_x)
+
+    def graph_call() -> None:
+        static_x.copy_(x)
+        torch_graph.replay()
+    return graph_call
 
 
 # ---- timing ---------------------------------------------------------------------------------
@@ -149,6 +186,18 @@ class Outcome:
     def status(self) -> int:
         """The command's exit status: 1 if any case failed."""
         return 1 if self.failed else 0
+
+
+def model_cases(args, measure: Callable[[str, object, str], dict]) -> list[Case]:
+    """A case per model, batch and dtype of ``args`` (``models``, ``batches``, ``dtypes``):
+    ``measure(model name, args with that ``batch``, dtype)``."""
+    def case(name: str, dtype: str, batch: int) -> Case:
+        at_batch = copy.copy(args)
+        at_batch.batch = batch
+        return Case(f"{name} ({dtype})", {"model": name, "dtype": dtype},
+                    lambda: measure(name, at_batch, dtype))
+    return [case(name, dtype, batch) for name in args.models for batch in args.batches or [1]
+            for dtype in args.dtypes]
 
 
 def run_cases(cases: Iterable[Case], report: Callable[[dict], str],
