@@ -1,17 +1,19 @@
 """``nimble bench``: Nimble against eager PyTorch, ``torch.cuda.graph`` and ``torch.compile``.
 
 All modes run in one process on the same model and input.  Each round times every mode in turn
-(interleaved, so clock and thermal drift touch them alike) over ``--iters`` back-to-back calls
-between two CUDA events, after a warm-up; the table gives the median per-call time over
-``--rounds`` rounds and the spread (min–max) of the rounds.  Every call of the
-``torch.cuda.graph`` row copies the input into the graph's static input before the replay, as a
-Nimble call copies its input in.
+(interleaved, so clock and thermal drift touch them alike, in an order that changes from round
+to round: :func:`~nimble.cli.harness.round_orders`) over ``--iters`` back-to-back calls between
+two CUDA events, after a warm-up; the table gives the median per-call time over ``--rounds``
+rounds and the spread (min–max) of the rounds.  Every call of the ``torch.cuda.graph`` row
+copies the input into the graph's static input before the replay, as a Nimble call copies its
+input in.
 
-``--training`` times training steps instead (:mod:`nimble.cli.train_bench`).  ``--dtype`` runs each
-model once per dtype (model and input converted before anything else);
-``--quick`` times only eager, ``torch.cuda.graph``, ``torch.compile`` (unless ``--no-compile``)
-and Nimble single and multi, without the stream-cap / uncapped / host-launch variants and the
-per-task critical-path timing.
+``--training`` times training steps instead (:mod:`nimble.cli.train_bench`), ``--profiler``
+Nimble before and after a torch profiler run (:mod:`nimble.cli.profiler_bench`).  ``--dtype``
+runs each model once per dtype (model and input converted before anything else); ``--quick``
+times only eager, ``torch.cuda.graph``, ``torch.compile`` (unless ``--no-compile``) and Nimble
+single and multi, without the stream-cap / uncapped / host-launch variants and the per-task
+critical-path timing.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from .common import (add_batch_argument, add_quiet_argument, check_models, model
 from .harness import (Column, add_speedup, format_table, host_us, host_us_beside, mode_rows,
                       model_cases, run_cases, time_rounds, to_dtype, torch_graph_call)
 from .output import outputs
+from .profiler_bench import run as run_profiler
 from .train_bench import run as run_training
 from ..driver.gpu import use_cudnn_benchmark
 from ..progress import say
@@ -70,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time only eager, torch.cuda.graph, torch.compile and Nimble single and "
                         "multi: no stream-cap, uncapped or host-launch variants, no "
                         "critical-path limit")
+    p.add_argument("--profiler", action="store_true",
+                   help="time torch.cuda.graph and Nimble multi, multi host-launch and single "
+                        "before and after a torch.profiler run of one eager forward, and fresh "
+                        "ones prepared after it (issue 36)")
     p.add_argument("--json", metavar="FILE",
                    help="write every number to FILE as JSON ('-': stdout; the text report then "
                         "goes to stderr)")
@@ -378,6 +385,8 @@ def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
 def run(args) -> int:
     """``nimble bench``."""
     args.models_given = bool(args.models)
+    if args.profiler:
+        return run_profiler(args)
     if args.training:
         args.batches = args.batches or [32]
         return run_training(args)
