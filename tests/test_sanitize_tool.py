@@ -27,8 +27,26 @@ BINDINGS = ("/usr/local/lib/python3.12/dist-packages/cuda/bindings/_bindings/"
             "cydriver.cpython-312-x86_64-linux-gnu.so")
 TORCH_CUDA = "/usr/local/lib/python3.12/dist-packages/torch/lib/libtorch_cuda.so"
 
-# A torch API error (newer one-line host frames), two out-of-bounds reads in a cuDNN kernel of a
-# graph launched through cuda.bindings (older two-line frames), the target's own line between.
+
+def _cudnn_read(thread: int) -> str:
+    """An out-of-bounds read in a cuDNN kernel of a graph launched through cuda.bindings
+    (older two-line host frames), by ``thread``."""
+    return f"""\
+========= Invalid __global__ read of size 2 bytes
+=========     at void cudnn::cnn::conv2d_grouped_direct_kernel<__half>(int, __half const*)+0x1c0
+=========     by thread ({thread},0,0) in block (12,0,0)
+=========     Address 0x7f01dead{thread:04x} is out of bounds
+=========     Saved host backtrace up to driver entry point at kernel launch time
+=========     Host Frame: [0x2f1a2b]
+=========                in /usr/lib/x86_64-linux-gnu/libcuda.so.1
+=========     Host Frame:__pyx_f_cuGraphLaunch [0x3c1d]
+=========                in {BINDINGS}
+=========
+"""
+
+
+# A torch API error (newer one-line host frames), the target's own line, then the same cuDNN
+# read in two threads.
 MEMCHECK = f"""\
 ========= COMPUTE-SANITIZER
 ========= Program hit cudaErrorInvalidValue (error 1) due to "invalid argument" on CUDA API call to cudaPointerGetAttributes.
@@ -39,28 +57,7 @@ MEMCHECK = f"""\
 =========         Host Frame: _PyEval_EvalFrameDefault [0x1a2b3c] in /usr/bin/python3.12
 =========
 googlenet float16, device-launchable: prepare and 5 calls: done
-========= Invalid __global__ read of size 2 bytes
-=========     at void cudnn::cnn::conv2d_grouped_direct_kernel<__half>(int, __half const*)+0x1c0
-=========     by thread (3,0,0) in block (12,0,0)
-=========     Address 0x7f01dead0000 is out of bounds
-=========     and is 1,024 bytes after the nearest allocation at 0x7f01deacfc00 of size 1,024 bytes
-=========     Saved host backtrace up to driver entry point at kernel launch time
-=========     Host Frame: [0x2f1a2b]
-=========                in /usr/lib/x86_64-linux-gnu/libcuda.so.1
-=========     Host Frame:__pyx_f_cuGraphLaunch [0x3c1d]
-=========                in {BINDINGS}
-=========
-========= Invalid __global__ read of size 2 bytes
-=========     at void cudnn::cnn::conv2d_grouped_direct_kernel<__half>(int, __half const*)+0x1c0
-=========     by thread (4,0,0) in block (12,0,0)
-=========     Address 0x7f01dead0002 is out of bounds
-=========     Saved host backtrace up to driver entry point at kernel launch time
-=========     Host Frame: [0x2f1a2b]
-=========                in /usr/lib/x86_64-linux-gnu/libcuda.so.1
-=========     Host Frame:__pyx_f_cuGraphLaunch [0x3c1d]
-=========                in {BINDINGS}
-=========
-========= ERROR SUMMARY: 3 errors
+{_cudnn_read(3)}{_cudnn_read(4)}========= ERROR SUMMARY: 3 errors
 """
 
 NIMBLE_KERNEL = """\

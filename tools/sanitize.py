@@ -37,6 +37,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nimble.cli.common import names_from  # noqa: E402
+
 SCRIPT_DIR = ROOT / "tools" / "sanitize"
 SCRIPTS = ("googlenet_fp16", "resnet50_train", "compiled_branchy")
 TOOLS = ("memcheck", "synccheck", "racecheck", "initcheck")
@@ -277,23 +281,12 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def _names(choices: tuple[str, ...]):
-    def parse_names(text: str) -> list[str]:
-        names = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [n for n in names if n not in choices]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(
-                f"{', '.join(bad) or repr(text)}: choose from {', '.join(choices)}")
-        return list(dict.fromkeys(names))
-    return parse_names
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tools", type=_names(TOOLS), default=list(DEFAULT_TOOLS),
+    p.add_argument("--tools", type=lambda text: names_from(TOOLS, text), default=list(DEFAULT_TOOLS),
                    help=f"comma-separated, from {', '.join(TOOLS)} (default "
                         f"{','.join(DEFAULT_TOOLS)})")
-    p.add_argument("--scripts", type=_names(SCRIPTS), default=list(SCRIPTS),
+    p.add_argument("--scripts", type=lambda text: names_from(SCRIPTS, text), default=list(SCRIPTS),
                    help=f"comma-separated, from {', '.join(SCRIPTS)} (default all)")
     p.add_argument("--timeout", type=float, default=540.0,
                    help="seconds each run may take before it is stopped (default 540)")

@@ -23,11 +23,10 @@ import time
 from typing import Callable
 
 from . import models
-from .common import (add_batch_argument, add_quiet_argument, check_models, model_help,
-                     parse_stream_caps, positive_int, require_gpu)
+from .common import (add_batch_argument, add_quiet_argument, model_help, names_from,
+                     parse_stream_caps, positive_int)
 from .harness import (Column, add_speedup, format_table, host_us, host_us_beside, mode_rows,
-                      model_cases, run_cases, time_rounds, to_dtype, torch_graph_call)
-from .output import outputs
+                      run_models, time_rounds, to_dtype, torch_graph_call, write_results)
 from .profiler_bench import run as run_profiler
 from .train_bench import run as run_training
 from ..driver.gpu import use_cudnn_benchmark
@@ -38,12 +37,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 def parse_dtypes(text: str) -> list[str]:
     """``--dtype``: comma-separated names from :data:`DTYPES`, in the order given, no repeats."""
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in DTYPES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"{', '.join(bad) or repr(text)}: choose from {', '.join(DTYPES)}, comma-separated")
-    return list(dict.fromkeys(names))
+    return names_from(DTYPES, text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -390,19 +384,8 @@ def run(args) -> int:
     if args.training:
         args.batches = args.batches or [32]
         return run_training(args)
-    args.models = args.models or [models.BUILTIN]
-    out = outputs(args, "json")
-    # Before any work: every name known and its package installed, and a GPU to run on.
-    check_models(args.models)
-    require_gpu("bench")
-    import torch
-
-    outcome = run_cases(model_cases(args, bench_model), format_model, out.report)
+    outcome, out = run_models(args, "bench", bench_model, format_model)
     if outcome.results:
         print(summary_table(outcome.results, dtype_column=len(args.dtypes) > 1), file=out.report)
-    if args.json:
-        out.write_json("--json", {"results": outcome.results, "failed": outcome.failed,
-                                  "dtypes": args.dtypes, "quick": args.quick,
-                                  "device": torch.cuda.get_device_name(),
-                                  "torch": torch.__version__}, "bench results")
+    write_results(args, out, outcome, "bench results", quick=args.quick)
     return outcome.status

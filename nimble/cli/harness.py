@@ -18,6 +18,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence, TextIO
 
+from . import models
+from .common import check_models, require_gpu
+from .output import Outputs, outputs
+
 
 # ---- the modes every bench compares against --------------------------------------------------
 
@@ -198,6 +202,30 @@ def model_cases(args, measure: Callable[[str, object, str], dict]) -> list[Case]
                     lambda: measure(name, at_batch, dtype))
     return [case(name, dtype, batch) for name in args.models for batch in args.batches or [1]
             for dtype in args.dtypes]
+
+
+def run_models(args, command: str, measure: Callable[[str, object, str], dict],
+               report: Callable[[dict], str]) -> tuple[Outcome, Outputs]:
+    """``nimble <command>`` over ``args.models`` (default the built-in model): before any work,
+    every name known and its package installed, the outputs writable and a GPU to run on; then
+    every case of :func:`model_cases` measured and ``report``-ed as it ends."""
+    args.models = args.models or [models.BUILTIN]
+    out = outputs(args, "json")
+    check_models(args.models)
+    require_gpu(command)
+    return run_cases(model_cases(args, measure), report, out.report), out
+
+
+def write_results(args, out: Outputs, outcome: Outcome, what: str, **fields) -> None:
+    """With ``--json``: the results, the failures, the dtypes, ``fields``, the device and the
+    torch version."""
+    import torch
+
+    if args.json:
+        out.write_json("--json", {"results": outcome.results, "failed": outcome.failed,
+                                  "dtypes": args.dtypes, **fields,
+                                  "device": torch.cuda.get_device_name(),
+                                  "torch": torch.__version__}, what)
 
 
 def run_cases(cases: Iterable[Case], report: Callable[[dict], str],

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import models
-from .common import Fail, check_models, require_gpu
-from .harness import (Column, format_table, mode_rows, model_cases, run_cases, time_rounds,
-                      to_dtype, torch_graph_call)
-from .output import outputs
+from .common import Fail
+from .harness import (Column, format_table, mode_rows, run_models, time_rounds, to_dtype,
+                      torch_graph_call, write_results)
 from ..driver.gpu import use_cudnn_benchmark
 from ..progress import say
 
@@ -171,16 +170,6 @@ def run(args) -> int:
     """``nimble bench --profiler``."""
     if args.training:
         raise Fail("bench: --profiler times inference calls; leave out --training")
-    args.models = args.models or [models.BUILTIN]
-    out = outputs(args, "json")
-    check_models(args.models)
-    require_gpu("bench --profiler")
-    import torch
-
-    outcome = run_cases(model_cases(args, bench_profiler), format_result, out.report)
-    if args.json:
-        out.write_json("--json", {"results": outcome.results, "failed": outcome.failed,
-                                  "profiler": True, "dtypes": args.dtypes,
-                                  "device": torch.cuda.get_device_name(),
-                                  "torch": torch.__version__}, "bench --profiler results")
+    outcome, out = run_models(args, "bench --profiler", bench_profiler, format_result)
+    write_results(args, out, outcome, "bench --profiler results", profiler=True)
     return outcome.status

@@ -38,3 +38,17 @@ def finish(what: str) -> None:
 
     torch.cuda.synchronize()
     print(f"{what}: done", flush=True)
+
+
+def prepare_and_call(model, x, args: argparse.Namespace, what: str, calls: int = 5) -> None:
+    """Prepare ``model`` on ``x`` with :func:`short_options`, call it ``calls`` times on fresh
+    inputs, wait for the GPU and close it."""
+    import torch
+
+    import nimble
+
+    nm = nimble.Nimble(model).prepare(x, options=short_options(args))
+    for _ in range(calls):
+        nm(torch.randn_like(x))
+    finish(f"{what}, {nm.launch_mode}: prepare and {calls} calls")
+    nm.close()

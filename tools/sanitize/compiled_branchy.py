@@ -9,7 +9,6 @@ def main() -> None:
     args = common.parse(__doc__)
     import torch
 
-    import nimble
     from nimble.cli import models
 
     model = models.create(models.BUILTIN).cuda()
@@ -18,11 +17,7 @@ def main() -> None:
     with torch.no_grad():
         for _ in range(3):
             compiled(x)
-    nm = nimble.Nimble(compiled).prepare(x, options=common.short_options(args))
-    for _ in range(5):
-        nm(torch.randn_like(x))
-    common.finish(f"torch.compile'd {models.BUILTIN}, {nm.launch_mode}: prepare and 5 calls")
-    nm.close()
+    common.prepare_and_call(compiled, x, args, f"torch.compile'd {models.BUILTIN}")
 
 
 if __name__ == "__main__":

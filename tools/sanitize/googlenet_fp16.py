@@ -6,18 +6,11 @@ import common
 
 def main() -> None:
     args = common.parse(__doc__)
-    import torch
-
-    import nimble
     from nimble.cli import models
 
     model = models.create("googlenet").cuda().half()
-    x = models.example_input("googlenet", 1).half()
-    nm = nimble.Nimble(model).prepare(x, options=common.short_options(args))
-    for _ in range(5):
-        nm(torch.randn_like(x))
-    common.finish(f"googlenet float16, {nm.launch_mode}: prepare and 5 calls")
-    nm.close()
+    common.prepare_and_call(model, models.example_input("googlenet", 1).half(), args,
+                            "googlenet float16")
 
 
 if __name__ == "__main__":
