@@ -27,7 +27,7 @@ def _info(model: str, multi_ms: float, dtype: str = "float32", quick: bool = Fal
         modes[label] = {"median_ms": ms, "min_ms": ms * 0.99, "max_ms": ms * 1.01,
                         "x_graph": 1.0 / ms, "x_eager": 5.0 / ms}
     info = {"model": model, "dtype": dtype, "batch": 1, "quick": quick, "tasks": 10, "width": 2,
-            "streams": 2, "sync_edges": 1, "modes": modes, "best_nimble": "nimble multi",
+            "streams": 2, "sync_edges": 1, "modes": modes,
             "arena_mb": {"nimble multi": 1.5, "nimble single": 1.0},
             "pool_mb": 2.0, "prepare_seconds": 0.5, "host_us_per_call": 12.3,
             "launch_mode": "device-launchable"}
@@ -56,11 +56,27 @@ def test_summary_table_has_a_row_per_model_with_its_ratios():
     lines = summary_table([_info("a", 0.5), _info("b", 0.25)]).splitlines()
     rows = {line.split()[0]: line.split() for line in lines[2:4]}
     assert set(rows) == {"a", "b"}
-    # x graph and x eager of the best mode, then arena, pool, limit, host µs, concurrency, and
+    # x graph and x eager of Nimble multi, then arena, pool, limit, host µs, concurrency, and
     # no nimble+inductor or torch.compile rows
     assert rows["a"][-10:] == ["2.00", "10.0", "1.5", "2.0", "0.400", "12.3", "1.76", "–", "–",
                                "–"]
     assert rows["b"][-10:-8] == ["4.00", "20.0"]
+
+
+def test_summary_compares_nimble_multi_even_where_a_variant_is_faster():
+    """No best-of: a faster stream cap or an uncapped arena above the pool does not take the
+    summary's ratios, which would favour Nimble by the choice alone."""
+    info = _info("a", 0.5)
+    for label, ms in (("nimble k=2", 0.25), ("nimble uncapped", 0.2)):
+        info["modes"][label] = {"median_ms": ms, "min_ms": ms, "max_ms": ms,
+                                "x_graph": 1.0 / ms, "x_eager": 5.0 / ms}
+    info["arena_mb"].update({"nimble k=2": 1.0, "nimble uncapped": 9.0})
+    lines = summary_table([info]).splitlines()
+    assert "best" not in lines[0]
+    assert lines[2].split()[-10:-6] == ["2.00", "10.0", "1.5", "2.0"]  # multi's, pool
+    text = format_model(info)
+    assert "nimble multi at 1.25× the limit" in text
+    assert "k=2 1.0" in text and "uncapped 9.0" in text  # every variant's arena
 
 
 def test_summary_table_without_dtype_column_names_the_dtype_in_the_legend():

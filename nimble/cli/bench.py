@@ -1,32 +1,33 @@
 """``nimble bench``: Nimble against eager PyTorch, ``torch.cuda.graph`` and ``torch.compile``.
 
 All modes run in one process on the same model and input.  Each round times every mode in turn
-(interleaved, so clock and thermal drift touch them alike) over ``--iters`` back-to-back calls
-between two CUDA events, after a warm-up; the table gives the median per-call time over
-``--rounds`` rounds and the spread (min–max) of the rounds.  Every call of the
-``torch.cuda.graph`` row copies the input into the graph's static input before the replay, as a
-Nimble call copies its input in.
+(interleaved, so clock and thermal drift touch them alike, in an order that changes from round
+to round: :func:`~nimble.cli.harness.round_orders`) over ``--iters`` back-to-back calls between
+two CUDA events, after a warm-up; the table gives the median per-call time over ``--rounds``
+rounds and the spread (min–max) of the rounds.  Every call of the ``torch.cuda.graph`` row
+copies the input into the graph's static input before the replay, as a Nimble call copies its
+input in.
 
-``--training`` times training steps instead (:mod:`nimble.cli.train_bench`).  ``--dtype`` runs each
-model once per dtype (model and input converted before anything else);
-``--quick`` times only eager, ``torch.cuda.graph``, ``torch.compile`` (unless ``--no-compile``)
-and Nimble single and multi, without the stream-cap / uncapped / host-launch variants and the
-per-task critical-path timing.
+``--training`` times training steps instead (:mod:`nimble.cli.train_bench`), ``--profiler``
+Nimble before and after a torch profiler run (:mod:`nimble.cli.profiler_bench`).  ``--dtype``
+runs each model once per dtype (model and input converted before anything else); ``--quick``
+times only eager, ``torch.cuda.graph``, ``torch.compile`` (unless ``--no-compile``) and Nimble
+single and multi, without the stream-cap / uncapped / host-launch variants and the per-task
+critical-path timing.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import time
 from typing import Callable
 
 from . import models
-from .common import (add_batch_argument, add_quiet_argument, check_models, model_help,
-                     parse_stream_caps, positive_int, require_gpu)
-from .harness import (Case, Column, add_speedup, format_table, host_us, host_us_beside,
-                      mode_rows, run_cases, time_rounds)
-from .output import outputs
+from .common import (add_batch_argument, add_quiet_argument, model_help, names_from,
+                     parse_stream_caps, positive_int)
+from .harness import (Column, add_speedup, format_table, host_us, host_us_beside, mode_rows,
+                      run_models, time_rounds, to_dtype, torch_graph_call, write_results)
+from .profiler_bench import run as run_profiler
 from .train_bench import run as run_training
 from ..driver.gpu import use_cudnn_benchmark
 from ..progress import say
@@ -36,20 +37,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 def parse_dtypes(text: str) -> list[str]:
     """``--dtype``: comma-separated names from :data:`DTYPES`, in the order given, no repeats."""
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in DTYPES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"{', '.join(bad) or repr(text)}: choose from {', '.join(DTYPES)}, comma-separated")
-    return list(dict.fromkeys(names))
-
-
-def to_dtype(model, x, dtype: str):
-    """``(model, x)`` in ``dtype`` (a name from :data:`DTYPES`); the model is converted in place."""
-    import torch
-
-    dt = getattr(torch, dtype)
-    return model.to(dt), x.to(dt)
+    return names_from(DTYPES, text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time only eager, torch.cuda.graph, torch.compile and Nimble single and "
                         "multi: no stream-cap, uncapped or host-launch variants, no "
                         "critical-path limit")
+    p.add_argument("--profiler", action="store_true",
+                   help="time torch.cuda.graph and Nimble multi, multi host-launch and single "
+                        "before and after a torch.profiler run of one eager forward, and fresh "
+                        "ones prepared after it (issue 36)")
     p.add_argument("--json", metavar="FILE",
                    help="write every number to FILE as JSON ('-': stdout; the text report then "
                         "goes to stderr)")
@@ -87,28 +79,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _say(args, msg: str) -> None:
     say(msg, args.quiet, "bench")
-
-
-def torch_graph_call(model, x) -> Callable[[], None]:
-    """``model`` under ``torch.cuda.graph`` (warmed up on a side stream first): a call copies
-    ``x`` into the graph's static input, as each Nimble call brings its input in, and replays."""
-    import torch
-
-    static_x = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(3):
-            model(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    torch_graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(torch_graph):
-        model(static_x)
-
-    def graph_call() -> None:
-        static_x.copy_(x)
-        torch_graph.replay()
-    return graph_call
 
 
 def bare_launch(nm) -> Callable[[], None]:
@@ -231,25 +201,28 @@ def _measure(fns: dict, prepared: dict, x, args, info: dict,
 
 
 def _add_results(info: dict, samples: dict[str, list[float]], prepared: dict) -> None:
-    """The rows of every mode with their speed-ups, the best multi-stream Nimble variant and
-    the multi-stream schedule's numbers."""
+    """The rows of every mode with their speed-ups and the multi-stream schedule's numbers.
+
+    No "best" variant is picked: the fastest of several variants' medians against the one
+    median of ``torch.cuda.graph`` would favour Nimble by the choice alone, and the choice
+    could fall on a variant whose arena exceeds torch's pool.  The summary compares the default
+    ``nimble multi``; the per-model lines show every variant with its arena.
+    """
     rows = mode_rows(samples)
     add_speedup(rows, "x_graph", "torch.cuda.graph")
     add_speedup(rows, "x_eager", "eager")
-    nimble_rows = {k: v for k, v in rows.items() if k.startswith("nimble ")
-                   and k not in ("nimble single", "nimble multi, host launch")}
-    best = min(nimble_rows, key=lambda k: nimble_rows[k]["median_ms"])
     multi = prepared["nimble multi"]
     s = multi.schedule
     info.update(
-        modes=rows, best_nimble=best, tasks=len(multi.graph.tasks), streams=len(s.streams),
+        modes=rows, tasks=len(multi.graph.tasks), streams=len(s.streams),
         sync_edges=len(s.sync_edges), width=s.width,
         arena_mb={k: nm.memplan.arena_bytes / 2**20 for k, nm in prepared.items()},
         pool_mb=multi.graph.meta.get("pool_bytes", 0) / 2**20,
         prepare_breakdown=multi.prepare_seconds)
     if "critical_path_us" in info:
         cp_us = info["critical_path_us"]
-        info["achieved_over_limit"] = rows[best]["median_ms"] * 1e3 / cp_us if cp_us else None
+        info["achieved_over_limit"] = (rows["nimble multi"]["median_ms"] * 1e3 / cp_us
+                                       if cp_us else None)
     if "torch.compile" in rows:
         add_speedup(rows, "x_compile", "torch.compile")
 
@@ -344,7 +317,7 @@ def format_model(info: dict) -> str:
                    + ", ".join(f"{k} {us:.0f} µs" for k, us in idle))
     if "critical_path_us" in info:
         out.append(f"  critical-path limit {info['critical_path_us']:.0f} µs (serial "
-                   f"{info['serial_kernel_us']:.0f} µs); best {info['best_nimble']} at "
+                   f"{info['serial_kernel_us']:.0f} µs); nimble multi at "
                    f"{info['achieved_over_limit']:.2f}× the limit")
     return "\n".join(out)
 
@@ -361,8 +334,8 @@ def _x_compile(modes: dict) -> str:
 def _summary_columns(dtype_column: bool) -> list[Column]:
     dtype = [Column("dtype", 10, left=True)] if dtype_column else []
     return [Column("model", 16, left=True), *dtype,
-            *(Column(t, 8) for t in ("eager", "graph", "compile", "single", "multi", "best")),
-            Column("best mode", 14), Column("x graph", 8), Column("x eager", 8),
+            *(Column(t, 8) for t in ("eager", "graph", "compile", "single", "multi")),
+            Column("x graph", 8), Column("x eager", 8),
             Column("arena", 7), Column("pool", 7), Column("limit", 7), Column("host µs", 8),
             Column("conc", 6), Column("ind.1", 8), Column("ind.N", 8), Column("x comp", 7)]
 
@@ -370,11 +343,11 @@ def _summary_columns(dtype_column: bool) -> list[Column]:
 def _summary_row(r: dict, dtype_column: bool) -> list[str]:
     m = r["modes"]
     get = lambda k: f"{m[k]['median_ms']:.3f}" if k in m else "–"  # noqa: E731
-    b = r["best_nimble"]
+    multi = m["nimble multi"]
     return [r["model"], *([r.get("dtype", "float32")] if dtype_column else []),
             get("eager"), get("torch.cuda.graph"), get("torch.compile"), get("nimble single"),
-            get("nimble multi"), f"{m[b]['median_ms']:.3f}", b.removeprefix("nimble "),
-            f"{m[b]['x_graph']:.2f}", f"{m[b]['x_eager']:.1f}", f"{r['arena_mb'][b]:.1f}",
+            get("nimble multi"), f"{multi['x_graph']:.2f}", f"{multi['x_eager']:.1f}",
+            f"{r['arena_mb']['nimble multi']:.1f}",
             f"{r['pool_mb']:.1f}",
             f"{r['critical_path_us'] / 1e3:.3f}" if "critical_path_us" in r else "–",
             f"{r['host_us_per_call']:.1f}",
@@ -390,8 +363,9 @@ def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
         dtype_column = len(dtypes) > 1
     in_dtype = "" if dtype_column else f" in {', '.join(dtypes)}"
     legend = (f"times: median ms per call{in_dtype}; graph = torch.cuda.graph with the input "
-              "copied in on every call; best = fastest multi-stream Nimble variant; arena and "
-              "pool in MB; limit = critical path of isolated task times, ms (– with --quick); "
+              "copied in on every call; x graph, x eager and arena: of Nimble multi (every "
+              "variant is in the model's lines above); arena and pool in MB; limit = "
+              "critical path of isolated task times, ms (– with --quick); "
               "host µs = one multi call on an idle GPU (each model's lines above give a bare "
               "cuGraphLaunch sampled beside it); conc = achieved concurrency of the "
               "multi-stream run (tasks in flight on average, measured by nm.trace()); "
@@ -402,34 +376,16 @@ def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
                         [_summary_row(r, dtype_column) for r in results], legend)
 
 
-def _case(name: str, args, dtype: str, batch: int) -> Case:
-    at_batch = copy.copy(args)
-    at_batch.batch = batch
-    return Case(f"{name} ({dtype})", {"model": name, "dtype": dtype},
-                lambda: bench_model(name, at_batch, dtype))
-
-
 def run(args) -> int:
     """``nimble bench``."""
     args.models_given = bool(args.models)
+    if args.profiler:
+        return run_profiler(args)
     if args.training:
         args.batches = args.batches or [32]
         return run_training(args)
-    args.models = args.models or [models.BUILTIN]
-    out = outputs(args, "json")
-    # Before any work: every name known and its package installed, and a GPU to run on.
-    check_models(args.models)
-    require_gpu("bench")
-    import torch
-
-    outcome = run_cases([_case(name, args, dtype, batch) for name in args.models
-                         for batch in args.batches or [1] for dtype in args.dtypes],
-                        format_model, out.report)
+    outcome, out = run_models(args, "bench", bench_model, format_model)
     if outcome.results:
         print(summary_table(outcome.results, dtype_column=len(args.dtypes) > 1), file=out.report)
-    if args.json:
-        out.write_json("--json", {"results": outcome.results, "failed": outcome.failed,
-                                  "dtypes": args.dtypes, "quick": args.quick,
-                                  "device": torch.cuda.get_device_name(),
-                                  "torch": torch.__version__}, "bench results")
+    write_results(args, out, outcome, "bench results", quick=args.quick)
     return outcome.status

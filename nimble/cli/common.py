@@ -44,6 +44,17 @@ def _positive_ints(text: str, example: str, allow_none: bool = False) -> list[in
     return list(dict.fromkeys(values))
 
 
+def names_from(choices, text: str) -> list[str]:
+    """The body of an argument type: comma-separated names from ``choices``, in the order
+    given, no repeats."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in choices]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(bad) or repr(text)}: choose from {', '.join(choices)}, comma-separated")
+    return list(dict.fromkeys(names))
+
+
 def parse_batches(text: str) -> list[int]:
     """``--batch``: comma-separated positive ints, in the order given, no repeats."""
     return _positive_ints(text, "batch sizes like 32 or 32,64,128")

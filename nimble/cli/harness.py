@@ -1,25 +1,87 @@
-"""The benchmark harness shared by ``nimble bench`` (inference) and ``nimble bench --training``.
+"""The benchmark harness shared by ``nimble bench`` (inference), ``nimble bench --training`` and
+``nimble bench --profiler``.
 
-Timing: every mode in turn within each round (interleaved, so clock and thermal drift touch them
-alike), ``iters`` back-to-back calls between two CUDA events after a warm-up; host time of one
-call on an idle GPU.  Results: a row per mode with the median and the spread (min–max) of its
-rounds and its speed-ups over other modes.  Reporting: fixed-width tables, one case after
+Baselines: a model and its input in a dtype, the model under ``torch.cuda.graph``.  Timing: every
+mode in turn within each round (interleaved, so clock and thermal drift touch them alike), in an
+order that changes from round to round (:func:`round_orders`), ``iters`` back-to-back calls
+between two CUDA events after a warm-up; host time of one call on an idle GPU.  Results: a row
+per mode with the median and the spread (min–max) of its rounds and its speed-ups over other
+modes.  Reporting: fixed-width tables, one case after
 another with a failure reported and the rest still run.
 """
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence, TextIO
 
+from . import models
+from .common import check_models, require_gpu
+from .output import Outputs, outputs
+
+
+# ---- the modes every bench compares against --------------------------------------------------
+
+def to_dtype(model, x, dtype: str):
+    """``(model, x)`` in ``dtype`` (a torch dtype's name, e.g. ``"float16"``); the model is
+    converted in place."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    return model.to(dt), x.to(dt)
+
+
+def torch_graph_call(model, x) -> Callable[[], None]:
+    """``model`` under ``torch.cuda.graph`` (warmed up on a side stream first): a call copies
+    ``x`` into the graph's static input, as each Nimble call brings its input in, and replays."""
+    import torch
+
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch_graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(torch_graph):
+        model(static_x)
+
+    def graph_call() -> None:
+        static_x.copy_(x)
+        torch_graph.replay()
+    return graph_call
+
 
 # ---- timing ---------------------------------------------------------------------------------
 
+def round_orders(modes: Sequence[str], rounds: int) -> list[list[str]]:
+    """The order of ``modes`` in each of ``rounds`` rounds: a balanced Latin square (Williams
+    design) repeated as often as needed.
+
+    Over every ``n`` rounds (``2n`` for an odd number ``n`` of modes) each mode runs once in
+    each position and follows each other mode equally often, so neither going first (after the
+    warm-up or a synchronisation) nor running after a heavy mode favours one of them.  Over any
+    number of rounds each mode's count in each position differs by at most one.
+    """
+    n = len(modes)
+    # 0, 1, n-1, 2, n-2, ...: shifted by the round, every difference of neighbours occurs once.
+    base = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    orders = []
+    for r in range(rounds):
+        row = [modes[(b + r) % n] for b in base]
+        orders.append(row[::-1] if n % 2 and (r // n) % 2 else row)
+    return orders
+
+
 def time_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int
                 ) -> dict[str, list[float]]:
-    """Per mode, the mean ms per call of each round; modes interleaved within every round."""
+    """Per mode, the mean ms per call of each round; modes interleaved within every round, in
+    the order :func:`round_orders` gives it.  Every mode gets ``rounds`` samples of ``iters``
+    calls."""
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -28,8 +90,9 @@ def time_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int
             fn()
     torch.cuda.synchronize()
     samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for order in round_orders(list(fns), rounds):
+        for name in order:
+            fn = fns[name]
             start.record()
             for _ in range(iters):
                 fn()
@@ -127,6 +190,42 @@ class Outcome:
     def status(self) -> int:
         """The command's exit status: 1 if any case failed."""
         return 1 if self.failed else 0
+
+
+def model_cases(args, measure: Callable[[str, object, str], dict]) -> list[Case]:
+    """A case per model, batch and dtype of ``args`` (``models``, ``batches``, ``dtypes``):
+    ``measure(model name, args with that ``batch``, dtype)``."""
+    def case(name: str, dtype: str, batch: int) -> Case:
+        at_batch = copy.copy(args)
+        at_batch.batch = batch
+        return Case(f"{name} ({dtype})", {"model": name, "dtype": dtype},
+                    lambda: measure(name, at_batch, dtype))
+    return [case(name, dtype, batch) for name in args.models for batch in args.batches or [1]
+            for dtype in args.dtypes]
+
+
+def run_models(args, command: str, measure: Callable[[str, object, str], dict],
+               report: Callable[[dict], str]) -> tuple[Outcome, Outputs]:
+    """``nimble <command>`` over ``args.models`` (default the built-in model): before any work,
+    every name known and its package installed, the outputs writable and a GPU to run on; then
+    every case of :func:`model_cases` measured and ``report``-ed as it ends."""
+    args.models = args.models or [models.BUILTIN]
+    out = outputs(args, "json")
+    check_models(args.models)
+    require_gpu(command)
+    return run_cases(model_cases(args, measure), report, out.report), out
+
+
+def write_results(args, out: Outputs, outcome: Outcome, what: str, **fields) -> None:
+    """With ``--json``: the results, the failures, the dtypes, ``fields``, the device and the
+    torch version."""
+    import torch
+
+    if args.json:
+        out.write_json("--json", {"results": outcome.results, "failed": outcome.failed,
+                                  "dtypes": args.dtypes, **fields,
+                                  "device": torch.cuda.get_device_name(),
+                                  "torch": torch.__version__}, what)
 
 
 def run_cases(cases: Iterable[Case], report: Callable[[dict], str],
