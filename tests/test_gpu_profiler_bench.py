@@ -32,6 +32,7 @@ def test_profiler_mode_times_every_graph_before_and_after_and_fresh_ones(tmp_pat
     assert result["launch_modes"] == {"nimble multi": "device-launchable",
                                       "nimble multi, host launch": "host",
                                       "nimble single": "device-launchable"}
+    assert set(result["launch_modes_after"].values()) == {"host"}
     assert result["profiler_seconds"] > 0
     fresh = [k for k in result["timings"]["after_again"] if k.endswith(profiler_bench.FRESH)]
     assert len(fresh) == len(profiler_bench.MODES)

@@ -138,6 +138,9 @@ def bench_profiler(name: str, args, dtype: str = "float32") -> dict:
         info["profiler_seconds"] = profile_one_forward(model, x)
         step(f"timing the same {len(calls)} modes after the profiler")
         after = mode_rows(time_rounds(calls, args.rounds, args.iters))
+        # Nimble rebuilds device-launchable graphs for host launch once a profiler ran
+        # (nimble.engine.profiler_guard): say which each one runs now.
+        info["launch_modes_after"] = {label: nm.launch_mode for label, nm in prepared.items()}
         step("capturing and preparing fresh ones after the profiler")
         calls.update(_graph_and_kinds(model, x, prepared, FRESH))
         step(f"timing {len(calls)} modes, old and fresh")
