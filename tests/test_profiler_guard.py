@@ -136,3 +136,25 @@ def test_a_failed_rebuild_leaves_the_served_graphs(fresh_state):
     assert prepared.builts == served and not any(b.closed for b in served)
     assert all(copy.closed for copy in builder.built)
     assert all(launcher.exec is None for launcher in prepared.launchers)
+
+
+@pytest.mark.parametrize("env, tool", [
+    ({"NV_SANITIZER_INJECTION_PORT_BASE": "49152"}, "compute-sanitizer"),
+    ({"CUDA_INJECTION64_PATH": "/opt/nsys/libToolsInjection64.so"},
+     "a CUDA tool (libToolsInjection64.so)"),
+])
+def test_an_injected_cuda_tool_turns_device_launch_down(fresh_state, monkeypatch, env, tool):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert profiler_guard.injected_tool() == tool
+    assert profiler_guard.cupti_attached()
+    with pytest.warns(RuntimeWarning, match=tool.split(" (")[0]):
+        assert not profiler_guard.device_launch_allowed(True)
+
+
+def test_no_tool_in_a_plain_environment(fresh_state, monkeypatch):
+    for name in [n for n in __import__("os").environ if n.startswith("NV_SANITIZER_INJECTION")]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("CUDA_INJECTION64_PATH", raising=False)
+    assert profiler_guard.injected_tool() == ""
+    assert not profiler_guard.cupti_attached()

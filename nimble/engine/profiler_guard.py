@@ -1,4 +1,4 @@
-"""Nimble's graphs in a process where a profiler ran.
+"""Nimble's graphs in a process where a profiler ran, or that a CUDA tool is injected into.
 
 ``torch.profiler`` (Kineto) attaches NVIDIA's CUPTI when a profiler starts, whatever activities it
 records, and leaves it attached for the rest of the process unless the environment has
@@ -18,6 +18,13 @@ phase for host launch (same nodes, same arena) and swaps it in, and a later ``pr
 instantiates for host launch from the start.  One ``RuntimeWarning`` per process says what
 happened and what to do.  A profiler that ran before the first :class:`nimble.Nimble` was made is
 not seen: the watch starts then.
+
+A process started under ``compute-sanitizer`` (its ``NV_SANITIZER_INJECTION_*`` environment) or
+with a CUDA tool injected (``CUDA_INJECTION64_PATH``: Nsight Systems and other CUPTI tools) builds
+for host launch from the start, with the same one warning: the sanitizer's ``synccheck``
+reports barrier errors in cuDNN's and Triton's kernels when they run inside a device-launchable
+graph, and none for the same graph instantiated for host launch (docs/findings.md), and an
+injected CUPTI tool is an attached CUPTI.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ log = logging.getLogger("nimble")
 
 _state = {"watching": False, "attached": False, "warned": False}
 
-#: What the warning says, once per process.
+#: What the warning says, once per process, after a profiler run.
 ADVICE = (
     "a torch profiler ran in this process and left CUPTI attached (Kineto keeps it unless "
     "TEARDOWN_CUPTI=1 is in the environment when the profiler stops); with CUPTI attached a "
@@ -42,10 +49,25 @@ ADVICE = (
     "profiling, or profile in another process.")
 
 
+#: ... and in a process a CUDA tool was injected into (``{tool}`` names it).
+TOOL_ADVICE = (
+    "{tool} is attached to this process; kernels inside a device-launchable graph run slower "
+    "under it, and compute-sanitizer misreports them, so Nimble's graphs launch from the host "
+    "(nm.launch_mode == 'host'). Outside the tool they are device-launchable again.")
+
+
+def injected_tool() -> str:
+    """The CUDA tool injected into this process by its environment ("" for none)."""
+    if any(name.startswith("NV_SANITIZER_INJECTION") for name in os.environ):
+        return "compute-sanitizer"
+    path = os.environ.get("CUDA_INJECTION64_PATH")
+    return f"a CUDA tool ({os.path.basename(path)})" if path else ""
+
+
 def cupti_attached() -> bool:
     """Whether a profiler started in this process since the watch began without asking Kineto
-    to tear CUPTI down (``TEARDOWN_CUPTI=1``)."""
-    return _state["attached"]
+    to tear CUPTI down (``TEARDOWN_CUPTI=1``), or a CUDA tool was injected into it."""
+    return _state["attached"] or bool(injected_tool())
 
 
 def _profiler_started() -> None:
@@ -81,7 +103,9 @@ def warn_once(stacklevel: int = 3) -> None:
     if _state["warned"]:
         return
     _state["warned"] = True
-    warnings.warn(ADVICE, RuntimeWarning, stacklevel=stacklevel)
+    tool = "" if _state["attached"] else injected_tool()
+    warnings.warn(TOOL_ADVICE.format(tool=tool) if tool else ADVICE, RuntimeWarning,
+                  stacklevel=stacklevel)
 
 
 def device_launch_allowed(requested: bool) -> bool:
