@@ -261,12 +261,16 @@ def _capture_traced(phases: Sequence[Phase], module, name: str,
         for phase in phases:
             torch_graph = torch.cuda.CUDAGraph(keep_graph=True)
             tracer = OpTracer(node_counter(sum(traced.node_counts)), count_allocs, paths)
+            caller_stream = torch.cuda.current_stream()
             try:
                 with torch.cuda.graph(torch_graph,
                                       pool=traced.graphs[0].pool() if traced.graphs else None):
                     with tracer, sync_errors_raised():
                         value = phase.run(value)
             except Exception as e:  # noqa: BLE001 - any failure of capture is reported typed
+                # A capture that failed to end leaves its stream current (torch restores the
+                # caller's stream only after ending the capture).
+                torch.cuda.set_stream(caller_stream)
                 torch.cuda.synchronize()
                 _free_graphs(traced.graphs + [torch_graph])
                 raise capture_failure(e, phase.name, name,

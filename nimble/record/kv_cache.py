@@ -24,8 +24,8 @@ from ..errors import InputError
 
 STATIC_CACHE_ADVICE = (
     "hold a static cache in the module instead (transformers' StaticCache(config=..., "
-    "max_cache_len=...), passed as past_key_values with a cache_position tensor), return "
-    "tensors only, or pass use_cache=False")
+    "max_cache_len=...), passed as past_key_values), return tensors only, or pass "
+    "use_cache=False")
 
 
 #: What a key-value cache's class has (transformers' ``Cache`` and its layers; a quantizer
