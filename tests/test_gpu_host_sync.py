@@ -65,8 +65,10 @@ def test_a_forward_that_synchronises_under_capture_is_refused_naming_its_line(mo
     message = str(info.value)
     line = _line_of(f"# synchronises: {what}")
     assert f"{Path(__file__).name}:{line} (in forward): " in message, message
-    assert f"of {model_class.__name__} cannot be captured" in message
-    assert "synchronises with the host" in message
+    assert f"of {model_class.__name__} cannot be captured into a CUDA graph: " in message
+    if model_class is not FindsNonzeros:  # a torch may refuse nonzero under capture itself
+        assert "cannot be captured into a CUDA graph: it synchronises with the host at " \
+            in message
     # nothing half-done: no capture open, the generator usable, the next prepare working
     assert not torch.cuda.is_current_stream_capturing()
     assert torch.randn(4, device="cuda").isfinite().all()
