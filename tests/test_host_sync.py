@@ -1,6 +1,6 @@
 """Where a forward synchronised with the host: the frame named, and the capture error's words.
 
-The capture itself runs on the GPU (tests/test_gpu_record.py, tests/test_gpu_transformers.py);
+The capture itself runs on the GPU (tests/test_gpu_host_sync.py, tests/test_gpu_transformers.py);
 here the frame selection runs on tracebacks and frame lists shaped like those a failing capture
 gives: the model's code, a library it calls, then torch's and Nimble's own frames around the
 C++ call that refused to synchronise.
@@ -8,8 +8,6 @@ C++ call that refused to synchronise.
 from __future__ import annotations
 
 import traceback
-
-import pytest
 
 from nimble.errors import CaptureError
 from nimble.record.host_sync import (TORCH_SYNC_MESSAGE, SyncSite, capture_failure,
@@ -70,23 +68,47 @@ def _forward_that_syncs():
     raise RuntimeError(f"{TORCH_SYNC_MESSAGE}")  # the line the error must name
 
 
-def _raised_in(path: str, source: str, **names):
-    """Run ``source`` as if it were the file ``path`` (a library's frame)."""
+def _defined_in(path: str, source: str) -> dict:
+    """The names ``source`` defines, as if it were the file ``path`` (a library's frames)."""
+    names: dict = {}
     exec(compile(source, path, "exec"), names)
+    return names
 
 
-def test_exception_site_reads_the_traceback_and_prefers_the_first_error_of_a_chain():
-    # a capture that fails raises once in the model, and again from torch when it ends
-    source = ("try:\n"
-              "    forward()\n"
-              "except RuntimeError:\n"
-              "    raise RuntimeError('operation failed due to a previous error during capture')\n")
-    with pytest.raises(RuntimeError) as info:
-        _raised_in(f"{TORCH}/cuda/graphs.py", source, forward=_forward_that_syncs)
-    site = exception_site(info.value, SKIP)
+def test_exception_site_passes_over_an_error_raised_again_from_torch_alone():
+    # a capture that fails raises once in the model, and again from torch when it ends; Nimble
+    # catches the second
+    end_capture = _defined_in(f"{TORCH}/cuda/graphs.py", (
+        "def end_capture(forward):\n"
+        "    try:\n"
+        "        forward()\n"
+        "    except RuntimeError:\n"
+        "        raise RuntimeError('operation failed due to a previous error during capture')\n"
+    ))["end_capture"]
+    capture = _defined_in(f"{NIMBLE}/record/capture.py", (
+        "def capture(end_capture, forward):\n"
+        "    try:\n"
+        "        end_capture(forward)\n"
+        "    except RuntimeError as e:\n"
+        "        return e\n"
+    ))["capture"]
+    error = capture(end_capture, _forward_that_syncs)
+    assert "previous error" in str(error)
+    site = exception_site(error, SKIP)
     assert site.file == __file__ and site.function == "_forward_that_syncs"
     assert site.code == 'raise RuntimeError(f"{TORCH_SYNC_MESSAGE}")  # the line the error must name'
     assert site.line == _forward_that_syncs.__code__.co_firstlineno + 1
+
+
+def test_a_synchronisation_while_handling_another_error_names_its_own_line():
+    def forward():
+        try:
+            {}["missing"]
+        except KeyError:
+            _forward_that_syncs()
+
+    site = exception_site(_caught(forward), SKIP)
+    assert site.function == "_forward_that_syncs"
 
 
 def test_library_roots_are_torch_and_nimble():

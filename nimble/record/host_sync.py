@@ -81,33 +81,25 @@ def sync_site(frames: Sequence[traceback.FrameSummary],
     return None
 
 
-def exception_site(error: BaseException, skip: Sequence[str]) -> SyncSite | None:
-    """Where ``error``, or the exception it was raised from or during, was raised, as
-    :func:`sync_site` names it; the earliest exception of the chain that names one wins (a
-    capture that fails raises again when it ends, from Nimble's frames)."""
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error``, the exception it was raised from or while handling, that one's, and so on."""
     chain: list[BaseException] = []
-    seen: set[int] = set()
     e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    while e is not None and all(e is not seen for seen in chain):
         chain.append(e)
         e = e.__cause__ or e.__context__
-    for e in reversed(chain):
+    return chain
+
+
+def exception_site(error: BaseException, skip: Sequence[str]) -> SyncSite | None:
+    """Where ``error`` was raised, as :func:`sync_site` names it; or, where its own frames are
+    all torch's and Nimble's, the exception it was raised from or while handling (a capture
+    that fails raises again when it ends, from torch's frames), and so on inward."""
+    for e in _chain(error):
         site = sync_site(traceback.extract_tb(e.__traceback__), skip)
         if site is not None:
             return site
     return None
-
-
-def _chain_has(error: BaseException, text: str) -> bool:
-    e: BaseException | None = error
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        if text in str(e):
-            return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def capture_failure(error: BaseException, what: str, name: str,
@@ -116,7 +108,7 @@ def capture_failure(error: BaseException, what: str, name: str,
     "backward") of ``name``, made at ``site``."""
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     at = f" at {site}" if site else " (no line outside torch and Nimble on the call's stack)"
-    if _chain_has(error, TORCH_SYNC_MESSAGE):
+    if any(TORCH_SYNC_MESSAGE in str(e) for e in _chain(error)):
         cause = f"it synchronises with the host{at}"
     else:
         cause = f"{first_line}; raised{at}"
