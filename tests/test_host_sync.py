@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import traceback
 
+import pytest
+
 from nimble.errors import CaptureError
 from nimble.record.host_sync import (TORCH_SYNC_MESSAGE, SyncSite, capture_failure,
-                                     exception_site, library_roots, sync_site)
+                                     exception_site, library_roots, sync_errors_raised, sync_site)
 
 TORCH = "/env/site-packages/torch"
 NIMBLE = "/src/nimble"
@@ -166,3 +168,16 @@ def test_another_capture_failure_keeps_its_first_line_and_the_site():
         "the forward of Net cannot be captured into a CUDA graph: CUDA error: operation not "
         "permitted when stream is capturing; raised at /home/user/model.py:30 (in forward). ")
     assert "asynchronously" not in message
+
+
+def test_the_sync_mode_is_error_inside_and_the_users_after_a_failure(monkeypatch):
+    import torch
+
+    modes: list = [1]  # the user's own "warn"
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    with pytest.raises(RuntimeError):
+        with sync_errors_raised():
+            assert modes[-1] == "error"
+            raise RuntimeError(TORCH_SYNC_MESSAGE)
+    assert modes == [1, "error", 1]
