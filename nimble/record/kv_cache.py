@@ -74,11 +74,11 @@ def check_module_caches(module, name: str) -> None:
             raise growing_cache_error(value, f"the attribute '{path}' of {name}")
 
 
-def check_result_caches(result, name: str, what: str = "forward") -> None:
-    """Raise :class:`InputError` for a growing cache in the result of ``name``'s ``what``."""
+def check_result_caches(result, name: str) -> None:
+    """Raise :class:`InputError` for a growing cache in the result of ``name``'s forward."""
     from torch.utils._pytree import tree_flatten
 
     leaves, _ = tree_flatten(result, is_leaf=is_growing_cache)
     for leaf in leaves:
         if is_growing_cache(leaf):
-            raise growing_cache_error(leaf, f"a part of the result of the {what} of {name}")
+            raise growing_cache_error(leaf, f"a part of the result of the forward of {name}")
