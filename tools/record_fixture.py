@@ -13,6 +13,12 @@ With ``--compiled`` the model is ``torch.compile(model)`` (Inductor's Triton ker
 their launches), as ``OUT/<model>_inductor.json.gz``.  A one-line summary per model goes to
 stdout; a model that fails is
 reported with its error and the others still run (exit status 1 if any failed).
+
+``gpt2`` and ``llama_small`` are transformers decoders with random weights (no downloads; needs
+``transformers``): ``GPT2Config()``'s 124M-parameter GPT-2, and a Llama of :data:`LLAMA_SMALL`'s
+size, each wrapped to take input ids of :data:`TOKENS` tokens per sequence and return the last
+hidden state, with no cache (the pattern of docs/inference.md, "Transformers").  Record them as
+the CPU tests expect with ``python3 tools/record_fixture.py gpt2 llama_small --dtype float16``.
 """
 from __future__ import annotations
 
@@ -28,23 +34,75 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 DEFAULT_MODELS = ["branchy", "gemm_chains", "resnet50", "inception_v3", "googlenet",
                   "mobilenet_v2", "efficientnet_b0", "nasnetalarge", "pnasnet5large"]
 
+#: The transformers decoders this tool builds (:func:`transformer_model`).
+TRANSFORMERS = ("gpt2", "llama_small")
+#: Tokens per sequence of their input ids.
+TOKENS = 128
+#: The Llama-architecture model's size, with grouped-query attention (each of the two key-value
+#: heads serves four query heads) as in the Llama family.
+LLAMA_SMALL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
+               "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 32000}
+
+
+def transformer_model(name: str, dtype: str = "float16", batch: int = 1):
+    """``(model on the GPU in eval mode, input ids (batch, TOKENS))`` for ``gpt2`` or
+    ``llama_small``, random weights from seed 0; the model maps input ids to the decoder's last
+    hidden state without a cache."""
+    import torch
+    import transformers
+
+    class LastHiddenState(torch.nn.Module):
+        """Input ids in, the last hidden state out, no cache: what a CUDA graph can hold."""
+
+        def __init__(self, model) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, use_cache=False).last_hidden_state
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = transformers.GPT2Config()
+        decoder = transformers.GPT2Model(config)
+    elif name == "llama_small":
+        config = transformers.LlamaConfig(**LLAMA_SMALL)
+        decoder = transformers.LlamaModel(config)
+    else:
+        raise ValueError(f"no transformers model {name!r}; there are {', '.join(TRANSFORMERS)}")
+    model = LastHiddenState(decoder).cuda().eval().to(getattr(torch, dtype))
+    ids = torch.randint(0, config.vocab_size, (batch, TOKENS), device="cuda")
+    return model, ids
+
+
+def _model_and_input(name: str, batch: int, dtype: str, training: bool):
+    """The model on the GPU in ``dtype`` and its example input."""
+    import torch
+
+    from nimble.cli import models
+    from nimble.cli.train_bench import CIFAR_MODELS
+
+    if name in TRANSFORMERS:
+        if training:
+            raise ValueError(f"{name} is recorded for inference only (no --training)")
+        return transformer_model(name, dtype, batch)
+    cifar = training and name in CIFAR_MODELS  # the shapes `nimble bench --training` uses
+    model = models.create(name, num_classes=10 if cifar else None)
+    model = model.cuda().to(getattr(torch, dtype))
+    x = models.example_input(name, batch, side=32 if cifar else None)
+    return model, x.to(getattr(torch, dtype))
+
 
 def record_model(name: str, batch: int, out: Path, time_tasks: bool = True,
                  dtype: str = "float32", training: bool = False, compiled: bool = False) -> dict:
     import torch
 
-    from nimble.cli import models
     from nimble.record.recorder import record, record_step
-    from nimble.cli.train_bench import CIFAR_MODELS
     from nimble.driver.gpu import use_cudnn_benchmark
     from nimble.engine.task_timing import time_recording
 
     use_cudnn_benchmark()
-    cifar = training and name in CIFAR_MODELS  # the shapes `nimble bench --training` uses
-    model = models.create(name, num_classes=10 if cifar else None)
-    model = model.cuda().to(getattr(torch, dtype))
-    x = models.example_input(name, batch, side=32 if cifar else None)
-    x = x.to(getattr(torch, dtype))
+    model, x = _model_and_input(name, batch, dtype, training)
     if compiled:
         model = torch.compile(model)
         with torch.no_grad():

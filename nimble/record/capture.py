@@ -1,4 +1,4 @@
-"""CUDA graph capture with the memory story: warm-up, host-sync check, traced phased capture.
+"""CUDA graph capture with the memory story: warm-up, traced phased capture.
 
 :func:`capture` captures one or more *phases* (a forward; or a forward, then its backward) into
 ``torch.cuda.CUDAGraph`` objects that share one memory pool, while
@@ -11,6 +11,8 @@ so that :mod:`nimble.record.recorder` can decode the nodes and resolve every add
 buffer.  Memory a later phase reads from an earlier one (the activations a forward saves for its
 backward) is then one buffer with accesses in both.  The phases are then captured once more at other
 addresses (:mod:`nimble.record.twin`), which tells pointers from integers that resemble them.
+A phase that synchronises with the host is caught while it is captured
+(:mod:`nimble.record.host_sync`: the path judged is the path captured).
 """
 from __future__ import annotations
 
@@ -23,13 +25,10 @@ from typing import Any, Callable, Iterator, Sequence
 from .. import driver
 from .compiled import is_compiled
 from ..errors import CaptureError, RecordError
+from .host_sync import capture_failure, exception_site, library_roots, sync_errors_raised
 from ..ir.alignment import align_up
 from .raw import AllocEvent, DeviceRange
 from .twin import capture_twin
-
-HOST_SYNC_HELP = ("must not synchronise with the host (.item(), .cpu(), printing a tensor, "
-                  "data-dependent Python control flow) and must keep its work on the GPU")
-
 
 def snapshot_blocks(snapshot: dict, pool_id=None) -> tuple[list[DeviceRange], list[DeviceRange]]:
     """``(active blocks outside the pool, segments of the pool)`` from an allocator snapshot."""
@@ -77,32 +76,6 @@ def node_counter(offset: int = 0) -> Callable[[], int]:
                 raise CaptureError("the op tracer ran outside of an active stream capture")
         return offset + driver.node_count(state[0])
     return count
-
-
-def check_no_host_sync(fn: Callable[[], Any], name: str, what: str = "forward") -> None:
-    """Run ``fn`` once with torch's sync debug mode set to error.
-
-    Work that synchronises with the host cannot be captured, and a failed capture can leave
-    torch's CUDA state (its random generator) unusable for the rest of the process; finding the
-    synchronisation before capturing keeps the process healthy.
-    """
-    import torch
-
-    previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings():  # torch's note that the mode is a prototype: not the user's
-        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-    except RuntimeError as e:
-        if "synchroniz" not in str(e):
-            raise CaptureError(f"the model failed to run on the example inputs: {e}") from e
-        raise CaptureError(
-            f"the {what} of {name} cannot be captured into a CUDA graph: it synchronises with "
-            f"the host ({e}). A {what} {HOST_SYNC_HELP}.") from e
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-        torch.cuda.synchronize()
 
 
 def warm_up(fn: Callable[[], Any], iterations: int) -> None:
@@ -288,18 +261,30 @@ def _capture_traced(phases: Sequence[Phase], module, name: str,
         for phase in phases:
             torch_graph = torch.cuda.CUDAGraph(keep_graph=True)
             tracer = OpTracer(node_counter(sum(traced.node_counts)), count_allocs, paths)
+            caller_stream = torch.cuda.current_stream()
             try:
                 with torch.cuda.graph(torch_graph,
                                       pool=traced.graphs[0].pool() if traced.graphs else None):
-                    with tracer:
+                    with tracer, sync_errors_raised():
                         value = phase.run(value)
             except Exception as e:  # noqa: BLE001 - any failure of capture is reported typed
+                # A capture that failed to end leaves its stream current (torch restores the
+                # caller's stream only after ending the capture).
+                torch.cuda.set_stream(caller_stream)
                 torch.cuda.synchronize()
-                raise CaptureError(
-                    f"the {phase.name} of {name} cannot be captured into a CUDA graph: {e}. "
-                    f"A {phase.name} {HOST_SYNC_HELP}.") from e
+                _free_graphs(traced.graphs + [torch_graph])
+                raise capture_failure(e, phase.name, name,
+                                      exception_site(e, library_roots())) from e
             traced.graphs.append(torch_graph)
             traced.results.append(value)
             traced.node_counts.append(driver.node_count_of(torch_graph.raw_cuda_graph()))
             traced.ops += tracer.ops
     return traced
+
+
+def _free_graphs(graphs: Sequence) -> None:
+    """Free the graphs of a capture that failed (their nodes and their hold on the pool); a
+    graph whose capture never ended has nothing to free."""
+    for graph in graphs:
+        with contextlib.suppress(RuntimeError):
+            graph.reset()

@@ -16,10 +16,12 @@ from typing import Any, Callable, Sequence
 
 from .. import driver
 from .decode import AddressOracle, decode_node
-from .capture import Captured, Phase, capture, check_no_host_sync, quiet_backward, warm_up
+from .capture import Captured, Phase, capture, quiet_backward, warm_up
 from .compiled import check_compiled, module_name
 from ..driver.gpu import require_gpu
 from ..errors import CaptureError, InputError, RecordError
+from .kv_cache import check_module_caches, check_result_caches, growing_cache_error, \
+    is_growing_cache
 from ..progress import say
 from .raw import DeviceRange, RawCapture, TensorSpec
 from .resolve import build_taskgraph, unresolved_in_pool
@@ -93,6 +95,8 @@ def _as_tensor_list(example_inputs) -> list:
             f"example inputs must be a tensor or a tuple of tensors, got "
             f"{type(example_inputs).__name__}")
     for i, x in enumerate(items):
+        if is_growing_cache(x):
+            raise growing_cache_error(x, f"input {i}")
         if not isinstance(x, torch.Tensor):
             raise InputError(f"input {i} is a {type(x).__name__}; Nimble takes tensors (or a "
                              f"tuple of tensors) as inputs")
@@ -182,14 +186,13 @@ def record(module, example_inputs, *, warmup: int = 3, name: str | None = None,
                            training=bool(getattr(module, "training", False)))
 
 
-def _warm(fn: Callable[[], Any], warmup: int, name: str, what: str, quiet: bool) -> float:
+def _warm(fn: Callable[[], Any], warmup: int, name: str, quiet: bool) -> float:
     t0 = time.perf_counter()
     say(f"warming up {name} ({warmup} iterations)", quiet)
     try:
         warm_up(fn, warmup)
     except RuntimeError as e:
         raise CaptureError(f"the model failed to run on the example inputs: {e}") from e
-    check_no_host_sync(fn, name, what)
     return time.perf_counter() - t0
 
 
@@ -226,7 +229,9 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
     is a :class:`RecordError` instead.
     """
     require_gpu()
-    seconds = {"warmup": _warm(fn, warmup, name, "forward", quiet)}
+    seconds = {"warmup": _warm(fn, warmup, name, quiet)}
+    if module is not None:  # after the warm-up: a forward may make its cache at its first call
+        check_module_caches(module, name)
 
     t0 = time.perf_counter()
     say("capturing one forward on a single stream", quiet)
@@ -234,6 +239,7 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
     seconds["capture"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    check_result_caches(captured.results[0], name)
     outputs, out_spec = _tensor_leaves(captured.results[0], name)
     graph, nodes = _decode(captured, _statics(module, static_inputs), static_inputs, outputs,
                            name, quiet, strict,
@@ -265,6 +271,7 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
     static_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
     targets = _grad_targets(module, static_inputs, name)
     warm = _warm_step(module, static_inputs, targets, warmup, name, quiet)
+    check_module_caches(module, name)
     seconds = {"warmup": warm.seconds}
 
     t0 = time.perf_counter()
@@ -344,7 +351,7 @@ def _warm_step(module, static_inputs: list, targets: _GradTargets, warmup: int, 
         last[:] = [leaves, diff]
 
     with quiet_backward():
-        seconds = _warm(step, warmup, name, "training step", quiet)
+        seconds = _warm(step, warmup, name, quiet)
     leaves, diff = last
     return _WarmStep(seconds, diff, [torch.zeros_like(leaves[i]) for i in diff])
 
