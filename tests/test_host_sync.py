@@ -12,7 +12,7 @@ import traceback
 import pytest
 
 from nimble.errors import CaptureError
-from nimble.record.host_sync import (TORCH_SYNC_MESSAGE, SyncSite, capture_failure,
+from nimble.record.host_sync import (TORCH_SYNC_MESSAGES, SyncSite, capture_failure,
                                      exception_site, library_roots, sync_errors_raised, sync_site)
 
 TORCH = "/env/site-packages/torch"
@@ -67,7 +67,7 @@ def test_no_frame_outside_torch_and_nimble_names_nothing():
 
 
 def _forward_that_syncs():
-    raise RuntimeError(f"{TORCH_SYNC_MESSAGE}")  # the line the error must name
+    raise RuntimeError(f"{TORCH_SYNC_MESSAGES[0]}")  # the line the error must name
 
 
 def _defined_in(path: str, source: str) -> dict:
@@ -98,7 +98,7 @@ def test_exception_site_passes_over_an_error_raised_again_from_torch_alone():
     assert "previous error" in str(error)
     site = exception_site(error, SKIP)
     assert site.file == __file__ and site.function == "_forward_that_syncs"
-    assert site.code == 'raise RuntimeError(f"{TORCH_SYNC_MESSAGE}")  # the line the error must name'
+    assert site.code == 'raise RuntimeError(f"{TORCH_SYNC_MESSAGES[0]}")  # the line the error must name'
     assert site.line == _forward_that_syncs.__code__.co_firstlineno + 1
 
 
@@ -136,7 +136,7 @@ def _caught(fn) -> BaseException:
 
 def test_a_synchronisation_says_where_and_what_to_do():
     site = SyncSite("/home/user/model.py", 12, "forward", "return x * float(x.sum().item())")
-    error = RuntimeError(f"{TORCH_SYNC_MESSAGE}\nmore detail")
+    error = RuntimeError(f"{TORCH_SYNC_MESSAGES[0]}\nmore detail")
     e = capture_failure(error, "forward", "Syncs", site)
     assert isinstance(e, CaptureError)
     assert str(e) == (
@@ -149,7 +149,7 @@ def test_a_synchronisation_says_where_and_what_to_do():
 def test_a_synchronisation_raised_again_by_the_capture_is_still_named_one():
     try:
         try:
-            raise RuntimeError(TORCH_SYNC_MESSAGE)
+            raise RuntimeError(TORCH_SYNC_MESSAGES[0])
         except RuntimeError:
             raise RuntimeError("operation failed due to a previous error during capture")
     except RuntimeError as e:
@@ -179,5 +179,12 @@ def test_the_sync_mode_is_error_inside_and_the_users_after_a_failure(monkeypatch
     with pytest.raises(RuntimeError):
         with sync_errors_raised():
             assert modes[-1] == "error"
-            raise RuntimeError(TORCH_SYNC_MESSAGE)
+            raise RuntimeError(TORCH_SYNC_MESSAGES[0])
     assert modes == [1, "error", 1]
+
+
+def test_a_copy_to_the_host_refused_under_capture_is_a_host_sync():
+    error = RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture "
+                         "unless the CPU tensor is pinned. ...")
+    message = str(capture_failure(error, "forward", "Net", None))
+    assert "it synchronises with the host (no line outside torch and Nimble" in message

@@ -38,8 +38,10 @@ from ..errors import CaptureError
 HOST_SYNC_HELP = ("must not synchronise with the host (.item(), .cpu(), printing a tensor, "
                   "data-dependent Python control flow) and must keep its work on the GPU")
 
-#: What torch's sync debug mode says when it refuses a synchronising call.
-TORCH_SYNC_MESSAGE = "called a synchronizing CUDA operation"
+#: What torch says when it refuses a synchronising call: its sync debug mode, and its own check
+#: of a copy to or from pageable host memory under capture (``.cpu()``).
+TORCH_SYNC_MESSAGES = ("called a synchronizing CUDA operation",
+                       "Cannot copy between CPU and CUDA tensors during CUDA graph capture")
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ def capture_failure(error: BaseException, what: str, name: str,
     "backward") of ``name``, made at ``site``."""
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     at = f" at {site}" if site else " (no line outside torch and Nimble on the call's stack)"
-    if any(TORCH_SYNC_MESSAGE in str(e) for e in _chain(error)):
+    if any(m in str(e) for e in _chain(error) for m in TORCH_SYNC_MESSAGES):
         cause = f"it synchronises with the host{at}"
     else:
         cause = f"{first_line}; raised{at}"
