@@ -443,9 +443,9 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
     then up to ``fuzz_launches`` launches of delay-noded copies of the phases
     (:mod:`nimble.engine.fuzz`), each after a fresh draw of delays, held to the same outputs.
 
-    The fuzz launches stop (after a few) once building and running the copies has taken as long
-    as the proof before them, so the fuzzer at most doubles the proof's time.  The copies are
-    freed before this returns or raises.  What ran goes to ``graph.meta["verified"]``, and the
+    The fuzz launches stop (after a few) once building and running the copies has taken
+    ``FUZZ_TIME_FACTOR`` times as long as the proof before them (:mod:`nimble.engine.proof`).
+    The copies are freed before this returns or raises.  What ran goes to ``graph.meta["verified"]``, and the
     seconds of both parts to ``prepared.seconds`` (``verify_served``, ``verify_fuzz``).
 
     A graph that draws random numbers is given the same generator state as the reference for
@@ -453,7 +453,7 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
     """
     import torch
 
-    from .proof import FuzzBudget, verify_against_reference
+    from .proof import FUZZ_TIME_FACTOR, FuzzBudget, verify_against_reference
 
     rng = prepared.launcher.rng
     saved = rng.generator.get_state() if rng else None
@@ -475,7 +475,7 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
             prepared.launcher.stream(),
             relaunches=relaunches, rng_at=rng_at if rng else None,
             repeats=4 if prepared.step is not None else 3, gradients=gradients, fuzz=copies,
-            fuzz_budget=FuzzBudget(fuzz_launches, time_factor=1.0,
+            fuzz_budget=FuzzBudget(fuzz_launches, time_factor=FUZZ_TIME_FACTOR,
                                    spent_seconds=built - began))
         torch.cuda.synchronize()
         ended = time.perf_counter()
@@ -501,4 +501,5 @@ def _fuzz_copies(prepared: Prepared, rec, seed: int):
     device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
     return FuzzCopies(prepared.phase_builder(), prepared.launchers, device, seed=seed,
                       stream_of=prepared.schedule.stream_of,
-                      repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)])
+                      repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)],
+                      offsets=prepared.memplan.offsets, rows=FUZZ_LAUNCHES)
