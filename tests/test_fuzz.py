@@ -235,6 +235,7 @@ def test_targeted_copies_delay_only_the_targets_each_by_its_phases_critical_path
     assert copies.stats.last_kind == fuzz_module.TARGETED
     assert copies.stats.as_meta()["fuzz_targets"] == 2
     assert copies.stats.as_meta()["fuzz_targets_held"] == 2
+    assert copies.direct_cover == 1
     copies.close()
 
 

@@ -274,6 +274,9 @@ class FuzzCopies:
         self._kinds: list[str] = []
         self._held: list[int] = []
         self._copy = None
+        #: The launches whose draws hold back every target of a direct hazard (the writers of
+        #: the schedule's synchronizations) at least once; None where the rows do not.
+        self.direct_cover: int | None = None
         options = options or PhaseOptions()
         try:
             if delays:
@@ -297,11 +300,14 @@ class FuzzCopies:
     def _upload(self, n: int, rows: int) -> None:
         """Draw ``rows`` rows, upload them in one copy, and start the table at no delay."""
         drawn = []
+        picks = self.draws.picks
         for _ in range(max(rows, 0)):
             kind, delays = self.draws.next()
             self._kinds.append(kind)
             self._held.append(self._targets_held())
             drawn.append(delays)
+            if self.direct_cover is None and picks is not None and picks.tiers[0].done:
+                self.direct_cover = len(drawn)
         self.table = driver.DeviceMemory.allocate(max(4 * n, 4))
         self._memories.append(self.table)
         driver.copy_to_device(self.table.address, bytes(4 * n))
