@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from nimble.analysis.deps import dag_from_edges, reachability
-from nimble.analysis.hazards import (ARENA, Hazard, TargetedPicks, cross_stream_hazards,
-                                     keeps_rule)
+from nimble.analysis.hazards import (ARENA, CHAINED, HELD, ChainCosts, Hazard, TargetedPicks,
+                                     cross_stream_hazards, keeps_chained_rule, keeps_rule,
+                                     lead_us)
 from nimble.analysis.memplan import MemPlanError
 from nimble.analysis.plan_check import check_plan
 from nimble.engine.prepared import plan_graph
@@ -106,12 +107,12 @@ def test_every_targeted_pick_keeps_the_rule_and_covers_every_target(planned):
     launches = 0
     while not picks.all_covered:
         tier = picks.tier
-        picked = picks.next()
+        kind, picked = picks.next()
         launches += 1
-        assert picked and keeps_rule(picked, tier.partners, picks.down)
+        assert kind == HELD and picked and keeps_rule(picked, tier.partners, picks.down)
         assert launches <= len(direct.targets) + len(every.targets)  # a new target each time
     for _ in range(5):  # fresh sets keep the rule too
-        assert keeps_rule(picks.next(), every.partners, picks.down)
+        assert keeps_rule(picks.next()[1], every.partners, picks.down)
 
 
 def test_seeded_picks_repeat_and_differ_for_another_seed():
@@ -120,7 +121,7 @@ def test_seeded_picks_repeat_and_differ_for_another_seed():
 
     def run(seed):
         picks = TargetedPicks(len(graph.tasks), hazards, schedule.edges(), seed=seed)
-        return [picks.next() for _ in range(12)]
+        return [picks.next()[1] for _ in range(12)]
     assert run(0) == run(0)
     assert run(0) != run(1)
 
@@ -132,7 +133,7 @@ def test_targets_sharing_a_partner_get_a_launch_each():
     hazards = [Hazard(w, 3, "write-read", ARENA, 16 * w, 16 * w + 16) for w in range(3)]
     edges = [(0, 3), (1, 3), (2, 3)]
     picks = TargetedPicks(n, hazards, edges, seed=0)
-    sets = [picks.next() for _ in range(3)]
+    sets = [picks.next()[1] for _ in range(3)]
     assert sorted(sets) == [[0], [1], [2]] and picks.all_covered
 
 
@@ -143,6 +144,62 @@ def test_independent_targets_share_a_launch():
                Hazard(4, 5, "write-read", ARENA, 16, 24)]
     edges = [(0, 1), (2, 3), (1, 4), (3, 4), (4, 5)]
     picks = TargetedPicks(6, hazards, edges, seed=0)
-    sets = [picks.next() for _ in range(4)]
+    sets = [picks.next()[1] for _ in range(4)]
     assert [0, 2] in sets and all(4 not in s or s == [4] for s in sets)
     assert picks.all_covered
+
+
+def _chain(n: int, cost: int = 10, budget: int = 10**9) -> ChainCosts:
+    return ChainCosts([cost] * n, [budget] * n, [0] * n)
+
+
+def test_chained_picks_hold_back_one_target_of_every_block_and_keep_their_rule(planned):
+    graph, schedule, _, hazards = planned
+    n = len(graph.tasks)
+    held = TargetedPicks(n, hazards, schedule.edges(), seed=0)
+    chained = TargetedPicks(n, hazards, schedule.edges(), seed=0, chain=_chain(n))
+    direct = chained.tiers[0]
+    launches = {HELD: 0, CHAINED: 0}
+    while not chained.direct_done:
+        kind, picked = chained.next()
+        launches[kind] += 1
+        if kind == CHAINED:
+            assert keeps_chained_rule(picked, direct.partners, chained.down)
+    while not held.tiers[0].done:
+        held.next()
+    assert direct.chained == direct.covered == set(direct.targets)
+    assert launches[HELD] == held.launches  # the held stage as without chaining
+    assert launches[CHAINED] <= launches[HELD]
+
+
+def test_a_chained_pick_below_another_must_have_it_above_its_partners_too():
+    """0 -> 1 -> 2 -> 3: target 0 (partner 1) and target 2 (partner 3) chain; target 1
+    (partner 3 as well, beside 2) does not go with 2, whose delay would hold 3 back alone."""
+    hazards = [Hazard(0, 1, "write-read", ARENA, 0, 8), Hazard(2, 3, "write-read", ARENA, 8, 16),
+               Hazard(1, 3, "write-read", ARENA, 16, 24)]
+    edges = [(0, 1), (1, 2), (1, 3), (2, 3)]
+    picks = TargetedPicks(4, hazards, edges, seed=0, chain=_chain(4))
+    partners, down = picks.tiers[0].partners, picks.down
+    assert keeps_chained_rule([0, 2], partners, down)
+    assert not keeps_chained_rule([1, 2], partners, down)
+    assert not keeps_rule([0, 2], partners, down)  # the held rule never lets them go together
+
+
+def test_chained_picks_keep_to_their_phase_budget():
+    n = 8
+    hazards = [Hazard(t, t + 1, "write-read", ARENA, 8 * t, 8 * t + 8) for t in range(0, 8, 2)]
+    edges = [(t, t + 1) for t in range(7)]
+    chain = ChainCosts([10] * n, [25] * n, [0] * 4 + [1] * 4)
+    picks = TargetedPicks(n, hazards, edges, seed=0, chain=chain)
+    while picks.chaining:
+        kind, picked = picks.next()
+        assert kind == CHAINED and 1 <= sum(1 for t in picked if t < 4) <= 2
+        assert sum(1 for t in picked if t >= 4) <= 2
+
+
+def test_a_targets_lead_is_the_longest_path_gap_to_its_partners():
+    # 0 (5 us) -> 1 (30 us) -> 3; 0 -> 2 (1 us) -> 3: target 2 leads its partner 3 by 30 us
+    edges = [(0, 1), (0, 2), (1, 3), (2, 3)]
+    hazards = [Hazard(2, 3, "write-read", ARENA, 0, 8), Hazard(0, 2, "write-read", ARENA, 8, 16)]
+    lead = lead_us(4, hazards, edges, [5.0, 30.0, 1.0, 2.0])
+    assert lead == {2: 30.0, 0: 5.0}

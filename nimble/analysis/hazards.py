@@ -20,7 +20,10 @@ and the race hides), greedily as many as fit, uncovered targets first, so that e
 held back in few launches.  The rule makes the picks an antichain (a partner is a descendant of
 its own target), so one launch holds every path back by at most one delay.  Where k targets
 share a partner (k branches joining), each needs a launch of its own: the launches a cover
-takes are at least the largest such k.  Reachability is Python-int bitsets (:func:`~nimble.analysis.deps.
+takes are at least the largest such k.  The *chained* picks (:func:`pick_chained`) relax the
+rule where delays add up along a path: a pick may hold back a partner of another pick if it
+holds back that pick too, so one launch can hold back a target in every block of a deep
+network, each by its own (shorter) delay.  Reachability is Python-int bitsets (:func:`~nimble.analysis.deps.
 reachability`), which stays fast for thousands of tasks.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ import random
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from .deps import dag_from_edges, reachability
+from .deps import dag_from_edges, path_lengths, reachability
 from .plan_check import collect_accesses, conflict_pairs
 from ..ir.taskgraph import TaskGraph
 
@@ -85,6 +88,11 @@ def cross_stream_hazards(graph: TaskGraph, offsets: Mapping[int, int],
     return [found[k] for k in sorted(found)]
 
 
+#: The kinds of targeted pick: held back one antichain at a time by the critical path, or along
+#: chains by each target's own window (see :class:`TargetedPicks`).
+HELD, CHAINED = "targeted", "chained"
+
+
 class _Tier:
     """Targets and their partners (bitsets) from one set of hazards, and which were picked."""
 
@@ -93,25 +101,45 @@ class _Tier:
         for h in hazards:
             self.partners[h.earlier] = self.partners.get(h.earlier, 0) | (1 << h.later)
         self.targets = sorted(self.partners)
-        self.covered: set[int] = set()
+        self.covered: set[int] = set()  # picked by a held draw
+        self.chained: set[int] = set()  # picked by a chained draw
 
     @property
     def done(self) -> bool:
         return len(self.covered) == len(self.targets)
 
 
+@dataclass(frozen=True)
+class ChainCosts:
+    """What a chained pick may spend: ``cost[t]`` ns of delay for target ``t``, at most
+    ``budget[t]`` ns summed over the picks of ``t``'s phase (``phase_of[t]``) per launch."""
+
+    cost: Sequence[int]
+    budget: Sequence[int]
+    phase_of: Sequence[int]
+
+
 class TargetedPicks:
     """Seeded sets of targets to hold back, one set per launch (see the module docstring).
 
-    Two tiers: first the *direct* hazards, whose two tasks an edge of ``edges`` joins (a
-    synchronization of the schedule: removing it leaves exactly that pair unordered), until
-    every one of their targets was picked; then every hazard, until every target was picked;
-    then fresh sets over every hazard, the targets picked least often first.  :meth:`next`
-    returns the next launch's picks.
+    Two tiers: the *direct* hazards, whose two tasks an edge of ``edges`` joins (a
+    synchronization of the schedule: removing it leaves exactly that pair unordered), and every
+    hazard.  The picks go in stages, each until every target of its tier was picked once:
+
+    1. with ``chain`` costs, *chained* picks of the direct targets (:func:`pick_chained`): a
+       pick may sit below another as long as every pick above a partner is above its target
+       too, so the delays add up along paths and a target still ends later than its partners
+       by its own delay; each target waits its own cost (a few times its natural lead over its
+       partners), so one launch holds back one target of every block of a deep network;
+    2. *held* picks (:func:`pick`) of the direct targets, an antichain each, for the heavy
+       delay: the safe way, where a lead was underestimated;
+    3. held picks of every target; after that, fresh held sets over every hazard.
+
+    :meth:`next` returns the next launch's ``(kind, picks)``.
     """
 
     def __init__(self, n: int, hazards: Sequence[Hazard], edges: Sequence[tuple[int, int]],
-                 seed: int = 0) -> None:
+                 seed: int = 0, chain: ChainCosts | None = None) -> None:
         edges = list(edges)
         reach = reachability(dag_from_edges(n, edges))
         #: bit q of ``down[p]``: q is p or a descendant of p
@@ -121,31 +149,50 @@ class TargetedPicks:
                       _Tier(hazards)]
         #: The targets (distinct earlier tasks of the hazards), ascending.
         self.targets = self.tiers[-1].targets
+        self.chain = chain
         self.launches = 0  # sets picked so far
         self._rng = random.Random(seed)
 
     @property
+    def chaining(self) -> bool:
+        """Whether the next pick is a chained one (stage 1)."""
+        direct = self.tiers[0]
+        return self.chain is not None and len(direct.chained) < len(direct.targets)
+
+    @property
     def tier(self) -> _Tier:
         """The tier the next pick covers."""
+        if self.chaining:
+            return self.tiers[0]
         return next((t for t in self.tiers if not t.done), self.tiers[-1])
 
     @property
-    def all_covered(self) -> bool:
-        """Whether every target of every tier was picked at least once."""
-        return all(t.done for t in self.tiers)
+    def direct_done(self) -> bool:
+        """Whether stages 1 and 2 are over: every direct target was picked both ways."""
+        return not self.chaining and self.tiers[0].done
 
-    def next(self) -> list[int]:
-        """The next launch's targets, ascending (empty only where there are none)."""
-        tier = self.tier
-        uncovered = [t for t in tier.targets if t not in tier.covered]
-        rest = [t for t in tier.targets if t in tier.covered]
+    @property
+    def all_covered(self) -> bool:
+        """Whether every target of every stage was picked at least once."""
+        return not self.chaining and all(t.done for t in self.tiers)
+
+    def next(self) -> tuple[str, list[int]]:
+        """The next launch's kind and targets, ascending (empty only where there are none)."""
+        chaining, tier = self.chaining, self.tier
+        seen = tier.chained if chaining else tier.covered
+        uncovered = [t for t in tier.targets if t not in seen]
+        rest = [t for t in tier.targets if t in seen]
         self._rng.shuffle(uncovered)
         self._rng.shuffle(rest)
+        self.launches += 1
+        if chaining:
+            picked = pick_chained(uncovered + rest, tier.partners, self.down, self.chain)
+            tier.chained.update(picked)
+            return CHAINED, picked
         picked = pick(uncovered + rest, tier.partners, self.down)
         for each in self.tiers:
             each.covered.update(t for t in picked if t in each.partners)
-        self.launches += 1
-        return picked
+        return HELD, picked
 
 
 def pick(order: Iterable[int], partners: Mapping[int, int], down: Sequence[int]) -> list[int]:
@@ -174,3 +221,49 @@ def keeps_rule(picked: Sequence[int], partners: Mapping[int, int], down: Sequenc
         if partners[t] & others:
             return False
     return True
+
+
+def _delays_partner_alone(p: int, t: int, partners: Mapping[int, int],
+                          down: Sequence[int]) -> bool:
+    """Whether holding ``p`` back holds back a partner of ``t`` but not ``t`` itself."""
+    return bool(partners[t] & down[p]) and not down[p] >> t & 1
+
+
+def pick_chained(order: Iterable[int], partners: Mapping[int, int], down: Sequence[int],
+                 chain: ChainCosts) -> list[int]:
+    """Greedily, in ``order``, every target that keeps the chained rule
+    (:func:`keeps_chained_rule`) and its phase's budget, ascending; the first pick of a phase
+    always fits."""
+    picked: list[int] = []
+    spent: dict[int, int] = {}
+    for t in order:
+        phase = chain.phase_of[t]
+        if phase in spent and spent[phase] + chain.cost[t] > chain.budget[t]:
+            continue
+        if any(_delays_partner_alone(p, t, partners, down)
+               or _delays_partner_alone(t, p, partners, down) for p in picked):
+            continue
+        picked.append(t)
+        spent[phase] = spent.get(phase, 0) + chain.cost[t]
+    return sorted(picked)
+
+
+def keeps_chained_rule(picked: Sequence[int], partners: Mapping[int, int],
+                       down: Sequence[int]) -> bool:
+    """Whether every pick that is or lies above a partner of a pick lies above that pick too:
+    then every chain of picks above a partner continues to the pick, whose own delay keeps it
+    behind the partner."""
+    return not any(_delays_partner_alone(p, t, partners, down)
+                   for t in picked for p in picked if p != t)
+
+
+def lead_us(n: int, hazards: Iterable[Hazard], edges: Sequence[tuple[int, int]],
+            durations: Sequence[float]) -> dict[int, float]:
+    """Per target, its natural lead over its partners: the longest gap (µs) between its
+    earliest start and a partner's, on the longest paths over ``durations`` (isolated µs per
+    task) in the DAG of ``edges``."""
+    before = path_lengths(dag_from_edges(n, edges), durations).before
+    lead: dict[int, float] = {}
+    for h in hazards:
+        lead[h.earlier] = max(lead.get(h.earlier, 0.0), before[h.later] - before[h.earlier])
+    return lead

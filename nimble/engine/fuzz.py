@@ -12,7 +12,7 @@ rows are drawn when the copies are built and uploaded with one copy; each launch
 the table by a device-to-device copy in stream order, so the host never waits for a launch
 before the next (only the bitwise check of each launch's outputs does).
 
-Three kinds of draw (:data:`TARGETED`, :data:`STREAM`, :data:`PER_TASK`):
+Four kinds of draw (:data:`CHAINED`, :data:`TARGETED`, :data:`STREAM`, :data:`PER_TASK`):
 
 * **Targeted** (where the copies know the arena offsets, ``offsets``): the cross-stream hazard
   pairs of the schedule (:mod:`nimble.analysis.hazards`) name the *targets*, each task E that
@@ -20,11 +20,19 @@ Three kinds of draw (:data:`TARGETED`, :data:`STREAM`, :data:`PER_TASK`):
   synchronization from E to L usually has slack of whole kernels: L also waits for its own
   stream's work (a convolution, say), which a small E beats every time.  Only a delay longer
   than that slack on E, and none on L's side, shows the race; delays of a task's own size on
-  both sides cancel out.  A targeted draw holds back a set of targets
+  both sides cancel out.  A targeted draw holds back an antichain of targets
   (:class:`~nimble.analysis.hazards.TargetedPicks`: none of a pick's partners is a pick or below
   another pick) by the phase's critical path each (:func:`heavy_delay_ns`), and nothing else.
   Only the targets get delay nodes: a delay node is a launch of its own on every path through
   it, so fewer of them keep the copy's launches and its build short.
+* **Chained**: the same targets, but a pick may lie below another where that one is above its
+  partners only through it (the delays add up along the path, and the pick still ends its own
+  delay behind its partners), each held back by :data:`CHAIN_LEAD_FACTOR` times its natural
+  lead over its partners (longest paths over the isolated durations) plus the heavy floor,
+  within the critical path, at most :data:`CHAIN_BUDGET_FACTOR` critical paths per phase in
+  all.  An antichain holds one target of a block of a deep network (every later block lies
+  below it); a chain holds one of every block, so a cover takes far fewer launches where the
+  leads are short (nasnetalarge: 18 chained launches against 179 antichains on the fixture).
 * **Per stream, heavy**: each stream is slow with probability :data:`SLOW_STREAM_CHANCE`, and on
   a slow stream one delayable task, picked at random, waits between half and all of its
   phase's critical path.
@@ -33,16 +41,19 @@ Three kinds of draw (:data:`TARGETED`, :data:`STREAM`, :data:`PER_TASK`):
   the phase's tasks (``Task.duration_us``; :data:`UNTIMED_CAP_NS` where none is known), at most
   :data:`MAX_DELAY_NS`.  This reorders tasks whose natural start times lie close together.
 
-The mix: targeted draws only, until every target of a *direct* hazard (the two tasks of a
-synchronization edge of the schedule: the edge a missing sync would be) was held back once; a
-race there needs its writer held back and nothing else, which the targeted draws do and the
-random kinds seldom do (docs/findings.md).  After that, two targeted draws (covering the other
+The mix: targeted draws only until every target of a *direct* hazard (the two tasks of a
+synchronization edge of the schedule: the edge a missing sync would be) was held back both
+ways, chained first (cheap where the leads are short), then as antichains (safe where a lead
+was underestimated: the heavy delay exceeds any slack the isolated durations allow); a race
+there needs its writer held back and nothing else, which the targeted draws do and the random
+kinds seldom do (docs/findings.md).  After that, two targeted draws (covering the other
 hazards' targets, then fresh sets) to one random draw, the two random kinds in turn: a race the
 targeted picks miss (the reader's side slowed by a delay elsewhere, a slack longer than the
 critical path) may come up in a random order.  Without ``offsets`` there are no targets: every
 task gets a delay node and the random kinds take turns, two heavy draws to one per-task draw.
 
-Why the heavy and targeted kinds exist, with the catch rates of each kind: docs/findings.md.
+Why the heavy, targeted and chained kinds exist, with the catch rates of each kind:
+docs/findings.md.
 
 The copies are built through :class:`~nimble.engine.rebuild.PhaseBuilder` from the served graph's
 own nodes (same gathers, priorities, late edges, arena, inputs and outputs); the served graph has
@@ -59,7 +70,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .. import driver
-from ..analysis.hazards import TargetedPicks, cross_stream_hazards
+from ..analysis.hazards import (CHAINED, HELD, ChainCosts, Hazard, TargetedPicks,
+                               cross_stream_hazards, lead_us)
 from ..ir.taskgraph import TaskGraph
 from .build import BuiltGraph, DelaySpec
 from .launcher import CallOrder, Launcher, run_phases
@@ -158,47 +170,81 @@ def draw_targeted(picked: Sequence[int], heavy_ns: np.ndarray) -> np.ndarray:
 
 
 #: The kinds of draw (see the module docstring).
-TARGETED, STREAM, PER_TASK = "targeted", "stream", "per-task"
+TARGETED, CHAINED, STREAM, PER_TASK = HELD, CHAINED, "stream", "per-task"
+#: A chained pick waits this many times its natural lead over its partners (isolated durations
+#: on the longest paths; kernels beside it stretch the real lead), plus the heavy delay's floor.
+CHAIN_LEAD_FACTOR = 3.0
+#: The chained picks of one launch wait at most this many critical paths of their phase in all.
+CHAIN_BUDGET_FACTOR = 2.0
 
 
 class Draws:
     """The seeded sequence of draws of one set of fuzz copies, in the module docstring's mix.
 
-    ``picks`` (None: no targets) chooses the targeted draws; only ``delayable`` tasks are ever
+    ``picks`` (None: no targets) chooses the targeted and chained draws, which hold a pick back
+    by ``heavy_ns`` and ``chain_ns`` of it (per task); only ``delayable`` tasks are ever
     delayed.  :meth:`next` returns ``(kind, delays)``, a u32 of nanoseconds per task.
     """
 
     def __init__(self, caps_ns: np.ndarray, heavy_ns: np.ndarray, stream_of: np.ndarray | None,
-                 picks: TargetedPicks | None, delayable: np.ndarray, seed: int = 0) -> None:
+                 picks: TargetedPicks | None, delayable: np.ndarray, seed: int = 0,
+                 chain_ns: np.ndarray | None = None) -> None:
         self.caps_ns, self.heavy_ns, self.picks = caps_ns, heavy_ns, picks
+        self.chain_ns = heavy_ns if chain_ns is None else chain_ns
         self.delayable = delayable
         self.stream_of = None if stream_of is None else np.where(delayable, stream_of, -1)
         self._rng = np.random.default_rng(seed)
         self._random_draws = 0  # of the two random kinds, for their turns
         self.count = 0
 
-    def _next_kind(self) -> str:
+    def _random_kind(self) -> str:
         picks = self.picks
-        if picks is not None and picks.targets:
-            if not picks.tiers[0].done or self.count % 3 != 2:
-                return TARGETED
-        elif self.stream_of is not None:
-            return STREAM if self.count % 3 else PER_TASK
-        self._random_draws += 1
         if self.stream_of is None:
             return PER_TASK
+        if picks is None or not picks.targets:
+            return STREAM if self.count % 3 else PER_TASK
+        self._random_draws += 1
         return STREAM if self._random_draws % 2 else PER_TASK
 
     def next(self) -> tuple[str, np.ndarray]:
-        kind = self._next_kind()
+        picks = self.picks
+        targeted = picks is not None and bool(picks.targets) and \
+            (not picks.direct_done or self.count % 3 != 2)
+        kind = None if targeted else self._random_kind()
         self.count += 1
-        if kind == TARGETED:
-            return kind, draw_targeted(self.picks.next(), self.heavy_ns)
+        if kind is None:
+            kind, picked = picks.next()
+            return kind, draw_targeted(picked, self.heavy_ns if kind == TARGETED
+                                       else self.chain_ns)
         if kind == STREAM:
             return kind, draw_stream_delays(self._rng, self.stream_of, self.heavy_ns)
         delays = draw_delays(self._rng, self.caps_ns)
         delays[~self.delayable] = 0
         return kind, delays
+
+
+def chain_costs(graph: TaskGraph, hazards: Sequence[Hazard], edges: Sequence[tuple[int, int]],
+                spans: Sequence[range], heavy_ns: np.ndarray
+                ) -> tuple[ChainCosts, np.ndarray]:
+    """What the chained picks of ``hazards`` spend (:class:`~nimble.analysis.hazards.
+    ChainCosts`), and the delay per task (ns): :data:`CHAIN_LEAD_FACTOR` times its lead over
+    its partners plus the heavy floor, within the heavy delay; the heavy delay in a phase with
+    no known duration."""
+    n = len(graph.tasks)
+    durations = [t.duration_us or 0.0 for t in graph.tasks]
+    lead = lead_us(n, hazards, edges, durations)
+    delay = heavy_ns.copy()
+    phase_of = np.zeros(n, dtype=np.int64)
+    for k, span in enumerate(spans):
+        phase_of[span.start:span.stop] = k
+        if not any(durations[t] for t in span):
+            continue
+        for t in span:
+            if t in lead:
+                delay[t] = min(int(CHAIN_LEAD_FACTOR * 1000 * lead[t]) + HEAVY_DELAY_NS[0],
+                               int(heavy_ns[t]))
+    budget = (CHAIN_BUDGET_FACTOR * heavy_ns).astype(np.int64)
+    return ChainCosts(delay.tolist(), budget.tolist(), phase_of.tolist()), delay
 
 
 @dataclass
@@ -306,7 +352,7 @@ class FuzzCopies:
             self._kinds.append(kind)
             self._held.append(self._targets_held())
             drawn.append(delays)
-            if self.direct_cover is None and picks is not None and picks.tiers[0].done:
+            if self.direct_cover is None and picks is not None and picks.direct_done:
                 self.direct_cover = len(drawn)
         self.table = driver.DeviceMemory.allocate(max(4 * n, 4))
         self._memories.append(self.table)
@@ -378,11 +424,17 @@ def _draws(builder: PhaseBuilder, stream_of: Sequence[int] | None,
              if phase_of[u] == phase_of[v]]
     streams = None if stream_of is None else np.asarray(stream_of, dtype=np.int64)
     picks = None
+    chain_ns = None
+    heavy = phase_heavy_ns(graph, edges, builder.spans)
     delayable = np.ones(n, dtype=bool)
     if streams is not None and offsets is not None:
         hazards = cross_stream_hazards(graph, offsets, streams.tolist(), builder.spans)
-        picks = TargetedPicks(n, hazards, edges, seed)
+        joined = set(edges)
+        chain, chain_ns = chain_costs(
+            graph, [h for h in hazards if (h.earlier, h.later) in joined], edges,
+            builder.spans, heavy)
+        picks = TargetedPicks(n, hazards, edges, seed, chain)
         delayable[:] = False
         delayable[picks.targets] = True
-    return Draws(delay_caps_ns(graph, builder.spans), phase_heavy_ns(graph, edges, builder.spans),
-                 streams, picks, delayable, seed)
+    return Draws(delay_caps_ns(graph, builder.spans), heavy, streams, picks, delayable, seed,
+                 chain_ns)
