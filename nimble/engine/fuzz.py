@@ -365,8 +365,11 @@ class FuzzCopies:
         self._drawn = drawn
 
     def _targets_held(self) -> int:
+        """How many targets a targeted or chained draw has held back so far."""
         picks = self.draws.picks
-        return len(picks.tiers[-1].covered) if picks is not None else 0
+        if picks is None:
+            return 0
+        return len(picks.tiers[-1].covered | picks.tiers[0].chained)
 
     def draw(self) -> None:
         """Queue the next draw into the delay table and the arena's poison, in stream order
