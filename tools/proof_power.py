@@ -1,7 +1,7 @@
 """The proof's power, measured: break prepared graphs on purpose, count what the proof catches.
 
     python3 tools/proof_power.py MODEL[,MODEL...] [--dtype float32,float16] [--sync-trials 50]
-        [--war-trials 20] [--share-trials 20] [--launches 25] [--fuzz-launches 100]
+        [--war-trials 20] [--share-trials 20] [--launches 25] [--fuzz-launches 200]
         [--fuzz-budget 2.0] [--seed 0] [--json FILE]
 
 Each model is prepared (its recording kept), then each trial breaks one thing in a
@@ -393,9 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--share-trials", type=int, default=20)
     parser.add_argument("--launches", type=int, default=25,
                         help="poisoned launches of each broken copy (prepare() runs 100)")
-    parser.add_argument("--fuzz-launches", type=int, default=100,
-                        help="fuzz launches at most after them (as prepare(); the time prepare "
-                             "gives the fuzzer also bounds them)")
+    parser.add_argument("--fuzz-launches", type=int, default=200,
+                        help="fuzz launches at most after them (as prepare(); the time "
+                             "--fuzz-budget gives the fuzzer also bounds them)")
     parser.add_argument("--fuzz-budget", type=float, default=None,
                         help="the fuzz part's time as a multiple of prepare()'s served proof "
                              "(default: prepare()'s own, nimble.engine.proof.FUZZ_TIME_FACTOR)")

@@ -431,9 +431,11 @@ def run_all(prepared: Prepared):
     return run_phases(prepared.launchers)
 
 
-#: Fuzz launches the proof runs at most after the served ones; fewer when they take longer
-#: than the proof without them did (:func:`prove`).
-FUZZ_LAUNCHES = 100
+#: Fuzz launches the proof runs at most after the served ones (the targeted draws hold back
+#: every writer of a synchronization of the zoo's branchy models both ways within about
+#: that many: docs/findings.md); fewer when they take longer than their share of the proof's
+#: time (:func:`prove`).
+FUZZ_LAUNCHES = 200
 
 
 def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
