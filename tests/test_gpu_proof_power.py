@@ -50,9 +50,9 @@ def test_removed_sync_edges_are_caught_by_the_fuzzed_proof():
         assert verified["fuzz"] and verified["fuzz_launches"] >= 4
         assert verified["delay_draws"] == verified["fuzz_launches"]
         assert verified["tasks_delayed_per_draw"] > 0 and verified["max_delay_us"] > 0
-        kinds = verified["draw_kinds"]  # the targeted kinds come first
-        assert verified["fuzz_targets"] > 0 and kinds.get("chained", 0) + kinds.get(
-            "targeted", 0) == verified["delay_draws"] >= 4
+        # the chained draws come first, and googlenet's take more than the 4 launches that
+        # always run
+        assert verified["fuzz_targets"] > 0 and verified["draw_kinds"].get("chained", 0) >= 4
         assert node_count(prepared.built.graph.handle) == len(prepared.graph.tasks) + len(
             prepared.gathers(0))  # no delay node in the served graph
         fresh = torch.randn_like(x)
