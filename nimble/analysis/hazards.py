@@ -23,8 +23,8 @@ share a partner (k branches joining), each needs a launch of its own: the launch
 takes are at least the largest such k.  The *chained* picks (:func:`pick_chained`) relax the
 rule where delays add up along a path: a pick may hold back a partner of another pick if it
 holds back that pick too, so one launch can hold back a target in every block of a deep
-network, each by its own (shorter) delay.  Reachability is Python-int bitsets (:func:`~nimble.analysis.deps.
-reachability`), which stays fast for thousands of tasks.
+network, each by its own (shorter) delay.  Reachability is Python-int bitsets
+(:func:`~nimble.analysis.deps.reachability`), which stays fast for thousands of tasks.
 """
 from __future__ import annotations
 

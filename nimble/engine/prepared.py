@@ -447,8 +447,9 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
 
     The fuzz launches stop (after a few) once building and running the copies has taken
     ``FUZZ_TIME_FACTOR`` times as long as the proof before them (:mod:`nimble.engine.proof`).
-    The copies are freed before this returns or raises.  What ran goes to ``graph.meta["verified"]``, and the
-    seconds of both parts to ``prepared.seconds`` (``verify_served``, ``verify_fuzz``).
+    The copies are freed before this returns or raises.  What ran goes to
+    ``graph.meta["verified"]``, and the seconds of both parts to ``prepared.seconds``
+    (``verify_served``, ``verify_fuzz``).
 
     A graph that draws random numbers is given the same generator state as the reference for
     each input set; the generator is restored afterwards.
