@@ -107,12 +107,14 @@ def test_every_targeted_pick_keeps_the_rule_and_covers_every_target(planned):
     launches = 0
     while not picks.all_covered:
         tier = picks.tier
-        kind, picked = picks.next()
+        kind, picked, delays = picks.next()
         launches += 1
-        assert kind == HELD and picked and keeps_rule(picked, tier.partners, picks.down)
+        assert kind == HELD and delays is None
+        assert picked and keeps_rule(picked, tier.partners, picks.down)
         assert launches <= len(direct.targets) + len(every.targets)  # a new target each time
+    assert direct.covered == set(direct.targets) and every.covered == set(every.targets)
     for _ in range(5):  # fresh sets keep the rule too
-        assert keeps_rule(picks.next()[1], every.partners, picks.down)
+        assert keeps_rule(picks.next().tasks, every.partners, picks.down)
 
 
 def test_seeded_picks_repeat_and_differ_for_another_seed():
@@ -121,7 +123,7 @@ def test_seeded_picks_repeat_and_differ_for_another_seed():
 
     def run(seed):
         picks = TargetedPicks(len(graph.tasks), hazards, schedule.edges(), seed=seed)
-        return [picks.next()[1] for _ in range(12)]
+        return [picks.next().tasks for _ in range(12)]
     assert run(0) == run(0)
     assert run(0) != run(1)
 
@@ -133,7 +135,7 @@ def test_targets_sharing_a_partner_get_a_launch_each():
     hazards = [Hazard(w, 3, "write-read", ARENA, 16 * w, 16 * w + 16) for w in range(3)]
     edges = [(0, 3), (1, 3), (2, 3)]
     picks = TargetedPicks(n, hazards, edges, seed=0)
-    sets = [picks.next()[1] for _ in range(3)]
+    sets = [picks.next().tasks for _ in range(3)]
     assert sorted(sets) == [[0], [1], [2]] and picks.all_covered
 
 
@@ -144,7 +146,7 @@ def test_independent_targets_share_a_launch():
                Hazard(4, 5, "write-read", ARENA, 16, 24)]
     edges = [(0, 1), (2, 3), (1, 4), (3, 4), (4, 5)]
     picks = TargetedPicks(6, hazards, edges, seed=0)
-    sets = [picks.next()[1] for _ in range(4)]
+    sets = [picks.next().tasks for _ in range(4)]
     assert [0, 2] in sets and all(4 not in s or s == [4] for s in sets)
     assert picks.all_covered
 
@@ -153,23 +155,39 @@ def _chain(n: int, cost: int = 10, budget: int = 10**9) -> ChainCosts:
     return ChainCosts([cost] * n, [budget] * n, [0] * n)
 
 
-def test_chained_picks_hold_back_one_target_of_every_block_and_keep_their_rule(planned):
+def test_chained_picks_keep_their_rule_and_cover_every_tier_both_ways(planned):
     graph, schedule, _, hazards = planned
     n = len(graph.tasks)
-    held = TargetedPicks(n, hazards, schedule.edges(), seed=0)
-    chained = TargetedPicks(n, hazards, schedule.edges(), seed=0, chain=_chain(n))
-    direct = chained.tiers[0]
-    launches = {HELD: 0, CHAINED: 0}
-    while not chained.direct_done:
-        kind, picked = chained.next()
-        launches[kind] += 1
+    picks = TargetedPicks(n, hazards, schedule.edges(), seed=0, chain=[_chain(n, 7)] * 2)
+    stages = []
+    while not picks.all_covered:
+        kind, k = picks.stage
+        tier = picks.tiers[k]
+        chosen = picks.next()
+        assert chosen.kind == kind and chosen.tasks
         if kind == CHAINED:
-            assert keeps_chained_rule(picked, direct.partners, chained.down)
+            assert keeps_chained_rule(chosen.tasks, tier.partners, picks.down)
+            assert chosen.delays_ns == [7] * len(chosen.tasks)
+        else:
+            assert keeps_rule(chosen.tasks, tier.partners, picks.down)
+        if not stages or stages[-1] != (kind, k):
+            stages.append((kind, k))
+    assert stages == [(CHAINED, 0), (HELD, 0), (CHAINED, 1), (HELD, 1)]
+    for tier in picks.tiers:
+        assert tier.chained == tier.covered == set(tier.targets)
+
+
+def test_chaining_covers_a_deep_network_in_fewer_launches():
+    graph = branchy_graph(stages=8, branches=3)
+    schedule, _, hazards = _planned(graph)
+    n = len(graph.tasks)
+    chained = TargetedPicks(n, hazards, schedule.edges(), seed=0, chain=[_chain(n)] * 2)
+    while chained.chaining:
+        chained.next()
+    held = TargetedPicks(n, hazards, schedule.edges(), seed=0)
     while not held.tiers[0].done:
         held.next()
-    assert direct.chained == direct.covered == set(direct.targets)
-    assert launches[HELD] == held.launches  # the held stage as without chaining
-    assert launches[CHAINED] <= launches[HELD]
+    assert chained.launches < held.launches / 2
 
 
 def test_a_chained_pick_below_another_must_have_it_above_its_partners_too():
@@ -178,7 +196,7 @@ def test_a_chained_pick_below_another_must_have_it_above_its_partners_too():
     hazards = [Hazard(0, 1, "write-read", ARENA, 0, 8), Hazard(2, 3, "write-read", ARENA, 8, 16),
                Hazard(1, 3, "write-read", ARENA, 16, 24)]
     edges = [(0, 1), (1, 2), (1, 3), (2, 3)]
-    picks = TargetedPicks(4, hazards, edges, seed=0, chain=_chain(4))
+    picks = TargetedPicks(4, hazards, edges, seed=0, chain=[_chain(4)] * 2)
     partners, down = picks.tiers[0].partners, picks.down
     assert keeps_chained_rule([0, 2], partners, down)
     assert not keeps_chained_rule([1, 2], partners, down)
@@ -190,9 +208,9 @@ def test_chained_picks_keep_to_their_phase_budget():
     hazards = [Hazard(t, t + 1, "write-read", ARENA, 8 * t, 8 * t + 8) for t in range(0, 8, 2)]
     edges = [(t, t + 1) for t in range(7)]
     chain = ChainCosts([10] * n, [25] * n, [0] * 4 + [1] * 4)
-    picks = TargetedPicks(n, hazards, edges, seed=0, chain=chain)
+    picks = TargetedPicks(n, hazards, edges, seed=0, chain=[chain] * 2)
     while picks.chaining:
-        kind, picked = picks.next()
+        kind, picked, _ = picks.next()
         assert kind == CHAINED and 1 <= sum(1 for t in picked if t < 4) <= 2
         assert sum(1 for t in picked if t >= 4) <= 2
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 from .deps import dag_from_edges, path_lengths, reachability
 from .plan_check import collect_accesses, conflict_pairs
@@ -119,27 +119,38 @@ class ChainCosts:
     phase_of: Sequence[int]
 
 
+class Pick(NamedTuple):
+    """One launch's targets (ascending) and how long each waits: ``delays_ns[i]`` for
+    ``tasks[i]`` in a chained pick, None in a held one (the caller's heavy delay)."""
+
+    kind: str
+    tasks: list[int]
+    delays_ns: list[int] | None
+
+
 class TargetedPicks:
     """Seeded sets of targets to hold back, one set per launch (see the module docstring).
 
     Two tiers: the *direct* hazards, whose two tasks an edge of ``edges`` joins (a
     synchronization of the schedule: removing it leaves exactly that pair unordered), and every
-    hazard.  The picks go in stages, each until every target of its tier was picked once:
+    hazard.  The picks go in stages, each until every target of its tier was picked once that
+    way, the direct tier first:
 
-    1. with ``chain`` costs, *chained* picks of the direct targets (:func:`pick_chained`): a
-       pick may sit below another as long as every pick above a partner is above its target
-       too, so the delays add up along paths and a target still ends later than its partners
-       by its own delay; each target waits its own cost (a few times its natural lead over its
-       partners), so one launch holds back one target of every block of a deep network;
-    2. *held* picks (:func:`pick`) of the direct targets, an antichain each, for the heavy
-       delay: the safe way, where a lead was underestimated;
-    3. held picks of every target; after that, fresh held sets over every hazard.
+    1. with ``chain`` costs (one :class:`ChainCosts` per tier), *chained* picks
+       (:func:`pick_chained`): a pick may sit below another as long as every pick above a
+       partner is above its target too, so the delays add up along paths and a target still
+       ends later than its partners by its own delay; each target waits its own cost (a few
+       times its natural lead over its partners), so one launch holds back one target of
+       every block of a deep network;
+    2. *held* picks (:func:`pick`), an antichain each, for the heavy delay: the safe way, where
+       a lead was underestimated.
 
-    :meth:`next` returns the next launch's ``(kind, picks)``.
+    After the last stage, fresh held sets over every hazard.  :meth:`next` returns the next
+    launch's :class:`Pick`.
     """
 
     def __init__(self, n: int, hazards: Sequence[Hazard], edges: Sequence[tuple[int, int]],
-                 seed: int = 0, chain: ChainCosts | None = None) -> None:
+                 seed: int = 0, chain: Sequence[ChainCosts] | None = None) -> None:
         edges = list(edges)
         reach = reachability(dag_from_edges(n, edges))
         #: bit q of ``down[p]``: q is p or a descendant of p
@@ -149,50 +160,65 @@ class TargetedPicks:
                       _Tier(hazards)]
         #: The targets (distinct earlier tasks of the hazards), ascending.
         self.targets = self.tiers[-1].targets
-        self.chain = chain
+        self.chain = None if chain is None else list(chain)
+        kinds = (CHAINED, HELD) if chain is not None else (HELD,)
+        self.stages = [(kind, k) for k in range(len(self.tiers)) for kind in kinds]
         self.launches = 0  # sets picked so far
         self._rng = random.Random(seed)
 
+    def _seen(self, kind: str, k: int) -> set[int]:
+        tier = self.tiers[k]
+        return tier.chained if kind == CHAINED else tier.covered
+
+    def _done(self, stage: tuple[str, int]) -> bool:
+        return len(self._seen(*stage)) == len(self.tiers[stage[1]].targets)
+
     @property
-    def chaining(self) -> bool:
-        """Whether the next pick is a chained one (stage 1)."""
-        direct = self.tiers[0]
-        return self.chain is not None and len(direct.chained) < len(direct.targets)
+    def stage(self) -> tuple[str, int]:
+        """The kind of the next pick and the index of the tier it covers."""
+        return next((s for s in self.stages if not self._done(s)), (HELD, len(self.tiers) - 1))
 
     @property
     def tier(self) -> _Tier:
         """The tier the next pick covers."""
-        if self.chaining:
-            return self.tiers[0]
-        return next((t for t in self.tiers if not t.done), self.tiers[-1])
+        return self.tiers[self.stage[1]]
+
+    @property
+    def chaining(self) -> bool:
+        """Whether the next pick is a chained one."""
+        return self.stage[0] == CHAINED
 
     @property
     def direct_done(self) -> bool:
-        """Whether stages 1 and 2 are over: every direct target was picked both ways."""
-        return not self.chaining and self.tiers[0].done
+        """Whether every direct target was picked every way."""
+        return all(self._done(s) for s in self.stages if s[1] == 0)
 
     @property
     def all_covered(self) -> bool:
-        """Whether every target of every stage was picked at least once."""
-        return not self.chaining and all(t.done for t in self.tiers)
+        """Whether every target of every tier was picked every way."""
+        return all(self._done(s) for s in self.stages)
 
-    def next(self) -> tuple[str, list[int]]:
-        """The next launch's kind and targets, ascending (empty only where there are none)."""
-        chaining, tier = self.chaining, self.tier
-        seen = tier.chained if chaining else tier.covered
+    def next(self) -> Pick:
+        """The next launch's pick (no tasks only where there are no targets)."""
+        kind, k = self.stage
+        tier, seen = self.tiers[k], self._seen(kind, k)
         uncovered = [t for t in tier.targets if t not in seen]
         rest = [t for t in tier.targets if t in seen]
         self._rng.shuffle(uncovered)
         self._rng.shuffle(rest)
         self.launches += 1
-        if chaining:
-            picked = pick_chained(uncovered + rest, tier.partners, self.down, self.chain)
-            tier.chained.update(picked)
-            return CHAINED, picked
-        picked = pick(uncovered + rest, tier.partners, self.down)
-        for each in self.tiers:
-            each.covered.update(t for t in picked if t in each.partners)
-        return HELD, picked
+        if kind == CHAINED:
+            chain = self.chain[k]
+            tasks = pick_chained(uncovered + rest, tier.partners, self.down, chain)
+            chosen = Pick(CHAINED, tasks, [chain.cost[t] for t in tasks])
+        else:
+            chosen = Pick(HELD, pick(uncovered + rest, tier.partners, self.down), None)
+        for j, other in enumerate(self.tiers):
+            # a pick counts for another tier where the target has no other partners there
+            # (its lead, and so its chained cost, is then the same too)
+            self._seen(kind, j).update(t for t in chosen.tasks if t in other.partners and
+                                       not other.partners[t] & ~tier.partners[t])
+        return chosen
 
 
 def pick(order: Iterable[int], partners: Mapping[int, int], down: Sequence[int]) -> list[int]:

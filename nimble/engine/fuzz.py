@@ -46,10 +46,10 @@ synchronization edge of the schedule: the edge a missing sync would be) was held
 ways, chained first (cheap where the leads are short), then as antichains (safe where a lead
 was underestimated: the heavy delay exceeds any slack the isolated durations allow); a race
 there needs its writer held back and nothing else, which the targeted draws do and the random
-kinds seldom do (docs/findings.md).  After that, two targeted draws (covering the other
-hazards' targets, then fresh sets) to one random draw, the two random kinds in turn: a race the
-targeted picks miss (the reader's side slowed by a delay elsewhere, a slack longer than the
-critical path) may come up in a random order.  Without ``offsets`` there are no targets: every
+kinds seldom do (docs/findings.md).  After that, two targeted draws (every hazard's targets,
+chained then held, then fresh held sets) to one random draw, the two random kinds in turn: a
+race the targeted picks miss (the reader's side slowed by a delay elsewhere, a slack longer
+than the critical path) may come up in a random order.  Without ``offsets`` there are no targets: every
 task gets a delay node and the random kinds take turns, two heavy draws to one per-task draw.
 
 Why the heavy, targeted and chained kinds exist, with the catch rates of each kind:
@@ -70,7 +70,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .. import driver
-from ..analysis.hazards import (CHAINED, HELD, ChainCosts, Hazard, TargetedPicks,
+from ..analysis.hazards import (CHAINED, HELD, ChainCosts, Hazard, Pick, TargetedPicks,
                                cross_stream_hazards, lead_us)
 from ..ir.taskgraph import TaskGraph
 from .build import BuiltGraph, DelaySpec
@@ -161,11 +161,12 @@ def draw_stream_delays(rng: np.random.Generator, stream_of: np.ndarray,
     return delays
 
 
-def draw_targeted(picked: Sequence[int], heavy_ns: np.ndarray) -> np.ndarray:
-    """A targeted draw: the ``picked`` tasks wait their phase's heavy delay, no other task."""
-    delays = np.zeros(len(heavy_ns), dtype=np.uint32)
-    picked = np.asarray(picked, dtype=np.int64)
-    delays[picked] = heavy_ns[picked]
+def draw_targeted(n: int, picked: Pick, heavy_ns: np.ndarray) -> np.ndarray:
+    """A targeted or chained draw of ``n`` tasks: the picked tasks wait their own delays (a
+    chained pick) or their phase's heavy delay (a held one), no other task."""
+    delays = np.zeros(n, dtype=np.uint32)
+    tasks = np.asarray(picked.tasks, dtype=np.int64)
+    delays[tasks] = heavy_ns[tasks] if picked.delays_ns is None else picked.delays_ns
     return delays
 
 
@@ -181,16 +182,14 @@ CHAIN_BUDGET_FACTOR = 2.0
 class Draws:
     """The seeded sequence of draws of one set of fuzz copies, in the module docstring's mix.
 
-    ``picks`` (None: no targets) chooses the targeted and chained draws, which hold a pick back
-    by ``heavy_ns`` and ``chain_ns`` of it (per task); only ``delayable`` tasks are ever
-    delayed.  :meth:`next` returns ``(kind, delays)``, a u32 of nanoseconds per task.
+    ``picks`` (None: no targets) chooses the targeted and chained draws (a held pick waits
+    ``heavy_ns`` of its task); only ``delayable`` tasks are ever delayed.  :meth:`next`
+    returns ``(kind, delays)``, a u32 of nanoseconds per task.
     """
 
     def __init__(self, caps_ns: np.ndarray, heavy_ns: np.ndarray, stream_of: np.ndarray | None,
-                 picks: TargetedPicks | None, delayable: np.ndarray, seed: int = 0,
-                 chain_ns: np.ndarray | None = None) -> None:
+                 picks: TargetedPicks | None, delayable: np.ndarray, seed: int = 0) -> None:
         self.caps_ns, self.heavy_ns, self.picks = caps_ns, heavy_ns, picks
-        self.chain_ns = heavy_ns if chain_ns is None else chain_ns
         self.delayable = delayable
         self.stream_of = None if stream_of is None else np.where(delayable, stream_of, -1)
         self._rng = np.random.default_rng(seed)
@@ -213,9 +212,8 @@ class Draws:
         kind = None if targeted else self._random_kind()
         self.count += 1
         if kind is None:
-            kind, picked = picks.next()
-            return kind, draw_targeted(picked, self.heavy_ns if kind == TARGETED
-                                       else self.chain_ns)
+            picked = picks.next()
+            return picked.kind, draw_targeted(len(self.heavy_ns), picked, self.heavy_ns)
         if kind == STREAM:
             return kind, draw_stream_delays(self._rng, self.stream_of, self.heavy_ns)
         delays = draw_delays(self._rng, self.caps_ns)
@@ -224,12 +222,11 @@ class Draws:
 
 
 def chain_costs(graph: TaskGraph, hazards: Sequence[Hazard], edges: Sequence[tuple[int, int]],
-                spans: Sequence[range], heavy_ns: np.ndarray
-                ) -> tuple[ChainCosts, np.ndarray]:
+                spans: Sequence[range], heavy_ns: np.ndarray) -> ChainCosts:
     """What the chained picks of ``hazards`` spend (:class:`~nimble.analysis.hazards.
-    ChainCosts`), and the delay per task (ns): :data:`CHAIN_LEAD_FACTOR` times its lead over
-    its partners plus the heavy floor, within the heavy delay; the heavy delay in a phase with
-    no known duration."""
+    ChainCosts`): each target :data:`CHAIN_LEAD_FACTOR` times its lead over its partners plus
+    the heavy floor, within the heavy delay (the heavy delay in a phase with no known
+    duration), at most :data:`CHAIN_BUDGET_FACTOR` heavy delays per phase and launch."""
     n = len(graph.tasks)
     durations = [t.duration_us or 0.0 for t in graph.tasks]
     lead = lead_us(n, hazards, edges, durations)
@@ -244,7 +241,7 @@ def chain_costs(graph: TaskGraph, hazards: Sequence[Hazard], edges: Sequence[tup
                 delay[t] = min(int(CHAIN_LEAD_FACTOR * 1000 * lead[t]) + HEAVY_DELAY_NS[0],
                                int(heavy_ns[t]))
     budget = (CHAIN_BUDGET_FACTOR * heavy_ns).astype(np.int64)
-    return ChainCosts(delay.tolist(), budget.tolist(), phase_of.tolist()), delay
+    return ChainCosts(delay.tolist(), budget.tolist(), phase_of.tolist())
 
 
 @dataclass
@@ -369,7 +366,7 @@ class FuzzCopies:
         picks = self.draws.picks
         if picks is None:
             return 0
-        return len(picks.tiers[-1].covered | picks.tiers[0].chained)
+        return len(set().union(*(t.covered | t.chained for t in picks.tiers)))
 
     def draw(self) -> None:
         """Queue the next draw into the delay table and the arena's poison, in stream order
@@ -427,17 +424,15 @@ def _draws(builder: PhaseBuilder, stream_of: Sequence[int] | None,
              if phase_of[u] == phase_of[v]]
     streams = None if stream_of is None else np.asarray(stream_of, dtype=np.int64)
     picks = None
-    chain_ns = None
     heavy = phase_heavy_ns(graph, edges, builder.spans)
     delayable = np.ones(n, dtype=bool)
     if streams is not None and offsets is not None:
         hazards = cross_stream_hazards(graph, offsets, streams.tolist(), builder.spans)
         joined = set(edges)
-        chain, chain_ns = chain_costs(
-            graph, [h for h in hazards if (h.earlier, h.later) in joined], edges,
-            builder.spans, heavy)
+        direct = [h for h in hazards if (h.earlier, h.later) in joined]
+        chain = [chain_costs(graph, tier, edges, builder.spans, heavy)
+                 for tier in (direct, hazards)]
         picks = TargetedPicks(n, hazards, edges, seed, chain)
         delayable[:] = False
         delayable[picks.targets] = True
-    return Draws(delay_caps_ns(graph, builder.spans), heavy, streams, picks, delayable, seed,
-                 chain_ns)
+    return Draws(delay_caps_ns(graph, builder.spans), heavy, streams, picks, delayable, seed)
