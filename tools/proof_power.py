@@ -2,7 +2,7 @@
 
     python3 tools/proof_power.py MODEL[,MODEL...] [--dtype float32,float16] [--sync-trials 50]
         [--war-trials 20] [--share-trials 20] [--launches 25] [--fuzz-launches 200]
-        [--fuzz-budget 2.0] [--seed 0] [--json FILE]
+        [--fuzz-budget 3.0] [--seed 0] [--json FILE]
 
 Each model is prepared (its recording kept), then each trial breaks one thing in a
 verification copy of the served phases, built from the recording over the same arena:
@@ -38,6 +38,7 @@ from typing import Sequence
 
 from nimble.analysis.memplan import MemPlan, MemPlanError
 from nimble.analysis.plan_check import check_plan
+from nimble.engine.proof import FUZZ_TIME_FACTOR
 from nimble.ir.taskgraph import BufferKind, TaskGraph
 
 KINDS = ("sync", "war", "share")
@@ -332,7 +333,8 @@ def table(summary: Summary) -> str:
 
 
 def measure(name: str, dtype: str, counts: dict[str, int], launches: int,
-            fuzz_launches: int, seed: int, say=print, fuzz_budget: float = 2.0) -> Summary:
+            fuzz_launches: int, seed: int, say=print,
+            fuzz_budget: float = FUZZ_TIME_FACTOR) -> Summary:
     """Prepare ``name`` in ``dtype`` and run the trials ``counts`` asks for."""
     import torch
 
@@ -396,16 +398,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fuzz-launches", type=int, default=200,
                         help="fuzz launches at most after them (as prepare(); the time "
                              "--fuzz-budget gives the fuzzer also bounds them)")
-    parser.add_argument("--fuzz-budget", type=float, default=None,
+    parser.add_argument("--fuzz-budget", type=float, default=FUZZ_TIME_FACTOR,
                         help="the fuzz part's time as a multiple of prepare()'s served proof "
                              "(default: prepare()'s own, nimble.engine.proof.FUZZ_TIME_FACTOR)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every trial to this file")
     args = parser.parse_args(argv)
     counts = {"sync": args.sync_trials, "war": args.war_trials, "share": args.share_trials}
-    if args.fuzz_budget is None:
-        from nimble.engine.proof import FUZZ_TIME_FACTOR
-        args.fuzz_budget = FUZZ_TIME_FACTOR
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
