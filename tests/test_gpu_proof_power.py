@@ -122,7 +122,7 @@ def _caught_with_writer_late(power, prepared, rec, reference, change, writer=Non
 
 def _caught_by_targeted_cover(power, prepared, rec, reference, change) -> bool:
     """Whether fuzz launches of a copy broken by ``change``, as many as its targeted draws take
-    to hold back every writer of a synchronization once, fail the proof."""
+    to hold back every writer of a synchronization both ways, fail the proof."""
     from nimble.engine.fuzz import FuzzCopies
     from nimble.engine.proof import FuzzBudget
     from nimble.errors import VerificationError
