@@ -30,8 +30,10 @@ class DelayStandIn(StandIn):
 
     def __init__(self) -> None:
         super().__init__()
-        self.tables: list[bytes] = []  # every host-to-device copy into a delay table
+        self.tables: list[bytes] = []  # the delay table's bytes after every write into it
         self.allocated: list[int] = []
+        self.memory: dict[int, bytearray] = {}
+        self.host_copies = 0
 
     def cuModuleLoadData(self, image):
         if b"nimble_delay" in image:
@@ -47,15 +49,31 @@ class DelayStandIn(StandIn):
         return code, node
 
     def cuMemAlloc(self, size):
-        self.allocated.append(TABLE + 0x1000 * len(self.allocated))
+        self.allocated.append(TABLE + 0x100000 * len(self.allocated))
+        self.memory[self.allocated[-1]] = bytearray(size)
         return 0, self.allocated[-1]
 
     def cuMemFree(self, handle):
         self.freed.append(("cuMemFree", handle))
         return (0,)
 
+    def _write(self, address: int, data: bytes) -> None:
+        base = max(b for b in self.memory if b <= address)
+        self.memory[base][address - base:address - base + len(data)] = data
+        if base == TABLE:
+            self.tables.append(bytes(self.memory[base]))
+
+    def _read(self, address: int, size: int) -> bytes:
+        base = max(b for b in self.memory if b <= address)
+        return bytes(self.memory[base][address - base:address - base + size])
+
     def cuMemcpyHtoD(self, address, data, size):
-        self.tables.append(bytes(data))
+        self.host_copies += 1
+        self._write(address, bytes(data))
+        return (0,)
+
+    def cuMemcpyDtoDAsync(self, dst, src, size, stream):
+        self._write(dst, self._read(src, size))
         return (0,)
 
 
@@ -64,6 +82,7 @@ def bindings(monkeypatch):
     fake = DelayStandIn()
     monkeypatch.setattr(calls, "_drv", fake)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(fuzz_module.Launcher, "stream", lambda self, raw=None: "stream")
     return fake
 
 
@@ -156,18 +175,21 @@ def test_the_fuzz_copies_draw_anew_before_each_launch_and_are_freed(bindings, mo
     monkeypatch.setattr(fuzz_module.Launcher, "run_flat",
                         lambda self, inputs: launched.append(self) or [])
     served = _served_launchers()
-    copies = FuzzCopies(served_builder(), served, torch.device("cpu"), seed=1)
+    copies = FuzzCopies(served_builder(), served, torch.device("cpu"), seed=1, rows=2)
     assert all(len(d.deps) <= 1 for d in _delays(bindings).values())
-    assert len(_delays(bindings)) == 6  # every task of both phases
+    assert len(_delays(bindings)) == 6  # no targets known: every task of both phases
     assert bindings.tables == [bytes(24)]  # the table starts at no delay
+    assert bindings.host_copies == 2  # the table, then every row in one copy
     for _ in range(3):
         copies.draw()
         copies.run([torch.zeros(4)])
     draws = bindings.tables[1:]
     assert len(draws) == 3 and len(set(draws)) == 3  # a different draw for each launch
+    assert bindings.host_copies == 3  # the third draw, past the rows, written as it came
     assert len(launched) == 6 and copies.stats.launches == copies.stats.draws == 3
     meta = copies.stats.as_meta()
     assert meta["fuzz_launches"] == meta["delay_draws"] == 3
+    assert sum(meta["draw_kinds"].values()) == 3 and meta["fuzz_targets"] == 0
     assert meta["max_delay_us"] * 1000 == max(
         int(np.frombuffer(d, dtype=np.uint32).max()) for d in draws)
     copies.close()
@@ -176,6 +198,65 @@ def test_the_fuzz_copies_draw_anew_before_each_launch_and_are_freed(bindings, mo
     modules = [h for name, h in bindings.freed if name == "cuModuleUnload"]
     assert modules.count("delay module") == 2  # both phases' copies
     assert ("cuMemFree", copies.table.address) in bindings.freed
+    assert ("cuMemFree", copies.rows.address) in bindings.freed
+
+
+def _graph_with_hazards() -> TaskGraph:
+    """The rebuild tests' two phases, where task 0 writes what task 2 (another stream) reads
+    and task 3 writes what task 5 reads: two direct hazards, one in each phase."""
+    from nimble.ir.taskgraph import Access, Buffer, BufferKind
+
+    graph = task_graph()
+    graph.buffers = [Buffer(0, BufferKind.INTERMEDIATE, 256, 0x10000),
+                     Buffer(1, BufferKind.INTERMEDIATE, 256, 0x20000)]
+    graph.tasks[0].accesses = [Access(0, 0, 256, True)]
+    graph.tasks[2].accesses = [Access(0, 0, 256, False)]
+    graph.tasks[3].accesses = [Access(1, 0, 256, True)]
+    graph.tasks[5].accesses = [Access(1, 0, 256, False)]
+    for t, us in zip(graph.tasks, [10.0, 30.0, 5.0, 20.0, 8.0, 4.0]):
+        t.duration_us = us
+    return graph
+
+
+def test_targeted_copies_delay_only_the_targets_each_by_its_phases_critical_path(bindings,
+                                                                                monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setattr(fuzz_module.Launcher, "run_flat", lambda self, inputs: [])
+    builder = replace(served_builder(), graph=_graph_with_hazards())
+    copies = FuzzCopies(builder, _served_launchers(), torch.device("cpu"), seed=0,
+                        stream_of=SCHEDULE.stream_of, offsets={0: 0, 1: 256}, rows=4)
+    assert sorted(v.args[1] for v in _delays(bindings).values()) == [0, 3]
+    rows = []
+    for _ in range(2):
+        copies.draw()
+        rows.append((copies.stats.last_kind,
+                     list(np.frombuffer(bindings.tables[-1], dtype=np.uint32))))
+    # One launch holds both back (the phases launch apart).  The chained draw first: a
+    # target's lead over its partner (task 0 starts 10 us before task 2, task 3 20 us before
+    # task 5) three times over plus 20 us, within each phase's critical path (10 + 30 us, then
+    # 20 + 8 us), which the held draw waits.
+    assert rows == [(fuzz_module.CHAINED, [40_000, 0, 0, 28_000, 0, 0]),
+                    (fuzz_module.TARGETED, [40_000, 0, 0, 28_000, 0, 0])]
+    assert copies.stats.as_meta()["fuzz_targets"] == 2
+    assert copies.stats.as_meta()["fuzz_targets_held"] == 2
+    assert copies.direct_cover == 2
+    copies.close()
+
+
+def test_targeted_draws_come_first_then_two_to_one_random():
+    from nimble.analysis.hazards import Hazard, TargetedPicks
+    from nimble.engine.fuzz import Draws
+
+    n = 6
+    hazards = [Hazard(0, 2, "write-read", -1, 0, 4), Hazard(1, 2, "write-read", -1, 4, 8)]
+    picks = TargetedPicks(n, hazards, [(0, 2), (1, 2)], seed=0)
+    draws = Draws(np.full(n, 8_000), np.full(n, 50_000), np.array([0, 1, 2, 2, 2, 2]), picks,
+                  np.array([True, True, False, False, False, False]), seed=0)
+    kinds = [draws.next()[0] for _ in range(8)]
+    # tasks 0 and 1 share their partner: a launch each covers them
+    assert kinds[:2] == [fuzz_module.TARGETED] * 2 and picks.all_covered
+    assert kinds[2:] == ["stream", "targeted", "targeted", "per-task", "targeted", "targeted"]
 
 
 def test_a_failed_build_frees_what_was_built(bindings, monkeypatch):

@@ -1,10 +1,11 @@
 """The proof catches a missing synchronization: googlenet fp16, needed sync edges removed one at
 a time from a verification copy (tools/proof_power.py).  The race a removal opens shows when the
 writer is late: a copy with the writer held back by a delay node must fail the proof, and the
-same delays on a copy with nothing removed must not (delays never change the bytes).  How often
-the *random* draws of prepare's fuzzer find such races is a measurement, not a test:
-``tools/proof_power.py`` and docs/findings.md.  The served graph carries no delay node and its
-proof records what the fuzzer ran."""
+same delays on a copy with nothing removed must not (delays never change the bytes).  The
+targeted draws find those writers themselves: the launches that hold back every writer of a
+synchronization once catch the removals.  How often prepare's fuzzer, within its time, finds such
+races is a measurement, not a test: ``tools/proof_power.py`` and docs/findings.md.  The served
+graph carries no delay node and its proof records what the fuzzer ran."""
 from __future__ import annotations
 
 import importlib.util
@@ -49,6 +50,9 @@ def test_removed_sync_edges_are_caught_by_the_fuzzed_proof():
         assert verified["fuzz"] and verified["fuzz_launches"] >= 4
         assert verified["delay_draws"] == verified["fuzz_launches"]
         assert verified["tasks_delayed_per_draw"] > 0 and verified["max_delay_us"] > 0
+        # the chained draws come first, and googlenet's take more than the 4 launches that
+        # always run
+        assert verified["fuzz_targets"] > 0 and verified["draw_kinds"].get("chained", 0) >= 4
         assert node_count(prepared.built.graph.handle) == len(prepared.graph.tasks) + len(
             prepared.gathers(0))  # no delay node in the served graph
         fresh = torch.randn_like(x)
@@ -71,6 +75,9 @@ def test_removed_sync_edges_are_caught_by_the_fuzzed_proof():
         caught = [change.describe() for change in changes
                    if _caught_with_writer_late(power, prepared, rec, reference, change)]
         assert len(caught) >= EDGES - 1, f"the proof caught only {caught}"
+        targeted = [change.describe() for change in changes
+                    if _caught_by_targeted_cover(power, prepared, rec, reference, change)]
+        assert len(targeted) >= EDGES - 1, f"the targeted draws caught only {targeted}"
         intact = power.Change("none")
         writer = _writer(power, prepared, changes[0])
         assert not _caught_with_writer_late(power, prepared, rec, reference, intact, writer)
@@ -108,6 +115,30 @@ def _caught_with_writer_late(power, prepared, rec, reference, change, writer=Non
                                 launch % 2)
             except VerificationError:
                 return True
+        return False
+    finally:
+        copies.close()
+
+
+def _caught_by_targeted_cover(power, prepared, rec, reference, change) -> bool:
+    """Whether fuzz launches of a copy broken by ``change``, as many as its targeted draws take
+    to hold back every writer of a synchronization both ways, fail the proof."""
+    from nimble.engine.fuzz import FuzzCopies
+    from nimble.engine.proof import FuzzBudget
+    from nimble.errors import VerificationError
+
+    copies = FuzzCopies(power.copy_builder(prepared, rec), prepared.launchers,
+                        rec.static_inputs[0].device, options=power.options_of(prepared, change),
+                        stream_of=prepared.schedule.stream_of,
+                        repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)],
+                        offsets=power.offsets_of(prepared, change), rows=200)
+    try:
+        assert copies.direct_cover is not None, "200 launches cover googlenet's sync writers"
+        power.poison_all(prepared)
+        try:
+            reference.fuzz_launches(copies, FuzzBudget(copies.direct_cover), 0.0)
+        except VerificationError:
+            return True
         return False
     finally:
         copies.close()

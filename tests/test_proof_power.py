@@ -125,3 +125,16 @@ def test_a_race_that_loses_now_and_then_is_caught_by_relaunching(memory):
 
     with pytest.raises(VerificationError, match="launch 4: output 0 differs"):
         _verify(_reference(memory), rebuilt)
+
+
+def test_the_outputs_that_differ_are_found_bit_for_bit_in_one_read():
+    same = torch.arange(6, dtype=torch.float16)
+    signed = torch.zeros(3)
+    nan = torch.full((2,), float("nan"))
+    outputs = [same.clone(), -signed, nan.clone(), torch.zeros(2, 2), torch.zeros(0),
+               torch.ones(4, dtype=torch.bool)]
+    expected = [same, signed, nan, torch.zeros(4), torch.zeros(0),
+                torch.tensor([True, True, False, True])]
+    # -0.0 differs from 0.0, equal NaN bits are equal, a shape differs, nothing to compare
+    assert proof.differing(outputs, expected) == [1, 3, 5]
+    assert proof.differing(expected, expected) == []

@@ -76,3 +76,28 @@ def test_the_plan_check_tells_a_needed_removal_from_a_redundant_one(planned):
     is_needed, reason = power.needed(graph, detour, plan,
                                      power.Change("sync", removed_edges=frozenset({(u, v)})))
     assert not is_needed and "other edges" in reason
+
+
+def test_the_table_credits_each_fuzz_catch_to_its_kind_of_draw():
+    sync = power.Change("sync", removed_edges=frozenset({(1, 2)}))
+    summary = power.Summary("m", "float16", proof_seconds={"verify_served": 0.1},
+                            verified={"fuzz_targets": 9, "fuzz_targets_held": 7})
+    summary.trials = [
+        power.Trial(sync, True, "", caught_fuzz=True, caught_by="chained", fuzz_launches=3),
+        power.Trial(sync, True, "", caught_fuzz=True, caught_by="targeted", fuzz_launches=40),
+        power.Trial(sync, True, "", caught_fuzz=True, caught_by="chained", fuzz_launches=5),
+        power.Trial(sync, True, "", caught_plain=True, caught_fuzz=True, caught_by="plain"),
+        power.Trial(sync, True, "", fuzz_launches=60),
+        power.Trial(sync, False, "redundant")]
+    (row,) = summary.rows()
+    assert row[3:6] == ["5", "1/5", "4/5"] and row[-1] == "chained 2, targeted 1"
+    assert "targets held back 7/9" in power.table(summary)
+
+
+def test_a_moved_buffer_gives_the_fuzzer_its_new_offset(planned):
+    graph, _, plan = planned
+    (change,) = power.share_changes(graph, plan, random.Random(0), 1)
+    prepared = type("Prepared", (), {"memplan": plan})()
+    offsets = power.offsets_of(prepared, change)
+    ((moved, offset),) = change.moved
+    assert offsets[moved] == offset and offsets.keys() == plan.offsets.keys()

@@ -1,8 +1,8 @@
 """The proof's power, measured: break prepared graphs on purpose, count what the proof catches.
 
     python3 tools/proof_power.py MODEL[,MODEL...] [--dtype float32,float16] [--sync-trials 50]
-        [--war-trials 20] [--share-trials 20] [--launches 25] [--fuzz-launches 25]
-        [--seed 0] [--json FILE]
+        [--war-trials 20] [--share-trials 20] [--launches 25] [--fuzz-launches 200]
+        [--fuzz-budget 3.0] [--seed 0] [--json FILE]
 
 Each model is prepared (its recording kept), then each trial breaks one thing in a
 verification copy of the served phases, built from the recording over the same arena:
@@ -19,8 +19,11 @@ access; the lifetimes do not overlap in the schedule), the trial is *redundant* 
 with that reason.  Every *needed* trial runs the proof on the broken copy: ``--launches`` poisoned
 launches alternating two input sets, as ``prepare()`` does (caught without the fuzzer), then the
 fuzz launches (:mod:`nimble.engine.fuzz`: a delay-noded copy with the same change, a fresh draw
-before each, at most ``--fuzz-launches`` and no longer than the launches before them took, as
-in ``prepare()``).  Prints one table per model and dtype; seeded, so a run repeats.
+before each, at most ``--fuzz-launches``, for at most ``--fuzz-budget`` times the time
+``prepare()``'s own served proof took, as ``prepare()`` gives its fuzzer; the targeted draws see
+the copy's arena offsets, moved buffers included, but not the change).  Each trial the fuzzer
+caught is credited to the kind of draw of the launch that failed.  Prints one table per model
+and dtype, and a progress line per trial with the time so far; seeded, so a run repeats.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from typing import Sequence
 
 from nimble.analysis.memplan import MemPlan, MemPlanError
 from nimble.analysis.plan_check import check_plan
+from nimble.engine.proof import FUZZ_TIME_FACTOR
 from nimble.ir.taskgraph import BufferKind, TaskGraph
 
 KINDS = ("sync", "war", "share")
@@ -175,6 +179,8 @@ class Trial:
     seconds_plain: float = 0.0
     seconds_fuzz: float = 0.0  # the whole proof with the fuzzer (plain launches included)
     message: str = ""
+    caught_by: str = ""  # "plain", or the kind of draw of the fuzz launch that failed
+    fuzz_launches: int = 0  # the fuzz launches run (up to the failing one)
 
     def as_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -209,10 +215,28 @@ def poison_all(prepared) -> None:
                  + low_word_ranges(prepared), prepared.launcher.stream())
 
 
+@dataclass
+class Outcome:
+    """What the proof did on one broken copy."""
+
+    caught_by: str = ""  # "plain", a kind of draw, or "" (not caught)
+    seconds_plain: float = 0.0
+    seconds_fuzz: float = 0.0  # the whole proof with the fuzzer (plain launches included)
+    fuzz_launches: int = 0
+    message: str = ""
+
+
+def offsets_of(prepared, change: Change) -> dict[int, int]:
+    """The planned buffers' arena offsets in the copy ``change`` breaks."""
+    offsets = dict(prepared.memplan.offsets)
+    offsets.update(change.moved)
+    return offsets
+
+
 def run_trial(prepared, rec, reference, change: Change, launches: int, fuzz_launches: int,
-              seed: int) -> tuple[bool, bool, float, float, str]:
-    """``(caught without the fuzzer, caught with it, seconds without, seconds with, message)``
-    of the proof on ``prepared``'s phases broken by ``change``."""
+              seed: int, fuzz_budget: float) -> Outcome:
+    """The proof on ``prepared``'s phases broken by ``change``: ``launches`` plain launches,
+    then fuzz launches for ``fuzz_budget`` times prepare()'s served proof."""
     import torch
 
     from nimble.engine.fuzz import FuzzCopies
@@ -229,29 +253,31 @@ def run_trial(prepared, rec, reference, change: Change, launches: int, fuzz_laun
     except VerificationError as e:
         torch.cuda.synchronize()
         seconds = time.perf_counter() - began
-        return True, True, seconds, seconds, str(e)
+        return Outcome("plain", seconds, seconds, 0, str(e))
     finally:
         plain.close()
     torch.cuda.synchronize()
-    plain_seconds = time.perf_counter() - began
+    outcome = Outcome(seconds_plain=time.perf_counter() - began)
     fuzz_began = time.perf_counter()
     copies = FuzzCopies(builder, prepared.launchers, device, seed=seed, options=options,
                         stream_of=prepared.schedule.stream_of,
-                        repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)])
+                        repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)],
+                        offsets=offsets_of(prepared, change), rows=fuzz_launches)
     try:
-        budget = FuzzBudget(fuzz_launches, time_factor=1.0,
+        budget = FuzzBudget(fuzz_launches, time_factor=fuzz_budget,
                             spent_seconds=time.perf_counter() - fuzz_began)
-        # The fuzz part gets the time prepare() gives it: as long as prepare's own served proof
-        # took (100 launches), not this trial's shorter one.
+        # The fuzz part gets the time prepare() gives it: a multiple of prepare's own served
+        # proof (100 launches), not of this trial's shorter one.
         reference.fuzz_launches(copies, budget, prepared.seconds.get("verify_served",
-                                                                     plain_seconds))
-        caught, message = False, ""
+                                                                     outcome.seconds_plain))
     except VerificationError as e:
-        caught, message = True, str(e)
+        outcome.caught_by, outcome.message = copies.stats.last_kind, str(e)
     finally:
+        outcome.fuzz_launches = copies.stats.launches
         copies.close()
     torch.cuda.synchronize()
-    return False, caught, plain_seconds, plain_seconds + time.perf_counter() - fuzz_began, message
+    outcome.seconds_fuzz = outcome.seconds_plain + time.perf_counter() - fuzz_began
+    return outcome
 
 
 @dataclass
@@ -261,6 +287,7 @@ class Summary:
     trials: list[Trial] = field(default_factory=list)
     proof_seconds: dict = field(default_factory=dict)  # prepare()'s own proof, both parts
     fuzz_launches: int = 0  # the fuzz launches prepare()'s own proof ran
+    verified: dict = field(default_factory=dict)  # prepare()'s graph.meta["verified"]
 
     def rows(self) -> list[list[str]]:
         rows = []
@@ -274,12 +301,23 @@ class Summary:
                          f"{sum(t.caught_plain for t in need)}/{len(need)}",
                          f"{sum(t.caught_fuzz for t in need)}/{len(need)}",
                          f"{mean([t.seconds_plain for t in need]):.2f}",
-                         f"{mean([t.seconds_fuzz for t in need]):.2f}"])
+                         f"{mean([t.seconds_fuzz for t in need]):.2f}",
+                         f"{mean([t.fuzz_launches for t in need]):.0f}",
+                         by_draw_kind(need)])
         return rows
 
 
+def by_draw_kind(trials: Sequence[Trial]) -> str:
+    """How many of ``trials`` the fuzzer caught, per kind of the draw that caught them."""
+    counts: dict[str, int] = {}
+    for t in trials:
+        if t.caught_fuzz and not t.caught_plain:
+            counts[t.caught_by] = counts.get(t.caught_by, 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
+
+
 HEADER = ["kind", "trials", "redundant", "needed", "caught w/o fuzz", "caught w/ fuzz",
-          "proof s w/o", "proof s w/"]
+          "proof s w/o", "proof s w/", "fuzz launches", "fuzz catches by draw"]
 
 
 def table(summary: Summary) -> str:
@@ -287,13 +325,16 @@ def table(summary: Summary) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     lines = [f"{summary.model} {summary.dtype}: prepare()'s proof "
              + ", ".join(f"{k} {v:.2f} s" for k, v in summary.proof_seconds.items())
-             + f"; {summary.fuzz_launches} fuzz launches"]
+             + f"; {summary.fuzz_launches} fuzz launches, targets held back "
+             f"{summary.verified.get('fuzz_targets_held', 0)}/"
+             f"{summary.verified.get('fuzz_targets', 0)}"]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(lines)
 
 
 def measure(name: str, dtype: str, counts: dict[str, int], launches: int,
-            fuzz_launches: int, seed: int, say=print) -> Summary:
+            fuzz_launches: int, seed: int, say=print,
+            fuzz_budget: float = FUZZ_TIME_FACTOR) -> Summary:
     """Prepare ``name`` in ``dtype`` and run the trials ``counts`` asks for."""
     import torch
 
@@ -311,7 +352,8 @@ def measure(name: str, dtype: str, counts: dict[str, int], launches: int,
         prepared, rec = nm.engine, nm.recording
         summary = Summary(name, dtype, proof_seconds={
             k: v for k, v in prepared.seconds.items() if k.startswith("verify")},
-            fuzz_launches=prepared.graph.meta["verified"]["fuzz_launches"])
+            fuzz_launches=prepared.graph.meta["verified"]["fuzz_launches"],
+            verified=dict(prepared.graph.meta["verified"]))
         reference = Reference.record(prepared.graph, rec.replay_reference, rec.static_inputs,
                                      seed=seed)
         edges = prepared.schedule.edges()
@@ -321,15 +363,24 @@ def measure(name: str, dtype: str, counts: dict[str, int], launches: int,
             is_needed, reason = needed(prepared.graph, edges, prepared.memplan, change)
             trial = Trial(change, is_needed, reason)
             if is_needed:
-                (trial.caught_plain, trial.caught_fuzz, trial.seconds_plain, trial.seconds_fuzz,
-                 trial.message) = run_trial(prepared, rec, reference, change, launches,
-                                            fuzz_launches, seed + i)
+                outcome = run_trial(prepared, rec, reference, change, launches, fuzz_launches,
+                                    seed + i, fuzz_budget)
+                trial.caught_plain = outcome.caught_by == "plain"
+                trial.caught_fuzz = bool(outcome.caught_by)
+                trial.caught_by, trial.message = outcome.caught_by, outcome.message
+                trial.seconds_plain, trial.seconds_fuzz = outcome.seconds_plain, \
+                    outcome.seconds_fuzz
+                trial.fuzz_launches = outcome.fuzz_launches
             summary.trials.append(trial)
+            spent = time.perf_counter() - started
             say(f"  {name} {dtype} trial {i + 1}/{len(trials)} ({change.kind}): "
                 + ("redundant" if not is_needed else
                    "caught" if trial.caught_plain else
-                   "caught by the fuzzer" if trial.caught_fuzz else "NOT caught")
-                + f"  [{time.perf_counter() - started:.0f} s]")
+                   f"caught by the fuzzer ({trial.caught_by} draw, launch "
+                   f"{trial.fuzz_launches})" if trial.caught_fuzz else
+                   f"NOT caught ({trial.fuzz_launches} fuzz launches)")
+                + f"  [{spent:.0f} s, about {spent / (i + 1) * (len(trials) - i - 1):.0f} s "
+                  "left for this model]")
         return summary
     finally:
         nm.close()
@@ -344,9 +395,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--share-trials", type=int, default=20)
     parser.add_argument("--launches", type=int, default=25,
                         help="poisoned launches of each broken copy (prepare() runs 100)")
-    parser.add_argument("--fuzz-launches", type=int, default=100,
-                        help="fuzz launches at most after them (as prepare(); the time prepare "
-                             "gives the fuzzer also bounds them)")
+    parser.add_argument("--fuzz-launches", type=int, default=200,
+                        help="fuzz launches at most after them (as prepare(); the time "
+                             "--fuzz-budget gives the fuzzer also bounds them)")
+    parser.add_argument("--fuzz-budget", type=float, default=FUZZ_TIME_FACTOR,
+                        help="the fuzz part's time as a multiple of prepare()'s served proof "
+                             "(default: prepare()'s own, nimble.engine.proof.FUZZ_TIME_FACTOR)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every trial to this file")
     args = parser.parse_args(argv)
@@ -359,12 +413,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for dtype in args.dtype.split(","):
             say(f"{name} {dtype}: preparing")
             summary = measure(name, dtype, counts, args.launches, args.fuzz_launches,
-                              args.seed, say)
+                              args.seed, say, args.fuzz_budget)
             summaries.append(summary)
             print(table(summary), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"model": s.model, "dtype": s.dtype, "proof_seconds": s.proof_seconds,
+                        "fuzz_budget": args.fuzz_budget, "verified": s.verified,
                         "trials": [t.as_json() for t in s.trials]} for s in summaries], f,
                       indent=1)
     return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import defaultdict
-from typing import Iterable, NoReturn
+from typing import Iterable, Iterator, NamedTuple, NoReturn
 
 from .deps import Dag, reachability
 from .memplan import MemPlan, MemPlanError, _edge_dag, _planned
@@ -54,7 +54,7 @@ def _check_layout(graph: TaskGraph, plan: MemPlan) -> None:
                                f"outside the {plan.arena_bytes}-byte arena")
 
 
-def _collect_accesses(graph: TaskGraph, offsets: dict[int, int]
+def collect_accesses(graph: TaskGraph, offsets: dict[int, int]
                       ) -> tuple[dict[int, list[tuple[int, int, int, bool]]],
                                  list[tuple[int, int, int, int, bool]]]:
     """Every access that touches a byte, in one pass over the tasks.
@@ -86,23 +86,40 @@ def _check_races(graph: TaskGraph, offsets: dict[int, int],
     """
     for buf, accs in by_buffer.items():
         if accs[0][2] != accs[-1][2] and any(acc[3] for acc in accs):
-            _check_buffer_races(graph, offsets, buf, sorted(accs), reach)
+            for pair in conflict_pairs(sorted(accs)):
+                if not reach[pair.first] >> pair.second & 1:
+                    _race(graph, offsets, buf, pair)
 
 
-def _check_buffer_races(graph: TaskGraph, offsets: dict[int, int], buf: int,
-                        accs: list[tuple[int, int, int, bool]], reach: list[int]) -> None:
-    """One buffer's ``(lo, hi, task, write)`` accesses, sorted, swept by start byte.
+class ConflictPair(NamedTuple):
+    """Two accesses of different tasks to common bytes ``[lo, hi)``, at least one a write;
+    ``first`` is the lower task id."""
+
+    first: int
+    first_writes: bool
+    second: int
+    second_writes: bool
+    lo: int
+    hi: int
+
+
+def conflict_pairs(accs: list[tuple[int, int, int, bool]]) -> Iterator[ConflictPair]:
+    """The pairs of conflicting accesses that order every conflicting access, when ordered.
+
+    ``accs`` are ``(lo, hi, task, write)`` in one byte space (one buffer's bytes, or the
+    arena's), sorted, swept by start byte.  If every pair yielded is ordered (a path of edges
+    from ``first`` to ``second``), every two overlapping accesses of different tasks with at
+    least one write are; so a missing order shows in at least one pair yielded.
 
     The *active* accesses (those still covering the sweep's byte) all overlap one another, and
-    every conflicting pair among them has been checked when the later one arrived.  So the
-    active writes form a chain in happens-before order, which is task-id order, and every active
-    read is ordered against every active write.  A new access of task ``t`` then needs only:
-    the nearest active writes below and above ``t`` (transitivity covers the rest of the chain)
-    and, if it writes, the active reads of tasks strictly between those two writes (a read
-    below the lower one precedes it, which precedes ``t``; symmetrically above).  Each check that
-    fails names a real pair of overlapping accesses; when none fails every pair is ordered.  The
-    cost stays near-linear where many tasks write one buffer (one check per access) instead of
-    growing with the number of overlapping pairs.
+    every conflicting pair among them was yielded when the later one arrived.  So, when those
+    are ordered, the active writes form a chain in happens-before order, which is task-id order,
+    and every active read is ordered against every active write.  A new access of task ``t``
+    then needs only: the nearest active writes below and above ``t`` (transitivity covers the
+    rest of the chain) and, if it writes, the active reads of tasks strictly between those two
+    writes (a read below the lower one precedes it, which precedes ``t``; symmetrically above).
+    The count stays near-linear where many tasks write one buffer (one pair per access) instead
+    of growing with the number of overlapping pairs.
     """
     expiry: list[tuple[int, int, bool]] = []  # heap of (hi, task, write) of the active accesses
     writes: list[tuple[int, int]] = []  # active writes as (task, hi), sorted
@@ -118,12 +135,10 @@ def _check_buffer_races(graph: TaskGraph, offsets: dict[int, int], buf: int,
             j = bisect.bisect_left(writes, (task + 1,), i)  # writes[i:j]: this task's own
             below = writes[i - 1][0] if i else -1
             above = writes[j][0] if j < len(writes) else -1
-            if below >= 0 and not reach[below] >> task & 1:
-                _race(graph, offsets, buf, (below, True), (task, write), lo,
-                      min(hi, writes[i - 1][1]))
-            if above >= 0 and not reach[task] >> above & 1:
-                _race(graph, offsets, buf, (task, write), (above, True), lo,
-                      min(hi, writes[j][1]))
+            if below >= 0:
+                yield ConflictPair(below, True, task, write, lo, min(hi, writes[i - 1][1]))
+            if above >= 0:
+                yield ConflictPair(task, write, above, True, lo, min(hi, writes[j][1]))
         else:
             below = above = -1
         if write:
@@ -132,28 +147,23 @@ def _check_buffer_races(graph: TaskGraph, offsets: dict[int, int], buf: int,
                 r_hi = bisect.bisect_left(reads, (above,)) if above >= 0 else len(reads)
                 for other, ohi in reads[r_lo:r_hi]:
                     if other < task:
-                        if not reach[other] >> task & 1:
-                            _race(graph, offsets, buf, (other, False), (task, True), lo,
-                                  min(hi, ohi))
-                    elif other > task and not reach[task] >> other & 1:
-                        _race(graph, offsets, buf, (task, True), (other, False), lo,
-                              min(hi, ohi))
+                        yield ConflictPair(other, False, task, True, lo, min(hi, ohi))
+                    elif other > task:
+                        yield ConflictPair(task, True, other, False, lo, min(hi, ohi))
             bisect.insort(writes, (task, hi))
         else:
             bisect.insort(reads, (task, hi))
         heapq.heappush(expiry, (hi, task, write))
 
 
-def _race(graph: TaskGraph, offsets: dict[int, int], buf: int, first: tuple[int, bool],
-          second: tuple[int, bool], lo: int, hi: int) -> NoReturn:
-    """Raise for accesses of tasks ``first`` and ``second`` (``(task, write)``, lower id first)
-    that share bytes ``[lo, hi)`` of buffer ``buf`` with no path between them."""
+def _race(graph: TaskGraph, offsets: dict[int, int], buf: int, pair: ConflictPair) -> NoReturn:
+    """Raise for the accesses of ``pair`` to buffer ``buf`` with no path between them."""
+    a, wa, b, wb, lo, hi = pair
     info = graph.buffers[buf]
     what = info.kind + (f" {info.name!r}" if info.name else "")
     where = f"bytes [{lo}, {hi})"
     if buf in offsets:
         where += f" (arena bytes [{offsets[buf] + lo}, {offsets[buf] + hi}))"
-    (a, wa), (b, wb) = first, second
     verb = {True: "writes", False: "reads"}
     raise MemPlanError(
         f"tasks {a} and {b} both access buffer {buf} ({what}) at {where}: task {a} {verb[wa]}, "
@@ -271,7 +281,7 @@ def check_plan(graph: TaskGraph, edges: Iterable[tuple[int, int]], plan: MemPlan
     reach = _strict_reach_ints(dag)
     relocatable = plan.offsets
     # items: (lo, hi, position, buffer, write) in arena bytes, the planned buffers only
-    by_buffer, items = _collect_accesses(graph, relocatable)
+    by_buffer, items = collect_accesses(graph, relocatable)
     _check_races(graph, relocatable, by_buffer, reach)
     for b in graph.buffers:
         if b.id in relocatable and b.size > 0 and b.kind in (BufferKind.INPUT, BufferKind.OUTPUT):

@@ -1,30 +1,59 @@
-"""The proof's race fuzzer: verification-only copies of every phase with a delay node per task.
+"""The proof's race fuzzer: verification-only copies of every phase with delay nodes before tasks.
 
 A race in a schedule (two tasks that touch the same bytes, at least one writing, with no path
 between them) gives a wrong answer only when the GPU runs the two in the wrong order, which a
-few launches of the served graph may never do.  The fuzz copies drive the interleavings: each
-task of a copy waits for a ``nimble_delay`` node (``kernels/delay.ptx``) that waits for the
-task's predecessors, and before every launch the host writes a fresh draw into the delay table.
+few launches of the served graph may never do.  The fuzz copies drive the interleavings: a
+delayable task of a copy waits for a ``nimble_delay`` node (``kernels/delay.ptx``) that waits
+for the task's predecessors and spins for the nanoseconds its slot of the delay table holds.
 
 Before every fuzz launch the arena is poisoned again (``repoison``), so every launch of a copy
-reads only what it wrote itself.  Two kinds of draw take turns, two heavy draws to one per-task draw (:func:`draw_delays`,
-:func:`draw_stream_delays`).
+reads only what it wrote itself, and the launch's row of delays is copied into the table.  All
+rows are drawn when the copies are built and uploaded with one copy; each launch's row goes to
+the table by a device-to-device copy in stream order, so the host never waits for a launch
+before the next (only the bitwise check of each launch's outputs does).
 
-* **Per task**: each task is delayed with probability one half, by a time drawn log-uniformly
-  between :data:`MIN_DELAY_NS` and a cap of twice the longest isolated duration of the phase's
-  tasks (``Task.duration_us``; :data:`UNTIMED_CAP_NS` where none is known), at most
-  :data:`MAX_DELAY_NS`.  This reorders tasks whose natural start times lie close together.
+Four kinds of draw (:data:`CHAINED`, :data:`TARGETED`, :data:`STREAM`, :data:`PER_TASK`):
+
+* **Targeted** (where the copies know the arena offsets, ``offsets``): the cross-stream hazard
+  pairs of the schedule (:mod:`nimble.analysis.hazards`) name the *targets*, each task E that
+  touches bytes a later task L on another stream touches, one of them writing.  A missing
+  synchronization from E to L usually has slack of whole kernels: L also waits for its own
+  stream's work (a convolution, say), which a small E beats every time.  Only a delay longer
+  than that slack on E, and none on L's side, shows the race; delays of a task's own size on
+  both sides cancel out.  A targeted draw holds back an antichain of targets
+  (:class:`~nimble.analysis.hazards.TargetedPicks`: none of a pick's partners is a pick or below
+  another pick) by the phase's critical path each (:func:`heavy_delay_ns`), and nothing else.
+  Only the targets get delay nodes: a delay node is a launch of its own on every path through
+  it, so fewer of them keep the copy's launches and its build short.
+* **Chained**: the same targets, but a pick may lie below another where that one is above its
+  partners only through it (the delays add up along the path, and the pick still ends its own
+  delay behind its partners), each held back by :data:`CHAIN_LEAD_FACTOR` times its natural
+  lead over its partners (longest paths over the isolated durations) plus the heavy floor,
+  within the critical path, at most :data:`CHAIN_BUDGET_FACTOR` critical paths per phase in
+  all.  An antichain holds one target of a block of a deep network (every later block lies
+  below it); a chain holds one of every block, so a cover takes far fewer launches where the
+  leads are short (nasnetalarge: 18 chained launches against 179 antichains on the fixture).
 * **Per stream, heavy**: each stream is slow with probability :data:`SLOW_STREAM_CHANCE`, and on
-  a slow stream one task, picked at random, waits between half and all of the graph's critical
-  path (:func:`heavy_delay_ns`).  A missing synchronization from a writer on stream A to a
-  reader on stream B usually has slack of whole kernels: the reader also waits for B's own
-  work (a convolution, say), which the small writer beats every time.  Only a delay larger
-  than that slack on the writer, and none on the reader's side, shows the race; delays of a
-  task's own size on both sides cancel out.  With the writer's stream slow, its pick at or
-  before the writer, and the few streams on the reader's side fast, the writer ends after the
-  reader reads.
+  a slow stream one delayable task, picked at random, waits between half and all of its
+  phase's critical path.
+* **Per task**: each delayable task is delayed with probability one half, by a time drawn
+  log-uniformly between :data:`MIN_DELAY_NS` and a cap of twice the longest isolated duration of
+  the phase's tasks (``Task.duration_us``; :data:`UNTIMED_CAP_NS` where none is known), at most
+  :data:`MAX_DELAY_NS`.  This reorders tasks whose natural start times lie close together.
 
-Why the heavy kind exists, with the catch rates of each kind: docs/findings.md.
+The mix: targeted draws only until every target of a *direct* hazard (the two tasks of a
+synchronization edge of the schedule: the edge a missing sync would be) was held back both
+ways, chained first (cheap where the leads are short), then as antichains (safe where a lead
+was underestimated: the heavy delay exceeds any slack the isolated durations allow); a race
+there needs its writer held back and nothing else, which the targeted draws do and the random
+kinds seldom do (docs/findings.md).  After that, two targeted draws (every hazard's targets,
+chained then held, then fresh held sets) to one random draw, the two random kinds in turn: a
+race the targeted picks miss (the reader's side slowed by a delay elsewhere, a slack longer
+than the critical path) may come up in a random order.  Without ``offsets`` there are no targets: every
+task gets a delay node and the random kinds take turns, two heavy draws to one per-task draw.
+
+Why the heavy, targeted and chained kinds exist, with the catch rates of each kind:
+docs/findings.md.
 
 The copies are built through :class:`~nimble.engine.rebuild.PhaseBuilder` from the served graph's
 own nodes (same gathers, priorities, late edges, arena, inputs and outputs); the served graph has
@@ -35,12 +64,14 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from dataclasses import dataclass, replace
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from .. import driver
+from ..analysis.hazards import (CHAINED, HELD, ChainCosts, Hazard, Pick, TargetedPicks,
+                               cross_stream_hazards, lead_us)
 from ..ir.taskgraph import TaskGraph
 from .build import BuiltGraph, DelaySpec
 from .launcher import CallOrder, Launcher, run_phases
@@ -90,29 +121,127 @@ def draw_delays(rng: np.random.Generator, caps_ns: np.ndarray) -> np.ndarray:
     return np.where(chosen, _log_uniform(rng, caps_ns), 0).astype(np.uint32)
 
 
-def heavy_delay_ns(graph: TaskGraph, edges: Sequence[tuple[int, int]]) -> int:
-    """The heavy delay's scale: the critical path of the tasks' known durations (ns), within
-    :data:`HEAVY_DELAY_NS`; its upper bound where no duration is known."""
+def heavy_delay_ns(graph: TaskGraph, edges: Sequence[tuple[int, int]],
+                   span: range | None = None) -> int:
+    """The heavy delay's scale: the critical path of the known durations of the tasks of
+    ``span`` (ns; None: every task), within :data:`HEAVY_DELAY_NS`; its upper bound where no
+    duration is known."""
     from ..analysis.deps import critical_path, dag_from_edges
 
-    durations = [t.duration_us or 0.0 for t in graph.tasks]
+    span = range(len(graph.tasks)) if span is None else span
+    durations = [(t.duration_us or 0.0) if t.id in span else 0.0 for t in graph.tasks]
     if not any(durations):
         return HEAVY_DELAY_NS[1]
-    length = critical_path(dag_from_edges(len(graph.tasks), edges), durations).length
+    inside = [(u, v) for u, v in edges if u in span and v in span]
+    length = critical_path(dag_from_edges(len(graph.tasks), inside), durations).length
     return int(min(max(1000 * length, HEAVY_DELAY_NS[0]), HEAVY_DELAY_NS[1]))
 
 
+def phase_heavy_ns(graph: TaskGraph, edges: Sequence[tuple[int, int]],
+                   spans: Sequence[range]) -> np.ndarray:
+    """Per task, the heavy delay of its phase (:func:`heavy_delay_ns`)."""
+    heavy = np.full(len(graph.tasks), HEAVY_DELAY_NS[1], dtype=np.int64)
+    for span in spans:
+        heavy[span.start:span.stop] = heavy_delay_ns(graph, edges, span)
+    return heavy
+
+
 def draw_stream_delays(rng: np.random.Generator, stream_of: np.ndarray,
-                       heavy_ns: int) -> np.ndarray:
+                       heavy_ns) -> np.ndarray:
     """A heavy draw: on each slow stream one random task waits between half and all of
-    ``heavy_ns``; every other task not at all (see the module docstring)."""
+    ``heavy_ns`` (one scale, or one per task); every other task not at all, nor any task whose
+    stream is negative (see the module docstring)."""
+    heavy = np.broadcast_to(np.asarray(heavy_ns, dtype=np.int64), stream_of.shape)
     delays = np.zeros(len(stream_of), dtype=np.uint32)
     for stream in np.unique(stream_of[stream_of >= 0]):
         if rng.random() >= SLOW_STREAM_CHANCE:
             continue
-        tasks = np.flatnonzero(stream_of == stream)
-        delays[rng.choice(tasks)] = int(heavy_ns * (0.5 + 0.5 * rng.random()))
+        task = rng.choice(np.flatnonzero(stream_of == stream))
+        delays[task] = int(heavy[task] * (0.5 + 0.5 * rng.random()))
     return delays
+
+
+def draw_targeted(n: int, picked: Pick, heavy_ns: np.ndarray) -> np.ndarray:
+    """A targeted or chained draw of ``n`` tasks: the picked tasks wait their own delays (a
+    chained pick) or their phase's heavy delay (a held one), no other task."""
+    delays = np.zeros(n, dtype=np.uint32)
+    tasks = np.asarray(picked.tasks, dtype=np.int64)
+    delays[tasks] = heavy_ns[tasks] if picked.delays_ns is None else picked.delays_ns
+    return delays
+
+
+#: The kinds of draw (see the module docstring).
+TARGETED, CHAINED, STREAM, PER_TASK = HELD, CHAINED, "stream", "per-task"
+#: A chained pick waits this many times its natural lead over its partners (isolated durations
+#: on the longest paths; kernels beside it stretch the real lead), plus the heavy delay's floor.
+CHAIN_LEAD_FACTOR = 3.0
+#: The chained picks of one launch wait at most this many critical paths of their phase in all.
+CHAIN_BUDGET_FACTOR = 2.0
+
+
+class Draws:
+    """The seeded sequence of draws of one set of fuzz copies, in the module docstring's mix.
+
+    ``picks`` (None: no targets) chooses the targeted and chained draws (a held pick waits
+    ``heavy_ns`` of its task); only ``delayable`` tasks are ever delayed.  :meth:`next`
+    returns ``(kind, delays)``, a u32 of nanoseconds per task.
+    """
+
+    def __init__(self, caps_ns: np.ndarray, heavy_ns: np.ndarray, stream_of: np.ndarray | None,
+                 picks: TargetedPicks | None, delayable: np.ndarray, seed: int = 0) -> None:
+        self.caps_ns, self.heavy_ns, self.picks = caps_ns, heavy_ns, picks
+        self.delayable = delayable
+        self.stream_of = None if stream_of is None else np.where(delayable, stream_of, -1)
+        self._rng = np.random.default_rng(seed)
+        self._random_draws = 0  # of the two random kinds, for their turns
+        self.count = 0
+
+    def _random_kind(self) -> str:
+        picks = self.picks
+        if self.stream_of is None:
+            return PER_TASK
+        if picks is None or not picks.targets:
+            return STREAM if self.count % 3 else PER_TASK
+        self._random_draws += 1
+        return STREAM if self._random_draws % 2 else PER_TASK
+
+    def next(self) -> tuple[str, np.ndarray]:
+        picks = self.picks
+        targeted = picks is not None and bool(picks.targets) and \
+            (not picks.direct_done or self.count % 3 != 2)
+        kind = None if targeted else self._random_kind()
+        self.count += 1
+        if kind is None:
+            picked = picks.next()
+            return picked.kind, draw_targeted(len(self.heavy_ns), picked, self.heavy_ns)
+        if kind == STREAM:
+            return kind, draw_stream_delays(self._rng, self.stream_of, self.heavy_ns)
+        delays = draw_delays(self._rng, self.caps_ns)
+        delays[~self.delayable] = 0
+        return kind, delays
+
+
+def chain_costs(graph: TaskGraph, hazards: Sequence[Hazard], edges: Sequence[tuple[int, int]],
+                spans: Sequence[range], heavy_ns: np.ndarray) -> ChainCosts:
+    """What the chained picks of ``hazards`` spend (:class:`~nimble.analysis.hazards.
+    ChainCosts`): each target :data:`CHAIN_LEAD_FACTOR` times its lead over its partners plus
+    the heavy floor, within the heavy delay (the heavy delay in a phase with no known
+    duration), at most :data:`CHAIN_BUDGET_FACTOR` heavy delays per phase and launch."""
+    n = len(graph.tasks)
+    durations = [t.duration_us or 0.0 for t in graph.tasks]
+    lead = lead_us(n, hazards, edges, durations)
+    delay = heavy_ns.copy()
+    phase_of = np.zeros(n, dtype=np.int64)
+    for k, span in enumerate(spans):
+        phase_of[span.start:span.stop] = k
+        if not any(durations[t] for t in span):
+            continue
+        for t in span:
+            if t in lead:
+                delay[t] = min(int(CHAIN_LEAD_FACTOR * 1000 * lead[t]) + HEAVY_DELAY_NS[0],
+                               int(heavy_ns[t]))
+    budget = (CHAIN_BUDGET_FACTOR * heavy_ns).astype(np.int64)
+    return ChainCosts(delay.tolist(), budget.tolist(), phase_of.tolist())
 
 
 @dataclass
@@ -124,57 +253,81 @@ class FuzzStats:
     delayed: int = 0  # tasks delayed, summed over the draws
     max_delay_ns: int = 0
     first_draw_at: float | None = None  # time.perf_counter() at the first draw
+    kinds: dict[str, int] = field(default_factory=dict)  # draws of each kind
+    last_kind: str = ""  # the kind of the latest draw (the one a failing launch ran)
+    targets: int = 0  # tasks the targeted draws may hold back
+    targets_held: int = 0  # of them, held back by the draws run so far
+
+    def count(self, kind: str, delays: np.ndarray, targets_held: int) -> None:
+        """Note one draw of ``kind``."""
+        self.draws += 1
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        self.last_kind = kind
+        self.delayed += int(np.count_nonzero(delays))
+        self.max_delay_ns = max(self.max_delay_ns, int(delays.max(initial=0)))
+        self.targets_held = max(self.targets_held, targets_held)
 
     def as_meta(self) -> dict:
         return {"fuzz_launches": self.launches, "delay_draws": self.draws,
                 "tasks_delayed_per_draw": self.delayed / self.draws if self.draws else 0.0,
-                "max_delay_us": self.max_delay_ns / 1000}
+                "max_delay_us": self.max_delay_ns / 1000, "draw_kinds": dict(self.kinds),
+                "fuzz_targets": self.targets, "fuzz_targets_held": self.targets_held}
 
 
-def _free(memory: driver.DeviceMemory | None, builts: list[BuiltGraph],
-          launchers: list) -> None:
+def _free(memories: list, builts: list[BuiltGraph], launchers: list) -> None:
     for launcher in launchers:
         launcher.close()
     for built in builts:
         built.close()
-    if memory is not None:
+    for memory in memories:
         memory.close()
 
 
 class FuzzCopies:
-    """A delay-noded copy of every phase, its launchers over the served slots and outputs, and
-    the delay table: owned together, freed by :meth:`close` (idempotent) or when collected.
+    """A delay-noded copy of every phase, its launchers over the served slots and outputs, the
+    delay table and the rows of drawn delays: owned together, freed by :meth:`close`
+    (idempotent) or when collected.
 
-    ``run(inputs)`` runs every phase in order like the served launchers; :meth:`draw` writes a
-    fresh draw into the table first (after the previous launch has finished reading it).
-    ``options`` change the copies further (a power measurement's broken copies); with
-    ``delays=False`` they get no delay nodes and no table, and :meth:`draw` draws nothing.
+    ``run(inputs)`` runs every phase in order like the served launchers; :meth:`draw` queues the
+    next row's copy into the table (and the arena's poison) first.  ``offsets`` (each planned
+    buffer's arena offset in the copies) and ``stream_of`` give the targeted draws; ``rows``
+    draws are made and uploaded up front (later ones are written as they come, after the GPU
+    has caught up).  ``options`` change the copies further (a power measurement's broken
+    copies); with ``delays=False`` they get no delay nodes and no table, and :meth:`draw`
+    draws nothing.
     """
 
     def __init__(self, builder: PhaseBuilder, served: Sequence[Launcher], device,
                  seed: int = 0, options: PhaseOptions | None = None,
                  delays: bool = True, stream_of: Sequence[int] | None = None,
-                 repoison: Sequence[tuple[int, int]] = ()) -> None:
+                 repoison: Sequence[tuple[int, int]] = (),
+                 offsets: Mapping[int, int] | None = None, rows: int = 100) -> None:
         n = len(builder.graph.tasks)
         #: ``(address, size)`` ranges poisoned again before every fuzz launch (the arena).
         self.repoison = list(repoison)
-        #: The stream of every task, for the per-stream draws (None: per-task draws only).
-        self.stream_of = None if stream_of is None else np.asarray(stream_of, dtype=np.int64)
-        self.heavy_ns = heavy_delay_ns(builder.graph, builder.edges)
-        self.caps_ns = delay_caps_ns(builder.graph, builder.spans)
-        self.table = driver.DeviceMemory.allocate(max(4 * n, 4)) if delays else None
+        self.draws = _draws(builder, stream_of, offsets, seed) if delays else None
+        self.table = self.rows = None
         self.builts: list[BuiltGraph] = []
         self.launchers: list[Launcher] = []
-        self._finalizer = weakref.finalize(self, _free, self.table, self.builts, self.launchers)
-        self._rng = np.random.default_rng(seed)
+        self._memories: list = []
+        self._finalizer = weakref.finalize(self, _free, self._memories, self.builts,
+                                           self.launchers)
         self._served = list(served)
         self.stats = FuzzStats()
+        self._kinds: list[str] = []
+        self._held: list[int] = []
+        self._copy = None
+        #: The launches whose draws hold back every target of a direct hazard (the writers of
+        #: the schedule's synchronizations) at least once; None where the rows do not.
+        self.direct_cover: int | None = None
         options = options or PhaseOptions()
-        if delays:
-            options = replace(options, delays=DelaySpec(self.table.address))
         try:
             if delays:
-                driver.copy_to_device(self.table.address, bytes(4 * n))
+                self.stats.targets = len(self.draws.picks.targets) if self.draws.picks else 0
+                self._upload(n, rows)
+                tasks = None if self.draws.picks is None else \
+                    set(np.flatnonzero(self.draws.delayable).tolist())
+                options = replace(options, delays=DelaySpec(self.table.address, tasks=tasks))
             order = CallOrder()
             context = driver.current_context()
             for k in range(len(builder.spans)):
@@ -187,28 +340,60 @@ class FuzzCopies:
             self.close()
             raise
 
+    def _upload(self, n: int, rows: int) -> None:
+        """Draw ``rows`` rows, upload them in one copy, and start the table at no delay."""
+        drawn = []
+        picks = self.draws.picks
+        for _ in range(max(rows, 0)):
+            kind, delays = self.draws.next()
+            self._kinds.append(kind)
+            self._held.append(self._targets_held())
+            drawn.append(delays)
+            if self.direct_cover is None and picks is not None and picks.direct_done:
+                self.direct_cover = len(drawn)
+        self.table = driver.DeviceMemory.allocate(max(4 * n, 4))
+        self._memories.append(self.table)
+        driver.copy_to_device(self.table.address, bytes(4 * n))
+        if drawn:
+            self.rows = driver.DeviceMemory.allocate(max(4 * n * len(drawn), 4))
+            self._memories.append(self.rows)
+            driver.copy_to_device(self.rows.address, np.concatenate(drawn).tobytes())
+            self._copy = driver.CallPath().copy
+        self._drawn = drawn
+
+    def _targets_held(self) -> int:
+        """How many targets a targeted or chained draw has held back so far."""
+        picks = self.draws.picks
+        if picks is None:
+            return 0
+        return len(set().union(*(t.covered | t.chained for t in picks.tiers)))
+
     def draw(self) -> None:
-        """Write a fresh draw into the delay table, once the work queued so far has run."""
+        """Queue the next draw into the delay table and the arena's poison, in stream order
+        after the previous launch."""
         import torch
 
         if self.table is None:
             return
         if self.stats.first_draw_at is None:
             self.stats.first_draw_at = time.perf_counter()
-        if self.stream_of is not None and self.stats.draws % 3:
-            delays = draw_stream_delays(self._rng, self.stream_of, self.heavy_ns)
+        i = self.stats.draws
+        n = len(self.draws.heavy_ns)
+        stream = self.launchers[0].stream()
+        if i < len(self._drawn):
+            kind, delays, held = self._kinds[i], self._drawn[i], self._held[i]
+            self._copy(self.table.address, self.rows.address + 4 * n * i, 4 * n, stream)
         else:
-            delays = draw_delays(self._rng, self.caps_ns)
-        torch.cuda.synchronize()
-        driver.copy_to_device(self.table.address, delays.tobytes())
+            kind, delays = self.draws.next()
+            held = self._targets_held()
+            torch.cuda.synchronize()  # the previous launch has read the table
+            driver.copy_to_device(self.table.address, delays.tobytes())
         # Every launch starts from a poisoned arena: a read that a race moves before its write
         # then sees NaNs, even where the write puts the same bytes every launch (a buffer that
         # depends on the weights alone), which the previous launch would have left in place.
         if self.repoison:
-            poison(self.repoison, self.launchers[0].stream())
-        self.stats.draws += 1
-        self.stats.delayed += int(np.count_nonzero(delays))
-        self.stats.max_delay_ns = max(self.stats.max_delay_ns, int(delays.max(initial=0)))
+            poison(self.repoison, stream)
+        self.stats.count(kind, delays, held)
 
     def run(self, inputs: list) -> list:
         """Every phase's copy in order on its share of ``inputs``: the flat outputs."""
@@ -216,8 +401,38 @@ class FuzzCopies:
         return run_phases(self.launchers)(inputs)
 
     def close(self) -> None:
-        """Free the copies, their launchers and the table (idempotent).  The copies wrote the
-        served input cells: the served launchers' next calls write every cell again."""
+        """Free the copies, their launchers, the table and the rows (idempotent).  The copies
+        wrote the served input cells: the served launchers' next calls write every cell
+        again."""
         self._finalizer()
         for launcher in self._served:
             launcher.forget_cells()
+
+
+def _draws(builder: PhaseBuilder, stream_of: Sequence[int] | None,
+           offsets: Mapping[int, int] | None, seed: int) -> Draws:
+    """The draws of copies built by ``builder``: targeted where ``offsets`` and ``stream_of``
+    are known (over the served edges inside each phase, late ones included), else random on
+    every task."""
+    graph = builder.graph
+    n = len(graph.tasks)
+    phase_of = np.zeros(n, dtype=np.int64)
+    for k, span in enumerate(builder.spans):
+        phase_of[span.start:span.stop] = k
+    # Each phase is a launch of its own: a delay in one never moves tasks of another apart.
+    edges = [(u, v) for u, v in list(builder.edges) + list(builder.late_edges)
+             if phase_of[u] == phase_of[v]]
+    streams = None if stream_of is None else np.asarray(stream_of, dtype=np.int64)
+    picks = None
+    heavy = phase_heavy_ns(graph, edges, builder.spans)
+    delayable = np.ones(n, dtype=bool)
+    if streams is not None and offsets is not None:
+        hazards = cross_stream_hazards(graph, offsets, streams.tolist(), builder.spans)
+        joined = set(edges)
+        direct = [h for h in hazards if (h.earlier, h.later) in joined]
+        chain = [chain_costs(graph, tier, edges, builder.spans, heavy)
+                 for tier in (direct, hazards)]
+        picks = TargetedPicks(n, hazards, edges, seed, chain)
+        delayable[:] = False
+        delayable[picks.targets] = True
+    return Draws(delay_caps_ns(graph, builder.spans), heavy, streams, picks, delayable, seed)

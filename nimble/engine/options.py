@@ -35,9 +35,11 @@ class PrepareOptions:
         Launches of the proof; None: 100 for inference, 20 for a training step.
     fuzz : bool
         After those launches, the proof runs a verification-only copy of each phase with a
-        delay kernel before randomly chosen tasks, a new draw each launch, so that tasks the
-        schedule leaves unordered meet in both orders (:mod:`nimble.engine.fuzz`); it takes at
-        most about as long as the launches before it.  The served graph has no delay nodes.
+        delay kernel before the tasks that touch bytes another stream's tasks touch, a new
+        draw each launch (the writers of the schedule's synchronizations held back first), so
+        that a missing synchronization shows (:mod:`nimble.engine.fuzz`); it takes at most
+        about three times as long as the launches before it.  The served graph has no delay
+        nodes.
     keep_recording : bool
         Keeps the live recording (``nm.recording``) for debugging and for a later prepare.
     recording : Recording or None

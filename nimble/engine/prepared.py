@@ -431,9 +431,11 @@ def run_all(prepared: Prepared):
     return run_phases(prepared.launchers)
 
 
-#: Fuzz launches the proof runs at most after the served ones; fewer when they take longer
-#: than the proof without them did (:func:`prove`).
-FUZZ_LAUNCHES = 100
+#: Fuzz launches the proof runs at most after the served ones (the targeted draws hold back
+#: every writer of a synchronization of the zoo's branchy models both ways within about
+#: that many: docs/findings.md); fewer when they take longer than their share of the proof's
+#: time (:func:`prove`).
+FUZZ_LAUNCHES = 200
 
 
 def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
@@ -443,17 +445,18 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
     then up to ``fuzz_launches`` launches of delay-noded copies of the phases
     (:mod:`nimble.engine.fuzz`), each after a fresh draw of delays, held to the same outputs.
 
-    The fuzz launches stop (after a few) once building and running the copies has taken as long
-    as the proof before them, so the fuzzer at most doubles the proof's time.  The copies are
-    freed before this returns or raises.  What ran goes to ``graph.meta["verified"]``, and the
-    seconds of both parts to ``prepared.seconds`` (``verify_served``, ``verify_fuzz``).
+    The fuzz launches stop (after a few) once building and running the copies has taken
+    ``FUZZ_TIME_FACTOR`` times as long as the proof before them (:mod:`nimble.engine.proof`).
+    The copies are freed before this returns or raises.  What ran goes to
+    ``graph.meta["verified"]``, and the seconds of both parts to ``prepared.seconds``
+    (``verify_served``, ``verify_fuzz``).
 
     A graph that draws random numbers is given the same generator state as the reference for
     each input set; the generator is restored afterwards.
     """
     import torch
 
-    from .proof import FuzzBudget, verify_against_reference
+    from .proof import FUZZ_TIME_FACTOR, FuzzBudget, verify_against_reference
 
     rng = prepared.launcher.rng
     saved = rng.generator.get_state() if rng else None
@@ -475,7 +478,7 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
             prepared.launcher.stream(),
             relaunches=relaunches, rng_at=rng_at if rng else None,
             repeats=4 if prepared.step is not None else 3, gradients=gradients, fuzz=copies,
-            fuzz_budget=FuzzBudget(fuzz_launches, time_factor=1.0,
+            fuzz_budget=FuzzBudget(fuzz_launches, time_factor=FUZZ_TIME_FACTOR,
                                    spent_seconds=built - began))
         torch.cuda.synchronize()
         ended = time.perf_counter()
@@ -501,4 +504,5 @@ def _fuzz_copies(prepared: Prepared, rec, seed: int):
     device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
     return FuzzCopies(prepared.phase_builder(), prepared.launchers, device, seed=seed,
                       stream_of=prepared.schedule.stream_of,
-                      repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)])
+                      repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)],
+                      offsets=prepared.memplan.offsets, rows=FUZZ_LAUNCHES)
