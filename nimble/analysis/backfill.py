@@ -31,11 +31,12 @@ to higher task ids.  They are added to the built graph after its nodes
 **Whether they pay** is measured, not assumed: the narrow kernels' real width and what the
 deferred work costs them are the GPU's to tell.  :func:`pick` times each candidate against the
 phase built without them and keeps the fastest (what it gained on a training step is in
-docs/findings.md).
+docs/findings.md).  The measured choice itself, :func:`fastest`, also picks among the
+resource-aware priorities (:mod:`nimble.analysis.resources`).
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from .deps import Dag, ancestors, critical_path, dag_from_edges, reachability
 from .priorities import slack
@@ -170,17 +171,26 @@ class Picked(NamedTuple):
     kept: Backfill | None
 
 
-def pick(plain, candidates: Sequence[Backfill], build: Callable, launch: Callable,
-         rounds: int = 5, launches: int = 3):
-    """``(built, Picked)``: the fastest of ``plain`` (a built phase) and the phase built with each
-    candidate's edges (``build(edges)``), timed by ``launch(built) -> ms`` of ``launches``
-    launches in alternating rounds.  A candidate wins only when its median beats the plain
-    one's by :data:`MIN_GAIN`.  The losers are closed, ``plain`` too when a candidate wins; on
-    an error only the graphs built here are."""
+class Fastest(NamedTuple):
+    """What :func:`fastest` measured: the graph kept, which it is (0: the plain one, ``k``: the
+    ``k``-th candidate), and the median ms per launch of the plain one and of each candidate."""
+
+    built: Any
+    index: int
+    plain_ms: float
+    trial_ms: tuple[float, ...]
+
+
+def fastest(plain, builds: Sequence[Callable[[], Any]], launch: Callable, rounds: int = 5,
+            launches: int = 3) -> Fastest:
+    """The measured choice among ``plain`` (a built graph) and the graphs ``builds`` make, timed
+    by ``launch(built, count) -> ms`` of ``count`` launches in alternating rounds.  A candidate
+    wins only when its median beats the plain one's by :data:`MIN_GAIN`.  The losers are
+    closed, ``plain`` too when a candidate wins; on an error only the graphs built here are."""
     builts = [plain]
     try:
-        for c in candidates:
-            builts.append(build(c.edges()))
+        for build in builds:
+            builts.append(build())
         for b in builts:  # warm-up
             launch(b, 1)
         samples: list[list[float]] = [[] for _ in builts]
@@ -198,6 +208,15 @@ def pick(plain, candidates: Sequence[Backfill], build: Callable, launch: Callabl
     for k, b in enumerate(builts):
         if k != best:
             b.close()
+    return Fastest(builts[best], best, medians[0], tuple(medians[1:]))
+
+
+def pick(plain, candidates: Sequence[Backfill], build: Callable, launch: Callable,
+         rounds: int = 5, launches: int = 3):
+    """``(built, Picked)``: :func:`fastest` of ``plain`` (a built phase) and the phase built with
+    each candidate's edges (``build(edges)``)."""
+    got = fastest(plain, [lambda c=c: build(c.edges()) for c in candidates], launch, rounds,
+                  launches)
     phase = candidates[0].phase if candidates else -1
-    return builts[best], Picked(phase, medians[0], tuple(medians[1:]),
-                                candidates[best - 1] if best else None)
+    return got.built, Picked(phase, got.plain_ms, got.trial_ms,
+                             candidates[got.index - 1] if got.index else None)

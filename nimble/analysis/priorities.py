@@ -56,16 +56,26 @@ def slack(n: int, edges: Sequence[tuple[int, int]], durations: Sequence[float]) 
 
 
 def priority_levels(n: int, edges: Sequence[tuple[int, int]], durations: Sequence[float],
-                    levels: int, phases: Sequence[range] | None = None) -> list[int]:
+                    levels: int, phases: Sequence[range] | None = None,
+                    secondary: Sequence[int] | None = None) -> list[int]:
     """Each task's priority level, ``0`` the highest and ``levels - 1`` the lowest.
 
     Levels follow slack as a fraction of the critical path (:data:`SLACK_BOUNDS`); with fewer
     levels than bounds, the finest bounds are the ones kept.  ``phases`` (consecutive spans of
     task ids covering all ``n``) are separate launches with a barrier between them: each
     phase's slack is measured within it, over its own edges, against its own critical path.
+
+    ``secondary`` (0 or 1 per task) is a second key: a task marked 1 goes one level below the
+    unmarked tasks of its slack level, level with those of the next (the lowest level stays the
+    lowest); :mod:`nimble.analysis.resources` marks kernels by the resources they use.
     """
     if levels < 1:
         raise ValueError(f"levels must be at least 1, got {levels}")
+    if secondary is not None:
+        if len(secondary) != n or any(s not in (0, 1) for s in secondary):
+            raise ValueError(f"secondary must be 0 or 1 for each of the {n} tasks")
+        slack_levels = priority_levels(n, edges, durations, levels, phases)
+        return [min(level + s, levels - 1) for level, s in zip(slack_levels, secondary)]
     bounds = SLACK_BOUNDS[:levels - 1]
     dag = dag_from_edges(n, edges)
     out: list[int] = []

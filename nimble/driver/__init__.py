@@ -14,8 +14,9 @@ rest of Nimble uses the names re-exported here (``driver.call``, ``driver.GraphE
 """
 from __future__ import annotations
 
-from .calls import (bindings, call, checked_status, current_context, device_supports_stream_writes,
-                    ensure_context, probe, raise_status, synchronize_context)
+from .calls import (bindings, call, checked_status, current_context, device_attributes,
+                    device_supports_stream_writes, ensure_context, probe, raise_status,
+                    synchronize_context)
 from .graphs import borrowed_graph, graph_nodes_of, node_count_of
 from .handles import (DeviceMemory, Event, Graph, GraphExec, LowBitsMemory, Module,
                       nimble_memory)
@@ -36,7 +37,7 @@ __all__ = [
     "add_dependencies", "add_empty_node", "add_event_record_node", "add_kernel_node",
     "add_memcpy_node", "add_memset_node", "address_range", "allow_dynamic_shared", "bindings", "call",
     "capture_graph", "checked_status", "copy_device", "copy_kernel_attributes", "copy_to_device",
-    "copy_to_host", "current_context", "device_supports_stream_writes", "ensure_context",
+    "copy_to_host", "current_context", "device_attributes", "device_supports_stream_writes", "ensure_context",
     "event_elapsed_ms", "fill_bytes_async", "function_name", "function_param_layout",
     "graph_nodes", "kernel_function_of", "kernel_node_params", "kernel_priority", "launch",
     "memcpy_node_params", "memset_node_params", "nimble_memory", "node_count", "node_type",

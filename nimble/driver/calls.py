@@ -122,3 +122,15 @@ def device_supports_stream_writes(ordinal: int) -> bool:
     drv = bindings()
     attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
     return bool(call("cuDeviceGetAttribute", attr, call("cuDeviceGet", ordinal)))
+
+
+def device_attributes(ordinal: int, names: dict[str, str]) -> dict[str, int]:
+    """The device's attributes by the keys of ``names``, each value the name of a
+    ``CUdevice_attribute`` without its ``CU_DEVICE_ATTRIBUTE_`` prefix
+    (``{"sm_count": "MULTIPROCESSOR_COUNT"}``); one checked ``cuDeviceGetAttribute`` each."""
+    drv = bindings()
+    device = call("cuDeviceGet", ordinal)
+    return {key: int(call("cuDeviceGetAttribute",
+                          getattr(drv.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{attr}"), device,
+                          detail=attr))
+            for key, attr in names.items()}
