@@ -18,6 +18,7 @@ from .options import PrepareOptions
 from .profiler_guard import device_launch_allowed
 from .prepared import (Prepared, backfill_trials, build_prepared, kernel_priorities, plan_graph,
                        prove, task_times)
+from .priority_trials import resource_trials
 
 
 def saved_state(model, training: bool) -> Callable[[], None]:
@@ -118,14 +119,23 @@ def prepare_engine(model, example_inputs, *, training: bool, use_multi_stream: b
     ranks = kernel_priorities(schedule, durations()) if options.priorities and several else None
     trials = backfill_trials(rec.graph, schedule, durations()) \
         if options.backfill_on(training) and several else None
+    ordering = resource_trials(rec.graph, schedule, durations()) \
+        if options.resource_order and ranks is not None else []
     t0 = time.perf_counter()
     if trials:
         say(f"timing {sum(map(len, trials.values()))} tail backfill(s) against none", quiet)
+    if ordering:
+        say(f"timing {len(ordering)} resource-aware priority set(s) against the slack ones", quiet)
     candidate = build_prepared(model, rec, schedule, memplan,
                                device_launch=device_launch_allowed(options.device_launch),
                                gather_inputs=options.gather_inputs,
-                               seconds=seconds, priorities=ranks, backfill_trials=trials)
+                               seconds=seconds, priorities=ranks, backfill_trials=trials,
+                               priority_trials=ordering)
     seconds["build"] = time.perf_counter() - t0
+    for r in rec.graph.meta.get("resource_order", []):
+        say(f"phase {r['phase']}: {r['plain_ms']:.3f} ms per launch with slack priorities, "
+            + ", ".join(f"{t['ms']:.3f} {t['rule']}" for t in r["trials"])
+            + f"; kept {r['kept'] or 'the slack ones'}", quiet)
     for p in candidate.backfill:
         say(f"phase {p.phase}: {p.plain_ms:.3f} ms per launch plain, "
             + ", ".join(f"{ms:.3f}" for ms in p.trial_ms) + " with backfill; "

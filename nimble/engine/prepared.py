@@ -17,6 +17,7 @@ from .. import driver
 from .build import BuiltGraph, InputGather, buffer_bases
 from .fuzz import FuzzCopies, FuzzStats
 from .launcher import CallOrder, InputSlot, Launcher, RngCells, run_phases
+from .priority_trials import PriorityTrial, pick_priorities
 from .rebuild import PhaseBuilder, PhaseOptions
 from ..analysis.memplan import MemPlan, plan_memory
 from ..analysis.plan_check import check_plan
@@ -305,9 +306,12 @@ def _counts(graph: TaskGraph, key: str, total: int) -> list[int]:
 
 def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: list,
                   device, rng: RngCells | None, backfill_trials: dict[int, list] | None,
-                  builts: list[BuiltGraph]) -> tuple[list[Launcher], list[backfill.Picked]]:
+                  builts: list[BuiltGraph], priority_trials: Sequence[PriorityTrial] = ()
+                  ) -> tuple[list[Launcher], list[backfill.Picked]]:
     """Each phase built as served (appended to ``builts``, which the caller frees on an error),
-    its tail backfill trials timed, and its launcher over its share of inputs and outputs."""
+    its resource-aware priorities (``priority_trials``; what was measured goes to
+    ``graph.meta["resource_order"]``) and then its tail backfill trials timed, and its launcher
+    over its share of inputs and outputs."""
     graph = rec.graph
     in_counts = _counts(graph, "phase_inputs", len(graph.inputs))
     out_counts = _counts(graph, "phase_outputs", len(graph.outputs))
@@ -315,9 +319,19 @@ def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: l
     context = driver.current_context()
     launchers: list[Launcher] = []
     picked: list[backfill.Picked] = []
+    ordered: list[dict] = []
     first_in = first_out = 0
     for k in range(len(builder.spans)):
         built = builder.build(k)
+        if priority_trials:
+            try:
+                built, report = pick_priorities(builder, k, built, priority_trials,
+                                                _after_phases(builts, builder.upload_stream))
+            except BaseException:
+                built.close()  # the plain build is this loop's until a pick returns
+                raise
+            if report is not None:
+                ordered.append(report.as_meta())
         if backfill_trials and backfill_trials.get(k):
             try:
                 built, report = backfill.pick(
@@ -336,13 +350,16 @@ def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: l
             order=order))
         first_in += in_counts[k]
         first_out += out_counts[k]
+    if priority_trials:
+        graph.meta["resource_order"] = ordered
     return launchers, picked
 
 
 def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool,
                    gather_inputs: bool, seconds: dict,
                    priorities: list[int] | None = None,
-                   backfill_trials: dict[int, list] | None = None) -> Prepared:
+                   backfill_trials: dict[int, list] | None = None,
+                   priority_trials: Sequence[PriorityTrial] = ()) -> Prepared:
     """Arena, cells, explicit graph(s) and launchers for a planned recording (not verified).
 
     The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
@@ -356,11 +373,13 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     :func:`kernel_priorities`) go to the kernel nodes.  ``backfill_trials`` (per phase,
     :func:`nimble.analysis.backfill.plan_trials`) are built and timed against the phase built
     without them (:func:`nimble.analysis.backfill.pick`), each after the phases before it, and
-    the fastest kept.
+    the fastest kept; so are ``priority_trials``
+    (:func:`nimble.engine.priority_trials.resource_trials`), before them.
     """
     import torch
 
     graph = rec.graph
+    graph.meta.pop("resource_order", None)  # a reused recording's is of an earlier prepare
     device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
     spans = phase_spans(graph.meta.get("phases") or [], len(graph.tasks))
     layout = _arena_layout(graph, plan)
@@ -379,7 +398,7 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
             priorities, [device_launch] * len(spans),
             upload_stream=driver.stream(torch.cuda.current_stream().cuda_stream))
         launchers, picked = _build_phases(builder, rec, slots, outputs, device, rng,
-                                          backfill_trials, builts)
+                                          backfill_trials, builts, priority_trials)
     except BaseException:
         for built in builts:
             built.close()
@@ -387,8 +406,8 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
         raise
     prepared = Prepared(graph=graph, schedule=schedule, memplan=plan, builts=builts,
                         arena=arena, arena_base=base, bases=bases, launchers=launchers,
-                        weights=Weights(model, graph), seconds=seconds, priorities=priorities,
-                        backfill=picked)
+                        weights=Weights(model, graph), seconds=seconds,
+                        priorities=builder.priorities, backfill=picked)
     if rec.step is not None:
         from .autograd import TrainingStep
 

@@ -1,0 +1,78 @@
+"""Resource-aware kernel priorities measured at prepare: the candidates, and the pick per phase.
+
+:func:`resource_trials` turns the candidates of :mod:`nimble.analysis.resources` (kernels marked
+by the resources they use, one level behind others of similar slack) into driver priority
+numbers on the current device; :func:`pick_priorities` builds a phase with each that differs
+in it, times them against the phase as built (:func:`nimble.analysis.backfill.fastest`, the
+measured choice the tail backfill uses) and keeps the fastest.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Sequence
+
+from .. import driver
+from ..analysis import backfill, resources
+from ..analysis.priorities import driver_priorities
+from ..analysis.schedule import Schedule, phase_spans
+from ..ir.taskgraph import TaskGraph
+from .build import BuiltGraph
+from .rebuild import PhaseBuilder
+
+
+class PriorityTrial(NamedTuple):
+    """A resource-aware candidate (:class:`nimble.analysis.resources.ResourceTrial`) and its
+    driver priority numbers per task."""
+
+    trial: resources.ResourceTrial
+    priorities: list[int]
+
+
+def device_limits() -> resources.SmLimits:
+    """The current device's SM limits (:data:`nimble.analysis.resources.DEVICE_ATTRIBUTES`)."""
+    import torch
+
+    return resources.limits_from_attributes(
+        driver.device_attributes(torch.cuda.current_device(), resources.DEVICE_ATTRIBUTES))
+
+
+def resource_trials(graph: TaskGraph, schedule: Schedule,
+                    durations: Sequence[float]) -> list[PriorityTrial]:
+    """The resource-aware priorities worth timing (:func:`nimble.analysis.resources.plan_trials`)
+    from each kernel's profile on the current device, as driver priority numbers."""
+    least, greatest = driver.stream_priority_range()
+    n = len(durations)
+    profiles = resources.profile_tasks(graph, device_limits(), durations)
+    trials = resources.plan_trials(n, schedule.edges(), durations, least - greatest + 1,
+                                   profiles, phase_spans(schedule.phases, n))
+    return [PriorityTrial(t, driver_priorities(t.levels, least, greatest)) for t in trials]
+
+
+def pick_priorities(builder: PhaseBuilder, phase: int, plain: BuiltGraph,
+                    trials: Sequence[PriorityTrial], launch: Callable
+                    ) -> tuple[BuiltGraph, resources.ResourcePicked | None]:
+    """Phase ``phase`` built with each trial's priorities that differ in it, timed against
+    ``plain`` (:func:`nimble.analysis.backfill.fastest`); the kept priorities become the
+    builder's for the phase's tasks.  None when no trial differs in the phase."""
+    if builder.priorities is None:
+        raise ValueError("resource-aware priorities are tried only on a graph with priorities")
+    span = builder.spans[phase]
+    served = list(builder.priorities)
+    mine: list[tuple[PriorityTrial, int]] = []
+    for t in trials:
+        own = t.priorities[span.start:span.stop]
+        changed = sum(a != b for a, b in zip(own, served[span.start:span.stop]))
+        if changed and all(own != o.priorities[span.start:span.stop] for o, _ in mine):
+            mine.append((t, changed))
+    if not mine:
+        return plain, None
+    got = backfill.fastest(
+        plain, [lambda t=t: dataclasses.replace(builder, priorities=t.priorities).build(phase)
+                for t, _ in mine], launch)
+    kept = mine[got.index - 1][0] if got.index else None
+    if kept is not None:
+        served[span.start:span.stop] = kept.priorities[span.start:span.stop]
+        builder.priorities = served
+    return got.built, resources.ResourcePicked(
+        phase, got.plain_ms, got.trial_ms, tuple(t.trial.rule for t, _ in mine),
+        tuple(c for _, c in mine), kept.trial.rule if kept else None)
