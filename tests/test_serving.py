@@ -308,3 +308,115 @@ def test_the_memory_report_counts_every_instance():
     report = MemoryReport(shared_bytes=1000, state_bytes=600, instance_bytes=[1600, 1600],
                           outside_bytes=50)
     assert report.total_bytes == 3250
+
+
+# ---- the staged preparation, its stages stood in for --------------------------------------------
+
+class _Stages:
+    """Stand-ins for recording, building and proving that note what ran."""
+
+    def __init__(self, monkeypatch, fail_at: tuple[int, int] | None = None) -> None:
+        from nimble import driver
+        from nimble.engine import preparation
+
+        self.planned, self.built, self.proven, self.copies_proven = [], [], [], []
+        self.arenas, self.orders, self.closed = [], [], []
+        self.fail_at = fail_at
+        monkeypatch.setattr(preparation, "_plan", self.plan)
+        monkeypatch.setattr(preparation, "build_prepared", self.build)
+        monkeypatch.setattr(preparation, "prove", self.prove)
+        monkeypatch.setattr(preparation, "prove_copy", self.prove_copy)
+        monkeypatch.setattr(preparation, "CallOrder", self.order)
+        monkeypatch.setattr(driver.DeviceMemory, "allocate", self.allocate)
+
+    def plan(self, model, example, *args):
+        batch = example.shape[0]
+        self.planned.append(batch)
+        return SimpleNamespace(rec=SimpleNamespace(static_inputs=[example], graph=TaskGraph()),
+                               memplan=SimpleNamespace(arena_bytes=1000 * batch),
+                               seconds={"capture": 0.5}, schedule=None, priorities=None,
+                               trials=None)
+
+    def build(self, model, rec, schedule, plan, *, seconds, region, late_edges, **_):
+        instance = self.arenas.index(region.arena)
+        batch = rec.static_inputs[0].shape[0]
+        if (instance, batch) == self.fail_at:
+            raise nimble.BuildError("a stand-in failure")
+        built = SimpleNamespace(
+            key=(instance, batch), region=region, late_edges=list(late_edges) or [(instance, 1)],
+            given_late_edges=list(late_edges), seconds=seconds, backfill=[], memplan=plan,
+            builts=[SimpleNamespace(device_launch_refusal="")], graph=SimpleNamespace(meta={}),
+            launcher=SimpleNamespace(lock=region.order.lock), recording=None)
+        built.close = lambda: self.closed.append(built.key)
+        self.built.append(built)
+        return built
+
+    def prove(self, candidate, rec, relaunches, fuzz):
+        self.proven.append((candidate.key, relaunches, fuzz))
+        candidate.seconds["verify_served"] = 0.25
+
+    def prove_copy(self, copy, rec, relaunches):
+        self.copies_proven.append((copy.key, relaunches))
+        return {"launches": relaunches}
+
+    def order(self):
+        order = SimpleNamespace(lock=threading.Lock())
+        order.close = lambda: self.closed.append(("order", self.orders.index(order)))
+        self.orders.append(order)
+        return order
+
+    def allocate(self, size):
+        arena = SimpleNamespace(size=size)
+        arena.close = lambda: self.closed.append(("arena", self.arenas.index(arena)))
+        self.arenas.append(arena)
+        return arena
+
+
+def _prepare_serving(batches, instances):
+    from nimble.engine.preparation import prepare_serving
+
+    examples = [torch.zeros(b, 4) for b in batches]
+    return prepare_serving(None, examples, instances=instances, pad=False, training=False,
+                           use_multi_stream=True, max_streams=None,
+                           options=nimble.PrepareOptions(), quiet=True)
+
+
+def test_each_bucket_is_recorded_once_and_copied_for_the_other_instances(monkeypatch):
+    stages = _Stages(monkeypatch)
+    serving = _prepare_serving([1, 8, 2], instances=3)
+    assert stages.planned == [1, 8, 2]  # one recording and plan per bucket, not per instance
+    assert [b.key for b in stages.built] == [(j, b) for j in range(3) for b in (1, 8, 2)]
+    assert stages.proven == [((0, b), 100, True) for b in (1, 8, 2)]  # the full proof
+    assert stages.copies_proven == [((j, b), 4) for j in (1, 2) for b in (1, 8, 2)]
+    for built in stages.built:  # each instance its own arena and lock; copies as the first
+        j, b = built.key
+        assert built.region.arena is stages.arenas[j] and built.region.order is stages.orders[j]
+        assert built.given_late_edges == ([] if j == 0 else [(0, 1)])
+    assert len({a.size for a in stages.arenas}) == 1 and len(stages.arenas) == 3
+    assert serving.primary.key == (0, 8) and serving.instances == 3
+    assert [b.input_shapes for b in serving.buckets] == [((1, 4),), ((8, 4),), ((2, 4),)]
+    report = serving.report
+    assert all(set(c.seconds) == {"capture", "build", "verify_served", "verify"}
+               for c in report.buckets)
+    assert [(c.instance, c.input_shapes[0][0], c.proof_launches) for c in report.instances] == \
+        [(j, b, 4) for j in (1, 2) for b in (1, 8, 2)]
+    assert stages.closed == []
+
+
+def test_a_failed_prepare_frees_everything_it_built(monkeypatch):
+    stages = _Stages(monkeypatch, fail_at=(1, 8))
+    with pytest.raises(nimble.BuildError, match="stand-in"):
+        _prepare_serving([1, 8, 2], instances=2)
+    graphs = sorted(k for k in stages.closed if not isinstance(k[0], str))
+    assert graphs == [(0, 1), (0, 2), (0, 8), (1, 1)]  # instance 0 whole, instance 1 so far
+    assert ("arena", 0) in stages.closed and ("arena", 1) in stages.closed
+    assert ("order", 0) in stages.closed and ("order", 1) in stages.closed
+
+
+def test_a_recording_given_to_prepare_serves_one_bucket_only(monkeypatch):
+    from nimble.engine.preparation import prepare_serving
+
+    with pytest.raises(InputError, match="one recording, of one shape"):
+        prepare_serving(None, [torch.zeros(1, 4), torch.zeros(2, 4)], instances=1, pad=False,
+                        training=False, use_multi_stream=True, max_streams=None,
+                        options=nimble.PrepareOptions(recording=object()), quiet=True)
