@@ -273,11 +273,13 @@ def _counts(graph: TaskGraph, key: str, total: int) -> list[int]:
 
 def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: list,
                   device, rng: RngCells | None, backfill_trials: dict[int, list] | None,
-                  builts: list[BuiltGraph], order: CallOrder
+                  builts: list[BuiltGraph], order: CallOrder | None = None
                   ) -> tuple[list[Launcher], list[backfill.Picked]]:
     """Each phase built as served (appended to ``builts``, which the caller frees on an error),
-    its tail backfill trials timed, and its launcher over its share of inputs and outputs."""
+    its tail backfill trials timed, and its launcher over its share of inputs and outputs
+    (sharing ``order``: a new one when None)."""
     graph = rec.graph
+    order = order if order is not None else CallOrder()
     in_counts = _counts(graph, "phase_inputs", len(graph.inputs))
     out_counts = _counts(graph, "phase_outputs", len(graph.outputs))
     context = driver.current_context()
