@@ -48,6 +48,27 @@ def served():
     nm.close()
 
 
+def _in_threads(body, streams) -> list[str]:
+    """``body(k, failures)`` on one thread per stream, thread ``k`` on ``streams[k]``; what
+    went wrong, an exception included."""
+    import torch
+
+    failures: list[str] = []
+
+    def worker(k: int) -> None:
+        try:
+            with torch.cuda.stream(streams[k]):
+                body(k, failures)
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            failures.append(f"thread {k} stopped: {type(e).__name__}: {e}")
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(streams))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return failures
+
+
 class _Raw:
     """Device memory at an address, as torch reads it (``__cuda_array_interface__``)."""
 
@@ -141,23 +162,13 @@ def test_four_threads_on_their_own_streams_run_on_four_instances(served):
     want = {b: nm(inputs[b]).clone() for b in BATCHES}
     for b in BATCHES:
         _close_to_eager(want[b], eager[b])
-    failures: list[str] = []
 
-    def worker(k: int) -> None:
-        try:
-            with torch.cuda.stream(torch.cuda.Stream()):
-                for i in range(200):
-                    b = BATCHES[(i + k) % len(BATCHES)]
-                    if not torch.equal(nm(inputs[b]), want[b]):
-                        failures.append(f"thread {k} call {i} batch {b}")
-        except Exception as e:  # noqa: BLE001 - reported by the main thread
-            failures.append(f"thread {k}: {type(e).__name__}: {e}")
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert failures == []
+    def calls(k: int, failures: list[str]) -> None:
+        for i in range(200):
+            b = BATCHES[(i + k) % len(BATCHES)]
+            if not torch.equal(nm(inputs[b]), want[b]):
+                failures.append(f"thread {k} call {i} batch {b}")
+    assert _in_threads(calls, [torch.cuda.Stream() for _ in range(4)]) == []
 
 
 def test_a_c_host_reaches_every_bucket_of_every_instance(served):
@@ -215,39 +226,29 @@ def test_under_load_nothing_is_wrong_nothing_is_lost_and_a_bad_call_fails_alone(
     want = {b: nm(inputs[b]) for b in BATCHES}
     for b in BATCHES:
         _close_to_eager(want[b], eager[b])
-    failures: list[str] = []
     refused: list[str] = []
     checked = [0] * 8
 
-    def worker(k: int) -> None:
-        try:
-            with torch.cuda.stream(streams[k]):
-                for i in range(2000):
-                    if k == 5 and i == 1000:
-                        try:
-                            nm(bad)
-                            failures.append("the bad shape was taken")
-                        except nimble.InputError as e:
-                            refused.append(str(e))
-                    b = BATCHES[(i * 7 + k) % len(BATCHES)]
-                    out = nm(inputs[b])
-                    if i % 50 == 0:
-                        checked[k] += 1
-                        if not torch.equal(out, want[b]):
-                            failures.append(f"thread {k} call {i} batch {b}")
-        except Exception as e:  # noqa: BLE001 - reported by the main thread
-            failures.append(f"thread {k} stopped: {type(e).__name__}: {e}")
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert failures == []
+    def calls(k: int, failures: list[str]) -> None:
+        for i in range(2000):
+            if k == 5 and i == 1000:
+                try:
+                    nm(bad)
+                    failures.append("the bad shape was taken")
+                except nimble.InputError as e:
+                    refused.append(str(e))
+            b = BATCHES[(i * 7 + k) % len(BATCHES)]
+            out = nm(inputs[b])
+            if i % 50 == 0:
+                checked[k] += 1
+                if not torch.equal(out, want[b]):
+                    failures.append(f"thread {k} call {i} batch {b}")
+    assert _in_threads(calls, streams) == []
     assert checked == [40] * 8
     assert len(refused) == 1 and "(3, 3, 224, 224)" in refused[0]
 
     nm.close()
-    nm = want = None  # the closures of the workers hold them too
+    nm = want = None  # the workers' closure holds them too
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
