@@ -167,8 +167,7 @@ class Nimble:
         finally:
             restore()
         for prepared in serving.preparations():
-            for launcher in prepared.launchers:
-                launcher.return_copies = return_copies
+            prepared.launcher.return_copies = return_copies
         previous, self._serving = self._serving, serving
         self._prepared = serving.primary
         self._fast = None
