@@ -12,6 +12,7 @@ import torch
 
 import nimble
 from helpers import FIXTURE_DIR
+from test_launcher import driver_calls, fake  # noqa: F401 - fake: the stand-in bindings
 from nimble.engine.arena_layout import own_layout, shared_layout
 from nimble.engine.build import buffer_bases
 from nimble.engine.preparation import _check_pad_outputs
@@ -420,3 +421,46 @@ def test_a_recording_given_to_prepare_serves_one_bucket_only(monkeypatch):
         prepare_serving(None, [torch.zeros(1, 4), torch.zeros(2, 4)], instances=1, pad=False,
                         training=False, use_multi_stream=True, max_streams=None,
                         options=nimble.PrepareOptions(recording=object()), quiet=True)
+
+
+# ---- a padded call on stand-in driver bindings ------------------------------------------------
+
+
+def _bucket_launcher():
+    from nimble.engine.launcher import InputSlot, Launcher
+
+    slot = InputSlot(tensor=torch.zeros(4, 3), address=0x100, nbytes=48, shape=(4, 3),
+                     dtype=torch.float32, dense=True, cell=0x9000)
+    out = torch.arange(8.0).reshape(4, 2)
+    return Launcher("exec", [slot], torch.device("cpu"), [out],
+                    SimpleNamespace(is_leaf=lambda: True), context="ctx"), slot, out
+
+
+def test_a_padded_call_fills_the_first_rows_points_the_cell_at_its_slot_and_returns_them(fake):
+    launcher, slot, out = _bucket_launcher()
+    with launcher.lock:
+        got = launcher.run_flat_held((torch.ones(3, 3),), rows=3)
+    assert slot.tensor[:3].eq(1).all() and slot.tensor[3].eq(0).all()  # the last row kept
+    [got_out] = got
+    assert got_out.shape == (3, 2) and got_out.data_ptr() == out.data_ptr()
+    assert driver_calls(fake, "cuStreamWriteValue64") == [("stream7", 0x9000, 0x100, 0)]
+    assert len(driver_calls(fake, "cuGraphLaunch")) == 1
+    with launcher.lock:  # the cell names its slot already: nothing written
+        launcher.run_flat_held((torch.full((2, 3), 2.0),), rows=2)
+    assert len(driver_calls(fake, "cuStreamWriteValue64")) == 1
+    assert slot.tensor[:2].eq(2).all() and slot.tensor[2].eq(1).all()
+    launcher.return_copies = True
+    with launcher.lock:
+        [copy] = launcher.run_flat_held((torch.ones(1, 3),), rows=1)
+    assert copy.shape == (1, 2) and copy.data_ptr() != out.data_ptr()
+    with launcher.lock, pytest.raises(InputError, match=r"input 0 is \(3, 4\)"):
+        launcher.run_flat_held((torch.ones(3, 4),), rows=3)
+
+
+def test_a_held_call_of_the_whole_bucket_is_a_plain_call(fake):
+    launcher, slot, out = _bucket_launcher()
+    x = torch.randn(4, 3)
+    with launcher.lock:
+        [got] = launcher.run_flat_held((x,))
+    assert got is out
+    assert driver_calls(fake, "cuStreamWriteValue64") == [("stream7", 0x9000, x.data_ptr(), 0)]
