@@ -19,8 +19,6 @@ instantiates one explicit CUDA graph, and proves it bit-exact against the record
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from . import driver
 from .engine.build import repoint
 from .errors import InputError, NimbleError
@@ -30,31 +28,13 @@ from .engine.options import PrepareOptions
 from .engine.options import options_with as _options_with
 from .engine.preparation import check_mode, prepare_serving, saved_state
 from .engine.prepared import Prepared
-from .engine.serving import MemoryReport, PrepareReport, Serving, bucket_examples
+from .engine.serving import (BucketView, MemoryReport, PhaseView, PrepareReport, Serving,
+                             bucket_examples, phase_views)
 from .analysis.schedule import Schedule
 from .ir.taskgraph import TaskGraph
 from .progress import say
 from .engine.weights import EPOCH as WEIGHTS_EPOCH
 from .engine.weights import watch_modules
-
-
-class PhaseView(NamedTuple):
-    """One separately launched graph of a prepared model (see :attr:`Nimble.phases`)."""
-
-    name: str
-    tasks: range  # its tasks in :attr:`Nimble.graph`
-    exec_handle: int
-    input_cells: list[int]
-    input_addresses: list[int]
-    output_addresses: list[int]
-
-
-class BucketView(NamedTuple):
-    """One shape bucket of a prepared model (see :attr:`Nimble.buckets`)."""
-
-    input_shapes: tuple  # per input, its shape
-    arena_bytes: int  # the bucket's own arena plan (its share of the one shared region)
-    instances: list[PhaseView]  # per model instance, its graph's handles for a C host
 
 
 class Nimble:
@@ -427,11 +407,11 @@ class Nimble:
             stepper.close()
 
     @property
-    def phases(self) -> list["PhaseView"]:
+    def phases(self) -> list[PhaseView]:
         """Each separately launched graph: one (``"inference"``), or ``"forward"`` and
         ``"backward"`` for a training step, with its tasks and its handles for a C host (which
         calls :meth:`host_writes_cells` before handing back to Python)."""
-        return _phase_views(self.engine)
+        return phase_views(self.engine)
 
     @property
     def buckets(self) -> list[BucketView]:
@@ -441,9 +421,7 @@ class Nimble:
         instance's buckets share its arena; call :meth:`host_writes_cells` before handing back
         to Python)."""
         self.engine  # noqa: B018 - raises before prepare()
-        return [BucketView(b.input_shapes, b.plan_bytes,
-                           [_phase_views(p)[0] for p in b.instances])
-                for b in self._serving.buckets]
+        return self._serving.views()
 
     @property
     def instances(self) -> int:
@@ -510,11 +488,3 @@ class Nimble:
             self._serving = None
         self._prepared = None
 
-
-def _phase_views(state: Prepared) -> list[PhaseView]:
-    """The phases of one prepared graph with their handles (:attr:`Nimble.phases`)."""
-    names = ["forward", "backward"] if state.step is not None else ["inference"]
-    return [PhaseView(name, built.span, int(built.exec.handle),
-                      [s.cell for s in launcher.slots], [s.address for s in launcher.slots],
-                      [o.data_ptr() for o in launcher.outputs])
-            for name, built, launcher in zip(names, state.builts, state.launchers)]

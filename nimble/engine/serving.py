@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from .. import driver
 from ..errors import InputError
@@ -251,6 +251,34 @@ class PrepareReport:
         return totals
 
 
+class PhaseView(NamedTuple):
+    """One separately launched graph of a prepared model (see :attr:`nimble.Nimble.phases`)."""
+
+    name: str
+    tasks: range  # its tasks in :attr:`nimble.Nimble.graph`
+    exec_handle: int
+    input_cells: list[int]
+    input_addresses: list[int]
+    output_addresses: list[int]
+
+
+class BucketView(NamedTuple):
+    """One shape bucket of a prepared model (see :attr:`nimble.Nimble.buckets`)."""
+
+    input_shapes: tuple  # per input, its shape
+    arena_bytes: int  # the bucket's own arena plan (its share of the one shared region)
+    instances: list[PhaseView]  # per model instance, its graph's handles for a C host
+
+
+def phase_views(state: Prepared) -> list[PhaseView]:
+    """The phases of one prepared graph with their handles (:attr:`nimble.Nimble.phases`)."""
+    names = ["forward", "backward"] if state.step is not None else ["inference"]
+    return [PhaseView(name, built.span, int(built.exec.handle),
+                      [s.cell for s in launcher.slots], [s.address for s in launcher.slots],
+                      [o.data_ptr() for o in launcher.outputs])
+            for name, built, launcher in zip(names, state.builts, state.launchers)]
+
+
 class Serving:
     """Every bucket of every instance, the arenas, and the call's dispatch."""
 
@@ -331,6 +359,11 @@ class Serving:
                    "the next larger bucket)")
                 + ": prepare again with this shape among the buckets")
         return self._table[found[0]], found[1]
+
+    def views(self) -> list[BucketView]:
+        """Every bucket with each instance's graph, for a C host (``nm.buckets``)."""
+        return [BucketView(b.input_shapes, b.plan_bytes, [phase_views(p)[0] for p in b.instances])
+                for b in self.buckets]
 
     def memory(self) -> MemoryReport:
         outside = sum(size for p in self.preparations() for _, size in low_word_ranges(p))
