@@ -397,8 +397,9 @@ def test_each_bucket_is_recorded_once_and_copied_for_the_other_instances(monkeyp
     assert serving.primary.key == (0, 8) and serving.instances == 3
     assert [b.input_shapes for b in serving.buckets] == [((1, 4),), ((8, 4),), ((2, 4),)]
     report = serving.report
-    assert all(set(c.seconds) == {"capture", "build", "verify_served", "verify"}
+    assert all(set(c.seconds) == {"capture", "build", "verify_served"}  # each stage once
                for c in report.buckets)
+    assert all("verify" in b.instances[0].seconds for b in serving.buckets)  # prepare_seconds
     assert [(c.instance, c.input_shapes[0][0], c.proof_launches) for c in report.instances] == \
         [(j, b, 4) for j in (1, 2) for b in (1, 8, 2)]
     assert stages.closed == []
