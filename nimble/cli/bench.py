@@ -21,7 +21,7 @@ import dataclasses
 import time
 from typing import Callable
 
-from . import models
+from . import models, serve_bench
 from .common import (add_batch_argument, add_quiet_argument, check_models, model_help,
                      parse_stream_caps, positive_int, require_gpu)
 from .harness import (Case, Column, add_speedup, format_table, host_us, host_us_beside,
@@ -83,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write every number to FILE as JSON ('-': stdout; the text report then "
                         "goes to stderr)")
     add_quiet_argument(p)
+    serve_bench.add_arguments(p)
 
 
 def _say(args, msg: str) -> None:
@@ -411,6 +412,9 @@ def _case(name: str, args, dtype: str, batch: int) -> Case:
 
 def run(args) -> int:
     """``nimble bench``."""
+    if args.serve is not None:
+        return serve_bench.run(args)
+    serve_bench.refuse_without_serve(args)
     args.models_given = bool(args.models)
     if args.training:
         args.batches = args.batches or [32]

@@ -1,0 +1,186 @@
+"""The modes of ``nimble bench --serve`` on the GPU: each built for a model and a set of batch
+sizes as a :class:`~nimble.cli.serve_load.Served` (a call per client and what frees them), the
+clients' CUDA streams, the device memory probe, and the load's inputs with their eager outputs.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import inspect
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
+from .common import Fail
+from .serve_load import INPUTS_PER_BATCH, Load, ModeRun, Served
+
+class CudaStreams:
+    """:class:`StreamOps` on torch's CUDA streams, the work under ``torch.inference_mode()``."""
+
+    def new(self):
+        import torch
+
+        return torch.cuda.Stream()
+
+    def on(self, stream) -> ContextManager:
+        import torch
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.stream(stream))
+        stack.enter_context(torch.inference_mode())
+        return stack
+
+    def wait(self, stream) -> None:
+        stream.synchronize()
+
+
+class CudaMemory:
+    """:class:`DeviceMemory` from ``torch.cuda.mem_get_info()``, dead objects collected first."""
+
+    def free_bytes(self, release_cache: bool) -> int:
+        import torch
+
+        gc.collect()
+        torch.cuda.synchronize()
+        if release_cache:
+            torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info()[0]
+
+
+def _clone(out):
+    if isinstance(out, (tuple, list)):
+        return type(out)(_clone(o) for o in out)
+    return out.clone()
+
+
+@dataclass
+class _BucketGraph:
+    """One batch size's ``torch.cuda.graph`` and its static input and output."""
+    static_x: object
+    graph: object
+    static_out: object
+
+
+def _capture_buckets(model, examples: dict[int, object], pool) -> dict[int, _BucketGraph]:
+    """A graph per batch size into ``pool``, largest first (the others then fit in its blocks)."""
+    import torch
+
+    graphs = {}
+    for batch in sorted(examples, reverse=True):
+        static_x = examples[batch].clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
+            static_out = model(static_x)
+        graphs[batch] = _BucketGraph(static_x, graph, static_out)
+    return graphs
+
+
+def _warm_on_side_stream(model, examples: dict[int, object]) -> None:
+    """Three eager calls per batch size on a side stream, as capture wants (cuDNN's autotuning
+    and lazy initialization over before it)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for x in examples.values():
+            for _ in range(3):
+                model(x)
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def build_graphs(model, examples: dict[int, object], clients: int) -> Served:
+    """Per client, its graphs (one per batch size) sharing a pool of its own."""
+    import torch
+
+    _warm_on_side_stream(model, examples)
+    per_client = [_capture_buckets(model, examples, torch.cuda.graph_pool_handle())
+                  for _ in range(clients)]
+
+    def call_of(graphs: dict[int, _BucketGraph]) -> Callable:
+        def call(x):
+            g = graphs[x.shape[0]]
+            g.static_x.copy_(x)
+            g.graph.replay()
+            return _clone(g.static_out)
+        return call
+    return Served([call_of(g) for g in per_client], per_client.clear)
+
+
+def build_eager(model, clients: int) -> Served:
+    return Served([model] * clients, lambda: None)
+
+
+def require_buckets() -> None:
+    """Fail unless this Nimble's ``prepare`` takes shape buckets and instances."""
+    import nimble
+
+    taken = inspect.signature(nimble.Nimble.prepare).parameters
+    missing = [k for k in ("batch_sizes", "instances") if k not in taken]
+    if missing:
+        raise Fail(f"this Nimble's prepare() takes no {' or '.join(missing)}: the nimble and "
+                   "instances modes need shape buckets; leave them out of --modes")
+
+
+def _as_json(report) -> object:
+    """A report object of the Nimble API as plain data for the JSON."""
+    if dataclasses.is_dataclass(report) and not isinstance(report, type):
+        return dataclasses.asdict(report)
+    if hasattr(report, "_asdict"):
+        return report._asdict()
+    return report
+
+
+def _report_total(report) -> float | None:
+    """``nm.prepare_report``'s total seconds (a mapping's or an attribute's ``total``)."""
+    if isinstance(report, dict):
+        return report.get("total")
+    return getattr(report, "total", None)
+
+
+def build_nimble(model, examples: dict[int, object], instances: int, clients: int,
+                 quiet: bool) -> Served:
+    """One Nimble, a bucket per batch size, ``instances`` copies, fresh output tensors."""
+    import nimble
+
+    largest = examples[max(examples)]
+    nm = nimble.Nimble(model).prepare(largest, batch_sizes=sorted(examples), instances=instances,
+                                      return_copies=True, quiet=quiet)
+    info = {"instances": instances, "prepare_total_s": _report_total(nm.prepare_report),
+            "prepare_report": _as_json(nm.prepare_report),
+            "device_bytes": _as_json(nm.device_bytes),
+            "arena_mb": {str(b.input_shapes): b.arena_bytes / 2**20 for b in nm.buckets}}
+    return Served([nm] * clients, nm.close, info)
+
+
+def make_load(model, example, args) -> Load:
+    """:data:`INPUTS_PER_BATCH` random inputs per batch size of the mix (seeded) and the model's
+    eager outputs of each, made on this thread before any client starts."""
+    import torch
+
+    gen = torch.Generator(device=example.device).manual_seed(0)
+    inputs, references = {}, {}
+    with torch.inference_mode():
+        for batch in args.serve_batches.buckets:
+            shape = (batch, *example.shape[1:])
+            inputs[batch] = [torch.randn(shape, generator=gen, device=example.device,
+                                         dtype=example.dtype) for _ in range(INPUTS_PER_BATCH)]
+            references[batch] = [_clone(model(x)) for x in inputs[batch]]
+    torch.cuda.synchronize()
+    return Load(args.serve_batches, inputs, references, args.warmup, args.seconds,
+                args.check_every)
+
+
+def gpu_mode_run(model, load: Load, args) -> tuple[ModeRun, Callable[[int], Callable]]:
+
+    """The builders of every mode on the GPU, and that of the equal-memory mode for K."""
+    examples = {b: xs[0] for b, xs in load.inputs.items()}
+    t, k = args.threads, args.instances
+    builders = {"eager": lambda: build_eager(model, t),
+                "graphs": lambda: build_graphs(model, examples, t),
+                "nimble": lambda: build_nimble(model, examples, 1, t, args.quiet),
+                "instances": lambda: build_nimble(model, examples, k, t, args.quiet)}
+
+    def equal_memory(n: int) -> Callable[[], Served]:
+        return lambda: build_nimble(model, examples, n, n, args.quiet)
+    return ModeRun(builders, CudaStreams(), CudaMemory()), equal_memory
