@@ -165,19 +165,19 @@ def rotated(labels: list[str], shift: int) -> list[str]:
     return labels[k:] + labels[:k]
 
 
-def equal_memory_instances(graphs_bytes: float, nimble_bytes: float, instances_bytes: float,
+def equal_memory_instances(graphs_mb: float, nimble_mb: float, instances_mb: float,
                            instances: int) -> int:
-    """How many Nimble instances fit in ``graphs_bytes``: one instance's bytes and the bytes all
-    share come from the nimble (one instance) and instances (``instances``) modes' memory; with
-    one instance only, all of nimble's bytes count per instance.  At least 1, at most
-    :data:`MAX_EQUAL_MEMORY_INSTANCES`."""
-    per, shared = nimble_bytes, 0.0
-    if instances > 1 and instances_bytes > nimble_bytes:
-        per = (instances_bytes - nimble_bytes) / (instances - 1)
-        shared = max(0.0, nimble_bytes - per)
+    """How many Nimble instances fit in the graphs mode's ``graphs_mb``: one instance's memory
+    and the memory all share come from the nimble mode's (one instance) and the instances
+    mode's (``instances``); with one instance only, all of nimble's counts per instance.  At
+    least 1, at most :data:`MAX_EQUAL_MEMORY_INSTANCES`."""
+    per, shared = nimble_mb, 0.0
+    if instances > 1 and instances_mb > nimble_mb:
+        per = (instances_mb - nimble_mb) / (instances - 1)
+        shared = max(0.0, nimble_mb - per)
     if per <= 0:
         return MAX_EQUAL_MEMORY_INSTANCES
-    return max(1, min(MAX_EQUAL_MEMORY_INSTANCES, int((graphs_bytes - shared) // per)))
+    return max(1, min(MAX_EQUAL_MEMORY_INSTANCES, int((graphs_mb - shared) // per)))
 
 
 def measure_mode(label: str, build: Callable[[], Served], ops: StreamOps, memory: DeviceMemory,
@@ -242,16 +242,22 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
     return out
 
 
-def serve_model(name: str, dtype: str, args, shift: int) -> dict:
-    """Every mode of ``name`` in ``dtype`` under the load ``args`` give, in the order rotated
-    by ``shift``; the numbers as a dict."""
+def gpu_setup(name: str, dtype: str, args) -> tuple[Load, ModeRun, Callable]:
+    """``name`` in ``dtype`` on the GPU: the load's inputs and eager outputs, every mode's
+    builder and the equal-memory mode's builder for K instances."""
     from .bench import to_dtype
     from ..driver.gpu import use_cudnn_benchmark
 
     use_cudnn_benchmark()
     model, example = to_dtype(models.create(name).cuda(), models.example_input(name), dtype)
     load = make_load(model, example, args)
-    run, equal_memory = gpu_mode_run(model, load, args)
+    return (load, *gpu_mode_run(model, load, args))
+
+
+def serve_model(name: str, dtype: str, args, shift: int) -> dict:
+    """Every mode of ``name`` in ``dtype`` under the load ``args`` give, in the order rotated
+    by ``shift``; the numbers as a dict."""
+    load, run, equal_memory = gpu_setup(name, dtype, args)
     order = rotated(list(args.modes), shift)
 
     def step(what: str) -> None:

@@ -296,7 +296,7 @@ def run_clients(calls: Sequence[Callable], ops: StreamOps, load: Load) -> LoadRe
             raise log.error
     latencies = [s for log in logs for s in log.latencies]
     if not latencies:
-        raise Fail(f"no request finished within {load.seconds:g} s after the warm-up: give "
+        raise Fail(f"no request started within the {load.seconds:g} s after the warm-up: give "
                    "more --seconds")
     return LoadResult(
         clients=len(calls), requests=len(latencies), samples=sum(log.samples for log in logs),

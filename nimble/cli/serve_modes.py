@@ -4,7 +4,6 @@ clients' CUDA streams, the device memory probe, and the load's inputs with their
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import inspect
@@ -14,8 +13,9 @@ from typing import Callable, ContextManager
 from .common import Fail
 from .serve_load import INPUTS_PER_BATCH, Load, ModeRun, Served
 
+
 class CudaStreams:
-    """:class:`StreamOps` on torch's CUDA streams, the work under ``torch.inference_mode()``."""
+    """:class:`~nimble.cli.serve_load.StreamOps` on torch's CUDA streams."""
 
     def new(self):
         import torch
@@ -25,17 +25,14 @@ class CudaStreams:
     def on(self, stream) -> ContextManager:
         import torch
 
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.stream(stream))
-        stack.enter_context(torch.inference_mode())
-        return stack
+        return torch.cuda.stream(stream)
 
     def wait(self, stream) -> None:
         stream.synchronize()
 
 
 class CudaMemory:
-    """:class:`DeviceMemory` from ``torch.cuda.mem_get_info()``, dead objects collected first."""
+    """:class:`~nimble.cli.serve_load.DeviceMemory` from ``torch.cuda.mem_get_info()``, dead objects collected first."""
 
     def free_bytes(self, release_cache: bool) -> int:
         import torch
@@ -108,7 +105,13 @@ def build_graphs(model, examples: dict[int, object], clients: int) -> Served:
 
 
 def build_eager(model, clients: int) -> Served:
-    return Served([model] * clients, lambda: None)
+    """The model itself under ``torch.inference_mode()``, the same for every client."""
+    import torch
+
+    def call(x):
+        with torch.inference_mode():
+            return model(x)
+    return Served([call] * clients, lambda: None)
 
 
 def require_buckets() -> None:
@@ -138,6 +141,11 @@ def _report_total(report) -> float | None:
     return getattr(report, "total", None)
 
 
+def _buckets(nm) -> list:
+    buckets = nm.buckets
+    return list(buckets.values() if isinstance(buckets, dict) else buckets)
+
+
 def build_nimble(model, examples: dict[int, object], instances: int, clients: int,
                  quiet: bool) -> Served:
     """One Nimble, a bucket per batch size, ``instances`` copies, fresh output tensors."""
@@ -149,7 +157,7 @@ def build_nimble(model, examples: dict[int, object], instances: int, clients: in
     info = {"instances": instances, "prepare_total_s": _report_total(nm.prepare_report),
             "prepare_report": _as_json(nm.prepare_report),
             "device_bytes": _as_json(nm.device_bytes),
-            "arena_mb": {str(b.input_shapes): b.arena_bytes / 2**20 for b in nm.buckets}}
+            "arena_mb": {str(b.input_shapes): b.arena_bytes / 2**20 for b in _buckets(nm)}}
     return Served([nm] * clients, nm.close, info)
 
 
@@ -160,11 +168,11 @@ def make_load(model, example, args) -> Load:
 
     gen = torch.Generator(device=example.device).manual_seed(0)
     inputs, references = {}, {}
-    with torch.inference_mode():
-        for batch in args.serve_batches.buckets:
-            shape = (batch, *example.shape[1:])
-            inputs[batch] = [torch.randn(shape, generator=gen, device=example.device,
-                                         dtype=example.dtype) for _ in range(INPUTS_PER_BATCH)]
+    for batch in args.serve_batches.buckets:
+        shape = (batch, *example.shape[1:])
+        inputs[batch] = [torch.randn(shape, generator=gen, device=example.device,
+                                     dtype=example.dtype) for _ in range(INPUTS_PER_BATCH)]
+        with torch.inference_mode():
             references[batch] = [_clone(model(x)) for x in inputs[batch]]
     torch.cuda.synchronize()
     return Load(args.serve_batches, inputs, references, args.warmup, args.seconds,
@@ -172,7 +180,6 @@ def make_load(model, example, args) -> Load:
 
 
 def gpu_mode_run(model, load: Load, args) -> tuple[ModeRun, Callable[[int], Callable]]:
-
     """The builders of every mode on the GPU, and that of the equal-memory mode for K."""
     examples = {b: xs[0] for b, xs in load.inputs.items()}
     t, k = args.threads, args.instances
