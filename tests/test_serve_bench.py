@@ -4,9 +4,12 @@ report, the JSON and the exit status."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -382,3 +385,31 @@ def test_format_model_has_a_row_per_mode():
     assert lines[3].split() == ["eager", "4", "100.0", "800.0", "1.000", "2.000", "50", "1.5",
                                 "10", "0"]
     assert lines[-1] == "ratios: nimble/eager throughput 1.00"
+
+
+# ---- tools/serve_prepare_cost.py ---------------------------------------------------------------
+
+def _prepare_cost_tool():
+    path = Path(__file__).resolve().parent.parent / "tools" / "serve_prepare_cost.py"
+    spec = importlib.util.spec_from_file_location("serve_prepare_cost", path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool  # its dataclasses look their module up
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_prepare_cost_targets_and_report():
+    tool = _prepare_cost_tool()
+    ways = {"largest alone": tool.Way("largest alone", 10.0, {32: 40.0}, 44.0),
+            "buckets": tool.Way("buckets", 15.0, {1: 2.0, 32: 40.0}, 50.0,
+                                stages_s={"record": 3.0, "total": 15.0}),
+            "separate": tool.Way("separate", 30.0, {1: 2.0, 32: 40.0}, 90.0)}
+    t = tool.targets(ways, weights_mb=50.0)
+    assert t["memory"] == pytest.approx(100 / 90) and t["prepare"] == pytest.approx(1.5)
+    text = tool.report(ways, 50.0)
+    assert "buckets              15.00       50.0             40.0      42.0  1: 2.0, 32: 40.0" \
+        in text
+    assert "    stages: record 3.00 s, total 15.00 s" in text
+    assert text.splitlines()[-2:] == [
+        "memory: buckets with weights / (largest bucket's arena + weights) = 1.11 (target <= 1.2)",
+        "prepare: buckets / largest alone = 1.50 (target <= 2.0)"]

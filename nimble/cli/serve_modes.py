@@ -125,7 +125,7 @@ def require_buckets() -> None:
                    "instances modes need shape buckets; leave them out of --modes")
 
 
-def _as_json(report) -> object:
+def as_json(report) -> object:
     """A report object of the Nimble API as plain data for the JSON."""
     if dataclasses.is_dataclass(report) and not isinstance(report, type):
         return dataclasses.asdict(report)
@@ -134,16 +134,24 @@ def _as_json(report) -> object:
     return report
 
 
-def _report_total(report) -> float | None:
+def report_total(report) -> float | None:
     """``nm.prepare_report``'s total seconds (a mapping's or an attribute's ``total``)."""
     if isinstance(report, dict):
         return report.get("total")
     return getattr(report, "total", None)
 
 
-def _buckets(nm) -> list:
+def buckets_of(nm) -> list:
+    """``nm.buckets`` as a list (a mapping's values)."""
     buckets = nm.buckets
     return list(buckets.values() if isinstance(buckets, dict) else buckets)
+
+
+def bucket_batch(bucket) -> int:
+    """The batch size of a bucket of ``nm.buckets``: its first input's first dimension."""
+    shapes = bucket.input_shapes
+    first = shapes[0]
+    return int(first[0]) if isinstance(first, (tuple, list)) else int(first)
 
 
 def build_nimble(model, examples: dict[int, object], instances: int, clients: int,
@@ -154,10 +162,10 @@ def build_nimble(model, examples: dict[int, object], instances: int, clients: in
     largest = examples[max(examples)]
     nm = nimble.Nimble(model).prepare(largest, batch_sizes=sorted(examples), instances=instances,
                                       return_copies=True, quiet=quiet)
-    info = {"instances": instances, "prepare_total_s": _report_total(nm.prepare_report),
-            "prepare_report": _as_json(nm.prepare_report),
-            "device_bytes": _as_json(nm.device_bytes),
-            "arena_mb": {str(b.input_shapes): b.arena_bytes / 2**20 for b in _buckets(nm)}}
+    info = {"instances": instances, "prepare_total_s": report_total(nm.prepare_report),
+            "prepare_report": as_json(nm.prepare_report),
+            "device_bytes": as_json(nm.device_bytes),
+            "arena_mb": {bucket_batch(b): b.arena_bytes / 2**20 for b in buckets_of(nm)}}
     return Served([nm] * clients, nm.close, info)
 
 
