@@ -3,12 +3,10 @@ with short runs: every mode serves requests of two batch sizes from two client t
 checked response agrees with eager, and the memory and ratios are filled in."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import load_tool
 
 import nimble.cli.main as cli
 
@@ -55,11 +53,7 @@ def test_nimble_buckets_instances_and_equal_memory_serve(capsys, tmp_path):
 
 
 def test_prepare_cost_tool_measures_the_three_ways(capsys, tmp_path):
-    path = Path(__file__).resolve().parent.parent / "tools" / "serve_prepare_cost.py"
-    spec = importlib.util.spec_from_file_location("serve_prepare_cost", path)
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = tool  # its dataclasses look their module up
-    spec.loader.exec_module(tool)
+    tool = load_tool("serve_prepare_cost")
     out_json = tmp_path / "cost.json"
     assert tool.main(["branchy", "--dtype", "float32", "--batches", "1,4",
                       "--json", str(out_json)]) == 0

@@ -4,16 +4,14 @@ report, the JSON and the exit status."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import load_tool
 
 import nimble.cli.main as cli
 from nimble.cli import serve_bench
@@ -389,17 +387,8 @@ def test_format_model_has_a_row_per_mode():
 
 # ---- tools/serve_prepare_cost.py ---------------------------------------------------------------
 
-def _prepare_cost_tool():
-    path = Path(__file__).resolve().parent.parent / "tools" / "serve_prepare_cost.py"
-    spec = importlib.util.spec_from_file_location("serve_prepare_cost", path)
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = tool  # its dataclasses look their module up
-    spec.loader.exec_module(tool)
-    return tool
-
-
 def test_prepare_cost_targets_and_report():
-    tool = _prepare_cost_tool()
+    tool = load_tool("serve_prepare_cost")
     ways = {"largest alone": tool.Way("largest alone", 10.0, {32: 40.0}, 44.0),
             "buckets": tool.Way("buckets", 15.0, {1: 2.0, 32: 40.0}, 50.0,
                                 stages_s={"record": 3.0, "total": 15.0}),

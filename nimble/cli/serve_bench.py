@@ -245,11 +245,13 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
 def gpu_setup(name: str, dtype: str, args) -> tuple[Load, ModeRun, Callable]:
     """``name`` in ``dtype`` on the GPU: the load's inputs and eager outputs, every mode's
     builder and the equal-memory mode's builder for K instances."""
-    from .bench import to_dtype
+    import torch
+
     from ..driver.gpu import use_cudnn_benchmark
 
     use_cudnn_benchmark()
-    model, example = to_dtype(models.create(name).cuda(), models.example_input(name), dtype)
+    dt = getattr(torch, dtype)
+    model, example = models.create(name).cuda().to(dt), models.example_input(name).to(dt)
     load = make_load(model, example, args)
     return (load, *gpu_mode_run(model, load, args))
 
