@@ -46,6 +46,7 @@ def test_nimble_buckets_instances_and_equal_memory_serve(capsys, tmp_path):
     assert modes["nimble"]["instances"] == 1 and modes["instances"]["instances"] == 2
     assert set(modes["instances"]["arena_mb"]) == {"1", "4"}  # JSON keys: the batch sizes
     assert modes["nimble"]["device_mb"] > 0 and modes["instances"]["prepare_total_s"] > 0
+    assert len(modes["instances"]["device_bytes"]["instance_bytes"]) == 2
     eq = modes["equal-memory"]
     assert eq["instances"] == eq["clients"] >= 1
     assert {"nimble/graphs throughput", "instances/nimble throughput",

@@ -118,22 +118,6 @@ def test_bench_without_serve_still_takes_its_own_options():
     assert args.serve is None and args.batches == [8]
 
 
-def test_buckets_are_required_of_the_nimble_api(monkeypatch):
-    import nimble
-
-    def old_prepare(self, example_inputs, *, training=False, return_copies=False):
-        raise AssertionError("not called")
-
-    def bucketed(self, example_inputs, *, batch_sizes=None, instances=1, return_copies=False):
-        raise AssertionError("not called")
-
-    monkeypatch.setattr(nimble.Nimble, "prepare", old_prepare)
-    with pytest.raises(serve_bench.Fail, match="takes no batch_sizes or instances: the nimble"):
-        serve_bench.require_buckets()
-    monkeypatch.setattr(nimble.Nimble, "prepare", bucketed)
-    serve_bench.require_buckets()
-
-
 # ---- the draw and the statistics ---------------------------------------------------------------
 
 def test_batch_draws_follow_the_weights_and_repeat_with_the_seed():
@@ -319,7 +303,6 @@ def _serve_with_stand_ins(monkeypatch, wrong_mode: str | None = None) -> list[tu
 
     monkeypatch.setattr(serve_bench, "gpu_setup", gpu_setup)
     monkeypatch.setattr(serve_bench, "require_gpu", lambda command: None)
-    monkeypatch.setattr(serve_bench, "require_buckets", lambda: None)
     monkeypatch.setattr(serve_bench, "_environment", lambda: {"device": "stand-in"})
     return set_up
 
@@ -391,7 +374,9 @@ def test_prepare_cost_targets_and_report():
     tool = load_tool("serve_prepare_cost")
     ways = {"largest alone": tool.Way("largest alone", 10.0, {32: 40.0}, 44.0),
             "buckets": tool.Way("buckets", 15.0, {1: 2.0, 32: 40.0}, 50.0,
-                                stages_s={"record": 3.0, "total": 15.0}),
+                                stages_s={"record": 3.0, "total": 15.0},
+                                device_bytes={"shared_bytes": 40 << 20, "state_bytes": 1 << 20,
+                                              "outside_bytes": 0, "total_bytes": 41 << 20}),
             "separate": tool.Way("separate", 30.0, {1: 2.0, 32: 40.0}, 90.0)}
     t = tool.targets(ways, weights_mb=50.0)
     assert t["memory"] == pytest.approx(100 / 90) and t["prepare"] == pytest.approx(1.5)
@@ -399,6 +384,8 @@ def test_prepare_cost_targets_and_report():
     assert "buckets              15.00       50.0             40.0      42.0  1: 2.0, 32: 40.0" \
         in text
     assert "    stages: record 3.00 s, total 15.00 s" in text
+    assert "    device_bytes: shared plans 40.0 MB + states 1.0 MB per instance, 0.0 MB beside, " \
+        "total 41.0 MB" in text
     assert text.splitlines()[-2:] == [
         "memory: buckets with weights / (largest bucket's arena + weights) = 1.11 (target <= 1.2)",
         "prepare: buckets / largest alone = 1.50 (target <= 2.0)"]

@@ -49,7 +49,7 @@ class Way:
     plans_mb: dict[int, float]
     device_mb: float
     stages_s: dict = field(default_factory=dict)
-    device_bytes: object = None
+    device_bytes: dict | None = None  # nm.device_bytes, with its total_bytes
 
     @property
     def largest_plan_mb(self) -> float:
@@ -73,11 +73,14 @@ def report(ways: dict[str, Way], weights_mb: float) -> str:
                      f"{way.largest_plan_mb:>17.1f}{sum(way.plans_mb.values()):>10.1f}  "
                      + ", ".join(f"{b}: {mb:.1f}" for b, mb in way.plans_mb.items()))
         if way.stages_s:
-            lines.append("    stages: " + ", ".join(
-                f"{k} {v:.2f} s" if isinstance(v, (int, float)) else f"{k} {v}"
-                for k, v in way.stages_s.items()))
+            lines.append("    stages: " + ", ".join(f"{k} {v:.2f} s"
+                                                   for k, v in way.stages_s.items()))
         if way.device_bytes is not None:
-            lines.append(f"    device_bytes: {way.device_bytes}")
+            d = way.device_bytes
+            lines.append(f"    device_bytes: shared plans {d['shared_bytes'] / 2**20:.1f} MB + "
+                         f"states {d['state_bytes'] / 2**20:.1f} MB per instance, "
+                         f"{d['outside_bytes'] / 2**20:.1f} MB beside, total "
+                         f"{d['total_bytes'] / 2**20:.1f} MB")
     t = targets(ways, weights_mb)
     lines.append(f"weights {weights_mb:.1f} MB")
     lines.append(f"memory: buckets with weights / (largest bucket's arena + weights) = "
@@ -87,14 +90,23 @@ def report(ways: dict[str, Way], weights_mb: float) -> str:
     return "\n".join(lines)
 
 
-def _measured(label: str, prepare: Callable[[], list], memory) -> tuple[Way, list]:
-    """Run ``prepare`` (a list of Nimbles) between two free-memory probes."""
+def _prepared(label: str, prepare: Callable[[], list], memory) -> tuple[Way, list]:
+    """Run ``prepare`` (a list of Nimbles) between two free-memory probes; the way's seconds,
+    memory and arena plans, and the Nimbles."""
+    from nimble.cli.serve_modes import nimble_reports
+
     before = memory.free_bytes(True)
     t0 = time.perf_counter()
     prepared = prepare()
     seconds = time.perf_counter() - t0
     taken = (before - memory.free_bytes(True)) / 2**20
-    return Way(label, seconds, {}, taken), prepared
+    reports = [nimble_reports(nm) for nm in prepared]
+    way = Way(label, seconds, {b: mb for r in reports for b, mb in r["arena_mb"].items()}, taken)
+    if len(reports) == 1:
+        [r] = reports
+        way.stages_s = {**r["prepare_stages_s"], "total": r["prepare_total_s"]}
+        way.device_bytes = r["device_bytes"]
+    return way, prepared
 
 
 def measure(name: str, dtype: str, batches: list[int], say: Callable[[str], None]
@@ -105,7 +117,7 @@ def measure(name: str, dtype: str, batches: list[int], say: Callable[[str], None
     import nimble
     from nimble.cli import models
     from nimble.cli.bench import to_dtype
-    from nimble.cli.serve_modes import CudaMemory, as_json, bucket_batch, buckets_of
+    from nimble.cli.serve_modes import CudaMemory
     from nimble.driver.gpu import use_cudnn_benchmark
 
     use_cudnn_benchmark()
@@ -124,35 +136,20 @@ def measure(name: str, dtype: str, batches: list[int], say: Callable[[str], None
                     model(x)
         torch.cuda.synchronize()
 
-    ways: dict[str, Way] = {}
-    say(f"{name} ({dtype}): largest alone (batch {largest})")
-    warm()
-    way, [nm] = _measured("largest alone",
-                          lambda: [nimble.Nimble(model).prepare(inputs[largest])], memory)
-    way.plans_mb = {largest: nm.memplan.arena_bytes / 2**20}
-    way.stages_s = dict(nm.prepare_seconds)
-    ways[way.label] = way
-    nm.close()
-
-    say(f"{name} ({dtype}): buckets {batches} in one Nimble")
-    warm()
-    way, [nm] = _measured("buckets", lambda: [nimble.Nimble(model).prepare(
-        inputs[largest], batch_sizes=sorted(inputs))], memory)
-    way.plans_mb = {bucket_batch(b): b.arena_bytes / 2**20 for b in buckets_of(nm)}
-    way.stages_s = as_json(nm.prepare_report)
-    way.device_bytes = as_json(nm.device_bytes)
-    ways[way.label] = way
-    nm.close()
-
-    say(f"{name} ({dtype}): {len(inputs)} separate Nimbles")
-    warm()
-    way, separate = _measured("separate", lambda: [nimble.Nimble(model).prepare(x)
-                                                   for x in inputs.values()], memory)
-    way.plans_mb = {b: nm.memplan.arena_bytes / 2**20 for b, nm in zip(inputs, separate)}
-    ways[way.label] = way
-    for nm in separate:
-        nm.close()
-    return ways, weights_mb
+    ways = {
+        "largest alone": lambda: [nimble.Nimble(model).prepare(inputs[largest])],
+        "buckets": lambda: [nimble.Nimble(model).prepare(inputs[largest],
+                                                         batch_sizes=sorted(inputs))],
+        "separate": lambda: [nimble.Nimble(model).prepare(x) for x in inputs.values()],
+    }
+    measured: dict[str, Way] = {}
+    for label, prepare in ways.items():
+        say(f"{name} ({dtype}): {label}, batch sizes {sorted(inputs)}")
+        warm()
+        measured[label], prepared = _prepared(label, prepare, memory)
+        for nm in prepared:
+            nm.close()
+    return measured, weights_mb
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,7 +31,7 @@ from .harness import Case, Column, format_table, run_cases
 from .output import outputs
 from .serve_load import (DeviceMemory, Load, LoadResult, ModeRun, Served, StreamOps,
                          parse_batch_mix, run_clients)
-from .serve_modes import gpu_mode_run, make_load, require_buckets
+from .serve_modes import gpu_mode_run, make_load
 from ..progress import say
 
 MODES = ("eager", "graphs", "nimble", "instances")
@@ -323,8 +323,6 @@ def run(args) -> int:
     out = outputs(args, "json")
     check_models(args.serve)
     require_gpu("bench --serve")
-    if {"nimble", "instances"} & set(args.modes):
-        require_buckets()
     command = command_line(args)
     print(command, file=out.report, flush=True)
     cases = [(name, dtype) for name in args.serve for dtype in args.dtypes]

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import inspect
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
-from .common import Fail
 from .serve_load import INPUTS_PER_BATCH, Load, ModeRun, Served
 
 
@@ -114,44 +112,20 @@ def build_eager(model, clients: int) -> Served:
     return Served([call] * clients, lambda: None)
 
 
-def require_buckets() -> None:
-    """Fail unless this Nimble's ``prepare`` takes shape buckets and instances."""
-    import nimble
-
-    taken = inspect.signature(nimble.Nimble.prepare).parameters
-    missing = [k for k in ("batch_sizes", "instances") if k not in taken]
-    if missing:
-        raise Fail(f"this Nimble's prepare() takes no {' or '.join(missing)}: the nimble and "
-                   "instances modes need shape buckets; leave them out of --modes")
-
-
-def as_json(report) -> object:
-    """A report object of the Nimble API as plain data for the JSON."""
-    if dataclasses.is_dataclass(report) and not isinstance(report, type):
-        return dataclasses.asdict(report)
-    if hasattr(report, "_asdict"):
-        return report._asdict()
-    return report
-
-
-def report_total(report) -> float | None:
-    """``nm.prepare_report``'s total seconds (a mapping's or an attribute's ``total``)."""
-    if isinstance(report, dict):
-        return report.get("total")
-    return getattr(report, "total", None)
-
-
-def buckets_of(nm) -> list:
-    """``nm.buckets`` as a list (a mapping's values)."""
-    buckets = nm.buckets
-    return list(buckets.values() if isinstance(buckets, dict) else buckets)
-
-
 def bucket_batch(bucket) -> int:
-    """The batch size of a bucket of ``nm.buckets``: its first input's first dimension."""
-    shapes = bucket.input_shapes
-    first = shapes[0]
-    return int(first[0]) if isinstance(first, (tuple, list)) else int(first)
+    """The batch size of one of ``nm.buckets``: its first input's first dimension."""
+    return int(bucket.input_shapes[0][0])
+
+
+def nimble_reports(nm) -> dict:
+    """What a prepared Nimble says of itself, as plain data: its instances, its prepare's
+    seconds (the total and per stage over every bucket), its device memory beyond the weights
+    and each bucket's arena plan (MB by batch size)."""
+    memory, report = nm.device_bytes, nm.prepare_report
+    return {"instances": nm.instances, "prepare_total_s": report.total,
+            "prepare_stages_s": report.stage_totals(),
+            "device_bytes": {**dataclasses.asdict(memory), "total_bytes": memory.total_bytes},
+            "arena_mb": {bucket_batch(b): b.arena_bytes / 2**20 for b in nm.buckets}}
 
 
 def build_nimble(model, examples: dict[int, object], instances: int, clients: int,
@@ -162,11 +136,7 @@ def build_nimble(model, examples: dict[int, object], instances: int, clients: in
     largest = examples[max(examples)]
     nm = nimble.Nimble(model).prepare(largest, batch_sizes=sorted(examples), instances=instances,
                                       return_copies=True, quiet=quiet)
-    info = {"instances": instances, "prepare_total_s": report_total(nm.prepare_report),
-            "prepare_report": as_json(nm.prepare_report),
-            "device_bytes": as_json(nm.device_bytes),
-            "arena_mb": {bucket_batch(b): b.arena_bytes / 2**20 for b in buckets_of(nm)}}
-    return Served([nm] * clients, nm.close, info)
+    return Served([nm] * clients, nm.close, nimble_reports(nm))
 
 
 def make_load(model, example, args) -> Load:
