@@ -273,6 +273,8 @@ def test_equal_memory_instances_fit_the_graphs_memory():
     assert equal_memory_instances(400, 60, 60, 1) == 6  # one instance: 60 MB each
     assert equal_memory_instances(50, 60, 150, 4) == 1
     assert equal_memory_instances(1e6, 1, 1.5, 2) == MAX_EQUAL_MEMORY_INSTANCES
+    with pytest.raises(serve_bench.Fail, match="the nimble mode held 0.0 MB, too little"):
+        equal_memory_instances(400, 0.0, 0.0, 4)
 
 
 def test_modes_run_in_the_given_order_and_equal_memory_after_them():

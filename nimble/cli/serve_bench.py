@@ -176,7 +176,8 @@ def equal_memory_instances(graphs_mb: float, nimble_mb: float, instances_mb: flo
         per = (instances_mb - nimble_mb) / (instances - 1)
         shared = max(0.0, nimble_mb - per)
     if per <= 0:
-        return MAX_EQUAL_MEMORY_INSTANCES
+        raise Fail(f"{EQUAL_MEMORY}: the nimble mode held {nimble_mb:.1f} MB, too little to "
+                   "measure one instance by; leave out --equal-memory")
     return max(1, min(MAX_EQUAL_MEMORY_INSTANCES, int((graphs_mb - shared) // per)))
 
 

@@ -30,7 +30,8 @@ class CudaStreams:
 
 
 class CudaMemory:
-    """:class:`~nimble.cli.serve_load.DeviceMemory` from ``torch.cuda.mem_get_info()``, dead objects collected first."""
+    """:class:`~nimble.cli.serve_load.DeviceMemory` from ``torch.cuda.mem_get_info()``, dead
+    objects collected first."""
 
     def free_bytes(self, release_cache: bool) -> int:
         import torch
