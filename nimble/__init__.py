@@ -11,7 +11,7 @@ import importlib
 
 from .errors import (BuildError, CaptureError, CudaError, InputError, NimbleError, NoGpuError,
                      RecordError, VerificationError, WeightsChangedError)
-from .api import Nimble, PhaseView
+from .api import BucketView, Nimble, PhaseView
 from .engine.options import PrepareOptions
 from .ir.taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
 
@@ -28,10 +28,12 @@ RESULT_TYPES = {
     "Picked": "nimble.analysis.backfill",         # Nimble.backfill_trials
     "RngCells": "nimble.engine.launcher",         # Nimble.rng_cells
     "Prepared": "nimble.engine.prepared",         # Nimble.engine
+    "MemoryReport": "nimble.engine.serving",      # Nimble.device_bytes
+    "PrepareReport": "nimble.engine.serving",     # Nimble.prepare_report
 }
 
 __all__ = [
-    "__version__", "Nimble", "PrepareOptions", "PhaseView",
+    "__version__", "Nimble", "PrepareOptions", "PhaseView", "BucketView",
     "NimbleError", "NoGpuError", "InputError", "CaptureError", "RecordError",
     "BuildError", "VerificationError", "WeightsChangedError", "CudaError",
     "Access", "Buffer", "BufferKind", "Op", "Pointer", "Task", "TaskGraph", "TaskKind", "TensorRef",

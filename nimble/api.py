@@ -7,6 +7,10 @@
     nm.prepare(dummy_input, training=False)   # record, schedule, plan, build, verify
     out = nm(real_input)                      # input copy + one graph launch
 
+For serving, one object takes several input shapes (``batch_sizes=[1, 8, 32]`` or
+``buckets=[...]``, all in one arena) and runs several callers at once (``instances=4``); see
+:mod:`nimble.engine.serving`.
+
 ``prepare()`` does all the scheduling work: it records one forward on a single stream, builds the
 happens-before DAG, assigns streams (Nimble's algorithm), plans the static arena, builds and
 instantiates one explicit CUDA graph, and proves it bit-exact against the recording
@@ -15,53 +19,23 @@ instantiates one explicit CUDA graph, and proves it bit-exact against the record
 """
 from __future__ import annotations
 
-import dataclasses
-import warnings
-from typing import NamedTuple
-
 from . import driver
 from .engine.build import repoint
 from .errors import InputError, NimbleError
 from .engine.launcher import TAKE_GENERAL_PATH, RngCells
 from .analysis.memplan import MemPlan
 from .engine.options import PrepareOptions
-from .engine.preparation import check_mode, prepare_engine, saved_state
+from .engine.options import options_with as _options_with
+from .engine.preparation import check_mode, prepare_serving, saved_state
 from .engine.prepared import Prepared
+from .engine.serving import (BucketView, MemoryReport, PhaseView, PrepareReport, Serving,
+                             bucket_examples, phase_views)
 from .analysis.schedule import Schedule
 from .ir.taskgraph import TaskGraph
 from .progress import say
 from .engine.weights import EPOCH as WEIGHTS_EPOCH
 from .engine.weights import watch_modules
 from .engine.profiler_guard import host_launch_if_profiled, watch_profiler
-
-
-class PhaseView(NamedTuple):
-    """One separately launched graph of a prepared model (see :attr:`Nimble.phases`)."""
-
-    name: str
-    tasks: range  # its tasks in :attr:`Nimble.graph`
-    exec_handle: int
-    input_cells: list[int]
-    input_addresses: list[int]
-    output_addresses: list[int]
-
-
-_SWITCHES = frozenset(f.name for f in dataclasses.fields(PrepareOptions))
-
-
-def _options_with(options: PrepareOptions | None, switches: dict) -> PrepareOptions:
-    """``options`` (or the defaults) with the switches passed to prepare() as keywords, the
-    form before :class:`PrepareOptions`; it stays for one release, with a DeprecationWarning."""
-    options = options if options is not None else PrepareOptions()
-    if not switches:
-        return options
-    unknown = sorted(set(switches) - _SWITCHES)
-    if unknown:
-        raise TypeError(f"prepare() got an unexpected keyword argument '{unknown[0]}'")
-    given = ", ".join(f"{k}={v!r}" for k, v in switches.items())
-    warnings.warn(f"prepare()'s keyword(s) {', '.join(switches)} are deprecated: pass "
-                  f"options=nimble.PrepareOptions({given})", DeprecationWarning, stacklevel=3)
-    return dataclasses.replace(options, **switches)
 
 
 class Nimble:
@@ -80,15 +54,19 @@ class Nimble:
         self.model = model
         watch_profiler()
         self._prepared: Prepared | None = None
+        self._serving: Serving | None = None
         # The current graph's common call (Launcher.fast_call): None until a call made it,
         # False where the graph has none.
         self._fast = None
 
     # ---- preparation ------------------------------------------------------------------------
-    def prepare(self, example_inputs, *, training: bool = False, use_multi_stream: bool = True,
-                max_streams: int | None = None, return_copies: bool = False, quiet: bool = True,
+    def prepare(self, example_inputs=None, *, buckets=None, batch_sizes=None,
+                instances: int = 1, pad: bool = False, training: bool = False,
+                use_multi_stream: bool = True, max_streams: int | None = None,
+                return_copies: bool = False, quiet: bool = True,
                 options: PrepareOptions | None = None, **switches) -> "Nimble":
-        """Record, schedule, plan, build and verify the model on ``example_inputs``.
+        """Record, schedule, plan, build and verify the model on ``example_inputs`` (or on each
+        shape bucket's example).
 
         Preparing again is transactional: the graph prepared before keeps serving calls until
         the new one is proven, and stays if the new prepare fails.  Batch-norm running
@@ -97,7 +75,24 @@ class Nimble:
         Parameters
         ----------
         example_inputs : torch.Tensor or tuple of torch.Tensor
-            Inputs on the GPU; every later call must pass tensors of the same shapes and dtypes.
+            Inputs on the GPU; every later call must pass tensors of the same shapes and dtypes
+            (or of a bucket's shapes).
+        buckets : list of examples, optional
+            Instead of ``example_inputs``: one example (tensor or tuple) per input shape the
+            model serves.  Each call runs in the graph of its shapes; all buckets share one
+            arena, sized by the largest.  Inference only.
+        batch_sizes : list of int, optional
+            With ``example_inputs``: one bucket per batch size, dim 0 of every input resized
+            (rows taken cyclically).
+        instances : int, default 1
+            Copies of every graph, each with its own arena and cells, so that up to this many
+            callers (each on its own stream) run at once; memory is that many arenas
+            (:attr:`device_bytes`).  Inference only.
+        pad : bool, default False
+            A call whose batch (dim 0 of every input) has no bucket runs in the next larger
+            one and gets the first rows of each output: right only for models whose rows are
+            independent (batch norm in eval mode is).  Every input and output must have the
+            batch on dim 0.
         training : bool, default False
             False: record inference (the model must be in ``eval()`` mode).  True (model in
             ``train()`` mode): record one training step, the forward and its backward, each
@@ -111,7 +106,9 @@ class Nimble:
             Caps the streams.
         return_copies : bool, default False
             Each call returns fresh tensors instead of views into the arena (which the next
-            call overwrites).
+            call overwrites).  With several instances or buckets called from several threads,
+            this is the way to keep outputs: a view is overwritten by its instance's next call
+            of any bucket.
         quiet : bool, default True
             False reports progress on stderr.
         options : PrepareOptions, optional
@@ -130,25 +127,31 @@ class Nimble:
         Raises
         ------
         InputError
-            The model's mode does not match ``training``, or an input cannot be taken.
+            The model's mode does not match ``training``, an input cannot be taken, or the
+            serving arguments do not fit (both or neither of ``example_inputs`` and
+            ``buckets``, two buckets of one shape, ``instances < 1``, serving a training step,
+            ``pad`` where a batch is not on dim 0).
         VerificationError
             The built graph did not reproduce the recording bit for bit.
         NimbleError
             Any other failure to record, build or launch (its subclasses say which).
         """
         options = _options_with(options, switches)
+        examples = bucket_examples(example_inputs, buckets, batch_sizes, instances=instances,
+                                   pad=pad, training=training)
         check_mode(self.model, training)
         watch_modules()
         restore = saved_state(self.model, training)
         try:
-            candidate = prepare_engine(self.model, example_inputs, training=training,
-                                       use_multi_stream=use_multi_stream,
-                                       max_streams=max_streams, options=options, quiet=quiet)
+            serving = prepare_serving(self.model, examples, instances=instances, pad=pad,
+                                      training=training, use_multi_stream=use_multi_stream,
+                                      max_streams=max_streams, options=options, quiet=quiet)
         finally:
             restore()
-        candidate.launcher.return_copies = return_copies
-        candidate.graph.meta["prepare_seconds"] = dict(candidate.seconds)
-        previous, self._prepared = self._prepared, candidate
+        for prepared in serving.preparations():
+            prepared.launcher.return_copies = return_copies
+        previous, self._serving = self._serving, serving
+        self._prepared = serving.primary
         self._fast = None
         if previous is not None:
             previous.close()
@@ -160,6 +163,9 @@ class Nimble:
         """The prepared graph behind this object (:class:`~nimble.engine.prepared.Prepared`):
         the built graph and its exec (``engine.built``), the per-call launcher, the arena's
         buffer addresses (``engine.bases``), the weights it reads and the late edges it kept.
+        With several buckets or instances: the *primary* graph, the bucket with the largest
+        arena plan on instance 0, which every single-graph property and debugging tool below
+        means (:attr:`buckets` has them all).
 
         For tools, tests and embedding hosts that need more than the properties below; its
         fields belong to the engine and may change between versions.  Raises
@@ -194,10 +200,14 @@ class Nimble:
             inputs = inputs[0]
         if state.step is not None:
             return state.step(inputs, state.launcher.unflatten)
-        launcher = state.launcher
+        launcher, serving = state.launcher, self._serving
+        if serving.plain:
+            if self._fast is None:
+                self._fast = launcher.fast_call(state.weights) or False
+            return launcher.unflatten(launcher.run_flat(inputs))
         if self._fast is None:
-            self._fast = launcher.fast_call(state.weights) or False
-        return launcher.unflatten(launcher.run_flat(inputs))
+            self._fast = serving.fast_call(state.weights)
+        return serving.call(inputs)
 
     def refresh(self) -> bool:
         """Re-read the model's weights; re-point the graph at any that moved.  True if any did.
@@ -211,7 +221,13 @@ class Nimble:
         """
         return self._follow_weights(self.engine)
 
-    def _follow_weights(self, state: Prepared) -> bool:
+    def _follow_weights(self, primary: Prepared) -> bool:
+        """Re-point every bucket's graph of every instance (``primary`` only before prepare
+        finished)."""
+        every = self._serving.preparations() if self._serving is not None else [primary]
+        return any([self._follow_graph_weights(state) for state in every])
+
+    def _follow_graph_weights(self, state: Prepared) -> bool:
         weights, launcher = state.weights, state.launcher
         with launcher.lock:
             if host_launch_if_profiled(state):
@@ -279,18 +295,20 @@ class Nimble:
         ``cuGraphLaunch``; or it copies the input to the slot and writes the slot's own address.
         A Python call skips writing a cell that already holds its input's address, so a host
         that writes cells between Python calls calls :meth:`host_writes_cells` before handing
-        back to Python.
+        back to Python.  With several buckets or instances: the primary graph's
+        (:attr:`engine`); :attr:`buckets` has every graph's.
         """
         return [s.cell for s in self.engine.launcher.slots]
 
     def host_writes_cells(self) -> None:
         """Say that something other than a Python call (a C or C++ host, see
         :attr:`input_cells` and :attr:`phases`) wrote or will write the input cells: the next
-        Python call of every phase writes each of its cells again instead of trusting the
-        address it wrote last."""
-        for launcher in self.engine.launchers:
-            with launcher.lock:
-                launcher.forget_cells()
+        Python call of every phase (of every bucket and instance) writes each of its cells
+        again instead of trusting the address it wrote last."""
+        for state in self._serving.preparations() if self._serving else [self.engine]:
+            for launcher in state.launchers:
+                with launcher.lock:
+                    launcher.forget_cells()
 
     @property
     def buffer_addresses(self) -> list[int]:
@@ -393,16 +411,35 @@ class Nimble:
             stepper.close()
 
     @property
-    def phases(self) -> list["PhaseView"]:
+    def phases(self) -> list[PhaseView]:
         """Each separately launched graph: one (``"inference"``), or ``"forward"`` and
         ``"backward"`` for a training step, with its tasks and its handles for a C host (which
         calls :meth:`host_writes_cells` before handing back to Python)."""
-        state = self.engine
-        names = ["forward", "backward"] if state.step is not None else ["inference"]
-        return [PhaseView(name, built.span, int(built.exec.handle),
-                          [s.cell for s in launcher.slots], [s.address for s in launcher.slots],
-                          [o.data_ptr() for o in launcher.outputs])
-                for name, built, launcher in zip(names, state.builts, state.launchers)]
+        return phase_views(self.engine)
+
+    @property
+    def buckets(self) -> list[BucketView]:
+        """Every shape bucket, in the order prepared, with each model instance's graph: its
+        exec handle, input cells, input and output addresses, for a C host (write a cell on
+        the launch stream, launch the exec; one launch at a time per instance, since an
+        instance's buckets share its arena; call :meth:`host_writes_cells` before handing back
+        to Python)."""
+        self.engine  # noqa: B018 - raises before prepare()
+        return self._serving.views()
+
+    @property
+    def instances(self) -> int:
+        """How many copies of the graphs run at once (``prepare(..., instances=k)``)."""
+        self.engine  # noqa: B018 - raises before prepare()
+        return self._serving.instances
+
+    @property
+    def device_bytes(self) -> MemoryReport:
+        """The device memory the prepared graphs take beyond the weights: per instance one
+        arena (the shared plans' region and every bucket's state), and any buffers placed
+        beside the arenas (:class:`~nimble.engine.serving.MemoryReport`)."""
+        self.engine  # noqa: B018 - raises before prepare()
+        return self._serving.memory()
 
     @property
     def kernel_priorities(self) -> list[int] | None:
@@ -434,13 +471,24 @@ class Nimble:
 
     @property
     def prepare_seconds(self) -> dict:
-        """Seconds each step of the last prepare() took."""
+        """Seconds each step of the last prepare() took (of the primary bucket, see
+        :attr:`engine`; :attr:`prepare_report` has every bucket and instance)."""
         return dict(self.engine.seconds)
+
+    @property
+    def prepare_report(self) -> PrepareReport:
+        """Where the last prepare() spent its time: per bucket and stage, each further
+        instance's build and short proof, the arenas' allocation, and the total
+        (:class:`~nimble.engine.serving.PrepareReport`)."""
+        self.engine  # noqa: B018 - raises before prepare()
+        return self._serving.report
 
     def close(self) -> None:
         """Free the graph and its exec now, and the arena once the outputs and gradients handed
         out are gone (idempotent)."""
         self._fast = None
-        if self._prepared is not None:
-            self._prepared.close()
-            self._prepared = None
+        if self._serving is not None:
+            self._serving.close()
+            self._serving = None
+        self._prepared = None
+

@@ -39,3 +39,16 @@ def zoo_model(name: str):
         return models.create(name).cuda(), models.example_input(name)
     except ImportError as e:
         pytest.skip(str(e))
+
+
+def load_tool(name: str):
+    """The script ``tools/<name>.py`` as a module (tools are not a package)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

@@ -251,6 +251,41 @@ def test_gpu_suite_runs_the_quick_bench_in_three_dtypes_and_the_full_one_on_dema
     assert full[full.index("--json") + 1] == str(tmp_path / "bench_full.json")
 
 
+def test_gpu_suite_spreads_the_test_files_and_runs_the_memory_tests_alone(monkeypatch, tmp_path,
+                                                                          capsys):
+    from pathlib import Path
+
+    suite = _gpu_suite()
+    files = [Path(f"tests/test_gpu_{n}.py") for n in
+             ("proof", "debug_tools", "runtime", "training", "c_host", "deploy", "new")]
+    groups = suite.test_groups(files, 3)
+    assert sorted(f for g in groups for f in g) == sorted(files)  # each file once
+    loads = [sum(suite.WEIGHTS.get(f.name, 1) for f in g) for g in groups]
+    assert max(loads) - min(loads) <= 1
+    assert suite.test_groups(files[:2], 5) == [[files[0]], [files[1]]]  # no empty group
+
+    started = []
+
+    class Proc:
+        returncode = 0
+
+        def __init__(self, cmd, stdout, **kwargs):
+            started.append([Path(c).name for c in cmd if c.endswith(".py")])
+            stdout.write("1 passed in 1.0s\n")
+
+        def wait(self):
+            return 0
+    monkeypatch.setattr(suite.subprocess, "Popen", Proc)
+    monkeypatch.setattr(suite, "EXCLUSIVE", ("test_gpu_deploy.py",))
+    assert suite.main(["--skip-bench", "--skip-training", "--jobs", "2", "--out",
+                       str(tmp_path)]) == 0
+    *parallel, alone = started
+    assert len(parallel) == 2 and alone == list(suite.EXCLUSIVE)
+    assert not set(suite.EXCLUSIVE) & {name for g in parallel for name in g}
+    out = capsys.readouterr().out
+    assert out.count("gpu tests [") == 3 and (tmp_path / "gpu_tests_2.log").exists()
+
+
 def test_training_bench_parses_batches_and_formats_its_table():
     import argparse
 

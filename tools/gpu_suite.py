@@ -7,7 +7,10 @@
 Runs, in order:
 
 1. ``pytest -m gpu``: every test that needs the GPU (383-551 s on the H200 on 2026-11-25, with the
-   two-model training sequence and the expandable-segments test in child processes);
+   two-model training sequence and the expandable-segments test in child processes); with
+   ``--jobs N``, the test files in N pytest processes side by side on the one GPU (correctness
+   tests only: none times anything), then the files that measure the device's free memory
+   (:data:`EXCLUSIVE`) alone;
 2. ``nimble bench --quick --dtype float32,float16,bfloat16 --rounds 5 --iters 50`` on
    ``--models`` (default: branchy and the seven zoo models): eager, ``torch.cuda.graph`` (input
    copied in on every call), Nimble single and multi, in each dtype (258 s for the seven zoo
@@ -22,7 +25,8 @@ Runs, in order:
 
 ``torch.compile`` is left out unless ``--compile``.  At the end it prints the pytest summary line
 and the benchmark tables, each phase with the seconds it took.  Logs and the benchmark JSON go to
-``--out`` (default ``$OUT`` on the device machine, else ``./out``): ``gpu_tests.log``,
+``--out`` (default ``$OUT`` on the device machine, else ``./out``): ``gpu_tests_K.log`` (one per
+pytest process),
 ``bench.log`` / ``bench.json`` and ``bench_full.log`` / ``bench_full.json`` (a bench's log holds
 its stdout and stderr); the logs are written as the phases run, so a phase cut off by a time limit
 leaves what it printed so far.
@@ -41,6 +45,64 @@ ZOO_MODELS = "resnet50,inception_v3,googlenet,mobilenet_v2,efficientnet_b0,nasne
              "pnasnet5large"
 ALL_MODELS = "branchy," + ZOO_MODELS
 QUICK_ARGS = ["--quick", "--rounds", "5", "--iters", "50"]
+#: GPU test files that measure the whole device's free memory: they run alone, after the rest.
+EXCLUSIVE = ("test_gpu_serving.py",)
+#: Rough minutes per GPU test file on an H100, to spread the files over ``--jobs`` processes
+#: (a file not listed counts 1).
+WEIGHTS = {"test_gpu_proof.py": 4, "test_gpu_debug_tools.py": 3, "test_gpu_runtime.py": 3,
+           "test_gpu_training.py": 2, "test_gpu_compiled.py": 2, "test_gpu_record.py": 2,
+           "test_gpu_c_host.py": 1, "test_gpu_deploy.py": 1}
+
+
+def test_groups(files: list[Path], jobs: int) -> list[list[Path]]:
+    """``files`` in ``jobs`` groups of about equal :data:`WEIGHTS`, heaviest placed first."""
+    groups: list[list[Path]] = [[] for _ in range(max(jobs, 1))]
+    load = [0.0] * len(groups)
+    for f in sorted(files, key=lambda f: -WEIGHTS.get(f.name, 1)):
+        k = load.index(min(load))
+        groups[k].append(f)
+        load[k] += WEIGHTS.get(f.name, 1)
+    return [g for g in groups if g]
+
+
+def _pytest(files: list[Path], log_path: Path, extra: list[str], env) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+           *map(str, files), *extra]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            text=True)
+    proc.log = log  # type: ignore[attr-defined]  # closed when the process is waited for
+    return proc
+
+
+def _run_tests(args, env) -> tuple[int, list[str]]:
+    """The GPU tests, in one process or ``args.jobs`` side by side; (status, summary lines)."""
+    extra = args.pytest_args.split()
+    if args.jobs <= 1:
+        groups = [[ROOT / "tests"]]
+        tail = []
+    else:
+        files = sorted((ROOT / "tests").glob("test_gpu_*.py"))
+        groups = test_groups([f for f in files if f.name not in EXCLUSIVE], args.jobs)
+        tail = [f for f in files if f.name in EXCLUSIVE]
+    status, summary = 0, []
+    for stage in ([groups, [tail]] if tail else [groups]):
+        t0, first = time.perf_counter(), len(summary)
+        logs = [args.out / f"gpu_tests_{first + k}.log" for k in range(len(stage))]
+        running = [_pytest(g, log, extra, env) for g, log in zip(stage, logs)]
+        for proc in running:
+            proc.wait()
+            proc.log.close()
+        seconds = time.perf_counter() - t0
+        for k, (proc, log) in enumerate(zip(running, logs)):
+            lines = log.read_text().strip().splitlines()
+            failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+            print("\n".join(failed or lines[-3:]), flush=True)
+            names = " ".join(Path(f).name for f in stage[k])
+            summary.append(f"gpu tests [{names}] ({seconds:.0f} s): "
+                           + (lines[-1] if lines else "no output"))
+            status |= proc.returncode
+    return status, summary
 
 
 def _split_table(out: str) -> tuple[str, str | None]:
@@ -89,6 +151,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--training-batches", default="32", help="the training benchmark's batches")
     p.add_argument("--skip-training", action="store_true", help="skip the training benchmark")
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="run the GPU test files in this many pytest processes at once")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "out")))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -96,17 +160,9 @@ def main(argv: list[str]) -> int:
     summary = []
     status = 0
     if not args.skip_tests:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-               "tests", *args.pytest_args.split()]
-        t0 = time.perf_counter()
-        with open(args.out / "gpu_tests.log", "w") as log:
-            r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               text=True)
-        seconds = time.perf_counter() - t0
-        lines = (args.out / "gpu_tests.log").read_text().strip().splitlines()
-        print("\n".join(lines[-40:]), flush=True)
-        summary.append(f"gpu tests ({seconds:.0f} s): " + (lines[-1] if lines else "no output"))
-        status |= r.returncode
+        rc, lines = _run_tests(args, env)
+        summary += lines
+        status |= rc
     if not args.skip_bench:
         rc, table = _bench(f"bench {args.dtypes} (--quick)", args.models,
                            ["--dtype", args.dtypes, *QUICK_ARGS], "bench", args, env)

@@ -22,7 +22,7 @@ import dataclasses
 import time
 from typing import Callable
 
-from . import models
+from . import models, serve_bench
 from .common import (add_batch_argument, add_quiet_argument, model_help, names_from,
                      parse_stream_caps, positive_int)
 from .harness import (Column, add_speedup, format_table, host_us, host_us_beside, mode_rows,
@@ -75,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write every number to FILE as JSON ('-': stdout; the text report then "
                         "goes to stderr)")
     add_quiet_argument(p)
+    serve_bench.add_arguments(p)
 
 
 def _say(args, msg: str) -> None:
@@ -378,6 +379,9 @@ def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
 
 def run(args) -> int:
     """``nimble bench``."""
+    if args.serve is not None:
+        return serve_bench.run(args)
+    serve_bench.refuse_without_serve(args)
     args.models_given = bool(args.models)
     if args.profiler:
         return run_profiler(args)

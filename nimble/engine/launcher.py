@@ -196,8 +196,9 @@ class Launcher:
             f"{slot.shape} {slot.dtype} on {self._device}: call prepare() again for another "
             "shape, or move the input with .to(...)")
 
-    def run_flat(self, inputs: Sequence) -> list:
-        """Copy ``inputs`` into their slots and launch; the flat list of outputs."""
+    def _check(self, inputs: Sequence, rows: int | None = None) -> None:
+        """Raise where ``inputs`` cannot be taken; ``rows``: the inputs fill only the first
+        ``rows`` rows of each slot (a padded call)."""
         if self._exec is None:
             raise NimbleError("this prepared graph was closed (by Nimble.close() or a later "
                               "prepare()): call the model again through its Nimble object")
@@ -207,36 +208,73 @@ class Launcher:
                              f"{len(inputs)}")
         tensor, device = self._tensor_type, self._device
         for x, slot in zip(inputs, slots):
-            if not (isinstance(x, tensor) and x.shape == slot.shape and x.dtype is slot.dtype
+            shape = slot.shape if rows is None or not isinstance(x, tensor) else \
+                (rows,) + tuple(slot.shape[1:])
+            if not (isinstance(x, tensor) and x.shape == shape and x.dtype is slot.dtype
                     and x.device == device):
                 raise self._bad_input(next(i for i, s in enumerate(slots) if s is slot), x)
-        order = self._order
-        if threading.get_ident() not in order.threads:
+
+    def run_flat(self, inputs: Sequence) -> list:
+        """Copy ``inputs`` into their slots and launch; the flat list of outputs."""
+        self._check(inputs)
+        if threading.get_ident() not in self._order.threads:
             self._enter_thread()
-        api = self._api
-        with order.lock:
-            stream = self._stream_of_call()
-            in_cells = self._in_cells
-            for i, x in enumerate(inputs):
-                slot = slots[i]
-                if slot.cell:
-                    # A strided input is made contiguous first; torch frees the copy in stream
-                    # order, after the graph has read it.
-                    source = x if x.is_contiguous() else x.contiguous()
-                    address = source.data_ptr()
-                    if address != in_cells[i] or source is not x:
-                        api.write64(stream, slot.cell, address, 0)
-                        in_cells[i] = address if source is x else None
-                elif slot.dense and x.is_contiguous():
-                    api.copy(slot.address, x.data_ptr(), slot.nbytes, stream)
-                else:
-                    slot.tensor.copy_(x)
-            if self._rng is not None:
-                self._draw(stream)
-            api.launch(self._exec, stream)
-            if self.return_copies:
-                return [o.clone() for o in self._outputs]
-            return self._outputs
+        with self._order.lock:
+            return self._submit(inputs)
+
+    def run_flat_held(self, inputs: Sequence, rows: int | None = None) -> list:
+        """:meth:`run_flat` for a caller that holds :attr:`lock` already (a pool of model
+        instances, which takes a free one's lock to pick it).  With ``rows``, each input fills
+        the first ``rows`` rows of its slot (dim 0), the rest keep what they held, and each
+        output is its first ``rows`` rows: a batch run in a larger bucket, right only where
+        rows do not mix."""
+        self._check(inputs, rows)
+        if threading.get_ident() not in self._order.threads:
+            self._enter_thread(holding_lock=True)
+        if rows is None:
+            return self._submit(inputs)
+        return self._submit_rows(inputs, rows)
+
+    def _submit_rows(self, inputs: Sequence, rows: int) -> list:
+        """Copy each input into the first rows of its slot, point the cells at their own slots,
+        launch, and return the outputs' first rows.  Call it holding :attr:`lock`."""
+        stream = self._stream_of_call()  # torch copies on the caller's stream, as this launch
+        for i, (x, slot) in enumerate(zip(inputs, self._slots)):
+            slot.tensor.narrow(0, 0, rows).copy_(x)
+            if slot.cell and self._in_cells[i] != slot.address:
+                self._api.write64(stream, slot.cell, slot.address, 0)
+                self._in_cells[i] = slot.address
+        if self._rng is not None:
+            self._draw(stream)
+        self._api.launch(self._exec, stream)
+        outputs = [o.narrow(0, 0, rows) for o in self._outputs]
+        return [o.clone() for o in outputs] if self.return_copies else outputs
+
+    def _submit(self, inputs: Sequence) -> list:
+        """Hand the checked ``inputs`` to the graph and launch.  Call it holding :attr:`lock`."""
+        slots, api = self._slots, self._api
+        stream = self._stream_of_call()
+        in_cells = self._in_cells
+        for i, x in enumerate(inputs):
+            slot = slots[i]
+            if slot.cell:
+                # A strided input is made contiguous first; torch frees the copy in stream
+                # order, after the graph has read it.
+                source = x if x.is_contiguous() else x.contiguous()
+                address = source.data_ptr()
+                if address != in_cells[i] or source is not x:
+                    api.write64(stream, slot.cell, address, 0)
+                    in_cells[i] = address if source is x else None
+            elif slot.dense and x.is_contiguous():
+                api.copy(slot.address, x.data_ptr(), slot.nbytes, stream)
+            else:
+                slot.tensor.copy_(x)
+        if self._rng is not None:
+            self._draw(stream)
+        api.launch(self._exec, stream)
+        if self.return_copies:
+            return [o.clone() for o in self._outputs]
+        return self._outputs
 
     def forget_cells(self) -> None:
         """Make the next call write every input cell: something other than a call (a C host, a
@@ -334,9 +372,12 @@ class Launcher:
         self._api.write64(stream, rng.seed_cell, gen.initial_seed(), 0)
         self._api.write64(stream, rng.offset_cell, offset, 0)
 
-    def _enter_thread(self) -> None:
+    def _enter_thread(self, holding_lock: bool = False) -> None:
         """Make the graph's context current on a thread that has not called before."""
         self._api.set_context(self._context)
+        if holding_lock:
+            self._order.threads.add(threading.get_ident())
+            return
         with self._order.lock:
             self._order.threads.add(threading.get_ident())
 

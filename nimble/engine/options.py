@@ -6,6 +6,8 @@ embedding, and their defaults are what a user wants.
 """
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,3 +87,22 @@ class PrepareOptions:
     def backfill_on(self, training: bool) -> bool:
         """Whether the tail backfill is tried (``backfill``, or its default for the kind)."""
         return training if self.backfill is None else self.backfill
+
+
+def _switches() -> frozenset:
+    return frozenset(f.name for f in dataclasses.fields(PrepareOptions))
+
+
+def options_with(options: PrepareOptions | None, switches: dict) -> PrepareOptions:
+    """``options`` (or the defaults) with the switches passed to prepare() as keywords, the
+    form before :class:`PrepareOptions`; it stays for one release, with a DeprecationWarning."""
+    options = options if options is not None else PrepareOptions()
+    if not switches:
+        return options
+    unknown = sorted(set(switches) - _switches())
+    if unknown:
+        raise TypeError(f"prepare() got an unexpected keyword argument '{unknown[0]}'")
+    given = ", ".join(f"{k}={v!r}" for k, v in switches.items())
+    warnings.warn(f"prepare()'s keyword(s) {', '.join(switches)} are deprecated: pass "
+                  f"options=nimble.PrepareOptions({given})", DeprecationWarning, stacklevel=3)
+    return dataclasses.replace(options, **switches)

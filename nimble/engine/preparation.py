@@ -1,24 +1,37 @@
 """What ``Nimble.prepare`` runs: check the model's mode, record (or reuse a recording), schedule
-and plan, time what the options ask for, build, and prove.
+and plan, time what the options ask for, build, and prove, for every shape bucket and model
+instance.
 
-:func:`prepare_engine` returns a new :class:`~nimble.engine.prepared.Prepared` and leaves the one
-serving calls alone; :func:`saved_state` puts back what preparing changes in the model and the
-random generator.
+:func:`prepare_serving` goes in stages: record and plan every bucket, allocate each instance's
+arena once (sized by the largest plan, :mod:`nimble.engine.arena_layout`), build every bucket in
+it, prove every bucket; then build each further instance from the same recordings, plans and
+priorities and give it a short proof.  One example and one instance is the same path with one of
+each.  It returns a new :class:`~nimble.engine.serving.Serving` and leaves the one serving calls
+alone; :func:`saved_state` puts back what preparing changes in the model and the random
+generator.
 """
 from __future__ import annotations
 
 import functools
 import time
 import warnings
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
+from .. import driver
+from ..analysis.memplan import MemPlan
+from ..analysis.schedule import Schedule
 from ..errors import InputError
 from ..progress import say
+from .arena_layout import shared_layout
+from .launcher import CallOrder
 from .options import PrepareOptions
 from .profiler_guard import device_launch_allowed
-from .prepared import (Prepared, backfill_trials, build_prepared, kernel_priorities, plan_graph,
-                       prove, task_times)
-from .priority_trials import resource_trials
+from .prepared import (ArenaRegion, Prepared, backfill_trials, build_prepared, kernel_priorities,
+                       plan_graph, prove, prove_copy, task_times)
+from .priority_trials import PriorityTrial, resource_trials
+from .serving import (Bucket, BucketCost, InstanceCost, PrepareReport, Serving,
+                      check_pad_shapes, close_partial, shapes_of)
 
 
 def saved_state(model, training: bool) -> Callable[[], None]:
@@ -88,14 +101,25 @@ def _recording(model, example_inputs, training: bool, options: PrepareOptions, q
     return rec
 
 
-def prepare_engine(model, example_inputs, *, training: bool, use_multi_stream: bool,
-                   max_streams: int | None, options: PrepareOptions, quiet: bool) -> Prepared:
-    """Record (or reuse ``options.recording``), schedule, plan, build and prove a new graph.
+@dataclass
+class _Planned:
+    """One bucket recorded and planned: what every instance of it is built from."""
 
-    The caller checks the model's mode (:func:`check_mode`) and puts its state back afterwards
-    (:func:`saved_state`).  A failure frees what was built and raises.
-    """
-    rec = _recording(model, example_inputs, training, options, quiet)
+    rec: Any
+    schedule: Schedule
+    memplan: MemPlan
+    priorities: list[int] | None
+    trials: dict | None
+    seconds: dict
+    #: Resource-aware priorities to time against ``priorities`` (``resource_order`` on).
+    ordering: list[PriorityTrial] = field(default_factory=list)
+
+
+def _plan(model, example, training: bool, use_multi_stream: bool, max_streams: int | None,
+          options: PrepareOptions, quiet: bool, priority_range: Callable) -> _Planned:
+    """Record (or reuse ``options.recording``), schedule, plan, and rank the kernels."""
+    rec = _recording(model, example, training, options, quiet)
+    rec.graph.meta.pop("resource_order", None)  # a reused recording's is of an earlier prepare
     seconds: dict[str, float] = dict(rec.seconds)
 
     @functools.cache
@@ -114,50 +138,150 @@ def prepare_engine(model, example_inputs, *, training: bool, use_multi_stream: b
     seconds["schedule_and_memplan"] = time.perf_counter() - t0 - seconds.get("timing", 0.0)
     say(f"{len(schedule.streams)} streams, {len(schedule.sync_edges)} syncs; arena "
         f"{memplan.arena_bytes / 2**20:.1f} MiB", quiet)
-
     several = use_multi_stream and len(schedule.streams) > 1
-    ranks = kernel_priorities(schedule, durations()) if options.priorities and several else None
+    ranks = kernel_priorities(schedule, durations(), priority_range()) \
+        if options.priorities and several else None
     trials = backfill_trials(rec.graph, schedule, durations()) \
         if options.backfill_on(training) and several else None
-    ordering = resource_trials(rec.graph, schedule, durations()) \
+    ordering = resource_trials(rec.graph, schedule, durations(), priority_range()) \
         if options.resource_order and ranks is not None else []
+    return _Planned(rec, schedule, memplan, ranks, trials, seconds, ordering)
+
+
+def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegion,
+           first: Prepared | None, quiet: bool) -> Prepared:
+    """A bucket built in ``region``: as planned (resource-aware priorities and backfill trials
+    timed) for the first instance, with the first instance's priorities and late edges for a
+    copy."""
     t0 = time.perf_counter()
-    if trials:
-        say(f"timing {sum(map(len, trials.values()))} tail backfill(s) against none", quiet)
-    if ordering:
-        say(f"timing {len(ordering)} resource-aware priority set(s) against the slack ones", quiet)
-    candidate = build_prepared(model, rec, schedule, memplan,
-                               device_launch=device_launch_allowed(options.device_launch),
-                               gather_inputs=options.gather_inputs,
-                               seconds=seconds, priorities=ranks, backfill_trials=trials,
-                               priority_trials=ordering)
+    if first is None and planned.trials:
+        say(f"timing {sum(map(len, planned.trials.values()))} tail backfill(s) against none",
+            quiet)
+    if first is None and planned.ordering:
+        say(f"timing {len(planned.ordering)} resource-aware priority set(s) against the slack "
+            "ones", quiet)
+    seconds = planned.seconds if first is None else {}
+    built = build_prepared(model, planned.rec, planned.schedule, planned.memplan,
+                           device_launch=device_launch_allowed(options.device_launch),
+                           gather_inputs=options.gather_inputs, seconds=seconds,
+                           priorities=first.priorities if first else planned.priorities,
+                           backfill_trials=planned.trials if first is None else None,
+                           region=region, late_edges=first.late_edges if first else (),
+                           priority_trials=planned.ordering if first is None else ())
     seconds["build"] = time.perf_counter() - t0
-    for r in rec.graph.meta.get("resource_order", []):
+    if first is not None:
+        built.backfill = first.backfill
+    for r in built.graph.meta.get("resource_order", []) if first is None else ():
         say(f"phase {r['phase']}: {r['plain_ms']:.3f} ms per launch with slack priorities, "
             + ", ".join(f"{t['ms']:.3f} {t['rule']}" for t in r["trials"])
             + f"; kept {r['kept'] or 'the slack ones'}", quiet)
-    for p in candidate.backfill:
+    for p in built.backfill if first is None else ():
         say(f"phase {p.phase}: {p.plain_ms:.3f} ms per launch plain, "
             + ", ".join(f"{ms:.3f}" for ms in p.trial_ms) + " with backfill; "
             + (f"kept {len(p.kept.deferred)} edge(s)" if p.kept else "kept none"), quiet)
+    return built
+
+
+def _prove(candidate: Prepared, planned: _Planned, options: PrepareOptions, training: bool,
+           quiet: bool) -> None:
+    """The full proof of a bucket's first build (warns where device launch was refused)."""
+    refusal = next((b.device_launch_refusal for b in candidate.builts
+                    if b.device_launch_refusal), "")
+    if refusal:
+        # stacklevel: the warning names the line that called Nimble.prepare.
+        warnings.warn(
+            "the graph could not be made device-launchable, so each call pays the "
+            f"driver's full host launch cost: {refusal}", RuntimeWarning, stacklevel=4)
+    if options.verify:
+        relaunches = options.proof_launches(training)
+        t0 = time.perf_counter()
+        say(f"verifying: {relaunches} launches against the single-stream recording"
+            + (", then launches with random delays (the race fuzzer)" if options.fuzz else ""),
+            quiet)
+        prove(candidate, planned.rec, relaunches, fuzz=options.fuzz)
+        candidate.seconds["verify"] = time.perf_counter() - t0
+
+
+def _check_pad_outputs(planned: _Planned, k: int) -> None:
+    inputs = shapes_of(planned.rec.static_inputs)
+    outputs = tuple(tuple(r.shape) for r in planned.rec.graph.outputs)
+    if check_pad_shapes(outputs, f"outputs of bucket {k}") != inputs[0][0]:
+        raise InputError(f"pad=True needs the batch on dim 0 of every output; bucket {k}'s "
+                         f"inputs {list(inputs)} give outputs {list(outputs)}: prepare "
+                         "without pad")
+
+
+def prepare_serving(model, examples: list, *, instances: int, pad: bool, training: bool,
+                    use_multi_stream: bool, max_streams: int | None, options: PrepareOptions,
+                    quiet: bool) -> Serving:
+    """Every bucket of ``examples`` (one example each) on ``instances`` model instances,
+    recorded, planned, built and proven in stages (see the module docstring).
+
+    The caller checks the arguments (:func:`nimble.engine.serving.bucket_examples`) and the
+    model's mode (:func:`check_mode`) and puts its state back afterwards (:func:`saved_state`).
+    A failure frees everything built so far and raises.
+    """
+    began = time.perf_counter()
+    if options.recording is not None and len(examples) > 1:
+        raise InputError("PrepareOptions(recording=...) holds one recording, of one shape: "
+                         "prepare one bucket with it, or leave it out to record every bucket")
+    report = PrepareReport()
+    priority_range = functools.cache(driver.stream_priority_range)
+    planned: list[_Planned] = []
+    built: list[list[Prepared]] = []
+    arenas: list[driver.DeviceMemory] = []
+    orders: list[CallOrder] = []
     try:
-        refusal = next((b.device_launch_refusal for b in candidate.builts
-                        if b.device_launch_refusal), "")
-        if refusal:
-            # stacklevel: the warning names the line that called Nimble.prepare.
-            warnings.warn(
-                "the graph could not be made device-launchable, so each call pays the "
-                f"driver's full host launch cost: {refusal}", RuntimeWarning, stacklevel=3)
-        if options.verify:
-            relaunches = options.proof_launches(training)
+        for k, example in enumerate(examples):
+            planned.append(_plan(model, example, training, use_multi_stream, max_streams,
+                                 options, quiet, priority_range))
+            if pad:
+                _check_pad_outputs(planned[-1], k)
+        layout = shared_layout([p.rec.graph for p in planned], [p.memplan for p in planned])
+        for j in range(instances):
             t0 = time.perf_counter()
-            say(f"verifying: {relaunches} launches against the single-stream recording"
-                + (", then launches with random delays (the race fuzzer)" if options.fuzz else ""),
-                quiet)
-            prove(candidate, rec, relaunches, fuzz=options.fuzz)
-            seconds["verify"] = time.perf_counter() - t0
+            arenas.append(driver.DeviceMemory.allocate(layout.size))
+            orders.append(CallOrder())
+            report.arena_seconds += time.perf_counter() - t0
+            row: list[Prepared] = []
+            built.append(row)
+            for k, (p, state) in enumerate(zip(planned, layout.states)):
+                row.append(_build(model, p, options, ArenaRegion(arenas[j], state, orders[j]),
+                                  built[0][k] if j else None, quiet))
+            for k, (p, candidate) in enumerate(zip(planned, row)):
+                if j == 0:
+                    _prove(candidate, p, options, training, quiet)
+                else:
+                    report.instances.append(_prove_instance(candidate, p, options, j, quiet))
     except BaseException:
-        candidate.close()
+        close_partial(built, arenas, orders)
         raise
-    candidate.recording = rec if options.keep_recording else None
-    return candidate
+    buckets = [Bucket(shapes_of(p.rec.static_inputs), [row[k] for row in built])
+               for k, p in enumerate(planned)]
+    for bucket, p in zip(buckets, planned):
+        first = bucket.instances[0]
+        first.recording = p.rec if options.keep_recording else None
+        first.graph.meta["prepare_seconds"] = dict(first.seconds)
+        # "verify" is the whole proof, which verify_served and verify_fuzz divide between them
+        stages = {k: v for k, v in first.seconds.items()
+                  if k != "verify" or "verify_served" not in first.seconds}
+        report.buckets.append(BucketCost(bucket.input_shapes, stages))
+    report.total = time.perf_counter() - began
+    return Serving(buckets, arenas, layout, pad, report)
+
+
+#: Poisoned launches of the proof of a further instance (a relocated copy of a proven graph).
+INSTANCE_PROOF_LAUNCHES = 4
+
+
+def _prove_instance(copy: Prepared, planned: _Planned, options: PrepareOptions, instance: int,
+                    quiet: bool) -> InstanceCost:
+    proof, launches = 0.0, 0
+    if options.verify:
+        t0 = time.perf_counter()
+        say(f"instance {instance}: {INSTANCE_PROOF_LAUNCHES} launches against the recording",
+            quiet)
+        launches = prove_copy(copy, planned.rec, INSTANCE_PROOF_LAUNCHES)["launches"]
+        proof = time.perf_counter() - t0
+    return InstanceCost(instance, shapes_of(planned.rec.static_inputs), copy.seconds["build"],
+                        proof, launches)

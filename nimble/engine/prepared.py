@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from ..analysis import backfill
 from .. import driver
+from .arena_layout import StateLayout, own_layout, written_externals  # noqa: F401 (re-export)
 from .build import BuiltGraph, InputGather, buffer_bases
 from .fuzz import FuzzCopies, FuzzStats
 from .launcher import CallOrder, InputSlot, Launcher, RngCells, run_phases
@@ -25,8 +26,8 @@ from ..analysis.priorities import driver_priorities, priority_levels
 from ..record.resolve import RNG_OFFSET, RNG_SEED
 from ..analysis.arena_fit import schedule_within
 from ..analysis.schedule import Schedule, phase_spans
-from ..ir.alignment import ALIGNMENT, align_up
-from ..ir.taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph, TaskKind, TensorRef
+from ..ir.alignment import align_up
+from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind, TensorRef
 from .weights import Weights
 
 
@@ -167,20 +168,6 @@ class Prepared:
         self.recording = None
 
 
-def written_externals(graph: TaskGraph) -> list[int]:
-    """Library-owned memory (never handed out by torch's allocator) that the graph writes.
-
-    cuDNN's training batch norm keeps a partial-sum buffer and a grid semaphore of its own
-    (per handle) that every such kernel writes; a graph that kept pointing there would share
-    them with every other graph and eager call, and lose them if cuDNN reallocated.  Memory from
-    torch's allocator that the graph writes may be a tensor the model updates on purpose (a
-    cache held as a plain attribute), so it stays shared.
-    """
-    written = {a.buffer for t in graph.tasks for a in t.accesses if a.write and a.size > 0}
-    return [b.id for b in graph.buffers if b.kind == BufferKind.EXTERNAL and b.id in written
-            and b.size > 0 and b.name.startswith(LIBRARY_MEMORY)]
-
-
 def _rng_cells(graph: TaskGraph, device, at: int) -> tuple[dict[int, int], RngCells | None]:
     """Bases of the graph's RNG buffers in two cells at ``at`` and ``at + 8``, and the cells."""
     import torch
@@ -220,10 +207,12 @@ def task_times(rec) -> list[float]:
     return task_durations(rec.graph) or time_recording(rec)
 
 
-def kernel_priorities(schedule: Schedule, durations: Sequence[float]) -> list[int]:
+def kernel_priorities(schedule: Schedule, durations: Sequence[float],
+                      priority_range: tuple[int, int] | None = None) -> list[int]:
     """Driver priority numbers per task from its slack in ``schedule``
-    (:mod:`nimble.analysis.priorities`), each task weighted by its isolated duration."""
-    least, greatest = driver.stream_priority_range()
+    (:mod:`nimble.analysis.priorities`), each task weighted by its isolated duration;
+    ``priority_range`` is the device's ``(least, greatest)`` where the caller asked once."""
+    least, greatest = priority_range or driver.stream_priority_range()
     n = len(durations)
     levels = priority_levels(n, schedule.edges(), durations, least - greatest + 1,
                              phase_spans(schedule.phases, n))
@@ -244,28 +233,7 @@ def backfill_trials(graph: TaskGraph, schedule: Schedule,
                                 durations, blocks, sms)
 
 
-@dataclass(frozen=True)
-class _ArenaLayout:
-    """Where the arena keeps what follows the plan's buffers (offsets from its aligned base)."""
-
-    cells_at: int  # an 8-byte cell per graph input
-    rng_at: int  # the generator's seed and offset cells
-    private: dict[int, int]  # buffer -> offset of its private copy (:func:`written_externals`)
-    size: int  # bytes to allocate, alignment slack included
-
-
-def _arena_layout(graph: TaskGraph, plan: MemPlan) -> _ArenaLayout:
-    cells_at = align_up(plan.arena_bytes, 8)
-    rng_at = cells_at + 8 * len(graph.inputs)
-    private_at, private = rng_at + (16 if graph.meta.get("rng") else 0), {}
-    for bid in written_externals(graph):
-        private_at = align_up(private_at)
-        private[bid] = private_at
-        private_at += graph.buffers[bid].size
-    return _ArenaLayout(cells_at, rng_at, private, private_at + ALIGNMENT)
-
-
-def _place_buffers(graph: TaskGraph, plan: MemPlan, layout: _ArenaLayout,
+def _place_buffers(graph: TaskGraph, plan: MemPlan, layout: StateLayout,
                    arena: driver.DeviceMemory, device) -> tuple[int, list[int], RngCells | None]:
     """``(aligned arena base, where every buffer lives, the generator's cells)``; copies the
     library's bytes into the private copies and gives each low-word buffer its own memory."""
@@ -306,16 +274,17 @@ def _counts(graph: TaskGraph, key: str, total: int) -> list[int]:
 
 def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: list,
                   device, rng: RngCells | None, backfill_trials: dict[int, list] | None,
-                  builts: list[BuiltGraph], priority_trials: Sequence[PriorityTrial] = ()
+                  builts: list[BuiltGraph], order: CallOrder | None = None,
+                  priority_trials: Sequence[PriorityTrial] = ()
                   ) -> tuple[list[Launcher], list[backfill.Picked]]:
     """Each phase built as served (appended to ``builts``, which the caller frees on an error),
     its resource-aware priorities (``priority_trials``; what was measured goes to
     ``graph.meta["resource_order"]``) and then its tail backfill trials timed, and its launcher
-    over its share of inputs and outputs."""
+    over its share of inputs and outputs (sharing ``order``: a new one when None)."""
     graph = rec.graph
+    order = order if order is not None else CallOrder()
     in_counts = _counts(graph, "phase_inputs", len(graph.inputs))
     out_counts = _counts(graph, "phase_outputs", len(graph.outputs))
-    order = CallOrder()
     context = driver.current_context()
     launchers: list[Launcher] = []
     picked: list[backfill.Picked] = []
@@ -355,10 +324,22 @@ def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: l
     return launchers, picked
 
 
+class ArenaRegion(NamedTuple):
+    """Where a graph is built in an arena it does not own (one of several shape buckets of a
+    model instance, :mod:`nimble.engine.arena_layout`): the arena, this graph's layout in it,
+    and the lock and stream order of every graph in it."""
+
+    arena: driver.DeviceMemory
+    layout: StateLayout
+    order: CallOrder
+
+
 def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_launch: bool,
                    gather_inputs: bool, seconds: dict,
                    priorities: list[int] | None = None,
                    backfill_trials: dict[int, list] | None = None,
+                   region: ArenaRegion | None = None,
+                   late_edges: Sequence[tuple[int, int]] = (),
                    priority_trials: Sequence[PriorityTrial] = ()) -> Prepared:
     """Arena, cells, explicit graph(s) and launchers for a planned recording (not verified).
 
@@ -374,16 +355,24 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     :func:`nimble.analysis.backfill.plan_trials`) are built and timed against the phase built
     without them (:func:`nimble.analysis.backfill.pick`), each after the phases before it, and
     the fastest kept; so are ``priority_trials``
-    (:func:`nimble.engine.priority_trials.resource_trials`), before them.
+    (:func:`nimble.engine.priority_trials.resource_trials`), before them, and the kept
+    priorities are the result's.
+
+    With ``region`` the graph is built in an arena shared with other graphs (its plan from the
+    arena's base, its state where ``region.layout`` says), which the caller owns and frees on
+    an error, and its launchers share ``region.order``; ``late_edges`` are built in as they are
+    (a copy of a graph whose backfill was picked already).
     """
     import torch
 
     graph = rec.graph
-    graph.meta.pop("resource_order", None)  # a reused recording's is of an earlier prepare
     device = rec.static_inputs[0].device if rec.static_inputs else torch.device("cuda")
     spans = phase_spans(graph.meta.get("phases") or [], len(graph.tasks))
-    layout = _arena_layout(graph, plan)
-    arena = driver.DeviceMemory.allocate(layout.size)
+    if region is None:
+        layout = own_layout(graph, plan)
+        arena, order = driver.DeviceMemory.allocate(layout.size), CallOrder()
+    else:
+        arena, layout, order = region
     builts: list[BuiltGraph] = []
     try:
         base, bases, rng = _place_buffers(graph, plan, layout, arena, device)
@@ -396,13 +385,15 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
             graph, [rec.nodes] * len(spans), bases, schedule.edges(), spans,
             [gathers_of(slots[at:at + count]) for at, count in zip(starts, in_counts)],
             priorities, [device_launch] * len(spans),
-            upload_stream=driver.stream(torch.cuda.current_stream().cuda_stream))
+            upload_stream=driver.stream(torch.cuda.current_stream().cuda_stream),
+            late_edges=late_edges)
         launchers, picked = _build_phases(builder, rec, slots, outputs, device, rng,
-                                          backfill_trials, builts, priority_trials)
+                                          backfill_trials, builts, order, priority_trials)
     except BaseException:
         for built in builts:
             built.close()
-        arena.close()
+        if region is None:
+            arena.close()
         raise
     prepared = Prepared(graph=graph, schedule=schedule, memplan=plan, builts=builts,
                         arena=arena, arena_base=base, bases=bases, launchers=launchers,
@@ -525,3 +516,19 @@ def _fuzz_copies(prepared: Prepared, rec, seed: int):
                       stream_of=prepared.schedule.stream_of,
                       repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)],
                       offsets=prepared.memplan.offsets, rows=FUZZ_LAUNCHES)
+
+
+def prove_copy(prepared: Prepared, rec, relaunches: int) -> dict:
+    """The short proof of a relocated copy of a proven graph (another model instance, built
+    from the same recording and plan over its own arena): ``relaunches`` poisoned launches
+    bitwise against the recording, no fuzz.  Returns what ran (as ``meta["verified"]``), which
+    stays the proof of the graph first built from the recording."""
+    first = prepared.graph.meta.get("verified")
+    try:
+        prove(prepared, rec, relaunches, fuzz=False)
+        return prepared.graph.meta["verified"]
+    finally:
+        if first is None:
+            prepared.graph.meta.pop("verified", None)
+        else:
+            prepared.graph.meta["verified"] = first

@@ -36,11 +36,12 @@ def device_limits() -> resources.SmLimits:
         driver.device_attributes(torch.cuda.current_device(), resources.DEVICE_ATTRIBUTES))
 
 
-def resource_trials(graph: TaskGraph, schedule: Schedule,
-                    durations: Sequence[float]) -> list[PriorityTrial]:
+def resource_trials(graph: TaskGraph, schedule: Schedule, durations: Sequence[float],
+                    priority_range: tuple[int, int] | None = None) -> list[PriorityTrial]:
     """The resource-aware priorities worth timing (:func:`nimble.analysis.resources.plan_trials`)
-    from each kernel's profile on the current device, as driver priority numbers."""
-    least, greatest = driver.stream_priority_range()
+    from each kernel's profile on the current device, as driver priority numbers
+    (``priority_range``: the device's ``(least, greatest)`` where the caller asked once)."""
+    least, greatest = priority_range or driver.stream_priority_range()
     n = len(durations)
     profiles = resources.profile_tasks(graph, device_limits(), durations)
     trials = resources.plan_trials(n, schedule.edges(), durations, least - greatest + 1,

@@ -1,0 +1,100 @@
+"""Where a prepared graph's bytes live in its arena, and how several graphs share one arena.
+
+An arena starts with the plan's buffers (:class:`~nimble.analysis.memplan.MemPlan`, offsets from
+the aligned base); after them each graph keeps its *state*: an 8-byte cell per input (the
+address its gather node reads), the random generator's seed and offset cells, and a private copy
+of every library-owned buffer it writes (:func:`written_externals`).
+
+Graphs that are never launched at the same time (the shape buckets of one model instance, whose
+calls are serialized) share one arena: every graph's plan starts at the base, in a *shared
+region* as large as the largest plan, and each graph's state gets a region of its own after it,
+since a cell or a library copy must survive the other graphs' launches
+(:func:`shared_layout`).  One graph alone is the same layout with one state.
+
+Plain arithmetic on TaskGraphs and plans: no GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..analysis.memplan import MemPlan
+from ..ir.alignment import ALIGNMENT, align_up
+from ..ir.taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph
+
+
+def written_externals(graph: TaskGraph) -> list[int]:
+    """Library-owned memory (never handed out by torch's allocator) that the graph writes.
+
+    cuDNN's training batch norm keeps a partial-sum buffer and a grid semaphore of its own
+    (per handle) that every such kernel writes; a graph that kept pointing there would share
+    them with every other graph and eager call, and lose them if cuDNN reallocated.  Memory from
+    torch's allocator that the graph writes may be a tensor the model updates on purpose (a
+    cache held as a plain attribute), so it stays shared.
+    """
+    written = {a.buffer for t in graph.tasks for a in t.accesses if a.write and a.size > 0}
+    return [b.id for b in graph.buffers if b.kind == BufferKind.EXTERNAL and b.id in written
+            and b.size > 0 and b.name.startswith(LIBRARY_MEMORY)]
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Where one graph keeps its state (offsets from the arena's aligned base)."""
+
+    plan_bytes: int  # the graph's own plan, at offset 0
+    cells_at: int  # an 8-byte cell per graph input
+    rng_at: int  # the generator's seed and offset cells
+    private: dict[int, int]  # buffer -> offset of its private copy (:func:`written_externals`)
+    end: int  # the first byte after the state
+
+    @property
+    def size(self) -> int:
+        """Bytes to allocate for an arena holding only this graph, alignment slack included."""
+        return self.end + ALIGNMENT
+
+
+def state_layout(graph: TaskGraph, plan_bytes: int, at: int) -> StateLayout:
+    """The state of ``graph`` (whose plan takes ``plan_bytes``) placed from offset ``at``."""
+    cells_at = align_up(at, 8)
+    rng_at = cells_at + 8 * len(graph.inputs)
+    private_at, private = rng_at + (16 if graph.meta.get("rng") else 0), {}
+    for bid in written_externals(graph):
+        private_at = align_up(private_at)
+        private[bid] = private_at
+        private_at += graph.buffers[bid].size
+    return StateLayout(plan_bytes, cells_at, rng_at, private, private_at)
+
+
+def own_layout(graph: TaskGraph, plan: MemPlan) -> StateLayout:
+    """The layout of an arena that holds one graph: its plan, then its state."""
+    return state_layout(graph, plan.arena_bytes, plan.arena_bytes)
+
+
+@dataclass(frozen=True)
+class SharedArena:
+    """One arena for graphs that never run at the same time: each graph's plan from the base,
+    in a region as large as the largest plan, then each graph's state in a region of its own."""
+
+    shared_bytes: int  # the largest plan
+    states: list[StateLayout]  # per graph, in the order given
+    size: int  # bytes to allocate, alignment slack included
+
+    @property
+    def state_bytes(self) -> int:
+        """Everything allocated beyond the shared region: the states, their alignment and the
+        base's alignment slack."""
+        return self.size - self.shared_bytes
+
+
+def shared_layout(graphs: Sequence[TaskGraph], plans: Sequence[MemPlan]) -> SharedArena:
+    """The states of ``graphs`` (planned as ``plans``) one after another past the largest plan;
+    for one graph, exactly :func:`own_layout`."""
+    if len(graphs) != len(plans) or not graphs:
+        raise ValueError(f"{len(graphs)} graphs for {len(plans)} plans: give one plan per graph")
+    shared = max(p.arena_bytes for p in plans)
+    states, at = [], shared
+    for graph, plan in zip(graphs, plans):
+        state = state_layout(graph, plan.arena_bytes, at)
+        states.append(state)
+        at = state.end
+    return SharedArena(shared, states, at + ALIGNMENT)
