@@ -44,11 +44,12 @@ COMPUTE_FAMILIES = ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "convolve", "co
                     "triton_mm", "cublas", "cudnn_generated")
 #: Name fragments of memory-bound kernels, tried before :data:`COMPUTE_FAMILIES`: some of them
 #: carry a compute word in their name (a split-K GEMM's reduction, a depthwise convolution,
-#: which reads each input once per output channel, a matrix-vector product).
+#: which reads each input once per output channel, a matrix-vector product, cuBLAS's vector
+#: scaling).
 MEMORY_FAMILIES = ("elementwise", "reduce", "pool", "bn_fw", "bn_bw", "batch_norm", "norm",
                    "cat", "copy", "nchwtonhwc", "nhwctonchw", "scalepacked", "gather", "scatter",
                    "softmax", "triton_poi", "triton_per", "triton_red", "depthwise",
-                   "gemv", "splitkreduce", "scan", "dropout", "fill", "transpose", "embedding",
+                   "gemv", "scal", "splitkreduce", "epilogue", "scan", "dropout", "fill", "transpose", "embedding",
                    "init_device_workspace")
 #: A kernel of no known family that moves at least this share of the DRAM bandwidth (its
 #: recorded bytes over its isolated time) is memory-bound.
@@ -132,6 +133,8 @@ def resident_blocks(threads: int, shared_mem: int, limits: SmLimits,
         raise ValueError(f"a block has at least one thread, not {threads}")
     warps = -(-threads // 32)
     shared = shared_mem + limits.shared_reserved_per_block
+    if shared_mem > limits.shared_per_block or threads > limits.threads_per_sm:
+        return Occupancy(0, 0.0, max(1.0, shared / limits.shared_per_sm), "launch")
     bounds = {"blocks": limits.blocks_per_sm, "threads": limits.warps_per_sm // warps,
               "shared memory": limits.shared_per_sm // shared if shared else limits.blocks_per_sm}
     shares = {"blocks": 1 / limits.blocks_per_sm, "threads": warps / limits.warps_per_sm,
@@ -140,8 +143,6 @@ def resident_blocks(threads: int, shared_mem: int, limits: SmLimits,
         per_warp = _round_up(registers * 32, 256)
         bounds["registers"] = (limits.registers_per_sm // per_warp) // warps
         shares["registers"] = per_warp * warps / limits.registers_per_sm
-    if shared_mem > limits.shared_per_block or threads > limits.threads_per_sm:
-        bounds["launch"] = 0
     limited_by = min(bounds, key=bounds.__getitem__)
     blocks = bounds[limited_by]
     return Occupancy(blocks, blocks * warps / limits.warps_per_sm, max(shares.values()),
