@@ -228,3 +228,15 @@ def test_a_phase_no_candidate_changes_is_not_timed_and_no_priorities_refuse_the_
     with pytest.raises(ValueError, match="with priorities"):
         pick_priorities(_Builder(spans=[range(0, 4)], priorities=None), 0, plain,
                         [_trial([0, 0, 0, 2])], lambda b, count: 1.0)
+
+
+def test_a_rule_named_in_the_options_serves_its_priorities_unmeasured():
+    from nimble.engine.priority_trials import forced_rule
+    from nimble.errors import InputError
+
+    plain = [0, 0, 0, 1]
+    ordering = [_trial([0, 0, 1, 1], "large_last"), _trial([1, 0, 1, 1], "compute_last")]
+    assert forced_rule("compute_last", ordering, plain) == [1, 0, 1, 1]
+    assert forced_rule("large_last", ordering[1:], plain) == plain  # changes nothing here
+    with pytest.raises(InputError, match="large_last, compute_last"):
+        forced_rule("smallest_first", ordering, plain)

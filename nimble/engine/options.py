@@ -58,12 +58,14 @@ class PrepareOptions:
         them, if that measures faster at prepare (:mod:`nimble.analysis.backfill`).  None: on
         for a training step, off for inference.  ``nm.backfill_trials`` says what was measured,
         ``nm.late_edges`` what was kept.
-    resource_order : bool
+    resource_order : bool or str
         Also builds each phase with resource-aware kernel priorities (memory-bound kernels and
         compute kernels with small footprints ahead of others of similar slack,
         :mod:`nimble.analysis.resources`) and keeps them where they measure faster at prepare.
         Needs ``priorities``.  ``nm.graph.meta["resource_order"]`` says what was measured and
-        kept.  Off until measured on the GPU.
+        kept.  Off until measured on the GPU.  A rule's name
+        (:data:`nimble.analysis.resources.RULES`) serves that rule's priorities unmeasured,
+        for side-by-side timing (``tools/resource_ab.py``).
     """
 
     arena_limit: int | str | None = "pool"
@@ -76,7 +78,7 @@ class PrepareOptions:
     recording: Any = None
     priorities: bool = True
     backfill: bool | None = None
-    resource_order: bool = False
+    resource_order: bool | str = False
 
     def proof_launches(self, training: bool) -> int:
         """How many launches the proof runs (``relaunches``, or its default for the kind)."""

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Callable, NamedTuple, Sequence
 
 from .. import driver
+from ..errors import InputError
 from ..analysis import backfill, resources
 from ..analysis.priorities import driver_priorities
 from ..analysis.schedule import Schedule, phase_spans
@@ -77,3 +78,14 @@ def pick_priorities(builder: PhaseBuilder, phase: int, plain: BuiltGraph,
     return got.built, resources.ResourcePicked(
         phase, got.plain_ms, got.trial_ms, tuple(t.trial.rule for t, _ in mine),
         tuple(c for _, c in mine), kept.trial.rule if kept else None)
+
+
+def forced_rule(rule: str, ordering: Sequence[PriorityTrial], plain: list[int] | None
+                ) -> list[int] | None:
+    """The priorities of ``rule``'s candidate in ``ordering`` (``plain`` where it changes
+    nothing), to serve without measuring: ``PrepareOptions(resource_order=rule)``, for tools
+    that time each candidate side by side."""
+    if rule not in resources.RULES:
+        raise InputError(f"PrepareOptions(resource_order={rule!r}): a rule is one of "
+                         f"{', '.join(resources.RULES)} (or True to measure them all)")
+    return next((t.priorities for t in ordering if t.trial.rule == rule), plain)
