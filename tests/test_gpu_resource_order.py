@@ -1,0 +1,96 @@
+"""Resource-aware kernel priorities on the GPU (PrepareOptions(resource_order=...)): the device's
+SM limits, a kept candidate built into the kernel nodes and proven, a rule served unmeasured."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import zoo_model
+
+pytestmark = pytest.mark.gpu
+
+
+def test_the_sm_limits_come_from_the_device():
+    import torch
+
+    from nimble.engine.priority_trials import device_limits
+
+    limits = device_limits()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    assert limits.sm_count == props.multi_processor_count
+    assert 0 < limits.shared_per_block <= limits.shared_per_sm
+    assert limits.threads_per_sm >= 1024 and limits.blocks_per_sm >= 16
+    assert limits.registers_per_sm >= 64 * 1024 and limits.dram_gbps > 500
+
+
+def _slack_and(options, model, x):
+    """The model prepared with the slack priorities (keeping its recording), then with
+    ``options`` on the same recording."""
+    import dataclasses
+
+    import nimble
+
+    plain = nimble.Nimble(model).prepare(
+        x, return_copies=True, options=nimble.PrepareOptions(relaunches=4, keep_recording=True))
+    assert "resource_order" not in plain.graph.meta
+    nm = nimble.Nimble(model).prepare(
+        x, return_copies=True,
+        options=dataclasses.replace(options, relaunches=4, recording=plain.recording))
+    return plain, nm
+
+
+def test_a_kept_candidate_is_built_into_the_kernel_nodes_and_proven(monkeypatch):
+    """googlenet has convolutions with large and small footprints beside pooling and
+    concatenation: with the timing stood in so that the first candidate wins, prepare keeps
+    it, every kernel node carries its priority, and the graph (proven at prepare) gives the
+    slack priorities' bits."""
+    import torch
+
+    import nimble
+    from nimble import driver
+    from nimble.engine import prepared as prepared_module
+
+    def first_candidate_fastest(before, stream):
+        seen: list[int] = []
+
+        def launch(built, count):
+            if id(built) not in seen:
+                seen.append(id(built))
+            k = seen.index(id(built))  # 0: the plain graph, launched first
+            return count * (10.0 if k == 0 else float(k))
+        return launch
+    monkeypatch.setattr(prepared_module, "_after_phases", first_candidate_fastest)
+    model, x = zoo_model("googlenet")
+    plain, nm = _slack_and(nimble.PrepareOptions(resource_order=True), model, x)
+    (report,) = nm.graph.meta["resource_order"]
+    assert report["phase"] == 0 and report["plain_ms"] == 10.0
+    assert report["trials"] and report["kept"] == report["trials"][0]["rule"]
+    ours, theirs = nm.kernel_priorities, plain.kernel_priorities
+    assert sum(a != b for a, b in zip(ours, theirs)) == report["trials"][0]["changed"] > 0
+    assert nm.launch_mode == "device-launchable"
+    built = nm.engine.built
+    for t in built.span:
+        if nm.graph.tasks[t].kind == "kernel":
+            assert driver.kernel_priority(built.nodes[t - built.span.start]) == ours[t]
+    for _ in range(3):
+        fresh = torch.randn_like(x)
+        assert torch.equal(nm(fresh), plain(fresh))
+
+
+def test_a_rule_named_in_the_options_moves_only_its_kernels_one_step_down():
+    import nimble
+    from nimble.analysis import resources
+    from nimble.engine.priority_trials import device_limits
+    from nimble.errors import InputError
+
+    model, x = zoo_model("googlenet")
+    plain, nm = _slack_and(nimble.PrepareOptions(resource_order="compute_last"), model, x)
+    assert "resource_order" not in nm.graph.meta  # served as named, nothing measured
+    profiles = resources.profile_tasks(nm.graph, device_limits())
+    ours, theirs = nm.kernel_priorities, plain.kernel_priorities
+    moved = [t for t in range(len(ours)) if ours[t] != theirs[t]]
+    assert moved
+    assert all(profiles[t].bound == resources.Bound.COMPUTE and ours[t] == theirs[t] + 1
+               for t in moved)
+    with pytest.raises(InputError, match="a rule is one of"):
+        nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(
+            recording=plain.recording, resource_order="smallest_first"))
