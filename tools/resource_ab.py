@@ -2,6 +2,7 @@
 
     python3 tools/resource_ab.py MODEL[,MODEL] [--dtype float32,float16] [--batch 1]
         [--rounds 7] [--iters 50]
+    python3 tools/resource_ab.py --fixtures FIXTURE[,FIXTURE]    (no GPU)
 
 Per model and dtype, Nimble multi-stream is prepared (inference) with the slack priorities (the
 default), with each rule of :data:`nimble.analysis.resources.RULES` served unmeasured
@@ -11,11 +12,17 @@ default), with each rule of :data:`nimble.analysis.resources.RULES` served unmea
 rounds' spread, the ratio to the critical-path limit of isolated task times (as ``nimble
 bench`` computes it), the speed-up over the slack priorities and how many tasks run at a
 different priority than with them.  Last, what the measured prepare timed and kept.
+
+``--fixtures`` names recorded fixtures (``tests/fixtures/NAME.json.gz``) instead: per fixture,
+its schedule as prepare makes it and, with the sm_90 defaults of
+:class:`nimble.analysis.resources.SmLimits` and six priority levels (the H100's), how many
+kernels each rule marks and how many tasks change priority.  No GPU needed.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -25,6 +32,9 @@ from nimble.cli import models
 from nimble.cli.bench import _critical_path_limit_us, parse_dtypes
 from nimble.cli.harness import time_rounds, to_dtype
 from nimble.driver.gpu import use_cudnn_benchmark
+
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+H100_LEVELS = 6  # the H100's and H200's stream priorities, 0 to -5
 
 
 def _variants(model, x) -> tuple[dict[str, nimble.Nimble], float]:
@@ -75,14 +85,47 @@ def measure(name: str, dtype: str, args) -> None:
         nm.close()
 
 
+def plan_fixture(name: str) -> None:
+    """What each rule changes on a recorded fixture (the analysis alone)."""
+    from nimble.analysis.deps import task_durations
+    from nimble.analysis.schedule import phase_spans
+    from nimble.engine.prepared import plan_graph
+    from nimble.ir.taskgraph import TaskGraph
+
+    graph = TaskGraph.load(FIXTURES / f"{name}.json.gz")
+    durations = task_durations(graph)
+    if durations is None:
+        print(f"{name}: the fixture carries no task times", flush=True)
+        return
+    n = len(graph.tasks)
+    schedule, _ = plan_graph(graph, True, None, "pool", durations)
+    profiles = resources.profile_tasks(graph, resources.SmLimits(), durations)
+    trials = resources.plan_trials(n, schedule.edges(), durations, H100_LEVELS, profiles,
+                                   phase_spans(schedule.phases, n))
+    counts = resources.summary(profiles)
+    print(f"{name}: {n} tasks, {len(schedule.streams)} streams; {counts['memory']} memory-bound, "
+          f"{counts['compute']} compute-bound ({counts['large compute']} with a large "
+          f"footprint), {counts['other']} unknown; "
+          + (", ".join(f"{t.rule} marks {t.marked}, reprioritises {t.changed}" for t in trials)
+             or "no candidate"), flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("models", help="comma-separated model names (nimble.cli.models)")
+    p.add_argument("models", nargs="?", default="",
+                   help="comma-separated model names (nimble.cli.models)")
+    p.add_argument("--fixtures", default="", help="comma-separated fixture names (no GPU)")
     p.add_argument("--dtype", default="float32", help="comma-separated dtypes")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=50)
     args = p.parse_args()
+    if args.fixtures:
+        for name in args.fixtures.split(","):
+            plan_fixture(name)
+        return 0
+    if not args.models:
+        p.error("name models (or --fixtures)")
     use_cudnn_benchmark()
     for name in args.models.split(","):
         for dtype in parse_dtypes(args.dtype):
