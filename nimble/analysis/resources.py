@@ -45,7 +45,7 @@ COMPUTE_FAMILIES = ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "convolve", "co
 #: Name fragments of memory-bound kernels, tried before :data:`COMPUTE_FAMILIES`: some of them
 #: carry a compute word in their name (a split-K GEMM's reduction, a depthwise convolution,
 #: which reads each input once per output channel, a matrix-vector product, cuBLAS's vector
-#: scaling).
+#: scaling, a GEMM's separate epilogue).
 MEMORY_FAMILIES = ("elementwise", "reduce", "pool", "bn_fw", "bn_bw", "batch_norm", "norm",
                    "cat", "copy", "nchwtonhwc", "nhwctonchw", "scalepacked", "gather", "scatter",
                    "softmax", "triton_poi", "triton_per", "triton_red", "depthwise",
