@@ -336,7 +336,7 @@ class _Stages:
         return SimpleNamespace(rec=SimpleNamespace(static_inputs=[example], graph=TaskGraph()),
                                memplan=SimpleNamespace(arena_bytes=1000 * batch),
                                seconds={"capture": 0.5}, schedule=None, priorities=None,
-                               trials=None)
+                               trials=None, ordering=[])
 
     def build(self, model, rec, schedule, plan, *, seconds, region, late_edges, **_):
         instance = self.arenas.index(region.arena)
@@ -346,6 +346,7 @@ class _Stages:
         built = SimpleNamespace(
             key=(instance, batch), region=region, late_edges=list(late_edges) or [(instance, 1)],
             given_late_edges=list(late_edges), seconds=seconds, backfill=[], memplan=plan,
+            priorities=None,
             builts=[SimpleNamespace(device_launch_refusal="")], graph=SimpleNamespace(meta={}),
             launcher=SimpleNamespace(lock=region.order.lock), recording=None)
         built.close = lambda: self.closed.append(built.key)
