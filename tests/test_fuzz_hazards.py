@@ -221,3 +221,18 @@ def test_a_targets_lead_is_the_longest_path_gap_to_its_partners():
     hazards = [Hazard(2, 3, "write-read", ARENA, 0, 8), Hazard(0, 2, "write-read", ARENA, 8, 16)]
     lead = lead_us(4, hazards, edges, [5.0, 30.0, 1.0, 2.0])
     assert lead == {2: 30.0, 0: 5.0}
+
+
+def test_targeted_picks_and_heavy_delays_take_late_edges_that_go_back():
+    from nimble.analysis.hazards import Hazard, TargetedPicks
+    from nimble.engine.fuzz import heavy_delay_ns
+    from nimble.ir.synthetic import branchy_graph
+
+    graph = branchy_graph()
+    n = len(graph.tasks)
+    edges = [(t, t + 1) for t in range(n - 1)]
+    late = [(n - 1, n - 3)]  # a training step's tail backfill: the anchor comes later
+    hazards = [Hazard(0, n - 3, "write-read", 0, 0, 4)]
+    picks = TargetedPicks(n, hazards, edges[:-2] + late, seed=0)
+    assert picks.targets
+    assert heavy_delay_ns(graph, edges[:-2] + late) > 0

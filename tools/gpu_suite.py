@@ -45,8 +45,9 @@ ZOO_MODELS = "resnet50,inception_v3,googlenet,mobilenet_v2,efficientnet_b0,nasne
              "pnasnet5large"
 ALL_MODELS = "branchy," + ZOO_MODELS
 QUICK_ARGS = ["--quick", "--rounds", "5", "--iters", "50"]
-#: GPU test files that measure the whole device's free memory: they run alone, after the rest.
-EXCLUSIVE = ("test_gpu_serving.py",)
+#: GPU test files that measure the whole device's free memory or serve under a time window:
+#: they run alone, after the rest.
+EXCLUSIVE = ("test_gpu_serving.py", "test_gpu_serve_bench.py")
 #: Rough minutes per GPU test file on an H100, to spread the files over ``--jobs`` processes
 #: (a file not listed counts 1).
 WEIGHTS = {"test_gpu_proof.py": 4, "test_gpu_debug_tools.py": 3, "test_gpu_runtime.py": 3,

@@ -27,7 +27,7 @@ class Dag:
 
     ``succs[u]`` and ``preds[v]`` are sorted and hold no duplicates.  With ``ordered`` False the
     edges may go either way (and a cycle is found only by :func:`topological_order`); only the
-    longest paths accept such a graph.
+    longest paths and :func:`reachability` accept such a graph.
     """
 
     n: int
@@ -264,8 +264,19 @@ def transitive_reduction(dag: Dag) -> Dag:
 
 
 def reachability(dag: Dag) -> list[int]:
-    """``r[u]``: bitset of every task reachable from ``u`` (``u`` itself excluded)."""
-    return _reduce(dag)[1]
+    """``r[u]``: bitset of every task reachable from ``u`` (``u`` itself excluded).
+
+    A DAG built with ``ordered=False`` (a backfill's late edges go against task order) is walked
+    backwards in :func:`topological_order`."""
+    if dag.ordered:
+        return _reduce(dag)[1]
+    reach = [0] * dag.n
+    for u in reversed(topological_order(dag)):
+        r = 0
+        for v in dag.succs[u]:
+            r |= reach[v] | (1 << v)
+        reach[u] = r
+    return reach
 
 
 def ancestors(dag: Dag) -> list[int]:

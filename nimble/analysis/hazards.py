@@ -152,7 +152,7 @@ class TargetedPicks:
     def __init__(self, n: int, hazards: Sequence[Hazard], edges: Sequence[tuple[int, int]],
                  seed: int = 0, chain: Sequence[ChainCosts] | None = None) -> None:
         edges = list(edges)
-        reach = reachability(dag_from_edges(n, edges))
+        reach = reachability(dag_from_edges(n, edges, ordered=False))  # late edges go back
         #: bit q of ``down[p]``: q is p or a descendant of p
         self.down = [r | (1 << t) for t, r in enumerate(reach)]
         joined = set(edges)
@@ -288,7 +288,7 @@ def lead_us(n: int, hazards: Iterable[Hazard], edges: Sequence[tuple[int, int]],
     """Per target, its natural lead over its partners: the longest gap (µs) between its
     earliest start and a partner's, on the longest paths over ``durations`` (isolated µs per
     task) in the DAG of ``edges``."""
-    before = path_lengths(dag_from_edges(n, edges), durations).before
+    before = path_lengths(dag_from_edges(n, edges, ordered=False), durations).before
     lead: dict[int, float] = {}
     for h in hazards:
         lead[h.earlier] = max(lead.get(h.earlier, 0.0), before[h.later] - before[h.earlier])

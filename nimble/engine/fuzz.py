@@ -133,7 +133,9 @@ def heavy_delay_ns(graph: TaskGraph, edges: Sequence[tuple[int, int]],
     if not any(durations):
         return HEAVY_DELAY_NS[1]
     inside = [(u, v) for u, v in edges if u in span and v in span]
-    length = critical_path(dag_from_edges(len(graph.tasks), inside), durations).length
+    # A backfill's late edges go against task order.
+    length = critical_path(dag_from_edges(len(graph.tasks), inside, ordered=False),
+                           durations).length
     return int(min(max(1000 * length, HEAVY_DELAY_NS[0]), HEAVY_DELAY_NS[1]))
 
 
