@@ -94,3 +94,37 @@ def test_a_rule_named_in_the_options_moves_only_its_kernels_one_step_down():
     with pytest.raises(InputError, match="a rule is one of"):
         nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(
             recording=plain.recording, resource_order="smallest_first"))
+
+
+def test_the_occupancy_worked_out_is_never_above_the_driver_s():
+    """Every kernel of googlenet: the resident blocks worked out from its launch, its
+    registers and static shared memory (read from the driver) are at least what the driver's
+    occupancy calculator gives (which may also round shared memory up and choose a smaller
+    shared-memory carveout), and equal for some."""
+    import nimble
+    from nimble import driver
+    from nimble.analysis import resources
+    from nimble.engine.priority_trials import device_limits, kernel_resources
+    from nimble.record.decode import kernel_function
+
+    model, x = zoo_model("googlenet")
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(
+        relaunches=1, fuzz=False, keep_recording=True))
+    rec = nm.recording
+    functions = kernel_resources(rec.graph, rec.nodes)
+    assert any(f.registers > 0 for f in functions)
+    profiles = resources.profile_tasks(rec.graph, device_limits(),
+                                       registers=[f.registers for f in functions],
+                                       static_shared=[f.static_shared for f in functions])
+    same = kernels = 0
+    for task, node, p in zip(rec.graph.tasks, rec.nodes, profiles):
+        if task.kind != "kernel":
+            continue
+        func = kernel_function(driver.kernel_node_params(node))
+        theirs = driver.max_active_blocks(func, p.threads, task.shared_mem)
+        ours = p.occupancy.resident_blocks
+        assert ours >= theirs, (task.id, task.short_name, ours, theirs, p.occupancy.limited_by)
+        kernels += 1
+        same += ours == theirs
+    print(f"{same} of {kernels} kernels: the driver's occupancy equals the one worked out")
+    assert kernels and same

@@ -240,3 +240,19 @@ def test_a_rule_named_in_the_options_serves_its_priorities_unmeasured():
     assert forced_rule("large_last", ordering[1:], plain) == plain  # changes nothing here
     with pytest.raises(InputError, match="large_last, compute_last"):
         forced_rule("smallest_first", ordering, plain)
+
+
+def test_a_kernel_s_registers_and_static_shared_memory_count_toward_its_footprint():
+    # 128 threads with 40 KiB of dynamic shared memory: 5 blocks an SM; with 80 KiB more of
+    # static shared memory, one; with 255 registers a thread (8192 a warp, 8 warps an SM), two
+    graph = TaskGraph(tasks=[_kernel(0, "cutlass::Kernel2", 128, 40 * 1024)])
+    alone, = resources.profile_tasks(graph, H100)
+    static, = resources.profile_tasks(graph, H100, static_shared=[80 * 1024])
+    registers, = resources.profile_tasks(graph, H100, registers=[255])
+    assert alone.occupancy.resident_blocks == 5 and not alone.large
+    assert static.occupancy.resident_blocks == 1 and static.large
+    assert static.shared_mem == 120 * 1024
+    assert (registers.occupancy.resident_blocks, registers.occupancy.limited_by) == \
+        (2, "registers")
+    with pytest.raises(ValueError, match="static shared memory"):
+        resources.profile_tasks(graph, H100, static_shared=[0, 0])

@@ -12,8 +12,9 @@ an SM's shared memory does not.
 (:data:`COMPUTE_FAMILIES`, :data:`MEMORY_FAMILIES`; a kernel of neither family counts as
 memory-bound when its recorded bytes over its isolated time reach :data:`MEMORY_BOUND_SHARE` of
 the device's DRAM bandwidth), and works out its footprint on one SM from its launch geometry
-against the device's :class:`SmLimits` (:func:`resident_blocks`).  The TaskGraph records no
-register counts, so the register limit counts only where a caller passes them.
+against the device's :class:`SmLimits` (:func:`resident_blocks`).  The TaskGraph records a
+launch's dynamic shared memory only: a kernel's registers and static shared memory are its
+function's, which the engine reads from the driver and passes in.
 
 **Candidates.**  Each candidate rule (:data:`RULES`) marks some kernels to go one step behind
 the others of similar slack: a marked kernel sits one level below the unmarked kernels of its
@@ -155,7 +156,7 @@ class Profile(NamedTuple):
     bound: str  # a :class:`Bound`
     blocks: int
     threads: int  # per block
-    shared_mem: int  # bytes per block
+    shared_mem: int  # bytes per block, dynamic and static
     occupancy: Occupancy | None  # None for a task that is no kernel
 
     @property
@@ -190,12 +191,15 @@ def task_bytes(graph: TaskGraph) -> list[int]:
 
 def profile_tasks(graph: TaskGraph, limits: SmLimits = SmLimits(),
                   durations: Sequence[float] | None = None,
-                  registers: Sequence[int | None] | None = None) -> list[Profile]:
+                  registers: Sequence[int | None] | None = None,
+                  static_shared: Sequence[int] | None = None) -> list[Profile]:
     """Every task's :class:`Profile`.  ``durations`` (isolated µs) let a kernel of no known
     family count as memory-bound by its bandwidth; ``registers`` (per thread, per task) add the
-    register limit to the occupancy."""
+    register limit to the occupancy, and ``static_shared`` (bytes per block, per task) adds to
+    the launch's dynamic shared memory."""
     n = len(graph.tasks)
-    for what, given in (("durations", durations), ("register counts", registers)):
+    for what, given in (("durations", durations), ("register counts", registers),
+                        ("static shared memory sizes", static_shared)):
         if given is not None and len(given) != n:
             raise ValueError(f"{len(given)} {what} for {n} tasks")
     moved = task_bytes(graph)
@@ -210,9 +214,10 @@ def profile_tasks(graph: TaskGraph, limits: SmLimits = SmLimits(),
             if gbps >= MEMORY_BOUND_SHARE * limits.dram_gbps:
                 bound = Bound.MEMORY
         threads = t.block[0] * t.block[1] * t.block[2]
-        occupancy = resident_blocks(threads, t.shared_mem, limits,
+        shared = t.shared_mem + (static_shared[t.id] if static_shared is not None else 0)
+        occupancy = resident_blocks(threads, shared, limits,
                                     registers[t.id] if registers is not None else None)
-        out.append(Profile(bound, t.grid[0] * t.grid[1] * t.grid[2], threads, t.shared_mem,
+        out.append(Profile(bound, t.grid[0] * t.grid[1] * t.grid[2], threads, shared,
                            occupancy))
     return out
 

@@ -31,13 +31,16 @@ from .nodes import (CallPath, add_dependencies, add_empty_node, add_event_record
 # The nodes Nimble builds from its own kernels and from recorded nodes.
 from .nodes import (add_function_node, add_kernel_node_like, add_memcpy_node_like,
                     add_memset_node_like, kernel_arguments, set_exec_kernel_arguments)
+# What a kernel takes of an SM.
+from .nodes import FunctionResources, function_resources, max_active_blocks
 
 __all__ = [
     "CallPath", "DeviceMemory", "Event", "Graph", "GraphExec", "LowBitsMemory", "Module",
     "add_dependencies", "add_empty_node", "add_event_record_node", "add_kernel_node",
     "add_memcpy_node", "add_memset_node", "address_range", "allow_dynamic_shared", "bindings", "call",
     "capture_graph", "checked_status", "copy_device", "copy_kernel_attributes", "copy_to_device",
-    "copy_to_host", "current_context", "device_attributes", "device_supports_stream_writes", "ensure_context",
+    "copy_to_host", "current_context", "device_attributes", "device_supports_stream_writes",
+    "ensure_context",
     "event_elapsed_ms", "fill_bytes_async", "function_name", "function_param_layout",
     "graph_nodes", "kernel_function_of", "kernel_node_params", "kernel_priority", "launch",
     "memcpy_node_params", "memset_node_params", "nimble_memory", "node_count", "node_type",
@@ -46,4 +49,5 @@ __all__ = [
     "add_function_node", "add_kernel_node_like", "add_memcpy_node_like", "add_memset_node_like",
     "kernel_arguments", "set_exec_kernel_arguments",
     "borrowed_graph", "graph_nodes_of", "node_count_of",
+    "FunctionResources", "function_resources", "max_active_blocks",
 ]

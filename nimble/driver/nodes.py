@@ -10,7 +10,7 @@ function.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, NamedTuple
 
 from .calls import bindings, call, checked_status, probe
 
@@ -77,6 +77,28 @@ def function_name(func) -> str:
     """A function's (mangled) name."""
     raw = call("cuFuncGetName", func)
     return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+
+
+class FunctionResources(NamedTuple):
+    """What one block of a function takes beyond its launch's dynamic shared memory."""
+
+    registers: int  # per thread
+    static_shared: int  # bytes of shared memory per block, fixed at compile time
+
+
+def function_resources(func) -> FunctionResources:
+    """A function's registers per thread and static shared memory per block."""
+    attr = bindings().CUfunction_attribute
+    return FunctionResources(
+        int(call("cuFuncGetAttribute", attr.CU_FUNC_ATTRIBUTE_NUM_REGS, func)),
+        int(call("cuFuncGetAttribute", attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func)))
+
+
+def max_active_blocks(func, threads: int, dynamic_shared: int) -> int:
+    """The driver's occupancy of ``func``: its blocks of ``threads`` threads and
+    ``dynamic_shared`` bytes of dynamic shared memory one SM holds at once."""
+    return int(call("cuOccupancyMaxActiveBlocksPerMultiprocessor", func, threads,
+                    dynamic_shared))
 
 
 def function_param_layout(func) -> list[tuple[int, int]]:

@@ -143,7 +143,7 @@ def _plan(model, example, training: bool, use_multi_stream: bool, max_streams: i
         if options.priorities and several else None
     trials = backfill_trials(rec.graph, schedule, durations()) \
         if options.backfill_on(training) and several else None
-    ordering = resource_trials(rec.graph, schedule, durations(), priority_range()) \
+    ordering = resource_trials(rec, schedule, durations(), priority_range()) \
         if options.resource_order and ranks is not None else []
     if isinstance(options.resource_order, str):  # one rule's priorities, served unmeasured
         ranks, ordering = forced_rule(options.resource_order, ordering, ranks), []

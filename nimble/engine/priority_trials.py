@@ -16,7 +16,7 @@ from ..errors import InputError
 from ..analysis import backfill, resources
 from ..analysis.priorities import driver_priorities
 from ..analysis.schedule import Schedule, phase_spans
-from ..ir.taskgraph import TaskGraph
+from ..ir.taskgraph import TaskGraph, TaskKind
 from .build import BuiltGraph
 from .rebuild import PhaseBuilder
 
@@ -37,14 +37,28 @@ def device_limits() -> resources.SmLimits:
         driver.device_attributes(torch.cuda.current_device(), resources.DEVICE_ATTRIBUTES))
 
 
-def resource_trials(graph: TaskGraph, schedule: Schedule, durations: Sequence[float],
+def kernel_resources(graph: TaskGraph, nodes: Sequence) -> list[driver.FunctionResources]:
+    """Per task, its kernel function's registers and static shared memory (zeros for a task
+    that is no kernel), read from its recorded node."""
+    from ..record.decode import kernel_function
+
+    none = driver.FunctionResources(0, 0)
+    return [driver.function_resources(kernel_function(driver.kernel_node_params(node)))
+            if t.kind == TaskKind.KERNEL else none for t, node in zip(graph.tasks, nodes)]
+
+
+def resource_trials(rec, schedule: Schedule, durations: Sequence[float],
                     priority_range: tuple[int, int] | None = None) -> list[PriorityTrial]:
     """The resource-aware priorities worth timing (:func:`nimble.analysis.resources.plan_trials`)
-    from each kernel's profile on the current device, as driver priority numbers
-    (``priority_range``: the device's ``(least, greatest)`` where the caller asked once)."""
+    from each kernel's profile on the current device (its registers and static shared memory
+    read from the recording's nodes), as driver priority numbers (``priority_range``: the
+    device's ``(least, greatest)`` where the caller asked once)."""
     least, greatest = priority_range or driver.stream_priority_range()
     n = len(durations)
-    profiles = resources.profile_tasks(graph, device_limits(), durations)
+    functions = kernel_resources(rec.graph, rec.nodes)
+    profiles = resources.profile_tasks(rec.graph, device_limits(), durations,
+                                       [f.registers for f in functions],
+                                       [f.static_shared for f in functions])
     trials = resources.plan_trials(n, schedule.edges(), durations, least - greatest + 1,
                                    profiles, phase_spans(schedule.phases, n))
     return [PriorityTrial(t, driver_priorities(t.levels, least, greatest)) for t in trials]
