@@ -16,7 +16,8 @@ different priority than with them.  Last, what the measured prepare timed and ke
 ``--fixtures`` names recorded fixtures (``tests/fixtures/NAME.json.gz``) instead: per fixture,
 its schedule as prepare makes it and, with the sm_90 defaults of
 :class:`nimble.analysis.resources.SmLimits` and six priority levels (the H100's), how many
-kernels each rule marks and how many tasks change priority.  No GPU needed.
+kernels each rule marks and how many tasks change priority, and how many neighbours on a stream
+the DAG leaves unordered.  No GPU needed.
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def measure(name: str, dtype: str, args) -> None:
 
 def plan_fixture(name: str) -> None:
     """What each rule changes on a recorded fixture (the analysis alone)."""
-    from nimble.analysis.deps import task_durations
+    from nimble.analysis.deps import build_dag, reachability, task_durations
     from nimble.analysis.schedule import phase_spans
     from nimble.engine.prepared import plan_graph
     from nimble.ir.taskgraph import TaskGraph
@@ -103,11 +104,15 @@ def plan_fixture(name: str) -> None:
     trials = resources.plan_trials(n, schedule.edges(), durations, H100_LEVELS, profiles,
                                    phase_spans(schedule.phases, n))
     counts = resources.summary(profiles)
+    reach = reachability(build_dag(graph))
+    free = sum(1 for tasks in schedule.streams for a, b in zip(tasks, tasks[1:])
+               if not (reach[a] >> b) & 1)
     print(f"{name}: {n} tasks, {len(schedule.streams)} streams; {counts['memory']} memory-bound, "
           f"{counts['compute']} compute-bound ({counts['large compute']} with a large "
           f"footprint), {counts['other']} unknown; "
           + (", ".join(f"{t.rule} marks {t.marked}, reprioritises {t.changed}" for t in trials)
-             or "no candidate"), flush=True)
+             or "no candidate")
+          + f"; {free} neighbours on a stream that the DAG leaves unordered", flush=True)
 
 
 def main() -> int:
