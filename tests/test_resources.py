@@ -232,14 +232,31 @@ def test_a_phase_no_candidate_changes_is_not_timed_and_no_priorities_refuse_the_
 
 def test_a_rule_named_in_the_options_serves_its_priorities_unmeasured():
     from nimble.engine.priority_trials import forced_rule
-    from nimble.errors import InputError
 
     plain = [0, 0, 0, 1]
     ordering = [_trial([0, 0, 1, 1], "large_last"), _trial([1, 0, 1, 1], "compute_last")]
     assert forced_rule("compute_last", ordering, plain) == [1, 0, 1, 1]
     assert forced_rule("large_last", ordering[1:], plain) == plain  # changes nothing here
-    with pytest.raises(InputError, match="large_last, compute_last"):
-        forced_rule("smallest_first", ordering, plain)
+
+
+def test_the_options_refuse_an_unknown_rule_and_ordering_without_priorities():
+    import nimble
+    from nimble.errors import InputError
+
+    with pytest.raises(InputError, match="a rule is one of large_last, compute_last"):
+        nimble.PrepareOptions(resource_order="smallest_first")
+    with pytest.raises(InputError, match="leave priorities=True"):
+        nimble.PrepareOptions(resource_order=True, priorities=False)
+    assert nimble.PrepareOptions(priorities=False).resource_order is False
+
+
+def test_without_the_option_or_without_priorities_nothing_is_planned():
+    from nimble.engine.priority_trials import planned_ordering
+
+    def untimed():
+        pytest.fail("timed")
+    assert planned_ordering(False, None, None, untimed, [0, 1], (0, -5)) == ([0, 1], [])
+    assert planned_ordering("large_last", None, None, untimed, None, (0, -5)) == (None, [])
 
 
 def test_a_kernel_s_registers_and_static_shared_memory_count_toward_its_footprint():

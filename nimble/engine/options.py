@@ -80,6 +80,18 @@ class PrepareOptions:
     backfill: bool | None = None
     resource_order: bool | str = False
 
+    def __post_init__(self) -> None:
+        from ..analysis.resources import RULES
+        from ..errors import InputError
+
+        order = self.resource_order
+        if isinstance(order, str) and order not in RULES:
+            raise InputError(f"PrepareOptions(resource_order={order!r}): a rule is one of "
+                             f"{', '.join(RULES)} (or True to measure them all)")
+        if order and not self.priorities:
+            raise InputError(f"PrepareOptions(resource_order={order!r}) orders kernels by "
+                             "their priorities: leave priorities=True")
+
     def proof_launches(self, training: bool) -> int:
         """How many launches the proof runs (``relaunches``, or its default for the kind)."""
         if self.relaunches is not None:

@@ -29,7 +29,7 @@ from .options import PrepareOptions
 from .profiler_guard import device_launch_allowed
 from .prepared import (ArenaRegion, Prepared, backfill_trials, build_prepared, kernel_priorities,
                        plan_graph, prove, prove_copy, task_times)
-from .priority_trials import PriorityTrial, forced_rule, resource_trials
+from .priority_trials import PriorityTrial, planned_ordering
 from .serving import (Bucket, BucketCost, InstanceCost, PrepareReport, Serving,
                       check_pad_shapes, close_partial, shapes_of)
 
@@ -143,10 +143,8 @@ def _plan(model, example, training: bool, use_multi_stream: bool, max_streams: i
         if options.priorities and several else None
     trials = backfill_trials(rec.graph, schedule, durations()) \
         if options.backfill_on(training) and several else None
-    ordering = resource_trials(rec, schedule, durations(), priority_range()) \
-        if options.resource_order and ranks is not None else []
-    if isinstance(options.resource_order, str):  # one rule's priorities, served unmeasured
-        ranks, ordering = forced_rule(options.resource_order, ordering, ranks), []
+    ranks, ordering = planned_ordering(options.resource_order, rec, schedule, durations, ranks,
+                                       priority_range())
     return _Planned(rec, schedule, memplan, ranks, trials, seconds, ordering)
 
 

@@ -12,7 +12,6 @@ import dataclasses
 from typing import Callable, NamedTuple, Sequence
 
 from .. import driver
-from ..errors import InputError
 from ..analysis import backfill, resources
 from ..analysis.priorities import driver_priorities
 from ..analysis.schedule import Schedule, phase_spans
@@ -99,7 +98,25 @@ def forced_rule(rule: str, ordering: Sequence[PriorityTrial], plain: list[int] |
     """The priorities of ``rule``'s candidate in ``ordering`` (``plain`` where it changes
     nothing), to serve without measuring: ``PrepareOptions(resource_order=rule)``, for tools
     that time each candidate side by side."""
-    if rule not in resources.RULES:
-        raise InputError(f"PrepareOptions(resource_order={rule!r}): a rule is one of "
-                         f"{', '.join(resources.RULES)} (or True to measure them all)")
     return next((t.priorities for t in ordering if t.trial.rule == rule), plain)
+
+
+class Ordering(NamedTuple):
+    """The priorities a graph is built with, and the candidates to time against them."""
+
+    priorities: list[int] | None
+    trials: list[PriorityTrial]
+
+
+def planned_ordering(resource_order: bool | str, rec, schedule: Schedule,
+                     durations: Callable[[], Sequence[float]], ranks: list[int] | None,
+                     priority_range: tuple[int, int]) -> Ordering:
+    """What ``PrepareOptions(resource_order=...)`` asks of a planned recording with the slack
+    priorities ``ranks``: nothing (off, or no priorities: ``ranks`` None), every candidate to
+    time (True), or one rule's priorities served as they are (a rule's name)."""
+    if not resource_order or ranks is None:
+        return Ordering(ranks, [])
+    trials = resource_trials(rec, schedule, durations(), priority_range)
+    if isinstance(resource_order, str):
+        return Ordering(forced_rule(resource_order, trials, ranks), [])
+    return Ordering(ranks, trials)
