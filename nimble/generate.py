@@ -194,7 +194,7 @@ class _BatchSteps:
     """One batch size's cache and prepared steps."""
 
     cache: Any
-    decode: Callable
+    decode: Callable | None  # None until prepared
     prefill: dict[int, Callable]  # prompt bucket -> prepared prefill
 
 
@@ -221,12 +221,14 @@ class Generator:
         prepare_step = prepare_step or prepare_with_nimble()
         try:
             for batch in self.limits.batch_sizes:
-                self._steps[batch] = self._prepare_batch(batch, prepare_step)
+                self._prepare_batch(batch, prepare_step)
         except BaseException:
             self.close()
             raise
 
-    def _prepare_batch(self, batch: int, prepare_step: PrepareStep) -> _BatchSteps:
+    def _prepare_batch(self, batch: int, prepare_step: PrepareStep) -> None:
+        """Prepare ``batch``'s steps into ``self._steps`` as they come (so that a failure
+        closes those already prepared)."""
         import transformers
 
         device = next(self.model.parameters()).device
@@ -237,14 +239,13 @@ class Generator:
         position = torch.zeros(1, dtype=torch.long, device=device)
         with torch.no_grad():  # allocates the cache's tensors before any capture
             self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        steps = _BatchSteps(cache, None, {})
+        steps = self._steps[batch] = _BatchSteps(cache, None, {})
         prefill = PrefillStep(self.model, cache).eval()
         for bucket in self.limits.prompt_buckets:
             example = (torch.zeros((batch, bucket), dtype=torch.long, device=device),
                        torch.full((1,), bucket - 1, dtype=torch.long, device=device))
             steps.prefill[bucket] = prepare_step(prefill, example)
         steps.decode = prepare_step(decode, (ids, position))
-        return steps
 
     @property
     def caches(self) -> dict[int, Any]:
