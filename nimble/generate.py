@@ -292,6 +292,21 @@ class Generator:
         self._steps = {}
 
 
+def library_greedy(model, input_ids, max_new_tokens: int, compiled: bool = False):
+    """transformers' own greedy tokens with a static cache, ``(B, n + max_new_tokens)``: what a
+    :class:`Generator` reproduces.  ``generate()`` compiles the decoding forward on a GPU
+    whenever the cache is static (``torch.compile``, mode ``"reduce-overhead"``); eager kernels
+    unless ``compiled``.  Never stops early at an end-of-sequence token."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the pad and end-of-sequence ids left unset
+        return model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                              do_sample=False, cache_implementation="static",
+                              disable_compile=not compiled, max_new_tokens=max_new_tokens,
+                              eos_token_id=None, pad_token_id=0)
+
+
 def _described(value) -> str:
     shape = getattr(value, "shape", None)
     return f"{type(value).__name__} of shape {tuple(shape)} and dtype {value.dtype}" \

@@ -6,14 +6,12 @@ The same loop over Nimble's graphs is ``tests/test_gpu_generate.py``.
 """
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from helpers import FIXTURE_DIR
 from nimble.errors import InputError
-from nimble.generate import Generator, Limits, pad_right, run_eagerly
+from nimble.generate import Generator, Limits, library_greedy, pad_right, run_eagerly
 
 VOCAB = 1000
 
@@ -79,15 +77,6 @@ def _tiny(name: str):
                                       num_attention_heads=4, num_key_value_heads=2,
                                       vocab_size=VOCAB)
     return transformers.LlamaForCausalLM(config).eval()
-
-
-def library_greedy(model, ids, new_tokens: int):
-    """transformers' greedy generation with a static cache, never stopping early."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              cache_implementation="static", max_new_tokens=new_tokens,
-                              eos_token_id=None, pad_token_id=0)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
