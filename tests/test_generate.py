@@ -180,3 +180,48 @@ def test_the_proof_restores_memory_the_graph_writes_outside_the_arena():
     private = {(train.buffers[b].address, train.buffers[b].size) for b in written_externals(train)}
     assert private and not private & set(shared_state(train))
     assert not shared_state(TaskGraph.load(FIXTURE_DIR / "resnet50.json.gz"))
+
+
+def test_the_generate_bench_times_every_mode_and_checks_every_sequence(monkeypatch, capsys):
+    """``nimble bench --generate`` on the CPU with its GPU parts stood in for (the model, the
+    synchronisation, Nimble's prepare, the trace): every mode timed, every sequence checked,
+    the table printed, and status 1 only when Nimble on eager kernels gives other tokens."""
+    pytest.importorskip("transformers")
+    import argparse
+
+    from nimble.cli import generate_bench
+
+    monkeypatch.setattr(generate_bench, "causal_lm", lambda name, dtype: _tiny("llama"))
+    monkeypatch.setattr(generate_bench, "require_gpu", lambda command: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(generate_bench, "_decode_step_shape", lambda generator, batch: {
+        "dag_width": 5, "streams": 4, "tasks": 60, "concurrency": 1.5})
+
+    def eager_generators(model, args, batch):
+        return {mode: Generator(model, max(args.prompt_lengths) + args.new_tokens,
+                                args.prompt_lengths, [batch], prepare_step=run_eagerly)
+                for mode in ("nimble", "nimble+inductor")}
+    monkeypatch.setattr(generate_bench, "_generators", eager_generators)
+    args = argparse.Namespace(models=["llama_small"], dtypes=["float32"], batches=[2],
+                              prompt_lengths=[8, 16], new_tokens=6, rounds=2, quiet=True,
+                              json=None, training=False, profiler=False)
+    assert generate_bench.run(args) == 0
+    report = capsys.readouterr().out
+    assert "llama_small (float32, batch 2): 6 new tokens" in report
+    for mode in generate_bench.MODES:
+        assert f"\n{mode} " in report, report
+    info = generate_bench.bench_generate("llama_small", args, "float32", 2)
+    assert set(info["modes"]) == set(generate_bench.MODES)
+    for row in info["modes"].values():
+        assert row["token_ms_median"] > 0 and set(row["prefill_ms"]) == {"8", "16"}
+        assert row["mismatch"] == {"sequences": 0, "first_token": None}
+    assert info["modes"]["static+compile"]["x_compiled"] == 1.0
+    info["modes"]["nimble"]["mismatch"] = {"sequences": 1, "first_token": 20}
+    assert generate_bench._status(generate_bench.Outcome(results=[info])) == 1
+
+
+def test_the_generate_bench_refuses_unknown_models_and_other_benches():
+    from nimble.cli.main import main
+
+    assert main(["bench", "--generate", "resnet50"]) == 2
+    assert main(["bench", "--generate", "--training", "gpt2"]) == 2
