@@ -122,6 +122,15 @@ def _counters(cache) -> list:
     return counters
 
 
+def _set_counters(counters: list, value) -> None:
+    """Every counter to ``value`` (a one-element tensor), as one plain device copy each: the
+    simplest node for a graph to relocate (a fused multi-tensor copy packs its addresses into
+    one struct argument)."""
+    source = value.view(())
+    for counter in counters:
+        counter.copy_(source)
+
+
 def _greedy(logits):
     """The argmax token of each row, taken as ``generate(do_sample=False)`` takes it (over the
     logits as float32: the first of equal maxima)."""
@@ -140,13 +149,14 @@ class PrefillStep(torch.nn.Module):
 
     def forward(self, ids, last):
         counters = _counters(self.cache)
-        torch._foreach_zero_(counters)
+        for counter in counters:
+            counter.zero_()
         positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         hidden = self.model.base_model(input_ids=ids, position_ids=positions,
                                        past_key_values=self.cache,
                                        use_cache=True).last_hidden_state
         logits = self.model.get_output_embeddings()(hidden.index_select(1, last))[:, 0]
-        torch._foreach_copy_(counters, [last.view(()) + 1] * len(counters))
+        _set_counters(counters, last + 1)
         return _greedy(logits), logits
 
 
@@ -160,8 +170,7 @@ class DecodeStep(torch.nn.Module):
         self.cache = cache
 
     def forward(self, ids, position):
-        counters = _counters(self.cache)
-        torch._foreach_copy_(counters, [position.view(())] * len(counters))
+        _set_counters(_counters(self.cache), position)
         positions = position.view(1, 1).expand(ids.shape[0], 1)
         logits = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache,
                             use_cache=True).logits[:, -1]
@@ -175,7 +184,8 @@ def prepare_with_nimble(options=None, compile_steps: bool = False) -> PrepareSte
     def prepare(module, example: tuple):
         from .api import Nimble
 
-        target = torch.compile(module) if compile_steps else module
+        # static shapes: each bucket compiled for its own, as Nimble records it
+        target = torch.compile(module, dynamic=False) if compile_steps else module
         return Nimble(target).prepare(example, options=options)
     return prepare
 

@@ -146,6 +146,7 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
 
     if args.new_tokens < 2:
         raise Fail("bench --generate: --new-tokens must be at least 2 (a decode step to time)")
+    torch._dynamo.reset()  # each case compiles afresh, within Dynamo's recompile limit
     model = causal_lm(name, dtype)
     torch.manual_seed(1)
     device = next(model.parameters()).device
