@@ -30,12 +30,13 @@ taken in the graph and the token goes back in as the next step's input.
 from __future__ import annotations
 
 import bisect
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .errors import InputError
+from .errors import CaptureError, InputError
 
 #: ``prepare_step(module, example_inputs) -> callable``: how a step module becomes what runs
 #: (Nimble's prepared graph by default; the module itself runs it eagerly).
@@ -244,9 +245,7 @@ class Generator:
         device = next(self.model.parameters()).device
         cache = transformers.StaticCache(config=self.model.config,
                                          max_cache_len=self.limits.max_cache_len)
-        decode = DecodeStep(self.model, cache).eval()
         ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
-        position = torch.zeros(1, dtype=torch.long, device=device)
         with torch.no_grad():  # allocates the cache's tensors before any capture
             self.model(input_ids=ids, past_key_values=cache, use_cache=True)
         steps = self._steps[batch] = _BatchSteps(cache, None, {})
@@ -254,8 +253,19 @@ class Generator:
         for bucket in self.limits.prompt_buckets:
             example = (torch.zeros((batch, bucket), dtype=torch.long, device=device),
                        torch.full((1,), bucket - 1, dtype=torch.long, device=device))
-            steps.prefill[bucket] = prepare_step(prefill, example)
-        steps.decode = prepare_step(decode, (ids, position))
+            with _where(f"the prefill of batch {batch} and {bucket} prompt tokens"):
+                steps.prefill[bucket] = prepare_step(prefill, example)
+        position = torch.full((1,), self.decode_position, dtype=torch.long, device=device)
+        with _where(f"the decode step of batch {batch}, prepared at cache position "
+                    f"{self.decode_position}"):
+            steps.decode = prepare_step(DecodeStep(self.model, cache).eval(), (ids, position))
+
+    @property
+    def decode_position(self) -> int:
+        """The cache position the decode steps are recorded at (the smallest prompt bucket): one
+        graph then serves every position, since the position is an input the graph reads on
+        the GPU."""
+        return self.limits.prompt_buckets[0]
 
     @property
     def caches(self) -> dict[int, Any]:
@@ -315,6 +325,21 @@ def library_greedy(model, input_ids, max_new_tokens: int, compiled: bool = False
                               do_sample=False, cache_implementation="static",
                               disable_compile=not compiled, max_new_tokens=max_new_tokens,
                               eos_token_id=None, pad_token_id=0)
+
+
+@contextmanager
+def _where(step: str) -> Iterator[None]:
+    """A :class:`CaptureError` of ``step`` says which step, at which position, and why one graph
+    cannot serve a forward that picks its work from the position on the host."""
+    try:
+        yield
+    except CaptureError as e:
+        raise CaptureError(
+            f"{step}: {e}. A decoding step runs as one graph for every cache position, with the "
+            "position read on the GPU; a forward that chooses its kernels from the position on "
+            "the host (another attention path at position 0, a Python branch on the cache's "
+            "length) cannot: keep the choice on the GPU (torch.where) or take the same path at "
+            "every position") from e
 
 
 def _described(value) -> str:

@@ -144,6 +144,23 @@ def test_a_failed_prepare_closes_the_steps_already_prepared():
     assert Step.closed == 2
 
 
+def test_a_step_that_cannot_be_one_graph_names_the_step_and_the_position_prepared():
+    """A forward that picks its work from the cache position on the host synchronises under
+    capture (a CaptureError from prepare); the Generator says which step, at which position."""
+    pytest.importorskip("transformers")
+    from nimble.errors import CaptureError
+    from nimble.generate import DecodeStep
+
+    def prepare_step(module, example):
+        if isinstance(module, DecodeStep):
+            raise CaptureError("the forward synchronises with the host at model.py:3")
+        return run_eagerly(module, example)
+    with pytest.raises(CaptureError, match=r"the decode step of batch 1, prepared at cache "
+                                           r"position 8: the forward synchronises .* one graph "
+                                           r"for every cache position"):
+        Generator(_tiny("gpt2"), 64, [8, 16], prepare_step=prepare_step)
+
+
 def test_the_step_modules_set_the_caches_counters_from_their_inputs():
     """Every launch starts from its inputs, not from how many launches ran before it: the
     counters are set inside the step (the proof and the per-task timing launch it often)."""
