@@ -242,3 +242,16 @@ def test_the_generate_bench_refuses_unknown_models_and_other_benches():
 
     assert main(["bench", "--generate", "resnet50"]) == 2
     assert main(["bench", "--generate", "--training", "gpt2"]) == 2
+
+
+def test_the_generate_bench_decodes_in_float16_unless_a_dtype_is_given(monkeypatch):
+    from nimble.cli import bench, main as cli
+
+    seen = []
+    monkeypatch.setattr(bench, "run_generate", lambda args: seen.append(args.dtypes) or 0)
+    for argv, dtypes in ((["bench", "--generate"], ["float16"]),
+                         (["bench", "--generate", "--dtype", "float32"], ["float32"]),
+                         (["bench", "--generate", "--dtype", "bfloat16,float16"],
+                          ["bfloat16", "float16"])):
+        assert bench.run(cli.build_parser("bench").parse_args(argv)) == 0
+        assert seen.pop() == dtypes

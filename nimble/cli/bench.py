@@ -42,6 +42,14 @@ def parse_dtypes(text: str) -> list[str]:
     return names_from(DTYPES, text)
 
 
+class DefaultDtypes(list):
+    """``--dtype``'s default, float32, told apart from ``--dtype float32`` given: with
+    ``--generate`` the default is float16 (decoders are served in half precision)."""
+
+    def __init__(self) -> None:
+        super().__init__(["float32"])
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("models", nargs="*", default=[], metavar="MODEL",
                    help=model_help(f"models to run (default {models.BUILTIN}; with --training, "
@@ -61,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(they compile for minutes)")
     p.add_argument("--no-inductor", action="store_true",
                    help="skip the nimble+inductor rows (Nimble on torch.compile(model)'s kernels)")
-    p.add_argument("--dtype", dest="dtypes", type=parse_dtypes, default=None,
+    p.add_argument("--dtype", dest="dtypes", type=parse_dtypes, default=DefaultDtypes(),
                    metavar="D,D,...",
                    help=f"run every model in each of these dtypes ({', '.join(DTYPES)}; "
                         "default float32, float16 with --generate)")
@@ -387,8 +395,9 @@ def summary_table(results: list[dict], dtype_column: bool | None = None) -> str:
 def run(args) -> int:
     """``nimble bench``."""
     args.models_given = bool(args.models)
-    args.dtypes = args.dtypes or (["float16"] if args.generate else ["float32"])
     if args.generate:
+        if isinstance(args.dtypes, DefaultDtypes):
+            args.dtypes = ["float16"]
         return run_generate(args)
     if args.profiler:
         return run_profiler(args)
