@@ -312,19 +312,28 @@ class Generator:
         self._steps = {}
 
 
-def library_greedy(model, input_ids, max_new_tokens: int, compiled: bool = False):
+def library_greedy(model, input_ids, max_new_tokens: int, compiled: bool = False,
+                   cache=None):
     """transformers' own greedy tokens with a static cache, ``(B, n + max_new_tokens)``: what a
     :class:`Generator` reproduces.  ``generate()`` compiles the decoding forward on a GPU
     whenever the cache is static (``torch.compile``, mode ``"reduce-overhead"``); eager kernels
-    unless ``compiled``.  Never stops early at an end-of-sequence token."""
+    unless ``compiled``.  ``cache``: a ``StaticCache`` to reset and generate in (a Generator's
+    length gives the attention the same shapes; one cache kept across calls keeps its
+    addresses, as ``generate()`` keeps its own); default, one ``generate()`` sizes for the
+    prompt and the new tokens.  Never stops early at an end-of-sequence token."""
     import warnings
 
+    if cache is None:
+        where = {"cache_implementation": "static"}
+    else:
+        cache.reset()
+        where = {"past_key_values": cache}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the pad and end-of-sequence ids left unset
         return model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                              do_sample=False, cache_implementation="static",
-                              disable_compile=not compiled, max_new_tokens=max_new_tokens,
-                              eos_token_id=None, pad_token_id=0)
+                              do_sample=False, disable_compile=not compiled,
+                              max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
+                              **where)
 
 
 @contextmanager

@@ -92,9 +92,15 @@ def test_the_token_loop_equals_the_librarys_greedy_generate_token_for_token(name
         got = generator.generate(ids, 24)
         assert got.shape == (batch, prompt_len + 24)
         assert torch.equal(got, library_greedy(model, ids, 24)), (batch, prompt_len)
-    # a generation that fills the cache to its last slot
+    # a generation that fills the cache to its last slot, against a cache of the same length
     ids = torch.randint(0, VOCAB, (1, 32))
     assert torch.equal(generator.generate(ids, 65), library_greedy(model, ids, 65))
+    import transformers
+
+    cache = transformers.StaticCache(config=model.config, max_cache_len=96)
+    for new_tokens in (30, 12):  # one cache, reset for each generation
+        assert torch.equal(generator.generate(ids, new_tokens),
+                           library_greedy(model, ids, new_tokens, cache=cache))
 
 
 def test_generate_refuses_what_was_not_prepared_with_the_limits():

@@ -67,20 +67,32 @@ def _seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def _library_generate(model, compiled: bool) -> Callable:
+def _library_generate(model, compiled: bool, max_cache_len: int) -> Callable:
     """``generate(ids, new_tokens)`` of transformers: eager with its default cache, or with a
-    static cache, compiled."""
+    static cache of ``max_cache_len`` tokens (the Generators' length), compiled."""
     import torch
 
     from ..generate import library_greedy
 
     if compiled:
-        return lambda ids, new: library_greedy(model, ids, new, compiled=True)
+        cache = _static_cache(model, max_cache_len)
+        return lambda ids, new: library_greedy(model, ids, new, compiled=True, cache=cache)
 
     def eager(ids, new):
         return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                               max_new_tokens=new, eos_token_id=None, pad_token_id=0)
     return eager
+
+
+def _static_cache(model, max_cache_len: int):
+    import transformers
+
+    return transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def _cache_len(args) -> int:
+    """Every static cache's length: the longest prompt and the new tokens."""
+    return max(args.prompt_lengths) + args.new_tokens
 
 
 def _generators(model, args, batch: int) -> dict:
@@ -90,7 +102,7 @@ def _generators(model, args, batch: int) -> dict:
     made: dict = {}
     try:
         for mode, compiled in (("nimble", False), ("nimble+inductor", True)):
-            made[mode] = Generator(model, max(args.prompt_lengths) + args.new_tokens,
+            made[mode] = Generator(model, _cache_len(args),
                                    args.prompt_lengths, [batch],
                                    prepare_step=prepare_with_nimble(compile_steps=compiled))
     except BaseException:
@@ -118,8 +130,7 @@ def _mismatches(got, want) -> dict:
 def _time_mode(run: Callable, prompts: dict, new: int, rounds: int) -> dict:
     """Prefill seconds per prompt length and per-token decode seconds of ``run(ids, new)``."""
     decode_ids = prompts[min(prompts)]
-    # warm-up: compilation, CUDA graph recording, the allocator; the longest prompt first, so
-    # that transformers sizes its static cache once for all
+    # warm-up: compilation, CUDA graph recording, the allocator
     for ids in [prompts[n] for n in sorted(prompts, reverse=True)] + [decode_ids]:
         run(ids, 1)
         run(ids, new)
@@ -155,13 +166,15 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
     decode_ids = prompts[min(prompts)]
     info: dict = {"model": name, "dtype": dtype, "batch": batch, "new_tokens": args.new_tokens,
                   "rounds": args.rounds, "modes": {}}
+    cache_len = _cache_len(args)
     step("the reference: transformers' greedy tokens, static cache, eager kernels")
-    want = library_greedy(model, decode_ids, args.new_tokens)
+    want = library_greedy(model, decode_ids, args.new_tokens,
+                          cache=_static_cache(model, cache_len))
     step("preparing the Nimble generators (eager kernels, Inductor's)")
     generators = _generators(model, args, batch)
     try:
-        runs = {"eager generate": _library_generate(model, compiled=False),
-                "static+compile": _library_generate(model, compiled=True),
+        runs = {"eager generate": _library_generate(model, False, cache_len),
+                "static+compile": _library_generate(model, True, cache_len),
                 **{mode: g.generate for mode, g in generators.items()}}
         for mode in MODES:
             step(f"timing {mode}")
