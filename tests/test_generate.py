@@ -241,6 +241,15 @@ def test_the_generate_bench_times_every_mode_and_checks_every_sequence(monkeypat
     assert info["modes"]["static+compile"]["x_compiled"] == 1.0
     info["modes"]["nimble"]["mismatch"] = {"sequences": 1, "first_token": 20}
     assert generate_bench._status(generate_bench.Outcome(results=[info])) == 1
+    # a mode that fails is reported on its own line; the others keep their numbers
+    monkeypatch.setattr(generate_bench, "_generators", lambda model, args, batch: {
+        **eager_generators(model, args, batch), "nimble+inductor": "RecordError: stand-in"})
+    info = generate_bench.bench_generate("llama_small", args, "float32", 2)
+    assert info["modes"]["nimble+inductor"] == {"error": "RecordError: stand-in"}
+    assert info["modes"]["nimble"]["x_compiled"] > 0 and "nimble+inductor" not in \
+        info["decode_step"]
+    assert "nimble+inductor: FAILED: RecordError: stand-in" in generate_bench.format_result(info)
+    assert generate_bench._status(generate_bench.Outcome(results=[info])) == 1
 
 
 def test_the_generate_bench_refuses_unknown_models_and_other_benches():

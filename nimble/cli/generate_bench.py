@@ -31,7 +31,7 @@ import statistics
 import time
 from typing import Callable
 
-from .common import Fail, positive_int, require_gpu
+from .common import Fail, one_line, positive_int, require_gpu
 from .decoders import CAUSAL_LMS, causal_lm
 from .harness import Case, Column, Outcome, format_table, run_cases, write_results
 from .output import outputs
@@ -96,28 +96,30 @@ def _cache_len(args) -> int:
 
 
 def _generators(model, args, batch: int) -> dict:
-    """The two Nimble generators, by mode."""
+    """The two Nimble generators by mode, or the one-line error that stopped one."""
     from ..generate import Generator, prepare_with_nimble
 
     made: dict = {}
-    try:
-        for mode, compiled in (("nimble", False), ("nimble+inductor", True)):
-            made[mode] = Generator(model, _cache_len(args),
-                                   args.prompt_lengths, [batch],
+    for mode, compiled in (("nimble", False), ("nimble+inductor", True)):
+        try:
+            made[mode] = Generator(model, _cache_len(args), args.prompt_lengths, [batch],
                                    prepare_step=prepare_with_nimble(compile_steps=compiled))
-    except BaseException:
-        for generator in made.values():
-            generator.close()
-        raise
+        except Exception as e:  # noqa: BLE001 - the other modes still run
+            made[mode] = one_line(e)
     return made
 
 
 def _decode_step_shape(generator, batch: int) -> dict:
-    """The decode step's DAG width, streams and achieved concurrency."""
+    """The decode step's DAG width, streams and achieved concurrency (None if the trace
+    failed, with its error)."""
     decode, _ = generator.steps(batch)
-    summary = decode.trace().summary()["phases"][0]
-    return {"dag_width": decode.schedule.width, "streams": len(decode.schedule.streams),
-            "tasks": len(decode.graph.tasks), "concurrency": summary["concurrency"]}
+    shape = {"dag_width": decode.schedule.width, "streams": len(decode.schedule.streams),
+             "tasks": len(decode.graph.tasks), "concurrency": None}
+    try:
+        shape["concurrency"] = decode.trace().summary()["phases"][0]["concurrency"]
+    except Exception as e:  # noqa: BLE001 - the timings stand without it
+        shape["trace_error"] = one_line(e)
+    return shape
 
 
 def _mismatches(got, want) -> dict:
@@ -165,7 +167,8 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
                for n in args.prompt_lengths}
     decode_ids = prompts[min(prompts)]
     info: dict = {"model": name, "dtype": dtype, "batch": batch, "new_tokens": args.new_tokens,
-                  "rounds": args.rounds, "modes": {}}
+                  "prompt_lengths": list(args.prompt_lengths), "rounds": args.rounds,
+                  "modes": {}}
     cache_len = _cache_len(args)
     step("the reference: transformers' greedy tokens, static cache, eager kernels")
     want = library_greedy(model, decode_ids, args.new_tokens,
@@ -175,25 +178,46 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
     try:
         runs = {"eager generate": _library_generate(model, False, cache_len),
                 "static+compile": _library_generate(model, True, cache_len),
-                **{mode: g.generate for mode, g in generators.items()}}
+                **{mode: g if isinstance(g, str) else g.generate
+                   for mode, g in generators.items()}}
         for mode in MODES:
             step(f"timing {mode}")
-            row = _time_mode(runs[mode], prompts, args.new_tokens, args.rounds)
-            row["tokens_per_s"] = batch / (row["token_ms_median"] / 1e3)
-            row["mismatch"] = _mismatches(runs[mode](decode_ids, args.new_tokens), want)
-            info["modes"][mode] = row
+            info["modes"][mode] = _mode_row(runs[mode], prompts, args, batch, want)
         step("tracing the decode steps")
         info["decode_step"] = {mode: _decode_step_shape(g, batch)
-                               for mode, g in generators.items()}
+                               for mode, g in generators.items() if not isinstance(g, str)}
     finally:
         for generator in generators.values():
-            generator.close()
-    compiled = info["modes"]["static+compile"]["tokens_per_s"]
-    eager = info["modes"]["eager generate"]["tokens_per_s"]
-    for row in info["modes"].values():
-        row["x_compiled"], row["x_eager"] = row["tokens_per_s"] / compiled, \
-            row["tokens_per_s"] / eager
+            if not isinstance(generator, str):
+                generator.close()
+    _add_speedups(info["modes"])
     return info
+
+
+def _mode_row(run: Callable | str, prompts: dict, args, batch: int, want) -> dict:
+    """One mode's timings and mismatches, or ``{"error": ...}`` (``run`` may be the error that
+    stopped its preparation)."""
+    if isinstance(run, str):
+        return {"error": run}
+    try:
+        row = _time_mode(run, prompts, args.new_tokens, args.rounds)
+        row["tokens_per_s"] = batch / (row["token_ms_median"] / 1e3)
+        row["mismatch"] = _mismatches(run(prompts[min(prompts)], args.new_tokens), want)
+    except Exception as e:  # noqa: BLE001 - the other modes still run
+        return {"error": one_line(e)}
+    return row
+
+
+def _add_speedups(modes: dict) -> None:
+    """Each timed mode's tokens/s over static+compile's and eager generate's (None where that
+    mode has no time)."""
+    def rate(mode: str):
+        return modes.get(mode, {}).get("tokens_per_s")
+    for row in modes.values():
+        if "tokens_per_s" in row:
+            row["x_compiled"], row["x_eager"] = (
+                row["tokens_per_s"] / base if base else None
+                for base in (rate("static+compile"), rate("eager generate")))
 
 
 def _columns(lengths: list[int]) -> list[Column]:
@@ -205,16 +229,19 @@ def _columns(lengths: list[int]) -> list[Column]:
 
 def format_result(info: dict) -> str:
     """One model, dtype and batch: a row per mode."""
-    lengths = sorted(int(n) for n in next(iter(info["modes"].values()))["prefill_ms"])
-    rows = []
+    lengths = sorted(int(n) for n in info["prompt_lengths"])
+    rows, failed = [], []
     for mode, r in info["modes"].items():
+        if "error" in r:
+            failed.append(f"{mode}: FAILED: {r['error']}")
+            continue
         shape = info.get("decode_step", {}).get(mode)
         rows.append([mode, f"{r['token_ms_median']:.3f}", f"{r['token_ms_p90']:.3f}",
-                     f"{r['tokens_per_s']:.0f}", f"{r['x_compiled']:.2f}", f"{r['x_eager']:.2f}",
+                     f"{r['tokens_per_s']:.0f}", _ratio(r["x_compiled"]), _ratio(r["x_eager"]),
                      *(f"{r['prefill_ms'][str(n)]:.2f}" for n in lengths),
                      str(r["mismatch"]["sequences"]),
                      *((str(shape["dag_width"]), str(shape["streams"]),
-                        f"{shape['concurrency']:.2f}") if shape else ("", "", ""))])
+                        _ratio(shape["concurrency"])) if shape else ("", "", ""))])
     head = (f"{info['model']} ({info['dtype']}, batch {info['batch']}): "
             f"{info['new_tokens']} new tokens, median of {info['rounds']} rounds")
     legend = ("ms/token, p90: decode latency per token (a generation of N tokens less one of 1 "
@@ -223,7 +250,11 @@ def format_result(info: dict) -> str:
               "N prompt tokens; differ: sequences whose tokens differ from transformers' greedy "
               "tokens (static cache, eager kernels); width: the decode step's DAG width; "
               "streams: its streams; conc: its achieved concurrency (nm.trace())")
-    return head + "\n" + format_table(_columns(lengths), rows, legend)
+    return "\n".join([head, format_table(_columns(lengths), rows, legend), *failed])
+
+
+def _ratio(value) -> str:
+    return "" if value is None else f"{value:.2f}"
 
 
 def run(args) -> int:
@@ -249,6 +280,11 @@ def run(args) -> int:
 
 
 def _status(outcome: Outcome) -> int:
-    """1 if a case failed or Nimble on eager kernels gave other tokens than the reference."""
-    differ = any(r["modes"][EXACT]["mismatch"]["sequences"] for r in outcome.results)
-    return 1 if differ or outcome.failed else 0
+    """1 if a case or a mode failed, or Nimble on eager kernels gave other tokens than the
+    reference."""
+    for result in outcome.results:
+        modes = result["modes"]
+        if any("error" in row for row in modes.values()) or \
+                modes[EXACT]["mismatch"]["sequences"]:
+            return 1
+    return 1 if outcome.failed else 0
