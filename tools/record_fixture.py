@@ -38,10 +38,9 @@ DEFAULT_MODELS = ["branchy", "gemm_chains", "resnet50", "inception_v3", "googlen
 TRANSFORMERS = ("gpt2", "llama_small")
 #: Tokens per sequence of their input ids.
 TOKENS = 128
-#: The Llama-architecture model's size, with grouped-query attention (each of the two key-value
-#: heads serves four query heads) as in the Llama family.
-LLAMA_SMALL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
-               "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 32000}
+# The Llama-architecture model's size lives beside the causal LMs that decoding is tested and
+# measured with (nimble/cli/decoders.py: gpt2_tiny, llama_1b, the language-model head on).
+from nimble.cli.decoders import LLAMA_SMALL  # noqa: E402
 
 
 def transformer_model(name: str, dtype: str = "float16", batch: int = 1):

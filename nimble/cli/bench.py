@@ -8,7 +8,8 @@ rounds and the spread (min–max) of the rounds.  Every call of the ``torch.cuda
 copies the input into the graph's static input before the replay, as a Nimble call copies its
 input in.
 
-``--training`` times training steps instead (:mod:`nimble.cli.train_bench`), ``--profiler``
+``--training`` times training steps instead (:mod:`nimble.cli.train_bench`), ``--generate``
+greedy decoding of causal LMs (:mod:`nimble.cli.generate_bench`), ``--profiler``
 Nimble before and after a torch profiler run (:mod:`nimble.cli.profiler_bench`).  ``--dtype``
 runs each model once per dtype (model and input converted before anything else); ``--quick``
 times only eager, ``torch.cuda.graph``, ``torch.compile`` (unless ``--no-compile``) and Nimble
@@ -27,6 +28,7 @@ from .common import (add_batch_argument, add_quiet_argument, model_help, names_f
                      parse_stream_caps, positive_int)
 from .harness import (Column, add_speedup, format_table, host_us, host_us_beside, mode_rows,
                       run_models, time_rounds, to_dtype, torch_graph_call, write_results)
+from .generate_bench import add_arguments as add_generate_arguments, run as run_generate
 from .profiler_bench import run as run_profiler
 from .train_bench import run as run_training
 from ..driver.gpu import use_cudnn_benchmark
@@ -38,6 +40,14 @@ DTYPES = ("float32", "float16", "bfloat16")
 def parse_dtypes(text: str) -> list[str]:
     """``--dtype``: comma-separated names from :data:`DTYPES`, in the order given, no repeats."""
     return names_from(DTYPES, text)
+
+
+class DefaultDtypes(list):
+    """``--dtype``'s default, float32, told apart from ``--dtype float32`` given: with
+    ``--generate`` the default is float16 (decoders are served in half precision)."""
+
+    def __init__(self) -> None:
+        super().__init__(["float32"])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,10 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(they compile for minutes)")
     p.add_argument("--no-inductor", action="store_true",
                    help="skip the nimble+inductor rows (Nimble on torch.compile(model)'s kernels)")
-    p.add_argument("--dtype", dest="dtypes", type=parse_dtypes, default=["float32"],
+    p.add_argument("--dtype", dest="dtypes", type=parse_dtypes, default=DefaultDtypes(),
                    metavar="D,D,...",
                    help=f"run every model in each of these dtypes ({', '.join(DTYPES)}; "
-                        "default float32)")
+                        "default float32, float16 with --generate)")
     p.add_argument("--quick", action="store_true",
                    help="time only eager, torch.cuda.graph, torch.compile and Nimble single and "
                         "multi: no stream-cap, uncapped or host-launch variants, no "
@@ -71,6 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time torch.cuda.graph and Nimble multi, multi host-launch and single "
                         "before and after a torch.profiler run of one eager forward, and fresh "
                         "ones prepared after it (issue 36)")
+    p.add_argument("--generate", action="store_true",
+                   help="time greedy decoding of causal LMs (gpt2, gpt2_tiny, llama_small, "
+                        "llama_1b; default gpt2 llama_1b) at batch 1 and 8: transformers' eager "
+                        "and compiled static-cache generate against Nimble on eager and "
+                        "Inductor's kernels (issue 37)")
+    add_generate_arguments(p)
     p.add_argument("--json", metavar="FILE",
                    help="write every number to FILE as JSON ('-': stdout; the text report then "
                         "goes to stderr)")
@@ -383,6 +399,10 @@ def run(args) -> int:
         return serve_bench.run(args)
     serve_bench.refuse_without_serve(args)
     args.models_given = bool(args.models)
+    if args.generate:
+        if isinstance(args.dtypes, DefaultDtypes):
+            args.dtypes = ["float16"]
+        return run_generate(args)
     if args.profiler:
         return run_profiler(args)
     if args.training:

@@ -32,9 +32,23 @@ def written_externals(graph: TaskGraph) -> list[int]:
     torch's allocator that the graph writes may be a tensor the model updates on purpose (a
     cache held as a plain attribute), so it stays shared.
     """
+    return [b.id for b in _written_outside(graph) if b.name.startswith(LIBRARY_MEMORY)]
+
+
+def shared_state(graph: TaskGraph) -> list[tuple[int, int]]:
+    """``(address, size)`` of the memory from torch's allocator, outside the arena, that the
+    graph writes: state the model updates on purpose (a static cache's keys, values and
+    position counters), which stays shared and which the proof restores before every launch
+    (:mod:`nimble.engine.proof`)."""
+    return [(b.address, b.size) for b in _written_outside(graph)
+            if not b.name.startswith(LIBRARY_MEMORY)]
+
+
+def _written_outside(graph: TaskGraph) -> list:
+    """The external buffers (allocated before the recording) that some task writes."""
     written = {a.buffer for t in graph.tasks for a in t.accesses if a.write and a.size > 0}
-    return [b.id for b in graph.buffers if b.kind == BufferKind.EXTERNAL and b.id in written
-            and b.size > 0 and b.name.startswith(LIBRARY_MEMORY)]
+    return [b for b in graph.buffers
+            if b.kind == BufferKind.EXTERNAL and b.id in written and b.size > 0]
 
 
 @dataclass(frozen=True)

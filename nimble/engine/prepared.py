@@ -14,7 +14,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from ..analysis import backfill
 from .. import driver
-from .arena_layout import StateLayout, own_layout, written_externals  # noqa: F401 (re-export)
+from .arena_layout import (StateLayout, own_layout, shared_state,  # noqa: F401 (re-export)
+                           written_externals)
 from .build import BuiltGraph, InputGather, buffer_bases
 from .fuzz import FuzzCopies, FuzzStats
 from .launcher import CallOrder, InputSlot, Launcher, RngCells, run_phases
@@ -487,6 +488,7 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
             [(prepared.arena_base, prepared.memplan.arena_bytes)] + low_word_ranges(prepared),
             prepared.launcher.stream(),
             relaunches=relaunches, rng_at=rng_at if rng else None,
+            state=shared_state(prepared.graph),
             repeats=4 if prepared.step is not None else 3, gradients=gradients, fuzz=copies,
             fuzz_budget=FuzzBudget(fuzz_launches, time_factor=FUZZ_TIME_FACTOR,
                                    spent_seconds=built - began))

@@ -272,6 +272,57 @@ def _expected_outputs(reference: Callable[[list], list], input_sets: list,
     return expected, spread
 
 
+class SharedState:
+    """Bytes a graph reads and writes that are not its own (a static key-value cache the model
+    updates on purpose), saved once and written back before every run.
+
+    A decode step reads the keys and values the earlier launches left: two input sets run in
+    turn would each see the other's writes, and the outputs would depend on the order of the
+    launches rather than on the inputs.  Every run of the proof (the reference's and the
+    rebuilt graph's alike) starts from the saved bytes, so each is held to its reference from
+    the same state; :meth:`close` leaves the memory as the proof found it.
+    """
+
+    def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        self.saved = [(address, size, torch.empty(size, dtype=torch.uint8, device=device))
+                      for address, size in ranges]
+        torch.cuda.synchronize()
+        for address, size, copy in self.saved:
+            driver.copy_device(copy.data_ptr(), address, size)
+        torch.cuda.synchronize()
+
+    def restore(self) -> None:
+        """Write the saved bytes back, after every earlier run and before any later one."""
+        import torch
+
+        torch.cuda.synchronize()
+        for address, size, copy in self.saved:
+            driver.copy_device(address, copy.data_ptr(), size)
+        torch.cuda.synchronize()
+
+    def before(self, run: Callable[[list], list]) -> Callable[[list], list]:
+        """``run`` with the state restored before each call."""
+        def restored(inputs: list) -> list:
+            self.restore()
+            return run(inputs)
+        return restored
+
+    def close(self) -> None:
+        """Leave the memory as it was saved and let go of the copies."""
+        self.restore()
+        self.saved = []
+
+
+class _RestoredFuzz:
+    """The fuzz launches of :class:`FuzzRuns`, each from the saved :class:`SharedState`."""
+
+    def __init__(self, fuzz: FuzzRuns, state: SharedState) -> None:
+        self.draw, self.run = fuzz.draw, state.before(fuzz.run)
+
+
 def verify_against_reference(graph: TaskGraph, reference: Callable[[list], list],
                              run: Callable[[list], list], example_inputs: Sequence,
                              extra_poison: Sequence[tuple[int, int]], stream,
@@ -279,7 +330,8 @@ def verify_against_reference(graph: TaskGraph, reference: Callable[[list], list]
                              rng_at: Callable[[int], None] | None = None,
                              repeats: int = 3, gradients: Sequence[int] = (),
                              fuzz: FuzzRuns | None = None,
-                             fuzz_budget: FuzzBudget | None = None) -> dict[int, float]:
+                             fuzz_budget: FuzzBudget | None = None,
+                             state: Sequence[tuple[int, int]] = ()) -> dict[int, float]:
     """Check ``run`` against ``reference`` as the module docstring says.
 
     ``reference(inputs)`` and ``run(inputs)`` each return the list of output tensors (the
@@ -293,12 +345,23 @@ def verify_against_reference(graph: TaskGraph, reference: Callable[[list], list]
     ``fuzz.draw()`` and checked the same way on the same alternating input sets.  Returns the
     outputs that were not proven bit for bit, with the largest difference seen (the
     reference's own spread where it varied, else the difference to the rebuilt graph).
+    ``state`` lists device ranges outside the graph's own memory that it writes on purpose:
+    every run starts from them as they were (:class:`SharedState`), and they are left so.
     """
     began = time.perf_counter()
-    ref = Reference.record(graph, reference, example_inputs, seed, rng_at, repeats, gradients)
-    poison(poison_ranges(graph) + list(extra_poison), stream)
-    ref.launches(run, max(relaunches, 1))
-    if fuzz is not None:
-        ref.fuzz_launches(fuzz, fuzz_budget or FuzzBudget(launches=max(relaunches, 1)),
-                          time.perf_counter() - began)
-    return ref.spread
+    shared = SharedState(state) if state else None
+    try:
+        if shared is not None:
+            reference, run = shared.before(reference), shared.before(run)
+            fuzz = _RestoredFuzz(fuzz, shared) if fuzz is not None else None
+        ref = Reference.record(graph, reference, example_inputs, seed, rng_at, repeats,
+                               gradients)
+        poison(poison_ranges(graph) + list(extra_poison), stream)
+        ref.launches(run, max(relaunches, 1))
+        if fuzz is not None:
+            ref.fuzz_launches(fuzz, fuzz_budget or FuzzBudget(launches=max(relaunches, 1)),
+                              time.perf_counter() - began)
+        return ref.spread
+    finally:
+        if shared is not None:
+            shared.close()

@@ -1,0 +1,45 @@
+"""The transformers causal language models that decoding is measured and tested with (random
+weights, no downloads; needs ``transformers``).
+
+``gpt2`` is ``GPT2Config()``'s 124M-parameter GPT-2; ``gpt2_tiny`` a 4-layer one for quick tests;
+``llama_small`` the Llama-architecture model of ``tools/record_fixture.py``'s fixtures;
+``llama_1b`` a Llama of about 0.85B parameters (hidden 2048, 16 layers, grouped-query attention
+with 8 key-value heads of 64).
+"""
+from __future__ import annotations
+
+#: The small Llama's size, with grouped-query attention (each of the two key-value heads serves
+#: four query heads) as in the Llama family.
+LLAMA_SMALL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
+               "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 32000}
+#: A Llama of about 0.85B parameters.
+LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000}
+#: A GPT-2 small enough for quick decoding tests.
+GPT2_TINY = {"n_layer": 4, "n_embd": 256, "n_head": 4}
+#: The names :func:`causal_lm` builds.
+CAUSAL_LMS = ("gpt2", "gpt2_tiny", "llama_small", "llama_1b")
+
+
+def config_of(name: str):
+    """The transformers config of ``name``."""
+    import transformers
+
+    if name in ("gpt2", "gpt2_tiny"):
+        return transformers.GPT2Config(**(GPT2_TINY if name == "gpt2_tiny" else {}))
+    if name in ("llama_small", "llama_1b"):
+        return transformers.LlamaConfig(**(LLAMA_1B if name == "llama_1b" else LLAMA_SMALL))
+    raise ValueError(f"no causal LM {name!r}; there are {', '.join(CAUSAL_LMS)}")
+
+
+def causal_lm(name: str, dtype: str = "float16"):
+    """``name``'s decoder with its language-model head on the GPU in eval mode, in ``dtype``,
+    random weights from seed 0."""
+    import torch
+    import transformers
+
+    config = config_of(name)
+    torch.manual_seed(0)
+    cls = transformers.GPT2LMHeadModel if name.startswith("gpt2") else \
+        transformers.LlamaForCausalLM
+    return cls(config).cuda().eval().to(getattr(torch, dtype))

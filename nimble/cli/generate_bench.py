@@ -1,0 +1,290 @@
+"""``nimble bench --generate``: greedy decoding of a causal LM, Nimble against transformers.
+
+Per model (:mod:`nimble.cli.decoders`), dtype and batch size, four modes generate the same
+greedy tokens from the same random prompts:
+
+- ``eager generate``: ``model.generate(do_sample=False)`` with its default (dynamic) cache;
+- ``static+compile``: ``generate(cache_implementation="static")``, for which transformers
+  compiles the decoding forward (``torch.compile``, mode ``"reduce-overhead"``: CUDA graphs);
+- ``nimble``: a :class:`nimble.generate.Generator` on the model's eager kernels;
+- ``nimble+inductor``: the same on ``torch.compile(step)``'s kernels (default mode).
+
+Each round times, per mode, a generation of one new token (the prefill, and the argmax) and one
+of ``--new-tokens`` tokens, on prompts of the first ``--prompt-lengths``; a token's decode
+latency is their difference over ``--new-tokens - 1`` tokens (the median and p90 over
+``--rounds`` rounds), tokens/s the batch over it.  The prefill latency of every prompt length is
+the one-token generation's time.  Every time includes the host's work, the point of the
+comparison, between ``torch.cuda.synchronize()`` calls.
+
+Every generated sequence is checked against transformers' greedy tokens with a static cache and
+eager kernels (:func:`nimble.generate.library_greedy`).  ``nimble`` runs those kernels and must
+equal them token for token: a differing sequence there ends the command with status 1.  The
+other modes run other kernels (another cache, Inductor's fusions), whose rounding may flip a
+near-tie between two tokens of random weights: their differing sequences are counted and
+shown.  Beside the table: the decode step's DAG width (the analysis stage's largest set of
+mutually independent tasks), its streams, and its achieved concurrency (tasks in flight on
+average, ``nm.trace()``).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+from .common import Fail, one_line, positive_int, require_gpu
+from .decoders import CAUSAL_LMS, causal_lm
+from .harness import Case, Column, Outcome, format_table, run_cases, write_results
+from .output import outputs
+from ..progress import say
+
+#: The modes, in table order.
+MODES = ("eager generate", "static+compile", "nimble", "nimble+inductor")
+#: The mode whose kernels are the reference's own: its tokens must equal the reference's.
+EXACT = "nimble"
+DEFAULT_MODELS = ["gpt2", "llama_1b"]
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``--prompt-lengths``: comma-separated positive integers."""
+    return sorted({positive_int(part) for part in text.split(",") if part.strip()})
+
+
+def add_arguments(p) -> None:
+    """The options only ``--generate`` reads (``bench.py`` adds the flag itself)."""
+    p.add_argument("--prompt-lengths", type=parse_lengths, default=[128, 512], metavar="N,N",
+                   help="--generate: prompt lengths, one prefill bucket each (default 128,512)")
+    p.add_argument("--new-tokens", type=positive_int, default=64,
+                   help="--generate: tokens generated per sequence (default 64)")
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _library_generate(model, compiled: bool, max_cache_len: int) -> Callable:
+    """``generate(ids, new_tokens)`` of transformers: eager with its default cache, or with a
+    static cache of ``max_cache_len`` tokens (the Generators' length), compiled."""
+    import torch
+
+    from ..generate import library_greedy
+
+    if compiled:
+        cache = _static_cache(model, max_cache_len)
+        return lambda ids, new: library_greedy(model, ids, new, compiled=True, cache=cache)
+
+    def eager(ids, new):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=new, eos_token_id=None, pad_token_id=0)
+    return eager
+
+
+def _static_cache(model, max_cache_len: int):
+    import transformers
+
+    return transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def _cache_len(args) -> int:
+    """Every static cache's length: the longest prompt and the new tokens."""
+    return max(args.prompt_lengths) + args.new_tokens
+
+
+def _generators(model, args, batch: int) -> dict:
+    """The two Nimble generators by mode, or the one-line error that stopped one."""
+    from ..generate import Generator, prepare_with_nimble
+
+    made: dict = {}
+    for mode, compiled in (("nimble", False), ("nimble+inductor", True)):
+        try:
+            made[mode] = Generator(model, _cache_len(args), args.prompt_lengths, [batch],
+                                   prepare_step=prepare_with_nimble(compile_steps=compiled))
+        except Exception as e:  # noqa: BLE001 - the other modes still run
+            made[mode] = one_line(e)
+    return made
+
+
+def _decode_step_shape(generator, batch: int) -> dict:
+    """The decode step's DAG width, streams and achieved concurrency (None if the trace
+    failed, with its error)."""
+    decode, _ = generator.steps(batch)
+    shape = {"dag_width": decode.schedule.width, "streams": len(decode.schedule.streams),
+             "tasks": len(decode.graph.tasks), "concurrency": None}
+    try:
+        shape["concurrency"] = decode.trace().summary()["phases"][0]["concurrency"]
+    except Exception as e:  # noqa: BLE001 - the timings stand without it
+        shape["trace_error"] = one_line(e)
+    return shape
+
+
+def _mismatches(got, want) -> dict:
+    """How many sequences differ from the reference, and the first differing new token."""
+    rows = (got != want).any(dim=1)
+    columns = (got != want).any(dim=0).nonzero().flatten().tolist()
+    return {"sequences": int(rows.sum()), "first_token": columns[0] if columns else None}
+
+
+def _time_mode(run: Callable, prompts: dict, new: int, rounds: int) -> dict:
+    """Prefill seconds per prompt length and per-token decode seconds of ``run(ids, new)``."""
+    decode_ids = prompts[min(prompts)]
+    # warm-up: compilation, CUDA graph recording, the allocator
+    for ids in [prompts[n] for n in sorted(prompts, reverse=True)] + [decode_ids]:
+        run(ids, 1)
+        run(ids, new)
+    per_token, prefill = [], {n: [] for n in prompts}
+    for _ in range(rounds):
+        one, full = _seconds(lambda: run(decode_ids, 1)), _seconds(lambda: run(decode_ids, new))
+        per_token.append((full - one) / (new - 1))
+        for n, ids in prompts.items():
+            prefill[n].append(_seconds(lambda ids=ids: run(ids, 1)))
+    ordered = sorted(per_token)
+    return {"token_ms_median": 1e3 * statistics.median(ordered),
+            "token_ms_p90": 1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+            "prefill_ms": {str(n): 1e3 * statistics.median(v) for n, v in prefill.items()}}
+
+
+def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
+    """Every mode's numbers for ``name`` in ``dtype`` at ``batch``."""
+    import torch
+
+    from ..generate import library_greedy
+
+    def step(what: str) -> None:
+        say(f"{name} ({dtype}, batch {batch}): {what}", args.quiet, "bench")
+
+    if args.new_tokens < 2:
+        raise Fail("bench --generate: --new-tokens must be at least 2 (a decode step to time)")
+    torch._dynamo.reset()  # each case compiles afresh, within Dynamo's recompile limit
+    model = causal_lm(name, dtype)
+    torch.manual_seed(1)
+    device = next(model.parameters()).device
+    prompts = {n: torch.randint(0, model.config.vocab_size, (batch, n), device=device)
+               for n in args.prompt_lengths}
+    decode_ids = prompts[min(prompts)]
+    info: dict = {"model": name, "dtype": dtype, "batch": batch, "new_tokens": args.new_tokens,
+                  "prompt_lengths": list(args.prompt_lengths), "rounds": args.rounds,
+                  "modes": {}}
+    cache_len = _cache_len(args)
+    step("the reference: transformers' greedy tokens, static cache, eager kernels")
+    want = library_greedy(model, decode_ids, args.new_tokens,
+                          cache=_static_cache(model, cache_len))
+    step("preparing the Nimble generators (eager kernels, Inductor's)")
+    generators = _generators(model, args, batch)
+    try:
+        runs = {"eager generate": _library_generate(model, False, cache_len),
+                "static+compile": _library_generate(model, True, cache_len),
+                **{mode: g if isinstance(g, str) else g.generate
+                   for mode, g in generators.items()}}
+        for mode in MODES:
+            step(f"timing {mode}")
+            info["modes"][mode] = _mode_row(runs[mode], prompts, args, batch, want)
+        step("tracing the decode steps")
+        info["decode_step"] = {mode: _decode_step_shape(g, batch)
+                               for mode, g in generators.items() if not isinstance(g, str)}
+    finally:
+        for generator in generators.values():
+            if not isinstance(generator, str):
+                generator.close()
+    _add_speedups(info["modes"])
+    return info
+
+
+def _mode_row(run: Callable | str, prompts: dict, args, batch: int, want) -> dict:
+    """One mode's timings and mismatches, or ``{"error": ...}`` (``run`` may be the error that
+    stopped its preparation)."""
+    if isinstance(run, str):
+        return {"error": run}
+    try:
+        row = _time_mode(run, prompts, args.new_tokens, args.rounds)
+        row["tokens_per_s"] = batch / (row["token_ms_median"] / 1e3)
+        row["mismatch"] = _mismatches(run(prompts[min(prompts)], args.new_tokens), want)
+    except Exception as e:  # noqa: BLE001 - the other modes still run
+        return {"error": one_line(e)}
+    return row
+
+
+def _add_speedups(modes: dict) -> None:
+    """Each timed mode's tokens/s over static+compile's and eager generate's (None where that
+    mode has no time)."""
+    def rate(mode: str):
+        return modes.get(mode, {}).get("tokens_per_s")
+    for row in modes.values():
+        if "tokens_per_s" in row:
+            row["x_compiled"], row["x_eager"] = (
+                row["tokens_per_s"] / base if base else None
+                for base in (rate("static+compile"), rate("eager generate")))
+
+
+def _columns(lengths: list[int]) -> list[Column]:
+    return [Column("mode", 17, left=True), Column("ms/token", 10), Column("p90", 8),
+            Column("tokens/s", 10), Column("x comp", 8), Column("x eager", 8),
+            *(Column(f"prefill {n}", 12) for n in lengths), Column("differ", 8),
+            Column("width", 7), Column("streams", 8), Column("conc", 6)]
+
+
+def format_result(info: dict) -> str:
+    """One model, dtype and batch: a row per mode."""
+    lengths = sorted(int(n) for n in info["prompt_lengths"])
+    rows, failed = [], []
+    for mode, r in info["modes"].items():
+        if "error" in r:
+            failed.append(f"{mode}: FAILED: {r['error']}")
+            continue
+        shape = info.get("decode_step", {}).get(mode)
+        rows.append([mode, f"{r['token_ms_median']:.3f}", f"{r['token_ms_p90']:.3f}",
+                     f"{r['tokens_per_s']:.0f}", _ratio(r["x_compiled"]), _ratio(r["x_eager"]),
+                     *(f"{r['prefill_ms'][str(n)]:.2f}" for n in lengths),
+                     str(r["mismatch"]["sequences"]),
+                     *((str(shape["dag_width"]), str(shape["streams"]),
+                        _ratio(shape["concurrency"])) if shape else ("", "", ""))])
+    head = (f"{info['model']} ({info['dtype']}, batch {info['batch']}): "
+            f"{info['new_tokens']} new tokens, median of {info['rounds']} rounds")
+    legend = ("ms/token, p90: decode latency per token (a generation of N tokens less one of 1 "
+              "token, over N-1); tokens/s: batch / ms per token; x comp, x eager: tokens/s over "
+              "static+compile's, eager generate's; prefill N: ms of a one-token generation from "
+              "N prompt tokens; differ: sequences whose tokens differ from transformers' greedy "
+              "tokens (static cache, eager kernels); width: the decode step's DAG width; "
+              "streams: its streams; conc: its achieved concurrency (nm.trace())")
+    return "\n".join([head, format_table(_columns(lengths), rows, legend), *failed])
+
+
+def _ratio(value) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def run(args) -> int:
+    """``nimble bench --generate [MODEL ...]``."""
+    if args.training or args.profiler:
+        raise Fail("bench: --generate times decoding; leave out --training and --profiler")
+    names = args.models or DEFAULT_MODELS
+    unknown = [n for n in names if n not in CAUSAL_LMS]
+    if unknown:
+        raise Fail(f"bench --generate: no causal LM {', '.join(unknown)}; there are "
+                   f"{', '.join(CAUSAL_LMS)}")
+    out = outputs(args, "json")
+    require_gpu("bench --generate")
+    batches = args.batches or [1, 8]
+    cases = [Case(f"{name} ({dtype}, batch {batch})", {"model": name, "dtype": dtype,
+                                                        "batch": batch},
+                  lambda name=name, dtype=dtype, batch=batch:
+                  bench_generate(name, args, dtype, batch))
+             for name in names for dtype in args.dtypes for batch in batches]
+    outcome = run_cases(cases, format_result, out.report)
+    write_results(args, out, outcome, "bench --generate results", generate=True)
+    return _status(outcome)
+
+
+def _status(outcome: Outcome) -> int:
+    """1 if a case or a mode failed, or Nimble on eager kernels gave other tokens than the
+    reference."""
+    for result in outcome.results:
+        modes = result["modes"]
+        if any("error" in row for row in modes.values()) or \
+                modes[EXACT]["mismatch"]["sequences"]:
+            return 1
+    return 1 if outcome.failed else 0

@@ -1,0 +1,357 @@
+"""Greedy decoding of a Hugging Face causal LM as one graph launch per token, over a static cache.
+
+A :class:`Generator` holds, per batch size, one transformers ``StaticCache`` (its key and value
+tensors allocated once, before any recording, so every graph reads and writes them in place at
+fixed addresses) and two kinds of step module over it:
+
+- :class:`PrefillStep` (one graph per prompt-length bucket): ``(ids (B, P), last (1,))`` ->
+  ``(next token (B,), its logits (B, V))``.  It starts the cache's position counters at 0,
+  writes slots ``0..P-1``, and ends with the counters at ``last + 1``: a prompt of ``n`` tokens
+  runs in the smallest bucket ``P >= n``, padded on the right (causal attention keeps the real
+  tokens from seeing the padding, and the decode steps' mask hides the padded slots until they
+  are overwritten), and ``last = n - 1`` picks the logits of its last real token.
+- :class:`DecodeStep` (one graph per batch size): ``(ids (B, 1), position (1,))`` ->
+  ``(next token (B,), its logits (B, V))``.  It sets the counters to ``position`` first, so the
+  token is written to slot ``position`` and attends to slots ``0..position``, and the position
+  ids are ``position`` for every row (prompts of one length, unpadded, as ``generate()`` sees
+  them).
+
+transformers keeps a static cache's position in the cache itself (``cumulative_length``, a
+tensor per layer that ``update`` advances on the GPU), not in an argument: the step modules set
+those counters from their inputs inside the graph, which keeps every launch independent of how
+many launches ran before (the per-task timing and the proof in ``prepare()`` launch the graph
+many times).  The key and value tensors are state that a launch reads as the earlier launches
+left it; the proof restores that state before every launch (:mod:`nimble.engine.proof`).
+
+A generation is one prefill launch, then per token one cell write for each of the two inputs,
+one launch and one copy of the token into the result, with no host round trip: the argmax is
+taken in the graph and the token goes back in as the next step's input.
+"""
+from __future__ import annotations
+
+import bisect
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .errors import CaptureError, InputError
+
+#: ``prepare_step(module, example_inputs) -> callable``: how a step module becomes what runs
+#: (Nimble's prepared graph by default; the module itself runs it eagerly).
+PrepareStep = Callable[[Any, tuple], Callable]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a :class:`Generator` was prepared for."""
+
+    max_cache_len: int
+    prompt_buckets: tuple[int, ...]  # ascending prompt lengths, one prefill graph each
+    batch_sizes: tuple[int, ...]  # ascending
+
+    @classmethod
+    def checked(cls, max_cache_len: int, prompt_buckets: Sequence[int],
+                batch_sizes: Sequence[int]) -> "Limits":
+        """The limits, or an :class:`InputError` saying which argument is wrong."""
+        buckets, batches = tuple(sorted(set(prompt_buckets))), tuple(sorted(set(batch_sizes)))
+        if not buckets or not batches:
+            raise InputError("give at least one prompt-length bucket and one batch size "
+                             f"(got prompt_buckets={list(prompt_buckets)}, "
+                             f"batch_sizes={list(batch_sizes)})")
+        if any(not isinstance(v, int) or v < 1 for v in buckets + batches + (max_cache_len,)):
+            raise InputError("prompt buckets, batch sizes and max_cache_len must be positive "
+                             f"integers (got prompt_buckets={list(prompt_buckets)}, batch_sizes="
+                             f"{list(batch_sizes)}, max_cache_len={max_cache_len!r})")
+        if buckets[-1] >= max_cache_len:
+            raise InputError(f"the largest prompt bucket ({buckets[-1]} tokens) leaves no room "
+                             f"to generate in a cache of {max_cache_len} tokens: raise "
+                             "max_cache_len or lower the bucket")
+        return cls(max_cache_len, buckets, batches)
+
+    def bucket_for(self, prompt_len: int) -> int:
+        """The smallest prompt bucket that holds ``prompt_len`` tokens."""
+        if prompt_len < 1:
+            raise InputError("the prompt is empty: give at least one token per sequence")
+        at = bisect.bisect_left(self.prompt_buckets, prompt_len)
+        if at == len(self.prompt_buckets):
+            raise InputError(
+                f"a prompt of {prompt_len} tokens is longer than the largest prepared bucket "
+                f"({self.prompt_buckets[-1]} tokens; buckets {list(self.prompt_buckets)}, cache "
+                f"{self.max_cache_len} tokens): shorten it, or build the Generator with a "
+                "larger bucket (and max_cache_len)")
+        return self.prompt_buckets[at]
+
+    def check(self, batch: int, prompt_len: int, max_new_tokens: int) -> int:
+        """The bucket for a generation, or an :class:`InputError` naming the limit it breaks."""
+        if batch not in self.batch_sizes:
+            raise InputError(f"batch size {batch} was not prepared; the Generator has "
+                             f"{list(self.batch_sizes)}: build it with batch_sizes including "
+                             f"{batch}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be a positive integer (got {max_new_tokens!r})")
+        bucket = self.bucket_for(prompt_len)
+        # every generated token but the last is written to the cache
+        needed = prompt_len + max_new_tokens - 1
+        if needed > self.max_cache_len:
+            raise InputError(
+                f"a prompt of {prompt_len} tokens and {max_new_tokens} new tokens need a cache of "
+                f"{needed} tokens; the cache holds {self.max_cache_len}: generate at most "
+                f"{self.max_cache_len - prompt_len + 1} new tokens, or build the Generator with "
+                f"max_cache_len >= {needed}")
+        return bucket
+
+
+def pad_right(input_ids, bucket: int, pad_id: int = 0):
+    """``input_ids`` (B, n) padded on the right to (B, bucket) with ``pad_id``."""
+    batch, n = input_ids.shape
+    if n == bucket:
+        return input_ids.contiguous()
+    padded = torch.full((batch, bucket), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    padded[:, :n] = input_ids
+    return padded
+
+
+def _counters(cache) -> list:
+    """Each layer's position counter (transformers' ``cumulative_length``) of an initialized
+    static cache."""
+    counters = [getattr(layer, "cumulative_length", None) for layer in cache.layers]
+    if any(c is None for c in counters) or not all(layer.is_initialized for layer in cache.layers):
+        raise InputError(f"{type(cache).__name__} has layers without a position counter "
+                         "(transformers' StaticLayer.cumulative_length): use a StaticCache")
+    return counters
+
+
+def _set_counters(counters: list, value) -> None:
+    """Every counter to ``value`` (a one-element tensor), as one plain device copy each: the
+    simplest node for a graph to relocate (a fused multi-tensor copy packs its addresses into
+    one struct argument)."""
+    source = value.view(())
+    for counter in counters:
+        counter.copy_(source)
+
+
+def _greedy(logits):
+    """The argmax token of each row, taken as ``generate(do_sample=False)`` takes it (over the
+    logits as float32: the first of equal maxima)."""
+    return logits.float().argmax(-1)
+
+
+class PrefillStep(torch.nn.Module):
+    """``(ids (B, P), last (1,)) -> (token (B,), logits (B, V))`` of the token after position
+    ``last``, the prompt's keys and values written to cache slots ``0..P-1`` and the counters
+    left at ``last + 1``."""
+
+    def __init__(self, model, cache) -> None:
+        super().__init__()
+        self.model = model
+        self.cache = cache
+
+    def forward(self, ids, last):
+        counters = _counters(self.cache)
+        for counter in counters:
+            counter.zero_()
+        positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        hidden = self.model.base_model(input_ids=ids, position_ids=positions,
+                                       past_key_values=self.cache,
+                                       use_cache=True).last_hidden_state
+        logits = self.model.get_output_embeddings()(hidden.index_select(1, last))[:, 0]
+        _set_counters(counters, last + 1)
+        return _greedy(logits), logits
+
+
+class DecodeStep(torch.nn.Module):
+    """``(ids (B, 1), position (1,)) -> (token (B,), logits (B, V))``: the token at ``position``
+    written to the cache and the next one chosen."""
+
+    def __init__(self, model, cache) -> None:
+        super().__init__()
+        self.model = model
+        self.cache = cache
+
+    def forward(self, ids, position):
+        _set_counters(_counters(self.cache), position)
+        positions = position.view(1, 1).expand(ids.shape[0], 1)
+        logits = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache,
+                            use_cache=True).logits[:, -1]
+        return _greedy(logits), logits
+
+
+def prepare_with_nimble(options=None, compile_steps: bool = False) -> PrepareStep:
+    """``prepare_step`` that prepares each step module with Nimble (``options``: a
+    :class:`~nimble.PrepareOptions`); with ``compile_steps``, on ``torch.compile(module)``'s
+    kernels (Inductor's, default mode)."""
+    def prepare(module, example: tuple):
+        from .api import Nimble
+
+        # static shapes: each bucket compiled for its own, as Nimble records it
+        target = torch.compile(module, dynamic=False) if compile_steps else module
+        return Nimble(target).prepare(example, options=options)
+    return prepare
+
+
+def run_eagerly(module, example: tuple) -> Callable:
+    """``prepare_step`` that runs each step module as it is (eager kernels, no graph)."""
+
+    def call(*inputs):
+        with torch.no_grad():
+            return module(*inputs)
+    return call
+
+
+@dataclass
+class _BatchSteps:
+    """One batch size's cache and prepared steps."""
+
+    cache: Any
+    decode: Callable | None  # None until prepared
+    prefill: dict[int, Callable]  # prompt bucket -> prepared prefill
+
+
+class Generator:
+    """Greedy generation with a static cache: one prefill launch per prompt, one launch per
+    token.
+
+    ``model`` is a transformers causal LM (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...) on the
+    GPU in ``eval()`` mode; ``max_cache_len`` the static cache's length; ``prompt_buckets`` the
+    prompt lengths to prepare a prefill graph for; ``batch_sizes`` the batch sizes to prepare.
+    ``prepare_step`` says how a step module runs (default: :func:`prepare_with_nimble`).
+    """
+
+    def __init__(self, model, max_cache_len: int, prompt_buckets: Sequence[int],
+                 batch_sizes: Sequence[int] = (1,), prepare_step: PrepareStep | None = None,
+                 pad_id: int = 0) -> None:
+        self.limits = Limits.checked(max_cache_len, prompt_buckets, batch_sizes)
+        if getattr(model, "training", False):
+            raise InputError("the model is in training mode: call model.eval() before building "
+                             "a Generator")
+        self.model = model
+        self.pad_id = pad_id
+        self._steps: dict[int, _BatchSteps] = {}
+        prepare_step = prepare_step or prepare_with_nimble()
+        try:
+            for batch in self.limits.batch_sizes:
+                self._prepare_batch(batch, prepare_step)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare_batch(self, batch: int, prepare_step: PrepareStep) -> None:
+        """Prepare ``batch``'s steps into ``self._steps`` as they come (so that a failure
+        closes those already prepared)."""
+        import transformers
+
+        device = next(self.model.parameters()).device
+        cache = transformers.StaticCache(config=self.model.config,
+                                         max_cache_len=self.limits.max_cache_len)
+        ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        with torch.no_grad():  # allocates the cache's tensors before any capture
+            self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        steps = self._steps[batch] = _BatchSteps(cache, None, {})
+        prefill = PrefillStep(self.model, cache).eval()
+        for bucket in self.limits.prompt_buckets:
+            example = (torch.zeros((batch, bucket), dtype=torch.long, device=device),
+                       torch.full((1,), bucket - 1, dtype=torch.long, device=device))
+            with _where(f"the prefill of batch {batch} and {bucket} prompt tokens"):
+                steps.prefill[bucket] = prepare_step(prefill, example)
+        position = torch.full((1,), self.decode_position, dtype=torch.long, device=device)
+        with _where(f"the decode step of batch {batch}, prepared at cache position "
+                    f"{self.decode_position}"):
+            steps.decode = prepare_step(DecodeStep(self.model, cache).eval(), (ids, position))
+
+    @property
+    def decode_position(self) -> int:
+        """The cache position the decode steps are recorded at (the smallest prompt bucket): one
+        graph then serves every position, since the position is an input the graph reads on
+        the GPU."""
+        return self.limits.prompt_buckets[0]
+
+    @property
+    def caches(self) -> dict[int, Any]:
+        """Each batch size's ``StaticCache``."""
+        return {batch: steps.cache for batch, steps in self._steps.items()}
+
+    def steps(self, batch: int) -> tuple[Callable, dict[int, Callable]]:
+        """``(decode step, {bucket: prefill step})`` prepared for ``batch``."""
+        steps = self._steps[batch]
+        return steps.decode, dict(steps.prefill)
+
+    def generate(self, input_ids, max_new_tokens: int):
+        """``input_ids`` (B, n) followed by ``max_new_tokens`` greedy tokens, (B, n +
+        max_new_tokens), as ``model.generate(input_ids, do_sample=False,
+        cache_implementation="static", max_new_tokens=...)`` chooses them with no end-of-sequence
+        stop: every sequence gets ``max_new_tokens`` tokens."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or \
+                input_ids.dtype != torch.long:
+            raise InputError("input_ids must be a (batch, prompt length) tensor of int64 token "
+                             f"ids (got {_described(input_ids)})")
+        batch, prompt_len = input_ids.shape
+        bucket = self.limits.check(batch, prompt_len, max_new_tokens)
+        steps = self._steps[batch]
+        device = input_ids.device
+        last = torch.full((1,), prompt_len - 1, dtype=torch.long, device=device)
+        token, _ = steps.prefill[bucket](pad_right(input_ids, bucket, self.pad_id), last)
+        tokens = torch.empty((max_new_tokens, batch), dtype=torch.long, device=device)
+        tokens[0].copy_(token)
+        positions = torch.arange(prompt_len, prompt_len + max_new_tokens - 1,
+                                 dtype=torch.long, device=device).view(-1, 1)
+        decode = steps.decode
+        for t in range(max_new_tokens - 1):
+            token, _ = decode(tokens[t].view(batch, 1), positions[t])
+            tokens[t + 1].copy_(token)
+        return torch.cat([input_ids, tokens.t()], dim=1)
+
+    def close(self) -> None:
+        """Free every prepared graph (idempotent)."""
+        for steps in self._steps.values():
+            for step in [steps.decode, *steps.prefill.values()]:
+                close = getattr(step, "close", None)
+                if close is not None:
+                    close()
+        self._steps = {}
+
+
+def library_greedy(model, input_ids, max_new_tokens: int, compiled: bool = False,
+                   cache=None):
+    """transformers' own greedy tokens with a static cache, ``(B, n + max_new_tokens)``: what a
+    :class:`Generator` reproduces.  ``generate()`` compiles the decoding forward on a GPU
+    whenever the cache is static (``torch.compile``, mode ``"reduce-overhead"``); eager kernels
+    unless ``compiled``.  ``cache``: a ``StaticCache`` to reset and generate in (a Generator's
+    length gives the attention the same shapes; one cache kept across calls keeps its
+    addresses, as ``generate()`` keeps its own); default, one ``generate()`` sizes for the
+    prompt and the new tokens.  Never stops early at an end-of-sequence token."""
+    import warnings
+
+    if cache is None:
+        where = {"cache_implementation": "static"}
+    else:
+        cache.reset()
+        where = {"past_key_values": cache}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the pad and end-of-sequence ids left unset
+        return model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                              do_sample=False, disable_compile=not compiled,
+                              max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
+                              **where)
+
+
+@contextmanager
+def _where(step: str) -> Iterator[None]:
+    """A :class:`CaptureError` of ``step`` says which step, at which position, and why one graph
+    cannot serve a forward that picks its work from the position on the host."""
+    try:
+        yield
+    except CaptureError as e:
+        raise CaptureError(
+            f"{step}: {e}. A decoding step runs as one graph for every cache position, with the "
+            "position read on the GPU; a forward that chooses its kernels from the position on "
+            "the host (another attention path at position 0, a Python branch on the cache's "
+            "length) cannot: keep the choice on the GPU (torch.where) or take the same path at "
+            "every position") from e
+
+
+def _described(value) -> str:
+    shape = getattr(value, "shape", None)
+    return f"{type(value).__name__} of shape {tuple(shape)} and dtype {value.dtype}" \
+        if shape is not None else type(value).__name__

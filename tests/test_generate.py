@@ -1,0 +1,272 @@
+"""Greedy decoding over a static cache (:mod:`nimble.generate`) without a GPU: the limits and
+their errors, the bucket choice and the padding, and the token loop with the step modules run
+eagerly on the CPU, against transformers' own ``generate(do_sample=False,
+cache_implementation="static")`` token for token (tiny GPT-2 and Llama models, random weights).
+The same loop over Nimble's graphs is ``tests/test_gpu_generate.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import FIXTURE_DIR
+from nimble.errors import InputError
+from nimble.generate import Generator, Limits, library_greedy, pad_right, run_eagerly
+
+VOCAB = 1000
+
+
+def test_limits_pick_the_smallest_bucket_that_holds_the_prompt():
+    limits = Limits.checked(256, [128, 32, 64, 32], [8, 1])
+    assert limits.prompt_buckets == (32, 64, 128) and limits.batch_sizes == (1, 8)
+    assert [limits.bucket_for(n) for n in (1, 32, 33, 64, 100, 128)] == [32, 32, 64, 64, 128, 128]
+    assert limits.check(8, 100, 129) == 128
+
+
+@pytest.mark.parametrize("args, match", [
+    ((256, [], [1]), "at least one prompt-length bucket"),
+    ((256, [64], []), "at least one prompt-length bucket"),
+    ((256, [0, 64], [1]), "positive integers"),
+    ((256, [64], [1.5]), "positive integers"),
+    ((64, [64], [1]), r"largest prompt bucket \(64 tokens\) leaves no room .* cache of 64"),
+])
+def test_wrong_limits_are_input_errors_saying_which(args, match):
+    with pytest.raises(InputError, match=match):
+        Limits.checked(*args)
+
+
+def test_a_prompt_longer_than_the_largest_bucket_names_the_buckets_and_the_cache():
+    limits = Limits.checked(256, [32, 128], [1])
+    with pytest.raises(InputError, match=r"prompt of 129 tokens is longer than the largest "
+                                         r"prepared bucket \(128 tokens; buckets \[32, 128\], "
+                                         r"cache 256 tokens\)"):
+        limits.check(1, 129, 4)
+    with pytest.raises(InputError, match="prompt is empty"):
+        limits.check(1, 0, 4)
+
+
+def test_a_generation_past_the_cache_names_how_many_tokens_fit():
+    limits = Limits.checked(256, [128], [1, 8])
+    assert limits.check(1, 128, 129) == 128  # the last token is never written to the cache
+    with pytest.raises(InputError, match=r"need a cache of 257 tokens; the cache holds 256: "
+                                         r"generate at most 129 new tokens"):
+        limits.check(1, 128, 130)
+    with pytest.raises(InputError, match=r"batch size 4 was not prepared; the Generator has "
+                                         r"\[1, 8\]"):
+        limits.check(4, 16, 8)
+    with pytest.raises(InputError, match="max_new_tokens must be a positive integer"):
+        limits.check(1, 16, 0)
+
+
+def test_padding_goes_on_the_right_and_keeps_a_full_prompt_as_it_is():
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    assert torch.equal(pad_right(ids, 5, pad_id=0), torch.tensor([[5, 6, 7, 0, 0],
+                                                                  [8, 9, 10, 0, 0]]))
+    assert pad_right(ids, 3) is ids
+
+
+def _tiny(name: str):
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB,
+                                         n_positions=256, bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=VOCAB)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_token_loop_equals_the_librarys_greedy_generate_token_for_token(name):
+    """Prefill into a bucket (exactly full, and padded on the right), then one decode step per
+    token with the cache's position set from the step's input: the tokens the library picks."""
+    pytest.importorskip("transformers")
+    model = _tiny(name)
+    generator = Generator(model, max_cache_len=96, prompt_buckets=[16, 32], batch_sizes=[1, 3],
+                          prepare_step=run_eagerly)
+    for batch, prompt_len in [(1, 16), (3, 32), (3, 20), (1, 1)]:
+        ids = torch.randint(0, VOCAB, (batch, prompt_len))
+        got = generator.generate(ids, 24)
+        assert got.shape == (batch, prompt_len + 24)
+        assert torch.equal(got, library_greedy(model, ids, 24)), (batch, prompt_len)
+    # a generation that fills the cache to its last slot, against a cache of the same length
+    ids = torch.randint(0, VOCAB, (1, 32))
+    assert torch.equal(generator.generate(ids, 65), library_greedy(model, ids, 65))
+    import transformers
+
+    cache = transformers.StaticCache(config=model.config, max_cache_len=96)
+    for new_tokens in (30, 12):  # one cache, reset for each generation
+        assert torch.equal(generator.generate(ids, new_tokens),
+                           library_greedy(model, ids, new_tokens, cache=cache))
+
+
+def test_generate_refuses_what_was_not_prepared_with_the_limits():
+    pytest.importorskip("transformers")
+    generator = Generator(_tiny("llama"), max_cache_len=64, prompt_buckets=[16],
+                          batch_sizes=[1], prepare_step=run_eagerly)
+    with pytest.raises(InputError, match=r"prompt of 17 tokens .* buckets \[16\], cache 64"):
+        generator.generate(torch.zeros((1, 17), dtype=torch.long), 4)
+    with pytest.raises(InputError, match="batch size 2 was not prepared"):
+        generator.generate(torch.zeros((2, 16), dtype=torch.long), 4)
+    with pytest.raises(InputError, match="generate at most 49 new tokens"):
+        generator.generate(torch.zeros((1, 16), dtype=torch.long), 50)
+    with pytest.raises(InputError, match="int64 token ids"):
+        generator.generate(torch.zeros((1, 16), dtype=torch.int32), 4)
+    with pytest.raises(InputError, match="int64 token ids"):
+        generator.generate(torch.zeros(16, dtype=torch.long), 4)
+
+
+def test_a_model_in_training_mode_is_refused_before_anything_is_prepared():
+    pytest.importorskip("transformers")
+    prepared = []
+    with pytest.raises(InputError, match=r"training mode: call model.eval\(\)"):
+        Generator(_tiny("gpt2").train(), 64, [16],
+                  prepare_step=lambda module, example: prepared.append(module))
+    assert not prepared
+
+
+def test_a_failed_prepare_closes_the_steps_already_prepared():
+    pytest.importorskip("transformers")
+
+    class Step:
+        closed = 0
+
+        def close(self):
+            Step.closed += 1
+
+    calls = []
+
+    def prepare_step(module, example):
+        calls.append(example[0].shape)
+        if len(calls) == 3:
+            raise InputError("stand-in failure")
+        return Step()
+    with pytest.raises(InputError, match="stand-in failure"):
+        Generator(_tiny("gpt2"), 64, [8, 16], batch_sizes=[1], prepare_step=prepare_step)
+    assert calls == [(1, 8), (1, 16), (1, 1)]
+    assert Step.closed == 2
+
+
+def test_a_step_that_cannot_be_one_graph_names_the_step_and_the_position_prepared():
+    """A forward that picks its work from the cache position on the host synchronises under
+    capture (a CaptureError from prepare); the Generator says which step, at which position."""
+    pytest.importorskip("transformers")
+    from nimble.errors import CaptureError
+    from nimble.generate import DecodeStep
+
+    def prepare_step(module, example):
+        if isinstance(module, DecodeStep):
+            raise CaptureError("the forward synchronises with the host at model.py:3")
+        return run_eagerly(module, example)
+    with pytest.raises(CaptureError, match=r"the decode step of batch 1, prepared at cache "
+                                           r"position 8: the forward synchronises .* one graph "
+                                           r"for every cache position"):
+        Generator(_tiny("gpt2"), 64, [8, 16], prepare_step=prepare_step)
+
+
+def test_the_step_modules_set_the_caches_counters_from_their_inputs():
+    """Every launch starts from its inputs, not from how many launches ran before it: the
+    counters are set inside the step (the proof and the per-task timing launch it often)."""
+    pytest.importorskip("transformers")
+    from nimble.generate import DecodeStep, PrefillStep
+
+    generator = Generator(_tiny("llama"), max_cache_len=64, prompt_buckets=[16],
+                          prepare_step=run_eagerly)
+    cache = generator.caches[1]
+    decode = DecodeStep(generator.model, cache)
+    prefill = PrefillStep(generator.model, cache)
+    counters = [layer.cumulative_length for layer in cache.layers]
+    with torch.no_grad():
+        prefill(torch.zeros((1, 16), dtype=torch.long), torch.tensor([9]))
+        assert [int(c) for c in counters] == [10] * len(counters)
+        first = decode(torch.ones((1, 1), dtype=torch.long), torch.tensor([10]))
+        again = decode(torch.ones((1, 1), dtype=torch.long), torch.tensor([10]))
+    assert [int(c) for c in counters] == [11] * len(counters)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_the_proof_restores_memory_the_graph_writes_outside_the_arena():
+    """A block of torch's allocator the graph writes is the model's own state: listed for the
+    proof to restore; the library's scratch (given a private copy) is not."""
+    from nimble.engine.prepared import shared_state, written_externals
+    from nimble.ir.taskgraph import TaskGraph
+
+    bf16 = TaskGraph.load(FIXTURE_DIR / "inception_v3_bfloat16.json.gz")
+    blocks = {(b.address, b.size) for b in bf16.buffers
+              if b.kind == "external" and b.name.startswith("block@")}
+    state = shared_state(bf16)
+    assert state and set(state) <= blocks
+    train = TaskGraph.load(FIXTURE_DIR / "resnet50_train.json.gz")
+    private = {(train.buffers[b].address, train.buffers[b].size) for b in written_externals(train)}
+    assert private and not private & set(shared_state(train))
+    assert not shared_state(TaskGraph.load(FIXTURE_DIR / "resnet50.json.gz"))
+
+
+def test_the_generate_bench_times_every_mode_and_checks_every_sequence(monkeypatch, capsys):
+    """``nimble bench --generate`` on the CPU with its GPU parts stood in for (the model, the
+    synchronisation, Nimble's prepare, the trace): every mode timed, every sequence checked,
+    the table printed, and status 1 only when Nimble on eager kernels gives other tokens."""
+    pytest.importorskip("transformers")
+    import argparse
+
+    from nimble.cli import generate_bench
+
+    monkeypatch.setattr(generate_bench, "causal_lm", lambda name, dtype: _tiny("llama"))
+    monkeypatch.setattr(generate_bench, "require_gpu", lambda command: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(generate_bench, "_decode_step_shape", lambda generator, batch: {
+        "dag_width": 5, "streams": 4, "tasks": 60, "concurrency": 1.5})
+
+    def eager_generators(model, args, batch):
+        return {mode: Generator(model, max(args.prompt_lengths) + args.new_tokens,
+                                args.prompt_lengths, [batch], prepare_step=run_eagerly)
+                for mode in ("nimble", "nimble+inductor")}
+    monkeypatch.setattr(generate_bench, "_generators", eager_generators)
+    args = argparse.Namespace(models=["llama_small"], dtypes=["float32"], batches=[2],
+                              prompt_lengths=[8, 16], new_tokens=6, rounds=2, quiet=True,
+                              json=None, training=False, profiler=False)
+    assert generate_bench.run(args) == 0
+    report = capsys.readouterr().out
+    assert "llama_small (float32, batch 2): 6 new tokens" in report
+    for mode in generate_bench.MODES:
+        assert f"\n{mode} " in report, report
+    info = generate_bench.bench_generate("llama_small", args, "float32", 2)
+    assert set(info["modes"]) == set(generate_bench.MODES)
+    for row in info["modes"].values():
+        assert row["token_ms_median"] > 0 and set(row["prefill_ms"]) == {"8", "16"}
+        assert row["mismatch"] == {"sequences": 0, "first_token": None}
+    assert info["modes"]["static+compile"]["x_compiled"] == 1.0
+    info["modes"]["nimble"]["mismatch"] = {"sequences": 1, "first_token": 20}
+    assert generate_bench._status(generate_bench.Outcome(results=[info])) == 1
+    # a mode that fails is reported on its own line; the others keep their numbers
+    monkeypatch.setattr(generate_bench, "_generators", lambda model, args, batch: {
+        **eager_generators(model, args, batch), "nimble+inductor": "RecordError: stand-in"})
+    info = generate_bench.bench_generate("llama_small", args, "float32", 2)
+    assert info["modes"]["nimble+inductor"] == {"error": "RecordError: stand-in"}
+    assert info["modes"]["nimble"]["x_compiled"] > 0 and "nimble+inductor" not in \
+        info["decode_step"]
+    assert "nimble+inductor: FAILED: RecordError: stand-in" in generate_bench.format_result(info)
+    assert generate_bench._status(generate_bench.Outcome(results=[info])) == 1
+
+
+def test_the_generate_bench_refuses_unknown_models_and_other_benches():
+    from nimble.cli.main import main
+
+    assert main(["bench", "--generate", "resnet50"]) == 2
+    assert main(["bench", "--generate", "--training", "gpt2"]) == 2
+
+
+def test_the_generate_bench_decodes_in_float16_unless_a_dtype_is_given(monkeypatch):
+    from nimble.cli import bench, main as cli
+
+    seen = []
+    monkeypatch.setattr(bench, "run_generate", lambda args: seen.append(args.dtypes) or 0)
+    for argv, dtypes in ((["bench", "--generate"], ["float16"]),
+                         (["bench", "--generate", "--dtype", "float32"], ["float32"]),
+                         (["bench", "--generate", "--dtype", "bfloat16,float16"],
+                          ["bfloat16", "float16"])):
+        assert bench.run(cli.build_parser("bench").parse_args(argv)) == 0
+        assert seen.pop() == dtypes

@@ -1,0 +1,132 @@
+"""Greedy decoding over a static cache as Nimble graphs, on the GPU (:mod:`nimble.generate`).
+
+The tokens equal transformers' own ``generate(do_sample=False, cache_implementation="static")``
+with eager kernels, token for token, for 64 new tokens at batch 1 and 8 (GPT-2 and the small
+Llama, float16, random weights); the decode step is proven bit for bit like any graph, from the
+same cache contents every launch, and the proof leaves the cache as it found it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+NEW_TOKENS = 64
+
+
+def _lm(name: str):
+    pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+    from nimble.cli.decoders import causal_lm
+
+    return causal_lm(name, "float16")
+
+
+def prepare_proving_decode(module, example):
+    """The decode step with the default proof (100 launches and the fuzzer); the prefill
+    graphs with a short one, to keep the file quick."""
+    import nimble
+    from nimble.generate import DecodeStep
+
+    options = None if isinstance(module, DecodeStep) else \
+        nimble.PrepareOptions(relaunches=4, fuzz=False)
+    return nimble.Nimble(module).prepare(example, options=options)
+
+
+def _prompt(model, batch: int, length: int):
+    return torch.randint(0, model.config.vocab_size, (batch, length), device="cuda")
+
+
+@pytest.mark.parametrize("name", ["gpt2_tiny", "llama_small"])
+def test_greedy_tokens_equal_the_librarys_static_cache_generate(name):
+    from nimble.generate import Generator, library_greedy
+
+    model = _lm(name)
+    generator = Generator(model, max_cache_len=128 + NEW_TOKENS, prompt_buckets=[128],
+                          batch_sizes=[1, 8], prepare_step=prepare_proving_decode)
+    try:
+        for batch in (1, 8):
+            decode, _ = generator.steps(batch)
+            verified = decode.graph.meta["verified"]
+            assert verified["launches"] >= 100 and not verified["not_bitwise"], verified
+            torch.manual_seed(batch)
+            ids = _prompt(model, batch, 128)
+            want = library_greedy(model, ids, NEW_TOKENS)
+            got = generator.generate(ids, NEW_TOKENS)
+            assert got.shape == want.shape == (batch, 128 + NEW_TOKENS)
+            differ = (got != want).any(dim=0).nonzero().flatten().tolist()
+            assert not differ, f"batch {batch}: first differing token at {differ[0] - 128}"
+            assert torch.equal(generator.generate(ids, NEW_TOKENS), got)  # again, same cache
+        if name == "llama_small":  # separate q, k, v projections: work beside work
+            assert decode.schedule.width > 1 and len(decode.schedule.streams) > 1
+    finally:
+        generator.close()
+
+
+def test_gpt2_default_config_decodes_as_the_library_does():
+    from nimble.generate import Generator, library_greedy
+
+    model = _lm("gpt2")
+    generator = Generator(model, max_cache_len=128 + NEW_TOKENS, prompt_buckets=[128],
+                          prepare_step=prepare_proving_decode)
+    try:
+        ids = _prompt(model, 1, 128)
+        assert torch.equal(generator.generate(ids, NEW_TOKENS),
+                           library_greedy(model, ids, NEW_TOKENS))
+    finally:
+        generator.close()
+
+
+def test_a_padded_prompt_runs_its_bucket_as_the_eager_steps_do_and_limits_are_input_errors():
+    """A prompt shorter than its bucket is padded on the right: the graphs give the tokens the
+    same step modules give eagerly (transformers' prefill of the unpadded prompt multiplies
+    other shapes, so it may round differently)."""
+    import nimble
+    from nimble.errors import InputError
+    from nimble.generate import Generator, run_eagerly
+
+    model = _lm("llama_small")
+    options = nimble.PrepareOptions(relaunches=4, fuzz=False)
+    graphs = Generator(model, max_cache_len=160, prompt_buckets=[32, 96],
+                       prepare_step=lambda module, example:
+                       nimble.Nimble(module).prepare(example, options=options))
+    eager = Generator(model, max_cache_len=160, prompt_buckets=[32, 96], prepare_step=run_eagerly)
+    try:
+        for length in (20, 32, 70):
+            ids = _prompt(model, 1, length)
+            assert torch.equal(graphs.generate(ids, 48), eager.generate(ids, 48)), length
+        with pytest.raises(InputError, match=r"prompt of 97 tokens is longer than the largest "
+                                             r"prepared bucket \(96 tokens; buckets \[32, 96\], "
+                                             r"cache 160 tokens\)"):
+            graphs.generate(_prompt(model, 1, 97), 8)
+        with pytest.raises(InputError, match="generate at most 65 new tokens"):
+            graphs.generate(_prompt(model, 1, 96), 66)
+    finally:
+        graphs.close()
+
+
+def test_the_proof_leaves_the_cache_as_it_found_it():
+    """Preparing a decode step launches it over a hundred times, each writing the cache: the
+    proof starts every launch from the cache's bytes as they were and writes them back."""
+    import nimble
+    from nimble.generate import DecodeStep, Generator, run_eagerly
+
+    model = _lm("llama_small")
+    generator = Generator(model, max_cache_len=64, prompt_buckets=[16], prepare_step=run_eagerly)
+    generator.generate(_prompt(model, 1, 16), 20)
+    cache = generator.caches[1]
+    step = DecodeStep(model, cache).eval()
+    example = (torch.zeros((1, 1), dtype=torch.long, device="cuda"),
+               torch.tensor([35], device="cuda"))
+    with torch.no_grad():  # what prepare's eager warm-up and task timing write, the same again
+        step(*example)
+    before = [(layer.keys.clone(), layer.values.clone(), layer.cumulative_length.clone())
+              for layer in cache.layers]
+    nm = nimble.Nimble(step).prepare(tuple(x.clone() for x in example))
+    try:
+        assert nm.graph.meta["verified"]["launches"] >= 100
+        for layer, (keys, values, counter) in zip(cache.layers, before):
+            assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+            assert torch.equal(layer.cumulative_length, counter)
+    finally:
+        nm.close()
