@@ -13,6 +13,7 @@ import torch
 from nimble.driver import calls
 from nimble.engine import fuzz as fuzz_module
 from nimble.engine import prepared as prepared_module
+from nimble.engine import proving
 from nimble.engine import proof, rebuild
 from nimble.engine.build import DelaySpec, build_graph
 from nimble.engine.fuzz import FuzzCopies, delay_caps_ns, draw_delays
@@ -337,8 +338,8 @@ def test_the_budget_stops_the_fuzz_launches_once_they_take_as_long_as_the_proof(
 
 def _stand_in_prove(monkeypatch, fake: FakeFuzz):
     """``prove`` on a stand-in prepared graph whose fuzz copies are ``fake``."""
-    monkeypatch.setattr(prepared_module, "_fuzz_copies", lambda prepared, rec, seed: fake)
-    monkeypatch.setattr(prepared_module, "low_word_ranges", lambda prepared: [])
+    monkeypatch.setattr(proving, "_fuzz_copies", lambda prepared, rec, seed: fake)
+    monkeypatch.setattr(proving, "low_word_ranges", lambda prepared: [])
     graph = TaskGraph()
     launcher = SimpleNamespace(rng=None, stream=lambda: None, slots=[0],
                                run_flat=lambda inputs: [inputs[0] * 2])
@@ -352,7 +353,7 @@ def _stand_in_prove(monkeypatch, fake: FakeFuzz):
 def test_prove_records_what_the_fuzzer_ran_and_frees_the_copies(no_device, monkeypatch):
     fake = FakeFuzz()
     prepared, rec = _stand_in_prove(monkeypatch, fake)
-    prepared_module.prove(prepared, rec, 4, fuzz_launches=5)
+    proving.prove(prepared, rec, 4, fuzz_launches=5)
     verified = prepared.graph.meta["verified"]
     assert verified["launches"] == 4 and verified["fuzz"] is True
     assert verified["fuzz_launches"] == verified["delay_draws"] == 5
@@ -364,14 +365,14 @@ def test_prove_frees_the_copies_when_the_fuzzer_finds_a_race(no_device, monkeypa
     fake = FakeFuzz(wrong_at=1)
     prepared, rec = _stand_in_prove(monkeypatch, fake)
     with pytest.raises(VerificationError, match="fuzz launch 1"):
-        prepared_module.prove(prepared, rec, 4, fuzz_launches=5)
+        proving.prove(prepared, rec, 4, fuzz_launches=5)
     assert fake.closed == 1 and "verified" not in prepared.graph.meta
 
 
 def test_prove_without_the_fuzzer_builds_no_copies(no_device, monkeypatch):
     fake = FakeFuzz(wrong_at=0)
     prepared, rec = _stand_in_prove(monkeypatch, fake)
-    prepared_module.prove(prepared, rec, 4, fuzz=False)
+    proving.prove(prepared, rec, 4, fuzz=False)
     assert fake.events == [] and prepared.graph.meta["verified"]["fuzz_launches"] == 0
 
 

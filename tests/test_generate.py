@@ -191,7 +191,7 @@ def test_the_step_modules_set_the_caches_counters_from_their_inputs():
 def test_the_proof_restores_memory_the_graph_writes_outside_the_arena():
     """A block of torch's allocator the graph writes is the model's own state: listed for the
     proof to restore; the library's scratch (given a private copy) is not."""
-    from nimble.engine.prepared import shared_state, written_externals
+    from nimble.engine.arena_layout import shared_state, written_externals
     from nimble.ir.taskgraph import TaskGraph
 
     bf16 = TaskGraph.load(FIXTURE_DIR / "inception_v3_bfloat16.json.gz")

@@ -265,7 +265,7 @@ def test_builder_span_filter_drops_exactly_the_barrier(name):
 def test_library_scratch_that_training_writes_gets_a_private_copy():
     """cuDNN's training batch norm writes buffers of its own (partials and a grid semaphore);
     the engine copies exactly those into the arena, and nothing an inference graph reads."""
-    from nimble.engine.prepared import written_externals
+    from nimble.engine.arena_layout import written_externals
     from nimble.ir.taskgraph import TaskGraph
 
     graph = TaskGraph.load(FIXTURE_DIR / "resnet50_train.json.gz")

@@ -208,7 +208,7 @@ def options_of(prepared, change: Change):
 
 def poison_all(prepared) -> None:
     from nimble.engine import proof
-    from nimble.engine.prepared import low_word_ranges
+    from nimble.engine.proving import low_word_ranges
 
     proof.poison(proof.poison_ranges(prepared.graph)
                  + [(prepared.arena_base, prepared.memplan.arena_bytes)]

@@ -281,7 +281,7 @@ def record_timeline(prepared, inputs: Sequence | None = None, runs: int = 5,
     """Measure every task of ``prepared`` (a :class:`nimble.engine.prepared.Prepared`) in a real
     run.
 
-    ``inputs`` (the flat inputs of every phase, as :func:`nimble.engine.prepared.run_all` takes
+    ``inputs`` (the flat inputs of every phase, as :func:`nimble.engine.proving.run_all` takes
     them; random ones when None) are copied into the arena's slots; each phase's instrumented
     graph (:func:`instrumented_options`) runs ``runs`` times after the plain graphs ran as
     often, and the last run's stamps are kept.  ``start_stamps=False`` stamps only the ends

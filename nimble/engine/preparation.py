@@ -28,7 +28,8 @@ from .launcher import CallOrder
 from .options import PrepareOptions
 from .profiler_guard import device_launch_allowed
 from .prepared import (ArenaRegion, Prepared, backfill_trials, build_prepared, kernel_priorities,
-                       plan_graph, prove, prove_copy, task_times)
+                       plan_graph, task_times)
+from .proving import prove, prove_copy
 from .priority_trials import PriorityTrial, planned_ordering
 from .serving import (Bucket, BucketCost, InstanceCost, PrepareReport, Serving,
                       check_pad_shapes, close_partial, shapes_of)

@@ -23,7 +23,8 @@ from .. import driver
 from ..errors import InputError
 from .arena_layout import SharedArena
 from .launcher import TAKE_GENERAL_PATH
-from .prepared import Prepared, low_word_ranges
+from .prepared import Prepared
+from .proving import low_word_ranges
 
 #: The input shapes of one call or bucket, in input order.
 Shapes = tuple[tuple[int, ...], ...]
