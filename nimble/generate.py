@@ -4,7 +4,8 @@ A :class:`Generator` holds, per batch size, one transformers ``StaticCache`` (it
 tensors allocated once, before any recording, so every graph reads and writes them in place at
 fixed addresses) and two kinds of step module over it:
 
-- :class:`PrefillStep` (one graph per prompt-length bucket): ``(ids (B, P), last (1,))`` ->
+- :class:`PrefillStep` (one graph per prompt-length bucket, all of a batch size's buckets
+  prepared as one Nimble whose shape buckets share one arena): ``(ids (B, P), last (1,))`` ->
   ``(next token (B,), its logits (B, V))``.  It starts the cache's position counters at 0,
   writes slots ``0..P-1``, and ends with the counters at ``last + 1``: a prompt of ``n`` tokens
   runs in the smallest bucket ``P >= n``, padded on the right (causal attention keeps the real
@@ -38,9 +39,12 @@ import torch
 
 from .errors import CaptureError, InputError
 
-#: ``prepare_step(module, example_inputs) -> callable``: how a step module becomes what runs
-#: (Nimble's prepared graph by default; the module itself runs it eagerly).
-PrepareStep = Callable[[Any, tuple], Callable]
+#: ``prepare_step(module, examples) -> callable``: how a step module becomes what runs, called
+#: with the module's inputs at the shapes of any of ``examples`` (a list of input tuples, one per
+#: shape bucket: every prompt bucket of a batch size for the prefill, one for the decode step).
+#: Nimble's prepared graphs by default (one per example, sharing one arena, each call run in the
+#: graph of its input shapes); the module itself runs them eagerly.
+PrepareStep = Callable[[Any, list], Callable]
 
 
 @dataclass(frozen=True)
@@ -180,18 +184,34 @@ class DecodeStep(torch.nn.Module):
 
 def prepare_with_nimble(options=None, compile_steps: bool = False) -> PrepareStep:
     """``prepare_step`` that prepares each step module with Nimble (``options``: a
-    :class:`~nimble.PrepareOptions`); with ``compile_steps``, on ``torch.compile(module)``'s
+    :class:`~nimble.PrepareOptions`), one shape bucket per example, all in one arena
+    (``Nimble.prepare(buckets=...)``); with ``compile_steps``, on ``torch.compile(module)``'s
     kernels (Inductor's, default mode)."""
-    def prepare(module, example: tuple):
+    def prepare(module, examples: list):
         from .api import Nimble
 
-        # static shapes: each bucket compiled for its own, as Nimble records it
-        target = torch.compile(module, dynamic=False) if compile_steps else module
-        return Nimble(target).prepare(example, options=options)
+        if not compile_steps:
+            return Nimble(module).prepare(buckets=list(examples), options=options)
+        # static shapes: Nimble records each bucket by running the module at its shapes, and
+        # Dynamo compiles each shape as its own graph
+        with _compiles_per_shape(len(examples)):
+            return Nimble(torch.compile(module, dynamic=False)).prepare(
+                buckets=list(examples), options=options)
     return prepare
 
 
-def run_eagerly(module, example: tuple) -> Callable:
+@contextmanager
+def _compiles_per_shape(shapes: int) -> Iterator[None]:
+    """Dynamo allowed a compiled graph for each of ``shapes`` shapes of one module: its
+    recompile limit counts the graphs of one module object, and past it the module would run
+    its eager kernels, unnoticed, in the buckets recorded last."""
+    import torch._dynamo.config as dynamo
+
+    with dynamo.patch(recompile_limit=max(dynamo.recompile_limit, shapes + 1)):
+        yield
+
+
+def run_eagerly(module, examples: list) -> Callable:
     """``prepare_step`` that runs each step module as it is (eager kernels, no graph)."""
 
     def call(*inputs):
@@ -206,7 +226,7 @@ class _BatchSteps:
 
     cache: Any
     decode: Callable | None  # None until prepared
-    prefill: dict[int, Callable]  # prompt bucket -> prepared prefill
+    prefill: Callable | None  # every prompt bucket's, dispatched by the ids' shape
 
 
 class Generator:
@@ -215,7 +235,9 @@ class Generator:
 
     ``model`` is a transformers causal LM (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...) on the
     GPU in ``eval()`` mode; ``max_cache_len`` the static cache's length; ``prompt_buckets`` the
-    prompt lengths to prepare a prefill graph for; ``batch_sizes`` the batch sizes to prepare.
+    prompt lengths to prepare a prefill graph for (per batch size, one Nimble with a shape
+    bucket per prompt length, in one arena sized by the largest); ``batch_sizes`` the batch
+    sizes to prepare.
     ``prepare_step`` says how a step module runs (default: :func:`prepare_with_nimble`).
     """
 
@@ -248,17 +270,18 @@ class Generator:
         ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
         with torch.no_grad():  # allocates the cache's tensors before any capture
             self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        steps = self._steps[batch] = _BatchSteps(cache, None, {})
+        steps = self._steps[batch] = _BatchSteps(cache, None, None)
         prefill = PrefillStep(self.model, cache).eval()
-        for bucket in self.limits.prompt_buckets:
-            example = (torch.zeros((batch, bucket), dtype=torch.long, device=device),
-                       torch.full((1,), bucket - 1, dtype=torch.long, device=device))
-            with _where(f"the prefill of batch {batch} and {bucket} prompt tokens"):
-                steps.prefill[bucket] = prepare_step(prefill, example)
+        examples = [(torch.zeros((batch, bucket), dtype=torch.long, device=device),
+                     torch.full((1,), bucket - 1, dtype=torch.long, device=device))
+                    for bucket in self.limits.prompt_buckets]
+        with _where(f"the prefill of batch {batch} (prompt buckets "
+                    f"{list(self.limits.prompt_buckets)})"):
+            steps.prefill = prepare_step(prefill, examples)
         position = torch.full((1,), self.decode_position, dtype=torch.long, device=device)
         with _where(f"the decode step of batch {batch}, prepared at cache position "
                     f"{self.decode_position}"):
-            steps.decode = prepare_step(DecodeStep(self.model, cache).eval(), (ids, position))
+            steps.decode = prepare_step(DecodeStep(self.model, cache).eval(), [(ids, position)])
 
     @property
     def decode_position(self) -> int:
@@ -272,10 +295,12 @@ class Generator:
         """Each batch size's ``StaticCache``."""
         return {batch: steps.cache for batch, steps in self._steps.items()}
 
-    def steps(self, batch: int) -> tuple[Callable, dict[int, Callable]]:
-        """``(decode step, {bucket: prefill step})`` prepared for ``batch``."""
+    def steps(self, batch: int) -> tuple[Callable, Callable]:
+        """``(decode step, prefill)`` prepared for ``batch``: the prefill takes ids of every
+        prompt bucket's shape (with :func:`prepare_with_nimble`, one Nimble whose
+        ``buckets`` are the prompt buckets, in one arena)."""
         steps = self._steps[batch]
-        return steps.decode, dict(steps.prefill)
+        return steps.decode, steps.prefill
 
     def generate(self, input_ids, max_new_tokens: int):
         """``input_ids`` (B, n) followed by ``max_new_tokens`` greedy tokens, (B, n +
@@ -291,7 +316,7 @@ class Generator:
         steps = self._steps[batch]
         device = input_ids.device
         last = torch.full((1,), prompt_len - 1, dtype=torch.long, device=device)
-        token, _ = steps.prefill[bucket](pad_right(input_ids, bucket, self.pad_id), last)
+        token, _ = steps.prefill(pad_right(input_ids, bucket, self.pad_id), last)
         tokens = torch.empty((max_new_tokens, batch), dtype=torch.long, device=device)
         tokens[0].copy_(token)
         positions = torch.arange(prompt_len, prompt_len + max_new_tokens - 1,
@@ -305,7 +330,7 @@ class Generator:
     def close(self) -> None:
         """Free every prepared graph (idempotent)."""
         for steps in self._steps.values():
-            for step in [steps.decode, *steps.prefill.values()]:
+            for step in (steps.decode, steps.prefill):
                 close = getattr(step, "close", None)
                 if close is not None:
                     close()

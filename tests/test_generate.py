@@ -139,15 +139,84 @@ def test_a_failed_prepare_closes_the_steps_already_prepared():
 
     calls = []
 
-    def prepare_step(module, example):
-        calls.append(example[0].shape)
+    def prepare_step(module, examples):
+        calls.append([tuple(ids.shape) for ids, _ in examples])
         if len(calls) == 3:
             raise InputError("stand-in failure")
         return Step()
     with pytest.raises(InputError, match="stand-in failure"):
-        Generator(_tiny("gpt2"), 64, [8, 16], batch_sizes=[1], prepare_step=prepare_step)
-    assert calls == [(1, 8), (1, 16), (1, 1)]
+        Generator(_tiny("gpt2"), 64, [8, 16], batch_sizes=[1, 2], prepare_step=prepare_step)
+    assert calls == [[(1, 8), (1, 16)], [(1, 1)], [(2, 8), (2, 16)]]
     assert Step.closed == 2
+
+
+def test_the_prefill_of_a_batch_size_is_prepared_once_over_every_prompt_bucket():
+    """One ``prepare_step`` call per batch size gets every prompt bucket's example, ``(ids (B,
+    P), last (1,))`` with ``last = P - 1``: each bucket's inputs a shape of their own, for one
+    Nimble to dispatch a call by; the decode step gets its one example."""
+    pytest.importorskip("transformers")
+    from nimble.generate import DecodeStep, PrefillStep
+
+    seen = []
+
+    def prepare_step(module, examples):
+        seen.append((type(module), [(tuple(ids.shape), ids.dtype, tuple(last.shape),
+                                     last.tolist()) for ids, last in examples]))
+        return run_eagerly(module, examples)
+    generator = Generator(_tiny("llama"), 64, [24, 8, 16], batch_sizes=[3, 1],
+                          prepare_step=prepare_step)
+    assert seen == [
+        (PrefillStep, [((1, p), torch.long, (1,), [p - 1]) for p in (8, 16, 24)]),
+        (DecodeStep, [((1, 1), torch.long, (1,), [8])]),
+        (PrefillStep, [((3, p), torch.long, (1,), [p - 1]) for p in (8, 16, 24)]),
+        (DecodeStep, [((3, 1), torch.long, (1,), [8])])]
+    decode, prefill = generator.steps(3)
+    assert callable(decode) and callable(prefill)
+
+
+def test_a_compiled_step_over_several_buckets_compiles_each_shape_statically(monkeypatch):
+    """``prepare_with_nimble(compile_steps=True)`` hands Nimble one ``torch.compile``d module for
+    every bucket; Nimble records each bucket by running it at that bucket's shapes.  Each shape
+    must be a graph of its own with static shapes, more buckets than Dynamo's recompile limit
+    included (past it the module would run eagerly).  Nimble is stood in for by what its
+    recording does with the module: run it at every bucket's example."""
+    import nimble.api
+    from nimble.generate import prepare_with_nimble
+
+    compiled_shapes = []
+
+    def backend(gm, example_inputs):
+        compiled_shapes.append([tuple(x.shape) for x in example_inputs
+                                if isinstance(x, torch.Tensor)])
+        assert not any(isinstance(d, torch.SymInt) for x in example_inputs
+                       if isinstance(x, torch.Tensor) for d in x.shape)
+        return gm.forward
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda module, dynamic: real_compile(
+        module, dynamic=dynamic, backend=backend))
+
+    class StandIn:
+        def __init__(self, model):
+            self.model = model
+
+        def prepare(self, *, buckets, options):
+            with torch.no_grad():
+                self.outputs = [self.model(*example) for example in buckets]
+            return self
+    monkeypatch.setattr(nimble.api, "Nimble", StandIn)
+
+    class Last(torch.nn.Module):
+        def forward(self, ids, last):
+            return ids.float().index_select(1, last) * 2
+
+    torch._dynamo.reset()
+    lengths = list(range(2, 2 + torch._dynamo.config.recompile_limit + 3))
+    examples = [(torch.arange(3 * p).view(3, p), torch.tensor([p - 1])) for p in lengths]
+    prepared = prepare_with_nimble(compile_steps=True)(Last().eval(), examples)
+    assert [shapes[0] for shapes in compiled_shapes] == [(3, p) for p in lengths]
+    for (ids, last), out in zip(examples, prepared.outputs):
+        assert torch.equal(out, ids.float()[:, -1:] * 2)
+    torch._dynamo.reset()
 
 
 def test_a_step_that_cannot_be_one_graph_names_the_step_and_the_position_prepared():

@@ -3,7 +3,9 @@
 The tokens equal transformers' own ``generate(do_sample=False, cache_implementation="static")``
 with eager kernels, token for token, for 64 new tokens at batch 1 and 8 (GPT-2 and the small
 Llama, float16, random weights); the decode step is proven bit for bit like any graph, from the
-same cache contents every launch, and the proof leaves the cache as it found it.
+same cache contents every launch, and the proof leaves the cache as it found it.  A batch size's
+prefill is one Nimble with a shape bucket per prompt length, all in one arena, on eager kernels
+and on Inductor's.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def _lm(name: str):
     return causal_lm(name, "float16")
 
 
-def prepare_proving_decode(module, example):
+def prepare_proving_decode(module, examples):
     """The decode step with the default proof (100 launches and the fuzzer); the prefill
     graphs with a short one, to keep the file quick."""
     import nimble
@@ -30,7 +32,18 @@ def prepare_proving_decode(module, example):
 
     options = None if isinstance(module, DecodeStep) else \
         nimble.PrepareOptions(relaunches=4, fuzz=False)
-    return nimble.Nimble(module).prepare(example, options=options)
+    return nimble.Nimble(module).prepare(buckets=examples, options=options)
+
+
+def assert_one_prefill_per_batch(prefill, batch: int, prompt_buckets):
+    """The prefill of a batch size: one Nimble, a bucket per prompt length (ids and ``last``),
+    each proven, all in one arena whose shared region is the largest bucket's plan."""
+    assert [b.input_shapes for b in prefill.buckets] == \
+        [((batch, p), (1,)) for p in prompt_buckets]
+    assert all("verify_served" in cost.seconds for cost in prefill.prepare_report.buckets)
+    memory = prefill.device_bytes
+    assert len(memory.instance_bytes) == 1
+    assert memory.shared_bytes == max(b.arena_bytes for b in prefill.buckets)
 
 
 def _prompt(model, batch: int, length: int):
@@ -46,7 +59,8 @@ def test_greedy_tokens_equal_the_librarys_static_cache_generate(name):
                           batch_sizes=[1, 8], prepare_step=prepare_proving_decode)
     try:
         for batch in (1, 8):
-            decode, _ = generator.steps(batch)
+            decode, prefill = generator.steps(batch)
+            assert_one_prefill_per_batch(prefill, batch, [128])
             verified = decode.graph.meta["verified"]
             assert verified["launches"] >= 100 and not verified["not_bitwise"], verified
             torch.manual_seed(batch)
@@ -88,10 +102,11 @@ def test_a_padded_prompt_runs_its_bucket_as_the_eager_steps_do_and_limits_are_in
     model = _lm("llama_small")
     options = nimble.PrepareOptions(relaunches=4, fuzz=False)
     graphs = Generator(model, max_cache_len=160, prompt_buckets=[32, 96],
-                       prepare_step=lambda module, example:
-                       nimble.Nimble(module).prepare(example, options=options))
+                       prepare_step=lambda module, examples:
+                       nimble.Nimble(module).prepare(buckets=examples, options=options))
     eager = Generator(model, max_cache_len=160, prompt_buckets=[32, 96], prepare_step=run_eagerly)
     try:
+        assert_one_prefill_per_batch(graphs.steps(1)[1], 1, [32, 96])
         for length in (20, 32, 70):
             ids = _prompt(model, 1, length)
             assert torch.equal(graphs.generate(ids, 48), eager.generate(ids, 48)), length
@@ -103,6 +118,36 @@ def test_a_padded_prompt_runs_its_bucket_as_the_eager_steps_do_and_limits_are_in
             graphs.generate(_prompt(model, 1, 96), 66)
     finally:
         graphs.close()
+
+
+def test_compiled_prefill_buckets_share_one_arena_and_compute_what_the_eager_step_does():
+    """``prepare_with_nimble(compile_steps=True)``: one ``torch.compile``d prefill recorded at
+    every prompt bucket's shape, each a static-shape graph of its own: every bucket's logits
+    (a full prompt and a padded one) are the eager step's, to Inductor's rounding."""
+    import nimble
+    from nimble.generate import Generator, pad_right, prepare_with_nimble, run_eagerly
+
+    model = _lm("gpt2_tiny")
+    buckets = [16, 48]
+    compiled = Generator(model, max_cache_len=80, prompt_buckets=buckets,
+                         prepare_step=prepare_with_nimble(
+                             nimble.PrepareOptions(relaunches=4, fuzz=False),
+                             compile_steps=True))
+    eager = Generator(model, max_cache_len=80, prompt_buckets=buckets, prepare_step=run_eagerly)
+    try:
+        _, prefill = compiled.steps(1)
+        assert_one_prefill_per_batch(prefill, 1, buckets)
+        for length in (16, 30, 48):
+            ids = _prompt(model, 1, length)
+            bucket = compiled.limits.bucket_for(length)
+            padded = pad_right(ids, bucket)
+            last = torch.tensor([length - 1], device="cuda")
+            got = prefill(padded, last)[1].float().clone()
+            want = eager.steps(1)[1](padded, last)[1].float()
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=str(length))
+            assert compiled.generate(ids, 8).shape == (1, length + 8)
+    finally:
+        compiled.close()
 
 
 def test_the_proof_leaves_the_cache_as_it_found_it():
