@@ -12,7 +12,6 @@ import torch
 
 from nimble.driver import calls
 from nimble.engine import fuzz as fuzz_module
-from nimble.engine import prepared as prepared_module
 from nimble.engine import proving
 from nimble.engine import proof, rebuild
 from nimble.engine.build import DelaySpec, build_graph
