@@ -51,6 +51,7 @@ EXCLUSIVE = ("test_gpu_serving.py", "test_gpu_serve_bench.py")
 #: Rough minutes per GPU test file on an H100, to spread the files over ``--jobs`` processes
 #: (a file not listed counts 1).
 WEIGHTS = {"test_gpu_proof.py": 4, "test_gpu_debug_tools.py": 3, "test_gpu_runtime.py": 3,
+           "test_gpu_proof_power.py": 3, "test_gpu_generate.py": 3,
            "test_gpu_training.py": 2, "test_gpu_compiled.py": 2, "test_gpu_record.py": 2,
            "test_gpu_c_host.py": 1, "test_gpu_deploy.py": 1}
 
@@ -66,6 +67,22 @@ def test_groups(files: list[Path], jobs: int) -> list[list[Path]]:
     return [g for g in groups if g]
 
 
+def _selected(files: list[Path], args) -> list[Path]:
+    """``files`` narrowed by ``--only`` and ``--exclude`` (comma-separated file names, with or
+    without the ``test_gpu_`` prefix and ``.py``)."""
+    def names(text: str) -> set[str]:
+        out = set()
+        for n in filter(None, (t.strip() for t in text.split(","))):
+            n = n if n.endswith(".py") else n + ".py"
+            out.add(n if n.startswith("test_gpu_") else "test_gpu_" + n)
+        return out
+    only, exclude = names(args.only), names(args.exclude)
+    unknown = (only | exclude) - {f.name for f in files}
+    if unknown:
+        raise SystemExit(f"gpu_suite: no such GPU test file: {', '.join(sorted(unknown))}")
+    return [f for f in files if (not only or f.name in only) and f.name not in exclude]
+
+
 def _pytest(files: list[Path], log_path: Path, extra: list[str], env) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
            *map(str, files), *extra]
@@ -79,11 +96,11 @@ def _pytest(files: list[Path], log_path: Path, extra: list[str], env) -> subproc
 def _run_tests(args, env) -> tuple[int, list[str]]:
     """The GPU tests, in one process or ``args.jobs`` side by side; (status, summary lines)."""
     extra = args.pytest_args.split()
-    if args.jobs <= 1:
+    if args.jobs <= 1 and not (args.only or args.exclude):
         groups = [[ROOT / "tests"]]
         tail = []
     else:
-        files = sorted((ROOT / "tests").glob("test_gpu_*.py"))
+        files = _selected(sorted((ROOT / "tests").glob("test_gpu_*.py")), args)
         groups = test_groups([f for f in files if f.name not in EXCLUSIVE], args.jobs)
         tail = [f for f in files if f.name in EXCLUSIVE]
     status, summary = 0, []
@@ -154,6 +171,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     p.add_argument("--jobs", type=int, default=1,
                    help="run the GPU test files in this many pytest processes at once")
+    p.add_argument("--only", default="",
+                   help="run only these GPU test files (comma-separated, e.g. serving,proof)")
+    p.add_argument("--exclude", default="", help="leave these GPU test files out")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "out")))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
