@@ -31,14 +31,22 @@ class CudaStreams:
 
 class CudaMemory:
     """:class:`~nimble.cli.serve_load.DeviceMemory` from ``torch.cuda.mem_get_info()``, dead
-    objects collected first."""
+    objects collected first.
+
+    Releasing the cache drops torch's cuBLAS workspaces too (one per handle and stream, held
+    outside the cache): a prepare drops them around its capture, so workspaces cached by the
+    previous mode's client streams would otherwise be freed inside the next mode's build and
+    counted against it."""
 
     def free_bytes(self, release_cache: bool) -> int:
         import torch
 
+        from ..record.capture import clear_blas_workspaces
+
         gc.collect()
         torch.cuda.synchronize()
         if release_cache:
+            clear_blas_workspaces()
             torch.cuda.empty_cache()
         return torch.cuda.mem_get_info()[0]
 
