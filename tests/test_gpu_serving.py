@@ -202,36 +202,38 @@ def test_a_c_host_reaches_every_bucket_of_every_instance(served):
         assert torch.equal(nm(inputs[b]), nm(inputs[b].clone()))
 
 
-def test_under_load_nothing_is_wrong_nothing_is_lost_and_a_bad_call_fails_alone():
-    """8 threads x 2,000 calls over four buckets on three instances, every 50th output checked;
-    one call of a shape not prepared in the middle; the memory back after close."""
+def _free_after_cleanup() -> int:
+    """Free device memory with dead objects collected, torch's cuBLAS workspaces dropped and
+    its cache released."""
+    import torch
+
+    from nimble.record.capture import clear_blas_workspaces
+
+    gc.collect()
+    torch.cuda.synchronize()
+    clear_blas_workspaces()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
+def _serve_under_load(model, x, inputs, streams, calls_per_thread: int, bad=None):
+    """Prepare buckets on three instances, run 8 threads x ``calls_per_thread`` calls over them
+    (``bad`` tried once by thread 5 halfway), close; what went wrong, how many outputs each
+    thread checked, the refusals."""
     import torch
 
     import nimble
 
-    model, x = _googlenet_half()
-    inputs = {b: torch.randn(b, *x.shape[1:], device="cuda", dtype=x.dtype) for b in BATCHES}
-    eager = {b: _eager(model, inputs[b]) for b in BATCHES}
     options = nimble.PrepareOptions(relaunches=4, fuzz=False)
-    nimble.Nimble(model).prepare(x, options=options).close()  # the driver's one-time costs
-    streams = [torch.cuda.Stream() for _ in range(8)]
-    bad = torch.randn(3, 3, 224, 224, device="cuda", dtype=torch.float16)
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free_before = torch.cuda.mem_get_info()[0]
-
     nm = nimble.Nimble(model).prepare(x, batch_sizes=BATCHES, instances=3, return_copies=True,
                                       options=options)
     want = {b: nm(inputs[b]) for b in BATCHES}
-    for b in BATCHES:
-        _close_to_eager(want[b], eager[b])
     refused: list[str] = []
-    checked = [0] * 8
+    checked = [0] * len(streams)
 
     def calls(k: int, failures: list[str]) -> None:
-        for i in range(2000):
-            if k == 5 and i == 1000:
+        for i in range(calls_per_thread):
+            if bad is not None and k == 5 and i == calls_per_thread // 2:
                 try:
                     nm(bad)
                     failures.append("the bad shape was taken")
@@ -243,13 +245,38 @@ def test_under_load_nothing_is_wrong_nothing_is_lost_and_a_bad_call_fails_alone(
                 checked[k] += 1
                 if not torch.equal(out, want[b]):
                     failures.append(f"thread {k} call {i} batch {b}")
-    assert _in_threads(calls, streams) == []
+    try:
+        failures = _in_threads(calls, streams)
+        return failures, checked, refused, want
+    finally:
+        nm.close()
+
+
+def test_under_load_nothing_is_wrong_nothing_is_lost_and_a_bad_call_fails_alone():
+    """8 threads x 2,000 calls over four buckets on three instances, every 50th output checked;
+    one call of a shape not prepared in the middle; the memory back after close.
+
+    A first, shorter round of the same serving comes before the memory is read: after the
+    first round the process holds 96 MiB more for good, outside torch's allocator and Nimble's
+    allocations (measured on an H100 with no Nimble allocation left alive, and the same after
+    three rounds; docs/findings.md).  A leak grows with every round: the second round is held
+    to 1 MB."""
+    import torch
+
+    model, x = _googlenet_half()
+    inputs = {b: torch.randn(b, *x.shape[1:], device="cuda", dtype=x.dtype) for b in BATCHES}
+    eager = {b: _eager(model, inputs[b]) for b in BATCHES}
+    streams = [torch.cuda.Stream() for _ in range(8)]
+    bad = torch.randn(3, 3, 224, 224, device="cuda", dtype=torch.float16)
+    failures, _, _, _ = _serve_under_load(model, x, inputs, streams, 200)
+    assert failures == []
+    free_before = _free_after_cleanup()
+
+    failures, checked, refused, want = _serve_under_load(model, x, inputs, streams, 2000, bad)
+    assert failures == []
+    for b in BATCHES:
+        _close_to_eager(want[b], eager[b])
     assert checked == [40] * 8
     assert len(refused) == 1 and "(3, 3, 224, 224)" in refused[0]
-
-    nm.close()
-    nm = want = None  # the workers' closure holds them too
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    assert torch.cuda.mem_get_info()[0] >= free_before - (1 << 20)
+    want = None
+    assert _free_after_cleanup() >= free_before - (1 << 20)
