@@ -338,14 +338,16 @@ class Generator:
 
 
 def library_greedy(model, input_ids, max_new_tokens: int, compiled: bool = False,
-                   cache=None):
+                   cache=None, with_logits: bool = False):
     """transformers' own greedy tokens with a static cache, ``(B, n + max_new_tokens)``: what a
     :class:`Generator` reproduces.  ``generate()`` compiles the decoding forward on a GPU
     whenever the cache is static (``torch.compile``, mode ``"reduce-overhead"``); eager kernels
     unless ``compiled``.  ``cache``: a ``StaticCache`` to reset and generate in (a Generator's
     length gives the attention the same shapes; one cache kept across calls keeps its
     addresses, as ``generate()`` keeps its own); default, one ``generate()`` sizes for the
-    prompt and the new tokens.  Never stops early at an end-of-sequence token."""
+    prompt and the new tokens.  Never stops early at an end-of-sequence token.  With
+    ``with_logits``: ``(tokens, logits)``, the logits each new token was chosen from,
+    ``(max_new_tokens, B, V)``."""
     import warnings
 
     if cache is None:
@@ -355,10 +357,13 @@ def library_greedy(model, input_ids, max_new_tokens: int, compiled: bool = False
         where = {"past_key_values": cache}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the pad and end-of-sequence ids left unset
-        return model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                              do_sample=False, disable_compile=not compiled,
-                              max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
-                              **where)
+        if with_logits:
+            where.update(output_logits=True, return_dict_in_generate=True)
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                             do_sample=False, disable_compile=not compiled,
+                             max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
+                             **where)
+    return (out.sequences, torch.stack(out.logits)) if with_logits else out
 
 
 @contextmanager

@@ -306,9 +306,12 @@ def test_the_generate_bench_times_every_mode_and_checks_every_sequence(monkeypat
     assert set(info["modes"]) == set(generate_bench.MODES)
     for row in info["modes"].values():
         assert row["token_ms_median"] > 0 and set(row["prefill_ms"]) == {"8", "16"}
-        assert row["mismatch"] == {"sequences": 0, "first_token": None}
+        assert row["mismatch"] == {"sequences": 0, "first_token": None, "near_ties": 0,
+                                   "margins_ulp": []}
     assert info["modes"]["static+compile"]["x_compiled"] == 1.0
-    info["modes"]["nimble"]["mismatch"] = {"sequences": 1, "first_token": 20}
+    info["modes"]["nimble"]["mismatch"] = {"sequences": 1, "first_token": 20, "near_ties": 1}
+    assert generate_bench._status(generate_bench.Outcome(results=[info])) == 0
+    info["modes"]["nimble"]["mismatch"] = {"sequences": 2, "first_token": 20, "near_ties": 1}
     assert generate_bench._status(generate_bench.Outcome(results=[info])) == 1
     # a mode that fails is reported on its own line; the others keep their numbers
     monkeypatch.setattr(generate_bench, "_generators", lambda model, args, batch: {
@@ -319,6 +322,24 @@ def test_the_generate_bench_times_every_mode_and_checks_every_sequence(monkeypat
         info["decode_step"]
     assert "nimble+inductor: FAILED: RecordError: stand-in" in generate_bench.format_result(info)
     assert generate_bench._status(generate_bench.Outcome(results=[info])) == 1
+
+
+def test_a_departure_is_a_near_tie_only_where_the_reference_chose_by_a_few_ulps():
+    from nimble.cli import generate_bench
+
+    want = torch.tensor([[5, 1, 2, 3], [5, 1, 2, 3], [5, 1, 2, 3]])
+    got = torch.tensor([[5, 1, 2, 3], [5, 1, 0, 0], [5, 0, 2, 3]])
+    logits = torch.zeros(3, 3, 4, dtype=torch.float16)  # 3 new tokens after a 1-token prompt
+    logits[1, 1] = torch.tensor([4.0 - 2 * 2**-8, 0, 4.0, 0])  # row 1 departs by 2 ulps at 4.0
+    logits[0, 2] = torch.tensor([0, 4.0, 3.0, 0])  # row 2 departs to a logit 4.0 lower
+    result = generate_bench._mismatches(got, want, logits)
+    assert result == {"sequences": 2, "first_token": 1, "near_ties": 1,
+                      "margins_ulp": [2.0, 1024.0]}
+    assert generate_bench.wrong_sequences(result) == 1
+    assert generate_bench._mismatches(got, want)["margins_ulp"] == [None, None]
+    assert generate_bench.unit_in_last_place(4.0, torch.float16) == 2**-8
+    assert generate_bench.unit_in_last_place(0.0, torch.bfloat16) > 0
+    assert generate_bench._differ(result) == "2 (1 tie)"
 
 
 def test_the_generate_bench_refuses_unknown_models_and_other_benches():
