@@ -31,6 +31,7 @@ taken in the graph and the token goes back in as the next step's input.
 from __future__ import annotations
 
 import bisect
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -45,6 +46,14 @@ from .errors import CaptureError, InputError
 #: Nimble's prepared graphs by default (one per example, sharing one arena, each call run in the
 #: graph of its input shapes); the module itself runs them eagerly.
 PrepareStep = Callable[[Any, list], Callable]
+
+
+#: How far a decode step run at another position than the one it was prepared at may stray
+#: from the step run eagerly there (at least), in units in the last place of its logits' dtype
+#: at their largest: the same step captured and run eagerly differ by about one unit
+#: (transformers' mask code takes its capture branch under capture), Inductor's fusions by a
+#: few, a step frozen at another position by about as much as the two positions' logits differ.
+POSITION_CHECK_ULPS = 16
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,18 @@ def _set_counters(counters: list, value) -> None:
     source = value.view(())
     for counter in counters:
         counter.copy_(source)
+
+
+def _cache_tensors(cache) -> list:
+    """Every tensor of an initialized static cache: each layer's keys, values and counter."""
+    return [t for layer in cache.layers
+            for t in (layer.keys, layer.values, layer.cumulative_length)]
+
+
+def unit_in_last_place(value: float, dtype) -> float:
+    """The spacing of ``dtype``'s numbers at ``value`` (its smallest normal's at zero)."""
+    info = torch.finfo(dtype)
+    return info.eps * 2.0 ** math.floor(math.log2(max(abs(value), info.tiny)))
 
 
 def _greedy(logits):
@@ -282,6 +303,52 @@ class Generator:
         with _where(f"the decode step of batch {batch}, prepared at cache position "
                     f"{self.decode_position}"):
             steps.decode = prepare_step(DecodeStep(self.model, cache).eval(), [(ids, position)])
+        self._check_at_another_position(batch, steps)
+
+    def _check_at_another_position(self, batch: int, steps: "_BatchSteps") -> None:
+        """The decode step prepared at :attr:`decode_position` serves every position only if
+        the model's kernels and their arguments do not depend on it beyond what the graph
+        reads from its inputs (a Python-side counter, or a branch on the position taken at
+        recording, would be frozen in the graph).  Run it at the last slot a decode step
+        writes, beside the step run eagerly there and at the prepared position, all on the
+        same cache contents: a :class:`CaptureError` naming the position prepared unless it
+        lands within rounding of the eager step at its own position (the larger of
+        :data:`POSITION_CHECK_ULPS` units in the last place and a quarter of how far the two
+        positions' eager logits lie apart).  The cache is left as it was found."""
+        other = self.limits.max_cache_len - 1
+        if other == self.decode_position:
+            return
+        device = next(self.model.parameters()).device
+        ids = torch.full((batch, 1), 1, dtype=torch.long, device=device)
+        eager = DecodeStep(self.model, steps.cache)
+        runs = (("here", eager, other), ("prepared", eager, self.decode_position),
+                ("graph", steps.decode, other))
+        state = _cache_tensors(steps.cache)
+        saved = [t.clone() for t in state]
+        logits = {}
+        try:
+            with torch.no_grad():
+                for name, step, at in runs:
+                    logits[name] = step(ids, torch.full((1,), at, dtype=torch.long,
+                                                        device=device))[1].clone()
+                    for t, s in zip(state, saved):
+                        t.copy_(s)
+        finally:
+            for t, s in zip(state, saved):
+                t.copy_(s)
+        ulp = unit_in_last_place(float(logits["here"].float().abs().max()), logits["here"].dtype)
+        here, graph = logits["here"].float(), logits["graph"].float()
+        off = float((graph - here).abs().max()) if graph.shape == here.shape else float("inf")
+        apart = float((logits["prepared"].float() - here).abs().max())
+        if not off <= max(POSITION_CHECK_ULPS * ulp, apart / 4):
+            raise CaptureError(
+                f"the decode step of batch {batch} was prepared at cache position "
+                f"{self.decode_position}; at position {other} its logits differ from the model "
+                f"run eagerly there by up to {off:.3g} (the model's own logits at the two "
+                f"positions lie {apart:.3g} apart): the model's kernels or their arguments "
+                "depend on the position beyond the position ids and the cache it is given (a "
+                "Python-side counter, or a branch on the position), so one graph cannot serve "
+                f"every position; prepared positions: {self.decode_position} only")
 
     @property
     def decode_position(self) -> int:

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from helpers import FIXTURE_DIR
-from nimble.errors import InputError
-from nimble.generate import Generator, Limits, library_greedy, pad_right, run_eagerly
+import nimble.generate as generate_module
+from nimble.errors import CaptureError, InputError
+from nimble.generate import (DecodeStep, Generator, Limits, library_greedy, pad_right, run_eagerly,
+                             unit_in_last_place)
 
 VOCAB = 1000
 
@@ -134,6 +136,12 @@ def test_a_failed_prepare_closes_the_steps_already_prepared():
     class Step:
         closed = 0
 
+        def __init__(self, module, examples):
+            self.call = run_eagerly(module, examples)
+
+        def __call__(self, *inputs):
+            return self.call(*inputs)
+
         def close(self):
             Step.closed += 1
 
@@ -143,7 +151,7 @@ def test_a_failed_prepare_closes_the_steps_already_prepared():
         calls.append([tuple(ids.shape) for ids, _ in examples])
         if len(calls) == 3:
             raise InputError("stand-in failure")
-        return Step()
+        return Step(module, examples)
     with pytest.raises(InputError, match="stand-in failure"):
         Generator(_tiny("gpt2"), 64, [8, 16], batch_sizes=[1, 2], prepare_step=prepare_step)
     assert calls == [[(1, 8), (1, 16)], [(1, 1)], [(2, 8), (2, 16)]]
@@ -337,8 +345,8 @@ def test_a_departure_is_a_near_tie_only_where_the_reference_chose_by_a_few_ulps(
                       "margins_ulp": [2.0, 1024.0]}
     assert generate_bench.wrong_sequences(result) == 1
     assert generate_bench._mismatches(got, want)["margins_ulp"] == [None, None]
-    assert generate_bench.unit_in_last_place(4.0, torch.float16) == 2**-8
-    assert generate_bench.unit_in_last_place(0.0, torch.bfloat16) > 0
+    assert unit_in_last_place(4.0, torch.float16) == 2**-8
+    assert unit_in_last_place(0.0, torch.bfloat16) > 0
     assert generate_bench._differ(result) == "2 (1 tie)"
 
 
@@ -360,3 +368,38 @@ def test_the_generate_bench_decodes_in_float16_unless_a_dtype_is_given(monkeypat
                           ["bfloat16", "float16"])):
         assert bench.run(cli.build_parser("bench").parse_args(argv)) == 0
         assert seen.pop() == dtypes
+
+
+def _decode_frozen_at_its_position(module, examples):
+    """A stand-in ``prepare_step`` whose decode step ignores the position it is given and runs at
+    the one it was prepared at, as a graph would that froze a Python-side counter."""
+    if not isinstance(module, DecodeStep):
+        return run_eagerly(module, examples)
+    [(_, prepared_at)] = examples
+
+    def call(ids, position):
+        with torch.no_grad():
+            return module(ids, prepared_at)
+    return call
+
+
+def test_a_decode_step_frozen_at_the_position_it_was_prepared_at_is_a_capture_error():
+    pytest.importorskip("transformers")
+    model = _tiny("llama")
+    with pytest.raises(CaptureError, match=r"prepared at cache position 16; at position 47 .*"
+                                           r"prepared positions: 16 only"):
+        Generator(model, max_cache_len=48, prompt_buckets=[16], batch_sizes=[2],
+                  prepare_step=_decode_frozen_at_its_position)
+
+
+def test_the_position_check_leaves_the_cache_as_it_found_it():
+    pytest.importorskip("transformers")
+    model = _tiny("gpt2")
+    generator = Generator(model, max_cache_len=40, prompt_buckets=[8], batch_sizes=[1],
+                          prepare_step=run_eagerly)
+    ids = torch.randint(0, VOCAB, (1, 8))
+    assert torch.equal(generator.generate(ids, 24), library_greedy(model, ids, 24))
+    cache = generator.caches[1]
+    before = [t.clone() for t in generate_module._cache_tensors(cache)]
+    generator._check_at_another_position(1, generator._steps[1])
+    assert all(torch.equal(a, b) for a, b in zip(before, generate_module._cache_tensors(cache)))

@@ -32,7 +32,6 @@ average, ``nm.trace()``).
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from typing import Callable
@@ -133,20 +132,14 @@ def _decode_step_shape(generator, batch: int) -> dict:
     return shape
 
 
-def unit_in_last_place(value: float, dtype) -> float:
-    """The spacing of ``dtype``'s numbers at ``value`` (its smallest normal's at zero)."""
-    import torch
-
-    info = torch.finfo(dtype)
-    return info.eps * 2.0 ** math.floor(math.log2(max(abs(value), info.tiny)))
-
-
 def _mismatches(got, want, logits=None) -> dict:
     """How many sequences differ from the reference, the first differing token's column, and
     per differing sequence the reference's margin at its first differing token: its own
     token's logit over the departing token's, in units in the last place (None where there are
     no ``logits``, the reference's ``(new tokens, B, V)``); margins up to :data:`TIE_ULPS` are
     counted as near-ties."""
+    from ..generate import unit_in_last_place
+
     differ = got != want
     rows = differ.any(dim=1).nonzero().flatten().tolist()
     columns = differ.any(dim=0).nonzero().flatten().tolist()
