@@ -345,6 +345,10 @@ def test_a_departure_is_a_near_tie_only_where_the_reference_chose_by_a_few_ulps(
                       "margins_ulp": [2.0, 1024.0]}
     assert generate_bench.wrong_sequences(result) == 1
     assert generate_bench._mismatches(got, want)["margins_ulp"] == [None, None]
+    # transformers hands out float32 logits of a float16 model: float16's rounding counts
+    as_float32 = generate_bench._mismatches(got, want, logits.float(), torch.float16)
+    assert as_float32["margins_ulp"] == [2.0, 1024.0]
+    assert generate_bench._mismatches(got, want, logits.float())["margins_ulp"][0] == 2.0 * 2**13
     assert unit_in_last_place(4.0, torch.float16) == 2**-8
     assert unit_in_last_place(0.0, torch.bfloat16) > 0
     assert generate_bench._differ(result) == "2 (1 tie)"

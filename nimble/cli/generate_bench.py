@@ -132,12 +132,13 @@ def _decode_step_shape(generator, batch: int) -> dict:
     return shape
 
 
-def _mismatches(got, want, logits=None) -> dict:
+def _mismatches(got, want, logits=None, dtype=None) -> dict:
     """How many sequences differ from the reference, the first differing token's column, and
     per differing sequence the reference's margin at its first differing token: its own
     token's logit over the departing token's, in units in the last place (None where there are
-    no ``logits``, the reference's ``(new tokens, B, V)``); margins up to :data:`TIE_ULPS` are
-    counted as near-ties."""
+    no ``logits``, the reference's ``(new tokens, B, V)``) of ``dtype``, the model's (default:
+    the logits'; transformers hands out float32 logits of a float16 model, whose rounding is
+    float16's); margins up to :data:`TIE_ULPS` are counted as near-ties."""
     from ..generate import unit_in_last_place
 
     differ = got != want
@@ -153,7 +154,7 @@ def _mismatches(got, want, logits=None) -> dict:
         scores = logits[step, row].float()
         chosen = float(scores[int(want[row, column])])
         margin = chosen - float(scores[int(got[row, column])])
-        margins.append(round(margin / unit_in_last_place(chosen, logits.dtype), 2))
+        margins.append(round(margin / unit_in_last_place(chosen, dtype or logits.dtype), 2))
     ties = sum(1 for m in margins if m is not None and m <= TIE_ULPS)
     return {"sequences": len(rows), "first_token": columns[0] if columns else None,
             "near_ties": ties, "margins_ulp": margins}
@@ -218,7 +219,7 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
         for mode in MODES:
             step(f"timing {mode}")
             info["modes"][mode] = _mode_row(runs[mode], prompts, args, batch, want,
-                                            want_logits)
+                                            want_logits, model.dtype)
         step("tracing the decode steps")
         info["decode_step"] = {mode: _decode_step_shape(g, batch)
                                for mode, g in generators.items() if not isinstance(g, str)}
@@ -231,7 +232,7 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
 
 
 def _mode_row(run: Callable | str, prompts: dict, args, batch: int, want,
-              want_logits=None) -> dict:
+              want_logits=None, dtype=None) -> dict:
     """One mode's timings and mismatches, or ``{"error": ...}`` (``run`` may be the error that
     stopped its preparation)."""
     if isinstance(run, str):
@@ -240,7 +241,7 @@ def _mode_row(run: Callable | str, prompts: dict, args, batch: int, want,
         row = _time_mode(run, prompts, args.new_tokens, args.rounds)
         row["tokens_per_s"] = batch / (row["token_ms_median"] / 1e3)
         row["mismatch"] = _mismatches(run(prompts[min(prompts)], args.new_tokens), want,
-                                      want_logits)
+                                      want_logits, dtype)
     except Exception as e:  # noqa: BLE001 - the other modes still run
         return {"error": one_line(e)}
     return row
