@@ -87,10 +87,10 @@ def test_the_table_credits_each_fuzz_catch_to_its_kind_of_draw():
         power.Trial(sync, True, "", caught_fuzz=True, caught_by="targeted", fuzz_launches=40),
         power.Trial(sync, True, "", caught_fuzz=True, caught_by="chained", fuzz_launches=5),
         power.Trial(sync, True, "", caught_plain=True, caught_fuzz=True, caught_by="plain"),
-        power.Trial(sync, True, "", fuzz_launches=60),
+        power.Trial(sync, True, "", fuzz_launches=60, write_write_only="1 unordered pair(s)"),
         power.Trial(sync, False, "redundant")]
     (row,) = summary.rows()
-    assert row[3:6] == ["5", "1/5", "4/5"] and row[-1] == "chained 2, targeted 1"
+    assert row[3:8] == ["5", "1", "1/5", "4/5", "0/1 | 4/4"] and row[-1] == "chained 2, targeted 1"
     assert "targets held back 7/9" in power.table(summary)
 
 
@@ -101,3 +101,38 @@ def test_a_moved_buffer_gives_the_fuzzer_its_new_offset(planned):
     offsets = power.offsets_of(prepared, change)
     ((moved, offset),) = change.moved
     assert offsets[moved] == offset and offsets.keys() == plan.offsets.keys()
+
+
+def _two_writers(read_after: bool = False, one_reads: bool = False, output: bool = False):
+    """Tasks 0 and 2 write bytes [0, 8) of buffer 0; task 1 sits between them (edges 0->1->2);
+    with ``read_after`` task 3 reads those bytes after both; with ``one_reads`` task 2 only
+    reads them; with ``output`` buffer 0 is a graph output."""
+    from nimble.analysis.memplan import MemPlan
+    from nimble.ir.taskgraph import Access, Buffer, Task, TaskGraph, TensorRef
+
+    kind = "output" if output else "param"
+    buffers = [Buffer(0, kind, 64, 0x1000), Buffer(1, "param", 64, 0x2000)]
+    tasks = [Task(0, "kernel", accesses=[Access(0, 0, 8, True)]),
+             Task(1, "kernel", accesses=[Access(1, 0, 8, True)]),
+             Task(2, "kernel", accesses=[Access(0, 0, 8, not one_reads)])]
+    if read_after:
+        tasks.append(Task(3, "kernel", accesses=[Access(0, 0, 8, False)]))
+    outputs = [TensorRef(0, 0, [2], [1], "float32")] if output else []
+    graph = TaskGraph(tasks=tasks, buffers=buffers, outputs=outputs)
+    edges = [(0, 1), (1, 2)] + ([(2, 3)] if read_after else [])
+    return graph, edges, MemPlan(offsets={}, arena_bytes=0, buffer_bytes=0, lower_bound_bytes=0,
+                              alignment=256)
+
+
+def test_a_removal_whose_races_are_only_writes_of_untouched_bytes_is_told_apart():
+    change = power.Change("sync", removed_edges=frozenset({(1, 2)}))
+    graph, edges, plan = _two_writers()
+    assert power.needed(graph, edges, plan, change)[0]
+    assert "tasks 0 and 2 on buffer 0 bytes [0, 8)" in power.write_write_only(graph, edges, plan,
+                                                                           change)
+    for shape in ({"read_after": True}, {"one_reads": True}, {"output": True}):
+        graph, edges, plan = _two_writers(**shape)
+        assert power.needed(graph, edges, plan, change)[0], shape
+        assert power.write_write_only(graph, edges, plan, change) == "", shape
+    graph, edges, plan = _two_writers()
+    assert power.write_write_only(graph, edges, plan, power.Change("war", frozenset({(1, 2)}))) == ""

@@ -22,7 +22,10 @@ fuzz launches (:mod:`nimble.engine.fuzz`: a delay-noded copy with the same chang
 before each, at most ``--fuzz-launches``, for at most ``--fuzz-budget`` times the time
 ``prepare()``'s own served proof took, as ``prepare()`` gives its fuzzer; the targeted draws see
 the copy's arena offsets, moved buffers included, but not the change).  Each trial the fuzzer
-caught is credited to the kind of draw of the launch that failed.  Prints one table per model
+caught is credited to the kind of draw of the launch that failed.  A needed removed sync whose
+every race is two TaskGraph writes of bytes nothing else touches afterwards is marked
+*write-write only* (:func:`write_write_only`): the graph cannot say whether either kernel also
+reads, so its catch rate is shown apart from the rest's.  Prints one table per model
 and dtype, and a progress line per trial with the time so far; seeded, so a run repeats.
 """
 from __future__ import annotations
@@ -36,8 +39,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from nimble.analysis.deps import dag_from_edges, reachability
 from nimble.analysis.memplan import MemPlan, MemPlanError
-from nimble.analysis.plan_check import check_plan
+from nimble.analysis.plan_check import check_plan, collect_accesses
 from nimble.engine.proof import FUZZ_TIME_FACTOR
 from nimble.ir.taskgraph import BufferKind, TaskGraph
 
@@ -155,6 +159,57 @@ def needed(graph: TaskGraph, edges: Sequence[tuple[int, int]], plan: MemPlan,
     return False, "the plan check passes: other edges order every conflicting access"
 
 
+def write_write_only(graph: TaskGraph, edges: Sequence[tuple[int, int]], plan: MemPlan,
+                     change: Change) -> str:
+    """What a removed sync edge's races are, when each is of one kind, or ``""``.
+
+    Non-empty when every pair of accesses the removal leaves unordered is two TaskGraph writes
+    of common bytes of one buffer that no third task from the earlier of the two on accesses,
+    that no graph output holds, and that no other buffer shares in the arena.  A TaskGraph write
+    means read-write (a kernel's own reads of its op's output are not known), so such a race
+    shows at an output only if one of the two also reads what the other wrote, which the graph
+    cannot say: the category tells the removals the static view cannot judge from the others,
+    and is reported beside the catch rate, not taken out of it.  Other kinds of change: ``""``.
+    """
+    if change.kind != "sync":
+        return ""
+    n = len(graph.tasks)
+    kept = [e for e in edges if e not in change.removed_edges]
+    before = reachability(dag_from_edges(n, edges, ordered=False))
+    after = reachability(dag_from_edges(n, kept, ordered=False))
+
+    def loose(a: int, b: int) -> bool:
+        lo, hi = min(a, b), max(a, b)
+        return bool((before[lo] >> hi | before[hi] >> lo) & 1) and \
+            not (after[lo] >> hi | after[hi] >> lo) & 1
+
+    by_buffer, arena = collect_accesses(graph, dict(plan.offsets))
+    outputs = {(o.buffer) for o in graph.outputs}
+    found = []
+    for buf, accs in by_buffer.items():
+        for i, (lo1, hi1, t1, w1) in enumerate(accs):
+            for lo2, hi2, t2, w2 in accs[i + 1:]:
+                if t1 == t2 or not (lo1 < hi2 and lo2 < hi1) or not (w1 or w2) or \
+                        not loose(t1, t2):
+                    continue
+                if not (w1 and w2) or buf in outputs:
+                    return ""
+                lo, hi, first = max(lo1, lo2), min(hi1, hi2), min(t1, t2)
+                if any(t not in (t1, t2) and t > first and lo3 < hi and lo < hi3
+                       for lo3, hi3, t, _ in accs):
+                    return ""
+                found.append((t1, t2, buf, lo, hi))
+    for i, (lo1, hi1, t1, b1, _) in enumerate(arena):
+        for lo2, hi2, t2, b2, _ in arena[i + 1:]:
+            if b1 != b2 and lo1 < hi2 and lo2 < hi1 and loose(t1, t2):
+                return ""
+    if not found:
+        return ""
+    t1, t2, buf, lo, hi = found[0]
+    return (f"{len(found)} unordered pair(s), each two writes of bytes no other task touches "
+            f"afterwards, e.g. tasks {t1} and {t2} on buffer {buf} bytes [{lo}, {hi})")
+
+
 def plan_trials(graph: TaskGraph, schedule, plan: MemPlan, seed: int,
                 counts: dict[str, int]) -> list[Change]:
     """The seeded trials of each kind (``counts[kind]`` of each)."""
@@ -181,6 +236,7 @@ class Trial:
     message: str = ""
     caught_by: str = ""  # "plain", or the kind of draw of the fuzz launch that failed
     fuzz_launches: int = 0  # the fuzz launches run (up to the failing one)
+    write_write_only: str = ""  # its races, when all of that kind (see write_write_only)
 
     def as_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -297,9 +353,14 @@ class Summary:
             if not mine:
                 continue
             mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
+            ww = [t for t in need if t.write_write_only]
+            rest = [t for t in need if not t.write_write_only]
             rows.append([kind, str(len(mine)), str(len(mine) - len(need)), str(len(need)),
+                         str(len(ww)),
                          f"{sum(t.caught_plain for t in need)}/{len(need)}",
                          f"{sum(t.caught_fuzz for t in need)}/{len(need)}",
+                         f"{sum(t.caught_fuzz for t in ww)}/{len(ww)} | "
+                         f"{sum(t.caught_fuzz for t in rest)}/{len(rest)}",
                          f"{mean([t.seconds_plain for t in need]):.2f}",
                          f"{mean([t.seconds_fuzz for t in need]):.2f}",
                          f"{mean([t.fuzz_launches for t in need]):.0f}",
@@ -316,8 +377,9 @@ def by_draw_kind(trials: Sequence[Trial]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
 
 
-HEADER = ["kind", "trials", "redundant", "needed", "caught w/o fuzz", "caught w/ fuzz",
-          "proof s w/o", "proof s w/", "fuzz launches", "fuzz catches by draw"]
+HEADER = ["kind", "trials", "redundant", "needed", "write-write only", "caught w/o fuzz",
+          "caught w/ fuzz", "w/ fuzz: write-write only | rest", "proof s w/o", "proof s w/",
+          "fuzz launches", "fuzz catches by draw"]
 
 
 def table(summary: Summary) -> str:
@@ -361,7 +423,8 @@ def measure(name: str, dtype: str, counts: dict[str, int], launches: int,
         started = time.perf_counter()
         for i, change in enumerate(trials):
             is_needed, reason = needed(prepared.graph, edges, prepared.memplan, change)
-            trial = Trial(change, is_needed, reason)
+            trial = Trial(change, is_needed, reason, write_write_only=write_write_only(
+                prepared.graph, edges, prepared.memplan, change) if is_needed else "")
             if is_needed:
                 outcome = run_trial(prepared, rec, reference, change, launches, fuzz_launches,
                                     seed + i, fuzz_budget)
@@ -379,6 +442,7 @@ def measure(name: str, dtype: str, counts: dict[str, int], launches: int,
                    f"caught by the fuzzer ({trial.caught_by} draw, launch "
                    f"{trial.fuzz_launches})" if trial.caught_fuzz else
                    f"NOT caught ({trial.fuzz_launches} fuzz launches)")
+                + (" [write-write only]" if trial.write_write_only else "")
                 + f"  [{spent:.0f} s, about {spent / (i + 1) * (len(trials) - i - 1):.0f} s "
                   "left for this model]")
         return summary
