@@ -48,12 +48,14 @@ QUICK_ARGS = ["--quick", "--rounds", "5", "--iters", "50"]
 #: GPU test files that measure the whole device's free memory or serve under a time window:
 #: they run alone, after the rest.
 EXCLUSIVE = ("test_gpu_serving.py", "test_gpu_serve_bench.py")
-#: Rough minutes per GPU test file on an H100, to spread the files over ``--jobs`` processes
-#: (a file not listed counts 1).
-WEIGHTS = {"test_gpu_proof.py": 4, "test_gpu_debug_tools.py": 3, "test_gpu_runtime.py": 3,
-           "test_gpu_proof_power.py": 3, "test_gpu_generate.py": 3,
-           "test_gpu_training.py": 2, "test_gpu_compiled.py": 2, "test_gpu_record.py": 2,
-           "test_gpu_c_host.py": 1, "test_gpu_deploy.py": 1}
+#: Rough minutes per GPU test file on an H100 with six processes side by side (from
+#: ``--durations``, 2026-11-25: the debug tools' and training files ran longest, the two-model
+#: training sequence alone 99 s), to spread the files over ``--jobs`` processes (a file not
+#: listed counts 1).
+WEIGHTS = {"test_gpu_debug_tools.py": 6, "test_gpu_training.py": 5, "test_gpu_proof.py": 3,
+           "test_gpu_runtime.py": 2, "test_gpu_compiled.py": 2, "test_gpu_generate.py": 2,
+           "test_gpu_record.py": 1, "test_gpu_proof_power.py": 1, "test_gpu_c_host.py": 1,
+           "test_gpu_deploy.py": 1}
 
 
 def test_groups(files: list[Path], jobs: int) -> list[list[Path]]:
