@@ -20,7 +20,7 @@ Every generated sequence is checked against transformers' greedy tokens with a s
 eager kernels (:func:`nimble.generate.library_greedy`), and a sequence that departs from them is
 judged at its first differing token by the reference's own logits: a departure to a token whose
 logit the reference's choice beat by at most :data:`TIE_ULPS` units in the last place (of the
-logits' dtype, at that logit) is a near-tie flip, any other a wrong token.  Every mode's kernels
+model's dtype, at that logit) is a near-tie flip, any other a wrong token.  Every mode's kernels
 round differently from the reference somewhere: the others run other kernels (another cache,
 Inductor's fusions), and even ``nimble``'s eager kernels are those transformers runs under graph
 capture, where its mask code takes its capture branch (the same is true of
@@ -289,7 +289,8 @@ def format_result(info: dict) -> str:
               "N prompt tokens; differ: sequences whose tokens differ from transformers' greedy "
               "tokens (static cache, eager kernels), (k tie): k of them first depart where "
               f"the reference's margin is at most {TIE_ULPS} units in the last place; width: "
-              "the decode step's DAG width; streams: its streams; conc: its achieved concurrency (nm.trace())")
+              "the decode step's DAG width; streams: its streams; conc: its achieved "
+              "concurrency (nm.trace())")
     return "\n".join([head, format_table(_columns(lengths), rows, legend), *failed])
 
 
