@@ -128,11 +128,12 @@ def test_a_removal_whose_races_are_only_writes_of_untouched_bytes_is_told_apart(
     change = power.Change("sync", removed_edges=frozenset({(1, 2)}))
     graph, edges, plan = _two_writers()
     assert power.needed(graph, edges, plan, change)[0]
-    assert "tasks 0 and 2 on buffer 0 bytes [0, 8)" in power.write_write_only(graph, edges, plan,
-                                                                           change)
+    why = power.write_write_only(graph, edges, plan, change)
+    assert "tasks 0 and 2 on buffer 0 bytes [0, 8)" in why
     for shape in ({"read_after": True}, {"one_reads": True}, {"output": True}):
         graph, edges, plan = _two_writers(**shape)
         assert power.needed(graph, edges, plan, change)[0], shape
         assert power.write_write_only(graph, edges, plan, change) == "", shape
     graph, edges, plan = _two_writers()
-    assert power.write_write_only(graph, edges, plan, power.Change("war", frozenset({(1, 2)}))) == ""
+    war = power.Change("war", frozenset({(1, 2)}))
+    assert power.write_write_only(graph, edges, plan, war) == ""
