@@ -7,8 +7,8 @@ import pytest
 
 from nimble.analysis.deps import dag_from_edges, reachability
 from nimble.analysis.hazards import (ARENA, CHAINED, HELD, ChainCosts, Hazard, TargetedPicks,
-                                     cross_stream_hazards, keeps_chained_rule, keeps_rule,
-                                     lead_us)
+                                     cross_stream_hazards, direct_hazards, keeps_chained_rule,
+                                     keeps_rule, lead_us)
 from nimble.analysis.memplan import MemPlanError
 from nimble.analysis.plan_check import check_plan
 from nimble.engine.prepared import plan_graph
@@ -236,3 +236,42 @@ def test_targeted_picks_and_heavy_delays_take_late_edges_that_go_back():
     picks = TargetedPicks(n, hazards, edges[:-2] + late, seed=0)
     assert picks.targets
     assert heavy_delay_ns(graph, edges[:-2] + late) > 0
+
+
+def test_a_pair_one_sync_orders_alone_is_direct_even_when_its_writer_precedes_the_source():
+    """Stream 0 runs tasks 0, 1, 3; stream 1 runs 2 and 4, and a sync joins 1 to 2.  Task 0
+    writes what task 2 reads (no edge of its own: the sync orders them), task 1 writes what 2
+    reads, task 3 writes what 4 reads (ordered only through 3's own sync to 4)."""
+    stream_of = [0, 0, 1, 0, 1]
+    edges = [(0, 1), (1, 3), (1, 2), (2, 4), (3, 4)]
+    hazards = [Hazard(0, 2, "write-read", 7, 0, 8), Hazard(1, 2, "write-read", 8, 0, 8),
+               Hazard(3, 4, "write-read", 9, 0, 8), Hazard(0, 4, "write-read", 7, 0, 8)]
+    direct = direct_hazards(hazards, edges, stream_of)
+    # (0, 4): its later task has a sync of its own from stream 0, (3, 4), after task 0
+    assert direct == hazards
+    assert direct_hazards(hazards, [(0, 1), (1, 3), (2, 4), (0, 2), (3, 4)], stream_of) == \
+        [hazards[0], hazards[2], hazards[3]]  # the sync now leaves 0, ahead of task 1
+    picks = TargetedPicks(5, hazards, edges, direct=direct[:1])
+    assert picks.tiers[0].targets == [0] and picks.targets == [0, 1, 3]
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_the_writer_of_every_race_one_missing_sync_opens_is_a_direct_target(name):
+    """On the recorded models: remove each sync edge of the schedule in turn; wherever the plan
+    check finds a race, its earlier task is among the first tier's targets, which the fuzzer
+    holds back before any other."""
+    import re
+
+    graph = TaskGraph.load(FIXTURE_DIR / f"{name}.json.gz")
+    schedule, plan, hazards = _planned(graph)
+    edges = schedule.edges()
+    direct = {h.earlier for h in direct_hazards(hazards, edges, schedule.stream_of)}
+    races = 0
+    for edge in schedule.sync_edges:
+        try:
+            check_plan(graph, [e for e in edges if e != edge], plan)
+        except MemPlanError as e:
+            races += 1
+            writer = int(re.search(r"tasks (\d+) and (\d+)", str(e)).group(1))
+            assert writer in direct, (edge, str(e))
+    assert races > 50

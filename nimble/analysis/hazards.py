@@ -88,6 +88,27 @@ def cross_stream_hazards(graph: TaskGraph, offsets: Mapping[int, int],
     return [found[k] for k in sorted(found)]
 
 
+def direct_hazards(hazards: Iterable[Hazard], edges: Iterable[tuple[int, int]],
+                   stream_of: Sequence[int]) -> list[Hazard]:
+    """The hazards that one cross-stream edge of ``edges`` may order alone: the later task is
+    the edge's target, and the earlier task is the edge's source or comes before it on the
+    source's stream (a stream runs its tasks in id order).  Removing that edge leaves such a
+    pair unordered unless another path joins them, and holding back the earlier task (which
+    holds back the source too) shows the race.  Pairs whose earlier task precedes the source
+    matter as much as the source's own: a batch norm's first kernel writes a buffer its third
+    kernel reads, on another stream, with the sync from the second kernel between them
+    (docs/findings.md, "The race fuzzer's misses at budget 1").  Pairs whose later task comes
+    after the edge's target on its stream are left to the second tier: counting them in made
+    the first tier half as large again and held the zoo's writers back later."""
+    sources: dict[int, list[int]] = {}
+    for u, v in edges:
+        if stream_of[u] != stream_of[v]:
+            sources.setdefault(v, []).append(u)
+    return [h for h in hazards
+            if any(stream_of[u] == stream_of[h.earlier] and h.earlier <= u
+                   for u in sources.get(h.later, ()))]
+
+
 #: The kinds of targeted pick: held back one antichain at a time by the critical path, or along
 #: chains by each target's own window (see :class:`TargetedPicks`).
 HELD, CHAINED = "targeted", "chained"
@@ -131,9 +152,10 @@ class Pick(NamedTuple):
 class TargetedPicks:
     """Seeded sets of targets to hold back, one set per launch (see the module docstring).
 
-    Two tiers: the *direct* hazards, whose two tasks an edge of ``edges`` joins (a
-    synchronization of the schedule: removing it leaves exactly that pair unordered), and every
-    hazard.  The picks go in stages, each until every target of its tier was picked once that
+    Two tiers: the *direct* hazards (``direct``; default: those whose two tasks an edge of
+    ``edges`` joins, a synchronization of the schedule whose removal leaves exactly that pair
+    unordered; :func:`direct_hazards` adds the pairs whose earlier task precedes the edge's
+    source on its stream), and every hazard.  The picks go in stages, each until every target of its tier was picked once that
     way, the direct tier first:
 
     1. with ``chain`` costs (one :class:`ChainCosts` per tier), *chained* picks
@@ -150,14 +172,16 @@ class TargetedPicks:
     """
 
     def __init__(self, n: int, hazards: Sequence[Hazard], edges: Sequence[tuple[int, int]],
-                 seed: int = 0, chain: Sequence[ChainCosts] | None = None) -> None:
+                 seed: int = 0, chain: Sequence[ChainCosts] | None = None,
+                 direct: Sequence[Hazard] | None = None) -> None:
         edges = list(edges)
         reach = reachability(dag_from_edges(n, edges, ordered=False))  # late edges go back
         #: bit q of ``down[p]``: q is p or a descendant of p
         self.down = [r | (1 << t) for t, r in enumerate(reach)]
-        joined = set(edges)
-        self.tiers = [_Tier(h for h in hazards if (h.earlier, h.later) in joined),
-                      _Tier(hazards)]
+        if direct is None:  # the pairs an edge joins itself
+            joined = set(edges)
+            direct = [h for h in hazards if (h.earlier, h.later) in joined]
+        self.tiers = [_Tier(direct), _Tier(hazards)]
         #: The targets (distinct earlier tasks of the hazards), ascending.
         self.targets = self.tiers[-1].targets
         self.chain = None if chain is None else list(chain)

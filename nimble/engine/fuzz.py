@@ -41,9 +41,10 @@ Four kinds of draw (:data:`CHAINED`, :data:`TARGETED`, :data:`STREAM`, :data:`PE
   the phase's tasks (``Task.duration_us``; :data:`UNTIMED_CAP_NS` where none is known), at most
   :data:`MAX_DELAY_NS`.  This reorders tasks whose natural start times lie close together.
 
-The mix: targeted draws only until every target of a *direct* hazard (the two tasks of a
-synchronization edge of the schedule: the edge a missing sync would be) was held back both
-ways, chained first (cheap where the leads are short), then as antichains (safe where a lead
+The mix: targeted draws only until every target of a *direct* hazard (a pair that one
+synchronization edge of the schedule orders alone, the edge a missing sync would be: its two
+tasks, or its target and a task before its source on the source's stream;
+:func:`~nimble.analysis.hazards.direct_hazards`) was held back both ways, chained first (cheap where the leads are short), then as antichains (safe where a lead
 was underestimated: the heavy delay exceeds any slack the isolated durations allow); a race
 there needs its writer held back and nothing else, which the targeted draws do and the random
 kinds seldom do (docs/findings.md).  After that, two targeted draws (every hazard's targets,
@@ -71,7 +72,7 @@ import numpy as np
 
 from .. import driver
 from ..analysis.hazards import (CHAINED, HELD, ChainCosts, Hazard, Pick, TargetedPicks,
-                               cross_stream_hazards, lead_us)
+                               cross_stream_hazards, direct_hazards, lead_us)
 from ..ir.taskgraph import TaskGraph
 from .build import BuiltGraph, DelaySpec
 from .launcher import CallOrder, Launcher, run_phases
@@ -430,11 +431,10 @@ def _draws(builder: PhaseBuilder, stream_of: Sequence[int] | None,
     delayable = np.ones(n, dtype=bool)
     if streams is not None and offsets is not None:
         hazards = cross_stream_hazards(graph, offsets, streams.tolist(), builder.spans)
-        joined = set(edges)
-        direct = [h for h in hazards if (h.earlier, h.later) in joined]
+        direct = direct_hazards(hazards, edges, streams.tolist())
         chain = [chain_costs(graph, tier, edges, builder.spans, heavy)
                  for tier in (direct, hazards)]
-        picks = TargetedPicks(n, hazards, edges, seed, chain)
+        picks = TargetedPicks(n, hazards, edges, seed, chain, direct)
         delayable[:] = False
         delayable[picks.targets] = True
     return Draws(delay_caps_ns(graph, builder.spans), heavy, streams, picks, delayable, seed)
