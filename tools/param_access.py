@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import random
 import re
 import shutil
@@ -139,11 +138,12 @@ def with_reads(graph: TaskGraph, reads: dict[int, set[int]]) -> TaskGraph:
 
 
 def _proof_power():
-    spec = importlib.util.spec_from_file_location("proof_power", ROOT / "tools" / "proof_power.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    """tools/proof_power.py, imported as the module it is when run (its dataclasses look their
+    module up by name)."""
+    if str(ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tools"))
+    import proof_power
+    return proof_power
 
 
 def report(name: str) -> str:
