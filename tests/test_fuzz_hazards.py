@@ -215,6 +215,21 @@ def test_chained_picks_keep_to_their_phase_budget():
         assert sum(1 for t in picked if t >= 4) <= 2
 
 
+def test_a_chained_budget_bounds_each_path_not_the_sum_over_branches():
+    """Two targets that each cost 15 of a budget of 25 fit one launch on separate branches
+    (the launch waits for its slowest path), not on one path, where their delays add up."""
+    from nimble.analysis.hazards import pick_chained
+
+    hazards = [Hazard(0, 1, "write-read", ARENA, 0, 8), Hazard(2, 3, "write-read", ARENA, 8, 16)]
+    chain = ChainCosts([15] * 4, [25] * 4, [0] * 4)
+    for edges, want in (([(0, 1), (2, 3)], [0, 2]), ([(0, 1), (1, 2), (2, 3)], [0])):
+        picks = TargetedPicks(4, hazards, edges, seed=0, chain=[chain] * 2)
+        assert pick_chained([0, 2], picks.tiers[1].partners, picks.down, chain) == want
+    # a pick below an earlier one is refused when the earlier one's path would overflow too
+    picks = TargetedPicks(4, hazards, [(0, 1), (1, 2), (2, 3)], seed=0, chain=[chain] * 2)
+    assert pick_chained([2, 0], picks.tiers[1].partners, picks.down, chain) == [2]
+
+
 def test_a_targets_lead_is_the_longest_path_gap_to_its_partners():
     # 0 (5 us) -> 1 (30 us) -> 3; 0 -> 2 (1 us) -> 3: target 2 leads its partner 3 by 30 us
     edges = [(0, 1), (0, 2), (1, 3), (2, 3)]

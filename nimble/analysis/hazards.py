@@ -133,7 +133,8 @@ class _Tier:
 @dataclass(frozen=True)
 class ChainCosts:
     """What a chained pick may spend: ``cost[t]`` ns of delay for target ``t``, at most
-    ``budget[t]`` ns summed over the picks of ``t``'s phase (``phase_of[t]``) per launch."""
+    ``budget[t]`` ns summed over the picks on one path of ``t``'s phase (``phase_of[t]``) per
+    launch (:func:`pick_chained`)."""
 
     cost: Sequence[int]
     budget: Sequence[int]
@@ -282,19 +283,27 @@ def _delays_partner_alone(p: int, t: int, partners: Mapping[int, int],
 def pick_chained(order: Iterable[int], partners: Mapping[int, int], down: Sequence[int],
                  chain: ChainCosts) -> list[int]:
     """Greedily, in ``order``, every target that keeps the chained rule
-    (:func:`keeps_chained_rule`) and its phase's budget, ascending; the first pick of a phase
-    always fits."""
+    (:func:`keeps_chained_rule`) and its phase's budget, ascending.  The budget bounds the
+    delays one path of the phase's DAG can meet: a pick's cost plus the costs of the picks
+    above it (all of them, as if on one path) stays within it, for the new pick and for every
+    pick below it; picks on separate branches do not add up, since a launch waits for its
+    slowest path, not for the sum.  The first pick of a phase always fits."""
     picked: list[int] = []
-    spent: dict[int, int] = {}
+    load: dict[int, int] = {}  # a pick's cost plus those of the picks above it in its phase
     for t in order:
-        phase = chain.phase_of[t]
-        if phase in spent and spent[phase] + chain.cost[t] > chain.budget[t]:
+        phase, cost, budget = chain.phase_of[t], chain.cost[t], chain.budget[t]
+        mine = [p for p in picked if chain.phase_of[p] == phase]
+        here = cost + sum(chain.cost[p] for p in mine if down[p] >> t & 1)
+        below = [p for p in mine if down[t] >> p & 1]
+        if mine and (here > budget or any(load[p] + cost > budget for p in below)):
             continue
         if any(_delays_partner_alone(p, t, partners, down)
                or _delays_partner_alone(t, p, partners, down) for p in picked):
             continue
         picked.append(t)
-        spent[phase] = spent.get(phase, 0) + chain.cost[t]
+        load[t] = here
+        for p in below:
+            load[p] += cost
     return sorted(picked)
 
 
