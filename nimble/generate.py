@@ -48,6 +48,9 @@ from .errors import CaptureError, InputError
 PrepareStep = Callable[[Any, list], Callable]
 
 
+#: With an end-of-sequence token, how many tokens a generation runs between two looks from the
+#: host at whether every sequence finished (each look waits for the GPU).
+EOS_CHECK_EVERY = 8
 #: How far a decode step run at another position than the one it was prepared at may stray
 #: from the step run eagerly there (at least), in units in the last place of its logits' dtype
 #: at their largest: the same step captured and run eagerly differ by about one unit
@@ -369,11 +372,16 @@ class Generator:
         steps = self._steps[batch]
         return steps.decode, steps.prefill
 
-    def generate(self, input_ids, max_new_tokens: int):
-        """``input_ids`` (B, n) followed by ``max_new_tokens`` greedy tokens, (B, n +
-        max_new_tokens), as ``model.generate(input_ids, do_sample=False,
-        cache_implementation="static", max_new_tokens=...)`` chooses them with no end-of-sequence
-        stop: every sequence gets ``max_new_tokens`` tokens."""
+    def generate(self, input_ids, max_new_tokens: int, eos_token_id: int | None = None):
+        """``input_ids`` (B, n) followed by the greedy tokens ``model.generate(input_ids,
+        do_sample=False, cache_implementation="static", max_new_tokens=...,
+        eos_token_id=eos_token_id, pad_token_id=pad_id)`` chooses.
+
+        Without ``eos_token_id`` every sequence gets ``max_new_tokens`` tokens, (B, n +
+        max_new_tokens).  With it, a sequence that produced it gets ``pad_id`` from then on,
+        and the result ends at the token where the last sequence finished (as the library's
+        does); the host looks every :data:`EOS_CHECK_EVERY` tokens, so up to that many steps
+        past the end run and are dropped."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or \
                 input_ids.dtype != torch.long:
             raise InputError("input_ids must be a (batch, prompt length) tensor of int64 token "
@@ -389,10 +397,31 @@ class Generator:
         positions = torch.arange(prompt_len, prompt_len + max_new_tokens - 1,
                                  dtype=torch.long, device=device).view(-1, 1)
         decode = steps.decode
-        for t in range(max_new_tokens - 1):
+        if eos_token_id is None:
+            for t in range(max_new_tokens - 1):
+                token, _ = decode(tokens[t].view(batch, 1), positions[t])
+                tokens[t + 1].copy_(token)
+            return torch.cat([input_ids, tokens.t()], dim=1)
+        ran = self._until_eos(decode, tokens, positions, eos_token_id)
+        return torch.cat([input_ids, tokens[:ran].t()], dim=1)
+
+    def _until_eos(self, decode, tokens, positions, eos_token_id: int) -> int:
+        """Fill ``tokens`` (new tokens x B, the first one set) step by step, ``pad_id`` after a
+        sequence's ``eos_token_id``, until every sequence finished or ``tokens`` is full; how
+        many new tokens the result keeps (up to the one that finished the last sequence)."""
+        batch = tokens.shape[1]
+        finished = tokens[0] == eos_token_id
+        done_at = torch.full((), tokens.shape[0], dtype=torch.long, device=tokens.device)
+        done_at = torch.where(finished.all(), torch.zeros_like(done_at), done_at)
+        for t in range(tokens.shape[0] - 1):
+            if t % EOS_CHECK_EVERY == 0 and t and int(done_at) < tokens.shape[0]:
+                break
             token, _ = decode(tokens[t].view(batch, 1), positions[t])
-            tokens[t + 1].copy_(token)
-        return torch.cat([input_ids, tokens.t()], dim=1)
+            tokens[t + 1].copy_(torch.where(finished, self.pad_id, token))
+            finished |= tokens[t + 1] == eos_token_id
+            done_at = torch.minimum(done_at, torch.where(
+                finished.all(), torch.full_like(done_at, t + 1), done_at))
+        return min(int(done_at) + 1, tokens.shape[0])
 
     def close(self) -> None:
         """Free every prepared graph (idempotent)."""

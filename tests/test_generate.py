@@ -407,3 +407,35 @@ def test_the_position_check_leaves_the_cache_as_it_found_it():
     before = [t.clone() for t in generate_module._cache_tensors(cache)]
     generator._check_at_another_position(1, generator._steps[1])
     assert all(torch.equal(a, b) for a, b in zip(before, generate_module._cache_tensors(cache)))
+
+
+def _library_with_eos(model, ids, new_tokens: int, eos: int, max_cache_len: int):
+    import transformers
+
+    cache = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          disable_compile=True, max_new_tokens=new_tokens, eos_token_id=eos,
+                          pad_token_id=0, past_key_values=cache)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_an_end_of_sequence_token_pads_and_stops_as_the_library_does(name):
+    """A sequence that produced the end-of-sequence token gets the pad token from then on, and
+    the result ends where the last sequence finished: the library's own tokens and length."""
+    pytest.importorskip("transformers")
+    model = _tiny(name)
+    generator = Generator(model, max_cache_len=64, prompt_buckets=[16], batch_sizes=[1, 3],
+                          prepare_step=run_eagerly)
+    torch.manual_seed(5)
+    for batch in (1, 3):
+        ids = torch.randint(1, VOCAB, (batch, 16))
+        free = generator.generate(ids, 40)
+        for eos in (int(free[0, 16 + 3]), int(free[-1, 16 + 30])):
+            want = _library_with_eos(model, ids, 40, eos, 64)
+            got = generator.generate(ids, 40, eos_token_id=eos)
+            assert torch.equal(got, want), (batch, eos, got.shape, want.shape)
+    # a batch of one stops early: 4 new tokens, the last of them the end-of-sequence token
+    ids = torch.randint(1, VOCAB, (1, 16))
+    eos = int(generator.generate(ids, 40)[0, 16 + 3])
+    got = generator.generate(ids, 40, eos_token_id=eos)
+    assert got.shape[1] <= 16 + 4 and int(got[0, -1]) == eos
