@@ -409,19 +409,20 @@ class Generator:
         """Fill ``tokens`` (new tokens x B, the first one set) step by step, ``pad_id`` after a
         sequence's ``eos_token_id``, until every sequence finished or ``tokens`` is full; how
         many new tokens the result keeps (up to the one that finished the last sequence)."""
-        batch = tokens.shape[1]
+        batch, total = tokens.shape[1], tokens.shape[0]
         finished = tokens[0] == eos_token_id
-        done_at = torch.full((), tokens.shape[0], dtype=torch.long, device=tokens.device)
-        done_at = torch.where(finished.all(), torch.zeros_like(done_at), done_at)
-        for t in range(tokens.shape[0] - 1):
-            if t % EOS_CHECK_EVERY == 0 and t and int(done_at) < tokens.shape[0]:
+        filled = 1
+        for t in range(total - 1):
+            if t and t % EOS_CHECK_EVERY == 0 and bool(finished.all()):
                 break
             token, _ = decode(tokens[t].view(batch, 1), positions[t])
-            tokens[t + 1].copy_(torch.where(finished, self.pad_id, token))
+            tokens[t + 1].copy_(token.masked_fill(finished, self.pad_id))
             finished |= tokens[t + 1] == eos_token_id
-            done_at = torch.minimum(done_at, torch.where(
-                finished.all(), torch.full_like(done_at, t + 1), done_at))
-        return min(int(done_at) + 1, tokens.shape[0])
+            filled = t + 2
+        # a sequence's first end-of-sequence token; the last of those ends the result
+        ends = tokens[:filled] == eos_token_id
+        first = torch.where(ends.any(0), ends.int().argmax(0), filled)
+        return min(int(first.max()) + 1, filled)
 
     def close(self) -> None:
         """Free every prepared graph (idempotent)."""

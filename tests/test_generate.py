@@ -6,6 +6,7 @@ The same loop over Nimble's graphs is ``tests/test_gpu_generate.py``.
 """
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 
@@ -313,7 +314,9 @@ def test_the_generate_bench_times_every_mode_and_checks_every_sequence(monkeypat
     info = generate_bench.bench_generate("llama_small", args, "float32", 2)
     assert set(info["modes"]) == set(generate_bench.MODES)
     for row in info["modes"].values():
-        assert row["token_ms_median"] > 0 and set(row["prefill_ms"]) == {"8", "16"}
+        # a per-token time is a difference of two timings: on a busy CPU, with a tiny model
+        # and 6 tokens, it may come out at or below zero; on the GPU it is the bench's number
+        assert math.isfinite(row["token_ms_median"]) and set(row["prefill_ms"]) == {"8", "16"}
         assert row["mismatch"] == {"sequences": 0, "first_token": None, "near_ties": 0,
                                    "margins_ulp": []}
     assert info["modes"]["static+compile"]["x_compiled"] == 1.0
