@@ -201,14 +201,9 @@ def test_bench_defaults_to_float32_and_the_full_mode():
 # ---- tools/gpu_suite.py ---------------------------------------------------------------------
 
 def _gpu_suite():
-    import importlib.util
-    from pathlib import Path
+    from helpers import load_tool
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "gpu_suite.py"
-    spec = importlib.util.spec_from_file_location("gpu_suite", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("gpu_suite")
 
 
 def test_gpu_suite_runs_the_quick_bench_in_three_dtypes_and_the_full_one_on_demand(

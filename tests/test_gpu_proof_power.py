@@ -8,15 +8,12 @@ races is a measurement, not a test: ``tools/proof_power.py`` and docs/findings.m
 graph carries no delay node and its proof records what the fuzzer ran."""
 from __future__ import annotations
 
-import importlib.util
 import random
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import zoo_model
+from helpers import load_tool, zoo_model
 
 pytestmark = pytest.mark.gpu
 
@@ -29,12 +26,7 @@ COVER_ROWS = 400
 
 
 def _power():
-    path = Path(__file__).resolve().parent.parent / "tools" / "proof_power.py"
-    spec = importlib.util.spec_from_file_location("proof_power", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("proof_power")
 
 
 def test_removed_sync_edges_are_caught_by_the_fuzzed_proof():

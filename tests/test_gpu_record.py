@@ -69,14 +69,9 @@ def test_gemm_chains_are_eight_independent_chains():
 @pytest.mark.parametrize("name", ["inception_v3", "googlenet", "resnet50"])
 def test_replay_as_recorded_equals_torch_graph_bitwise(name):
     """tools/replay_check.py: rebuilt in recorded order, the graph equals torch's replay."""
-    import importlib.util
-    from pathlib import Path
+    from helpers import load_tool
 
-    path = Path(__file__).resolve().parent.parent / "tools" / "replay_check.py"
-    spec = importlib.util.spec_from_file_location("replay_check", path)
-    replay_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(replay_check)
-    r = replay_check.check(name)
+    r = load_tool("replay_check").check(name)
     assert r["backward_edges"] == 0 and r["torch_repeatable"] and r["input_dependent"]
     assert r["rebuilt_equals_torch"] and r["max_diff"] == 0.0
     assert r["nan_filled_output_rewritten"] and r["torch_after_rebuilt_equals_torch"]

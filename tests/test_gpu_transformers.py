@@ -9,15 +9,15 @@ another attention kernel and is compared to a tolerance of the dtype.  The model
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import load_tool
+
 pytestmark = pytest.mark.gpu
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "record_fixture.py"
 #: How far from eager an output may be, per dtype (another attention kernel, same arithmetic).
 TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2}
 
@@ -25,10 +25,7 @@ TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2}
 def _decoder(name: str, dtype: str):
     """``(model, input ids)`` of ``tools/record_fixture.py``; skips without transformers."""
     pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
-    spec = importlib.util.spec_from_file_location("record_fixture", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool.transformer_model(name, dtype)
+    return load_tool("record_fixture").transformer_model(name, dtype)
 
 
 def _fresh_ids(model, ids):

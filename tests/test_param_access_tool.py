@@ -2,17 +2,10 @@
 read-only, and lining them up with a task's parameter layout (no GPU, no c++filt)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+from helpers import load_tool
 from nimble.ir.taskgraph import Access, Buffer, Pointer, Task, TaskGraph
 
-_PATH = Path(__file__).resolve().parent.parent / "tools" / "param_access.py"
-_spec = importlib.util.spec_from_file_location("param_access", _PATH)
-tool = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = tool
-_spec.loader.exec_module(tool)
+tool = load_tool("param_access")
 
 POOL = ("void at::native::(anonymous namespace)::max_pool_forward_nchw<c10::Half, int>(int, "
         "c10::Half const*, long, int, c10::Half*, long*)")

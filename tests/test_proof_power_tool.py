@@ -2,21 +2,15 @@
 (the proof runs need the GPU: tests/test_gpu_proof_power.py)."""
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
+from helpers import load_tool
 from nimble.engine.prepared import plan_graph
 from nimble.ir.synthetic import random_graph
 
-_PATH = Path(__file__).resolve().parent.parent / "tools" / "proof_power.py"
-_spec = importlib.util.spec_from_file_location("proof_power", _PATH)
-power = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = power  # its dataclasses look their module up
-_spec.loader.exec_module(power)
+power = load_tool("proof_power")
 
 COUNTS = {"sync": 50, "war": 20, "share": 20}
 

@@ -9,27 +9,20 @@ tests skip, saying so.
 """
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
-from helpers import FIXTURE_DIR
+from helpers import FIXTURE_DIR, load_tool
 from nimble.analysis.deps import build_dag, transitive_reduction
 from nimble.analysis.memplan import plan_memory
 from nimble.analysis.plan_check import check_plan
 from nimble.analysis.schedule import assign_streams, check_schedule
 from nimble.ir.taskgraph import TaskGraph
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "record_fixture.py"
-
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("record_fixture", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_tool("record_fixture")
 
 
 #: Per model: its layers (GPT2Config()'s twelve; the small Llama's), the module path of a
