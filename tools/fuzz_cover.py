@@ -2,10 +2,10 @@
 
     python3 tools/fuzz_cover.py FIXTURE[,FIXTURE...] [--trials 50] [--launches 300] [--seed 0]
 
-Per recorded fixture (``tests/fixtures/NAME.json.gz``): the schedule ``prepare()`` makes, its
-cross-stream hazards and the *direct* ones (:func:`nimble.analysis.hazards.direct_hazards`),
-then the draws a fuzz copy of it would run (:class:`nimble.engine.fuzz.Draws`, seeded, the
-tasks' recorded durations setting the delays).  For the first ``--trials`` shuffled sync edges
+Per recorded fixture (``tests/fixtures/NAME.json.gz``): the schedule ``prepare()`` makes and
+the draws a fuzz copy of it would run (:func:`nimble.engine.fuzz.plan_draws`, seeded, the
+tasks' recorded durations setting the delays), with the targets of the *direct* hazards
+(:func:`nimble.analysis.hazards.direct_hazards`) first.  For the first ``--trials`` shuffled sync edges
 whose removal the plan check says opens a race (as ``tools/proof_power.py`` draws them), the
 launch at which a targeted or chained draw first holds back the earlier task of that race: a
 race shows only when its earlier task runs late, so a writer never held back within the proof's
@@ -24,8 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from nimble.analysis.hazards import CHAINED, HELD, TargetedPicks, cross_stream_hazards, \
-    direct_hazards
+from nimble.analysis.hazards import CHAINED, HELD
 from nimble.engine import fuzz
 from nimble.engine.prepared import plan_graph
 from nimble.ir.taskgraph import TaskGraph
@@ -45,16 +44,10 @@ def _proof_power():
 
 def first_held(graph: TaskGraph, schedule, plan, launches: int, seed: int) -> tuple[dict, dict]:
     """``(first, facts)``: per task, the first launch whose targeted or chained draw holds it
-    back; and the hazard counts and the launch at which every direct target was held."""
-    n, spans = len(graph.tasks), [range(len(graph.tasks))]
-    edges, stream_of = schedule.edges(), list(schedule.stream_of)
-    hazards = cross_stream_hazards(graph, plan.offsets, stream_of, spans)
-    direct = direct_hazards(hazards, edges, stream_of)
-    heavy = fuzz.phase_heavy_ns(graph, edges, spans)
-    chain = [fuzz.chain_costs(graph, tier, edges, spans, heavy) for tier in (direct, hazards)]
-    picks = TargetedPicks(n, hazards, edges, seed, chain, direct)
-    draws = fuzz.Draws(fuzz.delay_caps_ns(graph, spans), heavy, np.asarray(stream_of), picks,
-                       np.ones(n, dtype=bool), seed)
+    back; and the target counts and the launch at which every direct target was held."""
+    draws = fuzz.plan_draws(graph, [range(len(graph.tasks))], schedule.edges(),
+                            schedule.stream_of, plan.offsets, seed)
+    picks = draws.picks
     first: dict[int, int] = {}
     direct_cover = None
     for launch in range(launches):
@@ -64,8 +57,7 @@ def first_held(graph: TaskGraph, schedule, plan, launches: int, seed: int) -> tu
                 first.setdefault(int(t), launch)
         if direct_cover is None and picks.direct_done:
             direct_cover = launch + 1
-    return first, {"hazards": len(hazards), "direct": len(direct),
-                   "direct_targets": len(picks.tiers[0].targets), "targets": len(picks.targets),
+    return first, {"direct_targets": len(picks.tiers[0].targets), "targets": len(picks.targets),
                    "direct_cover": direct_cover}
 
 
@@ -93,8 +85,8 @@ def report(name: str, trials: int, launches: int, seed: int) -> str:
             never += 1
     cover = facts["direct_cover"]
     spread = (f"median launch {statistics.median(at):.0f}, largest {max(at)}" if at else "none")
-    return (f"{name}: {facts['hazards']} hazards, {facts['direct']} direct "
-            f"({facts['direct_targets']} of {facts['targets']} targets), every direct target "
+    return (f"{name}: {facts['direct_targets']} direct targets of {facts['targets']}, every "
+            "direct target "
             f"held by launch {cover if cover is not None else f'> {launches}'}; "
             f"{len(at) + never} needed sync removals, their writer first held back by a "
             f"targeted draw at {spread}; never within {launches} launches: {never}")

@@ -414,27 +414,33 @@ class FuzzCopies:
 
 def _draws(builder: PhaseBuilder, stream_of: Sequence[int] | None,
            offsets: Mapping[int, int] | None, seed: int) -> Draws:
-    """The draws of copies built by ``builder``: targeted where ``offsets`` and ``stream_of``
-    are known (over the served edges inside each phase, late ones included), else random on
-    every task."""
-    graph = builder.graph
-    n = len(graph.tasks)
-    phase_of = np.zeros(n, dtype=np.int64)
+    """The draws of copies built by ``builder``: :func:`plan_draws` over the served edges
+    inside each phase, late ones included."""
+    phase_of = np.zeros(len(builder.graph.tasks), dtype=np.int64)
     for k, span in enumerate(builder.spans):
         phase_of[span.start:span.stop] = k
     # Each phase is a launch of its own: a delay in one never moves tasks of another apart.
     edges = [(u, v) for u, v in list(builder.edges) + list(builder.late_edges)
              if phase_of[u] == phase_of[v]]
+    return plan_draws(builder.graph, builder.spans, edges, stream_of, offsets, seed)
+
+
+def plan_draws(graph: TaskGraph, spans: Sequence[range], edges: Sequence[tuple[int, int]],
+               stream_of: Sequence[int] | None, offsets: Mapping[int, int] | None,
+               seed: int) -> Draws:
+    """The draws of fuzz copies of ``graph`` run with ``edges`` (each inside its phase):
+    targeted where ``offsets`` and ``stream_of`` are known, else random on every task.  No
+    GPU: ``tools/fuzz_cover.py`` runs them on recorded fixtures."""
+    n = len(graph.tasks)
     streams = None if stream_of is None else np.asarray(stream_of, dtype=np.int64)
     picks = None
-    heavy = phase_heavy_ns(graph, edges, builder.spans)
+    heavy = phase_heavy_ns(graph, edges, spans)
     delayable = np.ones(n, dtype=bool)
     if streams is not None and offsets is not None:
-        hazards = cross_stream_hazards(graph, offsets, streams.tolist(), builder.spans)
+        hazards = cross_stream_hazards(graph, offsets, streams.tolist(), spans)
         direct = direct_hazards(hazards, edges, streams.tolist())
-        chain = [chain_costs(graph, tier, edges, builder.spans, heavy)
-                 for tier in (direct, hazards)]
+        chain = [chain_costs(graph, tier, edges, spans, heavy) for tier in (direct, hazards)]
         picks = TargetedPicks(n, hazards, edges, seed, chain, direct)
         delayable[:] = False
         delayable[picks.targets] = True
-    return Draws(delay_caps_ns(graph, builder.spans), heavy, streams, picks, delayable, seed)
+    return Draws(delay_caps_ns(graph, spans), heavy, streams, picks, delayable, seed)
