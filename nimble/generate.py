@@ -160,6 +160,14 @@ def unit_in_last_place(value: float, dtype) -> float:
     return info.eps * 2.0 ** math.floor(math.log2(max(abs(value), info.tiny)))
 
 
+def _kept(tokens, eos_token_id: int) -> int:
+    """Of generated ``tokens`` (new tokens x B), how many the result keeps: up to the one where
+    the last sequence produced ``eos_token_id`` (its first), or all."""
+    ends = tokens == eos_token_id
+    first = torch.where(ends.any(0), ends.int().argmax(0), len(tokens))
+    return min(int(first.max()) + 1, len(tokens))
+
+
 def _greedy(logits):
     """The argmax token of each row, taken as ``generate(do_sample=False)`` takes it (over the
     logits as float32: the first of equal maxima)."""
@@ -397,32 +405,21 @@ class Generator:
         positions = torch.arange(prompt_len, prompt_len + max_new_tokens - 1,
                                  dtype=torch.long, device=device).view(-1, 1)
         decode = steps.decode
-        if eos_token_id is None:
-            for t in range(max_new_tokens - 1):
-                token, _ = decode(tokens[t].view(batch, 1), positions[t])
-                tokens[t + 1].copy_(token)
-            return torch.cat([input_ids, tokens.t()], dim=1)
-        ran = self._until_eos(decode, tokens, positions, eos_token_id)
-        return torch.cat([input_ids, tokens[:ran].t()], dim=1)
-
-    def _until_eos(self, decode, tokens, positions, eos_token_id: int) -> int:
-        """Fill ``tokens`` (new tokens x B, the first one set) step by step, ``pad_id`` after a
-        sequence's ``eos_token_id``, until every sequence finished or ``tokens`` is full; how
-        many new tokens the result keeps (up to the one that finished the last sequence)."""
-        batch, total = tokens.shape[1], tokens.shape[0]
-        finished = tokens[0] == eos_token_id
+        finished = None if eos_token_id is None else tokens[0] == eos_token_id
         filled = 1
-        for t in range(total - 1):
-            if t and t % EOS_CHECK_EVERY == 0 and bool(finished.all()):
+        for t in range(max_new_tokens - 1):
+            if finished is not None and t and t % EOS_CHECK_EVERY == 0 and \
+                    bool(finished.all()):
                 break
             token, _ = decode(tokens[t].view(batch, 1), positions[t])
-            tokens[t + 1].copy_(token.masked_fill(finished, self.pad_id))
-            finished |= tokens[t + 1] == eos_token_id
+            if finished is None:
+                tokens[t + 1].copy_(token)
+            else:
+                tokens[t + 1].copy_(token.masked_fill(finished, self.pad_id))
+                finished |= tokens[t + 1] == eos_token_id
             filled = t + 2
-        # a sequence's first end-of-sequence token; the last of those ends the result
-        ends = tokens[:filled] == eos_token_id
-        first = torch.where(ends.any(0), ends.int().argmax(0), filled)
-        return min(int(first.max()) + 1, filled)
+        kept = filled if finished is None else _kept(tokens[:filled], eos_token_id)
+        return torch.cat([input_ids, tokens[:kept].t()], dim=1)
 
     def close(self) -> None:
         """Free every prepared graph (idempotent)."""
