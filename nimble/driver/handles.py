@@ -9,6 +9,7 @@ also owns the one record of the device memory Nimble holds (``_nimble_memory``, 
 from __future__ import annotations
 
 import weakref
+from typing import Iterable
 
 from .calls import _unwrap, bindings, call
 
@@ -107,6 +108,14 @@ class GraphExec(_Owned):
 # Device memory Nimble allocated and still holds, ``{address: size}``: a recording made while
 # another prepared graph lives must not take that graph's arena for a library's memory.
 _nimble_memory: dict[int, int] = {}
+
+
+def close_all(*groups: Iterable) -> None:
+    """``close()`` every owner of each group, group by group (users before what they use:
+    launchers, then graphs, then the memory they point into)."""
+    for group in groups:
+        for owner in group:
+            owner.close()
 
 
 def nimble_memory() -> list[tuple[int, int]]:

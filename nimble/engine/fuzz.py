@@ -277,15 +277,6 @@ class FuzzStats:
                 "fuzz_targets": self.targets, "fuzz_targets_held": self.targets_held}
 
 
-def _free(memories: list, builts: list[BuiltGraph], launchers: list) -> None:
-    for launcher in launchers:
-        launcher.close()
-    for built in builts:
-        built.close()
-    for memory in memories:
-        memory.close()
-
-
 class FuzzCopies:
     """A delay-noded copy of every phase, its launchers over the served slots and outputs, the
     delay table and the rows of drawn delays: owned together, freed by :meth:`close`
@@ -313,8 +304,8 @@ class FuzzCopies:
         self.builts: list[BuiltGraph] = []
         self.launchers: list[Launcher] = []
         self._memories: list = []
-        self._finalizer = weakref.finalize(self, _free, self._memories, self.builts,
-                                           self.launchers)
+        self._finalizer = weakref.finalize(self, driver.close_all, self.launchers, self.builts,
+                                           self._memories)
         self._served = list(served)
         self.stats = FuzzStats()
         self._kinds: list[str] = []

@@ -380,10 +380,4 @@ class Serving:
 
 def close_partial(built: list[list[Prepared]], arenas: list, orders: list) -> None:
     """Free what a failed prepare built: its graphs, its arenas and their locks' events."""
-    for row in built:
-        for prepared in row:
-            prepared.close()
-    for order in orders:
-        order.close()
-    for arena in arenas:
-        arena.close()
+    driver.close_all((prepared for row in built for prepared in row), orders, arenas)
