@@ -34,6 +34,7 @@ class DelayStandIn(StandIn):
         self.allocated: list[int] = []
         self.memory: dict[int, bytearray] = {}
         self.host_copies = 0
+        self.phase_ms = [0.0]
 
     def cuModuleLoadData(self, image):
         if b"nimble_delay" in image:
@@ -71,6 +72,19 @@ class DelayStandIn(StandIn):
         self.host_copies += 1
         self._write(address, bytes(data))
         return (0,)
+
+    def cuEventSynchronize(self, event):
+        return (0,)
+
+    def cuEventElapsedTime(self, start, end):
+        """Phase k of a launch takes ``phase_ms[k]`` (events are made in order, one per phase
+        boundary)."""
+        return 0, self.phase_ms[(start - self.first_event) % len(self.phase_ms)]
+
+    def cuEventCreate(self, flags):
+        code, event = super().cuEventCreate(flags)
+        self.first_event = getattr(self, "first_event", None) or event
+        return code, event
 
     def cuMemcpyDtoDAsync(self, dst, src, size, stream):
         self._write(dst, self._read(src, size))
@@ -175,7 +189,8 @@ def test_the_fuzz_copies_draw_anew_before_each_launch_and_are_freed(bindings, mo
     monkeypatch.setattr(fuzz_module.Launcher, "run_flat",
                         lambda self, inputs: launched.append(self) or [])
     served = _served_launchers()
-    copies = FuzzCopies(served_builder(), served, torch.device("cpu"), seed=1, rows=2)
+    copies = FuzzCopies(served_builder(), served, torch.device("cpu"), seed=1, rows=2,
+                        calibration=0)
     assert all(len(d.deps) <= 1 for d in _delays(bindings).values())
     assert len(_delays(bindings)) == 6  # no targets known: every task of both phases
     assert bindings.tables == [bytes(24)]  # the table starts at no delay
@@ -225,7 +240,8 @@ def test_targeted_copies_delay_only_the_targets_each_by_its_phases_critical_path
     monkeypatch.setattr(fuzz_module.Launcher, "run_flat", lambda self, inputs: [])
     builder = replace(served_builder(), graph=_graph_with_hazards())
     copies = FuzzCopies(builder, _served_launchers(), torch.device("cpu"), seed=0,
-                        stream_of=SCHEDULE.stream_of, offsets={0: 0, 1: 256}, rows=4)
+                        stream_of=SCHEDULE.stream_of, offsets={0: 0, 1: 256}, rows=4,
+                        calibration=0)
     assert sorted(v.args[1] for v in _delays(bindings).values()) == [0, 3]
     rows = []
     for _ in range(2):
@@ -242,6 +258,50 @@ def test_targeted_copies_delay_only_the_targets_each_by_its_phases_critical_path
     assert copies.stats.as_meta()["fuzz_targets_held"] == 2
     assert copies.direct_cover == 2
     copies.close()
+
+
+def test_the_first_launches_time_each_phase_and_every_delay_is_stretched_past_it(
+        bindings, monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setattr(fuzz_module.Launcher, "run_flat", lambda self, inputs: [])
+    builder = replace(served_builder(), graph=_graph_with_hazards())
+    copies = FuzzCopies(builder, _served_launchers(), torch.device("cpu"), seed=0,
+                        stream_of=SCHEDULE.stream_of, offsets={0: 0, 1: 256}, rows=4)
+    bindings.phase_ms = [0.1, 0.01]  # phase 0 runs 100 us, phase 1 10 us
+    for _ in range(fuzz_module.CALIBRATION_LAUNCHES):
+        copies.draw()
+        copies.run([torch.zeros(4)])
+    assert bindings.tables == [bytes(24)]  # no delay while timing
+    assert bindings.host_copies == 1  # the rows wait for the times
+    copies.draw()
+    assert bindings.host_copies == 2  # every row, stretched, in one copy
+    # phase 0's critical path (10 + 30 us) is under its launch: its delays grow until a held
+    # pick waits 1.5 launches (150 us), so its chained pick waits 40 us * 3.75; phase 1's
+    # critical path (28 us) already passes 1.5 of its 10 us launch
+    assert list(np.frombuffer(bindings.tables[-1], dtype=np.uint32)) == \
+        [150_000, 0, 0, 28_000, 0, 0]
+    meta = copies.stats.as_meta()
+    assert meta["draw_kinds"] == {fuzz_module.CALIBRATION: 2, fuzz_module.CHAINED: 1}
+    assert meta["fuzz_launch_ms"] == [0.1, 0.01] and meta["delay_scale"] == [3.75, 1.0]
+    assert copies.direct_cover == 2 + fuzz_module.CALIBRATION_LAUNCHES
+    (clock,) = copies._clocks
+    events = [e.handle for e in clock.events]
+    assert len(events) == 3  # one before each of the 2 phases, one after the last
+    copies.close()
+    assert all(("cuEventDestroy", e) in bindings.freed for e in events)
+
+
+def test_the_stretch_reaches_the_measured_launch_and_never_shrinks_a_delay():
+    from nimble.engine.fuzz import HEAVY_DELAY_NS, delay_scale, scaled
+
+    heavy = np.array([40_000] * 3 + [28_000] * 2 + [HEAVY_DELAY_NS[1]])
+    spans = [range(0, 3), range(3, 5), range(5, 6)]
+    scale = delay_scale(heavy, spans, [100_000.0, 10_000.0, 9e9])
+    assert list(scale) == [3.75] * 3 + [1.0] * 3
+    assert list(scaled(np.array([40_000, 1_000, 0, 28_000, 0, HEAVY_DELAY_NS[1]]),
+                       np.full(6, 1e3))) == [HEAVY_DELAY_NS[1], 1_000_000, 0,
+                                             HEAVY_DELAY_NS[1], 0, HEAVY_DELAY_NS[1]]
 
 
 def test_targeted_draws_come_first_then_two_to_one_random():

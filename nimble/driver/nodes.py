@@ -308,6 +308,16 @@ def event_elapsed_ms(start, end) -> float:
     return float(call("cuEventElapsedTime", start, end))
 
 
+def record_event(event, cu_stream) -> None:
+    """Record ``event`` on ``cu_stream`` (a ``CUstream``, as :meth:`Launcher.stream` gives)."""
+    call("cuEventRecord", event, cu_stream)
+
+
+def event_synchronize(event) -> None:
+    """Wait until the work before ``event``'s latest record has run."""
+    call("cuEventSynchronize", event)
+
+
 def copy_to_device(address: int, data: bytes) -> None:
     """Synchronous host-to-device copy of ``data`` to ``address``."""
     call("cuMemcpyHtoD", address, data, len(data))

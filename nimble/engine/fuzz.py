@@ -66,7 +66,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -180,6 +180,40 @@ TARGETED, CHAINED, STREAM, PER_TASK = HELD, CHAINED, "stream", "per-task"
 CHAIN_LEAD_FACTOR = 3.0
 #: The chained picks of one launch wait at most this many critical paths of their phase in all.
 CHAIN_BUDGET_FACTOR = 2.0
+#: Zero-delay launches that open the fuzz part and time each phase's copy as it really runs:
+#: the isolated durations leave out the kernels beside each task and every node's launch, so
+#: a copy's launch can outlast the critical path they give (googlenet fp16 on an H200: 396 us
+#: against 363; docs/findings.md).  The last one's times are used (the first includes the
+#: exec's upload).
+CALIBRATION_LAUNCHES = 2
+#: After the calibration, a held pick waits at least this many times its phase's measured
+#: launch, and every other delay is stretched by the same factor: a writer that may run at
+#: the start of its phase (a batch norm's first kernel needs only the weights) must still be
+#: running when its reader near the phase's end starts.
+HEAVY_OVER_LAUNCH = 1.5
+#: The draw kind of a calibration launch (no delay).
+CALIBRATION = "calibration"
+
+
+def delay_scale(heavy_ns: np.ndarray, spans: Sequence[range],
+                launch_ns: Sequence[float]) -> np.ndarray:
+    """Per task, the factor (at least 1) that stretches its phase's heavy delay to
+    :data:`HEAVY_OVER_LAUNCH` times the phase's measured launch ``launch_ns[k]``, within
+    :data:`HEAVY_DELAY_NS`."""
+    scale = np.ones(len(heavy_ns), dtype=np.float64)
+    for span, measured in zip(spans, launch_ns):
+        if not len(span):
+            continue
+        heavy = float(heavy_ns[span.start])
+        wanted = min(max(heavy, HEAVY_OVER_LAUNCH * measured), HEAVY_DELAY_NS[1])
+        scale[span.start:span.stop] = max(wanted / heavy, 1.0) if heavy > 0 else 1.0
+    return scale
+
+
+def scaled(delays: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """``delays`` (ns per task) times ``scale``, at most the heavy delay's upper bound."""
+    out = np.minimum(np.rint(delays.astype(np.float64) * scale), HEAVY_DELAY_NS[1])
+    return out.astype(np.uint32)
 
 
 class Draws:
@@ -260,6 +294,8 @@ class FuzzStats:
     last_kind: str = ""  # the kind of the latest draw (the one a failing launch ran)
     targets: int = 0  # tasks the targeted draws may hold back
     targets_held: int = 0  # of them, held back by the draws run so far
+    launch_ms: list[float] = field(default_factory=list)  # per phase, the calibrated launch
+    delay_scale: list[float] = field(default_factory=list)  # per phase, what delays were scaled
 
     def count(self, kind: str, delays: np.ndarray, targets_held: int) -> None:
         """Note one draw of ``kind``."""
@@ -274,7 +310,33 @@ class FuzzStats:
         return {"fuzz_launches": self.launches, "delay_draws": self.draws,
                 "tasks_delayed_per_draw": self.delayed / self.draws if self.draws else 0.0,
                 "max_delay_us": self.max_delay_ns / 1000, "draw_kinds": dict(self.kinds),
-                "fuzz_targets": self.targets, "fuzz_targets_held": self.targets_held}
+                "fuzz_targets": self.targets, "fuzz_targets_held": self.targets_held,
+                "fuzz_launch_ms": list(self.launch_ms), "delay_scale": list(self.delay_scale)}
+
+
+class PhaseClock:
+    """Device time of each phase of the fuzz copies' launches: an event recorded before every
+    phase and after the last, on the launch stream; owns the events."""
+
+    def __init__(self, phases: int) -> None:
+        self.events = [driver.Event.create(timing=True) for _ in range(phases + 1)]
+        self._stream = None
+
+    def mark(self, stream) -> Callable[[int], None]:
+        """The ``mark`` of :func:`~nimble.engine.launcher.run_phases` recording on ``stream``."""
+        def mark(k: int) -> None:
+            driver.record_event(self.events[k].handle, stream)
+        return mark
+
+    def read_ms(self) -> list[float]:
+        """Each phase's milliseconds in the launch last marked (waits for it to end)."""
+        driver.event_synchronize(self.events[-1].handle)
+        return [driver.event_elapsed_ms(a.handle, b.handle)
+                for a, b in zip(self.events, self.events[1:])]
+
+    def close(self) -> None:
+        for event in self.events:
+            event.close()
 
 
 class FuzzCopies:
@@ -285,40 +347,56 @@ class FuzzCopies:
     ``run(inputs)`` runs every phase in order like the served launchers; :meth:`draw` queues the
     next row's copy into the table (and the arena's poison) first.  ``offsets`` (each planned
     buffer's arena offset in the copies) and ``stream_of`` give the targeted draws; ``rows``
-    draws are made and uploaded up front (later ones are written as they come, after the GPU
-    has caught up).  ``options`` change the copies further (a power measurement's broken
-    copies); with ``delays=False`` they get no delay nodes and no table, and :meth:`draw`
-    draws nothing.
+    draws are made up front.  The first ``calibration`` launches run with no delay and time
+    each phase (:class:`PhaseClock`); every drawn delay is then stretched
+    (:func:`delay_scale`) and the rows uploaded with one copy (later ones are written as they
+    come, after the GPU has caught up).  ``options`` change the copies further (a power
+    measurement's broken copies); with ``delays=False`` they get no delay nodes and no table,
+    and :meth:`draw` draws nothing.
     """
 
     def __init__(self, builder: PhaseBuilder, served: Sequence[Launcher], device,
                  seed: int = 0, options: PhaseOptions | None = None,
                  delays: bool = True, stream_of: Sequence[int] | None = None,
                  repoison: Sequence[tuple[int, int]] = (),
-                 offsets: Mapping[int, int] | None = None, rows: int = 100) -> None:
+                 offsets: Mapping[int, int] | None = None, rows: int = 100,
+                 calibration: int = CALIBRATION_LAUNCHES) -> None:
         n = len(builder.graph.tasks)
         #: ``(address, size)`` ranges poisoned again before every fuzz launch (the arena).
         self.repoison = list(repoison)
         self.draws = _draws(builder, stream_of, offsets, seed) if delays else None
+        self.spans = list(builder.spans)
+        self.calibration = calibration if delays else 0
         self.table = self.rows = None
         self.builts: list[BuiltGraph] = []
         self.launchers: list[Launcher] = []
         self._memories: list = []
+        self._clocks: list[PhaseClock] = []
         self._finalizer = weakref.finalize(self, driver.close_all, self.launchers, self.builts,
-                                           self._memories)
+                                           self._memories, self._clocks)
         self._served = list(served)
         self.stats = FuzzStats()
         self._kinds: list[str] = []
         self._held: list[int] = []
+        self._drawn: list[np.ndarray] = []
         self._copy = None
-        #: The launches whose draws hold back every target of a direct hazard (the writers of
-        #: the schedule's synchronizations) at least once; None where the rows do not.
+        self._mark = None
+        #: Per task, the factor every delay is stretched by (ones until the calibration ends).
+        self.scale = np.ones(n, dtype=np.float64)
+        #: The launches (calibration included) whose draws hold back every target of a direct
+        #: hazard (the writers of the schedule's synchronizations) at least once; None where
+        #: the rows do not.
         self.direct_cover: int | None = None
         options = options or PhaseOptions()
         try:
             if delays:
                 self.stats.targets = len(self.draws.picks.targets) if self.draws.picks else 0
-                self._upload(n, rows)
+                self._draw_rows(rows)
+                self.table = driver.DeviceMemory.allocate(max(4 * n, 4))
+                self._memories.append(self.table)
+                driver.copy_to_device(self.table.address, bytes(4 * n))
+                if self.calibration:
+                    self._clocks.append(PhaseClock(len(builder.spans)))
                 tasks = None if self.draws.picks is None else \
                     set(np.flatnonzero(self.draws.delayable).tolist())
                 options = replace(options, delays=DelaySpec(self.table.address, tasks=tasks))
@@ -330,30 +408,43 @@ class FuzzCopies:
                 self.launchers.append(Launcher(
                     built.exec.handle, served[k].slots, device, served[k].outputs, None,
                     context, served[k].rng, order=order))
+            if not self.calibration:
+                self._upload()
         except BaseException:
             self.close()
             raise
 
-    def _upload(self, n: int, rows: int) -> None:
-        """Draw ``rows`` rows, upload them in one copy, and start the table at no delay."""
-        drawn = []
+    def _draw_rows(self, rows: int) -> None:
+        """Draw ``rows`` rows (on the host) and find the direct cover among them."""
         picks = self.draws.picks
         for _ in range(max(rows, 0)):
             kind, delays = self.draws.next()
             self._kinds.append(kind)
             self._held.append(self._targets_held())
-            drawn.append(delays)
+            self._drawn.append(delays)
             if self.direct_cover is None and picks is not None and picks.direct_done:
-                self.direct_cover = len(drawn)
-        self.table = driver.DeviceMemory.allocate(max(4 * n, 4))
-        self._memories.append(self.table)
-        driver.copy_to_device(self.table.address, bytes(4 * n))
-        if drawn:
-            self.rows = driver.DeviceMemory.allocate(max(4 * n * len(drawn), 4))
-            self._memories.append(self.rows)
-            driver.copy_to_device(self.rows.address, np.concatenate(drawn).tobytes())
-            self._copy = driver.CallPath().copy
-        self._drawn = drawn
+                self.direct_cover = self.calibration + len(self._drawn)
+
+    def _upload(self) -> None:
+        """The drawn rows, stretched by :attr:`scale`, to the device in one copy."""
+        if not self._drawn:
+            return
+        n = len(self.scale)
+        self._drawn = [scaled(d, self.scale) for d in self._drawn]
+        self.rows = driver.DeviceMemory.allocate(max(4 * n * len(self._drawn), 4))
+        self._memories.append(self.rows)
+        driver.copy_to_device(self.rows.address, np.concatenate(self._drawn).tobytes())
+        self._copy = driver.CallPath().copy
+
+    def _calibrated(self) -> None:
+        """After the calibration launches: the stretch from the last one's phase times, then
+        the rows' upload."""
+        ms = self._clocks[0].read_ms()
+        self.scale = delay_scale(self.draws.heavy_ns, self.spans, [1e6 * t for t in ms])
+        self.stats.launch_ms = [round(t, 4) for t in ms]
+        self.stats.delay_scale = [round(float(self.scale[s.start]), 3) if len(s) else 1.0
+                                  for s in self.spans]
+        self._upload()
 
     def _targets_held(self) -> int:
         """How many targets a targeted or chained draw has held back so far."""
@@ -371,17 +462,26 @@ class FuzzCopies:
             return
         if self.stats.first_draw_at is None:
             self.stats.first_draw_at = time.perf_counter()
-        i = self.stats.draws
-        n = len(self.draws.heavy_ns)
         stream = self.launchers[0].stream()
-        if i < len(self._drawn):
-            kind, delays, held = self._kinds[i], self._drawn[i], self._held[i]
-            self._copy(self.table.address, self.rows.address + 4 * n * i, 4 * n, stream)
+        launch = self.stats.draws
+        i = launch - self.calibration
+        n = len(self.scale)
+        self._mark = None
+        if i < 0:  # the table still holds no delay
+            kind, delays, held = CALIBRATION, np.zeros(n, dtype=np.uint32), 0
+            self._mark = self._clocks[0].mark(stream)
         else:
-            kind, delays = self.draws.next()
-            held = self._targets_held()
-            torch.cuda.synchronize()  # the previous launch has read the table
-            driver.copy_to_device(self.table.address, delays.tobytes())
+            if i == 0 and self.calibration:
+                self._calibrated()
+            if i < len(self._drawn):
+                kind, delays, held = self._kinds[i], self._drawn[i], self._held[i]
+                self._copy(self.table.address, self.rows.address + 4 * n * i, 4 * n, stream)
+            else:
+                kind, drawn = self.draws.next()
+                delays = scaled(drawn, self.scale)
+                held = self._targets_held()
+                torch.cuda.synchronize()  # the previous launch has read the table
+                driver.copy_to_device(self.table.address, delays.tobytes())
         # Every launch starts from a poisoned arena: a read that a race moves before its write
         # then sees NaNs, even where the write puts the same bytes every launch (a buffer that
         # depends on the weights alone), which the previous launch would have left in place.
@@ -390,14 +490,15 @@ class FuzzCopies:
         self.stats.count(kind, delays, held)
 
     def run(self, inputs: list) -> list:
-        """Every phase's copy in order on its share of ``inputs``: the flat outputs."""
+        """Every phase's copy in order on its share of ``inputs``: the flat outputs (a
+        calibration launch timed phase by phase)."""
         self.stats.launches += 1
-        return run_phases(self.launchers)(inputs)
+        return run_phases(self.launchers, self._mark)(inputs)
 
     def close(self) -> None:
-        """Free the copies, their launchers, the table and the rows (idempotent).  The copies
-        wrote the served input cells: the served launchers' next calls write every cell
-        again."""
+        """Free the copies, their launchers, the table, the rows and the clock (idempotent).
+        The copies wrote the served input cells: the served launchers' next calls write every
+        cell again."""
         self._finalizer()
         for launcher in self._served:
             launcher.forget_cells()

@@ -400,13 +400,19 @@ class Launcher:
         order.last_stream, order.last_raw = stream, raw
 
 
-def run_phases(launchers: Sequence[Launcher]):
-    """``run(inputs) -> outputs``: each launcher in order on its share of the flat inputs."""
+def run_phases(launchers: Sequence[Launcher], mark: Callable[[int], None] | None = None):
+    """``run(inputs) -> outputs``: each launcher in order on its share of the flat inputs.
+    ``mark(k)``, where given, is called before launcher ``k`` and, with ``len(launchers)``,
+    after the last (the fuzzer times its phases by it)."""
     def run(inputs: list) -> list:
         out, first = [], 0
-        for launcher in launchers:
+        for k, launcher in enumerate(launchers):
+            if mark is not None:
+                mark(k)
             n = len(launcher.slots)
             out += launcher.run_flat(inputs[first:first + n])
             first += n
+        if mark is not None:
+            mark(len(launchers))
         return out
     return run
