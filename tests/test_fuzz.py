@@ -190,7 +190,7 @@ def test_the_fuzz_copies_draw_anew_before_each_launch_and_are_freed(bindings, mo
                         lambda self, inputs: launched.append(self) or [])
     served = _served_launchers()
     copies = FuzzCopies(served_builder(), served, torch.device("cpu"), seed=1, rows=2,
-                        calibration=0)
+                        calibration=0, orders=False)
     assert all(len(d.deps) <= 1 for d in _delays(bindings).values())
     assert len(_delays(bindings)) == 6  # no targets known: every task of both phases
     assert bindings.tables == [bytes(24)]  # the table starts at no delay
@@ -241,7 +241,7 @@ def test_targeted_copies_delay_only_the_targets_each_by_its_phases_critical_path
     builder = replace(served_builder(), graph=_graph_with_hazards())
     copies = FuzzCopies(builder, _served_launchers(), torch.device("cpu"), seed=0,
                         stream_of=SCHEDULE.stream_of, offsets={0: 0, 1: 256}, rows=4,
-                        calibration=0)
+                        calibration=0, orders=False)
     assert sorted(v.args[1] for v in _delays(bindings).values()) == [0, 3]
     rows = []
     for _ in range(2):
@@ -260,6 +260,36 @@ def test_targeted_copies_delay_only_the_targets_each_by_its_phases_critical_path
     copies.close()
 
 
+def test_the_first_launches_run_each_phase_in_serial_orders_of_the_copys_own_edges(
+        bindings, monkeypatch):
+    launched = []
+    monkeypatch.setattr(fuzz_module.Launcher, "run_flat",
+                        lambda self, inputs: launched.append(self) or [])
+    copies = FuzzCopies(served_builder(), _served_launchers(), torch.device("cpu"), seed=1,
+                        rows=2, calibration=0, options=PhaseOptions(removed_edges={(0, 2)}))
+    # phase 0 lost its sync 0 -> 2: 2 is unordered with 0 and 1, and runs first; phase 1
+    # leaves 4 and 5 unordered (both after 3): 5 runs first
+    assert copies.plan[0].orders == [[2, 0, 1]] and copies.plan[1].orders == [[3, 5, 4]]
+    delay_copies, order_copies = copies.builts[:2], copies.builts[2:]
+    assert [b.span for b in order_copies] == SPANS
+    first = order_copies[0].nodes  # tasks 0, 1, 2
+    assert (first[2], first[0]) in bindings.late and (first[0], first[1]) in bindings.late
+    assert not any(v.func == "nimble_delay" and v.deps and v.deps[0] in first
+                   for v in bindings.nodes.values())  # no delay nodes in an order's copy
+    copies.draw()
+    copies.run([torch.zeros(4)])
+    assert launched == copies.order_launchers[0] and copies.stats.last_kind == fuzz_module.ORDER
+    assert bindings.tables == [bytes(24)]  # no delay drawn yet
+    copies.draw()
+    copies.run([torch.zeros(4)])
+    assert launched[2:] == copies.launchers  # then the delay-noded copies
+    meta = copies.stats.as_meta()
+    assert meta["serial_orders"] == [1, 1] and meta["unordered_pairs"] == 3
+    assert meta["pairs_not_reversed"] == 0 and copies.required == 1
+    copies.close()
+    assert all(("cuGraphExecDestroy", b.exec.handle) in bindings.freed for b in order_copies)
+
+
 def test_the_first_launches_time_each_phase_and_every_delay_is_stretched_past_it(
         bindings, monkeypatch):
     from dataclasses import replace
@@ -267,7 +297,8 @@ def test_the_first_launches_time_each_phase_and_every_delay_is_stretched_past_it
     monkeypatch.setattr(fuzz_module.Launcher, "run_flat", lambda self, inputs: [])
     builder = replace(served_builder(), graph=_graph_with_hazards())
     copies = FuzzCopies(builder, _served_launchers(), torch.device("cpu"), seed=0,
-                        stream_of=SCHEDULE.stream_of, offsets={0: 0, 1: 256}, rows=4)
+                        stream_of=SCHEDULE.stream_of, offsets={0: 0, 1: 256}, rows=4,
+                        orders=False)
     bindings.phase_ms = [0.1, 0.01]  # phase 0 runs 100 us, phase 1 10 us
     for _ in range(fuzz_module.CALIBRATION_LAUNCHES):
         copies.draw()
@@ -348,6 +379,7 @@ class FakeFuzz:
         self.wrong_at = wrong_at
         self.stats = fuzz_module.FuzzStats()
         self.closed = 0
+        self.required = 0  # launches that run whatever the budget
 
     def draw(self) -> None:
         self.events.append("draw")

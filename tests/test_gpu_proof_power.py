@@ -1,11 +1,14 @@
 """The proof catches a missing synchronization: googlenet fp16, needed sync edges removed one at
-a time from a verification copy (tools/proof_power.py).  The race a removal opens shows when the
-writer is late: a copy with the writer held back by a delay node must fail the proof, and the
-same delays on a copy with nothing removed must not (delays never change the bytes).  The
-targeted draws find those writers themselves: the launches that hold back every writer of a
-synchronization once catch the removals.  How often prepare's fuzzer, within its time, finds such
-races is a measurement, not a test: ``tools/proof_power.py`` and docs/findings.md.  The served
-graph carries no delay node and its proof records what the fuzzer ran."""
+a time from a verification copy (tools/proof_power.py).  The race a removal opens shows when its
+later task runs first: the serial orders of the broken copy (nimble.analysis.orders) each run
+every task one after another, and one of them runs it first, so the order launches alone must
+catch every removal.  The delays show it too: a copy with the writer held back by a delay node
+must fail the proof, and the same delays on a copy with nothing removed must not (delays never
+change the bytes); the targeted draws find those writers themselves, so the launches that hold
+back every writer of a synchronization once catch the removals.  How often prepare's fuzzer,
+within its time, finds such races is a measurement, not a test: ``tools/proof_power.py`` and
+docs/findings.md.  The served graph carries no delay node and its proof records what the fuzzer
+ran."""
 from __future__ import annotations
 
 import random
@@ -50,6 +53,9 @@ def test_removed_sync_edges_are_caught_by_the_fuzzed_proof():
         # the chained draws come first, and googlenet's take more than the 4 launches that
         # always run
         assert verified["fuzz_targets"] > 0 and verified["draw_kinds"].get("chained", 0) >= 4
+        # every pair of tasks the schedule leaves unordered ran later-first in a serial order
+        assert verified["draw_kinds"]["order"] == max(verified["serial_orders"]) >= 1
+        assert verified["unordered_pairs"] > 0 and verified["pairs_not_reversed"] == 0
         assert node_count(prepared.built.graph.handle) == len(prepared.graph.tasks) + len(
             prepared.gathers(0))  # no delay node in the served graph
         fresh = torch.randn_like(x)
@@ -69,6 +75,9 @@ def test_removed_sync_edges_are_caught_by_the_fuzzed_proof():
             if len(changes) == EDGES:
                 break
         assert len(changes) == EDGES, "googlenet has enough sync edges the plan check needs"
+        ordered = [change.describe() for change in changes
+                   if _caught_by_serial_orders(power, prepared, rec, reference, change)]
+        assert len(ordered) == EDGES, f"the serial orders caught only {ordered}"
         caught = [change.describe() for change in changes
                    if _caught_with_writer_late(power, prepared, rec, reference, change)]
         assert len(caught) >= EDGES - 1, f"the proof caught only {caught}"
@@ -99,7 +108,8 @@ def _caught_with_writer_late(power, prepared, rec, reference, change, writer=Non
 
     writer = _writer(power, prepared, change) if writer is None else writer
     copies = FuzzCopies(power.copy_builder(prepared, rec), prepared.launchers,
-                        rec.static_inputs[0].device, options=power.options_of(prepared, change))
+                        rec.static_inputs[0].device, options=power.options_of(prepared, change),
+                        orders=False)
     try:
         table = np.zeros(len(prepared.graph.tasks), dtype=np.uint32)
         table[writer] = 1_000_000
@@ -117,6 +127,27 @@ def _caught_with_writer_late(power, prepared, rec, reference, change, writer=Non
         copies.close()
 
 
+def _caught_by_serial_orders(power, prepared, rec, reference, change) -> bool:
+    """Whether the serial-order launches of a copy broken by ``change`` fail the proof."""
+    from nimble.engine.fuzz import FuzzCopies
+    from nimble.engine.proof import FuzzBudget
+    from nimble.errors import VerificationError
+
+    copies = FuzzCopies(power.copy_builder(prepared, rec), prepared.launchers,
+                        rec.static_inputs[0].device, options=power.options_of(prepared, change),
+                        repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)], rows=0)
+    try:
+        assert copies.stats.pairs_left == 0 and copies.order_launchers
+        power.poison_all(prepared)
+        try:
+            reference.fuzz_launches(copies, FuzzBudget(len(copies.order_launchers)), 0.0)
+        except VerificationError:
+            return copies.stats.last_kind == "order"
+        return False
+    finally:
+        copies.close()
+
+
 def _caught_by_targeted_cover(power, prepared, rec, reference, change) -> bool:
     """Whether fuzz launches of a copy broken by ``change``, as many as its targeted draws take
     to hold back every writer of a synchronization both ways, fail the proof."""
@@ -128,7 +159,8 @@ def _caught_by_targeted_cover(power, prepared, rec, reference, change) -> bool:
                         rec.static_inputs[0].device, options=power.options_of(prepared, change),
                         stream_of=prepared.schedule.stream_of,
                         repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)],
-                        offsets=power.offsets_of(prepared, change), rows=COVER_ROWS)
+                        offsets=power.offsets_of(prepared, change), rows=COVER_ROWS,
+                        orders=False)
     try:
         assert copies.direct_cover is not None, \
             f"{COVER_ROWS} launches cover googlenet's sync writers"

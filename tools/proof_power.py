@@ -321,7 +321,8 @@ def run_trial(prepared, rec, reference, change: Change, launches: int, fuzz_laun
                         offsets=offsets_of(prepared, change), rows=fuzz_launches)
     try:
         budget = FuzzBudget(fuzz_launches, time_factor=fuzz_budget,
-                            spent_seconds=time.perf_counter() - fuzz_began)
+                            spent_seconds=time.perf_counter() - fuzz_began,
+                            at_least=max(4, copies.required))
         # The fuzz part gets the time prepare() gives it: a multiple of prepare's own served
         # proof (100 launches), not of this trial's shorter one.
         reference.fuzz_launches(copies, budget, prepared.seconds.get("verify_served",

@@ -71,6 +71,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from .. import driver
+from ..analysis.orders import reversing_orders
 from ..analysis.hazards import (CHAINED, HELD, ChainCosts, Hazard, Pick, TargetedPicks,
                                cross_stream_hazards, direct_hazards, lead_us)
 from ..ir.taskgraph import TaskGraph
@@ -193,6 +194,8 @@ CALIBRATION_LAUNCHES = 2
 HEAVY_OVER_LAUNCH = 1.5
 #: The draw kind of a calibration launch (no delay).
 CALIBRATION = "calibration"
+#: The draw kind of a serial-order launch (:mod:`nimble.analysis.orders`).
+ORDER = "order"
 
 
 def delay_scale(heavy_ns: np.ndarray, spans: Sequence[range],
@@ -296,6 +299,9 @@ class FuzzStats:
     targets_held: int = 0  # of them, held back by the draws run so far
     launch_ms: list[float] = field(default_factory=list)  # per phase, the calibrated launch
     delay_scale: list[float] = field(default_factory=list)  # per phase, what delays were scaled
+    orders: list[int] = field(default_factory=list)  # per phase, its serial orders
+    unordered_pairs: int = 0  # pairs of tasks of one phase that no path orders
+    pairs_left: int = 0  # of them, run later-first by no serial order
 
     def count(self, kind: str, delays: np.ndarray, targets_held: int) -> None:
         """Note one draw of ``kind``."""
@@ -311,7 +317,9 @@ class FuzzStats:
                 "tasks_delayed_per_draw": self.delayed / self.draws if self.draws else 0.0,
                 "max_delay_us": self.max_delay_ns / 1000, "draw_kinds": dict(self.kinds),
                 "fuzz_targets": self.targets, "fuzz_targets_held": self.targets_held,
-                "fuzz_launch_ms": list(self.launch_ms), "delay_scale": list(self.delay_scale)}
+                "fuzz_launch_ms": list(self.launch_ms), "delay_scale": list(self.delay_scale),
+                "serial_orders": list(self.orders), "unordered_pairs": self.unordered_pairs,
+                "pairs_not_reversed": self.pairs_left}
 
 
 class PhaseClock:
@@ -340,19 +348,27 @@ class PhaseClock:
 
 
 class FuzzCopies:
-    """A delay-noded copy of every phase, its launchers over the served slots and outputs, the
-    delay table and the rows of drawn delays: owned together, freed by :meth:`close`
+    """Verification copies of every phase, their launchers over the served slots and outputs,
+    the delay table and the rows of drawn delays: owned together, freed by :meth:`close`
     (idempotent) or when collected.
 
-    ``run(inputs)`` runs every phase in order like the served launchers; :meth:`draw` queues the
-    next row's copy into the table (and the arena's poison) first.  ``offsets`` (each planned
-    buffer's arena offset in the copies) and ``stream_of`` give the targeted draws; ``rows``
-    draws are made up front.  The first ``calibration`` launches run with no delay and time
-    each phase (:class:`PhaseClock`); every drawn delay is then stretched
-    (:func:`delay_scale`) and the rows uploaded with one copy (later ones are written as they
-    come, after the GPU has caught up).  ``options`` change the copies further (a power
-    measurement's broken copies); with ``delays=False`` they get no delay nodes and no table,
-    and :meth:`draw` draws nothing.
+    ``run(inputs)`` runs every phase in order like the served launchers; :meth:`draw` readies
+    the next launch first (and queues the arena's poison).  The launches go in three parts:
+
+    1. with ``orders``, one launch per serial order (:mod:`nimble.analysis.orders`): each phase
+       a chain of its tasks in a linear extension of the copy's own DAG, so that every pair of
+       tasks the copy leaves unordered runs later-first in one of them;
+    2. ``calibration`` launches of the delay-noded copy with no delay, timing each phase
+       (:class:`PhaseClock`); every drawn delay is then stretched (:func:`delay_scale`) and the
+       rows uploaded with one copy;
+    3. the drawn rows, one per launch (later ones written as they come, after the GPU has
+       caught up).
+
+    ``offsets`` (each planned buffer's arena offset in the copies) and ``stream_of`` give the
+    targeted draws; ``rows`` draws are made up front.  ``options`` change the copies further (a
+    power measurement's broken copies: the serial orders follow the copy's edges, not the
+    served ones); with ``delays=False`` there are no orders, no delay nodes and no table, and
+    :meth:`draw` draws nothing.
     """
 
     def __init__(self, builder: PhaseBuilder, served: Sequence[Launcher], device,
@@ -360,35 +376,45 @@ class FuzzCopies:
                  delays: bool = True, stream_of: Sequence[int] | None = None,
                  repoison: Sequence[tuple[int, int]] = (),
                  offsets: Mapping[int, int] | None = None, rows: int = 100,
-                 calibration: int = CALIBRATION_LAUNCHES) -> None:
+                 calibration: int = CALIBRATION_LAUNCHES, orders: bool = True) -> None:
         n = len(builder.graph.tasks)
         #: ``(address, size)`` ranges poisoned again before every fuzz launch (the arena).
         self.repoison = list(repoison)
         self.draws = _draws(builder, stream_of, offsets, seed) if delays else None
         self.spans = list(builder.spans)
-        self.calibration = calibration if delays else 0
         self.table = self.rows = None
         self.builts: list[BuiltGraph] = []
-        self.launchers: list[Launcher] = []
+        self.launchers: list[Launcher] = []  # the delay-noded copy's, one per phase
+        self._owned: list[Launcher] = []  # every launcher made here
         self._memories: list = []
         self._clocks: list[PhaseClock] = []
-        self._finalizer = weakref.finalize(self, driver.close_all, self.launchers, self.builts,
+        self._finalizer = weakref.finalize(self, driver.close_all, self._owned, self.builts,
                                            self._memories, self._clocks)
         self._served = list(served)
         self.stats = FuzzStats()
+        #: Per serial-order launch, its launcher of every phase.
+        self.order_launchers: list[list[Launcher]] = []
+        options = options or PhaseOptions()
+        self.plan = reversing_orders(
+            [e for k in range(len(self.spans)) for e in builder.edges_of(k, options)],
+            self.spans) if delays and orders else []
+        self.calibration = calibration if delays else 0
+        #: Launches that run before the first drawn row (every one runs, whatever the budget).
+        self.required = max((len(p.orders) for p in self.plan), default=0) + self.calibration
         self._kinds: list[str] = []
         self._held: list[int] = []
         self._drawn: list[np.ndarray] = []
         self._copy = None
         self._mark = None
+        self._active: list[Launcher] | None = None
         #: Per task, the factor every delay is stretched by (ones until the calibration ends).
         self.scale = np.ones(n, dtype=np.float64)
-        #: The launches (calibration included) whose draws hold back every target of a direct
-        #: hazard (the writers of the schedule's synchronizations) at least once; None where
-        #: the rows do not.
+        #: The launches (serial orders and calibration included) whose draws hold back every
+        #: target of a direct hazard (the writers of the schedule's synchronizations) at least
+        #: once; None where the rows do not.
         self.direct_cover: int | None = None
-        options = options or PhaseOptions()
         try:
+            plain = options
             if delays:
                 self.stats.targets = len(self.draws.picks.targets) if self.draws.picks else 0
                 self._draw_rows(rows)
@@ -402,17 +428,37 @@ class FuzzCopies:
                 options = replace(options, delays=DelaySpec(self.table.address, tasks=tasks))
             order = CallOrder()
             context = driver.current_context()
-            for k in range(len(builder.spans)):
-                built = builder.build(k, options)
+
+            def launcher(k: int, built: BuiltGraph) -> Launcher:
                 self.builts.append(built)
-                self.launchers.append(Launcher(
-                    built.exec.handle, served[k].slots, device, served[k].outputs, None,
-                    context, served[k].rng, order=order))
+                made = Launcher(built.exec.handle, served[k].slots, device, served[k].outputs,
+                                None, context, served[k].rng, order=order)
+                self._owned.append(made)
+                return made
+            for k in range(len(builder.spans)):
+                self.launchers.append(launcher(k, builder.build(k, options)))
+            self._build_orders(builder, plain, launcher)
             if not self.calibration:
                 self._upload()
         except BaseException:
             self.close()
             raise
+
+    def _build_orders(self, builder: PhaseBuilder, options: PhaseOptions, launcher) -> None:
+        """One copy per phase and serial order (none with delays); a launch of a phase with
+        fewer orders repeats its last, and one of a phase with none runs the delay-noded copy
+        (its table holds no delay until the calibration ends)."""
+        per_phase: list[list[Launcher]] = []
+        for k, found in enumerate(self.plan):
+            per_phase.append([launcher(k, builder.build(k, replace(options, order=tuple(o))))
+                              for o in found.orders])
+        launches = max((len(p.orders) for p in self.plan), default=0)
+        self.order_launchers = [
+            [mine[min(j, len(mine) - 1)] if mine else self.launchers[k]
+             for k, mine in enumerate(per_phase)] for j in range(launches)]
+        self.stats.orders = [len(p.orders) for p in self.plan]
+        self.stats.unordered_pairs = sum(p.pairs for p in self.plan)
+        self.stats.pairs_left = sum(p.left for p in self.plan)
 
     def _draw_rows(self, rows: int) -> None:
         """Draw ``rows`` rows (on the host) and find the direct cover among them."""
@@ -423,7 +469,7 @@ class FuzzCopies:
             self._held.append(self._targets_held())
             self._drawn.append(delays)
             if self.direct_cover is None and picks is not None and picks.direct_done:
-                self.direct_cover = self.calibration + len(self._drawn)
+                self.direct_cover = self.required + len(self._drawn)
 
     def _upload(self) -> None:
         """The drawn rows, stretched by :attr:`scale`, to the device in one copy."""
@@ -454,8 +500,9 @@ class FuzzCopies:
         return len(set().union(*(t.covered | t.chained for t in picks.tiers)))
 
     def draw(self) -> None:
-        """Queue the next draw into the delay table and the arena's poison, in stream order
-        after the previous launch."""
+        """Ready the next launch: a serial order, a calibration, or the next row of delays
+        queued into the table in stream order after the previous launch; and the arena's
+        poison."""
         import torch
 
         if self.table is None:
@@ -464,10 +511,14 @@ class FuzzCopies:
             self.stats.first_draw_at = time.perf_counter()
         stream = self.launchers[0].stream()
         launch = self.stats.draws
-        i = launch - self.calibration
+        orders = len(self.order_launchers)
+        i = launch - self.required
         n = len(self.scale)
-        self._mark = None
-        if i < 0:  # the table still holds no delay
+        self._mark, self._active = None, None
+        if launch < orders:  # the table still holds no delay
+            kind, delays, held = ORDER, np.zeros(n, dtype=np.uint32), 0
+            self._active = self.order_launchers[launch]
+        elif i < 0:
             kind, delays, held = CALIBRATION, np.zeros(n, dtype=np.uint32), 0
             self._mark = self._clocks[0].mark(stream)
         else:
@@ -490,10 +541,10 @@ class FuzzCopies:
         self.stats.count(kind, delays, held)
 
     def run(self, inputs: list) -> list:
-        """Every phase's copy in order on its share of ``inputs``: the flat outputs (a
-        calibration launch timed phase by phase)."""
+        """Every phase's copy in order on its share of ``inputs``: the flat outputs (a serial
+        order's copies, or the delay-noded ones, a calibration launch timed phase by phase)."""
         self.stats.launches += 1
-        return run_phases(self.launchers, self._mark)(inputs)
+        return run_phases(self._active or self.launchers, self._mark)(inputs)
 
     def close(self) -> None:
         """Free the copies, their launchers, the table, the rows and the clock (idempotent).

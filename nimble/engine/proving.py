@@ -74,7 +74,8 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
             state=shared_state(prepared.graph),
             repeats=4 if prepared.step is not None else 3, gradients=gradients, fuzz=copies,
             fuzz_budget=FuzzBudget(fuzz_launches, time_factor=FUZZ_TIME_FACTOR,
-                                   spent_seconds=built - began))
+                                   spent_seconds=built - began,
+                                   at_least=max(4, copies.required if copies else 0)))
         torch.cuda.synchronize()
         ended = time.perf_counter()
         stats = copies.stats if copies else FuzzStats()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import AbstractSet as Set, Any, Sequence
 
 from .build import BuiltGraph, DelaySpec, GraphSpec, InputGather, StampSpec, build_graph
+from ..analysis.orders import chain
 from ..ir.taskgraph import TaskGraph
 
 
@@ -42,6 +43,10 @@ class PhaseOptions:
     #: bytes, say); None: the served bases.  Memset and memcpy endpoints move only in a build
     #: from the recorded nodes (a builder with ``nodes_relocated`` False).
     bases: Sequence[int] | None = None
+    #: The phase's tasks run one after another in this order (a linear extension of the
+    #: phase's DAG, :mod:`nimble.analysis.orders`) instead of the schedule's edges; None: the
+    #: schedule.
+    order: Sequence[int] | None = None
 
 
 AS_SERVED = PhaseOptions()
@@ -71,17 +76,28 @@ class PhaseBuilder:
 
     def spec(self, phase: int, options: PhaseOptions = AS_SERVED) -> GraphSpec:
         """The :class:`~nimble.engine.build.GraphSpec` of phase ``phase`` built with ``options``."""
-        edges = self.edges if not options.removed_edges else \
-            [e for e in self.edges if e not in options.removed_edges]
+        late = self.late_edges if options.late_edges is None else options.late_edges
+        if options.order is not None:  # one chain, added once every node exists
+            edges, late = [], chain(options.order)
+        else:
+            edges = self.edges if not options.removed_edges else \
+                [e for e in self.edges if e not in options.removed_edges]
         return GraphSpec(
             edges=edges, span=self.spans[phase],
             device_launch=options.device_launch and self.device_launch[phase],
             upload_stream=self.upload_stream,
             gathers=tuple(self.gathers[phase]) if options.gathers else (),
             priorities=self.priorities if options.priorities else None,
-            late_edges=self.late_edges if options.late_edges is None else options.late_edges,
-            only=options.only, nodes_relocated=self.nodes_relocated, stamps=options.stamps,
-            delays=options.delays)
+            late_edges=late, only=options.only, nodes_relocated=self.nodes_relocated,
+            stamps=options.stamps, delays=options.delays)
+
+    def edges_of(self, phase: int, options: PhaseOptions = AS_SERVED) -> list[tuple[int, int]]:
+        """The edges inside phase ``phase`` of a build with ``options`` (its late ones
+        included; an ``order``'s chain aside)."""
+        span = self.spans[phase]
+        late = self.late_edges if options.late_edges is None else options.late_edges
+        kept = [e for e in self.edges if e not in options.removed_edges]
+        return [(u, v) for u, v in kept + list(late) if u in span and v in span]
 
     def build(self, phase: int, options: PhaseOptions = AS_SERVED) -> BuiltGraph:
         """Phase ``phase`` built and instantiated with ``options``."""

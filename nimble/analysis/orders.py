@@ -1,0 +1,155 @@
+"""Serial orders that run every unordered pair of a schedule's tasks the other way round.
+
+The proof's reference is the single-stream recording: every task in recorded (id) order.  A
+multi-stream schedule leaves many pairs of tasks unordered; if one of them must be ordered after
+all (a dependency the analysis missed, a synchronization lost in the build, scratch no tensor
+names), the schedule is right only while the GPU happens to run the pair in recorded order.  A
+delay makes the other order likely; a *serial order* makes it certain: a launch of a copy whose
+tasks are chained one after another in a linear extension of the schedule's DAG in which the
+later task of the pair comes first.  If the pair conflicts, the later task reads what the
+earlier one has not written yet (the arena is poisoned before each launch) or the earlier one
+overwrites it, and the outputs differ from the recording's.
+
+:func:`reversing_orders` finds, per phase, a few linear extensions that together put the later
+task of *every* unordered pair first (with recorded order, which puts it second, every such
+pair then runs both ways): a *realizer* of the schedule's partial order, less the recorded order
+itself.  Two extensions do it for series-parallel DAGs (an inception block's branches between a
+split and a join), and are tried first: Kahn's walk taking the latest-recorded ready task, and
+the walk from the sinks placing the earliest-recorded finished task last (each task as late as
+its consumers allow: a batch norm's first kernel, which needs only the weights, right before its
+reader).  Where pairs are left, each further extension defers the earlier tasks of the pairs
+left and brings their later tasks forward, forwards and backwards in turn, up to ``limit``
+orders.  Pairs are Python-int bitsets, as in :mod:`nimble.analysis.deps`.
+
+numpy-free and GPU-free: the proof's copies are built from it (:mod:`nimble.engine.fuzz`), and
+the tests check it on recorded fixtures.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .deps import dag_from_edges, reachability
+
+#: The most serial orders per phase: the realizer of nasnetalarge's cells (1,407 tasks, the
+#: zoo's most tangled) takes 7 (docs/findings.md); each order is one graph and one launch.
+MAX_ORDERS = 8
+
+
+@dataclass
+class PhaseOrders:
+    """One phase's serial orders (task ids, each a linear extension of the phase's DAG), its
+    unordered pairs, and how many of them no order runs later-first."""
+
+    orders: list[list[int]] = field(default_factory=list)
+    pairs: int = 0
+    left: int = 0
+
+
+def _walk(n: int, succs: Sequence[Sequence[int]], preds: Sequence[Sequence[int]],
+          key: Callable[[int], tuple]) -> list[int]:
+    """Kahn's walk over ``succs`` taking the ready task of the smallest ``key`` first."""
+    waiting = [len(p) for p in preds]
+    ready = [(key(t), t) for t in range(n) if not waiting[t]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, u = heapq.heappop(ready)
+        order.append(u)
+        for v in succs[u]:
+            waiting[v] -= 1
+            if not waiting[v]:
+                heapq.heappush(ready, (key(v), v))
+    if len(order) != n:
+        raise ValueError(f"the edges form a cycle ({n - len(order)} of {n} tasks never "
+                         "become ready)")
+    return order
+
+
+def forward_order(n, succs, preds, key) -> list[int]:
+    """A linear extension built from the sources, the ready task of the smallest key first."""
+    return _walk(n, succs, preds, key)
+
+
+def backward_order(n, succs, preds, key) -> list[int]:
+    """A linear extension built from the sinks: the finished task (every successor placed) of
+    the smallest key goes last of those left."""
+    return _walk(n, preds, succs, key)[::-1]
+
+
+def _before(order: Sequence[int]) -> list[int]:
+    """Per task, the bitset of the tasks ``order`` places before it."""
+    before = [0] * len(order)
+    seen = 0
+    for t in order:
+        before[t] = seen
+        seen |= 1 << t
+    return before
+
+
+def _unordered_later(n: int, reach: Sequence[int], anc: Sequence[int]) -> list[int]:
+    """Per task ``a``, the bitset of the tasks after it in id order that no path joins to it."""
+    everything = (1 << n) - 1
+    return [everything & ~((2 << a) - 1) & ~(reach[a] | anc[a]) for a in range(n)]
+
+
+def phase_orders(n: int, edges: Sequence[tuple[int, int]],
+                 limit: int = MAX_ORDERS) -> PhaseOrders:
+    """The serial orders of one phase of ``n`` tasks (ids ``0 .. n-1``) with ``edges`` (either
+    direction: late edges go against id order), as the module docstring says."""
+    dag = dag_from_edges(n, edges, ordered=False)
+    reach = reachability(dag)
+    anc = reachability(dag_from_edges(n, [(v, u) for u, v in edges], ordered=False))
+    unordered = _unordered_later(n, reach, anc)
+    result = PhaseOrders(pairs=sum(bin(u).count("1") for u in unordered))
+    succs, preds = dag.succs, dag.preds
+    covered = [0] * n
+    left = list(unordered)
+    candidates = [lambda: forward_order(n, succs, preds, lambda t: -t),
+                  lambda: backward_order(n, succs, preds, lambda t: t)]
+    while len(result.orders) < limit and any(left):
+        if candidates:
+            order = candidates.pop(0)()
+        else:
+            order = _order_for(n, succs, preds, left, backward=len(result.orders) % 2 == 1)
+        result.orders.append(order)
+        for t, b in enumerate(_before(order)):
+            covered[t] |= b
+        left = [u & ~c for u, c in zip(unordered, covered)]
+    result.left = sum(bin(u).count("1") for u in left)
+    return result
+
+
+def _order_for(n, succs, preds, left: Sequence[int], backward: bool) -> list[int]:
+    """An extension aimed at the pairs ``left`` (bitset per earlier task): their earlier tasks
+    as late and their later tasks as early as the DAG allows."""
+    deferred = [bin(u).count("1") for u in left]
+    wanted = [0] * n
+    for a, u in enumerate(left):
+        while u:
+            low = u & -u
+            wanted[low.bit_length() - 1] += 1
+            u ^= low
+    if backward:
+        return backward_order(n, succs, preds, lambda t: (-deferred[t], wanted[t], t))
+    return forward_order(n, succs, preds, lambda t: (deferred[t] > 0, -wanted[t], -t))
+
+
+def reversing_orders(edges: Sequence[tuple[int, int]], spans: Sequence[range],
+                     limit: int = MAX_ORDERS) -> list[PhaseOrders]:
+    """Per phase (``spans``: each phase's task ids; tasks of different phases are ordered by
+    their launches), :func:`phase_orders` of the edges inside it, in task ids."""
+    out = []
+    for span in spans:
+        inside = [(u - span.start, v - span.start) for u, v in edges
+                  if u in span and v in span]
+        found = phase_orders(len(span), inside, limit)
+        found.orders = [[span.start + t for t in order] for order in found.orders]
+        out.append(found)
+    return out
+
+
+def chain(order: Sequence[int]) -> list[tuple[int, int]]:
+    """The edges that run ``order`` one task after another."""
+    return list(zip(order, order[1:]))
