@@ -92,6 +92,17 @@ def test_a_failed_removal_frees_the_copy_and_names_the_call(fake_graphs):
     assert graphs[1] == {"a", "b", "c"}
 
 
+def test_a_clone_names_its_own_node_for_each_node_asked_and_a_failure_frees_it(fake_graphs):
+    from nimble.driver import Graph
+
+    graphs, destroyed = fake_graphs
+    copy, nodes = Graph(1).clone(["c", "a"])
+    assert graphs[copy.handle] == {"a'", "b'", "c'"} and nodes == ["c'", "a'"]
+    with pytest.raises(CudaError, match="cuGraphNodeFindInClone failed"):
+        Graph(1).clone(["a", "missing"])
+    assert destroyed == [3]  # the failed clone alone
+
+
 def test_late_edges_go_to_the_driver_as_one_call_and_no_pairs_make_no_call(monkeypatch):
     from nimble import driver
 

@@ -35,6 +35,7 @@ class DelayStandIn(StandIn):
         self.memory: dict[int, bytearray] = {}
         self.host_copies = 0
         self.phase_ms = [0.0]
+        self.cloned: dict[int, int] = {}  # a clone's node -> the original's
 
     def cuModuleLoadData(self, image):
         if b"nimble_delay" in image:
@@ -72,6 +73,15 @@ class DelayStandIn(StandIn):
         self.host_copies += 1
         self._write(address, bytes(data))
         return (0,)
+
+    def cuGraphClone(self, graph):
+        return 0, self._new()
+
+    def cuGraphNodeFindInClone(self, node, clone):
+        """A new number for the clone's node, remembering the original."""
+        found = self._new()
+        self.cloned[found] = node
+        return 0, found
 
     def cuEventSynchronize(self, event):
         return (0,)
@@ -270,12 +280,19 @@ def test_the_first_launches_run_each_phase_in_serial_orders_of_the_copys_own_edg
     # phase 0 lost its sync 0 -> 2: 2 is unordered with 0 and 1, and runs first; phase 1
     # leaves 4 and 5 unordered (both after 3): 5 runs first
     assert copies.plan[0].orders == [[2, 0, 1]] and copies.plan[1].orders == [[3, 5, 4]]
-    delay_copies, order_copies = copies.builts[:2], copies.builts[2:]
-    assert [b.span for b in order_copies] == SPANS
+    order_copies = copies.builts[2:]
+    assert [b.span for b in order_copies] == [b.span for b in copies._bases] == SPANS
+    for base in copies._bases:  # each phase built once, with no edge and no delay node
+        own = set(base.nodes)
+        assert all(not set(bindings.nodes[node].deps) & own for node in base.nodes)
+        assert not any(v.func == "nimble_delay" and set(v.deps) & own
+                       for v in bindings.nodes.values())
+    # each order a clone of its phase's build, chained in order
     first = order_copies[0].nodes  # tasks 0, 1, 2
-    assert (first[2], first[0]) in bindings.late and (first[0], first[1]) in bindings.late
-    assert not any(v.func == "nimble_delay" and v.deps and v.deps[0] in first
-                   for v in bindings.nodes.values())  # no delay nodes in an order's copy
+    assert [bindings.cloned[node] for node in first] == copies._bases[0].nodes
+    assert bindings.late[-4:] == [(first[2], first[0]), (first[0], first[1]),
+                                  (order_copies[1].nodes[0], order_copies[1].nodes[2]),
+                                  (order_copies[1].nodes[2], order_copies[1].nodes[1])]
     copies.draw()
     copies.run([torch.zeros(4)])
     assert launched == copies.order_launchers[0] and copies.stats.last_kind == fuzz_module.ORDER
@@ -287,7 +304,11 @@ def test_the_first_launches_run_each_phase_in_serial_orders_of_the_copys_own_edg
     assert meta["serial_orders"] == [1, 1] and meta["unordered_pairs"] == 3
     assert meta["pairs_not_reversed"] == 0 and copies.required == 1
     copies.close()
-    assert all(("cuGraphExecDestroy", b.exec.handle) in bindings.freed for b in order_copies)
+    for b in order_copies + copies._bases:
+        assert ("cuGraphExecDestroy", b.exec.handle) in bindings.freed
+    destroyed = [h for name, h in bindings.freed if name == "cuGraphDestroy"]
+    assert destroyed.index(order_copies[0].graph.handle) < \
+        destroyed.index(copies._bases[0].graph.handle)  # the clones before their original
 
 
 def test_the_first_launches_time_each_phase_and_every_delay_is_stretched_past_it(

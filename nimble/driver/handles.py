@@ -9,7 +9,7 @@ also owns the one record of the device memory Nimble holds (``_nimble_memory``, 
 from __future__ import annotations
 
 import weakref
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from .calls import _unwrap, bindings, call
 
@@ -63,6 +63,17 @@ class Graph(_Owned):
             copy.close()
             raise
         return copy
+
+
+    def clone(self, nodes: Sequence) -> tuple["Graph", list]:
+        """A copy of this graph, and the copy's node for each of ``nodes`` (nodes of this
+        graph, in order)."""
+        copy = Graph(call("cuGraphClone", self.handle))
+        try:
+            return copy, [call("cuGraphNodeFindInClone", node, copy.handle) for node in nodes]
+        except BaseException:
+            copy.close()
+            raise
 
 
 class GraphExec(_Owned):

@@ -75,7 +75,7 @@ from ..analysis.orders import reversing_orders
 from ..analysis.hazards import (CHAINED, HELD, ChainCosts, Hazard, Pick, TargetedPicks,
                                cross_stream_hazards, direct_hazards, lead_us)
 from ..ir.taskgraph import TaskGraph
-from .build import BuiltGraph, DelaySpec
+from .build import BuiltGraph, DelaySpec, chained_copy
 from .launcher import CallOrder, Launcher, run_phases
 from .proof import poison
 from .rebuild import PhaseBuilder, PhaseOptions
@@ -388,8 +388,9 @@ class FuzzCopies:
         self._owned: list[Launcher] = []  # every launcher made here
         self._memories: list = []
         self._clocks: list[PhaseClock] = []
+        self._bases: list[BuiltGraph] = []  # the serial orders' clones' originals
         self._finalizer = weakref.finalize(self, driver.close_all, self._owned, self.builts,
-                                           self._memories, self._clocks)
+                                           self._bases, self._memories, self._clocks)
         self._served = list(served)
         self.stats = FuzzStats()
         #: Per serial-order launch, its launcher of every phase.
@@ -445,12 +446,18 @@ class FuzzCopies:
             raise
 
     def _build_orders(self, builder: PhaseBuilder, options: PhaseOptions, launcher) -> None:
-        """One copy per phase and serial order (none with delays); a launch of a phase with
-        fewer orders repeats its last, and one of a phase with none runs the delay-noded copy
-        (its table holds no delay until the calibration ends)."""
+        """One copy per phase and serial order (none with delays), each a clone of one build
+        of the phase without edges (:func:`~nimble.engine.build.chained_copy`); a launch of a
+        phase with fewer orders repeats its last, and one of a phase with none runs the
+        delay-noded copy (its table holds no delay until the calibration ends)."""
         per_phase: list[list[Launcher]] = []
         for k, found in enumerate(self.plan):
-            per_phase.append([launcher(k, builder.build(k, replace(options, order=tuple(o))))
+            if not found.orders:
+                per_phase.append([])
+                continue
+            base = builder.build(k, replace(options, order=()))
+            self._bases.append(base)
+            per_phase.append([launcher(k, chained_copy(base, o, builder.upload_stream))
                               for o in found.orders])
         launches = max((len(p.orders) for p in self.plan), default=0)
         self.order_launchers = [
