@@ -96,10 +96,11 @@ def test_a_clone_names_its_own_node_for_each_node_asked_and_a_failure_frees_it(f
     from nimble.driver import Graph
 
     graphs, destroyed = fake_graphs
-    copy, nodes = Graph(1).clone(["c", "a"])
+    original = Graph(1)
+    copy, nodes = original.clone(["c", "a"])
     assert graphs[copy.handle] == {"a'", "b'", "c'"} and nodes == ["c'", "a'"]
     with pytest.raises(CudaError, match="cuGraphNodeFindInClone failed"):
-        Graph(1).clone(["a", "missing"])
+        original.clone(["a", "missing"])
     assert destroyed == [3]  # the failed clone alone
 
 
