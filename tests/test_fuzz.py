@@ -446,6 +446,9 @@ def test_the_budget_stops_the_fuzz_launches_once_they_take_as_long_as_the_proof(
     assert budget.allows(4, proof_seconds=2.0, fuzz_seconds=1.4)
     assert not budget.allows(4, proof_seconds=2.0, fuzz_seconds=1.6)
     assert not budget.allows(100, proof_seconds=1e9, fuzz_seconds=0.0)
+    unlimited = proof.FuzzBudget(10)  # only the count bounds it, whatever the proof took
+    assert unlimited.allows(9, proof_seconds=0.0, fuzz_seconds=5.0)
+    assert not unlimited.allows(10, proof_seconds=0.0, fuzz_seconds=0.0)
 
 
 def _stand_in_prove(monkeypatch, fake: FakeFuzz):

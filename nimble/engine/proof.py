@@ -160,8 +160,9 @@ class FuzzBudget:
         """Whether fuzz launch number ``launch`` runs."""
         if launch >= self.launches:
             return False
-        return launch < self.at_least or \
-            self.spent_seconds + fuzz_seconds <= self.time_factor * proof_seconds
+        if launch < self.at_least or self.time_factor == float("inf"):
+            return True  # (inf times a proof of 0 s would be NaN, and stop every launch)
+        return self.spent_seconds + fuzz_seconds <= self.time_factor * proof_seconds
 
 
 class Reference:
