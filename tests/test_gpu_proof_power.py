@@ -50,9 +50,9 @@ def test_removed_sync_edges_are_caught_by_the_fuzzed_proof():
         assert verified["fuzz"] and verified["fuzz_launches"] >= 4
         assert verified["delay_draws"] == verified["fuzz_launches"]
         assert verified["tasks_delayed_per_draw"] > 0 and verified["max_delay_us"] > 0
-        # the chained draws come first, and googlenet's take more than the 4 launches that
-        # always run
-        assert verified["fuzz_targets"] > 0 and verified["draw_kinds"].get("chained", 0) >= 4
+        # after the serial orders and the calibration, the budget leaves room for the chained
+        # draws, which come first
+        assert verified["fuzz_targets"] > 0 and verified["draw_kinds"].get("chained", 0) >= 1
         # every pair of tasks the schedule leaves unordered ran later-first in a serial order
         assert verified["draw_kinds"]["order"] == max(verified["serial_orders"]) >= 1
         assert verified["unordered_pairs"] > 0 and verified["pairs_not_reversed"] == 0
