@@ -21,8 +21,7 @@ def _is_extension(order, n, edges) -> bool:
     return sorted(order) == list(range(n)) and all(at[u] < at[v] for u, v in edges)
 
 
-def _left_by_brute_force(n, edges, orders) -> tuple[int, int]:
-    """``(unordered pairs, pairs no order runs later-first)``, by a plain closure."""
+def _closure(n, edges) -> list[set[int]]:
     below = [{v for u, v in edges if u == t} for t in range(n)]
     changed = True
     while changed:
@@ -32,15 +31,26 @@ def _left_by_brute_force(n, edges, orders) -> tuple[int, int]:
             if more:
                 below[t] |= more
                 changed = True
+    return below
+
+
+def _left_by_brute_force(n, edges, orders, pinned_edges=None) -> tuple[int, int, int]:
+    """``(unordered pairs, pairs no order runs later-first, pairs the pins order)``, by a
+    plain closure of ``edges`` and of ``pinned_edges`` (the edges with the pins)."""
+    below = _closure(n, edges)
+    pinned_below = _closure(n, pinned_edges) if pinned_edges is not None else below
     positions = [{t: k for k, t in enumerate(o)} for o in orders]
-    pairs = left = 0
+    pairs = left = pins = 0
     for a in range(n):
         for b in range(a + 1, n):
             if b in below[a] or a in below[b]:
                 continue
             pairs += 1
-            left += not any(p[b] < p[a] for p in positions)
-    return pairs, left
+            if b in pinned_below[a] or a in pinned_below[b]:
+                pins += 1
+            else:
+                left += not any(p[b] < p[a] for p in positions)
+    return pairs, left, pins
 
 
 def _random_edges(n: int, seed: int, shuffled: bool) -> list[tuple[int, int]]:
@@ -58,9 +68,12 @@ def _random_edges(n: int, seed: int, shuffled: bool) -> list[tuple[int, int]]:
 def test_every_order_is_a_linear_extension_and_the_count_of_pairs_left_is_exact(seed):
     n = 14
     edges = _random_edges(n, seed, shuffled=seed % 3 == 0)
-    found = phase_orders(n, edges, limit=2 + seed % 3)
-    assert all(_is_extension(o, n, edges) for o in found.orders)
-    assert (found.pairs, found.left) == _left_by_brute_force(n, edges, found.orders)
+    # task 3 pinned before every later task (all pins kept where ids are topological)
+    pins = [(3, b) for b in range(4, n)] if seed % 2 and seed % 3 else []
+    found = phase_orders(n, edges, limit=2 + seed % 3, pins=pins)
+    assert all(_is_extension(o, n, edges + pins) for o in found.orders)
+    assert (found.pairs, found.left, found.pinned) == \
+        _left_by_brute_force(n, edges, found.orders, edges + pins)
     assert found.left == 0 or len(found.orders) == 2 + seed % 3
 
 
@@ -80,7 +93,7 @@ def test_a_cycle_is_refused():
 
 
 FIXTURES = ["googlenet_float16", "inception_v3_float16", "nasnetalarge", "gpt2_float16",
-            "resnet50_train"]
+            "resnet50_train", "inception_v3"]
 
 
 @pytest.fixture(scope="module", params=FIXTURES)
@@ -105,6 +118,26 @@ def test_the_fixtures_every_unordered_pair_runs_later_first_in_a_few_orders(plan
             assert all(at[u] < at[v] for u, v in inside)
     if name == "googlenet_float16":  # series-parallel: the two first extensions do it
         assert [len(p.orders) for p in found] == [2]
+
+
+def test_a_memsets_pairs_are_pinned_where_a_removed_sync_leaves_them_unordered():
+    """inception_v3 fp32: cuDNN's split-K convolutions wait on semaphores a memset before each
+    zeroes; with that sync removed, no order runs the convolution before its memset."""
+    from nimble.engine.fuzz import _pins
+    from nimble.analysis.hazards import cross_stream_hazards
+
+    graph = TaskGraph.load(FIXTURE_DIR / "inception_v3.json.gz")
+    schedule, plan = plan_graph(graph, True, None, None)
+    pins = _pins(graph, cross_stream_hazards(graph, plan.offsets, schedule.stream_of))
+    crossing = [(m, b) for m, b in pins if (m, b) in set(schedule.sync_edges)]
+    assert crossing, "a memset and its convolution on two streams"
+    m, b = crossing[0]
+    kept = [e for e in schedule.edges() if e != (m, b)]
+    (phase,) = reversing_orders(kept, [range(len(graph.tasks))], pins=pins)
+    assert phase.pinned >= 1 and phase.left == 0 and phase.pairs > phase.pinned
+    assert all(o.index(m) < o.index(b) for o in phase.orders)
+    (loose,) = reversing_orders(kept, [range(len(graph.tasks))])
+    assert any(o.index(b) < o.index(m) for o in loose.orders)  # unpinned, it would run first
 
 
 @pytest.mark.parametrize("name", ["googlenet_float16", "inception_v3_float16"])

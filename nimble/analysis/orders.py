@@ -21,6 +21,16 @@ reader).  Where pairs are left, each further extension defers the earlier tasks 
 left and brings their later tasks forward, forwards and backwards in turn, up to ``limit``
 orders.  Pairs are Python-int bitsets, as in :mod:`nimble.analysis.deps`.
 
+*Pinned* pairs stay in recorded order: a memset or memcpy and a later task that touches the
+bytes it writes, where no path orders them (a schedule that misses that dependency, as the
+proof's power tool makes on purpose).  Library kernels wait on semaphores a memset node before
+them zeroes (cuDNN's split-K convolutions); a chain that ran such a kernel first would spin
+for ever on the poisoned bytes (seen on googlenet fp32 with that synchronization removed),
+where the concurrent schedule runs the memset late but runs it.  Those pairs are counted
+apart (``pinned``); the delay draws still reorder them.  A kernel that spins on bytes no
+recorded access names, or on another kernel's output, would hang a chain the same way; the
+captured libraries zero their semaphores with memset nodes, which the recording sees.
+
 numpy-free and GPU-free: the proof's copies are built from it (:mod:`nimble.engine.fuzz`), and
 the tests check it on recorded fixtures.
 """
@@ -45,6 +55,9 @@ class PhaseOrders:
     orders: list[list[int]] = field(default_factory=list)
     pairs: int = 0
     left: int = 0
+    #: Of ``pairs``, those a pin orders (itself or through other edges): never run
+    #: later-first, and not in ``left``.
+    pinned: int = 0
 
 
 def _walk(n: int, succs: Sequence[Sequence[int]], preds: Sequence[Sequence[int]],
@@ -94,15 +107,26 @@ def _unordered_later(n: int, reach: Sequence[int], anc: Sequence[int]) -> list[i
     return [everything & ~((2 << a) - 1) & ~(reach[a] | anc[a]) for a in range(n)]
 
 
-def phase_orders(n: int, edges: Sequence[tuple[int, int]],
-                 limit: int = MAX_ORDERS) -> PhaseOrders:
+def phase_orders(n: int, edges: Sequence[tuple[int, int]], limit: int = MAX_ORDERS,
+                 pins: Sequence[tuple[int, int]] = ()) -> PhaseOrders:
     """The serial orders of one phase of ``n`` tasks (ids ``0 .. n-1``) with ``edges`` (either
-    direction: late edges go against id order), as the module docstring says."""
+    direction: late edges go against id order), each of ``pins`` ``(earlier, later)`` kept in
+    that order where no path orders it, as the module docstring says."""
     dag = dag_from_edges(n, edges, ordered=False)
     reach = reachability(dag)
     anc = reachability(dag_from_edges(n, [(v, u) for u, v in edges], ordered=False))
     unordered = _unordered_later(n, reach, anc)
     result = PhaseOrders(pairs=sum(bin(u).count("1") for u in unordered))
+    # Only pins that go forward in one linear extension, so that they close no cycle (every
+    # one of them where no late edge goes against id order).
+    at = {t: k for k, t in enumerate(forward_order(n, dag.succs, dag.preds, lambda t: t))}
+    kept = sorted({(a, b) for a, b in pins if unordered[a] >> b & 1 and at[a] < at[b]})
+    if kept:  # the pairs a pin orders, itself or through the other edges, count as pinned
+        edges = list(edges) + kept
+        dag = dag_from_edges(n, edges, ordered=False)
+        anc = reachability(dag_from_edges(n, [(v, u) for u, v in edges], ordered=False))
+        unordered = _unordered_later(n, reachability(dag), anc)
+        result.pinned = result.pairs - sum(bin(u).count("1") for u in unordered)
     succs, preds = dag.succs, dag.preds
     covered = [0] * n
     left = list(unordered)
@@ -126,7 +150,7 @@ def _order_for(n, succs, preds, left: Sequence[int], backward: bool) -> list[int
     as late and their later tasks as early as the DAG allows."""
     deferred = [bin(u).count("1") for u in left]
     wanted = [0] * n
-    for a, u in enumerate(left):
+    for u in left:
         while u:
             low = u & -u
             wanted[low.bit_length() - 1] += 1
@@ -137,14 +161,17 @@ def _order_for(n, succs, preds, left: Sequence[int], backward: bool) -> list[int
 
 
 def reversing_orders(edges: Sequence[tuple[int, int]], spans: Sequence[range],
-                     limit: int = MAX_ORDERS) -> list[PhaseOrders]:
+                     limit: int = MAX_ORDERS, pins: Sequence[tuple[int, int]] = ()
+                     ) -> list[PhaseOrders]:
     """Per phase (``spans``: each phase's task ids; tasks of different phases are ordered by
-    their launches), :func:`phase_orders` of the edges inside it, in task ids."""
+    their launches), :func:`phase_orders` of the edges and pins inside it, in task ids."""
     out = []
     for span in spans:
         inside = [(u - span.start, v - span.start) for u, v in edges
                   if u in span and v in span]
-        found = phase_orders(len(span), inside, limit)
+        found = phase_orders(len(span), inside, limit,
+                             [(a - span.start, b - span.start) for a, b in pins
+                              if a in span and b in span])
         found.orders = [[span.start + t for t in order] for order in found.orders]
         out.append(found)
     return out

@@ -74,7 +74,7 @@ from .. import driver
 from ..analysis.orders import reversing_orders
 from ..analysis.hazards import (CHAINED, HELD, ChainCosts, Hazard, Pick, TargetedPicks,
                                cross_stream_hazards, direct_hazards, lead_us)
-from ..ir.taskgraph import TaskGraph
+from ..ir.taskgraph import TaskGraph, TaskKind
 from .build import BuiltGraph, DelaySpec, chained_copy
 from .launcher import CallOrder, Launcher, run_phases
 from .proof import poison
@@ -228,8 +228,11 @@ class Draws:
     """
 
     def __init__(self, caps_ns: np.ndarray, heavy_ns: np.ndarray, stream_of: np.ndarray | None,
-                 picks: TargetedPicks | None, delayable: np.ndarray, seed: int = 0) -> None:
+                 picks: TargetedPicks | None, delayable: np.ndarray, seed: int = 0,
+                 hazards: Sequence[Hazard] = ()) -> None:
         self.caps_ns, self.heavy_ns, self.picks = caps_ns, heavy_ns, picks
+        #: The cross-stream hazard pairs the picks were made from (none without targets).
+        self.hazards = list(hazards)
         self.delayable = delayable
         self.stream_of = None if stream_of is None else np.where(delayable, stream_of, -1)
         self._rng = np.random.default_rng(seed)
@@ -302,6 +305,7 @@ class FuzzStats:
     orders: list[int] = field(default_factory=list)  # per phase, its serial orders
     unordered_pairs: int = 0  # pairs of tasks of one phase that no path orders
     pairs_left: int = 0  # of them, run later-first by no serial order
+    pairs_pinned: int = 0  # of them, a memset's or memcpy's, kept in recorded order on purpose
 
     def count(self, kind: str, delays: np.ndarray, targets_held: int) -> None:
         """Note one draw of ``kind``."""
@@ -319,7 +323,7 @@ class FuzzStats:
                 "fuzz_targets": self.targets, "fuzz_targets_held": self.targets_held,
                 "fuzz_launch_ms": list(self.launch_ms), "delay_scale": list(self.delay_scale),
                 "serial_orders": list(self.orders), "unordered_pairs": self.unordered_pairs,
-                "pairs_not_reversed": self.pairs_left}
+                "pairs_not_reversed": self.pairs_left, "pairs_pinned": self.pairs_pinned}
 
 
 class PhaseClock:
@@ -398,7 +402,8 @@ class FuzzCopies:
         options = options or PhaseOptions()
         self.plan = reversing_orders(
             [e for k in range(len(self.spans)) for e in builder.edges_of(k, options)],
-            self.spans) if delays and orders else []
+            self.spans, pins=_pins(builder.graph, self.draws.hazards)) \
+            if delays and orders else []
         self.calibration = calibration if delays else 0
         #: Launches that run before the first drawn row (every one runs, whatever the budget).
         self.required = max((len(p.orders) for p in self.plan), default=0) + self.calibration
@@ -466,6 +471,7 @@ class FuzzCopies:
         self.stats.orders = [len(p.orders) for p in self.plan]
         self.stats.unordered_pairs = sum(p.pairs for p in self.plan)
         self.stats.pairs_left = sum(p.left for p in self.plan)
+        self.stats.pairs_pinned = sum(p.pinned for p in self.plan)
 
     def _draw_rows(self, rows: int) -> None:
         """Draw ``rows`` rows (on the host) and find the direct cover among them."""
@@ -562,6 +568,13 @@ class FuzzCopies:
             launcher.forget_cells()
 
 
+def _pins(graph: TaskGraph, hazards: Sequence[Hazard]) -> list[tuple[int, int]]:
+    """The pairs the serial orders keep in recorded order (:mod:`nimble.analysis.orders`): a
+    memset or memcpy and a later task touching the bytes it writes."""
+    return [(h.earlier, h.later) for h in hazards if h.kind.startswith("write")
+            and graph.tasks[h.earlier].kind != TaskKind.KERNEL]
+
+
 def _draws(builder: PhaseBuilder, stream_of: Sequence[int] | None,
            offsets: Mapping[int, int] | None, seed: int) -> Draws:
     """The draws of copies built by ``builder``: :func:`plan_draws` over the served edges
@@ -593,4 +606,6 @@ def plan_draws(graph: TaskGraph, spans: Sequence[range], edges: Sequence[tuple[i
         picks = TargetedPicks(n, hazards, edges, seed, chain, direct)
         delayable[:] = False
         delayable[picks.targets] = True
-    return Draws(delay_caps_ns(graph, spans), heavy, streams, picks, delayable, seed)
+    else:
+        hazards = []
+    return Draws(delay_caps_ns(graph, spans), heavy, streams, picks, delayable, seed, hazards)
