@@ -36,6 +36,7 @@ class DelayStandIn(StandIn):
         self.host_copies = 0
         self.phase_ms = [0.0]
         self.cloned: dict[int, int] = {}  # a clone's node -> the original's
+        self.first_event = 0
 
     def cuModuleLoadData(self, image):
         if b"nimble_delay" in image:
@@ -87,14 +88,9 @@ class DelayStandIn(StandIn):
         return (0,)
 
     def cuEventElapsedTime(self, start, end):
-        """Phase k of a launch takes ``phase_ms[k]`` (events are made in order, one per phase
-        boundary)."""
+        """Phase k of a launch takes ``phase_ms[k]`` (the clock's events are made in order from
+        ``first_event``, one per phase boundary)."""
         return 0, self.phase_ms[(start - self.first_event) % len(self.phase_ms)]
-
-    def cuEventCreate(self, flags):
-        code, event = super().cuEventCreate(flags)
-        self.first_event = getattr(self, "first_event", None) or event
-        return code, event
 
     def cuMemcpyDtoDAsync(self, dst, src, size, stream):
         self._write(dst, self._read(src, size))
@@ -280,8 +276,9 @@ def test_the_first_launches_run_each_phase_in_serial_orders_of_the_copys_own_edg
     # phase 0 lost its sync 0 -> 2: 2 is unordered with 0 and 1, and runs first; phase 1
     # leaves 4 and 5 unordered (both after 3): 5 runs first
     assert copies.plan[0].orders == [[2, 0, 1]] and copies.plan[1].orders == [[3, 5, 4]]
-    order_copies = copies.builts[2:]
+    order_copies = copies.order_builts
     assert [b.span for b in order_copies] == [b.span for b in copies._bases] == SPANS
+    assert not copies.builts and copies.draws is None  # no delay-noded copy before it is due
     for base in copies._bases:  # each phase built once, with no edge and no delay node
         own = set(base.nodes)
         assert all(not set(bindings.nodes[node].deps) & own for node in base.nodes)
@@ -296,10 +293,10 @@ def test_the_first_launches_run_each_phase_in_serial_orders_of_the_copys_own_edg
     copies.draw()
     copies.run([torch.zeros(4)])
     assert launched == copies.order_launchers[0] and copies.stats.last_kind == fuzz_module.ORDER
-    assert bindings.tables == [bytes(24)]  # no delay drawn yet
+    assert bindings.tables == []  # no table yet
     copies.draw()
     copies.run([torch.zeros(4)])
-    assert launched[2:] == copies.launchers  # then the delay-noded copies
+    assert len(copies.builts) == 2 and launched[2:] == copies.launchers  # then the delays
     meta = copies.stats.as_meta()
     assert meta["serial_orders"] == [1, 1] and meta["unordered_pairs"] == 3
     assert meta["pairs_not_reversed"] == 0 and copies.required == 1
@@ -321,6 +318,7 @@ def test_the_first_launches_time_each_phase_and_every_delay_is_stretched_past_it
                         stream_of=SCHEDULE.stream_of, offsets={0: 0, 1: 256}, rows=4,
                         orders=False)
     bindings.phase_ms = [0.1, 0.01]  # phase 0 runs 100 us, phase 1 10 us
+    bindings.first_event = copies._clocks[0].events[0].handle
     for _ in range(fuzz_module.CALIBRATION_LAUNCHES):
         copies.draw()
         copies.run([torch.zeros(4)])
@@ -383,7 +381,7 @@ def test_a_failed_build_frees_what_was_built(bindings, monkeypatch):
         return real(k, options)
     monkeypatch.setattr(builder, "build", build)
     with pytest.raises(RuntimeError):
-        FuzzCopies(builder, _served_launchers(), torch.device("cpu"))
+        FuzzCopies(builder, _served_launchers(), torch.device("cpu"), orders=False)
     assert calls_made == [0, 1]
     assert [h for name, h in bindings.freed if name == "cuModuleUnload"] == \
         ["gather module", "delay module"]

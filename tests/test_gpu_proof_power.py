@@ -47,14 +47,11 @@ def test_removed_sync_edges_are_caught_by_the_fuzzed_proof():
     try:
         prepared, rec = nm.engine, nm.recording
         verified = nm.graph.meta["verified"]
-        assert verified["fuzz"] and verified["fuzz_launches"] >= 4
-        assert verified["delay_draws"] == verified["fuzz_launches"]
-        assert verified["tasks_delayed_per_draw"] > 0 and verified["max_delay_us"] > 0
-        # after the serial orders and the calibration, the budget leaves room for the chained
-        # draws, which come first
-        assert verified["fuzz_targets"] > 0 and verified["draw_kinds"].get("chained", 0) >= 1
+        assert verified["fuzz"] and verified["delay_draws"] == verified["fuzz_launches"]
         # every pair of tasks the schedule leaves unordered ran later-first in a serial order
+        # (the delay draws run after them as far as the budget goes)
         assert verified["draw_kinds"]["order"] == max(verified["serial_orders"]) >= 1
+        assert verified["fuzz_launches"] >= verified["draw_kinds"]["order"]
         assert verified["unordered_pairs"] > 0 and verified["pairs_not_reversed"] == 0
         assert node_count(prepared.built.graph.handle) == len(prepared.graph.tasks) + len(
             prepared.gathers(0))  # no delay node in the served graph

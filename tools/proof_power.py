@@ -43,6 +43,7 @@ from nimble.analysis.deps import dag_from_edges, reachability
 from nimble.analysis.memplan import MemPlan, MemPlanError
 from nimble.analysis.plan_check import check_plan, collect_accesses
 from nimble.engine.proof import FUZZ_TIME_FACTOR
+from nimble.engine.proving import FUZZ_ROWS
 from nimble.ir.taskgraph import BufferKind, TaskGraph
 
 KINDS = ("sync", "war", "share")
@@ -318,11 +319,12 @@ def run_trial(prepared, rec, reference, change: Change, launches: int, fuzz_laun
     copies = FuzzCopies(builder, prepared.launchers, device, seed=seed, options=options,
                         stream_of=prepared.schedule.stream_of,
                         repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)],
-                        offsets=offsets_of(prepared, change), rows=fuzz_launches)
+                        offsets=offsets_of(prepared, change),
+                        rows=min(fuzz_launches, FUZZ_ROWS))
     try:
         budget = FuzzBudget(fuzz_launches, time_factor=fuzz_budget,
                             spent_seconds=time.perf_counter() - fuzz_began,
-                            at_least=max(4, copies.required))
+                            at_least=copies.required or 4)
         # The fuzz part gets the time prepare() gives it: a multiple of prepare's own served
         # proof (100 launches), not of this trial's shorter one.
         reference.fuzz_launches(copies, budget, prepared.seconds.get("verify_served",

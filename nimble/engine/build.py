@@ -204,22 +204,23 @@ def instantiate(owned: driver.Graph, device_launch: bool, upload_stream,
                                         node_priority=node_priority), False, refusal
 
 
-def chained_copy(base: BuiltGraph, order: Sequence[int], upload_stream) -> BuiltGraph:
+def chained_copy(base: BuiltGraph, order: Sequence[int]) -> BuiltGraph:
     """A copy of ``base`` (a phase built with no edges between its tasks) whose tasks run one
     after another in ``order``: ``base``'s graph cloned, the chain's edges added, instantiated
-    for the launch ``base`` was.  The clone keeps ``base``'s relocated nodes, so a few serial
-    orders of one phase cost one build (the proof's, :mod:`nimble.engine.fuzz`); ``base`` owns
-    the modules and must outlive the copy."""
+    for host launch (a verification copy, launched a few times: the device-launchable upload
+    would cost more than it saves).  The clone keeps ``base``'s relocated nodes, so a few
+    serial orders of one phase cost one build (the proof's, :mod:`nimble.engine.fuzz`);
+    ``base`` owns the modules and must outlive the copy."""
     start = base.span.start
     graph, nodes = base.graph.clone(base.nodes)
     try:
         driver.add_dependencies(graph.handle, [(nodes[u - start], nodes[v - start])
                                                for u, v in zip(order, order[1:])])
-        exec_, on_device, _ = instantiate(graph, base.device_launch, upload_stream)
+        exec_ = driver.GraphExec.instantiate(graph)
     except BaseException:
         graph.close()
         raise
-    return BuiltGraph(graph, exec_, nodes, base.span, device_launch=on_device)
+    return BuiltGraph(graph, exec_, nodes, base.span)
 
 
 @dataclass(frozen=True)

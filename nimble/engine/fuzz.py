@@ -361,18 +361,22 @@ class FuzzCopies:
 
     1. with ``orders``, one launch per serial order (:mod:`nimble.analysis.orders`): each phase
        a chain of its tasks in a linear extension of the copy's own DAG, so that every pair of
-       tasks the copy leaves unordered runs later-first in one of them;
+       tasks the copy leaves unordered runs later-first in one of them (built with the
+       copies; :attr:`required` counts them);
     2. ``calibration`` launches of the delay-noded copy with no delay, timing each phase
        (:class:`PhaseClock`); every drawn delay is then stretched (:func:`delay_scale`) and the
        rows uploaded with one copy;
-    3. the drawn rows, one per launch (later ones written as they come, after the GPU has
-       caught up).
+    3. the drawn rows, one per launch (``rows`` drawn up front, later ones written as they
+       come, after the GPU has caught up).
 
-    ``offsets`` (each planned buffer's arena offset in the copies) and ``stream_of`` give the
-    targeted draws; ``rows`` draws are made up front.  ``options`` change the copies further (a
-    power measurement's broken copies: the serial orders follow the copy's edges, not the
-    served ones); with ``delays=False`` there are no orders, no delay nodes and no table, and
-    :meth:`draw` draws nothing.
+    Where there are serial orders, the delay-noded copy, its targets and its first rows are
+    made when the first launch after the orders is drawn (:meth:`build_delays`), so a budget
+    that ends with the orders costs none of it.  ``offsets`` (each planned buffer's arena offset
+    in the copies) and ``stream_of`` give the targeted draws and the pairs the orders keep
+    (:func:`_pins`).  ``options`` change the copies further (a power measurement's broken
+    copies: the serial orders follow the copy's edges, not the served ones); with
+    ``delays=False`` there are no orders, no delay nodes and no table, and :meth:`draw` draws
+    nothing.
     """
 
     def __init__(self, builder: PhaseBuilder, served: Sequence[Launcher], device,
@@ -384,94 +388,111 @@ class FuzzCopies:
         n = len(builder.graph.tasks)
         #: ``(address, size)`` ranges poisoned again before every fuzz launch (the arena).
         self.repoison = list(repoison)
-        self.draws = _draws(builder, stream_of, offsets, seed) if delays else None
         self.spans = list(builder.spans)
-        self.table = self.rows = None
-        self.builts: list[BuiltGraph] = []
+        self.table = self.rows = self.draws = None
+        self.builts: list[BuiltGraph] = []  # the delay-noded copy's, one per phase
+        self.order_builts: list[BuiltGraph] = []  # the serial orders' clones
         self.launchers: list[Launcher] = []  # the delay-noded copy's, one per phase
         self._owned: list[Launcher] = []  # every launcher made here
         self._memories: list = []
         self._clocks: list[PhaseClock] = []
-        self._bases: list[BuiltGraph] = []  # the serial orders' clones' originals
-        self._finalizer = weakref.finalize(self, driver.close_all, self._owned, self.builts,
-                                           self._bases, self._memories, self._clocks)
+        self._bases: list[BuiltGraph] = []  # the clones' originals
+        self._finalizer = weakref.finalize(self, driver.close_all, self._owned,
+                                           self.order_builts, self._bases, self.builts,
+                                           self._memories, self._clocks)
         self._served = list(served)
         self.stats = FuzzStats()
         #: Per serial-order launch, its launcher of every phase.
         self.order_launchers: list[list[Launcher]] = []
         options = options or PhaseOptions()
+        self._builder, self._options, self._device = builder, options, device
+        self._seed, self._rows, self._stream_of, self._offsets = seed, rows, stream_of, offsets
+        self._hazards = cross_stream_hazards(builder.graph, offsets, list(stream_of),
+                                             self.spans) \
+            if delays and stream_of is not None and offsets is not None else []
         self.plan = reversing_orders(
             [e for k in range(len(self.spans)) for e in builder.edges_of(k, options)],
-            self.spans, pins=_pins(builder.graph, self.draws.hazards)) \
-            if delays and orders else []
+            self.spans, pins=_pins(builder.graph, self._hazards)) if delays and orders else []
         self.calibration = calibration if delays else 0
-        #: Launches that run before the first drawn row (every one runs, whatever the budget).
-        self.required = max((len(p.orders) for p in self.plan), default=0) + self.calibration
+        #: The serial-order launches: every one runs, whatever the budget.
+        self.required = max((len(p.orders) for p in self.plan), default=0)
         self._kinds: list[str] = []
         self._held: list[int] = []
         self._drawn: list[np.ndarray] = []
         self._copy = None
         self._mark = None
         self._active: list[Launcher] | None = None
+        self._order = CallOrder()
+        self._context = driver.current_context()
         #: Per task, the factor every delay is stretched by (ones until the calibration ends).
         self.scale = np.ones(n, dtype=np.float64)
         #: The launches (serial orders and calibration included) whose draws hold back every
         #: target of a direct hazard (the writers of the schedule's synchronizations) at least
-        #: once; None where the rows do not.
+        #: once; None where the rows do not (or are not drawn yet).
         self.direct_cover: int | None = None
+        self._delays = delays
         try:
-            plain = options
-            if delays:
-                self.stats.targets = len(self.draws.picks.targets) if self.draws.picks else 0
-                self._draw_rows(rows)
-                self.table = driver.DeviceMemory.allocate(max(4 * n, 4))
-                self._memories.append(self.table)
-                driver.copy_to_device(self.table.address, bytes(4 * n))
-                if self.calibration:
-                    self._clocks.append(PhaseClock(len(builder.spans)))
-                tasks = None if self.draws.picks is None else \
-                    set(np.flatnonzero(self.draws.delayable).tolist())
-                options = replace(options, delays=DelaySpec(self.table.address, tasks=tasks))
-            order = CallOrder()
-            context = driver.current_context()
-
-            def launcher(k: int, built: BuiltGraph) -> Launcher:
-                self.builts.append(built)
-                made = Launcher(built.exec.handle, served[k].slots, device, served[k].outputs,
-                                None, context, served[k].rng, order=order)
-                self._owned.append(made)
-                return made
-            for k in range(len(builder.spans)):
-                self.launchers.append(launcher(k, builder.build(k, options)))
-            self._build_orders(builder, plain, launcher)
-            if not self.calibration:
-                self._upload()
+            self._build_orders()
+            if delays and not self.required:
+                self.build_delays()
         except BaseException:
             self.close()
             raise
 
-    def _build_orders(self, builder: PhaseBuilder, options: PhaseOptions, launcher) -> None:
+    def _launcher(self, k: int, built: BuiltGraph) -> Launcher:
+        served = self._served[k]
+        made = Launcher(built.exec.handle, served.slots, self._device, served.outputs, None,
+                        self._context, served.rng, order=self._order)
+        self._owned.append(made)
+        return made
+
+    def _build_orders(self) -> None:
         """One copy per phase and serial order (none with delays), each a clone of one build
         of the phase without edges (:func:`~nimble.engine.build.chained_copy`); a launch of a
         phase with fewer orders repeats its last, and one of a phase with none runs the
-        delay-noded copy (its table holds no delay until the calibration ends)."""
+        phase as served."""
+        builder = self._builder
         per_phase: list[list[Launcher]] = []
         for k, found in enumerate(self.plan):
             if not found.orders:
                 per_phase.append([])
                 continue
-            base = builder.build(k, replace(options, order=()))
+            base = builder.build(k, replace(self._options, order=()))
             self._bases.append(base)
-            per_phase.append([launcher(k, chained_copy(base, o, builder.upload_stream))
-                              for o in found.orders])
-        launches = max((len(p.orders) for p in self.plan), default=0)
+            mine = []
+            for o in found.orders:
+                self.order_builts.append(chained_copy(base, o))
+                mine.append(self._launcher(k, self.order_builts[-1]))
+            per_phase.append(mine)
         self.order_launchers = [
-            [mine[min(j, len(mine) - 1)] if mine else self.launchers[k]
-             for k, mine in enumerate(per_phase)] for j in range(launches)]
+            [mine[min(j, len(mine) - 1)] if mine else self._served[k]
+             for k, mine in enumerate(per_phase)] for j in range(self.required)]
         self.stats.orders = [len(p.orders) for p in self.plan]
         self.stats.unordered_pairs = sum(p.pairs for p in self.plan)
         self.stats.pairs_left = sum(p.left for p in self.plan)
         self.stats.pairs_pinned = sum(p.pinned for p in self.plan)
+
+    def build_delays(self) -> None:
+        """The delay-noded copies, their targets, the first rows and the table (once)."""
+        if self.draws is not None or not self._delays:
+            return
+        builder, n = self._builder, len(self.scale)
+        self.draws = _draws(builder, self._stream_of, self._offsets, self._seed, self._hazards)
+        self.stats.targets = len(self.draws.picks.targets) if self.draws.picks else 0
+        self._draw_rows(self._rows)
+        self.table = driver.DeviceMemory.allocate(max(4 * n, 4))
+        self._memories.append(self.table)
+        driver.copy_to_device(self.table.address, bytes(4 * n))
+        if self.calibration:
+            self._clocks.append(PhaseClock(len(builder.spans)))
+        tasks = None if self.draws.picks is None else \
+            set(np.flatnonzero(self.draws.delayable).tolist())
+        options = replace(self._options, delays=DelaySpec(self.table.address, tasks=tasks))
+        for k in range(len(builder.spans)):
+            self.builts.append(builder.build(k, options))
+            self.launchers.append(self._launcher(k, self.builts[-1]))
+        if not self.calibration:
+            self._upload()
 
     def _draw_rows(self, rows: int) -> None:
         """Draw ``rows`` rows (on the host) and find the direct cover among them."""
@@ -482,7 +503,7 @@ class FuzzCopies:
             self._held.append(self._targets_held())
             self._drawn.append(delays)
             if self.direct_cover is None and picks is not None and picks.direct_done:
-                self.direct_cover = self.required + len(self._drawn)
+                self.direct_cover = self.required + self.calibration + len(self._drawn)
 
     def _upload(self) -> None:
         """The drawn rows, stretched by :attr:`scale`, to the device in one copy."""
@@ -518,34 +539,36 @@ class FuzzCopies:
         poison."""
         import torch
 
-        if self.table is None:
+        if not self._delays:
             return
         if self.stats.first_draw_at is None:
             self.stats.first_draw_at = time.perf_counter()
-        stream = self.launchers[0].stream()
         launch = self.stats.draws
-        orders = len(self.order_launchers)
-        i = launch - self.required
         n = len(self.scale)
         self._mark, self._active = None, None
-        if launch < orders:  # the table still holds no delay
+        if launch < self.required:
             kind, delays, held = ORDER, np.zeros(n, dtype=np.uint32), 0
             self._active = self.order_launchers[launch]
-        elif i < 0:
-            kind, delays, held = CALIBRATION, np.zeros(n, dtype=np.uint32), 0
-            self._mark = self._clocks[0].mark(stream)
+            stream = self._active[0].stream()
         else:
-            if i == 0 and self.calibration:
-                self._calibrated()
-            if i < len(self._drawn):
-                kind, delays, held = self._kinds[i], self._drawn[i], self._held[i]
-                self._copy(self.table.address, self.rows.address + 4 * n * i, 4 * n, stream)
+            self.build_delays()
+            stream = self.launchers[0].stream()
+            i = launch - self.required - self.calibration
+            if i < 0:  # the table still holds no delay
+                kind, delays, held = CALIBRATION, np.zeros(n, dtype=np.uint32), 0
+                self._mark = self._clocks[0].mark(stream)
             else:
-                kind, drawn = self.draws.next()
-                delays = scaled(drawn, self.scale)
-                held = self._targets_held()
-                torch.cuda.synchronize()  # the previous launch has read the table
-                driver.copy_to_device(self.table.address, delays.tobytes())
+                if i == 0 and self.calibration:
+                    self._calibrated()
+                if i < len(self._drawn):
+                    kind, delays, held = self._kinds[i], self._drawn[i], self._held[i]
+                    self._copy(self.table.address, self.rows.address + 4 * n * i, 4 * n, stream)
+                else:
+                    kind, drawn = self.draws.next()
+                    delays = scaled(drawn, self.scale)
+                    held = self._targets_held()
+                    torch.cuda.synchronize()  # the previous launch has read the table
+                    driver.copy_to_device(self.table.address, delays.tobytes())
         # Every launch starts from a poisoned arena: a read that a race moves before its write
         # then sees NaNs, even where the write puts the same bytes every launch (a buffer that
         # depends on the weights alone), which the previous launch would have left in place.
@@ -576,7 +599,8 @@ def _pins(graph: TaskGraph, hazards: Sequence[Hazard]) -> list[tuple[int, int]]:
 
 
 def _draws(builder: PhaseBuilder, stream_of: Sequence[int] | None,
-           offsets: Mapping[int, int] | None, seed: int) -> Draws:
+           offsets: Mapping[int, int] | None, seed: int,
+           hazards: Sequence[Hazard] | None = None) -> Draws:
     """The draws of copies built by ``builder``: :func:`plan_draws` over the served edges
     inside each phase, late ones included."""
     phase_of = np.zeros(len(builder.graph.tasks), dtype=np.int64)
@@ -585,22 +609,24 @@ def _draws(builder: PhaseBuilder, stream_of: Sequence[int] | None,
     # Each phase is a launch of its own: a delay in one never moves tasks of another apart.
     edges = [(u, v) for u, v in list(builder.edges) + list(builder.late_edges)
              if phase_of[u] == phase_of[v]]
-    return plan_draws(builder.graph, builder.spans, edges, stream_of, offsets, seed)
+    return plan_draws(builder.graph, builder.spans, edges, stream_of, offsets, seed, hazards)
 
 
 def plan_draws(graph: TaskGraph, spans: Sequence[range], edges: Sequence[tuple[int, int]],
                stream_of: Sequence[int] | None, offsets: Mapping[int, int] | None,
-               seed: int) -> Draws:
+               seed: int, hazards: Sequence[Hazard] | None = None) -> Draws:
     """The draws of fuzz copies of ``graph`` run with ``edges`` (each inside its phase):
-    targeted where ``offsets`` and ``stream_of`` are known, else random on every task.  No
-    GPU: ``tools/fuzz_cover.py`` runs them on recorded fixtures."""
+    targeted where ``offsets`` and ``stream_of`` are known (``hazards``: their cross-stream
+    hazards, where already found), else random on every task.  No GPU:
+    ``tools/fuzz_cover.py`` runs them on recorded fixtures."""
     n = len(graph.tasks)
     streams = None if stream_of is None else np.asarray(stream_of, dtype=np.int64)
     picks = None
     heavy = phase_heavy_ns(graph, edges, spans)
     delayable = np.ones(n, dtype=bool)
     if streams is not None and offsets is not None:
-        hazards = cross_stream_hazards(graph, offsets, streams.tolist(), spans)
+        if hazards is None:
+            hazards = cross_stream_hazards(graph, offsets, streams.tolist(), spans)
         direct = direct_hazards(hazards, edges, streams.tolist())
         chain = [chain_costs(graph, tier, edges, spans, heavy) for tier in (direct, hazards)]
         picks = TargetedPicks(n, hazards, edges, seed, chain, direct)

@@ -30,6 +30,10 @@ def run_all(prepared: Prepared):
 #: that many: docs/findings.md); fewer when they take longer than their share of the proof's
 #: time (:func:`prove`).
 FUZZ_LAUNCHES = 200
+#: Delay rows drawn (on the host) and uploaded before the first delayed launch; later ones are
+#: drawn as they come.  Drawing all :data:`FUZZ_LAUNCHES` up front took longer than the few
+#: launches a budget often leaves after the serial orders.
+FUZZ_ROWS = 32
 
 
 def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
@@ -75,7 +79,7 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
             repeats=4 if prepared.step is not None else 3, gradients=gradients, fuzz=copies,
             fuzz_budget=FuzzBudget(fuzz_launches, time_factor=FUZZ_TIME_FACTOR,
                                    spent_seconds=built - began,
-                                   at_least=max(4, copies.required if copies else 0)))
+                                   at_least=copies.required or 4 if copies else 4))
         torch.cuda.synchronize()
         ended = time.perf_counter()
         stats = copies.stats if copies else FuzzStats()
@@ -101,7 +105,7 @@ def _fuzz_copies(prepared: Prepared, rec, seed: int):
     return FuzzCopies(prepared.phase_builder(), prepared.launchers, device, seed=seed,
                       stream_of=prepared.schedule.stream_of,
                       repoison=[(prepared.arena_base, prepared.memplan.arena_bytes)],
-                      offsets=prepared.memplan.offsets, rows=FUZZ_LAUNCHES)
+                      offsets=prepared.memplan.offsets, rows=FUZZ_ROWS)
 
 
 def prove_copy(prepared: Prepared, rec, relaunches: int) -> dict:
