@@ -438,6 +438,31 @@ def test_a_race_only_the_delays_expose_fails_the_proof(no_device):
         _check(FakeFuzz(wrong_at=3), fuzz_budget=proof.FuzzBudget(6))
 
 
+def test_a_run_that_returns_fewer_outputs_than_the_reference_fails(no_device):
+    """A copy that launched nothing returns no outputs: that is no pass."""
+    class Empty(FakeFuzz):
+        def run(self, inputs):
+            super().run(inputs)
+            return []
+    with pytest.raises(VerificationError, match="0 outputs where the single-stream reference "
+                                                "has 1"):
+        _check(Empty(), fuzz_budget=proof.FuzzBudget(6))
+
+
+def test_copies_without_delays_run_the_phases_as_served_over_the_changes(bindings,
+                                                                         monkeypatch):
+    launched = []
+    monkeypatch.setattr(fuzz_module.Launcher, "run_flat",
+                        lambda self, inputs: launched.append(self) or [])
+    copies = FuzzCopies(served_builder(), _served_launchers(), torch.device("cpu"),
+                        options=PhaseOptions(removed_edges={(0, 2)}), delays=False)
+    assert len(copies.builts) == 2 and not copies.order_builts and not _delays(bindings)
+    copies.draw()
+    copies.run([torch.zeros(4)])
+    assert launched == copies.launchers and copies.stats.draws == 0
+    copies.close()
+
+
 def test_the_budget_stops_the_fuzz_launches_once_they_take_as_long_as_the_proof():
     budget = proof.FuzzBudget(100, time_factor=1.0, spent_seconds=0.5, at_least=4)
     assert budget.allows(3, proof_seconds=0.1, fuzz_seconds=9.0)  # the first few run anyway

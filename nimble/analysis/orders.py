@@ -17,9 +17,10 @@ itself.  Two extensions do it for series-parallel DAGs (an inception block's bra
 split and a join), and are tried first: Kahn's walk taking the latest-recorded ready task, and
 the walk from the sinks placing the earliest-recorded finished task last (each task as late as
 its consumers allow: a batch norm's first kernel, which needs only the weights, right before its
-reader).  Where pairs are left, each further extension defers the earlier tasks of the pairs
-left and brings their later tasks forward, forwards and backwards in turn, up to ``limit``
-orders.  Pairs are Python-int bitsets, as in :mod:`nimble.analysis.deps`.
+reader).  Where pairs are left, each further extension is the best of a few walks that defer
+the earlier tasks of the pairs left and bring their later tasks forward (the one that runs
+the most of them later-first), up to ``limit`` orders.  Pairs are Python-int bitsets, as in
+:mod:`nimble.analysis.deps`.
 
 *Pinned* pairs stay in recorded order: a memset or memcpy and a later task that touches the
 bytes it writes, where no path orders them (a schedule that misses that dependency, as the
@@ -124,8 +125,9 @@ def phase_orders(n: int, edges: Sequence[tuple[int, int]], limit: int = MAX_ORDE
     if kept:  # the pairs a pin orders, itself or through the other edges, count as pinned
         edges = list(edges) + kept
         dag = dag_from_edges(n, edges, ordered=False)
+        reach = reachability(dag)
         anc = reachability(dag_from_edges(n, [(v, u) for u, v in edges], ordered=False))
-        unordered = _unordered_later(n, reachability(dag), anc)
+        unordered = _unordered_later(n, reach, anc)
         result.pinned = result.pairs - sum(bin(u).count("1") for u in unordered)
     succs, preds = dag.succs, dag.preds
     covered = [0] * n
@@ -136,7 +138,7 @@ def phase_orders(n: int, edges: Sequence[tuple[int, int]], limit: int = MAX_ORDE
         if candidates:
             order = candidates.pop(0)()
         else:
-            order = _order_for(n, succs, preds, left, backward=len(result.orders) % 2 == 1)
+            order = _order_for(n, succs, preds, left, reach)
         result.orders.append(order)
         for t, b in enumerate(_before(order)):
             covered[t] |= b
@@ -145,9 +147,10 @@ def phase_orders(n: int, edges: Sequence[tuple[int, int]], limit: int = MAX_ORDE
     return result
 
 
-def _order_for(n, succs, preds, left: Sequence[int], backward: bool) -> list[int]:
-    """An extension aimed at the pairs ``left`` (bitset per earlier task): their earlier tasks
-    as late and their later tasks as early as the DAG allows."""
+def _order_for(n, succs, preds, left: Sequence[int], reach: Sequence[int]) -> list[int]:
+    """An extension aimed at the pairs ``left`` (bitset per earlier task): of a few walks that
+    put their earlier tasks late and their later tasks early, the one that runs the most of
+    them later-first."""
     deferred = [bin(u).count("1") for u in left]
     wanted = [0] * n
     for u in left:
@@ -155,9 +158,21 @@ def _order_for(n, succs, preds, left: Sequence[int], backward: bool) -> list[int
             low = u & -u
             wanted[low.bit_length() - 1] += 1
             u ^= low
-    if backward:
-        return backward_order(n, succs, preds, lambda t: (-deferred[t], wanted[t], t))
-    return forward_order(n, succs, preds, lambda t: (deferred[t] > 0, -wanted[t], -t))
+    below = 0  # the earlier tasks left and everything after them
+    for a in range(n):
+        if left[a]:
+            below |= reach[a] | (1 << a)
+    walks = [
+        forward_order(n, succs, preds, lambda t: (deferred[t] > 0, -wanted[t], -t)),
+        backward_order(n, succs, preds, lambda t: (-deferred[t], wanted[t], t)),
+        forward_order(n, succs, preds, lambda t: (deferred[t] - wanted[t], -t)),
+        backward_order(n, succs, preds, lambda t: (wanted[t] - deferred[t], t)),
+        forward_order(n, succs, preds, lambda t: (below >> t & 1, -wanted[t], -t)),
+        backward_order(n, succs, preds, lambda t: (-(below >> t & 1), wanted[t], t))]
+
+    def reversed_pairs(order: list[int]) -> int:
+        return sum(bin(u & b).count("1") for u, b in zip(left, _before(order)))
+    return max(walks, key=reversed_pairs)
 
 
 def reversing_orders(edges: Sequence[tuple[int, int]], spans: Sequence[range],

@@ -433,7 +433,11 @@ class FuzzCopies:
         self._delays = delays
         try:
             self._build_orders()
-            if delays and not self.required:
+            if not delays:  # the phases as served, over the copy's changes
+                for k in range(len(self.spans)):
+                    self.builts.append(builder.build(k, options))
+                    self.launchers.append(self._launcher(k, self.builts[-1]))
+            elif not self.required:
                 self.build_delays()
         except BaseException:
             self.close()

@@ -222,6 +222,10 @@ class Reference:
         import torch
 
         spread = self.spread
+        if len(outputs) != len(self.expected[k]):
+            raise VerificationError(
+                f"{label}: {len(outputs)} outputs where the single-stream reference has "
+                f"{len(self.expected[k])}")
         for i in differing(outputs, self.expected[k]):
             got, want = outputs[i], self.expected[k][i]
             torch.cuda.synchronize()
