@@ -120,6 +120,17 @@ def test_the_fixtures_every_unordered_pair_runs_later_first_in_a_few_orders(plan
         assert [len(p.orders) for p in found] == [2]
 
 
+@pytest.mark.parametrize("name,streams", [("pnasnet5large", 8), ("nasnetalarge", 16),
+                                          ("inception_v3_float16", 16)])
+def test_stream_capped_schedules_are_covered_within_the_limit(name, streams):
+    """A stream cap folds branches onto shared streams, which leaves tangled partial orders
+    (the two first walks leave pairs): the further walks still cover every pair."""
+    graph = TaskGraph.load(FIXTURE_DIR / f"{name}.json.gz")
+    schedule, _ = plan_graph(graph, True, streams, None)
+    (phase,) = reversing_orders(schedule.edges(), [range(len(graph.tasks))])
+    assert phase.left == 0 and 2 < len(phase.orders) <= MAX_ORDERS
+
+
 def test_a_memsets_pairs_are_pinned_where_a_removed_sync_leaves_them_unordered():
     """inception_v3 fp32: cuDNN's split-K convolutions wait on semaphores a memset before each
     zeroes; with that sync removed, no order runs the convolution before its memset."""

@@ -138,7 +138,7 @@ def phase_orders(n: int, edges: Sequence[tuple[int, int]], limit: int = MAX_ORDE
         if candidates:
             order = candidates.pop(0)()
         else:
-            order = _order_for(n, succs, preds, left, reach)
+            order = _order_for(n, succs, preds, left, reach, anc)
         result.orders.append(order)
         for t, b in enumerate(_before(order)):
             covered[t] |= b
@@ -147,7 +147,8 @@ def phase_orders(n: int, edges: Sequence[tuple[int, int]], limit: int = MAX_ORDE
     return result
 
 
-def _order_for(n, succs, preds, left: Sequence[int], reach: Sequence[int]) -> list[int]:
+def _order_for(n, succs, preds, left: Sequence[int], reach: Sequence[int],
+               anc: Sequence[int]) -> list[int]:
     """An extension aimed at the pairs ``left`` (bitset per earlier task): of a few walks that
     put their earlier tasks late and their later tasks early, the one that runs the most of
     them later-first."""
@@ -159,16 +160,30 @@ def _order_for(n, succs, preds, left: Sequence[int], reach: Sequence[int]) -> li
             wanted[low.bit_length() - 1] += 1
             u ^= low
     below = 0  # the earlier tasks left and everything after them
+    early = 0  # the later tasks left and everything before them
+    first = None  # one pair left
     for a in range(n):
         if left[a]:
             below |= reach[a] | (1 << a)
+            u = left[a]
+            while u:
+                low = u & -u
+                b = low.bit_length() - 1
+                early |= anc[b] | low
+                first = first or (a, b)
+                u ^= low
+    a0, b0 = first
+    mine = anc[b0] | (1 << b0)
     walks = [
         forward_order(n, succs, preds, lambda t: (deferred[t] > 0, -wanted[t], -t)),
         backward_order(n, succs, preds, lambda t: (-deferred[t], wanted[t], t)),
         forward_order(n, succs, preds, lambda t: (deferred[t] - wanted[t], -t)),
         backward_order(n, succs, preds, lambda t: (wanted[t] - deferred[t], t)),
         forward_order(n, succs, preds, lambda t: (below >> t & 1, -wanted[t], -t)),
-        backward_order(n, succs, preds, lambda t: (-(below >> t & 1), wanted[t], t))]
+        backward_order(n, succs, preds, lambda t: (-(below >> t & 1), wanted[t], t)),
+        forward_order(n, succs, preds, lambda t: (not early >> t & 1, deferred[t] > 0, -t)),
+        # one pair's later task and what it needs first: every walk makes progress
+        forward_order(n, succs, preds, lambda t: (not mine >> t & 1, t == a0, -t))]
 
     def reversed_pairs(order: list[int]) -> int:
         return sum(bin(u & b).count("1") for u, b in zip(left, _before(order)))
