@@ -43,9 +43,10 @@ from typing import Callable, Sequence
 
 from .deps import dag_from_edges, reachability
 
-#: The most serial orders per phase: the recorded nasnetalarge's (1,407 tasks, the zoo's most
-#: tangled cells) take 8 (tests/test_orders.py); each order is one cloned graph and one launch.
-MAX_ORDERS = 12
+#: The most serial orders per phase: the recorded nasnetalarge and pnasnet5large (over a
+#: thousand tasks in tangled cells) take 5, and up to 11 under stream caps
+#: (tests/test_orders.py); each order is one cloned graph and one launch.
+MAX_ORDERS = 16
 
 
 @dataclass
@@ -161,19 +162,15 @@ def _order_for(n, succs, preds, left: Sequence[int], reach: Sequence[int],
             u ^= low
     below = 0  # the earlier tasks left and everything after them
     early = 0  # the later tasks left and everything before them
-    first = None  # one pair left
     for a in range(n):
         if left[a]:
             below |= reach[a] | (1 << a)
             u = left[a]
             while u:
                 low = u & -u
-                b = low.bit_length() - 1
-                early |= anc[b] | low
-                first = first or (a, b)
+                early |= anc[low.bit_length() - 1] | low
                 u ^= low
-    a0, b0 = first
-    mine = anc[b0] | (1 << b0)
+    together = _compatible(left, anc)
     walks = [
         forward_order(n, succs, preds, lambda t: (deferred[t] > 0, -wanted[t], -t)),
         backward_order(n, succs, preds, lambda t: (-deferred[t], wanted[t], t)),
@@ -182,12 +179,31 @@ def _order_for(n, succs, preds, left: Sequence[int], reach: Sequence[int],
         forward_order(n, succs, preds, lambda t: (below >> t & 1, -wanted[t], -t)),
         backward_order(n, succs, preds, lambda t: (-(below >> t & 1), wanted[t], t)),
         forward_order(n, succs, preds, lambda t: (not early >> t & 1, deferred[t] > 0, -t)),
-        # one pair's later task and what it needs first: every walk makes progress
-        forward_order(n, succs, preds, lambda t: (not mine >> t & 1, t == a0, -t))]
+        # pairs that one walk surely reverses: their later tasks and all they need first
+        forward_order(n, succs, preds, lambda t: (not together >> t & 1, -t))]
 
     def reversed_pairs(order: list[int]) -> int:
         return sum(bin(u & b).count("1") for u, b in zip(left, _before(order)))
     return max(walks, key=reversed_pairs)
+
+
+def _compatible(left: Sequence[int], anc: Sequence[int], most: int = 4096) -> int:
+    """A set of tasks closed under ancestors that holds the later task of pairs left and none
+    of their earlier ones, grown greedily over (up to ``most``) pairs from the first: a walk
+    that takes its tasks before any other runs every such pair later-first, so each further
+    order reverses at least one pair."""
+    together = 0
+    earlier = 0  # the earlier tasks of the pairs taken
+    seen = 0
+    for a, u in enumerate(left):
+        while u and seen < most:
+            low = u & -u
+            u ^= low
+            seen += 1
+            grown = together | anc[low.bit_length() - 1] | low
+            if not (grown >> a & 1) and not grown & earlier:
+                together, earlier = grown, earlier | (1 << a)
+    return together
 
 
 def reversing_orders(edges: Sequence[tuple[int, int]], spans: Sequence[range],
