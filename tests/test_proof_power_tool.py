@@ -81,11 +81,21 @@ def test_the_table_credits_each_fuzz_catch_to_its_kind_of_draw():
         power.Trial(sync, True, "", caught_fuzz=True, caught_by="targeted", fuzz_launches=40),
         power.Trial(sync, True, "", caught_fuzz=True, caught_by="chained", fuzz_launches=5),
         power.Trial(sync, True, "", caught_plain=True, caught_fuzz=True, caught_by="plain"),
-        power.Trial(sync, True, "", fuzz_launches=60, write_write_only="1 unordered pair(s)"),
+        power.Trial(sync, True, "", fuzz_launches=60, apart="1 unordered pair(s)"),
         power.Trial(sync, False, "redundant")]
     (row,) = summary.rows()
     assert row[3:8] == ["5", "1", "1/5", "4/5", "0/1 | 4/4"] and row[-1] == "chained 2, targeted 1"
     assert "targets held back 7/9" in power.table(summary)
+
+
+def test_a_shared_overlap_within_one_task_is_counted_apart():
+    share = power.Change("share", moved=((5, 0),), onto=4)
+    one = ("buffers 4 and 5 share arena bytes [0, 64) but task 9 (on buffer 4) does not "
+           "happen-before task 9 (on buffer 5): their lifetimes overlap")
+    two = one.replace("task 9 (on buffer 5)", "task 11 (on buffer 5)")
+    assert "task 9 touches both buffers" in power.one_task(share, one)
+    assert power.one_task(share, two) == ""
+    assert power.one_task(power.Change("sync"), one) == ""
 
 
 def test_a_moved_buffer_gives_the_fuzzer_its_new_offset(planned):

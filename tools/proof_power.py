@@ -22,11 +22,14 @@ fuzz launches (:mod:`nimble.engine.fuzz`: a delay-noded copy with the same chang
 before each, at most ``--fuzz-launches``, for at most ``--fuzz-budget`` times the time
 ``prepare()``'s own served proof took, as ``prepare()`` gives its fuzzer; the targeted draws see
 the copy's arena offsets, moved buffers included, but not the change).  Each trial the fuzzer
-caught is credited to the kind of draw of the launch that failed.  A needed removed sync whose
-every race is two TaskGraph writes of bytes nothing else touches afterwards is marked
-*write-write only* (:func:`write_write_only`): the graph cannot say whether either kernel also
-reads, so its catch rate is shown apart from the rest's.  Prints one table per model
-and dtype, and a progress line per trial with the time so far; seeded, so a run repeats.
+caught is credited to the kind of draw of the launch that failed.  Two kinds of needed trial
+the static view cannot judge are marked *apart* (:func:`apart`) and their catch rate shown
+beside the rest's: a removed sync whose every race is two TaskGraph writes of bytes nothing
+else touches afterwards (:func:`write_write_only`: the graph cannot say whether either kernel
+also reads), and two buffers sharing bytes where one task touches both (:func:`one_task`: no
+order of tasks can change what that kernel does; only its own access pattern decides).
+Prints one table per model and dtype, and a progress line per trial with the time so far;
+seeded, so a run repeats.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -211,6 +215,24 @@ def write_write_only(graph: TaskGraph, edges: Sequence[tuple[int, int]], plan: M
             f"afterwards, e.g. tasks {t1} and {t2} on buffer {buf} bytes [{lo}, {hi})")
 
 
+def one_task(change: Change, reason: str) -> str:
+    """For a shared-bytes trial whose overlap the plan check finds within one task (it names
+    the same task on both buffers), why no order of tasks can expose it; else ``""``."""
+    found = re.search(r"task (\d+) \(on buffer \d+\) does not happen-before task (\d+)",
+                      reason)
+    if change.kind != "share" or not found or found.group(1) != found.group(2):
+        return ""
+    return (f"task {found.group(1)} touches both buffers: no order of tasks changes what it "
+            "does with them")
+
+
+def apart(graph: TaskGraph, edges: Sequence[tuple[int, int]], plan: MemPlan,
+          change: Change, reason: str) -> str:
+    """Why a needed trial is counted apart (:func:`write_write_only`, :func:`one_task`), or
+    ``""``."""
+    return write_write_only(graph, edges, plan, change) or one_task(change, reason)
+
+
 def plan_trials(graph: TaskGraph, schedule, plan: MemPlan, seed: int,
                 counts: dict[str, int]) -> list[Change]:
     """The seeded trials of each kind (``counts[kind]`` of each)."""
@@ -237,7 +259,7 @@ class Trial:
     message: str = ""
     caught_by: str = ""  # "plain", or the kind of draw of the fuzz launch that failed
     fuzz_launches: int = 0  # the fuzz launches run (up to the failing one)
-    write_write_only: str = ""  # its races, when all of that kind (see write_write_only)
+    apart: str = ""  # why the static view cannot judge it, where it cannot (see apart)
 
     def as_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -356,8 +378,8 @@ class Summary:
             if not mine:
                 continue
             mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
-            ww = [t for t in need if t.write_write_only]
-            rest = [t for t in need if not t.write_write_only]
+            ww = [t for t in need if t.apart]
+            rest = [t for t in need if not t.apart]
             rows.append([kind, str(len(mine)), str(len(mine) - len(need)), str(len(need)),
                          str(len(ww)),
                          f"{sum(t.caught_plain for t in need)}/{len(need)}",
@@ -380,8 +402,8 @@ def by_draw_kind(trials: Sequence[Trial]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
 
 
-HEADER = ["kind", "trials", "redundant", "needed", "write-write only", "caught w/o fuzz",
-          "caught w/ fuzz", "w/ fuzz: write-write only | rest", "proof s w/o", "proof s w/",
+HEADER = ["kind", "trials", "redundant", "needed", "apart", "caught w/o fuzz",
+          "caught w/ fuzz", "w/ fuzz: apart | rest", "proof s w/o", "proof s w/",
           "fuzz launches", "fuzz catches by draw"]
 
 
@@ -426,8 +448,8 @@ def measure(name: str, dtype: str, counts: dict[str, int], launches: int,
         started = time.perf_counter()
         for i, change in enumerate(trials):
             is_needed, reason = needed(prepared.graph, edges, prepared.memplan, change)
-            trial = Trial(change, is_needed, reason, write_write_only=write_write_only(
-                prepared.graph, edges, prepared.memplan, change) if is_needed else "")
+            trial = Trial(change, is_needed, reason, apart=apart(
+                prepared.graph, edges, prepared.memplan, change, reason) if is_needed else "")
             if is_needed:
                 outcome = run_trial(prepared, rec, reference, change, launches, fuzz_launches,
                                     seed + i, fuzz_budget)
@@ -445,7 +467,7 @@ def measure(name: str, dtype: str, counts: dict[str, int], launches: int,
                    f"caught by the fuzzer ({trial.caught_by} draw, launch "
                    f"{trial.fuzz_launches})" if trial.caught_fuzz else
                    f"NOT caught ({trial.fuzz_launches} fuzz launches)")
-                + (" [write-write only]" if trial.write_write_only else "")
+                + (f" [apart: {trial.apart}]" if trial.apart else "")
                 + f"  [{spent:.0f} s, about {spent / (i + 1) * (len(trials) - i - 1):.0f} s "
                   "left for this model]")
         return summary
