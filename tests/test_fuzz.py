@@ -15,7 +15,9 @@ from nimble.engine import fuzz as fuzz_module
 from nimble.engine import proving
 from nimble.engine import proof, rebuild
 from nimble.engine.build import DelaySpec, build_graph
-from nimble.engine.fuzz import FuzzCopies, delay_caps_ns, draw_delays
+from nimble.analysis import delays as delays_module
+from nimble.analysis.delays import delay_caps_ns, draw_delays
+from nimble.engine.fuzz import FuzzCopies
 from nimble.engine.launcher import InputSlot
 from nimble.engine.rebuild import PhaseOptions
 from nimble.errors import VerificationError
@@ -163,9 +165,9 @@ def test_delay_caps_follow_the_longest_task_of_each_phase():
     graph.tasks[2].duration_us = 5.0
     caps = delay_caps_ns(graph, SPANS)
     assert list(caps[:3]) == [60_000] * 3  # twice phase 0's longest task
-    assert list(caps[3:]) == [fuzz_module.UNTIMED_CAP_NS] * 3  # phase 1: none timed
+    assert list(caps[3:]) == [delays_module.UNTIMED_CAP_NS] * 3  # phase 1: none timed
     graph.tasks[4].duration_us = 1e6
-    assert delay_caps_ns(graph, SPANS)[4] == fuzz_module.MAX_DELAY_NS
+    assert delay_caps_ns(graph, SPANS)[4] == delays_module.MAX_DELAY_NS
 
 
 def test_a_draw_delays_about_half_the_tasks_within_their_caps():
@@ -174,10 +176,10 @@ def test_a_draw_delays_about_half_the_tasks_within_their_caps():
     assert delays.dtype == np.uint32
     chosen = delays > 0
     assert 0.4 < chosen.mean() < 0.6
-    assert (delays[chosen] >= fuzz_module.MIN_DELAY_NS).all() and (delays <= caps).all()
+    assert (delays[chosen] >= delays_module.MIN_DELAY_NS).all() and (delays <= caps).all()
     # log-uniform: as many delays in the lower as in the upper half of the log range
     long = delays[1::2][chosen[1::2]]
-    middle = np.sqrt(fuzz_module.MIN_DELAY_NS * 60_000)
+    middle = np.sqrt(delays_module.MIN_DELAY_NS * 60_000)
     assert 0.4 < (long < middle).mean() < 0.6
 
 
@@ -258,8 +260,8 @@ def test_targeted_copies_delay_only_the_targets_each_by_its_phases_critical_path
     # target's lead over its partner (task 0 starts 10 us before task 2, task 3 20 us before
     # task 5) three times over plus 20 us, within each phase's critical path (10 + 30 us, then
     # 20 + 8 us), which the held draw waits.
-    assert rows == [(fuzz_module.CHAINED, [40_000, 0, 0, 28_000, 0, 0]),
-                    (fuzz_module.TARGETED, [40_000, 0, 0, 28_000, 0, 0])]
+    assert rows == [(delays_module.CHAINED, [40_000, 0, 0, 28_000, 0, 0]),
+                    (delays_module.TARGETED, [40_000, 0, 0, 28_000, 0, 0])]
     assert copies.stats.as_meta()["fuzz_targets"] == 2
     assert copies.stats.as_meta()["fuzz_targets_held"] == 2
     assert copies.direct_cover == 2
@@ -332,7 +334,7 @@ def test_the_first_launches_time_each_phase_and_every_delay_is_stretched_past_it
     assert list(np.frombuffer(bindings.tables[-1], dtype=np.uint32)) == \
         [150_000, 0, 0, 28_000, 0, 0]
     meta = copies.stats.as_meta()
-    assert meta["draw_kinds"] == {fuzz_module.CALIBRATION: 2, fuzz_module.CHAINED: 1}
+    assert meta["draw_kinds"] == {fuzz_module.CALIBRATION: 2, delays_module.CHAINED: 1}
     assert meta["fuzz_launch_ms"] == [0.1, 0.01] and meta["delay_scale"] == [3.75, 1.0]
     assert copies.direct_cover == 2 + fuzz_module.CALIBRATION_LAUNCHES
     (clock,) = copies._clocks
@@ -343,7 +345,7 @@ def test_the_first_launches_time_each_phase_and_every_delay_is_stretched_past_it
 
 
 def test_the_stretch_reaches_the_measured_launch_and_never_shrinks_a_delay():
-    from nimble.engine.fuzz import HEAVY_DELAY_NS, delay_scale, scaled
+    from nimble.analysis.delays import HEAVY_DELAY_NS, delay_scale, scaled
 
     heavy = np.array([40_000] * 3 + [28_000] * 2 + [HEAVY_DELAY_NS[1]])
     spans = [range(0, 3), range(3, 5), range(5, 6)]
@@ -356,7 +358,7 @@ def test_the_stretch_reaches_the_measured_launch_and_never_shrinks_a_delay():
 
 def test_targeted_draws_come_first_then_two_to_one_random():
     from nimble.analysis.hazards import Hazard, TargetedPicks
-    from nimble.engine.fuzz import Draws
+    from nimble.analysis.delays import Draws
 
     n = 6
     hazards = [Hazard(0, 2, "write-read", -1, 0, 4), Hazard(1, 2, "write-read", -1, 4, 8)]
@@ -365,7 +367,7 @@ def test_targeted_draws_come_first_then_two_to_one_random():
                   np.array([True, True, False, False, False, False]), seed=0)
     kinds = [draws.next()[0] for _ in range(8)]
     # tasks 0 and 1 share their partner: a launch each covers them
-    assert kinds[:2] == [fuzz_module.TARGETED] * 2 and picks.all_covered
+    assert kinds[:2] == [delays_module.TARGETED] * 2 and picks.all_covered
     assert kinds[2:] == ["stream", "targeted", "targeted", "per-task", "targeted", "targeted"]
 
 
@@ -517,7 +519,7 @@ def test_prove_without_the_fuzzer_builds_no_copies(no_device, monkeypatch):
 def test_a_heavy_draw_delays_one_task_of_each_slow_stream_by_up_to_the_scale():
     import numpy as np
 
-    from nimble.engine.fuzz import draw_stream_delays
+    from nimble.analysis.delays import draw_stream_delays
 
     stream_of = np.array([0, 1, 2, 3, -1] * 40)
     rng = np.random.default_rng(3)
@@ -534,7 +536,7 @@ def test_a_heavy_draw_delays_one_task_of_each_slow_stream_by_up_to_the_scale():
 
 
 def test_the_heavy_scale_is_the_critical_path_of_the_known_durations():
-    from nimble.engine.fuzz import HEAVY_DELAY_NS, heavy_delay_ns
+    from nimble.analysis.delays import HEAVY_DELAY_NS, heavy_delay_ns
     from nimble.ir.taskgraph import Task, TaskGraph
 
     g = TaskGraph()

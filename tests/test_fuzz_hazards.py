@@ -240,7 +240,7 @@ def test_a_targets_lead_is_the_longest_path_gap_to_its_partners():
 
 def test_targeted_picks_and_heavy_delays_take_late_edges_that_go_back():
     from nimble.analysis.hazards import Hazard, TargetedPicks
-    from nimble.engine.fuzz import heavy_delay_ns
+    from nimble.analysis.delays import heavy_delay_ns
     from nimble.ir.synthetic import branchy_graph
 
     graph = branchy_graph()

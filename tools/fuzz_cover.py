@@ -3,7 +3,7 @@
     python3 tools/fuzz_cover.py FIXTURE[,FIXTURE...] [--trials 50] [--launches 300] [--seed 0]
 
 Per recorded fixture (``tests/fixtures/NAME.json.gz``): the schedule ``prepare()`` makes and
-the draws a fuzz copy of it would run (:func:`nimble.engine.fuzz.plan_draws`, seeded, the
+the draws a fuzz copy of it would run (:func:`nimble.analysis.delays.plan_draws`, seeded, the
 tasks' recorded durations setting the delays), with the targets of the *direct* hazards
 (:func:`nimble.analysis.hazards.direct_hazards`) first.  For the first ``--trials`` shuffled sync edges
 whose removal the plan check says opens a race (as ``tools/proof_power.py`` draws them), the
@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from nimble.analysis.hazards import CHAINED, HELD
-from nimble.engine import fuzz
+from nimble.analysis import delays as fuzz_delays
 from nimble.engine.prepared import plan_graph
 from nimble.ir.taskgraph import TaskGraph
 
@@ -45,8 +45,8 @@ def _proof_power():
 def first_held(graph: TaskGraph, schedule, plan, launches: int, seed: int) -> tuple[dict, dict]:
     """``(first, facts)``: per task, the first launch whose targeted or chained draw holds it
     back; and the target counts and the launch at which every direct target was held."""
-    draws = fuzz.plan_draws(graph, [range(len(graph.tasks))], schedule.edges(),
-                            schedule.stream_of, plan.offsets, seed)
+    draws = fuzz_delays.plan_draws(graph, [range(len(graph.tasks))], schedule.edges(),
+                                  schedule.stream_of, plan.offsets, seed)
     picks = draws.picks
     first: dict[int, int] = {}
     direct_cover = None
