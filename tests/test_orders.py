@@ -134,12 +134,12 @@ def test_stream_capped_schedules_are_covered_within_the_limit(name, streams):
 def test_a_memsets_pairs_are_pinned_where_a_removed_sync_leaves_them_unordered():
     """inception_v3 fp32: cuDNN's split-K convolutions wait on semaphores a memset before each
     zeroes; with that sync removed, no order runs the convolution before its memset."""
-    from nimble.engine.fuzz import _pins
     from nimble.analysis.hazards import cross_stream_hazards
+    from nimble.analysis.orders import pinned_pairs
 
     graph = TaskGraph.load(FIXTURE_DIR / "inception_v3.json.gz")
     schedule, plan = plan_graph(graph, True, None, None)
-    pins = _pins(graph, cross_stream_hazards(graph, plan.offsets, schedule.stream_of))
+    pins = pinned_pairs(graph, cross_stream_hazards(graph, plan.offsets, schedule.stream_of))
     crossing = [(m, b) for m, b in pins if (m, b) in set(schedule.sync_edges)]
     assert crossing, "a memset and its convolution on two streams"
     m, b = crossing[0]

@@ -58,6 +58,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from .deps import critical_path, dag_from_edges
 from .hazards import (CHAINED, HELD, ChainCosts, Hazard, Pick, TargetedPicks,
                       cross_stream_hazards, direct_hazards, lead_us)
 from ..ir.taskgraph import TaskGraph
@@ -110,8 +111,6 @@ def heavy_delay_ns(graph: TaskGraph, edges: Sequence[tuple[int, int]],
     """The heavy delay's scale: the critical path of the known durations of the tasks of
     ``span`` (ns; None: every task), within :data:`HEAVY_DELAY_NS`; its upper bound where no
     duration is known."""
-    from ..analysis.deps import critical_path, dag_from_edges
-
     span = range(len(graph.tasks)) if span is None else span
     durations = [(t.duration_us or 0.0) if t.id in span else 0.0 for t in graph.tasks]
     if not any(durations):
@@ -199,11 +198,8 @@ class Draws:
     """
 
     def __init__(self, caps_ns: np.ndarray, heavy_ns: np.ndarray, stream_of: np.ndarray | None,
-                 picks: TargetedPicks | None, delayable: np.ndarray, seed: int = 0,
-                 hazards: Sequence[Hazard] = ()) -> None:
+                 picks: TargetedPicks | None, delayable: np.ndarray, seed: int = 0) -> None:
         self.caps_ns, self.heavy_ns, self.picks = caps_ns, heavy_ns, picks
-        #: The cross-stream hazard pairs the picks were made from (none without targets).
-        self.hazards = list(hazards)
         self.delayable = delayable
         self.stream_of = None if stream_of is None else np.where(delayable, stream_of, -1)
         self._rng = np.random.default_rng(seed)
@@ -278,6 +274,4 @@ def plan_draws(graph: TaskGraph, spans: Sequence[range], edges: Sequence[tuple[i
         picks = TargetedPicks(n, hazards, edges, seed, chain, direct)
         delayable[:] = False
         delayable[picks.targets] = True
-    else:
-        hazards = []
-    return Draws(delay_caps_ns(graph, spans), heavy, streams, picks, delayable, seed, hazards)
+    return Draws(delay_caps_ns(graph, spans), heavy, streams, picks, delayable, seed)

@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .deps import dag_from_edges, reachability
+from .hazards import Hazard
+from ..ir.taskgraph import TaskGraph, TaskKind
 
 #: The most serial orders per phase: the recorded nasnetalarge and pnasnet5large (over a
 #: thousand tasks in tangled cells) take 5, and up to 11 under stream caps
@@ -221,6 +223,13 @@ def reversing_orders(edges: Sequence[tuple[int, int]], spans: Sequence[range],
         found.orders = [[span.start + t for t in order] for order in found.orders]
         out.append(found)
     return out
+
+
+def pinned_pairs(graph: TaskGraph, hazards: Iterable[Hazard]) -> list[tuple[int, int]]:
+    """The pairs the serial orders keep in recorded order (see the module docstring): of the
+    cross-stream ``hazards``, a memset or memcpy writing bytes a later task touches."""
+    return [(h.earlier, h.later) for h in hazards if h.kind.startswith("write")
+            and graph.tasks[h.earlier].kind != TaskKind.KERNEL]
 
 
 def chain(order: Sequence[int]) -> list[tuple[int, int]]:

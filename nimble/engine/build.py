@@ -25,6 +25,7 @@ from typing import AbstractSet as Set, Any, NamedTuple, Sequence
 from .. import driver
 from . import kernels
 from ..analysis.deps import dag_from_edges
+from ..analysis.orders import chain
 from ..errors import BuildError, CudaError
 from ..analysis.memplan import MemPlan
 from ..ir.taskgraph import Pointer, Task, TaskGraph, TaskKind
@@ -215,7 +216,7 @@ def chained_copy(base: BuiltGraph, order: Sequence[int]) -> BuiltGraph:
     graph, nodes = base.graph.clone(base.nodes)
     try:
         driver.add_dependencies(graph.handle, [(nodes[u - start], nodes[v - start])
-                                               for u, v in zip(order, order[1:])])
+                                               for u, v in chain(order)])
         exec_ = driver.GraphExec.instantiate(graph)
     except BaseException:
         graph.close()

@@ -32,8 +32,7 @@ import numpy as np
 from .. import driver
 from ..analysis.delays import Draws, delay_scale, plan_draws, scaled
 from ..analysis.hazards import Hazard, cross_stream_hazards
-from ..analysis.orders import reversing_orders
-from ..ir.taskgraph import TaskGraph, TaskKind
+from ..analysis.orders import pinned_pairs, reversing_orders
 from .build import BuiltGraph, DelaySpec, chained_copy
 from .launcher import CallOrder, Launcher, run_phases
 from .proof import poison
@@ -138,7 +137,7 @@ class FuzzCopies:
     made when the first launch after the orders is drawn (:meth:`build_delays`), so a budget
     that ends with the orders costs none of it.  ``offsets`` (each planned buffer's arena offset
     in the copies) and ``stream_of`` give the targeted draws and the pairs the orders keep
-    (:func:`_pins`).  ``options`` change the copies further (a power measurement's broken
+    (:func:`~nimble.analysis.orders.pinned_pairs`).  ``options`` change the copies further (a power measurement's broken
     copies: the serial orders follow the copy's edges, not the served ones); with
     ``delays=False`` there are no orders, no delay nodes and no table, and :meth:`draw` draws
     nothing.
@@ -177,7 +176,8 @@ class FuzzCopies:
             if delays and stream_of is not None and offsets is not None else []
         self.plan = reversing_orders(
             [e for k in range(len(self.spans)) for e in builder.edges_of(k, options)],
-            self.spans, pins=_pins(builder.graph, self._hazards)) if delays and orders else []
+            self.spans, pins=pinned_pairs(builder.graph, self._hazards)) \
+            if delays and orders else []
         self.calibration = calibration if delays else 0
         #: The serial-order launches: every one runs, whatever the budget.
         self.required = max((len(p.orders) for p in self.plan), default=0)
@@ -226,7 +226,7 @@ class FuzzCopies:
             if not found.orders:
                 per_phase.append([])
                 continue
-            base = builder.build(k, replace(self._options, order=()))
+            base = builder.build(k, replace(self._options, edgeless=True))
             self._bases.append(base)
             mine = []
             for o in found.orders:
@@ -360,22 +360,11 @@ class FuzzCopies:
             launcher.forget_cells()
 
 
-def _pins(graph: TaskGraph, hazards: Sequence[Hazard]) -> list[tuple[int, int]]:
-    """The pairs the serial orders keep in recorded order (:mod:`nimble.analysis.orders`): a
-    memset or memcpy and a later task touching the bytes it writes."""
-    return [(h.earlier, h.later) for h in hazards if h.kind.startswith("write")
-            and graph.tasks[h.earlier].kind != TaskKind.KERNEL]
-
-
 def _draws(builder: PhaseBuilder, stream_of: Sequence[int] | None,
            offsets: Mapping[int, int] | None, seed: int,
            hazards: Sequence[Hazard] | None = None) -> Draws:
     """The draws of copies built by ``builder``: :func:`plan_draws` over the served edges
-    inside each phase, late ones included."""
-    phase_of = np.zeros(len(builder.graph.tasks), dtype=np.int64)
-    for k, span in enumerate(builder.spans):
-        phase_of[span.start:span.stop] = k
-    # Each phase is a launch of its own: a delay in one never moves tasks of another apart.
-    edges = [(u, v) for u, v in list(builder.edges) + list(builder.late_edges)
-             if phase_of[u] == phase_of[v]]
+    inside each phase, late ones included (each phase is a launch of its own: a delay in one
+    never moves tasks of another apart)."""
+    edges = [e for k in range(len(builder.spans)) for e in builder.edges_of(k)]
     return plan_draws(builder.graph, builder.spans, edges, stream_of, offsets, seed, hazards)

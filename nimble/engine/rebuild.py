@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import AbstractSet as Set, Any, Sequence
 
 from .build import BuiltGraph, DelaySpec, GraphSpec, InputGather, StampSpec, build_graph
-from ..analysis.orders import chain
 from ..ir.taskgraph import TaskGraph
 
 
@@ -43,10 +42,9 @@ class PhaseOptions:
     #: bytes, say); None: the served bases.  Memset and memcpy endpoints move only in a build
     #: from the recorded nodes (a builder with ``nodes_relocated`` False).
     bases: Sequence[int] | None = None
-    #: The phase's tasks run one after another in this order (a linear extension of the
-    #: phase's DAG, :mod:`nimble.analysis.orders`) instead of the schedule's edges; None: the
-    #: schedule.
-    order: Sequence[int] | None = None
+    #: No edges between the phase's tasks, late ones neither: the base of the proof's serial
+    #: orders, whose clones add each order's chain (:func:`~nimble.engine.build.chained_copy`).
+    edgeless: bool = False
 
 
 AS_SERVED = PhaseOptions()
@@ -77,8 +75,8 @@ class PhaseBuilder:
     def spec(self, phase: int, options: PhaseOptions = AS_SERVED) -> GraphSpec:
         """The :class:`~nimble.engine.build.GraphSpec` of phase ``phase`` built with ``options``."""
         late = self.late_edges if options.late_edges is None else options.late_edges
-        if options.order is not None:  # one chain, added once every node exists
-            edges, late = [], chain(options.order)
+        if options.edgeless:
+            edges, late = [], []
         else:
             edges = self.edges if not options.removed_edges else \
                 [e for e in self.edges if e not in options.removed_edges]
