@@ -1,0 +1,169 @@
+"""Where a multi-stream call's time goes against the limits no schedule beats (GPU).
+
+    python3 tools/gap_analysis.py MODEL[,MODEL] [--dtype float32,float16] [--batch 1]
+        [--rounds 5] [--iters 30] [--trace-runs 5] [--json FILE]
+
+Per model and dtype, from one recording: Nimble multi-stream as served (the default options),
+with the arena uncapped, without kernel priorities, and Nimble single-stream, each proven with
+8 launches and no race fuzzer, timed in interleaved rounds.  Then every task is timed alone and
+the phase's limits are worked out (:mod:`nimble.analysis.limits`): the critical path of isolated
+times, the same with each task's single-stream launch cost added, and the GPU-capacity bound.
+Last, ``nm.trace()`` of the served graph and of the uncapped one: the executed critical path
+split into isolated time, stretch (tasks running longer beside others than alone) and waits,
+and the whole run's stretch split by what bounds each kernel (memory or compute).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+import nimble
+from nimble.analysis import limits, resources
+from nimble.analysis.deps import build_dag, transitive_reduction
+from nimble.cli import models
+from nimble.cli.bench import parse_dtypes
+from nimble.cli.harness import time_rounds, to_dtype
+from nimble.driver.gpu import use_cudnn_benchmark
+from nimble.engine.priority_trials import device_limits, kernel_resources
+from nimble.engine.task_timing import time_recording
+
+PROOF = {"relaunches": 8, "fuzz": False}
+
+
+def _variants(model, x) -> dict[str, nimble.Nimble]:
+    served = nimble.Nimble(model).prepare(
+        x, options=nimble.PrepareOptions(keep_recording=True, **PROOF))
+    rec = served.recording
+    return {
+        "multi (served)": served,
+        "multi, arena uncapped": nimble.Nimble(model).prepare(
+            x, options=nimble.PrepareOptions(recording=rec, arena_limit=None, **PROOF)),
+        "multi, no priorities": nimble.Nimble(model).prepare(
+            x, options=nimble.PrepareOptions(recording=rec, priorities=False, **PROOF)),
+        "single": nimble.Nimble(model).prepare(
+            x, use_multi_stream=False, options=nimble.PrepareOptions(recording=rec, **PROOF)),
+    }
+
+
+def _shares(rec) -> tuple[list[float], list[str]]:
+    """Per task, its :func:`nimble.analysis.limits.gpu_share` on this device, and its bound."""
+    device = device_limits()
+    functions = kernel_resources(rec.graph, rec.nodes)
+    profiles = resources.profile_tasks(rec.graph, device, None,
+                                       [f.registers for f in functions],
+                                       [f.static_shared for f in functions])
+    shares = [limits.gpu_share(p.blocks, p.occupancy.sm_share, device.sm_count)
+              if p.occupancy is not None else 0.0 for p in profiles]
+    return shares, [p.bound for p in profiles]
+
+
+def _stretch_by_bound(times, isolated, bounds) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for (b, e), alone, bound in zip(times, isolated, bounds):
+        row = out.setdefault(bound, {"tasks": 0, "isolated_us": 0.0, "ran_us": 0.0})
+        row["tasks"] += 1
+        row["isolated_us"] += alone
+        row["ran_us"] += e - b
+    return out
+
+
+def _trace(nm, x, isolated, bounds, runs: int) -> dict:
+    from nimble.debug.timeline import executed_critical_path
+
+    tl = nm.trace(x, runs=runs)
+    if len(tl.times) != len(isolated):
+        raise SystemExit(f"the trace has {len(tl.times)} tasks, the recording {len(isolated)}")
+    phase = tl.summary()["phases"][0]
+    path = executed_critical_path(tl.schedule, tl.times, late_edges=tl.late_edges)
+    begin = min(b for b, _ in tl.times)
+    return {"plain_us": tl.plain_us, "instrumented_us": tl.instrumented_us,
+            "makespan_us": phase["makespan_us"], "concurrency": phase["concurrency"],
+            "streams": phase["streams"],
+            "path": limits.path_breakdown(tl.times, isolated, path, begin).as_dict(),
+            "by_bound": _stretch_by_bound(tl.times, isolated, bounds)}
+
+
+def measure(name: str, dtype: str, args) -> dict:
+    model, x = to_dtype(models.create(name).cuda().eval(), models.example_input(name, args.batch),
+                        dtype)
+    with torch.no_grad():
+        variants = _variants(model, x)
+        samples = time_rounds({k: (lambda nm=nm: nm(x)) for k, nm in variants.items()},
+                              args.rounds, args.iters)
+        served = variants["multi (served)"]
+        rec = served.recording
+        isolated = time_recording(rec)
+        shares, bounds = _shares(rec)
+        medians = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+        bound = limits.phase_limits(transitive_reduction(build_dag(rec.graph)), isolated,
+                                    medians["single"] * 1e3, shares)
+        traces = {k: _trace(variants[k], x, isolated, bounds, args.trace_runs)
+                  for k in ("multi (served)", "multi, arena uncapped")}
+    result = {"model": name, "dtype": dtype, "batch": args.batch,
+              "streams": {k: len(nm.schedule.streams) for k, nm in variants.items()},
+              "arena_mb": {k: nm.device_bytes.total_bytes / 2**20 for k, nm in variants.items()},
+              "ms": {k: {"median": medians[k], "min": min(v), "max": max(v)}
+                     for k, v in samples.items()},
+              "limits": bound.as_dict(), "traces": traces}
+    for nm in variants.values():
+        nm.close()
+    return result
+
+
+def report(r: dict) -> str:
+    lim = r["limits"]
+    out = [f"{r['model']} {r['dtype']} batch {r['batch']}: {lim['tasks']} tasks, "
+           f"{lim['isolated_sum_us'] / 1e3:.3f} ms of kernels alone",
+           f"  limits: critical path {lim['critical_path_us'] / 1e3:.3f} ms; with "
+           f"{lim['launch_us']:.2f} µs launch cost per task {lim['launch_aware_path_us'] / 1e3:.3f}"
+           f" ms; GPU capacity {lim['capacity_us'] / 1e3:.3f} ms"]
+    for k, m in r["ms"].items():
+        out.append(f"  {k:<24}{m['median']:8.3f} ms ({m['min']:.3f}-{m['max']:.3f})  "
+                   f"{m['median'] * 1e3 / lim['critical_path_us']:5.2f}x the critical path, "
+                   f"{m['median'] * 1e3 / lim['tightest_us']:5.2f}x the tightest limit; "
+                   f"{r['streams'][k]} streams, arena {r['arena_mb'][k]:.0f} MB")
+    for k, t in r["traces"].items():
+        p = t["path"]
+        out.append(f"  trace of {k}: plain {t['plain_us']:.0f} µs, instrumented "
+                   f"{t['instrumented_us']:.0f} µs, makespan {t['makespan_us']:.0f} µs, "
+                   f"concurrency {t['concurrency']:.2f}")
+        out.append(f"    executed path: {p['tasks']} tasks, {p['makespan_us']:.0f} µs = "
+                   f"{p['isolated_us']:.0f} alone + {p['stretch_us']:.0f} stretch + "
+                   f"{p['wait_us']:.0f} waits ({p['wait_us'] / max(p['tasks'], 1):.2f} µs a task)")
+        for bound, row in t["by_bound"].items():
+            out.append(f"    {bound:<8} {row['tasks']:5d} tasks: ran {row['ran_us']:.0f} µs "
+                       f"against {row['isolated_us']:.0f} alone "
+                       f"(×{row['ran_us'] / max(row['isolated_us'], 1e-9):.2f})")
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("models", help="comma-separated model names (nimble.cli.models)")
+    p.add_argument("--dtype", default="float32", help="comma-separated dtypes")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--trace-runs", type=int, default=5)
+    p.add_argument("--json", default="", help="write every result to this file")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("gap_analysis.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    use_cudnn_benchmark()
+    results = []
+    for name in [m for m in args.models.split(",") if m]:
+        for dtype in parse_dtypes(args.dtype):
+            results.append(measure(name, dtype, args))
+            print(report(results[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
