@@ -296,14 +296,20 @@ def test_the_first_launches_run_each_phase_in_serial_orders_of_the_copys_own_edg
     copies.run([torch.zeros(4)])
     assert launched == copies.order_launchers[0] and copies.stats.last_kind == fuzz_module.ORDER
     assert bindings.tables == []  # no table yet
+    # the budget is told what readying the first delay launch costs, and nothing more
+    assert copies.upcoming_seconds(0) == 0.0 < copies.upcoming_seconds(copies.required)
     copies.draw()
     copies.run([torch.zeros(4)])
     assert len(copies.builts) == 2 and launched[2:] == copies.launchers  # then the delays
     meta = copies.stats.as_meta()
     assert meta["serial_orders"] == [1, 1] and meta["unordered_pairs"] == 3
     assert meta["pairs_not_reversed"] == 0 and copies.required == 1
+    assert copies.upcoming_seconds(copies.required + 1) == 0.0  # built by now
+    assert set(meta["fuzz_build_s"]) == {"order_bases", "order_copies", "delay_copies"}
+    assert all(b.exec is None for b in copies._bases)  # a base is cloned, never launched
+    assert all(not b.device_launch for b in copies.builts)  # the copies launch from the host
     copies.close()
-    for b in order_copies + copies._bases:
+    for b in order_copies:
         assert ("cuGraphExecDestroy", b.exec.handle) in bindings.freed
     destroyed = [h for name, h in bindings.freed if name == "cuGraphDestroy"]
     assert destroyed.index(order_copies[0].graph.handle) < \
@@ -395,9 +401,11 @@ def test_a_failed_build_frees_what_was_built(bindings, monkeypatch):
 class FakeFuzz:
     """Fuzz copies that are right until ``wrong_at`` (a fuzz launch index)."""
 
-    def __init__(self, wrong_at: int | None = None) -> None:
+    def __init__(self, wrong_at: int | None = None, upcoming: dict[int, float] | None = None
+                 ) -> None:
         self.events: list[str] = []
         self.wrong_at = wrong_at
+        self.upcoming = upcoming or {}  # launch: seconds readying it costs
         self.stats = fuzz_module.FuzzStats()
         self.closed = 0
         self.required = 0  # launches that run whatever the budget
@@ -405,6 +413,9 @@ class FakeFuzz:
     def draw(self) -> None:
         self.events.append("draw")
         self.stats.draws += 1
+
+    def upcoming_seconds(self, launch: int) -> float:
+        return self.upcoming.get(launch, 0.0)
 
     def run(self, inputs):
         self.events.append("run")
@@ -432,6 +443,17 @@ def no_device(monkeypatch):
 def test_every_fuzz_launch_follows_a_fresh_draw(no_device):
     fake = FakeFuzz()
     assert _check(fake, fuzz_budget=proof.FuzzBudget(6)) == {}
+    assert fake.events == ["draw", "run"] * 6
+
+
+def test_a_launch_whose_copies_would_overrun_the_budget_is_not_readied(no_device):
+    """The delay-noded copies are built only where the budget leaves room for them: building
+    them for launches the budget then stops would overrun it."""
+    fake = FakeFuzz(upcoming={2: 1e6})
+    _check(fake, fuzz_budget=proof.FuzzBudget(6, time_factor=1.0, at_least=2))
+    assert fake.events == ["draw", "run"] * 2
+    fake = FakeFuzz(upcoming={2: 1e6})  # no time budget: only the count bounds it
+    _check(fake, fuzz_budget=proof.FuzzBudget(6))
     assert fake.events == ["draw", "run"] * 6
 
 

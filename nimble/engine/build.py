@@ -106,7 +106,8 @@ class BuiltGraph:
     span.start]``), owned together with its exec."""
 
     graph: driver.Graph
-    exec: driver.GraphExec
+    #: None for a graph built never to launch (:attr:`GraphSpec.instantiate`).
+    exec: driver.GraphExec | None
     nodes: list
     span: range = range(0)
     #: True when the exec was instantiated for device launch (cheaper host launches too).
@@ -122,11 +123,14 @@ class BuiltGraph:
 
     def launch(self, stream) -> None:
         """Launch on ``stream`` (a ``CUstream`` or its integer handle)."""
+        if self.exec is None:
+            raise BuildError("this graph was built to be cloned, not launched: it has no exec")
         driver.launch(self.exec.handle, stream)
 
     def close(self) -> None:
         """Free the exec and the graph (idempotent)."""
-        self.exec.close()
+        if self.exec is not None:
+            self.exec.close()
         self.graph.close()
         for module in (self.module, self.stamp_module, self.delay_module):
             if module is not None:
@@ -289,6 +293,9 @@ class GraphSpec:
     stamps: StampSpec | None = None
     #: A delay node before each delayed task (:class:`DelaySpec`); for verification copies only.
     delays: DelaySpec | None = None
+    #: False: the graph alone, with no exec (the base that the serial orders' copies clone:
+    #: instantiating a graph never launched costs as much as one launched).
+    instantiate: bool = True
 
 
 class _Assembly:
@@ -404,7 +411,8 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
         assembly.add_tasks(stamp_module, delay_module)
         assembly.add_late_edges()
         exec_, on_device, refusal = instantiate(owned, spec.device_launch, spec.upload_stream,
-                                                spec.priorities is not None)
+                                                spec.priorities is not None) \
+            if spec.instantiate else (None, False, "")
     except BaseException:
         owned.close()
         for module in (gather_module, stamp_module, delay_module):

@@ -70,6 +70,9 @@ class FuzzStats:
     unordered_pairs: int = 0  # pairs of tasks of one phase that no path orders
     pairs_left: int = 0  # of them, run later-first by no serial order
     pairs_pinned: int = 0  # of them, a memset's or memcpy's, kept in recorded order on purpose
+    #: Seconds spent building: the serial orders' edgeless bases, their chained clones, the
+    #: delay-noded copies.
+    build_seconds: dict[str, float] = field(default_factory=dict)
 
     def count(self, kind: str, delays: np.ndarray, targets_held: int) -> None:
         """Note one draw of ``kind``."""
@@ -87,7 +90,8 @@ class FuzzStats:
                 "fuzz_targets": self.targets, "fuzz_targets_held": self.targets_held,
                 "fuzz_launch_ms": list(self.launch_ms), "delay_scale": list(self.delay_scale),
                 "serial_orders": list(self.orders), "unordered_pairs": self.unordered_pairs,
-                "pairs_not_reversed": self.pairs_left, "pairs_pinned": self.pairs_pinned}
+                "pairs_not_reversed": self.pairs_left, "pairs_pinned": self.pairs_pinned,
+                "fuzz_build_s": {k: round(v, 4) for k, v in self.build_seconds.items()}}
 
 
 class PhaseClock:
@@ -226,13 +230,17 @@ class FuzzCopies:
             if not found.orders:
                 per_phase.append([])
                 continue
+            began = time.perf_counter()
             base = builder.build(k, replace(self._options, edgeless=True))
             self._bases.append(base)
+            built = time.perf_counter()
             mine = []
             for o in found.orders:
                 self.order_builts.append(chained_copy(base, o))
                 mine.append(self._launcher(k, self.order_builts[-1]))
             per_phase.append(mine)
+            self._spent("order_bases", built - began)
+            self._spent("order_copies", time.perf_counter() - built)
         self.order_launchers = [
             [mine[min(j, len(mine) - 1)] if mine else self._served[k]
              for k, mine in enumerate(per_phase)] for j in range(self.required)]
@@ -245,6 +253,7 @@ class FuzzCopies:
         """The delay-noded copies, their targets, the first rows and the table (once)."""
         if self.draws is not None or not self._delays:
             return
+        began = time.perf_counter()
         builder, n = self._builder, len(self.scale)
         self.draws = _draws(builder, self._stream_of, self._offsets, self._seed, self._hazards)
         self.stats.targets = len(self.draws.picks.targets) if self.draws.picks else 0
@@ -256,12 +265,30 @@ class FuzzCopies:
             self._clocks.append(PhaseClock(len(builder.spans)))
         tasks = None if self.draws.picks is None else \
             set(np.flatnonzero(self.draws.delayable).tolist())
-        options = replace(self._options, delays=DelaySpec(self.table.address, tasks=tasks))
+        # For host launch, as the serial orders' copies: a copy launched a few times gains
+        # less from a device-launchable exec than its upload costs.
+        options = replace(self._options, delays=DelaySpec(self.table.address, tasks=tasks),
+                          device_launch=False)
         for k in range(len(builder.spans)):
             self.builts.append(builder.build(k, options))
             self.launchers.append(self._launcher(k, self.builts[-1]))
         if not self.calibration:
             self._upload()
+        self._spent("delay_copies", time.perf_counter() - began)
+
+    def upcoming_seconds(self, launch: int) -> float:
+        """What readying launch ``launch`` costs before it runs: for the first launch after the
+        serial orders, building the delay-noded copies, estimated from the orders' own builds
+        (a copy is about a base's nodes plus one instantiation); nothing otherwise."""
+        if not self._delays or self.draws is not None or launch < self.required:
+            return 0.0
+        built = self.stats.build_seconds
+        copies = max(len(self.order_builts), 1)
+        return built.get("order_bases", 0.0) + built.get("order_copies", 0.0) / copies * \
+            len(self.spans)
+
+    def _spent(self, stage: str, seconds: float) -> None:
+        self.stats.build_seconds[stage] = self.stats.build_seconds.get(stage, 0.0) + seconds
 
     def _draw_rows(self, rows: int) -> None:
         """Draw ``rows`` rows (on the host) and find the direct cover among them."""

@@ -138,11 +138,14 @@ def _max_diff(a, b) -> float:
 
 class FuzzRuns(Protocol):
     """The proof's fuzz launches (:class:`nimble.engine.fuzz.FuzzCopies`): ``draw()`` before
-    each ``run(inputs)``."""
+    each ``run(inputs)``; ``upcoming_seconds(launch)`` estimates what readying launch
+    ``launch`` costs beyond the launch itself (building the copies it runs, if not built)."""
 
     def draw(self) -> None: ...
 
     def run(self, inputs: list) -> list: ...
+
+    def upcoming_seconds(self, launch: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,8 @@ class Reference:
         after a fresh draw, checked the same way."""
         started = time.perf_counter()
         launch = 0
-        while budget.allows(launch, proof_seconds, time.perf_counter() - started):
+        while budget.allows(launch, proof_seconds,
+                            time.perf_counter() - started + fuzz.upcoming_seconds(launch)):
             fuzz.draw()
             self._check_one(f"fuzz launch {launch} (with random delays)", fuzz.run, launch)
             launch += 1

@@ -42,8 +42,9 @@ class PhaseOptions:
     #: bytes, say); None: the served bases.  Memset and memcpy endpoints move only in a build
     #: from the recorded nodes (a builder with ``nodes_relocated`` False).
     bases: Sequence[int] | None = None
-    #: No edges between the phase's tasks, late ones neither: the base of the proof's serial
-    #: orders, whose clones add each order's chain (:func:`~nimble.engine.build.chained_copy`).
+    #: No edges between the phase's tasks, late ones neither, and no exec: the base of the
+    #: proof's serial orders, whose clones add each order's chain
+    #: (:func:`~nimble.engine.build.chained_copy`).
     edgeless: bool = False
 
 
@@ -87,7 +88,7 @@ class PhaseBuilder:
             gathers=tuple(self.gathers[phase]) if options.gathers else (),
             priorities=self.priorities if options.priorities else None,
             late_edges=late, only=options.only, nodes_relocated=self.nodes_relocated,
-            stamps=options.stamps, delays=options.delays)
+            stamps=options.stamps, delays=options.delays, instantiate=not options.edgeless)
 
     def edges_of(self, phase: int, options: PhaseOptions = AS_SERVED) -> list[tuple[int, int]]:
         """The edges inside phase ``phase`` of a build with ``options`` (its late ones
