@@ -54,6 +54,12 @@ def test_path_breakdown_adds_up_to_the_makespan():
     assert got.isolated_us == pytest.approx(8.0)
     assert got.stretch_us == pytest.approx((3.0 + 5.0 + 2.0) - 8.0)
     assert got.isolated_us + got.stretch_us + got.wait_us == pytest.approx(got.makespan_us)
+    assert got.cross_stream_steps == 0  # no streams given
+    # 0 and 2 on stream 0, 3 on stream 1: one step changes stream, with no wait (3 overlapped)
+    streams = limits.path_breakdown(times, isolated, [0, 2, 3], 0.0, stream_of=[0, 1, 0, 1])
+    assert (streams.cross_stream_steps, streams.cross_stream_wait_us) == (1, 0.0)
+    streams = limits.path_breakdown(times, isolated, [0, 2, 3], 0.0, stream_of=[0, 1, 1, 1])
+    assert (streams.cross_stream_steps, streams.cross_stream_wait_us) == (1, pytest.approx(1.0))
     assert limits.path_breakdown(times, isolated, []).tasks == 0
 
 

@@ -2,15 +2,22 @@
 
     python3 tools/gap_analysis.py MODEL[,MODEL] [--dtype float32,float16] [--batch 1]
         [--rounds 5] [--iters 30] [--trace-runs 5] [--json FILE]
+    python3 tools/gap_analysis.py --report FILE    (no GPU: print a --json file's report)
 
 Per model and dtype, from one recording: Nimble multi-stream as served (the default options),
 with the arena uncapped, without kernel priorities, and Nimble single-stream, each proven with
 8 launches and no race fuzzer, timed in interleaved rounds.  Then every task is timed alone and
 the phase's limits are worked out (:mod:`nimble.analysis.limits`): the critical path of isolated
 times, the same with each task's single-stream launch cost added, and the GPU-capacity bound.
-Last, ``nm.trace()`` of the served graph and of the uncapped one: the executed critical path
-split into isolated time, stretch (tasks running longer beside others than alone) and waits,
-and the whole run's stretch split by what bounds each kernel (memory or compute).
+Then ``nm.trace()`` of the served graph and of the uncapped one: the executed critical path
+split into isolated time, stretch (tasks running longer beside others than alone) and waits
+(those of steps that change stream apart), and the whole run's stretch split by what bounds
+each kernel (memory or compute).
+
+Last, the isolated times are checked against the tasks' times inside a single-stream replay,
+read from the profiler's CUDA activity records (CUPTI: no node added to the graph): where
+timing each task alone between events overstates it, the limits are worked out again from the
+in-chain times.
 """
 from __future__ import annotations
 
@@ -70,6 +77,35 @@ def _stretch_by_bound(times, isolated, bounds) -> dict[str, dict]:
     return out
 
 
+def _in_chain_us(single, x, replays: int = 5) -> list[float] | None:
+    """Per task, its median GPU time inside ``replays`` single-stream calls, from the
+    profiler's CUDA activity records in stream order (Nimble's own input gathers left out);
+    None, with the reason printed, where the records do not match the tasks one to one."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    (order,) = single.schedule.streams
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            single(x)
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
+                     and not e.name.startswith("nimble_")), key=lambda e: e.time_range.start)
+    if len(events) != replays * len(order):
+        names = sorted({e.name[:40] for e in events})[:8]
+        print(f"  in-chain times: {len(events)} profiler records for {replays} x {len(order)} "
+              f"tasks (e.g. {names}); not used", flush=True)
+        return None
+    samples: list[list[float]] = [[] for _ in order]
+    for k, e in enumerate(events):
+        samples[k % len(order)].append(e.time_range.end - e.time_range.start)
+    out = [0.0] * len(order)
+    for position, t in enumerate(order):
+        out[t] = sorted(samples[position])[replays // 2]
+    return out
+
+
 def _trace(nm, x, isolated, bounds, runs: int) -> dict:
     from nimble.debug.timeline import executed_critical_path
 
@@ -82,7 +118,8 @@ def _trace(nm, x, isolated, bounds, runs: int) -> dict:
     return {"plain_us": tl.plain_us, "instrumented_us": tl.instrumented_us,
             "makespan_us": phase["makespan_us"], "concurrency": phase["concurrency"],
             "streams": phase["streams"],
-            "path": limits.path_breakdown(tl.times, isolated, path, begin).as_dict(),
+            "path": limits.path_breakdown(tl.times, isolated, path, begin,
+                                          tl.schedule.stream_of).as_dict(),
             "by_bound": _stretch_by_bound(tl.times, isolated, bounds)}
 
 
@@ -102,12 +139,17 @@ def measure(name: str, dtype: str, args) -> dict:
                                     medians["single"] * 1e3, shares)
         traces = {k: _trace(variants[k], x, isolated, bounds, args.trace_runs)
                   for k in ("multi (served)", "multi, arena uncapped")}
+        in_chain = _in_chain_us(variants["single"], x)
+        chain_bound = limits.phase_limits(transitive_reduction(build_dag(rec.graph)), in_chain,
+                                          medians["single"] * 1e3, shares) \
+            if in_chain is not None else None
     result = {"model": name, "dtype": dtype, "batch": args.batch,
               "streams": {k: len(nm.schedule.streams) for k, nm in variants.items()},
               "arena_mb": {k: nm.device_bytes.total_bytes / 2**20 for k, nm in variants.items()},
               "ms": {k: {"median": medians[k], "min": min(v), "max": max(v)}
                      for k, v in samples.items()},
-              "limits": bound.as_dict(), "traces": traces}
+              "limits": bound.as_dict(), "traces": traces,
+              "in_chain_limits": chain_bound.as_dict() if chain_bound else None}
     for nm in variants.values():
         nm.close()
     return result
@@ -125,6 +167,15 @@ def report(r: dict) -> str:
                    f"{m['median'] * 1e3 / lim['critical_path_us']:5.2f}x the critical path, "
                    f"{m['median'] * 1e3 / lim['tightest_us']:5.2f}x the tightest limit; "
                    f"{r['streams'][k]} streams, arena {r['arena_mb'][k]:.0f} MB")
+    chain = r.get("in_chain_limits")
+    if chain:
+        out.append(f"  in-chain times (profiler, single-stream replays): "
+                   f"{chain['isolated_sum_us'] / 1e3:.3f} ms of kernels; critical path "
+                   f"{chain['critical_path_us'] / 1e3:.3f} ms; with {chain['launch_us']:.2f} µs "
+                   f"launch cost per task {chain['launch_aware_path_us'] / 1e3:.3f} ms; GPU "
+                   f"capacity {chain['capacity_us'] / 1e3:.3f} ms; served multi "
+                   f"{r['ms']['multi (served)']['median'] * 1e3 / chain['tightest_us']:.2f}x "
+                   f"the tightest")
     for k, t in r["traces"].items():
         p = t["path"]
         out.append(f"  trace of {k}: plain {t['plain_us']:.0f} µs, instrumented "
@@ -132,7 +183,9 @@ def report(r: dict) -> str:
                    f"concurrency {t['concurrency']:.2f}")
         out.append(f"    executed path: {p['tasks']} tasks, {p['makespan_us']:.0f} µs = "
                    f"{p['isolated_us']:.0f} alone + {p['stretch_us']:.0f} stretch + "
-                   f"{p['wait_us']:.0f} waits ({p['wait_us'] / max(p['tasks'], 1):.2f} µs a task)")
+                   f"{p['wait_us']:.0f} waits ({p['wait_us'] / max(p['tasks'], 1):.2f} µs a task;"
+                   f" {p.get('cross_stream_steps', 0)} steps change stream, waiting "
+                   f"{p.get('cross_stream_wait_us', 0.0):.0f} µs)")
         for bound, row in t["by_bound"].items():
             out.append(f"    {bound:<8} {row['tasks']:5d} tasks: ran {row['ran_us']:.0f} µs "
                        f"against {row['isolated_us']:.0f} alone "
@@ -142,14 +195,21 @@ def report(r: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("models", help="comma-separated model names (nimble.cli.models)")
+    p.add_argument("models", nargs="?", default="",
+                   help="comma-separated model names (nimble.cli.models)")
     p.add_argument("--dtype", default="float32", help="comma-separated dtypes")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--trace-runs", type=int, default=5)
     p.add_argument("--json", default="", help="write every result to this file")
+    p.add_argument("--report", default="", help="print the report of a --json file (no GPU)")
     args = p.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            for r in json.load(f):
+                print(report(r))
+        return 0
     if not torch.cuda.is_available():
         print("gap_analysis.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -90,27 +90,39 @@ class PathBreakdown:
     isolated_us: float  # the path's tasks, each as long as alone
     stretch_us: float  # how much longer they ran than alone (negative: faster)
     wait_us: float  # between each task's predecessor on the path ending and its start
+    #: Of the path's steps from one task to the next, those that change stream, and their
+    #: waits (0 where no streams were given).
+    cross_stream_steps: int = 0
+    cross_stream_wait_us: float = 0.0
 
     def as_dict(self) -> dict:
         return {"tasks": self.tasks, "makespan_us": self.makespan_us,
                 "isolated_us": self.isolated_us, "stretch_us": self.stretch_us,
-                "wait_us": self.wait_us}
+                "wait_us": self.wait_us, "cross_stream_steps": self.cross_stream_steps,
+                "cross_stream_wait_us": self.cross_stream_wait_us}
 
 
 def path_breakdown(times: Sequence[tuple[float, float]], isolated_us: Sequence[float],
-                   path: Sequence[int], begin: float | None = None) -> PathBreakdown:
+                   path: Sequence[int], begin: float | None = None,
+                   stream_of: Sequence[int] | None = None) -> PathBreakdown:
     """Split the executed path ``path`` (task ids, first to last) of a run measured as
     ``times`` (``(start, end)`` µs per task) into isolated time, stretch and waits; the first
     task's wait counts from ``begin`` (the phase's first start; that task's own start when
-    None).  isolated + stretch + wait is the makespan."""
+    None).  isolated + stretch + wait is the makespan.  With ``stream_of`` (each task's
+    stream), the steps that change stream and their waits are counted apart."""
     if not path:
         return PathBreakdown(0, 0.0, 0.0, 0.0, 0.0)
     first = times[path[0]][0] if begin is None else begin
     reach, wait, ran, alone = first, 0.0, 0.0, 0.0
-    for t in path:
+    cross, cross_wait = 0, 0.0
+    for k, t in enumerate(path):
         start, end = times[t]
-        wait += max(0.0, start - reach)
+        waited = max(0.0, start - reach)
+        wait += waited
+        if k and stream_of is not None and stream_of[t] != stream_of[path[k - 1]]:
+            cross += 1
+            cross_wait += waited
         ran += end - max(start, reach)
         alone += isolated_us[t]
         reach = max(reach, end)
-    return PathBreakdown(len(path), reach - first, alone, ran - alone, wait)
+    return PathBreakdown(len(path), reach - first, alone, ran - alone, wait, cross, cross_wait)
