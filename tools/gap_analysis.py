@@ -1,11 +1,12 @@
 """Where a multi-stream call's time goes against the limits no schedule beats (GPU).
 
     python3 tools/gap_analysis.py MODEL[,MODEL] [--dtype float32,float16] [--batch 1]
-        [--rounds 5] [--iters 30] [--trace-runs 5] [--json FILE]
+        [--rounds 5] [--iters 30] [--trace-runs 5] [--caps 8,16] [--json FILE]
     python3 tools/gap_analysis.py --report FILE    (no GPU: print a --json file's report)
 
 Per model and dtype, from one recording: Nimble multi-stream as served (the default options),
-with the arena uncapped, without kernel priorities, and Nimble single-stream, each proven with
+with the arena uncapped, without kernel priorities, under stream caps (``--caps``), and Nimble
+single-stream, each proven with
 8 launches and no race fuzzer, timed in interleaved rounds.  Then every task is timed alone and
 the phase's limits are worked out (:mod:`nimble.analysis.limits`): the critical path of isolated
 times, the same with each task's single-stream launch cost added, and the GPU-capacity bound.
@@ -23,11 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-import torch
+# The profiler run that reads the in-chain times must not leave CUPTI attached: with it, later
+# graphs in the process run slower (docs/results.md, "After a profiler run").
+os.environ.setdefault("TEARDOWN_CUPTI", "1")
 
-import nimble
+import torch  # noqa: E402
+
+import nimble  # noqa: E402
 from nimble.analysis import limits, resources
 from nimble.analysis.deps import build_dag, transitive_reduction
 from nimble.cli import models
@@ -40,11 +46,14 @@ from nimble.engine.task_timing import time_recording
 PROOF = {"relaunches": 8, "fuzz": False}
 
 
-def _variants(model, x) -> dict[str, nimble.Nimble]:
+def _variants(model, x, caps) -> dict[str, nimble.Nimble]:
     served = nimble.Nimble(model).prepare(
         x, options=nimble.PrepareOptions(keep_recording=True, **PROOF))
     rec = served.recording
-    return {
+    capped = {f"multi, at most {cap} streams": nimble.Nimble(model).prepare(
+        x, max_streams=cap, options=nimble.PrepareOptions(recording=rec, **PROOF))
+        for cap in caps if cap < len(served.schedule.streams)}
+    return {**capped, 
         "multi (served)": served,
         "multi, arena uncapped": nimble.Nimble(model).prepare(
             x, options=nimble.PrepareOptions(recording=rec, arena_limit=None, **PROOF)),
@@ -127,7 +136,7 @@ def measure(name: str, dtype: str, args) -> dict:
     model, x = to_dtype(models.create(name).cuda().eval(), models.example_input(name, args.batch),
                         dtype)
     with torch.no_grad():
-        variants = _variants(model, x)
+        variants = _variants(model, x, args.caps)
         samples = time_rounds({k: (lambda nm=nm: nm(x)) for k, nm in variants.items()},
                               args.rounds, args.iters)
         served = variants["multi (served)"]
@@ -202,9 +211,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--trace-runs", type=int, default=5)
+    p.add_argument("--caps", default="8,16",
+                   help="stream caps to time beside the served graph ('' for none)")
     p.add_argument("--json", default="", help="write every result to this file")
     p.add_argument("--report", default="", help="print the report of a --json file (no GPU)")
     args = p.parse_args()
+    args.caps = [int(c) for c in args.caps.split(",") if c]
     if args.report:
         with open(args.report) as f:
             for r in json.load(f):
