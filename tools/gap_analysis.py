@@ -115,7 +115,7 @@ def _in_chain_us(single, x, replays: int = 5) -> list[float] | None:
     return out
 
 
-def _trace(nm, x, isolated, bounds, runs: int) -> dict:
+def _trace(nm, x, isolated, bounds, runs: int, in_chain=None) -> dict:
     from nimble.debug.timeline import executed_critical_path
 
     tl = nm.trace(x, runs=runs)
@@ -129,6 +129,9 @@ def _trace(nm, x, isolated, bounds, runs: int) -> dict:
             "streams": phase["streams"],
             "path": limits.path_breakdown(tl.times, isolated, path, begin,
                                           tl.schedule.stream_of).as_dict(),
+            "path_in_chain": limits.path_breakdown(tl.times, in_chain, path, begin,
+                                                   tl.schedule.stream_of).as_dict()
+            if in_chain is not None else None,
             "by_bound": _stretch_by_bound(tl.times, isolated, bounds)}
 
 
@@ -146,9 +149,9 @@ def measure(name: str, dtype: str, args) -> dict:
         medians = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
         bound = limits.phase_limits(transitive_reduction(build_dag(rec.graph)), isolated,
                                     medians["single"] * 1e3, shares)
-        traces = {k: _trace(variants[k], x, isolated, bounds, args.trace_runs)
-                  for k in ("multi (served)", "multi, arena uncapped")}
         in_chain = _in_chain_us(variants["single"], x)
+        traces = {k: _trace(variants[k], x, isolated, bounds, args.trace_runs, in_chain)
+                  for k in ("multi (served)", "multi, arena uncapped")}
         chain_bound = limits.phase_limits(transitive_reduction(build_dag(rec.graph)), in_chain,
                                           medians["single"] * 1e3, shares) \
             if in_chain is not None else None
@@ -195,6 +198,10 @@ def report(r: dict) -> str:
                    f"{p['wait_us']:.0f} waits ({p['wait_us'] / max(p['tasks'], 1):.2f} µs a task;"
                    f" {p.get('cross_stream_steps', 0)} steps change stream, waiting "
                    f"{p.get('cross_stream_wait_us', 0.0):.0f} µs)")
+        q = t.get("path_in_chain")
+        if q:
+            out.append(f"    with in-chain times: {q['isolated_us']:.0f} alone + "
+                       f"{q['stretch_us']:.0f} stretch + {q['wait_us']:.0f} waits")
         for bound, row in t["by_bound"].items():
             out.append(f"    {bound:<8} {row['tasks']:5d} tasks: ran {row['ran_us']:.0f} µs "
                        f"against {row['isolated_us']:.0f} alone "
