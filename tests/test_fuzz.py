@@ -278,23 +278,26 @@ def test_the_first_launches_run_each_phase_in_serial_orders_of_the_copys_own_edg
     # phase 0 lost its sync 0 -> 2: 2 is unordered with 0 and 1, and runs first; phase 1
     # leaves 4 and 5 unordered (both after 3): 5 runs first
     assert copies.plan[0].orders == [[2, 0, 1]] and copies.plan[1].orders == [[3, 5, 4]]
-    order_copies = copies.order_builts
-    assert [b.span for b in order_copies] == [b.span for b in copies._bases] == SPANS
+    assert [b.span for b in copies._bases] == SPANS
     assert not copies.builts and copies.draws is None  # no delay-noded copy before it is due
+    assert not copies.order_builts and copies.order_launchers == [None]  # cloned when due
     for base in copies._bases:  # each phase built once, with no edge and no delay node
         own = set(base.nodes)
         assert all(not set(bindings.nodes[node].deps) & own for node in base.nodes)
         assert not any(v.func == "nimble_delay" and set(v.deps) & own
                        for v in bindings.nodes.values())
+    copies.draw()
+    order_copies = copies.order_builts
+    assert [b.span for b in order_copies] == SPANS
     # each order a clone of its phase's build, chained in order
     first = order_copies[0].nodes  # tasks 0, 1, 2
     assert [bindings.cloned[node] for node in first] == copies._bases[0].nodes
     assert bindings.late[-4:] == [(first[2], first[0]), (first[0], first[1]),
                                   (order_copies[1].nodes[0], order_copies[1].nodes[2]),
                                   (order_copies[1].nodes[2], order_copies[1].nodes[1])]
-    copies.draw()
     copies.run([torch.zeros(4)])
     assert launched == copies.order_launchers[0] and copies.stats.last_kind == fuzz_module.ORDER
+    assert copies.order_builts == order_copies  # one order launch: nothing built ahead
     assert bindings.tables == []  # no table yet
     # the budget is told what readying the first delay launch costs, and nothing more
     assert copies.upcoming_seconds(0) == 0.0 < copies.upcoming_seconds(copies.required)
@@ -314,6 +317,28 @@ def test_the_first_launches_run_each_phase_in_serial_orders_of_the_copys_own_edg
     destroyed = [h for name, h in bindings.freed if name == "cuGraphDestroy"]
     assert destroyed.index(order_copies[0].graph.handle) < \
         destroyed.index(copies._bases[0].graph.handle)  # the clones before their original
+
+
+def test_the_next_orders_copies_are_built_while_the_gpu_runs_the_one_before(bindings,
+                                                                             monkeypatch):
+    launched = []
+    monkeypatch.setattr(fuzz_module.Launcher, "run_flat",
+                        lambda self, inputs: launched.append(self) or [])
+    # phase 0 keeps only 0 -> 2: 1 must run before 0 and 2 before 1, which no one order does
+    copies = FuzzCopies(served_builder(), _served_launchers(), torch.device("cpu"), rows=0,
+                        calibration=0, options=PhaseOptions(removed_edges={(0, 1)}))
+    assert copies.plan[0].orders == [[1, 0, 2], [0, 2, 1]] and copies.required == 2
+    copies.draw()
+    assert copies.order_launchers[1] is None  # not yet
+    copies.run([torch.zeros(4)])
+    assert copies.order_launchers[1] is not None  # readied after the launch, before the check
+    built = list(copies.order_builts)
+    copies.draw()
+    copies.run([torch.zeros(4)])
+    assert copies.order_builts == built and launched[-2:] == copies.order_launchers[1]
+    # phase 1 has one order: its copy serves both launches
+    assert copies.order_launchers[0][1] is copies.order_launchers[1][1]
+    copies.close()
 
 
 def test_the_first_launches_time_each_phase_and_every_delay_is_stretched_past_it(

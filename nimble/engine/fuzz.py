@@ -129,8 +129,9 @@ class FuzzCopies:
 
     1. with ``orders``, one launch per serial order (:mod:`nimble.analysis.orders`): each phase
        a chain of its tasks in a linear extension of the copy's own DAG, so that every pair of
-       tasks the copy leaves unordered runs later-first in one of them (built with the
-       copies; :attr:`required` counts them);
+       tasks the copy leaves unordered runs later-first in one of them (:attr:`required`
+       counts them; each phase is built once with no edges, and a launch's chained clones are
+       made as it is readied, the next launch's while the GPU runs the one before);
     2. ``calibration`` launches of the delay-noded copy with no delay, timing each phase
        (:class:`PhaseClock`); every drawn delay is then stretched (:func:`delay_scale`) and the
        rows uploaded with one copy;
@@ -165,13 +166,15 @@ class FuzzCopies:
         self._memories: list = []
         self._clocks: list[PhaseClock] = []
         self._bases: list[BuiltGraph] = []  # the clones' originals
+        self._phase_bases: list[BuiltGraph | None] = []  # per phase, its base (None: no orders)
+        self._order_copies: list[list[Launcher | None]] = []  # per phase and order, its copy
         self._finalizer = weakref.finalize(self, driver.close_all, self._owned,
                                            self.order_builts, self._bases, self.builts,
                                            self._memories, self._clocks)
         self._served = list(served)
         self.stats = FuzzStats()
-        #: Per serial-order launch, its launcher of every phase.
-        self.order_launchers: list[list[Launcher]] = []
+        #: Per serial-order launch, its launcher of every phase (None until it is readied).
+        self.order_launchers: list[list[Launcher] | None] = []
         options = options or PhaseOptions()
         self._builder, self._options, self._device = builder, options, device
         self._seed, self._rows, self._stream_of, self._offsets = seed, rows, stream_of, offsets
@@ -220,34 +223,45 @@ class FuzzCopies:
         return made
 
     def _build_orders(self) -> None:
-        """One copy per phase and serial order (none with delays), each a clone of one build
-        of the phase without edges (:func:`~nimble.engine.build.chained_copy`); a launch of a
-        phase with fewer orders repeats its last, and one of a phase with none runs the
-        phase as served."""
+        """Each phase with serial orders built once with no edges
+        (:func:`~nimble.engine.build.chained_copy` clones it per order, when the order's launch
+        is readied: :meth:`_ready_order`)."""
         builder = self._builder
-        per_phase: list[list[Launcher]] = []
         for k, found in enumerate(self.plan):
+            self._order_copies.append([None] * len(found.orders))
             if not found.orders:
-                per_phase.append([])
+                self._phase_bases.append(None)
                 continue
             began = time.perf_counter()
             base = builder.build(k, replace(self._options, edgeless=True))
             self._bases.append(base)
-            built = time.perf_counter()
-            mine = []
-            for o in found.orders:
-                self.order_builts.append(chained_copy(base, o))
-                mine.append(self._launcher(k, self.order_builts[-1]))
-            per_phase.append(mine)
-            self._spent("order_bases", built - began)
-            self._spent("order_copies", time.perf_counter() - built)
-        self.order_launchers = [
-            [mine[min(j, len(mine) - 1)] if mine else self._served[k]
-             for k, mine in enumerate(per_phase)] for j in range(self.required)]
+            self._phase_bases.append(base)
+            self._spent("order_bases", time.perf_counter() - began)
+        self.order_launchers = [None] * self.required
         self.stats.orders = [len(p.orders) for p in self.plan]
         self.stats.unordered_pairs = sum(p.pairs for p in self.plan)
         self.stats.pairs_left = sum(p.left for p in self.plan)
         self.stats.pairs_pinned = sum(p.pinned for p in self.plan)
+
+    def _ready_order(self, launch: int) -> None:
+        """The copies serial-order launch ``launch`` runs, built if not yet: per phase, a clone
+        of its base chained in its order ``launch`` (a phase with fewer orders repeats its
+        last; one with none runs as served)."""
+        if launch >= self.required or self.order_launchers[launch] is not None:
+            return
+        began = time.perf_counter()
+        mine = []
+        for k, found in enumerate(self.plan):
+            if not found.orders:
+                mine.append(self._served[k])
+                continue
+            i = min(launch, len(found.orders) - 1)
+            if self._order_copies[k][i] is None:
+                self.order_builts.append(chained_copy(self._phase_bases[k], found.orders[i]))
+                self._order_copies[k][i] = self._launcher(k, self.order_builts[-1])
+            mine.append(self._order_copies[k][i])
+        self.order_launchers[launch] = mine
+        self._spent("order_copies", time.perf_counter() - began)
 
     def build_delays(self) -> None:
         """The delay-noded copies, their targets, the first rows and the table (once)."""
@@ -344,6 +358,7 @@ class FuzzCopies:
         self._mark, self._active = None, None
         if launch < self.required:
             kind, delays, held = ORDER, np.zeros(n, dtype=np.uint32), 0
+            self._ready_order(launch)
             self._active = self.order_launchers[launch]
             stream = self._active[0].stream()
         else:
@@ -376,7 +391,11 @@ class FuzzCopies:
         """Every phase's copy in order on its share of ``inputs``: the flat outputs (a serial
         order's copies, or the delay-noded ones, a calibration launch timed phase by phase)."""
         self.stats.launches += 1
-        return run_phases(self._active or self.launchers, self._mark)(inputs)
+        outputs = run_phases(self._active or self.launchers, self._mark)(inputs)
+        # The next order's copies are built on the host while the GPU runs this launch (the
+        # caller's check of the outputs waits for it).
+        self._ready_order(self.stats.draws)
+        return outputs
 
     def close(self) -> None:
         """Free the copies, their launchers, the table, the rows and the clock (idempotent).
