@@ -482,6 +482,29 @@ def test_a_launch_whose_copies_would_overrun_the_budget_is_not_readied(no_device
     assert fake.events == ["draw", "run"] * 6
 
 
+def test_fuzz_launches_over_saved_state_see_the_same_budget(no_device, monkeypatch):
+    """A graph that writes memory not its own (a training step's running statistics, a decode
+    step's cache) runs its fuzz launches from the saved state: the budget still hears what
+    readying them costs."""
+    class Saved:
+        def __init__(self, ranges):
+            self.restores = 0
+
+        def before(self, run):
+            def restored(inputs):
+                self.restores += 1
+                return run(inputs)
+            return restored
+
+        def close(self):
+            pass
+    monkeypatch.setattr(proof, "SharedState", Saved)
+    fake = FakeFuzz(upcoming={2: 1e6})
+    _check(fake, fuzz_budget=proof.FuzzBudget(6, time_factor=1.0, at_least=2),
+           state=[(0x1000, 64)])
+    assert fake.events == ["draw", "run"] * 2
+
+
 def test_a_race_only_the_delays_expose_fails_the_proof(no_device):
     with pytest.raises(VerificationError, match=r"fuzz launch 3 \(with random delays\)"):
         _check(FakeFuzz(wrong_at=3), fuzz_budget=proof.FuzzBudget(6))

@@ -331,6 +331,7 @@ class _RestoredFuzz:
 
     def __init__(self, fuzz: FuzzRuns, state: SharedState) -> None:
         self.draw, self.run = fuzz.draw, state.before(fuzz.run)
+        self.upcoming_seconds = fuzz.upcoming_seconds
 
 
 def verify_against_reference(graph: TaskGraph, reference: Callable[[list], list],
