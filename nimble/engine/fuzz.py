@@ -44,6 +44,11 @@ from .rebuild import PhaseBuilder, PhaseOptions
 #: against 363; docs/findings.md).  The last one's times are used (the first includes the
 #: exec's upload).
 CALIBRATION_LAUNCHES = 2
+#: What readying the delay-noded copies costs (the draws planned, the first rows drawn, every
+#: phase built with delay nodes and instantiated) over one serial order's build (each phase's
+#: base and one clone of it): 2.4 to 6 times on the zoo with 32 rows drawn up front (H200,
+#: docs/findings.md).  The budget counts this many before it readies them.
+DELAY_STAGE_OVER_ORDER_BUILD = 4.0
 #: The draw kind of a calibration launch (no delay).
 CALIBRATION = "calibration"
 #: The draw kind of a serial-order launch (:mod:`nimble.analysis.orders`).
@@ -292,14 +297,15 @@ class FuzzCopies:
 
     def upcoming_seconds(self, launch: int) -> float:
         """What readying launch ``launch`` costs before it runs: for the first launch after the
-        serial orders, building the delay-noded copies, estimated from the orders' own builds
-        (a copy is about a base's nodes plus one instantiation); nothing otherwise."""
+        serial orders, readying the delay-noded copies, estimated from the orders' own builds
+        (:data:`DELAY_STAGE_OVER_ORDER_BUILD`); nothing otherwise."""
         if not self._delays or self.draws is not None or launch < self.required:
             return 0.0
         built = self.stats.build_seconds
         copies = max(len(self.order_builts), 1)
-        return built.get("order_bases", 0.0) + built.get("order_copies", 0.0) / copies * \
+        one_order = built.get("order_bases", 0.0) + built.get("order_copies", 0.0) / copies * \
             len(self.spans)
+        return DELAY_STAGE_OVER_ORDER_BUILD * one_order
 
     def _spent(self, stage: str, seconds: float) -> None:
         self.stats.build_seconds[stage] = self.stats.build_seconds.get(stage, 0.0) + seconds
