@@ -267,16 +267,28 @@ def test_the_step_modules_set_the_caches_counters_from_their_inputs():
 
 
 def test_the_proof_restores_memory_the_graph_writes_outside_the_arena():
-    """A block of torch's allocator the graph writes is the model's own state: listed for the
-    proof to restore; the library's scratch (given a private copy) is not."""
-    from nimble.engine.arena_layout import shared_state, written_externals
-    from nimble.ir.taskgraph import TaskGraph
+    """A block of torch's allocator that ATen or Triton kernels write is the model's own state:
+    listed for the proof to restore; the library's scratch (given a private copy) is not, a
+    workspace of torch's allocator that only a library's kernels write neither."""
+    from nimble.engine.arena_layout import library_scratch, shared_state, written_externals
+    from nimble.ir.taskgraph import Access, Buffer, Task, TaskGraph
 
     bf16 = TaskGraph.load(FIXTURE_DIR / "inception_v3_bfloat16.json.gz")
-    blocks = {(b.address, b.size) for b in bf16.buffers
-              if b.kind == "external" and b.name.startswith("block@")}
-    state = shared_state(bf16)
-    assert state and set(state) <= blocks
+    blocks = {b.id for b in bf16.buffers if b.kind == "external" and b.name.startswith("block@")}
+    # cuDNN's implicit-GEMM convolution writes a 32 MiB block torch cached before the recording
+    (workspace,) = library_scratch(bf16)
+    assert workspace in blocks and bf16.buffers[workspace].size == 32 << 20
+    assert workspace in written_externals(bf16) and not shared_state(bf16)
+    # the same block written by an ATen kernel as well (a cache the model updates) is state
+    cache = TaskGraph(tasks=[Task(0, "kernel", name="_ZN2at6native18index_copy_kernelEv",
+                                  accesses=[Access(1, 0, 64, True)]),
+                             Task(1, "kernel", name="sm90_xmma_gemm_f16f16_f16f32",
+                                  accesses=[Access(1, 0, 64, True)])],
+                      buffers=[Buffer(0, "external", 64, 0x1000, "block@0x1000"),
+                               Buffer(1, "external", 64, 0x2000, "block@0x2000")])
+    assert shared_state(cache) == [(0x2000, 64)] and not written_externals(cache)
+    cache.tasks[0].accesses = []  # only the library writes it now: a workspace
+    assert library_scratch(cache) == [1] and not shared_state(cache)
     train = TaskGraph.load(FIXTURE_DIR / "resnet50_train.json.gz")
     private = {(train.buffers[b].address, train.buffers[b].size) for b in written_externals(train)}
     assert private and not private & set(shared_state(train))

@@ -3,7 +3,7 @@
 An arena starts with the plan's buffers (:class:`~nimble.analysis.memplan.MemPlan`, offsets from
 the aligned base); after them each graph keeps its *state*: an 8-byte cell per input (the
 address its gather node reads), the random generator's seed and offset cells, and a private copy
-of every library-owned buffer it writes (:func:`written_externals`).
+of every library-owned buffer and library workspace it writes (:func:`written_externals`).
 
 Graphs that are never launched at the same time (the shape buckets of one model instance, whose
 calls are serialized) share one arena: every graph's plan starts at the base, in a *shared
@@ -20,28 +20,50 @@ from typing import Sequence
 
 from ..analysis.memplan import MemPlan
 from ..ir.alignment import ALIGNMENT, align_up
-from ..ir.taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph
+from ..ir.kernel_names import library_kernel
+from ..ir.taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph, TaskKind
 
 
 def written_externals(graph: TaskGraph) -> list[int]:
-    """Library-owned memory (never handed out by torch's allocator) that the graph writes.
+    """Memory outside the arena that the graph writes and that each graph gets a private copy
+    of: library-owned memory (never handed out by torch's allocator), and blocks of torch's
+    allocator that only libraries' kernels write (:func:`library_scratch`).
 
     cuDNN's training batch norm keeps a partial-sum buffer and a grid semaphore of its own
     (per handle) that every such kernel writes; a graph that kept pointing there would share
-    them with every other graph and eager call, and lose them if cuDNN reallocated.  Memory from
-    torch's allocator that the graph writes may be a tensor the model updates on purpose (a
-    cache held as a plain attribute), so it stays shared.
+    them with every other graph and eager call, and lose them if cuDNN reallocated.  A GEMM or
+    convolution workspace that torch cached before the recording (32 MiB, written by a cuDNN
+    implicit-GEMM convolution of inception_v3 in bf16) is the same: torch may free it and hand
+    its bytes to a tensor, and graphs of other models or instances, running beside this one,
+    use it too.  Memory from torch's allocator that ATen or Triton kernels write may be a
+    tensor the model updates on purpose (a cache held as a plain attribute), so it stays shared
+    (:func:`shared_state`).
     """
-    return [b.id for b in _written_outside(graph) if b.name.startswith(LIBRARY_MEMORY)]
+    scratch = set(library_scratch(graph))
+    return [b.id for b in _written_outside(graph)
+            if b.name.startswith(LIBRARY_MEMORY) or b.id in scratch]
+
+
+def library_scratch(graph: TaskGraph) -> list[int]:
+    """Blocks of torch's allocator, outside the arena, that only libraries' kernels write
+    (:func:`~nimble.ir.kernel_names.library_kernel`): workspaces, whose bytes carry nothing from one
+    call to the next, so that a private copy starts zeroed instead of copied."""
+    writers: dict[int, list] = {}
+    for t in graph.tasks:
+        for a in t.accesses:
+            if a.write and a.size > 0:
+                writers.setdefault(a.buffer, []).append(t)
+    return [b.id for b in _written_outside(graph) if not b.name.startswith(LIBRARY_MEMORY)
+            and all(t.kind == TaskKind.KERNEL and library_kernel(t.name) for t in writers[b.id])]
 
 
 def shared_state(graph: TaskGraph) -> list[tuple[int, int]]:
     """``(address, size)`` of the memory from torch's allocator, outside the arena, that the
-    graph writes: state the model updates on purpose (a static cache's keys, values and
-    position counters), which stays shared and which the proof restores before every launch
-    (:mod:`nimble.engine.proof`)."""
-    return [(b.address, b.size) for b in _written_outside(graph)
-            if not b.name.startswith(LIBRARY_MEMORY)]
+    graph's ATen or Triton kernels write: state the model updates on purpose (a static
+    cache's keys, values and position counters), which stays shared and which the proof
+    restores before every launch (:mod:`nimble.engine.proof`)."""
+    private = set(written_externals(graph))
+    return [(b.address, b.size) for b in _written_outside(graph) if b.id not in private]
 
 
 def _written_outside(graph: TaskGraph) -> list:

@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from ..analysis import backfill
 from .. import driver
-from .arena_layout import StateLayout, own_layout
+from .arena_layout import StateLayout, library_scratch, own_layout
 from .build import BuiltGraph, InputGather, buffer_bases
 from .launcher import CallOrder, InputSlot, Launcher, RngCells
 from .priority_trials import PriorityTrial, pick_priorities
@@ -234,14 +234,22 @@ def backfill_trials(graph: TaskGraph, schedule: Schedule,
 def _place_buffers(graph: TaskGraph, plan: MemPlan, layout: StateLayout,
                    arena: driver.DeviceMemory, device) -> tuple[int, list[int], RngCells | None]:
     """``(aligned arena base, where every buffer lives, the generator's cells)``; copies the
-    library's bytes into the private copies and gives each low-word buffer its own memory."""
+    library's bytes into the private copies (zeroes those of workspaces) and gives each
+    low-word buffer its own memory."""
+    import torch
+
     base = align_up(arena.address)
     bases = buffer_bases(graph, plan, base)
     rng_bases, rng = _rng_cells(graph, device, base + layout.rng_at)
     for bid, address in rng_bases.items():
         bases[bid] = address
+    scratch = set(library_scratch(graph))
     for bid, at in layout.private.items():
-        driver.copy_device(base + at, graph.buffers[bid].address, graph.buffers[bid].size)
+        if bid in scratch:  # a workspace: nothing to carry over, and torch may have freed it
+            driver.fill_bytes_async(base + at, 0, graph.buffers[bid].size,
+                                    driver.stream(torch.cuda.current_stream().cuda_stream))
+        else:
+            driver.copy_device(base + at, graph.buffers[bid].address, graph.buffers[bid].size)
         bases[bid] = base + at
     for bid in graph.meta.get("low_word_buffers", []):
         b = graph.buffers[bid]

@@ -52,3 +52,11 @@ def short_kernel_name(mangled: str, limit: int = 80) -> str:
     if not parts:
         return mangled[:limit]
     return "::".join(parts)[:limit]
+
+
+def library_kernel(name: str) -> bool:
+    """Whether a kernel (its mangled or plain name) is a library's (cuBLAS, cuDNN, CUTLASS...):
+    neither ATen's own (``at::native::``), nor a Triton kernel, nor one of Nimble's."""
+    short = short_kernel_name(name, limit=len(name))
+    return not ("at::native::" in name or short.startswith("at::native::")
+                or short.startswith(("triton", "nimble_")))
