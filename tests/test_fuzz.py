@@ -482,6 +482,26 @@ def test_a_launch_whose_copies_would_overrun_the_budget_is_not_readied(no_device
     assert fake.events == ["draw", "run"] * 6
 
 
+def test_the_last_fuzz_launch_fits_the_budget(no_device, monkeypatch):
+    """A launch runs only where the one before it would still fit: 40 ms launches after a
+    proof of 100 ms run twice, not three times (the third would end at 120 ms)."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(proof, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+
+    class Slow(FakeFuzz):
+        def run(self, inputs):
+            clock.now += 0.04
+            return super().run(inputs)
+    def served(inputs):  # four served launches of 25 ms: a proof of 100 ms
+        clock.now += 0.025
+        return [inputs[0] * 2]
+    fake = Slow()
+    proof.verify_against_reference(TaskGraph(), lambda inputs: [inputs[0] * 2], served,
+                                   [torch.zeros(8)], [], None, relaunches=4, fuzz=fake,
+                                   fuzz_budget=proof.FuzzBudget(10, time_factor=1.0, at_least=1))
+    assert fake.stats.launches == 2
+
+
 def test_fuzz_launches_over_saved_state_see_the_same_budget(no_device, monkeypatch):
     """A graph that writes memory not its own (a training step's running statistics, a decode
     step's cache) runs its fuzz launches from the saved state: the budget still hears what

@@ -206,13 +206,17 @@ class Reference:
 
     def fuzz_launches(self, fuzz: FuzzRuns, budget: FuzzBudget, proof_seconds: float) -> None:
         """Launches of ``fuzz`` as ``budget`` allows after a proof of ``proof_seconds``, each
-        after a fresh draw, checked the same way."""
+        after a fresh draw, checked the same way.  A launch runs only where the budget has
+        room for it as well: for what readying it costs and for as long as the launch before
+        took, so that the last launch does not carry the fuzz part past its budget."""
         started = time.perf_counter()
-        launch = 0
-        while budget.allows(launch, proof_seconds,
-                            time.perf_counter() - started + fuzz.upcoming_seconds(launch)):
+        launch, last = 0, 0.0
+        while budget.allows(launch, proof_seconds, time.perf_counter() - started
+                            + fuzz.upcoming_seconds(launch) + last):
+            began = time.perf_counter()
             fuzz.draw()
             self._check_one(f"fuzz launch {launch} (with random delays)", fuzz.run, launch)
+            last = time.perf_counter() - began
             launch += 1
 
     def _check_one(self, label: str, run: Callable[[list], list], launch: int) -> None:
