@@ -167,13 +167,17 @@ def measure(name: str, dtype: str, args) -> dict:
     return result
 
 
+def _limits_line(what: str, lim: dict) -> str:
+    return (f"  {what}: {lim['isolated_sum_us'] / 1e3:.3f} ms of kernels; critical path "
+            f"{lim['critical_path_us'] / 1e3:.3f} ms; with {lim['launch_us']:.2f} µs launch cost "
+            f"per task {lim['launch_aware_path_us'] / 1e3:.3f} ms; GPU capacity "
+            f"{lim['capacity_us'] / 1e3:.3f} ms")
+
+
 def report(r: dict) -> str:
     lim = r["limits"]
-    out = [f"{r['model']} {r['dtype']} batch {r['batch']}: {lim['tasks']} tasks, "
-           f"{lim['isolated_sum_us'] / 1e3:.3f} ms of kernels alone",
-           f"  limits: critical path {lim['critical_path_us'] / 1e3:.3f} ms; with "
-           f"{lim['launch_us']:.2f} µs launch cost per task {lim['launch_aware_path_us'] / 1e3:.3f}"
-           f" ms; GPU capacity {lim['capacity_us'] / 1e3:.3f} ms"]
+    out = [f"{r['model']} {r['dtype']} batch {r['batch']}: {lim['tasks']} tasks",
+           _limits_line("isolated times (prepare's)", lim)]
     for k, m in r["ms"].items():
         out.append(f"  {k:<24}{m['median']:8.3f} ms ({m['min']:.3f}-{m['max']:.3f})  "
                    f"{m['median'] * 1e3 / lim['critical_path_us']:5.2f}x the critical path, "
@@ -181,13 +185,9 @@ def report(r: dict) -> str:
                    f"{r['streams'][k]} streams, arena {r['arena_mb'][k]:.0f} MB")
     chain = r.get("in_chain_limits")
     if chain:
-        out.append(f"  in-chain times (profiler, single-stream replays): "
-                   f"{chain['isolated_sum_us'] / 1e3:.3f} ms of kernels; critical path "
-                   f"{chain['critical_path_us'] / 1e3:.3f} ms; with {chain['launch_us']:.2f} µs "
-                   f"launch cost per task {chain['launch_aware_path_us'] / 1e3:.3f} ms; GPU "
-                   f"capacity {chain['capacity_us'] / 1e3:.3f} ms; served multi "
-                   f"{r['ms']['multi (served)']['median'] * 1e3 / chain['tightest_us']:.2f}x "
-                   f"the tightest")
+        served_us = r["ms"]["multi (served)"]["median"] * 1e3
+        out.append(_limits_line("in-chain times (profiler, single-stream replays)", chain)
+                   + f"; served multi {served_us / chain['tightest_us']:.2f}x the tightest")
     for k, t in r["traces"].items():
         p = t["path"]
         out.append(f"  trace of {k}: plain {t['plain_us']:.0f} µs, instrumented "
