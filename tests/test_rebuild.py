@@ -239,8 +239,7 @@ def test_the_served_phases_and_their_backfill_trial_go_through_the_builder(
     monkeypatch.setattr(prepared_module, "_after_phases",
                         lambda before, stream: lambda built, count: float(count))
     builder = served_builder()
-    rec = SimpleNamespace(graph=builder.graph, output_spec=SimpleNamespace(is_leaf=lambda: True),
-                          static_inputs=[torch.ones(1024)])
+    rec = SimpleNamespace(graph=builder.graph, output_spec=SimpleNamespace(is_leaf=lambda: True))
     slot = InputSlot(torch.zeros(1024), 0x1000, 4096, (1024,), torch.float32, True, 0x9000)
     trial = Backfill(1, 5, (4,), 1, 1.0, 1.0)
     builts: list = []

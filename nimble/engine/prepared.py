@@ -284,7 +284,7 @@ def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: l
                   priority_trials: Sequence[PriorityTrial] = ()
                   ) -> tuple[list[Launcher], list[backfill.Picked]]:
     """Each phase built as served (appended to ``builts``, which the caller frees on an error),
-    its priorities measured against ``priority_trials`` (what was measured goes to
+    its resource-aware priorities (``priority_trials``; what was measured goes to
     ``graph.meta["resource_order"]``) and then its tail backfill trials timed, and its launcher
     over its share of inputs and outputs (sharing ``order``: a new one when None)."""
     graph = rec.graph
@@ -296,75 +296,38 @@ def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: l
     picked: list[backfill.Picked] = []
     ordered: list[dict] = []
     first_in = first_out = 0
-    measured = _MeasuredLaunches(rec, slots) if priority_trials or backfill_trials else None
-    try:
-        for k in range(len(builder.spans)):
-            built = _measured_choices(builder, k, builder.build(k), builts, priority_trials,
-                                      (backfill_trials or {}).get(k), ordered, picked)
-            builts.append(built)
-            launchers.append(Launcher(
-                built.exec.handle, slots[first_in:first_in + in_counts[k]], device,
-                outputs[first_out:first_out + out_counts[k]],
-                rec.output_spec if k == 0 else None, context, rng if k == 0 else None,
-                order=order))
-            first_in += in_counts[k]
-            first_out += out_counts[k]
-    finally:
-        if measured is not None:
-            measured.close()
+    for k in range(len(builder.spans)):
+        built = builder.build(k)
+        if priority_trials:
+            try:
+                built, report = pick_priorities(builder, k, built, priority_trials,
+                                                _after_phases(builts, builder.upload_stream))
+            except BaseException:
+                built.close()  # the plain build is this loop's until a pick returns
+                raise
+            if report is not None:
+                ordered.append(report.as_meta())
+        if backfill_trials and backfill_trials.get(k):
+            try:
+                built, report = backfill.pick(
+                    built, backfill_trials[k],
+                    lambda late, k=k: builder.build(k, PhaseOptions(late_edges=late)),
+                    _after_phases(builts, builder.upload_stream))
+            except BaseException:
+                built.close()  # pick frees the graphs it built, not this one
+                raise
+            picked.append(report)
+        builts.append(built)
+        launchers.append(Launcher(
+            built.exec.handle, slots[first_in:first_in + in_counts[k]], device,
+            outputs[first_out:first_out + out_counts[k]],
+            rec.output_spec if k == 0 else None, context, rng if k == 0 else None,
+            order=order))
+        first_in += in_counts[k]
+        first_out += out_counts[k]
     if priority_trials:
         graph.meta["resource_order"] = ordered
     return launchers, picked
-
-
-def _measured_choices(builder: PhaseBuilder, k: int, built: BuiltGraph,
-                      before: Sequence[BuiltGraph], priority_trials: Sequence[PriorityTrial],
-                      backfill_trials: list | None, ordered: list[dict],
-                      picked: list) -> BuiltGraph:
-    """Phase ``k`` (``built``, as served) as its measured choices keep it: its priorities
-    against each trial's, then its tail backfill.  Each pick frees the graphs it does not keep;
-    on an error the one in hand is freed here."""
-    try:
-        if priority_trials:
-            built, report = pick_priorities(builder, k, built, priority_trials,
-                                            _after_phases(before, builder.upload_stream))
-            if report is not None:
-                ordered.append(report.as_meta())
-        if backfill_trials:
-            built, report = backfill.pick(
-                built, backfill_trials,
-                lambda late: builder.build(k, PhaseOptions(late_edges=late)),
-                _after_phases(before, builder.upload_stream))
-            picked.append(report)
-    except BaseException:
-        built.close()
-        raise
-    return built
-
-
-class _MeasuredLaunches:
-    """While prepare times candidate builds (priorities, tail backfill), the graphs run on the
-    recording's own inputs, copied into the slots (a fresh arena's bytes read as token ids
-    would index past an embedding and trip a device assert), and the memory outside the arena
-    they write (a static cache the model keeps) is put back afterwards (:meth:`close`)."""
-
-    def __init__(self, rec, slots: Sequence[InputSlot]) -> None:
-        import torch
-
-        from .arena_layout import shared_state
-        from .proof import SharedState
-
-        with torch.no_grad():
-            for slot, value in zip(slots, rec.static_inputs):
-                if tuple(slot.shape) == tuple(value.shape) and slot.dtype == value.dtype:
-                    slot.tensor.copy_(value)
-        ranges = shared_state(rec.graph)
-        self._state = SharedState(ranges) if ranges else None
-
-    def close(self) -> None:
-        if self._state is not None:
-            self._state.close()
-            self._state = None
 
 
 class ArenaRegion(NamedTuple):
