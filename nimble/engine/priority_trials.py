@@ -101,10 +101,9 @@ def forced_rule(rule: str, ordering: Sequence[PriorityTrial], plain: list[int] |
     return next((t.priorities for t in ordering if t.trial.rule == rule), plain)
 
 
-#: The candidate that runs every kernel at the top priority, within 0.5% of a graph without
-#: priorities (googlenet fp32 on an H200 ran 3.0% faster so than with the slack priorities,
-#: five other models 1.0-5.0% slower: docs/results.md): measured at prepare whenever the slack
-#: priorities are on.
+#: The candidate that runs every kernel at the top priority, as a graph without priorities runs
+#: (googlenet fp32 on an H200 ran 3.5% faster so, and 0.6-5% slower on five other models:
+#: docs/results.md): measured at prepare whenever the slack priorities are on.
 FLAT = "flat"
 #: ``PrepareOptions(resource_order=SLACK)`` serves the slack priorities unmeasured.
 SLACK = "slack"
