@@ -30,9 +30,8 @@ def _slack_and(options, model, x):
     import nimble
 
     plain = nimble.Nimble(model).prepare(
-        x, return_copies=True, options=nimble.PrepareOptions(relaunches=4, keep_recording=True,
-                                                             resource_order="slack"))
-    assert "resource_order" not in plain.graph.meta  # served as asked, nothing measured
+        x, return_copies=True, options=nimble.PrepareOptions(relaunches=4, keep_recording=True))
+    assert "resource_order" not in plain.graph.meta
     nm = nimble.Nimble(model).prepare(
         x, return_copies=True,
         options=dataclasses.replace(options, relaunches=4, recording=plain.recording))
@@ -75,30 +74,6 @@ def test_a_kept_candidate_is_built_into_the_kernel_nodes_and_proven(monkeypatch)
     for _ in range(3):
         fresh = torch.randn_like(x)
         assert torch.equal(nm(fresh), plain(fresh))
-
-
-def test_by_default_the_slack_priorities_are_measured_against_one_priority_for_all():
-    """A default prepare times the slack priorities against every kernel at the top priority
-    and serves the faster, proven."""
-    import torch
-
-    import nimble
-    from nimble import driver
-
-    model, x = zoo_model("googlenet")
-    nm = nimble.Nimble(model).prepare(
-        x, return_copies=True, options=nimble.PrepareOptions(relaunches=4, keep_recording=True))
-    (report,) = nm.graph.meta["resource_order"]
-    assert [t["rule"] for t in report["trials"]] == ["flat"] and report["plain_ms"] > 0
-    assert report["kept"] in (None, "flat")
-    _, greatest = driver.stream_priority_range()
-    kernels = [t for t, task in enumerate(nm.graph.tasks) if task.kind == "kernel"]
-    top = [nm.kernel_priorities[t] == greatest for t in kernels]
-    assert all(top) if report["kept"] == "flat" else not all(top)
-    fresh = torch.randn_like(x)
-    assert torch.equal(nm(fresh), nm.recording.replay_reference([fresh])[0])
-    with torch.no_grad():
-        torch.testing.assert_close(nm(fresh), model(fresh), rtol=2e-3, atol=2e-3)
 
 
 def test_a_rule_named_in_the_options_moves_only_its_kernels_one_step_down():

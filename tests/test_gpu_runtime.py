@@ -324,8 +324,7 @@ def test_kernels_run_at_priorities_from_their_slack_and_give_the_same_bits():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no refused device-launchable exec
         nm = nimble.Nimble(model).prepare(
-            x, return_copies=True, options=nimble.PrepareOptions(
-                relaunches=4, keep_recording=True, resource_order="slack"))
+            x, return_copies=True, options=nimble.PrepareOptions(relaunches=4, keep_recording=True))
     plain = nimble.Nimble(model).prepare(
         x, return_copies=True,
         options=nimble.PrepareOptions(relaunches=4, priorities=False, recording=nm.recording))

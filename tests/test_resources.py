@@ -245,42 +245,18 @@ def test_the_options_refuse_an_unknown_rule_and_ordering_without_priorities():
 
     with pytest.raises(InputError, match="a rule is one of large_last, compute_last"):
         nimble.PrepareOptions(resource_order="smallest_first")
-    assert nimble.PrepareOptions(resource_order="slack").resource_order == "slack"
     with pytest.raises(InputError, match="leave priorities=True"):
         nimble.PrepareOptions(resource_order=True, priorities=False)
     assert nimble.PrepareOptions(priorities=False).resource_order is False
 
 
-def test_by_default_the_slack_priorities_are_timed_against_every_kernel_at_the_top():
-    from nimble.engine.priority_trials import FLAT, planned_ordering
-
-    def untimed():
-        pytest.fail("timed")
-    ranks, (flat,) = planned_ordering(False, None, None, untimed, [0, -5, -2], (0, -5))
-    assert ranks == [0, -5, -2] and flat.trial.rule == FLAT
-    assert flat.priorities == [-5, -5, -5] and flat.trial.changed == 2
-    # nothing to time where every kernel is at the top already, or the slack ones are asked for
-    assert planned_ordering(False, None, None, untimed, [-5, -5], (0, -5)) == ([-5, -5], [])
-    assert planned_ordering("slack", None, None, untimed, [0, -5], (0, -5)) == ([0, -5], [])
-
-
-def test_without_priorities_nothing_is_planned():
+def test_without_the_option_or_without_priorities_nothing_is_planned():
     from nimble.engine.priority_trials import planned_ordering
 
     def untimed():
         pytest.fail("timed")
-    assert planned_ordering(False, None, None, untimed, None, (0, -5)) == (None, [])
+    assert planned_ordering(False, None, None, untimed, [0, 1], (0, -5)) == ([0, 1], [])
     assert planned_ordering("large_last", None, None, untimed, None, (0, -5)) == (None, [])
-
-
-def test_with_every_candidate_asked_for_the_flat_one_is_timed_last(monkeypatch):
-    from nimble.engine import priority_trials
-
-    rule = _trial([0, -1], "large_last")
-    monkeypatch.setattr(priority_trials, "resource_trials", lambda *a: [rule])
-    ranks, trials = priority_trials.planned_ordering(True, None, None, lambda: [1.0, 1.0],
-                                                     [0, -1], (0, -5))
-    assert ranks == [0, -1] and [t.trial.rule for t in trials] == ["large_last", "flat"]
 
 
 def test_a_kernel_s_registers_and_static_shared_memory_count_toward_its_footprint():

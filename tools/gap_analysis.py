@@ -4,10 +4,8 @@
         [--rounds 5] [--iters 30] [--trace-runs 5] [--caps 8,16] [--json FILE]
     python3 tools/gap_analysis.py --report FILE    (no GPU: print a --json file's report)
 
-Per model and dtype, from one recording: Nimble multi-stream as served (the default options:
-the slack priorities or one priority for all, whichever measured faster at prepare), with the
-arena uncapped, with the slack priorities unmeasured, without kernel priorities, under stream
-caps (``--caps``), and Nimble
+Per model and dtype, from one recording: Nimble multi-stream as served (the default options),
+with the arena uncapped, without kernel priorities, under stream caps (``--caps``), and Nimble
 single-stream, each proven with
 8 launches and no race fuzzer, timed in interleaved rounds.  Then every task is timed alone and
 the phase's limits are worked out (:mod:`nimble.analysis.limits`): the critical path of isolated
@@ -59,8 +57,6 @@ def _variants(model, x, caps) -> dict[str, nimble.Nimble]:
         "multi (served)": served,
         "multi, arena uncapped": nimble.Nimble(model).prepare(
             x, options=nimble.PrepareOptions(recording=rec, arena_limit=None, **PROOF)),
-        "multi, slack priorities": nimble.Nimble(model).prepare(
-            x, options=nimble.PrepareOptions(recording=rec, resource_order="slack", **PROOF)),
         "multi, no priorities": nimble.Nimble(model).prepare(
             x, options=nimble.PrepareOptions(recording=rec, priorities=False, **PROOF)),
         "single": nimble.Nimble(model).prepare(

@@ -47,7 +47,7 @@ PROOF = {"relaunches": 8, "fuzz": False}
 def _variants(model, x) -> tuple[dict[str, nimble.Nimble], float]:
     """The prepared variants by label, and the critical-path limit in µs."""
     plain = nimble.Nimble(model).prepare(
-        x, options=nimble.PrepareOptions(keep_recording=True, resource_order="slack", **PROOF))
+        x, options=nimble.PrepareOptions(keep_recording=True, **PROOF))
     rec = plain.recording
     out = {"slack priorities": plain}
     for rule in resources.RULES:

@@ -52,9 +52,7 @@ class PrepareOptions:
         Gives every kernel of a multi-stream graph a scheduling priority from its slack on the
         critical path (:mod:`nimble.analysis.priorities`; each task is timed alone once for
         it), so that where kernels compete for the GPU, those the run waits for get the SMs
-        first; kept for each phase where it measures faster at prepare than every kernel at
-        the top priority (``nm.graph.meta["resource_order"]`` says what was measured).
-        ``nm.kernel_priorities`` shows them.
+        first.  ``nm.kernel_priorities`` shows them.
     backfill : bool or None
         Lets a phase whose critical path ends in narrow kernels run work with slack beside
         them, if that measures faster at prepare (:mod:`nimble.analysis.backfill`).  None: on
@@ -67,8 +65,7 @@ class PrepareOptions:
         Needs ``priorities``.  ``nm.graph.meta["resource_order"]`` says what was measured and
         kept.  Off until measured on the GPU.  A rule's name
         (:data:`nimble.analysis.resources.RULES`) serves that rule's priorities unmeasured,
-        for side-by-side timing (``tools/resource_ab.py``); ``"slack"`` serves the slack
-        priorities unmeasured.
+        for side-by-side timing (``tools/resource_ab.py``).
     """
 
     arena_limit: int | str | None = "pool"
@@ -88,10 +85,9 @@ class PrepareOptions:
         from ..errors import InputError
 
         order = self.resource_order
-        if isinstance(order, str) and order not in RULES and order != "slack":
+        if isinstance(order, str) and order not in RULES:
             raise InputError(f"PrepareOptions(resource_order={order!r}): a rule is one of "
-                             f"{', '.join(RULES)} (or True to measure them all, \"slack\" "
-                             "to serve the slack priorities unmeasured)")
+                             f"{', '.join(RULES)} (or True to measure them all)")
         if order and not self.priorities:
             raise InputError(f"PrepareOptions(resource_order={order!r}) orders kernels by "
                              "their priorities: leave priorities=True")

@@ -159,8 +159,8 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
         say(f"timing {sum(map(len, planned.trials.values()))} tail backfill(s) against none",
             quiet)
     if first is None and planned.ordering:
-        say(f"timing {len(planned.ordering)} other priority set(s) against the slack ones",
-            quiet)
+        say(f"timing {len(planned.ordering)} resource-aware priority set(s) against the slack "
+            "ones", quiet)
     seconds = planned.seconds if first is None else {}
     built = build_prepared(model, planned.rec, planned.schedule, planned.memplan,
                            device_launch=device_launch_allowed(options.device_launch),

@@ -101,24 +101,6 @@ def forced_rule(rule: str, ordering: Sequence[PriorityTrial], plain: list[int] |
     return next((t.priorities for t in ordering if t.trial.rule == rule), plain)
 
 
-#: The candidate that runs every kernel at the top priority, as a graph without priorities runs
-#: (googlenet fp32 on an H200 ran 3.5% faster so, and 0.6-5% slower on five other models:
-#: docs/results.md): measured at prepare whenever the slack priorities are on.
-FLAT = "flat"
-#: ``PrepareOptions(resource_order=SLACK)`` serves the slack priorities unmeasured.
-SLACK = "slack"
-
-
-def flat_trial(ranks: Sequence[int], greatest: int) -> PriorityTrial | None:
-    """Every task at ``greatest`` (the device's top priority), or None where ``ranks`` are all
-    there already."""
-    changed = sum(r != greatest for r in ranks)
-    if not changed:
-        return None
-    n = len(ranks)
-    return PriorityTrial(resources.ResourceTrial(FLAT, (0,) * n, 0, changed), [greatest] * n)
-
-
 class Ordering(NamedTuple):
     """The priorities a graph is built with, and the candidates to time against them."""
 
@@ -130,16 +112,11 @@ def planned_ordering(resource_order: bool | str, rec, schedule: Schedule,
                      durations: Callable[[], Sequence[float]], ranks: list[int] | None,
                      priority_range: tuple[int, int]) -> Ordering:
     """What ``PrepareOptions(resource_order=...)`` asks of a planned recording with the slack
-    priorities ``ranks``: nothing where there are no priorities (``ranks`` None) or the slack
-    ones are to be served as they are (:data:`SLACK`); else the slack priorities timed against
-    every kernel at the top priority (:func:`flat_trial`), and with ``True`` against every
-    resource-aware candidate as well; a rule's name serves that rule's priorities unmeasured."""
-    if ranks is None or resource_order == SLACK:
+    priorities ``ranks``: nothing (off, or no priorities: ``ranks`` None), every candidate to
+    time (True), or one rule's priorities served as they are (a rule's name)."""
+    if not resource_order or ranks is None:
         return Ordering(ranks, [])
-    flat = [t for t in (flat_trial(ranks, priority_range[1]),) if t is not None]
-    if not resource_order:
-        return Ordering(ranks, flat)
     trials = resource_trials(rec, schedule, durations(), priority_range)
     if isinstance(resource_order, str):
         return Ordering(forced_rule(resource_order, trials, ranks), [])
-    return Ordering(ranks, trials + flat)
+    return Ordering(ranks, trials)
