@@ -529,3 +529,20 @@ def test_fixture_parameter_written_on_two_parallel_branches(path):
     assert f"tasks {x} and {y} both access buffer {buf.id} (param {buf.name!r})" in str(err.value)
     edges = scheduled_edges(g)
     check_plan(g, edges, plan_memory(g, edges))
+
+
+def test_an_inputs_bytes_are_reused_once_its_last_reader_ran():
+    """gpt2's token ids share their bytes with later activations: a launch with no call behind
+    it (prepare's timing launches) must have the inputs copied in again, or it reads those
+    activations as token ids."""
+    from helpers import FIXTURE_DIR
+    from nimble.analysis.deps import task_durations
+    from nimble.engine.prepared import plan_graph
+
+    graph = TaskGraph.load(FIXTURE_DIR / "gpt2_float16.json.gz")
+    _, plan = plan_graph(graph, True, None, "pool", task_durations(graph))
+    (ids,) = [b for b in graph.buffers if b.kind == BufferKind.INPUT]
+    start = plan.offsets[ids.id]
+    sharers = [b for b in graph.buffers if b.id != ids.id and b.id in plan.offsets
+               and plan.offsets[b.id] < start + ids.size and start < plan.offsets[b.id] + b.size]
+    assert sharers and all(b.kind == BufferKind.INTERMEDIATE for b in sharers)

@@ -168,13 +168,19 @@ def test_prepare_builds_each_phase_with_the_priorities_that_differ_in_it_and_kee
     faster = [0, -1, -2, 0, -2, -1]  # task 4 (phase 1) one level down
     same = list(PRIORITIES)
 
-    def launch(before, stream):
+    refreshed = []
+
+    def launch(before, stream, refresh=None):
         # the graph whose task 4 has the trial's priority runs faster
-        return lambda built, count: count * (1.0 if bindings.priority[built.nodes[1]] == -2
-                                             else 2.0)
+        def timed(built, count):
+            refresh()
+            refreshed.append(slot.tensor.clone())
+            return count * (1.0 if bindings.priority[built.nodes[1]] == -2 else 2.0)
+        return timed
     monkeypatch.setattr(prepared_module, "_after_phases", launch)
     builder = served_builder()
-    rec = SimpleNamespace(graph=builder.graph, output_spec=SimpleNamespace(is_leaf=lambda: True))
+    rec = SimpleNamespace(graph=builder.graph, output_spec=SimpleNamespace(is_leaf=lambda: True),
+                          static_inputs=[torch.arange(1024.0)])
     slot = InputSlot(torch.zeros(1024), 0x1000, 4096, (1024,), torch.float32, True, 0x9000)
     builts: list = []
     launchers, _ = prepared_module._build_phases(
@@ -190,6 +196,9 @@ def test_prepare_builds_each_phase_with_the_priorities_that_differ_in_it_and_kee
          "kept": "large_last"}]
     assert [bindings.priority[n] for n in builts[1].nodes] == faster[3:]
     assert len(launchers) == 2
+    # every timed launch read the recording's own inputs (an input's bytes are reused after
+    # its last reader, so a launch with no call behind it would read what the last one left)
+    assert refreshed and all(torch.equal(x, torch.arange(1024.0)) for x in refreshed)
     for built in builts:
         built.close()
 

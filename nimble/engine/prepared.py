@@ -300,8 +300,10 @@ def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: l
         built = builder.build(k)
         if priority_trials:
             try:
-                built, report = pick_priorities(builder, k, built, priority_trials,
-                                                _after_phases(builts, builder.upload_stream))
+                built, report = pick_priorities(
+                    builder, k, built, priority_trials,
+                    _after_phases(builts, builder.upload_stream,
+                                  _recorded_inputs_into(slots, rec.static_inputs)))
             except BaseException:
                 built.close()  # the plain build is this loop's until a pick returns
                 raise
@@ -328,6 +330,25 @@ def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: l
     if priority_trials:
         graph.meta["resource_order"] = ordered
     return launchers, picked
+
+
+def _recorded_inputs_into(slots: Sequence[InputSlot], values: Sequence) -> Callable[[], None]:
+    """A ``refresh`` for :func:`_after_phases`: the recording's inputs copied into the slots
+    (in stream order), so that every timed launch reads real inputs.  An input's bytes are
+    planned for reuse once its last reader ran (gpt2's token ids share theirs with later
+    activations), and a launch with no call behind it gathers each slot onto itself: the
+    second launch would read those activations as token ids, an embedding's index out of
+    range and a device-side assert."""
+    pairs = [(s.tensor, v) for s, v in zip(slots, values)
+             if tuple(s.shape) == tuple(v.shape) and s.dtype == v.dtype]
+
+    def refresh() -> None:
+        import torch
+
+        with torch.no_grad():
+            for slot, value in pairs:
+                slot.copy_(value)
+    return refresh
 
 
 class ArenaRegion(NamedTuple):
@@ -413,10 +434,13 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     return prepared
 
 
-def _after_phases(before: Sequence[BuiltGraph], stream) -> Callable[[BuiltGraph, int], float]:
+def _after_phases(before: Sequence[BuiltGraph], stream,
+                  refresh: Callable[[], None] | None = None
+                  ) -> Callable[[BuiltGraph, int], float]:
     """``launch(built, count) -> ms``: ``count`` launches of ``built``, each after one launch of
     every phase of ``before`` (so it reads what they write: a backward reads the forward's
-    saved max-pool indices, and its own writes may reuse their bytes), timing ``built`` only."""
+    saved max-pool indices, and its own writes may reuse their bytes), timing ``built`` only;
+    ``refresh()`` runs before each (:func:`_recorded_inputs_into`)."""
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -424,6 +448,8 @@ def _after_phases(before: Sequence[BuiltGraph], stream) -> Callable[[BuiltGraph,
     def launch(built: BuiltGraph, count: int) -> float:
         total = 0.0
         for _ in range(count):
+            if refresh is not None:
+                refresh()
             for b in before:
                 driver.launch(b.exec.handle, stream)
             start.record()
