@@ -49,7 +49,7 @@ def test_a_kept_candidate_is_built_into_the_kernel_nodes_and_proven(monkeypatch)
     from nimble import driver
     from nimble.engine import prepared as prepared_module
 
-    def first_candidate_fastest(before, stream):
+    def first_candidate_fastest(before, stream, refresh=None):
         seen: list[int] = []
 
         def launch(built, count):
