@@ -244,10 +244,10 @@ def _place_buffers(graph: TaskGraph, plan: MemPlan, layout: StateLayout,
     for bid, address in rng_bases.items():
         bases[bid] = address
     scratch = set(library_scratch(graph))
+    stream = driver.stream(torch.cuda.current_stream().cuda_stream) if scratch else None
     for bid, at in layout.private.items():
         if bid in scratch:  # a workspace: nothing to carry over, and torch may have freed it
-            driver.fill_bytes_async(base + at, 0, graph.buffers[bid].size,
-                                    driver.stream(torch.cuda.current_stream().cuda_stream))
+            driver.fill_bytes_async(base + at, 0, graph.buffers[bid].size, stream)
         else:
             driver.copy_device(base + at, graph.buffers[bid].address, graph.buffers[bid].size)
         bases[bid] = base + at

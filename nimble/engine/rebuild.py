@@ -91,12 +91,11 @@ class PhaseBuilder:
             stamps=options.stamps, delays=options.delays, instantiate=not options.edgeless)
 
     def edges_of(self, phase: int, options: PhaseOptions = AS_SERVED) -> list[tuple[int, int]]:
-        """The edges inside phase ``phase`` of a build with ``options`` (its late ones
-        included; an ``order``'s chain aside)."""
-        span = self.spans[phase]
-        late = self.late_edges if options.late_edges is None else options.late_edges
-        kept = [e for e in self.edges if e not in options.removed_edges]
-        return [(u, v) for u, v in kept + list(late) if u in span and v in span]
+        """The edges inside phase ``phase`` of a build with ``options``, its late ones
+        included (:meth:`spec`'s)."""
+        spec = self.spec(phase, options)
+        return [(u, v) for u, v in list(spec.edges) + list(spec.late_edges)
+                if u in spec.span and v in spec.span]
 
     def build(self, phase: int, options: PhaseOptions = AS_SERVED) -> BuiltGraph:
         """Phase ``phase`` built and instantiated with ``options``."""
