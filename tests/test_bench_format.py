@@ -34,8 +34,11 @@ def _info(model: str, multi_ms: float, dtype: str = "float32", quick: bool = Fal
     if not quick:
         info["arena_mb"]["nimble multi, host launch"] = 1.5
         info.update(host_us_per_call_host_launch=25.0, host_us_bare_launch=7.5,
-                    critical_path_us=400.0,
-                    serial_kernel_us=900.0, achieved_over_limit=1.25,
+                    limits={"tasks": 10, "isolated_sum_us": 900.0, "critical_path_us": 400.0,
+                            "launch_us": 0.5, "launch_aware_path_us": 402.0,
+                            "capacity_us": 350.0, "tightest_us": 402.0,
+                            "tightest": "launch-aware path"},
+                    over_critical_path=1.25, over_tightest_limit=1.24,
                     trace={"concurrency": 1.76, "makespan_us": 336.0, "idle_us": {0: 3.0, 1: 40.0},
                            "overhead": 0.207, "overhead_ends_only": 0.08, "overhead_grouped": 0.03,
                            "concurrency_ends_only": 1.8})
@@ -46,7 +49,8 @@ def test_per_model_report_names_every_mode_and_the_launch_mode():
     text = format_model(_info("toy", 0.5))
     for label in ("eager", "torch.cuda.graph", "nimble multi, host launch", "nimble single"):
         assert label in text
-    assert "device-launchable" in text and "12.3 µs/call" in text and "1.25× the limit" in text
+    assert "device-launchable" in text and "12.3 µs/call" in text and "nimble multi at 1.25× the critical path, 1.24× the tightest (launch-aware path)" in text
+    assert "critical path 400 µs; with 0.50 µs launch cost a task 402 µs; GPU capacity 350 µs (serial 900 µs)" in text
     assert "a bare cuGraphLaunch of it beside: 7.5 µs" in text
     assert "achieved concurrency 1.76 (DAG width 2, 2 streams)" in text
     assert "instrumentation +21% (+8% with end stamps only, +3% with them in 8 groups)" in text
@@ -58,7 +62,7 @@ def test_summary_table_has_a_row_per_model_with_its_ratios():
     assert set(rows) == {"a", "b"}
     # x graph and x eager of Nimble multi, then arena, pool, limit, host µs, concurrency, and
     # no nimble+inductor or torch.compile rows
-    assert rows["a"][-10:] == ["2.00", "10.0", "1.5", "2.0", "0.400", "12.3", "1.76", "–", "–",
+    assert rows["a"][-10:] == ["2.00", "10.0", "1.5", "2.0", "0.402", "12.3", "1.76", "–", "–",
                                "–"]
     assert rows["b"][-10:-8] == ["4.00", "20.0"]
 
@@ -75,7 +79,7 @@ def test_summary_compares_nimble_multi_even_where_a_variant_is_faster():
     assert "best" not in lines[0]
     assert lines[2].split()[-10:-6] == ["2.00", "10.0", "1.5", "2.0"]  # multi's, pool
     text = format_model(info)
-    assert "nimble multi at 1.25× the limit" in text
+    assert "nimble multi at 1.25× the critical path" in text
     assert "k=2 1.0" in text and "uncapped 9.0" in text  # every variant's arena
 
 
@@ -131,7 +135,7 @@ def test_summary_table_dtype_column_and_quick_rows():
     # x graph, x eager, arena, pool, limit (– without the per-task timing), host µs, concurrency
     assert rows[0][-10:-3] == ["2.00", "10.0", "1.5", "2.0", "–", "12.3", "–"]
     assert rows[1][-10:-8] == ["4.00", "20.0"]
-    assert rows[2][-6:-3] == ["0.400", "12.3", "1.76"]
+    assert rows[2][-6:-3] == ["0.402", "12.3", "1.76"]  # the tightest limit
     assert len({len(line) for line in lines[:5]}) == 1  # the columns line up
     # Several dtypes asked for but one left (the others failed): the column stays; by default
     # one dtype gets none.

@@ -27,7 +27,13 @@ def test_phase_limits_of_a_diamond():
     assert got.launch_aware_path_us == pytest.approx(22.0)  # three tasks of 2 µs more
     assert got.capacity_us == pytest.approx(2.0 + 5.0 + 3.0 + 1.0)
     assert got.tightest_us == pytest.approx(22.0)
+    assert got.tightest == "launch-aware path"
     assert got.as_dict()["tightest_us"] == got.tightest_us
+    assert got.as_dict()["tightest"] == "launch-aware path"
+    # no launch cost: the path and the launch-aware path tie, and the path is named
+    assert limits.phase_limits(dag, [2.0, 10.0, 6.0, 4.0], 0.0, [0.0] * 4).tightest == \
+        "critical path"
+    assert limits.phase_limits(dag, [2.0, 10.0, 6.0, 4.0], 0.0, [1.0] * 4).tightest == "capacity"
 
 
 def test_no_launch_cost_without_a_single_stream_time_or_when_it_is_faster_than_the_sum():

@@ -34,13 +34,13 @@ os.environ.setdefault("TEARDOWN_CUPTI", "1")
 import torch  # noqa: E402
 
 import nimble  # noqa: E402
-from nimble.analysis import limits, resources
+from nimble.analysis import limits
 from nimble.analysis.deps import build_dag, transitive_reduction
 from nimble.cli import models
 from nimble.cli.bench import parse_dtypes
 from nimble.cli.harness import time_rounds, to_dtype
 from nimble.driver.gpu import use_cudnn_benchmark
-from nimble.engine.priority_trials import device_limits, kernel_resources
+from nimble.engine.gpu_limits import task_gpu_shares
 from nimble.engine.task_timing import time_recording
 
 PROOF = {"relaunches": 8, "fuzz": False}
@@ -62,18 +62,6 @@ def _variants(model, x, caps) -> dict[str, nimble.Nimble]:
         "single": nimble.Nimble(model).prepare(
             x, use_multi_stream=False, options=nimble.PrepareOptions(recording=rec, **PROOF)),
     }
-
-
-def _shares(rec) -> tuple[list[float], list[str]]:
-    """Per task, its :func:`nimble.analysis.limits.gpu_share` on this device, and its bound."""
-    device = device_limits()
-    functions = kernel_resources(rec.graph, rec.nodes)
-    profiles = resources.profile_tasks(rec.graph, device, None,
-                                       [f.registers for f in functions],
-                                       [f.static_shared for f in functions])
-    shares = [limits.gpu_share(p.blocks, p.occupancy.sm_share, device.sm_count)
-              if p.occupancy is not None else 0.0 for p in profiles]
-    return shares, [p.bound for p in profiles]
 
 
 def _stretch_by_bound(times, isolated, bounds) -> dict[str, dict]:
@@ -145,7 +133,7 @@ def measure(name: str, dtype: str, args) -> dict:
         served = variants["multi (served)"]
         rec = served.recording
         isolated = time_recording(rec)
-        shares, bounds = _shares(rec)
+        shares, bounds = task_gpu_shares(rec, isolated)
         medians = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
         bound = limits.phase_limits(transitive_reduction(build_dag(rec.graph)), isolated,
                                     medians["single"] * 1e3, shares)

@@ -31,9 +31,10 @@ import torch
 import nimble
 from nimble.analysis import resources
 from nimble.cli import models
-from nimble.cli.bench import _critical_path_limit_us, parse_dtypes
+from nimble.cli.bench import parse_dtypes
 from nimble.cli.harness import time_rounds, to_dtype
 from nimble.driver.gpu import use_cudnn_benchmark
+from nimble.engine.gpu_limits import recording_limits
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 H100_LEVELS = 6  # the H100's and H200's stream priorities, 0 to -5
@@ -56,7 +57,7 @@ def _variants(model, x) -> tuple[dict[str, nimble.Nimble], float]:
     out["measured"] = nimble.Nimble(model).prepare(
         x, options=nimble.PrepareOptions(recording=rec, resource_order=True, **PROOF))
     # Last: it times the tasks again into the recording, which the prepares above rank by.
-    limit_us, _ = _critical_path_limit_us(plain)
+    limit_us = recording_limits(plain.recording, 0.0).critical_path_us
     return out, limit_us
 
 

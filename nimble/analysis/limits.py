@@ -47,11 +47,21 @@ class PhaseLimits:
     def tightest_us(self) -> float:
         return max(self.critical_path_us, self.launch_aware_path_us, self.capacity_us)
 
+    @property
+    def tightest(self) -> str:
+        """Which limit is the tightest: ``"critical path"``, ``"launch-aware path"`` or
+        ``"capacity"`` (the first of them on a tie)."""
+        named = (("critical path", self.critical_path_us),
+                 ("launch-aware path", self.launch_aware_path_us),
+                 ("capacity", self.capacity_us))
+        return max(named, key=lambda kv: kv[1])[0]
+
     def as_dict(self) -> dict:
         return {"tasks": self.tasks, "isolated_sum_us": self.isolated_sum_us,
                 "critical_path_us": self.critical_path_us, "launch_us": self.launch_us,
                 "launch_aware_path_us": self.launch_aware_path_us,
-                "capacity_us": self.capacity_us, "tightest_us": self.tightest_us}
+                "capacity_us": self.capacity_us, "tightest_us": self.tightest_us,
+                "tightest": self.tightest}
 
 
 def gpu_share(blocks: int, sm_share: float, sm_count: int) -> float:
