@@ -142,3 +142,25 @@ def test_a_dynamic_cache_held_or_returned_is_an_input_error_advising_a_static_ca
                                          r"StaticCache"):
         nimble.Nimble(ReturnsItsCache(decoder).eval()).prepare(ids)
     assert not torch.cuda.is_current_stream_capturing()
+
+
+def test_measured_priorities_time_a_decoder_on_its_own_token_ids():
+    """``resource_order=True`` launches the phase several times before the proof; each launch
+    gets the recording's token ids copied in first, since an input's bytes are reused by later
+    activations (an embedding reading those as ids indexes out of range and kills the context).
+    Last in the file: a failure here takes the CUDA context with it."""
+    import nimble
+
+    model, ids = _decoder("gpt2", "float16")
+    measured = nimble.Nimble(model).prepare(
+        ids, return_copies=True, options=nimble.PrepareOptions(resource_order=True))
+    assert "resource_order" in measured.graph.meta
+    assert not measured.graph.meta["verified"]["not_bitwise"]
+    single = nimble.Nimble(model).prepare(
+        ids, use_multi_stream=False, return_copies=True,
+        options=nimble.PrepareOptions(relaunches=4, fuzz=False))
+    for _ in range(2):
+        fresh = _fresh_ids(model, ids)
+        assert torch.equal(measured(fresh), single(fresh))
+    measured.close()
+    single.close()
