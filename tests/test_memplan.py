@@ -546,3 +546,23 @@ def test_an_inputs_bytes_are_reused_once_its_last_reader_ran():
     sharers = [b for b in graph.buffers if b.id != ids.id and b.id in plan.offsets
                and plan.offsets[b.id] < start + ids.size and start < plan.offsets[b.id] + b.size]
     assert sharers and all(b.kind == BufferKind.INTERMEDIATE for b in sharers)
+
+
+@pytest.mark.parametrize("name", ["googlenet_train", "resnet50_train", "mobilenet_v2_train"])
+def test_a_training_steps_inputs_keep_their_bytes_through_the_step(name):
+    """The backward reads a step's inputs (the first layer's weight gradient, the loss's
+    targets), so on these models no buffer shares an input's bytes; prepare's timing launches
+    copy the inputs in before each launch all the same (a frozen first layer would free them)."""
+    from helpers import FIXTURE_DIR
+    from nimble.analysis.deps import task_durations
+    from nimble.engine.prepared import plan_graph
+
+    graph = TaskGraph.load(FIXTURE_DIR / f"{name}.json.gz")
+    _, plan = plan_graph(graph, True, None, "pool", task_durations(graph))
+    inputs = [b for b in graph.buffers if b.kind == BufferKind.INPUT]
+    assert len(inputs) == 2  # images and labels
+    for ib in inputs:
+        start = plan.offsets[ib.id]
+        assert not [b for b in graph.buffers if b.id != ib.id and b.id in plan.offsets
+                    and plan.offsets[b.id] < start + ib.size
+                    and start < plan.offsets[b.id] + b.size]

@@ -236,10 +236,19 @@ def recorded_builds(monkeypatch, bindings):
 
 def test_the_served_phases_and_their_backfill_trial_go_through_the_builder(
         recorded_builds, monkeypatch):
-    monkeypatch.setattr(prepared_module, "_after_phases",
-                        lambda before, stream: lambda built, count: float(count))
+    refreshed = []
+
+    def launch(before, stream, refresh):
+        def timed(built, count):
+            slot.tensor.fill_(-1.0)  # what a launch before may leave in the input's bytes
+            refresh()
+            refreshed.append(slot.tensor.clone())
+            return float(count)
+        return timed
+    monkeypatch.setattr(prepared_module, "_after_phases", launch)
     builder = served_builder()
-    rec = SimpleNamespace(graph=builder.graph, output_spec=SimpleNamespace(is_leaf=lambda: True))
+    rec = SimpleNamespace(graph=builder.graph, output_spec=SimpleNamespace(is_leaf=lambda: True),
+                          static_inputs=[torch.arange(1024.0)])
     slot = InputSlot(torch.zeros(1024), 0x1000, 4096, (1024,), torch.float32, True, 0x9000)
     trial = Backfill(1, 5, (4,), 1, 1.0, 1.0)
     builts: list = []
@@ -249,6 +258,9 @@ def test_the_served_phases_and_their_backfill_trial_go_through_the_builder(
         builder.spec(0), builder.spec(1), builder.spec(1, PhaseOptions(late_edges=[(5, 4)]))]
     assert all(nodes == [f"recorded {t}" for t in range(6)] for nodes, _ in recorded_builds)
     assert len(builts) == len(launchers) == 2 and [p.phase for p in picked] == [1]
+    # the backfill's timed launches read the recording's own inputs too (a training step whose
+    # inputs' bytes are reused within the step would otherwise time on what a launch left)
+    assert refreshed and all(torch.equal(x, torch.arange(1024.0)) for x in refreshed)
     for built in builts:
         built.close()
 

@@ -296,14 +296,14 @@ def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: l
     picked: list[backfill.Picked] = []
     ordered: list[dict] = []
     first_in = first_out = 0
+    refresh = _recorded_inputs_into(slots, rec.static_inputs)
     for k in range(len(builder.spans)):
         built = builder.build(k)
         if priority_trials:
             try:
                 built, report = pick_priorities(
                     builder, k, built, priority_trials,
-                    _after_phases(builts, builder.upload_stream,
-                                  _recorded_inputs_into(slots, rec.static_inputs)))
+                    _after_phases(builts, builder.upload_stream, refresh))
             except BaseException:
                 built.close()  # the plain build is this loop's until a pick returns
                 raise
@@ -314,7 +314,7 @@ def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: l
                 built, report = backfill.pick(
                     built, backfill_trials[k],
                     lambda late, k=k: builder.build(k, PhaseOptions(late_edges=late)),
-                    _after_phases(builts, builder.upload_stream))
+                    _after_phases(builts, builder.upload_stream, refresh))
             except BaseException:
                 built.close()  # pick frees the graphs it built, not this one
                 raise
