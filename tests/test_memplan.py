@@ -535,16 +535,9 @@ def test_an_inputs_bytes_are_reused_once_its_last_reader_ran():
     """gpt2's token ids share their bytes with later activations: a launch with no call behind
     it (prepare's timing launches) must have the inputs copied in again, or it reads those
     activations as token ids."""
-    from helpers import FIXTURE_DIR
-    from nimble.analysis.deps import task_durations
-    from nimble.engine.prepared import plan_graph
-
-    graph = TaskGraph.load(FIXTURE_DIR / "gpt2_float16.json.gz")
-    _, plan = plan_graph(graph, True, None, "pool", task_durations(graph))
+    graph, plan = _planned_fixture("gpt2_float16")
     (ids,) = [b for b in graph.buffers if b.kind == BufferKind.INPUT]
-    start = plan.offsets[ids.id]
-    sharers = [b for b in graph.buffers if b.id != ids.id and b.id in plan.offsets
-               and plan.offsets[b.id] < start + ids.size and start < plan.offsets[b.id] + b.size]
+    sharers = _sharing_bytes_with(ids, graph, plan)
     assert sharers and all(b.kind == BufferKind.INTERMEDIATE for b in sharers)
 
 
@@ -553,16 +546,28 @@ def test_a_training_steps_inputs_keep_their_bytes_through_the_step(name):
     """The backward reads a step's inputs (the first layer's weight gradient, the loss's
     targets), so on these models no buffer shares an input's bytes; prepare's timing launches
     copy the inputs in before each launch all the same (a frozen first layer would free them)."""
+    graph, plan = _planned_fixture(name)
+    inputs = [b for b in graph.buffers if b.kind == BufferKind.INPUT]
+    assert len(inputs) == 2  # images and labels
+    for buffer in inputs:
+        assert _sharing_bytes_with(buffer, graph, plan) == []
+
+
+def _planned_fixture(name: str):
+    """A recorded fixture and the arena plan prepare makes of it (multi-stream, torch's pool
+    as the cap)."""
     from helpers import FIXTURE_DIR
     from nimble.analysis.deps import task_durations
     from nimble.engine.prepared import plan_graph
 
     graph = TaskGraph.load(FIXTURE_DIR / f"{name}.json.gz")
     _, plan = plan_graph(graph, True, None, "pool", task_durations(graph))
-    inputs = [b for b in graph.buffers if b.kind == BufferKind.INPUT]
-    assert len(inputs) == 2  # images and labels
-    for ib in inputs:
-        start = plan.offsets[ib.id]
-        assert not [b for b in graph.buffers if b.id != ib.id and b.id in plan.offsets
-                    and plan.offsets[b.id] < start + ib.size
-                    and start < plan.offsets[b.id] + b.size]
+    return graph, plan
+
+
+def _sharing_bytes_with(buffer, graph, plan) -> list:
+    """The other buffers the plan puts on some of ``buffer``'s bytes."""
+    start = plan.offsets[buffer.id]
+    return [b for b in graph.buffers if b.id != buffer.id and b.id in plan.offsets
+            and plan.offsets[b.id] < start + buffer.size
+            and start < plan.offsets[b.id] + b.size]
