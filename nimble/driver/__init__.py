@@ -23,11 +23,12 @@ from .handles import (DeviceMemory, Event, Graph, GraphExec, LowBitsMemory, Modu
 from .nodes import (CallPath, add_dependencies, add_empty_node, add_event_record_node,
                     add_kernel_node, add_memcpy_node, add_memset_node, address_range,
                     allow_dynamic_shared, capture_graph, copy_device, copy_kernel_attributes,
-                    copy_to_device, copy_to_host, event_elapsed_ms, event_synchronize, fill_bytes_async, function_name,
-                    function_param_layout, graph_nodes, kernel_function_of, kernel_node_params,
-                    kernel_priority, launch, memcpy_node_params, memset_node_params, node_count,
-                    node_type, read_host, record_event, set_exec_kernel_params, set_kernel_priority,
-                    stream, stream_priority_range, stream_synchronize, upload)
+                    copy_to_device, copy_to_host, event_elapsed_ms, event_synchronize,
+                    fill_bytes_async, function_name, function_param_layout, graph_nodes,
+                    kernel_function_of, kernel_node_params, kernel_priority, launch,
+                    memcpy_node_params, memset_node_params, node_count, node_type, read_host,
+                    record_event, set_exec_kernel_params, set_kernel_priority, stream,
+                    stream_priority_range, stream_synchronize, upload)
 # The nodes Nimble builds from its own kernels and from recorded nodes.
 from .nodes import (add_function_node, add_kernel_node_like, add_memcpy_node_like,
                     add_memset_node_like, kernel_arguments, set_exec_kernel_arguments)
@@ -41,10 +42,11 @@ __all__ = [
     "capture_graph", "checked_status", "close_all", "copy_device", "copy_kernel_attributes", "copy_to_device",
     "copy_to_host", "current_context", "device_attributes", "device_supports_stream_writes",
     "ensure_context",
-    "event_elapsed_ms", "event_synchronize", "fill_bytes_async", "function_name", "function_param_layout",
-    "graph_nodes", "kernel_function_of", "kernel_node_params", "kernel_priority", "launch",
-    "memcpy_node_params", "memset_node_params", "nimble_memory", "node_count", "node_type",
-    "probe", "raise_status", "read_host", "record_event", "set_exec_kernel_params", "set_kernel_priority", "stream",
+    "event_elapsed_ms", "event_synchronize", "fill_bytes_async", "function_name",
+    "function_param_layout", "graph_nodes", "kernel_function_of", "kernel_node_params",
+    "kernel_priority", "launch", "memcpy_node_params", "memset_node_params", "nimble_memory",
+    "node_count", "node_type", "probe", "raise_status", "read_host", "record_event",
+    "set_exec_kernel_params", "set_kernel_priority", "stream",
     "stream_priority_range", "stream_synchronize", "synchronize_context", "upload",
     "add_function_node", "add_kernel_node_like", "add_memcpy_node_like", "add_memset_node_like",
     "kernel_arguments", "set_exec_kernel_arguments",

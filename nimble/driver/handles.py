@@ -64,7 +64,6 @@ class Graph(_Owned):
             raise
         return copy
 
-
     def clone(self, nodes: Sequence) -> tuple["Graph", list]:
         """A copy of this graph, and the copy's node for each of ``nodes`` (nodes of this
         graph, in order)."""
