@@ -265,7 +265,7 @@ def test_builder_span_filter_drops_exactly_the_barrier(name):
 def test_library_scratch_that_training_writes_gets_a_private_copy():
     """cuDNN's training batch norm writes buffers of its own (partials and a grid semaphore);
     the engine copies exactly those into the arena, and nothing an inference graph reads."""
-    from nimble.engine.arena_layout import written_externals
+    from nimble.engine.arena_layout import state_layout, written_externals
     from nimble.ir.taskgraph import TaskGraph
 
     graph = TaskGraph.load(FIXTURE_DIR / "resnet50_train.json.gz")
@@ -275,10 +275,14 @@ def test_library_scratch_that_training_writes_gets_a_private_copy():
                for a in graph.tasks[t].accesses if a.buffer in private and a.write}
     assert all(name.startswith("cudnn::bn_") for name in writers), writers
     assert not written_externals(TaskGraph.load(FIXTURE_DIR / "resnet50.json.gz"))
-    # a block of torch's allocator that only a library's kernel writes is its workspace: private
+    # batch norm's partials carry over from one call to the next: copied, not zeroed
+    assert not state_layout(graph, 0, 0).zeroed
+    # a block of torch's allocator that only a library's kernel writes is its workspace: private,
+    # and it starts zeroed
     bf16 = TaskGraph.load(FIXTURE_DIR / "inception_v3_bfloat16.json.gz")
     (workspace,) = written_externals(bf16)
     assert bf16.buffers[workspace].name.startswith("block@")
+    assert state_layout(bf16, 0, 0).zeroed == {workspace}
 
 
 def test_a_phase_whose_cap_saves_no_memory_keeps_its_full_width():

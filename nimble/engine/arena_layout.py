@@ -82,6 +82,8 @@ class StateLayout:
     rng_at: int  # the generator's seed and offset cells
     private: dict[int, int]  # buffer -> offset of its private copy (:func:`written_externals`)
     end: int  # the first byte after the state
+    # the private copies that start zeroed instead of copied: workspaces (:func:`library_scratch`)
+    zeroed: frozenset[int] = frozenset()
 
     @property
     def size(self) -> int:
@@ -98,7 +100,8 @@ def state_layout(graph: TaskGraph, plan_bytes: int, at: int) -> StateLayout:
         private_at = align_up(private_at)
         private[bid] = private_at
         private_at += graph.buffers[bid].size
-    return StateLayout(plan_bytes, cells_at, rng_at, private, private_at)
+    zeroed = frozenset(library_scratch(graph)).intersection(private)
+    return StateLayout(plan_bytes, cells_at, rng_at, private, private_at, zeroed)
 
 
 def own_layout(graph: TaskGraph, plan: MemPlan) -> StateLayout:

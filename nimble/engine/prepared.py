@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from ..analysis import backfill
 from .. import driver
-from .arena_layout import StateLayout, library_scratch, own_layout
+from .arena_layout import StateLayout, own_layout
 from .build import BuiltGraph, InputGather, buffer_bases
 from .launcher import CallOrder, InputSlot, Launcher, RngCells
 from .priority_trials import PriorityTrial, pick_priorities
@@ -243,10 +243,9 @@ def _place_buffers(graph: TaskGraph, plan: MemPlan, layout: StateLayout,
     rng_bases, rng = _rng_cells(graph, device, base + layout.rng_at)
     for bid, address in rng_bases.items():
         bases[bid] = address
-    scratch = set(library_scratch(graph))
-    stream = driver.stream(torch.cuda.current_stream().cuda_stream) if scratch else None
+    stream = driver.stream(torch.cuda.current_stream().cuda_stream) if layout.zeroed else None
     for bid, at in layout.private.items():
-        if bid in scratch:  # a workspace: nothing to carry over, and torch may have freed it
+        if bid in layout.zeroed:  # a workspace: nothing to carry over, and torch may have freed it
             driver.fill_bytes_async(base + at, 0, graph.buffers[bid].size, stream)
         else:
             driver.copy_device(base + at, graph.buffers[bid].address, graph.buffers[bid].size)
@@ -434,8 +433,7 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     return prepared
 
 
-def _after_phases(before: Sequence[BuiltGraph], stream,
-                  refresh: Callable[[], None] | None = None
+def _after_phases(before: Sequence[BuiltGraph], stream, refresh: Callable[[], None]
                   ) -> Callable[[BuiltGraph, int], float]:
     """``launch(built, count) -> ms``: ``count`` launches of ``built``, each after one launch of
     every phase of ``before`` (so it reads what they write: a backward reads the forward's
@@ -448,8 +446,7 @@ def _after_phases(before: Sequence[BuiltGraph], stream,
     def launch(built: BuiltGraph, count: int) -> float:
         total = 0.0
         for _ in range(count):
-            if refresh is not None:
-                refresh()
+            refresh()
             for b in before:
                 driver.launch(b.exec.handle, stream)
             start.record()
