@@ -116,3 +116,49 @@ def test_python_dash_m_reports_errors_in_one_line():
     r = subprocess.run([sys.executable, "-m", "nimble", "record", "branchy", "--training",
                         "--time-tasks"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("nimble: InputError:"), r.stderr
+
+
+def test_a_fault_that_takes_the_context_stops_the_remaining_cases(monkeypatch, capsys):
+    """After a case whose kernel fault left the CUDA context unusable, every later case would
+    fail the same way: they are recorded as not run, naming the fault and the case."""
+    from nimble.cli import harness
+
+    faults = iter([None, "CUDA_ERROR_ILLEGAL_INSTRUCTION"])
+    monkeypatch.setattr(harness, "context_fault", lambda: next(faults))
+    ran = []
+
+    def fails(label):
+        def measure():
+            ran.append(label)
+            raise RuntimeError(f"{label} broke")
+        return harness.Case(label, {"model": label}, measure)
+
+    cases = [fails("a"), fails("b"), fails("c"), fails("d")]
+    outcome = harness.run_cases(cases, str)
+    assert ran == ["a", "b"]  # a failed on a healthy context; b's failure took it
+    assert [f["error"] for f in outcome.failed] == [
+        "RuntimeError: a broke", "RuntimeError: b broke",
+        "not run: the CUDA context was lost to CUDA_ERROR_ILLEGAL_INSTRUCTION in b",
+        "not run: the CUDA context was lost to CUDA_ERROR_ILLEGAL_INSTRUCTION in b"]
+    out = capsys.readouterr().out
+    assert "the remaining cases cannot run in this process" in out
+
+
+def test_a_lost_context_ends_the_command_without_torchs_exit(monkeypatch, capsys):
+    """torch frees its tensors at exit, and on a faulted context each free aborts the process
+    with a C++ backtrace: the command line leaves at once, with one line saying why."""
+    exits = []
+    monkeypatch.setattr(cli, "context_fault", lambda: "CUDA_ERROR_ILLEGAL_ADDRESS")
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    cli._exit_if_context_lost(1)
+    assert exits == [1]
+    line = _one_error_line(capsys)
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in line
+    monkeypatch.setattr(cli, "context_fault", lambda: None)
+    cli._exit_if_context_lost(0)
+    assert exits == [1]
+
+
+def test_no_context_fault_where_torch_never_touched_the_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert common.context_fault() is None

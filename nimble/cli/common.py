@@ -130,3 +130,16 @@ def require_gpu(command: str) -> None:
     """Raise :class:`~nimble.errors.NoGpuError` unless torch sees a CUDA GPU; ``command`` is
     the subcommand that needs it."""
     gpu.require_gpu(f"nimble {command}")
+
+
+def context_fault() -> str | None:
+    """The ``CUDA_ERROR_*`` fault that left this process's CUDA context unusable, or None
+    (also where torch never touched the GPU)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    from ..driver import context_fault as fault_of_context
+
+    return fault_of_context()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence, TextIO
 
 from . import models
-from .common import check_models, require_gpu
+from .common import check_models, context_fault, require_gpu
 from .output import Outputs, outputs
 
 
@@ -231,15 +231,25 @@ def write_results(args, out: Outputs, outcome: Outcome, what: str, **fields) -> 
 def run_cases(cases: Iterable[Case], report: Callable[[dict], str],
               out: TextIO | None = None) -> Outcome:
     """Measure every case, printing ``report`` of its numbers to ``out`` (default stdout) as it
-    ends; a case that raises is printed and recorded as failed and the others still run."""
+    ends; a case that raises is printed and recorded as failed and the others still run, unless
+    its fault took the CUDA context with it: then the rest are recorded as not run."""
     outcome = Outcome()
+    fault = None
     for case in cases:
+        if fault:
+            outcome.failed.append({**case.fields, "error": f"not run: {fault}"})
+            continue
         try:
             info = case.measure()
         except Exception as e:  # noqa: BLE001 - one run's failure must not hide the others
             error = f"{type(e).__name__}: {e}"
             outcome.failed.append({**case.fields, "error": error})
             print(f"{case.label}: FAILED: {error}", file=out or sys.stdout, flush=True)
+            lost = context_fault()
+            if lost:
+                fault = f"the CUDA context was lost to {lost} in {case.label}"
+                print(f"{fault}: the remaining cases cannot run in this process",
+                      file=out or sys.stdout, flush=True)
             continue
         outcome.results.append(info)
         print(report(info), file=out or sys.stdout, flush=True)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Callable
 
 from .. import __version__
 from ..errors import NimbleError
 from . import inspect_graph
-from .common import Fail, Parser, one_line
+from .common import Fail, Parser, context_fault, one_line
 from .output import logging_to_stderr
 
 # Subcommands implemented elsewhere: name -> one-line help shown by ``nimble --help``.
@@ -82,6 +83,19 @@ def build_parser(load: str | None = None) -> Parser:
     return parser
 
 
+def _exit_if_context_lost(status: int) -> None:
+    """Leave at once where a kernel fault took the CUDA context: torch frees its tensors at
+    exit, and each free on a faulted context raises in a destructor, which aborts the process
+    with a C++ backtrace."""
+    fault = context_fault()
+    if fault:
+        print(f"nimble: the CUDA context was lost to {fault}; exiting without freeing GPU "
+              "memory (the driver reclaims it)", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status or 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``nimble`` command line; returns the exit status (2 on any user-facing error).
 
@@ -100,12 +114,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help(sys.stderr)
             return 2
         with logging_to_stderr(getattr(args, "quiet", False)):
-            return args.run(args)
+            status = args.run(args)
+        _exit_if_context_lost(status)
+        return status
     except Fail as e:
         print(f"nimble: {e}", file=sys.stderr)
         return 2
     except NimbleError as e:
         print(f"nimble: {one_line(e)}", file=sys.stderr)
+        _exit_if_context_lost(2)
         return 2
     except KeyboardInterrupt:
         print("nimble: interrupted", file=sys.stderr)

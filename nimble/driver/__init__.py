@@ -14,9 +14,9 @@ rest of Nimble uses the names re-exported here (``driver.call``, ``driver.GraphE
 """
 from __future__ import annotations
 
-from .calls import (bindings, call, checked_status, current_context, device_attributes,
-                    device_supports_stream_writes, ensure_context, probe, raise_status,
-                    synchronize_context)
+from .calls import (CONTEXT_FAULTS, bindings, call, checked_status, context_fault,
+                    current_context, device_attributes, device_supports_stream_writes,
+                    ensure_context, probe, raise_status, synchronize_context)
 from .graphs import borrowed_graph, graph_nodes_of, node_count_of
 from .handles import (DeviceMemory, Event, Graph, GraphExec, LowBitsMemory, Module, close_all,
                       nimble_memory)
@@ -38,18 +38,17 @@ from .nodes import FunctionResources, function_resources, max_active_blocks
 __all__ = [
     "CallPath", "DeviceMemory", "Event", "Graph", "GraphExec", "LowBitsMemory", "Module",
     "add_dependencies", "add_empty_node", "add_event_record_node", "add_kernel_node",
-    "add_memcpy_node", "add_memset_node", "address_range", "allow_dynamic_shared", "bindings", "call",
-    "capture_graph", "checked_status", "close_all", "copy_device", "copy_kernel_attributes", "copy_to_device",
-    "copy_to_host", "current_context", "device_attributes", "device_supports_stream_writes",
-    "ensure_context",
-    "event_elapsed_ms", "event_synchronize", "fill_bytes_async", "function_name",
-    "function_param_layout", "graph_nodes", "kernel_function_of", "kernel_node_params",
-    "kernel_priority", "launch", "memcpy_node_params", "memset_node_params", "nimble_memory",
-    "node_count", "node_type", "probe", "raise_status", "read_host", "record_event",
-    "set_exec_kernel_params", "set_kernel_priority", "stream",
-    "stream_priority_range", "stream_synchronize", "synchronize_context", "upload",
-    "add_function_node", "add_kernel_node_like", "add_memcpy_node_like", "add_memset_node_like",
-    "kernel_arguments", "set_exec_kernel_arguments",
-    "borrowed_graph", "graph_nodes_of", "node_count_of",
+    "add_memcpy_node", "add_memset_node", "address_range", "allow_dynamic_shared", "bindings",
+    "call", "capture_graph", "checked_status", "close_all", "CONTEXT_FAULTS", "context_fault",
+    "copy_device", "copy_kernel_attributes", "copy_to_device", "copy_to_host", "current_context",
+    "device_attributes", "device_supports_stream_writes", "ensure_context", "event_elapsed_ms",
+    "event_synchronize", "fill_bytes_async", "function_name", "function_param_layout",
+    "graph_nodes", "kernel_function_of", "kernel_node_params", "kernel_priority", "launch",
+    "memcpy_node_params", "memset_node_params", "nimble_memory", "node_count", "node_type",
+    "probe", "raise_status", "read_host", "record_event", "set_exec_kernel_params",
+    "set_kernel_priority", "stream", "stream_priority_range", "stream_synchronize",
+    "synchronize_context", "upload", "add_function_node", "add_kernel_node_like",
+    "add_memcpy_node_like", "add_memset_node_like", "kernel_arguments",
+    "set_exec_kernel_arguments", "borrowed_graph", "graph_nodes_of", "node_count_of",
     "FunctionResources", "function_resources", "max_active_blocks",
 ]

@@ -117,6 +117,26 @@ def synchronize_context() -> None:
     call("cuCtxSynchronize")
 
 
+#: Errors a kernel leaves on its context: every later call in the process fails with them.
+CONTEXT_FAULTS = frozenset({
+    "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_LAUNCH_FAILED",
+    "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_INVALID_PC",
+    "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ASSERT", "CUDA_ERROR_LAUNCH_TIMEOUT",
+    "CUDA_ERROR_CONTEXT_IS_DESTROYED"})
+
+
+def context_fault() -> str | None:
+    """The ``CUDA_ERROR_*`` name of the fault that left the current context unusable, or None
+    (no context current, or a healthy one: this waits for its work)."""
+    drv = bindings()
+    err, ctx = drv.cuCtxGetCurrent()
+    if err != drv.CUresult.CUDA_SUCCESS or ctx is None or int(ctx) == 0:
+        return None
+    (code,) = drv.cuCtxSynchronize()
+    name = _error_name(code) if code != drv.CUresult.CUDA_SUCCESS else None
+    return name if name in CONTEXT_FAULTS else None
+
+
 def device_supports_stream_writes(ordinal: int) -> bool:
     """Whether the GPU takes 64-bit stream memory writes (``cuStreamWriteValue64``)."""
     drv = bindings()
