@@ -1,4 +1,4 @@
-"""Nimble against a published multi-stream peer, on the same GPU, each system in processes of its own.
+"""Nimble against a published multi-stream peer on the same GPU, each in processes of its own.
 
     python3 tools/peer_bench.py --peer DIR MODEL[,MODEL...] [--dtype float32[,float16]]
                                 [--processes 3] [--rounds 5] [--iters 50] [--json F]

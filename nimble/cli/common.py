@@ -6,6 +6,7 @@ from ..errors import NimbleError
 
 import argparse
 import importlib.util
+import sys
 
 from . import models
 from ..driver import gpu
@@ -135,8 +136,6 @@ def require_gpu(command: str) -> None:
 def context_fault() -> str | None:
     """The ``CUDA_ERROR_*`` fault that left this process's CUDA context unusable, or None
     (also where torch never touched the GPU)."""
-    import sys
-
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return None

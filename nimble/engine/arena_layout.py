@@ -83,7 +83,7 @@ class StateLayout:
     private: dict[int, int]  # buffer -> offset of its private copy (:func:`written_externals`)
     end: int  # the first byte after the state
     # the private copies that start zeroed instead of copied: workspaces (:func:`library_scratch`)
-    zeroed: frozenset[int] = frozenset()
+    zeroed: frozenset[int]
 
     @property
     def size(self) -> int:
