@@ -25,8 +25,8 @@ Runs, in order:
 
 ``torch.compile`` is left out unless ``--compile``.  At the end it prints the pytest summary line
 and the benchmark tables, each phase with the seconds it took.  Logs and the benchmark JSON go to
-``--out`` (default ``$OUT`` on the device machine, else ``./out``): ``gpu_tests_K.log`` (one per
-pytest process),
+``--out`` (default ``$OUT`` on the device machine, else ``./out``): ``gpu_tests_NAME.log`` (one
+per pytest process, named after its first test file, ``gpu_tests_all.log`` for one process),
 ``bench.log`` / ``bench.json`` and ``bench_full.log`` / ``bench_full.json`` (a bench's log holds
 its stdout and stderr); the logs are written as the phases run, so a phase cut off by a time limit
 leaves what it printed so far.
@@ -95,6 +95,13 @@ def _pytest(files: list[Path], log_path: Path, extra: list[str], env) -> subproc
     return proc
 
 
+def _log_name(group: list[Path]) -> str:
+    """A group's log, named after its first test file: a second invocation (another group)
+    never writes over the log of a failure."""
+    first = Path(group[0])
+    return "gpu_tests_" + (first.stem.removeprefix("test_gpu_") if first.suffix else "all") + ".log"
+
+
 def _run_tests(args, env) -> tuple[int, list[str]]:
     """The GPU tests, in one process or ``args.jobs`` side by side; (status, summary lines)."""
     extra = args.pytest_args.split()
@@ -107,8 +114,8 @@ def _run_tests(args, env) -> tuple[int, list[str]]:
         tail = [f for f in files if f.name in EXCLUSIVE]
     status, summary = 0, []
     for stage in ([groups, [tail]] if tail else [groups]):
-        t0, first = time.perf_counter(), len(summary)
-        logs = [args.out / f"gpu_tests_{first + k}.log" for k in range(len(stage))]
+        t0 = time.perf_counter()
+        logs = [args.out / _log_name(g) for g in stage]
         running = [_pytest(g, log, extra, env) for g, log in zip(stage, logs)]
         for proc in running:
             proc.wait()
