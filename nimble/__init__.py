@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib
 
-from .errors import (BuildError, CaptureError, CudaError, InputError, NimbleError, NoGpuError,
-                     RecordError, VerificationError, WeightsChangedError)
+from .errors import (BuildError, CaptureError, CudaError, GraphFaultError, InputError,
+                     NimbleError, NoGpuError, RecordError, VerificationError,
+                     WeightsChangedError)
 from .api import BucketView, Nimble, PhaseView
 from .engine.options import PrepareOptions
 from .ir.taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
@@ -35,7 +36,7 @@ RESULT_TYPES = {
 __all__ = [
     "__version__", "Nimble", "PrepareOptions", "PhaseView", "BucketView",
     "NimbleError", "NoGpuError", "InputError", "CaptureError", "RecordError",
-    "BuildError", "VerificationError", "WeightsChangedError", "CudaError",
+    "BuildError", "VerificationError", "GraphFaultError", "WeightsChangedError", "CudaError",
     "Access", "Buffer", "BufferKind", "Op", "Pointer", "Task", "TaskGraph", "TaskKind", "TensorRef",
     *RESULT_TYPES,
 ]

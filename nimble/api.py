@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from . import driver
 from .engine.build import repoint
-from .errors import InputError, NimbleError
+from .errors import GraphFaultError, InputError, NimbleError
 from .engine.launcher import TAKE_GENERAL_PATH, RngCells
 from .analysis.memplan import MemPlan
 from .engine.options import PrepareOptions
@@ -133,6 +133,10 @@ class Nimble:
             ``pad`` where a batch is not on dim 0).
         VerificationError
             The built graph did not reproduce the recording bit for bit.
+        GraphFaultError
+            A kernel faulted on the GPU during the proof and took the process's CUDA context
+            with it: the recording is saved for a bug report (``$NIMBLE_FAULT_DIR``, else the
+            temporary folder), and the process must be restarted.
         NimbleError
             Any other failure to record, build or launch (its subclasses say which).
         """
@@ -142,12 +146,17 @@ class Nimble:
         check_mode(self.model, training)
         watch_modules()
         restore = saved_state(self.model, training)
+        faulted = False
         try:
             serving = prepare_serving(self.model, examples, instances=instances, pad=pad,
                                       training=training, use_multi_stream=use_multi_stream,
                                       max_streams=max_streams, options=options, quiet=quiet)
+        except GraphFaultError:
+            faulted = True  # the CUDA context is lost: no state can be copied back
+            raise
         finally:
-            restore()
+            if not faulted:
+                restore()
         for prepared in serving.preparations():
             prepared.launcher.return_copies = return_copies
         previous, self._serving = self._serving, serving

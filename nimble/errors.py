@@ -30,6 +30,18 @@ class VerificationError(NimbleError):
     """The rebuilt graph did not reproduce the single-stream reference bit for bit."""
 
 
+class GraphFaultError(VerificationError):
+    """A kernel faulted on the GPU while the rebuilt graph was being proven, and took the
+    process's CUDA context with it: restart the process.  ``fault`` is the ``CUDA_ERROR_*``
+    name; ``recording`` the file the recording was saved to for a bug report (None if it could
+    not be written)."""
+
+    def __init__(self, message: str, fault: str, recording: str | None) -> None:
+        super().__init__(message)
+        self.fault = fault
+        self.recording = recording
+
+
 class WeightsChangedError(NimbleError):
     """A weight the prepared graph reads changed in a way the graph cannot follow (its dtype,
     shape or layout, or it is gone): prepare again."""

@@ -13,6 +13,8 @@ generator.
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -21,8 +23,8 @@ from typing import Any, Callable
 from .. import driver
 from ..analysis.memplan import MemPlan
 from ..analysis.schedule import Schedule
-from ..errors import InputError
-from ..progress import say
+from ..errors import GraphFaultError, InputError
+from ..progress import logger as log, say
 from .arena_layout import shared_layout
 from .launcher import CallOrder
 from .options import PrepareOptions
@@ -199,8 +201,39 @@ def _prove(candidate: Prepared, planned: _Planned, options: PrepareOptions, trai
         say(f"verifying: {relaunches} launches against the single-stream recording"
             + (", then launches with random delays (the race fuzzer)" if options.fuzz else ""),
             quiet)
-        prove(candidate, planned.rec, relaunches, fuzz=options.fuzz)
+        try:
+            prove(candidate, planned.rec, relaunches, fuzz=options.fuzz)
+        except Exception as e:
+            fault = driver.context_fault()
+            if fault is None:
+                raise
+            raise fault_error(planned.rec.graph, fault, e) from e
         candidate.seconds["verify"] = time.perf_counter() - t0
+
+
+#: Where :func:`fault_error` saves the recording of a graph that faulted in its proof (the
+#: system's temporary folder when unset).
+FAULT_DIR_VARIABLE = "NIMBLE_FAULT_DIR"
+
+
+def fault_error(graph, fault: str, cause: BaseException) -> GraphFaultError:
+    """The error for a proof that ended in a kernel fault: the recording saved to
+    ``$NIMBLE_FAULT_DIR`` (or the temporary folder) for a bug report, and what to do."""
+    folder = os.environ.get(FAULT_DIR_VARIABLE) or tempfile.gettempdir()
+    name = str(graph.meta.get("model", "model")).replace(os.sep, "_")
+    path: str | None = os.path.join(folder, f"nimble-fault-{name}-{os.getpid()}.json.gz")
+    try:
+        graph.save(path)
+        log.warning("the recording of %s, whose rebuilt graph faulted, is saved to %s", name,
+                    path)
+    except OSError as e:
+        log.warning("could not save the recording of %s to %s: %s", name, path, e)
+        path = None
+    kept = f"; its recording is saved to {path} (nimble inspect reads it)" if path else ""
+    return GraphFaultError(
+        f"a kernel faulted with {fault} while the rebuilt graph of {name} was being proven "
+        f"({type(cause).__name__}), and the CUDA context of this process is lost: no further "
+        f"GPU work can run in it. Restart the process{kept}", fault, path)
 
 
 def _check_pad_outputs(planned: _Planned, k: int) -> None:

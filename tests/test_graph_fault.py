@@ -1,0 +1,94 @@
+"""A kernel fault during prepare's proof (no GPU): the typed error, the recording saved for a
+bug report, and the model's state left alone on the lost context."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+import nimble
+import nimble.api as api
+import nimble.engine.preparation as preparation
+from nimble.errors import GraphFaultError, VerificationError
+from nimble.ir.taskgraph import TaskGraph
+
+from helpers import FIXTURE_DIR
+
+
+def _graph() -> TaskGraph:
+    graph = TaskGraph.load(FIXTURE_DIR / "branchy.json.gz")
+    graph.meta["model"] = "branchy"
+    return graph
+
+
+def _proof_setup(graph):
+    candidate = types.SimpleNamespace(builts=[], seconds={})
+    planned = types.SimpleNamespace(rec=types.SimpleNamespace(graph=graph))
+    options = types.SimpleNamespace(verify=True, fuzz=False, proof_launches=lambda training: 2)
+    return candidate, planned, options
+
+
+def test_a_fault_in_the_proof_is_a_graph_fault_with_the_recording_saved(monkeypatch, tmp_path):
+    graph = _graph()
+
+    def faulting_prove(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal instruction was encountered")
+
+    monkeypatch.setattr(preparation, "prove", faulting_prove)
+    monkeypatch.setattr(preparation.driver, "context_fault",
+                        lambda: "CUDA_ERROR_ILLEGAL_INSTRUCTION")
+    monkeypatch.setenv(preparation.FAULT_DIR_VARIABLE, str(tmp_path))
+    with pytest.raises(GraphFaultError) as e:
+        preparation._prove(*_proof_setup(graph), training=True, quiet=True)
+    err = e.value
+    assert isinstance(err, VerificationError) and isinstance(err, nimble.NimbleError)
+    assert err.fault == "CUDA_ERROR_ILLEGAL_INSTRUCTION"
+    assert err.recording and err.recording.startswith(str(tmp_path))
+    assert err.recording in str(err) and "Restart the process" in str(err)
+    assert isinstance(err.__cause__, RuntimeError)
+    saved = TaskGraph.load(err.recording)
+    assert len(saved.tasks) == len(graph.tasks) and saved.meta["model"] == "branchy"
+
+
+def test_a_failure_that_leaves_the_context_healthy_is_raised_as_it_is(monkeypatch):
+    def wrong_bits(*args, **kwargs):
+        raise VerificationError("output 0 differs")
+
+    monkeypatch.setattr(preparation, "prove", wrong_bits)
+    monkeypatch.setattr(preparation.driver, "context_fault", lambda: None)
+    with pytest.raises(VerificationError, match="output 0 differs") as e:
+        preparation._prove(*_proof_setup(_graph()), training=False, quiet=True)
+    assert not isinstance(e.value, GraphFaultError)
+
+
+def test_an_unwritable_fault_folder_still_gives_the_error(monkeypatch, tmp_path):
+    monkeypatch.setenv(preparation.FAULT_DIR_VARIABLE, str(tmp_path / "missing" / "folder"))
+    err = preparation.fault_error(_graph(), "CUDA_ERROR_LAUNCH_FAILED", RuntimeError("x"))
+    assert err.recording is None and "CUDA_ERROR_LAUNCH_FAILED" in str(err)
+    assert "saved" not in str(err)
+
+
+def test_prepare_leaves_the_models_state_alone_after_a_fault(monkeypatch):
+    """Putting back batch-norm statistics copies on the GPU: on a lost context that copy would
+    raise in its turn and hide the fault."""
+    restored = []
+    fault = GraphFaultError("faulted", "CUDA_ERROR_ILLEGAL_ADDRESS", None)
+
+    def raising(error):
+        def prepare_serving(*args, **kwargs):
+            raise error
+        return prepare_serving
+
+    monkeypatch.setattr(api, "bucket_examples", lambda *a, **k: [()])
+    monkeypatch.setattr(api, "check_mode", lambda *a: None)
+    monkeypatch.setattr(api, "watch_modules", lambda: None)
+    monkeypatch.setattr(api, "saved_state", lambda *a: lambda: restored.append(True))
+    nm = nimble.Nimble(object())
+    monkeypatch.setattr(api, "prepare_serving", raising(fault))
+    with pytest.raises(GraphFaultError):
+        nm.prepare()
+    assert restored == []
+    monkeypatch.setattr(api, "prepare_serving", raising(VerificationError("differs")))
+    with pytest.raises(VerificationError):
+        nm.prepare()
+    assert restored == [True]
