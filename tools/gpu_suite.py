@@ -28,8 +28,9 @@ and the benchmark tables, each phase with the seconds it took.  Logs and the ben
 ``--out`` (default ``$OUT`` on the device machine, else ``./out``): ``gpu_tests_NAME.log`` (one
 per pytest process, named after its first test file, ``gpu_tests_all.log`` for one process),
 ``bench.log`` / ``bench.json`` and ``bench_full.log`` / ``bench_full.json`` (a bench's log holds
-its stdout and stderr); the logs are written as the phases run, so a phase cut off by a time limit
-leaves what it printed so far.
+its stdout and stderr), and ``nimble-fault-*.json.gz``, the recording of any graph that faulted
+in its proof (:class:`nimble.GraphFaultError`); the logs are written as the phases run, so a
+phase cut off by a time limit leaves what it printed so far.
 """
 from __future__ import annotations
 
@@ -186,7 +187,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "out")))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # a recording whose rebuilt graph faults in its proof is saved beside the logs
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NIMBLE_FAULT_DIR": str(args.out)}
     summary = []
     status = 0
     if not args.skip_tests:
