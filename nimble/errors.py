@@ -34,12 +34,15 @@ class GraphFaultError(VerificationError):
     """A kernel faulted on the GPU while the rebuilt graph was being proven, and took the
     process's CUDA context with it: restart the process.  ``fault`` is the ``CUDA_ERROR_*``
     name; ``recording`` the file the recording was saved to for a bug report (None if it could
-    not be written)."""
+    not be written); ``stage`` the proof's stage when the fault showed (the recording's own
+    replays, or the rebuilt graph's launches)."""
 
-    def __init__(self, message: str, fault: str, recording: str | None) -> None:
+    def __init__(self, message: str, fault: str, recording: str | None,
+                 stage: str = "") -> None:
         super().__init__(message)
         self.fault = fault
         self.recording = recording
+        self.stage = stage
 
 
 class WeightsChangedError(NimbleError):

@@ -31,7 +31,8 @@ def _proof_setup(graph):
 def test_a_fault_in_the_proof_is_a_graph_fault_with_the_recording_saved(monkeypatch, tmp_path):
     graph = _graph()
 
-    def faulting_prove(*args, **kwargs):
+    def faulting_prove(*args, progress, **kwargs):
+        progress.stage = "the rebuilt graph's launches"
         raise RuntimeError("CUDA error: an illegal instruction was encountered")
 
     monkeypatch.setattr(preparation, "prove", faulting_prove)
@@ -43,6 +44,9 @@ def test_a_fault_in_the_proof_is_a_graph_fault_with_the_recording_saved(monkeypa
     err = e.value
     assert isinstance(err, VerificationError) and isinstance(err, nimble.NimbleError)
     assert err.fault == "CUDA_ERROR_ILLEGAL_INSTRUCTION"
+    # the stage the fault showed in tells the recording's own replays from the rebuilt graph
+    assert err.stage == "the rebuilt graph's launches"
+    assert "shown during the rebuilt graph's launches: RuntimeError" in str(err)
     assert err.recording and err.recording.startswith(str(tmp_path))
     assert err.recording in str(err) and "Restart the process" in str(err)
     assert isinstance(err.__cause__, RuntimeError)
@@ -63,7 +67,8 @@ def test_a_failure_that_leaves_the_context_healthy_is_raised_as_it_is(monkeypatc
 
 def test_an_unwritable_fault_folder_still_gives_the_error(monkeypatch, tmp_path):
     monkeypatch.setenv(preparation.FAULT_DIR_VARIABLE, str(tmp_path / "missing" / "folder"))
-    err = preparation.fault_error(_graph(), "CUDA_ERROR_LAUNCH_FAILED", RuntimeError("x"))
+    err = preparation.fault_error(_graph(), "CUDA_ERROR_LAUNCH_FAILED", "the race fuzzer's launches",
+                                  RuntimeError("x"))
     assert err.recording is None and "CUDA_ERROR_LAUNCH_FAILED" in str(err)
     assert "saved" not in str(err)
 
@@ -92,3 +97,14 @@ def test_prepare_leaves_the_models_state_alone_after_a_fault(monkeypatch):
     with pytest.raises(VerificationError):
         nm.prepare()
     assert restored == [True]
+
+
+def test_asking_for_a_fault_without_a_driver_never_raises(monkeypatch):
+    """The question is asked on failure paths: it must not replace the failure with its own."""
+    from nimble.driver import calls
+
+    def no_driver():
+        raise ImportError("no libcuda here")
+
+    monkeypatch.setattr(calls, "bindings", no_driver)
+    assert calls.context_fault() is None

@@ -353,7 +353,7 @@ class _Stages:
         self.built.append(built)
         return built
 
-    def prove(self, candidate, rec, relaunches, fuzz):
+    def prove(self, candidate, rec, relaunches, fuzz, progress=None):
         self.proven.append((candidate.key, relaunches, fuzz))
         candidate.seconds["verify_served"] = 0.25
 

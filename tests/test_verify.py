@@ -78,3 +78,22 @@ def test_only_memory_the_recording_owns_is_poisoned():
     assert proof.poison_ranges(g) == everything  # an old recording: no pool segments
     g.meta["pool_segments"] = [[0x1000, 0x1000]]
     assert proof.poison_ranges(g) == [(0x1000, 256), (0x20000, 64), (0x40000, 8)]
+
+
+def test_the_progress_names_the_stage_a_failure_came_from():
+    """A kernel fault shows at the next synchronization; the stage then says whether the
+    recording's own replays or the rebuilt graph's launches were running."""
+    reference, run = _graphs([_zero, _zero], [_zero, _zero])
+
+    def broken(inputs):
+        raise RuntimeError("faulted")
+
+    progress = proof.ProofProgress()
+    with pytest.raises(RuntimeError, match="faulted"):
+        _check(broken, run, progress=progress)
+    assert progress.stage == "the recording's own replays"
+    with pytest.raises(RuntimeError, match="faulted"):
+        _check(reference, broken, progress=progress)
+    assert progress.stage == "the rebuilt graph's launches"
+    _check(reference, run, progress=progress)
+    assert progress.stage == "done"

@@ -127,8 +127,12 @@ CONTEXT_FAULTS = frozenset({
 
 def context_fault() -> str | None:
     """The ``CUDA_ERROR_*`` name of the fault that left the current context unusable, or None
-    (no context current, or a healthy one: this waits for its work)."""
-    drv = bindings()
+    (no driver, no context current, or a healthy one: this waits for its work).  Asked on a
+    failure path, it never raises in its turn."""
+    try:
+        drv = bindings()
+    except Exception:  # noqa: BLE001 - no driver here: then there is no context to lose
+        return None
     err, ctx = drv.cuCtxGetCurrent()
     if err != drv.CUresult.CUDA_SUCCESS or ctx is None or int(ctx) == 0:
         return None

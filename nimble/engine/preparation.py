@@ -31,6 +31,7 @@ from .options import PrepareOptions
 from .profiler_guard import device_launch_allowed
 from .prepared import (ArenaRegion, Prepared, backfill_trials, build_prepared, kernel_priorities,
                        plan_graph, task_times)
+from .proof import ProofProgress
 from .proving import prove, prove_copy
 from .priority_trials import PriorityTrial, planned_ordering
 from .serving import (Bucket, BucketCost, InstanceCost, PrepareReport, Serving,
@@ -201,13 +202,14 @@ def _prove(candidate: Prepared, planned: _Planned, options: PrepareOptions, trai
         say(f"verifying: {relaunches} launches against the single-stream recording"
             + (", then launches with random delays (the race fuzzer)" if options.fuzz else ""),
             quiet)
+        progress = ProofProgress()
         try:
-            prove(candidate, planned.rec, relaunches, fuzz=options.fuzz)
+            prove(candidate, planned.rec, relaunches, fuzz=options.fuzz, progress=progress)
         except Exception as e:
             fault = driver.context_fault()
             if fault is None:
                 raise
-            raise fault_error(planned.rec.graph, fault, e) from e
+            raise fault_error(planned.rec.graph, fault, progress.stage, e) from e
         candidate.seconds["verify"] = time.perf_counter() - t0
 
 
@@ -216,9 +218,9 @@ def _prove(candidate: Prepared, planned: _Planned, options: PrepareOptions, trai
 FAULT_DIR_VARIABLE = "NIMBLE_FAULT_DIR"
 
 
-def fault_error(graph, fault: str, cause: BaseException) -> GraphFaultError:
-    """The error for a proof that ended in a kernel fault: the recording saved to
-    ``$NIMBLE_FAULT_DIR`` (or the temporary folder) for a bug report, and what to do."""
+def fault_error(graph, fault: str, stage: str, cause: BaseException) -> GraphFaultError:
+    """The error for a proof that ended in a kernel fault, shown during ``stage``: the recording
+    saved to ``$NIMBLE_FAULT_DIR`` (or the temporary folder) for a bug report, and what to do."""
     folder = os.environ.get(FAULT_DIR_VARIABLE) or tempfile.gettempdir()
     name = str(graph.meta.get("model", "model")).replace(os.sep, "_")
     path: str | None = os.path.join(folder, f"nimble-fault-{name}-{os.getpid()}.json.gz")
@@ -232,8 +234,9 @@ def fault_error(graph, fault: str, cause: BaseException) -> GraphFaultError:
     kept = f"; its recording is saved to {path} (nimble inspect reads it)" if path else ""
     return GraphFaultError(
         f"a kernel faulted with {fault} while the rebuilt graph of {name} was being proven "
-        f"({type(cause).__name__}), and the CUDA context of this process is lost: no further "
-        f"GPU work can run in it. Restart the process{kept}", fault, path)
+        f"(shown during {stage}: {type(cause).__name__}), and the CUDA context of this process "
+        f"is lost: no further GPU work can run in it. Restart the process{kept}", fault, path,
+        stage)
 
 
 def _check_pad_outputs(planned: _Planned, k: int) -> None:

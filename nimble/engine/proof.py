@@ -169,6 +169,14 @@ class FuzzBudget:
         return self.spent_seconds + fuzz_seconds <= self.time_factor * proof_seconds
 
 
+@dataclass
+class ProofProgress:
+    """The proof's stage under way: a kernel fault shows at the next synchronization, and the
+    stage then tells the recording's own replays from the rebuilt graph's launches."""
+
+    stage: str = "not started"
+
+
 class Reference:
     """The reference outputs of the proof's two input sets, and how runs are held to them.
 
@@ -346,7 +354,8 @@ def verify_against_reference(graph: TaskGraph, reference: Callable[[list], list]
                              repeats: int = 3, gradients: Sequence[int] = (),
                              fuzz: FuzzRuns | None = None,
                              fuzz_budget: FuzzBudget | None = None,
-                             state: Sequence[tuple[int, int]] = ()) -> dict[int, float]:
+                             state: Sequence[tuple[int, int]] = (),
+                             progress: ProofProgress | None = None) -> dict[int, float]:
     """Check ``run`` against ``reference`` as the module docstring says.
 
     ``reference(inputs)`` and ``run(inputs)`` each return the list of output tensors (the
@@ -362,20 +371,27 @@ def verify_against_reference(graph: TaskGraph, reference: Callable[[list], list]
     reference's own spread where it varied, else the difference to the rebuilt graph).
     ``state`` lists device ranges outside the graph's own memory that it writes on purpose:
     every run starts from them as they were (:class:`SharedState`), and they are left so.
+    ``progress`` is kept at the stage under way (where a failure came from).
     """
     began = time.perf_counter()
+    progress = progress if progress is not None else ProofProgress()
     shared = SharedState(state) if state else None
     try:
         if shared is not None:
             reference, run = shared.before(reference), shared.before(run)
             fuzz = _RestoredFuzz(fuzz, shared) if fuzz is not None else None
+        progress.stage = "the recording's own replays"
         ref = Reference.record(graph, reference, example_inputs, seed, rng_at, repeats,
                                gradients)
+        progress.stage = "the poisoning of the moved buffers and the arena"
         poison(poison_ranges(graph) + list(extra_poison), stream)
+        progress.stage = "the rebuilt graph's launches"
         ref.launches(run, max(relaunches, 1))
         if fuzz is not None:
+            progress.stage = "the race fuzzer's launches"
             ref.fuzz_launches(fuzz, fuzz_budget or FuzzBudget(launches=max(relaunches, 1)),
                               time.perf_counter() - began)
+        progress.stage = "done"
         return ref.spread
     finally:
         if shared is not None:

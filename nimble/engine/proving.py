@@ -37,7 +37,7 @@ FUZZ_ROWS = 8
 
 
 def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
-          fuzz_launches: int = FUZZ_LAUNCHES, seed: int = 0) -> None:
+          fuzz_launches: int = FUZZ_LAUNCHES, seed: int = 0, progress=None) -> None:
     """The proof: ``relaunches`` poisoned launches equal the recording bit for bit (a training
     step's gradients: within the tolerance :mod:`nimble.engine.proof` states); with ``fuzz``,
     then up to ``fuzz_launches`` launches of delay-noded copies of the phases
@@ -50,7 +50,8 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
     (``verify_served``, ``verify_fuzz``).
 
     A graph that draws random numbers is given the same generator state as the reference for
-    each input set; the generator is restored afterwards.
+    each input set; the generator is restored afterwards.  ``progress``
+    (:class:`~nimble.engine.proof.ProofProgress`) is kept at the stage under way.
     """
     import torch
 
@@ -79,7 +80,8 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
             repeats=4 if prepared.step is not None else 3, gradients=gradients, fuzz=copies,
             fuzz_budget=FuzzBudget(fuzz_launches, time_factor=FUZZ_TIME_FACTOR,
                                    spent_seconds=built - began,
-                                   at_least=copies.required or 4 if copies else 4))
+                                   at_least=copies.required or 4 if copies else 4),
+            progress=progress)
         torch.cuda.synchronize()
         ended = time.perf_counter()
         stats = copies.stats if copies else FuzzStats()
