@@ -108,3 +108,29 @@ def test_asking_for_a_fault_without_a_driver_never_raises(monkeypatch):
 
     monkeypatch.setattr(calls, "bindings", no_driver)
     assert calls.context_fault() is None
+
+
+def test_prove_hands_the_progress_to_the_proof(monkeypatch):
+    """prepare's progress reaches the proof's stages (the proof itself is stood in for)."""
+    import torch
+
+    from nimble.engine import proof, proving
+
+    seen = {}
+
+    def verify(*args, progress=None, **kwargs):
+        seen["progress"] = progress
+        progress.stage = "done"
+        return {}
+
+    monkeypatch.setattr(proof, "verify_against_reference", verify)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    graph = TaskGraph()
+    prepared = types.SimpleNamespace(
+        launcher=types.SimpleNamespace(rng=None, stream=lambda: None), graph=graph, step=None,
+        launchers=[], arena_base=0, memplan=types.SimpleNamespace(arena_bytes=0), seconds={})
+    rec = types.SimpleNamespace(replay_reference=None, static_inputs=[])
+    progress = proof.ProofProgress()
+    proving.prove(prepared, rec, 2, fuzz=False, progress=progress)
+    assert seen["progress"] is progress and progress.stage == "done"
+    assert graph.meta["verified"]["launches"] == 2
