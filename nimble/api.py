@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from . import driver
 from .engine.build import repoint
-from .errors import GraphFaultError, InputError, NimbleError
+from .errors import InputError, NimbleError
 from .engine.launcher import TAKE_GENERAL_PATH, RngCells
 from .analysis.memplan import MemPlan
 from .engine.options import PrepareOptions
 from .engine.options import options_with as _options_with
-from .engine.preparation import check_mode, prepare_serving, saved_state
+from .engine.preparation import check_mode, model_state_kept, prepare_serving
 from .engine.prepared import Prepared
 from .engine.serving import (BucketView, MemoryReport, PhaseView, PrepareReport, Serving,
                              bucket_examples, phase_views)
@@ -145,18 +145,10 @@ class Nimble:
                                    pad=pad, training=training)
         check_mode(self.model, training)
         watch_modules()
-        restore = saved_state(self.model, training)
-        faulted = False
-        try:
+        with model_state_kept(self.model, training):
             serving = prepare_serving(self.model, examples, instances=instances, pad=pad,
                                       training=training, use_multi_stream=use_multi_stream,
                                       max_streams=max_streams, options=options, quiet=quiet)
-        except GraphFaultError:
-            faulted = True  # the CUDA context is lost: no state can be copied back
-            raise
-        finally:
-            if not faulted:
-                restore()
         for prepared in serving.preparations():
             prepared.launcher.return_copies = return_copies
         previous, self._serving = self._serving, serving

@@ -87,7 +87,7 @@ def test_prepare_leaves_the_models_state_alone_after_a_fault(monkeypatch):
     monkeypatch.setattr(api, "bucket_examples", lambda *a, **k: [()])
     monkeypatch.setattr(api, "check_mode", lambda *a: None)
     monkeypatch.setattr(api, "watch_modules", lambda: None)
-    monkeypatch.setattr(api, "saved_state", lambda *a: lambda: restored.append(True))
+    monkeypatch.setattr(preparation, "saved_state", lambda *a: lambda: restored.append(True))
     nm = nimble.Nimble(object())
     monkeypatch.setattr(api, "prepare_serving", raising(fault))
     with pytest.raises(GraphFaultError):
@@ -134,3 +134,11 @@ def test_prove_hands_the_progress_to_the_proof(monkeypatch):
     proving.prove(prepared, rec, 2, fuzz=False, progress=progress)
     assert seen["progress"] is progress and progress.stage == "done"
     assert graph.meta["verified"]["launches"] == 2
+
+
+def test_the_models_state_is_put_back_after_a_prepare_that_ends_well(monkeypatch):
+    restored = []
+    monkeypatch.setattr(preparation, "saved_state", lambda *a: lambda: restored.append(True))
+    with preparation.model_state_kept(object(), training=True):
+        pass
+    assert restored == [True]

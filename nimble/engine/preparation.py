@@ -12,13 +12,14 @@ generator.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .. import driver
 from ..analysis.memplan import MemPlan
@@ -59,6 +60,22 @@ def saved_state(model, training: bool) -> Callable[[], None]:
         if rng is not None:
             generator.set_state(rng)
     return restore
+
+
+@contextlib.contextmanager
+def model_state_kept(model, training: bool) -> Iterator[None]:
+    """Put back what preparing changes (:func:`saved_state`) when the block ends, unless a
+    kernel fault took the CUDA context: no state can be copied back then, and the copy's own
+    error would hide the fault."""
+    restore = saved_state(model, training)
+    try:
+        yield
+    except GraphFaultError:
+        raise
+    except BaseException:
+        restore()
+        raise
+    restore()
 
 
 def check_mode(model, training: bool) -> None:
