@@ -11,6 +11,7 @@ from .arena_layout import shared_state
 from .fuzz import FuzzCopies, FuzzStats
 from .launcher import run_phases
 from .prepared import Prepared
+from .proof import ProofProgress
 
 
 def low_word_ranges(prepared: Prepared) -> list[tuple[int, int]]:
@@ -37,7 +38,8 @@ FUZZ_ROWS = 8
 
 
 def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
-          fuzz_launches: int = FUZZ_LAUNCHES, seed: int = 0, progress=None) -> None:
+          fuzz_launches: int = FUZZ_LAUNCHES, seed: int = 0,
+          progress: ProofProgress | None = None) -> None:
     """The proof: ``relaunches`` poisoned launches equal the recording bit for bit (a training
     step's gradients: within the tolerance :mod:`nimble.engine.proof` states); with ``fuzz``,
     then up to ``fuzz_launches`` launches of delay-noded copies of the phases
@@ -50,8 +52,8 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
     (``verify_served``, ``verify_fuzz``).
 
     A graph that draws random numbers is given the same generator state as the reference for
-    each input set; the generator is restored afterwards.  ``progress``
-    (:class:`~nimble.engine.proof.ProofProgress`) is kept at the stage under way.
+    each input set; the generator is restored afterwards.  ``progress`` is kept at the stage
+    under way.
     """
     import torch
 
