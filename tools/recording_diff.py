@@ -91,8 +91,8 @@ def compare(a: TaskGraph, b: TaskGraph) -> dict:
     differ = {}
     for name in sorted(set(wa) & set(wb)):
         x, y = wa[name], wb[name]
-        if x.pointers != y.pointers or x.not_pointers != y.not_pointers:
-            offsets = sorted((x.pointers ^ y.pointers) | (x.not_pointers ^ y.not_pointers))
+        offsets = sorted((x.pointers ^ y.pointers) | (x.not_pointers ^ y.not_pointers))
+        if offsets:
             differ[f"{x.short} [{name[-40:]}]"] = {
                 str(off): {"a": _taken(x, off), "b": _taken(y, off)} for off in offsets}
     return {"a": evidence(a), "b": evidence(b), "only": only, "words_differ": differ}

@@ -14,9 +14,9 @@ rest of Nimble uses the names re-exported here (``driver.call``, ``driver.GraphE
 """
 from __future__ import annotations
 
-from .calls import (CONTEXT_FAULTS, bindings, call, checked_status, context_fault,
-                    current_context, device_attributes, device_supports_stream_writes,
-                    ensure_context, probe, raise_status, synchronize_context)
+from .calls import (bindings, call, checked_status, context_fault, current_context,
+                    device_attributes, device_supports_stream_writes, ensure_context, probe,
+                    raise_status, synchronize_context)
 from .graphs import borrowed_graph, graph_nodes_of, node_count_of
 from .handles import (DeviceMemory, Event, Graph, GraphExec, LowBitsMemory, Module, close_all,
                       nimble_memory)
@@ -39,7 +39,7 @@ __all__ = [
     "CallPath", "DeviceMemory", "Event", "Graph", "GraphExec", "LowBitsMemory", "Module",
     "add_dependencies", "add_empty_node", "add_event_record_node", "add_kernel_node",
     "add_memcpy_node", "add_memset_node", "address_range", "allow_dynamic_shared", "bindings",
-    "call", "capture_graph", "checked_status", "close_all", "CONTEXT_FAULTS", "context_fault",
+    "call", "capture_graph", "checked_status", "close_all", "context_fault",
     "copy_device", "copy_kernel_attributes", "copy_to_device", "copy_to_host", "current_context",
     "device_attributes", "device_supports_stream_writes", "ensure_context", "event_elapsed_ms",
     "event_synchronize", "fill_bytes_async", "function_name", "function_param_layout",
