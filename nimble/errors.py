@@ -27,7 +27,13 @@ class BuildError(NimbleError):
 
 
 class VerificationError(NimbleError):
-    """The rebuilt graph did not reproduce the single-stream reference bit for bit."""
+    """The rebuilt graph did not reproduce the single-stream reference bit for bit.
+    ``recording``: the file ``prepare`` saved the recording to for a bug report (None where it
+    saved none)."""
+
+    def __init__(self, message: str, recording: str | None = None) -> None:
+        super().__init__(message)
+        self.recording = recording
 
 
 class GraphFaultError(VerificationError):
@@ -39,9 +45,8 @@ class GraphFaultError(VerificationError):
 
     def __init__(self, message: str, fault: str, recording: str | None,
                  stage: str = "") -> None:
-        super().__init__(message)
+        super().__init__(message, recording)
         self.fault = fault
-        self.recording = recording
         self.stage = stage
 
 

@@ -54,15 +54,39 @@ def test_a_fault_in_the_proof_is_a_graph_fault_with_the_recording_saved(monkeypa
     assert len(saved.tasks) == len(graph.tasks) and saved.meta["model"] == "branchy"
 
 
-def test_a_failure_that_leaves_the_context_healthy_is_raised_as_it_is(monkeypatch):
+@pytest.mark.parametrize("streams", [1, 2])
+def test_wrong_bits_on_a_healthy_context_are_a_mismatch_with_the_recording_saved(
+        monkeypatch, tmp_path, streams):
+    """A single-stream training step of googlenet computed a wrong gradient (a padded integer
+    relocated as a pointer): its recording is what tells why, and on one stream the hint to
+    look for a missing dependency would mislead."""
     def wrong_bits(*args, **kwargs):
         raise VerificationError("output 0 differs")
 
+    graph = _graph()
+    candidate, planned, options = _proof_setup(graph)
+    n = len(graph.tasks)
+    planned.schedule = types.SimpleNamespace(stream_of=[t % streams for t in range(n)],
+                                             phases=[n // 2, n - n // 2])
     monkeypatch.setattr(preparation, "prove", wrong_bits)
     monkeypatch.setattr(preparation.driver, "context_fault", lambda: None)
+    monkeypatch.setenv(preparation.FAULT_DIR_VARIABLE, str(tmp_path))
     with pytest.raises(VerificationError, match="output 0 differs") as e:
-        preparation._prove(*_proof_setup(_graph()), training=False, quiet=True)
-    assert not isinstance(e.value, GraphFaultError)
+        preparation._prove(candidate, planned, options, training=False, quiet=True)
+    err = e.value
+    assert not isinstance(err, GraphFaultError)
+    assert err.recording and err.recording.startswith(str(tmp_path / "nimble-mismatch-branchy"))
+    assert err.recording in str(err) and len(TaskGraph.load(err.recording).tasks) == n
+    assert ("no two of its tasks ran unordered" in str(err)) is (streams == 1)
+
+
+def test_one_order_means_one_stream_in_every_phase():
+    schedule = types.SimpleNamespace(stream_of=[0, 0, 1, 1], phases=[2, 2])
+    assert preparation.one_order(schedule)
+    schedule.stream_of = [0, 1, 2, 2]
+    assert not preparation.one_order(schedule)
+    assert not preparation.one_order(types.SimpleNamespace(stream_of=[0, 1], phases=[]))
+    assert preparation.one_order(types.SimpleNamespace(stream_of=[3, 3], phases=[]))
 
 
 def test_an_unwritable_fault_folder_still_gives_the_error(monkeypatch, tmp_path):

@@ -285,7 +285,7 @@ def test_a_word_inside_an_element_of_the_ops_tensors_is_no_pointer():
 
 
 OTHER_POOL = 0x7D10_0000_0000  # another graph's pool in torch's allocator, 2 MiB
-LIBRARY = 0x7D20_0000_0000  # cuDNN's own memory (cudaMalloc'd by the library), 64 KiB
+LIBRARY = 0x7D20_A2A0_0000  # cuDNN's own memory (cudaMalloc'd by the library), 64 KiB
 
 
 def words_outside_the_capture(kernel_name: str):
@@ -297,7 +297,7 @@ def words_outside_the_capture(kernel_name: str):
     node.name = kernel_name
     raw = capture([op("scale", (0, 1), (0, 1), (X, 256, False), (A, 256, True))], [node],
                   [(A, 256)], outputs=[(A, 256)],
-                  externals=[DeviceRange(LIBRARY, 0x1_0000, "device allocation@0x7d2000000000")])
+                  externals=[DeviceRange(LIBRARY, 0x1_0000, "device allocation@0x7d20a2a00000")])
     raw.allocator = [DeviceRange(OTHER_POOL, 0x20_0000)]
     return build_taskgraph(raw), free_word, library_word
 
@@ -307,6 +307,32 @@ def test_a_word_in_free_allocator_memory_is_no_pointer():
     assert g.meta["not_pointer_words"] == [[0, 16, free_word]]
     assert g.unresolved_pointers() == []
     assert g.buffers[g.tasks[0].pointers[2].buffer].kind == BufferKind.EXTERNAL  # cuDNN's own
+
+
+LIBRARY_AT_BOUNDARY = 0x7D40_0000_0000  # a library's 64 MiB that begins at a 4 GiB boundary
+
+
+@pytest.mark.parametrize("offset, pointer", [(2, False), (4, False), (0, True), (0x200, True),
+                                             (0x20_0004, True)])
+def test_a_low_word_into_library_memory_at_a_4gib_boundary(offset, pointer):
+    """A cutlass wgrad kernel's int 2 under a stale top half read as 2 bytes into such memory;
+    the graph's private copy of it then rewrote the int (googlenet's training step, one
+    stream, a wrong gradient).  Offsets a block starts from, or 2 MiB and more past the
+    boundary, stay pointers."""
+    A = POOL
+    word = LIBRARY_AT_BOUNDARY + offset
+    node = kernel(X, A, word)
+    node.name = "cutlass__5x_cudnn::Kernel"
+    g = build_taskgraph(capture(
+        [op("convolution_backward", (0, 1), (0, 1), (X, 256, False), (A, 256, True))], [node],
+        [(A, 256)], outputs=[(A, 256)],
+        externals=[DeviceRange(LIBRARY_AT_BOUNDARY, 0x400_0000,
+                               "device allocation@0x7d4000000000")]))
+    external = [a for a in g.tasks[0].accesses
+                if g.buffers[a.buffer].kind == BufferKind.EXTERNAL]
+    assert (g.meta["not_pointer_words"] == []) is pointer
+    assert bool(external) is pointer
+    assert (word in [p.value for p in g.tasks[0].pointers]) is pointer
 
 
 # ATen kernel names as the driver reports them (mangled; dropout backward's scale kernel and an

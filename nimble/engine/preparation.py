@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterator
 
 from .. import driver
 from ..analysis.memplan import MemPlan
-from ..analysis.schedule import Schedule
-from ..errors import GraphFaultError, InputError
+from ..analysis.schedule import Schedule, phase_spans
+from ..errors import GraphFaultError, InputError, VerificationError
 from ..progress import logger as log, say
 from .arena_layout import shared_layout
 from .launcher import CallOrder
@@ -224,9 +224,11 @@ def _prove(candidate: Prepared, planned: _Planned, options: PrepareOptions, trai
             prove(candidate, planned.rec, relaunches, fuzz=options.fuzz, progress=progress)
         except Exception as e:
             fault = driver.context_fault()
-            if fault is None:
-                raise
-            raise fault_error(planned.rec.graph, fault, progress.stage, e) from e
+            if fault is not None:
+                raise fault_error(planned.rec.graph, fault, progress.stage, e) from e
+            if isinstance(e, VerificationError):
+                raise mismatch_error(planned.rec.graph, e, one_order(planned.schedule)) from e
+            raise
         candidate.seconds["verify"] = time.perf_counter() - t0
 
 
@@ -235,19 +237,51 @@ def _prove(candidate: Prepared, planned: _Planned, options: PrepareOptions, trai
 FAULT_DIR_VARIABLE = "NIMBLE_FAULT_DIR"
 
 
+def saved_recording(graph, what: str) -> str | None:
+    """``graph`` saved to ``$NIMBLE_FAULT_DIR`` (or the temporary folder) as
+    ``nimble-<what>-<model>-<pid>.json.gz`` for a bug report: the file's path, or None where it
+    could not be written (logged either way)."""
+    folder = os.environ.get(FAULT_DIR_VARIABLE) or tempfile.gettempdir()
+    name = _model_name(graph)
+    path = os.path.join(folder, f"nimble-{what}-{name}-{os.getpid()}.json.gz")
+    try:
+        graph.save(path)
+    except OSError as e:
+        log.warning("could not save the recording of %s to %s: %s", name, path, e)
+        return None
+    log.warning("the recording of %s, whose rebuilt graph failed its proof, is saved to %s",
+                name, path)
+    return path
+
+
+def _model_name(graph) -> str:
+    return str(graph.meta.get("model", "model")).replace(os.sep, "_")
+
+
+def one_order(schedule: Schedule) -> bool:
+    """Whether every phase of ``schedule`` runs its tasks on one stream, in one order."""
+    return all(len({schedule.stream_of[t] for t in span}) <= 1
+               for span in phase_spans(schedule.phases, len(schedule.stream_of)))
+
+
+def mismatch_error(graph, cause: VerificationError, one_stream: bool) -> VerificationError:
+    """``cause`` (a rebuilt graph's outputs differ from the recording's) with the recording
+    saved for a bug report; on a graph that runs each phase in one order (``one_stream``), the
+    likelier cause named, since no two tasks ran unordered there."""
+    path = saved_recording(graph, "mismatch")
+    likelier = (" This graph runs each phase on one stream, so no two of its tasks ran "
+                "unordered: a parameter word relocated that is no pointer, or a pointer kept as "
+                "recorded, is the likelier cause." if one_stream else "")
+    kept = (f" Its recording is saved to {path} (nimble inspect reads it): attach it to a bug "
+            "report." if path else "")
+    return VerificationError(f"{cause}{likelier}{kept}", path)
+
+
 def fault_error(graph, fault: str, stage: str, cause: BaseException) -> GraphFaultError:
     """The error for a proof that ended in a kernel fault, shown during ``stage``: the recording
     saved to ``$NIMBLE_FAULT_DIR`` (or the temporary folder) for a bug report, and what to do."""
-    folder = os.environ.get(FAULT_DIR_VARIABLE) or tempfile.gettempdir()
-    name = str(graph.meta.get("model", "model")).replace(os.sep, "_")
-    path: str | None = os.path.join(folder, f"nimble-fault-{name}-{os.getpid()}.json.gz")
-    try:
-        graph.save(path)
-        log.warning("the recording of %s, whose rebuilt graph faulted, is saved to %s", name,
-                    path)
-    except OSError as e:
-        log.warning("could not save the recording of %s to %s: %s", name, path, e)
-        path = None
+    name = _model_name(graph)
+    path = saved_recording(graph, "fault")
     kept = f"; its recording is saved to {path} (nimble inspect reads it)" if path else ""
     return GraphFaultError(
         f"a kernel faulted with {fault} while the rebuilt graph of {name} was being proven "

@@ -136,7 +136,10 @@ class AddressResolver:
             return True  # inside an element of every tensor of the op it falls in
         kind, ref = where
         if kind == "buffer":
-            return self.buffers[ref].kind == BufferKind.INPUT and ref not in named
+            buffer = self.buffers[ref]
+            if buffer.kind == BufferKind.EXTERNAL:
+                return padded_int_like(value) and (value - buffer.address) % ALIGNMENT != 0
+            return buffer.kind == BufferKind.INPUT and ref not in named
         rep = self.region[ref]
         if self.alloc_op[rep] == k:
             return False  # the op's own allocation

@@ -43,8 +43,12 @@ for a pointer only where a kernel of op *k* could use the memory:
 * for ATen's own kernels (they reach only tensors, their op's own workspaces and the random
   generator's cells), not in library memory nor in a workspace another op allocated (a padded
   float scale can land in a cuDNN workspace);
-* not in another op's workspace less than 2 MiB above a 4 GiB boundary at an offset no block
-  starts from (512-aligned): there a padded integer is likelier than a pointer.
+* not in another op's workspace, nor in memory from before the recording (a library's own
+  allocation), less than 2 MiB above a 4 GiB boundary at an offset no block starts from
+  (512-aligned): there a padded integer is likelier than a pointer.  A library's allocation
+  of 64 MiB that began at a 4 GiB boundary took ``0x7f24_00000002`` (a cutlass wgrad kernel's
+  int 2 under a stale top half) for a pointer into it; its private copy in the arena then
+  rewrote the int, and googlenet's training step computed a wrong gradient on one stream.
 
 The value rules hold while the pool lies where integers seldom reach (``0x7f66_...``); a pool
 the driver put at a low address (``0x7_0600_0000``) is hit by pairs of small integers.  So a
