@@ -333,6 +333,7 @@ def test_a_low_word_into_library_memory_at_a_4gib_boundary(offset, pointer):
     assert (g.meta["not_pointer_words"] == []) is pointer
     assert bool(external) is pointer
     assert (word in [p.value for p in g.tasks[0].pointers]) is pointer
+    assert g.meta["padded_words_in_external"] == (0 if pointer else 1)
 
 
 # ATen kernel names as the driver reports them (mangled; dropout backward's scale kernel and an

@@ -52,7 +52,7 @@ class AddressResolver:
                           1 for i, rep in enumerate(self.region)
                           if rep != i or self.members(i) > 1),
                       "unlisted_pointer_accesses": 0, "op_accesses_without_pointer": 0,
-                      "twin_unmoved_words": 0}
+                      "twin_unmoved_words": 0, "padded_words_in_external": 0}
         self.not_pointer_words: list[list[int]] = []  # [task, location, value]
         self.low_word_buffers: set[int] = set()
 
@@ -138,7 +138,9 @@ class AddressResolver:
         if kind == "buffer":
             buffer = self.buffers[ref]
             if buffer.kind == BufferKind.EXTERNAL:
-                return padded_int_like(value) and (value - buffer.address) % ALIGNMENT != 0
+                padded = padded_int_like(value) and (value - buffer.address) % ALIGNMENT != 0
+                self.stats["padded_words_in_external"] += padded
+                return padded
             return buffer.kind == BufferKind.INPUT and ref not in named
         rep = self.region[ref]
         if self.alloc_op[rep] == k:
