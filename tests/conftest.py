@@ -25,3 +25,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def failed_proofs_saved_aside(monkeypatch, tmp_path):
+    """For a test that makes a proof fail on purpose: the recording ``prepare`` then saves for
+    a bug report goes to the test's own folder, not to ``$NIMBLE_FAULT_DIR``, where the GPU
+    suite collects the recordings of real failures."""
+    monkeypatch.setenv("NIMBLE_FAULT_DIR", str(tmp_path))
+    return tmp_path

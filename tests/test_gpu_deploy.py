@@ -195,6 +195,7 @@ def test_a_model_left_in_training_mode_is_told_to_call_eval():
         nimble.Nimble(model).prepare(x)
 
 
+@pytest.mark.usefixtures("failed_proofs_saved_aside")
 def test_a_failed_prepare_leaves_the_working_graph_serving(monkeypatch):
     import torch
 

@@ -148,6 +148,7 @@ def test_the_common_call_is_bound_once_and_every_other_call_takes_the_general_pa
         nm(fresh)
 
 
+@pytest.mark.usefixtures("failed_proofs_saved_aside")
 def test_a_missed_relocation_is_caught_by_the_proof(monkeypatch):
     """Leave one reader's pointer at the recorded address: the poisoned run must fail loudly."""
     from nimble.engine import build
