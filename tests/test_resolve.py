@@ -313,7 +313,7 @@ LIBRARY_AT_BOUNDARY = 0x7D40_0000_0000  # a library's 64 MiB that begins at a 4 
 
 
 @pytest.mark.parametrize("offset, pointer", [(2, False), (4, False), (0, True), (0x200, True),
-                                             (0x20_0004, True)])
+                                             (0x20_0010, True)])
 def test_a_low_word_into_library_memory_at_a_4gib_boundary(offset, pointer):
     """A cutlass wgrad kernel's int 2 under a stale top half read as 2 bytes into such memory;
     the graph's private copy of it then rewrote the int (googlenet's training step, one
@@ -334,6 +334,35 @@ def test_a_low_word_into_library_memory_at_a_4gib_boundary(offset, pointer):
     assert bool(external) is pointer
     assert (word in [p.value for p in g.tasks[0].pointers]) is pointer
     assert g.meta["padded_words_in_external"] == (0 if pointer else 1)
+
+
+CACHED_BLOCK = 0x9_8720_0000  # a 32 MiB block torch cached before the recording, low in memory
+
+
+@pytest.mark.parametrize("name, offset, pointer", [
+    ("cudnn::winograd_nonfused::winogradForwardData9x9_5x5", 0x144_298F, False),
+    ("cudnn::winograd_nonfused::winogradForwardData9x9_5x5", 0x144_2988, False),
+    ("cudnn::winograd_nonfused::winogradForwardData9x9_5x5", 0x144_2980, True),
+    ("cudnn::winograd_nonfused::winogradForwardData9x9_5x5", 0, True),
+    ("at::native::vectorized_elementwise_kernel<4, ...>", 0x144_298F, True)])
+def test_a_library_kernels_unaligned_word_into_memory_from_before_the_recording(name, offset,
+                                                                                pointer):
+    """Under a pool at a low address, two 32-bit integers of a cuDNN winograd kernel read
+    ``0x9_8864_298f``, inside a block torch had cached before the recording; relocating it gave
+    inception_v3's training step a wrong gradient on one stream.  A library partitions such
+    memory at offsets of 16 bytes and more; ATen's kernels (a bool tensor held as a plain
+    attribute) may point anywhere in it."""
+    A = POOL
+    word = CACHED_BLOCK + offset
+    node = kernel(X, A, word)
+    node.name = name
+    g = build_taskgraph(capture(
+        [op("convolution_backward", (0, 1), (0, 1), (X, 256, False), (A, 256, True))], [node],
+        [(A, 256)], outputs=[(A, 256)],
+        externals=[DeviceRange(CACHED_BLOCK, 0x200_0000, "block@0x987200000")]))
+    assert (word in [p.value for p in g.tasks[0].pointers]) is pointer
+    assert (g.meta["not_pointer_words"] == [[0, 16, word]]) is not pointer
+    assert g.meta["unaligned_words_in_external"] == (0 if pointer else 1)
 
 
 # ATen kernel names as the driver reports them (mangled; dropout backward's scale kernel and an

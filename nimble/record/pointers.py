@@ -18,6 +18,9 @@ from ..ir.taskgraph import Buffer, BufferKind
 
 # How far past the end of an op's own allocation a pointer may lie and still belong to it.
 _PAST_END_SLACK = 256
+# A library's kernel reaches memory from before the recording (the library's own, a workspace
+# torch cached) at offsets aligned to at least this (nimble/record/resolve.py).
+_LIBRARY_ALIGNMENT = 16
 # A 32-bit integer followed by 4 bytes of padding that hold the top half of an old address
 # reads as an address at most this far above a 4 GiB boundary.
 _PADDED_INT_LIMIT = 1 << 21
@@ -52,7 +55,8 @@ class AddressResolver:
                           1 for i, rep in enumerate(self.region)
                           if rep != i or self.members(i) > 1),
                       "unlisted_pointer_accesses": 0, "op_accesses_without_pointer": 0,
-                      "twin_unmoved_words": 0, "padded_words_in_external": 0}
+                      "twin_unmoved_words": 0, "padded_words_in_external": 0,
+                      "unaligned_words_in_external": 0}
         self.not_pointer_words: list[list[int]] = []  # [task, location, value]
         self.low_word_buffers: set[int] = set()
 
@@ -151,6 +155,14 @@ class AddressResolver:
         if rep in self.tensor_buffer:
             return self.tensor_buffer[rep] not in named
         return padded_int_like(value) and (value - self._allocs[ref].address) % ALIGNMENT != 0
+
+    def unaligned_in_external(self, buffer: Buffer, value: int) -> bool:
+        """Whether a library kernel's word ``value`` falls in ``buffer``, memory from before
+        the recording, at an offset a library does not use (counted in the graph's meta)."""
+        unaligned = (buffer.kind == BufferKind.EXTERNAL
+                     and (value - buffer.address) % _LIBRARY_ALIGNMENT != 0)
+        self.stats["unaligned_words_in_external"] += unaligned
+        return unaligned
 
     def in_allocator_free(self, address: int) -> bool:
         """Whether ``address`` lies in torch's allocator memory outside every live block."""

@@ -48,7 +48,13 @@ for a pointer only where a kernel of op *k* could use the memory:
   (512-aligned): there a padded integer is likelier than a pointer.  A library's allocation
   of 64 MiB that began at a 4 GiB boundary took ``0x7f24_00000002`` (a cutlass wgrad kernel's
   int 2 under a stale top half) for a pointer into it; its private copy in the arena then
-  rewrote the int, and googlenet's training step computed a wrong gradient on one stream.
+  rewrote the int, and googlenet's training step computed a wrong gradient on one stream;
+* for a library's kernel (cuDNN, cuBLAS, CUTLASS...), not in memory from before the recording
+  at an offset that is no multiple of 16: libraries partition their own memory and their
+  workspaces at such offsets (and load 16 bytes at a time from them).  Under a pool at a low
+  address, two 32-bit integers of a cuDNN winograd kernel read ``0x9_8864_298f``, 21 MB into
+  a 32 MiB block torch had cached before the recording; relocating it gave inception_v3's
+  training step a wrong gradient on one stream.
 
 The value rules hold while the pool lies where integers seldom reach (``0x7f66_...``); a pool
 the driver put at a low address (``0x7_0600_0000``) is hit by pairs of small integers.  So a
@@ -69,7 +75,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ir.kernel_names import short_kernel_name
+from ..ir.kernel_names import library_kernel, short_kernel_name
 from .raw import OpRecord, RawCapture, TensorSpec
 from .intervals import range_index
 from .pointers import AddressResolver, padded_int_like
@@ -315,12 +321,14 @@ def _word_pointers(r: AddressResolver, t: int, task: Task, op_words: _OpWords,
     node = r.raw.nodes[t]
     accesses: list[Access] = []
     aten_kernel = _is_aten_kernel(node.name)
+    library = library_kernel(node.name)
     whole_params = {off for off, size in node.param_layout if size == 8}
     for location, value in op_words.words[t]:
         bid = op_words.buffer_of(r, value)
         if value in op_words.not_pointers or aten_kernel and (
                 value in op_words.others_workspace
-                or bid >= 0 and _library_memory(r.buffers[bid])):
+                or bid >= 0 and _library_memory(r.buffers[bid])) or (
+                library and bid >= 0 and r.unaligned_in_external(r.buffers[bid], value)):
             r.not_pointer_words.append([t, location, value])
             continue
         if bid < 0:
