@@ -341,17 +341,17 @@ CACHED_BLOCK = 0x9_8720_0000  # a 32 MiB block torch cached before the recording
 
 @pytest.mark.parametrize("name, offset, pointer", [
     ("cudnn::winograd_nonfused::winogradForwardData9x9_5x5", 0x144_298F, False),
-    ("cudnn::winograd_nonfused::winogradForwardData9x9_5x5", 0x144_2988, False),
-    ("cudnn::winograd_nonfused::winogradForwardData9x9_5x5", 0x144_2980, True),
+    ("cudnn::winograd_nonfused::winogradForwardData9x9_5x5", 0x144_2986, False),
+    ("cudnn::winograd_nonfused::winogradForwardData9x9_5x5", 0x144_2984, True),
     ("cudnn::winograd_nonfused::winogradForwardData9x9_5x5", 0, True),
     ("at::native::vectorized_elementwise_kernel<4, ...>", 0x144_298F, True)])
 def test_a_library_kernels_unaligned_word_into_memory_from_before_the_recording(name, offset,
                                                                                 pointer):
     """Under a pool at a low address, two 32-bit integers of a cuDNN winograd kernel read
     ``0x9_8864_298f``, inside a block torch had cached before the recording; relocating it gave
-    inception_v3's training step a wrong gradient on one stream.  A library partitions such
-    memory at offsets of 16 bytes and more; ATen's kernels (a bool tensor held as a plain
-    attribute) may point anywhere in it."""
+    inception_v3's training step a wrong gradient on one stream.  A library lays such memory
+    out in words of 4 bytes and more (cuDNN's sm90 kernels point at counters 4 bytes apart);
+    ATen's kernels (a bool tensor held as a plain attribute) may point anywhere in it."""
     A = POOL
     word = CACHED_BLOCK + offset
     node = kernel(X, A, word)

@@ -19,8 +19,10 @@ from ..ir.taskgraph import Buffer, BufferKind
 # How far past the end of an op's own allocation a pointer may lie and still belong to it.
 _PAST_END_SLACK = 256
 # A library's kernel reaches memory from before the recording (the library's own, a workspace
-# torch cached) at offsets aligned to at least this (nimble/record/resolve.py).
-_LIBRARY_ALIGNMENT = 16
+# torch cached) at offsets aligned to at least this (nimble/record/resolve.py).  Not more:
+# cuDNN's sm90 kernels keep 4-byte counters in their workspaces, 4, 8 or 12 bytes past a
+# multiple of 16.
+_LIBRARY_ALIGNMENT = 4
 # A 32-bit integer followed by 4 bytes of padding that hold the top half of an old address
 # reads as an address at most this far above a 4 GiB boundary.
 _PADDED_INT_LIMIT = 1 << 21

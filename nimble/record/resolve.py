@@ -50,8 +50,9 @@ for a pointer only where a kernel of op *k* could use the memory:
   int 2 under a stale top half) for a pointer into it; its private copy in the arena then
   rewrote the int, and googlenet's training step computed a wrong gradient on one stream;
 * for a library's kernel (cuDNN, cuBLAS, CUTLASS...), not in memory from before the recording
-  at an offset that is no multiple of 16: libraries partition their own memory and their
-  workspaces at such offsets (and load 16 bytes at a time from them).  Under a pool at a low
+  at an offset that is no multiple of 4: libraries lay out their own memory and their
+  workspaces in words of 4 bytes and more (cuDNN's sm90 kernels point at 4-byte counters 4, 8
+  or 12 bytes past a multiple of 16; nothing finer was seen).  Under a pool at a low
   address, two 32-bit integers of a cuDNN winograd kernel read ``0x9_8864_298f``, 21 MB into
   a 32 MiB block torch had cached before the recording; relocating it gave inception_v3's
   training step a wrong gradient on one stream.
