@@ -132,7 +132,9 @@ class Nimble:
             ``buckets``, two buckets of one shape, ``instances < 1``, serving a training step,
             ``pad`` where a batch is not on dim 0).
         VerificationError
-            The built graph did not reproduce the recording bit for bit.
+            The built graph did not reproduce the recording bit for bit: its ``recording``
+            names the file the recording was saved to for a bug report
+            (``$NIMBLE_FAULT_DIR``, else the temporary folder).
         GraphFaultError
             A kernel faulted on the GPU during the proof and took the process's CUDA context
             with it: the recording is saved for a bug report (``$NIMBLE_FAULT_DIR``, else the

@@ -28,8 +28,9 @@ and the benchmark tables, each phase with the seconds it took.  Logs and the ben
 ``--out`` (default ``$OUT`` on the device machine, else ``./out``): ``gpu_tests_NAME.log`` (one
 per pytest process, named after its first test file, ``gpu_tests_all.log`` for one process),
 ``bench.log`` / ``bench.json`` and ``bench_full.log`` / ``bench_full.json`` (a bench's log holds
-its stdout and stderr), and ``nimble-fault-*.json.gz``, the recording of any graph that faulted
-in its proof (:class:`nimble.GraphFaultError`); the logs are written as the phases run, so a
+its stdout and stderr), and ``nimble-fault-*.json.gz`` and ``nimble-mismatch-*.json.gz``, the
+recording of any graph that faulted in its proof (:class:`nimble.GraphFaultError`) or failed it
+(:class:`nimble.VerificationError`); the logs are written as the phases run, so a
 phase cut off by a time limit leaves what it printed so far.
 """
 from __future__ import annotations

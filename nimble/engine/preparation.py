@@ -232,8 +232,8 @@ def _prove(candidate: Prepared, planned: _Planned, options: PrepareOptions, trai
         candidate.seconds["verify"] = time.perf_counter() - t0
 
 
-#: Where :func:`fault_error` saves the recording of a graph that faulted in its proof (the
-#: system's temporary folder when unset).
+#: Where :func:`saved_recording` saves the recording of a graph that failed its proof or faulted
+#: in it (the system's temporary folder when unset).
 FAULT_DIR_VARIABLE = "NIMBLE_FAULT_DIR"
 
 
