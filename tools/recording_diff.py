@@ -66,6 +66,9 @@ def evidence(graph: TaskGraph) -> dict:
             "words_not_pointers": len(meta.get("not_pointer_words", [])),
             "low_word_buffers": len(meta.get("low_word_buffers", [])),
             "stale_pool_words": meta.get("stale_pool_words"),
+            "twin_unmoved_words": meta.get("twin_unmoved_words"),
+            "padded_words_in_external": meta.get("padded_words_in_external"),
+            "unaligned_words_in_external": meta.get("unaligned_words_in_external"),
             "lowest_pool_address": hex(min(pool)) if pool else None}
 
 
