@@ -316,6 +316,18 @@ def _scratch_buffers(r: AddressResolver, k: int, scratch_regions: set[int]) -> d
     return scratch_of
 
 
+def _no_pointer_for_kernel(r: AddressResolver, op_words: _OpWords, value: int, bid: int,
+                          aten_kernel: bool, library: bool) -> bool:
+    """The rules that depend on which kernel holds the word (the module docstring): ATen's
+    kernels reach no library memory nor another op's workspace; a library's kernel reaches
+    memory from before the recording only at offsets of whole 4-byte words."""
+    buffer = r.buffers[bid] if bid >= 0 else None
+    if aten_kernel:
+        return value in op_words.others_workspace or (
+            buffer is not None and _library_memory(buffer))
+    return library and buffer is not None and r.unaligned_in_external(buffer, value)
+
+
 def _word_pointers(r: AddressResolver, t: int, task: Task, op_words: _OpWords,
                    by_buffer: dict[int, list[Access]], seen_buffers: set[int]) -> list[Access]:
     """Add task ``t``'s kernel words that are pointers to its pointers; their accesses."""
@@ -326,10 +338,8 @@ def _word_pointers(r: AddressResolver, t: int, task: Task, op_words: _OpWords,
     whole_params = {off for off, size in node.param_layout if size == 8}
     for location, value in op_words.words[t]:
         bid = op_words.buffer_of(r, value)
-        if value in op_words.not_pointers or aten_kernel and (
-                value in op_words.others_workspace
-                or bid >= 0 and _library_memory(r.buffers[bid])) or (
-                library and bid >= 0 and r.unaligned_in_external(r.buffers[bid], value)):
+        if value in op_words.not_pointers or _no_pointer_for_kernel(
+                r, op_words, value, bid, aten_kernel, library):
             r.not_pointer_words.append([t, location, value])
             continue
         if bid < 0:
