@@ -48,3 +48,19 @@ def test_a_word_in_a_parameter_no_pointer_fits_is_not_a_pointer():
     assert [in_pointerless_param(layout, off) for off in (0, 8, 16, 112, 120)] == \
         [True, True, False, False, False]
     assert not in_pointerless_param([], 0)  # no layout known
+
+
+def test_a_packed_buffer_may_end_inside_its_last_parameter_only():
+    from nimble.errors import RecordError
+    from nimble.record.decode import passed_layout
+
+    nccl = [(0, 4096)]  # ncclDevKernelArgs4K, as NCCL 2.28 declares it
+    assert passed_layout(nccl, 192) == [(0, 192)]
+    assert passed_layout(nccl, 4096) == nccl
+    layout = [(0, 8), (8, 4), (16, 64)]
+    assert passed_layout(layout, 80) == layout
+    assert passed_layout(layout, 40) == [(0, 8), (8, 4), (16, 24)]
+    for short in (16, 10, 0):  # the last parameter, or more, left out whole
+        with pytest.raises(RecordError, match="parameters end at byte 80"):
+            passed_layout(layout, short)
+    assert passed_layout([], 24) == []

@@ -18,7 +18,8 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Sequence
 
-from ..ir.taskgraph import TaskGraph
+from ..ir.kernel_names import collective_kernel
+from ..ir.taskgraph import TaskGraph, TaskKind
 
 
 @dataclass(slots=True)
@@ -179,10 +180,15 @@ def build_dag(graph: TaskGraph, chain_ops: bool = True) -> Dag:
 
     With ``chain_ops`` consecutive tasks of one ATen op (``Task.op >= 0``) are also ordered:
     kernels of one op may communicate in ways their recorded accesses do not show.
+
+    NCCL's collective kernels are always ordered among themselves, in recorded order: each
+    meets the same collective of every other rank, so every rank must launch them in one order
+    (two of them run side by side could each wait for a peer that runs the other).
     """
     tasks = graph.tasks
     segments: dict[int, _Segments] = {}
     last_of_op: dict[int, int] = {}
+    last_collective = -1
     preds: list[list[int]] = []
     for tid, task in enumerate(tasks):
         if task.id != tid:
@@ -219,6 +225,10 @@ def build_dag(graph: TaskGraph, chain_ops: bool = True) -> Dag:
             if prev is not None:
                 p.add(prev)
             last_of_op[task.op] = tid
+        if task.kind == TaskKind.KERNEL and collective_kernel(task.name):
+            if last_collective >= 0:
+                p.add(last_collective)
+            last_collective = tid
         p.discard(tid)  # a task's own accesses never order it against itself
         preds.append(sorted(p))
     return _from_preds(preds)

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from ..analysis.memplan import MemPlan
 from ..ir.alignment import ALIGNMENT, align_up
-from ..ir.kernel_names import library_kernel
+from ..ir.kernel_names import collective_kernel, library_kernel
 from ..ir.taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph, TaskKind
 
 
@@ -40,8 +40,27 @@ def written_externals(graph: TaskGraph) -> list[int]:
     (:func:`shared_state`).
     """
     scratch = set(library_scratch(graph))
-    return [b.id for b in _written_outside(graph)
-            if b.name.startswith(LIBRARY_MEMORY) or b.id in scratch]
+    shared = set(collective_memory(graph))
+    return [b.id for b in _written_outside(graph) if b.id not in shared
+            and (b.name.startswith(LIBRARY_MEMORY) or b.id in scratch)]
+
+
+def collective_memory(graph: TaskGraph) -> list[int]:
+    """External buffers that NCCL's collective kernels access
+    (:func:`~nimble.ir.kernel_names.collective_kernel`): the communicator's own memory, whose
+    FIFOs and step counters the other ranks' kernels read and write through mapped pointers,
+    and tensors allocated before the recording that a collective reduces in place.  Neither
+    may move to a private copy: a rank's kernels would then meet its peers' nowhere."""
+    return sorted({a.buffer for t in graph.tasks
+                   if t.kind == TaskKind.KERNEL and collective_kernel(t.name)
+                   for a in t.accesses if graph.buffers[a.buffer].kind == BufferKind.EXTERNAL})
+
+
+def communicator_memory(graph: TaskGraph) -> list[int]:
+    """The part of :func:`collective_memory` that NCCL allocated itself (no tensor): state that
+    lives on across launches and ranks, which a proof must neither snapshot nor restore."""
+    return [b for b in collective_memory(graph)
+            if graph.buffers[b].name.startswith(LIBRARY_MEMORY)]
 
 
 def library_scratch(graph: TaskGraph) -> list[int]:
@@ -62,8 +81,8 @@ def shared_state(graph: TaskGraph) -> list[tuple[int, int]]:
     graph's ATen or Triton kernels write: state the model updates on purpose (a static
     cache's keys, values and position counters), which stays shared and which the proof
     restores before every launch (:mod:`nimble.engine.proof`)."""
-    private = set(written_externals(graph))
-    return [(b.address, b.size) for b in _written_outside(graph) if b.id not in private]
+    skipped = set(written_externals(graph)) | set(communicator_memory(graph))
+    return [(b.address, b.size) for b in _written_outside(graph) if b.id not in skipped]
 
 
 def _written_outside(graph: TaskGraph) -> list:

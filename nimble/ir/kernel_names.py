@@ -60,3 +60,10 @@ def library_kernel(name: str) -> bool:
     short = short_kernel_name(name, limit=len(name))
     return not ("at::native::" in name or short.startswith("at::native::")
                 or short.startswith(("triton", "nimble_")))
+
+
+def collective_kernel(name: str) -> bool:
+    """Whether a kernel is a collective of NCCL (an all-reduce, all-gather...): one that meets
+    the same kernel of every other rank through the communicator's memory, so its launches must
+    keep their order on every rank and that memory must stay where NCCL keeps it."""
+    return short_kernel_name(name, limit=len(name)).startswith(("ncclDevKernel", "ncclKernel"))

@@ -127,6 +127,8 @@ def read_kernel_launch(node) -> KernelLaunch:
     func = kernel_function(params)
     layout = driver.function_param_layout(func)
     block, how = read_param_block(params, layout)
+    if how == "extra":
+        layout = passed_layout(layout, len(block))
     return KernelLaunch(params, driver.function_name(func), layout, block, how)
 
 
@@ -175,6 +177,27 @@ def extra_buffer(extra: int) -> bytes:
     return driver.read_host(buffer, size) if size else b""
 
 
+def passed_layout(layout: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The parameters a packed argument buffer of ``size`` bytes passes: ``layout``, with its last
+    parameter cut to the buffer's end where the buffer ends inside it.
+
+    NCCL's kernels declare one 4 KiB argument struct and pass only the bytes their work fills
+    (192 for one all-reduce); the driver takes such a launch, and the kernel reads no further.
+    A buffer that ends before the last parameter starts would leave whole parameters unset, and
+    is an error.
+    """
+    if not layout:
+        return layout
+    end = max(off + n for off, n in layout)
+    if size >= end:
+        return layout
+    *head, (last_off, _) = sorted(layout)
+    if size <= last_off or (head and size < max(off + n for off, n in head)):
+        raise RecordError(f"a kernel's packed argument buffer holds {size} bytes, but its "
+                          f"parameters end at byte {end}")
+    return [*head, (last_off, size - last_off)]
+
+
 def read_param_block(params, layout: list[tuple[int, int]]) -> tuple[bytes, str]:
     """``(block, how)``: the kernel's parameters at their offsets, read from the node's own copy.
 
@@ -185,10 +208,7 @@ def read_param_block(params, layout: list[tuple[int, int]]) -> tuple[bytes, str]
     extra = int(params.extra or 0)
     if array == 0 and extra:
         block = extra_buffer(extra)
-        expected = max((off + size for off, size in layout), default=0)
-        if layout and len(block) < expected:
-            raise RecordError(f"a kernel's packed argument buffer holds {len(block)} bytes, but "
-                              f"its parameters end at byte {expected}")
+        passed_layout(layout, len(block))
         return block, "extra"
     if not layout:
         return b"", "params"
