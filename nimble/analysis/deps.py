@@ -181,9 +181,12 @@ def build_dag(graph: TaskGraph, chain_ops: bool = True) -> Dag:
     With ``chain_ops`` consecutive tasks of one ATen op (``Task.op >= 0``) are also ordered:
     kernels of one op may communicate in ways their recorded accesses do not show.
 
-    NCCL's collective kernels are always ordered among themselves, in recorded order: each
-    meets the same collective of every other rank, so every rank must launch them in one order
-    (two of them run side by side could each wait for a peer that runs the other).
+    NCCL's collective kernels, and event record and wait nodes, are always ordered among
+    themselves, in recorded order (:func:`communication_task`): each collective meets the same
+    collective of every other rank, so every rank must launch them in one order (two of them
+    run side by side could each wait for a peer that runs the other), and NCCL brackets each
+    with a wait for, and a record of, an event that orders the communicator's launches in and
+    out of graphs.
     """
     tasks = graph.tasks
     segments: dict[int, _Segments] = {}
@@ -225,13 +228,20 @@ def build_dag(graph: TaskGraph, chain_ops: bool = True) -> Dag:
             if prev is not None:
                 p.add(prev)
             last_of_op[task.op] = tid
-        if task.kind == TaskKind.KERNEL and collective_kernel(task.name):
+        if communication_task(task):
             if last_collective >= 0:
                 p.add(last_collective)
             last_collective = tid
         p.discard(tid)  # a task's own accesses never order it against itself
         preds.append(sorted(p))
     return _from_preds(preds)
+
+
+def communication_task(task) -> bool:
+    """A collective kernel of NCCL, or an event record or wait node (see :func:`build_dag`)."""
+    if task.kind == TaskKind.KERNEL:
+        return collective_kernel(task.name)
+    return task.kind in (TaskKind.EVENT_RECORD, TaskKind.EVENT_WAIT)
 
 
 _NOT_ORDERED = "edges must go from a lower task id to a higher one"

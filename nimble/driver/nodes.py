@@ -286,6 +286,21 @@ def add_event_record_node(graph, deps: list, event) -> Any:
     return call("cuGraphAddEventRecordNode", graph, deps, len(deps), event)
 
 
+def add_event_wait_node(graph, deps: list, event) -> Any:
+    return call("cuGraphAddEventWaitNode", graph, deps, len(deps), event)
+
+
+def add_event_node_like(graph, deps: list, model, detail: str = "") -> Any:
+    """Add an event record or event wait node on the same event as ``model`` (a node of either
+    type), after ``deps``.  The event stays its owner's (NCCL's, which orders a communicator's
+    launches inside and outside graphs through it)."""
+    if node_type(model) == "CU_GRAPH_NODE_TYPE_EVENT_RECORD":
+        event = call("cuGraphEventRecordNodeGetEvent", model, detail=detail)
+        return call("cuGraphAddEventRecordNode", graph, deps, len(deps), event, detail=detail)
+    event = call("cuGraphEventWaitNodeGetEvent", model, detail=detail)
+    return call("cuGraphAddEventWaitNode", graph, deps, len(deps), event, detail=detail)
+
+
 def set_exec_kernel_params(exec_handle, node, params, detail: str = "") -> None:
     """Change a kernel node's arguments in an instantiated graph (no re-instantiation)."""
     call("cuGraphExecKernelNodeSetParams", exec_handle, node, params, detail=detail)

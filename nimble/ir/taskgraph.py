@@ -29,6 +29,10 @@ class TaskKind:
     KERNEL = "kernel"
     MEMCPY = "memcpy"
     MEMSET = "memset"
+    # Event nodes of an event outside the graph (NCCL orders a communicator's launches in and
+    # out of graphs with them): kept with the collectives, in recorded order.
+    EVENT_RECORD = "other:CU_GRAPH_NODE_TYPE_EVENT_RECORD"
+    EVENT_WAIT = "other:CU_GRAPH_NODE_TYPE_WAIT_EVENT"
 
 
 class BufferKind:

@@ -1,0 +1,115 @@
+"""NCCL collectives inside a recording (no GPU): what the analysis keeps of them.
+
+``allreduce_rank0.json.gz`` is rank 0 of two recording ``y = conv_a(x); all_reduce(y);
+relu(y) + conv_b(x)`` under ``torchrun --nproc_per_node=2`` (NCCL 2.28, H200): NCCL's kernel
+sits between a wait for and a record of its communicator's event, and points at the
+communicator's own 2 MiB allocation and, in place, at ``y``.
+"""
+from __future__ import annotations
+
+from helpers import FIXTURE_DIR
+
+from nimble.analysis.deps import build_dag, communication_task, reachability
+from nimble.engine.arena_layout import (collective_memory, communicator_memory, shared_state,
+                                        written_externals)
+from nimble.engine.prepared import plan_graph
+from nimble.ir.kernel_names import collective_kernel
+from nimble.ir.synthetic import random_graph
+from nimble.ir.taskgraph import LIBRARY_MEMORY, Access, Buffer, BufferKind, TaskGraph, TaskKind
+
+ALLREDUCE = FIXTURE_DIR / "allreduce_rank0.json.gz"
+
+
+def _kinds(graph: TaskGraph) -> list[str]:
+    return [t.kind if t.kind != TaskKind.KERNEL or not collective_kernel(t.name) else "nccl"
+            for t in graph.tasks]
+
+
+def test_nccl_kernels_are_told_from_every_other_kernel():
+    assert collective_kernel("_Z39ncclDevKernel_AllReduce_Sum_f32_RING_LL24ncclDevKernel"
+                             "ArgsStorageILm4096EE")
+    assert collective_kernel("ncclKernel_AllGather_RING_LL_Sum_int8_t")
+    for name in ("sm80_xmma_fprop_implicit_gemm_f32f32", "void at::native::elementwise_kernel",
+                 "triton_poi_fused_add_0", "nimble_gather"):
+        assert not collective_kernel(name)
+    g = TaskGraph.load(ALLREDUCE)
+    assert _kinds(g).count("nccl") == 1
+    assert [t.id for t in g.tasks if communication_task(t)] == [2, 3, 4]
+
+
+def test_the_collective_runs_after_its_event_wait_and_before_its_event_record_on_any_schedule():
+    g = TaskGraph.load(ALLREDUCE)
+    wait, nccl, record = (t.id for t in g.tasks if communication_task(t))
+    assert g.tasks[wait].kind == TaskKind.EVENT_WAIT
+    assert g.tasks[record].kind == TaskKind.EVENT_RECORD
+    reach = reachability(build_dag(g))
+    assert reach[wait] >> nccl & 1 and reach[nccl] >> record & 1
+    # the chain is what orders the event nodes: they touch no memory
+    assert g.tasks[wait].accesses == [] and g.tasks[record].accesses == []
+    schedule, _ = plan_graph(g, True, None, None)
+    order = {t: k for stream in schedule.streams for k, t in enumerate(stream)}
+    stream_of = {t: s for s, stream in enumerate(schedule.streams) for t in stream}
+    edges = set(schedule.edges())
+    for u, v in ((wait, nccl), (nccl, record)):
+        same = stream_of[u] == stream_of[v] and order[u] < order[v]
+        assert same or _reaches(edges, u, v), f"{u} -> {v} is not kept by the schedule"
+
+
+def _reaches(edges: set, u: int, v: int) -> bool:
+    frontier, seen = [u], {u}
+    while frontier:
+        a = frontier.pop()
+        for x, y in edges:
+            if x == a and y not in seen:
+                if y == v:
+                    return True
+                seen.add(y)
+                frontier.append(y)
+    return False
+
+
+def test_collectives_on_disjoint_tensors_are_still_ordered_in_recorded_order():
+    g = random_graph(n_tasks=6, n_buffers=6, seed=3)
+    for t in g.tasks:
+        t.accesses = [Access(t.id % len(g.buffers), 0, 16, True)]
+    for t in (g.tasks[1], g.tasks[4]):
+        t.name = "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
+    g.tasks[1].accesses = [Access(0, 0, 16, True)]
+    g.tasks[4].accesses = [Access(5, 0, 16, True)]
+    assert (1, 4) in build_dag(g).edges()
+    g.tasks[4].name = "sm90_gemm"
+    assert (1, 4) not in build_dag(g).edges()
+
+
+def test_the_communicators_memory_is_neither_privatized_nor_restored_by_the_proof():
+    g = TaskGraph.load(ALLREDUCE)
+    (comm,) = collective_memory(g)
+    b = g.buffers[comm]
+    assert b.kind == BufferKind.EXTERNAL and b.name.startswith(LIBRARY_MEMORY)
+    assert communicator_memory(g) == [comm]
+    assert comm not in written_externals(g)  # a private copy would meet no peer
+    assert (b.address, b.size) not in shared_state(g)
+    # the same memory written by a library kernel that is no collective is privatized
+    for t in g.tasks:
+        if t.kind == TaskKind.KERNEL and collective_kernel(t.name):
+            t.name = "cudnn_bn_bw_kernel"
+    assert comm in written_externals(g)
+
+
+def test_a_tensor_from_before_the_recording_that_a_collective_reduces_stays_shared():
+    g = TaskGraph.load(ALLREDUCE)
+    bid = len(g.buffers)
+    g.buffers.append(Buffer(bid, BufferKind.EXTERNAL, 4096, 0x7000_0000, "block@0x70000000"))
+    nccl = next(t for t in g.tasks if collective_kernel(t.name))
+    nccl.accesses.append(Access(bid, 0, 4096, True))
+    assert bid in collective_memory(g) and bid not in communicator_memory(g)
+    assert bid not in written_externals(g)  # the bucket stays where the model keeps it
+    assert (0x7000_0000, 4096) in shared_state(g)  # and the proof restores it per launch
+
+
+def test_the_recorded_launch_keeps_its_short_argument_buffer():
+    g = TaskGraph.load(ALLREDUCE)
+    nccl = next(t for t in g.tasks if collective_kernel(t.name))
+    assert nccl.fields.get("args") == "extra"
+    assert nccl.param_layout == [(0, len(nccl.params))] and len(nccl.params) == 192
+    assert {p.location for p in nccl.pointers if p.buffer >= 0} == {0, 104, 112}
