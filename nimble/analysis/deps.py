@@ -244,6 +244,12 @@ def communication_task(task) -> bool:
     return task.kind in (TaskKind.EVENT_RECORD, TaskKind.EVENT_WAIT)
 
 
+def communicates(graph: TaskGraph) -> bool:
+    """Whether ``graph`` holds a collective of NCCL: every rank must then launch its graphs the
+    same number of times, or one rank's collective waits for a peer that never comes."""
+    return any(t.kind == TaskKind.KERNEL and collective_kernel(t.name) for t in graph.tasks)
+
+
 _NOT_ORDERED = "edges must go from a lower task id to a higher one"
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from .. import driver
+from ..analysis.deps import communicates
 from ..analysis.memplan import MemPlan
 from ..analysis.schedule import Schedule, phase_spans
 from ..errors import GraphFaultError, InputError, VerificationError
@@ -162,9 +163,16 @@ def _plan(model, example, training: bool, use_multi_stream: bool, max_streams: i
     several = use_multi_stream and len(schedule.streams) > 1
     ranks = kernel_priorities(schedule, durations(), priority_range()) \
         if options.priorities and several else None
+    lockstep = communicates(rec.graph)
+    if lockstep and several and (options.backfill_on(training) or options.resource_order is True):
+        # How many graphs a timed choice launches hangs on each rank's own task times.
+        log.info("the graph holds NCCL collectives: the timed choices (tail backfill, "
+                 "resource order) are skipped, so that every rank launches alike")
     trials = backfill_trials(rec.graph, schedule, durations()) \
-        if options.backfill_on(training) and several else None
-    ranks, ordering = planned_ordering(options.resource_order, rec, schedule, durations, ranks,
+        if options.backfill_on(training) and several and not lockstep else None
+    resource_order = False if lockstep and options.resource_order is True \
+        else options.resource_order
+    ranks, ordering = planned_ordering(resource_order, rec, schedule, durations, ranks,
                                        priority_range())
     return _Planned(rec, schedule, memplan, ranks, trials, seconds, ordering)
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import time
 
+from ..analysis.deps import communicates
 from .arena_layout import shared_state
 from .fuzz import FuzzCopies, FuzzStats
 from .launcher import run_phases
 from .prepared import Prepared
-from .proof import ProofProgress
+from .proof import FUZZ_TIME_FACTOR, ProofProgress
 
 
 def low_word_ranges(prepared: Prepared) -> list[tuple[int, int]]:
@@ -37,6 +38,13 @@ FUZZ_LAUNCHES = 200
 FUZZ_ROWS = 8
 
 
+def _fuzz_time_factor(graph) -> float:
+    """The fuzz part's time budget: none for a graph that holds NCCL collectives, which runs
+    exactly its launches, since a budget in seconds would end each rank's fuzz after a
+    different launch and leave a peer's collective waiting."""
+    return float("inf") if communicates(graph) else FUZZ_TIME_FACTOR
+
+
 def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
           fuzz_launches: int = FUZZ_LAUNCHES, seed: int = 0,
           progress: ProofProgress | None = None) -> None:
@@ -57,7 +65,7 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
     """
     import torch
 
-    from .proof import FUZZ_TIME_FACTOR, FuzzBudget, verify_against_reference
+    from .proof import FuzzBudget, verify_against_reference
 
     rng = prepared.launcher.rng
     saved = rng.generator.get_state() if rng else None
@@ -80,7 +88,7 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
             relaunches=relaunches, rng_at=rng_at if rng else None,
             state=shared_state(prepared.graph),
             repeats=4 if prepared.step is not None else 3, gradients=gradients, fuzz=copies,
-            fuzz_budget=FuzzBudget(fuzz_launches, time_factor=FUZZ_TIME_FACTOR,
+            fuzz_budget=FuzzBudget(fuzz_launches, time_factor=_fuzz_time_factor(prepared.graph),
                                    spent_seconds=built - began,
                                    at_least=copies.required or 4 if copies else 4),
             progress=progress)
