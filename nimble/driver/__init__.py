@@ -20,7 +20,8 @@ from .calls import (bindings, call, checked_status, context_fault, current_conte
 from .graphs import borrowed_graph, graph_nodes_of, node_count_of
 from .handles import (DeviceMemory, Event, Graph, GraphExec, LowBitsMemory, Module, close_all,
                       nimble_memory)
-from .nodes import (CallPath, add_dependencies, add_empty_node, add_event_record_node,
+from .nodes import (CallPath, add_dependencies, add_empty_node, add_event_node_like,
+                    add_event_record_node,
                     add_kernel_node, add_memcpy_node, add_memset_node, address_range,
                     allow_dynamic_shared, capture_graph, copy_device, copy_kernel_attributes,
                     copy_to_device, copy_to_host, event_elapsed_ms, event_synchronize,
@@ -37,7 +38,8 @@ from .nodes import FunctionResources, function_resources, max_active_blocks
 
 __all__ = [
     "CallPath", "DeviceMemory", "Event", "Graph", "GraphExec", "LowBitsMemory", "Module",
-    "add_dependencies", "add_empty_node", "add_event_record_node", "add_kernel_node",
+    "add_dependencies", "add_empty_node", "add_event_node_like", "add_event_record_node",
+    "add_kernel_node",
     "add_memcpy_node", "add_memset_node", "address_range", "allow_dynamic_shared", "bindings",
     "call", "capture_graph", "checked_status", "close_all", "context_fault",
     "copy_device", "copy_kernel_attributes", "copy_to_device", "copy_to_host", "current_context",
