@@ -1,9 +1,11 @@
-"""A model whose forward all-reduces across two GPUs, prepared on each rank (two GPUs).
+"""NCCL collectives inside prepared graphs, across two GPUs (two ranks under ``torchrun``).
 
-``tests/workers/allreduce_worker.py`` runs as two ranks under ``torchrun``: each prepares the
-model on one stream and on several (NCCL's kernel and its event nodes rebuilt in the explicit
-graph, the proof replaying both ranks' graphs in step), then calls it on fresh inputs against
-eager.  A rank that hangs (a collective launched on one rank only) fails the test by timeout.
+``tests/workers/allreduce_worker.py``: each rank prepares a model whose forward all-reduces an
+activation, on one stream and on several (NCCL's kernel and its event nodes rebuilt in the
+explicit graph, the proof replaying both ranks' graphs in step), then calls it on fresh inputs
+against eager.  ``tests/workers/ddp_worker.py``: a ``DistributedDataParallel`` model prepared
+with ``training=True``, its gradient all-reduce inside the backward graph, stepped against an
+eager DDP twin.  A rank that hangs (a collective launched on one rank only) fails by timeout.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 WORKER = Path(__file__).parent / "workers" / "allreduce_worker.py"
+DDP_WORKER = Path(__file__).parent / "workers" / "ddp_worker.py"
 
 
 def _two_gpus_or_skip() -> None:
@@ -28,18 +31,34 @@ def _two_gpus_or_skip() -> None:
         pytest.skip("this torch has no NCCL")
 
 
-def test_an_all_reduce_in_the_forward_is_prepared_and_proven_on_both_ranks():
+def _two_ranks(worker: Path, lines: int) -> list[dict]:
+    """Run ``worker`` as two ranks; the JSON lines they print (``lines`` of them)."""
     _two_gpus_or_skip()
-    env = {**os.environ, "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "1",
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}  # torch's advice for capturing DDP
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(WORKER)],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(worker)],
         capture_output=True, text=True, timeout=240, env=env)
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0 and len(lines) == 4, \
+    seen = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and len(seen) == lines, \
         f"rc {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return seen
+
+
+def test_an_all_reduce_in_the_forward_is_prepared_and_proven_on_both_ranks():
+    lines = _two_ranks(WORKER, 4)
     for seen in lines:
         assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
         # eager's all-reduce runs the same NCCL algorithm on the same bytes
         assert seen["max_diff"] <= 1e-6 * max(seen["scale"], 1.0), seen
     multi = [s for s in lines if s["multi"]]
     assert all(s["streams"] >= 2 for s in multi), multi  # the second conv runs beside the reduce
+
+
+def test_a_ddp_training_step_all_reduces_its_gradients_inside_the_backward_graph():
+    for seen in _two_ranks(DDP_WORKER, 2):
+        assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
+        assert seen["collectives"] >= 1, seen  # DDP's bucket all-reduce is in the graph
+        for diff, scale in zip(seen["grad_diffs"], seen["grad_scales"]):
+            # cuDNN's weight gradients add with atomics: equal to eager up to their rounding
+            assert diff <= 1e-5 * max(scale, 1.0), seen
