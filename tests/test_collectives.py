@@ -113,3 +113,17 @@ def test_the_recorded_launch_keeps_its_short_argument_buffer():
     assert nccl.fields.get("args") == "extra"
     assert nccl.param_layout == [(0, len(nccl.params))] and len(nccl.params) == 192
     assert {p.location for p in nccl.pointers if p.buffer >= 0} == {0, 104, 112}
+
+
+def test_a_training_step_with_collectives_is_refused_with_what_to_do():
+    import pytest
+
+    from nimble.engine.preparation import check_training_collectives
+    from nimble.errors import InputError
+
+    g = TaskGraph.load(ALLREDUCE)
+    check_training_collectives(g, training=False)  # inference with collectives is served
+    with pytest.raises(InputError, match="DistributedDataParallel.*does not support yet"):
+        check_training_collectives(g, training=True)
+    train = TaskGraph.load(FIXTURE_DIR / "resnet50_train.json.gz")
+    check_training_collectives(train, training=True)  # no collective: nothing to refuse

@@ -123,6 +123,21 @@ def _recording(model, example_inputs, training: bool, options: PrepareOptions, q
     return rec
 
 
+def check_training_collectives(graph, training: bool) -> None:
+    """Raise :class:`~nimble.errors.InputError` for a training step whose graphs hold NCCL
+    collectives (``DistributedDataParallel``'s gradient all-reduce, or a parameter hook that
+    all-reduces): autograd hands the backward graph's gradients to the parameters afterwards,
+    and their hooks run again there, so the gradients would not be eager's."""
+    if training and communicates(graph):
+        raise InputError(
+            "this training step all-reduces inside its backward (DistributedDataParallel, or "
+            "a gradient hook that calls a collective), which prepare(training=True) does not "
+            "support yet: the parameters' hooks would run again when autograd hands them the "
+            "graph's gradients, and the gradients would differ from eager's.  Prepare the "
+            "module without DDP, or train it eagerly; inference graphs with collectives are "
+            "supported")
+
+
 @dataclass
 class _Planned:
     """One bucket recorded and planned: what every instance of it is built from."""
@@ -141,6 +156,7 @@ def _plan(model, example, training: bool, use_multi_stream: bool, max_streams: i
           options: PrepareOptions, quiet: bool, priority_range: Callable) -> _Planned:
     """Record (or reuse ``options.recording``), schedule, plan, and rank the kernels."""
     rec = _recording(model, example, training, options, quiet)
+    check_training_collectives(rec.graph, training)
     rec.graph.meta.pop("resource_order", None)  # a reused recording's is of an earlier prepare
     seconds: dict[str, float] = dict(rec.seconds)
 
