@@ -123,7 +123,29 @@ def test_a_training_step_with_collectives_is_refused_with_what_to_do():
 
     g = TaskGraph.load(ALLREDUCE)
     check_training_collectives(g, training=False)  # inference with collectives is served
-    with pytest.raises(InputError, match="DistributedDataParallel.*does not support yet"):
+    with pytest.raises(InputError, match="collectives inside its forward or backward"):
         check_training_collectives(g, training=True)
     train = TaskGraph.load(FIXTURE_DIR / "resnet50_train.json.gz")
     check_training_collectives(train, training=True)  # no collective: nothing to refuse
+
+
+def test_a_data_parallel_wrapper_is_refused_for_training_before_anything_is_recorded():
+    import pytest
+    import torch
+
+    from nimble.engine.preparation import check_mode
+    from nimble.errors import InputError
+
+    class DistributedDataParallel(torch.nn.Module):  # the name is what is checked: no GPU here
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    inner = torch.nn.Linear(2, 2).train()
+    with pytest.raises(InputError, match="does not support DistributedDataParallel yet"):
+        check_mode(DistributedDataParallel(inner).train(), training=True)
+    with pytest.raises(InputError, match="does not support DistributedDataParallel yet"):
+        check_mode(torch.nn.Sequential(DistributedDataParallel(inner)).train(), training=True)
+    check_mode(inner, training=True)
+    check_mode(DistributedDataParallel(inner).eval(), training=False)  # inference is served
+

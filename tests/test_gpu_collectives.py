@@ -4,8 +4,8 @@
 activation, on one stream and on several (NCCL's kernel and its event nodes rebuilt in the
 explicit graph, the proof replaying both ranks' graphs in step), then calls it on fresh inputs
 against eager.  ``tests/workers/ddp_worker.py``: a ``DistributedDataParallel`` model prepared
-with ``training=True`` is refused on both ranks with a typed error (its gradient all-reduce
-would run again outside the graph).  A rank that hangs (a collective launched on one rank
+with ``training=True`` is refused on both ranks with a typed error, before anything is
+recorded (its gradient averaging hangs on host bookkeeping a prepared forward skips).  A rank that hangs (a collective launched on one rank
 only) fails by timeout.
 """
 from __future__ import annotations
@@ -57,8 +57,8 @@ def test_an_all_reduce_in_the_forward_is_prepared_and_proven_on_both_ranks():
 
 
 def test_a_ddp_training_step_is_refused_on_both_ranks_rather_than_served_wrong():
-    # Measured: DDP's first prepared step matched eager, its second did not (docs/findings.md,
-    # "Collectives inside prepared graphs"); until that is fixed prepare refuses it.
+    # Measured before the refusal: DDP's first prepared step matched eager, its second did not
+    # (docs/findings.md, "Collectives inside prepared graphs"); prepare now refuses it.
     for seen in _two_ranks(DDP_WORKER, 2):
         assert "error" in seen, seen
         assert seen["error"].startswith("InputError") and "DistributedDataParallel" in \

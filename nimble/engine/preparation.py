@@ -79,6 +79,10 @@ def model_state_kept(model, training: bool) -> Iterator[None]:
     restore()
 
 
+#: Wrappers whose gradient averaging a prepared training step would lose (:func:`check_mode`).
+_DATA_PARALLEL = ("DistributedDataParallel", "FullyShardedDataParallel")
+
+
 def check_mode(model, training: bool) -> None:
     """Raise :class:`~nimble.errors.InputError` where the model's train/eval mode does not
     match what is to be recorded."""
@@ -92,6 +96,14 @@ def check_mode(model, training: bool) -> None:
             raise InputError(
                 "the model is in eval() mode, but prepare(training=True) records a training "
                 "step: call model.train() first (or prepare(training=False) for inference)")
+        wrapper = next((type(m).__name__ for m in model.modules()
+                        if any(c.__name__ in _DATA_PARALLEL for c in type(m).__mro__)), None)
+        if wrapper:
+            raise InputError(
+                f"prepare(training=True) does not support {wrapper} yet: it averages the "
+                "gradients from bookkeeping its forward does on the host, which a prepared "
+                "forward skips, so from the second step on the gradients would not be "
+                "averaged.  Train it eagerly, or prepare it with training=False for inference")
         return
     if isinstance(model, torch.nn.Module):
         in_training = [name or type(m).__name__ for name, m in model.named_modules()
@@ -125,17 +137,16 @@ def _recording(model, example_inputs, training: bool, options: PrepareOptions, q
 
 def check_training_collectives(graph, training: bool) -> None:
     """Raise :class:`~nimble.errors.InputError` for a training step whose graphs hold NCCL
-    collectives (``DistributedDataParallel``'s gradient all-reduce, or a parameter hook that
-    all-reduces): autograd hands the backward graph's gradients to the parameters afterwards,
-    and their hooks run again there, so the gradients would not be eager's."""
+    collectives: not proven yet across steps (``DistributedDataParallel``, which broadcasts
+    buffers in its forward, gave eager's gradients on the first prepared step only; it is
+    refused before recording by :func:`check_mode`).  A parameter's gradient hook that
+    all-reduces is not recorded, and runs at the hand-off, as in eager."""
     if training and communicates(graph):
         raise InputError(
-            "this training step all-reduces inside its backward (DistributedDataParallel, or "
-            "a gradient hook that calls a collective), which prepare(training=True) does not "
-            "support yet: the parameters' hooks would run again when autograd hands them the "
-            "graph's gradients, and the gradients would differ from eager's.  Prepare the "
-            "module without DDP, or train it eagerly; inference graphs with collectives are "
-            "supported")
+            "this training step runs NCCL collectives inside its forward or backward (a "
+            "SyncBatchNorm, or an all-reduce in forward), which prepare(training=True) does "
+            "not support yet.  Train it eagerly; inference graphs with collectives are "
+            "supported (prepare with training=False)")
 
 
 @dataclass

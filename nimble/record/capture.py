@@ -92,6 +92,28 @@ def warm_up(fn: Callable[[], Any], iterations: int) -> None:
 
 
 @contextlib.contextmanager
+def gradient_hooks_set_aside(tensors: Sequence) -> Iterator[None]:
+    """Take the gradient hooks (``tensor.register_hook``) off ``tensors`` while a training step
+    is warmed up and captured, and put them back after.
+
+    ``torch.autograd.grad`` runs a target's hooks, so a captured backward would hold them (a
+    gradient scaled, clipped or all-reduced), and autograd runs them again when it hands the
+    prepared backward's gradients to the parameters: applied twice.  Set aside, they run once,
+    at that hand-off, as in eager.  A hook added meanwhile is kept, after the old ones.
+    """
+    saved = [(t, t._backward_hooks) for t in tensors if getattr(t, "_backward_hooks", None)]
+    for t, _ in saved:
+        t._backward_hooks = None
+    try:
+        yield
+    finally:
+        for t, hooks in saved:
+            added = t._backward_hooks or {}
+            hooks.update(added)
+            t._backward_hooks = hooks
+
+
+@contextlib.contextmanager
 def quiet_backward() -> Iterator[None]:
     """Silence what torch says about a backward run on a side stream or under capture.
 

@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence
 
 from .. import driver
 from .decode import AddressOracle, decode_node
-from .capture import Captured, Phase, capture, quiet_backward, warm_up
+from .capture import (Captured, Phase, capture, gradient_hooks_set_aside, quiet_backward,
+                      warm_up)
 from .compiled import check_compiled, module_name
 from ..driver.gpu import require_gpu
 from ..errors import CaptureError, InputError, RecordError
@@ -260,7 +261,9 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
     and every parameter that does; both graphs share one memory pool, so the activations the
     forward saves are buffers the backward reads.  The result's ``step``
     (:class:`StepLayout`) says which input and output is which.  Module state the warm-up and
-    capture change (batch-norm running statistics) is the caller's to save and restore.
+    capture change (batch-norm running statistics) is the caller's to save and restore.  The
+    parameters' gradient hooks are not recorded: they run when autograd hands the prepared
+    backward's gradients over (:func:`~nimble.record.capture.gradient_hooks_set_aside`).
     Raises as :func:`record` does, and :class:`InputError` when nothing requires grad.
     """
     inputs = _as_tensor_list(example_inputs)
@@ -270,13 +273,14 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
     name = name or module_name(module)
     static_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
     targets = _grad_targets(module, static_inputs, name)
-    warm = _warm_step(module, static_inputs, targets, warmup, name, quiet)
-    check_module_caches(module, name)
-    seconds = {"warmup": warm.seconds}
+    with gradient_hooks_set_aside(targets.tensors):
+        warm = _warm_step(module, static_inputs, targets, warmup, name, quiet)
+        check_module_caches(module, name)
+        seconds = {"warmup": warm.seconds}
 
-    t0 = time.perf_counter()
-    captured = _capture_step(module, static_inputs, targets, warm, name, quiet)
-    seconds["capture"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        captured = _capture_step(module, static_inputs, targets, warm, name, quiet)
+        seconds["capture"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     forward_out, out_spec = _tensor_leaves(captured.results[0], name)

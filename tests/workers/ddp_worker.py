@@ -1,9 +1,10 @@
 """One rank of tests/test_gpu_collectives.py's training test, run under ``torchrun``.
 
 Each rank wraps the same small network in ``DistributedDataParallel`` twice (one left eager as
-the reference, one prepared with ``training=True``, so that DDP's bucketed gradient all-reduce
-is captured into Nimble's backward graph), runs two SGD steps on each, and prints one JSON line:
-how far Nimble's gradients are from eager DDP's at each step, and what the graph holds.
+the reference, one given to ``prepare(training=True)``), runs two SGD steps on each, and prints
+one JSON line: the error prepare raised, or how far Nimble's gradients are from eager DDP's at
+each step and what the graph holds.  DDP is refused today (its first prepared step matched
+eager, its second did not: docs/findings.md, "Collectives inside prepared graphs").
 """
 from __future__ import annotations
 
