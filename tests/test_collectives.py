@@ -149,3 +149,14 @@ def test_a_data_parallel_wrapper_is_refused_for_training_before_anything_is_reco
     check_mode(inner, training=True)
     check_mode(DistributedDataParallel(inner).eval(), training=False)  # inference is served
 
+
+
+def test_a_device_launch_refused_for_nccls_event_nodes_says_what_to_set():
+    from nimble.engine.preparation import refusal_reason
+
+    driver_says = "CUDA_GRAPH_INSTANTIATE_NODE_OPERATION_NOT_SUPPORTED"
+    reason = refusal_reason(TaskGraph.load(ALLREDUCE), driver_says)
+    assert "NCCL_GRAPH_MIXING_SUPPORT=0" in reason and driver_says in reason
+    plain = TaskGraph.load(FIXTURE_DIR / "resnet50.json.gz")
+    assert refusal_reason(plain, driver_says) == driver_says
+    assert refusal_reason(TaskGraph.load(ALLREDUCE), "") == ""

@@ -26,6 +26,7 @@ from ..analysis.deps import communicates
 from ..analysis.memplan import MemPlan
 from ..analysis.schedule import Schedule, phase_spans
 from ..errors import GraphFaultError, InputError, VerificationError
+from ..ir.taskgraph import TaskKind
 from ..progress import logger as log, say
 from .arena_layout import shared_layout
 from .launcher import CallOrder
@@ -238,11 +239,30 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
     return built
 
 
+#: Why a graph with NCCL's event nodes is host-launched, and what a user can do about it.
+NCCL_EVENTS_REFUSED = (
+    "NCCL brackets each collective with an event wait and an event record (its guard for "
+    "graphs and eager calls on one communicator), and the driver launches no event node from "
+    "the device.  NCCL_GRAPH_MIXING_SUPPORT=0, set before the process group is created, "
+    "leaves them out; NCCL then does not support an eager collective on that communicator "
+    "while a launch of a graph that uses it is still running")
+
+
+def refusal_reason(graph, refusal: str) -> str:
+    """The driver's refusal of a device-launchable instantiation, with the cause a user can act
+    on where the graph holds NCCL's event nodes."""
+    if refusal and any(t.kind in (TaskKind.EVENT_RECORD, TaskKind.EVENT_WAIT)
+                       for t in graph.tasks):
+        return f"{NCCL_EVENTS_REFUSED} ({refusal})"
+    return refusal
+
+
 def _prove(candidate: Prepared, planned: _Planned, options: PrepareOptions, training: bool,
            quiet: bool) -> None:
     """The full proof of a bucket's first build (warns where device launch was refused)."""
     refusal = next((b.device_launch_refusal for b in candidate.builts
                     if b.device_launch_refusal), "")
+    refusal = refusal_reason(planned.rec.graph, refusal)
     if refusal:
         # stacklevel: the warning names the line that called Nimble.prepare.
         warnings.warn(
