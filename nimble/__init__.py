@@ -14,6 +14,7 @@ from .errors import (BuildError, CaptureError, CudaError, GraphFaultError, Input
                      WeightsChangedError)
 from .api import BucketView, Nimble, PhaseView
 from .engine.options import PrepareOptions
+from .record.gradient_average import GradientAverage
 from .ir.taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
 
 from ._version import __version__
@@ -34,7 +35,7 @@ RESULT_TYPES = {
 }
 
 __all__ = [
-    "__version__", "Nimble", "PrepareOptions", "PhaseView", "BucketView",
+    "__version__", "Nimble", "PrepareOptions", "GradientAverage", "PhaseView", "BucketView",
     "NimbleError", "NoGpuError", "InputError", "CaptureError", "RecordError",
     "BuildError", "VerificationError", "GraphFaultError", "WeightsChangedError", "CudaError",
     "Access", "Buffer", "BufferKind", "Op", "Pointer", "Task", "TaskGraph", "TaskKind", "TensorRef",

@@ -26,7 +26,8 @@ from .engine.launcher import TAKE_GENERAL_PATH, RngCells
 from .analysis.memplan import MemPlan
 from .engine.options import PrepareOptions
 from .engine.options import options_with as _options_with
-from .engine.preparation import check_mode, model_state_kept, prepare_serving
+from .engine.preparation import check_average, check_mode, model_state_kept, prepare_serving
+from .record.gradient_average import gradient_average
 from .engine.prepared import Prepared
 from .engine.serving import (BucketView, MemoryReport, PhaseView, PrepareReport, Serving,
                              bucket_examples, phase_views)
@@ -64,7 +65,8 @@ class Nimble:
                 instances: int = 1, pad: bool = False, training: bool = False,
                 use_multi_stream: bool = True, max_streams: int | None = None,
                 return_copies: bool = False, quiet: bool = True,
-                options: PrepareOptions | None = None, **switches) -> "Nimble":
+                options: PrepareOptions | None = None, average_gradients=None,
+                **switches) -> "Nimble":
         """Record, schedule, plan, build and verify the model on ``example_inputs`` (or on each
         shape bucket's example).
 
@@ -111,6 +113,12 @@ class Nimble:
             of any bucket.
         quiet : bool, default True
             False reports progress on stderr.
+        average_gradients : bool, process group or GradientAverage, optional
+            With ``training=True`` under ``torch.distributed`` (one process per GPU): the
+            parameters' gradients are averaged over the ranks of this process group (True: the
+            default group) inside the backward graph, in buckets all-reduced beside the rest
+            of the backward, as ``DistributedDataParallel`` averages them.  Every rank prepares
+            and calls in the same order.  See :mod:`nimble.record.gradient_average`.
         options : PrepareOptions, optional
             How the graph is built and checked: the arena's cap, device launch, input cells,
             the proof, kernel priorities, the tail backfill, keeping or reusing the recording
@@ -145,12 +153,15 @@ class Nimble:
         options = _options_with(options, switches)
         examples = bucket_examples(example_inputs, buckets, batch_sizes, instances=instances,
                                    pad=pad, training=training)
+        average = gradient_average(average_gradients)
+        check_average(average, training, instances, examples)
         check_mode(self.model, training)
         watch_modules()
         with model_state_kept(self.model, training):
             serving = prepare_serving(self.model, examples, instances=instances, pad=pad,
                                       training=training, use_multi_stream=use_multi_stream,
-                                      max_streams=max_streams, options=options, quiet=quiet)
+                                      max_streams=max_streams, options=options, quiet=quiet,
+                                      average=average)
         for prepared in serving.preparations():
             prepared.launcher.return_copies = return_copies
         previous, self._serving = self._serving, serving

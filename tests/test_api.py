@@ -121,5 +121,6 @@ def test_prepare_takes_the_user_choices_as_keywords_and_the_switches_as_options(
     assert list(params)[:2] == ["self", "example_inputs"]
     keywords = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
     assert keywords == {"buckets", "batch_sizes", "instances", "pad", "training",
-                        "use_multi_stream", "max_streams", "return_copies", "quiet", "options"}
+                        "use_multi_stream", "max_streams", "return_copies", "quiet", "options",
+                        "average_gradients"}
     assert params["training"].default is False

@@ -5,7 +5,9 @@ activation, on one stream and on several (NCCL's kernel and its event nodes rebu
 explicit graph, the proof replaying both ranks' graphs in step), then calls it on fresh inputs
 against eager.  ``tests/workers/ddp_worker.py``: a ``DistributedDataParallel`` model prepared
 with ``training=True`` is refused on both ranks with a typed error, before anything is
-recorded (its gradient averaging hangs on host bookkeeping a prepared forward skips).  A rank that hangs (a collective launched on one rank
+recorded (its gradient averaging hangs on host bookkeeping a prepared forward skips).
+``tests/workers/dp_worker.py``: the same network prepared with ``average_gradients=True``, its
+gradients averaged inside the backward graph, stepped against eager DDP.  A rank that hangs (a collective launched on one rank
 only) fails by timeout.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ pytestmark = pytest.mark.gpu
 
 WORKER = Path(__file__).parent / "workers" / "allreduce_worker.py"
 DDP_WORKER = Path(__file__).parent / "workers" / "ddp_worker.py"
+DP_WORKER = Path(__file__).parent / "workers" / "dp_worker.py"
 
 
 def _two_gpus_or_skip() -> None:
@@ -63,3 +66,13 @@ def test_a_ddp_training_step_is_refused_on_both_ranks_rather_than_served_wrong()
         assert "error" in seen, seen
         assert seen["error"].startswith("InputError") and "DistributedDataParallel" in \
             seen["error"], seen["error"]
+
+
+def test_average_gradients_trains_as_ddp_with_the_all_reduce_in_the_backward_graph():
+    for seen in _two_ranks(DP_WORKER, 2):
+        assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
+        assert seen["collectives"] >= 1, seen
+        for diff, scale in zip(seen["grad_diffs"], seen["grad_scales"]):
+            # cuDNN's weight gradients add with atomics, and DDP may divide in another order
+            assert diff <= 1e-5 * max(scale, 1.0), seen
+

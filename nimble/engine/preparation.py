@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from .. import driver
-from ..analysis.deps import communicates
+from ..analysis.deps import communicates, communication_task
 from ..analysis.memplan import MemPlan
 from ..analysis.schedule import Schedule, phase_spans
 from ..errors import GraphFaultError, InputError, VerificationError
@@ -101,10 +101,12 @@ def check_mode(model, training: bool) -> None:
                         if any(c.__name__ in _DATA_PARALLEL for c in type(m).__mro__)), None)
         if wrapper:
             raise InputError(
-                f"prepare(training=True) does not support {wrapper} yet: it averages the "
+                f"prepare(training=True) does not support {wrapper}: it averages the "
                 "gradients from bookkeeping its forward does on the host, which a prepared "
                 "forward skips, so from the second step on the gradients would not be "
-                "averaged.  Train it eagerly, or prepare it with training=False for inference")
+                "averaged.  Prepare the module it wraps (ddp.module) with "
+                "average_gradients=True (or its process group): the averaging then runs "
+                "inside the backward graph")
         return
     if isinstance(model, torch.nn.Module):
         in_training = [name or type(m).__name__ for name, m in model.named_modules()
@@ -116,8 +118,10 @@ def check_mode(model, training: bool) -> None:
                 "model.eval() first (batch norm and dropout behave differently in training)")
 
 
-def _recording(model, example_inputs, training: bool, options: PrepareOptions, quiet: bool):
-    """The recording to build from: the one passed in, or one made now."""
+def _recording(model, example_inputs, training: bool, options: PrepareOptions, quiet: bool,
+               average=None):
+    """The recording to build from: the one passed in, or one made now (a training step's
+    gradients averaged over ``average``'s ranks where given)."""
     import torch
 
     from ..record.recorder import record, record_step
@@ -125,7 +129,7 @@ def _recording(model, example_inputs, training: bool, options: PrepareOptions, q
     rec = options.recording
     if rec is None:
         if training:
-            rec = record_step(model, example_inputs, quiet=quiet)
+            rec = record_step(model, example_inputs, quiet=quiet, average=average)
         else:
             with torch.no_grad():
                 rec = record(model, example_inputs, quiet=quiet)
@@ -136,18 +140,42 @@ def _recording(model, example_inputs, training: bool, options: PrepareOptions, q
     return rec
 
 
-def check_training_collectives(graph, training: bool) -> None:
+def check_training_collectives(graph, training: bool, averaging: bool = False) -> None:
     """Raise :class:`~nimble.errors.InputError` for a training step whose graphs hold NCCL
-    collectives: not proven yet across steps (``DistributedDataParallel``, which broadcasts
-    buffers in its forward, gave eager's gradients on the first prepared step only; it is
-    refused before recording by :func:`check_mode`).  A parameter's gradient hook that
-    all-reduces is not recorded, and runs at the hand-off, as in eager."""
-    if training and communicates(graph):
-        raise InputError(
-            "this training step runs NCCL collectives inside its forward or backward (a "
-            "SyncBatchNorm, or an all-reduce in forward), which prepare(training=True) does "
-            "not support yet.  Train it eagerly; inference graphs with collectives are "
-            "supported (prepare with training=False)")
+    collectives of the model's own: not proven yet across steps (``DistributedDataParallel``,
+    which broadcasts buffers in its forward, gave eager's gradients on the first prepared step
+    only; it is refused before recording by :func:`check_mode`).  The all-reduces of
+    ``average_gradients`` (``averaging``) are the backward's only collectives then.  A
+    parameter's gradient hook that all-reduces is not recorded, and runs at the hand-off, as
+    in eager."""
+    if not training or not communicates(graph):
+        return
+    forward = range(graph.meta.get("phases", [len(graph.tasks)])[0])
+    if averaging and not any(communication_task(graph.tasks[t]) for t in forward):
+        return
+    raise InputError(
+        "this training step runs NCCL collectives inside its forward or backward (a "
+        "SyncBatchNorm, or an all-reduce in forward), which prepare(training=True) does not "
+        "support yet.  Train it eagerly; inference graphs with collectives are supported "
+        "(prepare with training=False)")
+
+
+def check_average(average, training: bool, instances: int, examples: list) -> None:
+    """Raise :class:`~nimble.errors.InputError` where ``average_gradients`` cannot apply."""
+    if average is None:
+        return
+    if not training:
+        raise InputError("average_gradients averages a training step's gradients: pass "
+                         "training=True with it (inference has no gradients)")
+    if instances != 1 or len(examples) != 1:
+        raise InputError("average_gradients prepares one training step: leave out buckets, "
+                         "batch_sizes and instances")
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise InputError("average_gradients averages over a torch.distributed process group: "
+                         "call torch.distributed.init_process_group('nccl') on every rank "
+                         "first (torchrun sets the rank and world size)")
 
 
 @dataclass
@@ -165,10 +193,11 @@ class _Planned:
 
 
 def _plan(model, example, training: bool, use_multi_stream: bool, max_streams: int | None,
-          options: PrepareOptions, quiet: bool, priority_range: Callable) -> _Planned:
+          options: PrepareOptions, quiet: bool, priority_range: Callable,
+          average=None) -> _Planned:
     """Record (or reuse ``options.recording``), schedule, plan, and rank the kernels."""
-    rec = _recording(model, example, training, options, quiet)
-    check_training_collectives(rec.graph, training)
+    rec = _recording(model, example, training, options, quiet, average)
+    check_training_collectives(rec.graph, training, averaging=average is not None)
     rec.graph.meta.pop("resource_order", None)  # a reused recording's is of an earlier prepare
     seconds: dict[str, float] = dict(rec.seconds)
 
@@ -356,7 +385,7 @@ def _check_pad_outputs(planned: _Planned, k: int) -> None:
 
 def prepare_serving(model, examples: list, *, instances: int, pad: bool, training: bool,
                     use_multi_stream: bool, max_streams: int | None, options: PrepareOptions,
-                    quiet: bool) -> Serving:
+                    quiet: bool, average=None) -> Serving:
     """Every bucket of ``examples`` (one example each) on ``instances`` model instances,
     recorded, planned, built and proven in stages (see the module docstring).
 
@@ -377,7 +406,7 @@ def prepare_serving(model, examples: list, *, instances: int, pad: bool, trainin
     try:
         for k, example in enumerate(examples):
             planned.append(_plan(model, example, training, use_multi_stream, max_streams,
-                                 options, quiet, priority_range))
+                                 options, quiet, priority_range, average))
             if pad:
                 _check_pad_outputs(planned[-1], k)
         layout = shared_layout([p.rec.graph for p in planned], [p.memplan for p in planned])

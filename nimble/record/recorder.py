@@ -26,6 +26,7 @@ from .kv_cache import check_module_caches, check_result_caches, growing_cache_er
 from ..progress import say
 from .raw import DeviceRange, RawCapture, TensorSpec
 from .resolve import build_taskgraph, unresolved_in_pool
+from .gradient_average import GradientAverage, averaged_gradients
 from .rng_cells import find_rng_cells
 from ..ir.taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph
 from .twin import moved_words
@@ -253,7 +254,8 @@ def record_callable(fn: Callable[[], Any], static_inputs: list, *, module=None, 
 
 
 def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = None,
-                quiet: bool = True, strict: bool = False) -> Recording:
+                quiet: bool = True, strict: bool = False,
+                average: GradientAverage | None = None) -> Recording:
     """Record one training step of ``module``: its forward, then its backward, as two graphs.
 
     The backward is ``torch.autograd.grad`` of the forward's outputs that require grad, with
@@ -264,6 +266,8 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
     capture change (batch-norm running statistics) is the caller's to save and restore.  The
     parameters' gradient hooks are not recorded: they run when autograd hands the prepared
     backward's gradients over (:func:`~nimble.record.capture.gradient_hooks_set_aside`).
+    With ``average``, the parameters' gradients are averaged over its process group inside
+    the backward (:mod:`nimble.record.gradient_average`); every rank must record alike.
     Raises as :func:`record` does, and :class:`InputError` when nothing requires grad.
     """
     inputs = _as_tensor_list(example_inputs)
@@ -274,12 +278,12 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
     static_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
     targets = _grad_targets(module, static_inputs, name)
     with gradient_hooks_set_aside(targets.tensors):
-        warm = _warm_step(module, static_inputs, targets, warmup, name, quiet)
+        warm = _warm_step(module, static_inputs, targets, warmup, name, quiet, average)
         check_module_caches(module, name)
         seconds = {"warmup": warm.seconds}
 
         t0 = time.perf_counter()
-        captured = _capture_step(module, static_inputs, targets, warm, name, quiet)
+        captured = _capture_step(module, static_inputs, targets, warm, name, quiet, average)
         seconds["capture"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -334,8 +338,21 @@ class _WarmStep:
     grad_inputs: list  # per differentiable output, the static tensor of its incoming gradient
 
 
+def _step_gradients(outputs: list, targets: _GradTargets, grad_outputs: list,
+                    average: GradientAverage | None) -> tuple:
+    """The step's gradients: of ``outputs`` with respect to the targets, the parameters'
+    averaged over the ranks where ``average`` asks."""
+    import torch
+
+    grads = torch.autograd.grad(outputs, targets.tensors, grad_outputs, allow_unused=True)
+    if average is None:
+        return grads
+    first = len(targets.inputs_with_grad)
+    return tuple(grads[:first]) + tuple(averaged_gradients(grads[first:], average))
+
+
 def _warm_step(module, static_inputs: list, targets: _GradTargets, warmup: int, name: str,
-               quiet: bool) -> _WarmStep:
+               quiet: bool, average: GradientAverage | None = None) -> _WarmStep:
     """Run the whole step ``warmup`` times; which outputs are differentiated, and static
     tensors for their incoming gradients."""
     import torch
@@ -350,8 +367,8 @@ def _warm_step(module, static_inputs: list, targets: _GradTargets, warmup: int, 
             if not diff:
                 raise InputError(f"no output of {name} requires grad: there is nothing to "
                                  "train (are all parameters frozen?)")
-            torch.autograd.grad([leaves[i] for i in diff], targets.tensors,
-                                [torch.ones_like(leaves[i]) for i in diff], allow_unused=True)
+            _step_gradients([leaves[i] for i in diff], targets,
+                            [torch.ones_like(leaves[i]) for i in diff], average)
         last[:] = [leaves, diff]
 
     with quiet_backward():
@@ -361,7 +378,7 @@ def _warm_step(module, static_inputs: list, targets: _GradTargets, warmup: int, 
 
 
 def _capture_step(module, static_inputs: list, targets: _GradTargets, warm: _WarmStep,
-                  name: str, quiet: bool) -> Captured:
+                  name: str, quiet: bool, average: GradientAverage | None = None) -> Captured:
     """Capture the step's forward and its backward, as two phases."""
     import torch
 
@@ -371,8 +388,8 @@ def _capture_step(module, static_inputs: list, targets: _GradTargets, warm: _War
 
     def backward(out):
         leaves, _ = _tensor_leaves(out, name)
-        return torch.autograd.grad([leaves[i] for i in warm.differentiable], targets.tensors,
-                                   warm.grad_inputs, allow_unused=True)
+        return _step_gradients([leaves[i] for i in warm.differentiable], targets,
+                               warm.grad_inputs, average)
 
     say("capturing one forward and its backward on a single stream", quiet)
     with quiet_backward():

@@ -1,0 +1,119 @@
+"""Gradients averaged across ranks inside the recorded backward (no GPU: gloo on the CPU).
+
+:mod:`nimble.record.gradient_average` puts the averaging into the backward that
+``prepare(training=True, average_gradients=...)`` records; on the GPU the all-reduces are NCCL
+kernels of the backward graph.  Here the same functions run eagerly over two CPU processes.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import FIXTURE_DIR
+
+from nimble.record.gradient_average import (GradientAverage, averaged_gradients, bucket_plan,
+                                            gradient_average)
+
+
+def test_buckets_run_from_the_last_gradient_back_the_first_one_small():
+    sizes = [400, 100, 300, 200, 50]  # bytes per gradient, in parameter order
+    assert bucket_plan(sizes, ["f32"] * 5, bucket_bytes=450, first_bucket_bytes=200) == \
+        [[4, 3], [2, 1, 0]]
+    assert bucket_plan(sizes, ["f32"] * 5, bucket_bytes=10**9, first_bucket_bytes=10**9) == \
+        [[4, 3, 2, 1, 0]]
+    assert bucket_plan(sizes, ["f32"] * 5, bucket_bytes=1, first_bucket_bytes=1) == \
+        [[4], [3], [2], [1], [0]]
+
+
+def test_a_bucket_holds_one_dtype():
+    assert bucket_plan([8, 8, 8, 8], ["f16", "f16", "f32", "f32"], 10**6, 10**6) == \
+        [[3, 2], [1, 0]]
+    assert bucket_plan([], []) == []
+
+
+def test_average_gradients_argument_forms():
+    assert gradient_average(None) is None and gradient_average(False) is None
+    assert gradient_average(True) == GradientAverage()
+    given = GradientAverage(bucket_bytes=4096)
+    assert gradient_average(given) is given
+    group = object()
+    assert gradient_average(group).group is group
+
+
+def _rank(rank: int, world: int, init: str, results) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        from nimble.record.recorder import _GradTargets, _step_gradients
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(),
+                                    torch.nn.Linear(4, 2))
+        torch.manual_seed(10 + rank)  # each rank its own batch
+        x = torch.randn(5, 3, requires_grad=True)
+        params = list(model.parameters())
+        out = model(x)
+        targets = _GradTargets([0], params, [x] + params)
+        small = GradientAverage(bucket_bytes=40, first_bucket_bytes=8)  # several buckets
+        got = _step_gradients([out], targets, [torch.ones_like(out)], small)
+        local = torch.autograd.grad(model(x), [x] + params, torch.ones_like(out))
+        results[rank] = ([g.clone() for g in got], [g.clone() for g in local])
+        mixed = averaged_gradients([None, params[0].detach() * (rank + 1), None], small)
+        results[10 + rank] = mixed
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_parameters_gradients_are_the_ranks_mean_and_the_inputs_stay_local():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        results = manager.dict()
+        init = f"file://{os.path.join(tmp, 'rendezvous')}"
+        mp.spawn(_rank, args=(2, init, results), nprocs=2, join=True)
+        (got0, local0), (got1, local1) = results[0], results[1]
+        assert torch.equal(got0[0], local0[0]) and torch.equal(got1[0], local1[0])  # input
+        for a, b, l0, l1 in zip(got0[1:], got1[1:], local0[1:], local1[1:]):
+            assert torch.equal(a, b)  # every rank holds the same average
+            assert torch.allclose(a, (l0 + l1) / 2, rtol=1e-6, atol=1e-7)
+            assert a.shape == l0.shape
+        for k in (10, 11):
+            none0, mean, none2 = results[k]
+            assert none0 is None and none2 is None
+        assert torch.equal(results[10][1], results[11][1])
+
+
+def test_check_average_says_what_is_missing():
+    from nimble.engine.preparation import check_average
+    from nimble.errors import InputError
+
+    check_average(None, training=False, instances=4, examples=[1, 2])
+    with pytest.raises(InputError, match="pass training=True"):
+        check_average(GradientAverage(), training=False, instances=1, examples=[1])
+    with pytest.raises(InputError, match="leave out buckets"):
+        check_average(GradientAverage(), training=True, instances=2, examples=[1])
+    assert not dist.is_initialized()  # the two ranks above ran in processes of their own
+    with pytest.raises(InputError, match="init_process_group"):
+        check_average(GradientAverage(), training=True, instances=1, examples=[1])
+
+
+def test_only_the_averaging_all_reduces_may_be_in_a_training_steps_backward():
+    from nimble.engine.preparation import check_training_collectives
+    from nimble.errors import InputError
+    from nimble.ir.taskgraph import TaskGraph
+
+    g = TaskGraph.load(FIXTURE_DIR / "resnet50_train.json.gz")
+    forward_tasks = g.meta["phases"][0]
+    kernels = [t for t in g.tasks if t.kind == "kernel"]
+    last = kernels[-1]
+    last.name = "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
+    check_training_collectives(g, training=True, averaging=True)
+    with pytest.raises(InputError, match="collectives"):
+        check_training_collectives(g, training=True, averaging=False)
+    first = next(t for t in kernels if t.id < forward_tasks)
+    first.name = "ncclDevKernel_Broadcast_RING_LL"  # a DDP-like broadcast in the forward
+    with pytest.raises(InputError, match="collectives"):
+        check_training_collectives(g, training=True, averaging=True)
