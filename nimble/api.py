@@ -26,7 +26,8 @@ from .engine.launcher import TAKE_GENERAL_PATH, RngCells
 from .analysis.memplan import MemPlan
 from .engine.options import PrepareOptions
 from .engine.options import options_with as _options_with
-from .engine.preparation import check_average, check_mode, model_state_kept, prepare_serving
+from .engine.collectives import check_average
+from .engine.preparation import check_mode, model_state_kept, prepare_serving
 from .record.gradient_average import gradient_average
 from .engine.prepared import Prepared
 from .engine.serving import (BucketView, MemoryReport, PhaseView, PrepareReport, Serving,

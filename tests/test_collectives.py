@@ -118,7 +118,7 @@ def test_the_recorded_launch_keeps_its_short_argument_buffer():
 def test_a_training_step_with_collectives_is_refused_with_what_to_do():
     import pytest
 
-    from nimble.engine.preparation import check_training_collectives
+    from nimble.engine.collectives import check_training_collectives
     from nimble.errors import InputError
 
     g = TaskGraph.load(ALLREDUCE)
@@ -152,7 +152,7 @@ def test_a_data_parallel_wrapper_is_refused_for_training_before_anything_is_reco
 
 
 def test_a_device_launch_refused_for_nccls_event_nodes_says_what_to_set():
-    from nimble.engine.preparation import refusal_reason
+    from nimble.engine.collectives import refusal_reason
 
     driver_says = "CUDA_GRAPH_INSTANTIATE_NODE_OPERATION_NOT_SUPPORTED"
     reason = refusal_reason(TaskGraph.load(ALLREDUCE), driver_says)

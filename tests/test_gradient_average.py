@@ -87,7 +87,7 @@ def test_the_parameters_gradients_are_the_ranks_mean_and_the_inputs_stay_local()
 
 
 def test_check_average_says_what_is_missing():
-    from nimble.engine.preparation import check_average
+    from nimble.engine.collectives import check_average
     from nimble.errors import InputError
 
     check_average(None, training=False, instances=4, examples=[1, 2])
@@ -101,7 +101,7 @@ def test_check_average_says_what_is_missing():
 
 
 def test_only_the_averaging_all_reduces_may_be_in_a_training_steps_backward():
-    from nimble.engine.preparation import check_training_collectives
+    from nimble.engine.collectives import check_training_collectives
     from nimble.errors import InputError
     from nimble.ir.taskgraph import TaskGraph
 

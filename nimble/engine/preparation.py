@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from .. import driver
-from ..analysis.deps import communicates, communication_task
+from ..analysis.deps import communicates
 from ..analysis.memplan import MemPlan
 from ..analysis.schedule import Schedule, phase_spans
 from ..errors import GraphFaultError, InputError, VerificationError
-from ..ir.taskgraph import TaskKind
 from ..progress import logger as log, say
 from .arena_layout import shared_layout
+from .collectives import check_data_parallel, check_training_collectives, refusal_reason
 from .launcher import CallOrder
 from .options import PrepareOptions
 from .profiler_guard import device_launch_allowed
@@ -80,10 +80,6 @@ def model_state_kept(model, training: bool) -> Iterator[None]:
     restore()
 
 
-#: Wrappers whose gradient averaging a prepared training step would lose (:func:`check_mode`).
-_DATA_PARALLEL = ("DistributedDataParallel", "FullyShardedDataParallel")
-
-
 def check_mode(model, training: bool) -> None:
     """Raise :class:`~nimble.errors.InputError` where the model's train/eval mode does not
     match what is to be recorded."""
@@ -97,16 +93,7 @@ def check_mode(model, training: bool) -> None:
             raise InputError(
                 "the model is in eval() mode, but prepare(training=True) records a training "
                 "step: call model.train() first (or prepare(training=False) for inference)")
-        wrapper = next((type(m).__name__ for m in model.modules()
-                        if any(c.__name__ in _DATA_PARALLEL for c in type(m).__mro__)), None)
-        if wrapper:
-            raise InputError(
-                f"prepare(training=True) does not support {wrapper}: it averages the "
-                "gradients from bookkeeping its forward does on the host, which a prepared "
-                "forward skips, so from the second step on the gradients would not be "
-                "averaged.  Prepare the module it wraps (ddp.module) with "
-                "average_gradients=True (or its process group): the averaging then runs "
-                "inside the backward graph")
+        check_data_parallel(model)
         return
     if isinstance(model, torch.nn.Module):
         in_training = [name or type(m).__name__ for name, m in model.named_modules()
@@ -138,44 +125,6 @@ def _recording(model, example_inputs, training: bool, options: PrepareOptions, q
                          f"{'a training step' if rec.step else 'inference'}, but "
                          f"training={training}")
     return rec
-
-
-def check_training_collectives(graph, training: bool, averaging: bool = False) -> None:
-    """Raise :class:`~nimble.errors.InputError` for a training step whose graphs hold NCCL
-    collectives of the model's own: not proven yet across steps (``DistributedDataParallel``,
-    which broadcasts buffers in its forward, gave eager's gradients on the first prepared step
-    only; it is refused before recording by :func:`check_mode`).  The all-reduces of
-    ``average_gradients`` (``averaging``) are the backward's only collectives then.  A
-    parameter's gradient hook that all-reduces is not recorded, and runs at the hand-off, as
-    in eager."""
-    if not training or not communicates(graph):
-        return
-    forward = range(graph.meta.get("phases", [len(graph.tasks)])[0])
-    if averaging and not any(communication_task(graph.tasks[t]) for t in forward):
-        return
-    raise InputError(
-        "this training step runs NCCL collectives inside its forward or backward (a "
-        "SyncBatchNorm, or an all-reduce in forward), which prepare(training=True) does not "
-        "support yet.  Train it eagerly; inference graphs with collectives are supported "
-        "(prepare with training=False)")
-
-
-def check_average(average, training: bool, instances: int, examples: list) -> None:
-    """Raise :class:`~nimble.errors.InputError` where ``average_gradients`` cannot apply."""
-    if average is None:
-        return
-    if not training:
-        raise InputError("average_gradients averages a training step's gradients: pass "
-                         "training=True with it (inference has no gradients)")
-    if instances != 1 or len(examples) != 1:
-        raise InputError("average_gradients prepares one training step: leave out buckets, "
-                         "batch_sizes and instances")
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise InputError("average_gradients averages over a torch.distributed process group: "
-                         "call torch.distributed.init_process_group('nccl') on every rank "
-                         "first (torchrun sets the rank and world size)")
 
 
 @dataclass
@@ -266,24 +215,6 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
             + ", ".join(f"{ms:.3f}" for ms in p.trial_ms) + " with backfill; "
             + (f"kept {len(p.kept.deferred)} edge(s)" if p.kept else "kept none"), quiet)
     return built
-
-
-#: Why a graph with NCCL's event nodes is host-launched, and what a user can do about it.
-NCCL_EVENTS_REFUSED = (
-    "NCCL brackets each collective with an event wait and an event record (its guard for "
-    "graphs and eager calls on one communicator), and the driver launches no event node from "
-    "the device.  NCCL_GRAPH_MIXING_SUPPORT=0, set before the process group is created, "
-    "leaves them out; NCCL then does not support an eager collective on that communicator "
-    "while a launch of a graph that uses it is still running")
-
-
-def refusal_reason(graph, refusal: str) -> str:
-    """The driver's refusal of a device-launchable instantiation, with the cause a user can act
-    on where the graph holds NCCL's event nodes."""
-    if refusal and any(t.kind in (TaskKind.EVENT_RECORD, TaskKind.EVENT_WAIT)
-                       for t in graph.tasks):
-        return f"{NCCL_EVENTS_REFUSED} ({refusal})"
-    return refusal
 
 
 def _prove(candidate: Prepared, planned: _Planned, options: PrepareOptions, training: bool,
