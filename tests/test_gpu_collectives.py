@@ -3,11 +3,11 @@
 ``tests/workers/allreduce_worker.py``: each rank prepares a model whose forward all-reduces an
 activation, on one stream and on several (NCCL's kernel and its event nodes rebuilt in the
 explicit graph, the proof replaying both ranks' graphs in step), then calls it on fresh inputs
-against eager.  ``tests/workers/ddp_worker.py``: a ``DistributedDataParallel`` model prepared
-with ``training=True`` is refused on both ranks with a typed error, before anything is
-recorded (its gradient averaging hangs on host bookkeeping a prepared forward skips).
-``tests/workers/dp_worker.py``: the same network prepared with ``average_gradients=True``, its
-gradients averaged inside the backward graph, stepped against eager DDP.  A rank that hangs (a collective launched on one rank
+against eager.  ``tests/workers/training_worker.py``: a ``DistributedDataParallel`` model given
+to ``prepare(training=True)`` is refused on both ranks with a typed error, before anything is
+recorded (its gradient averaging hangs on host bookkeeping a prepared forward skips); the
+network it wraps, prepared with ``average_gradients=True`` (its gradients averaged inside the
+backward graph), steps as eager DDP does.  A rank that hangs (a collective launched on one rank
 only) fails by timeout.
 """
 from __future__ import annotations
@@ -24,8 +24,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 WORKER = Path(__file__).parent / "workers" / "allreduce_worker.py"
-DDP_WORKER = Path(__file__).parent / "workers" / "ddp_worker.py"
-DP_WORKER = Path(__file__).parent / "workers" / "dp_worker.py"
+TRAINING_WORKER = Path(__file__).parent / "workers" / "training_worker.py"
 
 
 def _two_gpus_or_skip() -> None:
@@ -35,13 +34,14 @@ def _two_gpus_or_skip() -> None:
         pytest.skip("this torch has no NCCL")
 
 
-def _two_ranks(worker: Path, lines: int) -> list[dict]:
-    """Run ``worker`` as two ranks; the JSON lines they print (``lines`` of them)."""
+def _two_ranks(worker: Path, lines: int, *args: str) -> list[dict]:
+    """Run ``worker`` (with ``args``) as two ranks; the JSON lines they print (``lines``)."""
     _two_gpus_or_skip()
     env = {**os.environ, "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "1",
            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}  # torch's advice for capturing DDP
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(worker)],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(worker),
+         *args],
         capture_output=True, text=True, timeout=240, env=env)
     seen = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert done.returncode == 0 and len(seen) == lines, \
@@ -62,14 +62,14 @@ def test_an_all_reduce_in_the_forward_is_prepared_and_proven_on_both_ranks():
 def test_a_ddp_training_step_is_refused_on_both_ranks_rather_than_served_wrong():
     # Measured before the refusal: DDP's first prepared step matched eager, its second did not
     # (docs/findings.md, "Collectives inside prepared graphs"); prepare now refuses it.
-    for seen in _two_ranks(DDP_WORKER, 2):
+    for seen in _two_ranks(TRAINING_WORKER, 2, "ddp"):
         assert "error" in seen, seen
         assert seen["error"].startswith("InputError") and "DistributedDataParallel" in \
             seen["error"], seen["error"]
 
 
 def test_average_gradients_trains_as_ddp_with_the_all_reduce_in_the_backward_graph():
-    for seen in _two_ranks(DP_WORKER, 2):
+    for seen in _two_ranks(TRAINING_WORKER, 2, "average"):
         assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
         assert seen["collectives"] >= 1, seen
         for diff, scale in zip(seen["grad_diffs"], seen["grad_scales"]):
