@@ -155,7 +155,7 @@ class Nimble:
         examples = bucket_examples(example_inputs, buckets, batch_sizes, instances=instances,
                                    pad=pad, training=training)
         average = gradient_average(average_gradients)
-        check_average(average, training, instances, examples)
+        check_average(average, training, instances, examples, options.recording)
         check_mode(self.model, training)
         watch_modules()
         with model_state_kept(self.model, training):

@@ -95,6 +95,14 @@ def test_check_average_says_what_is_missing():
         check_average(GradientAverage(), training=False, instances=1, examples=[1])
     with pytest.raises(InputError, match="leave out buckets"):
         check_average(GradientAverage(), training=True, instances=2, examples=[1])
+    from types import SimpleNamespace
+
+    from nimble.ir.taskgraph import TaskGraph
+
+    plain = SimpleNamespace(graph=TaskGraph.load(FIXTURE_DIR / "resnet50_train.json.gz"))
+    with pytest.raises(InputError, match="recording made without it"):
+        check_average(GradientAverage(), training=True, instances=1, examples=[1],
+                      recording=plain)
     assert not dist.is_initialized()  # the two ranks above ran in processes of their own
     with pytest.raises(InputError, match="init_process_group"):
         check_average(GradientAverage(), training=True, instances=1, examples=[1])

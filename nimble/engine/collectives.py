@@ -52,10 +52,16 @@ def check_training_collectives(graph, training: bool, averaging: bool = False) -
         "(prepare with training=False)")
 
 
-def check_average(average, training: bool, instances: int, examples: list) -> None:
-    """Raise :class:`~nimble.errors.InputError` where ``average_gradients`` cannot apply."""
+def check_average(average, training: bool, instances: int, examples: list,
+                  recording=None) -> None:
+    """Raise :class:`~nimble.errors.InputError` where ``average_gradients`` cannot apply (a
+    ``recording`` passed in must have been made with it)."""
     if average is None:
         return
+    if recording is not None and not communicates(recording.graph):
+        raise InputError("average_gradients was passed with a recording made without it (its "
+                         "backward averages nothing): leave PrepareOptions(recording=...) out "
+                         "to record again")
     if not training:
         raise InputError("average_gradients averages a training step's gradients: pass "
                          "training=True with it (inference has no gradients)")
