@@ -1,0 +1,36 @@
+"""tools/dp_bench.py's arithmetic: what its medians say (no GPU)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "dp_bench", Path(__file__).resolve().parent.parent / "tools" / "dp_bench.py")
+dp_bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(dp_bench)
+
+
+def _rows(**ms: float) -> dict:
+    return {mode.replace("_", " "): {"median_ms": v, "min_ms": v, "max_ms": v}
+            for mode, v in ms.items()}
+
+
+def test_throughput_speed_up_efficiency_and_hidden_share():
+    rows = _rows(ddp=40.0, nimble=25.0, nimble_local=20.0, **{"all-reduce": 10.0})
+    got = dp_bench.derived(rows, world=4, batch=32)
+    assert got["images_per_s"]["nimble"] == pytest.approx(4 * 32 * 1000 / 25.0)
+    assert "all-reduce" not in got["images_per_s"]
+    assert got["nimble_x_ddp"] == pytest.approx(1.6)
+    assert got["scaling_efficiency"] == pytest.approx(0.8)
+    assert got["all_reduce_hidden"] == pytest.approx(0.5)  # 5 of its 10 ms exposed
+
+
+def test_the_hidden_share_stays_between_none_and_all():
+    fully = dp_bench.derived(_rows(nimble=19.0, nimble_local=20.0, **{"all-reduce": 5.0}), 2, 8)
+    assert fully["all_reduce_hidden"] == 1.0
+    none = dp_bench.derived(_rows(nimble=40.0, nimble_local=20.0, **{"all-reduce": 5.0}), 2, 8)
+    assert none["all_reduce_hidden"] == 0.0
+    assert "nimble_x_ddp" not in none and "all_reduce_hidden" not in dp_bench.derived(
+        _rows(nimble=1.0, nimble_local=1.0), 2, 8)

@@ -1,0 +1,127 @@
+"""Data-parallel training step, side by side on every rank (several GPUs, under torchrun).
+
+    torchrun --nproc_per_node=N tools/dp_bench.py [MODEL ...] [--batch 32] [--rounds 5]
+        [--iters 10]
+
+Per model (default resnet50 and inception_v3 at ImageNet shape, ``--batch`` images per GPU),
+each rank times one SGD step (momentum 0.9, cross-entropy) in every mode, modes interleaved
+in rounds (:func:`nimble.cli.harness.time_rounds`, the same order on every rank):
+
+- ``ddp``: ``DistributedDataParallel`` eager;
+- ``ddp graphed``: DDP around ``torch.cuda.make_graphed_callables`` of the model (its all-reduce
+  eager, from DDP's hooks);
+- ``nimble``: ``prepare(training=True, average_gradients=True)``, the all-reduce inside the
+  backward graph;
+- ``nimble local``: the same step prepared without averaging: what a GPU alone takes for it;
+- ``all-reduce``: the bucketed all-reduce of every gradient alone, eagerly.
+
+Rank 0 prints, per mode, the median ms per step with the rounds' spread, the images per second
+of all ranks together, and Nimble's speed-up over ``ddp``; then Nimble's scaling efficiency
+(``nimble local`` / ``nimble``: the step on N GPUs against the same step on one, per-GPU batch
+held) and how much of the all-reduce is hidden behind compute (1 - (``nimble`` - ``nimble
+local``) / ``all-reduce``).  Run with ``--nproc_per_node=1`` too for the one-GPU rows.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+DEFAULT_MODELS = ["resnet50", "inception_v3"]
+MODES = ("ddp", "ddp graphed", "nimble", "nimble local", "all-reduce")
+
+
+def derived(rows: dict[str, dict], world: int, batch: int) -> dict:
+    """What the medians of ``rows`` (ms per step, per mode) say: images per second of all
+    ranks, Nimble over DDP, Nimble's scaling efficiency and the share of the all-reduce hidden
+    behind the backward (clamped to [0, 1])."""
+    ms = {mode: row["median_ms"] for mode, row in rows.items()}
+    out = {"images_per_s": {m: world * batch * 1000.0 / v for m, v in ms.items()
+                            if m != "all-reduce"}}
+    if "nimble" in ms and "ddp" in ms:
+        out["nimble_x_ddp"] = ms["ddp"] / ms["nimble"]
+    if "nimble" in ms and "nimble local" in ms:
+        out["scaling_efficiency"] = ms["nimble local"] / ms["nimble"]
+        if ms.get("all-reduce"):
+            exposed = max(ms["nimble"] - ms["nimble local"], 0.0)
+            out["all_reduce_hidden"] = min(max(1.0 - exposed / ms["all-reduce"], 0.0), 1.0)
+    return out
+
+
+def _steps(name: str, batch: int, rank: int, quiet: bool) -> dict:
+    """Every mode's step for ``name`` on this rank (GPU)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import nimble
+    from nimble.cli.train_bench import setup, training_step
+    from nimble.record.gradient_average import GradientAverage, averaged_gradients
+
+    base, x, y = setup(name, batch)
+    steps = {}
+    ddp = DistributedDataParallel(copy.deepcopy(base), device_ids=[rank])
+    steps["ddp"] = training_step(ddp, ddp, x, y)
+    graphed_model = copy.deepcopy(base)
+    graphed = DistributedDataParallel(torch.cuda.make_graphed_callables(graphed_model, (x,)),
+                                      device_ids=[rank])
+    steps["ddp graphed"] = training_step(graphed, graphed, x, y)
+    for mode, average in (("nimble", True), ("nimble local", None)):
+        model = copy.deepcopy(base)
+        nm = nimble.Nimble(model).prepare(x, training=True, average_gradients=average,
+                                          quiet=quiet)
+        steps[mode] = training_step(nm, model, x, y)
+    grads = [torch.zeros_like(p) for p in base.parameters()]
+    steps["all-reduce"] = lambda: averaged_gradients(grads, GradientAverage())
+    return steps
+
+
+def main(argv=None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from nimble.cli.harness import mode_rows, time_rounds
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("models", nargs="*", default=DEFAULT_MODELS)
+    parser.add_argument("--batch", type=int, default=32, help="images per GPU")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    world = dist.get_world_size()
+    for name in args.models:
+        rows = mode_rows(time_rounds(_steps(name, args.batch, rank, rank != 0),
+                                     args.rounds, args.iters))
+        result = {"model": name, "world": world, "batch_per_gpu": args.batch,
+                  "gpu": torch.cuda.get_device_name(), "modes": rows,
+                  **derived(rows, world, args.batch)}
+        if rank == 0:
+            print(_report(result))
+            print(json.dumps(result), flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _report(r: dict) -> str:
+    lines = [f"{r['model']}, {r['world']} x {r['gpu']}, batch {r['batch_per_gpu']} per GPU"]
+    for mode, row in r["modes"].items():
+        rate = r["images_per_s"].get(mode)
+        lines.append(f"  {mode:<13} {row['median_ms']:8.3f} ms ({row['min_ms']:.3f}-"
+                     f"{row['max_ms']:.3f})" + (f"  {rate:9.0f} images/s" if rate else ""))
+    for key in ("nimble_x_ddp", "scaling_efficiency", "all_reduce_hidden"):
+        if key in r:
+            lines.append(f"  {key.replace('_', ' ')}: {r[key]:.3f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
