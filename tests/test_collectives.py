@@ -160,3 +160,16 @@ def test_a_device_launch_refused_for_nccls_event_nodes_says_what_to_set():
     plain = TaskGraph.load(FIXTURE_DIR / "resnet50.json.gz")
     assert refusal_reason(plain, driver_says) == driver_says
     assert refusal_reason(TaskGraph.load(ALLREDUCE), "") == ""
+
+
+def test_several_instances_of_a_graph_with_collectives_are_refused():
+    import pytest
+
+    from nimble.engine.collectives import check_instances
+    from nimble.errors import InputError
+
+    g = TaskGraph.load(ALLREDUCE)
+    check_instances(g, 1)
+    with pytest.raises(InputError, match="instances=2 .* prepare one instance"):
+        check_instances(g, 2)
+    check_instances(TaskGraph.load(FIXTURE_DIR / "resnet50.json.gz"), 4)

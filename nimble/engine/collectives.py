@@ -52,6 +52,16 @@ def check_training_collectives(graph, training: bool, averaging: bool = False) -
         "(prepare with training=False)")
 
 
+def check_instances(graph, instances: int) -> None:
+    """Raise :class:`~nimble.errors.InputError` for several instances of a graph that holds
+    collectives: callers on several streams would launch its collectives in an order no other
+    rank shares, and the ranks would wait on each other."""
+    if instances > 1 and communicates(graph):
+        raise InputError(f"instances={instances} of a model whose graph holds NCCL collectives: "
+                         "each rank must launch its collectives in one order, which callers on "
+                         "several streams cannot keep; prepare one instance (instances=1)")
+
+
 def check_average(average, training: bool, instances: int, examples: list,
                   recording=None) -> None:
     """Raise :class:`~nimble.errors.InputError` where ``average_gradients`` cannot apply (a

@@ -28,7 +28,8 @@ from ..analysis.schedule import Schedule, phase_spans
 from ..errors import GraphFaultError, InputError, VerificationError
 from ..progress import logger as log, say
 from .arena_layout import shared_layout
-from .collectives import check_data_parallel, check_training_collectives, refusal_reason
+from .collectives import (check_data_parallel, check_instances, check_training_collectives,
+                          refusal_reason)
 from .launcher import CallOrder
 from .options import PrepareOptions
 from .profiler_guard import device_launch_allowed
@@ -338,6 +339,7 @@ def prepare_serving(model, examples: list, *, instances: int, pad: bool, trainin
         for k, example in enumerate(examples):
             planned.append(_plan(model, example, training, use_multi_stream, max_streams,
                                  options, quiet, priority_range, average))
+            check_instances(planned[-1].rec.graph, instances)
             if pad:
                 _check_pad_outputs(planned[-1], k)
         layout = shared_layout([p.rec.graph for p in planned], [p.memplan for p in planned])
