@@ -241,7 +241,7 @@ def communication_task(task) -> bool:
     """A collective kernel of NCCL, or an event record or wait node (see :func:`build_dag`)."""
     if task.kind == TaskKind.KERNEL:
         return collective_kernel(task.name)
-    return task.kind in (TaskKind.EVENT_RECORD, TaskKind.EVENT_WAIT)
+    return task.kind in TaskKind.EVENTS
 
 
 def communicates(graph: TaskGraph) -> bool:

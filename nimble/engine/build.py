@@ -185,7 +185,7 @@ def add_task_node(graph, task: Task, recorded_node, bases: Sequence[int], deps: 
                                            detail=f"task {task.id} (memcpy)")
     if task.kind == "other:CU_GRAPH_NODE_TYPE_EMPTY":
         return driver.add_empty_node(graph, deps)
-    if task.kind in (TaskKind.EVENT_RECORD, TaskKind.EVENT_WAIT):
+    if task.kind in TaskKind.EVENTS:
         return driver.add_event_node_like(graph, deps, recorded_node,
                                           detail=f"task {task.id} ({task.kind})")
     raise BuildError(f"task {task.id} is a {task.kind} node, which Nimble cannot rebuild yet")

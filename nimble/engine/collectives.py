@@ -98,7 +98,6 @@ NCCL_EVENTS_REFUSED = (
 def refusal_reason(graph, refusal: str) -> str:
     """The driver's refusal of a device-launchable instantiation, with the cause a user can act
     on where the graph holds NCCL's event nodes."""
-    if refusal and any(t.kind in (TaskKind.EVENT_RECORD, TaskKind.EVENT_WAIT)
-                       for t in graph.tasks):
+    if refusal and any(t.kind in TaskKind.EVENTS for t in graph.tasks):
         return f"{NCCL_EVENTS_REFUSED} ({refusal})"
     return refusal

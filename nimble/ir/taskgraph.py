@@ -33,6 +33,7 @@ class TaskKind:
     # out of graphs with them): kept with the collectives, in recorded order.
     EVENT_RECORD = "other:CU_GRAPH_NODE_TYPE_EVENT_RECORD"
     EVENT_WAIT = "other:CU_GRAPH_NODE_TYPE_WAIT_EVENT"
+    EVENTS = (EVENT_RECORD, EVENT_WAIT)
 
 
 class BufferKind:

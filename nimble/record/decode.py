@@ -202,14 +202,13 @@ def read_param_block(params, layout: list[tuple[int, int]]) -> tuple[bytes, str]
     """``(block, how)``: the kernel's parameters at their offsets, read from the node's own copy.
 
     ``how`` is ``"params"`` for a ``kernelParams`` launch and ``"extra"`` for one whose
-    arguments came as a packed buffer (cuBLASLt and runtime-compiled kernels launch that way).
+    arguments came as a packed buffer (cuBLASLt and runtime-compiled kernels launch that way);
+    which parameters such a buffer passes is :func:`passed_layout`'s to say.
     """
     array = int(params.kernelParams or 0)
     extra = int(params.extra or 0)
     if array == 0 and extra:
-        block = extra_buffer(extra)
-        passed_layout(layout, len(block))
-        return block, "extra"
+        return extra_buffer(extra), "extra"
     if not layout:
         return b"", "params"
     if array == 0:
