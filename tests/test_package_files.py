@@ -1,0 +1,57 @@
+"""What the source distribution carries, read from ``MANIFEST.in`` as setuptools reads it (no
+build, no GPU): every file the tests and the maintainers' tools need, and no pattern that
+matches nothing (setuptools warns about each on every build)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFEST = ROOT / "MANIFEST.in"
+#: The folders whose files an unpacked sdist needs to run its tests and tools, and the
+#: suffixes of the files there that are source (not caches or outputs).
+NEEDED = {"tests": (".py", ".c", ".json.gz"), "tools": (".py", ".sh"), "docs": (".md",),
+          "kernels": (".ptx",)}
+
+pytestmark = pytest.mark.skipif(not MANIFEST.exists(), reason="no MANIFEST.in (not a checkout)")
+
+
+def _template_lines() -> list[str]:
+    lines = [line.strip() for line in MANIFEST.read_text().splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _file_list(lines: list[str]):
+    """setuptools' own reading of ``lines`` (MANIFEST.in commands) over the checkout."""
+    from setuptools.command.egg_info import FileList
+
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        files = FileList()
+        files.findall(".")
+        for line in lines:
+            files.process_template_line(line)
+        return files
+    finally:
+        os.chdir(here)
+
+
+def _needed_files() -> list[str]:
+    found = []
+    for folder, suffixes in NEEDED.items():
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file() and path.name.endswith(suffixes) \
+                    and "__pycache__" not in path.parts:
+                found.append(path.relative_to(ROOT).as_posix())
+    return sorted(found)
+
+
+def test_the_sdist_carries_every_file_of_the_tests_and_tools():
+    shipped = set(_file_list(_template_lines()).files)
+    needed = _needed_files()
+    assert "tests/workers/allreduce_worker.py" in needed  # the walk reaches subfolders
+    missing = [f for f in needed if f not in shipped]
+    assert not missing, f"MANIFEST.in leaves out {missing}"
