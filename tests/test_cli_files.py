@@ -125,3 +125,5 @@ def test_every_command_takes_quiet_and_lists_the_zoo(tmp_path, command):
     assert "-q" in r.stdout
     if command != "inspect":
         assert "resnet50" in r.stdout and "branchy" in r.stdout
+        # The distribution is nimble-gpu; `nimble` on the package index is another project.
+        assert "pipinstall'nimble-gpu[zoo]'" in "".join(r.stdout.split())  # wrapped anywhere

@@ -4,6 +4,7 @@ matches nothing (setuptools warns about each on every build)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,13 @@ def test_the_sdist_carries_every_file_of_the_tests_and_tools():
     assert "tests/workers/allreduce_worker.py" in needed  # the walk reaches subfolders
     missing = [f for f in needed if f not in shipped]
     assert not missing, f"MANIFEST.in leaves out {missing}"
+
+
+def test_every_install_hint_names_the_distribution_nimble_gpu():
+    """``pip install nimble`` installs an unrelated project (README): no hint may say so."""
+    wrong = re.compile(r"(?<![\w-])nimble\[|pip install (-U )?['\"]?nimble(?![-\w])")
+    texts = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "nimble").rglob("*.py"),
+             *(ROOT / "tools").rglob("*.py")]
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in texts
+             for m in wrong.finditer(p.read_text(encoding="utf-8"))]
+    assert not found

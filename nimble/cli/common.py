@@ -99,7 +99,7 @@ def add_stream_cap_argument(p: argparse.ArgumentParser) -> None:
 def model_help(what: str) -> str:
     """The help of a MODEL argument: ``what`` it is, then every model a command can run."""
     return (f"{what}: the built-in {models.BUILTIN} or {models.CHAINS}, or a zoo model "
-            f"({', '.join(models.ZOO)}; pip install 'nimble[zoo]')")
+            f"({', '.join(models.ZOO)}; pip install 'nimble-gpu[zoo]')")
 
 
 class Parser(argparse.ArgumentParser):
