@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..analysis.report import PLAN_FORMAT, PLAN_VERSION
+from ..ir import json_fields as jf
 from ..ir.taskgraph import FORMAT_NAME, FORMAT_VERSION, TaskGraph
 from .common import Fail
 
@@ -146,30 +147,49 @@ def taskgraph_of(file: NimbleFile) -> TaskGraph:
                                "damaged, record the model again") from None
 
 
+def _ints(value, where: str) -> list[int]:
+    return jf.items(value, where, jf.integer)
+
+
 def plan_summary(file: NimbleFile) -> dict:
-    """A plan export's numbers: model, tasks, streams, syncs, phases, arena size."""
+    """A plan export's numbers: model, tasks, streams, syncs, phases, arena size (:class:`Fail`
+    naming the first field of the wrong type)."""
     d = file.data
     try:
-        return {"kind": file.kind.value, "model": d.get("model"), "tasks": int(d["tasks"]),
-                "streams": int(d["num_streams"]), "sync_edges": len(d["sync_edges"]),
-                "edges": len(d["edges"]), "phases": [int(c) for c in d.get("phases", [])],
-                "arena_bytes": int(d["arena_bytes"]), "buffers_placed": len(d["offsets"])}
-    except (KeyError, TypeError, ValueError) as e:
-        raise _fail(file.path, f"a plan that does not decode ({_describe(e)}); export it "
-                               "again") from None
+        get = lambda key, read, default=...: jf.member(d, key, "", read, default)  # noqa: E731
+        return {"kind": file.kind.value, "model": get("model", jf.optional(jf.text), None),
+                "tasks": get("tasks", jf.integer), "streams": get("num_streams", jf.integer),
+                "sync_edges": len(get("sync_edges", jf.array)),
+                "edges": len(get("edges", jf.array)), "phases": get("phases", _ints, []),
+                "arena_bytes": get("arena_bytes", jf.integer),
+                "buffers_placed": len(get("offsets", jf.obj))}
+    except jf.FieldError as e:
+        raise _fail(file.path, f"a plan that does not decode ({e}); export it again") from None
+
+
+def _task_event(event, where: str) -> tuple[float, float, object]:
+    """A simulated trace's task (a complete event): its start and end, µs, and its row."""
+    e = jf.obj(event, where)
+    ts, dur = jf.member(e, "ts", where, jf.number), jf.member(e, "dur", where, jf.number)
+    return ts, ts + dur, jf.member(e, "tid", where, jf.scalar)
 
 
 def simulated_trace_summary(file: NimbleFile) -> dict:
-    """A simulated trace's numbers: tasks, streams, sync arrows and the simulated makespan."""
-    events = file.data["traceEvents"]
+    """A simulated trace's numbers: tasks, streams, sync arrows and the simulated makespan
+    (:class:`Fail` naming the first field of the wrong type)."""
     try:
-        tasks = [e for e in events if e.get("ph") == "X"]
-        begin = min((float(e["ts"]) for e in tasks), default=0.0)
-        end = max((float(e["ts"]) + float(e["dur"]) for e in tasks), default=0.0)
-        return {"kind": file.kind.value, "model": file.data["otherData"].get("model"),
-                "tasks": len(tasks), "streams": len({e["tid"] for e in tasks}),
-                "sync_edges": sum(1 for e in events if e.get("ph") == "s"),
-                "simulated_us": end - begin}
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise _fail(file.path, f"a simulated trace that does not decode ({_describe(e)}); "
-                               "write it again") from None
+        events = jf.items(file.data["traceEvents"], "traceEvents", jf.obj)
+        phases = [jf.member(e, "ph", f"traceEvents[{i}]", jf.text, "")
+                  for i, e in enumerate(events)]
+        tasks = [_task_event(e, f"traceEvents[{i}]") for i, (e, ph) in
+                 enumerate(zip(events, phases)) if ph == "X"]
+        other = jf.obj(file.data["otherData"], "otherData")
+        return {"kind": file.kind.value,
+                "model": jf.member(other, "model", "otherData", jf.optional(jf.text), None),
+                "tasks": len(tasks), "streams": len({tid for _, _, tid in tasks}),
+                "sync_edges": phases.count("s"),
+                "simulated_us": (max(end for _, end, _ in tasks) - min(b for b, _, _ in tasks))
+                if tasks else 0.0}
+    except jf.FieldError as e:
+        raise _fail(file.path, f"a simulated trace that does not decode ({e}); write it "
+                               "again") from None

@@ -87,9 +87,13 @@ def _report_other(file: NimbleFile, args: argparse.Namespace, out: Outputs) -> N
     from .inspect_files import FileKind, plan_summary, simulated_trace_summary
     if file.kind is FileKind.MEASURED_TRACE:
         from ..debug.timeline import Timeline, format_timeline
+        from ..ir.json_fields import FieldError
 
         try:
             summary = Timeline.from_chrome(file.data).summary()
+        except FieldError as e:  # a field of the wrong type, named
+            raise Fail(f"{file.path}: a measured trace that does not decode ({e}); the file "
+                       "is damaged, trace the run again") from None
         except (AttributeError, KeyError, TypeError, ValueError, IndexError):
             raise Fail(f"{file.path}: a measured trace that does not decode; the file is "
                        "damaged, trace the run again") from None

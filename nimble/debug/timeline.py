@@ -27,7 +27,8 @@ from ..analysis.deps import critical_path, dag_from_edges
 from ..analysis.schedule import Schedule, phase_spans
 from ..engine.build import StampSpec
 from ..engine.rebuild import PhaseOptions
-from ..ir.taskgraph import TaskGraph
+from ..ir import json_fields as jf
+from ..ir.taskgraph import Task, TaskGraph
 
 
 @dataclass
@@ -120,29 +121,68 @@ class Timeline:
     @classmethod
     def from_chrome(cls, trace: dict) -> "Timeline":
         """The timeline a :meth:`to_chrome` trace carries (raises ``ValueError`` for a trace
-        that is not a measured Nimble timeline)."""
-        data = (trace.get("otherData") or {}).get("nimble_timeline")
+        that is not a measured Nimble timeline; :class:`~nimble.ir.json_fields.FieldError`, a
+        ``ValueError``, naming the first field of the wrong type)."""
+        other = trace.get("otherData") or {}
+        data = other.get("nimble_timeline") if isinstance(other, dict) else None
         if not data:
             raise ValueError("not a measured Nimble timeline (written by nm.trace() or "
                              "nimble debug --trace)")
-        stream_of = [int(x) for x in data["stream_of"]]
+        where = "otherData.nimble_timeline"
+        data = jf.obj(data, where)
+        get = lambda key, read, default=...: jf.member(data, key, where, read, default)  # noqa
+        stream_of = get("stream_of", _counts)
         streams: list[list[int]] = [[] for _ in range(max(stream_of, default=-1) + 1)]
         for t, sid in enumerate(stream_of):
             streams[sid].append(t)
-        graph = TaskGraph(meta={"model": trace["otherData"].get("model")})
-        from ..ir.taskgraph import Task
-
-        names = {e["args"]["task"]: e["name"] for e in trace.get("traceEvents", [])
-                 if e.get("ph") == "X" and "task" in e.get("args", {})}
+        graph = TaskGraph(meta={"model": jf.member(other, "model", "otherData",
+                                                   jf.optional(jf.text), None)})
+        names = _task_names(trace.get("traceEvents", []), len(stream_of))
         graph.tasks = [Task(t, "kernel", short_name=names.get(t, "")) for t in
                        range(len(stream_of))]
-        schedule = Schedule(stream_of, streams, [tuple(e) for e in data["sync_edges"]], 0, 0,
-                            phases=list(data.get("phases") or []),
-                            barrier_edges=[tuple(e) for e in data.get("barrier_edges") or []])
-        return cls(graph, schedule, [(float(b), float(e)) for b, e in data["times"]],
-                   plain_us=float(data.get("plain_us") or 0.0),
-                   instrumented_us=float(data.get("instrumented_us") or 0.0),
-                   late_edges=[tuple(e) for e in data.get("late_edges") or []])
+        schedule = Schedule(stream_of, streams, get("sync_edges", _pairs), 0, 0,
+                            phases=get("phases", _counts, None) or [],
+                            barrier_edges=get("barrier_edges", _pairs, None) or [])
+        times = get("times", _spans)
+        if len(times) != len(stream_of):
+            raise jf.FieldError(f"{where}.times has {len(times)} spans for {len(stream_of)} "
+                                "tasks")
+        return cls(graph, schedule, times,
+                   plain_us=get("plain_us", jf.optional(jf.number), None) or 0.0,
+                   instrumented_us=get("instrumented_us", jf.optional(jf.number), None) or 0.0,
+                   late_edges=get("late_edges", _pairs, None) or [])
+
+
+def _counts(value, where: str) -> list[int]:
+    """An array of integers of at least 0 (streams, task counts)."""
+    counts = jf.items(value, where, jf.integer)
+    if any(c < 0 for c in counts):
+        raise jf.FieldError(f"{where} holds a negative number")
+    return counts
+
+
+def _pairs(value, where: str) -> list[tuple[int, int]]:
+    return [tuple(p) for p in jf.items(value, where, lambda v, w: _counts(jf.array(v, w, 2), w))]
+
+
+def _spans(value, where: str) -> list[tuple[float, float]]:
+    def span(v, w):
+        b, e = jf.array(v, w, 2)
+        return float(jf.number(b, f"{w}[0]")), float(jf.number(e, f"{w}[1]"))
+    return jf.items(value, where, span)
+
+
+def _task_names(events, tasks: int) -> dict[int, str]:
+    """Each task's name, from the trace's complete events (``args.task``)."""
+    names = {}
+    for i, e in enumerate(jf.array(events, "traceEvents")):
+        where = f"traceEvents[{i}]"
+        e = jf.obj(e, where)
+        args = jf.member(e, "args", where, jf.obj, {})
+        if e.get("ph") == "X" and "task" in args:
+            names[jf.member(args, "task", f"{where}.args", jf.integer)] = \
+                jf.member(e, "name", where, jf.text, "")
+    return names
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:

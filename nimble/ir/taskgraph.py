@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import json_fields as jf
+
 FORMAT_NAME = "nimble.taskgraph"
 FORMAT_VERSION = 1
 
@@ -187,6 +189,24 @@ class TaskGraph:
         for o in self.ops:
             for a in o.accesses:
                 _check_access(a, self.buffers, f"op {o.index}")
+        self._validate_phases()
+
+    def _validate_phases(self) -> None:
+        """``meta``'s phases (a training step's forward and backward): counts of tasks, inputs
+        and outputs that add up to the graph's; buffers it names that exist."""
+        phases = self.meta.get("phases")
+        if phases:
+            for key, what, total in (("phases", "tasks", len(self.tasks)),
+                                     ("phase_inputs", "inputs", len(self.inputs)),
+                                     ("phase_outputs", "outputs", len(self.outputs))):
+                counts = self.meta.get(key, phases if key == "phases" else None)
+                if counts is not None and (len(counts) != len(phases) or min(counts) < 0
+                                           or sum(counts) != total):
+                    raise ValueError(f"meta.{key} {counts} does not split the graph's {total} "
+                                     f"{what} into {len(phases)} phases")
+        for b in self.meta.get("low_word_buffers", []):
+            if not 0 <= b < len(self.buffers):
+                raise ValueError(f"meta.low_word_buffers names buffer {b}, which does not exist")
 
     # ---- serialisation ---------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -207,6 +227,10 @@ class TaskGraph:
 
     @classmethod
     def from_json(cls, data: dict) -> "TaskGraph":
+        """The graph in a TaskGraph file's JSON object: every field checked for its type as it
+        is read (:class:`~nimble.ir.json_fields.FieldError`, a ``ValueError``, names the first
+        that is wrong), then :meth:`validate`-d."""
+        data = jf.obj(data, "the file's JSON")
         if data.get("format") != FORMAT_NAME:
             raise ValueError(f"not a Nimble TaskGraph (format={data.get('format')!r})")
         version = data.get("version")
@@ -214,13 +238,13 @@ class TaskGraph:
             raise ValueError(
                 f"TaskGraph format version {version} is not supported (this Nimble reads "
                 f"version {FORMAT_VERSION}); re-record the model with tools/record_fixture.py")
-        g = cls(meta=dict(data.get("meta", {})))
-        g.buffers = [Buffer(*row) for row in data["buffers"]]
-        g.ops = [Op(o["index"], o["name"], o.get("module", ""),
-                    [Access(*a) for a in o.get("accesses", [])]) for o in data["ops"]]
-        g.tasks = [_task_from_json(t) for t in data["tasks"]]
-        g.inputs = [TensorRef(**r) for r in data.get("inputs", [])]
-        g.outputs = [TensorRef(**r) for r in data.get("outputs", [])]
+        top = ""  # the path of the top level
+        g = cls(meta=jf.member(data, "meta", top, _meta_from_json, {}))
+        g.buffers = jf.member(data, "buffers", top, _rows(_buffer_from_json))
+        g.ops = jf.member(data, "ops", top, _rows(_op_from_json))
+        g.tasks = jf.member(data, "tasks", top, _rows(_task_from_json))
+        g.inputs = jf.member(data, "inputs", top, _rows(_tensor_from_json), [])
+        g.outputs = jf.member(data, "outputs", top, _rows(_tensor_from_json), [])
         g.validate()
         return g
 
@@ -278,14 +302,106 @@ def _task_json(t: Task) -> dict:
     return d
 
 
-def _task_from_json(d: dict) -> Task:
+# ---- reading, every field checked for its type (nimble.ir.json_fields) ---------------------
+
+def _rows(read):
+    """A reader of an array, each item read by ``read(item, where)``."""
+    return lambda value, where: jf.items(value, where, read)
+
+
+def _ints(value, where: str, length: int | None = None) -> list[int]:
+    return jf.items(value, where, jf.integer, length)
+
+
+def _int_pairs(value, where: str) -> list[list[int]]:
+    return jf.items(value, where, lambda row, w: _ints(row, w, 2))
+
+
+def _dim3(value, where: str) -> tuple[int, int, int]:
+    return tuple(_ints(value, where, 3))
+
+
+def _access_from_json(row, where: str) -> Access:
+    row = jf.array(row, where, 4)
+    return Access(jf.integer(row[0], f"{where}[0]"), jf.integer(row[1], f"{where}[1]"),
+                  jf.integer(row[2], f"{where}[2]"), jf.flag(row[3], f"{where}[3]"))
+
+
+def _pointer_from_json(row, where: str) -> Pointer:
+    """``[location, value, buffer, offset]``; a kernel's location is a byte offset, a memcpy's
+    or memset's the name of its field."""
+    row = jf.array(row, where, 4)
+    location = row[0] if isinstance(row[0], str) else jf.integer(row[0], f"{where}[0]")
+    return Pointer(location, jf.integer(row[1], f"{where}[1]"),
+                   jf.integer(row[2], f"{where}[2]"), jf.integer(row[3], f"{where}[3]"))
+
+
+def _buffer_from_json(row, where: str) -> Buffer:
+    """``[id, kind, size, address, name, op]`` (``name`` and ``op`` may be left off)."""
+    row = jf.array(row, where, (4, 6))
+    read = (jf.integer, jf.text, jf.integer, jf.integer, jf.text, jf.integer)
+    return Buffer(*(r(v, f"{where}[{i}]") for i, (r, v) in enumerate(zip(read, row))))
+
+
+def _op_from_json(d, where: str) -> Op:
+    d = jf.obj(d, where)
+    return Op(jf.member(d, "index", where, jf.integer), jf.member(d, "name", where, jf.text),
+              jf.member(d, "module", where, jf.text, ""),
+              jf.member(d, "accesses", where, _rows(_access_from_json), []))
+
+
+def _tensor_from_json(d, where: str) -> TensorRef:
+    d = jf.obj(d, where)
+    return TensorRef(buffer=jf.member(d, "buffer", where, jf.integer),
+                     offset=jf.member(d, "offset", where, jf.integer),
+                     shape=jf.member(d, "shape", where, _ints),
+                     strides=jf.member(d, "strides", where, _ints),
+                     dtype=jf.member(d, "dtype", where, jf.text))
+
+
+def _params(value, where: str) -> bytes:
+    hex_text = jf.text(value, where)
+    try:
+        return bytes.fromhex(hex_text)
+    except ValueError:
+        raise jf.FieldError(f"{where} is not bytes in hexadecimal") from None
+
+
+def _scalars(value, where: str) -> dict:
+    """An object of leaf values (a memcpy's or memset's decoded parameters)."""
+    return {k: jf.scalar(v, f"{where}.{k}") for k, v in jf.obj(value, where).items()}
+
+
+def _task_from_json(d, where: str) -> Task:
+    d = jf.obj(d, where)
+
+    def get(key: str, read, default=...):
+        return jf.member(d, key, where, read, default)
     return Task(
-        id=d["id"], kind=d["kind"], op=d.get("op", -1), name=d.get("name", ""),
-        short_name=d.get("short_name", ""), grid=tuple(d.get("grid", (1, 1, 1))),
-        block=tuple(d.get("block", (1, 1, 1))), shared_mem=d.get("shared_mem", 0),
-        param_layout=[tuple(p) for p in d.get("param_layout", [])],
-        params=bytes.fromhex(d.get("params", "")),
-        pointers=[Pointer(*p) for p in d.get("pointers", [])],
-        accesses=[Access(*a) for a in d.get("accesses", [])],
-        fields=dict(d.get("fields", {})), duration_us=d.get("duration_us"),
+        id=get("id", jf.integer), kind=get("kind", jf.text), op=get("op", jf.integer, -1),
+        name=get("name", jf.text, ""), short_name=get("short_name", jf.text, ""),
+        grid=get("grid", _dim3, (1, 1, 1)), block=get("block", _dim3, (1, 1, 1)),
+        shared_mem=get("shared_mem", jf.integer, 0),
+        param_layout=[tuple(p) for p in get("param_layout", _int_pairs, [])],
+        params=get("params", _params, b""),
+        pointers=get("pointers", _rows(_pointer_from_json), []),
+        accesses=get("accesses", _rows(_access_from_json), []),
+        fields=get("fields", _scalars, {}),
+        duration_us=get("duration_us", jf.optional(jf.number), None),
     )
+
+
+#: The fields of ``meta`` that Nimble reads back, each with its reader; any other is kept as
+#: it is (a note of the recording's, only shown).
+_META = {"model": jf.optional(jf.text), "training": jf.flag, "batch": jf.integer, "pool_bytes": jf.integer,
+         "phases": _ints, "phase_inputs": _ints, "phase_outputs": _ints,
+         "low_word_buffers": _ints, "pool_segments": _int_pairs, "rng": jf.obj,
+         "triton_launches": jf.integer, "words_not_pointers": jf.integer}
+
+
+def _meta_from_json(value, where: str) -> dict:
+    meta = dict(jf.obj(value, where))
+    for key, read in _META.items():
+        if key in meta:
+            meta[key] = read(meta[key], f"{where}.{key}")
+    return meta
