@@ -1,7 +1,10 @@
 """The README and docs as a reader takes them, top to bottom (no GPU)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -18,3 +21,97 @@ def test_the_cpu_torch_hint_comes_before_the_test_command():
     text = README.read_text(encoding="utf-8")
     assert _line_of(text, "download.pytorch.org/whl/cpu") < \
         _line_of(text, "pip install -e '.[test]'")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped (``-`` and ``_`` kept),
+    each space a hyphen; inline code and links read as their text."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    found, seen, fenced = set(), {}, False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            slug = _slug(line.lstrip("#"))
+            count = seen.get(slug, 0)
+            seen[slug] = count + 1
+            found.add(slug if not count else f"{slug}-{count}")
+    return found
+
+
+def _links(path: Path):
+    """``(target file, anchor)`` of every relative Markdown link in ``path``."""
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target) or target.startswith("mailto:"):
+            continue
+        file, _, anchor = target.partition("#")
+        yield (path.parent / file).resolve() if file else path, anchor
+
+
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_every_link_in_the_docs_reaches_its_file_and_heading():
+    broken = []
+    for doc in DOCS:
+        for target, anchor in _links(doc):
+            if not target.exists():
+                broken.append(f"{doc.name}: {target.name} does not exist")
+            elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+                broken.append(f"{doc.name}: no heading #{anchor} in {target.name}")
+    assert not broken
+
+
+def _prose(text: str) -> str:
+    """``text`` without its code blocks and tables."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return "\n".join(line for line in text.splitlines() if not line.startswith("|"))
+
+
+def test_every_ratio_the_readme_gives_says_where_it_was_measured():
+    """A number like 2.04× in the README's prose comes with its command or a link to the table
+    that holds it, in the same sentence."""
+    prose = " ".join(_prose(README.read_text(encoding="utf-8")).split())
+    sentences = re.split(r"(?<=[.;])\s+(?=[A-Z*(])", prose)
+    bare = [s for s in sentences if re.search(r"\d×", s)
+            and not re.search(r"\]\([^)]*\)|`(nimble|python3? tools/)[^`]*`", s)]
+    assert not bare
+
+
+def _commands(path: Path) -> list[str]:
+    """The ``nimble ...`` commands ``path`` quotes: the lines of its code blocks and its inline
+    code, placeholders (``MODEL``, ``[--batch N]``, ``...``) left out."""
+    text = path.read_text(encoding="utf-8")
+    found = [line.split("#")[0].strip() for block in re.findall(r"```[a-z]*\n(.*?)```", text,
+                                                                  flags=re.S)
+             for line in block.replace("\\\n", " ").splitlines()]
+    found += re.findall(r"`([^`]+)`", " ".join(_prose(text).split()))
+    return [c for c in found if c.startswith("nimble ") and "[" not in c and "..." not in c
+            and not re.search(r"\b[A-Z][A-Z_]+\b", c)]
+
+
+#: The pages whose commands are given to be run as written: the README and the measurements.
+RUN_AS_WRITTEN = [README, ROOT / "docs" / "results.md", ROOT / "docs" / "findings.md"]
+
+
+@pytest.mark.parametrize("page", RUN_AS_WRITTEN, ids=lambda p: p.name)
+def test_every_command_quoted_to_run_parses_as_written(page):
+    import shlex
+
+    from nimble.cli.main import build_parser
+
+    commands = _commands(page)
+    assert commands or page.name == "findings.md"
+    wrong = []
+    for command in commands:
+        words = shlex.split(command)[1:]
+        try:
+            build_parser(load=words[0]).parse_args(words)
+        except SystemExit:
+            wrong.append(command)
+    assert not wrong, f"{page.name}: commands that fail as quoted: {wrong}"

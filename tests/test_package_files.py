@@ -66,3 +66,26 @@ def test_every_install_hint_names_the_distribution_nimble_gpu():
     found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in texts
              for m in wrong.finditer(p.read_text(encoding="utf-8"))]
     assert not found
+
+
+def test_every_pattern_of_the_manifest_matches_a_file():
+    """A pattern that matches nothing is a warning on every build, and a sign of a file moved
+    or gone."""
+    dead = []
+    for line in _template_lines():
+        command, *words = line.split()
+        # recursive-include and graft name a folder first; each pattern counts on its own
+        folder = [words.pop(0)] if command in ("recursive-include", "recursive-exclude") else []
+        for pattern in words or [""]:
+            alone = " ".join([command, *folder, pattern])
+            if command.endswith("exclude"):
+                # an exclusion must take away something the inclusions before it took
+                lines = _template_lines()
+                kept = _file_list(lines[:lines.index(line)]).files
+                taken = _file_list(lines[:lines.index(line)] + [alone]).files
+                matched = len(taken) < len(kept)
+            else:
+                matched = bool(_file_list([alone]).files)
+            if not matched:
+                dead.append(alone)
+    assert not dead, f"MANIFEST.in patterns that match nothing: {dead}"
