@@ -89,3 +89,31 @@ def test_every_pattern_of_the_manifest_matches_a_file():
             if not matched:
                 dead.append(alone)
     assert not dead, f"MANIFEST.in patterns that match nothing: {dead}"
+
+
+def _optional_imports(path: Path) -> set[str]:
+    """The top-level modules ``path`` skips without (``pytest.importorskip("x.y")``)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "importorskip" \
+                and node.args and isinstance(node.args[0], ast.Constant):
+            found.add(node.args[0].value.split(".")[0])
+    return found
+
+
+def test_the_test_extra_installs_every_package_a_cpu_test_skips_without():
+    """CI installs ``.[test]``: a CPU test that skips without a package CI lacks checks nothing
+    there (test_generate.py and part of test_kv_cache.py without transformers)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        pytest.skip("reading pyproject.toml needs Python 3.11's tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    name = lambda requirement: re.split(r"[\s<>=!~;\[]", requirement, 1)[0].lower()  # noqa: E731
+    installed = {name(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]}
+    skipped = {m for path in (ROOT / "tests").glob("test_*.py")
+               if not path.name.startswith("test_gpu_") for m in _optional_imports(path)}
+    assert "transformers" in skipped  # the scan finds them
+    assert skipped <= installed, f"CPU tests skip without {sorted(skipped - installed)}"
