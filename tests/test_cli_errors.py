@@ -58,7 +58,21 @@ def test_unknown_model_is_one_line(command, no_gpu, capsys):
     assert "unknown model 'no_such_model'" in line and "branchy" in line
 
 
-def test_bench_zoo_model_without_its_package_is_one_line(no_gpu, monkeypatch, capsys):
+@pytest.mark.parametrize("command", [
+    ["bench", "resnet50"], ["bench", "--training"], ["bench", "--training", "googlenet"],
+    ["bench", "--serve", "resnet50"], ["bench", "--profiler", "resnet50"],
+    ["record", "googlenet"], ["debug", "resnet50"]])
+def test_without_a_gpu_the_gpu_is_said_first_not_a_missing_zoo_package(command, no_gpu,
+                                                                       monkeypatch, capsys):
+    """A machine without a GPU runs none of these, whatever else it lacks."""
+    monkeypatch.setattr(common, "_installed", lambda package: False)
+    assert cli.main(command) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("nimble: NoGpuError: ") and "torchvision" not in line, line
+
+
+def test_bench_zoo_model_without_its_package_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(common, "require_gpu", lambda command: None)  # as with a GPU
     monkeypatch.setattr(common, "_installed", lambda package: False)
     assert cli.main(["bench", "branchy", "resnet50"]) == 2
     assert "resnet50 needs torchvision" in _one_error_line(capsys)
@@ -66,10 +80,14 @@ def test_bench_zoo_model_without_its_package_is_one_line(no_gpu, monkeypatch, ca
     assert "pnasnet5large needs timm" in _one_error_line(capsys)
 
 
-@no_real_gpu
-@pytest.mark.skipif(common._installed("torchvision"), reason="torchvision is installed here")
-def test_record_zoo_model_without_torchvision_is_one_line(capsys):
-    assert cli.main(["record", "googlenet"]) == 2
+@pytest.mark.parametrize("command", [["record", "googlenet"], ["debug", "googlenet"],
+                                     ["bench", "--serve", "googlenet"],
+                                     ["bench", "--training", "googlenet"]])
+def test_zoo_model_without_torchvision_is_one_line_on_a_gpu_machine(command, monkeypatch,
+                                                                    capsys):
+    monkeypatch.setattr(common, "require_gpu", lambda command: None)  # as with a GPU
+    monkeypatch.setattr(common, "_installed", lambda package: package != "torchvision")
+    assert cli.main(command) == 2
     assert "googlenet needs torchvision" in _one_error_line(capsys)
 
 

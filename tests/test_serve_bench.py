@@ -15,7 +15,7 @@ import torch
 from helpers import load_tool
 
 import nimble.cli.main as cli
-from nimble.cli import serve_bench
+from nimble.cli import common, serve_bench
 from nimble.cli.serve_bench import (EQUAL_MEMORY, MAX_EQUAL_MEMORY_INSTANCES, command_line,
                                     equal_memory_instances, format_model, parse_modes, rotated,
                                     serve_modes)
@@ -324,7 +324,7 @@ def _serve_with_stand_ins(monkeypatch, wrong_mode: str | None = None) -> list[tu
             run, equal_memory
 
     monkeypatch.setattr(serve_bench, "gpu_setup", gpu_setup)
-    monkeypatch.setattr(serve_bench, "require_gpu", lambda command: None)
+    monkeypatch.setattr(common, "require_gpu", lambda command: None)
     monkeypatch.setattr(serve_bench, "_environment", lambda: {"device": "stand-in"})
     return set_up
 

@@ -1,5 +1,5 @@
 """What every ``nimble`` command shares: the one-line failure, argument types, and the checks
-made before any work (the models known and installed, a GPU to run on)."""
+made before any work (the models known, a GPU to run on, then their packages installed)."""
 from __future__ import annotations
 
 from ..errors import NimbleError
@@ -115,13 +115,18 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def check_models(names: list[str]) -> None:
-    """Fail (one line, status 2) on an unknown model name or a zoo model missing its package."""
+def check_models(names: list[str], command: str) -> None:
+    """Before any work of ``nimble <command>`` on the models ``names``, fail (one line, status
+    2) on the first of: an unknown model name, no GPU (:func:`require_gpu`: on a machine
+    without one, nothing else it lacks matters), a zoo model missing its package."""
+    packages = {}
     for name in names:
         try:
-            package = models.package_of(name)
+            packages[name] = models.package_of(name)
         except ValueError as e:
             raise Fail(str(e)) from None
+    require_gpu(command)
+    for name, package in packages.items():
         if package and not _installed(package):
             raise Fail(f"{name} needs {package}, which is not installed here: "
                        f"python -m pip install 'nimble-gpu[zoo]'")

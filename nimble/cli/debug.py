@@ -18,7 +18,7 @@ import json
 from typing import TextIO
 
 from .common import (add_batch_argument, add_quiet_argument, add_stream_cap_argument,
-                     check_models, model_help, positive_int, require_gpu)
+                     check_models, model_help, positive_int)
 from . import models
 from .output import Outputs, outputs
 from ..driver.gpu import use_cudnn_benchmark
@@ -81,8 +81,7 @@ def _measured_trace(nm, args, out: Outputs) -> int:
 
 def run(args) -> int:
     out = outputs(args, "trace", "save")
-    check_models([args.model])
-    require_gpu("debug")
+    check_models([args.model], "debug")
     import torch
 
     from ..analysis import report

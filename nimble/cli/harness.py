@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence, TextIO
 
 from . import models
-from .common import check_models, context_fault, require_gpu
+from .common import check_models, context_fault
 from .output import Outputs, outputs
 
 
@@ -207,12 +207,12 @@ def model_cases(args, measure: Callable[[str, object, str], dict]) -> list[Case]
 def run_models(args, command: str, measure: Callable[[str, object, str], dict],
                report: Callable[[dict], str]) -> tuple[Outcome, Outputs]:
     """``nimble <command>`` over ``args.models`` (default the built-in model): before any work,
-    every name known and its package installed, the outputs writable and a GPU to run on; then
+    the outputs writable, every name known, a GPU to run on and each model's package installed
+    (:func:`~nimble.cli.common.check_models`); then
     every case of :func:`model_cases` measured and ``report``-ed as it ends."""
     args.models = args.models or [models.BUILTIN]
     out = outputs(args, "json")
-    check_models(args.models)
-    require_gpu(command)
+    check_models(args.models, command)
     return run_cases(model_cases(args, measure), report, out.report), out
 
 

@@ -5,7 +5,7 @@ import argparse
 
 from . import models
 from .common import (add_batch_argument, add_quiet_argument, check_models, model_help,
-                     positive_int, require_gpu)
+                     positive_int)
 from .output import outputs
 from ..driver.gpu import use_cudnn_benchmark
 from ..errors import InputError
@@ -32,10 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     args.output = args.output or f"{args.model}.json.gz"
     out = outputs(args, "output")
-    check_models([args.model])
     if args.training and args.time_tasks:
         raise InputError("--time-tasks times inference recordings only; drop it with --training")
-    require_gpu("record")
+    check_models([args.model], "record")
     import torch
 
     from ..record.recorder import record, record_step

@@ -26,7 +26,7 @@ import time
 from typing import Callable
 
 from . import models
-from .common import Fail, check_models, positive_int, require_gpu
+from .common import Fail, check_models, positive_int
 from .harness import Case, Column, format_table, run_cases
 from .output import outputs
 from .serve_load import (DeviceMemory, Load, LoadResult, ModeRun, Served, StreamOps,
@@ -322,8 +322,7 @@ def run(args) -> int:
     """``nimble bench --serve``: exit 1 when a mode failed or a checked response was wrong."""
     finish_serve_args(args)
     out = outputs(args, "json")
-    check_models(args.serve)
-    require_gpu("bench --serve")
+    check_models(args.serve, "bench --serve")
     command = command_line(args)
     print(command, file=out.report, flush=True)
     cases = [(name, dtype) for name in args.serve for dtype in args.dtypes]

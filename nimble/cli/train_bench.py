@@ -24,7 +24,7 @@ import time
 from typing import Callable
 
 from . import models
-from .common import check_models, require_gpu
+from .common import check_models
 from .harness import (Case, Column, add_speedup, format_table, mode_rows, run_cases,
                       time_rounds)
 from .output import outputs
@@ -166,8 +166,7 @@ def run(args) -> int:
     """``nimble bench --training``."""
     names = args.models if args.models_given else DEFAULT_MODELS
     out = outputs(args, "json")
-    check_models(names)
-    require_gpu("bench --training")
+    check_models(names, "bench --training")
     outcome = run_cases([_case(name, batch, args) for name in names for batch in args.batches],
                         _report, out.report)
     if outcome.results:
