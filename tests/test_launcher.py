@@ -159,6 +159,11 @@ def test_the_general_path_joins_streams_the_same_way_and_rejects_bad_inputs(fake
     assert driver_calls(fake, "cuStreamWaitEvent") == [("stream9", "event", 0)]
     with pytest.raises(InputError, match="prepared for"):
         launch.run_flat((x.double(),))
+    # nm([1, 2, 3]) hands the list's items over: what is wrong is that one is not a tensor
+    with pytest.raises(InputError, match=r"input 0 \(of the list passed\) is a int, not a tensor"):
+        launch.run_flat([1, 2, 3])
+    with pytest.raises(InputError, match="prepared with 1 input"):
+        launch.run_flat((x, x))
 
 
 def test_no_fast_path_for_random_graphs_copies_or_slots_without_cells(fake):

@@ -46,6 +46,9 @@ def _model():
     (dict(example_inputs=torch.zeros(()), batch_sizes=[1, 2]), "input 0 has shape ()"),
     (dict(buckets=[]), "holds no example"),
     (dict(buckets=[(torch.zeros(1, 4), "x")]), "got a str"),
+    (dict(example_inputs=torch.zeros(0, 4)), r"input 0 has shape \(0, 4\), no elements \(a batch"),
+    (dict(buckets=[torch.zeros(2, 4), (torch.zeros(3, 4), torch.zeros(3, 0))]),
+     r"input 1 has shape \(3, 0\), no elements: "),
 ])
 def test_prepare_refuses_serving_arguments_that_do_not_fit(kwargs, words):
     with pytest.raises(InputError, match=words):
@@ -150,6 +153,8 @@ def test_a_call_runs_in_the_bucket_of_its_shapes_and_pads_only_when_asked():
         serving.call((torch.zeros(8, 4), torch.zeros(8, 4)))
     with pytest.raises(InputError, match="input 0 is a list"):
         serving.call(([1, 2],))
+    with pytest.raises(InputError, match=r"input 0 \(of the list passed\) is a int, not a tensor"):
+        serving.call([1, 2, 3])  # nm([1, 2, 3]): one thing, not a tensor, not three inputs
     plain = _serving([((1, 4),), ((8, 4),)], instances=1, pad=False)
     with pytest.raises(InputError, match=r"prepare with pad=True"):
         plain.call((torch.zeros(5, 4),))
@@ -466,3 +471,12 @@ def test_a_held_call_of_the_whole_bucket_is_a_plain_call(fake):
         [got] = launcher.run_flat_held((x,))
     assert got is out
     assert driver_calls(fake, "cuStreamWriteValue64") == [("stream7", 0x9000, x.data_ptr(), 0)]
+
+
+def test_an_empty_example_is_refused_before_recording_for_training_and_by_record_itself():
+    from nimble.record.recorder import record
+
+    with pytest.raises(InputError, match=r"input 0 has shape \(0, 4\), no elements \(a batch"):
+        nimble.Nimble(_model().train()).prepare(torch.zeros(0, 4), training=True)
+    with pytest.raises(InputError, match=r"input 0 has shape \(0, 4\), no elements"):
+        record(_model(), torch.zeros(0, 4))

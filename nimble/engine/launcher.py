@@ -203,10 +203,13 @@ class Launcher:
             raise NimbleError("this prepared graph was closed (by Nimble.close() or a later "
                               "prepare()): call the model again through its Nimble object")
         slots = self._slots
+        tensor, device = self._tensor_type, self._device
+        for i, x in enumerate(inputs):  # nm([1, 2, 3]): one thing passed, and not a tensor
+            if not isinstance(x, tensor):
+                raise not_a_tensor(i, x, inputs)
         if len(inputs) != len(slots):
             raise InputError(f"the model was prepared with {len(slots)} input(s), got "
                              f"{len(inputs)}")
-        tensor, device = self._tensor_type, self._device
         for x, slot in zip(inputs, slots):
             shape = slot.shape if rows is None or not isinstance(x, tensor) else \
                 (rows,) + tuple(slot.shape[1:])
@@ -398,6 +401,14 @@ class Launcher:
             self._api.record(order.switch_event.handle, order.last_stream)
             self._api.wait(stream, order.switch_event.handle, 0)
         order.last_stream, order.last_raw = stream, raw
+
+
+def not_a_tensor(i: int, x, inputs: Sequence) -> InputError:
+    """The error of a call whose input ``i`` (of ``inputs``) is ``x``, not a tensor."""
+    within = f" (of the {type(inputs).__name__} passed)" if isinstance(inputs, list) else ""
+    return InputError(f"input {i}{within} is a {type(x).__name__}, not a tensor: call the model "
+                      "with tensors of the prepared shapes and dtypes, on its GPU (several inputs "
+                      "as several arguments or one tuple)")
 
 
 def run_phases(launchers: Sequence[Launcher], mark: Callable[[int], None] | None = None):

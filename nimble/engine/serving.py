@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 from .. import driver
 from ..errors import InputError
 from .arena_layout import SharedArena
-from .launcher import TAKE_GENERAL_PATH
+from .launcher import TAKE_GENERAL_PATH, not_a_tensor
 from .prepared import Prepared
 from .proving import low_word_ranges
 
@@ -112,6 +112,11 @@ def bucket_examples(example_inputs, buckets, batch_sizes, *, instances, pad: boo
         examples = [example_inputs]
     seen: dict[Shapes, int] = {}
     for k, example in enumerate(examples):
+        for i, x in enumerate(flat_inputs(example)):
+            if not x.numel():
+                from ..record.recorder import empty_input_error
+
+                raise empty_input_error(i, x)
         shapes = shapes_of(example)
         if shapes in seen:
             raise InputError(f"buckets {seen[shapes]} and {k} both have input shapes "
@@ -345,11 +350,11 @@ class Serving:
 
     def _padded(self, inputs: Sequence, key) -> tuple[Bucket, int]:
         n = len(self._keys[0])
-        if len(inputs) != n:
-            raise InputError(f"the model was prepared with {n} input(s), got {len(inputs)}")
         if key is None:
             i, x = next((i, x) for i, x in enumerate(inputs) if not hasattr(x, "shape"))
-            raise InputError(f"input {i} is a {type(x).__name__}, not a tensor")
+            raise not_a_tensor(i, x, inputs)
+        if len(inputs) != n:
+            raise InputError(f"the model was prepared with {n} input(s), got {len(inputs)}")
         shapes = tuple(tuple(s) for s in key)
         found = padded_bucket(self._keys, shapes) if self.pad else None
         if found is None:

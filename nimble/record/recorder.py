@@ -102,12 +102,23 @@ def _as_tensor_list(example_inputs) -> list:
         if not isinstance(x, torch.Tensor):
             raise InputError(f"input {i} is a {type(x).__name__}; Nimble takes tensors (or a "
                              f"tuple of tensors) as inputs")
+        if not x.numel():
+            raise empty_input_error(i, x)
         if x.device.type != "cuda":
             raise InputError(f"input {i} is on {x.device}; move it to the GPU first "
                              f"(x.cuda() or x.to('cuda'))")
         if x.layout != torch.strided:
             raise InputError(f"input {i} has layout {x.layout}; only dense tensors are supported")
     return items
+
+
+def empty_input_error(i: int, x) -> InputError:
+    """The error for example input ``i``, a tensor ``x`` with no elements: a recording of it
+    has nothing to read (and a slot of 0 bytes)."""
+    batch = " (a batch of 0)" if x.dim() and x.shape[0] == 0 else ""
+    return InputError(f"input {i} has shape {tuple(x.shape)}, no elements{batch}: prepare() and "
+                      "record() run the model once on the example, so give one with at least one "
+                      "element (one row of the batch), as the model is called later")
 
 
 def check_module(module) -> None:
