@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 
 from .errors import (BuildError, CaptureError, CudaError, GraphFaultError, InputError,
-                     NimbleError, NoGpuError, RecordError, VerificationError,
-                     WeightsChangedError)
-from .api import BucketView, Nimble, PhaseView
+                     LoadError, NimbleError, NoGpuError, RecordError, SaveError,
+                     VerificationError, WeightsChangedError)
+from .api import BucketView, Nimble, PhaseView, load
 from .engine.options import PrepareOptions
 from .record.gradient_average import GradientAverage
 from .ir.taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
@@ -35,9 +35,10 @@ RESULT_TYPES = {
 }
 
 __all__ = [
-    "__version__", "Nimble", "PrepareOptions", "GradientAverage", "PhaseView", "BucketView",
+    "__version__", "Nimble", "load", "PrepareOptions", "GradientAverage", "PhaseView", "BucketView",
     "NimbleError", "NoGpuError", "InputError", "CaptureError", "RecordError",
     "BuildError", "VerificationError", "GraphFaultError", "WeightsChangedError", "CudaError",
+    "SaveError", "LoadError",
     "Access", "Buffer", "BufferKind", "Op", "Pointer", "Task", "TaskGraph", "TaskKind", "TensorRef",
     *RESULT_TYPES,
 ]

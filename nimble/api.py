@@ -172,6 +172,32 @@ class Nimble:
             previous.close()
         return self
 
+    # ---- saving and loading -----------------------------------------------------------------
+    def save(self, path, *, weights: bool = True, quiet: bool = True):
+        """Write everything :meth:`prepare` decided to one file at ``path``, which
+        :func:`nimble.load` rebuilds in another process without recording, scheduling or timing
+        anything (:mod:`nimble.engine.saving`; the format: ``docs/saved-format.md``).
+
+        ``weights=False`` leaves the model's named weights out of the file (a load must then
+        pass the model).  Every bucket and the instance count are saved.  Raises
+        :class:`~nimble.errors.SaveError` for a graph that cannot be written down (a training
+        step, NCCL collectives, random numbers, a kernel compiled at run time) before anything
+        is written; returns the file's path.
+        """
+        from .engine.saving import save_serving
+
+        self.engine  # noqa: B018 - raises before prepare()
+        return save_serving(self._serving, path, weights=weights, quiet=quiet)
+
+    def _adopt(self, serving: Serving) -> "Nimble":
+        """Serve ``serving`` (built elsewhere: a loaded file) from now on."""
+        previous, self._serving = self._serving, serving
+        self._prepared = serving.primary
+        self._fast = None
+        if previous is not None:
+            previous.close()
+        return self
+
     # ---- calls ------------------------------------------------------------------------------
     @property
     def engine(self) -> Prepared:
@@ -507,3 +533,30 @@ class Nimble:
             self._serving = None
         self._prepared = None
 
+
+
+def load(path, model=None, *, return_copies: bool = False, verify: bool = True,
+         quiet: bool = True) -> Nimble:
+    """A :class:`Nimble` serving the graph saved at ``path`` by :meth:`Nimble.save`, built in
+    this process without recording anything, and proven bit for bit against the outputs saved
+    with it (:mod:`nimble.engine.loading`).
+
+    With ``model`` (the module the graph was saved from, on the GPU), the graph reads that
+    module's weights by name and follows them when they move, as a prepared graph does;
+    without, the weights come from the file.  A saved file is code: its kernels run with its
+    arguments.  Load only files you trust, as with ``torch.load``.
+
+    Raises :class:`~nimble.errors.LoadError` for a file that cannot be loaded here (damaged,
+    truncated, another format version, GPU architecture or driver, a library or kernel not
+    found, weights that do not fit), :class:`~nimble.errors.VerificationError` where the
+    rebuilt graph does not reproduce the saved outputs; nothing stays allocated after either.
+    """
+    from .engine.loading import load_serving
+
+    nm = Nimble(model)
+    if model is not None:
+        watch_modules()
+    serving = load_serving(path, model, verify=verify, quiet=quiet)
+    for prepared in serving.preparations():
+        prepared.launcher.return_copies = return_copies
+    return nm._adopt(serving)

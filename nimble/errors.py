@@ -55,6 +55,17 @@ class WeightsChangedError(NimbleError):
     shape or layout, or it is gone): prepare again."""
 
 
+class SaveError(NimbleError):
+    """A prepared graph that cannot be written down as it is (a kernel whose binary is on no
+    disk, a node that names memory of this process only): the message says what avoids it."""
+
+
+class LoadError(NimbleError):
+    """A saved graph that cannot be loaded here: a damaged or truncated file, a format of
+    another version, another GPU architecture or driver, a library or kernel not found, weights
+    that do not fit.  Nothing of it stays allocated."""
+
+
 class CudaError(NimbleError):
     """A CUDA driver call failed.  ``call`` names the function, ``name`` the ``CUDA_ERROR_*`` code."""
 

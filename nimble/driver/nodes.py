@@ -13,6 +13,7 @@ import ctypes
 from typing import Any, NamedTuple
 
 from .calls import bindings, call, checked_status, probe
+from .stored import StoredNode, set_kernel_node_attributes
 
 
 # ---- typed wrappers: the rest of Nimble calls these, never a ``cu*`` function by name -------
@@ -54,17 +55,24 @@ def node_type(node) -> str:
 
 
 def kernel_node_params(node) -> Any:
-    """A kernel node's ``CUDA_KERNEL_NODE_PARAMS`` (argument memory owned by the node)."""
+    """A kernel node's ``CUDA_KERNEL_NODE_PARAMS`` (argument memory owned by the node); for a
+    :class:`~nimble.driver.stored.StoredNode`, a fresh struct without arguments."""
+    if isinstance(node, StoredNode):
+        return node.params()
     return call("cuGraphKernelNodeGetParams", node)
 
 
 def memset_node_params(node) -> Any:
-    """A memset node's ``CUDA_MEMSET_NODE_PARAMS``."""
+    """A memset node's ``CUDA_MEMSET_NODE_PARAMS`` (a recorded or a stored node's)."""
+    if isinstance(node, StoredNode):
+        return node.params()
     return call("cuGraphMemsetNodeGetParams", node)
 
 
 def memcpy_node_params(node) -> Any:
-    """A memcpy node's ``CUDA_MEMCPY3D``."""
+    """A memcpy node's ``CUDA_MEMCPY3D`` (a recorded or a stored node's)."""
+    if isinstance(node, StoredNode):
+        return node.params()
     return call("cuGraphMemcpyNodeGetParams", node)
 
 
@@ -233,6 +241,11 @@ def add_memcpy_node_like(graph, deps: list, model, ctx, move=None, detail: str =
 
 
 def copy_kernel_attributes(dst, src) -> None:
+    """Give kernel node ``dst`` the launch attributes of ``src`` (a kernel node, or a
+    :class:`~nimble.driver.stored.StoredNode` with the attributes it was saved with)."""
+    if isinstance(src, StoredNode):
+        set_kernel_node_attributes(dst, src.attributes)
+        return
     call("cuGraphKernelNodeCopyAttributes", dst, src)
 
 

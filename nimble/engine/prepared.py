@@ -99,6 +99,9 @@ class Prepared:
     backfill: list = field(default_factory=list)
     recording: Any = None  # kept only with keep_recording=True (debugging)
     step: Any = None  # training.TrainingStep for a training step, else None
+    #: What a graph loaded from a file runs on besides its arena (its kernels' libraries, the
+    #: file's weights and external memory): kept as long as the graph is.
+    owned_memory: list = field(default_factory=list)
 
     @property
     def built(self) -> BuiltGraph:
@@ -231,24 +234,45 @@ def backfill_trials(graph: TaskGraph, schedule: Schedule,
                                 durations, blocks, sms)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a graph loaded from a file finds what a recording's process had in place: the
+    memory outside the arena it reads (weights, external memory), and the bytes each private
+    copy of library memory starts from (:mod:`nimble.engine.loading`)."""
+
+    #: Buffer -> its address now, for every buffer outside the arena the graph points into.
+    outside: dict[int, int]
+    #: Private copy -> its saved bytes; a copy without bytes starts zeroed.
+    private_bytes: dict[int, bytes]
+
+
 def _place_buffers(graph: TaskGraph, plan: MemPlan, layout: StateLayout,
-                   arena: driver.DeviceMemory, device) -> tuple[int, list[int], RngCells | None]:
+                   arena: driver.DeviceMemory, device, placement: Placement | None = None
+                   ) -> tuple[int, list[int], RngCells | None]:
     """``(aligned arena base, where every buffer lives, the generator's cells)``; copies the
     library's bytes into the private copies (zeroes those of workspaces) and gives each
-    low-word buffer its own memory."""
+    low-word buffer its own memory.  With ``placement`` (a loaded graph) the buffers outside
+    the arena are where it says, and the private copies start from its bytes."""
     import torch
 
     base = align_up(arena.address)
     bases = buffer_bases(graph, plan, base)
+    for bid, address in (placement.outside.items() if placement else ()):
+        bases[bid] = address
     rng_bases, rng = _rng_cells(graph, device, base + layout.rng_at)
     for bid, address in rng_bases.items():
         bases[bid] = address
-    stream = driver.stream(torch.cuda.current_stream().cuda_stream) if layout.zeroed else None
+    stream = driver.stream(torch.cuda.current_stream().cuda_stream)
     for bid, at in layout.private.items():
-        if bid in layout.zeroed:  # a workspace: nothing to carry over, and torch may have freed it
-            driver.fill_bytes_async(base + at, 0, graph.buffers[bid].size, stream)
+        size = graph.buffers[bid].size
+        saved = placement.private_bytes.get(bid) if placement else None
+        if bid in layout.zeroed or (placement is not None and saved is None):
+            # a workspace: nothing to carry over, and torch may have freed it
+            driver.fill_bytes_async(base + at, 0, size, stream)
+        elif placement is not None:
+            driver.copy_to_device(base + at, saved)
         else:
-            driver.copy_device(base + at, graph.buffers[bid].address, graph.buffers[bid].size)
+            driver.copy_device(base + at, graph.buffers[bid].address, size)
         bases[bid] = base + at
     for bid in graph.meta.get("low_word_buffers", []):
         b = graph.buffers[bid]
@@ -366,7 +390,8 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
                    backfill_trials: dict[int, list] | None = None,
                    region: ArenaRegion | None = None,
                    late_edges: Sequence[tuple[int, int]] = (),
-                   priority_trials: Sequence[PriorityTrial] = ()) -> Prepared:
+                   priority_trials: Sequence[PriorityTrial] = (),
+                   placement: Placement | None = None) -> Prepared:
     """Arena, cells, explicit graph(s) and launchers for a planned recording (not verified).
 
     The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
@@ -387,7 +412,8 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     With ``region`` the graph is built in an arena shared with other graphs (its plan from the
     arena's base, its state where ``region.layout`` says), which the caller owns and frees on
     an error, and its launchers share ``region.order``; ``late_edges`` are built in as they are
-    (a copy of a graph whose backfill was picked already).
+    (a copy of a graph whose backfill was picked already).  ``placement`` places a graph
+    loaded from a file (:class:`Placement`), whose ``rec`` holds stored nodes.
     """
     import torch
 
@@ -401,7 +427,7 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
         arena, layout, order = region
     builts: list[BuiltGraph] = []
     try:
-        base, bases, rng = _place_buffers(graph, plan, layout, arena, device)
+        base, bases, rng = _place_buffers(graph, plan, layout, arena, device, placement)
         slots = _input_slots(graph, bases, base + layout.cells_at, arena, device, gather_inputs)
         outputs = [device_tensor(bases[r.buffer] + r.offset, r, arena, device)
                    for r in graph.outputs]
@@ -423,7 +449,8 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
         raise
     prepared = Prepared(graph=graph, schedule=schedule, memplan=plan, builts=builts,
                         arena=arena, arena_base=base, bases=bases, launchers=launchers,
-                        weights=Weights(model, graph), seconds=seconds,
+                        weights=Weights(model, graph, placement.outside if placement
+                                        else None), seconds=seconds,
                         priorities=builder.priorities, backfill=picked)
     if rec.step is not None:
         from .autograd import TrainingStep

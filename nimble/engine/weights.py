@@ -87,10 +87,14 @@ def named_weights(module) -> dict[str, Any]:
 class Weights:
     """The weights one prepared graph reads: their bindings, the storages held, the epoch seen."""
 
-    def __init__(self, module, graph: TaskGraph) -> None:
+    def __init__(self, module, graph: TaskGraph, addresses: dict[int, int] | None = None
+                 ) -> None:
+        """``addresses``: where each buffer the graph reads lives now, where that is not where
+        it was recorded (a graph loaded from a file into another process)."""
         self.module = module
         self.epoch = EPOCH[0]
-        by_address = {b.address: b.id for b in graph.buffers if b.kind == BufferKind.PARAM}
+        by_address = {(addresses or {}).get(b.id, b.address): b.id for b in graph.buffers
+                      if b.kind == BufferKind.PARAM}
         self.bindings: list[Binding] = []
         self.held: dict[int, Any] = {}  # buffer id -> the storage the graph reads
         for name, t in named_weights(module).items():

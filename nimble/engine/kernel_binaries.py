@@ -1,0 +1,278 @@
+"""Every kernel of a prepared graph written down as its name and the binary that holds it, and
+loaded back from there (:mod:`nimble.record.binaries` finds the bytes).
+
+At save, each distinct kernel (a name and the fingerprint of its ``CUfunction``: registers,
+shared, constant and local memory, thread limit, binary version, parameter layout) is looked up
+in the libraries the process loaded, then in Triton's and Inductor's cubin caches; every
+candidate is loaded through the driver and kept only if the kernel it yields has the same
+fingerprint.  A kernel found nowhere raises :class:`~nimble.errors.SaveError` naming it.
+
+At load, each binary is read back (from its library file, checked by the container's hash, or
+from the saved file), loaded once with ``cuLibraryLoadData``, and each kernel's ``CUfunction``
+taken from it and checked against the saved fingerprint.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from .. import driver
+from ..errors import CudaError, LoadError, SaveError
+from ..progress import logger as log
+from ..record import binaries as found
+
+
+@dataclass
+class LiveKernel:
+    """A kernel of the prepared graph: its name, its ``CUfunction`` here and how to know it."""
+
+    name: str
+    function: Any
+    fingerprint: dict
+    layout: list  # [(offset, size)] of its parameters
+    attributes: dict  # the settable function attributes as the library left them
+    threads: int  # threads per block of a launch of it (tells Triton's variants apart)
+    shared_mem: int
+
+    @classmethod
+    def of(cls, name: str, function, threads: int, shared_mem: int) -> "LiveKernel":
+        return cls(name, function, driver.function_fingerprint(function),
+                   [list(p) for p in driver.function_param_layout(function)],
+                   driver.function_attributes(function, driver.SETTABLE_ATTRIBUTES),
+                   threads, shared_mem)
+
+    def key(self) -> tuple:
+        return self.name, tuple(sorted(self.fingerprint.items())), \
+            tuple(map(tuple, self.layout))
+
+
+def _same_kernel(library: driver.Library, kernel: LiveKernel) -> bool:
+    function = library.function(kernel.name)
+    if function is None:
+        return False
+    return driver.function_fingerprint(function) == kernel.fingerprint and \
+        [list(p) for p in driver.function_param_layout(function)] == kernel.layout
+
+
+def _loads(image: bytes, kernel: LiveKernel) -> bool:
+    try:
+        library = driver.Library.load_data(image, detail=kernel.name)
+    except CudaError:
+        return False
+    try:
+        return _same_kernel(library, kernel)
+    finally:
+        library.close()
+
+
+class BinaryTable:
+    """The binaries of a saved graph (library containers and embedded cubins), each once."""
+
+    def __init__(self, blobs) -> None:
+        self.rows: list[dict] = []
+        self._index: dict[tuple, int] = {}
+        self._blobs = blobs
+
+    def library(self, lib: found.LibraryFatbins, c: found.Container) -> int:
+        key = ("library", lib.key, c.offset)
+        if key not in self._index:
+            data = lib.container_bytes(c)
+            self._index[key] = len(self.rows)
+            self.rows.append({"kind": "library", "path": os.path.realpath(lib.path),
+                              "name": Path(lib.path).name,
+                              "file_size": os.path.getsize(lib.path),
+                              "offset": lib.section_offset + c.offset, "size": c.size,
+                              "sha256": found.sha256(data)})
+        return self._index[key]
+
+    def embedded(self, data: bytes, origin: str) -> int:
+        key = ("embedded", found.sha256(data))
+        if key not in self._index:
+            self._index[key] = len(self.rows)
+            self.rows.append({"kind": "embedded", "blob": self._blobs.add(data).as_json(),
+                              "sha256": key[1], "origin": origin})
+        return self._index[key]
+
+
+class KernelFinder:
+    """Finds the binaries of a process's kernels (see the module docstring)."""
+
+    def __init__(self, arch: int, table: BinaryTable) -> None:
+        self.arch, self.table = arch, table
+        self._libraries: list[found.LibraryFatbins] | None = None
+        self._indexes: dict[str, dict[str, int]] = {}
+
+    def libraries(self) -> list[found.LibraryFatbins]:
+        if self._libraries is None:
+            t0 = time.perf_counter()
+            self._libraries = [section for path in found.loaded_libraries()
+                               for section in found.LibraryFatbins.read(path)]
+            log.debug("read the fatbins of %d libraries in %.2f s", len(self._libraries),
+                      time.perf_counter() - t0)
+        return self._libraries
+
+    def locate(self, kernels: Sequence[LiveKernel]) -> list[int]:
+        """Per kernel, the row of :attr:`table` holding its binary; SaveError for one found
+        nowhere."""
+        rows: list[int | None] = [None] * len(kernels)
+        self._plain(kernels, rows)
+        self._cubins(kernels, rows)
+        self._compressed(kernels, rows)
+        missing = [k for k, row in zip(kernels, rows) if row is None]
+        if missing:
+            names = ", ".join(k.name for k in missing[:3])
+            raise SaveError(
+                f"{len(missing)} kernel(s) of this graph are in no library file or cubin this "
+                f"process can read ({names}{', ...' if len(missing) > 3 else ''}): they were "
+                "compiled at run time (cuDNN's runtime-fused kernels, PyTorch's jiterator). "
+                "Turn off what made them (torch.backends.cuda.enable_cudnn_sdp(False) for "
+                "cuDNN's attention, torch.backends.cudnn.enabled = False for its fused "
+                "kernels) before prepare(), then save")
+        return [int(r) for r in rows]
+
+    def _plain(self, kernels: Sequence[LiveKernel], rows: list) -> None:
+        for lib in self.libraries():
+            wanted = [k.name for k, r in zip(kernels, rows) if r is None]
+            if not wanted:
+                return
+            if not lib.has_plain_entries():
+                continue
+            hits = found.plain_name_hits(lib.section, lib.containers, set(wanted))
+            for i, k in enumerate(kernels):
+                c = hits.get(k.name)
+                if rows[i] is None and c is not None and _loads(lib.container_bytes(c), k):
+                    rows[i] = self.table.library(lib, c)
+
+    def _cubins(self, kernels: Sequence[LiveKernel], rows: list) -> None:
+        folders = found.cubin_folders()
+        for i, k in enumerate(kernels):
+            if rows[i] is not None or not folders:
+                continue
+            for candidate in found.cubin_candidates(k.name, folders):
+                if candidate.threads not in (None, k.threads) or \
+                        candidate.shared not in (None, k.shared_mem):
+                    continue
+                data = candidate.path.read_bytes()
+                if _loads(data, k):
+                    rows[i] = self.table.embedded(data, str(candidate.path))
+                    break
+
+    def _compressed(self, kernels: Sequence[LiveKernel], rows: list) -> None:
+        for lib in self.libraries():
+            if all(r is not None for r in rows):
+                return
+            if not lib.compressed_for(self.arch):
+                continue
+            index = self._indexes.get(lib.key)
+            if index is None:
+                t0 = time.perf_counter()
+                index = self._indexes[lib.key] = found.compressed_kernel_index(
+                    lib, self.arch, _kernel_names)
+                log.info("indexed the compressed kernels of %s in %.1f s", lib.path,
+                         time.perf_counter() - t0)
+            by_offset = {c.offset: c for c in lib.containers}
+            for i, k in enumerate(kernels):
+                c = by_offset.get(index.get(k.name, -1))
+                if rows[i] is None and c is not None and _loads(lib.container_bytes(c), k):
+                    rows[i] = self.table.library(lib, c)
+
+
+def _kernel_names(image: bytes) -> list[str]:
+    library = driver.Library.load_data(image)
+    try:
+        return library.kernel_names()
+    finally:
+        library.close()
+
+
+# ---- load ----------------------------------------------------------------------------------
+
+def _library_file(row: dict) -> str:
+    """The library file a binary row names: its saved path, or one of the same name among the
+    libraries this process loaded (a relocated virtual environment)."""
+    path = row.get("path", "")
+    if os.path.isfile(path) and os.path.getsize(path) == row.get("file_size"):
+        return path
+    for other in found.loaded_libraries():
+        if Path(other).name == row.get("name") and os.path.getsize(other) == row.get("file_size"):
+            return other
+    raise LoadError(
+        f"the library {row.get('name')} ({row.get('file_size')} bytes) that the saved graph's "
+        f"kernels come from is not at {path} and not loaded in this process: install the "
+        "same CUDA libraries (the same torch build) as the saving machine, or save the model "
+        "again here")
+
+
+def binary_bytes(row: dict, saved) -> bytes:
+    """The bytes of one binary row, checked against its hash (``saved``: the SavedFile)."""
+    if row.get("kind") == "embedded":
+        data = saved.blob(row.get("blob"))
+    elif row.get("kind") == "library":
+        path = _library_file(row)
+        with open(path, "rb") as f:
+            f.seek(int(row["offset"]))
+            data = f.read(int(row["size"]))
+    else:
+        raise LoadError(f"a kernel binary of kind {row.get('kind')!r}, which this Nimble does "
+                        "not know: load the file with the Nimble that saved it")
+    if found.sha256(data) != row.get("sha256"):
+        where = row.get("path") or "the saved file"
+        raise LoadError(f"the kernel binary at byte {row.get('offset', 0)} of {where} is not "
+                        "the one the graph was saved with (another version of the library): "
+                        "use the same CUDA libraries as the saving machine, or save again here")
+    return data
+
+
+@dataclass
+class LoadedKernels:
+    """The libraries a loaded graph's kernels live in (owned) and each kernel's function."""
+
+    libraries: list
+    functions: list
+
+    def close(self) -> None:
+        for library in self.libraries:
+            library.close()
+
+
+def load_kernels(kernel_rows: Sequence[dict], binary_rows: Sequence[dict], saved
+                 ) -> LoadedKernels:
+    """Each kernel's ``CUfunction`` loaded from its binary and checked (see the module
+    docstring); LoadError for a binary or kernel that does not hold."""
+    loaded = LoadedKernels([], [])
+    libraries: dict[int, Any] = {}
+    try:
+        for row in kernel_rows:
+            b = int(row["binary"])
+            if not 0 <= b < len(binary_rows):
+                raise LoadError(f"kernel {row.get('name')!r} names binary {b}, which the file "
+                                "does not have: the file is damaged")
+            if b not in libraries:
+                library = driver.Library.load_data(binary_bytes(binary_rows[b], saved),
+                                                   detail=str(binary_rows[b].get("name", "")))
+                loaded.libraries.append(library)
+                libraries[b] = library
+            loaded.functions.append(_checked_function(libraries[b], row))
+    except BaseException:
+        loaded.close()
+        raise
+    return loaded
+
+
+def _checked_function(library, row: dict):
+    name = str(row["name"])
+    function = library.function(name)
+    if function is None:
+        raise LoadError(f"kernel {name} is not in the binary the file names for it: the file "
+                        "is damaged")
+    have = driver.function_fingerprint(function)
+    if have != row.get("fingerprint"):
+        raise LoadError(f"kernel {name} loaded here differs from the one saved ({have} against "
+                        f"{row.get('fingerprint')}): save the model again on this machine")
+    driver.set_function_attributes(function, {k: int(v) for k, v in
+                                              row.get("attributes", {}).items()
+                                              if k in driver.SETTABLE_ATTRIBUTES})
+    return function

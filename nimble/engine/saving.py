@@ -1,0 +1,309 @@
+"""``Nimble.save(path)``: everything ``prepare()`` decided, written down as one file.
+
+Per shape bucket the file holds the recorded TaskGraph (its kernels' parameter blocks and every
+pointer's buffer: the relocation list), the schedule, the arena plan, the priorities and late
+edges the served graph runs with, one stored node per task (a kernel's binary and launch
+attributes, a memset's or memcpy's fields), where each buffer outside the arena comes from (a
+weight by name, a snapshot of external memory, the bytes of a private copy of library memory),
+and two reference input sets with the outputs the served graph gave for them.  Across buckets:
+the kernel binaries (:mod:`nimble.engine.kernel_binaries`), the weights, the external memory.
+The container is :mod:`nimble.ir.saved_format`; the manifest's fields are in
+``docs/saved-format.md``; :mod:`nimble.engine.loading` reads it back.
+
+What cannot be written down raises :class:`~nimble.errors.SaveError` before any file is
+written: a training step, a graph with NCCL collectives (a communicator is a live connection to
+other processes), a graph that draws random numbers, a kernel whose binary is on no disk, a
+node that names memory of this process (a host-memory copy, an access-policy window).
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import driver
+from .._version import __version__
+from ..analysis.deps import communicates
+from ..errors import SaveError
+from ..ir.saved_format import BlobWriter, SavedFile
+from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
+from ..progress import say
+from .arena_layout import shared_state, written_externals
+from .build import relocated
+from .kernel_binaries import BinaryTable, KernelFinder, LiveKernel
+from .launcher import run_phases
+from .prepared import Prepared
+
+SAVED_FORMAT = "nimble.saved-graph"
+#: Seed of the reference inputs a saved graph is checked against at load.
+REFERENCE_SEED = 0x5A7ED
+
+
+def check_savable(prepared: Prepared) -> None:
+    """Raise :class:`SaveError` for a graph this version cannot write down."""
+    graph = prepared.graph
+    if prepared.step is not None:
+        raise SaveError("saving a training step is not supported yet: save an inference "
+                        "graph (prepare with training=False)")
+    if communicates(graph):
+        raise SaveError("this graph holds NCCL collectives, whose communicator is a live "
+                        "connection between this process and its peers: prepare it in each "
+                        "process instead of loading it")
+    if graph.meta.get("rng"):
+        raise SaveError("this graph draws random numbers (dropout or sampling in the "
+                        "forward), which saving does not support yet: prepare it in the "
+                        "serving process, or put the model in eval() mode")
+
+
+def _task_nodes(prepared: Prepared) -> list:
+    nodes: list = [None] * len(prepared.graph.tasks)
+    for built in prepared.builts:
+        for t, node in zip(built.span, built.nodes):
+            nodes[t] = node
+    return nodes
+
+
+def _unrelocated(task, fields: dict, bases, names: dict[str, str]) -> dict:
+    """A memset's or memcpy's fields with each endpoint moved back to where it was recorded
+    (the loader moves them again, as a build from the recording does)."""
+    fields = dict(fields)
+    for p in task.pointers:
+        name = names.get(p.location) if isinstance(p.location, str) else None
+        if name is not None:
+            fields[name] = fields[name] - relocated(p, bases) + p.value
+    return fields
+
+
+class _Kernels:
+    """The distinct kernels of every bucket, in first-seen order."""
+
+    def __init__(self) -> None:
+        self.kernels: list[LiveKernel] = []
+        self._index: dict[Any, int] = {}
+        self._by_function: dict[int, int] = {}
+
+    def index(self, task, function) -> int:
+        handle = int(function)
+        if handle in self._by_function:
+            return self._by_function[handle]
+        threads = task.block[0] * task.block[1] * task.block[2]
+        kernel = LiveKernel.of(task.name, function, threads, task.shared_mem)
+        k = self._index.setdefault(kernel.key(), len(self.kernels))
+        if k == len(self.kernels):
+            self.kernels.append(kernel)
+        self._by_function[handle] = k
+        return k
+
+
+def _node_rows(prepared: Prepared, kernels: _Kernels) -> list[dict]:
+    """One stored node per task (see the module docstring)."""
+    rows = []
+    for task, node in zip(prepared.graph.tasks, _task_nodes(prepared)):
+        where = f"task {task.id} ({task.short_name or task.kind})"
+        if task.kind == TaskKind.KERNEL:
+            function = driver.kernel_node_params(node).func
+            try:
+                attributes = driver.kernel_node_attributes(node)
+            except driver.ProcessBoundNode as e:
+                raise SaveError(f"{where} cannot be written down: {e}") from None
+            rows.append({"kernel": kernels.index(task, function),
+                         "attributes": {str(k): v.hex() for k, v in attributes.items()}})
+        elif task.kind == TaskKind.MEMSET:
+            rows.append({"memset": _unrelocated(task, driver.memset_fields(node),
+                                                prepared.bases, {"dst": "dst"})})
+        elif task.kind == TaskKind.MEMCPY:
+            try:
+                fields = driver.memcpy_fields(node)
+            except ValueError as e:
+                raise SaveError(f"{where} cannot be written down: {e}") from None
+            rows.append({"memcpy": _unrelocated(task, fields, prepared.bases,
+                                                {"src": "srcDevice", "dst": "dstDevice"})})
+        elif task.kind == "other:CU_GRAPH_NODE_TYPE_EMPTY":
+            rows.append({"empty": True})
+        else:
+            raise SaveError(f"{where} is a {task.kind} node, which a saved graph cannot hold")
+    return rows
+
+
+def _tensor_bytes(t) -> bytes:
+    import torch
+
+    return t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+
+
+class _Outside:
+    """The memory outside the arenas that the saved graphs point into: weight storages (by
+    their tensors' names) and snapshots of external memory (merged address ranges)."""
+
+    def __init__(self, blobs: BlobWriter, with_weights: bool) -> None:
+        self.blobs, self.with_weights = blobs, with_weights
+        self.storages: list[dict] = []
+        self._storage_at: dict[int, int] = {}
+        self.ranges: list[list[int]] = []  # [start, end) of external memory, merged at the end
+
+    def weight(self, prepared: Prepared, bid: int) -> dict | None:
+        base = prepared.bases[bid]
+        size = prepared.graph.buffers[bid].size
+        names = [{"name": b.name, "offset": b.address - base, "shape": list(b.shape),
+                  "strides": list(b.strides), "dtype": str(b.dtype).removeprefix("torch.")}
+                 for b in prepared.weights.bindings if b.buffer == bid]
+        if not names:
+            return None
+        if base not in self._storage_at:
+            self._storage_at[base] = len(self.storages)
+            blob = self.blobs.add(driver.copy_to_host(base, size)).as_json() \
+                if self.with_weights else None
+            self.storages.append({"size": size, "names": names, "blob": blob})
+        return {"weight": self._storage_at[base]}
+
+    def external(self, prepared: Prepared, bid: int) -> dict:
+        start = prepared.bases[bid]
+        self.ranges.append([start, start + prepared.graph.buffers[bid].size])
+        return {"memory_at": start}
+
+    def memory_rows(self) -> tuple[list[dict], dict[int, tuple[int, int]]]:
+        """The merged ranges with their bytes, and per range start recorded, ``(row,
+        offset)``."""
+        merged: list[list[int]] = []
+        for start, end in sorted(self.ranges):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        rows = [{"size": end - start,
+                 "blob": self.blobs.add(driver.copy_to_host(start, end - start)).as_json()}
+                for start, end in merged]
+        where = {}
+        for start, _ in self.ranges:
+            for i, (lo, hi) in enumerate(merged):
+                if lo <= start < hi:
+                    where[start] = (i, start - lo)
+        return rows, where
+
+
+def _placement(prepared: Prepared, outside: _Outside) -> tuple[dict, dict]:
+    """Per buffer outside the arena the graph points into, where it comes from; and per
+    private copy, its bytes as the graph holds them now."""
+    graph = prepared.graph
+    private = set(written_externals(graph))
+    planned = set(prepared.memplan.offsets) | set(graph.meta.get("low_word_buffers", []))
+    pointed = sorted({p.buffer for t in graph.tasks for p in t.pointers if p.buffer >= 0})
+    sources: dict[str, dict] = {}
+    for bid in pointed:
+        b = graph.buffers[bid]
+        if bid in planned or bid in private or b.kind == BufferKind.RNG:
+            continue
+        got = outside.weight(prepared, bid) if b.kind == BufferKind.PARAM else None
+        sources[str(bid)] = got if got is not None else outside.external(prepared, bid)
+    private_rows = {str(bid): outside.blobs.add(
+        driver.copy_to_host(prepared.bases[bid], graph.buffers[bid].size)).as_json()
+        for bid in sorted(private)}
+    return sources, private_rows
+
+
+def _references(prepared: Prepared, blobs: BlobWriter) -> dict:
+    """Two random input sets and the outputs the served graph gives for them (the check a load
+    repeats), with the spread of any output the graph itself does not reproduce."""
+    import torch
+
+    from .proof import Reference, SharedState
+
+    slots = prepared.launcher.slots
+    run = run_phases(prepared.launchers)
+    state = shared_state(prepared.graph)
+    shared = SharedState(state) if state else None
+
+    def reference(inputs: list) -> list:
+        if shared is not None:
+            shared.restore()
+        return [o.clone() for o in run(inputs)]
+    try:
+        ref = Reference.record(prepared.graph, reference, [s.tensor for s in slots],
+                               seed=REFERENCE_SEED, repeats=2)
+        torch.cuda.synchronize()
+    finally:
+        if shared is not None:
+            shared.close()
+    return {"inputs": [[blobs.add(_tensor_bytes(t)).as_json() for t in inputs]
+                       for inputs in ref.input_sets],
+            "outputs": [[blobs.add(_tensor_bytes(t)).as_json() for t in outputs]
+                        for outputs in ref.expected],
+            "spread": {str(i): d for i, d in ref.spread.items()}}
+
+
+def _graph_blob(graph: TaskGraph, blobs: BlobWriter) -> list[int]:
+    text = json.dumps(graph.to_json(), separators=(",", ":")).encode()
+    return blobs.add(gzip.compress(text, compresslevel=6)).as_json()
+
+
+def _bucket_row(prepared: Prepared, kernels: _Kernels, outside: _Outside,
+                blobs: BlobWriter) -> dict:
+    from torch.utils._pytree import treespec_dumps
+
+    check_savable(prepared)
+    sources, private = _placement(prepared, outside)
+    spec = prepared.launcher.output_spec
+    return {
+        "graph": _graph_blob(prepared.graph, blobs),
+        "schedule": dataclasses.asdict(prepared.schedule),
+        "memplan": {**dataclasses.asdict(prepared.memplan),
+                    "offsets": {str(k): v for k, v in prepared.memplan.offsets.items()}},
+        "priorities": prepared.priorities,
+        "backfill": [{"phase": p.phase, "plain_ms": p.plain_ms, "trial_ms": list(p.trial_ms),
+                      "kept": p.kept._asdict() if p.kept is not None else None}
+                     for p in prepared.backfill],
+        "device_launch": [b.device_launch for b in prepared.builts],
+        "gather_inputs": any(s.cell for s in prepared.launcher.slots),
+        "output_spec": treespec_dumps(spec) if spec is not None else None,
+        "nodes": _node_rows(prepared, kernels),
+        "outside": sources,
+        "private": private,
+        "reference": _references(prepared, blobs),
+        "prepare_seconds": dict(prepared.seconds),
+    }
+
+
+def save_serving(serving, path, *, weights: bool = True, quiet: bool = True) -> Path:
+    """Write every bucket of ``serving`` (a :class:`~nimble.engine.serving.Serving`) to
+    ``path`` (see the module docstring); ``weights=False`` leaves the named weights out, for a
+    load that passes the model.  Returns the path."""
+    import torch
+
+    began = time.perf_counter()
+    for bucket in serving.buckets:
+        check_savable(bucket.instances[0])
+    device = torch.cuda.current_device()
+    torch.cuda.synchronize()
+    blobs = BlobWriter()
+    kernels, outside = _Kernels(), _Outside(blobs, weights)
+    say(f"writing down {len(serving.buckets)} bucket(s)", quiet)
+    buckets = [_bucket_row(b.instances[0], kernels, outside, blobs) for b in serving.buckets]
+    memory, where = outside.memory_rows()
+    for row in buckets:
+        for source in row["outside"].values():
+            if "memory_at" in source:
+                i, offset = where[source.pop("memory_at")]
+                source.update(memory=i, offset=offset)
+    arch = driver.device_architecture(device)
+    table = BinaryTable(blobs)
+    say(f"finding the binaries of {len(kernels.kernels)} kernels", quiet)
+    found = KernelFinder(arch, table).locate(kernels.kernels)
+    manifest = {
+        "format": SAVED_FORMAT, "nimble": __version__, "torch": torch.__version__,
+        "arch": arch, "device": torch.cuda.get_device_name(device),
+        "driver": driver.driver_version(), "pad": serving.pad,
+        "instances": serving.instances, "weights_included": weights,
+        "binaries": table.rows,
+        "kernels": [{"name": k.name, "binary": b, "fingerprint": k.fingerprint,
+                     "layout": k.layout, "attributes": k.attributes}
+                    for k, b in zip(kernels.kernels, found)],
+        "weights": outside.storages, "memory": memory, "buckets": buckets,
+    }
+    out = SavedFile(manifest, blobs.getvalue()).write(path)
+    say(f"saved {os.path.getsize(out) / 2**20:.1f} MiB to {out} in "
+        f"{time.perf_counter() - began:.1f} s", quiet)
+    return Path(out)

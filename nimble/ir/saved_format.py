@@ -1,0 +1,178 @@
+"""The container of a saved graph: a small binary header, a section table, the sections.
+
+::
+
+    header      64 bytes   magic "NIMBLEGR", format version (u32), flags (u32), section count
+                           (u32), reserved (u32), file size (u64), SHA-256 of every byte after
+                           the header (32 bytes)
+    sections    48 bytes each: name (16 bytes, ASCII, zero-padded), offset (u64), size (u64),
+                           reserved (16 bytes)
+    data        each section at a 64-byte aligned offset
+
+Every integer is little-endian.  Two sections today: ``manifest`` (UTF-8 JSON: the graph's
+structure, see ``docs/saved-format.md``) and ``blobs`` (raw bytes the manifest points into by
+offset and size: weights, library memory, embedded cubins, the reference inputs and outputs).
+
+A file is read whole and its checksum held before anything in it is parsed: a truncated,
+damaged or altered file is refused with a :class:`~nimble.errors.LoadError` before any of it
+reaches the GPU.  Nothing in the file is executable Python (no pickle): the manifest is JSON.
+Plain bytes and JSON: no GPU, no torch.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import LoadError
+
+MAGIC = b"NIMBLEGR"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sIIIIQ32s")
+SECTION = struct.Struct("<16sQQ16s")
+ALIGN = 64
+MANIFEST, BLOBS = "manifest", "blobs"
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    """``size`` bytes at ``offset`` of the blobs section."""
+
+    offset: int
+    size: int
+
+    def as_json(self) -> list[int]:
+        return [self.offset, self.size]
+
+
+class BlobWriter:
+    """The blobs section under construction; identical byte strings are stored once."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._seen: dict[str, BlobRef] = {}
+
+    def add(self, data: bytes) -> BlobRef:
+        data = bytes(data)
+        key = hashlib.sha256(data).hexdigest()
+        ref = self._seen.get(key)
+        if ref is None:
+            pad = _aligned(self._size) - self._size
+            if pad:
+                self._parts.append(b"\0" * pad)
+                self._size += pad
+            ref = BlobRef(self._size, len(data))
+            self._parts.append(data)
+            self._size += len(data)
+            self._seen[key] = ref
+        return ref
+
+    def getvalue(self) -> bytes:
+        return b"".join(self._parts)
+
+
+@dataclass
+class SavedFile:
+    """A saved graph as read or about to be written: its manifest and its blobs."""
+
+    manifest: dict
+    blobs: bytes = b""
+    version: int = FORMAT_VERSION
+    path: str = ""
+    sections: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def blob(self, ref) -> bytes:
+        """The bytes a manifest's ``[offset, size]`` names; LoadError where they run out."""
+        try:
+            offset, size = (int(v) for v in ref)
+        except (TypeError, ValueError):
+            raise LoadError(f"{self.path or 'the file'}: a blob reference {ref!r} is not "
+                            "[offset, size]: the file is damaged") from None
+        if offset < 0 or size < 0 or offset + size > len(self.blobs):
+            raise LoadError(f"{self.path or 'the file'}: a blob reference [{offset}, {size}] "
+                            f"runs past the {len(self.blobs)}-byte blobs section: the file is "
+                            "damaged")
+        return self.blobs[offset:offset + size]
+
+    def to_bytes(self) -> bytes:
+        manifest = json.dumps(self.manifest, separators=(",", ":"), sort_keys=True).encode()
+        parts = [(MANIFEST, manifest), (BLOBS, self.blobs)]
+        out = bytearray(HEADER.size + SECTION.size * len(parts))
+        for i, (name, data) in enumerate(parts):
+            at = _aligned(len(out))
+            out += b"\0" * (at - len(out))
+            SECTION.pack_into(out, HEADER.size + SECTION.size * i,
+                              name.encode().ljust(16, b"\0"), at, len(data), b"")
+            out += data
+        HEADER.pack_into(out, 0, MAGIC, self.version, 0, len(parts), 0, len(out),
+                         hashlib.sha256(memoryview(out)[HEADER.size:]).digest())
+        return bytes(out)
+
+    def write(self, path: str | os.PathLike) -> Path:
+        """Write the file atomically (a partial write never leaves a file at ``path``)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(self.to_bytes())
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        return path
+
+    @classmethod
+    def from_bytes(cls, data: bytes, path: str = "") -> "SavedFile":
+        """Parse and check a whole file (see the module docstring); LoadError for anything
+        that does not hold."""
+        where = path or "the file"
+        if len(data) < HEADER.size or data[:8] != MAGIC:
+            raise LoadError(f"{where} is not a saved Nimble graph (no NIMBLEGR header)")
+        magic, version, _, count, _, size, digest = HEADER.unpack_from(data)
+        if version > FORMAT_VERSION or version < 1:
+            raise LoadError(f"{where} is a saved graph of format version {version}; this "
+                            f"Nimble reads version {FORMAT_VERSION}: load it with the Nimble "
+                            "that saved it, or save the model again with this one")
+        if size != len(data):
+            raise LoadError(f"{where} is truncated or has bytes appended: its header says "
+                            f"{size} bytes, the file has {len(data)}; save the model again")
+        if hashlib.sha256(memoryview(data)[HEADER.size:]).digest() != digest:
+            raise LoadError(f"{where} is damaged: its checksum does not match its contents; "
+                            "save the model again")
+        sections = {}
+        for i in range(count):
+            at = HEADER.size + SECTION.size * i
+            if at + SECTION.size > len(data):
+                raise LoadError(f"{where}: its section table runs past the file")
+            raw, offset, length, _ = SECTION.unpack_from(data, at)
+            name = raw.rstrip(b"\0").decode("ascii", errors="replace")
+            if offset + length > len(data):
+                raise LoadError(f"{where}: section {name!r} runs past the end of the file")
+            sections[name] = (offset, length)
+        for name in (MANIFEST, BLOBS):
+            if name not in sections:
+                raise LoadError(f"{where} has no {name!r} section: the file is damaged")
+        offset, length = sections[MANIFEST]
+        try:
+            manifest = json.loads(bytes(data[offset:offset + length]).decode())
+        except (UnicodeDecodeError, ValueError) as e:
+            raise LoadError(f"{where}: its manifest is not valid JSON ({e})") from None
+        if not isinstance(manifest, dict):
+            raise LoadError(f"{where}: its manifest is not a JSON object")
+        offset, length = sections[BLOBS]
+        return cls(manifest, bytes(data[offset:offset + length]), version, where, sections)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "SavedFile":
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise LoadError(f"cannot read {path}: {e.strerror or e}") from None
+        return cls.from_bytes(data, str(path))

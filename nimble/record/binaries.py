@@ -1,0 +1,338 @@
+"""Where a recorded kernel's binary lives on disk, so that a saved graph can load it again.
+
+A ``CUfunction`` is a handle of one process.  Written down, a kernel is its mangled name plus the
+bytes that hold its code.  Those bytes are found, for each kernel a graph launches, in:
+
+* a **fatbin container** of a shared library the process loaded (cuBLAS, cuBLASLt, cuDNN,
+  libtorch_cuda): the ``.nv_fatbin`` section of an ELF file is a run of containers, one per
+  translation unit, each a header and entries (PTX or cubin per architecture, many of them
+  compressed).  A saved graph names the library file and the container's offset, size and
+  hash; loading reads those bytes back and hands them to ``cuLibraryLoadData``;
+* a **cubin file** of Triton's or Inductor's cache (one kernel per file): its bytes go into the
+  saved graph itself, since a cache is emptied at will.
+
+A name found in plain bytes (an uncompressed entry) gives its container at once.  A name in a
+compressed entry is found by loading the containers of the libraries that hold compressed code
+for the device's architecture and listing their kernels (:class:`KernelIndex`); the index of a
+library is kept on disk, keyed by the file's path, size and modification time.
+
+The parsing (:func:`elf_section`, :func:`fatbin_containers`) is plain bytes and tested without a
+GPU; the index and :func:`locate` load containers through the driver.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from ..errors import NimbleError
+from ..progress import logger as log
+
+FATBIN_MAGIC = 0xBA55ED50
+FATBIN_HEADER = struct.Struct("<IHHQ")  # magic, version, header size, bytes of entries
+# kind, version, entry header size, padded payload size, payload size, ?, minor, arch, ...
+FATBIN_ENTRY = struct.Struct("<HHIQII II")
+ENTRY_KIND_PTX, ENTRY_KIND_ELF = 1, 2
+_COMPRESSED_FLAGS = 0x2000 | 0x8000  # LZ4 (older toolkits) or zstd (CUDA 12.8 and later)
+_FLAGS_AT = 40  # the entry's 64-bit flags
+
+
+class BinaryFormatError(NimbleError, ValueError):
+    """Bytes that are not the ELF file or fatbin container they should be."""
+
+
+@dataclass(frozen=True)
+class FatbinEntry:
+    """One entry of a fatbin container: PTX or a cubin for one architecture."""
+
+    kind: int  # ENTRY_KIND_PTX, ENTRY_KIND_ELF, or another the driver knows
+    arch: int  # 10 * major + minor
+    compressed: bool
+    payload: slice  # its bytes within the section
+
+
+@dataclass(frozen=True)
+class Container:
+    """One fatbin container: ``size`` bytes at ``offset`` in its section."""
+
+    offset: int
+    size: int
+    entries: tuple[FatbinEntry, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+def elf_section(read: Callable[[int, int], bytes], name: str) -> tuple[int, int] | None:
+    """``(file offset, size)`` of the ELF64 section ``name``, or None where there is none.
+
+    ``read(offset, size)`` reads the file's bytes (a library is hundreds of megabytes: only its
+    headers are read here).  Raises :class:`BinaryFormatError` for a file that is not a
+    little-endian ELF64."""
+    ident = read(0, 64)
+    if len(ident) < 64 or ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
+        raise BinaryFormatError("not a little-endian 64-bit ELF file")
+    shoff, = struct.unpack_from("<Q", ident, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", ident, 0x3A)
+    if shoff == 0 or shnum == 0 or shentsize < 64 or shstrndx >= shnum:
+        return None
+    table = read(shoff, shentsize * shnum)
+    if len(table) < shentsize * shnum:
+        raise BinaryFormatError("the ELF section table runs past the end of the file")
+
+    def header(i: int) -> tuple[int, int, int, int]:
+        sh_name, sh_type = struct.unpack_from("<II", table, i * shentsize)
+        offset, size = struct.unpack_from("<QQ", table, i * shentsize + 24)
+        return sh_name, sh_type, offset, size
+    _, _, str_offset, str_size = header(shstrndx)
+    strings = read(str_offset, str_size)
+    wanted = name.encode()
+    for i in range(shnum):
+        sh_name, sh_type, offset, size = header(i)
+        end = strings.find(b"\0", sh_name)
+        if strings[sh_name:end if end >= 0 else None] == wanted and sh_type != 8:  # 8: NOBITS
+            return offset, size
+    return None
+
+
+def fatbin_containers(section: bytes) -> list[Container]:
+    """The fatbin containers of a section, in order.
+
+    ``.nv_fatbin`` is a run of containers; other sections (cuBLASLt's ``.cask_resource``) hold
+    containers among other data.  So the section is scanned for the container magic, and a
+    match counts only where its header holds (version 1, a 16-byte header, entries that end
+    inside it); the scan goes on after each container found."""
+    found: list[Container] = []
+    magic = FATBIN_MAGIC.to_bytes(4, "little")
+    at = section.find(magic)
+    while 0 <= at and at + FATBIN_HEADER.size <= len(section):
+        _, version, header_size, body = FATBIN_HEADER.unpack_from(section, at)
+        end = at + header_size + body
+        if version == 1 and header_size == FATBIN_HEADER.size and end <= len(section):
+            try:
+                entries = tuple(_entries(section, at + header_size, end))
+            except BinaryFormatError:
+                entries = ()
+            if entries:
+                found.append(Container(at, end - at, entries))
+                at = section.find(magic, end)
+                continue
+        at = section.find(magic, at + 4)
+    return found
+
+
+def _entries(section: bytes, at: int, end: int) -> Iterable[FatbinEntry]:
+    while at + 64 <= end:
+        kind, _, header_size, padded, payload, _, _, arch = FATBIN_ENTRY.unpack_from(section, at)
+        if header_size == 0:
+            return
+        flags, = struct.unpack_from("<Q", section, at + _FLAGS_AT)
+        start = at + header_size
+        if start + payload > end:
+            raise BinaryFormatError(f"a fatbin entry at byte {at} runs past its container")
+        yield FatbinEntry(kind, arch, bool(flags & _COMPRESSED_FLAGS),
+                          slice(start, start + payload))
+        at = start + padded
+
+
+def container_at(containers: Sequence[Container], offset: int) -> Container | None:
+    """The container holding byte ``offset`` of the section."""
+    lo, hi = 0, len(containers)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if containers[mid].end <= offset:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo < len(containers) and containers[lo].offset <= offset < containers[lo].end:
+        return containers[lo]
+    return None
+
+
+def plain_name_hits(section: bytes, containers: Sequence[Container],
+                    names: Iterable[str]) -> dict[str, Container]:
+    """The container whose uncompressed entries hold each of ``names`` as a whole symbol (its
+    bytes followed by a zero byte, as in an ELF string table, or by a space or parenthesis, as
+    in PTX's ``.entry name(``)."""
+    found: dict[str, Container] = {}
+    for name in names:
+        needle = name.encode()
+        start = section.find(needle)
+        while start >= 0:
+            after = section[start + len(needle):start + len(needle) + 1]
+            before = section[start - 1:start] if start else b"\0"
+            container = container_at(containers, start)
+            if after in (b"\0", b" ", b"(") and before in (b"\0", b" ", b".") and container \
+                    and _in_plain_entry(container, start):
+                found[name] = container
+                break
+            start = section.find(needle, start + 1)
+    return found
+
+
+def _in_plain_entry(container: Container, offset: int) -> bool:
+    return any(not e.compressed and e.payload.start <= offset < e.payload.stop
+               for e in container.entries)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---- the libraries of this process ------------------------------------------------------------
+
+def loaded_libraries() -> list[str]:
+    """Paths of the shared objects mapped into this process (``/proc/self/maps``), in order."""
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and ".so" in parts[5] and parts[5].strip() not in paths:
+                    paths.append(parts[5].strip())
+    except OSError:
+        return []
+    return [p for p in paths if os.path.isfile(p)]
+
+
+#: The ELF sections that hold fatbin containers: the toolkit's own, and cuBLASLt's kernel
+#: resources (its nvjet and CUTLASS GEMMs).
+FATBIN_SECTIONS = (".nv_fatbin", ".cask_resource")
+
+
+@dataclass
+class LibraryFatbins:
+    """One section of one library file that holds fatbin containers, and its containers."""
+
+    path: str
+    section_offset: int  # where the section starts in the file
+    section: bytes
+    containers: list[Container]
+
+    @classmethod
+    def read(cls, path: str) -> list["LibraryFatbins"]:
+        """The library's sections with containers (none for a file without)."""
+        found = []
+        with open(path, "rb") as f:
+            def read(offset: int, size: int) -> bytes:
+                f.seek(offset)
+                return f.read(size)
+            for name in FATBIN_SECTIONS:
+                try:
+                    where = elf_section(read, name)
+                except BinaryFormatError:
+                    return []
+                if where is None:
+                    continue
+                section = read(*where)
+                containers = fatbin_containers(section)
+                if containers:
+                    found.append(cls(path, where[0], section, containers))
+        return found
+
+    @property
+    def key(self) -> str:
+        return f"{self.path}@{self.section_offset}"
+
+    def container_bytes(self, c: Container) -> bytes:
+        return self.section[c.offset:c.end]
+
+    def compressed_for(self, arch: int) -> list[Container]:
+        """The containers with compressed code (cubin or PTX) of architecture ``arch`` or of
+        an older one the driver could run: those a plain search cannot see into."""
+        return [c for c in self.containers
+                if any(e.compressed and e.arch <= arch for e in c.entries)]
+
+    def has_plain_entries(self) -> bool:
+        return any(not e.compressed for c in self.containers for e in c.entries)
+
+
+def _index_path(path: str, section_offset: int, arch: int) -> Path:
+    st = os.stat(path)
+    key = sha256(f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}:{section_offset}:"
+                 f"{arch}".encode())
+    folder = Path(os.environ.get("NIMBLE_CACHE_DIR")
+                  or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nimble")
+    return folder / "kernel-index" / f"{Path(path).name}-{key[:16]}.json"
+
+
+def compressed_kernel_index(lib: LibraryFatbins, arch: int,
+                            load_names: Callable[[bytes], list[str]]) -> dict[str, int]:
+    """``{kernel name: container offset}`` over the library's containers with compressed code
+    (:meth:`LibraryFatbins.compressed_for`), each loaded and listed by ``load_names`` (the
+    driver's); read from and written to the on-disk cache (:func:`_index_path`)."""
+    cache = _index_path(lib.path, lib.section_offset, arch)
+    try:
+        return {k: int(v) for k, v in json.loads(cache.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        pass
+    index: dict[str, int] = {}
+    for c in lib.compressed_for(arch):
+        try:
+            names = load_names(lib.container_bytes(c))
+        except Exception as e:  # noqa: BLE001 - a container the driver refuses holds none of ours
+            log.debug("container at %d of %s not loadable: %s", c.offset, lib.path, e)
+            continue
+        for name in names:
+            index.setdefault(name, c.offset)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(index))
+        os.replace(tmp, cache)
+    except OSError as e:
+        log.info("could not cache the kernel index of %s: %s", lib.path, e)
+    return index
+
+
+# ---- Triton's cubins ----------------------------------------------------------------------------
+
+def cubin_folders() -> list[Path]:
+    """Folders where Triton and Inductor keep compiled cubins."""
+    folders = []
+    triton = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
+    folders.append(Path(triton))
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if inductor:
+        folders.append(Path(inductor))
+    else:
+        import getpass
+        import tempfile
+
+        try:
+            user = getpass.getuser()
+        except Exception:  # noqa: BLE001 - no user name: Inductor then uses a fixed folder
+            user = "unknown"
+        folders.append(Path(tempfile.gettempdir()) / f"torchinductor_{user}")
+    return [f for f in folders if f.is_dir()]
+
+
+@dataclass(frozen=True)
+class CubinCandidate:
+    """A cubin file named for a kernel, and the launch shape its metadata gives (if any)."""
+
+    path: Path
+    threads: int | None  # num_warps * 32 from Triton's metadata
+    shared: int | None  # dynamic shared memory from Triton's metadata
+
+
+def cubin_candidates(name: str, folders: Sequence[Path]) -> list[CubinCandidate]:
+    """Every ``<name>.cubin`` under ``folders``, with Triton's metadata where it sits beside."""
+    found = []
+    for folder in folders:
+        for path in folder.rglob(f"{name}.cubin"):
+            threads = shared = None
+            meta = path.with_suffix(".json")
+            try:
+                data = json.loads(meta.read_text())
+                threads = int(data["num_warps"]) * 32
+                shared = int(data["shared"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            found.append(CubinCandidate(path, threads, shared))
+    return found

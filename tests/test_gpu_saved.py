@@ -1,0 +1,173 @@
+"""Saved graphs on the GPU: save in this process, load in a fresh one, outputs bit for bit."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import zoo_model
+
+pytestmark = pytest.mark.gpu
+
+WORKER = Path(__file__).parent / "workers" / "load_worker.py"
+
+
+def _conv_net():
+    """A branchy convolutional network whose kernels are all in the fatbins of library files
+    (cuDNN's and ATen's): no linear layer and no 1x1 convolution, which run cuBLASLt GEMMs
+    (see the test below), and an input for it."""
+    import torch
+    from torch import nn
+
+    def branch(c: int, k: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(c, c, k, padding=k // 2), nn.BatchNorm2d(c), nn.ReLU())
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(3, 32, 3, padding=1)
+            self.branches = nn.ModuleList([branch(32, k) for k in (3, 5, 7)])
+            self.head = nn.Conv2d(96, 10, 3, padding=1)
+
+        def forward(self, x):
+            x = torch.relu(self.stem(x))
+            x = torch.cat([b(x) for b in self.branches], 1)
+            return self.head(x).mean((2, 3))
+
+    torch.manual_seed(0)
+    return Net().cuda().eval(), torch.randn(2, 3, 32, 32, device="cuda")
+
+
+def _prepared(name: str, dtype: str, **prepare):
+    import torch
+
+    import nimble
+
+    model, x = _conv_net() if name == "convnet" else zoo_model(name)
+    model, x = model.to(getattr(torch, dtype)), x.to(getattr(torch, dtype))
+    nm = nimble.Nimble(model).prepare(x, return_copies=True, **prepare)
+    return model, x, nm
+
+
+def _load_elsewhere(saved, inputs, tmp_path, *extra) -> dict:
+    import torch
+
+    tensors = tmp_path / "inputs.pt"
+    out = tmp_path / "out.pt"
+    torch.save([x.cpu() for x in inputs], tensors)
+    done = subprocess.run([sys.executable, str(WORKER), str(saved), str(tensors), str(out),
+                           *extra], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    print(done.stdout.strip().splitlines()[-1])
+    return torch.load(out)
+
+
+def _bitwise(got, want) -> None:
+    import torch
+
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("name", ["convnet"])
+def test_saved_graph_loads_in_a_fresh_process_bit_for_bit(name, dtype, tmp_path):
+    import torch
+
+    model, x, nm = _prepared(name, dtype)
+    saved = nm.save(tmp_path / "model.nimble")
+    inputs = [torch.randn_like(x) for _ in range(3)]
+    want = [nm(i) for i in inputs]
+    got = _load_elsewhere(saved, inputs, tmp_path)
+    for g, w in zip(got["outputs"], want):
+        _bitwise(g.cuda(), w)
+
+
+def test_a_graph_saved_without_weights_reads_the_models_by_name(tmp_path):
+    import torch
+
+    import nimble
+
+    model, x, nm = _prepared("convnet", "float16")
+    saved = nm.save(tmp_path / "model.nimble", weights=False)
+    with_weights = nm.save(tmp_path / "full.nimble")
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert with_weights.stat().st_size - saved.stat().st_size >= weight_bytes * 0.9
+    inputs = [torch.randn_like(x) for _ in range(2)]
+    want = [nm(i) for i in inputs]
+    with pytest.raises(nimble.LoadError, match="without its weights"):
+        nimble.load(saved)
+    got = {"outputs": [nimble.load(saved, model=model)(i).clone() for i in inputs]}
+    for g, w in zip(got["outputs"], want):
+        _bitwise(g.cuda(), w)
+
+
+def test_buckets_and_instances_load_and_serve_from_threads(tmp_path):
+    import threading
+
+    import torch
+
+    import nimble
+
+    model, x = _conv_net()
+    nm = nimble.Nimble(model).prepare(x, batch_sizes=[1, 4], instances=2, return_copies=True)
+    saved = nm.save(tmp_path / "served.nimble")
+    loaded = nimble.load(saved, model=model, return_copies=True)
+    assert loaded.instances == 2 and len(loaded.buckets) == 2
+    inputs = [torch.randn(b, *x.shape[1:], device="cuda") for b in (1, 4, 4, 1)]
+    want = [nm(i) for i in inputs]
+    got: dict[int, object] = {}
+
+    def call(k: int) -> None:
+        got[k] = loaded(inputs[k])
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    for k, w in enumerate(want):
+        _bitwise(got[k], w)
+
+
+def test_a_loaded_graph_follows_the_models_weights_when_they_change(tmp_path):
+    import torch
+
+    import nimble
+
+    model, x, nm = _prepared("convnet", "float32")
+    saved = nm.save(tmp_path / "m.nimble", weights=False)
+    loaded = nimble.load(saved, model=model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+        want = model(x)
+    _bitwise(loaded(x).clone(), nm(x))
+    torch.testing.assert_close(loaded(x), want, rtol=1e-3, atol=1e-3)
+
+
+def test_a_file_for_another_gpu_architecture_is_refused(tmp_path):
+    import nimble
+    from nimble.ir.saved_format import SavedFile
+
+    model, x, nm = _prepared("convnet", "float16")
+    saved = SavedFile.read(nm.save(tmp_path / "m.nimble"))
+    saved.manifest["arch"] = 80
+    saved.write(tmp_path / "other.nimble")
+    with pytest.raises(nimble.LoadError, match="compute capability 80"):
+        nimble.load(tmp_path / "other.nimble")
+
+
+def test_a_cublaslt_gemm_kernel_that_is_on_no_disk_is_refused_by_name(tmp_path):
+    """cuBLASLt 13 keeps its sm90 nvjet GEMMs outside every fatbin container of its file."""
+    import nimble
+
+    model, x, nm = _prepared("resnet50", "float16")
+    names = {t.name for t in nm.graph.kernel_tasks()}
+    if not any(n.startswith("nvjet_") for n in names):
+        pytest.skip("this cuBLASLt picked no nvjet kernel")
+    with pytest.raises(nimble.SaveError, match="nvjet_"):
+        nm.save(tmp_path / "m.nimble")
+    assert not (tmp_path / "m.nimble").exists()

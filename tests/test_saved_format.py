@@ -1,0 +1,187 @@
+"""The saved-graph container and the kernel-binary parsing, on the CPU: every bad file is a
+typed LoadError before anything reaches the GPU."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from nimble.errors import LoadError
+from nimble.ir.saved_format import FORMAT_VERSION, HEADER, BlobWriter, SavedFile
+from nimble.record import binaries
+
+
+def _file(manifest=None, blobs=b"") -> bytes:
+    return SavedFile(manifest or {"format": "nimble.saved-graph", "x": [1, 2]}, blobs).to_bytes()
+
+
+def test_a_saved_file_reads_back_as_written(tmp_path):
+    blobs = BlobWriter()
+    a = blobs.add(b"weights" * 100)
+    b = blobs.add(b"other")
+    assert blobs.add(b"weights" * 100) == a  # identical bytes are stored once
+    saved = SavedFile({"a": a.as_json(), "b": b.as_json()}, blobs.getvalue())
+    path = saved.write(tmp_path / "m.nimble")
+    back = SavedFile.read(path)
+    assert back.blob(back.manifest["a"]) == b"weights" * 100
+    assert back.blob(back.manifest["b"]) == b"other"
+    assert a.offset % 64 == 0 and b.offset % 64 == 0
+
+
+@pytest.mark.parametrize("cut", [1, 10, 100])
+def test_a_truncated_file_is_refused(cut):
+    data = _file(blobs=b"\1" * 500)
+    with pytest.raises(LoadError, match="truncated"):
+        SavedFile.from_bytes(data[:-cut])
+
+
+def test_a_file_with_bytes_appended_is_refused():
+    with pytest.raises(LoadError, match="truncated or has bytes appended"):
+        SavedFile.from_bytes(_file() + b"\0")
+
+
+@pytest.mark.parametrize("at", [HEADER.size + 3, -1, -200])
+def test_a_flipped_byte_anywhere_after_the_header_is_refused(at):
+    data = bytearray(_file(blobs=b"\7" * 300))
+    data[at] ^= 0x40
+    with pytest.raises(LoadError, match="checksum"):
+        SavedFile.from_bytes(bytes(data))
+
+
+def test_a_future_format_version_is_refused_with_what_to_do():
+    data = bytearray(_file())
+    struct.pack_into("<I", data, 8, FORMAT_VERSION + 1)
+    with pytest.raises(LoadError, match=f"version {FORMAT_VERSION + 1}.*reads version"):
+        SavedFile.from_bytes(bytes(data))
+
+
+def test_something_that_is_no_saved_graph_is_refused(tmp_path):
+    with pytest.raises(LoadError, match="not a saved Nimble graph"):
+        SavedFile.from_bytes(b"PK\3\4 a zip file, say")
+    with pytest.raises(LoadError, match="cannot read"):
+        SavedFile.read(tmp_path / "missing.nimble")
+
+
+def test_a_blob_reference_past_the_blobs_is_refused():
+    saved = SavedFile.from_bytes(_file(blobs=b"abc"))
+    with pytest.raises(LoadError, match="runs past"):
+        saved.blob([2, 5])
+    with pytest.raises(LoadError, match="not \\[offset, size\\]"):
+        saved.blob("zz")
+
+
+def test_the_file_holds_no_pickle():
+    data = _file({"format": "nimble.saved-graph", "nested": {"k": [1.5, None, "s"]}})
+    assert b"\x80\x04" not in data[:HEADER.size + 200]  # pickle's protocol-4 opcode
+    assert SavedFile.from_bytes(data).manifest["nested"] == {"k": [1.5, None, "s"]}
+
+
+def test_a_write_that_fails_leaves_no_file(tmp_path, monkeypatch):
+    saved = SavedFile({"a": 1}, b"")
+
+    def broken(self):
+        raise RuntimeError("disk full")
+    monkeypatch.setattr(SavedFile, "to_bytes", broken)
+    with pytest.raises(RuntimeError):
+        saved.write(tmp_path / "m.nimble")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- fatbin containers and ELF sections ---------------------------------------------------------
+
+def _entry(kind: int, arch: int, payload: bytes, compressed: bool) -> bytes:
+    padded = -(-len(payload) // 8) * 8
+    head = struct.pack("<HHIQIIII", kind, 0x0101, 64, padded, len(payload), 0, 0, arch)
+    head += b"\0" * 8 + struct.pack("<Q", 0x8000 if compressed else 0) + b"\0" * 16
+    assert len(head) == 64
+    return head + payload + b"\0" * (padded - len(payload))
+
+
+def _container(*entries: bytes) -> bytes:
+    body = b"".join(entries)
+    return struct.pack("<IHHQ", binaries.FATBIN_MAGIC, 1, 16, len(body)) + body
+
+
+def test_fatbin_containers_are_found_among_other_bytes():
+    one = _container(_entry(2, 90, b"\0kernel_a\0code", False))
+    two = _container(_entry(2, 80, b"zzzz", True), _entry(2, 90, b"yyyyyyy", True))
+    section = b"junk" * 3 + one + b"\0" * 8 + two + b"tail"
+    found = binaries.fatbin_containers(section)
+    assert [c.offset for c in found] == [12, 12 + len(one) + 8]
+    assert [(e.arch, e.compressed) for e in found[1].entries] == [(80, True), (90, True)]
+    assert found[0].size == len(one)
+    hits = binaries.plain_name_hits(section, found, ["kernel_a", "kernel_b"])
+    assert hits == {"kernel_a": found[0]}
+    assert [c.offset for c in
+            binaries.LibraryFatbins("x", 0, section, found).compressed_for(90)] == [found[1].offset]
+
+
+def test_a_name_inside_a_compressed_entry_or_a_longer_name_is_no_hit():
+    c = _container(_entry(2, 90, b"\0kernel_a_long\0", False), _entry(2, 90, b"\0kernel_a\0", True))
+    found = binaries.fatbin_containers(c)
+    assert binaries.plain_name_hits(c, found, ["kernel_a"]) == {}
+
+
+def test_a_container_magic_whose_header_does_not_hold_is_skipped():
+    fake = struct.pack("<IHHQ", binaries.FATBIN_MAGIC, 7, 16, 10**9)
+    real = _container(_entry(1, 90, b".entry k(", False))
+    found = binaries.fatbin_containers(fake + real)
+    assert [c.offset for c in found] == [len(fake)]
+
+
+def _elf(sections: dict[str, bytes]) -> bytes:
+    names = b"\0" + b"".join(n.encode() + b"\0" for n in sections) + b".shstrtab\0"
+    body, offsets = b"", []
+    for data in list(sections.values()) + [names]:
+        offsets.append(64 + len(body))
+        body += data
+    shoff = 64 + len(body)
+    header = bytearray(64)
+    header[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<Q", header, 0x28, shoff)
+    struct.pack_into("<HHH", header, 0x3A, 64, len(sections) + 2, len(sections) + 1)
+    table = bytes(64)  # the null section
+    at = 1
+    for (name, data), offset in zip(list(sections.items()) + [(".shstrtab", names)], offsets):
+        row = bytearray(64)
+        struct.pack_into("<II", row, 0, at, 1)
+        struct.pack_into("<QQ", row, 24, offset, len(data))
+        table += bytes(row)
+        at += len(name) + 1
+    return bytes(header) + body + table
+
+
+def test_the_fatbin_sections_of_a_library_file_are_read(tmp_path):
+    fatbin = _container(_entry(2, 90, b"\0k\0", False))
+    path = tmp_path / "libfake.so"
+    path.write_bytes(_elf({".text": b"\x90" * 40, ".nv_fatbin": fatbin,
+                           ".cask_resource": b"pad!" + fatbin}))
+    read = binaries.LibraryFatbins.read(str(path))
+    assert [len(r.containers) for r in read] == [1, 1]
+    assert read[0].container_bytes(read[0].containers[0]) == fatbin
+    data = path.read_bytes()
+    assert data[read[1].section_offset + 4:].startswith(fatbin)
+
+
+def test_a_file_that_is_no_elf_has_no_fatbins(tmp_path):
+    path = tmp_path / "libnot.so"
+    path.write_bytes(b"#!/bin/sh\n" * 20)
+    assert binaries.LibraryFatbins.read(str(path)) == []
+    with pytest.raises(binaries.BinaryFormatError):
+        binaries.elf_section(lambda o, n: path.read_bytes()[o:o + n], ".nv_fatbin")
+
+
+def test_the_compressed_index_is_cached_per_library(tmp_path, monkeypatch):
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    c = _container(_entry(2, 90, b"zz", True))
+    path = tmp_path / "liba.so"
+    path.write_bytes(b"x")
+    lib = binaries.LibraryFatbins(str(path), 0, c, binaries.fatbin_containers(c))
+    calls = []
+
+    def names(image: bytes) -> list[str]:
+        calls.append(image)
+        return ["k1", "k2"]
+    assert binaries.compressed_kernel_index(lib, 90, names) == {"k1": 0, "k2": 0}
+    assert binaries.compressed_kernel_index(lib, 90, names) == {"k1": 0, "k2": 0}
+    assert calls == [c]
