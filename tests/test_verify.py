@@ -97,3 +97,53 @@ def test_the_progress_names_the_stage_a_failure_came_from():
     assert progress.stage == "the rebuilt graph's launches"
     _check(reference, run, progress=progress)
     assert progress.stage == "done"
+
+
+# ---- prove() and prove_copy(): what they poison before the served launches --------------------
+
+def _stand_in_prepared(launches: list, poisoned: list):
+    """A prepared graph of one input and one output, its arena at 0x10000 (4 KiB) and a
+    low-word buffer outside it; its one launcher logs, per launch, the ranges poisoned so far."""
+    from types import SimpleNamespace
+
+    from nimble.ir.taskgraph import Buffer, TensorRef
+
+    g = TaskGraph(meta={"low_word_buffers": [1]})
+    g.buffers = [Buffer(0, "input", 16, 0x9000), Buffer(1, "intermediate", 64, 0x7000)]
+    g.inputs = [TensorRef(0, 0, [4], [1], "float32")]
+    g.outputs = [TensorRef(0, 0, [4], [1], "float32")]
+
+    def run_flat(inputs):
+        launches.append(list(poisoned))
+        return [inputs[0] * 2]
+    launcher = SimpleNamespace(rng=None, stream=lambda: "stream", slots=[None],
+                               run_flat=run_flat)
+    return SimpleNamespace(graph=g, launcher=launcher, launchers=[launcher], step=None,
+                           arena_base=0x10000, memplan=SimpleNamespace(arena_bytes=4096),
+                           bases=[0x20000, 0x30000], seconds={})
+
+
+@pytest.mark.parametrize("which", ["prove", "prove_copy"])
+def test_every_served_launch_starts_from_a_poisoned_arena(which, monkeypatch):
+    """A relocation the build missed that reads the arena where an earlier launch or the
+    recording left the right bytes would pass unpoisoned: the arena (each instance's own, for
+    prove_copy) is poisoned before the first launch, with the buffers kept outside it."""
+    from types import SimpleNamespace
+
+    from nimble.engine import proving
+
+    poisoned: list = []
+    monkeypatch.setattr(proof, "poison", lambda ranges, stream: poisoned.extend(ranges))
+    launches: list = []
+    prepared = _stand_in_prepared(launches, poisoned)
+    rec = SimpleNamespace(replay_reference=lambda inputs: [inputs[0] * 2],
+                          static_inputs=[torch.zeros(4)])
+    if which == "prove":
+        proving.prove(prepared, rec, relaunches=3, fuzz=False)
+    else:
+        proving.prove_copy(prepared, rec, relaunches=3)
+    assert len(launches) == 3
+    for seen in launches:
+        assert (0x10000, 4096) in seen  # the whole arena
+        assert (0x30000, 64) in seen  # the low-word buffer, at its address now
+        assert (0x9000, 16) in seen  # the recorded input, where the recording had it
