@@ -78,14 +78,18 @@ class CallOrder:
     call of either must come after everything queued by the last call of both.
     """
 
-    __slots__ = ("lock", "last_stream", "last_raw", "switch_event", "threads")
+    __slots__ = ("lock", "last_stream", "last_raw", "switch_event", "entered")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.last_stream = None
         self.last_raw = None  # the raw handle of last_stream
         self.switch_event = driver.Event.create(timing=False)
-        self.threads = {threading.get_ident()}
+        # Per thread, whether the graph's context was made current there.  A thread-local,
+        # not a set of thread idents: a new thread may get the ident of one that ended, and
+        # would then skip making the context current.
+        self.entered = threading.local()
+        self.entered.ok = True
 
     def close(self) -> None:
         """Wait for the last call's work, then free the event (idempotent)."""
@@ -103,7 +107,7 @@ class Launcher:
 
     __slots__ = ("_exec", "_slots", "_device", "_outputs", "_unflatten", "return_copies",
                  "_raw_stream", "_streams", "_api", "_tensor_type", "_order", "_context",
-                 "_rng", "_in_cells", "_leaf")
+                 "_rng", "_in_cells", "_leaf", "_spec")
 
     def __init__(self, exec_handle, slots: Sequence[InputSlot], device, outputs: list,
                  output_spec, context, rng: RngCells | None = None,
@@ -119,6 +123,7 @@ class Launcher:
         self._device = device
         self._outputs = outputs
         self.return_copies = return_copies
+        self._spec = output_spec
         self._leaf = output_spec is not None and output_spec.is_leaf()
         if output_spec is None:
             self._unflatten = list
@@ -156,6 +161,11 @@ class Launcher:
     def outputs(self) -> list:
         """The output tensors (views into the arena), flattened."""
         return self._outputs
+
+    @property
+    def output_spec(self):
+        """The pytree structure of the model's outputs (None: a flat list)."""
+        return self._spec
 
     @property
     def unflatten(self):
@@ -220,7 +230,7 @@ class Launcher:
     def run_flat(self, inputs: Sequence) -> list:
         """Copy ``inputs`` into their slots and launch; the flat list of outputs."""
         self._check(inputs)
-        if threading.get_ident() not in self._order.threads:
+        if not getattr(self._order.entered, "ok", False):
             self._enter_thread()
         with self._order.lock:
             return self._submit(inputs)
@@ -232,8 +242,8 @@ class Launcher:
         output is its first ``rows`` rows: a batch run in a larger bucket, right only where
         rows do not mix."""
         self._check(inputs, rows)
-        if threading.get_ident() not in self._order.threads:
-            self._enter_thread(holding_lock=True)
+        if not getattr(self._order.entered, "ok", False):
+            self._enter_thread()
         if rows is None:
             return self._submit(inputs)
         return self._submit_rows(inputs, rows)
@@ -309,10 +319,10 @@ class Launcher:
         cells = tuple(s.cell for s in slots)
         device_index = slots[0].tensor.get_device()  # what an input's get_device() must say
         in_cells, order = self._in_cells, self._order
-        lock, threads, raw_stream = order.lock, order.threads, self._raw_stream
+        lock, entered, raw_stream = order.lock, order.entered, self._raw_stream
         launch, failed, write64 = self._api.graph_launch, driver.raise_status, self._api.write64
         exec_handle, outputs, tensor = self._exec, self._outputs, self._tensor_type
-        get_ident, general, leaf = threading.get_ident, TAKE_GENERAL_PATH, self._leaf
+        general, leaf = TAKE_GENERAL_PATH, self._leaf
         finish = self._unflatten
         join_stream = self._stream_of_call
         # One input (every zoo model) gets a closure of its own, without the loops, which cost
@@ -322,8 +332,8 @@ class Launcher:
             cell = cells[0]
 
             def call(inputs: tuple):
-                if len(inputs) != 1 or weights.epoch != EPOCH[0] or get_ident() not in threads \
-                        or self._exec is None:
+                if len(inputs) != 1 or weights.epoch != EPOCH[0] \
+                        or not getattr(entered, "ok", False) or self._exec is None:
                     return general
                 x = inputs[0]
                 if x.__class__ is not tensor or x.dtype is not dtype or x.shape != shape \
@@ -344,8 +354,8 @@ class Launcher:
             return call
 
         def call_many(inputs: tuple):
-            if len(inputs) != n or weights.epoch != EPOCH[0] or get_ident() not in threads \
-                    or self._exec is None:
+            if len(inputs) != n or weights.epoch != EPOCH[0] \
+                    or not getattr(entered, "ok", False) or self._exec is None:
                 return general
             for x, (shape, dtype) in zip(inputs, expected):
                 if x.__class__ is not tensor or x.dtype is not dtype or x.shape != shape \
@@ -375,14 +385,10 @@ class Launcher:
         self._api.write64(stream, rng.seed_cell, gen.initial_seed(), 0)
         self._api.write64(stream, rng.offset_cell, offset, 0)
 
-    def _enter_thread(self, holding_lock: bool = False) -> None:
+    def _enter_thread(self) -> None:
         """Make the graph's context current on a thread that has not called before."""
         self._api.set_context(self._context)
-        if holding_lock:
-            self._order.threads.add(threading.get_ident())
-            return
-        with self._order.lock:
-            self._order.threads.add(threading.get_ident())
+        self._order.entered.ok = True
 
     def _stream_of_call(self):
         """The caller's current stream, ordered after the previous call's when it is another
