@@ -27,16 +27,22 @@ class FakeEvent:
 def fake(monkeypatch):
     """Stand-in bindings logging every driver call; ``state.codes`` queues launch results and
     ``state.raw`` is the caller's current raw stream handle."""
-    state = SimpleNamespace(log=[], codes=[], raw=[7])
+    state = SimpleNamespace(log=[], codes=[], raw=[7], lock=None, held=[])
+
+    def note_lock(name):
+        if state.lock is not None:  # a test watching a launcher's lock: was it held?
+            state.held.append((name, state.lock.locked()))
 
     def logged(name, result=(0,)):
         def fn(*args):
             state.log.append((name, *args))
+            note_lock(name)
             return result
         return fn
 
     def launch(exec_handle, stream):
         state.log.append(("cuGraphLaunch", exec_handle, stream))
+        note_lock("cuGraphLaunch")
         return (state.codes.pop(0) if state.codes else 0,)
 
     bindings = SimpleNamespace(
@@ -196,3 +202,31 @@ def test_reading_cells_or_phases_changes_nothing_and_host_writes_cells_makes_cal
     launch.run_flat((x,))
     assert driver_calls(fake, "cuStreamWriteValue64") == \
         [("stream7", 0x9000, x.data_ptr(), 0)] * 2
+
+
+@pytest.mark.parametrize("path", ["fast, one input", "fast, two inputs", "general",
+                                  "general, strided", "general, padded rows"])
+def test_every_cell_write_and_launch_holds_the_call_order_lock(fake, path):
+    """Calls from several threads are serialized by the lock their launchers share
+    (:class:`CallOrder`): a write or launch outside it interleaves with another thread's."""
+    launch, _ = make_launcher(inputs=2 if "two" in path else 1)
+    fake.lock = launch.lock
+    x = [torch.randn(2, 3) for _ in launch.slots]
+    if path.startswith("fast"):
+        fast = launch.fast_call(SimpleNamespace(epoch=EPOCH[0]))
+        launch.run_flat(tuple(x))  # the first call of the thread takes the general path
+        fake.held.clear()
+        fast(tuple(y.clone() for y in x))
+        fake.raw[0] = 8  # another stream: the switch's event record and wait too
+        fast(tuple(x))
+    elif path == "general, padded rows":
+        with launch.lock:
+            launch.run_flat_held((torch.randn(1, 3),), rows=1)
+    else:
+        launch.run_flat((torch.randn(3, 2).t(),) if "strided" in path else tuple(x))
+        fake.raw[0] = 9
+        launch.run_flat(tuple(x))
+    names = [name for name, _ in fake.held]
+    assert "cuGraphLaunch" in names and "cuStreamWriteValue64" in names, fake.held
+    assert all(held for _, held in fake.held), fake.held
+    assert not launch.lock.locked()
