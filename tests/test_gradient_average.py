@@ -125,3 +125,24 @@ def test_only_the_averaging_all_reduces_may_be_in_a_training_steps_backward():
     first.name = "ncclDevKernel_Broadcast_RING_LL"  # a DDP-like broadcast in the forward
     with pytest.raises(InputError, match="collectives"):
         check_training_collectives(g, training=True, averaging=True)
+
+
+def test_the_buckets_are_all_reduced_in_their_plans_order(monkeypatch):
+    """Every rank must issue its all-reduces in one order, and the plan's (the last gradients
+    first, as the backward makes them) lets the first start while the backward still runs."""
+    sizes = [100, 25, 75, 50, 12]  # float32 elements per gradient, in parameter order
+    grads = [torch.full((n,), float(i + 1)) for i, n in enumerate(sizes)]
+    small = GradientAverage(bucket_bytes=4 * 80, first_bucket_bytes=4 * 40)
+    plan = bucket_plan([4 * n for n in sizes], ["f32"] * len(sizes), small.bucket_bytes,
+                       small.first_bucket_bytes)
+    assert len(plan) >= 3 and plan[0][0] == len(sizes) - 1
+    reduced = []
+
+    def all_reduce(flat, group=None):
+        # each gradient's values are its index + 1, halved by the division over 2 ranks
+        reduced.append([round(2 * v) - 1 for v in dict.fromkeys(flat.tolist())])
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    out = averaged_gradients(grads, small)
+    assert reduced == plan
+    assert all(torch.equal(o, g / 2) for o, g in zip(out, grads))
