@@ -158,3 +158,60 @@ def test_no_tool_in_a_plain_environment(fresh_state, monkeypatch):
     monkeypatch.delenv("CUDA_INJECTION64_PATH", raising=False)
     assert profiler_guard.injected_tool() == ""
     assert not profiler_guard.cupti_attached()
+
+
+class _CallingLauncher(_Launcher):
+    """A launcher a Nimble object calls through (its general path), logging the exec each
+    call launched."""
+
+    def __init__(self, exec_handle: str) -> None:
+        import threading
+
+        super().__init__()
+        self.exec, self.lock, self.launched = exec_handle, threading.Lock(), []
+        self.unflatten = lambda flat: flat[0]
+
+    def fast_call(self, weights):
+        return None  # every call by the general path
+
+    def run_flat(self, inputs):
+        self.launched.append(self.exec)
+        return [inputs[0] * 2]
+
+
+class _Weights:
+    """Weights that never move: each call after the epoch moved accepts them as they are."""
+
+    def __init__(self) -> None:
+        self.epoch = EPOCH[0]
+
+    def moves(self) -> dict:
+        return {}
+
+    def accept(self, moves) -> list:
+        self.epoch = EPOCH[0]
+        return []
+
+
+def test_a_call_after_a_profiler_run_launches_the_host_launch_rebuild(fresh_state):
+    """The API's side of the guard: the call after a profiler run rebuilds the prepared
+    device-launchable graph for host launch (warning once) and launches that, and later
+    calls keep it."""
+    import nimble
+
+    builder = _Builder()
+    launcher = _CallingLauncher("exec-served0")
+    prepared = SimpleNamespace(builts=[_Built("served0", True)], launchers=[launcher],
+                               launcher=launcher, phase_builder=lambda: builder,
+                               weights=_Weights(), step=None, bases=[])
+    nm = nimble.Nimble(None)  # starts the watch
+    nm._prepared = prepared
+    nm._serving = SimpleNamespace(plain=True, preparations=lambda: [prepared])
+    x = torch.ones(2)
+    assert torch.equal(nm(x), x * 2)
+    _profile_once()
+    with pytest.warns(RuntimeWarning, match="TEARDOWN_CUPTI=1"):
+        nm(x)
+    nm(x)
+    assert launcher.launched == ["exec-served0", "exec-host0", "exec-host0"]
+    assert prepared.builts[0].name == "host0" and builder.built[0].device_launch is False
