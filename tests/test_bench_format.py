@@ -229,7 +229,7 @@ def test_gpu_suite_runs_the_quick_bench_in_three_dtypes_and_the_full_one_on_dema
         return suite.subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(suite.subprocess, "run", fake_run)
-    assert suite.main(["--skip-tests", "--out", str(tmp_path)]) == 0
+    assert suite.main(["--skip-tests", "--gpus", "0", "--out", str(tmp_path)]) == 0
     quick, training = commands
     assert training[:4] == ["resnet50", "mobilenet_v2", "efficientnet_b0", "googlenet"]
     assert " ".join(training).endswith("--training --batch 32 --rounds 3 --iters 10 --no-compile")
@@ -243,8 +243,8 @@ def test_gpu_suite_runs_the_quick_bench_in_three_dtypes_and_the_full_one_on_dema
     assert "resnet50        float16" in summary and "times: median ms per call" in summary
 
     commands.clear()
-    assert suite.main(["--skip-tests", "--skip-bench", "--skip-training", "--full", "--out",
-                       str(tmp_path)]) == 0
+    assert suite.main(["--skip-tests", "--skip-bench", "--skip-training", "--full", "--gpus",
+                       "0", "--out", str(tmp_path)]) == 0
     [full] = commands
     assert "--quick" not in full and "--dtype" not in full and "--no-compile" in full
     assert full[full.index("--json") + 1] == str(tmp_path / "bench_full.json")
@@ -278,15 +278,131 @@ def test_gpu_suite_spreads_the_test_files_and_runs_the_memory_tests_alone(monkey
             return 0
     monkeypatch.setattr(suite.subprocess, "Popen", Proc)
     monkeypatch.setattr(suite, "EXCLUSIVE", ("test_gpu_deploy.py",))
-    assert suite.main(["--skip-bench", "--skip-training", "--jobs", "2", "--out",
+    assert suite.main(["--skip-bench", "--skip-training", "--jobs", "2", "--gpus", "0", "--out",
                        str(tmp_path)]) == 0
     *parallel, alone = started
     assert len(parallel) == 2 and alone == list(suite.EXCLUSIVE)
     assert not set(suite.EXCLUSIVE) & {name for g in parallel for name in g}
     out = capsys.readouterr().out
-    assert out.count("gpu tests [") == 3
+    assert out.count("gpu tests on GPU 0 [") == 3
     assert (tmp_path / "gpu_tests_deploy.log").exists()  # the exclusive group's, by its file
     assert len(list(tmp_path.glob("gpu_tests_*.log"))) == 3
+
+
+NVIDIA_SMI = ["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-a)", "GPU 1: NVIDIA H100 (UUID: GPU-b)",
+              "  MIG 1g.10gb     Device  0: (UUID: MIG-c)", "GPU 2: NVIDIA H100 (UUID: GPU-d)",
+              "GPU 3: NVIDIA H100 (UUID: GPU-e)"]
+
+
+def test_gpu_suite_finds_the_gpus_without_torch():
+    suite = _gpu_suite()
+    assert suite.visible_gpus({}, lambda: NVIDIA_SMI) == ["0", "1", "2", "3"]  # MIG lines aside
+    assert suite.visible_gpus({}, lambda: []) == []  # no nvidia-smi: the environment as it is
+    assert suite.visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 3"}, lambda: NVIDIA_SMI) == ["2", "3"]
+    assert suite.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, lambda: NVIDIA_SMI) == []
+    assert suite.parse_gpus("1,3", {}, lambda: NVIDIA_SMI) == ["1", "3"]
+    assert suite.parse_gpus("auto", {}, lambda: NVIDIA_SMI[:2]) == ["0", "1"]
+
+
+def _gpu_files(suite):
+    from pathlib import Path
+
+    names = ["proof", "debug_tools", "runtime", "training", "c_host", "deploy", "compiled",
+             "generate", "record", "serving", "serve_bench", "collectives", "new"]
+    files = [Path(f"tests/test_gpu_{n}.py") for n in names]
+    assert set(suite.EXCLUSIVE) | set(suite.MULTI_GPU) <= {f.name for f in files}
+    return files
+
+
+def test_gpu_suite_gives_each_gpu_a_lane_then_runs_the_memory_and_multi_gpu_files_apart():
+    suite = _gpu_suite()
+    files = _gpu_files(suite)
+    shared, alone, multi = suite.plan_runs(files, ["0", "1", "2", "3"], jobs=1)
+    assert sorted(f for stage in (shared, alone, multi) for run in stage for f in run.files) \
+        == sorted(files)  # each file once
+    assert sorted(run.gpus for run in shared) == [("0",), ("1",), ("2",), ("3",)]  # a lane each
+    loads = [sum(suite.WEIGHTS.get(f.name, 1) for f in run.files) for run in shared]
+    assert max(loads) - min(loads) <= max(suite.WEIGHTS.values())
+    assert not {f.name for run in shared for f in run.files} & \
+        (set(suite.EXCLUSIVE) | set(suite.MULTI_GPU))
+    assert sorted(f.name for run in alone for f in run.files) == sorted(suite.EXCLUSIVE)
+    assert len({run.gpus for run in alone}) == len(alone) and all(len(r.gpus) == 1 for r in alone)
+    assert multi == [suite.Run(tuple(f for f in files if f.name in suite.MULTI_GPU),
+                               ("0", "1", "2", "3"))]
+    two_jobs = suite.plan_runs(files, ["0", "1"], jobs=2)[0]
+    assert sorted(run.gpus for run in two_jobs) == [("0",), ("0",), ("1",), ("1",)]
+
+
+def test_gpu_suite_on_one_gpu_runs_the_memory_files_in_one_process_and_no_multi_gpu_stage():
+    suite = _gpu_suite()
+    files = _gpu_files(suite)
+    for gpus in (["0"], []):
+        stages = suite.plan_runs(files, gpus, jobs=3)
+        assert len(stages) == 2 and len(stages[0]) == 3
+        [alone] = stages[1]
+        assert sorted(f.name for f in alone.files) == sorted(suite.EXCLUSIVE)
+        assert "test_gpu_collectives.py" in {f.name for run in stages[0] for f in run.files}
+
+
+def test_gpu_suite_runs_every_process_on_its_gpus_with_multicast_off(monkeypatch, tmp_path,
+                                                                    capsys):
+    """Four GPUs seen by nvidia-smi: the suite in one call, four lanes at once, each process
+    seeing its own GPU, and every process (the benches too) with NVLink multicast off."""
+    from pathlib import Path
+
+    suite = _gpu_suite()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # the suite's own setting wins
+    monkeypatch.setattr(suite, "_nvidia_smi", lambda: NVIDIA_SMI)
+    started, running, most = [], set(), [0]
+
+    class Proc:
+        returncode = 0
+
+        def __init__(self, cmd, stdout, env, **kwargs):
+            started.append(([Path(c).name for c in cmd if c.endswith(".py")], env))
+            running.add(id(self))
+            most[0] = max(most[0], len(running))
+            stdout.write("1 passed in 1.0s\n")
+
+        def wait(self):
+            running.discard(id(self))
+            return 0
+
+    def bench(cmd, stdout, env, **kwargs):
+        started.append((["bench"], env))
+        return suite.subprocess.CompletedProcess(cmd, 0)
+    monkeypatch.setattr(suite.subprocess, "Popen", Proc)
+    monkeypatch.setattr(suite.subprocess, "run", bench)
+    assert suite.main(["--skip-bench", "--out", str(tmp_path)]) == 0
+    assert most[0] == 4  # the four lanes at once
+    lanes = [env["CUDA_VISIBLE_DEVICES"] for names, env in started[:4]]
+    assert sorted(lanes) == ["0", "1", "2", "3"]
+    collectives = next(env for names, env in started if "test_gpu_collectives.py" in names)
+    assert collectives["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    for _, env in started:
+        assert {k: env[k] for k in suite.NO_MULTICAST} == suite.NO_MULTICAST
+    assert started[-1][0] == ["bench"]
+    ran = [n for names, _ in started[:-1] for n in names]
+    gpu_files = sorted(p.name for p in (suite.ROOT / "tests").glob("test_gpu_*.py"))
+    assert sorted(ran) == gpu_files  # every GPU test file, once
+    assert "gpu tests on GPU 3 [" in capsys.readouterr().out
+
+
+def test_every_gpu_test_is_in_a_file_the_suite_spreads():
+    """The suite spreads the test_gpu_*.py files: a test marked gpu elsewhere would not run."""
+    import ast
+    from pathlib import Path
+
+    marked = []
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        if path.name.startswith("test_gpu_"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "gpu" \
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "mark":
+                marked.append(path.name)
+    assert not marked
 
 
 def test_training_bench_parses_batches_and_formats_its_table():

@@ -3,14 +3,21 @@
     python3 tools/gpu_suite.py [--models M,M,...] [--dtypes D,D,...] [--compile] [--full]
                                [--training-models M,M,...] [--training-batches B,B,...]
                                [--skip-tests] [--skip-bench] [--skip-training] [--out DIR]
+                               [--jobs N] [--gpus auto|I,I,...] [--only F,F] [--exclude F,F]
 
 Runs, in order:
 
 1. ``pytest -m gpu``: every test that needs the GPU (383-551 s on the H200 on 2026-11-25, with the
-   two-model training sequence and the expandable-segments test in child processes); with
-   ``--jobs N``, the test files in N pytest processes side by side on the one GPU (correctness
-   tests only: none times anything), then the files that measure the device's free memory
-   (:data:`EXCLUSIVE`) alone;
+   two-model training sequence and the expandable-segments test in child processes).  On a
+   machine with several GPUs the test files are spread over all of them, a *lane* per GPU
+   (each pytest process sees its GPU alone, ``CUDA_VISIBLE_DEVICES``), so that the whole suite
+   runs in one call; with ``--jobs N``, N pytest processes side by side on each GPU
+   (correctness tests only: none times anything).  Then the files that measure the device's
+   free memory (:data:`EXCLUSIVE`) run alone on their GPUs, and last the files that need
+   several GPUs (:data:`MULTI_GPU`) on all of them.  The GPUs are those of
+   ``CUDA_VISIBLE_DEVICES`` where it is set, else those ``nvidia-smi -L`` lists (torch is not
+   asked: importing it here would start CUDA in this process), or ``--gpus``; every process
+   this tool starts has NVLink multicast off (:data:`NO_MULTICAST`);
 2. ``nimble bench --quick --dtype float32,float16,bfloat16 --rounds 5 --iters 50`` on
    ``--models`` (default: branchy and the seven zoo models): eager, ``torch.cuda.graph`` (input
    copied in on every call), Nimble single and multi, in each dtype (258 s for the seven zoo
@@ -37,9 +44,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +67,73 @@ WEIGHTS = {"test_gpu_debug_tools.py": 6, "test_gpu_training.py": 5, "test_gpu_pr
            "test_gpu_runtime.py": 2, "test_gpu_compiled.py": 2, "test_gpu_generate.py": 2,
            "test_gpu_record.py": 1, "test_gpu_proof_power.py": 1, "test_gpu_c_host.py": 1,
            "test_gpu_deploy.py": 1}
+#: GPU test files that need several GPUs (each its count): they run last, on every GPU.
+MULTI_GPU = {"test_gpu_collectives.py": 2}
+#: In the environment of every process the suite starts: NVLink multicast (NVLS) off, for
+#: NCCL, torch's symmetric memory and NVSHMEM alike, as the multi-GPU tests are run.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One pytest process: its test files (or folders), and the GPUs it sees (its
+    ``CUDA_VISIBLE_DEVICES``; empty: as the suite's own environment has it)."""
+
+    files: tuple
+    gpus: tuple = ()
+
+
+def visible_gpus(environ, list_gpus=None) -> list[str]:
+    """The GPUs to spread the tests over: ``CUDA_VISIBLE_DEVICES``'s entries where it is set,
+    else the indices ``list_gpus()`` (default: ``nvidia-smi -L``'s lines) names; [] where
+    neither says (the tests then run in the environment as it is)."""
+    given = environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [d.strip() for d in given.split(",") if d.strip()]
+    lines = (list_gpus or _nvidia_smi)()
+    return [m.group(1) for m in (re.match(r"GPU (\d+):", line) for line in lines) if m]
+
+
+def _nvidia_smi() -> list[str]:
+    try:
+        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return r.stdout.splitlines() if r.returncode == 0 else []
+
+
+def parse_gpus(text: str, environ, list_gpus=None) -> list[str]:
+    """``--gpus``: "auto" (:func:`visible_gpus`) or the GPUs' indices, comma-separated."""
+    if text == "auto":
+        return visible_gpus(environ, list_gpus)
+    return [d.strip() for d in text.split(",") if d.strip()]
+
+
+def plan_runs(files: list[Path], gpus: list[str], jobs: int) -> list[list[Run]]:
+    """The test files as stages of pytest processes; the processes of a stage run at once.
+
+    First every shared file, in ``jobs`` groups per GPU of about equal :data:`WEIGHTS`; then
+    the :data:`EXCLUSIVE` files, at most one process per GPU; then the :data:`MULTI_GPU`
+    files on all the GPUs (where there is one GPU or none, they run with the shared files and
+    skip themselves)."""
+    lanes = [(g,) for g in gpus] or [()]
+    multi = [f for f in files if f.name in MULTI_GPU and len(gpus) > 1]
+    alone = [f for f in files if f.name in EXCLUSIVE and f not in multi]
+    shared = [f for f in files if f not in multi and f not in alone]
+    stages = [[Run(tuple(g), lanes[k % len(lanes)])
+               for k, g in enumerate(test_groups(shared, len(lanes) * max(jobs, 1)))],
+              [Run(tuple(g), lanes[k]) for k, g in enumerate(test_groups(alone, len(lanes)))],
+              [Run(tuple(multi), tuple(gpus))] if multi else []]
+    return [stage for stage in stages if stage]
+
+
+def run_environment(env: dict, run: Run) -> dict:
+    """The environment of ``run``'s process: ``env``, multicast off, and its GPUs."""
+    out = {**env, **NO_MULTICAST}
+    if run.gpus:
+        out["CUDA_VISIBLE_DEVICES"] = ",".join(run.gpus)
+    return out
 
 
 def test_groups(files: list[Path], jobs: int) -> list[list[Path]]:
@@ -104,31 +180,35 @@ def _log_name(group: list[Path]) -> str:
     return "gpu_tests_" + (first.stem.removeprefix("test_gpu_") if first.suffix else "all") + ".log"
 
 
+def _stages(args) -> list[list[Run]]:
+    """What :func:`_run_tests` runs: the whole folder in one process on one GPU (or none)
+    without ``--jobs``, ``--only`` or ``--exclude``; else :func:`plan_runs` of the files."""
+    if len(args.gpus) <= 1 and args.jobs <= 1 and not (args.only or args.exclude):
+        return [[Run((ROOT / "tests",), tuple(args.gpus))]]
+    files = _selected(sorted((ROOT / "tests").glob("test_gpu_*.py")), args)
+    return plan_runs(files, args.gpus, args.jobs)
+
+
 def _run_tests(args, env) -> tuple[int, list[str]]:
-    """The GPU tests, in one process or ``args.jobs`` side by side; (status, summary lines)."""
+    """The GPU tests, stage by stage (:func:`_stages`); (status, summary lines)."""
     extra = args.pytest_args.split()
-    if args.jobs <= 1 and not (args.only or args.exclude):
-        groups = [[ROOT / "tests"]]
-        tail = []
-    else:
-        files = _selected(sorted((ROOT / "tests").glob("test_gpu_*.py")), args)
-        groups = test_groups([f for f in files if f.name not in EXCLUSIVE], args.jobs)
-        tail = [f for f in files if f.name in EXCLUSIVE]
     status, summary = 0, []
-    for stage in ([groups, [tail]] if tail else [groups]):
+    for stage in _stages(args):
         t0 = time.perf_counter()
-        logs = [args.out / _log_name(g) for g in stage]
-        running = [_pytest(g, log, extra, env) for g, log in zip(stage, logs)]
+        logs = [args.out / _log_name(list(run.files)) for run in stage]
+        running = [_pytest(list(run.files), log, extra, run_environment(env, run))
+                   for run, log in zip(stage, logs)]
         for proc in running:
             proc.wait()
             proc.log.close()
         seconds = time.perf_counter() - t0
-        for k, (proc, log) in enumerate(zip(running, logs)):
+        for run, proc, log in zip(stage, running, logs):
             lines = log.read_text().strip().splitlines()
             failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
             print("\n".join(failed or lines[-3:]), flush=True)
-            names = " ".join(Path(f).name for f in stage[k])
-            summary.append(f"gpu tests [{names}] ({seconds:.0f} s): "
+            names = " ".join(Path(f).name for f in run.files)
+            where = f" on GPU {','.join(run.gpus)}" if run.gpus else ""
+            summary.append(f"gpu tests{where} [{names}] ({seconds:.0f} s): "
                            + (lines[-1] if lines else "no output"))
             status |= proc.returncode
     return status, summary
@@ -181,15 +261,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--skip-training", action="store_true", help="skip the training benchmark")
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     p.add_argument("--jobs", type=int, default=1,
-                   help="run the GPU test files in this many pytest processes at once")
+                   help="run the GPU test files in this many pytest processes at once per GPU")
+    p.add_argument("--gpus", default="auto",
+                   help="the GPUs to spread the test files over: auto (CUDA_VISIBLE_DEVICES, "
+                        "else nvidia-smi -L) or indices like 0,2,3")
     p.add_argument("--only", default="",
                    help="run only these GPU test files (comma-separated, e.g. serving,proof)")
     p.add_argument("--exclude", default="", help="leave these GPU test files out")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "out")))
     args = p.parse_args(argv)
+    args.gpus = parse_gpus(args.gpus, os.environ)
     args.out.mkdir(parents=True, exist_ok=True)
     # a recording whose rebuilt graph faults in its proof is saved beside the logs
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NIMBLE_FAULT_DIR": str(args.out)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NIMBLE_FAULT_DIR": str(args.out),
+           **NO_MULTICAST}
     summary = []
     status = 0
     if not args.skip_tests:
