@@ -42,12 +42,13 @@ def zoo_model(name: str):
 
 
 def load_tool(name: str):
-    """The script ``tools/<name>.py`` as a module (tools are not a package)."""
+    """The script ``tools/<name>.py`` as a module (tools are not a package); ``name`` may name
+    a subfolder (``experiments/param_access``), the module is named after the file."""
     import importlib.util
     import sys
 
     path = Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(Path(name).name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)

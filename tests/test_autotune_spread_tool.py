@@ -1,12 +1,12 @@
-"""tools/autotune_spread.py: the report of per-process recordings and the kernels each one's
-autotuning picked differently from the most common recording (no GPU)."""
+"""tools/experiments/autotune_spread.py: the report of per-process recordings and the kernels
+each one's autotuning picked differently from the most common recording (no GPU)."""
 from __future__ import annotations
 
 import argparse
 
 from helpers import load_tool
 
-tool = load_tool("autotune_spread")
+tool = load_tool("experiments/autotune_spread")
 
 
 def _run(kernels: dict, multi_ms: float, how: str = "autotuned") -> dict:

@@ -115,3 +115,52 @@ def test_every_command_quoted_to_run_parses_as_written(page):
         except SystemExit:
             wrong.append(command)
     assert not wrong, f"{page.name}: commands that fail as quoted: {wrong}"
+
+
+TOOLS = ROOT / "tools"
+
+
+def _table_names(text: str, header: str) -> list[str]:
+    """The first column's code of the Markdown table under the header row ``header``."""
+    lines = text.splitlines()
+    start = lines.index(header) + 2
+    names = []
+    for line in lines[start:]:
+        if not line.startswith("| `"):
+            break
+        name, purpose = line.split("`")[1], line.split("|")[2].strip()
+        assert purpose, f"{name} has no purpose in docs/tools.md"
+        names.append(name)
+    return names
+
+
+def test_the_maintainers_tools_and_the_finished_experiments_are_apart_and_each_listed():
+    """tools/ holds what maintainers run; the finished experiments are in tools/experiments/;
+    docs/tools.md gives each its line in the table of its folder."""
+    text = (ROOT / "docs" / "tools.md").read_text(encoding="utf-8")
+    top = sorted(p.name for p in TOOLS.iterdir() if p.suffix in (".py", ".sh"))
+    experiments = sorted(f"experiments/{p.name}" for p in (TOOLS / "experiments").glob("*.py"))
+    assert sorted(_table_names(text, "| tool | what it does |")) == top
+    assert sorted(_table_names(text, "| experiment | what it measured |")) == experiments
+    for runs in ("gpu_suite.py", "record_fixture.py", "hunt.py", "sanitize.py", "peer_bench.py"):
+        assert runs in top
+    for finished in ("green_split", "resource_ab", "autotune_spread", "param_access",
+                     "gap_analysis"):
+        assert f"experiments/{finished}.py" in experiments
+
+
+#: Tools docs/findings.md (a dated journal) quotes that have left the tree, as it says.
+LEFT = {"tools/host_rounds.py", "tools/device_launch.py", "tools/train_sequence.py"}
+
+
+def test_every_tool_a_page_or_module_names_is_where_it_says():
+    texts = [README, *(ROOT / "docs").glob("*.md"), *(ROOT / "nimble").rglob("*.py"),
+             *(ROOT / "tests").rglob("*.py"), *TOOLS.rglob("*.py"), *TOOLS.rglob("*.sh")]
+    gone = []
+    for path in texts:
+        for named in re.findall(r"(?<![\w/.-])tools/[\w/]+\.(?:py|sh)\b",
+                                path.read_text(encoding="utf-8")):
+            placeholder = Path(named).stem.isupper()  # tools/sanitize/S.py, .../NAME.py
+            if not placeholder and not (ROOT / named).exists() and named not in LEFT:
+                gone.append(f"{path.relative_to(ROOT)}: {named}")
+    assert not gone

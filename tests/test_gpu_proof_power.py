@@ -23,8 +23,9 @@ pytestmark = pytest.mark.gpu
 EDGES = 5
 
 #: The draws a targeted cover may take: enough for googlenet fp16's direct targets, writers
-#: before a sync's source included, to be held back both ways (``python3 tools/fuzz_cover.py
-#: googlenet_float16`` says by which launch on the recorded fixture; docs/findings.md).
+#: before a sync's source included, to be held back both ways (``python3
+#: tools/experiments/fuzz_cover.py googlenet_float16`` says by which launch on the recorded
+#: fixture; docs/findings.md).
 COVER_ROWS = 400
 
 

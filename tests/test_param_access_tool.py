@@ -1,11 +1,11 @@
-"""tools/param_access.py: reading which parameters a demangled kernel signature declares
-read-only, and lining them up with a task's parameter layout (no GPU, no c++filt)."""
+"""tools/experiments/param_access.py: reading which parameters a demangled kernel signature
+declares read-only, and lining them up with a task's parameter layout (no GPU, no c++filt)."""
 from __future__ import annotations
 
 from helpers import load_tool
 from nimble.ir.taskgraph import Access, Buffer, Pointer, Task, TaskGraph
 
-tool = load_tool("param_access")
+tool = load_tool("experiments/param_access")
 
 POOL = ("void at::native::(anonymous namespace)::max_pool_forward_nchw<c10::Half, int>(int, "
         "c10::Half const*, long, int, c10::Half*, long*)")

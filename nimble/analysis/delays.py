@@ -1,7 +1,7 @@
 """The race fuzzer's delay draws: which tasks of a fuzz copy wait, and how long, per launch.
 
 numpy only (no torch, no driver): :mod:`nimble.engine.fuzz` uploads the rows to its copies' delay
-table, and ``tools/fuzz_cover.py`` runs the draws on recorded fixtures.
+table, and ``tools/experiments/fuzz_cover.py`` runs the draws on recorded fixtures.
 
 Four kinds of draw (:data:`CHAINED`, :data:`TARGETED`, :data:`STREAM`, :data:`PER_TASK`):
 
@@ -260,7 +260,7 @@ def plan_draws(graph: TaskGraph, spans: Sequence[range], edges: Sequence[tuple[i
     """The draws of fuzz copies of ``graph`` run with ``edges`` (each inside its phase):
     targeted where ``offsets`` and ``stream_of`` are known (``hazards``: their cross-stream
     hazards, where already found), else random on every task.  No GPU:
-    ``tools/fuzz_cover.py`` runs them on recorded fixtures."""
+    ``tools/experiments/fuzz_cover.py`` runs them on recorded fixtures."""
     n = len(graph.tasks)
     streams = None if stream_of is None else np.asarray(stream_of, dtype=np.int64)
     picks = None

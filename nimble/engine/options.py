@@ -65,7 +65,7 @@ class PrepareOptions:
         Needs ``priorities``.  ``nm.graph.meta["resource_order"]`` says what was measured and
         kept.  Off until measured on the GPU.  A rule's name
         (:data:`nimble.analysis.resources.RULES`) serves that rule's priorities unmeasured,
-        for side-by-side timing (``tools/resource_ab.py``).
+        for side-by-side timing (``tools/experiments/resource_ab.py``).
     """
 
     arena_limit: int | str | None = "pool"

@@ -1,6 +1,6 @@
 """Kernel priorities and the tail backfill on and off, side by side in one process (GPU).
 
-    python3 tools/priority_ab.py MODEL BATCH {train,infer} [DTYPE]
+    python3 tools/experiments/priority_ab.py MODEL BATCH {train,infer} [DTYPE]
 
 Times Nimble single-stream, multi-stream without kernel priorities
 (``PrepareOptions(priorities=False)``), without the tail backfill

@@ -1,6 +1,7 @@
 """How long a clean first-divergence walk takes, and how many ops it judged alone.
 
-    python3 tools/compare_time.py nasnetalarge:float16 nasnetalarge:float32 resnet50:float32
+    python3 tools/experiments/compare_time.py nasnetalarge:float16 nasnetalarge:float32 \\
+        resnet50:float32
 
 For each ``MODEL:DTYPE``: prepare, then ``nm.first_divergence(x)`` on the example input, timed,
 with the count of ops whose drift from the eager chain sent them to

@@ -1,6 +1,7 @@
 """How soon the race fuzzer's targeted draws hold back the writer of each needed sync (no GPU).
 
-    python3 tools/fuzz_cover.py FIXTURE[,FIXTURE...] [--trials 50] [--launches 300] [--seed 0]
+    python3 tools/experiments/fuzz_cover.py FIXTURE[,FIXTURE...] [--trials 50] [--launches 300]
+        [--seed 0]
 
 Per recorded fixture (``tests/fixtures/NAME.json.gz``): the schedule ``prepare()`` makes and
 the draws a fuzz copy of it would run (:func:`nimble.analysis.delays.plan_draws`, seeded, the
@@ -29,7 +30,7 @@ from nimble.analysis import delays as fuzz_delays
 from nimble.engine.prepared import plan_graph
 from nimble.ir.taskgraph import TaskGraph
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 
 

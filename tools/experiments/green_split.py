@@ -1,6 +1,6 @@
 """SM partitioning by green contexts: the tasks off the critical path confined to K SMs.
 
-    python3 tools/green_split.py MODEL [DTYPE] [--all-green] [--aten-only]
+    python3 tools/experiments/green_split.py MODEL [DTYPE] [--all-green] [--aten-only]
 
 A graph kernel node given a ``CUkernel`` (``kern``, with ``func`` cleared) and a green context's
 ``CUcontext`` (``ctx``) runs its blocks only on that green context's SMs, inside a graph

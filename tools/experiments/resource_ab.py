@@ -1,8 +1,8 @@
 """Resource-aware kernel priorities against the slack ones, side by side in one process (GPU).
 
-    python3 tools/resource_ab.py MODEL[,MODEL] [--dtype float32,float16] [--batch 1]
+    python3 tools/experiments/resource_ab.py MODEL[,MODEL] [--dtype float32,float16] [--batch 1]
         [--rounds 7] [--iters 50]
-    python3 tools/resource_ab.py --fixtures FIXTURE[,FIXTURE]    (no GPU)
+    python3 tools/experiments/resource_ab.py --fixtures FIXTURE[,FIXTURE]    (no GPU)
 
 Per model and dtype, Nimble multi-stream is prepared (inference) with the slack priorities (the
 default), with each rule of :data:`nimble.analysis.resources.RULES` served unmeasured
@@ -36,7 +36,7 @@ from nimble.cli.harness import time_rounds, to_dtype
 from nimble.driver.gpu import use_cudnn_benchmark
 from nimble.engine.gpu_limits import recording_limits
 
-FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 H100_LEVELS = 6  # the H100's and H200's stream priorities, 0 to -5
 
 

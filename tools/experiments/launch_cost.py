@@ -1,6 +1,6 @@
 """Where a call's host time goes: the driver's graph launch against graph shape, and each Python step.
 
-    python3 tools/launch_cost.py [MODEL ...] [--json FILE]
+    python3 tools/experiments/launch_cost.py [MODEL ...] [--json FILE]
 
 For every model: one recording, then Nimble graphs at several stream caps, each instantiated with
 several flag sets, and variants with a single root / single sink added.  For each: median host µs
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nimble import driver  # noqa: E402
 from nimble.cli import models  # noqa: E402

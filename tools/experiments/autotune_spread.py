@@ -1,7 +1,7 @@
 """What cuDNN's autotuning picks, process by process, and what that does to the multi-stream time.
 
-    python3 tools/autotune_spread.py MODEL [--processes 7] [--heuristics 0] [--dtype float32]
-                                     [--rounds 5] [--iters 50] [--json F]
+    python3 tools/experiments/autotune_spread.py MODEL [--processes 7] [--heuristics 0]
+        [--dtype float32] [--rounds 5] [--iters 50] [--json F]
 
 cuDNN's autotuning (``torch.backends.cudnn.benchmark``, on in every recording, bench and GPU
 test) times each convolution's algorithms in the process and keeps the fastest alone; between

@@ -1,7 +1,7 @@
 """Fitting into the arena limit, side by side in one process (GPU): the stream cap alone,
 workspace chains at fixed thresholds, prepare's own choice, and no limit at all.
 
-    python3 tools/fit_ab.py MODEL BATCH [THRESHOLD_MB ...]
+    python3 tools/experiments/fit_ab.py MODEL BATCH [THRESHOLD_MB ...]
 
 Times a full SGD training step (as ``nimble bench --training`` takes it) of
 ``make_graphed_callables`` and of Nimble multi-stream with each way of fitting the schedule

@@ -1,6 +1,6 @@
 """Which of a recording's "write" accesses its kernels' own signatures say are reads (no GPU).
 
-    python3 tools/param_access.py [FIXTURE[,FIXTURE...]]      (default: every fixture)
+    python3 tools/experiments/param_access.py [FIXTURE[,FIXTURE...]]      (default: every fixture)
 
 The recorder marks a kernel's access to a buffer as a write whenever the kernel's op writes that
 buffer (a TaskGraph write means read-write): the kernel's own reads and writes are not known.
@@ -37,7 +37,7 @@ from typing import Sequence
 
 from nimble.ir.taskgraph import Access, TaskGraph
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 TRIALS = 20
 

@@ -1,8 +1,8 @@
 """Where a multi-stream call's time goes against the limits no schedule beats (GPU).
 
-    python3 tools/gap_analysis.py MODEL[,MODEL] [--dtype float32,float16] [--batch 1]
+    python3 tools/experiments/gap_analysis.py MODEL[,MODEL] [--dtype float32,float16] [--batch 1]
         [--rounds 5] [--iters 30] [--trace-runs 5] [--caps 8,16] [--json FILE]
-    python3 tools/gap_analysis.py --report FILE    (no GPU: print a --json file's report)
+    python3 tools/experiments/gap_analysis.py --report FILE  (no GPU: print a --json file's report)
 
 Per model and dtype, from one recording: Nimble multi-stream as served (the default options),
 with the arena uncapped, without kernel priorities, under stream caps (``--caps``), and Nimble

@@ -1,6 +1,7 @@
 """Where the host time of a call goes: idle GPU against busy, whole call against bare driver calls.
 
-    python3 tools/host_time.py resnet50,nasnetalarge,mobilenet_v2 [DTYPE] [--only-call [--fresh]]
+    python3 tools/experiments/host_time.py resnet50,nasnetalarge,mobilenet_v2 [DTYPE]
+        [--only-call [--fresh]]
 
 For each model: a Nimble graph (multi-stream) and a ``torch.cuda.graph`` of it; for each step
 (the whole ``nm(x)``, the launcher alone, a bare ``cuGraphLaunch`` of the same exec, the input-cell
