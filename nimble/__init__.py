@@ -12,7 +12,7 @@ import importlib
 from .errors import (BuildError, CaptureError, CudaError, GraphFaultError, InputError,
                      LoadError, NimbleError, NoGpuError, RecordError, SaveError,
                      VerificationError, WeightsChangedError)
-from .api import BucketView, Nimble, PhaseView, load
+from .api import BucketView, Nimble, PhaseView, keep_kernel_binaries, load
 from .engine.options import PrepareOptions
 from .record.gradient_average import GradientAverage
 from .ir.taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef
@@ -35,7 +35,7 @@ RESULT_TYPES = {
 }
 
 __all__ = [
-    "__version__", "Nimble", "load", "PrepareOptions", "GradientAverage", "PhaseView", "BucketView",
+    "__version__", "Nimble", "load", "keep_kernel_binaries", "PrepareOptions", "GradientAverage", "PhaseView", "BucketView",
     "NimbleError", "NoGpuError", "InputError", "CaptureError", "RecordError",
     "BuildError", "VerificationError", "GraphFaultError", "WeightsChangedError", "CudaError",
     "SaveError", "LoadError",

@@ -560,3 +560,16 @@ def load(path, model=None, *, return_copies: bool = False, verify: bool = True,
     for prepared in serving.preparations():
         prepared.launcher.return_copies = return_copies
     return nm._adopt(serving)
+
+
+def keep_kernel_binaries() -> None:
+    """Keep the code of every kernel module loaded from now on, so that graphs prepared later in
+    this process can be saved (:meth:`Nimble.save`): cuBLASLt's GEMMs and kernels compiled at
+    run time are in no file a loading process could read.  Call it at the start of the process
+    that prepares and saves, before the model first runs.  It attaches NVIDIA's CUPTI, so
+    graphs in this process launch from the host and ``torch.profiler`` cannot run here; the
+    processes that load the saved graph need none of it.  Raises
+    :class:`~nimble.errors.NimbleError` where CUPTI cannot be attached."""
+    from .engine.kernel_binaries import keep_kernel_binaries as keep
+
+    keep()

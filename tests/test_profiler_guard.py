@@ -215,3 +215,15 @@ def test_a_call_after_a_profiler_run_launches_the_host_launch_rebuild(fresh_stat
     nm(x)
     assert launcher.launched == ["exec-served0", "exec-host0", "exec-host0"]
     assert prepared.builts[0].name == "host0" and builder.built[0].device_launch is False
+
+
+def test_keeping_kernel_binaries_turns_device_launch_down_with_its_own_warning(fresh_state):
+    from nimble.engine.weights import EPOCH
+
+    before = EPOCH[0]
+    profiler_guard.note_cupti_attached("kept kernel binaries")
+    assert profiler_guard.cupti_attached() and EPOCH[0] == before + 1
+    with pytest.warns(RuntimeWarning, match="keep_kernel_binaries"):
+        assert profiler_guard.device_launch_allowed(True) is False
+    profiler_guard.note_cupti_attached("again")
+    assert EPOCH[0] == before + 1

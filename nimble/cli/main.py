@@ -31,6 +31,8 @@ _LAZY = {
     "bench": "time eager PyTorch against Nimble on a model (needs torch and a GPU)",
     "record": "record a model's GPU work into a TaskGraph file (needs torch and a GPU)",
     "debug": "debugging tools for recording and rebuilding a model (needs torch and a GPU)",
+    "save": "prepare a model and save it to a file that nimble.load rebuilds elsewhere "
+            "(needs torch and a GPU)",
 }
 
 

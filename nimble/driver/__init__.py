@@ -33,7 +33,9 @@ from .nodes import (CallPath, add_dependencies, add_empty_node, add_event_node_l
 # The nodes Nimble builds from its own kernels and from recorded nodes.
 from .nodes import (add_function_node, add_kernel_node_like, add_memcpy_node_like,
                     add_memset_node_like, kernel_arguments, set_exec_kernel_arguments)
-# Nodes rebuilt from stored descriptions, and kernels loaded from their binaries.
+# Nodes rebuilt from stored descriptions, kernels loaded from their binaries, and the images of
+# the modules this process loads (kept for saving graphs).
+from . import module_images
 from .stored import (SETTABLE_ATTRIBUTES, Library, ProcessBoundNode, StoredNode,
                      device_architecture, driver_version, function_attributes,
                      function_fingerprint, kernel_node_attributes, memcpy_fields, memset_fields,
@@ -60,5 +62,5 @@ __all__ = [
     "FunctionResources", "function_resources", "max_active_blocks",
     "SETTABLE_ATTRIBUTES", "Library", "ProcessBoundNode", "StoredNode", "device_architecture",
     "driver_version", "function_attributes", "function_fingerprint", "kernel_node_attributes",
-    "memcpy_fields", "memset_fields", "set_function_attributes",
+    "memcpy_fields", "memset_fields", "set_function_attributes", "module_images",
 ]

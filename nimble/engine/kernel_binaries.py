@@ -3,9 +3,12 @@ loaded back from there (:mod:`nimble.record.binaries` finds the bytes).
 
 At save, each distinct kernel (a name and the fingerprint of its ``CUfunction``: registers,
 shared, constant and local memory, thread limit, binary version, parameter layout) is looked up
-in the libraries the process loaded, then in Triton's and Inductor's cubin caches; every
-candidate is loaded through the driver and kept only if the kernel it yields has the same
-fingerprint.  A kernel found nowhere raises :class:`~nimble.errors.SaveError` naming it.
+in the libraries the process loaded, then in Triton's and Inductor's cubin caches, then among the
+module images the process kept since :func:`keep_kernel_binaries`
+(:mod:`nimble.driver.module_images`: cuBLASLt's GEMMs and runtime-compiled kernels are on no
+disk); every candidate is loaded through the driver and kept only if the kernel it yields has
+the same fingerprint.  A kernel found nowhere raises :class:`~nimble.errors.SaveError` naming it
+and what to do.
 
 At load, each binary is read back (from its library file, checked by the container's hash, or
 from the saved file), loaded once with ``cuLibraryLoadData``, and each kernel's ``CUfunction``
@@ -22,6 +25,7 @@ from typing import Any, Sequence
 from .. import driver
 from ..errors import CudaError, LoadError, SaveError
 from ..progress import logger as log
+from ..driver import module_images
 from ..record import binaries as found
 
 
@@ -121,17 +125,40 @@ class KernelFinder:
         self._plain(kernels, rows)
         self._cubins(kernels, rows)
         self._compressed(kernels, rows)
+        self._captured(kernels, rows)
         missing = [k for k, row in zip(kernels, rows) if row is None]
         if missing:
             names = ", ".join(k.name for k in missing[:3])
-            raise SaveError(
-                f"{len(missing)} kernel(s) of this graph are in no library file or cubin this "
-                f"process can read ({names}{', ...' if len(missing) > 3 else ''}): they were "
-                "compiled at run time (cuDNN's runtime-fused kernels, PyTorch's jiterator). "
-                "Turn off what made them (torch.backends.cuda.enable_cudnn_sdp(False) for "
-                "cuDNN's attention, torch.backends.cudnn.enabled = False for its fused "
-                "kernels) before prepare(), then save")
+            more = ", ..." if len(missing) > 3 else ""
+            if module_images.capturing():
+                why = ("and none of the modules loaded since nimble.keep_kernel_binaries() "
+                       "holds them: call it before the process first runs the model")
+            else:
+                why = ("(cuBLASLt unpacks its GEMMs itself; cuDNN and PyTorch compile some "
+                       "kernels at run time): call nimble.keep_kernel_binaries() at the start "
+                       "of the process, before the model first runs, then prepare and save "
+                       "(`nimble save` does so)")
+            raise SaveError(f"{len(missing)} kernel(s) of this graph are in no library file "
+                            f"or cubin this process can read ({names}{more}) {why}")
         return [int(r) for r in rows]
+
+    def _captured(self, kernels: Sequence[LiveKernel], rows: list) -> None:
+        """Kernels found in the module images kept since :func:`keep_kernel_binaries`: each
+        image that names the kernel as a symbol and yields the same kernel is embedded."""
+        if all(r is not None for r in rows) or not module_images.capturing():
+            return
+        images = module_images.images()
+        for i, k in enumerate(kernels):
+            if rows[i] is not None:
+                continue
+            symbol = k.name.encode() + b"\0"
+            for image in images:
+                at = image.find(symbol)
+                while at > 0 and image[at - 1:at] not in (b"\0", b"."):
+                    at = image.find(symbol, at + 1)
+                if at > 0 and _loads(image, k):
+                    rows[i] = self.table.embedded(image, "module loaded in the saving process")
+                    break
 
     def _plain(self, kernels: Sequence[LiveKernel], rows: list) -> None:
         for lib in self.libraries():
@@ -276,3 +303,14 @@ def _checked_function(library, row: dict):
                                               row.get("attributes", {}).items()
                                               if k in driver.SETTABLE_ATTRIBUTES})
     return function
+
+
+def keep_kernel_binaries() -> None:
+    """Keep the image of every module the driver loads from now on, so that a graph prepared
+    later in this process can be saved whatever its kernels' origin
+    (:mod:`nimble.driver.module_images`).  CUPTI stays attached: graphs prepared in this
+    process launch from the host (:mod:`nimble.engine.profiler_guard`)."""
+    from .profiler_guard import note_cupti_attached
+
+    module_images.start()
+    note_cupti_attached("kept kernel binaries")

@@ -242,7 +242,9 @@ def _build(model, bucket: _Bucket, region: ArenaRegion) -> Prepared:
     row = bucket.row
     built = build_prepared(
         model, bucket.rec, bucket.schedule, bucket.memplan,
-        device_launch=device_launch_allowed(any(row.get("device_launch", [True]))),
+        # Device launch as prepare asks for it by default: the saving process may have built
+        # for host launch only because CUPTI was attached there (keep_kernel_binaries).
+        device_launch=device_launch_allowed(True),
         gather_inputs=bool(row.get("gather_inputs", True)), seconds={},
         priorities=row.get("priorities"), region=region,
         late_edges=[e for p in _backfill(row) if p.kept for e in p.kept.edges()],

@@ -37,7 +37,7 @@ from .weights import EPOCH
 
 log = logging.getLogger("nimble")
 
-_state = {"watching": False, "attached": False, "warned": False}
+_state = {"watching": False, "attached": False, "warned": False, "reason": ""}
 
 #: What the warning says, once per process, after a profiler run.
 ADVICE = (
@@ -68,6 +68,24 @@ def cupti_attached() -> bool:
     """Whether a profiler started in this process since the watch began without asking Kineto
     to tear CUPTI down (``TEARDOWN_CUPTI=1``), or a CUDA tool was injected into it."""
     return _state["attached"] or bool(injected_tool())
+
+
+#: ... and in a process that keeps its kernel binaries for saving (``nimble.keep_kernel_binaries``).
+KEEP_ADVICE = (
+    "this process keeps its kernel binaries for saving graphs (nimble.keep_kernel_binaries), "
+    "which attaches CUPTI; with CUPTI attached a device-launchable graph runs slower, so "
+    "Nimble's graphs here launch from the host (nm.launch_mode == 'host'). A graph saved here "
+    "and loaded in another process launches from the device there.")
+
+
+def note_cupti_attached(reason: str) -> None:
+    """Nimble itself attached CUPTI (``reason`` says why): from now on graphs launch from the
+    host, as after a profiler run."""
+    if _state["attached"]:
+        return
+    _state["attached"] = True
+    _state["reason"] = reason
+    EPOCH[0] += 1
 
 
 def _profiler_started() -> None:
@@ -104,8 +122,9 @@ def warn_once(stacklevel: int = 3) -> None:
         return
     _state["warned"] = True
     tool = "" if _state["attached"] else injected_tool()
-    warnings.warn(TOOL_ADVICE.format(tool=tool) if tool else ADVICE, RuntimeWarning,
-                  stacklevel=stacklevel)
+    advice = TOOL_ADVICE.format(tool=tool) if tool else \
+        KEEP_ADVICE if _state.get("reason") else ADVICE
+    warnings.warn(advice, RuntimeWarning, stacklevel=stacklevel)
 
 
 def device_launch_allowed(requested: bool) -> bool:

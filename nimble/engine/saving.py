@@ -99,13 +99,22 @@ class _Kernels:
         return k
 
 
+def _function_of(params):
+    """The ``CUfunction`` a built kernel node runs: a node made from a library's ``CUkernel``
+    carries the kernel handle, and its ``func`` field is not a function of this context."""
+    kern = getattr(params, "kern", None)
+    if kern is not None and int(kern):
+        return driver.kernel_function_of(kern)
+    return params.func
+
+
 def _node_rows(prepared: Prepared, kernels: _Kernels) -> list[dict]:
     """One stored node per task (see the module docstring)."""
     rows = []
     for task, node in zip(prepared.graph.tasks, _task_nodes(prepared)):
         where = f"task {task.id} ({task.short_name or task.kind})"
         if task.kind == TaskKind.KERNEL:
-            function = driver.kernel_node_params(node).func
+            function = _function_of(driver.kernel_node_params(node))
             try:
                 attributes = driver.kernel_node_attributes(node)
             except driver.ProcessBoundNode as e:
