@@ -185,3 +185,23 @@ def test_the_compressed_index_is_cached_per_library(tmp_path, monkeypatch):
     assert binaries.compressed_kernel_index(lib, 90, names) == {"k1": 0, "k2": 0}
     assert binaries.compressed_kernel_index(lib, 90, names) == {"k1": 0, "k2": 0}
     assert calls == [c]
+
+
+def test_a_file_of_several_checksum_chunks_is_checked_in_every_chunk(monkeypatch):
+    from nimble.ir import saved_format
+
+    monkeypatch.setattr(saved_format, "CHECKSUM_CHUNK", 1024)
+    blobs = bytes(range(256)) * 40  # ten chunks
+    data = _file(blobs=blobs)
+    back = SavedFile.from_bytes(data)
+    assert bytes(back.blobs) == blobs
+    for at in (HEADER.size + 5, len(data) // 2, len(data) - 3):
+        broken = bytearray(data)
+        broken[at] ^= 1
+        with pytest.raises(LoadError, match="checksum"):
+            SavedFile.from_bytes(bytes(broken))
+    # two chunks swapped: every byte still there, in another order
+    body = bytearray(data[HEADER.size:])
+    body[1024:2048], body[2048:3072] = body[2048:3072], body[1024:2048]
+    with pytest.raises(LoadError, match="checksum"):
+        SavedFile.from_bytes(data[:HEADER.size] + bytes(body))

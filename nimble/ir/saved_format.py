@@ -3,8 +3,8 @@
 ::
 
     header      64 bytes   magic "NIMBLEGR", format version (u32), flags (u32), section count
-                           (u32), reserved (u32), file size (u64), SHA-256 of every byte after
-                           the header (32 bytes)
+                           (u32), reserved (u32), file size (u64), checksum of every byte after
+                           the header (32 bytes: :func:`checksum`)
     sections    48 bytes each: name (16 bytes, ASCII, zero-padded), offset (u64), size (u64),
                            reserved (16 bytes)
     data        each section at a 64-byte aligned offset
@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,8 +38,30 @@ ALIGN = 64
 MANIFEST, BLOBS = "manifest", "blobs"
 
 
+#: The checksum's chunk: each is hashed on its own (in parallel), then the list of digests.
+CHECKSUM_CHUNK = 8 << 20
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def _digest(chunk) -> bytes:
+    return hashlib.sha256(chunk).digest()
+
+
+def checksum(data) -> bytes:
+    """SHA-256 of the SHA-256 digests of ``data``'s consecutive 8 MiB chunks (the last one
+    shorter): a hash list, so that a large file is checked on several cores (hashlib releases
+    the GIL) while any changed byte still changes the result."""
+    view = memoryview(data)
+    chunks = [view[i:i + CHECKSUM_CHUNK] for i in range(0, len(view), CHECKSUM_CHUNK)]
+    if len(chunks) > 1:
+        with ThreadPoolExecutor(max_workers=min(8, len(chunks), os.cpu_count() or 1)) as pool:
+            digests = list(pool.map(_digest, chunks))
+    else:
+        digests = [_digest(c) for c in chunks]
+    return hashlib.sha256(b"".join(digests)).digest()
 
 
 @dataclass(frozen=True)
@@ -100,7 +123,7 @@ class SavedFile:
             raise LoadError(f"{self.path or 'the file'}: a blob reference [{offset}, {size}] "
                             f"runs past the {len(self.blobs)}-byte blobs section: the file is "
                             "damaged")
-        return self.blobs[offset:offset + size]
+        return bytes(self.blobs[offset:offset + size])
 
     def to_bytes(self) -> bytes:
         manifest = json.dumps(self.manifest, separators=(",", ":"), sort_keys=True).encode()
@@ -113,7 +136,7 @@ class SavedFile:
                               name.encode().ljust(16, b"\0"), at, len(data), b"")
             out += data
         HEADER.pack_into(out, 0, MAGIC, self.version, 0, len(parts), 0, len(out),
-                         hashlib.sha256(memoryview(out)[HEADER.size:]).digest())
+                         checksum(memoryview(out)[HEADER.size:]))
         return bytes(out)
 
     def write(self, path: str | os.PathLike) -> Path:
@@ -133,7 +156,7 @@ class SavedFile:
         """Parse and check a whole file (see the module docstring); LoadError for anything
         that does not hold."""
         where = path or "the file"
-        if len(data) < HEADER.size or data[:8] != MAGIC:
+        if len(data) < HEADER.size or bytes(data[:8]) != MAGIC:
             raise LoadError(f"{where} is not a saved Nimble graph (no NIMBLEGR header)")
         magic, version, _, count, _, size, digest = HEADER.unpack_from(data)
         if version > FORMAT_VERSION or version < 1:
@@ -143,7 +166,7 @@ class SavedFile:
         if size != len(data):
             raise LoadError(f"{where} is truncated or has bytes appended: its header says "
                             f"{size} bytes, the file has {len(data)}; save the model again")
-        if hashlib.sha256(memoryview(data)[HEADER.size:]).digest() != digest:
+        if checksum(memoryview(data)[HEADER.size:]) != digest:
             raise LoadError(f"{where} is damaged: its checksum does not match its contents; "
                             "save the model again")
         sections = {}
@@ -167,12 +190,16 @@ class SavedFile:
         if not isinstance(manifest, dict):
             raise LoadError(f"{where}: its manifest is not a JSON object")
         offset, length = sections[BLOBS]
-        return cls(manifest, bytes(data[offset:offset + length]), version, where, sections)
+        # A view, not a copy: the weights are most of a file.
+        return cls(manifest, memoryview(data)[offset:offset + length], version, where,
+                   sections)
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "SavedFile":
         try:
-            data = Path(path).read_bytes()
+            with open(path, "rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                got = f.readinto(data)
         except OSError as e:
             raise LoadError(f"cannot read {path}: {e.strerror or e}") from None
-        return cls.from_bytes(data, str(path))
+        return cls.from_bytes(memoryview(data)[:got], str(path))
