@@ -191,7 +191,9 @@ def test_a_file_of_several_checksum_chunks_is_checked_in_every_chunk(monkeypatch
     from nimble.ir import saved_format
 
     monkeypatch.setattr(saved_format, "CHECKSUM_CHUNK", 1024)
-    blobs = bytes(range(256)) * 40  # ten chunks
+    import random
+
+    blobs = random.Random(0).randbytes(10240)  # ten chunks
     data = _file(blobs=blobs)
     back = SavedFile.from_bytes(data)
     assert bytes(back.blobs) == blobs
@@ -203,5 +205,6 @@ def test_a_file_of_several_checksum_chunks_is_checked_in_every_chunk(monkeypatch
     # two chunks swapped: every byte still there, in another order
     body = bytearray(data[HEADER.size:])
     body[1024:2048], body[2048:3072] = body[2048:3072], body[1024:2048]
+    assert bytes(body) != data[HEADER.size:]
     with pytest.raises(LoadError, match="checksum"):
         SavedFile.from_bytes(data[:HEADER.size] + bytes(body))
