@@ -1,11 +1,15 @@
 """``nimble.load(path, model=None)``: a saved graph rebuilt in this process, and proven.
 
 Nothing is recorded and nothing scheduled: the file says what ``prepare()`` decided
-(:mod:`nimble.engine.saving`).  Loading reads and checks the file (checksum, format version,
-GPU architecture, driver), loads every kernel from its binary and checks it against its saved
-fingerprint (:mod:`nimble.engine.kernel_binaries`), puts the weights in place (the model's, by
-name, or the file's), restores the external memory and the private copies of library memory,
-then builds every bucket of every instance through the same
+(:mod:`nimble.engine.saving`).  Loading first reads and checks the whole file on the CPU: the
+container (checksum, format version), every field of the manifest for its type and range
+(:mod:`nimble.ir.saved_manifest`), each bucket's graph against its row, so that a damaged file
+is a :class:`~nimble.errors.LoadError` on any machine, GPU or not, before anything is
+allocated.  Then the GPU: its architecture and driver are held against the file's, every
+kernel is loaded from its binary and checked against its saved fingerprint
+(:mod:`nimble.engine.kernel_binaries`), the weights put in place (the model's, by name, or the
+file's), the external memory and the private copies of library memory restored, and every
+bucket of every instance built through the same
 :func:`~nimble.engine.prepared.build_prepared` that prepare uses, from stored nodes instead of
 recorded ones.
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import gzip
 import json
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +39,7 @@ from ..analysis.memplan import MemPlan
 from ..analysis.schedule import Schedule
 from ..errors import LoadError, NoGpuError
 from ..ir.saved_format import SavedFile
+from ..ir.saved_manifest import check_bucket_graph, check_manifest
 from ..ir.taskgraph import TaskGraph, TaskKind
 from ..progress import say
 from .arena_layout import shared_layout, shared_state
@@ -41,7 +47,6 @@ from .kernel_binaries import LoadedKernels, load_kernels
 from .launcher import CallOrder, run_phases
 from .prepared import ArenaRegion, Placement, Prepared, build_prepared
 from .profiler_guard import device_launch_allowed
-from .saving import SAVED_FORMAT
 from .serving import Bucket, BucketCost, PrepareReport, Serving, close_partial
 from .weights import named_weights
 
@@ -58,14 +63,6 @@ class _SavedRecording:
     static_inputs: list
     output_spec: Any
     step: Any = None
-
-
-def _field(row: dict, key: str, where: str):
-    try:
-        return row[key]
-    except (KeyError, TypeError):
-        raise LoadError(f"{where}: the manifest has no {key!r}: the file is damaged or of "
-                        "another Nimble") from None
 
 
 def _check_machine(manifest: dict, device: int) -> None:
@@ -197,36 +194,27 @@ def _tensors(saved: SavedFile, refs: list, like: list, device) -> list:
     return out
 
 
-def _read_bucket(row: dict, k: int, saved: SavedFile, functions: list, weights: list[int],
-                 memory: list[int], device) -> _Bucket:
-    where = f"bucket {k}"
-    try:
-        graph = TaskGraph.from_json(json.loads(gzip.decompress(saved.blob(
-            _field(row, "graph", where)))))
-        schedule = Schedule(**_field(row, "schedule", where))
-        schedule.streams = [list(s) for s in schedule.streams]
-        schedule.sync_edges = [tuple(e) for e in schedule.sync_edges]
-        schedule.barrier_edges = [tuple(e) for e in schedule.barrier_edges]
-        plan_row = dict(_field(row, "memplan", where))
-        plan_row["offsets"] = {int(b): int(o) for b, o in plan_row["offsets"].items()}
-        memplan = MemPlan(**plan_row)
-    except (ValueError, TypeError, KeyError, OSError, EOFError) as e:
-        raise LoadError(f"{where} of {saved.path}: {e}: the file is damaged") from None
+def _read_bucket(row: dict, k: int, saved: SavedFile, graph: TaskGraph, spec, functions: list,
+                 weights: list[int], memory: list[int], device) -> _Bucket:
+    """Bucket ``k`` (its row checked by :func:`_read`, its graph and output structure decoded
+    there), with its reference tensors on ``device``."""
+    schedule = Schedule(**row["schedule"])
+    schedule.streams = [list(s) for s in schedule.streams]
+    schedule.sync_edges = [tuple(e) for e in schedule.sync_edges]
+    schedule.barrier_edges = [tuple(e) for e in schedule.barrier_edges]
+    memplan = MemPlan(**{**row["memplan"], "offsets": {
+        int(b): int(o) for b, o in row["memplan"]["offsets"].items()}})
     outside = {}
-    for bid, source in _field(row, "outside", where).items():
+    for bid, source in row["outside"].items():
         if "weight" in source:
             outside[int(bid)] = weights[int(source["weight"])]
         else:
             outside[int(bid)] = memory[int(source["memory"])] + int(source["offset"])
-    private = {int(bid): saved.blob(ref) for bid, ref in _field(row, "private", where).items()}
-    from torch.utils._pytree import treespec_loads
-
-    spec = row.get("output_spec")
-    refs = _field(row, "reference", where)
+    private = {int(bid): saved.blob(ref) for bid, ref in row["private"].items()}
+    refs = row["reference"]
     sets = [_tensors(saved, s, graph.inputs, device) for s in refs["inputs"]]
     expected = [_tensors(saved, s, graph.outputs, device) for s in refs["outputs"]]
-    rec = _SavedRecording(graph, _stored_nodes(graph, _field(row, "nodes", where), functions),
-                          sets[0], treespec_loads(spec) if spec else None)
+    rec = _SavedRecording(graph, _stored_nodes(graph, row["nodes"], functions), sets[0], spec)
     return _Bucket(rec, schedule, memplan, row, Placement(outside, private),
                    (sets, expected, {int(i): float(d) for i, d in refs["spread"].items()}))
 
@@ -278,12 +266,40 @@ def prove_loaded(prepared: Prepared, reference: tuple, launches: int = LOAD_PROO
             shared.close()
 
 
-def _read(path) -> SavedFile:
+def _itemsize(dtype: str) -> int | None:
+    import torch
+
+    found = getattr(torch, dtype, None)
+    return found.itemsize if isinstance(found, torch.dtype) else None
+
+
+def _decoded(saved: SavedFile, k: int) -> tuple[TaskGraph, Any]:
+    """Bucket ``k``'s graph and output structure, decoded and checked against its row."""
+    from torch.utils._pytree import treespec_loads
+
+    row = saved.manifest["buckets"][k]
+    try:
+        graph = TaskGraph.from_json(json.loads(gzip.decompress(saved.blob(row["graph"]))))
+    except (ValueError, OSError, EOFError, zlib.error, RecursionError) as e:
+        raise LoadError(f"{saved.path}: the graph of bucket {k} does not decode ({e}): the file "
+                        "is damaged, save the model again") from None
+    check_bucket_graph(saved.manifest, k, graph, _itemsize, saved.path)
+    spec = row.get("output_spec")
+    try:
+        return graph, treespec_loads(spec) if spec else None
+    # torch's decoder of a pytree's structure raises what its parts raise on text it did not
+    # write: any of them means a damaged file.
+    except Exception as e:  # noqa: BLE001
+        raise LoadError(f"{saved.path}: buckets[{k}].output_spec does not decode ({e}): the "
+                        "file is damaged, save the model again") from None
+
+
+def _read(path) -> tuple[SavedFile, list[tuple[TaskGraph, Any]]]:
+    """The file read and every part of it checked, on the CPU: the container, the manifest
+    (:func:`~nimble.ir.saved_manifest.check_manifest`), each bucket's graph against its row."""
     saved = SavedFile.read(path)
-    if saved.manifest.get("format") != SAVED_FORMAT:
-        raise LoadError(f"{path} is not a saved Nimble graph (format "
-                        f"{saved.manifest.get('format')!r})")
-    return saved
+    check_manifest(saved.manifest, len(saved.blobs), str(path))
+    return saved, [_decoded(saved, k) for k in range(len(saved.manifest["buckets"]))]
 
 
 def load_serving(path, model=None, *, verify: bool = True, quiet: bool = True) -> Serving:
@@ -291,14 +307,14 @@ def load_serving(path, model=None, *, verify: bool = True, quiet: bool = True) -
     module docstring)."""
     import torch
 
+    began = time.perf_counter()
+    seconds: dict[str, float] = {}
+    saved, decoded = _read(path)  # a damaged file stops here, on any machine
+    manifest = saved.manifest
     if not torch.cuda.is_available():
         raise NoGpuError("loading a saved graph needs an NVIDIA GPU with a driver; none is "
                          "visible to this process")
     driver.ensure_context()
-    began = time.perf_counter()
-    seconds: dict[str, float] = {}
-    saved = _read(path)
-    manifest = saved.manifest
     device = torch.device("cuda", torch.cuda.current_device())
     _check_machine(manifest, device.index)
     seconds["read"] = time.perf_counter() - began
@@ -308,16 +324,14 @@ def load_serving(path, model=None, *, verify: bool = True, quiet: bool = True) -
     orders: list = []
     try:
         t0 = time.perf_counter()
-        kernels = load_kernels(_field(manifest, "kernels", path),
-                               _field(manifest, "binaries", path), saved)
+        kernels = load_kernels(manifest["kernels"], manifest["binaries"], saved)
         seconds["kernels"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         weights, keep = _weights(manifest, saved, model, device)
         memory, kept_memory = _memory(manifest, saved, device)
-        buckets = [_read_bucket(row, k, saved, kernels.functions, weights, memory, device)
-                   for k, row in enumerate(_field(manifest, "buckets", path))]
-        if not buckets:
-            raise LoadError(f"{path} holds no bucket: the file is damaged")
+        buckets = [_read_bucket(row, k, saved, graph, spec, kernels.functions, weights,
+                                memory, device)
+                   for k, (row, (graph, spec)) in enumerate(zip(manifest["buckets"], decoded))]
         layout = shared_layout([b.rec.graph for b in buckets], [b.memplan for b in buckets])
         seconds["weights_and_memory"] = time.perf_counter() - t0
         t0 = time.perf_counter()

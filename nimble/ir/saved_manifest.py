@@ -1,0 +1,506 @@
+"""The manifest of a saved graph (``docs/saved-format.md``) checked whole before a load uses it.
+
+:func:`check_manifest` reads every field of the manifest that the loader reads, each for its
+type (the typed readers of :mod:`nimble.ir.json_fields`) and its range: every index (a kernel,
+binary, weight, memory range, task or stream) names a row that exists, every blob reference
+lies inside the blobs section, every size agrees with the bytes it names, every stored node is
+of one known kind with the driver fields it needs.  :func:`check_bucket_graph` then holds a
+bucket against its decoded TaskGraph: a stored node per task and of its kind, every buffer id
+in the graph, every pointed buffer placed, the arena plan inside its arena, the reference
+blobs of the inputs' and outputs' byte sizes.
+
+A manifest that fails is refused with one :class:`~nimble.errors.LoadError` naming the field
+(``buckets[0].nodes[3].kernel is a string ('3'), not an integer``) before anything of the file
+is allocated, on any machine: plain JSON, no torch, no driver.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+from ..errors import LoadError
+from . import json_fields as jf
+from .taskgraph import BufferKind, TaskGraph, TaskKind
+
+#: The manifest's ``format``.
+FORMAT_NAME = "nimble.saved-graph"
+#: Where a kernel's binary comes from: a fatbin container of a library file, or the blobs.
+BINARY_KINDS = ("library", "embedded")
+#: A stored memset's and memcpy's fields, as the driver's parameter structs name them
+#: (:mod:`nimble.driver.stored`).
+MEMSET_FIELDS = ("dst", "value", "elementSize", "width", "height", "pitch")
+MEMCPY_FIELDS = tuple(f"{side}{name}" for side in ("src", "dst")
+                      for name in ("XInBytes", "Y", "Z", "LOD", "MemoryType", "Device",
+                                   "Pitch", "Height")) + ("WidthInBytes", "Height", "Depth")
+#: ``CU_MEMORYTYPE_DEVICE`` and ``CU_MEMORYTYPE_UNIFIED``: a stored memcpy copies device memory.
+DEVICE_MEMORY_TYPES = (2, 4)
+#: The bytes of a launch attribute's value (``CUlaunchAttributeValue``).
+LAUNCH_ATTRIBUTE_BYTES = 64
+#: The kinds of stored node, each the key that holds it, and the task kind it stands for.
+NODE_KINDS = {"kernel": TaskKind.KERNEL, "memset": TaskKind.MEMSET,
+              "memcpy": TaskKind.MEMCPY, "empty": "other:CU_GRAPH_NODE_TYPE_EMPTY"}
+SCHEDULE_KEYS = ("stream_of", "streams", "sync_edges", "reduced_edges", "width")
+SCHEDULE_OPTIONAL = ("phases", "barrier_edges")
+MEMPLAN_KEYS = ("offsets", "arena_bytes", "buffer_bytes", "lower_bound_bytes", "alignment")
+BACKFILL_KEYS = ("phase", "anchor", "deferred", "moved", "idle_us", "work_us")
+REQUIRED = ("format", "arch", "driver", "binaries", "kernels", "buckets")
+BUCKET_REQUIRED = ("graph", "schedule", "memplan", "nodes", "outside", "private", "reference")
+
+Read = Callable[[Any, str], Any]
+
+
+def _fail(where: str, what: str) -> jf.FieldError:
+    return jf.FieldError(f"{where} {what}")
+
+
+def _at_least(low: int, what: str) -> Read:
+    def read(value: Any, where: str) -> int:
+        n = jf.integer(value, where)
+        if n < low:
+            raise _fail(where, f"is {n}, {what}")
+        return n
+    return read
+
+
+_natural = _at_least(0, "a negative count or size")
+_positive = _at_least(1, "not a positive integer")
+
+
+def _index(count: int, what: str) -> Read:
+    """A reader of an index into ``count`` rows of ``what``."""
+    def read(value: Any, where: str) -> int:
+        i = jf.integer(value, where)
+        if not 0 <= i < count:
+            raise _fail(where, f"is {i}, but there are {count} {what}"
+                        + (f" (0 to {count - 1})" if count else ""))
+        return i
+    return read
+
+
+def _blob(blobs_size: int, size: int | None = None) -> Read:
+    """A reader of a blob reference ``[offset, size]`` inside ``blobs_size`` bytes (of exactly
+    ``size`` bytes where given)."""
+    def read(value: Any, where: str) -> tuple[int, int]:
+        row = jf.array(value, where, 2)
+        offset, length = (jf.integer(v, f"{where}[{i}]") for i, v in enumerate(row))
+        if offset < 0 or length < 0:
+            raise _fail(where, f"is [{offset}, {length}], a blob reference with a negative "
+                               "offset or size")
+        if offset + length > blobs_size:
+            raise _fail(where, f"is [{offset}, {length}], which runs past the {blobs_size}-byte "
+                               "blobs section")
+        if size is not None and length != size:
+            raise _fail(where, f"is [{offset}, {length}]: {length} bytes for {size}")
+        return offset, length
+    return read
+
+
+def _keyed(read: Read) -> Read:
+    """A reader of an object keyed by ids written as decimal strings (``{"12": ...}``)."""
+    def keyed(value: Any, where: str) -> dict[int, Any]:
+        out = {}
+        for key, item in jf.obj(value, where).items():
+            if not re.fullmatch("[0-9]+", key):
+                raise _fail(where, f"has a key {key!r}, which is not an id (a whole number)")
+            out[int(key)] = read(item, f"{where}[{key!r}]")
+        return out
+    return keyed
+
+
+def _only(row: dict, allowed: tuple[str, ...], where: str) -> None:
+    for key in row:
+        if key not in allowed:
+            raise _fail(where, f"has a key {key!r} that this Nimble does not know")
+
+
+def _some(read: Read) -> Read:
+    """A reader of a non-empty array, each item read by ``read``."""
+    def some(value: Any, where: str) -> list:
+        if not jf.array(value, where):
+            raise _fail(where, "is an empty array")
+        return jf.items(value, where, read)
+    return some
+
+
+def _pair(read: Read) -> Read:
+    return lambda value, where: jf.items(value, where, read, 2)
+
+
+def _hex(size: int, what: str) -> Read:
+    """A reader of ``size`` bytes in hexadecimal (``what`` they are, for the message)."""
+    def read(value: Any, where: str) -> str:
+        text = jf.text(value, where)
+        if not re.fullmatch(f"[0-9a-fA-F]{{{2 * size}}}", text):
+            raise _fail(where, f"is not {what} ({size} bytes in hexadecimal)")
+        return text
+    return read
+
+
+def _values(read: Read) -> Read:
+    """A reader of an object of named values, each read by ``read``."""
+    return lambda value, where: {k: read(v, f"{where}.{k}")
+                                 for k, v in jf.obj(value, where).items()}
+
+
+# ---- the rows shared by every bucket -------------------------------------------------------
+
+def _binary(blobs_size: int, path: str) -> Read:
+    def read(value: Any, where: str) -> None:
+        row = jf.obj(value, where)
+        kind = jf.member(row, "kind", where, jf.text)
+        if kind not in BINARY_KINDS:
+            raise LoadError(f"{path}: {where}.kind is {kind!r}, a kind of kernel binary this "
+                            "Nimble does not know: load the file with the Nimble that saved it")
+        jf.member(row, "sha256", where, _hex(32, "a SHA-256 digest"))
+        if kind == "embedded":
+            jf.member(row, "blob", where, _blob(blobs_size))
+            jf.member(row, "origin", where, jf.text, "")
+            return
+        for key in ("path", "name"):
+            jf.member(row, key, where, jf.text)
+        file_size = jf.member(row, "file_size", where, _natural)
+        offset = jf.member(row, "offset", where, _natural)
+        if offset + jf.member(row, "size", where, _positive) > file_size:
+            raise _fail(where, f"names bytes past the end of its {file_size}-byte library file")
+    return read
+
+
+def _kernel(binaries: int) -> Read:
+    def read(value: Any, where: str) -> None:
+        row = jf.obj(value, where)
+        if not jf.member(row, "name", where, jf.text):
+            raise _fail(f"{where}.name", "is empty")
+        jf.member(row, "binary", where, _index(binaries, "binaries"))
+        jf.member(row, "fingerprint", where, _values(jf.integer))
+        jf.member(row, "layout", where, lambda v, w: jf.items(v, w, _pair(_natural)), [])
+        jf.member(row, "attributes", where, _values(jf.integer), {})
+    return read
+
+
+def _weight_name(size: int) -> Read:
+    def read(value: Any, where: str) -> None:
+        row = jf.obj(value, where)
+        jf.member(row, "name", where, jf.text)
+        if jf.member(row, "offset", where, _natural) > size:
+            raise _fail(f"{where}.offset", f"lies past its {size}-byte storage")
+        jf.member(row, "shape", where, lambda v, w: jf.items(v, w, _natural))
+        jf.member(row, "strides", where, lambda v, w: jf.items(v, w, jf.integer))
+        jf.member(row, "dtype", where, jf.text)
+    return read
+
+
+def _weight(blobs_size: int, included: bool) -> Read:
+    def read(value: Any, where: str) -> int:
+        row = jf.obj(value, where)
+        size = jf.member(row, "size", where, _natural)
+        jf.member(row, "names", where, _some(_weight_name(size)))
+        blob = jf.member(row, "blob", where, jf.optional(_blob(blobs_size, size)), None)
+        if blob is None and included:
+            raise _fail(f"{where}.blob", "is null, but weights_included is true")
+        return size
+    return read
+
+
+def _memory(blobs_size: int) -> Read:
+    def read(value: Any, where: str) -> int:
+        row = jf.obj(value, where)
+        size = jf.member(row, "size", where, _natural)
+        jf.member(row, "blob", where, _blob(blobs_size, size))
+        return size
+    return read
+
+
+# ---- a bucket ------------------------------------------------------------------------------
+
+def _driver_fields(names: tuple[str, ...]) -> Read:
+    """A reader of a stored memset's or memcpy's fields: each a 64-bit unsigned integer."""
+    def read(value: Any, where: str) -> None:
+        row = jf.obj(value, where)
+        for name in names:
+            if jf.member(row, name, where, _natural) >= 1 << 64:
+                raise _fail(f"{where}.{name}", "does not fit in 64 bits")
+        if "elementSize" in row and row["elementSize"] not in (1, 2, 4):
+            raise _fail(f"{where}.elementSize", f"is {row['elementSize']}, not 1, 2 or 4")
+        for side in ("src", "dst"):
+            kind = row.get(f"{side}MemoryType", DEVICE_MEMORY_TYPES[0])
+            if kind not in DEVICE_MEMORY_TYPES:
+                raise _fail(f"{where}.{side}MemoryType", f"is {kind}, not device memory "
+                            f"({' or '.join(map(str, DEVICE_MEMORY_TYPES))})")
+    return read
+
+
+_attributes = _keyed(_hex(LAUNCH_ATTRIBUTE_BYTES, "a launch attribute's value"))
+
+
+def _node(kernels: int) -> Read:
+    """A reader of one stored node; returns its kind."""
+    def read(value: Any, where: str) -> str:
+        row = jf.obj(value, where)
+        kinds = [k for k in NODE_KINDS if k in row]
+        if len(kinds) != 1:
+            raise _fail(where, f"holds {' and '.join(map(repr, kinds)) or 'none'} of the node "
+                               f"kinds {', '.join(NODE_KINDS)}: exactly one is required")
+        kind = kinds[0]
+        if kind == "kernel":
+            jf.member(row, "kernel", where, _index(kernels, "kernels"))
+            jf.member(row, "attributes", where, _attributes, {})
+        elif kind == "empty":
+            if row["empty"] is not True:
+                raise _fail(f"{where}.empty", f"is {jf.describe(row['empty'])}, not true")
+        else:
+            _driver_fields(MEMSET_FIELDS if kind == "memset" else MEMCPY_FIELDS)(
+                row[kind], f"{where}.{kind}")
+        return kind
+    return read
+
+
+def _schedule(n: int) -> Read:
+    def read(value: Any, where: str) -> None:
+        row = jf.obj(value, where)
+        _only(row, SCHEDULE_KEYS + SCHEDULE_OPTIONAL, where)
+        task = _index(n, "tasks in the bucket")
+        edges = lambda v, w: jf.items(v, w, _pair(task))  # noqa: E731
+        streams = jf.member(row, "streams", where,
+                            lambda v, w: jf.items(v, w, lambda s, ws: jf.items(s, ws, task)))
+        stream_of = jf.member(row, "stream_of", where,
+                              lambda v, w: jf.items(v, w, _index(len(streams), "streams"), n))
+        for s, tasks in enumerate(streams):
+            for i, t in enumerate(tasks):
+                if stream_of[t] != s:
+                    raise _fail(f"{where}.streams[{s}][{i}]", f"is task {t}, which stream_of "
+                                f"puts on stream {stream_of[t]}")
+        listed = [t for tasks in streams for t in tasks]
+        if len(listed) != n or len(set(listed)) != n:
+            raise _fail(f"{where}.streams", f"do not hold each of the bucket's {n} tasks once")
+        jf.member(row, "sync_edges", where, edges)
+        jf.member(row, "reduced_edges", where, _natural)
+        jf.member(row, "width", where, _natural)
+        phases = jf.member(row, "phases", where, lambda v, w: jf.items(v, w, _natural), [])
+        if phases and sum(phases) != n:
+            raise _fail(f"{where}.phases", f"count {sum(phases)} tasks for the bucket's {n}")
+        jf.member(row, "barrier_edges", where, edges, [])
+    return read
+
+
+def _memplan(value: Any, where: str) -> None:
+    row = jf.obj(value, where)
+    _only(row, MEMPLAN_KEYS, where)
+    arena = jf.member(row, "arena_bytes", where, _natural)
+    for bid, at in jf.member(row, "offsets", where, _keyed(_natural)).items():
+        if at > arena:
+            raise _fail(f"{where}.offsets['{bid}']", f"is {at}, past the {arena}-byte arena")
+    jf.member(row, "buffer_bytes", where, _natural)
+    jf.member(row, "lower_bound_bytes", where, _natural)
+    jf.member(row, "alignment", where, _positive)
+
+
+def _picked(n: int) -> Read:
+    """A reader of one phase's backfill: what was timed and the late edges kept, if any."""
+    task = _index(n, "tasks in the bucket")
+
+    def kept(value: Any, where: str) -> None:
+        row = jf.obj(value, where)
+        _only(row, BACKFILL_KEYS, where)
+        jf.member(row, "phase", where, _natural)
+        jf.member(row, "anchor", where, task)
+        jf.member(row, "deferred", where, lambda v, w: jf.items(v, w, task))
+        jf.member(row, "moved", where, _natural)
+        jf.member(row, "idle_us", where, jf.number)
+        jf.member(row, "work_us", where, jf.number)
+
+    def read(value: Any, where: str) -> None:
+        row = jf.obj(value, where)
+        jf.member(row, "phase", where, _natural)
+        jf.member(row, "plain_ms", where, jf.number)
+        jf.member(row, "trial_ms", where, lambda v, w: jf.items(v, w, jf.number))
+        jf.member(row, "kept", where, jf.optional(kept))
+    return read
+
+
+def _source(weights: list[int], memory: list[int]) -> Read:
+    """A reader of where one buffer outside the arena comes from; returns the bytes there."""
+    def read(value: Any, where: str) -> int:
+        row = jf.obj(value, where)
+        if "weight" in row:
+            return weights[jf.member(row, "weight", where, _index(len(weights),
+                                                                  "weight storages"))]
+        if "memory" not in row:
+            raise _fail(where, "names neither a 'weight' nor a 'memory'")
+        i = jf.member(row, "memory", where, _index(len(memory), "memory ranges"))
+        offset = jf.member(row, "offset", where, _natural)
+        if offset > memory[i]:
+            raise _fail(f"{where}.offset", f"is {offset}, past the {memory[i]} bytes of "
+                                           f"memory[{i}]")
+        return memory[i] - offset
+    return read
+
+
+def _reference(blobs_size: int) -> Read:
+    def read(value: Any, where: str) -> None:
+        row = jf.obj(value, where)
+        sets = _some(lambda s, ws: jf.items(s, ws, _blob(blobs_size)))
+        inputs = jf.member(row, "inputs", where, sets)
+        outputs = jf.member(row, "outputs", where, sets)
+        if len(outputs) != len(inputs):
+            raise _fail(f"{where}.outputs", f"has {len(outputs)} sets for {len(inputs)} input "
+                                            "sets")
+        jf.member(row, "spread", where, _keyed(jf.number))
+    return read
+
+
+def _bucket(manifest: dict, blobs_size: int, weights: list[int], memory: list[int]) -> Read:
+    kernels = len(manifest["kernels"])
+
+    def read(value: Any, where: str) -> None:
+        row = jf.obj(value, where)
+        for key in BUCKET_REQUIRED:
+            if key not in row:
+                raise _fail(where, f"has no {key!r}")
+        jf.member(row, "graph", where, _blob(blobs_size))
+        n = len(jf.member(row, "nodes", where, lambda v, w: jf.items(v, w, _node(kernels))))
+        jf.member(row, "schedule", where, _schedule(n))
+        jf.member(row, "memplan", where, _memplan)
+        jf.member(row, "priorities", where,
+                  jf.optional(lambda v, w: jf.items(v, w, jf.integer, n)), None)
+        jf.member(row, "backfill", where, lambda v, w: jf.items(v, w, _picked(n)), [])
+        jf.member(row, "device_launch", where, lambda v, w: jf.items(v, w, jf.flag), [])
+        jf.member(row, "gather_inputs", where, jf.flag, True)
+        jf.member(row, "output_spec", where, jf.optional(jf.text), None)
+        jf.member(row, "outside", where, _keyed(_source(weights, memory)))
+        jf.member(row, "private", where, _keyed(_blob(blobs_size)))
+        jf.member(row, "reference", where, _reference(blobs_size))
+        jf.member(row, "prepare_seconds", where, _values(jf.number), {})
+    return read
+
+
+# ---- the whole manifest --------------------------------------------------------------------
+
+def _check(m: dict, blobs_size: int, path: str) -> None:
+    for key in REQUIRED:
+        if key not in m:
+            raise jf.FieldError(f"the manifest has no {key!r}")
+    fmt = m["format"]
+    if fmt != FORMAT_NAME:
+        raise LoadError(f"{path} is not a saved Nimble graph (its manifest's format is "
+                        f"{fmt!r}, not {FORMAT_NAME!r})")
+    for key in ("nimble", "torch", "device"):
+        jf.member(m, key, "", jf.text, "")
+    jf.member(m, "arch", "", _positive)
+    jf.member(m, "driver", "", _natural)
+    jf.member(m, "pad", "", jf.flag, False)
+    jf.member(m, "instances", "", _positive, 1)
+    included = jf.member(m, "weights_included", "", jf.flag, True)
+    binaries = jf.member(m, "binaries", "", lambda v, w: jf.items(v, w, _binary(blobs_size,
+                                                                                   path)))
+    jf.member(m, "kernels", "", lambda v, w: jf.items(v, w, _kernel(len(binaries))))
+    weights = jf.member(m, "weights", "",
+                        lambda v, w: jf.items(v, w, _weight(blobs_size, included)), [])
+    memory = jf.member(m, "memory", "", lambda v, w: jf.items(v, w, _memory(blobs_size)), [])
+    jf.member(m, "buckets", "", _some(_bucket(m, blobs_size, weights, memory)))
+
+
+def check_manifest(manifest: Any, blobs_size: int, path: str = "the file") -> None:
+    """Raise :class:`LoadError` naming the first field of ``manifest`` (a saved file's, with a
+    blobs section of ``blobs_size`` bytes) of the wrong type or out of range (see the module
+    docstring); ``path`` names the file in the message."""
+    try:
+        _check(jf.obj(manifest, "the manifest"), blobs_size, path)
+    except jf.FieldError as e:
+        raise LoadError(f"{path}: {e}: the file is damaged, or not written by a Nimble this "
+                        "one reads; save the model again") from None
+
+
+# ---- a bucket against its graph ------------------------------------------------------------
+
+def _placed(manifest: dict, row: dict, graph: TaskGraph, where: str) -> set[int]:
+    """The buffers bucket ``row`` places, each checked to be the graph's and to fit where it
+    is put: the arena plan, a weight storage or memory range, a private copy's bytes."""
+    buffers, plan = graph.buffers, row["memplan"]
+    weights = [w["size"] for w in manifest.get("weights", [])]
+    memory = [r["size"] for r in manifest.get("memory", [])]
+
+    def size_of(field: str, bid: str) -> int:
+        if int(bid) >= len(buffers):
+            raise _fail(f"{field}['{bid}']", f"names buffer {bid}, but the graph has "
+                                             f"{len(buffers)} buffers")
+        return buffers[int(bid)].size
+
+    for bid, at in plan["offsets"].items():
+        size = size_of(f"{where}.memplan.offsets", bid)
+        if at + size > plan["arena_bytes"]:
+            raise _fail(f"{where}.memplan.offsets['{bid}']", f"puts buffer {bid} ({size} bytes) "
+                        f"at {at}, past the {plan['arena_bytes']}-byte arena")
+    for bid, source in row["outside"].items():
+        size = size_of(f"{where}.outside", bid)
+        room = weights[source["weight"]] if "weight" in source else \
+            memory[source["memory"]] - source["offset"]
+        if size > room:
+            raise _fail(f"{where}.outside['{bid}']", f"puts buffer {bid} ({size} bytes) where "
+                                                     f"{room} bytes are left")
+    for bid, blob in row["private"].items():
+        size = size_of(f"{where}.private", bid)
+        if blob[1] != size:
+            raise _fail(f"{where}.private['{bid}']", f"is {blob[1]} bytes for buffer {bid}'s "
+                                                     f"{size}")
+    return {int(b) for key in ("outside", "private") for b in row[key]} | \
+        {int(b) for b in plan["offsets"]} | set(graph.meta.get("low_word_buffers", []))
+
+
+def _against_graph(manifest: dict, k: int, graph: TaskGraph,
+                   itemsize: Callable[[str], int | None]) -> None:
+    where = f"buckets[{k}]"
+    row = manifest["buckets"][k]
+    if len(row["nodes"]) != len(graph.tasks):
+        raise _fail(where, f"has {len(row['nodes'])} stored nodes for the {len(graph.tasks)} "
+                           "tasks of its graph")
+    for t, node in zip(graph.tasks, row["nodes"]):
+        kind = next(key for key in NODE_KINDS if key in node)
+        if NODE_KINDS[kind] != t.kind:
+            raise _fail(f"{where}.nodes[{t.id}]", f"is a {kind} node, but task {t.id} of the "
+                                                  f"graph is a {t.kind}")
+    placed = _placed(manifest, row, graph, where)
+    for t in graph.tasks:
+        for p in t.pointers:
+            if p.buffer >= 0 and p.buffer not in placed and \
+                    graph.buffers[p.buffer].kind != BufferKind.RNG:
+                raise _fail(where, f"does not place buffer {p.buffer}, which task {t.id} "
+                                   "points into (neither its arena plan nor outside nor private "
+                                   "names it)")
+    _references(row["reference"], graph, where, itemsize)
+
+
+def _references(reference: dict, graph: TaskGraph, where: str,
+                itemsize: Callable[[str], int | None]) -> None:
+    for side, refs in (("inputs", graph.inputs), ("outputs", graph.outputs)):
+        for s, blobs in enumerate(reference[side]):
+            at = f"{where}.reference.{side}[{s}]"
+            if len(blobs) != len(refs):
+                raise _fail(at, f"has {len(blobs)} tensors for the graph's {len(refs)} {side}")
+            for i, (blob, r) in enumerate(zip(blobs, refs)):
+                element = itemsize(r.dtype)
+                if element is None:
+                    raise _fail(f"{where}'s graph", f"has {side[:-1]} {i} of dtype {r.dtype!r}, "
+                                                    "which torch here does not know")
+                size = element
+                for n in r.shape:
+                    size *= n
+                if blob[1] != size:
+                    raise _fail(f"{at}[{i}]", f"is {blob[1]} bytes for the {size} of "
+                                              f"{r.dtype} {list(r.shape)}")
+    for i in reference["spread"]:
+        if int(i) >= len(graph.outputs):
+            raise _fail(f"{where}.reference.spread", f"names output {i}, but the graph has "
+                                                     f"{len(graph.outputs)}")
+
+
+def check_bucket_graph(manifest: dict, k: int, graph: TaskGraph,
+                       itemsize: Callable[[str], int | None], path: str = "the file") -> None:
+    """Raise :class:`LoadError` where bucket ``k`` of ``manifest`` (which passed
+    :func:`check_manifest`) does not fit ``graph``, its decoded TaskGraph (see the module
+    docstring); ``itemsize(dtype name)`` is the bytes of one element, None for a dtype unknown
+    here."""
+    try:
+        _against_graph(manifest, k, graph, itemsize)
+    except jf.FieldError as e:
+        raise LoadError(f"{path}: {e}: the file is damaged, or not written by a Nimble this "
+                        "one reads; save the model again") from None
