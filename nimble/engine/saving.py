@@ -10,10 +10,15 @@ the kernel binaries (:mod:`nimble.engine.kernel_binaries`), the weights, the ext
 The container is :mod:`nimble.ir.saved_format`; the manifest's fields are in
 ``docs/saved-format.md``; :mod:`nimble.engine.loading` reads it back.
 
+A training step is saved with its autograd layout (which flat inputs and outputs are the
+forward's, which are gradients, and the parameters by name); its reference outputs include the
+gradients, which a load holds to the proof's gradient tolerance.  What the graphs write of the
+model's weights (batch norm's running statistics) is put back after the reference runs.
+
 What cannot be written down raises :class:`~nimble.errors.SaveError` before any file is
-written: a training step, a graph with NCCL collectives (a communicator is a live connection to
-other processes), a graph that draws random numbers, a kernel whose binary is on no disk, a
-node that names memory of this process (a host-memory copy, an access-policy window).
+written: a graph with NCCL collectives (a communicator is a live connection to other
+processes), a graph that draws random numbers, a kernel whose binary is on no disk, a node that
+names memory of this process (a host-memory copy, an access-policy window).
 """
 from __future__ import annotations
 
@@ -29,11 +34,12 @@ from .. import driver
 from .._version import __version__
 from ..analysis.deps import communicates
 from ..errors import SaveError
-from ..ir.saved_format import BlobWriter, SavedFile
+from ..ir.saved_format import C_PLAN, BlobWriter, SavedFile
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
 from ..progress import say
 from .arena_layout import shared_state, written_externals
 from .build import relocated
+from .c_plan import c_plan
 from .kernel_binaries import BinaryTable, KernelFinder, LiveKernel
 from .launcher import run_phases
 from .prepared import Prepared
@@ -46,9 +52,6 @@ REFERENCE_SEED = 0x5A7ED
 def check_savable(prepared: Prepared) -> None:
     """Raise :class:`SaveError` for a graph this version cannot write down."""
     graph = prepared.graph
-    if prepared.step is not None:
-        raise SaveError("saving a training step is not supported yet: save an inference "
-                        "graph (prepare with training=False)")
     if communicates(graph):
         raise SaveError("this graph holds NCCL collectives, whose communicator is a live "
                         "connection between this process and its peers: prepare it in each "
@@ -214,16 +217,34 @@ def _placement(prepared: Prepared, outside: _Outside) -> tuple[dict, dict]:
     return sources, private_rows
 
 
+def written_weights(graph: TaskGraph) -> list[int]:
+    """The weight buffers the graph writes (batch norm's running statistics in a training
+    forward): put back after every run that only checks the graph."""
+    return sorted({a.buffer for t in graph.tasks for a in t.accesses
+                   if a.write and a.size > 0 and graph.buffers[a.buffer].kind == BufferKind.PARAM})
+
+
+def gradient_outputs(prepared: Prepared) -> list[int]:
+    """The outputs of a training step that are gradients (held to the proof's tolerance)."""
+    if prepared.step is None:
+        return []
+    return list(range(prepared.step.layout.forward_outputs, len(prepared.graph.outputs)))
+
+
 def _references(prepared: Prepared, blobs: BlobWriter) -> dict:
     """Two random input sets and the outputs the served graph gives for them (the check a load
-    repeats), with the spread of any output the graph itself does not reproduce."""
+    repeats), with the spread of any output the graph itself does not reproduce; the memory the
+    graph writes outside the arena (a static cache, batch norm's running statistics) starts
+    every run as it was and is left so."""
     import torch
 
     from .proof import Reference, SharedState
 
-    slots = prepared.launcher.slots
+    slots = [s for launcher in prepared.launchers for s in launcher.slots]
     run = run_phases(prepared.launchers)
-    state = shared_state(prepared.graph)
+    graph = prepared.graph
+    state = shared_state(graph) + [(prepared.bases[b], graph.buffers[b].size)
+                                   for b in written_weights(graph)]
     shared = SharedState(state) if state else None
 
     def reference(inputs: list) -> list:
@@ -241,7 +262,20 @@ def _references(prepared: Prepared, blobs: BlobWriter) -> dict:
                        for inputs in ref.input_sets],
             "outputs": [[blobs.add(_tensor_bytes(t)).as_json() for t in outputs]
                         for outputs in ref.expected],
-            "spread": {str(i): d for i, d in ref.spread.items()}}
+            "spread": {str(i): d for i, d in ref.spread.items()},
+            "gradients": gradient_outputs(prepared)}
+
+
+def _step_row(prepared: Prepared) -> dict | None:
+    """A training step's autograd layout, its parameters by name (None for inference)."""
+    step = prepared.step
+    if step is None:
+        return None
+    layout = step.layout
+    return {"forward_inputs": layout.forward_inputs, "forward_outputs": layout.forward_outputs,
+            "differentiable": list(layout.differentiable),
+            "inputs_with_grad": list(layout.inputs_with_grad),
+            "grad_output_of": list(layout.grad_output_of), "param_names": step.param_names}
 
 
 def _graph_blob(graph: TaskGraph, blobs: BlobWriter) -> list[int]:
@@ -272,6 +306,7 @@ def _bucket_row(prepared: Prepared, kernels: _Kernels, outside: _Outside,
         "outside": sources,
         "private": private,
         "reference": _references(prepared, blobs),
+        "step": _step_row(prepared),
         "prepare_seconds": dict(prepared.seconds),
     }
 
@@ -312,7 +347,10 @@ def save_serving(serving, path, *, weights: bool = True, quiet: bool = True) -> 
                     for k, b in zip(kernels.kernels, found)],
         "weights": outside.storages, "memory": memory, "buckets": buckets,
     }
-    out = SavedFile(manifest, blobs.getvalue()).write(path)
+    preparations = [b.instances[0] for b in serving.buckets]
+    plan, why = c_plan(manifest, preparations, serving.layout.states, serving.layout.size)
+    manifest["c_runtime"] = why or "supported"
+    out = SavedFile(manifest, blobs.getvalue(), extra={C_PLAN: plan}).write(path)
     say(f"saved {os.path.getsize(out) / 2**20:.1f} MiB to {out} in "
         f"{time.perf_counter() - began:.1f} s", quiet)
     return Path(out)

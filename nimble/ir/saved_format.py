@@ -9,9 +9,10 @@
                            reserved (16 bytes)
     data        each section at a 64-byte aligned offset
 
-Every integer is little-endian.  Two sections today: ``manifest`` (UTF-8 JSON: the graph's
-structure, see ``docs/saved-format.md``) and ``blobs`` (raw bytes the manifest points into by
-offset and size: weights, library memory, embedded cubins, the reference inputs and outputs).
+Every integer is little-endian.  The sections: ``manifest`` (UTF-8 JSON: the graph's
+structure, see ``docs/saved-format.md``), ``blobs`` (raw bytes the manifest points into by
+offset and size: weights, library memory, embedded cubins, the reference inputs and outputs),
+and ``c_plan`` (the graph resolved for the C runtime, :mod:`nimble.engine.c_plan`).
 
 A file is read whole and its checksum held before anything in it is parsed: a truncated,
 damaged or altered file is refused with a :class:`~nimble.errors.LoadError` before any of it
@@ -35,7 +36,7 @@ FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sIIIIQ32s")
 SECTION = struct.Struct("<16sQQ16s")
 ALIGN = 64
-MANIFEST, BLOBS = "manifest", "blobs"
+MANIFEST, BLOBS, C_PLAN = "manifest", "blobs", "c_plan"
 
 
 #: The checksum's chunk: each is hashed on its own (in parallel), then the list of digests.
@@ -111,6 +112,8 @@ class SavedFile:
     version: int = FORMAT_VERSION
     path: str = ""
     sections: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Further sections by name (``c_plan``), written after the blobs.
+    extra: dict = field(default_factory=dict)
 
     def blob(self, ref) -> bytes:
         """The bytes a manifest's ``[offset, size]`` names; LoadError where they run out."""
@@ -127,7 +130,7 @@ class SavedFile:
 
     def to_bytes(self) -> bytes:
         manifest = json.dumps(self.manifest, separators=(",", ":"), sort_keys=True).encode()
-        parts = [(MANIFEST, manifest), (BLOBS, self.blobs)]
+        parts = [(MANIFEST, manifest), (BLOBS, self.blobs), *self.extra.items()]
         out = bytearray(HEADER.size + SECTION.size * len(parts))
         for i, (name, data) in enumerate(parts):
             at = _aligned(len(out))
@@ -190,9 +193,11 @@ class SavedFile:
         if not isinstance(manifest, dict):
             raise LoadError(f"{where}: its manifest is not a JSON object")
         offset, length = sections[BLOBS]
+        extra = {name: memoryview(data)[o:o + n] for name, (o, n) in sections.items()
+                 if name not in (MANIFEST, BLOBS)}
         # A view, not a copy: the weights are most of a file.
         return cls(manifest, memoryview(data)[offset:offset + length], version, where,
-                   sections)
+                   sections, extra)
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "SavedFile":

@@ -1,0 +1,904 @@
+/*
+ * Nimble's C runtime (see nimble.h).  It reads the container of a saved graph
+ * (docs/saved-format.md) and its "c_plan" section: little-endian 64-bit words written in one
+ * fixed order by nimble/engine/c_plan.py, every pointer already resolved to a region (the
+ * arena, a weight storage, an external memory range) and an addend (docs/c-host.md).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "nimble.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- errors ------------------------------------------------------------------------------ */
+
+static _Thread_local char last_error[1024];
+
+const char *nimble_last_error(void) { return last_error; }
+
+static nimble_status fail(nimble_status status, const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, args);
+    va_end(args);
+    return status;
+}
+
+static nimble_status cuda_fail(const char *call, CUresult r) {
+    const char *name = NULL;
+    cuGetErrorName(r, &name);
+    return fail(NIMBLE_ERROR_CUDA, "%s failed with %s (%d)", call, name ? name : "?", (int)r);
+}
+
+#define CU(call)                                                                              \
+    do {                                                                                      \
+        CUresult r_ = (call);                                                                 \
+        if (r_ != CUDA_SUCCESS) return cuda_fail(#call, r_);                                  \
+    } while (0)
+
+#define TRY(expr)                                                                             \
+    do {                                                                                      \
+        nimble_status s_ = (expr);                                                            \
+        if (s_ != NIMBLE_OK) return s_;                                                       \
+    } while (0)
+
+/* ---- SHA-256 (FIPS 180-4) ---------------------------------------------------------------- */
+
+typedef struct { uint32_t h[8]; uint8_t block[64]; size_t used; uint64_t bits; } sha256_t;
+
+static const uint32_t K256[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+    0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+    0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+    0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+    0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+    0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+    0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+    0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+    0xc67178f2};
+
+#define ROTR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
+
+static void sha256_block(sha256_t *s, const uint8_t *p) {
+    uint32_t w[64], a, b, c, d, e, f, g, h;
+    for (int i = 0; i < 16; i++)
+        w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 |
+               (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
+    for (int i = 16; i < 64; i++) {
+        uint32_t s0 = ROTR(w[i - 15], 7) ^ ROTR(w[i - 15], 18) ^ (w[i - 15] >> 3);
+        uint32_t s1 = ROTR(w[i - 2], 17) ^ ROTR(w[i - 2], 19) ^ (w[i - 2] >> 10);
+        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    a = s->h[0]; b = s->h[1]; c = s->h[2]; d = s->h[3];
+    e = s->h[4]; f = s->h[5]; g = s->h[6]; h = s->h[7];
+    for (int i = 0; i < 64; i++) {
+        uint32_t t1 = h + (ROTR(e, 6) ^ ROTR(e, 11) ^ ROTR(e, 25)) + ((e & f) ^ (~e & g)) +
+                      K256[i] + w[i];
+        uint32_t t2 = (ROTR(a, 2) ^ ROTR(a, 13) ^ ROTR(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+        h = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
+    }
+    s->h[0] += a; s->h[1] += b; s->h[2] += c; s->h[3] += d;
+    s->h[4] += e; s->h[5] += f; s->h[6] += g; s->h[7] += h;
+}
+
+static void sha256(const uint8_t *data, size_t n, uint8_t out[32]) {
+    static const uint32_t init[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                     0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    sha256_t s;
+    memcpy(s.h, init, sizeof init);
+    size_t full = n / 64 * 64;
+    for (size_t i = 0; i < full; i += 64) sha256_block(&s, data + i);
+    uint8_t tail[128] = {0};
+    size_t rest = n - full;
+    memcpy(tail, data + full, rest);
+    tail[rest] = 0x80;
+    size_t len = rest + 9 <= 64 ? 64 : 128;
+    uint64_t bits = (uint64_t)n * 8;
+    for (int i = 0; i < 8; i++) tail[len - 1 - i] = (uint8_t)(bits >> (8 * i));
+    for (size_t i = 0; i < len; i += 64) sha256_block(&s, tail + i);
+    for (int i = 0; i < 8; i++) {
+        out[4 * i] = (uint8_t)(s.h[i] >> 24); out[4 * i + 1] = (uint8_t)(s.h[i] >> 16);
+        out[4 * i + 2] = (uint8_t)(s.h[i] >> 8); out[4 * i + 3] = (uint8_t)s.h[i];
+    }
+}
+
+/* The file's checksum: SHA-256 of the SHA-256 digests of its 8 MiB chunks. */
+static void file_checksum(const uint8_t *data, size_t n, uint8_t out[32]) {
+    const size_t chunk = (size_t)8 << 20;
+    size_t count = (n + chunk - 1) / chunk;
+    uint8_t *digests = malloc(32 * count + 1);
+    if (!digests) { memset(out, 0, 32); return; }
+    for (size_t i = 0; i < count; i++) {
+        size_t at = i * chunk, len = n - at < chunk ? n - at : chunk;
+        sha256(data + at, len, digests + 32 * i);
+    }
+    sha256(digests, 32 * count, out);
+    free(digests);
+}
+
+/* ---- the plan's words -------------------------------------------------------------------- */
+
+typedef struct { const uint8_t *p; size_t n, at; int bad; } plan_t;
+
+static uint64_t rd(plan_t *pl) {
+    if (pl->at + 8 > pl->n) { pl->bad = 1; return 0; }
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | pl->p[pl->at + i];
+    pl->at += 8;
+    return v;
+}
+
+/* A length-prefixed byte string: a pointer into the plan, not a copy. */
+static const uint8_t *rd_raw(plan_t *pl, size_t *len) {
+    uint64_t n = rd(pl);
+    size_t padded = (size_t)((n + 7) / 8 * 8);
+    if (pl->bad || n > pl->n || pl->at + padded > pl->n) { pl->bad = 1; *len = 0; return NULL; }
+    const uint8_t *p = pl->p + pl->at;
+    pl->at += padded;
+    *len = (size_t)n;
+    return p;
+}
+
+static char *rd_text(plan_t *pl) {
+    size_t n;
+    const uint8_t *p = rd_raw(pl, &n);
+    char *s = malloc(n + 1);
+    if (!s) { pl->bad = 1; return NULL; }
+    if (p) memcpy(s, p, n);
+    s[n] = 0;
+    return s;
+}
+
+/* ---- the model --------------------------------------------------------------------------- */
+
+enum { R_NONE = 0, R_ARENA = 1, R_WEIGHT = 2, R_MEMORY = 3 };
+enum { N_KERNEL = 0, N_MEMSET = 1, N_MEMCPY = 2, N_EMPTY = 3 };
+#define NO_BLOB UINT64_MAX
+
+typedef struct { uint64_t region, index, addend; } place_t;
+typedef struct { uint64_t at, size; } blobref_t;
+typedef struct { int library; uint64_t offset, size; const uint8_t *sha; char *path; } binary_t;
+typedef struct {
+    uint64_t binary; char *name; int64_t fingerprint[6]; int64_t settable[4]; CUfunction fn;
+} kernel_t;
+typedef struct { uint64_t size; blobref_t blob; CUdeviceptr ptr; } memory_t;
+typedef struct { place_t place; nimble_tensor_info info; } tensor_t;
+typedef struct { uint64_t offset, size; blobref_t blob; } private_t;
+typedef struct { uint64_t loc; place_t place; } reloc_t;
+typedef struct { uint64_t id; const uint8_t *value; size_t len; } attr_t;
+typedef struct {
+    int kind;
+    /* kernel */
+    uint64_t kernel, grid[3], block[3], shared, has_priority, packed, nparams, nrelocs, nattrs;
+    int64_t priority;
+    uint64_t *params; /* (offset, size) pairs */
+    const uint8_t *args; size_t args_len;
+    reloc_t *relocs; attr_t *attrs;
+    /* memset: dst, value, element size, width, height, pitch */
+    /* memcpy: src, dst, types, x/y/z/pitch/height per side, width, height, depth */
+    place_t src, dst;
+    uint64_t f[15];
+} node_t;
+typedef struct { blobref_t *inputs, *outputs; uint64_t *checked; } refset_t;
+typedef struct {
+    uint64_t plan_bytes, ninputs, noutputs, nprivate, nnodes, nedges, nsets, nwritten;
+    tensor_t *inputs, *outputs;
+    private_t *private_;
+    node_t *nodes;
+    uint64_t *edges;
+    refset_t *sets;
+    place_t *written; uint64_t *written_size;
+    CUgraph *graphs; CUgraphExec *execs; /* per instance */
+} bucket_t;
+
+struct nimble_model {
+    CUdevice device; CUcontext ctx; int retained;
+    uint64_t arch, driver, arena_size, alignment, instances, nbuckets;
+    uint64_t nbinaries, nkernels, nweights, nmemory;
+    binary_t *binaries; kernel_t *kernels; memory_t *weights, *memory;
+    bucket_t *buckets;
+    CUlibrary *libraries;
+    CUdeviceptr *arenas, *bases; /* per instance: as allocated, and aligned */
+    uint8_t *file; size_t file_size; const uint8_t *blobs; size_t blobs_size;
+};
+
+static CUdeviceptr resolve(const nimble_model *m, uint64_t instance, place_t p) {
+    switch (p.region) {
+    case R_ARENA: return m->bases[instance] + p.addend;
+    case R_WEIGHT: return m->weights[p.index].ptr + p.addend;
+    case R_MEMORY: return m->memory[p.index].ptr + p.addend;
+    default: return (CUdeviceptr)p.addend;
+    }
+}
+
+static const uint8_t *blob(const nimble_model *m, blobref_t b) {
+    if (b.at == NO_BLOB || b.at > m->blobs_size || b.size > m->blobs_size - b.at) return NULL;
+    return m->blobs + b.at;
+}
+
+/* ---- reading the plan -------------------------------------------------------------------- */
+
+static void rd_place(plan_t *pl, place_t *p) {
+    p->region = rd(pl); p->index = rd(pl); p->addend = rd(pl);
+}
+
+static void rd_blob(plan_t *pl, blobref_t *b) { b->at = rd(pl); b->size = rd(pl); }
+
+static void *arr(plan_t *pl, uint64_t n, size_t size) {
+    if (pl->bad || n > pl->n) { pl->bad = 1; return NULL; } /* no count exceeds the words */
+    void *p = calloc(n ? n : 1, size);
+    if (!p) pl->bad = 1;
+    return p;
+}
+
+static void rd_tensor(plan_t *pl, tensor_t *t) {
+    rd_place(pl, &t->place);
+    t->info.nbytes = (size_t)rd(pl);
+    t->info.dtype = (nimble_dtype)rd(pl);
+    uint64_t ndim = rd(pl);
+    if (ndim > NIMBLE_MAX_DIMS) { pl->bad = 1; return; }
+    t->info.ndim = (int)ndim;
+    for (uint64_t d = 0; d < ndim; d++) t->info.shape[d] = (int64_t)rd(pl);
+    t->info.contiguous = (int)rd(pl);
+}
+
+static void rd_node(plan_t *pl, node_t *nd) {
+    nd->kind = (int)rd(pl);
+    if (nd->kind == N_KERNEL) {
+        nd->kernel = rd(pl);
+        for (int i = 0; i < 3; i++) nd->grid[i] = rd(pl);
+        for (int i = 0; i < 3; i++) nd->block[i] = rd(pl);
+        nd->shared = rd(pl);
+        nd->has_priority = rd(pl); nd->priority = (int64_t)rd(pl);
+        nd->packed = rd(pl);
+        nd->nparams = rd(pl);
+        nd->params = arr(pl, 2 * nd->nparams, sizeof(uint64_t));
+        for (uint64_t i = 0; !pl->bad && i < 2 * nd->nparams; i++) nd->params[i] = rd(pl);
+        nd->args = rd_raw(pl, &nd->args_len);
+        nd->nrelocs = rd(pl);
+        nd->relocs = arr(pl, nd->nrelocs, sizeof(reloc_t));
+        for (uint64_t i = 0; !pl->bad && i < nd->nrelocs; i++) {
+            nd->relocs[i].loc = rd(pl);
+            rd_place(pl, &nd->relocs[i].place);
+        }
+        nd->nattrs = rd(pl);
+        nd->attrs = arr(pl, nd->nattrs, sizeof(attr_t));
+        for (uint64_t i = 0; !pl->bad && i < nd->nattrs; i++) {
+            nd->attrs[i].id = rd(pl);
+            nd->attrs[i].value = rd_raw(pl, &nd->attrs[i].len);
+        }
+    } else if (nd->kind == N_MEMSET) {
+        rd_place(pl, &nd->dst);
+        for (int i = 0; i < 5; i++) nd->f[i] = rd(pl);
+    } else if (nd->kind == N_MEMCPY) {
+        rd_place(pl, &nd->src);
+        rd_place(pl, &nd->dst);
+        for (int i = 0; i < 15; i++) nd->f[i] = rd(pl);
+    } else if (nd->kind != N_EMPTY) {
+        pl->bad = 1;
+    }
+}
+
+static void rd_bucket(plan_t *pl, bucket_t *b) {
+    b->plan_bytes = rd(pl);
+    b->ninputs = rd(pl);
+    b->inputs = arr(pl, b->ninputs, sizeof(tensor_t));
+    for (uint64_t i = 0; !pl->bad && i < b->ninputs; i++) rd_tensor(pl, &b->inputs[i]);
+    b->noutputs = rd(pl);
+    b->outputs = arr(pl, b->noutputs, sizeof(tensor_t));
+    for (uint64_t i = 0; !pl->bad && i < b->noutputs; i++) rd_tensor(pl, &b->outputs[i]);
+    b->nprivate = rd(pl);
+    b->private_ = arr(pl, b->nprivate, sizeof(private_t));
+    for (uint64_t i = 0; !pl->bad && i < b->nprivate; i++) {
+        b->private_[i].offset = rd(pl);
+        b->private_[i].size = rd(pl);
+        rd_blob(pl, &b->private_[i].blob);
+    }
+    b->nnodes = rd(pl);
+    b->nodes = arr(pl, b->nnodes, sizeof(node_t));
+    for (uint64_t i = 0; !pl->bad && i < b->nnodes; i++) rd_node(pl, &b->nodes[i]);
+    b->nedges = rd(pl);
+    b->edges = arr(pl, 2 * b->nedges, sizeof(uint64_t));
+    for (uint64_t i = 0; !pl->bad && i < 2 * b->nedges; i++) {
+        b->edges[i] = rd(pl);
+        if (b->edges[i] >= b->nnodes) pl->bad = 1;
+    }
+    b->nsets = rd(pl);
+    b->sets = arr(pl, b->nsets, sizeof(refset_t));
+    for (uint64_t s = 0; !pl->bad && s < b->nsets; s++) {
+        refset_t *set = &b->sets[s];
+        set->inputs = arr(pl, b->ninputs, sizeof(blobref_t));
+        set->outputs = arr(pl, b->noutputs, sizeof(blobref_t));
+        set->checked = arr(pl, b->noutputs, sizeof(uint64_t));
+        for (uint64_t i = 0; !pl->bad && i < b->ninputs; i++) rd_blob(pl, &set->inputs[i]);
+        for (uint64_t i = 0; !pl->bad && i < b->noutputs; i++) {
+            rd_blob(pl, &set->outputs[i]);
+            set->checked[i] = rd(pl);
+        }
+    }
+    b->nwritten = rd(pl);
+    b->written = arr(pl, b->nwritten, sizeof(place_t));
+    b->written_size = arr(pl, b->nwritten, sizeof(uint64_t));
+    for (uint64_t i = 0; !pl->bad && i < b->nwritten; i++) {
+        rd_place(pl, &b->written[i]);
+        b->written_size[i] = rd(pl);
+    }
+}
+
+static nimble_status read_plan(nimble_model *m, plan_t *pl) {
+    if (rd(pl) != 0x5043454c424d494eULL) /* "NIMBLECP", little-endian */
+        return fail(NIMBLE_ERROR_FORMAT, "the file's c_plan section has no NIMBLECP magic");
+    uint64_t version = rd(pl);
+    if (version != 1)
+        return fail(NIMBLE_ERROR_VERSION, "c_plan version %llu; this runtime reads 1: rebuild "
+                    "the C runtime from the Nimble that saved the file",
+                    (unsigned long long)version);
+    m->arch = rd(pl); m->driver = rd(pl);
+    m->arena_size = rd(pl); m->alignment = rd(pl); m->instances = rd(pl); m->nbuckets = rd(pl);
+    m->nbinaries = rd(pl);
+    m->binaries = arr(pl, m->nbinaries, sizeof(binary_t));
+    for (uint64_t i = 0; !pl->bad && i < m->nbinaries; i++) {
+        binary_t *b = &m->binaries[i];
+        b->library = rd(pl) == 0;
+        b->offset = rd(pl); b->size = rd(pl);
+        size_t n;
+        b->sha = rd_raw(pl, &n);
+        if (n != 32) pl->bad = 1;
+        b->path = rd_text(pl);
+    }
+    m->nkernels = rd(pl);
+    m->kernels = arr(pl, m->nkernels, sizeof(kernel_t));
+    for (uint64_t i = 0; !pl->bad && i < m->nkernels; i++) {
+        kernel_t *k = &m->kernels[i];
+        k->binary = rd(pl);
+        k->name = rd_text(pl);
+        for (int j = 0; j < 6; j++) k->fingerprint[j] = (int64_t)rd(pl);
+        for (int j = 0; j < 4; j++) k->settable[j] = (int64_t)rd(pl);
+        if (k->binary >= m->nbinaries) pl->bad = 1;
+    }
+    memory_t **tables[2] = {&m->weights, &m->memory};
+    uint64_t *counts[2] = {&m->nweights, &m->nmemory};
+    for (int t = 0; t < 2; t++) {
+        *counts[t] = rd(pl);
+        *tables[t] = arr(pl, *counts[t], sizeof(memory_t));
+        for (uint64_t i = 0; !pl->bad && i < *counts[t]; i++) {
+            (*tables[t])[i].size = rd(pl);
+            rd_blob(pl, &(*tables[t])[i].blob);
+        }
+    }
+    m->buckets = arr(pl, m->nbuckets, sizeof(bucket_t));
+    for (uint64_t k = 0; !pl->bad && k < m->nbuckets; k++) rd_bucket(pl, &m->buckets[k]);
+    char *unsupported = pl->bad ? NULL : rd_text(pl);
+    if (pl->bad) { free(unsupported); return fail(NIMBLE_ERROR_FORMAT, "the file's c_plan "
+                                                    "section is damaged"); }
+    if (unsupported[0]) {
+        nimble_status s = fail(NIMBLE_ERROR_UNSUPPORTED, "the C runtime cannot run this graph: "
+                               "%s; load it from Python (nimble.load)", unsupported);
+        free(unsupported);
+        return s;
+    }
+    free(unsupported);
+    return NIMBLE_OK;
+}
+
+/* ---- the file ---------------------------------------------------------------------------- */
+
+static uint64_t le64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
+
+static nimble_status read_file(nimble_model *m, const char *path, plan_t *pl) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return fail(NIMBLE_ERROR_IO, "cannot open %s", path);
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    m->file = malloc(size > 0 ? (size_t)size : 1);
+    size_t got = m->file ? fread(m->file, 1, (size_t)(size > 0 ? size : 0), f) : 0;
+    fclose(f);
+    if (!m->file || size < 0 || got != (size_t)size)
+        return fail(NIMBLE_ERROR_IO, "cannot read %s", path);
+    m->file_size = got;
+    const uint8_t *d = m->file;
+    if (got < 64 || memcmp(d, "NIMBLEGR", 8) != 0)
+        return fail(NIMBLE_ERROR_FORMAT, "%s is not a saved Nimble graph", path);
+    uint32_t version = (uint32_t)(le64(d + 8) & 0xffffffffu);
+    if (version != 1)
+        return fail(NIMBLE_ERROR_VERSION, "%s is of format version %u; this runtime reads 1",
+                    path, version);
+    if (le64(d + 24) != got)
+        return fail(NIMBLE_ERROR_FORMAT, "%s is truncated or has bytes appended", path);
+    uint8_t sum[32];
+    file_checksum(d + 64, got - 64, sum);
+    if (memcmp(sum, d + 32, 32) != 0)
+        return fail(NIMBLE_ERROR_FORMAT, "%s is damaged: its checksum does not match", path);
+    uint32_t count = (uint32_t)(le64(d + 16) & 0xffffffffu);
+    int have_plan = 0;
+    for (uint32_t i = 0; i < count && 64 + 48 * (size_t)(i + 1) <= got; i++) {
+        const uint8_t *row = d + 64 + 48 * (size_t)i;
+        uint64_t off = le64(row + 16), len = le64(row + 24);
+        if (off > got || len > got - off)
+            return fail(NIMBLE_ERROR_FORMAT, "%s: a section runs past the file", path);
+        if (strncmp((const char *)row, "blobs", 16) == 0) {
+            m->blobs = d + off; m->blobs_size = (size_t)len;
+        } else if (strncmp((const char *)row, "c_plan", 16) == 0) {
+            pl->p = d + off; pl->n = (size_t)len; have_plan = 1;
+        }
+    }
+    if (!have_plan || !m->blobs)
+        return fail(NIMBLE_ERROR_UNSUPPORTED, "%s has no c_plan section: save it again with "
+                    "a Nimble that writes one", path);
+    return NIMBLE_OK;
+}
+
+/* ---- loading ------------------------------------------------------------------------------ */
+
+static nimble_status check_device(nimble_model *m, int ordinal) {
+    int major = 0, minor = 0, version = 0;
+    CU(cuInit(0));
+    CU(cuDeviceGet(&m->device, ordinal));
+    CU(cuDevicePrimaryCtxRetain(&m->ctx, m->device));
+    m->retained = 1;
+    CU(cuCtxSetCurrent(m->ctx));
+    CU(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, m->device));
+    CU(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, m->device));
+    if ((uint64_t)(10 * major + minor) != m->arch)
+        return fail(NIMBLE_ERROR_DEVICE, "the graph was saved for compute capability %llu; "
+                    "device %d is %d: save it on this kind of GPU",
+                    (unsigned long long)m->arch, ordinal, 10 * major + minor);
+    CU(cuDriverGetVersion(&version));
+    if ((uint64_t)version < m->driver)
+        return fail(NIMBLE_ERROR_DEVICE, "the graph was saved under driver %llu; this one is "
+                    "%d, older: update the driver", (unsigned long long)m->driver, version);
+    return NIMBLE_OK;
+}
+
+static nimble_status binary_image(nimble_model *m, binary_t *b, uint8_t **owned,
+                                  const uint8_t **image) {
+    *owned = NULL;
+    if (!b->library) {
+        *image = blob(m, (blobref_t){b->offset, b->size});
+        if (!*image) return fail(NIMBLE_ERROR_FORMAT, "an embedded kernel binary runs past "
+                                 "the blobs");
+    } else {
+        FILE *f = fopen(b->path, "rb");
+        if (!f) return fail(NIMBLE_ERROR_LIBRARY, "the library %s that the graph's kernels "
+                            "come from cannot be opened: install the CUDA libraries of the "
+                            "saving machine", b->path);
+        *owned = malloc(b->size ? (size_t)b->size : 1);
+        int ok = *owned && fseek(f, (long)b->offset, SEEK_SET) == 0 &&
+                 fread(*owned, 1, (size_t)b->size, f) == b->size;
+        fclose(f);
+        if (!ok) return fail(NIMBLE_ERROR_LIBRARY, "cannot read %llu bytes at %llu of %s",
+                             (unsigned long long)b->size, (unsigned long long)b->offset,
+                             b->path);
+        *image = *owned;
+    }
+    uint8_t sum[32];
+    sha256(*image, (size_t)b->size, sum);
+    if (memcmp(sum, b->sha, 32) != 0)
+        return fail(NIMBLE_ERROR_LIBRARY, "the kernel binary at byte %llu of %s is not the one "
+                    "the graph was saved with (another version of the library)",
+                    (unsigned long long)b->offset, b->library ? b->path : "the file");
+    return NIMBLE_OK;
+}
+
+static const CUfunction_attribute FINGERPRINT[6] = {
+    CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+    CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
+    CU_FUNC_ATTRIBUTE_NUM_REGS, CU_FUNC_ATTRIBUTE_BINARY_VERSION};
+static const CUfunction_attribute SETTABLE[4] = {
+    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+    CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+    CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE,
+    CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT};
+
+static nimble_status load_kernel(nimble_model *m, kernel_t *k) {
+    CUkernel kernel;
+    CUresult r = cuLibraryGetKernel(&kernel, m->libraries[k->binary], k->name);
+    if (r != CUDA_SUCCESS)
+        return fail(NIMBLE_ERROR_LIBRARY, "kernel %s is not in the binary the file names for "
+                    "it", k->name);
+    CU(cuKernelGetFunction(&k->fn, kernel));
+    for (int j = 0; j < 6; j++) {
+        int v = 0;
+        CU(cuFuncGetAttribute(&v, FINGERPRINT[j], k->fn));
+        if ((int64_t)v != k->fingerprint[j])
+            return fail(NIMBLE_ERROR_LIBRARY, "kernel %s loaded here differs from the one "
+                        "saved (function attribute %d: %d, saved %lld)", k->name,
+                        (int)FINGERPRINT[j], v, (long long)k->fingerprint[j]);
+    }
+    for (int j = 0; j < 4; j++) {
+        int v = 0;
+        CU(cuFuncGetAttribute(&v, SETTABLE[j], k->fn));
+        if ((int64_t)v != k->settable[j])
+            CU(cuFuncSetAttribute(k->fn, SETTABLE[j], (int)k->settable[j]));
+    }
+    return NIMBLE_OK;
+}
+
+static nimble_status load_kernels(nimble_model *m) {
+    m->libraries = calloc(m->nbinaries ? m->nbinaries : 1, sizeof(CUlibrary));
+    if (!m->libraries) return fail(NIMBLE_ERROR_IO, "out of memory");
+    for (uint64_t i = 0; i < m->nbinaries; i++) {
+        uint8_t *owned = NULL;
+        const uint8_t *image = NULL;
+        nimble_status s = binary_image(m, &m->binaries[i], &owned, &image);
+        CUresult r = s == NIMBLE_OK ? cuLibraryLoadData(&m->libraries[i], image, NULL, NULL, 0,
+                                                        NULL, NULL, 0)
+                                    : CUDA_SUCCESS;
+        free(owned);
+        TRY(s);
+        if (r != CUDA_SUCCESS) return cuda_fail("cuLibraryLoadData", r);
+    }
+    for (uint64_t i = 0; i < m->nkernels; i++) TRY(load_kernel(m, &m->kernels[i]));
+    return NIMBLE_OK;
+}
+
+static nimble_status upload(nimble_model *m, memory_t *t, uint64_t n, const char *what) {
+    for (uint64_t i = 0; i < n; i++) {
+        const uint8_t *data = blob(m, t[i].blob);
+        if (!data || t[i].blob.size != t[i].size)
+            return fail(NIMBLE_ERROR_UNSUPPORTED, "the file holds no bytes for %s %llu (saved "
+                        "with weights=False?): the C runtime needs them in the file", what,
+                        (unsigned long long)i);
+        CU(cuMemAlloc(&t[i].ptr, t[i].size ? t[i].size : 1));
+        if (t[i].size) CU(cuMemcpyHtoD(t[i].ptr, data, t[i].size));
+    }
+    return NIMBLE_OK;
+}
+
+static nimble_status place_arenas(nimble_model *m) {
+    m->arenas = calloc(m->instances, sizeof(CUdeviceptr));
+    m->bases = calloc(m->instances, sizeof(CUdeviceptr));
+    if (!m->arenas || !m->bases) return fail(NIMBLE_ERROR_IO, "out of memory");
+    for (uint64_t j = 0; j < m->instances; j++) {
+        CU(cuMemAlloc(&m->arenas[j], m->arena_size ? m->arena_size : 1));
+        uint64_t a = m->alignment ? m->alignment : 1;
+        m->bases[j] = (m->arenas[j] + a - 1) / a * a;
+        for (uint64_t k = 0; k < m->nbuckets; k++) {
+            bucket_t *b = &m->buckets[k];
+            for (uint64_t i = 0; i < b->nprivate; i++) {
+                private_t *p = &b->private_[i];
+                const uint8_t *data = blob(m, p->blob);
+                if (data && p->blob.size == p->size)
+                    CU(cuMemcpyHtoD(m->bases[j] + p->offset, data, p->size));
+                else
+                    CU(cuMemsetD8(m->bases[j] + p->offset, 0, p->size));
+            }
+        }
+    }
+    return NIMBLE_OK;
+}
+
+/* ---- building ----------------------------------------------------------------------------- */
+
+static nimble_status add_kernel_node(nimble_model *m, uint64_t j, node_t *nd, CUgraph g,
+                                     CUgraphNode *out) {
+    if (nd->kernel >= m->nkernels) return fail(NIMBLE_ERROR_FORMAT, "a node names no kernel");
+    uint8_t *args = malloc(nd->args_len ? nd->args_len : 1);
+    void **slots = calloc(nd->nparams ? nd->nparams : 1, sizeof(void *));
+    if (!args || !slots) { free(args); free(slots); return fail(NIMBLE_ERROR_IO, "out of memory"); }
+    memcpy(args, nd->args, nd->args_len);
+    for (uint64_t i = 0; i < nd->nrelocs; i++) {
+        uint64_t v = resolve(m, j, nd->relocs[i].place);
+        if (nd->relocs[i].loc + 8 > nd->args_len) { free(args); free(slots);
+            return fail(NIMBLE_ERROR_FORMAT, "a relocation leaves its parameter block"); }
+        for (int b = 0; b < 8; b++) args[nd->relocs[i].loc + b] = (uint8_t)(v >> (8 * b));
+    }
+    size_t size = nd->args_len;
+    void *extra[5] = {CU_LAUNCH_PARAM_BUFFER_POINTER, args, CU_LAUNCH_PARAM_BUFFER_SIZE, &size,
+                      CU_LAUNCH_PARAM_END};
+    CUDA_KERNEL_NODE_PARAMS p;
+    memset(&p, 0, sizeof p);
+    p.func = m->kernels[nd->kernel].fn;
+    p.gridDimX = (unsigned)nd->grid[0]; p.gridDimY = (unsigned)nd->grid[1];
+    p.gridDimZ = (unsigned)nd->grid[2];
+    p.blockDimX = (unsigned)nd->block[0]; p.blockDimY = (unsigned)nd->block[1];
+    p.blockDimZ = (unsigned)nd->block[2];
+    p.sharedMemBytes = (unsigned)nd->shared;
+    if (nd->packed) {
+        p.extra = extra;
+    } else if (nd->nparams) {
+        for (uint64_t i = 0; i < nd->nparams; i++) slots[i] = args + nd->params[2 * i];
+        p.kernelParams = slots;
+    }
+    CUresult r = cuGraphAddKernelNode(out, g, NULL, 0, &p);
+    free(args);
+    free(slots);
+    if (r != CUDA_SUCCESS) return cuda_fail("cuGraphAddKernelNode", r);
+    for (uint64_t i = 0; i < nd->nattrs; i++) {
+        CUlaunchAttributeValue v;
+        memset(&v, 0, sizeof v);
+        memcpy(&v, nd->attrs[i].value, nd->attrs[i].len < sizeof v ? nd->attrs[i].len : sizeof v);
+        CU(cuGraphKernelNodeSetAttribute(*out, (CUlaunchAttributeID)nd->attrs[i].id, &v));
+    }
+    if (nd->has_priority) {
+        CUlaunchAttributeValue v;
+        memset(&v, 0, sizeof v);
+        v.priority = (int)nd->priority;
+        CU(cuGraphKernelNodeSetAttribute(*out, CU_LAUNCH_ATTRIBUTE_PRIORITY, &v));
+    }
+    return NIMBLE_OK;
+}
+
+static nimble_status add_copy_node(nimble_model *m, uint64_t j, node_t *nd, CUgraph g,
+                                   CUgraphNode *out) {
+    if (nd->kind == N_MEMSET) {
+        CUDA_MEMSET_NODE_PARAMS p;
+        memset(&p, 0, sizeof p);
+        p.dst = resolve(m, j, nd->dst);
+        p.value = (unsigned)nd->f[0]; p.elementSize = (unsigned)nd->f[1];
+        p.width = (size_t)nd->f[2]; p.height = (size_t)nd->f[3]; p.pitch = (size_t)nd->f[4];
+        CU(cuGraphAddMemsetNode(out, g, NULL, 0, &p, m->ctx));
+        return NIMBLE_OK;
+    }
+    CUDA_MEMCPY3D p;
+    memset(&p, 0, sizeof p);
+    p.srcMemoryType = (CUmemorytype)nd->f[0]; p.dstMemoryType = (CUmemorytype)nd->f[1];
+    p.srcDevice = resolve(m, j, nd->src); p.dstDevice = resolve(m, j, nd->dst);
+    p.srcXInBytes = (size_t)nd->f[2]; p.srcY = (size_t)nd->f[3]; p.srcZ = (size_t)nd->f[4];
+    p.srcPitch = (size_t)nd->f[5]; p.srcHeight = (size_t)nd->f[6];
+    p.dstXInBytes = (size_t)nd->f[7]; p.dstY = (size_t)nd->f[8]; p.dstZ = (size_t)nd->f[9];
+    p.dstPitch = (size_t)nd->f[10]; p.dstHeight = (size_t)nd->f[11];
+    p.WidthInBytes = (size_t)nd->f[12]; p.Height = (size_t)nd->f[13]; p.Depth = (size_t)nd->f[14];
+    CU(cuGraphAddMemcpyNode(out, g, NULL, 0, &p, m->ctx));
+    return NIMBLE_OK;
+}
+
+static nimble_status build(nimble_model *m, bucket_t *b, uint64_t j) {
+    CUgraph g;
+    CU(cuGraphCreate(&g, 0));
+    b->graphs[j] = g;
+    CUgraphNode *nodes = calloc(b->nnodes ? b->nnodes : 1, sizeof(CUgraphNode));
+    CUgraphNode *from = calloc(b->nedges ? b->nedges : 1, sizeof(CUgraphNode));
+    CUgraphNode *to = calloc(b->nedges ? b->nedges : 1, sizeof(CUgraphNode));
+    nimble_status s = nodes && from && to ? NIMBLE_OK : fail(NIMBLE_ERROR_IO, "out of memory");
+    int priorities = 0;
+    for (uint64_t i = 0; s == NIMBLE_OK && i < b->nnodes; i++) {
+        node_t *nd = &b->nodes[i];
+        priorities |= nd->kind == N_KERNEL && nd->has_priority;
+        if (nd->kind == N_KERNEL) s = add_kernel_node(m, j, nd, g, &nodes[i]);
+        else if (nd->kind == N_EMPTY) {
+            CUresult r = cuGraphAddEmptyNode(&nodes[i], g, NULL, 0);
+            if (r != CUDA_SUCCESS) s = cuda_fail("cuGraphAddEmptyNode", r);
+        } else s = add_copy_node(m, j, nd, g, &nodes[i]);
+    }
+    for (uint64_t e = 0; s == NIMBLE_OK && e < b->nedges; e++) {
+        from[e] = nodes[b->edges[2 * e]];
+        to[e] = nodes[b->edges[2 * e + 1]];
+    }
+    if (s == NIMBLE_OK && b->nedges) {
+#if CUDA_VERSION >= 13000
+        CUresult r = cuGraphAddDependencies(g, from, to, NULL, b->nedges);
+#else
+        CUresult r = cuGraphAddDependencies(g, from, to, b->nedges);
+#endif
+        if (r != CUDA_SUCCESS) s = cuda_fail("cuGraphAddDependencies", r);
+    }
+    free(nodes); free(from); free(to);
+    TRY(s);
+    unsigned long long flags = priorities ? CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY : 0;
+    CUresult r = cuGraphInstantiateWithFlags(&b->execs[j], g,
+                                             flags | CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH);
+    if (r != CUDA_SUCCESS) /* a node the device cannot launch: the host launches it */
+        CU(cuGraphInstantiateWithFlags(&b->execs[j], g, flags));
+    CU(cuGraphUpload(b->execs[j], 0));
+    return NIMBLE_OK;
+}
+
+/* ---- the proof at load -------------------------------------------------------------------- */
+
+static nimble_status restore_written(nimble_model *m, bucket_t *b) {
+    for (uint64_t i = 0; i < b->nwritten; i++) {
+        place_t p = b->written[i];
+        if (p.region != R_MEMORY || p.index >= m->nmemory) continue;
+        memory_t *t = &m->memory[p.index];
+        const uint8_t *data = blob(m, t->blob);
+        if (data && t->size) CU(cuMemcpyHtoD(t->ptr, data, t->size));
+    }
+    return NIMBLE_OK;
+}
+
+static nimble_status prove_one(nimble_model *m, uint64_t k, uint64_t j, uint64_t launch,
+                               CUstream stream, uint8_t *host) {
+    bucket_t *b = &m->buckets[k];
+    refset_t *set = &b->sets[launch % b->nsets];
+    TRY(restore_written(m, b));
+    for (uint64_t i = 0; i < b->ninputs; i++) {
+        const uint8_t *data = blob(m, set->inputs[i]);
+        if (!data || set->inputs[i].size != b->inputs[i].info.nbytes)
+            return fail(NIMBLE_ERROR_FORMAT, "a saved reference input has the wrong size");
+        CU(cuMemcpyHtoD(resolve(m, j, b->inputs[i].place), data, set->inputs[i].size));
+    }
+    CU(cuMemsetD8(m->bases[j], 0xFF, b->plan_bytes)); /* poison: a missed pointer reads NaN */
+    CU(cuGraphLaunch(b->execs[j], stream));
+    CU(cuStreamSynchronize(stream));
+    for (uint64_t i = 0; i < b->noutputs; i++) {
+        tensor_t *t = &b->outputs[i];
+        const uint8_t *want = blob(m, set->outputs[i]);
+        if (!set->checked[i] || !t->info.contiguous) continue;
+        if (!want || set->outputs[i].size != t->info.nbytes)
+            return fail(NIMBLE_ERROR_FORMAT, "a saved reference output has the wrong size");
+        CU(cuMemcpyDtoH(host, resolve(m, j, t->place), t->info.nbytes));
+        if (memcmp(host, want, t->info.nbytes) != 0)
+            return fail(NIMBLE_ERROR_VERIFY, "bucket %llu, instance %llu, launch %llu: output "
+                        "%llu differs from the saved one: the loaded graph does not reproduce "
+                        "the saving process's", (unsigned long long)k, (unsigned long long)j,
+                        (unsigned long long)launch, (unsigned long long)i);
+    }
+    return NIMBLE_OK;
+}
+
+static nimble_status prove(nimble_model *m) {
+    size_t most = 1;
+    for (uint64_t k = 0; k < m->nbuckets; k++)
+        for (uint64_t i = 0; i < m->buckets[k].noutputs; i++)
+            if (m->buckets[k].outputs[i].info.nbytes > most)
+                most = m->buckets[k].outputs[i].info.nbytes;
+    uint8_t *host = malloc(most);
+    CUstream stream;
+    if (!host) return fail(NIMBLE_ERROR_IO, "out of memory");
+    CUresult r = cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING);
+    if (r != CUDA_SUCCESS) { free(host); return cuda_fail("cuStreamCreate", r); }
+    nimble_status s = NIMBLE_OK;
+    for (uint64_t k = 0; s == NIMBLE_OK && k < m->nbuckets; k++) {
+        if (!m->buckets[k].nsets) continue;
+        for (uint64_t j = 0; s == NIMBLE_OK && j < m->instances; j++)
+            for (uint64_t launch = 0; s == NIMBLE_OK && launch < 4; launch++)
+                s = prove_one(m, k, j, launch, stream, host);
+        if (s == NIMBLE_OK) s = restore_written(m, &m->buckets[k]);
+    }
+    cuStreamDestroy(stream);
+    free(host);
+    return s;
+}
+
+/* ---- the API ------------------------------------------------------------------------------ */
+
+static nimble_status load(nimble_model *m, const char *path, int device, unsigned flags) {
+    plan_t pl = {0};
+    TRY(read_file(m, path, &pl));
+    TRY(read_plan(m, &pl));
+    TRY(check_device(m, device));
+    TRY(load_kernels(m));
+    TRY(upload(m, m->weights, m->nweights, "weight storage"));
+    TRY(upload(m, m->memory, m->nmemory, "external memory range"));
+    TRY(place_arenas(m));
+    for (uint64_t k = 0; k < m->nbuckets; k++) {
+        bucket_t *b = &m->buckets[k];
+        b->graphs = calloc(m->instances, sizeof(CUgraph));
+        b->execs = calloc(m->instances, sizeof(CUgraphExec));
+        if (!b->graphs || !b->execs) return fail(NIMBLE_ERROR_IO, "out of memory");
+        for (uint64_t j = 0; j < m->instances; j++) TRY(build(m, b, j));
+    }
+    if (!(flags & NIMBLE_LOAD_NO_VERIFY)) TRY(prove(m));
+    return NIMBLE_OK;
+}
+
+nimble_status nimble_load(const char *path, int device, unsigned flags, nimble_model **model) {
+    if (!model || !path) return fail(NIMBLE_ERROR_ARGUMENT, "nimble_load: a NULL argument");
+    *model = NULL;
+    nimble_model *m = calloc(1, sizeof *m);
+    if (!m) return fail(NIMBLE_ERROR_IO, "out of memory");
+    nimble_status s = load(m, path, device, flags);
+    free(m->file); /* blobs and plan strings point into it; only loading reads them */
+    m->file = NULL;
+    m->blobs = NULL;
+    if (s != NIMBLE_OK) {
+        char saved[sizeof last_error];
+        memcpy(saved, last_error, sizeof saved);
+        nimble_free(m);
+        memcpy(last_error, saved, sizeof saved);
+        return s;
+    }
+    last_error[0] = 0;
+    *model = m;
+    return NIMBLE_OK;
+}
+
+int nimble_buckets(const nimble_model *m) { return m ? (int)m->nbuckets : 0; }
+int nimble_instances(const nimble_model *m) { return m ? (int)m->instances : 0; }
+
+static const bucket_t *bucket_of(const nimble_model *m, int k) {
+    return m && k >= 0 && (uint64_t)k < m->nbuckets ? &m->buckets[k] : NULL;
+}
+
+int nimble_inputs(const nimble_model *m, int k) {
+    const bucket_t *b = bucket_of(m, k);
+    return b ? (int)b->ninputs : 0;
+}
+
+int nimble_outputs(const nimble_model *m, int k) {
+    const bucket_t *b = bucket_of(m, k);
+    return b ? (int)b->noutputs : 0;
+}
+
+static nimble_status info_of(const tensor_t *t, uint64_t n, int i, nimble_tensor_info *info) {
+    if (!t || !info || i < 0 || (uint64_t)i >= n)
+        return fail(NIMBLE_ERROR_ARGUMENT, "no tensor %d (of %llu)", i, (unsigned long long)n);
+    *info = t[i].info;
+    return NIMBLE_OK;
+}
+
+nimble_status nimble_input_info(const nimble_model *m, int k, int i, nimble_tensor_info *info) {
+    const bucket_t *b = bucket_of(m, k);
+    return info_of(b ? b->inputs : NULL, b ? b->ninputs : 0, i, info);
+}
+
+nimble_status nimble_output_info(const nimble_model *m, int k, int i, nimble_tensor_info *info) {
+    const bucket_t *b = bucket_of(m, k);
+    return info_of(b ? b->outputs : NULL, b ? b->noutputs : 0, i, info);
+}
+
+static CUdeviceptr address_of(const nimble_model *m, const bucket_t *b, const tensor_t *t,
+                              uint64_t n, int instance, int i) {
+    if (!b || instance < 0 || (uint64_t)instance >= m->instances || i < 0 || (uint64_t)i >= n)
+        return 0;
+    return resolve(m, (uint64_t)instance, t[i].place);
+}
+
+CUdeviceptr nimble_input_address(const nimble_model *m, int k, int instance, int i) {
+    const bucket_t *b = bucket_of(m, k);
+    return address_of(m, b, b ? b->inputs : NULL, b ? b->ninputs : 0, instance, i);
+}
+
+CUdeviceptr nimble_output_address(const nimble_model *m, int k, int instance, int i) {
+    const bucket_t *b = bucket_of(m, k);
+    return address_of(m, b, b ? b->outputs : NULL, b ? b->noutputs : 0, instance, i);
+}
+
+CUgraphExec nimble_exec(const nimble_model *m, int k, int instance) {
+    const bucket_t *b = bucket_of(m, k);
+    if (!b || instance < 0 || (uint64_t)instance >= m->instances) return NULL;
+    return b->execs[instance];
+}
+
+nimble_status nimble_run(const nimble_model *m, int k, int instance, CUstream stream) {
+    CUgraphExec exec = nimble_exec(m, k, instance);
+    if (!exec) return fail(NIMBLE_ERROR_ARGUMENT, "no bucket %d, instance %d", k, instance);
+    CU(cuGraphLaunch(exec, stream));
+    return NIMBLE_OK;
+}
+
+static void free_bucket(bucket_t *b, uint64_t instances) {
+    for (uint64_t j = 0; b->execs && j < instances; j++)
+        if (b->execs[j]) cuGraphExecDestroy(b->execs[j]);
+    for (uint64_t j = 0; b->graphs && j < instances; j++)
+        if (b->graphs[j]) cuGraphDestroy(b->graphs[j]);
+    for (uint64_t i = 0; b->nodes && i < b->nnodes; i++) {
+        free(b->nodes[i].params); free(b->nodes[i].relocs); free(b->nodes[i].attrs);
+    }
+    for (uint64_t s = 0; b->sets && s < b->nsets; s++) {
+        free(b->sets[s].inputs); free(b->sets[s].outputs); free(b->sets[s].checked);
+    }
+    free(b->execs); free(b->graphs); free(b->nodes); free(b->inputs); free(b->outputs);
+    free(b->private_); free(b->edges); free(b->sets); free(b->written); free(b->written_size);
+}
+
+void nimble_free(nimble_model *m) {
+    if (!m) return;
+    if (m->ctx) cuCtxSetCurrent(m->ctx);
+    for (uint64_t k = 0; m->buckets && k < m->nbuckets; k++) free_bucket(&m->buckets[k],
+                                                                          m->instances);
+    for (uint64_t j = 0; m->arenas && j < m->instances; j++)
+        if (m->arenas[j]) cuMemFree(m->arenas[j]);
+    memory_t *tables[2] = {m->weights, m->memory};
+    uint64_t counts[2] = {m->nweights, m->nmemory};
+    for (int t = 0; t < 2; t++)
+        for (uint64_t i = 0; tables[t] && i < counts[t]; i++)
+            if (tables[t][i].ptr) cuMemFree(tables[t][i].ptr);
+    for (uint64_t i = 0; m->libraries && i < m->nbinaries; i++)
+        if (m->libraries[i]) cuLibraryUnload(m->libraries[i]);
+    for (uint64_t i = 0; m->binaries && i < m->nbinaries; i++) free(m->binaries[i].path);
+    for (uint64_t i = 0; m->kernels && i < m->nkernels; i++) free(m->kernels[i].name);
+    free(m->buckets); free(m->arenas); free(m->bases); free(m->weights); free(m->memory);
+    free(m->libraries); free(m->binaries); free(m->kernels); free(m->file);
+    if (m->retained) cuDevicePrimaryCtxRelease(m->device);
+    free(m);
+}

@@ -1,0 +1,254 @@
+"""The saved graph as the C runtime reads it: one blob of little-endian 64-bit words.
+
+The manifest is JSON, and the TaskGraph inside it gzipped JSON: more than a small C library
+should parse.  So the saver also writes the *C plan* (manifest key ``c_plan``), everything the
+C runtime (``nimble/c_runtime/``) needs, already resolved: every pointer of every node as a
+*relocation* (a region and an addend), the edges, the arena layout, the inputs' and outputs'
+places, the references of the proof at load.  A region is where an address lives in the loading
+process:
+
+====== ==========================================================================
+NONE   no relocation: the addend is the value (a word that points nowhere Nimble knows)
+ARENA  the instance's arena base (aligned to 512 bytes) plus the addend
+WEIGHT the address of weight storage ``index`` (the file's bytes) plus the addend
+MEMORY the address of external memory range ``index`` plus the addend
+====== ==========================================================================
+
+The words are written and read in one fixed order (:class:`PlanWriter`, the C reader's
+``plan_*`` functions, and ``tests/c_plan_reader.py``, which reads it back on the CPU):
+``docs/c-host.md`` lists it.  Inference graphs only; a graph with a buffer kept at its low
+address bits, or with a random generator, is marked unsupported (the C runtime refuses it with
+its reason).
+"""
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+from ..ir.alignment import ALIGNMENT
+from ..ir.taskgraph import BufferKind, TaskKind
+from .arena_layout import StateLayout, shared_state
+
+MAGIC = int.from_bytes(b"NIMBLECP", "little")
+VERSION = 1
+NONE, ARENA, WEIGHT, MEMORY = 0, 1, 2, 3
+KERNEL, MEMSET, MEMCPY, EMPTY = 0, 1, 2, 3
+NO_BLOB = (1 << 64) - 1
+#: dtype codes, as in the C header.
+DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3, "int64": 4, "int32": 5,
+          "int16": 6, "int8": 7, "uint8": 8, "bool": 9}
+FINGERPRINT = ("MAX_THREADS_PER_BLOCK", "SHARED_SIZE_BYTES", "CONST_SIZE_BYTES",
+               "LOCAL_SIZE_BYTES", "NUM_REGS", "BINARY_VERSION")
+SETTABLE = ("MAX_DYNAMIC_SHARED_SIZE_BYTES", "NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
+            "CLUSTER_SCHEDULING_POLICY_PREFERENCE", "PREFERRED_SHARED_MEMORY_CARVEOUT")
+
+
+class PlanWriter:
+    """Words in order; strings and byte strings as their length, then their bytes padded to 8."""
+
+    def __init__(self) -> None:
+        self.words: list[int] = []
+
+    def u(self, *values: int) -> None:
+        for v in values:
+            v = int(v)
+            if v < 0:
+                v += 1 << 64  # two's complement: the C side reads int64_t where signed
+            if not 0 <= v < 1 << 64:
+                raise ValueError(f"{v} does not fit 64 bits")
+            self.words.append(v)
+
+    def raw(self, data: bytes) -> None:
+        data = bytes(data)
+        self.u(len(data))
+        padded = data + b"\0" * (-len(data) % 8)
+        self.words.extend(struct.unpack(f"<{len(padded) // 8}Q", padded))
+
+    def text(self, value: str) -> None:
+        self.raw(value.encode())
+
+    def blob(self, ref) -> None:
+        """A blob reference (``[offset, size]`` of the blobs section; none: ``NO_BLOB, 0``)."""
+        if ref is None:
+            self.u(NO_BLOB, 0)
+        else:
+            self.u(int(ref[0]), int(ref[1]))
+
+    def getvalue(self) -> bytes:
+        return struct.pack(f"<{len(self.words)}Q", *self.words)
+
+
+class Regions:
+    """Where each buffer of one bucket's graph lives in the loading process: ``(region,
+    index, offset)``, or a reason it cannot be placed by the C runtime."""
+
+    def __init__(self, prepared, state: StateLayout, outside: dict) -> None:
+        graph = prepared.graph
+        self.places: dict[int, tuple[int, int, int]] = {}
+        self.unsupported = ""
+        for bid, offset in prepared.memplan.offsets.items():
+            self.places[bid] = (ARENA, 0, offset)
+        for bid, offset in state.private.items():
+            self.places[bid] = (ARENA, 0, offset)
+        for bid, source in outside.items():
+            bid = int(bid)
+            if "weight" in source:
+                self.places[bid] = (WEIGHT, int(source["weight"]), 0)
+            else:
+                self.places[bid] = (MEMORY, int(source["memory"]), int(source["offset"]))
+        low = graph.meta.get("low_word_buffers") or []
+        if low:
+            self.unsupported = (f"buffer {low[0]} must keep its low 32 address bits (a word "
+                                "that may be an integer points into it)")
+        if graph.meta.get("rng") or any(b.kind == BufferKind.RNG for b in graph.buffers):
+            self.unsupported = "the graph draws random numbers"
+
+    def relocation(self, buffer: int, addend: int, value: int) -> tuple[int, int, int]:
+        """``(region, index, addend)`` of a word that points ``addend`` bytes into
+        ``buffer`` (recorded as ``value``)."""
+        if buffer < 0:
+            return NONE, 0, value
+        place = self.places.get(buffer)
+        if place is None:
+            self.unsupported = self.unsupported or f"buffer {buffer} has no place"
+            return NONE, 0, value
+        region, index, offset = place
+        return region, index, offset + addend
+
+
+def _write_kernel_node(w: PlanWriter, task, row: dict, regions: Regions,
+                       priority: int | None) -> None:
+    w.u(KERNEL, int(row["kernel"]), *task.grid, *task.block, task.shared_mem)
+    w.u(1 if priority is not None else 0, priority or 0)
+    w.u(1 if task.fields.get("args") == "extra" else 0)
+    w.u(len(task.param_layout))
+    for offset, size in task.param_layout:
+        w.u(offset, size)
+    w.raw(task.params)
+    w.u(len(task.pointers))
+    for p in task.pointers:
+        w.u(int(p.location), *regions.relocation(p.buffer, p.offset, p.value))
+    attributes = row.get("attributes", {})
+    w.u(len(attributes))
+    for attr, value in sorted(attributes.items(), key=lambda kv: int(kv[0])):
+        w.u(int(attr))
+        w.raw(bytes.fromhex(value))
+
+
+def _endpoint(task, fields: dict, name: str, location: str, regions: Regions
+              ) -> tuple[int, int, int]:
+    recorded = int(fields[name])
+    for p in task.pointers:
+        if p.location == location:
+            return regions.relocation(p.buffer, p.offset + recorded - p.value, recorded)
+    return NONE, 0, recorded
+
+
+def _write_node(w: PlanWriter, task, row: dict, regions: Regions, priority) -> None:
+    if task.kind == TaskKind.KERNEL:
+        _write_kernel_node(w, task, row, regions, priority)
+    elif task.kind == TaskKind.MEMSET:
+        f = row["memset"]
+        w.u(MEMSET, *_endpoint(task, f, "dst", "dst", regions))
+        w.u(f["value"], f["elementSize"], f["width"], f["height"], f["pitch"])
+    elif task.kind == TaskKind.MEMCPY:
+        f = row["memcpy"]
+        w.u(MEMCPY, *_endpoint(task, f, "srcDevice", "src", regions),
+            *_endpoint(task, f, "dstDevice", "dst", regions))
+        w.u(*(f[k] for k in ("srcMemoryType", "dstMemoryType", "srcXInBytes", "srcY", "srcZ", "srcPitch", "srcHeight",
+                             "dstXInBytes", "dstY", "dstZ", "dstPitch", "dstHeight",
+                             "WidthInBytes", "Height", "Depth")))
+    else:
+        w.u(EMPTY)
+
+
+def _write_tensor(w: PlanWriter, ref, regions: Regions) -> None:
+    import math
+
+    w.u(*regions.relocation(ref.buffer, ref.offset, 0))
+    itemsize = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2,
+                "bfloat16": 2, "int16": 2}.get(ref.dtype, 1)
+    extent = 1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.strides)) if all(ref.shape) \
+        else 0
+    w.u(max(extent, 0) * itemsize, DTYPES.get(ref.dtype, 255), len(ref.shape), *ref.shape)
+    contiguous = extent == math.prod(ref.shape)
+    w.u(1 if contiguous else 0)
+
+
+def _write_bucket(w: PlanWriter, prepared, state: StateLayout, row: dict) -> str:
+    graph = prepared.graph
+    regions = Regions(prepared, state, row["outside"])
+    w.u(prepared.memplan.arena_bytes, len(graph.inputs))
+    for ref in graph.inputs:
+        _write_tensor(w, ref, regions)
+    w.u(len(graph.outputs))
+    for ref in graph.outputs:
+        _write_tensor(w, ref, regions)
+    private = row["private"]
+    w.u(len(state.private))
+    for bid, offset in sorted(state.private.items()):
+        w.u(offset, graph.buffers[bid].size)
+        w.blob(None if bid in state.zeroed else private.get(str(bid)))
+    priorities = prepared.priorities
+    w.u(len(graph.tasks))
+    for task, node_row in zip(graph.tasks, row["nodes"]):
+        _write_node(w, task, node_row, regions,
+                    priorities[task.id] if priorities is not None else None)
+    edges = sorted(set(prepared.schedule.edges()) | set(prepared.late_edges))
+    w.u(len(edges))
+    for u, v in edges:
+        w.u(u, v)
+    _write_reference(w, row["reference"], prepared, regions)
+    return regions.unsupported
+
+
+def _write_reference(w: PlanWriter, reference: dict, prepared, regions: Regions) -> None:
+    graph = prepared.graph
+    spread = {int(i) for i in reference.get("spread", {})}
+    w.u(len(reference["inputs"]))
+    for inputs, outputs in zip(reference["inputs"], reference["outputs"]):
+        for ref in inputs:
+            w.blob(ref)
+        for i, ref in enumerate(outputs):
+            w.blob(ref)
+            w.u(0 if i in spread else 1)  # 1: held bit for bit
+    state = {tuple(r) for r in shared_state(graph)}
+    written = [bid for bid, b in enumerate(graph.buffers) if (b.address, b.size) in state]
+    w.u(len(written))  # memory the graph writes: put back before each checked launch
+    for bid in written:
+        region, index, offset = regions.relocation(bid, 0, 0)
+        w.u(region, index, offset, graph.buffers[bid].size)
+
+
+def c_plan(manifest: dict, preparations: Sequence, states: Sequence[StateLayout],
+           arena_size: int) -> tuple[bytes, str]:
+    """The C plan of a saved file (see the module docstring) and, where the C runtime cannot
+    run it, why ("" where it can)."""
+    w = PlanWriter()
+    w.u(MAGIC, VERSION, manifest["arch"], manifest["driver"])
+    w.u(arena_size, ALIGNMENT, manifest["instances"], len(preparations))
+    w.u(len(manifest["binaries"]))
+    for b in manifest["binaries"]:
+        library = b["kind"] == "library"
+        ref = (b["offset"], b["size"]) if library else b["blob"]
+        w.u(0 if library else 1, int(ref[0]), int(ref[1]))
+        w.raw(bytes.fromhex(b["sha256"]))
+        w.text(b.get("path", "") if library else "")
+    w.u(len(manifest["kernels"]))
+    for k in manifest["kernels"]:
+        w.u(k["binary"])
+        w.text(k["name"])
+        w.u(*(k["fingerprint"][n] for n in FINGERPRINT))
+        w.u(*(k["attributes"].get(n, 0) for n in SETTABLE))
+    for rows in (manifest["weights"], manifest["memory"]):
+        w.u(len(rows))
+        for r in rows:
+            w.u(r["size"])
+            w.blob(r.get("blob"))
+    unsupported = ""
+    for prepared, state, row in zip(preparations, states, manifest["buckets"]):
+        if prepared.step is not None:
+            unsupported = unsupported or "a training step"
+        unsupported = _write_bucket(w, prepared, state, row) or unsupported
+    w.text(unsupported)
+    return w.getvalue(), unsupported
