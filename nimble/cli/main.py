@@ -22,7 +22,7 @@ from typing import Callable
 
 from .. import __version__
 from ..errors import NimbleError
-from . import inspect_graph
+from . import c_runtime, inspect_graph
 from .common import Fail, Parser, context_fault, one_line
 from .output import logging_to_stderr
 
@@ -40,6 +40,12 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help=inspect_graph.HELP, description=inspect_graph.DESCRIPTION)
     inspect_graph.add_arguments(p)
     p.set_defaults(run=inspect_graph.run)
+
+
+def _add_c_runtime(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("c-runtime", help=c_runtime.HELP, description=c_runtime.__doc__)
+    c_runtime.add_arguments(p)
+    p.set_defaults(run=c_runtime.run)
 
 
 # ---- lazily imported subcommands ------------------------------------------------------------
@@ -80,6 +86,7 @@ def build_parser(load: str | None = None) -> Parser:
     parser.add_argument("--version", action="version", version=f"nimble {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_inspect(sub)
+    _add_c_runtime(sub)
     for name in _LAZY:
         _add_lazy(sub, name, load == name)
     return parser
