@@ -710,13 +710,13 @@ static nimble_status prove_one(nimble_model *m, uint64_t k, uint64_t j, uint64_t
     bucket_t *b = &m->buckets[k];
     refset_t *set = &b->sets[launch % b->nsets];
     TRY(restore_written(m, b));
-    for (uint64_t i = 0; i < b->ninputs; i++) {
+    CU(cuMemsetD8(m->bases[j], 0xFF, b->plan_bytes)); /* poison: a missed pointer reads NaN */
+    for (uint64_t i = 0; i < b->ninputs; i++) { /* the inputs' slots lie in the plan */
         const uint8_t *data = blob(m, set->inputs[i]);
         if (!data || set->inputs[i].size != b->inputs[i].info.nbytes)
             return fail(NIMBLE_ERROR_FORMAT, "a saved reference input has the wrong size");
         CU(cuMemcpyHtoD(resolve(m, j, b->inputs[i].place), data, set->inputs[i].size));
     }
-    CU(cuMemsetD8(m->bases[j], 0xFF, b->plan_bytes)); /* poison: a missed pointer reads NaN */
     CU(cuGraphLaunch(b->execs[j], stream));
     CU(cuStreamSynchronize(stream));
     for (uint64_t i = 0; i < b->noutputs; i++) {

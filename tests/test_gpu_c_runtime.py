@@ -1,0 +1,109 @@
+"""Saved graphs run from C with no Python in the process (issue 49): nimble/c_runtime built with
+the system compiler, tests/c_host/run_saved.c loading a file and running it."""
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_gpu_saved import _conv_net
+
+pytestmark = pytest.mark.gpu
+
+HOST = Path(__file__).parent / "c_host" / "run_saved.c"
+FORMAT, VERSION, DEVICE = 3, 4, 5  # nimble_status codes (nimble.h)
+
+
+@pytest.fixture(scope="module")
+def run_saved(tmp_path_factory) -> Path:
+    from nimble.cli import c_runtime
+    from nimble.cli.common import Fail
+
+    out = tmp_path_factory.mktemp("c") / "run_saved"
+    try:
+        cmd = [c_runtime.compiler(), "-O2", "-std=c11", "-Wall", "-Wextra", "-I",
+               str(c_runtime.FOLDER), "-I", str(c_runtime.cuda_include()), str(HOST),
+               *[str(c_runtime.FOLDER / s) for s in c_runtime.SOURCES], "-o", str(out),
+               *c_runtime.libcuda()]
+    except Fail as e:
+        pytest.skip(str(e))
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, " ".join(cmd) + "\n" + done.stderr
+    return out
+
+
+def _raw(t) -> bytes:
+    import torch
+
+    return t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+
+
+def test_a_saved_graph_runs_from_c_bit_for_bit_with_python(run_saved, tmp_path):
+    import torch
+
+    import nimble
+
+    model, x = _conv_net()
+    model.half()
+    x = x.half()
+    nm = nimble.Nimble(model).prepare(x, return_copies=True)
+    saved = nm.save(tmp_path / "m.nimble")
+    inputs = [torch.randn_like(x) for _ in range(3)]
+    (tmp_path / "in.raw").write_bytes(b"".join(_raw(i) for i in inputs))
+    done = subprocess.run([str(run_saved), str(saved), str(tmp_path / "in.raw"),
+                           str(tmp_path / "out.raw")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    want = b"".join(_raw(nm(i)) for i in inputs)
+    assert (tmp_path / "out.raw").read_bytes() == want
+
+
+def test_bad_files_give_their_error_codes(run_saved, tmp_path):
+    import nimble
+    from nimble.ir.saved_format import SavedFile
+
+    model, x = _conv_net()
+    saved = nimble.Nimble(model).prepare(x).save(tmp_path / "m.nimble")
+    data = saved.read_bytes()
+
+    def code(name: str, content: bytes) -> tuple[int, str]:
+        path = tmp_path / name
+        path.write_bytes(content)
+        done = subprocess.run([str(run_saved), str(path), "--bench", "1"], capture_output=True,
+                              text=True, timeout=120)
+        return done.returncode, done.stderr
+    rc, err = code("truncated.nimble", data[:-100])
+    assert rc == FORMAT and "truncated" in err
+    newer = bytearray(data)
+    struct.pack_into("<I", newer, 8, 2)
+    rc, err = code("version.nimble", bytes(newer))
+    assert rc == VERSION and "version 2" in err
+    other = SavedFile.read(saved)
+    plan = bytearray(other.extra["c_plan"])
+    struct.pack_into("<Q", plan, 16, 80)  # the plan's third word: the architecture
+    other.extra = {"c_plan": bytes(plan)}
+    other.blobs = bytes(other.blobs)
+    other.write(tmp_path / "arch.nimble")
+    rc, err = code("arch2.nimble", (tmp_path / "arch.nimble").read_bytes())
+    assert rc == DEVICE and "compute capability 80" in err
+
+
+def test_a_zoo_model_saved_by_the_command_runs_from_c(run_saved, tmp_path):
+    """``nimble save`` in one process, the C program in another: the C load's proof holds the
+    graph bit for bit to the saving process's outputs; the bench line is printed."""
+    pytest.importorskip("torchvision")
+    saved = tmp_path / "resnet50.nimble"
+    done = subprocess.run([sys.executable, "-m", "nimble", "save", "resnet50", "--dtype",
+                           "float16", "-o", str(saved), "-q"], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run([str(run_saved), str(saved), "--bench", "1000"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    numbers = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"C resnet50 float16: {numbers}")
+    assert numbers["load_to_first_call_ms"] > 0
