@@ -208,3 +208,21 @@ def test_a_file_of_several_checksum_chunks_is_checked_in_every_chunk(monkeypatch
     assert bytes(body) != data[HEADER.size:]
     with pytest.raises(LoadError, match="checksum"):
         SavedFile.from_bytes(data[:HEADER.size] + bytes(body))
+
+
+def test_a_saved_training_step_needs_the_model_with_the_saved_parameters():
+    import torch
+
+    from nimble.engine.loading import _step_layout
+
+    step = {"forward_inputs": 1, "forward_outputs": 1, "differentiable": [0],
+            "inputs_with_grad": [], "grad_output_of": [1, 2],
+            "param_names": ["weight", "bias"]}
+    with pytest.raises(LoadError, match="pass the model"):
+        _step_layout(step, None, 0)
+    with pytest.raises(LoadError, match="differ from the saved step's"):
+        _step_layout(step, torch.nn.Conv2d(1, 1, 1, bias=False), 0)
+    model = torch.nn.Linear(2, 3)
+    layout = _step_layout(step, model, 0)
+    assert layout.params[0] is model.weight and layout.params[1] is model.bias
+    assert layout.grad_output_of == [1, 2] and _step_layout(None, model, 0) is None

@@ -47,6 +47,7 @@ from .kernel_binaries import LoadedKernels, load_kernels
 from .launcher import CallOrder, run_phases
 from .prepared import ArenaRegion, Placement, Prepared, build_prepared
 from .profiler_guard import device_launch_allowed
+from .saving import written_weights
 from .serving import Bucket, BucketCost, PrepareReport, Serving, close_partial
 from .weights import named_weights
 
@@ -178,7 +179,7 @@ class _Bucket:
     memplan: MemPlan
     row: dict
     placement: Placement
-    reference: tuple  # (input sets, expected outputs, spread)
+    reference: tuple  # (input sets, expected outputs, spread, gradient outputs)
 
 
 def _tensors(saved: SavedFile, refs: list, like: list, device) -> list:
@@ -195,7 +196,7 @@ def _tensors(saved: SavedFile, refs: list, like: list, device) -> list:
 
 
 def _read_bucket(row: dict, k: int, saved: SavedFile, graph: TaskGraph, spec, functions: list,
-                 weights: list[int], memory: list[int], device) -> _Bucket:
+                 weights: list[int], memory: list[int], device, model=None) -> _Bucket:
     """Bucket ``k`` (its row checked by :func:`_read`, its graph and output structure decoded
     there), with its reference tensors on ``device``."""
     schedule = Schedule(**row["schedule"])
@@ -214,9 +215,34 @@ def _read_bucket(row: dict, k: int, saved: SavedFile, graph: TaskGraph, spec, fu
     refs = row["reference"]
     sets = [_tensors(saved, s, graph.inputs, device) for s in refs["inputs"]]
     expected = [_tensors(saved, s, graph.outputs, device) for s in refs["outputs"]]
-    rec = _SavedRecording(graph, _stored_nodes(graph, row["nodes"], functions), sets[0], spec)
+    rec = _SavedRecording(graph, _stored_nodes(graph, row["nodes"], functions), sets[0], spec,
+                          _step_layout(row.get("step"), model, k))
     return _Bucket(rec, schedule, memplan, row, Placement(outside, private),
-                   (sets, expected, {int(i): float(d) for i, d in refs["spread"].items()}))
+                   (sets, expected, {int(i): float(d) for i, d in refs["spread"].items()},
+                    [int(i) for i in refs.get("gradients", [])]))
+
+
+def _step_layout(step: dict | None, model, k: int):
+    """A training step's autograd layout over ``model``'s parameters (None for inference);
+    LoadError where the model does not have the saved parameters."""
+    if step is None:
+        return None
+    from ..record.recorder import StepLayout
+
+    if model is None:
+        raise LoadError(f"bucket {k} is a training step: its backward fills the model's "
+                        "parameters' .grad, so pass the model, nimble.load(path, model=...)")
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    names = list(step["param_names"])
+    if list(named) != names:
+        missing = [n for n in names if n not in named] or [n for n in named if n not in names]
+        raise LoadError(f"the model's trainable parameters differ from the saved step's "
+                        f"(first difference: '{missing[0] if missing else names[0]}'): pass the "
+                        "model the step was saved from")
+    return StepLayout(int(step["forward_inputs"]), int(step["forward_outputs"]),
+                      [int(i) for i in step["differentiable"]],
+                      [int(i) for i in step["inputs_with_grad"]], [named[n] for n in names],
+                      [int(i) for i in step["grad_output_of"]])
 
 
 def _backfill(row: dict) -> list[Picked]:
@@ -248,10 +274,11 @@ def prove_loaded(prepared: Prepared, reference: tuple, launches: int = LOAD_PROO
     from .proving import low_word_ranges
 
     graph = prepared.graph
-    sets, expected, spread = reference
+    sets, expected, spread, gradients = reference
     state_ranges = {tuple(r) for r in shared_state(graph)}
     moved = [(prepared.bases[b.id], b.size) for b in graph.buffers
              if (b.address, b.size) in state_ranges]
+    moved += [(prepared.bases[b], graph.buffers[b].size) for b in written_weights(graph)]
     shared = SharedState(moved) if moved else None
     run = run_phases(prepared.launchers)
     if shared is not None:
@@ -259,8 +286,8 @@ def prove_loaded(prepared: Prepared, reference: tuple, launches: int = LOAD_PROO
     try:
         poison([(prepared.arena_base, prepared.memplan.arena_bytes)]
                + low_word_ranges(prepared), prepared.launcher.stream())
-        Reference(graph, sets, expected, dict(spread)).launches(run, launches,
-                                                               label="load check launch")
+        Reference(graph, sets, expected, dict(spread), gradients).launches(
+            run, launches, label="load check launch")
     finally:
         if shared is not None:
             shared.close()
@@ -330,7 +357,7 @@ def load_serving(path, model=None, *, verify: bool = True, quiet: bool = True) -
         weights, keep = _weights(manifest, saved, model, device)
         memory, kept_memory = _memory(manifest, saved, device)
         buckets = [_read_bucket(row, k, saved, graph, spec, kernels.functions, weights,
-                                memory, device)
+                                memory, device, model)
                    for k, (row, (graph, spec)) in enumerate(zip(manifest["buckets"], decoded))]
         layout = shared_layout([b.rec.graph for b in buckets], [b.memplan for b in buckets])
         seconds["weights_and_memory"] = time.perf_counter() - t0
