@@ -744,7 +744,7 @@ static nimble_status prove(nimble_model *m) {
     uint8_t *host = malloc(most);
     CUstream stream;
     if (!host) return fail(NIMBLE_ERROR_IO, "out of memory");
-    CUresult r = cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING);
+    CUresult r = cuStreamCreate(&stream, CU_STREAM_DEFAULT); /* ordered with the copies */
     if (r != CUDA_SUCCESS) { free(host); return cuda_fail("cuStreamCreate", r); }
     nimble_status s = NIMBLE_OK;
     for (uint64_t k = 0; s == NIMBLE_OK && k < m->nbuckets; k++) {
