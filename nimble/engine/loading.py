@@ -3,9 +3,10 @@
 Nothing is recorded and nothing scheduled: the file says what ``prepare()`` decided
 (:mod:`nimble.engine.saving`).  Loading first reads and checks the whole file on the CPU: the
 container (checksum, format version), every field of the manifest for its type and range
-(:mod:`nimble.ir.saved_manifest`), each bucket's graph against its row, so that a damaged file
-is a :class:`~nimble.errors.LoadError` on any machine, GPU or not, before anything is
-allocated.  Then the GPU: its architecture and driver are held against the file's, every
+(:mod:`nimble.ir.saved_manifest`), each bucket's graph against its row
+(:mod:`nimble.ir.saved_graph_check`), so that a damaged file is a
+:class:`~nimble.errors.LoadError` on any machine, GPU or not, before anything is allocated.
+Then the GPU: its architecture and driver are held against the file's, every
 kernel is loaded from its binary and checked against its saved fingerprint
 (:mod:`nimble.engine.kernel_binaries`), the weights put in place (the model's, by name, or the
 file's), the external memory and the private copies of library memory restored, and every
@@ -39,7 +40,8 @@ from ..analysis.memplan import MemPlan
 from ..analysis.schedule import Schedule
 from ..errors import LoadError, NoGpuError
 from ..ir.saved_format import SavedFile
-from ..ir.saved_manifest import check_bucket_graph, check_manifest
+from ..ir.saved_graph_check import check_bucket_graph
+from ..ir.saved_manifest import check_manifest
 from ..ir.taskgraph import TaskGraph, TaskKind
 from ..progress import say
 from .arena_layout import shared_layout, shared_state

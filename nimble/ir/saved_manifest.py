@@ -1,17 +1,15 @@
 """The manifest of a saved graph (``docs/saved-format.md``) checked whole before a load uses it.
 
-:func:`check_manifest` reads every field of the manifest that the loader reads, each for its
-type (the typed readers of :mod:`nimble.ir.json_fields`) and its range: every index (a kernel,
-binary, weight, memory range, task or stream) names a row that exists, every blob reference
-lies inside the blobs section, every size agrees with the bytes it names, every stored node is
-of one known kind with the driver fields it needs.  :func:`check_bucket_graph` then holds a
-bucket against its decoded TaskGraph: a stored node per task and of its kind, every buffer id
-in the graph, every pointed buffer placed, the arena plan inside its arena, the reference
-blobs of the inputs' and outputs' byte sizes.
+:func:`check_manifest` reads every field of the manifest that the loader reads, for its type
+(with :mod:`nimble.ir.json_fields`) and its range: every index names a row that exists, every
+blob reference lies inside the blobs section and has the size its row says, every stored node
+is of one known kind with the driver fields it needs
+(:func:`nimble.ir.saved_graph_check.check_bucket_graph` then holds each bucket against its
+decoded TaskGraph).
 
-A manifest that fails is refused with one :class:`~nimble.errors.LoadError` naming the field
-(``buckets[0].nodes[3].kernel is a string ('3'), not an integer``) before anything of the file
-is allocated, on any machine: plain JSON, no torch, no driver.
+It refuses with one :class:`~nimble.errors.LoadError` naming the field (``buckets[0].nodes
+[3].kernel is a string ('3'), not an integer``), before anything of the file is allocated, on
+any machine: plain JSON, no torch, no driver.
 """
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from typing import Any, Callable
 
 from ..errors import LoadError
 from . import json_fields as jf
-from .taskgraph import BufferKind, TaskGraph, TaskKind
+from .taskgraph import TaskKind
 
 #: The manifest's ``format``.
 FORMAT_NAME = "nimble.saved-graph"
@@ -44,13 +42,18 @@ SCHEDULE_OPTIONAL = ("phases", "barrier_edges")
 MEMPLAN_KEYS = ("offsets", "arena_bytes", "buffer_bytes", "lower_bound_bytes", "alignment")
 BACKFILL_KEYS = ("phase", "anchor", "deferred", "moved", "idle_us", "work_us")
 REQUIRED = ("format", "arch", "driver", "binaries", "kernels", "buckets")
-BUCKET_REQUIRED = ("graph", "schedule", "memplan", "nodes", "outside", "private", "reference")
 
 Read = Callable[[Any, str], Any]
 
 
 def _fail(where: str, what: str) -> jf.FieldError:
     return jf.FieldError(f"{where} {what}")
+
+
+def damaged(path: str, e: jf.FieldError) -> LoadError:
+    """The LoadError of the file at ``path`` for the field error ``e``."""
+    return LoadError(f"{path}: {e}: the file is damaged, or not written by a Nimble this one "
+                     "reads; save the model again")
 
 
 def _at_least(low: int, what: str) -> Read:
@@ -64,6 +67,14 @@ def _at_least(low: int, what: str) -> Read:
 
 _natural = _at_least(0, "a negative count or size")
 _positive = _at_least(1, "not a positive integer")
+
+
+def _int32(value: Any, where: str) -> int:
+    """A driver's ``int`` (a function attribute, which the load sets or compares)."""
+    n = jf.integer(value, where)
+    if not -1 << 31 <= n < 1 << 31:
+        raise _fail(where, f"is {n}, which does not fit in a 32-bit integer")
+    return n
 
 
 def _index(count: int, what: str) -> Read:
@@ -113,6 +124,11 @@ def _only(row: dict, allowed: tuple[str, ...], where: str) -> None:
             raise _fail(where, f"has a key {key!r} that this Nimble does not know")
 
 
+def _list(read: Read, length: int | None = None) -> Read:
+    """A reader of an array, each item read by ``read`` (of exactly ``length`` items)."""
+    return lambda value, where: jf.items(value, where, read, length)
+
+
 def _some(read: Read) -> Read:
     """A reader of a non-empty array, each item read by ``read``."""
     def some(value: Any, where: str) -> list:
@@ -120,10 +136,6 @@ def _some(read: Read) -> Read:
             raise _fail(where, "is an empty array")
         return jf.items(value, where, read)
     return some
-
-
-def _pair(read: Read) -> Read:
-    return lambda value, where: jf.items(value, where, read, 2)
 
 
 def _hex(size: int, what: str) -> Read:
@@ -171,9 +183,9 @@ def _kernel(binaries: int) -> Read:
         if not jf.member(row, "name", where, jf.text):
             raise _fail(f"{where}.name", "is empty")
         jf.member(row, "binary", where, _index(binaries, "binaries"))
-        jf.member(row, "fingerprint", where, _values(jf.integer))
-        jf.member(row, "layout", where, lambda v, w: jf.items(v, w, _pair(_natural)), [])
-        jf.member(row, "attributes", where, _values(jf.integer), {})
+        jf.member(row, "fingerprint", where, _values(_int32))
+        jf.member(row, "layout", where, _list(_list(_natural, 2)), [])
+        jf.member(row, "attributes", where, _values(_int32), {})
     return read
 
 
@@ -183,8 +195,8 @@ def _weight_name(size: int) -> Read:
         jf.member(row, "name", where, jf.text)
         if jf.member(row, "offset", where, _natural) > size:
             raise _fail(f"{where}.offset", f"lies past its {size}-byte storage")
-        jf.member(row, "shape", where, lambda v, w: jf.items(v, w, _natural))
-        jf.member(row, "strides", where, lambda v, w: jf.items(v, w, jf.integer))
+        jf.member(row, "shape", where, _list(_natural))
+        jf.member(row, "strides", where, _list(jf.integer))
         jf.member(row, "dtype", where, jf.text)
     return read
 
@@ -259,11 +271,9 @@ def _schedule(n: int) -> Read:
         row = jf.obj(value, where)
         _only(row, SCHEDULE_KEYS + SCHEDULE_OPTIONAL, where)
         task = _index(n, "tasks in the bucket")
-        edges = lambda v, w: jf.items(v, w, _pair(task))  # noqa: E731
-        streams = jf.member(row, "streams", where,
-                            lambda v, w: jf.items(v, w, lambda s, ws: jf.items(s, ws, task)))
-        stream_of = jf.member(row, "stream_of", where,
-                              lambda v, w: jf.items(v, w, _index(len(streams), "streams"), n))
+        edges = _list(_list(task, 2))
+        streams = jf.member(row, "streams", where, _list(_list(task)))
+        stream_of = jf.member(row, "stream_of", where, _list(_index(len(streams), "streams"), n))
         for s, tasks in enumerate(streams):
             for i, t in enumerate(tasks):
                 if stream_of[t] != s:
@@ -275,7 +285,7 @@ def _schedule(n: int) -> Read:
         jf.member(row, "sync_edges", where, edges)
         jf.member(row, "reduced_edges", where, _natural)
         jf.member(row, "width", where, _natural)
-        phases = jf.member(row, "phases", where, lambda v, w: jf.items(v, w, _natural), [])
+        phases = jf.member(row, "phases", where, _list(_natural), [])
         if phases and sum(phases) != n:
             raise _fail(f"{where}.phases", f"count {sum(phases)} tasks for the bucket's {n}")
         jf.member(row, "barrier_edges", where, edges, [])
@@ -303,7 +313,7 @@ def _picked(n: int) -> Read:
         _only(row, BACKFILL_KEYS, where)
         jf.member(row, "phase", where, _natural)
         jf.member(row, "anchor", where, task)
-        jf.member(row, "deferred", where, lambda v, w: jf.items(v, w, task))
+        jf.member(row, "deferred", where, _list(task))
         jf.member(row, "moved", where, _natural)
         jf.member(row, "idle_us", where, jf.number)
         jf.member(row, "work_us", where, jf.number)
@@ -312,7 +322,7 @@ def _picked(n: int) -> Read:
         row = jf.obj(value, where)
         jf.member(row, "phase", where, _natural)
         jf.member(row, "plain_ms", where, jf.number)
-        jf.member(row, "trial_ms", where, lambda v, w: jf.items(v, w, jf.number))
+        jf.member(row, "trial_ms", where, _list(jf.number))
         jf.member(row, "kept", where, jf.optional(kept))
     return read
 
@@ -338,14 +348,26 @@ def _source(weights: list[int], memory: list[int]) -> Read:
 def _reference(blobs_size: int) -> Read:
     def read(value: Any, where: str) -> None:
         row = jf.obj(value, where)
-        sets = _some(lambda s, ws: jf.items(s, ws, _blob(blobs_size)))
+        sets = _some(_list(_blob(blobs_size)))
         inputs = jf.member(row, "inputs", where, sets)
         outputs = jf.member(row, "outputs", where, sets)
         if len(outputs) != len(inputs):
             raise _fail(f"{where}.outputs", f"has {len(outputs)} sets for {len(inputs)} input "
                                             "sets")
         jf.member(row, "spread", where, _keyed(jf.number))
+        jf.member(row, "gradients", where, _list(_natural), [])
     return read
+
+
+def _step(value: Any, where: str) -> None:
+    """A training step's autograd layout (its indices against the graph: saved_graph_check)."""
+    row = jf.obj(value, where)
+    for key in ("forward_inputs", "forward_outputs"):
+        jf.member(row, key, where, _natural)
+    for key in ("differentiable", "inputs_with_grad"):
+        jf.member(row, key, where, _list(_natural))
+    jf.member(row, "grad_output_of", where, _list(_at_least(-1, "neither an output nor -1")))
+    jf.member(row, "param_names", where, _list(jf.text))
 
 
 def _bucket(manifest: dict, blobs_size: int, weights: list[int], memory: list[int]) -> Read:
@@ -353,22 +375,20 @@ def _bucket(manifest: dict, blobs_size: int, weights: list[int], memory: list[in
 
     def read(value: Any, where: str) -> None:
         row = jf.obj(value, where)
-        for key in BUCKET_REQUIRED:
-            if key not in row:
-                raise _fail(where, f"has no {key!r}")
         jf.member(row, "graph", where, _blob(blobs_size))
-        n = len(jf.member(row, "nodes", where, lambda v, w: jf.items(v, w, _node(kernels))))
+        n = len(jf.member(row, "nodes", where, _list(_node(kernels))))
         jf.member(row, "schedule", where, _schedule(n))
         jf.member(row, "memplan", where, _memplan)
         jf.member(row, "priorities", where,
-                  jf.optional(lambda v, w: jf.items(v, w, jf.integer, n)), None)
-        jf.member(row, "backfill", where, lambda v, w: jf.items(v, w, _picked(n)), [])
-        jf.member(row, "device_launch", where, lambda v, w: jf.items(v, w, jf.flag), [])
+                  jf.optional(_list(jf.integer, n)), None)
+        jf.member(row, "backfill", where, _list(_picked(n)), [])
+        jf.member(row, "device_launch", where, _list(jf.flag), [])
         jf.member(row, "gather_inputs", where, jf.flag, True)
         jf.member(row, "output_spec", where, jf.optional(jf.text), None)
         jf.member(row, "outside", where, _keyed(_source(weights, memory)))
         jf.member(row, "private", where, _keyed(_blob(blobs_size)))
         jf.member(row, "reference", where, _reference(blobs_size))
+        jf.member(row, "step", where, jf.optional(_step), None)
         jf.member(row, "prepare_seconds", where, _values(jf.number), {})
     return read
 
@@ -390,12 +410,10 @@ def _check(m: dict, blobs_size: int, path: str) -> None:
     jf.member(m, "pad", "", jf.flag, False)
     jf.member(m, "instances", "", _positive, 1)
     included = jf.member(m, "weights_included", "", jf.flag, True)
-    binaries = jf.member(m, "binaries", "", lambda v, w: jf.items(v, w, _binary(blobs_size,
-                                                                                   path)))
-    jf.member(m, "kernels", "", lambda v, w: jf.items(v, w, _kernel(len(binaries))))
-    weights = jf.member(m, "weights", "",
-                        lambda v, w: jf.items(v, w, _weight(blobs_size, included)), [])
-    memory = jf.member(m, "memory", "", lambda v, w: jf.items(v, w, _memory(blobs_size)), [])
+    binaries = jf.member(m, "binaries", "", _list(_binary(blobs_size, path)))
+    jf.member(m, "kernels", "", _list(_kernel(len(binaries))))
+    weights = jf.member(m, "weights", "", _list(_weight(blobs_size, included)), [])
+    memory = jf.member(m, "memory", "", _list(_memory(blobs_size)), [])
     jf.member(m, "buckets", "", _some(_bucket(m, blobs_size, weights, memory)))
 
 
@@ -406,101 +424,4 @@ def check_manifest(manifest: Any, blobs_size: int, path: str = "the file") -> No
     try:
         _check(jf.obj(manifest, "the manifest"), blobs_size, path)
     except jf.FieldError as e:
-        raise LoadError(f"{path}: {e}: the file is damaged, or not written by a Nimble this "
-                        "one reads; save the model again") from None
-
-
-# ---- a bucket against its graph ------------------------------------------------------------
-
-def _placed(manifest: dict, row: dict, graph: TaskGraph, where: str) -> set[int]:
-    """The buffers bucket ``row`` places, each checked to be the graph's and to fit where it
-    is put: the arena plan, a weight storage or memory range, a private copy's bytes."""
-    buffers, plan = graph.buffers, row["memplan"]
-    weights = [w["size"] for w in manifest.get("weights", [])]
-    memory = [r["size"] for r in manifest.get("memory", [])]
-
-    def size_of(field: str, bid: str) -> int:
-        if int(bid) >= len(buffers):
-            raise _fail(f"{field}['{bid}']", f"names buffer {bid}, but the graph has "
-                                             f"{len(buffers)} buffers")
-        return buffers[int(bid)].size
-
-    for bid, at in plan["offsets"].items():
-        size = size_of(f"{where}.memplan.offsets", bid)
-        if at + size > plan["arena_bytes"]:
-            raise _fail(f"{where}.memplan.offsets['{bid}']", f"puts buffer {bid} ({size} bytes) "
-                        f"at {at}, past the {plan['arena_bytes']}-byte arena")
-    for bid, source in row["outside"].items():
-        size = size_of(f"{where}.outside", bid)
-        room = weights[source["weight"]] if "weight" in source else \
-            memory[source["memory"]] - source["offset"]
-        if size > room:
-            raise _fail(f"{where}.outside['{bid}']", f"puts buffer {bid} ({size} bytes) where "
-                                                     f"{room} bytes are left")
-    for bid, blob in row["private"].items():
-        size = size_of(f"{where}.private", bid)
-        if blob[1] != size:
-            raise _fail(f"{where}.private['{bid}']", f"is {blob[1]} bytes for buffer {bid}'s "
-                                                     f"{size}")
-    return {int(b) for key in ("outside", "private") for b in row[key]} | \
-        {int(b) for b in plan["offsets"]} | set(graph.meta.get("low_word_buffers", []))
-
-
-def _against_graph(manifest: dict, k: int, graph: TaskGraph,
-                   itemsize: Callable[[str], int | None]) -> None:
-    where = f"buckets[{k}]"
-    row = manifest["buckets"][k]
-    if len(row["nodes"]) != len(graph.tasks):
-        raise _fail(where, f"has {len(row['nodes'])} stored nodes for the {len(graph.tasks)} "
-                           "tasks of its graph")
-    for t, node in zip(graph.tasks, row["nodes"]):
-        kind = next(key for key in NODE_KINDS if key in node)
-        if NODE_KINDS[kind] != t.kind:
-            raise _fail(f"{where}.nodes[{t.id}]", f"is a {kind} node, but task {t.id} of the "
-                                                  f"graph is a {t.kind}")
-    placed = _placed(manifest, row, graph, where)
-    for t in graph.tasks:
-        for p in t.pointers:
-            if p.buffer >= 0 and p.buffer not in placed and \
-                    graph.buffers[p.buffer].kind != BufferKind.RNG:
-                raise _fail(where, f"does not place buffer {p.buffer}, which task {t.id} "
-                                   "points into (neither its arena plan nor outside nor private "
-                                   "names it)")
-    _references(row["reference"], graph, where, itemsize)
-
-
-def _references(reference: dict, graph: TaskGraph, where: str,
-                itemsize: Callable[[str], int | None]) -> None:
-    for side, refs in (("inputs", graph.inputs), ("outputs", graph.outputs)):
-        for s, blobs in enumerate(reference[side]):
-            at = f"{where}.reference.{side}[{s}]"
-            if len(blobs) != len(refs):
-                raise _fail(at, f"has {len(blobs)} tensors for the graph's {len(refs)} {side}")
-            for i, (blob, r) in enumerate(zip(blobs, refs)):
-                element = itemsize(r.dtype)
-                if element is None:
-                    raise _fail(f"{where}'s graph", f"has {side[:-1]} {i} of dtype {r.dtype!r}, "
-                                                    "which torch here does not know")
-                size = element
-                for n in r.shape:
-                    size *= n
-                if blob[1] != size:
-                    raise _fail(f"{at}[{i}]", f"is {blob[1]} bytes for the {size} of "
-                                              f"{r.dtype} {list(r.shape)}")
-    for i in reference["spread"]:
-        if int(i) >= len(graph.outputs):
-            raise _fail(f"{where}.reference.spread", f"names output {i}, but the graph has "
-                                                     f"{len(graph.outputs)}")
-
-
-def check_bucket_graph(manifest: dict, k: int, graph: TaskGraph,
-                       itemsize: Callable[[str], int | None], path: str = "the file") -> None:
-    """Raise :class:`LoadError` where bucket ``k`` of ``manifest`` (which passed
-    :func:`check_manifest`) does not fit ``graph``, its decoded TaskGraph (see the module
-    docstring); ``itemsize(dtype name)`` is the bytes of one element, None for a dtype unknown
-    here."""
-    try:
-        _against_graph(manifest, k, graph, itemsize)
-    except jf.FieldError as e:
-        raise LoadError(f"{path}: {e}: the file is damaged, or not written by a Nimble this "
-                        "one reads; save the model again") from None
+        raise damaged(path, e) from None
