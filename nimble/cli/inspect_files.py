@@ -19,8 +19,9 @@ from ..ir.taskgraph import FORMAT_NAME, FORMAT_VERSION, TaskGraph
 from .common import Fail
 
 #: What a user may hand ``nimble inspect``, for the messages about other files.
-EXPECTED = ("give a file Nimble wrote: a TaskGraph (nimble record), a plan (nimble inspect "
-            "--export) or a trace (nimble inspect --simulated-trace, nimble debug --trace)")
+EXPECTED = ("give a file Nimble wrote: a TaskGraph (nimble record), a saved graph (nimble save), "
+            "a plan (nimble inspect --export) or a trace (nimble inspect --simulated-trace, "
+            "nimble debug --trace)")
 
 
 class FileKind(enum.Enum):
@@ -28,6 +29,7 @@ class FileKind(enum.Enum):
     PLAN = "plan export"
     SIMULATED_TRACE = "simulated trace"
     MEASURED_TRACE = "measured trace"
+    SAVED = "saved graph"
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,13 @@ def _check_version(path: str, data: dict, what: str, supported: int, remedy: str
 
 
 def read_nimble_file(path: str) -> NimbleFile:
-    """The kind and content of the file at ``path``; :class:`Fail` for anything else."""
+    """The kind and content of the file at ``path``; :class:`Fail` for anything else.  A saved
+    graph is recognised by its magic and read by :mod:`nimble.cli.inspect_saved` (``data``
+    empty here)."""
+    from .inspect_saved import is_saved_graph
+
+    if Path(path).is_file() and is_saved_graph(path):
+        return NimbleFile(path, FileKind.SAVED, {})
     data = _read_object(path)
     fmt = data.get("format")
     if fmt == FORMAT_NAME:

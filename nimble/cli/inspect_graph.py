@@ -1,8 +1,8 @@
 """``nimble inspect``: summarise any file Nimble writes; plain Python, no torch or GPU needed.
 
 A TaskGraph gets its summary and, on demand, its stream schedule and arena plan, with their
-exports (plan, DOT, simulated trace); a plan export, a simulated trace and a measured trace each
-get their own summary.  Options that do not apply to the file given are an error.
+exports (plan, DOT, simulated trace); a saved graph (:mod:`nimble.cli.inspect_saved`), a plan
+export, a simulated trace and a measured trace each get their own summary.  Options that do not apply to the file given are an error.
 """
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ if TYPE_CHECKING:
     from .inspect_files import NimbleFile
 
 #: ``nimble --help``'s line for the command.
-HELP = "summarise a file Nimble wrote: a TaskGraph (its schedule and memory plan), a plan, a trace"
+HELP = ("summarise a file Nimble wrote: a TaskGraph (its schedule and memory plan), a saved "
+        "graph, a plan, a trace")
 DESCRIPTION = ("Summarise a TaskGraph file (.json.gz or .json): tasks, kernels, buffers; "
                "optionally its stream schedule and arena plan, and export them.  Also reads the "
-               "files Nimble writes besides: a plan export (--export), a simulated trace "
+               "files Nimble writes besides: a saved graph (nm.save, nimble save: its GPU, "
+               "buckets, kernels and weights), a plan export (--export), a simulated trace "
                "(--simulated-trace) and a measured trace (nm.trace(), nimble debug --trace).  "
                "Every output FILE may be '-' for stdout; the text report then goes to stderr.")
 
@@ -45,8 +47,8 @@ class _Renamed(argparse.Action):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # Optional to argparse only so that a PATH taken by --json gets its own message (run).
     p.add_argument("path", metavar="PATH", nargs="?",
-                   help="a TaskGraph file (.json.gz or .json), a plan export, or a simulated or "
-                        "measured Chrome trace")
+                   help="a TaskGraph file (.json.gz or .json), a saved graph (.nimble), a plan "
+                        "export, or a simulated or measured Chrome trace")
     p.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="FILE",
                    help="write the report as one JSON object to FILE ('-' or no FILE: stdout, "
                         "instead of the text report)")
@@ -168,6 +170,12 @@ def run(args: argparse.Namespace) -> int:
     file = read_nimble_file(args.path)
     if file.kind is FileKind.TASKGRAPH:
         _report_graph(file, args, out, start)
+    elif file.kind is FileKind.SAVED:
+        from .inspect_saved import format_saved, saved_summary
+
+        _refuse_options_for(file, args)
+        summary = saved_summary(file.path)
+        _report(args, out, summary, format_saved(file.path, summary))
     else:
         _refuse_options_for(file, args)
         _report_other(file, args, out)

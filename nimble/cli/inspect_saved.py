@@ -1,0 +1,146 @@
+"""``nimble inspect FILE`` on a saved graph (``nm.save``, ``nimble save``): what it holds, read
+without torch or a GPU.
+
+The whole file is read and checked as a load checks it before the GPU (the container's
+checksum and version, every field of the manifest: :mod:`nimble.ir.saved_manifest`), and each
+bucket's TaskGraph decoded from its gzipped JSON; a file that does not hold is one line naming
+what is wrong.  The summary: the format version, the saving process's Nimble and torch, its GPU
+and driver, the instances and padding, per bucket its input and output shapes, tasks, streams
+and arena, the kernels and where their binaries come from (library files by name, embedded
+images with their bytes), the weights (included or not) and the file's size.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from collections import Counter
+from pathlib import Path
+
+from ..errors import LoadError
+from ..ir.saved_format import MAGIC, SavedFile
+from ..ir.saved_manifest import check_manifest
+from ..ir.taskgraph import TaskGraph
+from .common import Fail
+
+MIB = 2**20
+
+
+def is_saved_graph(path: str) -> bool:
+    """Whether the file at ``path`` starts as a saved graph does (its 8-byte magic)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+def _fail(path: str, e: LoadError) -> Fail:
+    return Fail(f"{path}: a saved graph that does not hold: {str(e).removeprefix('the file: ')}")
+
+
+def _graph(saved: SavedFile, k: int, path: str) -> TaskGraph:
+    try:
+        data = json.loads(gzip.decompress(saved.blob(saved.manifest["buckets"][k]["graph"])))
+        return TaskGraph.from_json(data)
+    except (ValueError, OSError, EOFError, zlib.error, RecursionError) as e:
+        raise Fail(f"{path}: a saved graph whose bucket {k} holds a graph that does not decode "
+                   f"({' '.join(str(e).split())}); the file is damaged, save the model "
+                   "again") from None
+
+
+def _tensors(refs) -> list[dict]:
+    return [{"dtype": r.dtype, "shape": list(r.shape)} for r in refs]
+
+
+def _bucket(row: dict, graph: TaskGraph) -> dict:
+    return {"inputs": _tensors(graph.inputs), "outputs": _tensors(graph.outputs),
+            "tasks": len(graph.tasks), "streams": len(row["schedule"]["streams"]),
+            "arena_bytes": row["memplan"]["arena_bytes"],
+            "training_step": row.get("step") is not None}
+
+
+def _binaries(manifest: dict) -> dict:
+    """Where the kernels' binaries come from: per library file (by name) its kernels and
+    containers; the embedded images' count, kernels and bytes."""
+    rows = manifest["binaries"]
+    kernels = Counter(k["binary"] for k in manifest["kernels"])
+    libraries: dict[str, dict] = {}
+    embedded = {"images": 0, "kernels": 0, "bytes": 0}
+    for i, row in enumerate(rows):
+        if row["kind"] == "library":
+            lib = libraries.setdefault(row["name"], {"name": row["name"], "kernels": 0,
+                                                     "containers": 0})
+            lib["kernels"] += kernels[i]
+            lib["containers"] += 1
+        else:
+            embedded["images"] += 1
+            embedded["kernels"] += kernels[i]
+            embedded["bytes"] += row["blob"][1]
+    return {"libraries": sorted(libraries.values(), key=lambda r: (-r["kernels"], r["name"])),
+            "embedded": embedded}
+
+
+def saved_summary(path: str) -> dict:
+    """The numbers of the saved graph at ``path`` (see the module docstring); :class:`Fail` for
+    a file that does not hold."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise Fail(f"{path}: cannot read it ({e.strerror or e})") from None
+    try:
+        saved = SavedFile.from_bytes(data, "the file")
+        check_manifest(saved.manifest, len(saved.blobs), "the file")
+    except LoadError as e:
+        raise _fail(path, e) from None
+    m = saved.manifest
+    weights = m.get("weights", [])
+    c_runtime = m.get("c_runtime")
+    return {
+        "kind": "saved graph", "format_version": saved.version, "file_bytes": len(data),
+        "nimble": m.get("nimble", ""), "torch": m.get("torch", ""),
+        "arch": m["arch"], "device": m.get("device", ""), "driver": m["driver"],
+        "instances": m.get("instances", 1), "pad": m.get("pad", False),
+        "buckets": [_bucket(row, _graph(saved, k, path)) for k, row in enumerate(m["buckets"])],
+        "kernels": len(m["kernels"]), "binaries": _binaries(m),
+        "weights_included": m.get("weights_included", True), "weight_storages": len(weights),
+        "weight_bytes": sum(w["size"] for w in weights),
+        "memory_bytes": sum(r["size"] for r in m.get("memory", [])),
+        "c_runtime": c_runtime if isinstance(c_runtime, str) else None,
+    }
+
+
+def _shapes(tensors: list[dict]) -> str:
+    return ", ".join(f"{t['dtype']} {t['shape']}" for t in tensors) or "none"
+
+
+def format_saved(path: str, s: dict) -> str:
+    """The text report of :func:`saved_summary`'s numbers."""
+    driver = f"{s['driver'] // 1000}.{s['driver'] % 1000 // 10}"
+    lines = [f"{path}: saved graph (format version {s['format_version']}), "
+             f"{s['file_bytes'] / MIB:.1f} MiB",
+             f"  saved by nimble {s['nimble'] or '?'}, torch {s['torch'] or '?'} on "
+             f"{s['device'] or 'a GPU'} (sm_{s['arch']}), CUDA driver {driver}",
+             f"  instances: {s['instances']}, pad: {'yes' if s['pad'] else 'no'}"]
+    for k, b in enumerate(s["buckets"]):
+        kind = " (a training step)" if b["training_step"] else ""
+        lines += [f"  bucket {k}{kind}: inputs {_shapes(b['inputs'])} -> outputs "
+                  f"{_shapes(b['outputs'])}",
+                  f"    tasks: {b['tasks']}, streams: {b['streams']}, arena: "
+                  f"{b['arena_bytes'] / MIB:.1f} MiB"]
+    lines.append(f"  kernels: {s['kernels']}")
+    for lib in s["binaries"]["libraries"]:
+        lines.append(f"    {lib['name']}: {lib['kernels']} kernels in {lib['containers']} "
+                     f"fatbin container{'s' * (lib['containers'] != 1)}")
+    e = s["binaries"]["embedded"]
+    if e["images"]:
+        lines.append(f"    embedded: {e['kernels']} kernels in {e['images']} "
+                     f"image{'s' * (e['images'] != 1)}, {e['bytes'] / MIB:.2f} MiB")
+    where = "included" if s["weights_included"] else "not included: load with model=..."
+    lines.append(f"  weights: {s['weight_storages']} storages, {s['weight_bytes'] / MIB:.1f} "
+                 f"MiB, {where}")
+    if s["memory_bytes"]:
+        lines.append(f"  external memory: {s['memory_bytes'] / MIB:.1f} MiB")
+    if s["c_runtime"]:
+        lines.append(f"  C runtime: {s['c_runtime']}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,149 @@
+"""``nimble inspect`` on a saved graph (the recorded fixture of ``tests/saved_fixture.py``): its
+summary as text and JSON without torch or a GPU, and one line with status 2 for a damaged one."""
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import nimble.cli.main as cli
+from nimble.ir.saved_format import SavedFile
+
+from saved_fixture import fixture_path
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERNAL_NAMES = ("Traceback", "JSONDecodeError", "UnicodeDecodeError", "KeyError",
+                  "AttributeError", "TypeError", "EOFError", "IndexError", "BadGzipFile",
+                  "LoadError")
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    path = tmp_path / "llama.nimble"
+    path.write_bytes(gzip.decompress(fixture_path().read_bytes()))
+    return path
+
+
+def _manifest(path: Path) -> SavedFile:
+    saved = SavedFile.read(path)
+    return SavedFile(copy.deepcopy(saved.manifest), bytes(saved.blobs))
+
+
+def test_the_text_summary_without_torch(saved):
+    """In a process where torch cannot be imported at all."""
+    code = f"""
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "cuda"):
+            raise ImportError(name + " is made unimportable by this test")
+sys.meta_path.insert(0, Refuse())
+from nimble.cli.main import main
+status = main(["inspect", {str(saved)!r}])
+assert not [m for m in sys.modules if m.split(".")[0] in ("torch", "cuda")]
+sys.exit(status)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"{saved}: saved graph (format version 1), 0.3 MiB"
+    assert "torch 2.11.0+cu130 on NVIDIA H100 80GB HBM3 (sm_90), CUDA driver 13.0" in lines[1]
+    assert lines[2] == "  instances: 1, pad: no"
+    assert lines[3] == "  bucket 0: inputs int64 [1, 128] -> outputs float16 [1, 128, 512]"
+    assert lines[4] == "    tasks: 219, streams: 1, arena: 1.3 MiB"
+    assert lines[5:7] == ["  kernels: 42", "    embedded: 42 kernels in 1 image, 0.01 MiB"]
+    assert lines[7] == "  weights: 39 storages, 54.3 MiB, not included: load with model=..."
+
+
+def test_the_json_summary_holds_the_files_numbers(saved, capsys):
+    assert cli.main(["inspect", str(saved), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    m = _manifest(saved).manifest
+    assert s["kind"] == "saved graph" and s["format_version"] == 1
+    assert s["file_bytes"] == saved.stat().st_size
+    assert (s["arch"], s["driver"], s["instances"], s["pad"]) == (90, 13000, 1, False)
+    bucket = s["buckets"][0]
+    assert bucket["inputs"] == [{"dtype": "int64", "shape": [1, 128]}]
+    assert bucket["outputs"] == [{"dtype": "float16", "shape": [1, 128, 512]}]
+    assert bucket["tasks"] == 219 and bucket["streams"] == 1
+    assert bucket["arena_bytes"] == m["buckets"][0]["memplan"]["arena_bytes"]
+    assert not bucket["training_step"]
+    assert s["kernels"] == 42 and s["binaries"]["libraries"] == []
+    assert s["binaries"]["embedded"] == {"images": 1, "kernels": 42,
+                                         "bytes": m["binaries"][0]["blob"][1]}
+    assert not s["weights_included"] and s["weight_storages"] == 39
+    assert s["weight_bytes"] == sum(w["size"] for w in m["weights"])
+
+
+def test_kernels_from_library_files_are_counted_by_library(saved, capsys):
+    file = _manifest(saved)
+    m = file.manifest
+    for offset in (0, 4096):
+        m["binaries"].append({"kind": "library", "path": "/opt/lib/libcublasLt.so.13",
+                              "name": "libcublasLt.so.13", "file_size": 1 << 20,
+                              "offset": offset, "size": 4096, "sha256": "ab" * 32})
+    for k, kernel in enumerate(m["kernels"][:5]):
+        kernel["binary"] = 1 + k % 2
+    file.write(saved)
+    assert cli.main(["inspect", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "    libcublasLt.so.13: 5 kernels in 2 fatbin containers\n" in out
+    assert "    embedded: 37 kernels in 1 image" in out
+
+
+def _truncated(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:5000])
+
+
+def _flipped(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x20
+    path.write_bytes(bytes(data))
+
+
+def _mistyped(path: Path) -> None:
+    file = _manifest(path)
+    file.manifest["buckets"][0]["schedule"]["streams"] = "one"
+    file.write(path)
+
+
+def _graph_undecodable(path: Path) -> None:
+    file = _manifest(path)
+    file.manifest["buckets"][0]["graph"] = file.manifest["binaries"][0]["blob"]
+    file.write(path)
+
+
+DAMAGED = {"truncated": (_truncated, "truncated or has bytes appended"),
+           "flipped": (_flipped, "its checksum does not match"),
+           "mistyped": (_mistyped, r"buckets\[0\]\.schedule\.streams is a string"),
+           "graph": (_graph_undecodable, "bucket 0 holds a graph that does not decode")}
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGED))
+def test_a_damaged_saved_graph_is_one_line_and_status_2(saved, how):
+    damage, says = DAMAGED[how]
+    damage(saved)
+    r = subprocess.run([sys.executable, "-m", "nimble", "inspect", saved.name],
+                       capture_output=True, text=True, cwd=saved.parent, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"nimble: {saved.name}: a saved graph"), \
+        r.stderr
+    assert re.search(says, lines[0]), lines[0]
+    assert not any(word in r.stderr for word in INTERNAL_NAMES), r.stderr
+
+
+def test_options_of_a_taskgraph_do_not_apply_to_a_saved_graph(saved, tmp_path, capsys):
+    assert cli.main(["inspect", str(saved), "--memplan", "--export", str(tmp_path / "p")]) == 2
+    assert "a saved graph; --memplan, --export apply to a TaskGraph only" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
