@@ -226,3 +226,19 @@ def test_a_saved_training_step_needs_the_model_with_the_saved_parameters():
     layout = _step_layout(step, model, 0)
     assert layout.params[0] is model.weight and layout.params[1] is model.bias
     assert layout.grad_output_of == [1, 2] and _step_layout(None, model, 0) is None
+
+
+def test_a_training_steps_checks_put_back_every_weight_it_points_to():
+    """cuDNN's batch norm writes the running statistics through arguments no access records:
+    a saved training step's reference runs and its proof at load put every weight back."""
+    from helpers import FIXTURE_DIR
+    from nimble.engine.saving import written_weights
+    from nimble.ir.taskgraph import BufferKind, TaskGraph
+
+    graph = TaskGraph.load(FIXTURE_DIR / "resnet50_train.json.gz")
+    by_name = {graph.buffers[b].name for b in written_weights(graph, training=True)}
+    assert {"bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"} <= by_name
+    recorded = {graph.buffers[b].name for b in written_weights(graph)}
+    assert "bn1.num_batches_tracked" in recorded and "bn1.running_mean" not in recorded
+    assert all(graph.buffers[b].kind == BufferKind.PARAM
+               for b in written_weights(graph, training=True))

@@ -280,7 +280,8 @@ def prove_loaded(prepared: Prepared, reference: tuple, launches: int = LOAD_PROO
     state_ranges = {tuple(r) for r in shared_state(graph)}
     moved = [(prepared.bases[b.id], b.size) for b in graph.buffers
              if (b.address, b.size) in state_ranges]
-    moved += [(prepared.bases[b], graph.buffers[b].size) for b in written_weights(graph)]
+    moved += [(prepared.bases[b], graph.buffers[b].size)
+              for b in written_weights(graph, prepared.step is not None)]
     shared = SharedState(moved) if moved else None
     run = run_phases(prepared.launchers)
     if shared is not None:

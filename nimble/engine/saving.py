@@ -217,11 +217,17 @@ def _placement(prepared: Prepared, outside: _Outside) -> tuple[dict, dict]:
     return sources, private_rows
 
 
-def written_weights(graph: TaskGraph) -> list[int]:
-    """The weight buffers the graph writes (batch norm's running statistics in a training
-    forward): put back after every run that only checks the graph."""
-    return sorted({a.buffer for t in graph.tasks for a in t.accesses
-                   if a.write and a.size > 0 and graph.buffers[a.buffer].kind == BufferKind.PARAM})
+def written_weights(graph: TaskGraph, training: bool = False) -> list[int]:
+    """The weight buffers a run of the graph may change, put back after every run that only
+    checks the graph: those it writes by its accesses and, for a training step, every weight
+    it points to, since cuDNN's batch norm updates the running statistics through arguments
+    its schema does not mark as written (no access records those writes)."""
+    written = {a.buffer for t in graph.tasks for a in t.accesses
+               if a.write and a.size > 0 and graph.buffers[a.buffer].kind == BufferKind.PARAM}
+    if training:
+        written |= {p.buffer for t in graph.tasks for p in t.pointers
+                    if p.buffer >= 0 and graph.buffers[p.buffer].kind == BufferKind.PARAM}
+    return sorted(written)
 
 
 def gradient_outputs(prepared: Prepared) -> list[int]:
@@ -244,7 +250,7 @@ def _references(prepared: Prepared, blobs: BlobWriter) -> dict:
     run = run_phases(prepared.launchers)
     graph = prepared.graph
     state = shared_state(graph) + [(prepared.bases[b], graph.buffers[b].size)
-                                   for b in written_weights(graph)]
+                                   for b in written_weights(graph, prepared.step is not None)]
     shared = SharedState(state) if state else None
 
     def reference(inputs: list) -> list:
