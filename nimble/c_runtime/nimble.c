@@ -203,6 +203,7 @@ struct nimble_model {
     CUlibrary *libraries;
     CUdeviceptr *arenas, *bases; /* per instance: as allocated, and aligned */
     uint8_t *file; size_t file_size; const uint8_t *blobs; size_t blobs_size;
+    char launch_note[256]; /* "" while every exec is device-launchable */
 };
 
 static CUdeviceptr resolve(const nimble_model *m, uint64_t instance, place_t p) {
@@ -651,6 +652,32 @@ static nimble_status add_copy_node(nimble_model *m, uint64_t j, node_t *nd, CUgr
     return NIMBLE_OK;
 }
 
+/* Instantiate for device launch (a host launch is then a short, constant-cost submission) as
+ * Python's prepare does, uploading on the way; where the driver refuses (a node it cannot
+ * launch from the device), for host launch, with the refusal kept for nimble_launch_note. */
+static nimble_status instantiate(nimble_model *m, bucket_t *b, uint64_t j, CUgraph g,
+                                 int priorities) {
+    cuuint64_t flags = priorities ? CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY : 0;
+    CUDA_GRAPH_INSTANTIATE_PARAMS p;
+    memset(&p, 0, sizeof p);
+    p.flags = flags | CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH |
+              CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD;
+    p.hUploadStream = NULL;
+    CUresult r = cuGraphInstantiateWithParams(&b->execs[j], g, &p);
+    if (r == CUDA_SUCCESS) return NIMBLE_OK;
+    if (!m->launch_note[0]) {
+        const char *name = NULL;
+        cuGetErrorName(r, &name);
+        snprintf(m->launch_note, sizeof m->launch_note, "device launch refused (%s, "
+                 "instantiate result %d): launched from the host", name ? name : "?",
+                 (int)p.result_out);
+    }
+    b->execs[j] = NULL;
+    CU(cuGraphInstantiateWithFlags(&b->execs[j], g, flags));
+    CU(cuGraphUpload(b->execs[j], 0));
+    return NIMBLE_OK;
+}
+
 static nimble_status build(nimble_model *m, bucket_t *b, uint64_t j) {
     CUgraph g;
     CU(cuGraphCreate(&g, 0));
@@ -683,13 +710,7 @@ static nimble_status build(nimble_model *m, bucket_t *b, uint64_t j) {
     }
     free(nodes); free(from); free(to);
     TRY(s);
-    unsigned long long flags = priorities ? CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY : 0;
-    CUresult r = cuGraphInstantiateWithFlags(&b->execs[j], g,
-                                             flags | CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH);
-    if (r != CUDA_SUCCESS) /* a node the device cannot launch: the host launches it */
-        CU(cuGraphInstantiateWithFlags(&b->execs[j], g, flags));
-    CU(cuGraphUpload(b->execs[j], 0));
-    return NIMBLE_OK;
+    return instantiate(m, b, j, g, priorities);
 }
 
 /* ---- the proof at load -------------------------------------------------------------------- */
@@ -852,6 +873,8 @@ CUdeviceptr nimble_output_address(const nimble_model *m, int k, int instance, in
     const bucket_t *b = bucket_of(m, k);
     return address_of(m, b, b ? b->outputs : NULL, b ? b->noutputs : 0, instance, i);
 }
+
+const char *nimble_launch_note(const nimble_model *m) { return m ? m->launch_note : ""; }
 
 CUgraphExec nimble_exec(const nimble_model *m, int k, int instance) {
     const bucket_t *b = bucket_of(m, k);

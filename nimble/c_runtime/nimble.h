@@ -91,6 +91,10 @@ CUdeviceptr nimble_output_address(const nimble_model *model, int bucket, int ins
 /* One launch of `bucket` on `instance`, queued on `stream`; returns without waiting. */
 nimble_status nimble_run(const nimble_model *model, int bucket, int instance, CUstream stream);
 
+/* "" where every graph was instantiated for device launch (cheap host launches, as Python's
+ * load gives); else why the driver refused, and the graphs launch from the host. */
+const char *nimble_launch_note(const nimble_model *model);
+
 /* The instantiated graph itself (a bare cuGraphLaunch of it is what nimble_run does). */
 CUgraphExec nimble_exec(const nimble_model *model, int bucket, int instance);
 

@@ -55,7 +55,8 @@ static int bench(nimble_model *m, double load_ms, int calls) {
     CUevent a, b;
     float ms = 0;
     if (check(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate") ||
-        check(cuEventCreate(&a, 0), "cuEventCreate") || check(cuEventCreate(&b, 0), "cuEventCreate"))
+        check(cuEventCreate(&a, 0), "cuEventCreate") ||
+        check(cuEventCreate(&b, 0), "cuEventCreate"))
         return 8;
     for (int i = 0; i < 20; i++) nimble_run(m, 0, 0, s); /* warm-up */
     double run = host_us(m, s, calls, 0), bare = host_us(m, s, calls, 1);
@@ -65,8 +66,10 @@ static int bench(nimble_model *m, double load_ms, int calls) {
     cuEventSynchronize(b);
     cuEventElapsedTime(&ms, a, b);
     printf("{\"load_to_first_call_ms\": %.3f, \"host_us_nimble_run\": %.2f, "
-           "\"host_us_bare_launch\": %.2f, \"gpu_ms_per_call\": %.4f}\n",
-           load_ms, run, bare, ms / calls);
+           "\"host_us_bare_launch\": %.2f, \"gpu_ms_per_call\": %.4f, "
+           "\"launch\": \"%s\"}\n",
+           load_ms, run, bare, ms / calls,
+           nimble_launch_note(m)[0] ? nimble_launch_note(m) : "device");
     return 0;
 }
 
@@ -110,7 +113,8 @@ int main(int argc, char **argv) {
     CUdeviceptr probe;
     if (check(cuInit(0), "cuInit") || check(cuDeviceGet(&dev, 0), "cuDeviceGet") ||
         check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain") ||
-        check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent") || check(cuMemAlloc(&probe, 1), "cuMemAlloc"))
+        check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent") ||
+        check(cuMemAlloc(&probe, 1), "cuMemAlloc"))
         return 8;
     cuMemFree(probe); /* the context exists: the load time below leaves its creation out */
     nimble_model *m = NULL;
