@@ -24,7 +24,8 @@ def _toolchain() -> tuple[str, Path]:
 
 
 def _compile(cc: str, include: Path, source: Path, out: Path) -> None:
-    cmd = [cc, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I", str(c_runtime.FOLDER),
+    cmd = [cc, "-O2", "-std=c11", "-pthread", "-Wall", "-Wextra", "-Werror", "-I",
+           str(c_runtime.FOLDER),
            "-I", str(include), "-c", str(source), "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, " ".join(cmd) + "\n" + done.stderr
@@ -56,7 +57,7 @@ def test_the_command_prints_where_the_runtime_is(capsys):
     folder = Path(capsys.readouterr().out.strip())
     assert (folder / "nimble.h").is_file() and (folder / "nimble.c").is_file()
     assert main(["c-runtime", "--print-sources"]) == 0
-    assert capsys.readouterr().out.split() == [str(folder / "nimble.c")]
+    assert capsys.readouterr().out.split() == [str(folder / s) for s in c_runtime.SOURCES]
 
 
 def test_the_package_data_carries_the_runtime():
@@ -70,3 +71,39 @@ def test_a_build_without_a_toolchain_ends_in_one_line(monkeypatch, capsys):
     assert main(["c-runtime", "--build", "/nonexistent"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("nimble: no C compiler") and "\n" not in err
+
+
+def test_the_c_checksum_is_the_python_readers(tmp_path):
+    """The C runtime's SHA-256 and the file's hash-list checksum, compiled alone (no CUDA) and
+    called through ctypes, against hashlib and nimble.ir.saved_format.checksum on sizes around
+    the 64-byte block and the 8 MiB chunk."""
+    import ctypes
+    import hashlib
+    import random
+
+    from nimble.ir.saved_format import checksum
+
+    try:
+        cc = c_runtime.compiler()
+    except Fail as e:
+        pytest.skip(str(e))
+    lib_path = tmp_path / "libsha.so"
+    done = subprocess.run([cc, "-O2", "-std=c11", "-pthread", "-shared", "-fPIC", "-Werror",
+                           str(c_runtime.FOLDER / "nimble_sha256.c"), "-o", str(lib_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lib = ctypes.CDLL(str(lib_path))
+    data = random.Random(0).randbytes((8 << 20) * 2 + 1000)
+    for n in (0, 1, 55, 56, 63, 64, 65, 1000, 8 << 20, (8 << 20) + 1, len(data)):
+        out = ctypes.create_string_buffer(32)
+        lib.nimble_sha256(data, ctypes.c_size_t(n), out)
+        assert out.raw == hashlib.sha256(data[:n]).digest(), n
+        lib.nimble_checksum(data, ctypes.c_size_t(n), out)
+        assert out.raw == checksum(data[:n]), n
+    pieces = [data[i * 1000:i * 1000 + 37 * i] for i in range(20)]  # one per binary, in threads
+    starts = (ctypes.c_char_p * 20)(*pieces)
+    sizes = (ctypes.c_size_t * 20)(*[len(p) for p in pieces])
+    sums = ctypes.create_string_buffer(32 * 20)
+    lib.nimble_sha256_many(starts, sizes, sums, ctypes.c_size_t(20))
+    assert [sums.raw[32 * i:32 * i + 32] for i in range(20)] == \
+        [hashlib.sha256(p).digest() for p in pieces]

@@ -25,7 +25,7 @@ def run_saved(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("c") / "run_saved"
     try:
-        cmd = [c_runtime.compiler(), "-O2", "-std=c11", "-Wall", "-Wextra", "-I",
+        cmd = [c_runtime.compiler(), "-O2", "-std=c11", "-pthread", "-Wall", "-Wextra", "-I",
                str(c_runtime.FOLDER), "-I", str(c_runtime.cuda_include()), str(HOST),
                *[str(c_runtime.FOLDER / s) for s in c_runtime.SOURCES], "-o", str(out),
                *c_runtime.libcuda()]

@@ -6,6 +6,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "nimble.h"
+#include "nimble_sha256.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -43,81 +44,6 @@ static nimble_status cuda_fail(const char *call, CUresult r) {
         nimble_status s_ = (expr);                                                            \
         if (s_ != NIMBLE_OK) return s_;                                                       \
     } while (0)
-
-/* ---- SHA-256 (FIPS 180-4) ---------------------------------------------------------------- */
-
-typedef struct { uint32_t h[8]; uint8_t block[64]; size_t used; uint64_t bits; } sha256_t;
-
-static const uint32_t K256[64] = {
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
-    0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
-    0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
-    0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
-    0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
-    0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
-    0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
-    0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
-    0xc67178f2};
-
-#define ROTR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
-
-static void sha256_block(sha256_t *s, const uint8_t *p) {
-    uint32_t w[64], a, b, c, d, e, f, g, h;
-    for (int i = 0; i < 16; i++)
-        w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 |
-               (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
-    for (int i = 16; i < 64; i++) {
-        uint32_t s0 = ROTR(w[i - 15], 7) ^ ROTR(w[i - 15], 18) ^ (w[i - 15] >> 3);
-        uint32_t s1 = ROTR(w[i - 2], 17) ^ ROTR(w[i - 2], 19) ^ (w[i - 2] >> 10);
-        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-    }
-    a = s->h[0]; b = s->h[1]; c = s->h[2]; d = s->h[3];
-    e = s->h[4]; f = s->h[5]; g = s->h[6]; h = s->h[7];
-    for (int i = 0; i < 64; i++) {
-        uint32_t t1 = h + (ROTR(e, 6) ^ ROTR(e, 11) ^ ROTR(e, 25)) + ((e & f) ^ (~e & g)) +
-                      K256[i] + w[i];
-        uint32_t t2 = (ROTR(a, 2) ^ ROTR(a, 13) ^ ROTR(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-        h = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
-    }
-    s->h[0] += a; s->h[1] += b; s->h[2] += c; s->h[3] += d;
-    s->h[4] += e; s->h[5] += f; s->h[6] += g; s->h[7] += h;
-}
-
-static void sha256(const uint8_t *data, size_t n, uint8_t out[32]) {
-    static const uint32_t init[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                                     0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-    sha256_t s;
-    memcpy(s.h, init, sizeof init);
-    size_t full = n / 64 * 64;
-    for (size_t i = 0; i < full; i += 64) sha256_block(&s, data + i);
-    uint8_t tail[128] = {0};
-    size_t rest = n - full;
-    memcpy(tail, data + full, rest);
-    tail[rest] = 0x80;
-    size_t len = rest + 9 <= 64 ? 64 : 128;
-    uint64_t bits = (uint64_t)n * 8;
-    for (int i = 0; i < 8; i++) tail[len - 1 - i] = (uint8_t)(bits >> (8 * i));
-    for (size_t i = 0; i < len; i += 64) sha256_block(&s, tail + i);
-    for (int i = 0; i < 8; i++) {
-        out[4 * i] = (uint8_t)(s.h[i] >> 24); out[4 * i + 1] = (uint8_t)(s.h[i] >> 16);
-        out[4 * i + 2] = (uint8_t)(s.h[i] >> 8); out[4 * i + 3] = (uint8_t)s.h[i];
-    }
-}
-
-/* The file's checksum: SHA-256 of the SHA-256 digests of its 8 MiB chunks. */
-static void file_checksum(const uint8_t *data, size_t n, uint8_t out[32]) {
-    const size_t chunk = (size_t)8 << 20;
-    size_t count = (n + chunk - 1) / chunk;
-    uint8_t *digests = malloc(32 * count + 1);
-    if (!digests) { memset(out, 0, 32); return; }
-    for (size_t i = 0; i < count; i++) {
-        size_t at = i * chunk, len = n - at < chunk ? n - at : chunk;
-        sha256(data + at, len, digests + 32 * i);
-    }
-    sha256(digests, 32 * count, out);
-    free(digests);
-}
 
 /* ---- the plan's words -------------------------------------------------------------------- */
 
@@ -415,7 +341,7 @@ static nimble_status read_file(nimble_model *m, const char *path, plan_t *pl) {
     if (le64(d + 24) != got)
         return fail(NIMBLE_ERROR_FORMAT, "%s is truncated or has bytes appended", path);
     uint8_t sum[32];
-    file_checksum(d + 64, got - 64, sum);
+    nimble_checksum(d + 64, got - 64, sum);
     if (memcmp(sum, d + 32, 32) != 0)
         return fail(NIMBLE_ERROR_FORMAT, "%s is damaged: its checksum does not match", path);
     uint32_t count = (uint32_t)(le64(d + 16) & 0xffffffffu);
@@ -459,6 +385,8 @@ static nimble_status check_device(nimble_model *m, int ordinal) {
     return NIMBLE_OK;
 }
 
+/* The bytes of binary `b`: a view into the file's blobs, or read from its library file into
+ * *owned (the caller frees it).  Its hash is checked by the caller. */
 static nimble_status binary_image(nimble_model *m, binary_t *b, uint8_t **owned,
                                   const uint8_t **image) {
     *owned = NULL;
@@ -466,26 +394,19 @@ static nimble_status binary_image(nimble_model *m, binary_t *b, uint8_t **owned,
         *image = blob(m, (blobref_t){b->offset, b->size});
         if (!*image) return fail(NIMBLE_ERROR_FORMAT, "an embedded kernel binary runs past "
                                  "the blobs");
-    } else {
-        FILE *f = fopen(b->path, "rb");
-        if (!f) return fail(NIMBLE_ERROR_LIBRARY, "the library %s that the graph's kernels "
-                            "come from cannot be opened: install the CUDA libraries of the "
-                            "saving machine", b->path);
-        *owned = malloc(b->size ? (size_t)b->size : 1);
-        int ok = *owned && fseek(f, (long)b->offset, SEEK_SET) == 0 &&
-                 fread(*owned, 1, (size_t)b->size, f) == b->size;
-        fclose(f);
-        if (!ok) return fail(NIMBLE_ERROR_LIBRARY, "cannot read %llu bytes at %llu of %s",
-                             (unsigned long long)b->size, (unsigned long long)b->offset,
-                             b->path);
-        *image = *owned;
+        return NIMBLE_OK;
     }
-    uint8_t sum[32];
-    sha256(*image, (size_t)b->size, sum);
-    if (memcmp(sum, b->sha, 32) != 0)
-        return fail(NIMBLE_ERROR_LIBRARY, "the kernel binary at byte %llu of %s is not the one "
-                    "the graph was saved with (another version of the library)",
-                    (unsigned long long)b->offset, b->library ? b->path : "the file");
+    FILE *f = fopen(b->path, "rb");
+    if (!f) return fail(NIMBLE_ERROR_LIBRARY, "the library %s that the graph's kernels come "
+                        "from cannot be opened: install the CUDA libraries of the saving "
+                        "machine", b->path);
+    *owned = malloc(b->size ? (size_t)b->size : 1);
+    int ok = *owned && fseek(f, (long)b->offset, SEEK_SET) == 0 &&
+             fread(*owned, 1, (size_t)b->size, f) == b->size;
+    fclose(f);
+    if (!ok) return fail(NIMBLE_ERROR_LIBRARY, "cannot read %llu bytes at %llu of %s",
+                         (unsigned long long)b->size, (unsigned long long)b->offset, b->path);
+    *image = *owned;
     return NIMBLE_OK;
 }
 
@@ -523,20 +444,41 @@ static nimble_status load_kernel(nimble_model *m, kernel_t *k) {
     return NIMBLE_OK;
 }
 
-static nimble_status load_kernels(nimble_model *m) {
-    m->libraries = calloc(m->nbinaries ? m->nbinaries : 1, sizeof(CUlibrary));
-    if (!m->libraries) return fail(NIMBLE_ERROR_IO, "out of memory");
+/* Every binary read, their hashes checked on several threads, each loaded; then every
+ * kernel.  `images` and `owned` are per binary. */
+static nimble_status load_binaries(nimble_model *m, const uint8_t **images, uint8_t **owned,
+                                   size_t *sizes, uint8_t (*sums)[32]) {
     for (uint64_t i = 0; i < m->nbinaries; i++) {
-        uint8_t *owned = NULL;
-        const uint8_t *image = NULL;
-        nimble_status s = binary_image(m, &m->binaries[i], &owned, &image);
-        CUresult r = s == NIMBLE_OK ? cuLibraryLoadData(&m->libraries[i], image, NULL, NULL, 0,
-                                                        NULL, NULL, 0)
-                                    : CUDA_SUCCESS;
-        free(owned);
-        TRY(s);
+        TRY(binary_image(m, &m->binaries[i], &owned[i], &images[i]));
+        sizes[i] = (size_t)m->binaries[i].size;
+    }
+    nimble_sha256_many(images, sizes, sums, (size_t)m->nbinaries);
+    for (uint64_t i = 0; i < m->nbinaries; i++) {
+        binary_t *b = &m->binaries[i];
+        if (memcmp(sums[i], b->sha, 32) != 0)
+            return fail(NIMBLE_ERROR_LIBRARY, "the kernel binary at byte %llu of %s is not the "
+                        "one the graph was saved with (another version of the library)",
+                        (unsigned long long)b->offset, b->library ? b->path : "the file");
+        CUresult r = cuLibraryLoadData(&m->libraries[i], images[i], NULL, NULL, 0, NULL, NULL,
+                                       0);
         if (r != CUDA_SUCCESS) return cuda_fail("cuLibraryLoadData", r);
     }
+    return NIMBLE_OK;
+}
+
+static nimble_status load_kernels(nimble_model *m) {
+    size_t n = m->nbinaries ? (size_t)m->nbinaries : 1;
+    m->libraries = calloc(n, sizeof(CUlibrary));
+    const uint8_t **images = calloc(n, sizeof *images);
+    uint8_t **owned = calloc(n, sizeof *owned);
+    size_t *sizes = calloc(n, sizeof *sizes);
+    uint8_t (*sums)[32] = calloc(n, sizeof *sums);
+    nimble_status s = m->libraries && images && owned && sizes && sums
+                          ? load_binaries(m, images, owned, sizes, sums)
+                          : fail(NIMBLE_ERROR_IO, "out of memory");
+    for (uint64_t i = 0; owned && i < m->nbinaries; i++) free(owned[i]);
+    free(images); free(owned); free(sizes); free(sums);
+    TRY(s);
     for (uint64_t i = 0; i < m->nkernels; i++) TRY(load_kernel(m, &m->kernels[i]));
     return NIMBLE_OK;
 }

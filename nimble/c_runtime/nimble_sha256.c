@@ -1,0 +1,131 @@
+/*
+ * SHA-256 (FIPS 180-4), written from the standard, and the saved file's checksum: a hash list
+ * over 8 MiB chunks, so that the chunks are hashed on several threads (nimble_sha256.h).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "nimble_sha256.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct { uint32_t h[8]; } sha256_t;
+
+static const uint32_t K256[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+    0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+    0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+    0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+    0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+    0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+    0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+    0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+    0xc67178f2};
+
+#define ROTR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
+
+static void sha256_block(sha256_t *s, const uint8_t *p) {
+    uint32_t w[64], a, b, c, d, e, f, g, h;
+    for (int i = 0; i < 16; i++)
+        w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 |
+               (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
+    for (int i = 16; i < 64; i++) {
+        uint32_t s0 = ROTR(w[i - 15], 7) ^ ROTR(w[i - 15], 18) ^ (w[i - 15] >> 3);
+        uint32_t s1 = ROTR(w[i - 2], 17) ^ ROTR(w[i - 2], 19) ^ (w[i - 2] >> 10);
+        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    a = s->h[0]; b = s->h[1]; c = s->h[2]; d = s->h[3];
+    e = s->h[4]; f = s->h[5]; g = s->h[6]; h = s->h[7];
+    for (int i = 0; i < 64; i++) {
+        uint32_t t1 = h + (ROTR(e, 6) ^ ROTR(e, 11) ^ ROTR(e, 25)) + ((e & f) ^ (~e & g)) +
+                      K256[i] + w[i];
+        uint32_t t2 = (ROTR(a, 2) ^ ROTR(a, 13) ^ ROTR(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+        h = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
+    }
+    s->h[0] += a; s->h[1] += b; s->h[2] += c; s->h[3] += d;
+    s->h[4] += e; s->h[5] += f; s->h[6] += g; s->h[7] += h;
+}
+
+void nimble_sha256(const uint8_t *data, size_t n, uint8_t out[32]) {
+    static const uint32_t init[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                     0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    sha256_t s;
+    memcpy(s.h, init, sizeof init);
+    size_t full = n / 64 * 64;
+    for (size_t i = 0; i < full; i += 64) sha256_block(&s, data + i);
+    uint8_t tail[128] = {0};
+    size_t rest = n - full;
+    memcpy(tail, data + full, rest);
+    tail[rest] = 0x80;
+    size_t len = rest + 9 <= 64 ? 64 : 128;
+    uint64_t bits = (uint64_t)n * 8;
+    for (int i = 0; i < 8; i++) tail[len - 1 - i] = (uint8_t)(bits >> (8 * i));
+    for (size_t i = 0; i < len; i += 64) sha256_block(&s, tail + i);
+    for (int i = 0; i < 8; i++) {
+        out[4 * i] = (uint8_t)(s.h[i] >> 24); out[4 * i + 1] = (uint8_t)(s.h[i] >> 16);
+        out[4 * i + 2] = (uint8_t)(s.h[i] >> 8); out[4 * i + 3] = (uint8_t)s.h[i];
+    }
+}
+
+#define CHUNK ((size_t)8 << 20)
+#define MAX_THREADS 8
+
+typedef struct { const uint8_t *data; size_t n, first, step, count; uint8_t *digests; } job_t;
+
+static void *hash_chunks(void *arg) {
+    job_t *job = arg;
+    for (size_t i = job->first; i < job->count; i += job->step) {
+        size_t at = i * CHUNK, len = job->n - at < CHUNK ? job->n - at : CHUNK;
+        nimble_sha256(job->data + at, len, job->digests + 32 * i);
+    }
+    return NULL;
+}
+
+void nimble_checksum(const uint8_t *data, size_t n, uint8_t out[32]) {
+    size_t count = (n + CHUNK - 1) / CHUNK;
+    uint8_t *digests = malloc(32 * count + 1);
+    if (!digests) { memset(out, 0, 32); return; }
+    size_t threads = count < MAX_THREADS ? count : MAX_THREADS;
+    pthread_t ids[MAX_THREADS];
+    job_t jobs[MAX_THREADS];
+    size_t started = 0;
+    for (size_t t = 0; t < threads; t++) {
+        jobs[t] = (job_t){data, n, t, threads, count, digests};
+        if (t > 0 && pthread_create(&ids[t], NULL, hash_chunks, &jobs[t]) == 0) started |= 1u << t;
+    }
+    /* this thread hashes its own share, and any share a thread could not be started for */
+    for (size_t t = 0; t < threads; t++)
+        if (t == 0 || !(started & (1u << t))) hash_chunks(&jobs[t]);
+    for (size_t t = 1; t < threads; t++)
+        if (started & (1u << t)) pthread_join(ids[t], NULL);
+    nimble_sha256(digests, 32 * count, out);
+    free(digests);
+}
+
+typedef struct {
+    const uint8_t *const *data; const size_t *n; uint8_t (*out)[32]; size_t first, step, count;
+} many_t;
+
+static void *hash_many(void *arg) {
+    many_t *job = arg;
+    for (size_t i = job->first; i < job->count; i += job->step)
+        nimble_sha256(job->data[i], job->n[i], job->out[i]);
+    return NULL;
+}
+
+void nimble_sha256_many(const uint8_t *const *data, const size_t *n, uint8_t (*out)[32],
+                        size_t count) {
+    size_t threads = count < MAX_THREADS ? count : MAX_THREADS;
+    pthread_t ids[MAX_THREADS];
+    many_t jobs[MAX_THREADS];
+    size_t started = 0;
+    for (size_t t = 0; t < threads; t++) {
+        jobs[t] = (many_t){data, n, out, t, threads, count};
+        if (t > 0 && pthread_create(&ids[t], NULL, hash_many, &jobs[t]) == 0) started |= 1u << t;
+    }
+    for (size_t t = 0; t < threads; t++)
+        if (t == 0 || !(started & (1u << t))) hash_many(&jobs[t]);
+    for (size_t t = 1; t < threads; t++)
+        if (started & (1u << t)) pthread_join(ids[t], NULL);
+}
