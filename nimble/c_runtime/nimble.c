@@ -1,11 +1,10 @@
 /*
- * Nimble's C runtime (see nimble.h).  It reads the container of a saved graph
- * (docs/saved-format.md) and its "c_plan" section: little-endian 64-bit words written in one
- * fixed order by nimble/engine/c_plan.py, every pointer already resolved to a region (the
- * arena, a weight storage, an external memory range) and an addend (docs/c-host.md).
+ * Nimble's C runtime (see nimble.h): loading a saved graph read by nimble_plan.c (every pointer
+ * already resolved to a region, the arena, a weight storage or an external memory range, and an
+ * addend: docs/c-host.md), building it, proving it against its saved outputs, and the API.
  */
 #define _POSIX_C_SOURCE 200809L
-#include "nimble.h"
+#include "nimble_internal.h"
 #include "nimble_sha256.h"
 
 #include <stdarg.h>
@@ -19,7 +18,7 @@ static _Thread_local char last_error[1024];
 
 const char *nimble_last_error(void) { return last_error; }
 
-static nimble_status fail(nimble_status status, const char *fmt, ...) {
+nimble_status nimble_fail(nimble_status status, const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
     vsnprintf(last_error, sizeof last_error, fmt, args);
@@ -27,341 +26,14 @@ static nimble_status fail(nimble_status status, const char *fmt, ...) {
     return status;
 }
 
-static nimble_status cuda_fail(const char *call, CUresult r) {
+nimble_status nimble_cuda_fail(const char *call, CUresult r) {
     const char *name = NULL;
     cuGetErrorName(r, &name);
-    return fail(NIMBLE_ERROR_CUDA, "%s failed with %s (%d)", call, name ? name : "?", (int)r);
+    return nimble_fail(NIMBLE_ERROR_CUDA, "%s failed with %s (%d)", call, name ? name : "?", (int)r);
 }
 
-#define CU(call)                                                                              \
-    do {                                                                                      \
-        CUresult r_ = (call);                                                                 \
-        if (r_ != CUDA_SUCCESS) return cuda_fail(#call, r_);                                  \
-    } while (0)
-
-#define TRY(expr)                                                                             \
-    do {                                                                                      \
-        nimble_status s_ = (expr);                                                            \
-        if (s_ != NIMBLE_OK) return s_;                                                       \
-    } while (0)
-
-/* ---- the plan's words -------------------------------------------------------------------- */
-
-typedef struct { const uint8_t *p; size_t n, at; int bad; } plan_t;
-
-static uint64_t rd(plan_t *pl) {
-    if (pl->at + 8 > pl->n) { pl->bad = 1; return 0; }
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = v << 8 | pl->p[pl->at + i];
-    pl->at += 8;
-    return v;
-}
-
-/* A length-prefixed byte string: a pointer into the plan, not a copy. */
-static const uint8_t *rd_raw(plan_t *pl, size_t *len) {
-    uint64_t n = rd(pl);
-    size_t padded = (size_t)((n + 7) / 8 * 8);
-    if (pl->bad || n > pl->n || pl->at + padded > pl->n) { pl->bad = 1; *len = 0; return NULL; }
-    const uint8_t *p = pl->p + pl->at;
-    pl->at += padded;
-    *len = (size_t)n;
-    return p;
-}
-
-static char *rd_text(plan_t *pl) {
-    size_t n;
-    const uint8_t *p = rd_raw(pl, &n);
-    char *s = malloc(n + 1);
-    if (!s) { pl->bad = 1; return NULL; }
-    if (p) memcpy(s, p, n);
-    s[n] = 0;
-    return s;
-}
-
-/* ---- the model --------------------------------------------------------------------------- */
-
-enum { R_NONE = 0, R_ARENA = 1, R_WEIGHT = 2, R_MEMORY = 3 };
-enum { N_KERNEL = 0, N_MEMSET = 1, N_MEMCPY = 2, N_EMPTY = 3 };
-#define NO_BLOB UINT64_MAX
-
-typedef struct { uint64_t region, index, addend; } place_t;
-typedef struct { uint64_t at, size; } blobref_t;
-typedef struct { int library; uint64_t offset, size; const uint8_t *sha; char *path; } binary_t;
-typedef struct {
-    uint64_t binary; char *name; int64_t fingerprint[6]; int64_t settable[4]; CUfunction fn;
-} kernel_t;
-typedef struct { uint64_t size; blobref_t blob; CUdeviceptr ptr; } memory_t;
-typedef struct { place_t place; nimble_tensor_info info; } tensor_t;
-typedef struct { uint64_t offset, size; blobref_t blob; } private_t;
-typedef struct { uint64_t loc; place_t place; } reloc_t;
-typedef struct { uint64_t id; const uint8_t *value; size_t len; } attr_t;
-typedef struct {
-    int kind;
-    /* kernel */
-    uint64_t kernel, grid[3], block[3], shared, has_priority, packed, nparams, nrelocs, nattrs;
-    int64_t priority;
-    uint64_t *params; /* (offset, size) pairs */
-    const uint8_t *args; size_t args_len;
-    reloc_t *relocs; attr_t *attrs;
-    /* memset: dst, value, element size, width, height, pitch */
-    /* memcpy: src, dst, types, x/y/z/pitch/height per side, width, height, depth */
-    place_t src, dst;
-    uint64_t f[15];
-} node_t;
-typedef struct { blobref_t *inputs, *outputs; uint64_t *checked; } refset_t;
-typedef struct {
-    uint64_t plan_bytes, ninputs, noutputs, nprivate, nnodes, nedges, nsets, nwritten;
-    tensor_t *inputs, *outputs;
-    private_t *private_;
-    node_t *nodes;
-    uint64_t *edges;
-    refset_t *sets;
-    place_t *written; uint64_t *written_size;
-    CUgraph *graphs; CUgraphExec *execs; /* per instance */
-} bucket_t;
-
-struct nimble_model {
-    CUdevice device; CUcontext ctx; int retained;
-    uint64_t arch, driver, arena_size, alignment, instances, nbuckets;
-    uint64_t nbinaries, nkernels, nweights, nmemory;
-    binary_t *binaries; kernel_t *kernels; memory_t *weights, *memory;
-    bucket_t *buckets;
-    CUlibrary *libraries;
-    CUdeviceptr *arenas, *bases; /* per instance: as allocated, and aligned */
-    uint8_t *file; size_t file_size; const uint8_t *blobs; size_t blobs_size;
-    char launch_note[256]; /* "" while every exec is device-launchable */
-};
-
-static CUdeviceptr resolve(const nimble_model *m, uint64_t instance, place_t p) {
-    switch (p.region) {
-    case R_ARENA: return m->bases[instance] + p.addend;
-    case R_WEIGHT: return m->weights[p.index].ptr + p.addend;
-    case R_MEMORY: return m->memory[p.index].ptr + p.addend;
-    default: return (CUdeviceptr)p.addend;
-    }
-}
-
-static const uint8_t *blob(const nimble_model *m, blobref_t b) {
-    if (b.at == NO_BLOB || b.at > m->blobs_size || b.size > m->blobs_size - b.at) return NULL;
-    return m->blobs + b.at;
-}
-
-/* ---- reading the plan -------------------------------------------------------------------- */
-
-static void rd_place(plan_t *pl, place_t *p) {
-    p->region = rd(pl); p->index = rd(pl); p->addend = rd(pl);
-}
-
-static void rd_blob(plan_t *pl, blobref_t *b) { b->at = rd(pl); b->size = rd(pl); }
-
-static void *arr(plan_t *pl, uint64_t n, size_t size) {
-    if (pl->bad || n > pl->n) { pl->bad = 1; return NULL; } /* no count exceeds the words */
-    void *p = calloc(n ? n : 1, size);
-    if (!p) pl->bad = 1;
-    return p;
-}
-
-static void rd_tensor(plan_t *pl, tensor_t *t) {
-    rd_place(pl, &t->place);
-    t->info.nbytes = (size_t)rd(pl);
-    t->info.dtype = (nimble_dtype)rd(pl);
-    uint64_t ndim = rd(pl);
-    if (ndim > NIMBLE_MAX_DIMS) { pl->bad = 1; return; }
-    t->info.ndim = (int)ndim;
-    for (uint64_t d = 0; d < ndim; d++) t->info.shape[d] = (int64_t)rd(pl);
-    t->info.contiguous = (int)rd(pl);
-}
-
-static void rd_node(plan_t *pl, node_t *nd) {
-    nd->kind = (int)rd(pl);
-    if (nd->kind == N_KERNEL) {
-        nd->kernel = rd(pl);
-        for (int i = 0; i < 3; i++) nd->grid[i] = rd(pl);
-        for (int i = 0; i < 3; i++) nd->block[i] = rd(pl);
-        nd->shared = rd(pl);
-        nd->has_priority = rd(pl); nd->priority = (int64_t)rd(pl);
-        nd->packed = rd(pl);
-        nd->nparams = rd(pl);
-        nd->params = arr(pl, 2 * nd->nparams, sizeof(uint64_t));
-        for (uint64_t i = 0; !pl->bad && i < 2 * nd->nparams; i++) nd->params[i] = rd(pl);
-        nd->args = rd_raw(pl, &nd->args_len);
-        nd->nrelocs = rd(pl);
-        nd->relocs = arr(pl, nd->nrelocs, sizeof(reloc_t));
-        for (uint64_t i = 0; !pl->bad && i < nd->nrelocs; i++) {
-            nd->relocs[i].loc = rd(pl);
-            rd_place(pl, &nd->relocs[i].place);
-        }
-        nd->nattrs = rd(pl);
-        nd->attrs = arr(pl, nd->nattrs, sizeof(attr_t));
-        for (uint64_t i = 0; !pl->bad && i < nd->nattrs; i++) {
-            nd->attrs[i].id = rd(pl);
-            nd->attrs[i].value = rd_raw(pl, &nd->attrs[i].len);
-        }
-    } else if (nd->kind == N_MEMSET) {
-        rd_place(pl, &nd->dst);
-        for (int i = 0; i < 5; i++) nd->f[i] = rd(pl);
-    } else if (nd->kind == N_MEMCPY) {
-        rd_place(pl, &nd->src);
-        rd_place(pl, &nd->dst);
-        for (int i = 0; i < 15; i++) nd->f[i] = rd(pl);
-    } else if (nd->kind != N_EMPTY) {
-        pl->bad = 1;
-    }
-}
-
-static void rd_bucket(plan_t *pl, bucket_t *b) {
-    b->plan_bytes = rd(pl);
-    b->ninputs = rd(pl);
-    b->inputs = arr(pl, b->ninputs, sizeof(tensor_t));
-    for (uint64_t i = 0; !pl->bad && i < b->ninputs; i++) rd_tensor(pl, &b->inputs[i]);
-    b->noutputs = rd(pl);
-    b->outputs = arr(pl, b->noutputs, sizeof(tensor_t));
-    for (uint64_t i = 0; !pl->bad && i < b->noutputs; i++) rd_tensor(pl, &b->outputs[i]);
-    b->nprivate = rd(pl);
-    b->private_ = arr(pl, b->nprivate, sizeof(private_t));
-    for (uint64_t i = 0; !pl->bad && i < b->nprivate; i++) {
-        b->private_[i].offset = rd(pl);
-        b->private_[i].size = rd(pl);
-        rd_blob(pl, &b->private_[i].blob);
-    }
-    b->nnodes = rd(pl);
-    b->nodes = arr(pl, b->nnodes, sizeof(node_t));
-    for (uint64_t i = 0; !pl->bad && i < b->nnodes; i++) rd_node(pl, &b->nodes[i]);
-    b->nedges = rd(pl);
-    b->edges = arr(pl, 2 * b->nedges, sizeof(uint64_t));
-    for (uint64_t i = 0; !pl->bad && i < 2 * b->nedges; i++) {
-        b->edges[i] = rd(pl);
-        if (b->edges[i] >= b->nnodes) pl->bad = 1;
-    }
-    b->nsets = rd(pl);
-    b->sets = arr(pl, b->nsets, sizeof(refset_t));
-    for (uint64_t s = 0; !pl->bad && s < b->nsets; s++) {
-        refset_t *set = &b->sets[s];
-        set->inputs = arr(pl, b->ninputs, sizeof(blobref_t));
-        set->outputs = arr(pl, b->noutputs, sizeof(blobref_t));
-        set->checked = arr(pl, b->noutputs, sizeof(uint64_t));
-        for (uint64_t i = 0; !pl->bad && i < b->ninputs; i++) rd_blob(pl, &set->inputs[i]);
-        for (uint64_t i = 0; !pl->bad && i < b->noutputs; i++) {
-            rd_blob(pl, &set->outputs[i]);
-            set->checked[i] = rd(pl);
-        }
-    }
-    b->nwritten = rd(pl);
-    b->written = arr(pl, b->nwritten, sizeof(place_t));
-    b->written_size = arr(pl, b->nwritten, sizeof(uint64_t));
-    for (uint64_t i = 0; !pl->bad && i < b->nwritten; i++) {
-        rd_place(pl, &b->written[i]);
-        b->written_size[i] = rd(pl);
-    }
-}
-
-static nimble_status read_plan(nimble_model *m, plan_t *pl) {
-    if (rd(pl) != 0x5043454c424d494eULL) /* "NIMBLECP", little-endian */
-        return fail(NIMBLE_ERROR_FORMAT, "the file's c_plan section has no NIMBLECP magic");
-    uint64_t version = rd(pl);
-    if (version != 1)
-        return fail(NIMBLE_ERROR_VERSION, "c_plan version %llu; this runtime reads 1: rebuild "
-                    "the C runtime from the Nimble that saved the file",
-                    (unsigned long long)version);
-    m->arch = rd(pl); m->driver = rd(pl);
-    m->arena_size = rd(pl); m->alignment = rd(pl); m->instances = rd(pl); m->nbuckets = rd(pl);
-    m->nbinaries = rd(pl);
-    m->binaries = arr(pl, m->nbinaries, sizeof(binary_t));
-    for (uint64_t i = 0; !pl->bad && i < m->nbinaries; i++) {
-        binary_t *b = &m->binaries[i];
-        b->library = rd(pl) == 0;
-        b->offset = rd(pl); b->size = rd(pl);
-        size_t n;
-        b->sha = rd_raw(pl, &n);
-        if (n != 32) pl->bad = 1;
-        b->path = rd_text(pl);
-    }
-    m->nkernels = rd(pl);
-    m->kernels = arr(pl, m->nkernels, sizeof(kernel_t));
-    for (uint64_t i = 0; !pl->bad && i < m->nkernels; i++) {
-        kernel_t *k = &m->kernels[i];
-        k->binary = rd(pl);
-        k->name = rd_text(pl);
-        for (int j = 0; j < 6; j++) k->fingerprint[j] = (int64_t)rd(pl);
-        for (int j = 0; j < 4; j++) k->settable[j] = (int64_t)rd(pl);
-        if (k->binary >= m->nbinaries) pl->bad = 1;
-    }
-    memory_t **tables[2] = {&m->weights, &m->memory};
-    uint64_t *counts[2] = {&m->nweights, &m->nmemory};
-    for (int t = 0; t < 2; t++) {
-        *counts[t] = rd(pl);
-        *tables[t] = arr(pl, *counts[t], sizeof(memory_t));
-        for (uint64_t i = 0; !pl->bad && i < *counts[t]; i++) {
-            (*tables[t])[i].size = rd(pl);
-            rd_blob(pl, &(*tables[t])[i].blob);
-        }
-    }
-    m->buckets = arr(pl, m->nbuckets, sizeof(bucket_t));
-    for (uint64_t k = 0; !pl->bad && k < m->nbuckets; k++) rd_bucket(pl, &m->buckets[k]);
-    char *unsupported = pl->bad ? NULL : rd_text(pl);
-    if (pl->bad) { free(unsupported); return fail(NIMBLE_ERROR_FORMAT, "the file's c_plan "
-                                                    "section is damaged"); }
-    if (unsupported[0]) {
-        nimble_status s = fail(NIMBLE_ERROR_UNSUPPORTED, "the C runtime cannot run this graph: "
-                               "%s; load it from Python (nimble.load)", unsupported);
-        free(unsupported);
-        return s;
-    }
-    free(unsupported);
-    return NIMBLE_OK;
-}
-
-/* ---- the file ---------------------------------------------------------------------------- */
-
-static uint64_t le64(const uint8_t *p) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
-    return v;
-}
-
-static nimble_status read_file(nimble_model *m, const char *path, plan_t *pl) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return fail(NIMBLE_ERROR_IO, "cannot open %s", path);
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    m->file = malloc(size > 0 ? (size_t)size : 1);
-    size_t got = m->file ? fread(m->file, 1, (size_t)(size > 0 ? size : 0), f) : 0;
-    fclose(f);
-    if (!m->file || size < 0 || got != (size_t)size)
-        return fail(NIMBLE_ERROR_IO, "cannot read %s", path);
-    m->file_size = got;
-    const uint8_t *d = m->file;
-    if (got < 64 || memcmp(d, "NIMBLEGR", 8) != 0)
-        return fail(NIMBLE_ERROR_FORMAT, "%s is not a saved Nimble graph", path);
-    uint32_t version = (uint32_t)(le64(d + 8) & 0xffffffffu);
-    if (version != 1)
-        return fail(NIMBLE_ERROR_VERSION, "%s is of format version %u; this runtime reads 1",
-                    path, version);
-    if (le64(d + 24) != got)
-        return fail(NIMBLE_ERROR_FORMAT, "%s is truncated or has bytes appended", path);
-    uint8_t sum[32];
-    nimble_checksum(d + 64, got - 64, sum);
-    if (memcmp(sum, d + 32, 32) != 0)
-        return fail(NIMBLE_ERROR_FORMAT, "%s is damaged: its checksum does not match", path);
-    uint32_t count = (uint32_t)(le64(d + 16) & 0xffffffffu);
-    int have_plan = 0;
-    for (uint32_t i = 0; i < count && 64 + 48 * (size_t)(i + 1) <= got; i++) {
-        const uint8_t *row = d + 64 + 48 * (size_t)i;
-        uint64_t off = le64(row + 16), len = le64(row + 24);
-        if (off > got || len > got - off)
-            return fail(NIMBLE_ERROR_FORMAT, "%s: a section runs past the file", path);
-        if (strncmp((const char *)row, "blobs", 16) == 0) {
-            m->blobs = d + off; m->blobs_size = (size_t)len;
-        } else if (strncmp((const char *)row, "c_plan", 16) == 0) {
-            pl->p = d + off; pl->n = (size_t)len; have_plan = 1;
-        }
-    }
-    if (!have_plan || !m->blobs)
-        return fail(NIMBLE_ERROR_UNSUPPORTED, "%s has no c_plan section: save it again with "
-                    "a Nimble that writes one", path);
-    return NIMBLE_OK;
-}
+#define fail nimble_fail
+#define cuda_fail nimble_cuda_fail
 
 /* ---- loading ------------------------------------------------------------------------------ */
 
@@ -726,8 +398,8 @@ static nimble_status prove(nimble_model *m) {
 
 static nimble_status load(nimble_model *m, const char *path, int device, unsigned flags) {
     plan_t pl = {0};
-    TRY(read_file(m, path, &pl));
-    TRY(read_plan(m, &pl));
+    TRY(nimble_read_file(m, path, &pl));
+    TRY(nimble_read_plan(m, &pl));
     TRY(check_device(m, device));
     TRY(load_kernels(m));
     TRY(upload(m, m->weights, m->nweights, "weight storage"));

@@ -1,8 +1,8 @@
 """``nimble c-runtime``: where Nimble's C runtime is, and building it.
 
-The runtime is a few files inside the package (``nimble/c_runtime/nimble.h``, ``nimble.c`` and
-``nimble_sha256.c``, C11 on the CUDA driver API and POSIX threads alone), so a wheel or sdist
-carries them.  ``--print-include``
+The runtime is a few files inside the package (``nimble/c_runtime/``: the API ``nimble.h``;
+``nimble.c``, ``nimble_plan.c`` and ``nimble_sha256.c``; C11 on the CUDA driver API and POSIX
+threads alone), so a wheel or sdist carries them.  ``--print-include``
 prints their folder for a build system (``cc -I$(python -m nimble c-runtime --print-include)``);
 ``--build DIR`` compiles ``libnimble.so`` with the system C compiler against a ``cuda.h`` and a
 ``libcuda`` it finds (a CUDA toolkit, ``$CUDA_HOME``, the headers of the ``nvidia-cuda-runtime``
@@ -24,7 +24,7 @@ from .common import Fail
 
 HELP = "where Nimble's C runtime is, and building it (libnimble.so)"
 FOLDER = Path(__file__).resolve().parent.parent / "c_runtime"
-SOURCES = ("nimble.c", "nimble_sha256.c")
+SOURCES = ("nimble.c", "nimble_plan.c", "nimble_sha256.c")
 HEADER = "nimble.h"
 _TARGET = {"x86_64": "x86_64-linux", "aarch64": "sbsa-linux"}.get(platform.machine(), "")
 

@@ -1,0 +1,107 @@
+/*
+ * Internal to Nimble's C runtime: the model's parts as read from a saved file's c_plan, shared
+ * by the reader (nimble_plan.c) and the loader, builder and API (nimble.c).  Not installed for
+ * users: nimble.h is the API.
+ */
+#ifndef NIMBLE_INTERNAL_H
+#define NIMBLE_INTERNAL_H
+
+#include "nimble.h"
+
+/* ---- errors (nimble.c) -------------------------------------------------------------------- */
+
+nimble_status nimble_fail(nimble_status status, const char *fmt, ...);
+nimble_status nimble_cuda_fail(const char *call, CUresult r);
+
+#define CU(call)                                                                              \
+    do {                                                                                      \
+        CUresult r_ = (call);                                                                 \
+        if (r_ != CUDA_SUCCESS) return nimble_cuda_fail(#call, r_);                           \
+    } while (0)
+
+#define TRY(expr)                                                                             \
+    do {                                                                                      \
+        nimble_status s_ = (expr);                                                            \
+        if (s_ != NIMBLE_OK) return s_;                                                       \
+    } while (0)
+
+/* ---- the plan's words (nimble_plan.c) ------------------------------------------------------ */
+
+typedef struct { const uint8_t *p; size_t n, at; int bad; } plan_t;
+
+/* ---- the model --------------------------------------------------------------------------- */
+
+enum { R_NONE = 0, R_ARENA = 1, R_WEIGHT = 2, R_MEMORY = 3 };
+enum { N_KERNEL = 0, N_MEMSET = 1, N_MEMCPY = 2, N_EMPTY = 3 };
+#define NO_BLOB UINT64_MAX
+
+typedef struct { uint64_t region, index, addend; } place_t;
+typedef struct { uint64_t at, size; } blobref_t;
+typedef struct { int library; uint64_t offset, size; const uint8_t *sha; char *path; } binary_t;
+typedef struct {
+    uint64_t binary; char *name; int64_t fingerprint[6]; int64_t settable[4]; CUfunction fn;
+} kernel_t;
+typedef struct { uint64_t size; blobref_t blob; CUdeviceptr ptr; } memory_t;
+typedef struct { place_t place; nimble_tensor_info info; } tensor_t;
+typedef struct { uint64_t offset, size; blobref_t blob; } private_t;
+typedef struct { uint64_t loc; place_t place; } reloc_t;
+typedef struct { uint64_t id; const uint8_t *value; size_t len; } attr_t;
+typedef struct {
+    int kind;
+    /* kernel */
+    uint64_t kernel, grid[3], block[3], shared, has_priority, packed, nparams, nrelocs, nattrs;
+    int64_t priority;
+    uint64_t *params; /* (offset, size) pairs */
+    const uint8_t *args; size_t args_len;
+    reloc_t *relocs; attr_t *attrs;
+    /* memset: dst, value, element size, width, height, pitch */
+    /* memcpy: src, dst, types, x/y/z/pitch/height per side, width, height, depth */
+    place_t src, dst;
+    uint64_t f[15];
+} node_t;
+typedef struct { blobref_t *inputs, *outputs; uint64_t *checked; } refset_t;
+typedef struct {
+    uint64_t plan_bytes, ninputs, noutputs, nprivate, nnodes, nedges, nsets, nwritten;
+    tensor_t *inputs, *outputs;
+    private_t *private_;
+    node_t *nodes;
+    uint64_t *edges;
+    refset_t *sets;
+    place_t *written; uint64_t *written_size;
+    CUgraph *graphs; CUgraphExec *execs; /* per instance */
+} bucket_t;
+
+struct nimble_model {
+    CUdevice device; CUcontext ctx; int retained;
+    uint64_t arch, driver, arena_size, alignment, instances, nbuckets;
+    uint64_t nbinaries, nkernels, nweights, nmemory;
+    binary_t *binaries; kernel_t *kernels; memory_t *weights, *memory;
+    bucket_t *buckets;
+    CUlibrary *libraries;
+    CUdeviceptr *arenas, *bases; /* per instance: as allocated, and aligned */
+    uint8_t *file; size_t file_size; const uint8_t *blobs; size_t blobs_size;
+    char launch_note[256]; /* "" while every exec is device-launchable */
+};
+
+static inline CUdeviceptr resolve(const nimble_model *m, uint64_t instance, place_t p) {
+    switch (p.region) {
+    case R_ARENA: return m->bases[instance] + p.addend;
+    case R_WEIGHT: return m->weights[p.index].ptr + p.addend;
+    case R_MEMORY: return m->memory[p.index].ptr + p.addend;
+    default: return (CUdeviceptr)p.addend;
+    }
+}
+
+static inline const uint8_t *blob(const nimble_model *m, blobref_t b) {
+    if (b.at == NO_BLOB || b.at > m->blobs_size || b.size > m->blobs_size - b.at) return NULL;
+    return m->blobs + b.at;
+}
+
+/* Read and check the file at `path` (size, checksum, version, sections); `plan` is set to its
+ * c_plan section.  The file's bytes are m->file. */
+nimble_status nimble_read_file(nimble_model *m, const char *path, plan_t *plan);
+
+/* Read the whole c_plan into m (its arrays allocated; raw bytes point into m->file). */
+nimble_status nimble_read_plan(nimble_model *m, plan_t *plan);
+
+#endif /* NIMBLE_INTERNAL_H */
