@@ -4,6 +4,7 @@ cuda.h); no GPU and no libcuda are needed to compile.  ``nimble c-runtime`` tell
 where they are."""
 from __future__ import annotations
 
+import struct
 import subprocess
 from pathlib import Path
 
@@ -107,3 +108,92 @@ def test_the_c_checksum_is_the_python_readers(tmp_path):
     lib.nimble_sha256_many(starts, sizes, sums, ctypes.c_size_t(20))
     assert [sums.raw[32 * i:32 * i + 32] for i in range(20)] == \
         [hashlib.sha256(p).digest() for p in pieces]
+
+
+# ---- the C reader on saved files, on the CPU --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def plan_check(tmp_path_factory) -> Path:
+    """tests/c_host/plan_check.c built with the runtime's reader (no libcuda needed)."""
+    cc, include = _toolchain()
+    out = tmp_path_factory.mktemp("plan") / "plan_check"
+    cmd = [cc, "-O2", "-std=c11", "-pthread", "-Wall", "-Wextra", "-Werror", "-I",
+           str(c_runtime.FOLDER), "-I", str(include), str(HOST.parent / "plan_check.c"),
+           str(c_runtime.FOLDER / "nimble_plan.c"), str(c_runtime.FOLDER / "nimble_sha256.c"),
+           "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, " ".join(cmd) + "\n" + done.stderr
+    return out
+
+
+def _saved_with_plan(tmp_path, name: str = "googlenet", **changes) -> tuple[Path, dict]:
+    from c_plan_reader import read_plan
+    from test_c_plan import _stand_in
+
+    from nimble.engine.c_plan import c_plan
+    from nimble.ir.saved_format import SavedFile
+
+    prepared, state, manifest, *_ = _stand_in(name)
+    prepared.graph.meta.update(changes)
+    data, _ = c_plan(manifest, [prepared], [state], state.size)
+    path = SavedFile({"format": "nimble.saved-graph"}, b"\0" * 64,
+                     extra={"c_plan": data}).write(tmp_path / f"{name}.nimble")
+    return path, read_plan(data)
+
+
+def _run(program: Path, path: Path) -> tuple[int, str]:
+    done = subprocess.run([str(program), str(path)], capture_output=True, text=True, timeout=60)
+    return done.returncode, done.stdout.strip()
+
+
+@pytest.mark.parametrize("name", ["googlenet", "inception_v3"])
+def test_the_c_reader_reads_what_python_wrote(plan_check, tmp_path, name):
+    path, plan = _saved_with_plan(tmp_path, name)
+    rc, out = _run(plan_check, path)
+    assert rc == 0, out
+    bucket = plan["buckets"][0]
+    want = (f"arch 90 instances 2 buckets 1 binaries 1 kernels 1 weights {len(plan['weights'])} "
+            f"memory {len(plan['memory'])} nodes {len(bucket['nodes'])} relocations "
+            f"{sum(len(n.get('relocs', ())) for n in bucket['nodes'])} "
+            f"edges {len(bucket['edges'])}")
+    assert out == want
+
+
+def test_the_c_reader_refuses_bad_files_with_their_codes(plan_check, tmp_path):
+    from nimble.ir.saved_format import SavedFile
+
+    path, _ = _saved_with_plan(tmp_path)
+    data = path.read_bytes()
+
+    def code(content: bytes) -> tuple[int, str]:
+        bad = tmp_path / "bad.nimble"
+        bad.write_bytes(content)
+        return _run(plan_check, bad)
+    rc, out = code(data[:-9])
+    assert rc == 3 and "truncated" in out
+    flipped = bytearray(data)
+    flipped[-20] ^= 4
+    rc, out = code(bytes(flipped))
+    assert rc == 3 and "checksum" in out
+    newer = bytearray(data)
+    struct.pack_into("<I", newer, 8, 2)
+    assert code(bytes(newer))[0] == 4
+    saved = SavedFile.read(path)
+    plan = bytearray(saved.extra["c_plan"])
+    for at, value, want in ((0, 7, 3), (8, 2, 4)):  # the magic; the plan's version
+        changed = bytearray(plan)
+        struct.pack_into("<Q", changed, at, value)
+        rc, _ = code(SavedFile({"format": "x"}, b"\0" * 64, extra={"c_plan": bytes(changed)})
+                     .to_bytes())
+        assert rc == want
+    rc, _ = code(SavedFile({"format": "x"}, b"\0" * 64, extra={"c_plan": bytes(plan[:-40])})
+                 .to_bytes())
+    assert rc == 3  # a plan that ends early
+    rc, _ = code(SavedFile({"format": "x"}, b"\0" * 64).to_bytes())
+    assert rc == 7  # a file without a c_plan
+
+
+def test_the_c_reader_refuses_a_graph_it_cannot_run_with_the_reason(plan_check, tmp_path):
+    path, _ = _saved_with_plan(tmp_path, low_word_buffers=[0])
+    rc, out = _run(plan_check, path)
+    assert rc == 7 and "low 32 address bits" in out

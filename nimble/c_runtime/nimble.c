@@ -29,7 +29,8 @@ nimble_status nimble_fail(nimble_status status, const char *fmt, ...) {
 nimble_status nimble_cuda_fail(const char *call, CUresult r) {
     const char *name = NULL;
     cuGetErrorName(r, &name);
-    return nimble_fail(NIMBLE_ERROR_CUDA, "%s failed with %s (%d)", call, name ? name : "?", (int)r);
+    return nimble_fail(NIMBLE_ERROR_CUDA, "%s failed with %s (%d)", call, name ? name : "?",
+                       (int)r);
 }
 
 #define fail nimble_fail

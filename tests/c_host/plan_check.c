@@ -1,0 +1,53 @@
+/*
+ * The C runtime's reader alone (nimble_plan.c, no driver call): reads a saved file and its
+ * c_plan, prints what it read as one line, or the nimble_status and message of what it refused.
+ * The CPU tests run it (tests/test_c_runtime.py); the loader's own error functions live in
+ * nimble.c, which needs libcuda, so this program brings its own.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "nimble_internal.h"
+
+static char message[1024];
+
+nimble_status nimble_fail(nimble_status status, const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(message, sizeof message, fmt, args);
+    va_end(args);
+    return status;
+}
+
+nimble_status nimble_cuda_fail(const char *call, CUresult r) {
+    (void)r;
+    return nimble_fail(NIMBLE_ERROR_CUDA, "%s", call);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2) return 1;
+    nimble_model *m = calloc(1, sizeof *m);
+    plan_t plan = {0};
+    nimble_status s = nimble_read_file(m, argv[1], &plan);
+    if (s == NIMBLE_OK) s = nimble_read_plan(m, &plan);
+    if (s != NIMBLE_OK) {
+        printf("status %d: %s\n", (int)s, message);
+        return (int)s;
+    }
+    unsigned long long nodes = 0, relocs = 0, edges = 0;
+    for (uint64_t k = 0; k < m->nbuckets; k++) {
+        nodes += m->buckets[k].nnodes;
+        edges += m->buckets[k].nedges;
+        for (uint64_t i = 0; i < m->buckets[k].nnodes; i++)
+            relocs += m->buckets[k].nodes[i].nrelocs;
+    }
+    printf("arch %llu instances %llu buckets %llu binaries %llu kernels %llu weights %llu "
+           "memory %llu nodes %llu relocations %llu edges %llu\n",
+           (unsigned long long)m->arch, (unsigned long long)m->instances,
+           (unsigned long long)m->nbuckets, (unsigned long long)m->nbinaries,
+           (unsigned long long)m->nkernels, (unsigned long long)m->nweights,
+           (unsigned long long)m->nmemory, nodes, relocs, edges);
+    return 0;
+}
