@@ -163,14 +163,7 @@ class Nimble:
                                       training=training, use_multi_stream=use_multi_stream,
                                       max_streams=max_streams, options=options, quiet=quiet,
                                       average=average)
-        for prepared in serving.preparations():
-            prepared.launcher.return_copies = return_copies
-        previous, self._serving = self._serving, serving
-        self._prepared = serving.primary
-        self._fast = None
-        if previous is not None:
-            previous.close()
-        return self
+        return self._adopt(serving, return_copies)
 
     # ---- saving and loading -----------------------------------------------------------------
     def save(self, path, *, weights: bool = True, quiet: bool = True):
@@ -179,18 +172,22 @@ class Nimble:
         anything (:mod:`nimble.engine.saving`; the format: ``docs/saved-format.md``).
 
         ``weights=False`` leaves the model's named weights out of the file (a load must then
-        pass the model).  Every bucket and the instance count are saved.  Raises
-        :class:`~nimble.errors.SaveError` for a graph that cannot be written down (a training
-        step, NCCL collectives, random numbers, a kernel compiled at run time) before anything
-        is written; returns the file's path.
+        pass the model; a training step's load always does).  Every bucket and the instance
+        count are saved.  Raises :class:`~nimble.errors.SaveError` for a graph that cannot be
+        written down (NCCL collectives, random numbers, a kernel whose binary is on no disk in a
+        process that did not call :func:`nimble.keep_kernel_binaries` first) before anything is
+        written; returns the file's path.
         """
         from .engine.saving import save_serving
 
         self.engine  # noqa: B018 - raises before prepare()
         return save_serving(self._serving, path, weights=weights, quiet=quiet)
 
-    def _adopt(self, serving: Serving) -> "Nimble":
-        """Serve ``serving`` (built elsewhere: a loaded file) from now on."""
+    def _adopt(self, serving: Serving, return_copies: bool) -> "Nimble":
+        """Serve ``serving`` (prepared, or loaded from a file) from now on, and let go of what
+        served before."""
+        for prepared in serving.preparations():
+            prepared.launcher.return_copies = return_copies
         previous, self._serving = self._serving, serving
         self._prepared = serving.primary
         self._fast = None
@@ -556,10 +553,7 @@ def load(path, model=None, *, return_copies: bool = False, verify: bool = True,
     nm = Nimble(model)
     if model is not None:
         watch_modules()
-    serving = load_serving(path, model, verify=verify, quiet=quiet)
-    for prepared in serving.preparations():
-        prepared.launcher.return_copies = return_copies
-    return nm._adopt(serving)
+    return nm._adopt(load_serving(path, model, verify=verify, quiet=quiet), return_copies)
 
 
 def keep_kernel_binaries() -> None:

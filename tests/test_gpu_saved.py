@@ -52,15 +52,19 @@ def _prepared(name: str, dtype: str, **prepare):
 
 
 def _load_elsewhere(saved, inputs, tmp_path, *extra) -> dict:
+    """The worker's outputs for ``inputs`` (None: three random ones) from a fresh process that
+    loads ``saved``, with its load-to-first-call seconds."""
     import torch
 
-    tensors = tmp_path / "inputs.pt"
     out = tmp_path / "out.pt"
-    torch.save([x.cpu() for x in inputs], tensors)
-    done = subprocess.run([sys.executable, str(WORKER), str(saved), str(tensors), str(out),
-                           *extra], capture_output=True, text=True, timeout=300)
+    given = "-"
+    if inputs is not None:
+        given = str(tmp_path / "inputs.pt")
+        torch.save([x.cpu() for x in inputs], given)
+    done = subprocess.run([sys.executable, str(WORKER), str(saved), given, str(out), *extra],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    print(done.stdout.strip().splitlines()[-1])
+    print(f"load {Path(saved).name}: {done.stdout.strip().splitlines()[-1]}")
     return torch.load(out)
 
 
@@ -196,19 +200,8 @@ def test_a_zoo_model_saved_by_the_command_loads_and_proves_in_a_fresh_process(na
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     print(f"save {name} {dtype}: {done.stdout.strip()}")
-    out = _load_elsewhere_random(saved, tmp_path)
+    out = _load_elsewhere(saved, None, tmp_path)
     assert out["seconds"] > 0
-
-
-def _load_elsewhere_random(saved, tmp_path) -> dict:
-    import torch
-
-    out = tmp_path / "out.pt"
-    done = subprocess.run([sys.executable, str(WORKER), str(saved), "-", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    print(f"load {saved.name}: {done.stdout.strip().splitlines()[-1]}")
-    return torch.load(out)
 
 
 def test_a_graph_of_inductors_kernels_embeds_its_triton_cubins(tmp_path):

@@ -71,38 +71,6 @@ void nimble_sha256(const uint8_t *data, size_t n, uint8_t out[32]) {
 #define CHUNK ((size_t)8 << 20)
 #define MAX_THREADS 8
 
-typedef struct { const uint8_t *data; size_t n, first, step, count; uint8_t *digests; } job_t;
-
-static void *hash_chunks(void *arg) {
-    job_t *job = arg;
-    for (size_t i = job->first; i < job->count; i += job->step) {
-        size_t at = i * CHUNK, len = job->n - at < CHUNK ? job->n - at : CHUNK;
-        nimble_sha256(job->data + at, len, job->digests + 32 * i);
-    }
-    return NULL;
-}
-
-void nimble_checksum(const uint8_t *data, size_t n, uint8_t out[32]) {
-    size_t count = (n + CHUNK - 1) / CHUNK;
-    uint8_t *digests = malloc(32 * count + 1);
-    if (!digests) { memset(out, 0, 32); return; }
-    size_t threads = count < MAX_THREADS ? count : MAX_THREADS;
-    pthread_t ids[MAX_THREADS];
-    job_t jobs[MAX_THREADS];
-    size_t started = 0;
-    for (size_t t = 0; t < threads; t++) {
-        jobs[t] = (job_t){data, n, t, threads, count, digests};
-        if (t > 0 && pthread_create(&ids[t], NULL, hash_chunks, &jobs[t]) == 0) started |= 1u << t;
-    }
-    /* this thread hashes its own share, and any share a thread could not be started for */
-    for (size_t t = 0; t < threads; t++)
-        if (t == 0 || !(started & (1u << t))) hash_chunks(&jobs[t]);
-    for (size_t t = 1; t < threads; t++)
-        if (started & (1u << t)) pthread_join(ids[t], NULL);
-    nimble_sha256(digests, 32 * count, out);
-    free(digests);
-}
-
 typedef struct {
     const uint8_t *const *data; const size_t *n; uint8_t (*out)[32]; size_t first, step, count;
 } many_t;
@@ -128,4 +96,24 @@ void nimble_sha256_many(const uint8_t *const *data, const size_t *n, uint8_t (*o
         if (t == 0 || !(started & (1u << t))) hash_many(&jobs[t]);
     for (size_t t = 1; t < threads; t++)
         if (started & (1u << t)) pthread_join(ids[t], NULL);
+}
+
+void nimble_checksum(const uint8_t *data, size_t n, uint8_t out[32]) {
+    size_t count = (n + CHUNK - 1) / CHUNK;
+    const uint8_t **chunks = malloc(sizeof *chunks * (count + 1));
+    size_t *sizes = malloc(sizeof *sizes * (count + 1));
+    uint8_t (*digests)[32] = malloc(sizeof *digests * (count + 1));
+    if (!chunks || !sizes || !digests) {
+        memset(out, 0, 32);
+    } else {
+        for (size_t i = 0; i < count; i++) {
+            chunks[i] = data + i * CHUNK;
+            sizes[i] = n - i * CHUNK < CHUNK ? n - i * CHUNK : CHUNK;
+        }
+        nimble_sha256_many(chunks, sizes, digests, count);
+        nimble_sha256((const uint8_t *)digests, 32 * count, out);
+    }
+    free(chunks);
+    free(sizes);
+    free(digests);
 }
