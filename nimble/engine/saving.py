@@ -35,6 +35,7 @@ from .._version import __version__
 from ..analysis.deps import communicates
 from ..errors import SaveError
 from ..ir.saved_format import C_PLAN, BlobWriter, SavedFile
+from ..ir.saved_manifest import FORMAT_NAME
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
 from ..progress import say
 from .arena_layout import shared_state, written_externals
@@ -44,7 +45,6 @@ from .kernel_binaries import BinaryTable, KernelFinder, LiveKernel
 from .launcher import run_phases
 from .prepared import Prepared
 
-SAVED_FORMAT = "nimble.saved-graph"
 #: Seed of the reference inputs a saved graph is checked against at load.
 REFERENCE_SEED = 0x5A7ED
 
@@ -343,7 +343,7 @@ def save_serving(serving, path, *, weights: bool = True, quiet: bool = True) -> 
     say(f"finding the binaries of {len(kernels.kernels)} kernels", quiet)
     found = KernelFinder(arch, table).locate(kernels.kernels)
     manifest = {
-        "format": SAVED_FORMAT, "nimble": __version__, "torch": torch.__version__,
+        "format": FORMAT_NAME, "nimble": __version__, "torch": torch.__version__,
         "arch": arch, "device": torch.cuda.get_device_name(device),
         "driver": driver.driver_version(), "pad": serving.pad,
         "instances": serving.instances, "weights_included": weights,
