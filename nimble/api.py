@@ -176,7 +176,9 @@ class Nimble:
         count are saved.  Raises :class:`~nimble.errors.SaveError` for a graph that cannot be
         written down (NCCL collectives, random numbers, a kernel whose binary is on no disk in a
         process that did not call :func:`nimble.keep_kernel_binaries` first) before anything is
-        written; returns the file's path.
+        written; returns the file's path.  Saving launches the graph of every bucket on
+        instance 0 to record the reference outputs a load is proven against: call it while no
+        other thread calls the model.
         """
         from .engine.saving import save_serving
 
