@@ -242,3 +242,35 @@ def test_a_training_steps_checks_put_back_every_weight_it_points_to():
     assert "bn1.num_batches_tracked" in recorded and "bn1.running_mean" not in recorded
     assert all(graph.buffers[b].kind == BufferKind.PARAM
                for b in written_weights(graph, training=True))
+
+
+def test_every_binary_a_load_reads_is_held_to_its_hash(tmp_path, monkeypatch):
+    """The binaries are read and hashed on several threads before any reaches the driver: one
+    whose bytes changed is refused with what to do, and no library is loaded."""
+    import hashlib
+
+    from nimble.engine import kernel_binaries as kb
+
+    blobs = BlobWriter()
+    good, bad = blobs.add(b"cubin one"), blobs.add(b"cubin two")
+    saved = SavedFile({}, blobs.getvalue())
+    library = tmp_path / "libfake.so"
+    library.write_bytes(b"head" + b"container" + b"tail")
+    rows = [{"kind": "embedded", "blob": good.as_json(),
+             "sha256": hashlib.sha256(b"cubin one").hexdigest()},
+            {"kind": "embedded", "blob": bad.as_json(), "sha256": hashlib.sha256(b"x").hexdigest()},
+            {"kind": "library", "path": str(library), "name": library.name, "file_size": 17,
+             "offset": 4, "size": 9, "sha256": hashlib.sha256(b"container").hexdigest()}]
+    assert kb.binary_bytes(rows[0], saved) == b"cubin one"
+    assert kb.binary_bytes(rows[2], saved) == b"container"
+    loaded = []
+    monkeypatch.setattr(kb.driver.Library, "load_data",
+                        classmethod(lambda cls, image, detail="": loaded.append(1)))
+    with pytest.raises(LoadError, match="another version of the library"):
+        kb.load_kernels([{"name": "a", "binary": 0}, {"name": "b", "binary": 1}], rows, saved)
+    with pytest.raises(LoadError, match="names binary 7"):
+        kb.load_kernels([{"name": "a", "binary": 7}], rows, saved)
+    assert loaded == []
+    moved = dict(rows[2], path=str(tmp_path / "gone.so"))
+    with pytest.raises(LoadError, match="not at .*gone.so"):
+        kb.binary_bytes(moved, saved)

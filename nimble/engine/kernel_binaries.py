@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -268,21 +269,28 @@ class LoadedKernels:
 def load_kernels(kernel_rows: Sequence[dict], binary_rows: Sequence[dict], saved
                  ) -> LoadedKernels:
     """Each kernel's ``CUfunction`` loaded from its binary and checked (see the module
-    docstring); LoadError for a binary or kernel that does not hold."""
+    docstring); LoadError for a binary or kernel that does not hold.  The binaries the kernels
+    use are read and hashed on several threads (file reads and hashlib release the GIL); the
+    driver calls stay on this one."""
+    used: list[int] = []
+    for row in kernel_rows:
+        b = int(row["binary"])
+        if not 0 <= b < len(binary_rows):
+            raise LoadError(f"kernel {row.get('name')!r} names binary {b}, which the file does "
+                            "not have: the file is damaged")
+        if b not in used:
+            used.append(b)
+    with ThreadPoolExecutor(max_workers=min(8, len(used) or 1)) as pool:
+        images = dict(zip(used, pool.map(lambda b: binary_bytes(binary_rows[b], saved), used)))
     loaded = LoadedKernels([], [])
     libraries: dict[int, Any] = {}
     try:
+        for b in used:
+            libraries[b] = driver.Library.load_data(
+                images.pop(b), detail=str(binary_rows[b].get("name", "")))
+            loaded.libraries.append(libraries[b])
         for row in kernel_rows:
-            b = int(row["binary"])
-            if not 0 <= b < len(binary_rows):
-                raise LoadError(f"kernel {row.get('name')!r} names binary {b}, which the file "
-                                "does not have: the file is damaged")
-            if b not in libraries:
-                library = driver.Library.load_data(binary_bytes(binary_rows[b], saved),
-                                                   detail=str(binary_rows[b].get("name", "")))
-                loaded.libraries.append(library)
-                libraries[b] = library
-            loaded.functions.append(_checked_function(libraries[b], row))
+            loaded.functions.append(_checked_function(libraries[int(row["binary"])], row))
     except BaseException:
         loaded.close()
         raise
