@@ -274,3 +274,45 @@ def test_every_binary_a_load_reads_is_held_to_its_hash(tmp_path, monkeypatch):
     moved = dict(rows[2], path=str(tmp_path / "gone.so"))
     with pytest.raises(LoadError, match="not at .*gone.so"):
         kb.binary_bytes(moved, saved)
+
+
+def test_another_gpu_or_an_older_driver_is_refused_with_what_to_do(monkeypatch):
+    from nimble.engine import loading
+
+    monkeypatch.setattr(loading.driver, "device_architecture", lambda device: 90)
+    monkeypatch.setattr(loading.driver, "driver_version", lambda: 13000)
+    loading._check_machine({"arch": 90, "driver": 13000}, 0)
+    with pytest.raises(LoadError, match="compute capability 100 .*this GPU is 90"):
+        loading._check_machine({"arch": 100, "device": "B200", "driver": 13000}, 0)
+    with pytest.raises(LoadError, match="driver 13010; this machine's driver is 13000, older"):
+        loading._check_machine({"arch": 90, "driver": 13010}, 0)
+
+
+def test_a_models_weights_must_be_those_the_graph_was_saved_for():
+    import torch
+
+    from nimble.engine.loading import _model_storage
+
+    model = torch.nn.Linear(4, 3)
+    current = dict(model.named_parameters())
+    cpu = torch.device("cpu")
+    row = {"names": [{"name": "weight", "offset": 0, "shape": [3, 4], "strides": [4, 1],
+                      "dtype": "float32"}]}
+    assert _model_storage(row, current, cpu) == model.weight.data_ptr()
+    for name, change, message in (
+            ("renamed", {"name": "w"}, "has no 'w'"),
+            ("dtype", {"dtype": "float16"}, "saved for float16"),
+            ("shape", {"shape": [4, 3], "strides": [3, 1]}, r"saved for float32 \[4, 3\]"),
+            ("offset", {"offset": 64}, None)):
+        bad = {"names": [dict(row["names"][0], **change)]}
+        if message is None:  # a tensor at another offset of its storage: another address
+            assert _model_storage(bad, current, cpu) == model.weight.data_ptr() - 64
+            continue
+        with pytest.raises(LoadError, match=message):
+            _model_storage(bad, current, cpu)
+    two = {"names": [row["names"][0], {"name": "bias", "offset": 0, "shape": [3],
+                                       "strides": [1], "dtype": "float32"}]}
+    with pytest.raises(LoadError, match="no longer shares its memory"):
+        _model_storage(two, current, cpu)
+    with pytest.raises(LoadError, match="is on cpu; the graph runs on cuda"):
+        _model_storage(row, current, torch.device("cuda", 0))
