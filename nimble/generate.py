@@ -421,6 +421,63 @@ class Generator:
         kept = filled if finished is None else _kept(tokens[:filled], eos_token_id)
         return torch.cat([input_ids, tokens[:kept].t()], dim=1)
 
+    def save(self, path, *, weights: bool = True, quiet: bool = True):
+        """Write every batch size's prefill and decode graphs to one file at ``path`` (their
+        kernels, the model's weights and the static caches' bytes shared), with the limits,
+        for :meth:`load` in another process; returns the path.  The steps must be Nimble's
+        (:func:`prepare_with_nimble`, the default); ``weights=False`` is refused, since a load
+        reads the file's weights."""
+        from .engine.saving import save_graphs
+        from .errors import SaveError
+
+        if not weights:
+            raise SaveError("a Generator's file carries its weights: Generator.load reads them "
+                            "from it (save with weights=True)")
+        graphs, steps = [], {}
+        for batch, batch_steps in sorted(self._steps.items()):
+            for role, step in (("prefill", batch_steps.prefill), ("decode", batch_steps.decode)):
+                serving = getattr(step, "_serving", None)
+                if serving is None:
+                    raise SaveError(f"the {role} step of batch {batch} is no prepared Nimble "
+                                    "graph (prepare_step=run_eagerly?): nothing to save")
+                graphs.append((f"{role}/{batch}", serving))
+            steps[str(batch)] = {"prefill": f"prefill/{batch}", "decode": f"decode/{batch}"}
+        extra = {"generator": {"max_cache_len": self.limits.max_cache_len,
+                               "prompt_buckets": list(self.limits.prompt_buckets),
+                               "batch_sizes": list(self.limits.batch_sizes),
+                               "pad_id": self.pad_id, "steps": steps}}
+        return save_graphs(graphs, path, weights=True, quiet=quiet, extra=extra)
+
+    @classmethod
+    def load(cls, path, *, verify: bool = True, quiet: bool = True) -> "Generator":
+        """A Generator serving the graphs :meth:`save` wrote at ``path``, built in this process
+        and proven against the outputs saved with them (:func:`nimble.load`'s proof), with no
+        model, recording or preparing: ``generate`` runs as on the Generator saved.  Each batch
+        size's static cache lives in memory of its own, starting as it was saved; ``caches``
+        holds None (no transformers cache object backs it)."""
+        from .api import Nimble
+        from .engine.loading import load_graphs
+        from .errors import LoadError
+
+        manifest, graphs = load_graphs(path, verify=verify, quiet=quiet)
+        spec = manifest.get("generator")
+        if spec is None:
+            for _, serving in graphs:
+                serving.close()
+            raise LoadError(f"{path} holds no Generator (saved by Nimble.save): load it with "
+                            "nimble.load")
+        named = dict(graphs)
+        generator = cls.__new__(cls)
+        generator.limits = Limits.checked(spec["max_cache_len"], spec["prompt_buckets"],
+                                          spec["batch_sizes"])
+        generator.model, generator.pad_id, generator._steps = None, spec["pad_id"], {}
+        for batch in generator.limits.batch_sizes:
+            pair = spec["steps"][str(batch)]
+            generator._steps[batch] = _BatchSteps(
+                None, Nimble(None)._adopt(named[pair["decode"]], False),
+                Nimble(None)._adopt(named[pair["prefill"]], False))
+        return generator
+
     def close(self) -> None:
         """Free every prepared graph (idempotent)."""
         for steps in self._steps.values():

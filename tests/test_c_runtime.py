@@ -197,3 +197,19 @@ def test_the_c_reader_refuses_a_graph_it_cannot_run_with_the_reason(plan_check, 
     path, _ = _saved_with_plan(tmp_path, low_word_buffers=[0])
     rc, out = _run(plan_check, path)
     assert rc == 7 and "low 32 address bits" in out
+
+
+def test_the_c_reader_refuses_a_file_of_several_graphs(plan_check, tmp_path):
+    from test_c_plan import _stand_in
+
+    from nimble.engine.c_plan import c_plan
+    from nimble.ir.saved_format import SavedFile
+
+    _, _, manifest, *_ = _stand_in("googlenet")
+    why = "several graphs in one file (a Generator): load it from Python"
+    data, said = c_plan(manifest, [], [], 0, unsupported=why)
+    assert said == why
+    path = SavedFile({"format": "x"}, b"\0" * 64, extra={"c_plan": data}).write(
+        tmp_path / "g.nimble")
+    rc, out = _run(plan_check, path)
+    assert rc == 7 and "several graphs" in out

@@ -255,3 +255,23 @@ def test_a_training_step_saved_and_loaded_fills_the_same_gradients(tmp_path):
     want, got = grads(nm), grads(loaded)
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2 * float(w.abs().max()) + 1e-6)
+
+
+def test_a_generator_saved_in_one_process_decodes_the_same_tokens_in_another(tmp_path):
+    """A Generator's prefill and decode graphs in one file, their static cache one memory
+    range they share: loaded elsewhere, it decodes the tokens the saving process decoded."""
+    import torch
+
+    pytest.importorskip("transformers")
+    worker = Path(__file__).parent / "workers" / "generator_worker.py"
+    torch.manual_seed(0)
+    torch.save(torch.randint(0, 100, (1, 20)), tmp_path / "ids.pt")
+    outs = {}
+    for mode in ("save", "load"):
+        outs[mode] = tmp_path / f"{mode}.pt"
+        done = subprocess.run([sys.executable, str(worker), mode, str(tmp_path / "g.nimble"),
+                               str(tmp_path / "ids.pt"), str(outs[mode])],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        print(done.stdout.strip().splitlines()[-1])
+    assert torch.equal(torch.load(outs["load"]), torch.load(outs["save"]))

@@ -316,3 +316,18 @@ def test_a_models_weights_must_be_those_the_graph_was_saved_for():
         _model_storage(two, current, cpu)
     with pytest.raises(LoadError, match="is on cpu; the graph runs on cuda"):
         _model_storage(row, current, torch.device("cuda", 0))
+
+
+def test_a_generator_without_graphs_or_weights_is_not_saved(tmp_path):
+    from nimble.errors import SaveError
+    from nimble.generate import Generator, Limits, _BatchSteps
+
+    generator = Generator.__new__(Generator)
+    generator.limits = Limits.checked(64, [16], [1])
+    generator.pad_id = 0
+    generator._steps = {1: _BatchSteps(None, lambda *a: a, lambda *a: a)}
+    with pytest.raises(SaveError, match="prefill step of batch 1 is no prepared Nimble"):
+        generator.save(tmp_path / "g.nimble")
+    with pytest.raises(SaveError, match="carries its weights"):
+        generator.save(tmp_path / "g.nimble", weights=False)
+    assert list(tmp_path.iterdir()) == []

@@ -79,3 +79,49 @@ def test_the_check_knows_what_the_driver_writes():
     from nimble.driver import stored
 
     assert MEMSET_FIELDS == stored._MEMSET_FIELDS and MEMCPY_FIELDS == stored._MEMCPY_FIELDS
+
+
+# ---- several graphs in one file (a Generator's) --------------------------------------------
+
+def _two_graphs(**generator) -> SavedFile:
+    saved = _small()
+    m = saved.manifest
+    m["buckets"] = [m["buckets"][0], m["buckets"][0]]
+    m["graphs"] = [{"name": "prefill/1", "buckets": [0], "instances": 1, "pad": False},
+                   {"name": "decode/1", "buckets": [1], "instances": 1, "pad": False}]
+    m["generator"] = {"max_cache_len": 64, "prompt_buckets": [16], "batch_sizes": [1],
+                      "pad_id": 0, "steps": {"1": {"prefill": "prefill/1",
+                                                   "decode": "decode/1"}}, **generator}
+    return saved
+
+
+def test_a_file_of_several_graphs_is_checked_and_refused_by_nimble_load(tmp_path, no_gpu_work):
+    saved = _two_graphs()
+    check_manifest(saved.manifest, len(saved.blobs))
+    path = saved.write(tmp_path / "g.nimble")
+    with pytest.raises(LoadError, match="holds 2 graphs .*Generator.load"):
+        nimble.load(path)
+
+
+def test_a_generators_file_passes_its_checks_before_the_gpu(tmp_path, monkeypatch):
+    from nimble.generate import Generator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = _two_graphs().write(tmp_path / "g.nimble")
+    with pytest.raises(NoGpuError):
+        Generator.load(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m["graphs"][1].update(buckets=[0]), r"hold buckets \[0, 0\]"),
+    (lambda m: m["graphs"][1].update(name="prefill/1"), "name a graph twice"),
+    (lambda m: m["graphs"][0].update(buckets=[2]), "graphs\\[0\\].buckets\\[0\\]"),
+    (lambda m: m["generator"]["steps"]["1"].update(decode="decode/8"), "names no graph"),
+    (lambda m: m["generator"].update(batch_sizes=[1, 2]), "steps has no '2'"),
+    (lambda m: m["generator"].update(max_cache_len=0), "max_cache_len"),
+])
+def test_a_damaged_graph_list_or_generator_is_refused(change, message):
+    saved = _two_graphs()
+    change(saved.manifest)
+    with pytest.raises(LoadError, match=message):
+        check_manifest(saved.manifest, len(saved.blobs))

@@ -221,9 +221,9 @@ def _write_reference(w: PlanWriter, reference: dict, prepared, regions: Regions)
 
 
 def c_plan(manifest: dict, preparations: Sequence, states: Sequence[StateLayout],
-           arena_size: int) -> tuple[bytes, str]:
+           arena_size: int, unsupported: str = "") -> tuple[bytes, str]:
     """The C plan of a saved file (see the module docstring) and, where the C runtime cannot
-    run it, why ("" where it can)."""
+    run it, why ("" where it can; ``unsupported`` says so from the start)."""
     w = PlanWriter()
     w.u(MAGIC, VERSION, manifest["arch"], manifest["driver"])
     w.u(arena_size, ALIGNMENT, manifest["instances"], len(preparations))
@@ -245,7 +245,6 @@ def c_plan(manifest: dict, preparations: Sequence, states: Sequence[StateLayout]
         for r in rows:
             w.u(r["size"])
             w.blob(r.get("blob"))
-    unsupported = ""
     for prepared, state, row in zip(preparations, states, manifest["buckets"]):
         if prepared.step is not None:
             unsupported = unsupported or "a training step"

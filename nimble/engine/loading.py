@@ -31,7 +31,7 @@ import gzip
 import json
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import driver
@@ -41,7 +41,7 @@ from ..analysis.schedule import Schedule
 from ..errors import LoadError, NoGpuError
 from ..ir.saved_format import SavedFile
 from ..ir.saved_graph_check import check_bucket_graph
-from ..ir.saved_manifest import check_manifest
+from ..ir.saved_manifest import check_manifest, graph_rows
 from ..ir.taskgraph import TaskGraph, TaskKind
 from ..progress import say
 from .arena_layout import shared_layout, shared_state
@@ -332,15 +332,65 @@ def _read(path) -> tuple[SavedFile, list[tuple[TaskGraph, Any]]]:
     return saved, [_decoded(saved, k) for k in range(len(saved.manifest["buckets"]))]
 
 
+@dataclass
+class _Graph:
+    """One serving of a file (every bucket, or one of a Generator's steps) as it is built."""
+
+    name: str
+    buckets: list[_Bucket]
+    instances: int
+    pad: bool
+    layout: Any = None
+    arenas: list = field(default_factory=list)
+    orders: list = field(default_factory=list)
+    built: list = field(default_factory=list)  # per instance, per bucket
+
+    def build(self, model) -> None:
+        """Each instance's arena, and every bucket built in it."""
+        self.layout = shared_layout([b.rec.graph for b in self.buckets],
+                                    [b.memplan for b in self.buckets])
+        for j in range(max(self.instances, 1)):
+            self.arenas.append(driver.DeviceMemory.allocate(self.layout.size))
+            self.orders.append(CallOrder())
+            self.built.append([_build(model, b, ArenaRegion(self.arenas[j], state,
+                                                            self.orders[j]))
+                               for b, state in zip(self.buckets, self.layout.states)])
+
+    def serving(self, seconds: dict, total: float) -> Serving:
+        report = PrepareReport(buckets=[
+            BucketCost(tuple(tuple(r.shape) for r in b.rec.graph.inputs), dict(seconds))
+            for b in self.buckets], total=total)
+        for prepared in self.built[0]:
+            prepared.seconds = dict(seconds)
+        return Serving([Bucket(tuple(tuple(r.shape) for r in b.rec.graph.inputs),
+                               [row[k] for row in self.built])
+                        for k, b in enumerate(self.buckets)],
+                       self.arenas, self.layout, self.pad, report)
+
+
 def load_serving(path, model=None, *, verify: bool = True, quiet: bool = True) -> Serving:
     """Every bucket and instance of the saved graph at ``path``, built here and proven (see the
-    module docstring)."""
+    module docstring).  A file of several graphs (a Generator's) is refused: it loads through
+    :meth:`nimble.generate.Generator.load`."""
+    return load_graphs(path, model, verify=verify, quiet=quiet, single=True)[1][0][1]
+
+
+def load_graphs(path, model=None, *, verify: bool = True, quiet: bool = True,
+                single: bool = False) -> tuple[dict, list[tuple[str, Serving]]]:
+    """The file's checked manifest, and every serving of it (one, or a Generator's steps),
+    each with every bucket and instance built here and proven: ``(name, Serving)`` pairs in
+    the file's order.  With ``single``, a file of several is a LoadError before anything
+    reaches the GPU."""
     import torch
 
     began = time.perf_counter()
     seconds: dict[str, float] = {}
     saved, decoded = _read(path)  # a damaged file stops here, on any machine
     manifest = saved.manifest
+    rows = graph_rows(manifest)
+    if single and len(rows) > 1:
+        raise LoadError(f"{path} holds {len(rows)} graphs ({', '.join(r['name'] for r in rows)}"
+                        "): a Generator's file, which nimble.generate.Generator.load reads")
     if not torch.cuda.is_available():
         raise NoGpuError("loading a saved graph needs an NVIDIA GPU with a driver; none is "
                          "visible to this process")
@@ -349,9 +399,7 @@ def load_serving(path, model=None, *, verify: bool = True, quiet: bool = True) -
     _check_machine(manifest, device.index)
     seconds["read"] = time.perf_counter() - began
     kernels: LoadedKernels | None = None
-    built: list[list[Prepared]] = []
-    arenas: list = []
-    orders: list = []
+    graphs: list[_Graph] = []
     try:
         t0 = time.perf_counter()
         kernels = load_kernels(manifest["kernels"], manifest["binaries"], saved)
@@ -362,35 +410,29 @@ def load_serving(path, model=None, *, verify: bool = True, quiet: bool = True) -
         buckets = [_read_bucket(row, k, saved, graph, spec, kernels.functions, weights,
                                 memory, device, model)
                    for k, (row, (graph, spec)) in enumerate(zip(manifest["buckets"], decoded))]
-        layout = shared_layout([b.rec.graph for b in buckets], [b.memplan for b in buckets])
+        graphs = [_Graph(r["name"], [buckets[i] for i in r["buckets"]], int(r["instances"]),
+                         bool(r["pad"])) for r in rows]
         seconds["weights_and_memory"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for j in range(max(int(manifest.get("instances", 1)), 1)):
-            arenas.append(driver.DeviceMemory.allocate(layout.size))
-            orders.append(CallOrder())
-            built.append([_build(model, b, ArenaRegion(arenas[j], state, orders[j]))
-                          for b, state in zip(buckets, layout.states)])
+        for graph in graphs:
+            graph.build(model)
         seconds["build"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for row in built:
-            for b, prepared in zip(buckets, row):
-                prepared.owned_memory = [kernels, *keep, *kept_memory]
-                if verify:
-                    prove_loaded(prepared, b.reference)
+        for graph in graphs:
+            for row in graph.built:
+                for b, prepared in zip(graph.buckets, row):
+                    prepared.owned_memory = [kernels, *keep, *kept_memory]
+                    if verify:
+                        prove_loaded(prepared, b.reference)
         torch.cuda.synchronize()
         seconds["verify"] = time.perf_counter() - t0
     except BaseException:
-        close_partial(built, arenas, orders)
+        for graph in graphs:
+            close_partial(graph.built, graph.arenas, graph.orders)
         if kernels is not None:
             kernels.close()  # after the execs that ran its kernels
         raise
-    report = PrepareReport(buckets=[
-        BucketCost(tuple(tuple(r.shape) for r in b.rec.graph.inputs), dict(seconds))
-        for b in buckets], total=time.perf_counter() - began)
-    for b, prepared in zip(buckets, built[0]):
-        prepared.seconds = dict(seconds)
-    say(f"loaded {path}: {len(buckets)} bucket(s) x {len(arenas)} instance(s) in "
-        f"{report.total:.2f} s", quiet)
-    return Serving([Bucket(tuple(tuple(r.shape) for r in b.rec.graph.inputs),
-                           [row[k] for row in built]) for k, b in enumerate(buckets)],
-                   arenas, layout, bool(manifest.get("pad", False)), report)
+    total = time.perf_counter() - began
+    say(f"loaded {path}: {len(buckets)} bucket(s) of {len(graphs)} graph(s) in {total:.2f} s",
+        quiet)
+    return manifest, [(graph.name, graph.serving(seconds, total)) for graph in graphs]

@@ -321,17 +321,30 @@ def save_serving(serving, path, *, weights: bool = True, quiet: bool = True) -> 
     """Write every bucket of ``serving`` (a :class:`~nimble.engine.serving.Serving`) to
     ``path`` (see the module docstring); ``weights=False`` leaves the named weights out, for a
     load that passes the model.  Returns the path."""
+    return save_graphs([("model", serving)], path, weights=weights, quiet=quiet)
+
+
+def save_graphs(graphs: list, path, *, weights: bool = True, quiet: bool = True,
+                extra: dict | None = None) -> Path:
+    """Write several servings (``(name, Serving)`` pairs: a Generator's prefill and decode
+    steps) to one file, sharing its kernels, weights and external memory (a static cache both
+    steps write is one memory range).  Their buckets follow one another in ``buckets``, and
+    ``graphs`` says which are whose (absent for one serving, whose file is the plain one);
+    ``extra`` goes into the manifest as it is.  The C runtime runs single servings only."""
     import torch
 
     began = time.perf_counter()
-    for bucket in serving.buckets:
-        check_savable(bucket.instances[0])
+    servings = [serving for _, serving in graphs]
+    for serving in servings:
+        for bucket in serving.buckets:
+            check_savable(bucket.instances[0])
     device = torch.cuda.current_device()
     torch.cuda.synchronize()
     blobs = BlobWriter()
     kernels, outside = _Kernels(), _Outside(blobs, weights)
-    say(f"writing down {len(serving.buckets)} bucket(s)", quiet)
-    buckets = [_bucket_row(b.instances[0], kernels, outside, blobs) for b in serving.buckets]
+    preparations = [b.instances[0] for serving in servings for b in serving.buckets]
+    say(f"writing down {len(preparations)} bucket(s)", quiet)
+    buckets = [_bucket_row(p, kernels, outside, blobs) for p in preparations]
     memory, where = outside.memory_rows()
     for row in buckets:
         for source in row["outside"].values():
@@ -345,18 +358,34 @@ def save_serving(serving, path, *, weights: bool = True, quiet: bool = True) -> 
     manifest = {
         "format": FORMAT_NAME, "nimble": __version__, "torch": torch.__version__,
         "arch": arch, "device": torch.cuda.get_device_name(device),
-        "driver": driver.driver_version(), "pad": serving.pad,
-        "instances": serving.instances, "weights_included": weights,
+        "driver": driver.driver_version(), "pad": servings[0].pad,
+        "instances": servings[0].instances, "weights_included": weights,
         "binaries": table.rows,
         "kernels": [{"name": k.name, "binary": b, "fingerprint": k.fingerprint,
                      "layout": k.layout, "attributes": k.attributes}
                     for k, b in zip(kernels.kernels, found)],
-        "weights": outside.storages, "memory": memory, "buckets": buckets,
+        "weights": outside.storages, "memory": memory, "buckets": buckets, **(extra or {}),
     }
-    preparations = [b.instances[0] for b in serving.buckets]
-    plan, why = c_plan(manifest, preparations, serving.layout.states, serving.layout.size)
+    if len(graphs) == 1:
+        plan, why = c_plan(manifest, preparations, servings[0].layout.states,
+                           servings[0].layout.size)
+    else:
+        manifest["graphs"] = _graph_rows(graphs)
+        why = "several graphs in one file (a Generator): load it from Python"
+        plan, _ = c_plan(manifest, [], [], 0, unsupported=why)
     manifest["c_runtime"] = why or "supported"
     out = SavedFile(manifest, blobs.getvalue(), extra={C_PLAN: plan}).write(path)
     say(f"saved {os.path.getsize(out) / 2**20:.1f} MiB to {out} in "
         f"{time.perf_counter() - began:.1f} s", quiet)
     return Path(out)
+
+
+def _graph_rows(graphs: list) -> list[dict]:
+    """Per serving, its name, its buckets' indices in the manifest, its instances and pad."""
+    rows, first = [], 0
+    for name, serving in graphs:
+        count = len(serving.buckets)
+        rows.append({"name": name, "buckets": list(range(first, first + count)),
+                     "instances": serving.instances, "pad": serving.pad})
+        first += count
+    return rows

@@ -393,6 +393,51 @@ def _bucket(manifest: dict, blobs_size: int, weights: list[int], memory: list[in
     return read
 
 
+# ---- several graphs in one file (a Generator's steps) ---------------------------------------
+
+def _graphs(buckets: int) -> Read:
+    """A reader of ``graphs``: each a name, its buckets' indices, instances and pad, every
+    bucket in exactly one graph, every name once."""
+    def graph(value: Any, where: str) -> dict:
+        row = jf.obj(value, where)
+        _only(row, ("name", "buckets", "instances", "pad"), where)
+        jf.member(row, "name", where, jf.text)
+        jf.member(row, "buckets", where, _some(_index(buckets, "bucket")))
+        jf.member(row, "instances", where, _positive, 1)
+        jf.member(row, "pad", where, jf.flag, False)
+        return row
+
+    def graphs(value: Any, where: str) -> list:
+        rows = _some(graph)(value, where)
+        owned = sorted(b for row in rows for b in row["buckets"])
+        if owned != list(range(buckets)):
+            raise _fail(where, f"hold buckets {owned}, not each of the {buckets} once")
+        names = [row["name"] for row in rows]
+        if len(set(names)) != len(names):
+            raise _fail(where, "name a graph twice")
+        return rows
+    return graphs
+
+
+def _generator(names: set[str]) -> Read:
+    """A reader of ``generator``: a Generator's limits, and per batch size its two graphs."""
+    def read(value: Any, where: str) -> dict:
+        row = jf.obj(value, where)
+        jf.member(row, "max_cache_len", where, _positive)
+        jf.member(row, "prompt_buckets", where, _some(_positive))
+        batches = jf.member(row, "batch_sizes", where, _some(_positive))
+        jf.member(row, "pad_id", where, jf.integer, 0)
+        steps = jf.member(row, "steps", where, jf.obj)
+        for batch in batches:
+            pair = jf.member(steps, str(batch), f"{where}.steps", jf.obj)
+            for role in ("prefill", "decode"):
+                name = jf.member(pair, role, f"{where}.steps.{batch}", jf.text)
+                if name not in names:
+                    raise _fail(f"{where}.steps.{batch}.{role}", f"names no graph ({name!r})")
+        return row
+    return read
+
+
 # ---- the whole manifest --------------------------------------------------------------------
 
 def _check(m: dict, blobs_size: int, path: str) -> None:
@@ -414,7 +459,17 @@ def _check(m: dict, blobs_size: int, path: str) -> None:
     jf.member(m, "kernels", "", _list(_kernel(len(binaries))))
     weights = jf.member(m, "weights", "", _list(_weight(blobs_size, included)), [])
     memory = jf.member(m, "memory", "", _list(_memory(blobs_size)), [])
-    jf.member(m, "buckets", "", _some(_bucket(m, blobs_size, weights, memory)))
+    buckets = jf.member(m, "buckets", "", _some(_bucket(m, blobs_size, weights, memory)))
+    graphs = jf.member(m, "graphs", "", jf.optional(_graphs(len(buckets))), None)
+    names = {g["name"] for g in graphs} if graphs else set()
+    jf.member(m, "generator", "", jf.optional(_generator(names)), None)
+
+
+def graph_rows(manifest: dict) -> list[dict]:
+    """The servings of a checked manifest: its ``graphs``, or one of every bucket."""
+    return manifest.get("graphs") or [
+        {"name": "model", "buckets": list(range(len(manifest["buckets"]))),
+         "instances": manifest.get("instances", 1), "pad": manifest.get("pad", False)}]
 
 
 def check_manifest(manifest: Any, blobs_size: int, path: str = "the file") -> None:

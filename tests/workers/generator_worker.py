@@ -1,0 +1,48 @@
+"""A Generator saved in one process and loaded in another: what a decoding server's workers do.
+
+``python generator_worker.py save FILE IDS OUT``: keeps the kernel binaries, builds a Generator
+on the tiny GPT-2 (float16, prompt bucket 32, cache 96, batch 1), writes the greedy tokens of
+the prompt in ``IDS`` (a ``torch.save``d tensor) to ``OUT`` and saves the Generator to ``FILE``.
+``python generator_worker.py load FILE IDS OUT``: ``Generator.load(FILE)``, the same tokens to
+``OUT``, and the load's seconds on stdout.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+NEW_TOKENS = 16
+
+
+def main() -> None:
+    mode, path, ids_path, out = sys.argv[1:5]
+    if mode == "save":
+        import nimble
+
+        nimble.keep_kernel_binaries()
+    import torch
+
+    from nimble.generate import Generator
+
+    ids = torch.load(ids_path).cuda()
+    if mode == "save":
+        from nimble.cli.decoders import causal_lm
+
+        generator = Generator(causal_lm("gpt2_tiny", "float16"), max_cache_len=96,
+                              prompt_buckets=[32], batch_sizes=[1])
+        tokens = generator.generate(ids, NEW_TOKENS)
+        generator.save(path)
+        seconds = 0.0
+    else:
+        torch.zeros(1, device="cuda")
+        began = time.perf_counter()
+        generator = Generator.load(path)
+        seconds = time.perf_counter() - began
+        tokens = generator.generate(ids, NEW_TOKENS)
+    torch.save(tokens.cpu(), out)
+    print(json.dumps({"mode": mode, "load_s": round(seconds, 4)}))
+
+
+if __name__ == "__main__":
+    main()
