@@ -125,3 +125,13 @@ def test_a_damaged_graph_list_or_generator_is_refused(change, message):
     change(saved.manifest)
     with pytest.raises(LoadError, match=message):
         check_manifest(saved.manifest, len(saved.blobs))
+
+
+def test_inspect_names_a_generators_graphs(tmp_path, capsys):
+    from nimble.cli.main import main
+
+    path = _two_graphs().write(tmp_path / "g.nimble")
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "a Generator: batch sizes [1], prompt buckets [16], cache length 64" in out
+    assert "graph prefill/1: buckets [0]" in out and "graph decode/1: buckets [1]" in out

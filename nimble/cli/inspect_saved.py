@@ -107,6 +107,8 @@ def saved_summary(path: str) -> dict:
         "weight_bytes": sum(w["size"] for w in weights),
         "memory_bytes": sum(r["size"] for r in m.get("memory", [])),
         "c_runtime": c_runtime if isinstance(c_runtime, str) else None,
+        "graphs": [{"name": g["name"], "buckets": g["buckets"]} for g in m.get("graphs") or []],
+        "generator": m.get("generator"),
     }
 
 
@@ -122,6 +124,13 @@ def format_saved(path: str, s: dict) -> str:
              f"  saved by nimble {s['nimble'] or '?'}, torch {s['torch'] or '?'} on "
              f"{s['device'] or 'a GPU'} (sm_{s['arch']}), CUDA driver {driver}",
              f"  instances: {s['instances']}, pad: {'yes' if s['pad'] else 'no'}"]
+    if s["generator"]:
+        g = s["generator"]
+        lines.append(f"  a Generator: batch sizes {g['batch_sizes']}, prompt buckets "
+                     f"{g['prompt_buckets']}, cache length {g['max_cache_len']} "
+                     "(nimble.generate.Generator.load reads it)")
+    for g in s["graphs"]:
+        lines.append(f"  graph {g['name']}: buckets {g['buckets']}")
     for k, b in enumerate(s["buckets"]):
         kind = " (a training step)" if b["training_step"] else ""
         lines += [f"  bucket {k}{kind}: inputs {_shapes(b['inputs'])} -> outputs "
