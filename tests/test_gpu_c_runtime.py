@@ -133,3 +133,31 @@ def _python_host_us(saved: Path, calls: int) -> float:
         times.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     return round(statistics.median(times), 2)
+
+
+def test_a_generators_decode_step_runs_from_c_as_from_python(run_saved, tmp_path):
+    """A Generator's decode step saved alone (its static cache the file's external memory)
+    runs from C: for a few steps at successive positions, the next token and the logits equal
+    those of the same file loaded by Python, fed the same inputs from the same cache."""
+    import torch
+
+    import nimble
+
+    pytest.importorskip("transformers")
+    worker = Path(__file__).parent / "workers" / "generator_worker.py"
+    torch.save(torch.randint(0, 100, (1, 20)), tmp_path / "ids.pt")
+    saved = tmp_path / "decode.nimble"
+    done = subprocess.run([sys.executable, str(worker), "save-decode", str(saved),
+                           str(tmp_path / "ids.pt"), str(tmp_path / "tokens.pt")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    steps = [(torch.tensor([[t]], device="cuda"), torch.tensor([p], device="cuda"))
+             for t, p in ((5, 20), (17, 21), (3, 22))]
+    (tmp_path / "in.raw").write_bytes(b"".join(_raw(ids) + _raw(pos) for ids, pos in steps))
+    done = subprocess.run([str(run_saved), str(saved), str(tmp_path / "in.raw"),
+                           str(tmp_path / "out.raw")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    step = nimble.load(saved)
+    want = b"".join(_raw(t) + _raw(logits) for t, logits in (step(*s) for s in steps))
+    assert (tmp_path / "out.raw").read_bytes() == want

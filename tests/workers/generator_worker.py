@@ -5,6 +5,8 @@ on the tiny GPT-2 (float16, prompt bucket 32, cache 96, batch 1), writes the gre
 the prompt in ``IDS`` (a ``torch.save``d tensor) to ``OUT`` and saves the Generator to ``FILE``.
 ``python generator_worker.py load FILE IDS OUT``: ``Generator.load(FILE)``, the same tokens to
 ``OUT``, and the load's seconds on stdout.
+``python generator_worker.py save-decode FILE IDS OUT``: as ``save``, but saves the decode step
+of batch 1 alone (one graph, its static cache as the file's external memory), for the C runtime.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ NEW_TOKENS = 16
 
 def main() -> None:
     mode, path, ids_path, out = sys.argv[1:5]
-    if mode == "save":
+    if mode.startswith("save"):
         import nimble
 
         nimble.keep_kernel_binaries()
@@ -26,13 +28,16 @@ def main() -> None:
     from nimble.generate import Generator
 
     ids = torch.load(ids_path).cuda()
-    if mode == "save":
+    if mode.startswith("save"):
         from nimble.cli.decoders import causal_lm
 
         generator = Generator(causal_lm("gpt2_tiny", "float16"), max_cache_len=96,
                               prompt_buckets=[32], batch_sizes=[1])
         tokens = generator.generate(ids, NEW_TOKENS)
-        generator.save(path)
+        if mode == "save":
+            generator.save(path)
+        else:
+            generator.steps(1)[0].save(path)
         seconds = 0.0
     else:
         torch.zeros(1, device="cuda")
