@@ -275,3 +275,22 @@ def test_a_generator_saved_in_one_process_decodes_the_same_tokens_in_another(tmp
         assert done.returncode == 0, done.stderr[-4000:]
         print(done.stdout.strip().splitlines()[-1])
     assert torch.equal(torch.load(outs["load"]), torch.load(outs["save"]))
+
+
+def test_a_loaded_graph_keeps_its_outputs_after_a_profiler_run(tmp_path):
+    """A torch.profiler run in the process of a loaded graph: the graph is rebuilt for host
+    launch from its own nodes, as a prepared one is, and gives the same outputs bit for bit."""
+    import torch
+
+    import nimble
+
+    model, x, nm = _prepared("convnet", "float16")
+    loaded = nimble.load(nm.save(tmp_path / "m.nimble"), return_copies=True)
+    fresh = torch.randn_like(x)
+    before = loaded(fresh)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+        model(fresh)
+    with pytest.warns(RuntimeWarning):
+        after = loaded(fresh)
+    assert loaded.launch_mode == "host"
+    _bitwise(after, before)
