@@ -534,16 +534,18 @@ class Nimble:
 
 
 
-def load(path, model=None, *, return_copies: bool = False, verify: bool = True,
-         quiet: bool = True) -> Nimble:
+def load(path, model=None, *, instances: int | None = None, return_copies: bool = False,
+         verify: bool = True, quiet: bool = True) -> Nimble:
     """A :class:`Nimble` serving the graph saved at ``path`` by :meth:`Nimble.save`, built in
     this process without recording anything, and proven bit for bit against the outputs saved
     with it (:mod:`nimble.engine.loading`).
 
     With ``model`` (the module the graph was saved from, on the GPU), the graph reads that
     module's weights by name and follows them when they move, as a prepared graph does;
-    without, the weights come from the file.  A saved file is code: its kernels run with its
-    arguments.  Load only files you trust, as with ``torch.load``.
+    without, the weights come from the file.  ``instances`` builds that many copies of every
+    bucket's graph (each proven) instead of the count saved, for a server that runs more or
+    fewer callers at once than the saving process did.  A saved file is code: its kernels run
+    with its arguments.  Load only files you trust, as with ``torch.load``.
 
     Raises :class:`~nimble.errors.LoadError` for a file that cannot be loaded here (damaged,
     truncated, another format version, GPU architecture or driver, a library or kernel not
@@ -555,7 +557,8 @@ def load(path, model=None, *, return_copies: bool = False, verify: bool = True,
     nm = Nimble(model)
     if model is not None:
         watch_modules()
-    return nm._adopt(load_serving(path, model, verify=verify, quiet=quiet), return_copies)
+    return nm._adopt(load_serving(path, model, instances=instances, verify=verify, quiet=quiet),
+                     return_copies)
 
 
 def keep_kernel_binaries() -> None:

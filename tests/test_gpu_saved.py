@@ -120,6 +120,9 @@ def test_buckets_and_instances_load_and_serve_from_threads(tmp_path):
     saved = nm.save(tmp_path / "served.nimble")
     loaded = nimble.load(saved, model=model, return_copies=True)
     assert loaded.instances == 2 and len(loaded.buckets) == 2
+    more = nimble.load(saved, model=model, instances=3)
+    assert more.instances == 3 and len(more.device_bytes.instance_bytes) == 3
+    more.close()
     inputs = [torch.randn(b, *x.shape[1:], device="cuda") for b in (1, 4, 4, 1)]
     want = [nm(i) for i in inputs]
     got: dict[int, object] = {}

@@ -135,3 +135,12 @@ def test_inspect_names_a_generators_graphs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "a Generator: batch sizes [1], prompt buckets [16], cache length 64" in out
     assert "graph prefill/1: buckets [0]" in out and "graph decode/1: buckets [1]" in out
+
+
+@pytest.mark.parametrize("instances", [0, -1, 1.5, True, "2"])
+def test_a_load_for_an_impossible_instance_count_says_so(tmp_path, no_gpu_work, instances):
+    from nimble.errors import InputError
+
+    path = _small().write(tmp_path / "m.nimble")
+    with pytest.raises(InputError, match="instances must be an int >= 1"):
+        nimble.load(path, instances=instances)

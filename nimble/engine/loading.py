@@ -38,7 +38,7 @@ from .. import driver
 from ..analysis.backfill import Backfill, Picked
 from ..analysis.memplan import MemPlan
 from ..analysis.schedule import Schedule
-from ..errors import LoadError, NoGpuError
+from ..errors import InputError, LoadError, NoGpuError
 from ..ir.saved_format import SavedFile
 from ..ir.saved_graph_check import check_bucket_graph
 from ..ir.saved_manifest import check_manifest, graph_rows
@@ -368,19 +368,26 @@ class _Graph:
                        self.arenas, self.layout, self.pad, report)
 
 
-def load_serving(path, model=None, *, verify: bool = True, quiet: bool = True) -> Serving:
+def load_serving(path, model=None, *, instances: int | None = None, verify: bool = True,
+                 quiet: bool = True) -> Serving:
     """Every bucket and instance of the saved graph at ``path``, built here and proven (see the
     module docstring).  A file of several graphs (a Generator's) is refused: it loads through
-    :meth:`nimble.generate.Generator.load`."""
-    return load_graphs(path, model, verify=verify, quiet=quiet, single=True)[1][0][1]
+    :meth:`nimble.generate.Generator.load`.  ``instances`` replaces the count saved."""
+    if instances is not None and (isinstance(instances, bool) or not isinstance(instances, int)
+                                  or instances < 1):
+        raise InputError(f"instances must be an int >= 1 (copies of the graph that run at "
+                         f"once), got {instances!r}")
+    return load_graphs(path, model, verify=verify, quiet=quiet, single=True,
+                       instances=instances)[1][0][1]
 
 
 def load_graphs(path, model=None, *, verify: bool = True, quiet: bool = True,
-                single: bool = False) -> tuple[dict, list[tuple[str, Serving]]]:
+                single: bool = False, instances: int | None = None
+                ) -> tuple[dict, list[tuple[str, Serving]]]:
     """The file's checked manifest, and every serving of it (one, or a Generator's steps),
     each with every bucket and instance built here and proven: ``(name, Serving)`` pairs in
     the file's order.  With ``single``, a file of several is a LoadError before anything
-    reaches the GPU."""
+    reaches the GPU.  ``instances`` replaces every graph's count saved."""
     import torch
 
     began = time.perf_counter()
@@ -410,8 +417,8 @@ def load_graphs(path, model=None, *, verify: bool = True, quiet: bool = True,
         buckets = [_read_bucket(row, k, saved, graph, spec, kernels.functions, weights,
                                 memory, device, model)
                    for k, (row, (graph, spec)) in enumerate(zip(manifest["buckets"], decoded))]
-        graphs = [_Graph(r["name"], [buckets[i] for i in r["buckets"]], int(r["instances"]),
-                         bool(r["pad"])) for r in rows]
+        graphs = [_Graph(r["name"], [buckets[i] for i in r["buckets"]],
+                         instances or int(r["instances"]), bool(r["pad"])) for r in rows]
         seconds["weights_and_memory"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         for graph in graphs:
