@@ -11,15 +11,16 @@ import argparse
 import time
 
 from . import models
-from .common import (add_batch_argument, add_quiet_argument, check_models, model_help,
-                     positive_int)
+from .common import (Fail, add_batch_argument, add_quiet_argument, check_models, model_help,
+                     parse_batches, positive_int, require_gpu)
 from ..driver.gpu import use_cudnn_benchmark
 
 DTYPES = ("float32", "float16", "bfloat16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL", help=model_help("the model to prepare and save"))
+    p.add_argument("model", metavar="MODEL", help=model_help("the model to prepare and save")
+                   + "; with --generate, a causal LM (gpt2, gpt2_tiny, llama_small, llama_1b)")
     p.add_argument("-o", "--output", metavar="FILE", default=None,
                    help="where to write the saved graph (default MODEL-DTYPE-bBATCH.nimble)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
@@ -29,10 +30,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="copies of the graph that serve callers at once (default 1)")
     p.add_argument("--no-weights", action="store_true",
                    help="leave the weights out: a load must pass the model (model=...)")
+    p.add_argument("--generate", action="store_true",
+                   help="save a decoding Generator of the causal LM MODEL (its prefill and "
+                        "decode graphs per batch size; random weights), for Generator.load")
+    p.add_argument("--prompt-buckets", type=parse_batches, default=[128], metavar="P,P,...",
+                   help="with --generate: the prompt lengths to prepare (default 128)")
+    p.add_argument("--max-cache-len", type=positive_int, default=None, metavar="L",
+                   help="with --generate: the static cache's length (default the largest "
+                        "prompt bucket + 64)")
     add_quiet_argument(p)
 
 
 def run(args) -> int:
+    if args.generate:
+        return _save_generator(args)
     check_models([args.model], "save")
     import nimble
 
@@ -52,6 +63,42 @@ def run(args) -> int:
     prepared = time.perf_counter() - began
     began = time.perf_counter()
     path = nm.save(output, weights=not args.no_weights, quiet=args.quiet)
+    saved = time.perf_counter() - began
+    print(f"{path}\t{path.stat().st_size} bytes\tprepare {prepared:.2f} s\tsave {saved:.2f} s")
+    return 0
+
+
+def _save_generator(args) -> int:
+    """``--generate``: a Generator of the causal LM ``args.model`` prepared and saved."""
+    from .decoders import CAUSAL_LMS
+
+    if args.model not in CAUSAL_LMS:
+        raise Fail(f"--generate takes a causal LM ({', '.join(CAUSAL_LMS)}), not {args.model!r}")
+    if args.no_weights or args.instances != 1:
+        raise Fail("--generate saves a Generator with its weights and one instance: drop "
+                   "--no-weights and --instances")
+    require_gpu("save")
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise Fail("--generate needs transformers, which is not installed here: "
+                   "python -m pip install transformers")
+    import nimble
+
+    nimble.keep_kernel_binaries()  # before anything loads a kernel module
+    from ..generate import Generator
+    from .decoders import causal_lm
+
+    batches = list(args.batches or [1])
+    buckets = sorted(args.prompt_buckets)
+    cache = args.max_cache_len or buckets[-1] + 64
+    output = args.output or f"{args.model}-{args.dtype}-generator.nimble"
+    began = time.perf_counter()
+    generator = Generator(causal_lm(args.model, args.dtype), max_cache_len=cache,
+                          prompt_buckets=buckets, batch_sizes=batches)
+    prepared = time.perf_counter() - began
+    began = time.perf_counter()
+    path = generator.save(output, quiet=args.quiet)
     saved = time.perf_counter() - began
     print(f"{path}\t{path.stat().st_size} bytes\tprepare {prepared:.2f} s\tsave {saved:.2f} s")
     return 0
