@@ -67,3 +67,23 @@ def test_skipped_modes_are_not_run(monkeypatch):
     assert [a[1] for a in spawned] == ["prepare", "nimble load"]
     with pytest.raises(SystemExit):
         cold.main(["resnet50", "--skip", "tensorrt"])
+
+
+def test_a_generator_is_built_and_loaded_in_fresh_processes(monkeypatch, capsys):
+    spawned = []
+
+    class Done:
+        returncode, stderr = 0, ""
+        stdout = "g.nimble\t52428800 bytes\tprepare 40.00 s\tsave 5.00 s\n"
+    monkeypatch.setattr(cold.subprocess, "run", lambda *a, **k: Done())
+
+    def spawn(argv, timeout=1200):
+        spawned.append(argv[1])
+        return _run(argv[1], 40.0 if argv[1] == "generator prepare" else 1.5, 1.3)
+    monkeypatch.setattr(cold, "_spawn", spawn)
+    assert cold.main(["--generate", "llama_1b", "--rounds", "2"]) == 0
+    assert spawned == list(cold.GENERATOR_MODES) * 2
+    out = capsys.readouterr().out
+    assert "### llama_1b Generator" in out
+    assert "| generator load | 1.500 (1.500-1.500) | 1.3000 | 3.8% | 2 |" in out
+    assert "nimble save --generate prepare 40.00 s, save 5.00 s, 50.0 MB" in out

@@ -2,6 +2,7 @@
 
     python tools/cold_start.py [MODEL ...] [--dtype float16] [--batch 1] [--rounds 3]
         [--calls 200] [--skip compile,aoti] [--json F]
+    python tools/cold_start.py --generate LM [--prompt-buckets 128,512] [--batch 1,8] ...
 
 Per model (default resnet50), every measurement in its own fresh process, ``--rounds`` times:
 
@@ -18,6 +19,10 @@ Each child creates the CUDA context and the model before its clock starts (the l
 figures leave both out, and Python's start and imports too), then times ``--calls`` calls in
 five rounds with CUDA events.  The parent prints, per mode, the median seconds to the first
 call with the spread over rounds, the median ms per call, and the load's share of prepare.
+With ``--generate LM`` (a causal LM of ``nimble.cli.decoders``), the modes are a decoding
+Generator's: ``generator prepare`` (building it: every batch size's prefill buckets and decode
+step) and ``generator load`` (``Generator.load`` of a file ``nimble save --generate`` wrote),
+each to the end of its first ``generate`` of 16 tokens; ms per call is then per token.
 A child runs as ``python tools/cold_start.py --child MODE ...`` and prints one JSON line.
 """
 from __future__ import annotations
@@ -36,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 MODES = ("prepare", "nimble load", "compile warm", "aoti load")
+GENERATOR_MODES = ("generator prepare", "generator load")
 SKIPPABLE = {"compile": "compile warm", "aoti": "aoti load"}
 #: Multicast off in every process this starts (docs: FINDINGS, KINDS).
 QUIET_NVLINK = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -48,9 +54,10 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     """Per mode, from its children's JSON lines: the median seconds to the first call with the
     min and max, the median ms per call, and the share of prepare's median."""
     rows = []
-    prepare = [r["first_call_s"] for r in runs.get("prepare", [])]
+    prepare = [r["first_call_s"] for r in runs.get("prepare") or runs.get("generator prepare")
+               or []]
     base = statistics.median(prepare) if prepare else None
-    for mode in MODES:
+    for mode in MODES + GENERATOR_MODES:
         got = runs.get(mode) or []
         if not got:
             continue
@@ -109,10 +116,41 @@ def _model(name: str, dtype: str, batch: int):
     return model, models.example_input(name, batch).to(getattr(torch, dtype))
 
 
+def _generator_child(mode: str, args) -> dict:
+    """A Generator built or loaded, to the end of its first generate; then ms per token."""
+    import torch
+
+    from nimble.generate import Generator
+
+    torch.zeros(1, device="cuda")
+    buckets = [int(b) for b in args.prompt_buckets.split(",")]
+    batch = int(args.batch)
+    ids = torch.randint(0, 100, (batch, buckets[0]), device="cuda")
+    model = None
+    if mode == "generator prepare":
+        from nimble.cli.decoders import causal_lm
+
+        model = causal_lm(args.model, args.dtype)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    generator = Generator(model, max_cache_len=buckets[-1] + 64, prompt_buckets=buckets,
+                          batch_sizes=[batch]) if model is not None else Generator.load(args.path)
+    generator.generate(ids, 16)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - began
+    decode, _ = generator.steps(batch)
+    token, position = ids[:, :1].clone(), torch.full((1,), buckets[0], device="cuda")
+    ms = time_calls(lambda: decode(token, position), torch.cuda.synchronize, calls=args.calls)
+    return {"mode": mode, "first_call_s": first, "ms_per_call": ms}
+
+
 def _child(mode: str, args) -> dict:
     import torch
 
     import nimble
+
+    if mode in GENERATOR_MODES:
+        return _generator_child(mode, args)
 
     torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
@@ -218,6 +256,30 @@ def measure(model: str, args, skip: set[str]) -> tuple[list[dict], dict]:
     return summarize(runs), extra
 
 
+def measure_generator(lm: str, args) -> tuple[list[dict], dict]:
+    """A Generator of ``lm`` built and loaded in fresh processes, round after round."""
+    common = ["--model", lm, "--dtype", args.dtype, "--batch", str(args.batch),
+              "--calls", str(args.calls), "--prompt-buckets", args.prompt_buckets]
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / f"{lm}.nimble")
+        env = {**os.environ, **QUIET_NVLINK}
+        done = subprocess.run([sys.executable, "-m", "nimble", "save", lm, "--generate",
+                               "--dtype", args.dtype, "--batch", str(args.batch),
+                               "--prompt-buckets", args.prompt_buckets, "-o", path, "-q"],
+                              capture_output=True, text=True, env=env, timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(f"nimble save {lm} --generate failed: {done.stderr[-500:]}")
+        _, size, prepare, save = done.stdout.strip().split("\t")
+        extra = {"nimble save --generate":
+                 f"{prepare}, {save}, {int(size.split()[0]) / 2**20:.1f} MB"}
+        for _ in range(args.rounds):
+            for mode in GENERATOR_MODES:
+                runs.setdefault(mode, []).append(
+                    _spawn(["--child", mode, *common, "--path", path]))
+    return summarize(runs), extra
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("models", nargs="*", default=["resnet50"])
@@ -228,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--skip", default="", help="modes to leave out: compile, aoti")
     p.add_argument("--json", help="also write the rows here")
-    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--generate", metavar="LM", help="a Generator of this causal LM instead")
+    p.add_argument("--prompt-buckets", default="128", help="with --generate (default 128)")
+    p.add_argument("--child", choices=MODES + GENERATOR_MODES, help=argparse.SUPPRESS)
     p.add_argument("--write", choices=("compile cache", "aoti package"), help=argparse.SUPPRESS)
     p.add_argument("--path", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -241,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--skip takes {', '.join(SKIPPABLE)}, not {unknown[0]}")
     skip = {SKIPPABLE[s] for s in args.skip.split(",") if s}
     results = {}
+    if args.generate:
+        rows, extra = measure_generator(args.generate, args)
+        results[args.generate] = {"rows": rows, "once": extra}
+        print(table(f"{args.generate} Generator", rows, extra), flush=True)
+        args.models = []
     for model in args.models:
         rows, extra = measure(model, args, skip)
         results[model] = {"rows": rows, "once": extra}
