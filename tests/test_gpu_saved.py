@@ -68,6 +68,18 @@ def _load_elsewhere(saved, inputs, tmp_path, *extra) -> dict:
     return torch.load(out)
 
 
+def _same_elsewhere(nm, saved, x, count: int, tmp_path) -> None:
+    """``count`` fresh inputs like ``x`` through ``nm`` here and through ``saved`` loaded in a
+    fresh process: the outputs bit for bit."""
+    import torch
+
+    inputs = [torch.randn_like(x) for _ in range(count)]
+    want = [nm(i) for i in inputs]
+    got = _load_elsewhere(saved, inputs, tmp_path)
+    for g, w in zip(got["outputs"], want):
+        _bitwise(g.cuda(), w)
+
+
 def _bitwise(got, want) -> None:
     import torch
 
@@ -78,15 +90,8 @@ def _bitwise(got, want) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("name", ["convnet"])
 def test_saved_graph_loads_in_a_fresh_process_bit_for_bit(name, dtype, tmp_path):
-    import torch
-
     model, x, nm = _prepared(name, dtype)
-    saved = nm.save(tmp_path / "model.nimble")
-    inputs = [torch.randn_like(x) for _ in range(3)]
-    want = [nm(i) for i in inputs]
-    got = _load_elsewhere(saved, inputs, tmp_path)
-    for g, w in zip(got["outputs"], want):
-        _bitwise(g.cuda(), w)
+    _same_elsewhere(nm, nm.save(tmp_path / "model.nimble"), x, 3, tmp_path)
 
 
 def test_a_graph_saved_without_weights_reads_the_models_by_name(tmp_path):
@@ -223,11 +228,7 @@ def test_a_graph_of_inductors_kernels_embeds_its_triton_cubins(tmp_path):
     saved = nm.save(tmp_path / "compiled.nimble")
     rows = SavedFile.read(saved).manifest["binaries"]
     assert any(r["kind"] == "embedded" and r["origin"].endswith(".cubin") for r in rows)
-    inputs = [torch.randn_like(x) for _ in range(2)]
-    want = [nm(i) for i in inputs]
-    got = _load_elsewhere(saved, inputs, tmp_path)
-    for g, w in zip(got["outputs"], want):
-        _bitwise(g.cuda(), w)
+    _same_elsewhere(nm, saved, x, 2, tmp_path)
 
 
 def test_a_training_step_saved_and_loaded_fills_the_same_gradients(tmp_path):
