@@ -33,6 +33,36 @@ def test_a_bucket_holds_one_dtype():
     assert bucket_plan([8, 8, 8, 8], ["f16", "f16", "f32", "f32"], 10**6, 10**6) == \
         [[3, 2], [1, 0]]
     assert bucket_plan([], []) == []
+    # interleaved dtypes each fill their own bucket, the first of each dtype the small one
+    assert bucket_plan([40, 20] * 3, ["f32", "f16"] * 3, 40, 20) == [[5], [4], [2], [3, 1], [0]]
+
+
+def _ddp_buckets(sizes: list[int], dtypes: list, first: int, cap: int) -> list[list[int]]:
+    """DDP's own bucket assignment (the reducer's rebuild), its gradients made from the last
+    parameter back."""
+    tensors = [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes)]
+    order = list(reversed(range(len(tensors))))
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        [tensors[i] for i in order], [first, cap], [False] * len(order), order)
+    return buckets
+
+
+@pytest.mark.parametrize("elements,dtypes,first,cap", [
+    ([100, 25, 75, 50, 12], [torch.float32] * 5, 160, 320),
+    ([100, 25, 75, 50, 12], [torch.float32] * 5, 4 * 1000, 4 * 1000),
+    ([10] * 6, [torch.float32, torch.float16] * 3, 20, 40),
+    ([64, 3, 64, 64, 1, 8], [torch.float16] * 2 + [torch.float32] * 4, 128, 256),
+])
+def test_the_plan_is_ddps_bucket_assignment(elements, dtypes, first, cap):
+    if not hasattr(dist, "_compute_bucket_assignment_by_size"):
+        pytest.skip("this torch has no DDP bucket assignment to compare with")
+    sizes = [n * torch.empty(0, dtype=d).element_size() for n, d in zip(elements, dtypes)]
+    plan = bucket_plan(sizes, [str(d) for d in dtypes], cap, first)
+    want = _ddp_buckets(elements, dtypes, first, cap)
+    closed = [b for b in plan if sum(sizes[i] for i in b) >= first]
+    assert plan[:len(closed)] == want[:len(closed)]  # the buckets that filled, in order
+    # those left open at the end go in an order DDP leaves to a hash map
+    assert sorted(plan[len(closed):]) == sorted(want[len(closed):])
 
 
 def test_average_gradients_argument_forms():
@@ -129,13 +159,17 @@ def test_only_the_averaging_all_reduces_may_be_in_a_training_steps_backward():
 
 def test_the_buckets_are_all_reduced_in_their_plans_order(monkeypatch):
     """Every rank must issue its all-reduces in one order, and the plan's (the last gradients
-    first, as the backward makes them) lets the first start while the backward still runs."""
+    first, as the backward makes them, and as DDP's reducer buckets them) lets the first start
+    while the backward still runs."""
     sizes = [100, 25, 75, 50, 12]  # float32 elements per gradient, in parameter order
     grads = [torch.full((n,), float(i + 1)) for i, n in enumerate(sizes)]
     small = GradientAverage(bucket_bytes=4 * 80, first_bucket_bytes=4 * 40)
     plan = bucket_plan([4 * n for n in sizes], ["f32"] * len(sizes), small.bucket_bytes,
                        small.first_bucket_bytes)
     assert len(plan) >= 3 and plan[0][0] == len(sizes) - 1
+    if hasattr(dist, "_compute_bucket_assignment_by_size"):
+        assert plan == _ddp_buckets(sizes, [torch.float32] * len(sizes),
+                                    small.first_bucket_bytes, small.bucket_bytes)
     reduced = []
 
     def all_reduce(flat, group=None):

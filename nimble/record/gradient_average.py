@@ -10,8 +10,19 @@ all-reduced, and the gradients handed back are views of the buckets.  Each bucke
 all-reduce depend only on its own gradients, so the schedule runs them beside the rest of the
 backward; the all-reduces keep their recorded order (:func:`nimble.analysis.deps.build_dag`).
 
-A bucket closes once it holds ``bucket_bytes`` (the first one ``first_bucket_bytes``, so that
-the first all-reduce starts early), and holds gradients of one dtype: DDP's defaults.
+A bucket closes once it holds ``bucket_bytes`` (the first one of each dtype
+``first_bucket_bytes``, so that the first all-reduce starts early), and holds gradients of one
+dtype: DDP's defaults and its rules (:func:`bucket_plan`).  DDP rebuilds its buckets after the
+first backward in the order the gradients became ready; the plan here takes them in the reverse
+of the parameters' order, which is that order wherever the backward makes the last parameter's
+gradient first.  Which bucket a gradient goes to changes what is computed for it in no way
+(each element is divided, then summed over the ranks); only the rounding of a sum over more
+than two ranks, where NCCL picks its algorithm by the bucket's size.
+
+The gradients handed back are views of the buckets, as DDP gives with
+``gradient_as_bucket_view=True``; the bytes are the graph's arena, which autograd's glue moves
+each ``.grad`` out of before the next forward (:mod:`nimble.engine.autograd`), so either setting
+of DDP's gives the same values.
 """
 from __future__ import annotations
 
@@ -48,22 +59,25 @@ def gradient_average(average) -> GradientAverage | None:
 def bucket_plan(sizes: Sequence[int], dtypes: Sequence[str], bucket_bytes: int = BUCKET_BYTES,
                 first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
     """Indices into ``sizes`` (bytes per gradient, in parameter order) per bucket, in the order
-    the buckets are reduced: from the last gradient back, a bucket closing once it holds its
-    cap, or where the dtype changes."""
+    the buckets are reduced, as DDP's reducer buckets them once it has seen a backward
+    (``compute_bucket_assignment_by_size`` over the gradients from the last parameter back):
+    each dtype fills a bucket of its own, which closes once it holds its cap (a dtype's first
+    bucket ``first_bucket_bytes``, its later ones ``bucket_bytes``); buckets go in the order
+    they close, then those left open in the order of their first gradient (an order DDP leaves
+    to a hash map)."""
     buckets: list[list[int]] = []
-    current: list[int] = []
-    held = 0
+    open_buckets: dict[str, list[int]] = {}  # insertion order: the order of first gradients
+    held: dict[str, int] = {}
+    closed: set[str] = set()
     for i in reversed(range(len(sizes))):
-        if current and dtypes[i] != dtypes[current[0]]:
-            buckets.append(current)
-            current, held = [], 0
-        current.append(i)
-        held += sizes[i]
-        if held >= (first_bucket_bytes if not buckets else bucket_bytes):
-            buckets.append(current)
-            current, held = [], 0
-    if current:
-        buckets.append(current)
+        dtype = dtypes[i]
+        open_buckets.setdefault(dtype, []).append(i)
+        held[dtype] = held.get(dtype, 0) + sizes[i]
+        if held[dtype] >= (bucket_bytes if dtype in closed else first_bucket_bytes):
+            buckets.append(open_buckets.pop(dtype))
+            held[dtype] = 0
+            closed.add(dtype)
+    buckets.extend(open_buckets.values())
     return buckets
 
 
