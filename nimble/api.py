@@ -27,8 +27,8 @@ from .analysis.memplan import MemPlan
 from .engine.options import PrepareOptions
 from .engine.options import options_with as _options_with
 from .engine.collectives import check_average
+from .engine.data_parallel import DataParallelTarget, check_grad_sync, data_parallel_target
 from .engine.preparation import check_mode, model_state_kept, prepare_serving
-from .record.gradient_average import gradient_average
 from .engine.prepared import Prepared
 from .engine.serving import (BucketView, MemoryReport, PhaseView, PrepareReport, Serving,
                              bucket_examples, phase_views)
@@ -57,6 +57,8 @@ class Nimble:
         watch_profiler()
         self._prepared: Prepared | None = None
         self._serving: Serving | None = None
+        # What prepare recorded: the model, or the module a DistributedDataParallel wraps.
+        self._target = DataParallelTarget(model, None)
         # The current graph's common call (Launcher.fast_call): None until a call made it,
         # False where the graph has none.
         self._fast = None
@@ -119,7 +121,9 @@ class Nimble:
             parameters' gradients are averaged over the ranks of this process group (True: the
             default group) inside the backward graph, in buckets all-reduced beside the rest
             of the backward, as ``DistributedDataParallel`` averages them.  Every rank prepares
-            and calls in the same order.  See :mod:`nimble.record.gradient_average`.
+            and calls in the same order.  See :mod:`nimble.record.gradient_average`.  A model
+            wrapped in ``DistributedDataParallel`` needs none: the wrapper's settings are
+            used, and the module it wraps is recorded (:mod:`nimble.engine.data_parallel`).
         options : PrepareOptions, optional
             How the graph is built and checked: the arena's cap, device launch, input cells,
             the proof, kernel priorities, the tail backfill, keeping or reusing the recording
@@ -154,15 +158,16 @@ class Nimble:
         options = _options_with(options, switches)
         examples = bucket_examples(example_inputs, buckets, batch_sizes, instances=instances,
                                    pad=pad, training=training)
-        average = gradient_average(average_gradients)
-        check_average(average, training, instances, examples, options.recording)
-        check_mode(self.model, training)
+        target = data_parallel_target(self.model, training, average_gradients)
+        check_average(target.average, training, instances, examples, options.recording)
+        check_mode(target.module, training)
         watch_modules()
-        with model_state_kept(self.model, training):
-            serving = prepare_serving(self.model, examples, instances=instances, pad=pad,
+        with model_state_kept(target.module, training):
+            serving = prepare_serving(target.module, examples, instances=instances, pad=pad,
                                       training=training, use_multi_stream=use_multi_stream,
                                       max_streams=max_streams, options=options, quiet=quiet,
-                                      average=average)
+                                      average=target.average)
+        self._target = target
         return self._adopt(serving, return_copies)
 
     # ---- saving and loading -----------------------------------------------------------------
@@ -239,6 +244,7 @@ class Nimble:
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
             inputs = inputs[0]
         if state.step is not None:
+            check_grad_sync(self._target.wrapper)
             return state.step(inputs, state.launcher.unflatten)
         launcher, serving = state.launcher, self._serving
         if serving.plain:
@@ -285,7 +291,7 @@ class Nimble:
                         launcher.last_stream or launcher.stream())
             state.bases = bases
             if state.step is not None:
-                state.step.follow_parameters(self.model)
+                state.step.follow_parameters(self._target.module)
             released = weights.accept(moves)
             # Launches queued before the re-pointing may still read the old storages.
             if launcher.last_stream is not None:
@@ -431,7 +437,8 @@ class Nimble:
                              "with training=False to search the forward")
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
             inputs = tuple(inputs[0])
-        aligned = align(state.graph, eager_ops(self.model, inputs, keep_inputs=not nonfinite))
+        aligned = align(state.graph, eager_ops(self._target.module, inputs,
+                                               keep_inputs=not nonfinite))
         stepper = StepThrough(state, 0)
 
         def run(op: int):

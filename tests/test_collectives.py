@@ -129,7 +129,7 @@ def test_a_training_step_with_collectives_is_refused_with_what_to_do():
     check_training_collectives(train, training=True)  # no collective: nothing to refuse
 
 
-def test_a_data_parallel_wrapper_is_refused_for_training_before_anything_is_recorded():
+def test_a_data_parallel_wrapper_inside_a_model_is_refused_for_training_before_recording():
     import pytest
     import torch
 
@@ -141,14 +141,17 @@ def test_a_data_parallel_wrapper_is_refused_for_training_before_anything_is_reco
             super().__init__()
             self.module = module
 
+    class FullyShardedDataParallel(DistributedDataParallel):
+        pass
+
     inner = torch.nn.Linear(2, 2).train()
-    with pytest.raises(InputError, match="does not support DistributedDataParallel: .*ddp.module"):
-        check_mode(DistributedDataParallel(inner).train(), training=True)
-    with pytest.raises(InputError, match="does not support DistributedDataParallel: .*ddp.module"):
+    # a DDP given to Nimble is unwrapped first (tests/test_data_parallel.py); one inside is not
+    with pytest.raises(InputError, match="holds a DistributedDataParallel.*Nimble\\(ddp\\)"):
         check_mode(torch.nn.Sequential(DistributedDataParallel(inner)).train(), training=True)
+    with pytest.raises(InputError, match="does not support FullyShardedDataParallel"):
+        check_mode(FullyShardedDataParallel(inner).train(), training=True)
     check_mode(inner, training=True)
     check_mode(DistributedDataParallel(inner).eval(), training=False)  # inference is served
-
 
 
 def test_a_device_launch_refused_for_nccls_event_nodes_says_what_to_set():

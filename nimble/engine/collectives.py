@@ -2,8 +2,11 @@
 
 A graph that holds collectives is prepared on every rank in step (every rank launches its graphs
 the same number of times: :mod:`nimble.engine.preparation`, :mod:`nimble.engine.proving`).  A
-training step may hold only the all-reduces of ``average_gradients``
-(:mod:`nimble.record.gradient_average`); data-parallel wrappers are refused before recording.
+training step holds collectives only where it is data-parallel: the all-reduces of
+``average_gradients`` (:mod:`nimble.record.gradient_average`) in its backward, and in its
+forward DDP's buffer broadcast (:mod:`nimble.record.buffer_broadcast`) and ``SyncBatchNorm``'s
+own.  A ``DistributedDataParallel`` model is unwrapped before recording
+(:mod:`nimble.engine.data_parallel`); one nested inside a model, and FSDP, are refused.
 Measured on two H200s: docs/findings.md, "Collectives inside prepared graphs".
 """
 from __future__ import annotations
@@ -18,38 +21,61 @@ _DATA_PARALLEL = ("DistributedDataParallel", "FullyShardedDataParallel")
 
 
 def check_data_parallel(model) -> None:
-    """Raise :class:`~nimble.errors.InputError` for a training step of a model that is, or
-    holds, a data-parallel wrapper."""
+    """Raise :class:`~nimble.errors.InputError` for a training step of a model that holds a
+    data-parallel wrapper (a DDP given to ``Nimble`` itself is unwrapped before this)."""
     wrapper = next((type(m).__name__ for m in model.modules()
                     if any(c.__name__ in _DATA_PARALLEL for c in type(m).__mro__)), None)
+    if wrapper == "DistributedDataParallel":
+        raise InputError(
+            "prepare(training=True) of a model that holds a DistributedDataParallel inside "
+            "it: DDP averages the gradients from bookkeeping its forward does on the host, "
+            "which a prepared forward skips.  Give the DistributedDataParallel itself to "
+            "Nimble (nimble.Nimble(ddp)), which prepares the module it wraps with its "
+            "settings")
     if wrapper:
         raise InputError(
-            f"prepare(training=True) does not support {wrapper}: it averages the "
-            "gradients from bookkeeping its forward does on the host, which a prepared "
-            "forward skips, so from the second step on the gradients would not be "
-            "averaged.  Prepare the module it wraps (ddp.module) with "
-            "average_gradients=True (or its process group): the averaging then runs "
-            "inside the backward graph")
+            f"prepare(training=True) does not support {wrapper}: it shards and gathers the "
+            "parameters from hooks on the host, which a prepared step skips.  Wrap the model "
+            "in DistributedDataParallel instead (nimble.Nimble(ddp)), or pass "
+            "average_gradients=True")
 
 
-def check_training_collectives(graph, training: bool, averaging: bool = False) -> None:
+def _sync_batch_norm(model) -> bool:
+    """Whether ``model`` holds a ``SyncBatchNorm`` in training mode."""
+    modules = getattr(model, "modules", None)
+    return modules is not None and any(
+        m.training and any(c.__name__ == "SyncBatchNorm" for c in type(m).__mro__)
+        for m in modules())
+
+
+def check_training_collectives(graph, training: bool, averaging: bool = False,
+                               model=None) -> None:
     """Raise :class:`~nimble.errors.InputError` for a training step whose graphs hold NCCL
-    collectives of the model's own: not proven yet across steps (``DistributedDataParallel``,
-    which broadcasts buffers in its forward, gave eager's gradients on the first prepared step
-    only; it is refused before recording by :func:`check_data_parallel`).  The all-reduces of
-    ``average_gradients`` (``averaging``) are the backward's only collectives then.  A
+    collectives where it is not data-parallel (``averaging``, the all-reduces of
+    ``average_gradients`` in its backward), or in its forward for any reason but DDP's buffer
+    broadcast and ``SyncBatchNorm`` (a ``model`` that says so): not proven across steps.  A
     parameter's gradient hook that all-reduces is not recorded, and runs at the hand-off, as
     in eager."""
     if not training or not communicates(graph):
         return
     forward = range(graph.meta.get("phases", [len(graph.tasks)])[0])
-    if averaging and not any(communication_task(graph.tasks[t]) for t in forward):
+    in_forward = any(communication_task(graph.tasks[t]) for t in forward)
+    sync_bn = _sync_batch_norm(model)
+    if averaging and (not in_forward or sync_bn
+                      or getattr(model, "nimble_forward_collectives", False)):
         return
+    if sync_bn:
+        raise InputError(
+            "this training step's SyncBatchNorm shares batch statistics across the ranks, but "
+            "its gradients are not averaged over them: wrap the model in "
+            "DistributedDataParallel (nimble.Nimble(ddp)) or pass average_gradients=True.  "
+            "For statistics of each rank's own, build the model with nn.BatchNorm* layers "
+            "instead (torch has no SyncBatchNorm revert)")
     raise InputError(
-        "this training step runs NCCL collectives inside its forward or backward (a "
-        "SyncBatchNorm, or an all-reduce in forward), which prepare(training=True) does not "
-        "support yet.  Train it eagerly; inference graphs with collectives are supported "
-        "(prepare with training=False)")
+        "this training step runs NCCL collectives inside its forward or backward (an "
+        "all-reduce in forward), which prepare(training=True) does not support yet.  Train "
+        "it eagerly; inference graphs with collectives are supported (prepare with "
+        "training=False)")
 
 
 def check_instances(graph, instances: int) -> None:

@@ -147,7 +147,7 @@ def _plan(model, example, training: bool, use_multi_stream: bool, max_streams: i
           average=None) -> _Planned:
     """Record (or reuse ``options.recording``), schedule, plan, and rank the kernels."""
     rec = _recording(model, example, training, options, quiet, average)
-    check_training_collectives(rec.graph, training, averaging=average is not None)
+    check_training_collectives(rec.graph, training, averaging=average is not None, model=model)
     rec.graph.meta.pop("resource_order", None)  # a reused recording's is of an earlier prepare
     seconds: dict[str, float] = dict(rec.seconds)
 
