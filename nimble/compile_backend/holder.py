@@ -1,0 +1,118 @@
+"""A region's signature prepared by Nimble: Inductor's code as a module whose weights are the
+model's.
+
+Dynamo lifts the model's parameters and buffers as graph inputs, and passes the model's own
+tensors at every call.  :class:`RegionModule` registers those very tensors as its parameters
+and buffers and calls Inductor's code with them and the call's tensors, so that
+:class:`nimble.Nimble` records it as any module: its weights are read where they lie, never
+copied per call, updated in place as the model is (an optimizer step), held while the graph
+reads them and followed when they move (:mod:`nimble.engine.weights`); a training step
+differentiates with respect to them, so ``param.grad`` fills as eager fills it.
+
+A parameter re-assigned in the model (``model.fc.weight = nn.Parameter(...)``,
+``load_state_dict(assign=True)``) comes as another tensor in Dynamo's next call: every such
+assignment moves the weights' epoch, and only then does a call compare the tensors Dynamo
+passes with those bound, re-binds any that changed (which the graph then follows as
+``Nimble`` does), so a call costs one integer compare otherwise.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..api import Nimble
+from ..engine.weights import EPOCH, watch_modules
+from ..errors import InputError
+from .region import GraphInput, PrepareRequest
+
+
+class RegionModule(torch.nn.Module):
+    """One signature of a Dynamo graph as a module: the lifted weights are its own, the numbers
+    of the signature fixed, the call's tensors its inputs."""
+
+    def __init__(self, compiled, inputs: list[GraphInput], args: tuple, training: bool) -> None:
+        super().__init__()
+        # Kept out of the module's registry: a compiled GraphModule would become a child.
+        self.__dict__["_compiled"] = compiled
+        # The call's arguments with its tensors left out: its numbers stay as they are.
+        self._template = [None if isinstance(x, torch.Tensor) else x for x in args]
+        self._tensors = [i for i, g in enumerate(inputs)
+                         if not g.static and isinstance(args[i], torch.Tensor)]
+        self._static = [(i, g.name) for i, g in enumerate(inputs) if g.static]
+        for i, name in self._static:
+            self.bind(name, args[i], training)
+        self.train(training)
+
+    @property
+    def tensor_positions(self) -> list[int]:
+        """Where the call's tensors (this module's inputs) are among the graph's inputs."""
+        return list(self._tensors)
+
+    def bind(self, name: str, tensor, training: bool | None = None) -> None:
+        """Make ``tensor`` this module's weight ``name`` (a parameter if it is one)."""
+        training = self.training if training is None else training
+        if training and tensor.requires_grad and not isinstance(tensor, torch.nn.Parameter):
+            raise InputError(
+                f"graph input {name} is a tensor Dynamo lifted out of the model that requires "
+                "grad but is no nn.Parameter, so a prepared training step would compute no "
+                "gradient for it: make it an nn.Parameter")
+        self._parameters.pop(name, None)
+        self._buffers.pop(name, None)
+        if isinstance(tensor, torch.nn.Parameter):
+            self.register_parameter(name, tensor)
+        else:
+            self.register_buffer(name, tensor)
+
+    def follow(self, args: tuple) -> int:
+        """Re-bind every weight Dynamo passes as another tensor than the one bound; how many."""
+        moved = 0
+        for i, name in self._static:
+            if getattr(self, name) is not args[i]:
+                self.bind(name, args[i])
+                moved += 1
+        return moved
+
+    def forward(self, *tensors):
+        full = list(self._template)
+        for i, t in zip(self._tensors, tensors):
+            full[i] = t
+        for i, name in self._static:
+            full[i] = getattr(self, name)
+        return self._compiled(*full)
+
+
+class NimbleRun:
+    """Calls of one signature: the call's tensors handed to the prepared graph (``launch``, a
+    :class:`nimble.Nimble`), the weights re-bound first where an assignment may have moved
+    them."""
+
+    def __init__(self, launch, module: RegionModule) -> None:
+        self.launch = launch
+        self.module = module
+        self._tensors = module.tensor_positions
+        watch_modules()  # the epoch moves on every assignment from now on
+        self._epoch = EPOCH[0]
+
+    def __call__(self, args: tuple) -> Any:
+        if self._epoch != EPOCH[0]:
+            self.module.follow(args)
+            self._epoch = EPOCH[0]
+        return self.launch(*[args[i] for i in self._tensors])
+
+
+def prepare_with_nimble(request: PrepareRequest) -> NimbleRun:
+    """The backend's prepare function: ``Nimble(RegionModule).prepare(...)`` on the call's
+    tensors, as a training step where the call records one."""
+    module = RegionModule(request.compiled, request.inputs, request.args, request.training)
+    tensors = tuple(request.args[i] for i in module.tensor_positions)
+    if not tensors:
+        raise InputError(f"graph {request.region} takes no tensor but the model's weights: a "
+                         "prepared graph needs an input to run on")
+    options = request.options
+    nm = Nimble(module).prepare(tensors, training=request.training,
+                                use_multi_stream=options.use_multi_stream,
+                                max_streams=options.max_streams,
+                                return_copies=options.return_copies, quiet=options.quiet,
+                                options=options.prepare)
+    return NimbleRun(nm, module)

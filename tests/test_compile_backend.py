@@ -1,0 +1,331 @@
+"""``torch.compile(model, backend="nimble")`` on the CPU: the registration, the options, and the
+regions and signatures Dynamo's graphs become, with stand-ins for Inductor (the FX graph run as
+it is) and for Nimble's prepare (the region's module run eagerly, every request noted)."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from nimble.compile_backend import NimbleBackend, backend as registered, parse_options  # noqa: E402
+from nimble.compile_backend.holder import NimbleRun, RegionModule  # noqa: E402
+from nimble.compile_backend.region import GraphInput, Region  # noqa: E402
+from nimble.engine.options import PrepareOptions  # noqa: E402
+from nimble.errors import CaptureError, InputError  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Requests:
+    """A prepare function that notes every request and runs the region's module eagerly."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.seen = []
+        self.fail = fail
+
+    def __call__(self, request):
+        self.seen.append(request)
+        if self.fail is not None:
+            raise self.fail
+        module = RegionModule(request.compiled, request.inputs, request.args, request.training)
+        return NimbleRun(module, module)
+
+
+def _fx_as_is(gm, example_inputs, patches):
+    return gm.forward
+
+
+def _backend(**kwargs):
+    requests = Requests(**kwargs)
+    return NimbleBackend(compile=_fx_as_is, prepare=requests), requests
+
+
+# ---- registration -----------------------------------------------------------------------------
+
+def test_the_installed_entry_point_finds_the_backend_without_importing_nimble(tmp_path):
+    try:
+        metadata.distribution("nimble-gpu")
+    except metadata.PackageNotFoundError:
+        pytest.skip("nimble-gpu is not installed: python -m pip install --no-build-isolation "
+                    "--no-deps -e .")
+    code = textwrap.dedent("""
+        import sys
+        import torch
+        from torch._dynamo.backends.registry import list_backends, lookup_backend
+        assert "nimble" in list_backends(), list_backends()
+        assert "nimble" not in sys.modules
+        found = lookup_backend("nimble")
+        print(type(found).__module__, type(found).__name__)
+    """)
+    # Run elsewhere than the checkout: a stale nimble_gpu.egg-info there would shadow the
+    # installed metadata.
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, (
+        f"{done.stderr[-2000:]}\n(entry points are read at install: re-run python -m pip "
+        "install --no-build-isolation --no-deps -e .)")
+    assert done.stdout.split() == ["nimble.compile_backend.backend", "NimbleBackend"]
+
+
+def test_the_entry_point_names_the_object_this_package_exports():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    found = [ep for ep in metadata.entry_points(group="torch_dynamo_backends")
+             if ep.name == "nimble"]
+    if not found:
+        pytest.skip("nimble-gpu's entry points are not installed here")
+    assert found[0].value == "nimble.compile_backend:backend"
+    assert lookup_backend("nimble") is registered
+
+
+# ---- options ------------------------------------------------------------------------------------
+
+def test_prepare_options_fields_and_the_backends_own_keys_are_taken():
+    parsed = parse_options({"relaunches": 10, "fuzz": False, "max_shapes": 3,
+                            "fallback": True, "return_copies": False, "max_streams": 4})
+    assert parsed.prepare == PrepareOptions(relaunches=10, fuzz=False)
+    assert (parsed.max_shapes, parsed.fallback, parsed.return_copies, parsed.max_streams) == \
+        (3, True, False, 4)
+    assert parsed.inductor == {"triton.cudagraphs": False}
+
+
+def test_no_options_are_the_defaults():
+    parsed = parse_options(None)
+    assert parsed.prepare == PrepareOptions()
+    assert parsed.return_copies and not parsed.fallback and parsed.max_shapes == 8
+
+
+def test_a_misspelt_option_names_the_nearest_key():
+    with pytest.raises(InputError, match="'relaunches'"):
+        parse_options({"relaunchs": 10})
+    with pytest.raises(InputError, match="no option 'colour'"):
+        parse_options({"colour": 1})
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"max_shapes": True}, "max_shapes takes int"),
+    ({"fuzz": "no"}, "fuzz takes bool"),
+    ({"relaunches": 2.5}, "relaunches takes int or None"),
+    ({"max_shapes": 0}, "at least one"),
+    ({"recording": object()}, "records every graph"),
+    ({"resource_order": "backwards"}, "a rule is one of"),
+    ({"inductor": {"triton.cudagraphs": True}}, "cannot be captured"),
+])
+def test_a_wrong_value_is_an_input_error(options, says):
+    with pytest.raises(InputError, match=says):
+        parse_options(options)
+
+
+def test_modes_that_add_cuda_graphs_are_refused_and_the_others_set_inductor():
+    with pytest.raises(InputError, match="reduce-overhead"):
+        parse_options(None, "reduce-overhead")
+    with pytest.raises(InputError, match="max-autotune'"):
+        parse_options(None, "max-autotune")
+    patches = parse_options(None, "max-autotune-no-cudagraphs").inductor
+    assert patches["max_autotune"] and patches["triton.cudagraphs"] is False
+
+
+def test_torch_compile_reports_a_misspelt_option_as_the_backends_input_error():
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend=_backend()[0],
+                             options={"relaunchs": 1})
+    with pytest.raises(Exception) as caught:
+        compiled(torch.randn(2, 4))
+    inner = getattr(caught.value, "inner_exception", caught.value)
+    assert isinstance(inner, InputError) and "relaunches" in str(inner)
+
+
+# ---- regions and signatures through torch.compile ---------------------------------------------
+
+class Break(torch.nn.Module):
+    """Two linear layers with a host read between them: two graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 4)
+        self.seen = 0.0
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        self.seen = h.amax().item()
+        return self.b(h)
+
+
+def test_a_graph_break_gives_two_regions_each_prepared_once():
+    model = Break().eval()
+    backend, requests = _backend()
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), expected, rtol=0, atol=0)
+    # The float read at the break is a constant of the second graph, recompiled once when it
+    # changes; a region is one graph, each prepared at its first call.
+    assert len(backend.regions) >= 2
+    assert [r.prepared for r in backend.regions] == [1] * len(backend.regions)
+    assert len(requests.seen) == len(backend.regions)
+    assert not any(r.training for r in requests.seen)
+
+
+def test_lifted_weights_are_static_and_bound_as_the_models_own_tensors():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).eval()
+    backend, requests = _backend()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(3, 4))
+    (region,) = backend.regions
+    statics = [g for g in region.inputs if g.static]
+    assert len(statics) == 6 and not any(g.number for g in region.inputs)
+    moving = [g for g in region.inputs if not g.static]
+    assert len(moving) == 1
+    run = region.runs[next(iter(region.runs))]
+    bound = {id(t) for t in list(run.module.parameters()) + list(run.module.buffers())}
+    # Eval-mode batch norm reads every buffer but its batch count.
+    read = [t for name, t in list(model.named_parameters()) + list(model.named_buffers())
+            if not name.endswith("num_batches_tracked")]
+    assert bound == {id(t) for t in read}
+    assert run.module.tensor_positions == [region.inputs.index(moving[0])]
+
+
+def test_three_batch_sizes_are_three_prepared_signatures():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    backend, requests = _backend()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for batch in (1, 8, 32, 8, 1):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    # Dynamo compiles the first shape static, then one graph for dynamic shapes, which gets a
+    # prepared graph per concrete shape.
+    assert [(r.dynamic, r.prepared) for r in backend.regions] == [(False, 1), (True, 2)]
+    assert sorted(tuple(r.args[i].shape[0] for i, g in enumerate(r.inputs)
+                        if not g.static and not g.number) for r in requests.seen) == \
+        [(1,), (8,), (32,)]
+
+
+def test_past_max_shapes_a_dynamic_graph_is_refused_or_falls_back_counted(caplog):
+    model = torch.nn.Linear(8, 8).eval()
+    backend, _ = _backend()
+    compiled = torch.compile(model, backend=backend, dynamic=True, options={"max_shapes": 2})
+    # (Dynamo specializes a size of 1 even with dynamic=True: batches from 2 share a graph.)
+    with torch.no_grad():
+        compiled(torch.randn(2, 8))
+        compiled(torch.randn(3, 8))
+        with pytest.raises(InputError, match="more than 2 signatures"):
+            compiled(torch.randn(4, 8))
+
+    torch._dynamo.reset()
+    backend, _ = _backend()
+    compiled = torch.compile(model, backend=backend, dynamic=True,
+                             options={"max_shapes": 2, "fallback": True})
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="nimble"):
+        for batch in (2, 3, 4, 4):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert backend.fallbacks == 1
+    assert [r.prepared for r in backend.regions] == [2]
+    assert sum("without a Nimble graph" in r.message for r in caplog.records) == 1
+
+
+def test_a_prepare_failure_raises_its_typed_error_unless_fallback_is_asked_for():
+    model = torch.nn.Linear(4, 4).eval()
+    backend, _ = _backend(fail=CaptureError("the forward synchronises with the host"))
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad(), pytest.raises(CaptureError, match="synchronises") as caught:
+        compiled(torch.randn(2, 4))
+    assert any("fallback" in note for note in getattr(caught.value, "__notes__", [""]))
+
+    torch._dynamo.reset()
+    backend, requests = _backend(fail=CaptureError("the forward synchronises with the host"))
+    compiled = torch.compile(model, backend=backend, options={"fallback": True})
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+        compiled(x)
+    assert backend.fallbacks == 1 and len(requests.seen) == 1
+
+
+def test_a_reassigned_parameter_is_rebound_and_an_in_place_update_read_as_it_is():
+    model = torch.nn.Linear(4, 4).eval()
+    backend, requests = _backend()
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        compiled(x)
+        model.weight.mul_(2)  # in place: the bound tensor is the model's
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+        model.weight = torch.nn.Parameter(torch.randn(4, 4))
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    (region,) = backend.regions
+    run = region.runs[next(iter(region.runs))]
+    assert any(p is model.weight for p in run.module.parameters())
+    assert len(requests.seen) == 1, "a re-assigned weight of the same shape is followed"
+
+
+def test_a_call_under_grad_records_a_training_step_whose_gradients_reach_the_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 2))
+    reference.load_state_dict(model.state_dict())
+    backend, requests = _backend()
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(3, 4)
+    compiled(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert [r.training for r in requests.seen] == [True]
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+# ---- a region alone ---------------------------------------------------------------------------
+
+def _region(inputs, dynamic, prepare, **options):
+    return Region("0/0", lambda *args: args, inputs, dynamic, parse_options(options), prepare)
+
+
+def test_a_static_region_prepares_once_and_then_skips_the_signature():
+    requests = Requests()
+    weight = torch.nn.Parameter(torch.ones(2))
+    region = _region([GraphInput("w", True, False), GraphInput("x", False, False)], False,
+                     requests)
+    for _ in range(3):
+        region(weight, torch.zeros(2))
+    assert len(requests.seen) == 1 and region._only is not None
+
+
+def test_a_dynamic_region_keys_on_shapes_and_numbers():
+    requests = Requests()
+    region = _region([GraphInput("s0", False, True), GraphInput("x", False, False)], True,
+                     requests)
+    for n in (2, 3, 2, 3):
+        region(n, torch.zeros(n))
+    region(4, torch.zeros(3))  # the same tensor shape with another number
+    assert len(requests.seen) == 3 and region.prepared == 3
+
+
+def test_a_host_tensor_among_device_tensors_is_refused_before_prepare():
+    requests = Requests()
+    region = _region([GraphInput("x", False, False), GraphInput("scale", False, False)], False,
+                     requests)
+    with pytest.raises(InputError, match=r"\.item\(\)"):
+        region(torch.zeros(2, device="meta"), torch.tensor(2.0))
+    assert not requests.seen
+
+
+def test_a_frozen_tensor_that_requires_grad_but_is_no_parameter_is_refused_for_training():
+    stray = torch.zeros(2, requires_grad=True)
+    with pytest.raises(InputError, match="nn.Parameter"):
+        RegionModule(lambda *a: a, [GraphInput("w", True, False), GraphInput("x", False, False)],
+                     (stray, torch.zeros(2)), training=True)
