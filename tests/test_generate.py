@@ -12,6 +12,7 @@ import torch
 
 from helpers import FIXTURE_DIR
 import nimble.generate as generate_module
+from nimble.cli.decode_loop import compiled_loop
 from nimble.errors import CaptureError, InputError
 from nimble.generate import (DecodeStep, Generator, Limits, library_greedy, pad_right, run_eagerly,
                              unit_in_last_place)
@@ -307,8 +308,13 @@ def test_the_generate_bench_times_every_mode_and_checks_every_sequence(monkeypat
     monkeypatch.setattr(generate_bench, "causal_lm", lambda name, dtype: _tiny("llama"))
     monkeypatch.setattr(generate_bench, "require_gpu", lambda command: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(generate_bench, "_decode_step_shape", lambda generator, batch: {
-        "dag_width": 5, "streams": 4, "tasks": 60, "concurrency": 1.5})
+    monkeypatch.setattr(generate_bench, "_decode_step_shape", lambda generator, batch, *_: {
+        "dag_width": 5, "streams": 4, "tasks": 60, "concurrency": 1.5,
+        "breakdown_text": "stand-in breakdown\n"})
+    # the baseline's loop with its step run as it is (no CUDA graphs on the CPU)
+    monkeypatch.setattr(generate_bench, "compiled_loop", lambda model, length: compiled_loop(
+        model, length, compile=lambda fn, **options: fn))
+    monkeypatch.setattr(generate_bench.decode_bandwidth, "copy_bandwidth", lambda: 4e12)
 
     def eager_generators(model, args, batch):
         return {mode: Generator(model, max(args.prompt_lengths) + args.new_tokens,
@@ -317,10 +323,12 @@ def test_the_generate_bench_times_every_mode_and_checks_every_sequence(monkeypat
     monkeypatch.setattr(generate_bench, "_generators", eager_generators)
     args = argparse.Namespace(models=["llama_small"], dtypes=["float32"], batches=[2],
                               prompt_lengths=[8, 16], new_tokens=6, rounds=2, quiet=True,
-                              json=None, training=False, profiler=False)
+                              json=None, training=False, profiler=False, breakdown=True)
     assert generate_bench.run(args) == 0
     report = capsys.readouterr().out
-    assert "llama_small (float32, batch 2): 6 new tokens" in report
+    assert "llama_small (float32, batch 2): 6 new tokens, (T6 - T3) / 3 per token" in report
+    assert "device copy bandwidth 4.00 TB/s" in report
+    assert "where nimble's decode step spends its time:\nstand-in breakdown" in report
     for mode in generate_bench.MODES:
         assert f"\n{mode} " in report, report
     info = generate_bench.bench_generate("llama_small", args, "float32", 2)
@@ -332,6 +340,17 @@ def test_the_generate_bench_times_every_mode_and_checks_every_sequence(monkeypat
         assert row["mismatch"] == {"sequences": 0, "first_token": None, "near_ties": 0,
                                    "margins_ulp": []}
     assert info["modes"]["static+compile"]["x_compiled"] == 1.0
+    assert info["modes"]["compiled loop"]["x_loop"] == 1.0
+    # every row's bandwidth is the same bytes over its own time
+    needed = info["bytes"]
+    assert needed["weights"] == sum(p.numel() * 4 for p in _tiny("llama").parameters())
+    assert needed["slots_read"] == 8 + (3 + 6 - 1) / 2
+    for row in info["modes"].values():
+        if row["token_ms_median"] > 0:
+            assert row["bandwidth"]["bytes_per_s"] == pytest.approx(
+                needed["per_step"] / (row["token_ms_median"] / 1e3))
+            assert row["bandwidth"]["of_copy"] == pytest.approx(
+                row["bandwidth"]["bytes_per_s"] / 4e12)
     info["modes"]["nimble"]["mismatch"] = {"sequences": 1, "first_token": 20, "near_ties": 1}
     assert generate_bench._status(generate_bench.Outcome(results=[info])) == 0
     info["modes"]["nimble"]["mismatch"] = {"sequences": 2, "first_token": 20, "near_ties": 1}

@@ -84,9 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ones prepared after it (issue 36)")
     p.add_argument("--generate", action="store_true",
                    help="time greedy decoding of causal LMs (gpt2, gpt2_tiny, llama_small, "
-                        "llama_1b; default gpt2 llama_1b) at batch 1 and 8: transformers' eager "
-                        "and compiled static-cache generate against Nimble on eager and "
-                        "Inductor's kernels (issue 37)")
+                        "llama_1b, llama3_1b; default gpt2 llama_1b) at batch 1 and 8: a tight "
+                        "loop over a compiled step (the baseline), transformers' eager and "
+                        "compiled static-cache generate against Nimble on eager and Inductor's "
+                        "kernels, with the bandwidth each gets (issues 37, 53)")
     add_generate_arguments(p)
     p.add_argument("--json", metavar="FILE",
                    help="write every number to FILE as JSON ('-': stdout; the text report then "

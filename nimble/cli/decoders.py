@@ -4,7 +4,9 @@ weights, no downloads; needs ``transformers``).
 ``gpt2`` is ``GPT2Config()``'s 124M-parameter GPT-2; ``gpt2_tiny`` a 4-layer one for quick tests;
 ``llama_small`` the Llama-architecture model of ``tools/record_fixture.py``'s fixtures;
 ``llama_1b`` a Llama of about 0.85B parameters (hidden 2048, 16 layers, grouped-query attention
-with 8 key-value heads of 64).
+with 8 key-value heads of 64); ``llama3_1b`` Llama-3.2-1B's shape (the same attention, an MLP of
+8192, a vocabulary of 128256 and the embedding tied to the language-model head), the model the
+issue "Decoding near the memory-bandwidth limit" sets its targets on.
 """
 from __future__ import annotations
 
@@ -15,10 +17,17 @@ LLAMA_SMALL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers
 #: A Llama of about 0.85B parameters.
 LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000}
+#: Llama-3.2-1B's shape: its published config's sizes, with the token embedding and the
+#: language-model head one tensor (so a decode step reads that table once, in the head).
+LLAMA3_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+             "tie_word_embeddings": True}
 #: A GPT-2 small enough for quick decoding tests.
 GPT2_TINY = {"n_layer": 4, "n_embd": 256, "n_head": 4}
 #: The names :func:`causal_lm` builds.
-CAUSAL_LMS = ("gpt2", "gpt2_tiny", "llama_small", "llama_1b")
+CAUSAL_LMS = ("gpt2", "gpt2_tiny", "llama_small", "llama_1b", "llama3_1b")
+#: The Llama-architecture configs by name.
+LLAMAS = {"llama_small": LLAMA_SMALL, "llama_1b": LLAMA_1B, "llama3_1b": LLAMA3_1B}
 
 
 def config_of(name: str):
@@ -27,8 +36,8 @@ def config_of(name: str):
 
     if name in ("gpt2", "gpt2_tiny"):
         return transformers.GPT2Config(**(GPT2_TINY if name == "gpt2_tiny" else {}))
-    if name in ("llama_small", "llama_1b"):
-        return transformers.LlamaConfig(**(LLAMA_1B if name == "llama_1b" else LLAMA_SMALL))
+    if name in LLAMAS:
+        return transformers.LlamaConfig(**LLAMAS[name])
     raise ValueError(f"no causal LM {name!r}; there are {', '.join(CAUSAL_LMS)}")
 
 

@@ -1,20 +1,31 @@
 """``nimble bench --generate``: greedy decoding of a causal LM, Nimble against transformers.
 
-Per model (:mod:`nimble.cli.decoders`), dtype and batch size, four modes generate the same
+Per model (:mod:`nimble.cli.decoders`), dtype and batch size, five modes generate the same
 greedy tokens from the same random prompts:
 
+- ``compiled loop``, the baseline: the strongest stock-PyTorch decoding, gpt-fast's tight loop
+  over one ``torch.compile(step, mode="reduce-overhead", fullgraph=True)`` forward per token
+  with a ``StaticCache`` and the argmax on the GPU (:mod:`nimble.cli.decode_loop`);
 - ``eager generate``: ``model.generate(do_sample=False)`` with its default (dynamic) cache;
 - ``static+compile``: ``generate(cache_implementation="static")``, for which transformers
-  compiles the decoding forward (``torch.compile``, mode ``"reduce-overhead"``: CUDA graphs);
+  compiles the decoding forward (``torch.compile``, mode ``"reduce-overhead"``: CUDA graphs),
+  with ``generate()``'s own host work per token;
 - ``nimble``: a :class:`nimble.generate.Generator` on the model's eager kernels;
 - ``nimble+inductor``: the same on ``torch.compile(step)``'s kernels (default mode).
 
-Each round times, per mode, a generation of one new token (the prefill, and the argmax) and one
-of ``--new-tokens`` tokens, on prompts of the first ``--prompt-lengths``; a token's decode
-latency is their difference over ``--new-tokens - 1`` tokens (the median and p90 over
-``--rounds`` rounds), tokens/s the batch over it.  The prefill latency of every prompt length is
-the one-token generation's time.  Every time includes the host's work, the point of the
+Each round times, per mode, a generation of one new token (the prefill, and the argmax), one of
+:func:`timed_span`'s short count (16 tokens) and one of ``--new-tokens`` tokens (64), on
+prompts of the first ``--prompt-lengths``; a token's decode latency is the long generation's
+time less the short one's over the tokens between them ((T64 - T16) / 48, issue 53's method:
+the prefill and the first steps' ramp cancel out), the median and p90 over ``--rounds``
+rounds; tokens/s is the batch over it.  The prefill latency of every prompt length is the
+one-token generation's time.  Every time includes the host's work, the point of the
 comparison, between ``torch.cuda.synchronize()`` calls.
+
+The bandwidth columns (:mod:`nimble.cli.decode_bandwidth`): the bytes a decode step must read
+(every weight once, and the keys and values of the cache slots it attends to, averaged over
+the timed tokens) over its time, and that over the device's bandwidth in a 1 GiB
+device-to-device copy measured once per process.
 
 Every generated sequence is checked against transformers' greedy tokens with a static cache and
 eager kernels (:func:`nimble.generate.library_greedy`), and a sequence that departs from them is
@@ -36,7 +47,9 @@ import statistics
 import time
 from typing import Callable
 
+from . import decode_bandwidth
 from .common import Fail, one_line, positive_int, require_gpu
+from .decode_loop import compiled_loop
 from .decoders import CAUSAL_LMS, causal_lm
 from .harness import Case, Column, Outcome, format_table, run_cases, write_results
 from .output import outputs
@@ -47,8 +60,12 @@ from ..progress import say
 #: differ by about one unit (docs/inference.md), so a choice that close is rounding's, not the
 #: graph's.
 TIE_ULPS = 8
+#: The baseline every mode's speed is held against (issue 53).
+BASELINE = "compiled loop"
 #: The modes, in table order.
-MODES = ("eager generate", "static+compile", "nimble", "nimble+inductor")
+MODES = (BASELINE, "eager generate", "static+compile", "nimble", "nimble+inductor")
+#: The short generation whose time the long one's less is the decode time (issue 53: 16 of 64).
+SHORT_TOKENS = 16
 #: The mode whose kernels are the reference's own: its tokens must equal the reference's.
 EXACT = "nimble"
 DEFAULT_MODELS = ["gpt2", "llama_1b"]
@@ -64,7 +81,12 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-lengths", type=parse_lengths, default=[128, 512], metavar="N,N",
                    help="--generate: prompt lengths, one prefill bucket each (default 128,512)")
     p.add_argument("--new-tokens", type=positive_int, default=64,
-                   help="--generate: tokens generated per sequence (default 64)")
+                   help="--generate: tokens generated per sequence (default 64; a token's "
+                        "time is (T(N) - T(16)) / (N - 16))")
+    p.add_argument("--breakdown", action="store_true",
+                   help="--generate: print where each Nimble decode step's time goes (busy, "
+                        "gaps between dependent kernels, each kernel's bandwidth, concurrency; "
+                        "always in --json)")
 
 
 def _seconds(fn: Callable[[], object]) -> float:
@@ -119,17 +141,43 @@ def _generators(model, args, batch: int) -> dict:
     return made
 
 
-def _decode_step_shape(generator, batch: int) -> dict:
-    """The decode step's DAG width, streams and achieved concurrency (None if the trace
-    failed, with its error)."""
+def _decode_step_shape(generator, batch: int, needed=None, info: dict | None = None,
+                       args=None) -> dict:
+    """The decode step's DAG width, streams and achieved concurrency, and where its time goes
+    (:func:`nimble.debug.breakdown.step_breakdown`, held against the copy bandwidth in
+    ``info``), from one trace at the timed tokens' middle position (None and the trace's error
+    where it failed)."""
+    import torch
+
+    from ..debug.breakdown import format_breakdown, step_breakdown
+
     decode, _ = generator.steps(batch)
     shape = {"dag_width": decode.schedule.width, "streams": len(decode.schedule.streams),
              "tasks": len(decode.graph.tasks), "concurrency": None}
     try:
-        shape["concurrency"] = decode.trace().summary()["phases"][0]["concurrency"]
+        device = next(generator.model.parameters()).device
+        at = int(needed.slots_read) - 1 if needed else generator.decode_position
+        timeline = decode.trace(torch.ones((batch, 1), dtype=torch.long, device=device),
+                                torch.full((1,), at, dtype=torch.long, device=device))
+        shape["concurrency"] = timeline.summary()["phases"][0]["concurrency"]
+        broken = step_breakdown(timeline, decode.graph,
+                                copy_bytes_per_s=(info or {}).get("copy_bytes_per_s"))
+        shape["breakdown"] = broken.summary()
+        shape["breakdown_text"] = format_breakdown(broken)
     except Exception as e:  # noqa: BLE001 - the timings stand without it
         shape["trace_error"] = one_line(e)
     return shape
+
+
+def _breakdown_text(info: dict) -> str:
+    """Each Nimble mode's decode-step breakdown, where ``--breakdown`` asked for it."""
+    if not info.get("show_breakdown"):
+        return ""
+    out = []
+    for mode, shape in info.get("decode_step", {}).items():
+        text = shape.get("breakdown_text") or f"(no trace: {shape.get('trace_error')})\n"
+        out.append(f"where {mode}'s decode step spends its time:\n{text}")
+    return "".join(out).rstrip("\n")
 
 
 def _mismatches(got, want, logits=None, dtype=None) -> dict:
@@ -165,23 +213,51 @@ def wrong_sequences(mismatch: dict) -> int:
     return mismatch["sequences"] - mismatch.get("near_ties", 0)
 
 
+def timed_span(new: int) -> tuple[int, int]:
+    """``(short, long)``: the generations whose time difference over ``long - short`` tokens is
+    the per-token decode time, ``(16, new)`` for ``new`` above 16 (the issue's (T64 - T16) /
+    48), else ``(new // 2, new)``.  ``new`` is at least 2."""
+    return (SHORT_TOKENS if new > SHORT_TOKENS else new // 2), new
+
+
 def _time_mode(run: Callable, prompts: dict, new: int, rounds: int) -> dict:
-    """Prefill seconds per prompt length and per-token decode seconds of ``run(ids, new)``."""
+    """Prefill seconds per prompt length and per-token decode seconds of ``run(ids, new)``
+    (:func:`timed_span`)."""
     decode_ids = prompts[min(prompts)]
+    short, long = timed_span(new)
     # warm-up: compilation, CUDA graph recording, the allocator
     for ids in [prompts[n] for n in sorted(prompts, reverse=True)] + [decode_ids]:
         run(ids, 1)
-        run(ids, new)
+        run(ids, long)
     per_token, prefill = [], {n: [] for n in prompts}
     for _ in range(rounds):
-        one, full = _seconds(lambda: run(decode_ids, 1)), _seconds(lambda: run(decode_ids, new))
-        per_token.append((full - one) / (new - 1))
+        few = _seconds(lambda: run(decode_ids, short))
+        many = _seconds(lambda: run(decode_ids, long))
+        per_token.append((many - few) / (long - short))
         for n, ids in prompts.items():
             prefill[n].append(_seconds(lambda ids=ids: run(ids, 1)))
     ordered = sorted(per_token)
     return {"token_ms_median": 1e3 * statistics.median(ordered),
             "token_ms_p90": 1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+            "timed_tokens": [short, long],
             "prefill_ms": {str(n): 1e3 * statistics.median(v) for n, v in prefill.items()}}
+
+
+def step_bytes(model, cache, prompt: int, new: int) -> decode_bandwidth.StepBytes:
+    """What a decode step of the timed tokens must read, from ``model``'s weights and an
+    initialized static ``cache`` of the bench's batch."""
+    return decode_bandwidth.StepBytes(decode_bandwidth.weight_bytes(model),
+                                      decode_bandwidth.kv_bytes_per_slot(cache),
+                                      decode_bandwidth.mean_slots_read(prompt, *timed_span(new)))
+
+
+def _copy_bandwidth(args) -> float | None:
+    """The device's copy bandwidth (bytes/s), measured once; None on a failure, said."""
+    try:
+        return decode_bandwidth.copy_bandwidth()
+    except Exception as e:  # noqa: BLE001 - the timings stand without it
+        say(f"bench --generate: no copy bandwidth ({one_line(e)})", args.quiet, "bench")
+        return None
 
 
 def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
@@ -204,24 +280,34 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
     decode_ids = prompts[min(prompts)]
     info: dict = {"model": name, "dtype": dtype, "batch": batch, "new_tokens": args.new_tokens,
                   "prompt_lengths": list(args.prompt_lengths), "rounds": args.rounds,
-                  "modes": {}}
+                  "baseline": BASELINE, "modes": {},
+                  "show_breakdown": bool(getattr(args, "breakdown", False))}
     cache_len = _cache_len(args)
     step("the reference: transformers' greedy tokens, static cache, eager kernels")
+    reference_cache = _static_cache(model, cache_len)
     want, want_logits = library_greedy(model, decode_ids, args.new_tokens,
-                                       cache=_static_cache(model, cache_len), with_logits=True)
+                                       cache=reference_cache, with_logits=True)
+    needed = step_bytes(model, reference_cache, min(prompts), args.new_tokens)
+    info["bytes"] = {"weights": needed.weights, "kv_per_slot": needed.kv_per_slot,
+                     "slots_read": needed.slots_read, "per_step": needed.total}
+    info["copy_bytes_per_s"] = _copy_bandwidth(args)
     step("preparing the Nimble generators (eager kernels, Inductor's)")
     generators = _generators(model, args, batch)
     try:
-        runs = {"eager generate": _library_generate(model, False, cache_len),
+        runs = {BASELINE: compiled_loop(model, cache_len),
+                "eager generate": _library_generate(model, False, cache_len),
                 "static+compile": _library_generate(model, True, cache_len),
                 **{mode: g if isinstance(g, str) else g.generate
                    for mode, g in generators.items()}}
         for mode in MODES:
             step(f"timing {mode}")
-            info["modes"][mode] = _mode_row(runs[mode], prompts, args, batch, want,
-                                            want_logits, model.dtype)
+            row = info["modes"][mode] = _mode_row(runs[mode], prompts, args, batch, want,
+                                                  want_logits, model.dtype)
+            if "error" not in row:
+                row["bandwidth"] = decode_bandwidth.used(needed, row["token_ms_median"],
+                                                         info["copy_bytes_per_s"])
         step("tracing the decode steps")
-        info["decode_step"] = {mode: _decode_step_shape(g, batch)
+        info["decode_step"] = {mode: _decode_step_shape(g, batch, needed, info, args)
                                for mode, g in generators.items() if not isinstance(g, str)}
     finally:
         for generator in generators.values():
@@ -247,23 +333,57 @@ def _mode_row(run: Callable | str, prompts: dict, args, batch: int, want,
     return row
 
 
+#: Each speedup key and the mode it holds a row's tokens/s against.
+SPEEDUPS = {"x_loop": BASELINE, "x_compiled": "static+compile", "x_eager": "eager generate"}
+
+
 def _add_speedups(modes: dict) -> None:
-    """Each timed mode's tokens/s over static+compile's and eager generate's (None where that
-    mode has no time)."""
+    """Each timed mode's tokens/s over the compiled loop's, static+compile's and eager
+    generate's (None where that mode has no time)."""
     def rate(mode: str):
         return modes.get(mode, {}).get("tokens_per_s")
     for row in modes.values():
         if "tokens_per_s" in row:
-            row["x_compiled"], row["x_eager"] = (
-                row["tokens_per_s"] / base if base else None
-                for base in (rate("static+compile"), rate("eager generate")))
+            for key, mode in SPEEDUPS.items():
+                base = rate(mode)
+                row[key] = row["tokens_per_s"] / base if base else None
 
 
 def _columns(lengths: list[int]) -> list[Column]:
     return [Column("mode", 17, left=True), Column("ms/token", 10), Column("p90", 8),
-            Column("tokens/s", 10), Column("x comp", 8), Column("x eager", 8),
-            *(Column(f"prefill {n}", 12) for n in lengths), Column("differ", 11),
+            Column("tokens/s", 10), Column("x loop", 8), Column("x comp", 8),
+            Column("x eager", 8), *(Column(f"prefill {n}", 12) for n in lengths),
+            Column("TB/s", 6), Column("% copy", 7), Column("differ", 11),
             Column("width", 7), Column("streams", 8), Column("conc", 6)]
+
+
+def _row(mode: str, r: dict, lengths: list[int], shape: dict | None) -> list[str]:
+    used = r.get("bandwidth") or {}
+    rate, share = used.get("bytes_per_s"), used.get("of_copy")
+    return [mode, f"{r['token_ms_median']:.3f}", f"{r['token_ms_p90']:.3f}",
+            f"{r['tokens_per_s']:.0f}", _ratio(r.get("x_loop")), _ratio(r.get("x_compiled")),
+            _ratio(r.get("x_eager")), *(f"{r['prefill_ms'][str(n)]:.2f}" for n in lengths),
+            "" if rate is None else f"{rate / 1e12:.2f}",
+            "" if share is None else f"{100 * share:.0f}%", _differ(r["mismatch"]),
+            *((str(shape["dag_width"]), str(shape["streams"]), _ratio(shape["concurrency"]))
+              if shape else ("", "", ""))]
+
+
+def _header(info: dict) -> list[str]:
+    """The case's title, and what its bandwidth columns are measured against."""
+    short, long = timed_span(info["new_tokens"])
+    lines = [f"{info['model']} ({info['dtype']}, batch {info['batch']}): "
+             f"{info['new_tokens']} new tokens, (T{long} - T{short}) / {long - short} per "
+             f"token, median of {info['rounds']} rounds; baseline: {BASELINE}"]
+    needed, copy = info.get("bytes"), info.get("copy_bytes_per_s")
+    if needed:
+        lines.append(f"a decode step reads {needed['per_step'] / 1e9:.3f} GB: weights "
+                     f"{needed['weights'] / 1e9:.3f} GB, keys and values "
+                     f"{needed['kv_per_slot'] * needed['slots_read'] / 1e9:.4f} GB "
+                     f"({needed['slots_read']:.1f} slots); device copy bandwidth "
+                     + ("not measured" if not copy else f"{copy / 1e12:.2f} TB/s "
+                        "(1 GiB device-to-device, read + write)"))
+    return lines
 
 
 def format_result(info: dict) -> str:
@@ -274,24 +394,21 @@ def format_result(info: dict) -> str:
         if "error" in r:
             failed.append(f"{mode}: FAILED: {r['error']}")
             continue
-        shape = info.get("decode_step", {}).get(mode)
-        rows.append([mode, f"{r['token_ms_median']:.3f}", f"{r['token_ms_p90']:.3f}",
-                     f"{r['tokens_per_s']:.0f}", _ratio(r["x_compiled"]), _ratio(r["x_eager"]),
-                     *(f"{r['prefill_ms'][str(n)]:.2f}" for n in lengths),
-                     _differ(r["mismatch"]),
-                     *((str(shape["dag_width"]), str(shape["streams"]),
-                        _ratio(shape["concurrency"])) if shape else ("", "", ""))])
-    head = (f"{info['model']} ({info['dtype']}, batch {info['batch']}): "
-            f"{info['new_tokens']} new tokens, median of {info['rounds']} rounds")
-    legend = ("ms/token, p90: decode latency per token (a generation of N tokens less one of 1 "
-              "token, over N-1); tokens/s: batch / ms per token; x comp, x eager: tokens/s over "
-              "static+compile's, eager generate's; prefill N: ms of a one-token generation from "
-              "N prompt tokens; differ: sequences whose tokens differ from transformers' greedy "
+        rows.append(_row(mode, r, lengths, info.get("decode_step", {}).get(mode)))
+    legend = ("ms/token, p90: decode latency per token (a generation of N tokens less one of "
+              "S tokens, over N-S); tokens/s: batch / ms per token; x loop, x comp, x eager: "
+              f"tokens/s over {BASELINE}'s (the baseline), static+compile's, eager generate's; "
+              "prefill N: ms of a one-token generation from N prompt tokens; TB/s: the bytes "
+              "a decode step must read (weights once, the keys and values it attends to) per "
+              "second of ms/token; % copy: that over the device's copy bandwidth; "
+              "differ: sequences whose tokens differ from transformers' greedy "
               "tokens (static cache, eager kernels), (k tie): k of them first depart where "
               f"the reference's margin is at most {TIE_ULPS} units in the last place; width: "
               "the decode step's DAG width; streams: its streams; conc: its achieved "
               "concurrency (nm.trace())")
-    return "\n".join([head, format_table(_columns(lengths), rows, legend), *failed])
+    out = [*_header(info), format_table(_columns(lengths), rows, legend), *failed]
+    out += [text for text in (_breakdown_text(info),) if text]
+    return "\n".join(out)
 
 
 def _differ(mismatch: dict) -> str:

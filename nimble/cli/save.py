@@ -20,7 +20,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help=model_help("the model to prepare and save")
-                   + "; with --generate, a causal LM (gpt2, gpt2_tiny, llama_small, llama_1b)")
+                   + "; with --generate, a causal LM (gpt2, gpt2_tiny, llama_small, llama_1b, "
+                     "llama3_1b)")
     p.add_argument("-o", "--output", metavar="FILE", default=None,
                    help="where to write the saved graph (default MODEL-DTYPE-bBATCH.nimble)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",

@@ -1,0 +1,248 @@
+"""Where a step's time goes (issue 53): a measured timeline (:func:`nimble.Nimble.trace`) read
+against the recording's bytes.
+
+A batch-1 decode step is memory-bound: the GPU's job is to stream the weights once.  Its time
+splits into kernels running and the gaps between dependent kernels, when nothing streams.
+:func:`step_breakdown` says, for one phase of a :class:`~nimble.debug.timeline.Timeline`:
+
+- **busy** time (some task running: the union of the tasks' spans) and **idle** time (none);
+- the **gaps between dependent tasks**: each task's start less the end of the predecessor it
+  waited for last (stream order, syncs and late edges: what the run enforced), over every
+  dependent boundary and along the executed critical path, where they add up to the makespan's
+  part that no kernel of the path fills;
+- each kernel's **bytes and bandwidth while it runs**: the bytes its recorded accesses name
+  (byte ranges of each buffer, overlaps counted once; the weights a GEMM reads, the cache an
+  attention reads), over its measured time, against the device's copy bandwidth where given.
+  A kernel's accesses are what its op's schema names: an embedding lookup names its whole
+  table and reads a row, so its rate is an upper bound (marked where above the copy rate);
+- the **achieved concurrency** (task time over makespan), and the step's unique weight bytes
+  over its makespan: the bandwidth the step as a whole gets out of the weights it streams.
+
+Plain data, no GPU: the CPU tests run it on recorded fixtures with simulated times.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
+from .timeline import Timeline, _union_length, executed_critical_path
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Count, total and quantiles (µs) of a set of durations."""
+
+    count: int
+    total_us: float
+    median_us: float
+    p90_us: float
+    max_us: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Spread":
+        if not values:
+            return cls(0, 0.0, 0.0, 0.0, 0.0)
+        ordered = sorted(values)
+        return cls(len(ordered), sum(ordered), statistics.median(ordered),
+                   ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], ordered[-1])
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    """One task's measured time and the bytes its accesses name."""
+
+    task: int
+    name: str
+    us: float
+    weight_bytes: int  # of parameter buffers
+    bytes: int  # every buffer it touches, weights and state included
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        return self.bytes / (self.us / 1e6) if self.us > 0 else None
+
+
+@dataclass(frozen=True)
+class NameGroup:
+    """The tasks of one kernel name, together."""
+
+    name: str
+    count: int
+    us: float
+    bytes: int
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        return self.bytes / (self.us / 1e6) if self.us > 0 else None
+
+
+@dataclass
+class StepBreakdown:
+    """One phase's time, gaps, bytes and concurrency (:func:`step_breakdown`)."""
+
+    tasks: int
+    makespan_us: float
+    busy_us: float  # some task running
+    work_us: float  # the tasks' times summed
+    gaps: Spread  # start less the ready time, over every task with a predecessor
+    path_tasks: int
+    path_busy_us: float
+    path_gaps: Spread  # between consecutive tasks of the executed critical path
+    weight_bytes: int  # unique bytes of parameter buffers the phase touches
+    step_bytes: int  # unique bytes of every buffer it touches
+    kernels: list[KernelTime] = field(default_factory=list)
+    copy_bytes_per_s: float | None = None
+
+    @property
+    def idle_us(self) -> float:
+        return self.makespan_us - self.busy_us
+
+    @property
+    def concurrency(self) -> float:
+        return self.work_us / self.makespan_us if self.makespan_us > 0 else 0.0
+
+    @property
+    def weights_per_s(self) -> float | None:
+        """The weights' bytes over the makespan: the rate the step streams them at."""
+        return self.weight_bytes / (self.makespan_us / 1e6) if self.makespan_us > 0 else None
+
+    def of_copy(self, rate: float | None) -> float | None:
+        return rate / self.copy_bytes_per_s if rate is not None and self.copy_bytes_per_s \
+            else None
+
+    def groups(self) -> list[NameGroup]:
+        """The kernels grouped by name, the most time first."""
+        by: dict[str, list[KernelTime]] = {}
+        for k in self.kernels:
+            by.setdefault(k.name, []).append(k)
+        groups = [NameGroup(name, len(ks), sum(k.us for k in ks), sum(k.bytes for k in ks))
+                  for name, ks in by.items()]
+        return sorted(groups, key=lambda g: -g.us)
+
+    def summary(self, top: int = 10) -> dict:
+        """The numbers as JSON-ready data, with the ``top`` kernel names by time."""
+        spread = lambda s: {"count": s.count, "total_us": s.total_us,  # noqa: E731
+                            "median_us": s.median_us, "p90_us": s.p90_us, "max_us": s.max_us}
+        return {
+            "tasks": self.tasks, "makespan_us": self.makespan_us, "busy_us": self.busy_us,
+            "idle_us": self.idle_us, "work_us": self.work_us, "concurrency": self.concurrency,
+            "gaps": spread(self.gaps), "path_tasks": self.path_tasks,
+            "path_busy_us": self.path_busy_us, "path_gaps": spread(self.path_gaps),
+            "weight_bytes": self.weight_bytes, "step_bytes": self.step_bytes,
+            "weights_per_s": self.weights_per_s,
+            "weights_of_copy": self.of_copy(self.weights_per_s),
+            "copy_bytes_per_s": self.copy_bytes_per_s,
+            "by_name": [{"name": g.name, "count": g.count, "us": g.us, "bytes": g.bytes,
+                         "bytes_per_s": g.bytes_per_s, "of_copy": self.of_copy(g.bytes_per_s)}
+                        for g in self.groups()[:top]]}
+
+
+def _ranges_length(ranges: list[tuple[int, int]]) -> int:
+    """Bytes covered by ``[start, end)`` ranges, overlaps once."""
+    total, reach = 0, None
+    for b, e in sorted(ranges):
+        if reach is not None and e <= reach:
+            continue
+        total += e - (b if reach is None else max(b, reach))
+        reach = e
+    return total
+
+
+def touched_bytes(graph: TaskGraph, tasks, kinds: frozenset[str] | None = None) -> int:
+    """Unique bytes the accesses of ``tasks`` (ids) name, in buffers of ``kinds`` (every kind
+    when None); a range named twice counts once."""
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    for t in tasks:
+        for a in graph.tasks[t].accesses:
+            if kinds is None or graph.buffers[a.buffer].kind in kinds:
+                ranges.setdefault(a.buffer, []).append((a.offset, a.end))
+    return sum(_ranges_length(r) for r in ranges.values())
+
+
+_WEIGHTS = frozenset({BufferKind.PARAM})
+
+
+def _kernel_times(graph: TaskGraph, times, span: range) -> list[KernelTime]:
+    out = []
+    for t in span:
+        task = graph.tasks[t]
+        if task.kind != TaskKind.KERNEL:
+            continue
+        out.append(KernelTime(t, task.short_name or task.name, times[t][1] - times[t][0],
+                              touched_bytes(graph, [t], _WEIGHTS), touched_bytes(graph, [t])))
+    return out
+
+
+def _waits(timeline: Timeline, span: range) -> dict[int, float]:
+    """Per task of ``span`` with a predecessor there: its start less its last predecessor's
+    end."""
+    times = timeline.times
+    ready: dict[int, float] = {}
+    for u, v in timeline.edges():
+        if u in span and v in span:
+            ready[v] = max(ready.get(v, float("-inf")), times[u][1])
+    return {v: times[v][0] - r for v, r in ready.items()}
+
+
+def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: int = 0,
+                   copy_bytes_per_s: float | None = None) -> StepBreakdown:
+    """Phase ``phase`` of a measured ``timeline`` broken down (see the module's text), its bytes
+    read from ``graph`` (the recording the timeline ran: ``nm.graph``; the timeline's own by
+    default), held against ``copy_bytes_per_s`` where given."""
+    graph = graph if graph is not None else timeline.graph
+    if len(graph.tasks) != len(timeline.times):
+        raise ValueError(f"the graph has {len(graph.tasks)} tasks and the timeline "
+                         f"{len(timeline.times)}: give the graph the timeline measured")
+    spans = timeline.phases()
+    if not 0 <= phase < len(spans) or not len(spans[phase]):
+        raise ValueError(f"no phase {phase} with tasks in the timeline ({len(spans)} phases)")
+    span, times = spans[phase], timeline.times
+    begin = min(times[t][0] for t in span)
+    makespan = max(times[t][1] for t in span) - begin
+    waits = _waits(timeline, span)
+    path = executed_critical_path(timeline.schedule, times, span, timeline.late_edges)
+    path_gaps = [times[v][0] - times[u][1] for u, v in zip(path, path[1:])]
+    return StepBreakdown(
+        tasks=len(span), makespan_us=makespan,
+        busy_us=_union_length([times[t] for t in span]),
+        work_us=sum(times[t][1] - times[t][0] for t in span),
+        gaps=Spread.of(list(waits.values())), path_tasks=len(path),
+        path_busy_us=sum(times[t][1] - times[t][0] for t in path),
+        path_gaps=Spread.of(path_gaps),
+        weight_bytes=touched_bytes(graph, span, _WEIGHTS), step_bytes=touched_bytes(graph, span),
+        kernels=_kernel_times(graph, times, span), copy_bytes_per_s=copy_bytes_per_s)
+
+
+def _rate(rate: float | None, share: float | None) -> str:
+    if rate is None:
+        return "-"
+    text = f"{rate / 1e9:.0f} GB/s"
+    if share is not None:
+        text += f" ({100 * share:.0f}% of copy" + (", names more than it reads)" if share > 1
+                                                    else ")")
+    return text
+
+
+def format_breakdown(b: StepBreakdown, top: int = 10) -> str:
+    """The text report of a :class:`StepBreakdown`, with the ``top`` kernel names by time."""
+    lines = [
+        f"{b.tasks} tasks in {b.makespan_us:.1f} µs: busy {b.busy_us:.1f} µs, idle "
+        f"{b.idle_us:.1f} µs; achieved concurrency {b.concurrency:.2f}",
+        f"  gaps between dependent tasks: {b.gaps.count}, {b.gaps.total_us:.1f} µs in all, "
+        f"median {b.gaps.median_us:.2f} µs, p90 {b.gaps.p90_us:.2f} µs, max "
+        f"{b.gaps.max_us:.2f} µs",
+        f"  executed critical path: {b.path_tasks} tasks, {b.path_busy_us:.1f} µs busy, "
+        f"{b.path_gaps.total_us:.1f} µs in {b.path_gaps.count} gaps (median "
+        f"{b.path_gaps.median_us:.2f} µs)",
+        f"  weights {b.weight_bytes / 1e6:.1f} MB over the makespan: "
+        f"{_rate(b.weights_per_s, b.of_copy(b.weights_per_s))}; every buffer touched "
+        f"{b.step_bytes / 1e6:.1f} MB"]
+    if b.copy_bytes_per_s:
+        lines.append(f"  at the copy bandwidth ({b.copy_bytes_per_s / 1e12:.2f} TB/s) those "
+                     f"bytes take {b.step_bytes / b.copy_bytes_per_s * 1e6:.1f} µs")
+    lines.append(f"  kernels by time (top {top}): count, µs, MB touched, rate while running")
+    for g in b.groups()[:top]:
+        lines.append(f"    {g.count:4d} x {g.name[:60]:<60} {g.us:8.1f} {g.bytes / 1e6:9.2f}  "
+                     f"{_rate(g.bytes_per_s, b.of_copy(g.bytes_per_s))}")
+    return "\n".join(lines) + "\n"

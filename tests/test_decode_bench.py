@@ -1,0 +1,113 @@
+"""The fair decoding bench's parts without a GPU (issue 53): the bytes a decode step must read,
+the bandwidth arithmetic, the timed span, the Llama-3.2-1B shape, and the compiled loop's
+tokens with its step run as it is (no CUDA graphs on the CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nimble.cli import decode_bandwidth as bw
+from nimble.cli.decode_bandwidth import StepBytes, kv_bytes_per_slot, mean_slots_read, used
+from nimble.cli.generate_bench import timed_span
+
+
+def test_the_timed_span_is_the_issues_64_less_16_and_halves_below_that():
+    assert timed_span(64) == (16, 64) and timed_span(17) == (16, 17)
+    assert timed_span(16) == (8, 16) and timed_span(6) == (3, 6) and timed_span(2) == (1, 2)
+
+
+def test_the_slots_read_are_averaged_over_the_timed_tokens():
+    # tokens 17..64 after 128 prompt tokens come from the steps at positions 143..190, which
+    # read 144..191 slots
+    assert mean_slots_read(128, 16, 64) == pytest.approx(sum(range(144, 192)) / 48)
+    assert mean_slots_read(10, 1, 2) == 11  # token 2: the step at position 10
+    with pytest.raises(ValueError, match="short < long"):
+        mean_slots_read(10, 4, 4)
+
+
+def test_a_steps_bytes_and_the_bandwidth_it_gets():
+    step = StepBytes(weights=2_000_000_000, kv_per_slot=1_000_000, slots_read=100.5)
+    assert step.kv == 100_500_000 and step.total == 2_100_500_000
+    got = used(step, 1.0, 4e12)
+    assert got["bytes_per_s"] == pytest.approx(2.1005e12)
+    assert got["of_copy"] == pytest.approx(2.1005e12 / 4e12)
+    assert used(step, 1.0, None) == {"bytes_per_s": pytest.approx(2.1005e12), "of_copy": None}
+    assert used(step, 0.0, 4e12) == {"bytes_per_s": None, "of_copy": None}
+
+
+def test_the_llama3_1b_shape_has_tied_weights_of_its_published_size():
+    pytest.importorskip("transformers")
+    import transformers
+
+    from nimble.cli.decoders import CAUSAL_LMS, config_of
+
+    config = config_of("llama3_1b")
+    assert "llama3_1b" in CAUSAL_LMS and config.tie_word_embeddings
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.intermediate_size, config.vocab_size) == \
+        (2048, 16, 32, 8, 8192, 128256)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # 1,235,814,400 parameters: each layer's attention (2048 x (2048 + 2 x 512 + 2048)), MLP
+    # (3 x 2048 x 8192) and two norms, the tied table once, the final norm
+    layer = 2048 * (2048 + 2 * 512 + 2048) + 3 * 2048 * 8192 + 2 * 2048
+    assert bw.weight_bytes(model) == 2 * (16 * layer + 128256 * 2048 + 2048)
+
+
+def test_a_static_caches_slot_is_every_layers_keys_and_values():
+    pytest.importorskip("transformers")
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=100)
+    model = transformers.LlamaForCausalLM(config).eval()
+    cache = transformers.StaticCache(config=config, max_cache_len=40)
+    with torch.no_grad():
+        model(input_ids=torch.zeros((5, 1), dtype=torch.long), past_key_values=cache,
+              use_cache=True)
+    # batch 5, 2 key-value heads of 16, float32, keys and values, 3 layers
+    assert kv_bytes_per_slot(cache) == 5 * 2 * 16 * 4 * 2 * 3
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_compiled_loop_gives_the_librarys_greedy_tokens(name):
+    """The loop with its step run as it is: the tokens of ``generate(do_sample=False)`` with a
+    static cache, over two calls on one cache (it is reset between them), per batch size."""
+    pytest.importorskip("transformers")
+    from test_generate import _tiny
+
+    from nimble.cli.decode_loop import compiled_loop
+    from nimble.generate import library_greedy
+
+    model = _tiny(name)
+    compiled = []
+
+    def compile(fn, **options):
+        compiled.append(options)
+        return fn
+    torch.manual_seed(3)
+    for batch in (1, 2):
+        loop = compiled_loop(model, 64, compile=compile)
+        for length in (12, 7):
+            ids = torch.randint(0, 1000, (batch, length))
+            assert torch.equal(loop(ids, 9), library_greedy(model, ids, 9))
+    assert compiled == [{"mode": "reduce-overhead", "fullgraph": True}] * 2
+
+
+def test_the_loops_step_is_one_graph_for_dynamo():
+    """``fullgraph=True`` holds: Dynamo traces the step of this transformers without a break
+    (its eager backend: no compiler on the CPU), and the tokens stay the library's."""
+    pytest.importorskip("transformers")
+    from test_generate import _tiny
+
+    from nimble.cli.decode_loop import compiled_loop
+    from nimble.generate import library_greedy
+
+    torch._dynamo.reset()
+    model = _tiny("llama")
+    loop = compiled_loop(model, 64, compile=lambda fn, **options: torch.compile(
+        fn, backend="eager", fullgraph=options["fullgraph"]))
+    ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(loop(ids, 6), library_greedy(model, ids, 6))
