@@ -34,3 +34,16 @@ def test_the_hidden_share_stays_between_none_and_all():
     assert none["all_reduce_hidden"] == 0.0
     assert "nimble_x_ddp" not in none and "all_reduce_hidden" not in dp_bench.derived(
         _rows(nimble=1.0, nimble_local=1.0), 2, 8)
+
+
+def test_the_ddp_wrapped_row_gets_its_own_speed_up_efficiency_and_hidden_share():
+    rows = _rows(ddp=40.0, nimble=25.0, nimble_local=20.0, **{"nimble ddp": 32.0,
+                                                              "all-reduce": 16.0})
+    got = dp_bench.derived(rows, world=2, batch=32)
+    assert got["nimble_ddp_x_ddp"] == pytest.approx(1.25)
+    assert got["scaling_efficiency_ddp_wrapped"] == pytest.approx(20.0 / 32.0)
+    assert got["all_reduce_hidden_ddp_wrapped"] == pytest.approx(0.25)  # 12 of 16 ms exposed
+    assert got["all_reduce_hidden"] == pytest.approx(1 - 5.0 / 16.0)  # the averaged row's own
+    assert "nimble ddp" in got["images_per_s"]
+    assert "nimble ddp x ddp: 1.250" in dp_bench._report(
+        {"model": "m", "world": 2, "gpu": "g", "batch_per_gpu": 32, "modes": rows, **got})

@@ -3,11 +3,12 @@
 ``tests/workers/allreduce_worker.py``: each rank prepares a model whose forward all-reduces an
 activation, on one stream and on several (NCCL's kernel and its event nodes rebuilt in the
 explicit graph, the proof replaying both ranks' graphs in step), then calls it on fresh inputs
-against eager.  ``tests/workers/training_worker.py``: a ``DistributedDataParallel`` model given
-to ``prepare(training=True)`` is refused on both ranks with a typed error, before anything is
-recorded (its gradient averaging hangs on host bookkeeping a prepared forward skips); the
-network it wraps, prepared with ``average_gradients=True`` (its gradients averaged inside the
-backward graph), steps as eager DDP does.  A rank that hangs (a collective launched on one rank
+against eager.  ``tests/workers/training_worker.py``: a network prepared with
+``average_gradients=True`` (its gradients averaged inside the backward graph) steps as eager DDP
+does.  ``tests/workers/ddp_worker.py``: an unchanged DDP script whose DDP is called through
+``Nimble(ddp)`` ends its steps where eager DDP does, at the floor a second eager DDP sets, on
+every rank, with DDP's defaults (buffers broadcast inside the forward graph), with its other
+settings, and with ``SyncBatchNorm``.  A rank that hangs (a collective launched on one rank
 only) fails by timeout.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.gpu
 
 WORKER = Path(__file__).parent / "workers" / "allreduce_worker.py"
 TRAINING_WORKER = Path(__file__).parent / "workers" / "training_worker.py"
+DDP_WORKER = Path(__file__).parent / "workers" / "ddp_worker.py"
 
 
 def _two_gpus_or_skip() -> None:
@@ -59,13 +61,23 @@ def test_an_all_reduce_in_the_forward_is_prepared_and_proven_on_both_ranks():
     assert all(s["streams"] >= 2 for s in multi), multi  # the second conv runs beside the reduce
 
 
-def test_a_ddp_training_step_is_refused_on_both_ranks_rather_than_served_wrong():
-    # Measured before the refusal: DDP's first prepared step matched eager, its second did not
-    # (docs/findings.md, "Collectives inside prepared graphs"); prepare now refuses it.
-    for seen in _two_ranks(TRAINING_WORKER, 2, "ddp"):
-        assert "error" in seen, seen
-        assert seen["error"].startswith("InputError") and "DistributedDataParallel" in \
-            seen["error"], seen["error"]
+@pytest.mark.parametrize("variant", ["defaults", "settings", "syncbn"])
+def test_an_unchanged_ddp_script_ends_where_eager_ddp_does_on_every_rank(variant):
+    steps = 5  # ddp_worker.STEPS
+    for seen in _two_ranks(DDP_WORKER, 2, variant):
+        assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
+        # a gradient not averaged, or a buffer not broadcast, is off by far more than 1e-5
+        assert seen["param_err"] <= max(4 * seen["param_floor"], 1e-5), seen
+        assert seen["buffer_err"] <= max(4 * seen["buffer_floor"], 1e-5), seen
+        assert seen["ranks_equal"] and seen["eager_ranks_equal"], seen
+        assert seen["tracked"] == [steps, steps], seen  # prepare left the buffers as found
+        forward, backward = seen["collectives"]
+        if variant == "settings":
+            assert forward == 0 and backward == seen["planned_buckets"] >= 2, seen
+        elif variant == "defaults":  # one broadcast per buffer dtype, one bucket
+            assert forward == 2 and backward == seen["planned_buckets"] == 1, seen
+        else:  # SyncBatchNorm's gathers and all-reduces beside the broadcasts and the bucket
+            assert forward > 2 and backward > seen["planned_buckets"], seen
 
 
 def test_average_gradients_trains_as_ddp_with_the_all_reduce_in_the_backward_graph():

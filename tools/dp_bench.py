@@ -12,6 +12,9 @@ in rounds (:func:`nimble.cli.harness.time_rounds`, the same order on every rank)
   eager, from DDP's hooks);
 - ``nimble``: ``prepare(training=True, average_gradients=True)``, the all-reduce inside the
   backward graph;
+- ``nimble ddp``: the ``DistributedDataParallel`` of ``ddp`` (DDP's defaults) called through
+  ``nimble.Nimble(ddp).prepare(x, training=True)``, the unchanged DDP script: the same
+  averaging, and DDP's buffer broadcast from rank 0 inside the forward graph;
 - ``nimble local``: the same step prepared without averaging: what a GPU alone takes for it;
 - ``all-reduce``: the bucketed all-reduce of every gradient alone, eagerly.
 
@@ -19,7 +22,9 @@ Rank 0 prints, per mode, the median ms per step with the rounds' spread, the ima
 of all ranks together, and Nimble's speed-up over ``ddp``; then Nimble's scaling efficiency
 (``nimble local`` / ``nimble``: the step on N GPUs against the same step on one, per-GPU batch
 held) and how much of the all-reduce is hidden behind compute (1 - (``nimble`` - ``nimble
-local``) / ``all-reduce``).  Run with ``--nproc_per_node=1`` too for the one-GPU rows.
+local``) / ``all-reduce``); the same three for ``nimble ddp`` (keys ending ``_ddp_wrapped``,
+its buffer broadcast counted as exposed).  Run with ``--nproc_per_node=1`` too for the one-GPU
+rows.
 """
 from __future__ import annotations
 
@@ -34,7 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 DEFAULT_MODELS = ["resnet50", "inception_v3"]
-MODES = ("ddp", "ddp graphed", "nimble", "nimble local", "all-reduce")
+MODES = ("ddp", "ddp graphed", "nimble", "nimble local", "nimble ddp", "all-reduce")
+#: Nimble's rows and the suffix of their derived keys.
+NIMBLE_ROWS = (("nimble", ""), ("nimble ddp", "_ddp_wrapped"))
 
 
 def derived(rows: dict[str, dict], world: int, batch: int) -> dict:
@@ -44,13 +51,17 @@ def derived(rows: dict[str, dict], world: int, batch: int) -> dict:
     ms = {mode: row["median_ms"] for mode, row in rows.items()}
     out = {"images_per_s": {m: world * batch * 1000.0 / v for m, v in ms.items()
                             if m != "all-reduce"}}
-    if "nimble" in ms and "ddp" in ms:
-        out["nimble_x_ddp"] = ms["ddp"] / ms["nimble"]
-    if "nimble" in ms and "nimble local" in ms:
-        out["scaling_efficiency"] = ms["nimble local"] / ms["nimble"]
-        if ms.get("all-reduce"):
-            exposed = max(ms["nimble"] - ms["nimble local"], 0.0)
-            out["all_reduce_hidden"] = min(max(1.0 - exposed / ms["all-reduce"], 0.0), 1.0)
+    for mode, suffix in NIMBLE_ROWS:
+        if mode not in ms:
+            continue
+        if "ddp" in ms:
+            out[f"{mode.replace(' ', '_')}_x_ddp"] = ms["ddp"] / ms[mode]
+        if "nimble local" in ms:
+            out[f"scaling_efficiency{suffix}"] = ms["nimble local"] / ms[mode]
+            if ms.get("all-reduce"):
+                exposed = max(ms[mode] - ms["nimble local"], 0.0)
+                out[f"all_reduce_hidden{suffix}"] = \
+                    min(max(1.0 - exposed / ms["all-reduce"], 0.0), 1.0)
     return out
 
 
@@ -76,6 +87,9 @@ def _steps(name: str, batch: int, rank: int, quiet: bool) -> dict:
         nm = nimble.Nimble(model).prepare(x, training=True, average_gradients=average,
                                           quiet=quiet)
         steps[mode] = training_step(nm, model, x, y)
+    wrapped = DistributedDataParallel(copy.deepcopy(base), device_ids=[rank])
+    nm = nimble.Nimble(wrapped).prepare(x, training=True, quiet=quiet)
+    steps["nimble ddp"] = training_step(nm, wrapped, x, y)
     grads = [torch.zeros_like(p) for p in base.parameters()]
     steps["all-reduce"] = lambda: averaged_gradients(grads, GradientAverage())
     return steps
@@ -117,7 +131,9 @@ def _report(r: dict) -> str:
         rate = r["images_per_s"].get(mode)
         lines.append(f"  {mode:<13} {row['median_ms']:8.3f} ms ({row['min_ms']:.3f}-"
                      f"{row['max_ms']:.3f})" + (f"  {rate:9.0f} images/s" if rate else ""))
-    for key in ("nimble_x_ddp", "scaling_efficiency", "all_reduce_hidden"):
+    keys = [k + suffix for _, suffix in NIMBLE_ROWS
+            for k in ("scaling_efficiency", "all_reduce_hidden")]
+    for key in ["nimble_x_ddp", "nimble_ddp_x_ddp"] + keys:
         if key in r:
             lines.append(f"  {key.replace('_', ' ')}: {r[key]:.3f}")
     return "\n".join(lines)

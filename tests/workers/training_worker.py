@@ -3,10 +3,8 @@
 ``training_worker.py average``: the same small network twice on each rank, one wrapped in
 eager ``DistributedDataParallel`` as the reference, one prepared with ``training=True,
 average_gradients=True`` (its gradients averaged over the ranks inside the backward graph);
-both take two SGD steps on the rank's own batches.  ``training_worker.py ddp``: the network
-wrapped in DDP is given to ``prepare(training=True)`` itself, which refuses it (its first
-prepared step matched eager, its second did not: docs/findings.md, "Collectives inside
-prepared graphs").  One JSON line per rank: the error prepare raised, or how far Nimble's
+both take two SGD steps on the rank's own batches (a DDP given to ``Nimble`` itself:
+``ddp_worker.py``).  One JSON line per rank: the error prepare raised, or how far Nimble's
 gradients are from DDP's at each step and how many collectives the backward graph holds.
 """
 from __future__ import annotations
@@ -52,13 +50,10 @@ def _step(call, model, optimizer, x) -> list:
     return grads
 
 
-def _prepared(mode: str, rank: int, x):
+def _prepared(rank: int, x):
     """``(model whose parameters train, the prepared Nimble)``."""
     import nimble
 
-    if mode == "ddp":
-        served = _ddp(rank, x)
-        return served, nimble.Nimble(served).prepare(x, training=True)
     served = _network()
     return served, nimble.Nimble(served).prepare(x, training=True, average_gradients=True)
 
@@ -75,7 +70,7 @@ def main() -> None:
     batches = [torch.randn(8, 3, 16, 16, device="cuda") for _ in range(2)]
     eager = _ddp(rank, batches[0])
     try:
-        served, nm = _prepared(mode, rank, batches[0])
+        served, nm = _prepared(rank, batches[0])
         backward = range(nm.graph.meta["phases"][0], len(nm.graph.tasks))
         seen["streams"] = len(nm.schedule.streams)
         seen["collectives"] = sum(collective_kernel(nm.graph.tasks[t].name) for t in backward)
