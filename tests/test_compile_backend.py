@@ -154,11 +154,12 @@ class Break(torch.nn.Module):
         super().__init__()
         self.a = torch.nn.Linear(8, 8)
         self.b = torch.nn.Linear(8, 4)
-        self.seen = 0.0
+        self.checked = False
 
     def forward(self, x):
         h = torch.relu(self.a(x))
-        self.seen = h.amax().item()
+        # The same value every call: the graph after the break is compiled once.
+        self.checked = bool((h.amin() >= 0).item())
         return self.b(h)
 
 
@@ -171,11 +172,8 @@ def test_a_graph_break_gives_two_regions_each_prepared_once():
         expected = model(x)
         for _ in range(3):
             torch.testing.assert_close(compiled(x), expected, rtol=0, atol=0)
-    # The float read at the break is a constant of the second graph, recompiled once when it
-    # changes; a region is one graph, each prepared at its first call.
-    assert len(backend.regions) >= 2
-    assert [r.prepared for r in backend.regions] == [1] * len(backend.regions)
-    assert len(requests.seen) == len(backend.regions)
+    assert [r.prepared for r in backend.regions] == [1, 1]
+    assert len(requests.seen) == 2
     assert not any(r.training for r in requests.seen)
 
 
