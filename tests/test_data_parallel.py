@@ -148,6 +148,53 @@ def test_nimble_prepares_the_wrapped_module_with_the_wrappers_averaging(one_rank
     assert nm._target.module is nm.model  # nothing adopted from a failed prepare
 
 
+def _ddps_bucket_order(model: nn.Module, **settings) -> list[list[int]]:
+    """The parameters (by position) of each bucket DDP's reducer hands to its communication
+    hook, in the order it calls it, once its buckets are rebuilt after a first backward."""
+    position = {id(p): i for i, p in enumerate(model.parameters())}
+    ddp = DistributedDataParallel(model, **settings)
+    called: list[list[int]] = []
+
+    def hook(state, bucket):
+        called.append(sorted(position[id(p)] for p in bucket.parameters()))
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+    ddp.register_comm_hook(None, hook)
+    x = torch.randn(8, next(model.parameters()).shape[1])
+    for _ in range(2):
+        called.clear()
+        ddp(x).sum().backward()
+    return called
+
+
+@pytest.mark.parametrize("widths,settings", [
+    ([30, 40, 50, 10], dict(bucket_cap_mb=0.004)),
+    ([512, 512, 512, 512, 512], {}),  # DDP's defaults: a small first bucket, then 25 MiB
+])
+def test_the_all_reduces_go_in_the_order_ddps_reducer_calls_its_buckets(one_rank, monkeypatch,
+                                                                          widths, settings):
+    def network() -> nn.Module:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for i, (a, b) in enumerate(zip(widths, widths[1:])):
+            layers += [nn.Linear(a, b)] + ([nn.BatchNorm1d(b), nn.ReLU()] if i == 0 else [])
+        return nn.Sequential(*layers).train()
+    want = _ddps_bucket_order(network(), **settings)
+    assert len(want) >= 2
+    average = data_parallel_target(DistributedDataParallel(network(), **settings),
+                                   training=True).average
+    from nimble.record.gradient_average import averaged_gradients
+
+    called: list[list[int]] = []
+    # each gradient's values are its position + 1 (one rank: the division leaves them)
+    monkeypatch.setattr(dist, "all_reduce", lambda flat, group=None: called.append(
+        sorted(round(v) - 1 for v in dict.fromkeys(flat.tolist()))))
+    grads = [torch.full_like(p, float(i + 1)) for i, p in enumerate(network().parameters())]
+    averaged_gradients(grads, average)
+    assert called == want
+
+
 def _broadcast_rank(rank: int, world: int, init: str, results) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
