@@ -426,3 +426,20 @@ def test_training_bench_parses_batches_and_formats_its_table():
     assert row[:2] == ["resnet50", "32"] and row[4] == "–"  # no compile row
     assert row[7:10] == ["2.00", "1.60", "1.90"]
     assert row[10:] == ["223", "230", "20.5"]
+
+
+def test_the_compile_backend_row_and_the_host_times_of_torch_compiles_two_ways():
+    from nimble.cli.bench import BACKEND_ROW
+
+    info = _with_inductor(_info("a", 0.5), compile_ms=0.4, single_ms=0.3, multi_ms=0.2)
+    info["modes"][BACKEND_ROW] = {"median_ms": 0.21, "min_ms": 0.2, "max_ms": 0.22,
+                                  "x_graph": 1 / 0.21, "x_eager": 5 / 0.21, "x_compile": 0.4 / 0.21}
+    info.update(host_us_compiled={"torch.compile": 40.5, BACKEND_ROW: 31.25,
+                                  "nimble+inductor multi": 18.0}, backend_seconds=20.0)
+    text = format_model(info)
+    assert f"  {BACKEND_ROW:<26}     0.210" in text
+    assert ("host µs/call sampled in turn: torch.compile(mode='reduce-overhead') 40.5, "
+            "torch.compile(backend='nimble') 31.2, nimble+inductor multi 18.0; backend=nimble "
+            "compiled and prepared in 20.0 s") in text
+    # The summary keeps its columns: the backend's row is in the model's lines.
+    assert summary_table([info]).splitlines()[2].split()[-3:] == ["0.300", "0.200", "2.00"]

@@ -6,7 +6,9 @@ to round: :func:`~nimble.cli.harness.round_orders`) over ``--iters`` back-to-bac
 two CUDA events, after a warm-up; the table gives the median per-call time over ``--rounds``
 rounds and the spread (min–max) of the rounds.  Every call of the ``torch.cuda.graph`` row
 copies the input into the graph's static input before the replay, as a Nimble call copies its
-input in.
+input in.  Beside ``torch.compile(mode="reduce-overhead")`` and Nimble on ``torch.compile(model)``'s
+kernels (``nimble+inductor``), ``torch.compile(model, backend="nimble")`` has a row of its own,
+with the host time per call of the three sampled in turn.
 
 ``--training`` times training steps instead (:mod:`nimble.cli.train_bench`), ``--generate``
 greedy decoding of causal LMs (:mod:`nimble.cli.generate_bench`), ``--profiler``
@@ -66,10 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-streams", type=parse_stream_caps, default=[2, 4, 8], metavar="K,K,...",
                    help="stream caps to try besides unlimited (default 2,4,8; '' for none)")
     p.add_argument("--no-compile", action="store_true",
-                   help="skip torch.compile(mode='reduce-overhead') and the nimble+inductor rows "
-                        "(they compile for minutes)")
+                   help="skip torch.compile(mode='reduce-overhead'), the nimble+inductor rows "
+                        "and torch.compile(backend='nimble') (they compile for minutes)")
     p.add_argument("--no-inductor", action="store_true",
-                   help="skip the nimble+inductor rows (Nimble on torch.compile(model)'s kernels)")
+                   help="skip the nimble+inductor rows (Nimble on torch.compile(model)'s kernels, "
+                        "by hand and as torch.compile(backend='nimble'))")
     p.add_argument("--dtype", dest="dtypes", type=parse_dtypes, default=DefaultDtypes(),
                    metavar="D,D,...",
                    help=f"run every model in each of these dtypes ({', '.join(DTYPES)}; "
@@ -164,6 +167,23 @@ def _prepare_on_inductor(model, x, info: dict, step: Callable[[str], None]) -> d
                         "triton_launches": multi.graph.meta.get("triton_launches", 0),
                         "arena_mb": multi.memplan.arena_bytes / 2**20}
     return {"nimble+inductor multi": multi, "nimble+inductor single": single}
+
+
+#: The row of ``torch.compile(model, backend="nimble")`` (:mod:`nimble.compile_backend`), whose
+#: calls return copies of the outputs, as that backend's calls do by default.
+BACKEND_ROW = "compile backend=nimble"
+#: The rows whose host time per call the report gives side by side (Dynamo's guards included
+#: in the first two).
+HOST_ROWS = ("torch.compile", BACKEND_ROW, "nimble+inductor multi")
+
+
+def _on_backend(model, x, info: dict, step: Callable[[str], None]) -> Callable[[], object]:
+    """A call of ``torch.compile(model, backend="nimble")``, compiled and prepared first."""
+    step("torch.compile(model, backend='nimble'): Inductor, then Nimble at the first call")
+    t0 = time.perf_counter()
+    compiled = _warm_compile(model, x, backend="nimble")
+    info["backend_seconds"] = time.perf_counter() - t0
+    return _no_grad_call(compiled, x)
 
 
 def _prepare_variants(model, x, args, info: dict) -> dict:
@@ -266,10 +286,14 @@ def bench_model(name: str, args, dtype: str = "float32") -> dict:
     if not args.no_compile and not args.no_inductor:
         inductor = _prepare_on_inductor(model, x, info, step)
         fns.update(_nimble_calls(inductor, x))
+        fns[BACKEND_ROW] = _on_backend(model, x, info, step)
     step("nimble prepare (multi-stream, recording kept for the others)")
     prepared = _prepare_variants(model, x, args, info)
     fns.update(_nimble_calls(prepared, x))
     samples = _measure(fns, prepared, x, args, info, step)
+    if all(label in fns for label in HOST_ROWS):
+        info["host_us_compiled"] = dict(zip(HOST_ROWS, host_us_beside(
+            [fns[label] for label in HOST_ROWS])))
     _add_results(info, samples, prepared)
     for nm in [*prepared.values(), *inductor.values()]:
         nm.close()
@@ -324,6 +348,8 @@ def format_model(info: dict) -> str:
                    f"{ind['sync_edges']} syncs, arena {ind['arena_mb']:.1f} MB; compile "
                    f"{info['inductor_compile_seconds']:.1f} s, then prepare "
                    f"{info['inductor_prepare_seconds']:.2f} s")
+    if "host_us_compiled" in info:
+        out.append(_compiled_host_line(info))
     if "trace" in info:
         t = info["trace"]
         idle = sorted(t["idle_us"].items(), key=lambda kv: -kv[1])[:3]
@@ -337,6 +363,16 @@ def format_model(info: dict) -> str:
         out.append(_limits_line(info["limits"], info["over_critical_path"],
                                 info["over_tightest_limit"]))
     return "\n".join(out)
+
+
+def _compiled_host_line(info: dict) -> str:
+    """Host µs per call of torch.compile's two ways and Nimble on its kernels, sampled in
+    turn."""
+    host = info["host_us_compiled"]
+    return (f"  host µs/call sampled in turn: torch.compile(mode='reduce-overhead') "
+            f"{host['torch.compile']:.1f}, torch.compile(backend='nimble') "
+            f"{host[BACKEND_ROW]:.1f}, nimble+inductor multi {host['nimble+inductor multi']:.1f}"
+            f"; backend=nimble compiled and prepared in {info['backend_seconds']:.1f} s")
 
 
 def _limits_line(lim: dict, over_path: float | None, over_tightest: float | None) -> str:
