@@ -135,13 +135,24 @@ def _python_host_us(saved: Path, calls: int) -> float:
     return round(statistics.median(times), 2)
 
 
+_PYTHON_DECODE = """
+import json, sys
+import torch, nimble
+def _raw(t):
+    return t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+step = nimble.load(sys.argv[1])
+for s in step.engine.launcher.slots:
+    print(json.dumps({"slot": list(s.shape), "dtype": str(s.dtype)}))
+outs = [step(i.cuda(), p.cuda()) for i, p in torch.load(sys.argv[2])]
+open(sys.argv[3], "wb").write(b"".join(_raw(t) + _raw(logits) for t, logits in outs))
+"""
+
+
 def test_a_generators_decode_step_runs_from_c_as_from_python(run_saved, tmp_path):
     """A Generator's decode step saved alone (its static cache the file's external memory)
     runs from C: for a few steps at successive positions, the next token and the logits equal
     those of the same file loaded by Python, fed the same inputs from the same cache."""
     import torch
-
-    import nimble
 
     pytest.importorskip("transformers")
     worker = Path(__file__).parent / "workers" / "generator_worker.py"
@@ -151,13 +162,23 @@ def test_a_generators_decode_step_runs_from_c_as_from_python(run_saved, tmp_path
                            str(tmp_path / "ids.pt"), str(tmp_path / "tokens.pt")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    steps = [(torch.tensor([[t]], device="cuda"), torch.tensor([p], device="cuda"))
-             for t, p in ((5, 20), (17, 21), (3, 22))]
+    steps = [(torch.tensor([[t]]), torch.tensor([p])) for t, p in ((5, 20), (17, 21), (3, 22))]
     (tmp_path / "in.raw").write_bytes(b"".join(_raw(ids) + _raw(pos) for ids, pos in steps))
+    torch.save(steps, tmp_path / "steps.pt")
+    # Python's side first, in its own process: a device-side assert there is then told apart
+    # from one in the C runtime's run, and the slots it reports stand beside C's --info.
+    python_side = subprocess.run([sys.executable, "-c", _PYTHON_DECODE, str(saved),
+                                  str(tmp_path / "steps.pt"), str(tmp_path / "want.raw")],
+                                 capture_output=True, text=True, timeout=300)
+    print(python_side.stdout)
+    assert python_side.returncode == 0, python_side.stderr[-4000:]
+    info = subprocess.run([str(run_saved), str(saved), "--info"], capture_output=True,
+                          text=True, timeout=120)
+    print(info.stdout)
+    assert info.returncode == 0, info.stderr
     done = subprocess.run([str(run_saved), str(saved), str(tmp_path / "in.raw"),
                            str(tmp_path / "out.raw")], capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode == 0, done.stderr
-    step = nimble.load(saved)
-    want = b"".join(_raw(t) + _raw(logits) for t, logits in (step(*s) for s in steps))
+    assert done.returncode == 0, done.stderr[-4000:]
+    want = (tmp_path / "want.raw").read_bytes()
     assert (tmp_path / "out.raw").read_bytes() == want

@@ -4,6 +4,7 @@
  *
  *   run_saved FILE INPUTS OUT   INPUTS: bucket 0's inputs as raw bytes, one set after the
  *                               other; OUT: each set's outputs as raw bytes, in order
+ *   run_saved FILE --info       bucket 0's inputs and outputs, one JSON line each
  *   run_saved FILE --bench N    load to first call, then host microseconds per call
  *                               (nimble_run against a bare cuGraphLaunch of the same exec)
  *                               and GPU milliseconds per call, as one JSON line
@@ -73,6 +74,21 @@ static int bench(nimble_model *m, double load_ms, int calls) {
     return 0;
 }
 
+static void print_info(const char *what, int i, const nimble_tensor_info *info) {
+    printf("{\"%s\": %d, \"dtype\": %d, \"shape\": [", what, i, (int)info->dtype);
+    for (int d = 0; d < info->ndim; d++) printf(d ? ", %lld" : "%lld", (long long)info->shape[d]);
+    printf("], \"nbytes\": %zu, \"contiguous\": %d}\n", info->nbytes, info->contiguous);
+}
+
+static int info(nimble_model *m) {
+    nimble_tensor_info t;
+    for (int i = 0; i < nimble_inputs(m, 0); i++)
+        if (nimble_input_info(m, 0, i, &t) == NIMBLE_OK) print_info("input", i, &t);
+    for (int i = 0; i < nimble_outputs(m, 0); i++)
+        if (nimble_output_info(m, 0, i, &t) == NIMBLE_OK) print_info("output", i, &t);
+    return 0;
+}
+
 static int run_sets(nimble_model *m, const char *inputs, const char *out) {
     FILE *in = fopen(inputs, "rb"), *o = fopen(out, "wb");
     if (!in || !o) { fprintf(stderr, "run_saved: cannot open %s or %s\n", inputs, out); return 2; }
@@ -104,8 +120,9 @@ static int run_sets(nimble_model *m, const char *inputs, const char *out) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 4) {
-        fprintf(stderr, "usage: run_saved FILE INPUTS OUT | run_saved FILE --bench N\n");
+    if (argc < 3 || (argc < 4 && strcmp(argv[2], "--info") != 0)) {
+        fprintf(stderr, "usage: run_saved FILE INPUTS OUT | run_saved FILE --info | "
+                        "run_saved FILE --bench N\n");
         return 1;
     }
     CUdevice dev;
@@ -127,8 +144,9 @@ int main(int argc, char **argv) {
     nimble_run(m, 0, 0, NULL);
     cuCtxSynchronize();
     double load_ms = (now_us() - t0) / 1e3;
-    int status = strcmp(argv[2], "--bench") == 0 ? bench(m, load_ms, atoi(argv[3]))
-                                                 : run_sets(m, argv[2], argv[3]);
+    int status = strcmp(argv[2], "--info") == 0    ? info(m)
+                 : strcmp(argv[2], "--bench") == 0 ? bench(m, load_ms, atoi(argv[3]))
+                                                   : run_sets(m, argv[2], argv[3]);
     nimble_free(m);
     cuDevicePrimaryCtxRelease(dev);
     return status;
