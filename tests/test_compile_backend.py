@@ -327,3 +327,75 @@ def test_a_frozen_tensor_that_requires_grad_but_is_no_parameter_is_refused_for_t
     with pytest.raises(InputError, match="nn.Parameter"):
         RegionModule(lambda *a: a, [GraphInput("w", True, False), GraphInput("x", False, False)],
                      (stray, torch.zeros(2)), training=True)
+
+
+# ---- Inductor's code on the CPU ---------------------------------------------------------------
+
+def test_inductors_code_serves_training_and_three_shapes_through_the_regions():
+    """Inductor itself (its C++ code on the CPU) behind the regions, Nimble's prepare stood in
+    for: AOTAutograd's differentiable forward fills eager's gradients and batch-norm
+    statistics, and inference at three batch sizes gives eager's outputs."""
+    import copy
+    import shutil
+
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("Inductor's CPU code needs a C++ compiler (g++ or c++ on PATH)")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    requests = Requests()
+    backend = NimbleBackend(prepare=requests)
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(2):
+        x = torch.randn(5, 8)
+        compiled(x).square().sum().backward()
+        reference(x).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model[1].running_var, reference[1].running_var)
+    assert [r.training for r in requests.seen] == [True]
+
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        for batch in (1, 8, 32):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-5)
+    assert [r.training for r in requests.seen] == [True, False, False, False]
+
+
+def test_prepare_with_nimble_hands_the_calls_tensors_and_the_options_to_prepare(monkeypatch):
+    from nimble.compile_backend import holder
+    from nimble.compile_backend.region import PrepareRequest
+
+    prepared = []
+
+    class Recorder:
+        def __init__(self, module) -> None:
+            self.module = module
+
+        def prepare(self, inputs, **kwargs):
+            prepared.append((self.module, inputs, kwargs))
+            return self
+
+        def __call__(self, *inputs):
+            return self.module(*inputs)
+
+    monkeypatch.setattr(holder, "Nimble", Recorder)
+    weight, x = torch.nn.Parameter(torch.ones(3)), torch.arange(3.0)
+    inputs = [GraphInput("w", True, False), GraphInput("s0", False, True),
+              GraphInput("x", False, False)]
+    request = PrepareRequest("0/1", lambda w, n, x: (w * x + n,), (weight, 2, x), inputs,
+                             False, parse_options({"relaunches": 7, "return_copies": False,
+                                                  "max_streams": 2}))
+    run = holder.prepare_with_nimble(request)
+    (module, tensors, kwargs), = prepared
+    assert tensors == (x,) and list(module.parameters()) == [weight]
+    assert kwargs["options"] == PrepareOptions(relaunches=7)
+    assert (kwargs["training"], kwargs["return_copies"], kwargs["max_streams"]) == \
+        (False, False, 2)
+    torch.testing.assert_close(run((weight, 2, x))[0], weight * x + 2)
+
+    with pytest.raises(InputError, match="no tensor but the model's weights"):
+        holder.prepare_with_nimble(PrepareRequest("0/2", lambda w: (w,), (weight,), inputs[:1],
+                                                  False, parse_options(None)))
