@@ -11,6 +11,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* Adds the seconds since *since to stage's total and restarts the clock. */
+static void lap(nimble_model *m, nimble_load_stage stage, double *since) {
+    double now = seconds_now();
+    m->stage_seconds[stage] += now - *since;
+    *since = now;
+}
 
 /* ---- errors ------------------------------------------------------------------------------ */
 
@@ -121,11 +135,13 @@ static nimble_status load_kernel(nimble_model *m, kernel_t *k) {
  * kernel.  `images` and `owned` are per binary. */
 static nimble_status load_binaries(nimble_model *m, const uint8_t **images, uint8_t **owned,
                                    size_t *sizes, uint8_t (*sums)[32]) {
+    double clock = seconds_now();
     for (uint64_t i = 0; i < m->nbinaries; i++) {
         TRY(binary_image(m, &m->binaries[i], &owned[i], &images[i]));
         sizes[i] = (size_t)m->binaries[i].size;
     }
     nimble_sha256_many(images, sizes, sums, (size_t)m->nbinaries);
+    lap(m, NIMBLE_STAGE_BINARIES, &clock);
     for (uint64_t i = 0; i < m->nbinaries; i++) {
         binary_t *b = &m->binaries[i];
         if (memcmp(sums[i], b->sha, 32) != 0)
@@ -136,6 +152,7 @@ static nimble_status load_binaries(nimble_model *m, const uint8_t **images, uint
                                        0);
         if (r != CUDA_SUCCESS) return cuda_fail("cuLibraryLoadData", r);
     }
+    lap(m, NIMBLE_STAGE_LIBRARIES, &clock);
     return NIMBLE_OK;
 }
 
@@ -152,7 +169,9 @@ static nimble_status load_kernels(nimble_model *m) {
     for (uint64_t i = 0; owned && i < m->nbinaries; i++) free(owned[i]);
     free(images); free(owned); free(sizes); free(sums);
     TRY(s);
+    double clock = seconds_now();
     for (uint64_t i = 0; i < m->nkernels; i++) TRY(load_kernel(m, &m->kernels[i]));
+    lap(m, NIMBLE_STAGE_FUNCTIONS, &clock);
     return NIMBLE_OK;
 }
 
@@ -399,13 +418,17 @@ static nimble_status prove(nimble_model *m) {
 
 static nimble_status load(nimble_model *m, const char *path, int device, unsigned flags) {
     plan_t pl = {0};
+    double clock = seconds_now();
     TRY(nimble_read_file(m, path, &pl));
     TRY(nimble_read_plan(m, &pl));
     TRY(check_device(m, device));
+    lap(m, NIMBLE_STAGE_READ, &clock);
     TRY(load_kernels(m));
+    clock = seconds_now();
     TRY(upload(m, m->weights, m->nweights, "weight storage"));
     TRY(upload(m, m->memory, m->nmemory, "external memory range"));
     TRY(place_arenas(m));
+    lap(m, NIMBLE_STAGE_MEMORY, &clock);
     for (uint64_t k = 0; k < m->nbuckets; k++) {
         bucket_t *b = &m->buckets[k];
         b->graphs = calloc(m->instances, sizeof(CUgraph));
@@ -413,7 +436,9 @@ static nimble_status load(nimble_model *m, const char *path, int device, unsigne
         if (!b->graphs || !b->execs) return fail(NIMBLE_ERROR_IO, "out of memory");
         for (uint64_t j = 0; j < m->instances; j++) TRY(build(m, b, j));
     }
+    lap(m, NIMBLE_STAGE_BUILD, &clock);
     if (!(flags & NIMBLE_LOAD_NO_VERIFY)) TRY(prove(m));
+    lap(m, NIMBLE_STAGE_VERIFY, &clock);
     return NIMBLE_OK;
 }
 
@@ -487,6 +512,10 @@ CUdeviceptr nimble_input_address(const nimble_model *m, int k, int instance, int
 CUdeviceptr nimble_output_address(const nimble_model *m, int k, int instance, int i) {
     const bucket_t *b = bucket_of(m, k);
     return address_of(m, b, b ? b->outputs : NULL, b ? b->noutputs : 0, instance, i);
+}
+
+double nimble_load_seconds(const nimble_model *m, nimble_load_stage stage) {
+    return m && stage >= 0 && stage < NIMBLE_STAGE_COUNT ? m->stage_seconds[stage] : 0.0;
 }
 
 const char *nimble_launch_note(const nimble_model *m) { return m ? m->launch_note : ""; }

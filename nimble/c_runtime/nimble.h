@@ -95,6 +95,19 @@ nimble_status nimble_run(const nimble_model *model, int bucket, int instance, CU
  * load gives); else why the driver refused, and the graphs launch from the host. */
 const char *nimble_launch_note(const nimble_model *model);
 
+/* Where nimble_load's time went, in seconds: the stages in order. */
+typedef enum nimble_load_stage {
+    NIMBLE_STAGE_READ = 0,     /* the file read, its checksum and plan checked */
+    NIMBLE_STAGE_BINARIES,     /* kernel binaries read from their libraries and hashed */
+    NIMBLE_STAGE_LIBRARIES,    /* cuLibraryLoadData of each binary */
+    NIMBLE_STAGE_FUNCTIONS,    /* each kernel's function taken and checked */
+    NIMBLE_STAGE_MEMORY,       /* weights and external memory uploaded, arenas allocated */
+    NIMBLE_STAGE_BUILD,        /* graphs built and instantiated */
+    NIMBLE_STAGE_VERIFY,       /* the proof at load */
+    NIMBLE_STAGE_COUNT
+} nimble_load_stage;
+double nimble_load_seconds(const nimble_model *model, nimble_load_stage stage);
+
 /* The instantiated graph itself (a bare cuGraphLaunch of it is what nimble_run does). */
 CUgraphExec nimble_exec(const nimble_model *model, int bucket, int instance);
 

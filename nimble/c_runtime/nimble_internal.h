@@ -81,6 +81,7 @@ struct nimble_model {
     CUdeviceptr *arenas, *bases; /* per instance: as allocated, and aligned */
     uint8_t *file; size_t file_size; const uint8_t *blobs; size_t blobs_size;
     char launch_note[256]; /* "" while every exec is device-launchable */
+    double stage_seconds[NIMBLE_STAGE_COUNT];
 };
 
 static inline CUdeviceptr resolve(const nimble_model *m, uint64_t instance, place_t p) {

@@ -255,11 +255,34 @@ def binary_bytes(row: dict, saved) -> bytes:
 
 
 @dataclass
+class BinaryTiming:
+    """What one binary cost a load: its reading and hashing (on a worker thread, beside the
+    others), ``cuLibraryLoadData``, and taking and checking its kernels' functions."""
+
+    name: str
+    kind: str
+    nbytes: int
+    read_s: float
+    load_s: float
+    functions_s: float = 0.0
+    kernels: int = 0
+
+
+@dataclass
 class LoadedKernels:
-    """The libraries a loaded graph's kernels live in (owned) and each kernel's function."""
+    """The libraries a loaded graph's kernels live in (owned), each kernel's function, and
+    what each binary cost."""
 
     libraries: list
     functions: list
+    timings: list
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """The binaries' reading (summed over threads), loading and function seconds."""
+        return {"kernels_read_threads": sum(t.read_s for t in self.timings),
+                "kernels_library_load": sum(t.load_s for t in self.timings),
+                "kernels_functions": sum(t.functions_s for t in self.timings)}
 
     def close(self) -> None:
         for library in self.libraries:
@@ -271,7 +294,7 @@ def load_kernels(kernel_rows: Sequence[dict], binary_rows: Sequence[dict], saved
     """Each kernel's ``CUfunction`` loaded from its binary and checked (see the module
     docstring); LoadError for a binary or kernel that does not hold.  The binaries the kernels
     use are read and hashed on several threads (file reads and hashlib release the GIL); the
-    driver calls stay on this one."""
+    driver calls stay on this one.  What each binary cost is in the result's ``timings``."""
     used: list[int] = []
     for row in kernel_rows:
         b = int(row["binary"])
@@ -280,20 +303,38 @@ def load_kernels(kernel_rows: Sequence[dict], binary_rows: Sequence[dict], saved
                             "not have: the file is damaged")
         if b not in used:
             used.append(b)
+
+    def read(b: int) -> tuple[bytes, float]:
+        began = time.perf_counter()
+        return binary_bytes(binary_rows[b], saved), time.perf_counter() - began
     with ThreadPoolExecutor(max_workers=min(8, len(used) or 1)) as pool:
-        images = dict(zip(used, pool.map(lambda b: binary_bytes(binary_rows[b], saved), used)))
-    loaded = LoadedKernels([], [])
+        images = dict(zip(used, pool.map(read, used)))
+    loaded = LoadedKernels([], [], [])
     libraries: dict[int, Any] = {}
     try:
         for b in used:
+            image, read_s = images.pop(b)
+            began = time.perf_counter()
             libraries[b] = driver.Library.load_data(
-                images.pop(b), detail=str(binary_rows[b].get("name", "")))
+                image, detail=str(binary_rows[b].get("name", "")))
             loaded.libraries.append(libraries[b])
+            loaded.timings.append(BinaryTiming(
+                str(binary_rows[b].get("name") or binary_rows[b].get("path") or b),
+                str(binary_rows[b].get("kind")), len(image), read_s,
+                time.perf_counter() - began))
         for row in kernel_rows:
+            began = time.perf_counter()
             loaded.functions.append(_checked_function(libraries[int(row["binary"])], row))
+            timing = loaded.timings[used.index(int(row["binary"]))]
+            timing.functions_s += time.perf_counter() - began
+            timing.kernels += 1
     except BaseException:
         loaded.close()
         raise
+    for t in sorted(loaded.timings, key=lambda t: -(t.read_s + t.load_s + t.functions_s)):
+        log.debug("kernel binary %s (%s, %d bytes, %d kernels): read and hashed %.1f ms, "
+                  "loaded %.1f ms, functions %.1f ms", t.name, t.kind, t.nbytes, t.kernels,
+                  1e3 * t.read_s, 1e3 * t.load_s, 1e3 * t.functions_s)
     return loaded
 
 

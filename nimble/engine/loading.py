@@ -411,6 +411,7 @@ def load_graphs(path, model=None, *, verify: bool = True, quiet: bool = True,
         t0 = time.perf_counter()
         kernels = load_kernels(manifest["kernels"], manifest["binaries"], saved)
         seconds["kernels"] = time.perf_counter() - t0
+        seconds.update(kernels.seconds)
         t0 = time.perf_counter()
         weights, keep = _weights(manifest, saved, model, device)
         memory, kept_memory = _memory(manifest, saved, device)

@@ -66,11 +66,17 @@ static int bench(nimble_model *m, double load_ms, int calls) {
     cuEventRecord(b, s);
     cuEventSynchronize(b);
     cuEventElapsedTime(&ms, a, b);
+    static const char *stages[NIMBLE_STAGE_COUNT] = {
+        "read", "binaries", "libraries", "functions", "memory", "build", "verify"};
     printf("{\"load_to_first_call_ms\": %.3f, \"host_us_nimble_run\": %.2f, "
            "\"host_us_bare_launch\": %.2f, \"gpu_ms_per_call\": %.4f, "
-           "\"launch\": \"%s\"}\n",
+           "\"launch\": \"%s\", \"load_stages_ms\": {",
            load_ms, run, bare, ms / calls,
            nimble_launch_note(m)[0] ? nimble_launch_note(m) : "device");
+    for (int i = 0; i < NIMBLE_STAGE_COUNT; i++)
+        printf("%s\"%s\": %.3f", i ? ", " : "", stages[i],
+               1e3 * nimble_load_seconds(m, (nimble_load_stage)i));
+    printf("}}\n");
     return 0;
 }
 
