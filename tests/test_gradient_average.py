@@ -180,3 +180,61 @@ def test_the_buckets_are_all_reduced_in_their_plans_order(monkeypatch):
     out = averaged_gradients(grads, small)
     assert reduced == plan
     assert all(torch.equal(o, g / 2) for o, g in zip(out, grads))
+
+
+def _backward_with_averaging(sizes: list[int], plan: list[list[int]]):
+    """A backward of ``len(sizes)`` layers, last layer first (each an input-gradient kernel
+    and a weight-gradient kernel), then per bucket of ``plan`` what averaged_gradients records:
+    a copy into the bucket, its division, its NCCL all-reduce.  ``(graph, weight-gradient task
+    per layer, all-reduce task per bucket)``."""
+    from nimble.ir.taskgraph import Access, Buffer, BufferKind, Task, TaskGraph, TaskKind
+
+    g = TaskGraph()
+
+    def buffer(size: int) -> int:
+        g.buffers.append(Buffer(len(g.buffers), BufferKind.INTERMEDIATE, size,
+                                (len(g.buffers) + 1) << 24))
+        return len(g.buffers) - 1
+
+    def task(name: str, reads: list[int], writes: list[int]) -> int:
+        accesses = [Access(b, 0, g.buffers[b].size, False) for b in reads] + \
+            [Access(b, 0, g.buffers[b].size, True) for b in writes]
+        g.tasks.append(Task(len(g.tasks), TaskKind.KERNEL, name=name, accesses=accesses))
+        return len(g.tasks) - 1
+
+    saved = [buffer(4096) for _ in sizes]  # the forward's activations
+    incoming = buffer(4096)  # the loss's gradient
+    weight_task: dict[int, int] = {}
+    grads = {}
+    for layer in reversed(range(len(sizes))):
+        grads[layer] = buffer(sizes[layer])
+        weight_task[layer] = task("wgrad", [incoming, saved[layer]], [grads[layer]])
+        below = buffer(4096)
+        task("dgrad", [incoming, saved[layer]], [below])
+        incoming = below
+    reduces = []
+    for bucket in plan:
+        flat = buffer(sum(sizes[i] for i in bucket))
+        task("cat", [grads[i] for i in bucket], [flat])
+        task("div", [flat], [flat])
+        reduces.append(task("ncclDevKernel_AllReduce_Sum_f32_RING_LL", [flat], [flat]))
+    return g, weight_task, reduces
+
+
+def test_each_buckets_all_reduce_waits_only_for_its_own_gradients():
+    """In the recorded backward's DAG a bucket's all-reduce follows the gradients it holds and
+    the buckets before it, nothing else: it can run beside the rest of the backward."""
+    from nimble.analysis.deps import ancestors, build_dag
+
+    sizes = [4 * n for n in (100, 25, 75, 50, 12, 40)]
+    plan = bucket_plan(sizes, ["f32"] * len(sizes), 4 * 80, 4 * 40)
+    g, weight_task, reduces = _backward_with_averaging(sizes, plan)
+    dag = build_dag(g)
+    before = ancestors(dag)
+    for b, (bucket, reduce) in enumerate(zip(plan, reduces)):
+        waits_for = {layer for layer, t in weight_task.items() if before[reduce] >> t & 1}
+        # its own gradients, and those of the buckets reduced before it
+        assert waits_for == {i for earlier in plan[:b + 1] for i in earlier}, (b, waits_for)
+        if b:
+            assert before[reduce] >> reduces[b - 1] & 1  # the ranks' one order
+    assert not before[reduces[0]] >> weight_task[0] & 1  # the first runs beside the stem's work

@@ -122,7 +122,10 @@ def main() -> None:
         seen["trace"] = traceback.format_exc()[-3000:]
     print(json.dumps(seen), flush=True)
     dist.barrier()
-    dist.destroy_process_group()
+    torch.cuda.synchronize()
+    # docs/findings.md: destroy_process_group() can hang once a graph captured an NCCL
+    # collective, so the worker ends here, after its last collective
+    os._exit(0)
 
 
 if __name__ == "__main__":
