@@ -351,7 +351,7 @@ class _Stages:
         built = SimpleNamespace(
             key=(instance, batch), region=region, late_edges=list(late_edges) or [(instance, 1)],
             given_late_edges=list(late_edges), seconds=seconds, backfill=[], memplan=plan,
-            priorities=None,
+            priorities=None, prefetch=[],
             builts=[SimpleNamespace(device_launch_refusal="")], graph=SimpleNamespace(meta={}),
             launcher=SimpleNamespace(lock=region.order.lock), recording=None)
         built.close = lambda: self.closed.append(built.key)

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 #: The copy measured for the bandwidth: large enough that launch and tail effects vanish and
-#: no cache holds it (an H200's L2 is 60 MB).
+#: no L2 holds it.
 COPY_BYTES = 1 << 30
 COPY_REPEATS = 10
 

@@ -19,11 +19,12 @@ priorities, late edges, timestamp nodes, the proof's delay nodes, a subset of th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AbstractSet as Set, Any, NamedTuple, Sequence
 
 from .. import driver
 from . import kernels
+from .prefetch_nodes import add_prefetch_nodes, turn_off_moved
 from ..analysis.deps import dag_from_edges
 from ..analysis.orders import chain
 from ..errors import BuildError, CudaError
@@ -120,6 +121,9 @@ class BuiltGraph:
     stamp_module: driver.Module | None = None
     #: The module of the delay nodes of a fuzz copy (see :class:`DelaySpec`).
     delay_module: driver.Module | None = None
+    #: The module and the nodes of the weight prefetches (:mod:`nimble.engine.prefetch`).
+    prefetch_module: driver.Module | None = None
+    prefetch_nodes: list = field(default_factory=list)
 
     def launch(self, stream) -> None:
         """Launch on ``stream`` (a ``CUstream`` or its integer handle)."""
@@ -132,7 +136,8 @@ class BuiltGraph:
         if self.exec is not None:
             self.exec.close()
         self.graph.close()
-        for module in (self.module, self.stamp_module, self.delay_module):
+        for module in (self.module, self.stamp_module, self.delay_module,
+                       self.prefetch_module):
             if module is not None:
                 module.close()
 
@@ -296,6 +301,9 @@ class GraphSpec:
     stamps: StampSpec | None = None
     #: A delay node before each delayed task (:class:`DelaySpec`); for verification copies only.
     delays: DelaySpec | None = None
+    #: Weight prefetches beside the tasks (:class:`nimble.analysis.prefetch.Prefetch`), each
+    #: after its anchor task, at the device's least priority; nothing waits for them.
+    prefetch: Sequence = ()
     #: False: the graph alone, with no exec (the base that the serial orders' copies clone:
     #: instantiating a graph never launched costs as much as one launched).
     instantiate: bool = True
@@ -375,6 +383,14 @@ class _Assembly:
             self.dated = True
         self._on_top(added)
 
+    def add_prefetches(self, module: driver.Module | None) -> list:
+        if not self.spec.prefetch:
+            return []
+        least = driver.stream_priority_range()[0] if self.spec.priorities is not None else None
+        return add_prefetch_nodes(self.handle, module.function(kernels.PREFETCH),
+                                  self.spec.prefetch, self.bases, self.node,
+                                  list(self.gather_nodes), least)
+
     def add_late_edges(self) -> None:
         late = [(self.node(u), self.node(v)) for u, v in self.spec.late_edges
                 if self.node(u) is not None and self.node(v) is not None]
@@ -404,27 +420,30 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     span = range(n) if spec.span is None else spec.span
     preds = predecessors(n, spec.edges)
     owned = driver.Graph.create()
-    gather_module = stamp_module = delay_module = None
+    gather_module = stamp_module = delay_module = prefetch_module = None
     try:
         gather_module = kernels.load(kernels.GATHER_SOURCE) if spec.gathers else None
         stamp_module = kernels.load(kernels.TIMESTAMP_SOURCE) if spec.stamps else None
         delay_module = kernels.load(kernels.DELAY_SOURCE) if spec.delays else None
+        prefetch_module = kernels.load(kernels.PREFETCH_SOURCE) if spec.prefetch else None
         assembly = _Assembly(owned.handle, graph, recorded_nodes, bases, spec, span, preds)
         assembly.add_gathers(gather_module)
         assembly.add_tasks(stamp_module, delay_module)
+        prefetch_nodes = assembly.add_prefetches(prefetch_module)
         assembly.add_late_edges()
         exec_, on_device, refusal = instantiate(owned, spec.device_launch, spec.upload_stream,
                                                 spec.priorities is not None) \
             if spec.instantiate else (None, False, "")
     except BaseException:
         owned.close()
-        for module in (gather_module, stamp_module, delay_module):
+        for module in (gather_module, stamp_module, delay_module, prefetch_module):
             if module is not None:
                 module.close()
         raise
     return BuiltGraph(owned, exec_, assembly.nodes, span, device_launch=on_device,
                       device_launch_refusal=refusal, module=gather_module,
-                      stamp_module=stamp_module, delay_module=delay_module)
+                      stamp_module=stamp_module, delay_module=delay_module,
+                      prefetch_module=prefetch_module, prefetch_nodes=prefetch_nodes)
 
 
 def tasks_reading(graph: TaskGraph, buffers: set[int]) -> list[Task]:
@@ -453,6 +472,10 @@ def repoint(built: BuiltGraph, graph: TaskGraph, bases: Sequence[int], buffers: 
             relocate_params(task, bases), task.param_layout, _packed(task),
             detail=f"task {task.id} ({task.short_name})")
         changed += 1
-    if changed and built.device_launch:
+    if built.prefetch_nodes:
+        turned_off = turn_off_moved(built.exec.handle, built.prefetch_nodes, buffers)
+    else:
+        turned_off = 0
+    if (changed or turned_off) and built.device_launch:
         driver.upload(built.exec.handle, stream)
     return changed

@@ -16,6 +16,8 @@ TIMESTAMP_SOURCE = "timestamp.ptx"
 TIMESTAMP = "nimble_timestamp"  # in TIMESTAMP_SOURCE: slot
 DELAY_SOURCE = "delay.ptx"
 DELAY = "nimble_delay"  # in DELAY_SOURCE: table, slot (u32 nanoseconds per task)
+PREFETCH_SOURCE = "prefetch_l2.ptx"
+PREFETCH = "nimble_prefetch_l2"  # in PREFETCH_SOURCE: address, nbytes, step
 
 
 def source(filename: str) -> bytes:

@@ -66,6 +66,14 @@ class PrepareOptions:
         kept.  Off until measured on the GPU.  A rule's name
         (:data:`nimble.analysis.resources.RULES`) serves that rule's priorities unmeasured,
         for side-by-side timing (``tools/experiments/resource_ab.py``).
+    prefetch_l2 : bool
+        Also builds each phase with weight prefetches beside its kernels: nodes that ask the
+        L2 for the weights of the kernels ahead while the current ones run
+        (:mod:`nimble.analysis.prefetch`, ``kernels/prefetch_l2.ptx``), and keeps them where
+        the phase measures faster at prepare.  A prefetch only reads weights: the outputs
+        and the proof are unchanged.  ``nm.graph.meta["prefetch_l2"]`` says what was measured
+        and kept.  Off until measured on the GPU; not written by ``save`` (a loaded graph
+        runs without them).
     """
 
     arena_limit: int | str | None = "pool"
@@ -79,6 +87,7 @@ class PrepareOptions:
     priorities: bool = True
     backfill: bool | None = None
     resource_order: bool | str = False
+    prefetch_l2: bool = False
 
     def __post_init__(self) -> None:
         from ..analysis.resources import RULES

@@ -32,6 +32,7 @@ from .collectives import (check_data_parallel, check_instances, check_training_c
                           refusal_reason)
 from .launcher import CallOrder
 from .options import PrepareOptions
+from .prefetch import planned_prefetch
 from .profiler_guard import device_launch_allowed
 from .prepared import (ArenaRegion, Prepared, backfill_trials, build_prepared, kernel_priorities,
                        plan_graph, task_times)
@@ -197,13 +198,18 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
         say(f"timing {len(planned.ordering)} resource-aware priority set(s) against the slack "
             "ones", quiet)
     seconds = planned.seconds if first is None else {}
+    prefetch_trials = planned_prefetch(planned.rec.graph, options) if first is None else None
+    if prefetch_trials:
+        say(f"timing weight prefetch in {len(prefetch_trials)} phase(s) against none", quiet)
     built = build_prepared(model, planned.rec, planned.schedule, planned.memplan,
                            device_launch=device_launch_allowed(options.device_launch),
                            gather_inputs=options.gather_inputs, seconds=seconds,
                            priorities=first.priorities if first else planned.priorities,
                            backfill_trials=planned.trials if first is None else None,
                            region=region, late_edges=first.late_edges if first else (),
-                           priority_trials=planned.ordering if first is None else ())
+                           priority_trials=planned.ordering if first is None else (),
+                           prefetch_trials=prefetch_trials,
+                           prefetch=first.prefetch if first else None)
     seconds["build"] = time.perf_counter() - t0
     if first is not None:
         built.backfill = first.backfill
@@ -211,6 +217,10 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
         say(f"phase {r['phase']}: {r['plain_ms']:.3f} ms per launch with slack priorities, "
             + ", ".join(f"{t['ms']:.3f} {t['rule']}" for t in r["trials"])
             + f"; kept {r['kept'] or 'the slack ones'}", quiet)
+    for r in built.graph.meta.get("prefetch_l2", []) if prefetch_trials else ():
+        say(f"phase {r['phase']}: {r['plain_ms']:.3f} ms per launch plain, "
+            f"{r['prefetch_ms']:.3f} with {r['windows']} weight prefetch(es) of "
+            f"{r['bytes'] / 2**20:.1f} MiB; " + ("kept" if r["kept"] else "kept none"), quiet)
     for p in built.backfill if first is None else ():
         say(f"phase {p.phase}: {p.plain_ms:.3f} ms per launch plain, "
             + ", ".join(f"{ms:.3f}" for ms in p.trial_ms) + " with backfill; "

@@ -16,6 +16,7 @@ from .. import driver
 from .arena_layout import StateLayout, own_layout
 from .build import BuiltGraph, InputGather, buffer_bases
 from .launcher import CallOrder, InputSlot, Launcher, RngCells
+from .prefetch import pick_prefetch
 from .priority_trials import PriorityTrial, pick_priorities
 from .rebuild import PhaseBuilder, PhaseOptions
 from ..analysis.memplan import MemPlan, plan_memory
@@ -97,6 +98,9 @@ class Prepared:
     #: Per phase whose tail backfill was measured, what was
     #: (:class:`nimble.analysis.backfill.Picked`).
     backfill: list = field(default_factory=list)
+    #: Per phase, the weight prefetches its graph serves (:mod:`nimble.engine.prefetch`;
+    #: empty: none).
+    prefetch: list = field(default_factory=list)
     recording: Any = None  # kept only with keep_recording=True (debugging)
     step: Any = None  # training.TrainingStep for a training step, else None
     #: What a graph loaded from a file runs on besides its arena (its kernels' libraries, the
@@ -143,7 +147,8 @@ class Prepared:
                             self.schedule.edges(), [b.span for b in self.builts],
                             [self.gathers(k) for k in phases], self.priorities,
                             [b.device_launch for b in self.builts], upload_stream,
-                            late_edges=self.late_edges, nodes_relocated=True)
+                            late_edges=self.late_edges, nodes_relocated=True,
+                            prefetch=list(self.prefetch) or None)
 
     def cells_to_own_slots(self) -> None:
         """Point every input cell at its own slot, so that a launch without a call (a debugging
@@ -304,12 +309,14 @@ def _counts(graph: TaskGraph, key: str, total: int) -> list[int]:
 def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: list,
                   device, rng: RngCells | None, backfill_trials: dict[int, list] | None,
                   builts: list[BuiltGraph], order: CallOrder | None = None,
-                  priority_trials: Sequence[PriorityTrial] = ()
+                  priority_trials: Sequence[PriorityTrial] = (),
+                  prefetch_trials: dict[int, tuple] | None = None
                   ) -> tuple[list[Launcher], list[backfill.Picked]]:
     """Each phase built as served (appended to ``builts``, which the caller frees on an error),
     its resource-aware priorities (``priority_trials``; what was measured goes to
-    ``graph.meta["resource_order"]``) and then its tail backfill trials timed, and its launcher
-    over its share of inputs and outputs (sharing ``order``: a new one when None)."""
+    ``graph.meta["resource_order"]``), then its tail backfill trials and its weight prefetch
+    (``prefetch_trials``; ``graph.meta["prefetch_l2"]``) timed, and its launcher over its share
+    of inputs and outputs (sharing ``order``: a new one when None)."""
     graph = rec.graph
     order = order if order is not None else CallOrder()
     in_counts = _counts(graph, "phase_inputs", len(graph.inputs))
@@ -342,6 +349,9 @@ def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: l
                 built.close()  # pick frees the graphs it built, not this one
                 raise
             picked.append(report)
+        if prefetch_trials and prefetch_trials.get(k):
+            built = pick_prefetch(builder, k, built, prefetch_trials[k],
+                                  _after_phases(builts, builder.upload_stream, refresh), graph)
         builts.append(built)
         launchers.append(Launcher(
             built.exec.handle, slots[first_in:first_in + in_counts[k]], device,
@@ -391,7 +401,9 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
                    region: ArenaRegion | None = None,
                    late_edges: Sequence[tuple[int, int]] = (),
                    priority_trials: Sequence[PriorityTrial] = (),
-                   placement: Placement | None = None) -> Prepared:
+                   placement: Placement | None = None,
+                   prefetch_trials: dict[int, tuple] | None = None,
+                   prefetch: Sequence | None = None) -> Prepared:
     """Arena, cells, explicit graph(s) and launchers for a planned recording (not verified).
 
     The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
@@ -407,7 +419,9 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     without them (:func:`nimble.analysis.backfill.pick`), each after the phases before it, and
     the fastest kept; so are ``priority_trials``
     (:func:`nimble.engine.priority_trials.resource_trials`), before them, and the kept
-    priorities are the result's.
+    priorities are the result's, and after them ``prefetch_trials`` (per phase, the weight
+    prefetches of :func:`nimble.engine.prefetch.plan_phases`); ``prefetch`` (per phase) is
+    built in as it is (a copy of a graph whose prefetch was picked already).
 
     With ``region`` the graph is built in an arena shared with other graphs (its plan from the
     arena's base, its state where ``region.layout`` says), which the caller owns and frees on
@@ -438,9 +452,10 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
             [gathers_of(slots[at:at + count]) for at, count in zip(starts, in_counts)],
             priorities, [device_launch] * len(spans),
             upload_stream=driver.stream(torch.cuda.current_stream().cuda_stream),
-            late_edges=late_edges)
+            late_edges=late_edges, prefetch=list(prefetch) if prefetch else None)
         launchers, picked = _build_phases(builder, rec, slots, outputs, device, rng,
-                                          backfill_trials, builts, order, priority_trials)
+                                          backfill_trials, builts, order, priority_trials,
+                                          prefetch_trials)
     except BaseException:
         for built in builts:
             built.close()
@@ -451,7 +466,8 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
                         arena=arena, arena_base=base, bases=bases, launchers=launchers,
                         weights=Weights(model, graph, placement.outside if placement
                                         else None), seconds=seconds,
-                        priorities=builder.priorities, backfill=picked)
+                        priorities=builder.priorities, backfill=picked,
+                        prefetch=list(builder.prefetch))
     if rec.step is not None:
         from .autograd import TrainingStep
 

@@ -32,6 +32,9 @@ class PhaseOptions:
     only: Set[int] | None = None
     #: Timestamp nodes (:class:`~nimble.engine.build.StampSpec`); None: none.
     stamps: StampSpec | None = None
+    #: Weight prefetches (:class:`nimble.analysis.prefetch.Prefetch`); None: the served
+    #: phase's, ``()``: none.
+    prefetch: Sequence | None = None
     # The options below build verification copies only (the proof's fuzz copies and the
     # power tool's broken ones): a served phase never has them.
     #: Delay nodes before tasks (:class:`~nimble.engine.build.DelaySpec`); None: none.
@@ -72,6 +75,12 @@ class PhaseBuilder:
     upload_stream: Any = None
     late_edges: Sequence[tuple[int, int]] = ()
     nodes_relocated: bool = False
+    #: Per phase, the weight prefetches it serves (:mod:`nimble.engine.prefetch`); None: none.
+    prefetch: list | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefetch is None:
+            self.prefetch = [()] * len(self.spans)
 
     def spec(self, phase: int, options: PhaseOptions = AS_SERVED) -> GraphSpec:
         """The :class:`~nimble.engine.build.GraphSpec` of phase ``phase`` built with ``options``."""
@@ -88,7 +97,9 @@ class PhaseBuilder:
             gathers=tuple(self.gathers[phase]) if options.gathers else (),
             priorities=self.priorities if options.priorities else None,
             late_edges=late, only=options.only, nodes_relocated=self.nodes_relocated,
-            stamps=options.stamps, delays=options.delays, instantiate=not options.edgeless)
+            stamps=options.stamps, delays=options.delays, instantiate=not options.edgeless,
+            prefetch=(self.prefetch[phase] if options.prefetch is None
+                      else options.prefetch) if not options.edgeless else ())
 
     def edges_of(self, phase: int, options: PhaseOptions = AS_SERVED) -> list[tuple[int, int]]:
         """The edges inside phase ``phase`` of a build with ``options``, its late ones

@@ -1,0 +1,129 @@
+"""Which weights to ask the L2 for, and when (issue 53: weight prefetch on a side stream).
+
+A batch-1 decode step is a chain of kernels, each waiting for the last, that stream every
+weight once from DRAM; between two of them (a kernel's tail, the next one's launch and
+ramp-up) no weights stream.  Work that could fill that time is the next kernels' weight
+traffic: a prefetch kernel beside the chain (``kernels/prefetch_l2.ptx``) that asks the L2 for
+the weights of the kernels ahead, so that they find them there.
+
+:func:`plan_prefetch` walks a phase's tasks in recorded order (a topological order of its DAG)
+and cuts the weights they read first into **windows** of at most ``window_bytes`` each (a share
+of the L2: the window being read and the one being fetched must fit beside the activations).
+Window ``j``'s prefetch runs after the first weight-reading task of window ``j - 1`` ends (the
+first window's at the phase's start), on no stream of the schedule: a side branch of the graph
+that nothing waits for.  A weight counts where it is read first; a range written by any task
+of the phase (a cache the model updates) is never fetched, nor one smaller than
+``min_bytes`` (a norm's scale: not worth a node).  A range larger than a window is fetched up to
+a window's bytes (its head: what a GEMM's first waves read).
+
+Plain data: the engine turns each :class:`Prefetch` into nodes (:mod:`nimble.engine.prefetch`)
+and keeps them only where the phase measures faster with them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
+
+#: A weight range below this is not fetched (bytes): a node's launch would cost more than the
+#: range's DRAM time.
+MIN_BYTES = 256 << 10
+#: The share of the L2 one window takes: two windows (the one read, the one fetched) and the
+#: activations between them must fit.
+WINDOW_SHARE = 0.4
+
+
+@dataclass(frozen=True)
+class WeightRange:
+    """Bytes ``[offset, offset + size)`` of buffer ``buffer``."""
+
+    buffer: int
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """One window's prefetch: its ranges, after task ``after`` (None: at the phase's start)."""
+
+    after: int | None
+    ranges: tuple[WeightRange, ...]
+    #: The tasks whose weights these are (the window), for reports.
+    tasks: tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.size for r in self.ranges)
+
+
+def window_bytes(l2_bytes: int, share: float = WINDOW_SHARE) -> int:
+    """One window's bytes on a GPU of ``l2_bytes`` of L2."""
+    return int(l2_bytes * share)
+
+
+def _written(graph: TaskGraph, span: range) -> set[int]:
+    return {a.buffer for t in span for a in graph.tasks[t].accesses if a.write}
+
+
+def first_reads(graph: TaskGraph, span: range, min_bytes: int = MIN_BYTES
+                ) -> list[tuple[int, WeightRange]]:
+    """``(task, range)`` for each weight range of ``span`` where it is read first, in task
+    order: read-only ranges of parameter buffers of at least ``min_bytes``, each once (a range
+    inside one read before is left out)."""
+    written = _written(graph, span)
+    seen: dict[int, list[tuple[int, int]]] = {}
+    out = []
+    for t in span:
+        task = graph.tasks[t]
+        if task.kind != TaskKind.KERNEL:
+            continue
+        for a in task.accesses:
+            buffer = graph.buffers[a.buffer]
+            if buffer.kind != BufferKind.PARAM or a.buffer in written or a.size < min_bytes:
+                continue
+            if any(b <= a.offset and a.end <= e for b, e in seen.get(a.buffer, ())):
+                continue
+            seen.setdefault(a.buffer, []).append((a.offset, a.end))
+            out.append((t, WeightRange(a.buffer, a.offset, a.size)))
+    return out
+
+
+def plan_prefetch(graph: TaskGraph, span: range, window: int,
+                  min_bytes: int = MIN_BYTES) -> list[Prefetch]:
+    """The prefetches of the phase ``span`` with windows of at most ``window`` bytes (see the
+    module's text); none where the phase reads fewer weights than two windows would hold
+    apart (nothing ahead to fetch)."""
+    if window <= 0:
+        raise ValueError(f"a prefetch window needs a positive size, got {window}")
+    windows: list[list[tuple[int, WeightRange]]] = [[]]
+    filled = 0
+    for t, r in first_reads(graph, span, min_bytes):
+        r = WeightRange(r.buffer, r.offset, min(r.size, window))
+        if windows[-1] and filled + r.size > window:
+            windows.append([])
+            filled = 0
+        windows[-1].append((t, r))
+        filled += r.size
+    if len(windows) < 2:
+        return []
+    plans = []
+    for j, members in enumerate(windows):
+        after = None if j == 0 else windows[j - 1][0][0]
+        tasks = tuple(dict.fromkeys(t for t, _ in members))
+        plans.append(Prefetch(after, tuple(r for _, r in members), tasks))
+    return plans
+
+
+def merged_ranges(prefetch: Prefetch, bases: Sequence[int]) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of a prefetch's ranges where their buffers live (``bases``),
+    ranges that touch or overlap joined: one node each."""
+    spans = sorted((bases[r.buffer] + r.offset, bases[r.buffer] + r.offset + r.size)
+                   for r in prefetch.ranges)
+    out: list[list[int]] = []
+    for b, e in spans:
+        if out and b <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([b, e])
+    return [(b, e - b) for b, e in out]

@@ -1,0 +1,216 @@
+"""Weight prefetch into the L2 (issue 53) without a GPU: the plan of windows and anchors
+(nimble.analysis.prefetch) on hand-made graphs and a recorded decoder, the nodes build_graph
+adds for it and the measured choice at prepare, on the stand-in bindings of test_rebuild."""
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import FIXTURE_DIR
+from nimble.analysis.prefetch import (Prefetch, WeightRange, first_reads, merged_ranges,
+                                      plan_prefetch, window_bytes)
+from nimble.engine import prefetch as prefetch_module
+from nimble.engine import prepared as prepared_module
+from nimble.engine.build import GraphSpec, InputGather, build_graph
+from nimble.engine.launcher import InputSlot
+from nimble.engine.options import PrepareOptions
+from nimble.engine.prefetch_nodes import (PREFETCH_BLOCK, PREFETCH_MAX_BLOCKS, PREFETCH_STEP,
+                                          prefetch_grid, turn_off_moved)
+from nimble.engine.rebuild import PhaseOptions
+from nimble.ir.taskgraph import Access, Buffer, Task, TaskGraph, TaskKind
+from test_rebuild import SCHEDULE, SPANS, StandIn, served_builder, task_graph
+
+MB = 1 << 20
+
+
+def _chain(sizes: list[int], written: int | None = None) -> TaskGraph:
+    """A chain of kernels, kernel ``k`` reading weight ``k`` of ``sizes[k]`` bytes (and the
+    activation, buffer ``len(sizes)``, which it writes)."""
+    n = len(sizes)
+    g = TaskGraph()
+    g.buffers = [Buffer(k, "param", s, 0x1000_0000 * (k + 1)) for k, s in enumerate(sizes)]
+    g.buffers.append(Buffer(n, "intermediate", MB, 0x9000_0000))
+    g.tasks = [Task(k, TaskKind.KERNEL, short_name=f"k{k}",
+                    accesses=[Access(k, 0, sizes[k], k == written), Access(n, 0, MB, True)])
+               for k in range(n)]
+    return g
+
+
+def test_weights_are_cut_into_windows_each_fetched_after_the_window_before_begins():
+    g = _chain([4 * MB, 4 * MB, 4 * MB, 4 * MB, 4 * MB])
+    plans = plan_prefetch(g, range(5), window=8 * MB)
+    assert [p.after for p in plans] == [None, 0, 2]
+    assert [p.tasks for p in plans] == [(0, 1), (2, 3), (4,)]
+    assert [[r.buffer for r in p.ranges] for p in plans] == [[0, 1], [2, 3], [4]]
+    assert [p.nbytes for p in plans] == [8 * MB, 8 * MB, 4 * MB]
+    # everything in one window: nothing ahead to fetch
+    assert plan_prefetch(g, range(5), window=64 * MB) == []
+    with pytest.raises(ValueError, match="positive size"):
+        plan_prefetch(g, range(5), window=0)
+
+
+def test_small_written_and_repeated_weights_are_left_out_and_large_ones_clipped():
+    g = _chain([4 * MB, 64 << 10, 4 * MB, 20 * MB], written=2)
+    g.tasks.append(Task(4, TaskKind.KERNEL, accesses=[Access(0, 0, 2 * MB, False)]))  # read again
+    g.tasks.append(Task(5, TaskKind.MEMSET, accesses=[Access(3, 0, 4, False)]))  # no kernel
+    assert [(t, r.buffer) for t, r in first_reads(g, range(6))] == [(0, 0), (3, 3)]
+    plans = plan_prefetch(g, range(6), window=8 * MB)
+    assert [(p.after, [(r.buffer, r.size) for r in p.ranges]) for p in plans] == \
+        [(None, [(0, 4 * MB)]), (0, [(3, 8 * MB)])]  # its head, a window's worth
+
+
+def test_a_recorded_decoders_windows_hold_each_weight_once_within_the_window():
+    g = TaskGraph.load(FIXTURE_DIR / "llama_small_float16.json.gz")
+    span = range(len(g.tasks))
+    window = 6 * MB
+    plans = plan_prefetch(g, span, window)
+    reads = first_reads(g, span)
+    assert len(plans) >= 2
+    assert [r for p in plans for r in p.ranges] == \
+        [WeightRange(r.buffer, r.offset, min(r.size, window)) for _, r in reads]
+    assert all(p.nbytes <= window for p in plans)
+    for before, p in zip(plans, plans[1:]):
+        # fetched once the window before began, never after its own first reader
+        assert p.after == before.tasks[0] and p.after < p.tasks[0]
+    params = {b.id for b in g.buffers if b.kind == "param"}
+    assert {r.buffer for p in plans for r in p.ranges} <= params
+    assert window_bytes(50 * MB) == 20 * MB
+
+
+def test_ranges_that_touch_become_one_node_each():
+    p = Prefetch(None, (WeightRange(0, 0, 100), WeightRange(1, 0, 50), WeightRange(2, 8, 10)))
+    assert merged_ranges(p, [1000, 1100, 5000]) == [(1000, 150), (5008, 10)]
+    assert prefetch_grid(1) == 1
+    assert prefetch_grid(3 * PREFETCH_STEP * PREFETCH_BLOCK) == 3
+    assert prefetch_grid(1 << 40) == PREFETCH_MAX_BLOCKS
+
+
+class PrefetchStandIn(StandIn):
+    """test_rebuild's stand-in bindings, with the prefetch kernel's arguments read and its
+    module told apart, the context's priority range, and exec updates recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exec_args: list[tuple[int, list[int]]] = []
+
+    def cuModuleLoadData(self, image):
+        if b"nimble_prefetch_l2" in image:
+            return 0, "prefetch module"
+        return super().cuModuleLoadData(image)
+
+    def cuCtxGetStreamPriorityRange(self):
+        return 0, 0, -5
+
+    def cuGraphAddKernelNode(self, graph, deps, count, params):
+        err, node = super().cuGraphAddKernelNode(graph, deps, count, params)
+        if params.func == "nimble_prefetch_l2":
+            slots = ctypes.cast(params.kernelParams, ctypes.POINTER(ctypes.c_void_p))
+            self.nodes[node].args = [ctypes.c_uint64.from_address(slots[i]).value
+                                     for i in range(3)]
+        return err, node
+
+    def cuGraphExecKernelNodeSetParams(self, exec_handle, node, params):
+        slots = ctypes.cast(params.kernelParams, ctypes.POINTER(ctypes.c_void_p))
+        self.exec_args.append((node, [ctypes.c_uint64.from_address(slots[i]).value
+                                      for i in range(3)]))
+        return (0,)
+
+
+@pytest.fixture
+def bindings(monkeypatch):
+    from nimble.driver import calls
+
+    fake = PrefetchStandIn()
+    monkeypatch.setattr(calls, "_drv", fake)
+    return fake
+
+
+BASES = [0x10_0000, 0x10_0000 + 4 * MB, 0x80_0000]
+PLAN = (Prefetch(None, (WeightRange(0, 0, 4 * MB), WeightRange(1, 0, 2 * MB))),
+        Prefetch(4, (WeightRange(2, 0, MB),)))
+
+
+def test_build_graph_adds_each_prefetch_after_its_anchor_at_the_least_priority(bindings):
+    spec = GraphSpec(SCHEDULE.edges(), span=SPANS[1], gathers=[InputGather(0x9000, 0x1000, 64)],
+                     priorities=[0, -1, -2, 0, -3, -1], prefetch=PLAN)
+    built = build_graph(task_graph(), [f"recorded {t}" for t in range(6)], BASES, spec)
+    nodes = bindings.nodes
+    (gather,) = [k for k, v in nodes.items() if v.func == "nimble_gather_input"]
+    fetches = {k: v for k, v in nodes.items() if v.func == "nimble_prefetch_l2"}
+    four = built.nodes[1]
+    # buffers 0 and 1 touch: one node from the start (after the gather), one after task 4
+    assert sorted((v.args, v.deps) for v in fetches.values()) == sorted([
+        ([BASES[0], 6 * MB, PREFETCH_STEP], [gather]), ([BASES[2], MB, PREFETCH_STEP], [four])])
+    assert all(bindings.priority[k] == 0 for k in fetches)  # the least priority
+    assert all(v.block == PREFETCH_BLOCK for v in fetches.values())
+    # nothing waits for a prefetch: no task node has one among its dependencies
+    assert not any(set(nodes[t].deps) & set(fetches) for t in built.nodes)
+    assert [p.buffers for p in built.prefetch_nodes] == [frozenset({0, 1}), frozenset({2})]
+    assert built.prefetch_module.handle == "prefetch module"
+    # a weight re-pointed elsewhere turns its nodes off in the exec
+    assert turn_off_moved("exec", built.prefetch_nodes, {1}) == 1
+    assert bindings.exec_args == [(built.prefetch_nodes[0].node, [BASES[0], 0, PREFETCH_STEP])]
+    built.close()
+    assert ("cuModuleUnload", "prefetch module") in bindings.freed
+
+
+def test_a_prefetch_whose_anchor_has_no_node_is_left_out(bindings):
+    spec = GraphSpec(SCHEDULE.edges(), span=SPANS[1], device_launch=False, only={3, 5},
+                     prefetch=PLAN)
+    built = build_graph(task_graph(), [f"recorded {t}" for t in range(6)], BASES, spec)
+    assert [p.address for p in built.prefetch_nodes] == [BASES[0]]  # task 4 has no node
+    assert not bindings.priority  # a graph without priorities gives its prefetches none
+    built.close()
+
+
+def test_the_builder_serves_its_prefetch_and_options_override_it():
+    builder = served_builder()
+    assert builder.prefetch == [(), ()] and builder.spec(1).prefetch == ()
+    assert builder.spec(1, PhaseOptions(prefetch=PLAN)).prefetch == PLAN
+    builder.prefetch[1] = PLAN
+    assert builder.spec(1).prefetch == PLAN and builder.spec(0).prefetch == ()
+    assert builder.spec(1, PhaseOptions(prefetch=())).prefetch == ()
+    assert builder.spec(1, PhaseOptions(edgeless=True)).prefetch == ()
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_a_prefetch_is_kept_only_where_its_phase_measures_faster(bindings, monkeypatch,
+                                                                  faster):
+    def launch(before, stream, refresh):
+        def timed(built, count):
+            gain = 0.9 if faster else 0.999  # 0.1% is below the gain a choice must show
+            return count * (gain if built.prefetch_nodes else 1.0)
+        return timed
+    monkeypatch.setattr(prepared_module, "_after_phases", launch)
+    builder = served_builder()
+    rec = SimpleNamespace(graph=builder.graph, output_spec=SimpleNamespace(is_leaf=lambda: True),
+                          static_inputs=[torch.arange(1024.0)])
+    slot = InputSlot(torch.zeros(1024), 0x1000, 4096, (1024,), torch.float32, True, 0x9000)
+    builder.bases = BASES
+    builts: list = []
+    prepared_module._build_phases(builder, rec, [slot], [torch.zeros(1)], torch.device("cpu"),
+                                  None, None, builts, prefetch_trials={1: PLAN})
+    assert builder.prefetch == [(), PLAN if faster else ()]
+    assert bool(builts[1].prefetch_nodes) is faster and not builts[0].prefetch_nodes
+    [measured] = builder.graph.meta["prefetch_l2"]
+    assert measured["phase"] == 1 and measured["kept"] is faster
+    assert measured["windows"] == 2 and measured["bytes"] == 7 * MB
+    assert measured["prefetch_ms"] < measured["plain_ms"]
+    for built in builts:
+        built.close()
+
+
+def test_the_option_is_off_by_default_and_plans_on_the_devices_l2(monkeypatch):
+    g = _chain([4 * MB] * 5)
+    assert PrepareOptions().prefetch_l2 is False
+    assert prefetch_module.planned_prefetch(g, PrepareOptions()) is None
+    monkeypatch.setattr(prefetch_module, "l2_bytes", lambda: 20 * MB)  # windows of 8 MB
+    g.meta["prefetch_l2"] = ["of an earlier prepare"]
+    plans = prefetch_module.planned_prefetch(g, PrepareOptions(prefetch_l2=True))
+    assert list(plans) == [0] and [p.after for p in plans[0]] == [None, 0, 2]
+    assert "prefetch_l2" not in g.meta
+    monkeypatch.setattr(prefetch_module, "communicates", lambda graph: True)
+    assert prefetch_module.planned_prefetch(g, PrepareOptions(prefetch_l2=True)) is None
