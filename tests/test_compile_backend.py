@@ -313,6 +313,64 @@ def test_a_dynamic_region_keys_on_shapes_and_numbers():
     assert len(requests.seen) == 3 and region.prepared == 3
 
 
+class Closing(Requests):
+    """Requests whose runs note that they were closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = []
+
+    def __call__(self, request):
+        run = super().__call__(request)
+        run.close = lambda run=run: self.closed.append(run)
+        return run
+
+
+def test_with_share_arena_every_shape_so_far_is_prepared_again_as_buckets_of_one_graph():
+    requests = Closing()
+    inputs = [GraphInput("s0", False, True, size_of=(1, 0)), GraphInput("x", False, False)]
+    region = _region(inputs, True, requests, share_arena=True)
+    assert region.shares
+    for n in (2, 3, 4, 3):
+        region(n, torch.zeros(n))
+    assert [len(r.buckets) for r in requests.seen] == [1, 2, 3]
+    assert [tuple(b[0].shape) for b in requests.seen[-1].buckets] == [(2,), (3,), (4,)]
+    latest = set(map(id, region.runs.values()))
+    assert len(latest) == 1 and region.prepared == 3
+    assert len(requests.closed) == 2 and id(requests.closed[-1]) not in latest
+
+
+def test_a_number_that_is_no_size_keeps_one_graph_per_signature_even_with_share_arena():
+    requests = Requests()
+    inputs = [GraphInput("step", False, True), GraphInput("x", False, False)]
+    region = _region(inputs, True, requests, share_arena=True)
+    assert not region.shares
+    for n in (2, 3):
+        region(n, torch.zeros(n))
+    assert [r.buckets for r in requests.seen] == [None, None]
+
+
+def test_dynamos_sizes_are_found_on_the_tensors_and_shared_shapes_run_through_one_module():
+    model = torch.nn.Linear(8, 8).eval()
+    backend, requests = _backend()
+    compiled = torch.compile(model, backend=backend, dynamic=True,
+                             options={"share_arena": True})
+    with torch.no_grad():
+        for batch in (2, 3, 4):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    (region,) = backend.regions
+    (size,) = [g for g in region.inputs if g.number]
+    tensor = next(i for i, g in enumerate(region.inputs) if not g.static and not g.number)
+    assert size.size_of == (tensor, 0) and region.shares
+    run = region.runs[next(iter(region.runs))]
+    # The last request's module serves every shape: its sizes come from the tensors.
+    for batch in (2, 3, 4):
+        x = torch.randn(batch, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(run.module(x)[0], model(x), rtol=0, atol=0)
+
+
 def test_a_host_tensor_among_device_tensors_is_refused_before_prepare():
     requests = Requests()
     region = _region([GraphInput("x", False, False), GraphInput("scale", False, False)], False,
@@ -374,8 +432,8 @@ def test_prepare_with_nimble_hands_the_calls_tensors_and_the_options_to_prepare(
         def __init__(self, module) -> None:
             self.module = module
 
-        def prepare(self, inputs, **kwargs):
-            prepared.append((self.module, inputs, kwargs))
+        def prepare(self, example_inputs=None, **kwargs):
+            prepared.append((self.module, example_inputs, kwargs))
             return self
 
         def __call__(self, *inputs):

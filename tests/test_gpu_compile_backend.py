@@ -118,6 +118,8 @@ def test_a_graph_break_gives_two_prepared_regions_equal_to_each_half_prepared_by
 
 
 def test_three_batch_sizes_are_three_prepared_graphs_equal_to_those_prepared_by_hand():
+    """Batches 1, 8 and 32: three prepared graphs, each with an arena of its own; with
+    share_arena, the two of the graph Dynamo compiled for dynamic shapes are buckets of one."""
     model, _ = zoo_model("branchy")
     model.eval()
     batches = [torch.randn(b, 3, 64, 64, device="cuda") for b in (1, 8, 32)]
@@ -131,15 +133,24 @@ def test_three_batch_sizes_are_three_prepared_graphs_equal_to_those_prepared_by_
                 x, return_copies=True, options=nimble.PrepareOptions(relaunches=10))
             want.append(nm(x))
             nm.close()
-        torch._dynamo.reset()
-        backend = _backend()
-        compiled = torch.compile(model, backend=backend, options=OPTIONS)
-        got = [compiled(x) for x in batches]
-        again = [compiled(x) for x in reversed(batches)][::-1]
-    for g, a, w in zip(got, again, want):
-        _equal(g, w)
-        _equal(a, w)
-    assert [(r.dynamic, r.prepared) for r in backend.regions] == [(False, 1), (True, 2)]
+        for share in (False, True):
+            torch._dynamo.reset()
+            backend = _backend()
+            compiled = torch.compile(model, backend=backend,
+                                     options={**OPTIONS, "share_arena": share})
+            got = [compiled(x) for x in batches]
+            again = [compiled(x) for x in reversed(batches)][::-1]
+            for g, a, w in zip(got, again, want):
+                _equal(g, w)
+                _equal(a, w)
+            assert [(r.dynamic, r.prepared) for r in backend.regions] == [(False, 1), (True, 2)]
+            dynamic = backend.regions[1]
+            graphs = {id(run.launch): run.launch for run in dynamic.runs.values()}
+            if share:  # batches 8 and 32 as two buckets of one arena
+                (nm,) = graphs.values()
+                assert len(nm.buckets) == 2 and dynamic.shares
+            else:
+                assert len(graphs) == 2
 
 
 def test_weights_updated_in_place_or_reassigned_are_followed_without_preparing_again():

@@ -40,6 +40,10 @@ class RegionModule(torch.nn.Module):
         self._tensors = [i for i, g in enumerate(inputs)
                          if not g.static and isinstance(args[i], torch.Tensor)]
         self._static = [(i, g.name) for i, g in enumerate(inputs) if g.static]
+        # Numbers that are sizes of the call's tensors are read off them, so that one module
+        # serves every shape of a graph compiled for dynamic shapes (``share_arena``).
+        self._sizes = [(i, g.size_of) for i, g in enumerate(inputs)
+                       if g.number and g.size_of is not None]
         for i, name in self._static:
             self.bind(name, args[i], training)
         self.train(training)
@@ -77,6 +81,8 @@ class RegionModule(torch.nn.Module):
         full = list(self._template)
         for i, t in zip(self._tensors, tensors):
             full[i] = t
+        for i, (t, dim) in self._sizes:
+            full[i] = full[t].shape[dim]
         for i, name in self._static:
             full[i] = getattr(self, name)
         return self._compiled(*full)
@@ -100,6 +106,12 @@ class NimbleRun:
             self._epoch = EPOCH[0]
         return self.launch(*[args[i] for i in self._tensors])
 
+    def close(self) -> None:
+        """Free the prepared graph (a graph serving these shapes replaced it)."""
+        close = getattr(self.launch, "close", None)
+        if close is not None:
+            close()
+
 
 def prepare_with_nimble(request: PrepareRequest) -> NimbleRun:
     """The backend's prepare function: ``Nimble(RegionModule).prepare(...)`` on the call's
@@ -110,7 +122,8 @@ def prepare_with_nimble(request: PrepareRequest) -> NimbleRun:
         raise InputError(f"graph {request.region} takes no tensor but the model's weights: a "
                          "prepared graph needs an input to run on")
     options = request.options
-    nm = Nimble(module).prepare(tensors, training=request.training,
+    shape = {"buckets": request.buckets} if request.buckets else {"example_inputs": tensors}
+    nm = Nimble(module).prepare(**shape, training=request.training,
                                 use_multi_stream=options.use_multi_stream,
                                 max_streams=options.max_streams,
                                 return_copies=options.return_copies, quiet=options.quiet,

@@ -13,6 +13,12 @@ make sense per compiled graph (``use_multi_stream``, ``max_streams``, ``return_c
   host, reads a CPU tensor, is past ``max_shapes``...), run Inductor's code for it without a
   graph instead of raising, with a warning on the ``nimble`` logger, counted
   (:attr:`nimble.compile_backend.NimbleBackend.fallbacks`).  Off: no silent eager run.
+* ``share_arena`` (bool, default False): the concrete shapes of a graph compiled for dynamic
+  shapes share one arena, as :meth:`nimble.Nimble.prepare`'s buckets do, where every number
+  Dynamo passes with the graph is a size of one of its tensors.  An arena is laid out from
+  every bucket's plan before anything is allocated, so each new shape prepares every shape of
+  the graph again (the graph serving the shapes before keeps serving until the new one is
+  proven): memory for preparing time.  Inference only; a training step keeps its own arena.
 * ``inductor`` (dict): Inductor config patches for this compile (``{"max_autotune": True}``);
   ``triton.cudagraphs`` stays off, since Nimble's graph replaces Inductor's.
 
@@ -46,12 +52,13 @@ class BackendOptions:
     quiet: bool = True
     max_shapes: int = 8
     fallback: bool = False
+    share_arena: bool = False
     inductor: dict = field(default_factory=dict)
 
 
 _BACKEND_KEYS = {"use_multi_stream": bool, "max_streams": (int, type(None)),
                  "return_copies": bool, "quiet": bool, "max_shapes": int, "fallback": bool,
-                 "inductor": dict}
+                 "share_arena": bool, "inductor": dict}
 _PREPARE_TYPES = {"arena_limit": (int, str, type(None)), "device_launch": bool,
                   "gather_inputs": bool, "verify": bool, "relaunches": (int, type(None)),
                   "fuzz": bool, "keep_recording": bool, "priorities": bool,

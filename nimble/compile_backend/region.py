@@ -13,9 +13,13 @@ plans and proves one graph for it, and that graph serves every later call with t
 signature.  A graph Dynamo compiled for static shapes has one signature (Dynamo's guards send
 any other shape to another graph), so after its first call a region skips the signature.
 
-Each signature's graph has its arena of its own: a prepared bucket's arena is laid out from
-every bucket's plan before anything is allocated (:mod:`nimble.engine.arena_layout`), and
+Each signature's graph has its arena of its own by default: an arena of buckets is laid out
+from every bucket's plan before anything is allocated (:mod:`nimble.engine.arena_layout`), and
 Dynamo's shapes come one at a time, each after the graphs before it are proven and serving.
+With ``share_arena``, a graph compiled for dynamic shapes whose numbers are all sizes of its
+tensors (:attr:`GraphInput.size_of`) pays for one arena in preparing time: each new signature
+prepares every signature so far again, as buckets of one Nimble graph, which then serves them
+all (the one before serves until it is proven, then is closed).
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ class GraphInput:
     static: bool
     #: A number (a size of a graph compiled for dynamic shapes), not a tensor.
     number: bool
+    #: For a number that is a size of a tensor input: ``(that input's position, dim)``.
+    size_of: tuple[int, int] | None = None
 
 
 def graph_inputs(placeholders: Sequence[Any], example_inputs: Sequence[Any]) -> list[GraphInput]:
@@ -45,13 +51,34 @@ def graph_inputs(placeholders: Sequence[Any], example_inputs: Sequence[Any]) -> 
     import torch
 
     found = []
+    sizes = _size_symbols(placeholders)
     for node, example in zip(placeholders, example_inputs):
         tensor_meta = getattr(node, "meta", {}).get("tensor_dict", {})
         static = isinstance(example, torch.Tensor) and bool(
             tensor_meta.get("_dynamo_static_input_type")
             or getattr(example, "_dynamo_static_input_type", None)
             or isinstance(example, torch.nn.Parameter))
-        found.append(GraphInput(node.name, static, not isinstance(example, torch.Tensor)))
+        number = not isinstance(example, torch.Tensor)
+        size_of = sizes.get(_symbol(node.meta.get("example_value"))) if number else None
+        found.append(GraphInput(node.name, static, number, size_of))
+    return found
+
+
+def _symbol(value) -> str | None:
+    """The name of the symbol a symbolic number is (``s77``), None for anything else."""
+    expr = getattr(getattr(value, "node", None), "expr", None)
+    return str(expr) if expr is not None and getattr(expr, "is_Symbol", False) else None
+
+
+def _size_symbols(placeholders: Sequence[Any]) -> dict[str, tuple[int, int]]:
+    """Per symbol that is a dimension of a tensor input, the first ``(input, dim)`` it is."""
+    found: dict[str, tuple[int, int]] = {}
+    for i, node in enumerate(placeholders):
+        shape = getattr(getattr(node, "meta", {}).get("example_value"), "shape", None)
+        for d, size in enumerate(shape or ()):
+            name = _symbol(size)
+            if name is not None:
+                found.setdefault(name, (i, d))
     return found
 
 
@@ -78,6 +105,9 @@ class PrepareRequest:
     inputs: list[GraphInput]
     training: bool
     options: BackendOptions
+    #: With ``share_arena``: the call's tensors of every signature so far (this one last), to
+    #: be prepared as buckets of one arena.
+    buckets: list[tuple] | None = None
 
 
 class Run(Protocol):
@@ -121,6 +151,13 @@ class Region:
         self._moving = [i for i, g in enumerate(inputs) if not g.static]
         # A static graph has one signature: after its first call, its run serves every call.
         self._only: Run | None = None
+        #: With ``share_arena``: whether this graph's signatures are buckets of one Nimble
+        #: graph (dynamic, and every number it takes a size of one of its tensors).
+        self.shares = options.share_arena and dynamic and all(
+            g.size_of is not None for g in inputs if g.number)
+        # Per shared signature, copies of its tensors: the examples of the next prepare.
+        self._examples: dict[tuple, tuple] = {}
+        self._shared: Run | None = None
 
     def __call__(self, *args):
         only = self._only
@@ -155,10 +192,13 @@ class Region:
         return run(args)
 
     def _new_run(self, args: tuple, key: tuple) -> Run:
+        training = _training(args)
         try:
             self._check_call(args)
+            if self.shares and not training:
+                return self._share(args, key)
             return self._prepare_fn(PrepareRequest(self.name, self.compiled, args, self.inputs,
-                                                   _training(args), self.options))
+                                                   training, self.options))
         except NimbleError as e:
             if not self.options.fallback:
                 if hasattr(e, "add_note"):
@@ -171,6 +211,25 @@ class Region:
                         "%s (fallback %d of this graph): %s", self.name, _describe(key),
                         self.fallbacks, e)
             return InductorRun(self.compiled)
+
+    def _share(self, args: tuple, key: tuple) -> Run:
+        """Every shared signature and this one prepared again as buckets of one arena; the
+        graph that served them before is closed once the new one is proven."""
+        import torch
+
+        tensors = tuple(args[i].detach().clone() for i in self._moving
+                        if isinstance(args[i], torch.Tensor))
+        run = self._prepare_fn(PrepareRequest(
+            self.name, self.compiled, args, self.inputs, False, self.options,
+            buckets=[*self._examples.values(), tensors]))
+        previous, self._shared = self._shared, run
+        self._examples[key] = tensors
+        for k in self._examples:
+            self.runs[k] = run
+        close = getattr(previous, "close", None)
+        if close is not None:
+            close()
+        return run
 
     def _check_call(self, args: tuple) -> None:
         """InputError for what a prepared graph cannot take, said for torch.compile's user."""
