@@ -111,3 +111,38 @@ def test_the_loops_step_is_one_graph_for_dynamo():
         fn, backend="eager", fullgraph=options["fullgraph"]))
     ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(5))
     assert torch.equal(loop(ids, 6), library_greedy(model, ids, 6))
+
+
+def test_the_breakdown_says_what_the_weight_prefetch_measured_when_asked():
+    from nimble.cli.generate_bench import _breakdown_text
+
+    measured = {"phase": 0, "plain_ms": 1.25, "prefetch_ms": 1.125, "windows": 3,
+                "bytes": 60e6, "kept": True}
+    info = {"show_breakdown": True, "decode_step": {
+        "nimble": {"breakdown_text": "stand-in\n", "prefetch_l2": [measured]},
+        "nimble+inductor": {"trace_error": "CudaError: stand-in", "prefetch_l2": None}}}
+    assert _breakdown_text(info) == (
+        "where nimble's decode step spends its time:\nstand-in\n"
+        "  weight prefetch: 1.250 ms per launch without, 1.125 with 3 windows of 60.0 MB in "
+        "all; kept\n"
+        "where nimble+inductor's decode step spends its time:\n"
+        "(no trace: CudaError: stand-in)")
+    assert _breakdown_text({**info, "show_breakdown": False}) == ""
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_the_nimble_steps_are_prepared_with_the_prefetch_when_asked(monkeypatch, flag):
+    import argparse
+
+    import nimble.generate as generate_module
+    from nimble.cli import generate_bench
+
+    asked = []
+    monkeypatch.setattr(generate_module, "prepare_with_nimble",
+                        lambda options=None, compile_steps=False: asked.append(
+                            (options and options.prefetch_l2, compile_steps)))
+    monkeypatch.setattr(generate_module, "Generator", lambda *args, **kwargs: "generator")
+    args = argparse.Namespace(prompt_lengths=[8], new_tokens=4, prefetch_l2=flag)
+    assert generate_bench._generators(None, args, 1) == {"nimble": "generator",
+                                                         "nimble+inductor": "generator"}
+    assert asked == [(flag or None, False), (flag or None, True)]

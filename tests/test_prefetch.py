@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers import FIXTURE_DIR
-from nimble.analysis.prefetch import (Prefetch, WeightRange, first_reads, merged_ranges,
-                                      plan_prefetch, window_bytes)
+from nimble.analysis.prefetch import (Prefetch, WeightRange, merged_ranges, plan_prefetch,
+                                      weight_reads, window_bytes)
 from nimble.engine import prefetch as prefetch_module
 from nimble.engine import prepared as prepared_module
 from nimble.engine.build import GraphSpec, InputGather, build_graph
@@ -52,14 +52,17 @@ def test_weights_are_cut_into_windows_each_fetched_after_the_window_before_begin
         plan_prefetch(g, range(5), window=0)
 
 
-def test_small_written_and_repeated_weights_are_left_out_and_large_ones_clipped():
-    g = _chain([4 * MB, 64 << 10, 4 * MB, 20 * MB], written=2)
-    g.tasks.append(Task(4, TaskKind.KERNEL, accesses=[Access(0, 0, 2 * MB, False)]))  # read again
-    g.tasks.append(Task(5, TaskKind.MEMSET, accesses=[Access(3, 0, 4, False)]))  # no kernel
-    assert [(t, r.buffer) for t, r in first_reads(g, range(6))] == [(0, 0), (3, 3)]
-    plans = plan_prefetch(g, range(6), window=8 * MB)
+def test_small_and_written_weights_are_left_out_a_reread_one_goes_last_large_ones_clipped():
+    g = _chain([4 * MB, 64 << 10, 4 * MB, 20 * MB, 2 * MB], written=2)
+    # buffer 0 read again, in part, after the others: a tied table's head reads it last
+    g.tasks.append(Task(5, TaskKind.KERNEL, accesses=[Access(0, MB, 3 * MB, False)]))
+    g.tasks.append(Task(6, TaskKind.MEMSET, accesses=[Access(4, 0, 4, False)]))  # no kernel
+    assert [(t, r) for t, r in weight_reads(g, range(7))] == [
+        (3, WeightRange(3, 0, 20 * MB)), (4, WeightRange(4, 0, 2 * MB)),
+        (5, WeightRange(0, 0, 4 * MB))]
+    plans = plan_prefetch(g, range(7), window=8 * MB)
     assert [(p.after, [(r.buffer, r.size) for r in p.ranges]) for p in plans] == \
-        [(None, [(0, 4 * MB)]), (0, [(3, 8 * MB)])]  # its head, a window's worth
+        [(None, [(3, 8 * MB)]), (3, [(4, 2 * MB), (0, 4 * MB)])]  # its head, a window's worth
 
 
 def test_a_recorded_decoders_windows_hold_each_weight_once_within_the_window():
@@ -67,10 +70,11 @@ def test_a_recorded_decoders_windows_hold_each_weight_once_within_the_window():
     span = range(len(g.tasks))
     window = 6 * MB
     plans = plan_prefetch(g, span, window)
-    reads = first_reads(g, span)
+    reads = weight_reads(g, span)
     assert len(plans) >= 2
     assert [r for p in plans for r in p.ranges] == \
         [WeightRange(r.buffer, r.offset, min(r.size, window)) for _, r in reads]
+    assert len({r.buffer for _, r in reads}) == len(reads)  # each weight once
     assert all(p.nbytes <= window for p in plans)
     for before, p in zip(plans, plans[1:]):
         # fetched once the window before began, never after its own first reader

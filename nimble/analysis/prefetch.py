@@ -6,15 +6,16 @@ ramp-up) no weights stream.  Work that could fill that time is the next kernels'
 traffic: a prefetch kernel beside the chain (``kernels/prefetch_l2.ptx``) that asks the L2 for
 the weights of the kernels ahead, so that they find them there.
 
-:func:`plan_prefetch` walks a phase's tasks in recorded order (a topological order of its DAG)
-and cuts the weights they read first into **windows** of at most ``window_bytes`` each (a share
-of the L2: the window being read and the one being fetched must fit beside the activations).
-Window ``j``'s prefetch runs after the first weight-reading task of window ``j - 1`` ends (the
-first window's at the phase's start), on no stream of the schedule: a side branch of the graph
-that nothing waits for.  A weight counts where it is read first; a range written by any task
-of the phase (a cache the model updates) is never fetched, nor one smaller than
-``min_bytes`` (a norm's scale: not worth a node).  A range larger than a window is fetched up to
-a window's bytes (its head: what a GEMM's first waves read).
+:func:`plan_prefetch` walks a phase's weights in the recorded order of the kernels that read
+them (a topological order of its DAG) and cuts them into **windows** of at most
+``window_bytes`` each (a share of the L2: the window being read and the one being fetched must
+fit beside the activations).  Window ``j``'s prefetch runs after the first weight-reading task
+of window ``j - 1`` ends (the first window's at the phase's start), on no stream of the
+schedule: a side branch of the graph that nothing waits for.  A weight counts where it is read
+last (:func:`weight_reads`); a range written by any task of the phase (a cache the model
+updates) is never fetched, nor one smaller than ``min_bytes`` (a norm's scale: not worth a
+node).  A range larger than a window is fetched up to a window's bytes (its head: what a
+GEMM's first waves read).
 
 Plain data: the engine turns each :class:`Prefetch` into nodes (:mod:`nimble.engine.prefetch`)
 and keeps them only where the phase measures faster with them.
@@ -66,27 +67,27 @@ def _written(graph: TaskGraph, span: range) -> set[int]:
     return {a.buffer for t in span for a in graph.tasks[t].accesses if a.write}
 
 
-def first_reads(graph: TaskGraph, span: range, min_bytes: int = MIN_BYTES
-                ) -> list[tuple[int, WeightRange]]:
-    """``(task, range)`` for each weight range of ``span`` where it is read first, in task
-    order: read-only ranges of parameter buffers of at least ``min_bytes``, each once (a range
-    inside one read before is left out)."""
+def weight_reads(graph: TaskGraph, span: range, min_bytes: int = MIN_BYTES
+                 ) -> list[tuple[int, WeightRange]]:
+    """``(task, range)`` per weight the kernels of ``span`` read, ordered by ``task``: the last
+    kernel that reads the weight (a tied embedding's table is named whole by the lookup at the
+    start and streamed by the language-model head at the end), its range spanning every byte
+    the phase reads of it.  Only parameter buffers no task of the phase writes, and ranges of
+    at least ``min_bytes``."""
     written = _written(graph, span)
-    seen: dict[int, list[tuple[int, int]]] = {}
-    out = []
+    hull: dict[int, list[int]] = {}  # buffer -> [first byte, end, last reader]
     for t in span:
         task = graph.tasks[t]
         if task.kind != TaskKind.KERNEL:
             continue
         for a in task.accesses:
-            buffer = graph.buffers[a.buffer]
-            if buffer.kind != BufferKind.PARAM or a.buffer in written or a.size < min_bytes:
+            if graph.buffers[a.buffer].kind != BufferKind.PARAM or a.buffer in written:
                 continue
-            if any(b <= a.offset and a.end <= e for b, e in seen.get(a.buffer, ())):
-                continue
-            seen.setdefault(a.buffer, []).append((a.offset, a.end))
-            out.append((t, WeightRange(a.buffer, a.offset, a.size)))
-    return out
+            got = hull.setdefault(a.buffer, [a.offset, a.end, t])
+            got[0], got[1], got[2] = min(got[0], a.offset), max(got[1], a.end), t
+    reads = [(t, WeightRange(b, start, end - start)) for b, (start, end, t) in hull.items()
+             if end - start >= min_bytes]
+    return sorted(reads, key=lambda read: (read[0], read[1].buffer))
 
 
 def plan_prefetch(graph: TaskGraph, span: range, window: int,
@@ -98,7 +99,7 @@ def plan_prefetch(graph: TaskGraph, span: range, window: int,
         raise ValueError(f"a prefetch window needs a positive size, got {window}")
     windows: list[list[tuple[int, WeightRange]]] = [[]]
     filled = 0
-    for t, r in first_reads(graph, span, min_bytes):
+    for t, r in weight_reads(graph, span, min_bytes):
         r = WeightRange(r.buffer, r.offset, min(r.size, window))
         if windows[-1] and filled + r.size > window:
             windows.append([])

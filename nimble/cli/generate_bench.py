@@ -83,6 +83,9 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=positive_int, default=64,
                    help="--generate: tokens generated per sequence (default 64; a token's "
                         "time is (T(N) - T(16)) / (N - 16))")
+    p.add_argument("--prefetch-l2", action="store_true",
+                   help="--generate: prepare the Nimble steps with PrepareOptions(prefetch_l2="
+                        "True): weight prefetch into the L2, kept where measured faster")
     p.add_argument("--breakdown", action="store_true",
                    help="--generate: print where each Nimble decode step's time goes (busy, "
                         "gaps between dependent kernels, each kernel's bandwidth, concurrency; "
@@ -128,14 +131,18 @@ def _cache_len(args) -> int:
 
 
 def _generators(model, args, batch: int) -> dict:
-    """The two Nimble generators by mode, or the one-line error that stopped one."""
+    """The two Nimble generators by mode, or the one-line error that stopped one; with
+    ``--prefetch-l2``, each step prepared with ``PrepareOptions(prefetch_l2=True)`` (kept
+    where it measures faster)."""
+    from ..engine.options import PrepareOptions
     from ..generate import Generator, prepare_with_nimble
 
+    options = PrepareOptions(prefetch_l2=True) if getattr(args, "prefetch_l2", False) else None
     made: dict = {}
     for mode, compiled in (("nimble", False), ("nimble+inductor", True)):
         try:
             made[mode] = Generator(model, _cache_len(args), args.prompt_lengths, [batch],
-                                   prepare_step=prepare_with_nimble(compile_steps=compiled))
+                                   prepare_step=prepare_with_nimble(options, compiled))
         except Exception as e:  # noqa: BLE001 - the other modes still run
             made[mode] = one_line(e)
     return made
@@ -153,7 +160,8 @@ def _decode_step_shape(generator, batch: int, needed=None, info: dict | None = N
 
     decode, _ = generator.steps(batch)
     shape = {"dag_width": decode.schedule.width, "streams": len(decode.schedule.streams),
-             "tasks": len(decode.graph.tasks), "concurrency": None}
+             "tasks": len(decode.graph.tasks), "concurrency": None,
+             "prefetch_l2": decode.graph.meta.get("prefetch_l2")}
     try:
         device = next(generator.model.parameters()).device
         at = int(needed.slots_read) - 1 if needed else generator.decode_position
@@ -177,6 +185,11 @@ def _breakdown_text(info: dict) -> str:
     for mode, shape in info.get("decode_step", {}).items():
         text = shape.get("breakdown_text") or f"(no trace: {shape.get('trace_error')})\n"
         out.append(f"where {mode}'s decode step spends its time:\n{text}")
+        for r in shape.get("prefetch_l2") or ():
+            out.append(f"  weight prefetch: {r['plain_ms']:.3f} ms per launch without, "
+                       f"{r['prefetch_ms']:.3f} with {r['windows']} windows of "
+                       f"{r['bytes'] / 1e6:.1f} MB in all; "
+                       + ("kept\n" if r["kept"] else "not kept\n"))
     return "".join(out).rstrip("\n")
 
 
