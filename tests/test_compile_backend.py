@@ -127,13 +127,13 @@ def test_a_wrong_value_is_an_input_error(options, says):
         parse_options(options)
 
 
-def test_modes_that_add_cuda_graphs_are_refused_and_the_others_set_inductor():
-    with pytest.raises(InputError, match="reduce-overhead"):
-        parse_options(None, "reduce-overhead")
-    with pytest.raises(InputError, match="max-autotune'"):
-        parse_options(None, "max-autotune")
-    patches = parse_options(None, "max-autotune-no-cudagraphs").inductor
-    assert patches["max_autotune"] and patches["triton.cudagraphs"] is False
+def test_a_mode_sets_inductor_as_that_mode_without_its_cuda_graphs():
+    assert parse_options(None, "reduce-overhead").inductor == {"triton.cudagraphs": False}
+    for mode in ("max-autotune", "max-autotune-no-cudagraphs"):
+        patches = parse_options(None, mode).inductor
+        assert patches["max_autotune"] and patches["triton.cudagraphs"] is False
+    with pytest.raises(InputError, match="the modes are default, reduce-overhead"):
+        parse_options(None, "fastest")
 
 
 def test_torch_compile_reports_a_misspelt_option_as_the_backends_input_error():
@@ -457,3 +457,94 @@ def test_prepare_with_nimble_hands_the_calls_tensors_and_the_options_to_prepare(
     with pytest.raises(InputError, match="no tensor but the model's weights"):
         holder.prepare_with_nimble(PrepareRequest("0/2", lambda w: (w,), (weight,), inputs[:1],
                                                   False, parse_options(None)))
+
+
+# ---- state no module owns: a static cache -----------------------------------------------------
+
+def _step(x, cache):
+    cache.add_(x)
+    return cache * 2
+
+
+def test_a_static_tensor_no_module_owns_is_state_and_a_new_one_prepares_again(caplog):
+    backend, requests = _backend()
+    step = torch.compile(_step, backend=backend)
+    cache = torch.zeros(4)
+    torch._dynamo.mark_static_address(cache)
+    x = torch.ones(4)
+    step(x, cache), step(x, cache)
+    assert torch.equal(cache, 2 * x)
+    (region,) = backend.regions
+    assert sorted((g.static, g.state) for g in region.inputs) == [(False, False), (True, True)]
+    run = region.runs[next(iter(region.runs))]
+    assert not list(run.module.buffers()) and run.module.state[0][1] is cache
+
+    other = torch.zeros(4)
+    torch._dynamo.mark_static_address(other)
+    with caplog.at_level(logging.INFO, logger="nimble"):
+        torch.testing.assert_close(step(x, other), 2 * x)
+    assert torch.equal(other, x) and torch.equal(cache, 2 * x)
+    assert len(requests.seen) == 2 and len(backend.regions) == 1
+    assert any("preparing it again" in r.message for r in caplog.records)
+
+
+def test_module_buffers_stay_weights_not_state():
+    model = torch.nn.BatchNorm1d(4).eval()
+    backend, _ = _backend()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(3, 4))
+    (region,) = backend.regions
+    assert [g.state for g in region.inputs if g.static] == [False] * 4
+
+
+def test_preparing_leaves_the_state_and_the_buffers_as_the_call_found_them(monkeypatch):
+    from nimble.compile_backend import holder
+    from nimble.compile_backend.region import PrepareRequest
+
+    class Writes:
+        """A prepare that runs the module, as warm-up and proof do, then fails."""
+
+        def __init__(self, module) -> None:
+            self.module = module
+
+        def prepare(self, example_inputs=None, **kwargs):
+            self.module(*example_inputs)
+            raise CaptureError("stand-in")
+
+    def graph(state, running, x):
+        state.add_(x)
+        running.add_(x)
+        return (state + running,)
+
+    monkeypatch.setattr(holder, "Nimble", Writes)
+    state, running, x = torch.zeros(2), torch.zeros(2), torch.ones(2)
+    inputs = [GraphInput("l_cache_", True, False, state=True),
+              GraphInput("l_self_modules_bn_buffers_running_", True, False),
+              GraphInput("l_x_", False, False)]
+    with pytest.raises(CaptureError):
+        holder.prepare_with_nimble(PrepareRequest("0/0", graph, (state, running, x), inputs,
+                                                  False, parse_options(None)))
+    assert not state.any() and not running.any()
+
+
+def test_transformers_decoding_through_compile_config_runs_one_graph_per_step_shape():
+    """``generate(compile_config=CompileConfig(backend=...))``: the decoding forward is one
+    graph, prepared once, its static cache taken as state; the tokens are the library's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                  cache_implementation="static", pad_token_id=0, eos_token_id=None)
+    want = model.generate(ids, disable_compile=True, **kwargs)
+    backend, requests = _backend()
+    config = transformers.CompileConfig(backend=backend, fullgraph=True)
+    config._compile_all_devices = True  # the library compiles on GPUs only unless told
+    got = model.generate(ids, compile_config=config, **kwargs)
+    assert torch.equal(got, want)
+    (request,) = requests.seen  # five decoding steps, one graph
+    state = [g.name for g in request.inputs if g.state]
+    assert state and all("cache" in name for name in state)

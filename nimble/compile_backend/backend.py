@@ -75,6 +75,11 @@ class NimbleBackend:
         self._regions.append(weakref.ref(region))
         return region
 
+    def __deepcopy__(self, memo) -> "NimbleBackend":
+        # transformers' CompileConfig deep-copies its fields, the backend among them: a copy
+        # would keep the regions and counts where the caller cannot see them.
+        return self
+
     def _prepare_fn(self) -> PrepareFn:
         if self._prepare is None:
             from .holder import prepare_with_nimble

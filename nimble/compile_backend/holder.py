@@ -9,6 +9,14 @@ copied per call, updated in place as the model is (an optimizer step), held whil
 reads them and followed when they move (:mod:`nimble.engine.weights`); a training step
 differentiates with respect to them, so ``param.grad`` fills as eager fills it.
 
+Static tensors no module owns (``torch._dynamo.mark_static_address``: transformers' static
+cache, its keys, values and counters) stay plain attributes: Nimble takes them for state the graph
+updates in place, restores them before every launch of its proof and leaves them as it found
+them.  A call whose state Dynamo passes as other tensors (a new cache) makes the region prepare
+that signature again.  Preparing runs the graph many times (warm-up, captures, proof): the
+buffers and the state are put back afterwards, so the call that prepares finds them as the call
+before left them.
+
 A parameter re-assigned in the model (``model.fc.weight = nn.Parameter(...)``,
 ``load_state_dict(assign=True)``) comes as another tensor in Dynamo's next call: every such
 assignment moves the weights' epoch, and only then does a call compare the tensors Dynamo
@@ -17,14 +25,16 @@ passes with those bound, re-binds any that changed (which the graph then follows
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import operator
+from typing import Any, Iterator
 
 import torch
 
 from ..api import Nimble
 from ..engine.weights import EPOCH, watch_modules
-from ..errors import InputError
-from .region import GraphInput, PrepareRequest
+from ..errors import GraphFaultError, InputError
+from .region import STALE, GraphInput, PrepareRequest
 
 
 class RegionModule(torch.nn.Module):
@@ -39,7 +49,11 @@ class RegionModule(torch.nn.Module):
         self._template = [None if isinstance(x, torch.Tensor) else x for x in args]
         self._tensors = [i for i, g in enumerate(inputs)
                          if not g.static and isinstance(args[i], torch.Tensor)]
-        self._static = [(i, g.name) for i, g in enumerate(inputs) if g.static]
+        self._static = [(i, g.name) for i, g in enumerate(inputs) if g.static and not g.state]
+        # State no module owns (a static cache) stays a plain attribute: Nimble then takes it
+        # for memory outside the graph that the graph may update on purpose, restored before
+        # every launch of the proof and left as it was found.
+        self.__dict__["state"] = [(i, args[i]) for i, g in enumerate(inputs) if g.state]
         # Numbers that are sizes of the call's tensors are read off them, so that one module
         # serves every shape of a graph compiled for dynamic shapes (``share_arena``).
         self._sizes = [(i, g.size_of) for i, g in enumerate(inputs)
@@ -85,7 +99,15 @@ class RegionModule(torch.nn.Module):
             full[i] = full[t].shape[dim]
         for i, name in self._static:
             full[i] = getattr(self, name)
+        for i, t in self.state:
+            full[i] = t
         return self._compiled(*full)
+
+    def kept(self) -> list:
+        """Every static tensor a prepare may write and must leave as it was: the buffers and
+        the state (parameters are written by no forward)."""
+        return [t for _, t in self.state] + [getattr(self, name) for _, name in self._static
+                                             if name in self._buffers]
 
 
 class NimbleRun:
@@ -97,10 +119,15 @@ class NimbleRun:
         self.launch = launch
         self.module = module
         self._tensors = module.tensor_positions
+        self._state_at = [i for i, _ in module.state]
+        self._state = [t for _, t in module.state]
         watch_modules()  # the epoch moves on every assignment from now on
         self._epoch = EPOCH[0]
 
     def __call__(self, args: tuple) -> Any:
+        if self._state and not all(map(operator.is_, [args[i] for i in self._state_at],
+                                       self._state)):
+            return STALE
         if self._epoch != EPOCH[0]:
             self.module.follow(args)
             self._epoch = EPOCH[0]
@@ -123,9 +150,32 @@ def prepare_with_nimble(request: PrepareRequest) -> NimbleRun:
                          "prepared graph needs an input to run on")
     options = request.options
     shape = {"buckets": request.buckets} if request.buckets else {"example_inputs": tensors}
-    nm = Nimble(module).prepare(**shape, training=request.training,
-                                use_multi_stream=options.use_multi_stream,
-                                max_streams=options.max_streams,
-                                return_copies=options.return_copies, quiet=options.quiet,
-                                options=options.prepare)
+    # Preparing runs the graph many times (warm-up, captures, the proof): the call that
+    # prepares must find the cache and the buffers as the call before left them.
+    with _kept(module.kept()):
+        nm = Nimble(module).prepare(**shape, training=request.training,
+                                    use_multi_stream=options.use_multi_stream,
+                                    max_streams=options.max_streams,
+                                    return_copies=options.return_copies, quiet=options.quiet,
+                                    options=options.prepare)
     return NimbleRun(nm, module)
+
+
+@contextlib.contextmanager
+def _kept(tensors: list) -> Iterator[None]:
+    """Put ``tensors``' values back when the block ends, unless a kernel fault took the CUDA
+    context (no copy can run then, and its error would hide the fault)."""
+    saved = [t.detach().clone() for t in tensors]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for t, value in zip(tensors, saved):
+                t.copy_(value)
+    try:
+        yield
+    except GraphFaultError:
+        raise
+    except BaseException:
+        restore()
+        raise
+    restore()

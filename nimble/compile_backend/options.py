@@ -22,6 +22,10 @@ make sense per compiled graph (``use_multi_stream``, ``max_streams``, ``return_c
 * ``inductor`` (dict): Inductor config patches for this compile (``{"max_autotune": True}``);
   ``triton.cudagraphs`` stays off, since Nimble's graph replaces Inductor's.
 
+``mode=`` is taken as Inductor's settings of that mode without its CUDA graphs, which
+Nimble's graph replaces: ``"reduce-overhead"`` is the default's, ``"max-autotune"`` that of
+``"max-autotune-no-cudagraphs"``.
+
 A misspelt or unknown key, or a value of the wrong type, is an :class:`~nimble.errors.InputError`
 naming the nearest known key, raised when Dynamo hands over the first graph.
 """
@@ -34,9 +38,12 @@ from typing import Any
 from ..engine.options import PrepareOptions
 from ..errors import InputError
 
-#: Modes of ``torch.compile`` whose Inductor settings the backend takes; the others
-#: (``reduce-overhead``, ``max-autotune``) turn Inductor's own CUDA graphs on.
-MODES = ("default", "max-autotune-no-cudagraphs")
+#: ``torch.compile``'s modes, each as the mode whose Inductor settings the backend takes: the
+#: CUDA graphs that ``reduce-overhead`` and ``max-autotune`` add are Nimble's own graph here
+#: (transformers' ``CompileConfig`` passes ``mode="reduce-overhead"`` unless told otherwise).
+MODES = {"default": "default", "reduce-overhead": "default",
+         "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs",
+         "max-autotune": "max-autotune-no-cudagraphs"}
 
 
 @dataclass(frozen=True)
@@ -89,18 +96,15 @@ def _check_type(key: str, value: Any, expected) -> None:
 
 def _inductor_patches(mode: str | None, patches: dict) -> dict:
     """Inductor's config for ``mode`` with the user's ``patches``, CUDA graphs off."""
-    if mode in (None, "default"):
-        settled: dict = {}
-    elif mode in MODES:
+    inductor_mode = MODES.get(mode or "default")
+    if inductor_mode is None:
+        raise InputError(f"torch.compile(backend='nimble', mode={mode!r}): the modes are "
+                         f"{', '.join(MODES)}")
+    settled: dict = {}
+    if inductor_mode != "default":
         from torch._inductor import list_mode_options
 
-        settled = dict(list_mode_options(mode))
-    else:
-        raise InputError(
-            f"torch.compile(backend='nimble', mode={mode!r}): Nimble runs each compiled graph "
-            f"as its own CUDA graph, so a mode that adds Inductor's CUDA graphs cannot be "
-            f"taken; use mode={' or '.join(repr(m) for m in MODES)}, or options={{'inductor': "
-            "{...}}")
+        settled = dict(list_mode_options(inductor_mode))
     if patches.get("triton.cudagraphs"):
         raise InputError("options={'inductor': {'triton.cudagraphs': True}} asks for Inductor's "
                          "own CUDA graphs, which cannot be captured into Nimble's: leave it out")

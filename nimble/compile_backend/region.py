@@ -43,6 +43,9 @@ class GraphInput:
     number: bool
     #: For a number that is a size of a tensor input: ``(that input's position, dim)``.
     size_of: tuple[int, int] | None = None
+    #: A static tensor no module owns (``mark_static_address``: transformers' static cache):
+    #: state the graph may update in place, kept where it is rather than bound as a weight.
+    state: bool = False
 
 
 def graph_inputs(placeholders: Sequence[Any], example_inputs: Sequence[Any]) -> list[GraphInput]:
@@ -60,8 +63,20 @@ def graph_inputs(placeholders: Sequence[Any], example_inputs: Sequence[Any]) -> 
             or isinstance(example, torch.nn.Parameter))
         number = not isinstance(example, torch.Tensor)
         size_of = sizes.get(_symbol(node.meta.get("example_value"))) if number else None
-        found.append(GraphInput(node.name, static, number, size_of))
+        state = static and not _module_owned(node, example)
+        found.append(GraphInput(node.name, static, number, size_of, state))
     return found
+
+
+def _module_owned(node, example) -> bool:
+    """Whether a static input is a module's parameter or buffer (Dynamo's source for it goes
+    through ``_parameters`` or ``_buffers``, and names the placeholder after it)."""
+    import torch
+
+    if isinstance(example, torch.nn.Parameter):
+        return True
+    where = f"{getattr(node, '_dynamo_source', '')} {node.name}"
+    return "_buffers" in where or "_parameters" in where
 
 
 def _symbol(value) -> str | None:
@@ -110,8 +125,14 @@ class PrepareRequest:
     buckets: list[tuple] | None = None
 
 
+#: What a run returns instead of outputs when the state tensors Dynamo passes are not those
+#: it was prepared with (a new static cache): the region then prepares the signature again.
+STALE = object()
+
+
 class Run(Protocol):
-    """A prepared signature: called with the region's arguments, returns the graph's outputs."""
+    """A prepared signature: called with the region's arguments, returns the graph's outputs
+    (or :data:`STALE`, having run nothing)."""
 
     def __call__(self, args: tuple) -> Any: ...
 
@@ -162,7 +183,9 @@ class Region:
     def __call__(self, *args):
         only = self._only
         if only is not None:
-            return only(args)
+            out = only(args)
+            if out is not STALE:
+                return out
         return self._dispatch(args)
 
     def signature(self, args: tuple) -> tuple:
@@ -184,12 +207,31 @@ class Region:
                              f"{len(args)}")
         key = self.signature(args)
         run = self.runs.get(key)
-        if run is None:
-            run = self._new_run(args, key)
-            self.runs[key] = run
+        if run is not None:
+            out = run(args)
+            if out is not STALE:
+                return out
+            self._forget(run)
+        run = self._new_run(args, key)
+        self.runs[key] = run
         if not self.dynamic:
             self._only = run
         return run(args)
+
+    def _forget(self, run: Run) -> None:
+        """Drop ``run`` (its state tensors were replaced) from every signature it served."""
+        log.info("graph %s: Dynamo passes other state tensors than the graph was prepared with "
+                 "(a new static cache?): preparing it again", self.name)
+        for key in [k for k, r in self.runs.items() if r is run]:
+            del self.runs[key]
+            self._examples.pop(key, None)
+        if run is self._shared:
+            self._shared = None
+            self._examples.clear()
+        self._only = None
+        close = getattr(run, "close", None)
+        if close is not None:
+            close()
 
     def _new_run(self, args: tuple, key: tuple) -> Run:
         training = _training(args)
