@@ -226,3 +226,33 @@ def test_a_training_step_through_the_backend_gives_eagers_gradients_and_steps():
     (region,) = backend.regions
     (run,) = region.runs.values()
     assert run.launch.engine.step is not None, "the graph was not prepared as a training step"
+
+
+def test_transformers_generate_decodes_through_compile_config_backend_nimble():
+    """``generate(compile_config=CompileConfig(backend="nimble"))``: the library's compiled
+    decoding forward on Nimble, one prepared graph for every step of both calls, the static
+    cache taken as state; the tokens are those of the same call on Inductor without graphs."""
+    transformers = pytest.importorskip("transformers")
+    from nimble.cli.decoders import causal_lm
+
+    model = causal_lm("llama_small", "float16")
+    prompts = [torch.randint(0, model.config.vocab_size, (4, 16), device="cuda")
+               for _ in range(2)]
+    kwargs = dict(do_sample=False, max_new_tokens=24, cache_implementation="static",
+                  pad_token_id=0, eos_token_id=None)
+
+    def generate(config):
+        return [model.generate(ids, attention_mask=torch.ones_like(ids), compile_config=config,
+                               **kwargs) for ids in prompts]
+
+    want = generate(transformers.CompileConfig(backend="inductor", mode="default"))
+    torch._dynamo.reset()
+    registered = nimble.compile_backend.backend
+    registered.reset()
+    got = generate(transformers.CompileConfig(backend="nimble", mode=None, options=OPTIONS))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    prepared = [r for r in registered.regions if r.prepared]
+    assert [r.prepared for r in prepared] == [1], "every step of both calls: one graph"
+    assert any(g.state for g in prepared[0].inputs), "the static cache was not taken as state"
+    assert registered.fallbacks == 0
