@@ -87,3 +87,47 @@ def test_a_generator_is_built_and_loaded_in_fresh_processes(monkeypatch, capsys)
     assert "### llama_1b Generator" in out
     assert "| generator load | 1.500 (1.500-1.500) | 1.3000 | 3.8% | 2 |" in out
     assert "nimble save --generate prepare 40.00 s, save 5.00 s, 50.0 MB" in out
+
+
+def test_a_crashing_way_of_loading_is_a_row_that_says_so_and_the_rest_stand(monkeypatch,
+                                                                            capsys):
+    """AOTInductor's package load died of a signal on the GPU machine: the other modes' rows
+    are still measured and printed, and the failed mode's row says how it died."""
+    def spawn(argv, timeout=1200):
+        if argv[0] == "--write":
+            return {"what": argv[1], "seconds": 3.0, "bytes": 2 ** 20}
+        if argv[1] == "aoti load":
+            return {"failed": "signal 11: no output"}
+        return _run(argv[1], 2.0 if argv[1] == "prepare" else 0.2, 0.8)
+    monkeypatch.setattr(cold, "_spawn", spawn)
+    monkeypatch.setattr(cold, "_saved_file", lambda m, a, f: ("f", {}))
+    assert cold.main(["resnet50", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| aoti load | failed in 2 of 2: signal 11: no output |" in out
+    assert "| nimble load | 0.200 (0.200-0.200) | 0.8000 | 10.0% | 2 |" in out
+
+
+def test_a_package_that_cannot_be_written_skips_its_mode(monkeypatch, capsys):
+    spawned = []
+
+    def spawn(argv, timeout=1200):
+        spawned.append(argv)
+        if argv[0] == "--write":
+            return {"failed": "exit status 1: export failed"} if argv[1] == "aoti package" \
+                else {"what": argv[1], "seconds": 3.0, "bytes": 2 ** 20}
+        return _run(argv[1], 1.0, 1.0)
+    monkeypatch.setattr(cold, "_spawn", spawn)
+    monkeypatch.setattr(cold, "_saved_file", lambda m, a, f: ("f", {}))
+    cold.main(["resnet50", "--rounds", "1"])
+    assert "aoti load" not in [a[1] for a in spawned if a[0] == "--child"]
+    assert "aoti package failed (exit status 1: export failed)" in capsys.readouterr().out
+
+
+def test_a_loads_stages_are_summarized_by_their_medians():
+    runs = {"nimble load": [dict(_run("nimble load", 0.3, 0.8),
+                                 stages={"read": r, "kernels": k})
+                            for r, k in ((0.05, 0.10), (0.07, 0.30), (0.06, 0.20))]}
+    rows = cold.summarize(runs)
+    assert rows[0]["stages"] == {"read": 0.06, "kernels": 0.20}
+    text = cold.table("m", rows, {})
+    assert text.endswith("Load stages (medians): nimble load: read 60 ms, kernels 200 ms.")

@@ -55,18 +55,26 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     min and max, the median ms per call, and the share of prepare's median."""
     rows = []
     prepare = [r["first_call_s"] for r in runs.get("prepare") or runs.get("generator prepare")
-               or []]
+               or [] if "failed" not in r]
     base = statistics.median(prepare) if prepare else None
     for mode in MODES + GENERATOR_MODES:
-        got = runs.get(mode) or []
+        every = runs.get(mode) or []
+        got = [r for r in every if "failed" not in r]
+        failed = [r["failed"] for r in every if "failed" in r]
         if not got:
+            if failed:
+                rows.append({"mode": mode, "failed": failed[0], "processes": len(failed)})
             continue
         first = [r["first_call_s"] for r in got]
         calls = [r["ms_per_call"] for r in got]
         median = statistics.median(first)
+        stages = [r["stages"] for r in got if r.get("stages")]
         rows.append({"mode": mode, "first_call_s": median, "min_s": min(first),
                      "max_s": max(first), "ms_per_call": statistics.median(calls),
-                     "of_prepare": median / base if base else None, "processes": len(got)})
+                     "of_prepare": median / base if base else None, "processes": len(got),
+                     "failed_processes": len(failed),
+                     "stages": {k: statistics.median(s.get(k, 0.0) for s in stages)
+                                for k in (stages[0] if stages else {})}})
     return rows
 
 
@@ -76,12 +84,21 @@ def table(model: str, rows: list[dict], extra: dict) -> str:
              "| mode | s to first call (min-max) | ms per call | of prepare | processes |",
              "|---|---|---|---|---|"]
     for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['mode']} | failed in {r['processes']} of {r['processes']}: "
+                         f"{r['failed']} | - | - | 0 |")
+            continue
         share = f"{100 * r['of_prepare']:.1f}%" if r["of_prepare"] is not None else "-"
         lines.append(f"| {r['mode']} | {r['first_call_s']:.3f} ({r['min_s']:.3f}-"
                      f"{r['max_s']:.3f}) | {r['ms_per_call']:.4f} | {share} | "
                      f"{r['processes']} |")
     once = ", ".join(f"{k} {v}" for k, v in extra.items())
-    return "\n".join(lines + (["", f"Once: {once}."] if once else []))
+    stages = [f"{r['mode']}: " + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in
+                                           r["stages"].items())
+              for r in rows if r.get("stages")]
+    return "\n".join(lines + (["", f"Once: {once}."] if once else [])
+                     + (["", "Load stages (medians): " + "; ".join(stages) + "."]
+                        if stages else []))
 
 
 def time_calls(call, sync, rounds: int = 5, calls: int = 200) -> float:
@@ -141,7 +158,15 @@ def _generator_child(mode: str, args) -> dict:
     decode, _ = generator.steps(batch)
     token, position = ids[:, :1].clone(), torch.full((1,), buckets[0], device="cuda")
     ms = time_calls(lambda: decode(token, position), torch.cuda.synchronize, calls=args.calls)
-    return {"mode": mode, "first_call_s": first, "ms_per_call": ms}
+    return {"mode": mode, "first_call_s": first, "ms_per_call": ms,
+            "stages": _load_stages(decode) if mode == "generator load" else {}}
+
+
+def _load_stages(nm) -> dict:
+    """A loaded graph's load seconds by stage (the whole file's load: every graph in it)."""
+    report = getattr(nm, "prepare_report", None)
+    buckets = getattr(report, "buckets", None) or []
+    return {k: round(v, 4) for k, v in (buckets[0].seconds if buckets else {}).items()}
 
 
 def _child(mode: str, args) -> dict:
@@ -180,7 +205,8 @@ def _child(mode: str, args) -> dict:
             def call():
                 return run(x)
         ms = time_calls(call, torch.cuda.synchronize, calls=args.calls)
-    return {"mode": mode, "first_call_s": first, "ms_per_call": ms}
+    return {"mode": mode, "first_call_s": first, "ms_per_call": ms,
+            "stages": _load_stages(run) if mode == "nimble load" else {}}
 
 
 def _write_once(what: str, args) -> dict:
@@ -208,12 +234,19 @@ def _write_once(what: str, args) -> dict:
 # ---- the parent --------------------------------------------------------------------------------
 
 def _spawn(argv: list[str], timeout: int = 1200) -> dict:
+    """The child's JSON line; or ``{"failed": why}`` where it died (a crash in one way of
+    loading, AOTInductor's say, leaves the others' rows standing)."""
     env = {**os.environ, **QUIET_NVLINK}
-    done = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    try:
+        done = subprocess.run([sys.executable, __file__, *argv], capture_output=True,
+                              text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"no answer in {timeout} s"}
     if done.returncode != 0:
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {last}")
+        how = f"signal {-done.returncode}" if done.returncode < 0 else \
+            f"exit status {done.returncode}"
+        return {"failed": f"{how}: {last[-300:]}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -246,6 +279,10 @@ def measure(model: str, args, skip: set[str]) -> tuple[list[dict], dict]:
                 continue
             paths[mode] = str(folder / name)
             wrote = _spawn(["--write", what, *common, "--path", paths[mode]])
+            if "failed" in wrote:
+                extra[what] = f"failed ({wrote['failed']})"
+                skip = skip | {mode}
+                continue
             extra[what] = f"{wrote['seconds']:.1f} s, {wrote['bytes'] / 2**20:.1f} MB"
         for _ in range(args.rounds):
             for mode in MODES:
