@@ -29,8 +29,9 @@ from typing import Callable
 from . import models, serve_bench
 from .common import (add_batch_argument, add_quiet_argument, model_help, names_from,
                      parse_stream_caps, positive_int)
-from .harness import (Column, add_speedup, format_table, host_us, host_us_beside, mode_rows,
-                      run_models, time_rounds, to_dtype, torch_graph_call, write_results)
+from .harness import (BACKEND_ROW, Column, add_speedup, format_table, host_us, host_us_beside,
+                      mode_rows, run_models, time_rounds, to_dtype, torch_graph_call,
+                      write_results)
 from .generate_bench import add_arguments as add_generate_arguments, run as run_generate
 from .profiler_bench import run as run_profiler
 from .train_bench import run as run_training
@@ -169,16 +170,14 @@ def _prepare_on_inductor(model, x, info: dict, step: Callable[[str], None]) -> d
     return {"nimble+inductor multi": multi, "nimble+inductor single": single}
 
 
-#: The row of ``torch.compile(model, backend="nimble")`` (:mod:`nimble.compile_backend`), whose
-#: calls return copies of the outputs, as that backend's calls do by default.
-BACKEND_ROW = "compile backend=nimble"
 #: The rows whose host time per call the report gives side by side (Dynamo's guards included
 #: in the first two).
 HOST_ROWS = ("torch.compile", BACKEND_ROW, "nimble+inductor multi")
 
 
 def _on_backend(model, x, info: dict, step: Callable[[str], None]) -> Callable[[], object]:
-    """A call of ``torch.compile(model, backend="nimble")``, compiled and prepared first."""
+    """A call of ``torch.compile(model, backend="nimble")``, compiled and prepared first; its
+    calls return copies of the outputs, as that backend's calls do by default."""
     step("torch.compile(model, backend='nimble'): Inductor, then Nimble at the first call")
     t0 = time.perf_counter()
     compiled = _warm_compile(model, x, backend="nimble")

@@ -25,6 +25,11 @@ from .output import Outputs, outputs
 
 # ---- the modes every bench compares against --------------------------------------------------
 
+#: The row of ``torch.compile(model, backend="nimble")`` (:mod:`nimble.compile_backend`) in
+#: ``nimble bench`` and ``nimble bench --training``.
+BACKEND_ROW = "compile backend=nimble"
+
+
 def to_dtype(model, x, dtype: str):
     """``(model, x)`` in ``dtype`` (a torch dtype's name, e.g. ``"float16"``); the model is
     converted in place."""

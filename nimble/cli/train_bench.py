@@ -9,6 +9,9 @@ longer of Nimble's two prepares):
 * ``eager``: the model as it is;
 * ``graphed``: ``torch.cuda.make_graphed_callables(model, (x,))``;
 * ``compile``: ``torch.compile(model)`` (default mode; skipped with ``--no-compile``);
+* ``compile backend=nimble``: ``torch.compile(model, backend="nimble")``, each step's forward
+  and backward as Nimble's prepared training step (skipped with ``--no-compile``; in the
+  per-model lines and the JSON, not the table);
 * ``nimble single`` / ``nimble multi``: ``prepare(x, training=True)`` on one stream / many.
 
 The classifiers of the paper's training table run at CIFAR-10 shapes (3×32×32, 10 classes), the
@@ -25,8 +28,8 @@ from typing import Callable
 
 from . import models
 from .common import check_models
-from .harness import (Case, Column, add_speedup, format_table, mode_rows, run_cases,
-                      time_rounds)
+from .harness import (BACKEND_ROW, Case, Column, add_speedup, format_table, mode_rows,
+                      run_cases, time_rounds)
 from .output import outputs
 from ..driver.gpu import use_cudnn_benchmark
 from ..progress import say
@@ -93,11 +96,17 @@ def bench_training(name: str, batch: int, args) -> dict:
     graphed = torch.cuda.make_graphed_callables(graphed_model, (x,))
     graphed_pool = _pool_bytes(_pool_ids() - before - {(0, 0), ()})
     steps["graphed"] = training_step(graphed, graphed_model, x, y)
+    info: dict = {"model": name, "batch": batch, "input": list(x.shape),
+                  "graphed_pool_mb": graphed_pool / 2**20, "prepare_seconds": {}}
     if not args.no_compile:
         compiled_model = copy.deepcopy(base)
         steps["compile"] = training_step(torch.compile(compiled_model), compiled_model, x, y)
-    info: dict = {"model": name, "batch": batch, "input": list(x.shape),
-                  "graphed_pool_mb": graphed_pool / 2**20, "prepare_seconds": {}}
+        backend_model = copy.deepcopy(base)
+        steps[BACKEND_ROW] = training_step(torch.compile(backend_model, backend="nimble"),
+                                           backend_model, x, y)
+        t0 = time.perf_counter()
+        steps[BACKEND_ROW]()  # its first step compiles and prepares
+        info["backend_first_step_seconds"] = time.perf_counter() - t0
     for label, multi in (("nimble single", False), ("nimble multi", True)):
         model = copy.deepcopy(base)
         t0 = time.perf_counter()
