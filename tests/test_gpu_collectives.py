@@ -8,7 +8,8 @@ against eager.  ``tests/workers/training_worker.py``: a network prepared with
 does.  ``tests/workers/ddp_worker.py``: an unchanged DDP script whose DDP is called through
 ``Nimble(ddp)`` ends its steps where eager DDP does, at the floor a second eager DDP sets, on
 every rank, with DDP's defaults (buffers broadcast inside the forward graph), with its other
-settings, and with ``SyncBatchNorm``.  A rank that hangs (a collective launched on one rank
+settings, and with ``SyncBatchNorm``, on two ranks and on four where the machine has four
+GPUs.  A rank that hangs (a collective launched on one rank
 only) fails by timeout.
 """
 from __future__ import annotations
@@ -29,21 +30,22 @@ TRAINING_WORKER = Path(__file__).parent / "workers" / "training_worker.py"
 DDP_WORKER = Path(__file__).parent / "workers" / "ddp_worker.py"
 
 
-def _two_gpus_or_skip() -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip(f"needs two GPUs; this machine has {torch.cuda.device_count()}")
+def _gpus_or_skip(ranks: int = 2) -> None:
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs {ranks} GPUs; this machine has {torch.cuda.device_count()}")
     if not torch.distributed.is_nccl_available():
         pytest.skip("this torch has no NCCL")
 
 
-def _two_ranks(worker: Path, lines: int, *args: str) -> list[dict]:
-    """Run ``worker`` (with ``args``) as two ranks; the JSON lines they print (``lines``)."""
-    _two_gpus_or_skip()
+def _two_ranks(worker: Path, lines: int, *args: str, ranks: int = 2) -> list[dict]:
+    """Run ``worker`` (with ``args``) as ``ranks`` ranks (two unless told); the JSON lines they
+    print (``lines``)."""
+    _gpus_or_skip(ranks)
     env = {**os.environ, "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "1",
            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}  # torch's advice for capturing DDP
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(worker),
-         *args],
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+         str(worker), *args],
         capture_output=True, text=True, timeout=240, env=env)
     seen = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert done.returncode == 0 and len(seen) == lines, \
@@ -61,10 +63,11 @@ def test_an_all_reduce_in_the_forward_is_prepared_and_proven_on_both_ranks():
     assert all(s["streams"] >= 2 for s in multi), multi  # the second conv runs beside the reduce
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("variant", ["defaults", "settings", "syncbn"])
-def test_an_unchanged_ddp_script_ends_where_eager_ddp_does_on_every_rank(variant):
+def test_an_unchanged_ddp_script_ends_where_eager_ddp_does_on_every_rank(variant, ranks):
     steps = 5  # ddp_worker.STEPS
-    for seen in _two_ranks(DDP_WORKER, 2, variant):
+    for seen in _two_ranks(DDP_WORKER, ranks, variant, ranks=ranks):
         assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
         # a gradient not averaged, or a buffer not broadcast, is off by far more than 1e-5
         assert seen["param_err"] <= max(4 * seen["param_floor"], 1e-5), seen
