@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .calls import (bindings, call, checked_status, context_fault, current_context,
                     device_attributes, device_supports_stream_writes, ensure_context, probe,
-                    raise_status, synchronize_context)
+                    raise_status, synchronize_context, use_context)
 from .graphs import borrowed_graph, graph_nodes_of, node_count_of
 from .handles import (DeviceMemory, Event, Graph, GraphExec, LowBitsMemory, Module, close_all,
                       nimble_memory)
@@ -63,4 +63,5 @@ __all__ = [
     "SETTABLE_ATTRIBUTES", "Library", "ProcessBoundNode", "StoredNode", "device_architecture",
     "driver_version", "function_attributes", "function_fingerprint", "kernel_node_attributes",
     "memcpy_fields", "memset_fields", "set_function_attributes", "module_images",
+    "use_context",
 ]

@@ -112,6 +112,13 @@ def current_context() -> Any:
     return call("cuCtxGetCurrent")
 
 
+def use_context(context) -> None:
+    """Make ``context`` (another thread's :func:`current_context`) current on this thread: a
+    worker thread starts with none, and torch's current device there need not be the
+    caller's."""
+    call("cuCtxSetCurrent", context)
+
+
 def synchronize_context() -> None:
     """Wait for all work in the current context."""
     call("cuCtxSynchronize")

@@ -254,6 +254,10 @@ def binary_bytes(row: dict, saved) -> bytes:
     return data
 
 
+#: Worker threads of a load's binaries.
+LOAD_THREADS = 8
+
+
 @dataclass
 class BinaryTiming:
     """What one binary cost a load: its reading and hashing (on a worker thread, beside the
@@ -279,10 +283,11 @@ class LoadedKernels:
 
     @property
     def seconds(self) -> dict[str, float]:
-        """The binaries' reading (summed over threads), loading and function seconds."""
+        """The binaries' reading, loading and function seconds, each summed over the worker
+        threads (beside the stage's wall-clock seconds, what running them side by side won)."""
         return {"kernels_read_threads": sum(t.read_s for t in self.timings),
-                "kernels_library_load": sum(t.load_s for t in self.timings),
-                "kernels_functions": sum(t.functions_s for t in self.timings)}
+                "kernels_library_load_threads": sum(t.load_s for t in self.timings),
+                "kernels_functions_threads": sum(t.functions_s for t in self.timings)}
 
     def close(self) -> None:
         for library in self.libraries:
@@ -292,50 +297,75 @@ class LoadedKernels:
 def load_kernels(kernel_rows: Sequence[dict], binary_rows: Sequence[dict], saved
                  ) -> LoadedKernels:
     """Each kernel's ``CUfunction`` loaded from its binary and checked (see the module
-    docstring); LoadError for a binary or kernel that does not hold.  The binaries the kernels
-    use are read and hashed on several threads (file reads and hashlib release the GIL); the
-    driver calls stay on this one.  What each binary cost is in the result's ``timings``."""
+    docstring); LoadError for a binary or kernel that does not hold.  The binaries are read and
+    hashed on worker threads, then each is loaded and its kernels' functions taken on one
+    (file reads, hashlib and the driver's calls release the GIL; a library loads without a
+    context and a function is taken in the caller's, made current on the worker).  What each
+    binary cost is in the result's ``timings``."""
     used: list[int] = []
-    for row in kernel_rows:
+    kernels_of: dict[int, list[int]] = {}
+    for k, row in enumerate(kernel_rows):
         b = int(row["binary"])
         if not 0 <= b < len(binary_rows):
             raise LoadError(f"kernel {row.get('name')!r} names binary {b}, which the file does "
                             "not have: the file is damaged")
-        if b not in used:
+        if b not in kernels_of:
             used.append(b)
+        kernels_of.setdefault(b, []).append(k)
 
     def read(b: int) -> tuple[bytes, float]:
         began = time.perf_counter()
         return binary_bytes(binary_rows[b], saved), time.perf_counter() - began
-    with ThreadPoolExecutor(max_workers=min(8, len(used) or 1)) as pool:
+    threads = min(LOAD_THREADS, len(used) or 1)
+    # Every binary read and held to its hash first: a wrong one is refused before the driver
+    # loads anything.
+    with ThreadPoolExecutor(max_workers=threads) as pool:
         images = dict(zip(used, pool.map(read, used)))
-    loaded = LoadedKernels([], [], [])
-    libraries: dict[int, Any] = {}
-    try:
-        for b in used:
-            image, read_s = images.pop(b)
-            began = time.perf_counter()
-            libraries[b] = driver.Library.load_data(
-                image, detail=str(binary_rows[b].get("name", "")))
-            loaded.libraries.append(libraries[b])
-            loaded.timings.append(BinaryTiming(
-                str(binary_rows[b].get("name") or binary_rows[b].get("path") or b),
-                str(binary_rows[b].get("kind")), len(image), read_s,
-                time.perf_counter() - began))
-        for row in kernel_rows:
-            began = time.perf_counter()
-            loaded.functions.append(_checked_function(libraries[int(row["binary"])], row))
-            timing = loaded.timings[used.index(int(row["binary"]))]
-            timing.functions_s += time.perf_counter() - began
-            timing.kernels += 1
-    except BaseException:
-        loaded.close()
-        raise
+    context = driver.current_context() if used else None
+
+    def load_one(b: int) -> _LoadedBinary:
+        driver.use_context(context)
+        image, read_s = images[b]
+        began = time.perf_counter()
+        library = driver.Library.load_data(image, detail=str(binary_rows[b].get("name", "")))
+        loaded = time.perf_counter()
+        try:
+            functions = [_checked_function(library, kernel_rows[k]) for k in kernels_of[b]]
+        except BaseException:
+            library.close()
+            raise
+        timing = BinaryTiming(str(binary_rows[b].get("name") or binary_rows[b].get("path") or b),
+                              str(binary_rows[b].get("kind")), len(image), read_s,
+                              loaded - began, time.perf_counter() - loaded, len(functions))
+        return _LoadedBinary(library, functions, timing)
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        futures = [pool.submit(load_one, b) for b in used]
+    images.clear()
+    results = {b: f.result() for b, f in zip(used, futures) if f.exception() is None}
+    failed = next((f.exception() for f in futures if f.exception() is not None), None)
+    if failed is not None:
+        for done in results.values():
+            done.library.close()
+        raise failed
+    functions: list = [None] * len(kernel_rows)
+    for b, done in results.items():
+        for k, function in zip(kernels_of[b], done.functions):
+            functions[k] = function
+    loaded = LoadedKernels([results[b].library for b in used], functions,
+                           [results[b].timing for b in used])
     for t in sorted(loaded.timings, key=lambda t: -(t.read_s + t.load_s + t.functions_s)):
         log.debug("kernel binary %s (%s, %d bytes, %d kernels): read and hashed %.1f ms, "
                   "loaded %.1f ms, functions %.1f ms", t.name, t.kind, t.nbytes, t.kernels,
                   1e3 * t.read_s, 1e3 * t.load_s, 1e3 * t.functions_s)
     return loaded
+
+
+@dataclass
+class _LoadedBinary:
+    library: Any
+    functions: list
+    timing: BinaryTiming
 
 
 def _checked_function(library, row: dict):
