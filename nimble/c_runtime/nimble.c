@@ -7,6 +7,7 @@
 #include "nimble_internal.h"
 #include "nimble_sha256.h"
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -131,27 +132,90 @@ static nimble_status load_kernel(nimble_model *m, kernel_t *k) {
     return NIMBLE_OK;
 }
 
-/* Every binary read, their hashes checked on several threads, each loaded; then every
- * kernel.  `images` and `owned` are per binary. */
-static nimble_status load_binaries(nimble_model *m, const uint8_t **images, uint8_t **owned,
-                                   size_t *sizes, uint8_t (*sums)[32]) {
+/* ---- work spread over threads -------------------------------------------------------------- */
+
+#define LOAD_THREADS 8
+
+/* One item of parallel work, run on a thread with the model's context current: its status,
+ * and its message (a worker's nimble_last_error is its own thread's). */
+typedef nimble_status (*item_fn)(nimble_model *m, uint64_t i);
+typedef struct {
+    nimble_model *m; item_fn fn; uint64_t first, step, count;
+    nimble_status *status; char (*message)[sizeof last_error];
+} spread_t;
+
+static void *run_items(void *arg) {
+    spread_t *job = arg;
+    CUresult r = cuCtxSetCurrent(job->m->ctx);
+    for (uint64_t i = job->first; i < job->count; i += job->step) {
+        job->status[i] = r == CUDA_SUCCESS ? job->fn(job->m, i)
+                                           : nimble_cuda_fail("cuCtxSetCurrent", r);
+        if (job->status[i] != NIMBLE_OK)
+            snprintf(job->message[i], sizeof job->message[i], "%s", nimble_last_error());
+    }
+    return NULL;
+}
+
+/* fn(m, i) for every i < count, on up to LOAD_THREADS threads (this one among them); the
+ * first failing item's status and message, in item order, as this thread's error. */
+static nimble_status spread(nimble_model *m, item_fn fn, uint64_t count) {
+    if (count == 0) return NIMBLE_OK;
+    nimble_status *status = calloc((size_t)count, sizeof *status);
+    char (*message)[sizeof last_error] = calloc((size_t)count, sizeof *message);
+    if (!status || !message) {
+        free(status); free(message);
+        return fail(NIMBLE_ERROR_IO, "out of memory");
+    }
+    uint64_t threads = count < LOAD_THREADS ? count : LOAD_THREADS;
+    pthread_t ids[LOAD_THREADS];
+    spread_t jobs[LOAD_THREADS];
+    int started[LOAD_THREADS] = {0};
+    for (uint64_t t = 0; t < threads; t++) {
+        jobs[t] = (spread_t){m, fn, t, threads, count, status, message};
+        if (t > 0) started[t] = pthread_create(&ids[t], NULL, run_items, &jobs[t]) == 0;
+    }
+    for (uint64_t t = 0; t < threads; t++)
+        if (t == 0 || !started[t]) run_items(&jobs[t]);
+    for (uint64_t t = 1; t < threads; t++)
+        if (started[t]) pthread_join(ids[t], NULL);
+    nimble_status s = NIMBLE_OK;
+    for (uint64_t i = 0; i < count && s == NIMBLE_OK; i++)
+        if (status[i] != NIMBLE_OK) s = fail(status[i], "%s", message[i]);
+    free(status); free(message);
+    return s;
+}
+
+/* ---- kernels ----------------------------------------------------------------------------- */
+
+static nimble_status load_library(nimble_model *m, uint64_t i) {
+    CUresult r = cuLibraryLoadData(&m->libraries[i], m->images[i], NULL, NULL, 0, NULL, NULL,
+                                   0);
+    return r == CUDA_SUCCESS ? NIMBLE_OK : cuda_fail("cuLibraryLoadData", r);
+}
+
+static nimble_status load_kernel_item(nimble_model *m, uint64_t i) {
+    return load_kernel(m, &m->kernels[i]);
+}
+
+/* Every binary read and its hash checked (on several threads), before the driver loads any;
+ * then the libraries loaded side by side, then every kernel's function. */
+static nimble_status load_binaries(nimble_model *m, uint8_t **owned, size_t *sizes,
+                                   uint8_t (*sums)[32]) {
     double clock = seconds_now();
     for (uint64_t i = 0; i < m->nbinaries; i++) {
-        TRY(binary_image(m, &m->binaries[i], &owned[i], &images[i]));
+        TRY(binary_image(m, &m->binaries[i], &owned[i], &m->images[i]));
         sizes[i] = (size_t)m->binaries[i].size;
     }
-    nimble_sha256_many(images, sizes, sums, (size_t)m->nbinaries);
-    lap(m, NIMBLE_STAGE_BINARIES, &clock);
+    nimble_sha256_many(m->images, sizes, sums, (size_t)m->nbinaries);
     for (uint64_t i = 0; i < m->nbinaries; i++) {
         binary_t *b = &m->binaries[i];
         if (memcmp(sums[i], b->sha, 32) != 0)
             return fail(NIMBLE_ERROR_LIBRARY, "the kernel binary at byte %llu of %s is not the "
                         "one the graph was saved with (another version of the library)",
                         (unsigned long long)b->offset, b->library ? b->path : "the file");
-        CUresult r = cuLibraryLoadData(&m->libraries[i], images[i], NULL, NULL, 0, NULL, NULL,
-                                       0);
-        if (r != CUDA_SUCCESS) return cuda_fail("cuLibraryLoadData", r);
     }
+    lap(m, NIMBLE_STAGE_BINARIES, &clock);
+    TRY(spread(m, load_library, m->nbinaries));
     lap(m, NIMBLE_STAGE_LIBRARIES, &clock);
     return NIMBLE_OK;
 }
@@ -159,18 +223,19 @@ static nimble_status load_binaries(nimble_model *m, const uint8_t **images, uint
 static nimble_status load_kernels(nimble_model *m) {
     size_t n = m->nbinaries ? (size_t)m->nbinaries : 1;
     m->libraries = calloc(n, sizeof(CUlibrary));
-    const uint8_t **images = calloc(n, sizeof *images);
+    m->images = calloc(n, sizeof *m->images);
     uint8_t **owned = calloc(n, sizeof *owned);
     size_t *sizes = calloc(n, sizeof *sizes);
     uint8_t (*sums)[32] = calloc(n, sizeof *sums);
-    nimble_status s = m->libraries && images && owned && sizes && sums
-                          ? load_binaries(m, images, owned, sizes, sums)
+    nimble_status s = m->libraries && m->images && owned && sizes && sums
+                          ? load_binaries(m, owned, sizes, sums)
                           : fail(NIMBLE_ERROR_IO, "out of memory");
     for (uint64_t i = 0; owned && i < m->nbinaries; i++) free(owned[i]);
-    free(images); free(owned); free(sizes); free(sums);
+    free(m->images); free(owned); free(sizes); free(sums);
+    m->images = NULL;
     TRY(s);
     double clock = seconds_now();
-    for (uint64_t i = 0; i < m->nkernels; i++) TRY(load_kernel(m, &m->kernels[i]));
+    TRY(spread(m, load_kernel_item, m->nkernels));
     lap(m, NIMBLE_STAGE_FUNCTIONS, &clock);
     return NIMBLE_OK;
 }
