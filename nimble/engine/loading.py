@@ -84,8 +84,6 @@ def _check_machine(manifest: dict, device: int) -> None:
 
 def _weights(manifest: dict, saved: SavedFile, model, device) -> tuple[list[int], list]:
     """Per weight storage of the file, its address now, and the memory to keep alive."""
-    import torch
-
     addresses, keep = [], []
     current = named_weights(model) if model is not None else {}
     for i, row in enumerate(manifest.get("weights", [])):
@@ -93,9 +91,7 @@ def _weights(manifest: dict, saved: SavedFile, model, device) -> tuple[list[int]
             if row.get("blob") is None:
                 raise LoadError("the file was saved without its weights (weights=False): pass "
                                 "the model, nimble.load(path, model=...)")
-            data = saved.blob(row["blob"])
-            tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) \
-                if data else torch.empty(0, dtype=torch.uint8, device=device)
+            tensor = _on_device(saved.blob_view(row["blob"]), device, 0)
             keep.append(tensor)
             addresses.append(tensor.data_ptr())
             continue
@@ -132,15 +128,22 @@ def _model_storage(row: dict, current: dict, device) -> int:
     return base
 
 
-def _memory(manifest: dict, saved: SavedFile, device) -> tuple[list[int], list]:
-    """The saved external memory, each range in memory of its own, and its owners."""
+def _on_device(view: memoryview, device, empty_size: int):
+    """The bytes of ``view`` in a uint8 tensor of their own on ``device``, copied from the
+    file's buffer itself (no host copy first); ``empty_size`` bytes where there are none."""
     import torch
 
+    if not len(view):
+        return torch.empty(empty_size, dtype=torch.uint8, device=device)
+    host = torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8)
+    return host.to(device)
+
+
+def _memory(manifest: dict, saved: SavedFile, device) -> tuple[list[int], list]:
+    """The saved external memory, each range in memory of its own, and its owners."""
     addresses, keep = [], []
     for row in manifest.get("memory", []):
-        data = saved.blob(row.get("blob"))
-        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data \
-            else torch.empty(1, dtype=torch.uint8, device=device)
+        tensor = _on_device(saved.blob_view(row.get("blob")), device, 1)
         keep.append(tensor)
         addresses.append(tensor.data_ptr())
     return addresses, keep

@@ -117,6 +117,11 @@ class SavedFile:
 
     def blob(self, ref) -> bytes:
         """The bytes a manifest's ``[offset, size]`` names; LoadError where they run out."""
+        return bytes(self.blob_view(ref))
+
+    def blob_view(self, ref) -> memoryview:
+        """:meth:`blob` without the copy: a view of the file's bytes (for the weights, which
+        go straight to the GPU)."""
         try:
             offset, size = (int(v) for v in ref)
         except (TypeError, ValueError):
@@ -126,7 +131,7 @@ class SavedFile:
             raise LoadError(f"{self.path or 'the file'}: a blob reference [{offset}, {size}] "
                             f"runs past the {len(self.blobs)}-byte blobs section: the file is "
                             "damaged")
-        return bytes(self.blobs[offset:offset + size])
+        return memoryview(self.blobs)[offset:offset + size]
 
     def to_bytes(self) -> bytes:
         manifest = json.dumps(self.manifest, separators=(",", ":"), sort_keys=True).encode()
