@@ -74,10 +74,14 @@ def test_a_build_without_a_toolchain_ends_in_one_line(monkeypatch, capsys):
     assert err.startswith("nimble: no C compiler") and "\n" not in err
 
 
-def test_the_c_checksum_is_the_python_readers(tmp_path):
+@pytest.mark.parametrize("sha_extensions", ["where the CPU has them", "off"])
+def test_the_c_checksum_is_the_python_readers(tmp_path, monkeypatch, sha_extensions):
     """The C runtime's SHA-256 and the file's hash-list checksum, compiled alone (no CUDA) and
     called through ctypes, against hashlib and nimble.ir.saved_format.checksum on sizes around
-    the 64-byte block and the 8 MiB chunk."""
+    the 64-byte block and the 8 MiB chunk: on the x86 SHA extensions where the CPU has them
+    (the CPU machine's has), and on the portable rounds."""
+    if sha_extensions == "off":
+        monkeypatch.setenv("NIMBLE_NO_SHA_NI", "1")
     import ctypes
     import hashlib
     import random
