@@ -420,7 +420,9 @@ def format_result(info: dict) -> str:
               "the decode step's DAG width; streams: its streams; conc: its achieved "
               "concurrency (nm.trace())")
     out = [*_header(info), format_table(_columns(lengths), rows, legend), *failed]
-    out += [text for text in (_breakdown_text(info),) if text]
+    breakdown = _breakdown_text(info)
+    if breakdown:
+        out.append(breakdown)
     return "\n".join(out)
 
 
