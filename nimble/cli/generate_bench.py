@@ -148,12 +148,13 @@ def _generators(model, args, batch: int) -> dict:
     return made
 
 
-def _decode_step_shape(generator, batch: int, needed=None, info: dict | None = None,
-                       args=None) -> dict:
+def _decode_step_shape(generator, batch: int, needed=None,
+                       copy_bytes_per_s: float | None = None) -> dict:
     """The decode step's DAG width, streams and achieved concurrency, and where its time goes
-    (:func:`nimble.debug.breakdown.step_breakdown`, held against the copy bandwidth in
-    ``info``), from one trace at the timed tokens' middle position (None and the trace's error
-    where it failed)."""
+    (:func:`nimble.debug.breakdown.step_breakdown`, held against ``copy_bytes_per_s``), from
+    one trace at the timed tokens' middle position (``needed``, the step's
+    :class:`~nimble.cli.decode_bandwidth.StepBytes`; None and the trace's error where it
+    failed)."""
     import torch
 
     from ..debug.breakdown import format_breakdown, step_breakdown
@@ -168,8 +169,7 @@ def _decode_step_shape(generator, batch: int, needed=None, info: dict | None = N
         timeline = decode.trace(torch.ones((batch, 1), dtype=torch.long, device=device),
                                 torch.full((1,), at, dtype=torch.long, device=device))
         shape["concurrency"] = timeline.summary()["phases"][0]["concurrency"]
-        broken = step_breakdown(timeline, decode.graph,
-                                copy_bytes_per_s=(info or {}).get("copy_bytes_per_s"))
+        broken = step_breakdown(timeline, decode.graph, copy_bytes_per_s=copy_bytes_per_s)
         shape["breakdown"] = broken.summary()
         shape["breakdown_text"] = format_breakdown(broken)
     except Exception as e:  # noqa: BLE001 - the timings stand without it
@@ -320,7 +320,8 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
                 row["bandwidth"] = decode_bandwidth.used(needed, row["token_ms_median"],
                                                          info["copy_bytes_per_s"])
         step("tracing the decode steps")
-        info["decode_step"] = {mode: _decode_step_shape(g, batch, needed, info, args)
+        info["decode_step"] = {mode: _decode_step_shape(g, batch, needed,
+                                                        info["copy_bytes_per_s"])
                                for mode, g in generators.items() if not isinstance(g, str)}
     finally:
         for generator in generators.values():
