@@ -9,8 +9,10 @@
 Each graph Dynamo hands over is compiled by Inductor and prepared by Nimble at its first call
 (:mod:`~nimble.compile_backend.region`): a graph break gives two graphs, each prepared; each
 shape Dynamo compiles for, and each concrete shape of a graph compiled for dynamic shapes, a
-graph of its own.  The model's parameters and buffers, which Dynamo passes as inputs, are the
-prepared graph's weights, read in place (:mod:`~nimble.compile_backend.holder`).  Under grad
+graph of its own (``share_arena``: the shapes of a dynamic graph as buckets of one arena).  The
+model's parameters and buffers, which Dynamo passes as inputs, are the prepared graph's weights,
+read in place; static tensors no module owns (transformers' static cache) its state, updated in
+place (:mod:`~nimble.compile_backend.holder`).  Under grad
 mode, with parameters that require grad, a graph is prepared as a training step: forward and
 backward, Inductor's, as ``Nimble.prepare(training=True)`` prepares one.  ``options={...}``
 takes :class:`~nimble.engine.options.PrepareOptions` fields and the backend's own

@@ -67,7 +67,7 @@ class NimbleBackend:
         inputs = graph_inputs(placeholders, example_inputs)
         self._count += 1
         name = _graph_name(self._count)
-        dynamic = has_symbols(example_inputs)
+        dynamic = has_symbols(example_inputs) or any(g.size_of for g in inputs)
         log.debug("graph %s: %d inputs (%d lifted weights)%s", name, len(inputs),
                   sum(g.static for g in inputs), ", dynamic shapes" if dynamic else "")
         compiled = self._compile(gm, example_inputs, parsed.inductor)
