@@ -548,3 +548,15 @@ def test_transformers_decoding_through_compile_config_runs_one_graph_per_step_sh
     (request,) = requests.seen  # five decoding steps, one graph
     state = [g.name for g in request.inputs if g.state]
     assert state and all("cache" in name for name in state)
+
+
+def test_the_real_prepare_refuses_a_model_on_the_cpu_with_its_typed_error_not_an_eager_run():
+    """The backend's own prepare function, up to Nimble's first check: a graph on the CPU is an
+    InputError saying to move to the GPU, with the note on ``fallback``."""
+    model = torch.nn.Linear(4, 4).eval()
+    backend = NimbleBackend(compile=_fx_as_is)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad(), pytest.raises(InputError, match="GPU") as caught:
+        compiled(torch.randn(2, 4))
+    assert any("fallback" in note for note in getattr(caught.value, "__notes__", [""]))
+    assert [r.prepared for r in backend.regions] == [0]
