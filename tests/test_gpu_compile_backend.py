@@ -256,3 +256,25 @@ def test_transformers_generate_decodes_through_compile_config_backend_nimble():
     assert [r.prepared for r in prepared] == [1], "every step of both calls: one graph"
     assert any(g.state for g in prepared[0].inputs), "the static cache was not taken as state"
     assert registered.fallbacks == 0
+
+
+def test_a_training_step_across_a_graph_break_chains_two_prepared_steps():
+    """Two regions, each a prepared training step: the second's input gradient flows into the
+    first's backward, and the gradients are eager's."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _Break().cuda().train()
+    reference = copy.deepcopy(model)
+    backend = _backend()
+    compiled = torch.compile(model, backend=backend, options={"relaunches": 5})
+    for _ in range(2):
+        x = torch.randn(4, 3, 32, 32, device="cuda")
+        for net in (model, reference):
+            net.zero_grad(set_to_none=True)
+        compiled(x).square().mean().backward()
+        reference(x).square().mean().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    steps = [run.launch.engine.step for r in backend.regions for run in r.runs.values()]
+    assert len(steps) == 2 and all(s is not None for s in steps)
