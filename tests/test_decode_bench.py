@@ -3,6 +3,8 @@ the bandwidth arithmetic, the timed span, the Llama-3.2-1B shape, and the compil
 tokens with its step run as it is (no CUDA graphs on the CPU)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -146,3 +148,38 @@ def test_the_nimble_steps_are_prepared_with_the_prefetch_when_asked(monkeypatch,
     assert generate_bench._generators(None, args, 1) == {"nimble": "generator",
                                                          "nimble+inductor": "generator"}
     assert asked == [(flag or None, False), (flag or None, True)]
+
+
+def test_the_decode_steps_shape_comes_from_one_trace_at_the_timed_tokens_middle():
+    from test_breakdown import _diamond
+
+    from nimble.cli.generate_bench import _decode_step_shape
+    from nimble.debug.timeline import Timeline
+
+    graph, schedule, times = _diamond()
+    traced = []
+
+    class Decode:
+        def __init__(self, fails: bool) -> None:
+            self.graph, self.schedule, self.fails = graph, schedule, fails
+
+        def trace(self, ids, position):
+            traced.append((tuple(ids.shape), int(position)))
+            if self.fails:
+                raise RuntimeError("stand-in\nsecond line")
+            return Timeline(graph, schedule, times)
+
+    def generator(fails: bool):
+        return SimpleNamespace(steps=lambda batch: (Decode(fails), None),
+                               model=torch.nn.Linear(2, 2), decode_position=16)
+    needed = StepBytes(weights=6 << 20, kv_per_slot=0, slots_read=167.5)
+    shape = _decode_step_shape(generator(False), 3, needed, 1e12)
+    assert traced == [((3, 1), 166)]  # the step at position 166 reads 167 slots
+    assert shape["concurrency"] == pytest.approx(47 / 40)
+    assert shape["breakdown"]["tasks"] == 4 and shape["breakdown"]["copy_bytes_per_s"] == 1e12
+    assert "4 tasks in 40.0 µs" in shape["breakdown_text"]
+    assert shape["prefetch_l2"] is None and "trace_error" not in shape
+    failed = _decode_step_shape(generator(True), 1)
+    assert traced[-1] == ((1, 1), 16) and failed["concurrency"] is None
+    assert failed["trace_error"] == "RuntimeError: stand-in second line"  # one line
+    assert "breakdown" not in failed
