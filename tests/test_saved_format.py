@@ -331,3 +331,32 @@ def test_a_generator_without_graphs_or_weights_is_not_saved(tmp_path):
     with pytest.raises(SaveError, match="carries its weights"):
         generator.save(tmp_path / "g.nimble", weights=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_compressed_index_lists_containers_side_by_side_and_the_first_holder_wins(
+        tmp_path, monkeypatch):
+    """Containers are listed on several threads; a name two containers hold is the earlier
+    container's, however the threads finish, and a container the driver refuses holds none."""
+    import threading
+    import time
+
+    monkeypatch.setenv("NIMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    containers = b"".join(_container(_entry(2, 90, bytes([65 + i]) * 8, True)) for i in range(4))
+    path = tmp_path / "libb.so"
+    path.write_bytes(b"x")
+    lib = binaries.LibraryFatbins(str(path), 0, containers,
+                                  binaries.fatbin_containers(containers))
+    offsets = [c.offset for c in lib.containers]
+    threads = set()
+
+    def names(image: bytes) -> list[str]:
+        threads.add(threading.get_ident())
+        k = next(i for i, c in enumerate(lib.containers) if lib.container_bytes(c) == image)
+        time.sleep(0.05 * (4 - k))  # the first container's listing finishes last
+        if k == 2:
+            raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
+        return ["shared", f"own{k}"]
+    index = binaries.compressed_kernel_index(lib, 90, names)
+    assert index == {"shared": offsets[0], "own0": offsets[0], "own1": offsets[1],
+                     "own3": offsets[3]}
+    assert len(threads) > 1

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -261,6 +262,10 @@ def _index_path(path: str, section_offset: int, arch: int) -> Path:
     return folder / "kernel-index" / f"{Path(path).name}-{key[:16]}.json"
 
 
+#: Threads listing a library's compressed containers for its kernel index.
+INDEX_THREADS = 8
+
+
 def compressed_kernel_index(lib: LibraryFatbins, arch: int,
                             load_names: Callable[[bytes], list[str]]) -> dict[str, int]:
     """``{kernel name: container offset}`` over the library's containers with compressed code
@@ -271,13 +276,19 @@ def compressed_kernel_index(lib: LibraryFatbins, arch: int,
         return {k: int(v) for k, v in json.loads(cache.read_text()).items()}
     except (OSError, ValueError, AttributeError):
         pass
-    index: dict[str, int] = {}
-    for c in lib.compressed_for(arch):
+    def names_in(c) -> list[str]:
         try:
-            names = load_names(lib.container_bytes(c))
+            return load_names(lib.container_bytes(c))
         except Exception as e:  # noqa: BLE001 - a container the driver refuses holds none of ours
             log.debug("container at %d of %s not loadable: %s", c.offset, lib.path, e)
-            continue
+            return []
+    containers = list(lib.compressed_for(arch))
+    # The driver's loads release the GIL: a library of thousands of containers is listed on
+    # several threads, then merged in the containers' order (the first holding a name wins).
+    with ThreadPoolExecutor(max_workers=min(INDEX_THREADS, len(containers) or 1)) as pool:
+        listed = list(pool.map(names_in, containers))
+    index: dict[str, int] = {}
+    for c, names in zip(containers, listed):
         for name in names:
             index.setdefault(name, c.offset)
     try:
