@@ -83,7 +83,10 @@ nimble_status nimble_output_info(const nimble_model *model, int bucket, int i,
                                  nimble_tensor_info *info);
 
 /* Where input `i` of `bucket` lives on `instance`: write (or copy) the input there, on the
- * stream of the run, before nimble_run.  0 for an index out of range. */
+ * stream of the run, before every nimble_run, even of the same values: the memory plan may
+ * give an input's bytes to later work of the run once its last reader has run, so a run on
+ * inputs not written again reads what the run before left there.  0 for an index out of
+ * range. */
 CUdeviceptr nimble_input_address(const nimble_model *model, int bucket, int instance, int i);
 /* Where the run writes output `i`; valid until the next run of the same instance. */
 CUdeviceptr nimble_output_address(const nimble_model *model, int bucket, int instance, int i);
