@@ -26,7 +26,7 @@ def _gpt2():
     pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
     from nimble.cli.decoders import causal_lm
 
-    return Logits(causal_lm("gpt2", "float16"))
+    return Logits(causal_lm("gpt2", "float16")).eval()
 
 
 def _ids(seed: int):
