@@ -100,6 +100,18 @@ def test_prepare_options_fields_and_the_backends_own_keys_are_taken():
     assert parsed.inductor == {"triton.cudagraphs": False}
 
 
+def test_every_prepare_options_field_is_an_option_of_the_backend():
+    """A field added to PrepareOptions is taken by the backend too (prefetch_l2 was not)."""
+    import dataclasses
+
+    from nimble.compile_backend.options import known_keys
+
+    # a recording made beforehand is of a module, not of a graph Dynamo hands over
+    fields = {f.name for f in dataclasses.fields(PrepareOptions)} - {"recording"}
+    assert fields <= set(known_keys()), fields - set(known_keys())
+    assert parse_options({"prefetch_l2": True}).prepare == PrepareOptions(prefetch_l2=True)
+
+
 def test_no_options_are_the_defaults():
     parsed = parse_options(None)
     assert parsed.prepare == PrepareOptions()

@@ -69,7 +69,8 @@ _BACKEND_KEYS = {"use_multi_stream": bool, "max_streams": (int, type(None)),
 _PREPARE_TYPES = {"arena_limit": (int, str, type(None)), "device_launch": bool,
                   "gather_inputs": bool, "verify": bool, "relaunches": (int, type(None)),
                   "fuzz": bool, "keep_recording": bool, "priorities": bool,
-                  "backfill": (bool, type(None)), "resource_order": (bool, str)}
+                  "backfill": (bool, type(None)), "resource_order": (bool, str),
+                  "prefetch_l2": bool}
 
 
 def known_keys() -> list[str]:
