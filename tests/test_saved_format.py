@@ -116,6 +116,18 @@ def test_fatbin_containers_are_found_among_other_bytes():
             binaries.LibraryFatbins("x", 0, section, found).compressed_for(90)] == [found[1].offset]
 
 
+def test_the_compressed_containers_listed_are_those_with_a_cubin_the_device_runs():
+    """A compressed cubin of the device's major version and no newer minor counts; PTX alone
+    (the driver would compile it), another major version or a newer minor does not."""
+    kinds = [(2, 90), (2, 86), (1, 90), (2, 80), (2, 100), (2, 89)]
+    section = b"".join(_container(_entry(k, a, b"zz", True)) for k, a in kinds)
+    found = binaries.fatbin_containers(section)
+    lib = binaries.LibraryFatbins("x", 0, section, found)
+    assert [c.offset for c in lib.compressed_for(90)] == [found[0].offset]
+    assert [c.offset for c in lib.compressed_for(89)] == [found[i].offset for i in (1, 3, 5)]
+    assert [c.offset for c in lib.compressed_for(100)] == [found[4].offset]
+
+
 def test_a_name_inside_a_compressed_entry_or_a_longer_name_is_no_hit():
     c = _container(_entry(2, 90, b"\0kernel_a_long\0", False), _entry(2, 90, b"\0kernel_a\0", True))
     found = binaries.fatbin_containers(c)

@@ -244,10 +244,15 @@ class LibraryFatbins:
         return self.section[c.offset:c.end]
 
     def compressed_for(self, arch: int) -> list[Container]:
-        """The containers with compressed code (cubin or PTX) of architecture ``arch`` or of
-        an older one the driver could run: those a plain search cannot see into."""
+        """The containers with a compressed cubin the device of ``arch`` runs as it is (the
+        same major version, a minor no newer): those a plain search cannot see into.  A
+        container whose code for it is PTX alone is left out: listing it makes the driver
+        compile that PTX (the likely cause of indexing ``libcusparseLt.so.0`` taking 101.9 s
+        on an H200, every other library under 0.5 s; not measured since), and a kernel the
+        process compiled from PTX is in its kept module images."""
         return [c for c in self.containers
-                if any(e.compressed and e.arch <= arch for e in c.entries)]
+                if any(e.compressed and e.kind == ENTRY_KIND_ELF and e.arch // 10 == arch // 10
+                       and e.arch <= arch for e in c.entries)]
 
     def has_plain_entries(self) -> bool:
         return any(not e.compressed for c in self.containers for e in c.entries)
@@ -255,8 +260,9 @@ class LibraryFatbins:
 
 def _index_path(path: str, section_offset: int, arch: int) -> Path:
     st = os.stat(path)
+    # "cubins": indexes listed PTX-only containers too before they were left out
     key = sha256(f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}:{section_offset}:"
-                 f"{arch}".encode())
+                 f"{arch}:cubins".encode())
     folder = Path(os.environ.get("NIMBLE_CACHE_DIR")
                   or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nimble")
     return folder / "kernel-index" / f"{Path(path).name}-{key[:16]}.json"
