@@ -513,8 +513,7 @@ nimble_status nimble_load(const char *path, int device, unsigned flags, nimble_m
     nimble_model *m = calloc(1, sizeof *m);
     if (!m) return fail(NIMBLE_ERROR_IO, "out of memory");
     nimble_status s = load(m, path, device, flags);
-    free(m->file); /* blobs and plan strings point into it; only loading reads them */
-    m->file = NULL;
+    nimble_release_file(m); /* blobs and plan strings point into it; only loading reads them */
     m->blobs = NULL;
     if (s != NIMBLE_OK) {
         char saved[sizeof last_error];
@@ -630,7 +629,8 @@ void nimble_free(nimble_model *m) {
     for (uint64_t i = 0; m->binaries && i < m->nbinaries; i++) free(m->binaries[i].path);
     for (uint64_t i = 0; m->kernels && i < m->nkernels; i++) free(m->kernels[i].name);
     free(m->buckets); free(m->arenas); free(m->bases); free(m->weights); free(m->memory);
-    free(m->libraries); free(m->binaries); free(m->kernels); free(m->file);
+    free(m->libraries); free(m->binaries); free(m->kernels);
+    nimble_release_file(m);
     if (m->retained) cuDevicePrimaryCtxRelease(m->device);
     free(m);
 }

@@ -103,6 +103,9 @@ static inline const uint8_t *blob(const nimble_model *m, blobref_t b) {
  * c_plan section.  The file's bytes are m->file. */
 nimble_status nimble_read_file(nimble_model *m, const char *path, plan_t *plan);
 
+/* Unmap the file nimble_read_file mapped (idempotent). */
+void nimble_release_file(nimble_model *m);
+
 /* Read the whole c_plan into m (its arrays allocated; raw bytes point into m->file). */
 nimble_status nimble_read_plan(nimble_model *m, plan_t *plan);
 
