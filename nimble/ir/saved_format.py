@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -206,10 +207,13 @@ class SavedFile:
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "SavedFile":
+        # Mapped copy-on-write rather than read into a copy: the checksum and the weights'
+        # copies to the GPU read the page cache's bytes where they are, and a view of them is
+        # writable (torch.frombuffer takes it without a warning) without touching the file.
         try:
             with open(path, "rb") as f:
-                data = bytearray(os.fstat(f.fileno()).st_size)
-                got = f.readinto(data)
-        except OSError as e:
-            raise LoadError(f"cannot read {path}: {e.strerror or e}") from None
-        return cls.from_bytes(memoryview(data)[:got], str(path))
+                size = os.fstat(f.fileno()).st_size
+                data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
+        except (OSError, ValueError) as e:
+            raise LoadError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+        return cls.from_bytes(memoryview(data), str(path))
