@@ -108,3 +108,42 @@ def test_forward_that_syncs_with_the_host_is_a_capture_error():
         record(Syncs().cuda(), torch.randn(4, device="cuda"))
     # the failed capture leaves the device usable
     assert float((torch.ones(2, device="cuda") * 2).sum()) == 4.0
+
+
+def test_a_capture_holds_while_another_thread_queries_an_event():
+    """Another thread's unsafe call during a capture (NCCL's watchdog querying a collective's
+    end event, a server's thread polling its own work) neither breaks the capture nor fails
+    there: Nimble captures in thread-local mode, where torch's default ("global") breaks both."""
+    import threading
+
+    import torch
+
+    import nimble
+    from nimble.cli import models
+
+    model = models.create("branchy").cuda().eval()
+    x = models.example_input("branchy").cuda()
+    event = torch.cuda.Event()
+    event.record()
+    torch.cuda.synchronize()
+    stop, errors, queries = threading.Event(), [], [0]
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                event.query()
+                queries[0] += 1
+            except Exception as e:  # noqa: BLE001 - the test reports what the thread met
+                errors.append(repr(e))
+                return
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with torch.no_grad():
+            nm = nimble.Nimble(model).prepare(x)
+    finally:
+        stop.set()
+        poller.join()
+    assert errors == [] and queries[0] > 0
+    with torch.no_grad():
+        assert torch.equal(nm(x), nm(x))

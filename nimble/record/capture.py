@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator, Sequence
 from .. import driver
 from .compiled import is_compiled
 from ..errors import CaptureError, RecordError
-from .host_sync import capture_failure, exception_site, library_roots, sync_errors_raised
+from .host_sync import (CAPTURE_ERROR_MODE, capture_failure, exception_site, library_roots,
+                        sync_errors_raised)
 from ..ir.alignment import align_up
 from .raw import AllocEvent, DeviceRange
 from .twin import capture_twin
@@ -286,7 +287,8 @@ def _capture_traced(phases: Sequence[Phase], module, name: str,
             caller_stream = torch.cuda.current_stream()
             try:
                 with torch.cuda.graph(torch_graph,
-                                      pool=traced.graphs[0].pool() if traced.graphs else None):
+                                      pool=traced.graphs[0].pool() if traced.graphs else None,
+                                      capture_error_mode=CAPTURE_ERROR_MODE):
                     with tracer, sync_errors_raised():
                         value = phase.run(value)
             except Exception as e:  # noqa: BLE001 - any failure of capture is reported typed

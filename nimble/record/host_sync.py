@@ -118,6 +118,15 @@ def capture_failure(error: BaseException, what: str, name: str,
                         f"A {what} {HOST_SYNC_HELP}.")
 
 
+#: The error mode of every capture: only this thread's unsafe calls (a host sync, an
+#: allocation) break it.  Under torch's default, "global", another thread's unsafe call breaks
+#: a capture it has nothing to do with and fails itself: a server's thread that synchronises, or
+#: NCCL's watchdog querying the end of a collective enqueued before the capture (the likely
+#: cause of the DDP-wrapped step's capture failing right after DDP's constructor broadcast the
+#: module's state, on two H200s).
+CAPTURE_ERROR_MODE = "thread_local"
+
+
 @contextlib.contextmanager
 def sync_errors_raised() -> Iterator[None]:
     """Make every synchronising call torch checks raise (torch's sync debug mode ``"error"``)

@@ -26,6 +26,7 @@ from typing import Sequence
 
 from .. import driver
 from .decode import node_signature
+from .host_sync import CAPTURE_ERROR_MODE
 from .raw import RawNode
 from ..ir.taskgraph import TaskKind
 
@@ -51,7 +52,8 @@ def capture_twin(phases: Sequence, clear_workspaces) -> tuple[list[tuple] | None
         value = None
         for phase in phases:
             graph = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graph, pool=graphs[0].pool() if graphs else None):
+            with torch.cuda.graph(graph, pool=graphs[0].pool() if graphs else None,
+                                  capture_error_mode=CAPTURE_ERROR_MODE):
                 value = phase.run(value)
             graphs.append(graph)
         del value
