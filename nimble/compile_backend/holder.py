@@ -25,15 +25,15 @@ passes with those bound, re-binds any that changed (which the graph then follows
 """
 from __future__ import annotations
 
-import contextlib
 import operator
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from ..api import Nimble
+from ..engine.preparation import restored_after
 from ..engine.weights import EPOCH, watch_modules
-from ..errors import GraphFaultError, InputError
+from ..errors import InputError
 from .region import STALE, GraphInput, PrepareRequest
 
 
@@ -161,21 +161,12 @@ def prepare_with_nimble(request: PrepareRequest) -> NimbleRun:
     return NimbleRun(nm, module)
 
 
-@contextlib.contextmanager
-def _kept(tensors: list) -> Iterator[None]:
-    """Put ``tensors``' values back when the block ends, unless a kernel fault took the CUDA
-    context (no copy can run then, and its error would hide the fault)."""
+def _kept(tensors: list):
+    """Put ``tensors``' values back when the block ends (:func:`restored_after`)."""
     saved = [t.detach().clone() for t in tensors]
 
     def restore() -> None:
         with torch.no_grad():
             for t, value in zip(tensors, saved):
                 t.copy_(value)
-    try:
-        yield
-    except GraphFaultError:
-        raise
-    except BaseException:
-        restore()
-        raise
-    restore()
+    return restored_after(restore)

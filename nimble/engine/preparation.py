@@ -67,11 +67,10 @@ def saved_state(model, training: bool) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def model_state_kept(model, training: bool) -> Iterator[None]:
-    """Put back what preparing changes (:func:`saved_state`) when the block ends, unless a
-    kernel fault took the CUDA context: no state can be copied back then, and the copy's own
-    error would hide the fault."""
-    restore = saved_state(model, training)
+def restored_after(restore: Callable[[], None]) -> Iterator[None]:
+    """Call ``restore`` when the block ends, however it ends, unless a kernel fault took the
+    CUDA context: no state can be copied back then, and the copy's own error would hide the
+    fault."""
     try:
         yield
     except GraphFaultError:
@@ -80,6 +79,12 @@ def model_state_kept(model, training: bool) -> Iterator[None]:
         restore()
         raise
     restore()
+
+
+def model_state_kept(model, training: bool):
+    """Put back what preparing changes (:func:`saved_state`) when the block ends
+    (:func:`restored_after`)."""
+    return restored_after(saved_state(model, training))
 
 
 def check_mode(model, training: bool) -> None:
