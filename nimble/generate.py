@@ -489,7 +489,7 @@ class Generator:
 
 
 def library_greedy(model, input_ids, max_new_tokens: int, compiled: bool = False,
-                   cache=None, with_logits: bool = False):
+                   cache=None, with_logits: bool = False, compile_config=None):
     """transformers' own greedy tokens with a static cache, ``(B, n + max_new_tokens)``: what a
     :class:`Generator` reproduces.  ``generate()`` compiles the decoding forward on a GPU
     whenever the cache is static (``torch.compile``, mode ``"reduce-overhead"``); eager kernels
@@ -498,7 +498,8 @@ def library_greedy(model, input_ids, max_new_tokens: int, compiled: bool = False
     addresses, as ``generate()`` keeps its own); default, one ``generate()`` sizes for the
     prompt and the new tokens.  Never stops early at an end-of-sequence token.  With
     ``with_logits``: ``(tokens, logits)``, the logits each new token was chosen from,
-    ``(max_new_tokens, B, V)``."""
+    ``(max_new_tokens, B, V)``.  ``compile_config``: the ``transformers.CompileConfig`` a
+    compiled generation uses (its backend, ``"nimble"`` say; default, the library's)."""
     import warnings
 
     if cache is None:
@@ -510,6 +511,8 @@ def library_greedy(model, input_ids, max_new_tokens: int, compiled: bool = False
         warnings.simplefilter("ignore")  # the pad and end-of-sequence ids left unset
         if with_logits:
             where.update(output_logits=True, return_dict_in_generate=True)
+        if compiled and compile_config is not None:
+            where["compile_config"] = compile_config
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                              do_sample=False, disable_compile=not compiled,
                              max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,

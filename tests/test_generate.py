@@ -474,3 +474,23 @@ def test_an_end_of_sequence_token_pads_and_stops_as_the_library_does(name):
     eos = int(generator.generate(ids, 40)[0, 16 + 3])
     got = generator.generate(ids, 40, eos_token_id=eos)
     assert got.shape[1] <= 16 + 4 and int(got[0, -1]) == eos
+
+
+def test_library_greedy_hands_its_compile_config_to_a_compiled_generate_only():
+    """The bench's static+backend row: generate() gets the CompileConfig (its backend
+    "nimble") when compiled, and never an eager one."""
+    from nimble.generate import library_greedy
+
+    seen = []
+
+    class StandIn:
+        def generate(self, ids, **kwargs):
+            seen.append(kwargs)
+            return ids
+
+    config = object()
+    ids = torch.zeros((1, 3), dtype=torch.long)
+    library_greedy(StandIn(), ids, 4, compiled=True, compile_config=config)
+    library_greedy(StandIn(), ids, 4, compiled=False, compile_config=config)
+    assert seen[0]["compile_config"] is config and not seen[0]["disable_compile"]
+    assert "compile_config" not in seen[1] and seen[1]["disable_compile"]

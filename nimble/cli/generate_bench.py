@@ -10,6 +10,9 @@ greedy tokens from the same random prompts:
 - ``static+compile``: ``generate(cache_implementation="static")``, for which transformers
   compiles the decoding forward (``torch.compile``, mode ``"reduce-overhead"``: CUDA graphs),
   with ``generate()``'s own host work per token;
+- ``static+backend``: the same call with ``compile_config=CompileConfig(backend="nimble")``:
+  the library's compiled decoding forward prepared by Nimble (:mod:`nimble.compile_backend`),
+  its ``x comp`` column the speed against the same call's ``reduce-overhead``;
 - ``nimble``: a :class:`nimble.generate.Generator` on the model's eager kernels;
 - ``nimble+inductor``: the same on ``torch.compile(step)``'s kernels (default mode).
 
@@ -63,7 +66,8 @@ TIE_ULPS = 8
 #: The baseline every mode's speed is held against (issue 53).
 BASELINE = "compiled loop"
 #: The modes, in table order.
-MODES = (BASELINE, "eager generate", "static+compile", "nimble", "nimble+inductor")
+MODES = (BASELINE, "eager generate", "static+compile", "static+backend", "nimble",
+         "nimble+inductor")
 #: The short generation whose time the long one's less is the decode time (issue 53: 16 of 64).
 SHORT_TOKENS = 16
 #: The mode whose kernels are the reference's own: its tokens must equal the reference's.
@@ -117,6 +121,19 @@ def _library_generate(model, compiled: bool, max_cache_len: int) -> Callable:
         return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                               max_new_tokens=new, eos_token_id=None, pad_token_id=0)
     return eager
+
+
+def _backend_generate(model, max_cache_len: int) -> Callable:
+    """``generate(ids, new_tokens)`` of transformers with a static cache, its decoding forward
+    compiled through ``torch.compile(backend="nimble")`` (``CompileConfig``)."""
+    import transformers
+
+    from ..generate import library_greedy
+
+    config = transformers.CompileConfig(backend="nimble", mode=None)
+    cache = _static_cache(model, max_cache_len)
+    return lambda ids, new: library_greedy(model, ids, new, compiled=True, cache=cache,
+                                           compile_config=config)
 
 
 def _static_cache(model, max_cache_len: int):
@@ -310,6 +327,7 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
         runs = {BASELINE: compiled_loop(model, cache_len),
                 "eager generate": _library_generate(model, False, cache_len),
                 "static+compile": _library_generate(model, True, cache_len),
+                "static+backend": _backend_generate(model, cache_len),
                 **{mode: g if isinstance(g, str) else g.generate
                    for mode, g in generators.items()}}
         for mode in MODES:
