@@ -83,3 +83,23 @@ def test_a_binary_used_by_several_kernels_is_one_row(world):
     table = kb.BinaryTable(BlobWriter())
     rows = kb.KernelFinder(90, table).locate([_kernel("lib_a"), _kernel("lib_a", threads=64)])
     assert rows == [0, 0] and len(table.rows) == 1
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_library_listed_for_the_first_time_on_a_machine_says_so(world, monkeypatch, cached,
+                                                                  caplog):
+    """Listing a library's compressed kernels can take long the first time on a machine (it is
+    cached after): a save that is not quiet says which library it lists and how long it took;
+    a cached one says nothing."""
+    import logging
+
+    monkeypatch.setattr(binaries, "index_cached", lambda lib, arch: cached)
+    with caplog.at_level(logging.INFO, logger="nimble"):
+        kb.KernelFinder(90, kb.BinaryTable(BlobWriter()), quiet=False).locate([_kernel("lib_a")])
+    said = [r.getMessage() for r in caplog.records if "compressed kernels" in r.getMessage()]
+    if cached:
+        assert said == []
+    else:
+        assert said[0] == "listing the compressed kernels of libfake.so (once on this machine, " \
+                          "then cached)"
+        assert said[1].startswith("listed the compressed kernels of libfake.so in ")

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 from .. import driver
 from ..errors import CudaError, LoadError, SaveError
-from ..progress import logger as log
+from ..progress import logger as log, say
 from ..driver import module_images
 from ..record import binaries as found
 
@@ -105,8 +105,8 @@ class BinaryTable:
 class KernelFinder:
     """Finds the binaries of a process's kernels (see the module docstring)."""
 
-    def __init__(self, arch: int, table: BinaryTable) -> None:
-        self.arch, self.table = arch, table
+    def __init__(self, arch: int, table: BinaryTable, quiet: bool = True) -> None:
+        self.arch, self.table, self.quiet = arch, table, quiet
         self._libraries: list[found.LibraryFatbins] | None = None
         self._indexes: dict[str, dict[str, int]] = {}
 
@@ -196,11 +196,16 @@ class KernelFinder:
                 continue
             index = self._indexes.get(lib.key)
             if index is None:
+                fresh = not found.index_cached(lib, self.arch)
+                if fresh:  # the first save on a machine lists each library once
+                    say(f"listing the compressed kernels of {Path(lib.path).name} (once on "
+                        "this machine, then cached)", self.quiet)
                 t0 = time.perf_counter()
                 index = self._indexes[lib.key] = found.compressed_kernel_index(
                     lib, self.arch, _kernel_names)
-                log.info("indexed the compressed kernels of %s in %.1f s", lib.path,
-                         time.perf_counter() - t0)
+                if fresh:
+                    say(f"listed the compressed kernels of {Path(lib.path).name} in "
+                        f"{time.perf_counter() - t0:.1f} s", self.quiet)
             by_offset = {c.offset: c for c in lib.containers}
             for i, k in enumerate(kernels):
                 c = by_offset.get(index.get(k.name, -1))

@@ -354,7 +354,7 @@ def save_graphs(graphs: list, path, *, weights: bool = True, quiet: bool = True,
     arch = driver.device_architecture(device)
     table = BinaryTable(blobs)
     say(f"finding the binaries of {len(kernels.kernels)} kernels", quiet)
-    found = KernelFinder(arch, table).locate(kernels.kernels)
+    found = KernelFinder(arch, table, quiet).locate(kernels.kernels)
     manifest = {
         "format": FORMAT_NAME, "nimble": __version__, "torch": torch.__version__,
         "arch": arch, "device": torch.cuda.get_device_name(device),

@@ -268,6 +268,14 @@ def _index_path(path: str, section_offset: int, arch: int) -> Path:
     return folder / "kernel-index" / f"{Path(path).name}-{key[:16]}.json"
 
 
+def index_cached(lib: LibraryFatbins, arch: int) -> bool:
+    """Whether ``lib``'s compressed-kernel index for ``arch`` is in the on-disk cache."""
+    try:
+        return _index_path(lib.path, lib.section_offset, arch).exists()
+    except OSError:  # a library file gone since it was read: listing it will say so
+        return False
+
+
 #: Threads listing a library's compressed containers for its kernel index.
 INDEX_THREADS = 8
 
