@@ -214,11 +214,29 @@ class DecodeStep(torch.nn.Module):
         return _greedy(logits), logits
 
 
-def prepare_with_nimble(options=None, compile_steps: bool = False) -> PrepareStep:
+#: torch.compile's modes whose kernels Nimble takes: those that make no CUDA graphs of their own.
+INDUCTOR_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def prepare_with_nimble(options=None, compile_steps: bool = False,
+                        compile_mode: str | None = None,
+                        compile_options: dict | None = None) -> PrepareStep:
     """``prepare_step`` that prepares each step module with Nimble (``options``: a
     :class:`~nimble.PrepareOptions`), one shape bucket per example, all in one arena
     (``Nimble.prepare(buckets=...)``); with ``compile_steps``, on ``torch.compile(module)``'s
-    kernels (Inductor's, default mode)."""
+    kernels (Inductor's; ``compile_mode`` or ``compile_options`` as ``torch.compile`` takes
+    them, ``"max-autotune-no-cudagraphs"`` or ``{"coordinate_descent_tuning": True}`` say:
+    fewer, fatter kernels for a decode step, paid for at prepare).  A mode that makes CUDA
+    graphs of its own is refused: Nimble makes the graph."""
+    if compile_mode is not None and compile_mode not in INDUCTOR_MODES:
+        raise InputError(f"compile_mode {compile_mode!r}: Nimble takes Inductor's kernels "
+                         f"without its CUDA graphs, so one of {', '.join(INDUCTOR_MODES)}")
+    if compile_mode is not None and compile_options:
+        raise InputError("pass compile_mode or compile_options, not both (torch.compile takes "
+                         "one of them)")
+    settings = {"mode": compile_mode} if compile_mode else \
+        {"options": dict(compile_options)} if compile_options else {}
+
     def prepare(module, examples: list):
         from .api import Nimble
 
@@ -227,7 +245,7 @@ def prepare_with_nimble(options=None, compile_steps: bool = False) -> PrepareSte
         # static shapes: Nimble records each bucket by running the module at its shapes, and
         # Dynamo compiles each shape as its own graph
         with _compiles_per_shape(len(examples)):
-            return Nimble(torch.compile(module, dynamic=False)).prepare(
+            return Nimble(torch.compile(module, dynamic=False, **settings)).prepare(
                 buckets=list(examples), options=options)
     return prepare
 

@@ -141,13 +141,46 @@ def test_the_nimble_steps_are_prepared_with_the_prefetch_when_asked(monkeypatch,
 
     asked = []
     monkeypatch.setattr(generate_module, "prepare_with_nimble",
-                        lambda options=None, compile_steps=False: asked.append(
-                            (options and options.prefetch_l2, compile_steps)))
+                        lambda options=None, compile_steps=False, **inductor: asked.append(
+                            (options and options.prefetch_l2, compile_steps, inductor)))
     monkeypatch.setattr(generate_module, "Generator", lambda *args, **kwargs: "generator")
     args = argparse.Namespace(prompt_lengths=[8], new_tokens=4, prefetch_l2=flag)
     assert generate_bench._generators(None, args, 1) == {"nimble": "generator",
                                                          "nimble+inductor": "generator"}
-    assert asked == [(flag or None, False), (flag or None, True)]
+    default = {"compile_mode": None, "compile_options": None}
+    assert asked == [(flag or None, False, {}), (flag or None, True, default)]
+
+
+def test_nimble_inductors_kernels_are_compiled_as_the_bench_is_told(monkeypatch):
+    """--inductor-mode and --coordinate-descent reach torch.compile for nimble+inductor only;
+    a mode that makes CUDA graphs of its own, or both at once, is an InputError."""
+    import argparse
+
+    import nimble.generate as generate_module
+    from nimble.cli import generate_bench
+    from nimble.errors import InputError
+
+    asked = []
+    monkeypatch.setattr(generate_module, "prepare_with_nimble",
+                        lambda options=None, compile_steps=False, **inductor: asked.append(
+                            (compile_steps, inductor)))
+    monkeypatch.setattr(generate_module, "Generator", lambda *args, **kwargs: "generator")
+    args = argparse.Namespace(prompt_lengths=[8], new_tokens=4,
+                              inductor_mode="max-autotune-no-cudagraphs")
+    generate_bench._generators(None, args, 1)
+    args = argparse.Namespace(prompt_lengths=[8], new_tokens=4, coordinate_descent=True)
+    generate_bench._generators(None, args, 1)
+    assert asked == [
+        (False, {}), (True, {"compile_mode": "max-autotune-no-cudagraphs",
+                             "compile_options": None}),
+        (False, {}), (True, {"compile_mode": None,
+                             "compile_options": {"coordinate_descent_tuning": True}})]
+    monkeypatch.undo()
+    with pytest.raises(InputError, match="without its CUDA graphs"):
+        generate_module.prepare_with_nimble(None, True, compile_mode="reduce-overhead")
+    with pytest.raises(InputError, match="not both"):
+        generate_module.prepare_with_nimble(None, True, compile_mode="default",
+                                            compile_options={"coordinate_descent_tuning": True})
 
 
 def test_the_decode_steps_shape_comes_from_one_trace_at_the_timed_tokens_middle():

@@ -56,6 +56,7 @@ from .decode_loop import compiled_loop
 from .decoders import CAUSAL_LMS, causal_lm
 from .harness import Case, Column, Outcome, format_table, run_cases, write_results
 from .output import outputs
+from ..generate import INDUCTOR_MODES
 from ..progress import say
 
 #: A departure from the reference at a token it chose by at most this many units in the last
@@ -90,6 +91,13 @@ def add_arguments(p) -> None:
     p.add_argument("--prefetch-l2", action="store_true",
                    help="--generate: prepare the Nimble steps with PrepareOptions(prefetch_l2="
                         "True): weight prefetch into the L2, kept where measured faster")
+    p.add_argument("--inductor-mode", choices=INDUCTOR_MODES, default=None,
+                   help="--generate: torch.compile's mode for nimble+inductor's kernels "
+                        "(default: Inductor's default; max-autotune-no-cudagraphs tunes them "
+                        "at prepare)")
+    p.add_argument("--coordinate-descent", action="store_true",
+                   help="--generate: nimble+inductor's kernels compiled with Inductor's "
+                        "coordinate_descent_tuning (not with --inductor-mode)")
     p.add_argument("--breakdown", action="store_true",
                    help="--generate: print where each Nimble decode step's time goes (busy, "
                         "gaps between dependent kernels, each kernel's bandwidth, concurrency; "
@@ -150,16 +158,21 @@ def _cache_len(args) -> int:
 def _generators(model, args, batch: int) -> dict:
     """The two Nimble generators by mode, or the one-line error that stopped one; with
     ``--prefetch-l2``, each step prepared with ``PrepareOptions(prefetch_l2=True)`` (kept
-    where it measures faster)."""
+    where it measures faster); ``--inductor-mode`` and ``--coordinate-descent`` choose how
+    nimble+inductor's kernels are compiled."""
     from ..engine.options import PrepareOptions
     from ..generate import Generator, prepare_with_nimble
 
     options = PrepareOptions(prefetch_l2=True) if getattr(args, "prefetch_l2", False) else None
+    inductor = {"compile_mode": getattr(args, "inductor_mode", None),
+                "compile_options": {"coordinate_descent_tuning": True}
+                if getattr(args, "coordinate_descent", False) else None}
     made: dict = {}
     for mode, compiled in (("nimble", False), ("nimble+inductor", True)):
         try:
             made[mode] = Generator(model, _cache_len(args), args.prompt_lengths, [batch],
-                                   prepare_step=prepare_with_nimble(options, compiled))
+                                   prepare_step=prepare_with_nimble(
+                                       options, compiled, **(inductor if compiled else {})))
         except Exception as e:  # noqa: BLE001 - the other modes still run
             made[mode] = one_line(e)
     return made
