@@ -12,7 +12,8 @@ import importlib
 from .errors import (BuildError, CaptureError, CudaError, GraphFaultError, InputError,
                      LoadError, NimbleError, NoGpuError, RecordError, SaveError,
                      VerificationError, WeightsChangedError)
-from .api import BucketView, Nimble, PhaseView, keep_kernel_binaries, load
+from .api import Nimble, keep_kernel_binaries, load
+from .engine.serving import BucketView, PhaseView
 from .engine.options import PrepareOptions
 from .record.gradient_average import GradientAverage
 from .ir.taskgraph import Access, Buffer, BufferKind, Op, Pointer, Task, TaskGraph, TaskKind, TensorRef

@@ -21,26 +21,22 @@ from __future__ import annotations
 
 from . import driver
 from .engine.build import repoint
-from .errors import InputError, NimbleError
-from .engine.launcher import TAKE_GENERAL_PATH, RngCells
-from .analysis.memplan import MemPlan
+from .errors import NimbleError
+from .engine.launcher import TAKE_GENERAL_PATH
 from .engine.options import PrepareOptions
 from .engine.options import options_with as _options_with
 from .engine.collectives import check_average
 from .engine.data_parallel import DataParallelTarget, check_grad_sync, data_parallel_target
 from .engine.preparation import check_mode, model_state_kept, prepare_serving
 from .engine.prepared import Prepared
-from .engine.serving import (BucketView, MemoryReport, PhaseView, PrepareReport, Serving,
-                             bucket_examples, phase_views)
-from .analysis.schedule import Schedule
-from .ir.taskgraph import TaskGraph
-from .progress import say
+from .engine.serving import Serving, bucket_examples
 from .engine.weights import EPOCH as WEIGHTS_EPOCH
 from .engine.weights import watch_modules
+from .inspection import GraphViews
 from .engine.profiler_guard import host_launch_if_profiled, watch_profiler
 
 
-class Nimble:
+class Nimble(GraphViews):
     """A PyTorch module run as one ahead-of-time scheduled, multi-stream CUDA graph.
 
     After :meth:`prepare`, calling the object hands the inputs to the graph and launches it on
@@ -298,237 +294,6 @@ class Nimble:
                 driver.stream_synchronize(launcher.last_stream)
             del released
         return True
-
-    # ---- inspection -------------------------------------------------------------------------
-    @property
-    def graph(self) -> TaskGraph:
-        """The recorded TaskGraph (tasks, buffers, accesses)."""
-        return self.engine.graph
-
-    @property
-    def schedule(self) -> Schedule:
-        """The stream assignment and synchronization edges the built graph runs."""
-        return self.engine.schedule
-
-    @property
-    def memplan(self) -> MemPlan:
-        """The arena plan: an offset per relocatable buffer."""
-        return self.engine.memplan
-
-    @property
-    def exec_handle(self) -> int:
-        """The raw ``CUgraphExec`` as an int: launch it from C with ``cuGraphLaunch``."""
-        return int(self.engine.built.exec.handle)
-
-    @property
-    def arena_address(self) -> int:
-        """The device address of the arena (buffer ``b`` lives at this + ``memplan.offsets[b]``)."""
-        return self.engine.arena_base
-
-    @property
-    def recording(self):
-        """The live recording, when prepared with ``PrepareOptions(keep_recording=True)`` (else
-        None)."""
-        return self.engine.recording
-
-    @property
-    def input_cells(self) -> list[int]:
-        """Per input, the device address of the 8-byte cell the graph reads its source address
-        from before anything else (0 where that input is copied into its slot instead).
-
-        A C or C++ host driving :attr:`exec_handle` itself writes the input tensor's address
-        into each cell on the launch stream (``cuStreamWriteValue64``), then calls
-        ``cuGraphLaunch``; or it copies the input to the slot and writes the slot's own address.
-        A Python call skips writing a cell that already holds its input's address, so a host
-        that writes cells between Python calls calls :meth:`host_writes_cells` before handing
-        back to Python.  With several buckets or instances: the primary graph's
-        (:attr:`engine`); :attr:`buckets` has every graph's.
-        """
-        return [s.cell for s in self.engine.launcher.slots]
-
-    def host_writes_cells(self) -> None:
-        """Say that something other than a Python call (a C or C++ host, see
-        :attr:`input_cells` and :attr:`phases`) wrote or will write the input cells: the next
-        Python call of every phase (of every bucket and instance) writes each of its cells
-        again instead of trusting the address it wrote last."""
-        for state in self._serving.preparations() if self._serving else [self.engine]:
-            for launcher in state.launchers:
-                with launcher.lock:
-                    launcher.forget_cells()
-
-    @property
-    def buffer_addresses(self) -> list[int]:
-        """Per buffer of :attr:`graph`, the device address the built graph reads and writes it
-        at (in the arena, or a weight's own memory as the weights are now)."""
-        return list(self.engine.bases)
-
-    @property
-    def output_addresses(self) -> list[int]:
-        """Per output (flattened), the device address the graph writes it at."""
-        return [o.data_ptr() for o in self.engine.launcher.outputs]
-
-    @property
-    def rng_cells(self) -> RngCells | None:
-        """Where a graph that draws random numbers reads the generator's seed and offset.
-
-        None for a graph without random ops.  Python calls fill both cells; a C or C++ host
-        writes the seed and the current offset (then advances its offset by ``increment``)
-        before each launch, as it writes the input cells.
-        """
-        return self.engine.launcher.rng
-
-    @property
-    def input_addresses(self) -> list[int]:
-        """Per input, the device address of its slot in the arena."""
-        return [s.address for s in self.engine.launcher.slots]
-
-    def trace(self, *inputs, runs: int = 5, start_stamps: bool = True, groups: int = 1):
-        """Measure every task's start and end inside a real multi-stream run of the prepared
-        graph(s); returns a :class:`~nimble.debug.timeline.Timeline` (``nimble.Timeline``:
-        ``.summary()``, ``.to_chrome()``).
-
-        ``inputs`` are the flat inputs of every phase (random ones when none are given).  The
-        graph is rebuilt with timestamp nodes for the measurement; the prepared graph itself is
-        not changed and keeps serving calls.  ``start_stamps=False`` halves the timestamp nodes
-        (each start is then its task's ready time; see
-        :func:`nimble.debug.timeline.record_timeline`).
-        ``groups=k`` measures a ``k``-th of the tasks in each of ``k`` instrumented runs and joins
-        them, so each run is disturbed less.
-        """
-        from .debug.timeline import record_timeline
-
-        return record_timeline(self.engine, list(inputs) if inputs else None, runs=runs,
-                               start_stamps=start_stamps, groups=groups)
-
-    def run_until(self, *, task: int | None = None, op: int | None = None,
-                  module: str | None = None, inputs=None):
-        """Step-through: run the prepared graph up to a task, an ATen op (its index in
-        :attr:`graph`) or a module (its path), on ``inputs`` (the flat inputs of every phase;
-        random when None), and return a :class:`~nimble.debug.step_through.Snapshot`
-        (``nimble.Snapshot``) of every buffer the run touched (``.buffer(b)``,
-        ``.tensor(b, dtype, shape)``, ``.op_outputs(k)``).  The outputs of earlier calls and the
-        model's state are put back afterwards."""
-        from .debug.step_through import run_until, select_tasks
-
-        state = self.engine
-        targets = select_tasks(state.graph, task=task, op=op, module=module)
-        return run_until(state, targets, inputs)
-
-    def first_divergence(self, *inputs, nonfinite: bool = False, quiet: bool = False):
-        """The first ATen op whose output in the prepared graph differs from eager's on
-        ``inputs`` (dtype-aware tolerance), or with ``nonfinite`` the first to write NaN or Inf;
-        a :class:`~nimble.debug.divergence.Divergence` (``nimble.Divergence``: op, module,
-        tasks, difference) or None.
-
-        Walks the ops in recorded order with a step-through run (:meth:`run_until`) per op and
-        stops at the first that goes wrong; a long walk reports its progress on stderr unless
-        ``quiet``.  An op that differs from the eager chain counts only if it also differs from
-        its eager twin run on the graph's own inputs to it, so rounding that builds up over a
-        deep network is not taken for a fault
-        (:func:`nimble.debug.divergence.isolated_difference`).
-        Inference graphs only; the model must dispatch the same ops eagerly as when recorded.
-        """
-        from .debug.divergence import align, eager_ops, first_divergence, first_nonfinite
-        from .debug.step_through import StepThrough, run_before, run_until, select_tasks
-
-        state = self.engine
-        if state.step is not None:
-            raise InputError("first_divergence compares inference graphs with eager; prepare "
-                             "with training=False to search the forward")
-        if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
-            inputs = tuple(inputs[0])
-        aligned = align(state.graph, eager_ops(self._target.module, inputs,
-                                               keep_inputs=not nonfinite))
-        stepper = StepThrough(state, 0)
-
-        def run(op: int):
-            read = {a.buffer for a in state.graph.ops[op].accesses if a.write}
-            read |= {a.buffer for a in aligned[op].sources if a is not None}
-            return run_until(state, select_tasks(state.graph, op=op), list(inputs), read,
-                             stepper)
-
-        def before(op: int, read: set[int]):
-            return run_before(state, op, list(inputs), read, stepper)
-        progress = lambda line: say(line, quiet)  # noqa: E731
-        try:
-            if nonfinite:
-                return first_nonfinite(run, state.graph, aligned, progress)
-            return first_divergence(run, state.graph, aligned, progress, run_before=before)
-        finally:
-            stepper.close()
-
-    @property
-    def phases(self) -> list[PhaseView]:
-        """Each separately launched graph: one (``"inference"``), or ``"forward"`` and
-        ``"backward"`` for a training step, with its tasks and its handles for a C host (which
-        calls :meth:`host_writes_cells` before handing back to Python)."""
-        return phase_views(self.engine)
-
-    @property
-    def buckets(self) -> list[BucketView]:
-        """Every shape bucket, in the order prepared, with each model instance's graph: its
-        exec handle, input cells, input and output addresses, for a C host (write a cell on
-        the launch stream, launch the exec; one launch at a time per instance, since an
-        instance's buckets share its arena; call :meth:`host_writes_cells` before handing back
-        to Python)."""
-        self.engine  # noqa: B018 - raises before prepare()
-        return self._serving.views()
-
-    @property
-    def instances(self) -> int:
-        """How many copies of the graphs run at once (``prepare(..., instances=k)``)."""
-        self.engine  # noqa: B018 - raises before prepare()
-        return self._serving.instances
-
-    @property
-    def device_bytes(self) -> MemoryReport:
-        """The device memory the prepared graphs take beyond the weights: per instance one
-        arena (the shared plans' region and every bucket's state), and any buffers placed
-        beside the arenas (:class:`~nimble.engine.serving.MemoryReport`)."""
-        self.engine  # noqa: B018 - raises before prepare()
-        return self._serving.memory()
-
-    @property
-    def kernel_priorities(self) -> list[int] | None:
-        """Per task, the driver priority number its kernel node runs at (lower numbers run
-        first, see :mod:`nimble.analysis.priorities`), or None when the graph runs without
-        priorities (``PrepareOptions(priorities=False)`` or one stream)."""
-        got = self.engine.priorities
-        return None if got is None else list(got)
-
-    @property
-    def backfill_trials(self) -> list:
-        """Per phase whose tail backfill was tried at prepare (:mod:`nimble.analysis.backfill`),
-        a :class:`~nimble.analysis.backfill.Picked`: the phase's median ms per launch without
-        late edges and with each candidate, and the candidate kept (None: the plain graph was
-        faster).  Empty where none was tried (``PrepareOptions(backfill=False)``, one stream,
-        inference by default, no narrow tail)."""
-        return list(self.engine.backfill)
-
-    @property
-    def late_edges(self) -> list[tuple[int, int]]:
-        """The built graphs' dependency edges beyond :attr:`schedule`'s, ``(anchor, task)``:
-        the tail backfill kept (:attr:`backfill_trials`); empty without one."""
-        return self.engine.late_edges
-
-    @property
-    def launch_mode(self) -> str:
-        """``"device-launchable"`` (uploaded once, cheap host launches) or ``"host"``."""
-        return "device-launchable" if self.engine.built.device_launch else "host"
-
-    @property
-    def prepare_seconds(self) -> dict:
-        """Seconds each step of the last prepare() took (of the primary bucket, see
-        :attr:`engine`; :attr:`prepare_report` has every bucket and instance)."""
-        return dict(self.engine.seconds)
-
-    @property
-    def prepare_report(self) -> PrepareReport:
-        """Where the last prepare() spent its time: per bucket and stage, each further
-        instance's build and short proof, the arenas' allocation, and the total
-        (:class:`~nimble.engine.serving.PrepareReport`)."""
-        self.engine  # noqa: B018 - raises before prepare()
-        return self._serving.report
 
     def close(self) -> None:
         """Free the graph and its exec now, and the arena once the outputs and gradients handed
