@@ -372,3 +372,58 @@ def test_the_compressed_index_lists_containers_side_by_side_and_the_first_holder
     assert index == {"shared": offsets[0], "own0": offsets[0], "own1": offsets[1],
                      "own3": offsets[3]}
     assert len(threads) > 1
+
+
+def test_the_binaries_load_side_by_side_and_a_failure_frees_every_library(tmp_path,
+                                                                          monkeypatch):
+    """Each binary is loaded and its kernels' functions taken on a worker thread with the
+    caller's context made current there; the functions come back in the kernels' order, and
+    a kernel that fails its check frees every library loaded and raises the first failure in
+    binary order."""
+    import hashlib
+    import threading
+
+    from nimble.engine import kernel_binaries as kb
+
+    blobs = BlobWriter()
+    images = [b"cubin %d" % i for i in range(5)]
+    refs = [blobs.add(data) for data in images]
+    saved = SavedFile({}, blobs.getvalue())
+    rows = [{"kind": "embedded", "blob": r.as_json(), "name": f"b{i}",
+             "sha256": hashlib.sha256(d).hexdigest()} for i, (r, d) in enumerate(zip(refs, images))]
+    kernels = [{"name": f"k{b}{j}", "binary": b} for j in range(2) for b in (4, 0, 2, 1, 3)]
+    made, closed, current, threads = [], [], {}, set()
+
+    class Library:
+        def __init__(self, image):
+            self.image = image
+            made.append(self)
+
+        def close(self):
+            closed.append(self)
+    monkeypatch.setattr(kb.driver, "current_context", lambda: "the caller's context")
+    monkeypatch.setattr(kb.driver, "use_context",
+                        lambda ctx: current.__setitem__(threading.get_ident(), ctx))
+    monkeypatch.setattr(kb.driver.Library, "load_data",
+                        classmethod(lambda cls, image, detail="": Library(image)))
+    failing: set = set()
+
+    def checked(library, row):
+        import time
+
+        threads.add(threading.get_ident())
+        assert current[threading.get_ident()] == "the caller's context"
+        time.sleep(0.02)  # a driver call's length: the other binaries go to other threads
+        if row["name"] in failing:
+            raise LoadError(f"kernel {row['name']} differs")
+        return (library.image, row["name"])
+    monkeypatch.setattr(kb, "_checked_function", checked)
+    loaded = kb.load_kernels(kernels, rows, saved)
+    assert loaded.functions == [(images[k["binary"]], k["name"]) for k in kernels]
+    assert [library.image for library in loaded.libraries] == [images[b] for b in (4, 0, 2, 1, 3)]
+    assert [t.kernels for t in loaded.timings] == [2] * 5 and len(threads) > 1
+    made.clear()
+    failing.update({"k21", "k10"})  # binaries 2 and 1 fail; 2 comes first in binary order
+    with pytest.raises(LoadError, match="kernel k21 differs"):
+        kb.load_kernels(kernels, rows, saved)
+    assert sorted(map(id, closed)) == sorted(map(id, made))
