@@ -1,0 +1,86 @@
+"""tests/workers/tp_decode_worker.py's Megatron split, on the CPU: every rank's shard run in a
+thread of its own, the all-reduce a sum over the threads in lockstep as NCCL's is over the
+GPUs, gives the whole model's logits."""
+from __future__ import annotations
+
+import importlib.util
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _worker():
+    path = Path(__file__).parent / "workers" / "tp_decode_worker.py"
+    spec = importlib.util.spec_from_file_location("tp_decode_worker", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class LockstepSum:
+    """``all_reduce(y)`` for ``world`` threads: each waits for the others' tensors of the same
+    call, and every one ends holding their sum."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world)
+        self.deposited: dict[int, torch.Tensor] = {}
+        self.calls = 0
+
+    def __call__(self, y, *args, **kwargs) -> None:
+        self.deposited[threading.get_ident()] = y.clone()
+        self.barrier.wait()
+        total = sum(self.deposited.values())
+        self.barrier.wait()
+        y.copy_(total)
+        if self.barrier.wait() == 0:
+            self.deposited.clear()
+            self.calls += 1
+        self.barrier.wait()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_ranks_shards_with_their_sums_give_the_whole_models_logits(monkeypatch, world):
+    transformers = pytest.importorskip("transformers")
+    worker = _worker()
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4,
+                                      vocab_size=50)
+    torch.manual_seed(0)
+    whole = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 50, (1, 7))
+    with torch.no_grad():
+        want = whole(input_ids=ids, use_cache=False).logits
+    shards = []
+    for rank in range(world):
+        torch.manual_seed(0)
+        shards.append(worker.split(transformers.LlamaForCausalLM(config).eval(), rank, world))
+    assert shards[0].config.num_attention_heads == 8 // world
+    assert shards[0].config.num_key_value_heads == 4 // world
+    assert shards[0].config.head_dim == 8
+    reduce = LockstepSum(world)
+    monkeypatch.setattr(worker.dist, "all_reduce", reduce)
+    got: list = [None] * world
+
+    def run(rank: int) -> None:
+        with torch.no_grad():
+            got[rank] = shards[rank](input_ids=ids, use_cache=False).logits
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reduce.calls == 2 * config.num_hidden_layers
+    for logits in got:
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_whose_heads_do_not_split_is_refused():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=8, num_key_value_heads=2,
+                                      vocab_size=50)
+    with pytest.raises(ValueError, match="do not split over 4"):
+        _worker().split(transformers.LlamaForCausalLM(config), 0, 4)
