@@ -1,22 +1,18 @@
-"""tests/workers/tp_decode_worker.py's Megatron split, on the CPU: every rank's shard run in a
+"""nimble/cli/tp_decoders.py's Megatron split, on the CPU: every rank's shard run in a
 thread of its own, the all-reduce a sum over the threads in lockstep as NCCL's is over the
 GPUs, gives the whole model's logits."""
 from __future__ import annotations
 
-import importlib.util
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
 
 def _worker():
-    path = Path(__file__).parent / "workers" / "tp_decode_worker.py"
-    spec = importlib.util.spec_from_file_location("tp_decode_worker", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from nimble.cli import tp_decoders
+
+    return tp_decoders
 
 
 class LockstepSum:

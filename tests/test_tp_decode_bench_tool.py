@@ -1,0 +1,21 @@
+"""tools/tp_decode_bench.py on the CPU: its arguments and its report lines."""
+from __future__ import annotations
+
+from helpers import load_tool
+
+bench = load_tool("tp_decode_bench")
+
+
+def test_the_arguments_default_to_the_issues_case():
+    args = bench.parse_args([])
+    assert (args.model, args.dtype, args.batch, args.prompt, args.new_tokens) == \
+        ("llama_1b", "bfloat16", [1, 8], 128, 64)
+    assert bench.parse_args(["llama_small", "--batch", "2,4"]).batch == [2, 4]
+
+
+def test_a_row_reports_its_time_or_its_error():
+    row = {"token_ms_median": 1.2345, "token_ms_p90": 1.5, "tokens_per_s": 6480.4}
+    assert bench.report_line(2, 8, "nimble", row) == \
+        "2 GPU(s), batch 8, nimble: 1.234 ms/token (p90 1.500), 6480 tokens/s"
+    assert bench.report_line(1, 1, "compiled loop", {"error": "Unsupported: x"}) == \
+        "1 GPU(s), batch 1, compiled loop: failed: Unsupported: x"

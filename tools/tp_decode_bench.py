@@ -1,0 +1,122 @@
+"""Tensor-parallel decoding's speed (issue 51): a Generator on a causal LM split over the ranks
+(:mod:`nimble.cli.tp_decoders`), beside the compiled tight loop on the same split.
+
+    torchrun --nproc_per_node=N tools/tp_decode_bench.py [LM] [--dtype bfloat16]
+        [--batch 1,8] [--prompt 128] [--new-tokens 64] [--rounds 5] [--json F]
+
+Run it with N = 1 (the whole model: one rank's split is all of it, its all-reduces trivial) and
+with N = 2 or 4 on as many GPUs, and hold the lines against each other.  Every rank runs the
+same work (the collectives meet), rank 0 prints: per batch, the milliseconds per token of each
+mode ((T64 - T16) / 48 as ``nimble bench --generate`` times it, the median of ``--rounds``),
+tokens/s, and the decode step's all-reduce kernels.  A mode that fails is a row with its
+one-line error; the ranks fail alike, so the others still meet.  Multicast stays off
+(``NCCL_NVLS_ENABLE=0``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+QUIET_NVLINK = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+MODES = ("nimble", "compiled loop")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", nargs="?", default="llama_1b",
+                   help="a Llama of nimble.cli.decoders (default llama_1b)")
+    p.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16", "float32"))
+    p.add_argument("--batch", default="1,8",
+                   type=lambda text: [int(b) for b in text.split(",") if b.strip()])
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", help="also write the rows here (rank 0)")
+    return p.parse_args(argv)
+
+
+def report_line(world: int, batch: int, mode: str, row: dict) -> str:
+    """One mode's line: its ms per token and tokens/s, or its error."""
+    if "error" in row:
+        return f"{world} GPU(s), batch {batch}, {mode}: failed: {row['error']}"
+    return (f"{world} GPU(s), batch {batch}, {mode}: {row['token_ms_median']:.3f} ms/token "
+            f"(p90 {row['token_ms_p90']:.3f}), {row['tokens_per_s']:.0f} tokens/s")
+
+
+def _timed(run, prompts: dict, args, batch: int) -> dict:
+    from nimble.cli.common import one_line
+    from nimble.cli.generate_bench import _time_mode
+
+    try:
+        row = _time_mode(run, prompts, args.new_tokens, args.rounds)
+    except Exception as e:  # noqa: BLE001 - the other mode still runs
+        return {"error": one_line(e)}
+    row["tokens_per_s"] = batch / (row["token_ms_median"] / 1e3)
+    return row
+
+
+def _case(model, args, batch: int) -> dict:
+    """Both modes' timings at ``batch``, and the decode step's all-reduce kernels."""
+    import torch
+
+    from nimble.cli.common import one_line
+    from nimble.cli.decode_loop import compiled_loop
+    from nimble.generate import Generator
+    from nimble.ir.kernel_names import collective_kernel
+
+    torch.manual_seed(1)  # the same prompts on every rank
+    prompts = {args.prompt: torch.randint(0, model.config.vocab_size, (batch, args.prompt),
+                                          device="cuda")}
+    length = args.prompt + args.new_tokens
+    rows: dict = {}
+    try:
+        generator = Generator(model, max_cache_len=length, prompt_buckets=[args.prompt],
+                              batch_sizes=[batch])
+    except Exception as e:  # noqa: BLE001 - the loop is still timed
+        rows["nimble"] = {"error": one_line(e)}
+    else:
+        decode, _ = generator.steps(batch)
+        rows["nimble"] = _timed(generator.generate, prompts, args, batch)
+        rows["nimble"]["all_reduces"] = sum(collective_kernel(t.name)
+                                            for t in decode.graph.tasks)
+        generator.close()
+    try:
+        rows["compiled loop"] = _timed(compiled_loop(model, length), prompts, args, batch)
+    except Exception as e:  # noqa: BLE001
+        rows["compiled loop"] = {"error": one_line(e)}
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.update(QUIET_NVLINK)
+    import torch
+    import torch.distributed as dist
+
+    from nimble.cli.decoders import causal_lm
+    from nimble.cli.tp_decoders import split
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    model = split(causal_lm(args.model, args.dtype), rank, world)
+    results = {"model": args.model, "dtype": args.dtype, "world": world, "batches": {}}
+    for batch in args.batch:
+        rows = results["batches"][str(batch)] = _case(model, args, batch)
+        if rank == 0:
+            for mode in MODES:
+                print(report_line(world, batch, mode, rows[mode]), flush=True)
+    if rank == 0 and args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    sys.stdout.flush()
+    os._exit(0)  # after captured collectives, destroying the process group can hang
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
