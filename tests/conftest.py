@@ -1,4 +1,6 @@
-"""pytest's hooks for the suite: tests marked ``gpu`` skip, with the reason, where there is none.
+"""pytest's hooks for the suite: tests marked ``gpu`` skip, with the reason, where there is none;
+``NIMBLE_TEST_SHARD`` runs a share of a file's tests (tools/gpu_suite.py spreads a long GPU test
+file over several processes so).
 
 Helpers the test modules share live in ``helpers.py``.
 """
@@ -17,7 +19,44 @@ def _gpu_skip_reason() -> str | None:
     return None
 
 
+def parse_shards(text: str) -> dict[str, tuple[int, frozenset[int]]]:
+    """``NIMBLE_TEST_SHARD``: ``FILE:I,J/K;FILE:I/K``: of FILE's tests in collection order, those
+    whose index modulo K is I or J run; the files it does not name run whole."""
+    shards = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, share = part.partition(":")
+        picked, _, count = share.partition("/")
+        try:
+            k = int(count)
+            indices = frozenset(int(i) for i in picked.split(","))
+        except ValueError:
+            k, indices = 0, frozenset()
+        if k < 1 or not indices or not all(0 <= i < k for i in indices):
+            raise pytest.UsageError(f"NIMBLE_TEST_SHARD: {part!r} is not FILE:I[,J...]/K with "
+                                    "0 <= I < K")
+        shards[name] = (k, indices)
+    return shards
+
+
+def _sharded(config, items) -> None:
+    import os
+
+    shards = parse_shards(os.environ.get("NIMBLE_TEST_SHARD", ""))
+    if not shards:
+        return
+    kept, dropped, seen = [], [], {}
+    for item in items:
+        name = item.path.name
+        index = seen[name] = seen.get(name, -1) + 1
+        share = shards.get(name)
+        (kept if share is None or index % share[0] in share[1] else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def pytest_collection_modifyitems(config, items):
+    _sharded(config, items)
     reason = _gpu_skip_reason()
     if reason is None:
         return

@@ -260,7 +260,7 @@ def test_gpu_suite_spreads_the_test_files_and_runs_the_memory_tests_alone(monkey
     groups = suite.test_groups(files, 3)
     assert sorted(f for g in groups for f in g) == sorted(files)  # each file once
     loads = [sum(suite.WEIGHTS.get(f.name, 1) for f in g) for g in groups]
-    assert max(loads) - min(loads) <= 1
+    assert max(loads) - min(loads) <= max(suite.WEIGHTS.get(f.name, 1) for f in files)
     two = suite.test_groups(files[:2], 5)  # no empty group, the heavier file first
     assert sorted(two) == sorted([[files[0]], [files[1]]])
     assert suite.WEIGHTS.get(two[0][0].name, 1) >= suite.WEIGHTS.get(two[1][0].name, 1)
@@ -318,11 +318,16 @@ def test_gpu_suite_gives_each_gpu_a_lane_then_runs_the_memory_and_multi_gpu_file
     suite = _gpu_suite()
     files = _gpu_files(suite)
     shared, alone, multi = suite.plan_runs(files, ["0", "1", "2", "3"], jobs=1)
-    assert sorted(f for stage in (shared, alone, multi) for run in stage for f in run.files) \
-        == sorted(files)  # each file once
+    planned = [f for stage in (shared, alone, multi) for run in stage for f in run.files]
+    whole = [f for f in planned if not isinstance(f, suite.Share)]
+    parts = [f for f in planned if isinstance(f, suite.Share)]
+    assert sorted(map(str, whole)) == sorted(str(f) for f in files if f.name not in suite.SPLIT)
+    # a split file runs as its shares, each once
+    assert sorted((f.name, f.index) for f in parts) == sorted(
+        (f.name, i) for f in files if f.name in suite.SPLIT for i in range(suite.SPLIT[f.name]))
     assert sorted(run.gpus for run in shared) == [("0",), ("1",), ("2",), ("3",)]  # a lane each
-    loads = [sum(suite.WEIGHTS.get(f.name, 1) for f in run.files) for run in shared]
-    assert max(loads) - min(loads) <= max(suite.WEIGHTS.values())
+    loads = [sum(suite.weight(f) for f in run.files) for run in shared]
+    assert max(loads) - min(loads) <= max(suite.weight(f) for f in suite.shares(files))
     assert not {f.name for run in shared for f in run.files} & \
         (set(suite.EXCLUSIVE) | set(suite.MULTI_GPU))
     assert sorted(f.name for run in alone for f in run.files) == sorted(suite.EXCLUSIVE)
@@ -385,7 +390,15 @@ def test_gpu_suite_runs_every_process_on_its_gpus_with_multicast_off(monkeypatch
     assert started[-1][0] == ["bench"]
     ran = [n for names, _ in started[:-1] for n in names]
     gpu_files = sorted(p.name for p in (suite.ROOT / "tests").glob("test_gpu_*.py"))
-    assert sorted(ran) == gpu_files  # every GPU test file, once
+    assert sorted(set(ran)) == gpu_files  # every GPU test file
+    assert all(ran.count(n) == 1 for n in gpu_files if n not in suite.SPLIT)  # once
+    for name, count in suite.SPLIT.items():  # a split file: every share once, no more
+        picked = [int(i) for names, env in started[:-1] if name in names
+                  for part in env["NIMBLE_TEST_SHARD"].split(";") if part.startswith(name)
+                  for i in part.split(":")[1].split("/")[0].split(",")]
+        assert sorted(picked) == list(range(count)), (name, picked)
+    assert all("NIMBLE_TEST_SHARD" not in env for names, env in started[:-1]
+               if not set(names) & set(suite.SPLIT))
     assert "gpu tests on GPU 3 [" in capsys.readouterr().out
 
 
@@ -443,3 +456,41 @@ def test_the_compile_backend_row_and_the_host_times_of_torch_compiles_two_ways()
             "compiled and prepared in 20.0 s") in text
     # The summary keeps its columns: the backend's row is in the model's lines.
     assert summary_table([info]).splitlines()[2].split()[-3:] == ["0.300", "0.200", "2.00"]
+
+
+def test_a_split_files_shares_run_each_of_its_tests_once():
+    """NIMBLE_TEST_SHARD (tests/conftest.py), as the suite sets it for a split file: the
+    shares of a file together run each of its tests once, other files whole; a malformed
+    setting is a usage error."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import parse_shards
+
+    assert parse_shards("a.py:0,2/3;b.py:1/2") == {"a.py": (3, frozenset({0, 2})),
+                                                  "b.py": (2, frozenset({1}))}
+    assert parse_shards("") == {}
+    files = ["tests/test_tp_decode_bench_tool.py", "tests/test_c_plan.py"]
+
+    def ran(shard: str) -> list[str]:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "--collect-only", *files],
+                              capture_output=True, text=True, cwd=Path(__file__).parent.parent,
+                              env={**os.environ, "NIMBLE_TEST_SHARD": shard})
+        assert done.returncode in (0, 5), done.stdout + done.stderr
+        return re.findall(r"^tests/\S+::\S+", done.stdout, flags=re.M)
+    every = ran("")
+    mine = [t for t in every if "tp_decode_bench_tool" in t]
+    others = [t for t in every if t not in mine]
+    shares = [ran(f"test_tp_decode_bench_tool.py:{i}/2") for i in range(2)]
+    for share in shares:
+        assert sorted(t for t in share if t not in mine) == sorted(others)  # other files whole
+    assert sorted(t for share in shares for t in share if t in mine) == sorted(mine)
+    assert all(share != [t for t in every] for share in shares)
+    bad = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", files[0]],
+                         capture_output=True, text=True, cwd=Path(__file__).parent.parent,
+                         env={**os.environ, "NIMBLE_TEST_SHARD": "x.py:2/2"})
+    assert bad.returncode == 4 and "NIMBLE_TEST_SHARD" in bad.stdout + bad.stderr

@@ -12,8 +12,10 @@ Runs, in order:
    machine with several GPUs the test files are spread over all of them, a *lane* per GPU
    (each pytest process sees its GPU alone, ``CUDA_VISIBLE_DEVICES``), so that the whole suite
    runs in one call; with ``--jobs N``, N pytest processes side by side on each GPU
-   (correctness tests only: none times anything).  Then the files that measure the device's
-   free memory (:data:`EXCLUSIVE`) run alone on their GPUs, and last the files that need
+   (correctness tests only: none times anything); a file of :data:`SPLIT`, too long for one
+   process within a device call, runs as that many shares, each a process of its own
+   (``NIMBLE_TEST_SHARD``, tests/conftest.py) spread like files.  Then the files that measure
+   the device's free memory (:data:`EXCLUSIVE`) run alone on their GPUs, and last the files that need
    several GPUs (:data:`MULTI_GPU`) on all of them.  The GPUs are those of
    ``CUDA_VISIBLE_DEVICES`` where it is set, else those ``nvidia-smi -L`` lists (torch is not
    asked: importing it here would start CUDA in this process), or ``--gpus``; every process
@@ -59,20 +61,70 @@ QUICK_ARGS = ["--quick", "--rounds", "5", "--iters", "50"]
 #: GPU test files that measure the whole device's free memory or serve under a time window:
 #: they run alone, after the rest.
 EXCLUSIVE = ("test_gpu_serving.py", "test_gpu_serve_bench.py")
-#: Rough minutes per GPU test file on an H100 with six processes side by side (from
-#: ``--durations``, 2026-11-25: the debug tools' and training files ran longest, the two-model
-#: training sequence alone 99 s), to spread the files over ``--jobs`` processes (a file not
-#: listed counts 1); the saved-graph file from its two runs of 2026-11-27 (its zoo saves 5.4 min).
-WEIGHTS = {"test_gpu_debug_tools.py": 6, "test_gpu_training.py": 5, "test_gpu_proof.py": 3,
-           "test_gpu_runtime.py": 2, "test_gpu_compiled.py": 2, "test_gpu_generate.py": 2,
+#: Rough minutes per GPU test file on an H200 beside other processes (from the 4-GPU runs of
+#: 2026-11-27: the debug tools' file 9 minutes sharing its GPU, the saved-graph files 10 with
+#: the C runtime's, training 3.3, the proof 2.5; a file not listed counts 1), to spread the
+#: files over the lanes.
+WEIGHTS = {"test_gpu_debug_tools.py": 9, "test_gpu_training.py": 4, "test_gpu_proof.py": 3,
+           "test_gpu_runtime.py": 1, "test_gpu_compiled.py": 2, "test_gpu_generate.py": 1,
            "test_gpu_record.py": 1, "test_gpu_proof_power.py": 1, "test_gpu_c_host.py": 1,
-           "test_gpu_deploy.py": 1, "test_gpu_saved.py": 8, "test_gpu_c_runtime.py": 2}
+           "test_gpu_deploy.py": 1, "test_gpu_saved.py": 10, "test_gpu_c_runtime.py": 2,
+           "test_gpu_compile_backend.py": 2}
+#: Files too long for one process within a device call: each runs as this many shares, a
+#: process each (``NIMBLE_TEST_SHARD``, tests/conftest.py), spread like files.
+SPLIT = {"test_gpu_debug_tools.py": 3, "test_gpu_saved.py": 3}
 #: GPU test files that need several GPUs (each its count): they run last, on every GPU.
 MULTI_GPU = {"test_gpu_collectives.py": 2}
 #: In the environment of every process the suite starts: NVLink multicast (NVLS) off, for
 #: NCCL, torch's symmetric memory and NVSHMEM alike, as the multi-GPU tests are run.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class Share:
+    """The ``index``-th of ``count`` shares of a test file's tests (:data:`SPLIT`)."""
+
+    path: Path
+    index: int
+    count: int
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def weight(f) -> float:
+    """A file's (or share's) rough minutes (:data:`WEIGHTS`)."""
+    return WEIGHTS.get(f.name, 1) / (f.count if isinstance(f, Share) else 1)
+
+
+def shares(files: list) -> list:
+    """``files`` with each file of :data:`SPLIT` as its shares."""
+    return [Share(f, i, SPLIT[f.name]) for f in files if f.name in SPLIT
+            for i in range(SPLIT[f.name])] + [f for f in files if f.name not in SPLIT]
+
+
+def shard_setting(files) -> str:
+    """``NIMBLE_TEST_SHARD`` for a process running ``files`` ("" where none is a share)."""
+    picked: dict = {}
+    for f in files:
+        if isinstance(f, Share):
+            picked.setdefault((f.name, f.count), set()).add(f.index)
+    return ";".join(f"{name}:{','.join(map(str, sorted(i)))}/{k}"
+                    for (name, k), i in sorted(picked.items()))
+
+
+def process_files(files) -> list[str]:
+    """The paths a pytest process is given: each file once, its shares set apart."""
+    out: list[str] = []
+    for f in files:
+        if str(f) not in out:
+            out.append(str(f))
+    return out
 
 
 @dataclass(frozen=True)
@@ -122,17 +174,23 @@ def plan_runs(files: list[Path], gpus: list[str], jobs: int) -> list[list[Run]]:
     alone = [f for f in files if f.name in EXCLUSIVE and f not in multi]
     shared = [f for f in files if f not in multi and f not in alone]
     stages = [[Run(tuple(g), lanes[k % len(lanes)])
-               for k, g in enumerate(test_groups(shared, len(lanes) * max(jobs, 1)))],
+               for k, g in enumerate(test_groups(shares(shared), len(lanes) * max(jobs, 1)))],
               [Run(tuple(g), lanes[k]) for k, g in enumerate(test_groups(alone, len(lanes)))],
               [Run(tuple(multi), tuple(gpus))] if multi else []]
     return [stage for stage in stages if stage]
 
 
 def run_environment(env: dict, run: Run) -> dict:
-    """The environment of ``run``'s process: ``env``, multicast off, and its GPUs."""
+    """The environment of ``run``'s process: ``env``, multicast off, its GPUs, and the shares
+    of split files it runs."""
     out = {**env, **NO_MULTICAST}
     if run.gpus:
         out["CUDA_VISIBLE_DEVICES"] = ",".join(run.gpus)
+    shard = shard_setting(run.files)
+    if shard:
+        out["NIMBLE_TEST_SHARD"] = shard
+    else:
+        out.pop("NIMBLE_TEST_SHARD", None)
     return out
 
 
@@ -140,10 +198,10 @@ def test_groups(files: list[Path], jobs: int) -> list[list[Path]]:
     """``files`` in ``jobs`` groups of about equal :data:`WEIGHTS`, heaviest placed first."""
     groups: list[list[Path]] = [[] for _ in range(max(jobs, 1))]
     load = [0.0] * len(groups)
-    for f in sorted(files, key=lambda f: -WEIGHTS.get(f.name, 1)):
+    for f in sorted(files, key=lambda f: -weight(f)):
         k = load.index(min(load))
         groups[k].append(f)
-        load[k] += WEIGHTS.get(f.name, 1)
+        load[k] += weight(f)
     return [g for g in groups if g]
 
 
@@ -165,7 +223,7 @@ def _selected(files: list[Path], args) -> list[Path]:
 
 def _pytest(files: list[Path], log_path: Path, extra: list[str], env) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           *map(str, files), *extra]
+           *process_files(files), *extra]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             text=True)
@@ -176,8 +234,11 @@ def _pytest(files: list[Path], log_path: Path, extra: list[str], env) -> subproc
 def _log_name(group: list[Path]) -> str:
     """A group's log, named after its first test file: a second invocation (another group)
     never writes over the log of a failure."""
-    first = Path(group[0])
-    return "gpu_tests_" + (first.stem.removeprefix("test_gpu_") if first.suffix else "all") + ".log"
+    first = group[0]
+    path = first.path if isinstance(first, Share) else Path(first)
+    share = f"_{first.index + 1}of{first.count}" if isinstance(first, Share) else ""
+    return "gpu_tests_" + (path.stem.removeprefix("test_gpu_") + share if path.suffix
+                           else "all") + ".log"
 
 
 def _stages(args) -> list[list[Run]]:
@@ -206,7 +267,8 @@ def _run_tests(args, env) -> tuple[int, list[str]]:
             lines = log.read_text().strip().splitlines()
             failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
             print("\n".join(failed or lines[-3:]), flush=True)
-            names = " ".join(Path(f).name for f in run.files)
+            names = " ".join(f"{f.name} ({f.index + 1}/{f.count})" if isinstance(f, Share)
+                             else Path(f).name for f in run.files)
             where = f" on GPU {','.join(run.gpus)}" if run.gpus else ""
             summary.append(f"gpu tests{where} [{names}] ({seconds:.0f} s): "
                            + (lines[-1] if lines else "no output"))
