@@ -73,3 +73,17 @@ def failed_proofs_saved_aside(monkeypatch, tmp_path):
     suite collects the recordings of real failures."""
     monkeypatch.setenv("NIMBLE_FAULT_DIR", str(tmp_path))
     return tmp_path
+
+
+@pytest.fixture
+def no_gpu_work(monkeypatch):
+    """Fail the test where a load asks for the GPU (or the driver) at all: a damaged saved file
+    must be refused before."""
+    import torch
+
+    from nimble.engine import loading
+
+    def asked(*args, **kwargs):
+        raise AssertionError("the load reached the GPU with a damaged file")
+    monkeypatch.setattr(torch.cuda, "is_available", asked)
+    monkeypatch.setattr(loading.driver, "ensure_context", asked)

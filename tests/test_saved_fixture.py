@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import nimble
-from nimble.engine import loading
 from nimble.errors import LoadError, NoGpuError
 from nimble.ir.saved_format import FORMAT_VERSION, SavedFile
 from nimble.ir.saved_graph_check import check_bucket_graph
@@ -202,13 +201,6 @@ CONTAINER = {"truncated": r"is truncated", "appended": r"has bytes appended",
              "future version": rf"format version {FORMAT_VERSION + 1}; this Nimble reads "
                                rf"version {FORMAT_VERSION}"}
 
-
-@pytest.fixture
-def no_gpu_work(monkeypatch):
-    def asked(*args, **kwargs):
-        raise AssertionError("the load reached the GPU with a damaged file")
-    monkeypatch.setattr(torch.cuda, "is_available", asked)
-    monkeypatch.setattr(loading.driver, "ensure_context", asked)
 
 
 def _load_error(path) -> str:

@@ -7,23 +7,13 @@ import pytest
 import torch
 
 import nimble
-from nimble.engine import loading
 from nimble.errors import LoadError, NoGpuError
 from nimble.ir.saved_format import HEADER, SavedFile
-from nimble.ir.saved_manifest import (FORMAT_NAME, MEMCPY_FIELDS, MEMSET_FIELDS,
-                                      check_manifest)
+from nimble.ir.saved_manifest import MEMCPY_FIELDS, MEMSET_FIELDS, check_manifest
 from nimble.ir.synthetic import branchy_graph
 
 from saved_fixture import saved_file_of
 
-
-@pytest.fixture
-def no_gpu_work(monkeypatch):
-    """Fail the test where a load asks for the GPU (or the driver) at all."""
-    def asked(*args, **kwargs):
-        raise AssertionError("the load reached the GPU with a damaged file")
-    monkeypatch.setattr(torch.cuda, "is_available", asked)
-    monkeypatch.setattr(loading.driver, "ensure_context", asked)
 
 
 def _small() -> SavedFile:
