@@ -76,13 +76,19 @@ def library_scratch(graph: TaskGraph) -> list[int]:
             and all(t.kind == TaskKind.KERNEL and library_kernel(t.name) for t in writers[b.id])]
 
 
-def shared_state(graph: TaskGraph) -> list[tuple[int, int]]:
-    """``(address, size)`` of the memory from torch's allocator, outside the arena, that the
-    graph's ATen or Triton kernels write: state the model updates on purpose (a static
-    cache's keys, values and position counters), which stays shared and which the proof
-    restores before every launch (:mod:`nimble.engine.proof`)."""
+def shared_state_buffers(graph: TaskGraph) -> list[int]:
+    """The buffers of the memory from torch's allocator, outside the arena, that the graph's
+    ATen or Triton kernels write: state the model updates on purpose (a static cache's keys,
+    values and position counters), which stays shared and which the proof restores before
+    every launch (:mod:`nimble.engine.proof`)."""
     skipped = set(written_externals(graph)) | set(communicator_memory(graph))
-    return [(b.address, b.size) for b in _written_outside(graph) if b.id not in skipped]
+    return [b.id for b in _written_outside(graph) if b.id not in skipped]
+
+
+def shared_state(graph: TaskGraph) -> list[tuple[int, int]]:
+    """``(address, size)`` as recorded of every :func:`shared_state_buffers` buffer."""
+    return [(graph.buffers[b].address, graph.buffers[b].size)
+            for b in shared_state_buffers(graph)]
 
 
 def _written_outside(graph: TaskGraph) -> list:

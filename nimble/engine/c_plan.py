@@ -27,7 +27,7 @@ from typing import Sequence
 
 from ..ir.alignment import ALIGNMENT
 from ..ir.taskgraph import BufferKind, TaskKind
-from .arena_layout import StateLayout, shared_state
+from .arena_layout import StateLayout, shared_state_buffers
 
 MAGIC = int.from_bytes(b"NIMBLECP", "little")
 VERSION = 1
@@ -212,8 +212,7 @@ def _write_reference(w: PlanWriter, reference: dict, prepared, regions: Regions)
         for i, ref in enumerate(outputs):
             w.blob(ref)
             w.u(0 if i in spread else 1)  # 1: held bit for bit
-    state = {tuple(r) for r in shared_state(graph)}
-    written = [bid for bid, b in enumerate(graph.buffers) if (b.address, b.size) in state]
+    written = shared_state_buffers(graph)
     w.u(len(written))  # memory the graph writes: put back before each checked launch
     for bid in written:
         region, index, offset = regions.relocation(bid, 0, 0)

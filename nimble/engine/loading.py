@@ -44,12 +44,12 @@ from ..ir.saved_graph_check import check_bucket_graph
 from ..ir.saved_manifest import check_manifest, graph_rows
 from ..ir.taskgraph import TaskGraph, TaskKind
 from ..progress import say
-from .arena_layout import shared_layout, shared_state
+from .arena_layout import shared_layout
 from .kernel_binaries import LoadedKernels, load_kernels
 from .launcher import CallOrder, run_phases
 from .prepared import ArenaRegion, Placement, Prepared, build_prepared
 from .profiler_guard import device_launch_allowed
-from .saving import written_weights
+from .saving import restored_ranges
 from .serving import Bucket, BucketCost, PrepareReport, Serving, close_partial
 from .weights import named_weights
 
@@ -280,11 +280,7 @@ def prove_loaded(prepared: Prepared, reference: tuple, launches: int = LOAD_PROO
 
     graph = prepared.graph
     sets, expected, spread, gradients = reference
-    state_ranges = {tuple(r) for r in shared_state(graph)}
-    moved = [(prepared.bases[b.id], b.size) for b in graph.buffers
-             if (b.address, b.size) in state_ranges]
-    moved += [(prepared.bases[b], graph.buffers[b].size)
-              for b in written_weights(graph, prepared.step is not None)]
+    moved = restored_ranges(prepared)
     shared = SharedState(moved) if moved else None
     run = run_phases(prepared.launchers)
     if shared is not None:

@@ -38,7 +38,7 @@ from ..ir.saved_format import C_PLAN, BlobWriter, SavedFile
 from ..ir.saved_manifest import FORMAT_NAME
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
 from ..progress import say
-from .arena_layout import shared_state, written_externals
+from .arena_layout import shared_state_buffers, written_externals
 from .build import relocated
 from .c_plan import c_plan
 from .kernel_binaries import BinaryTable, KernelFinder, LiveKernel
@@ -230,6 +230,15 @@ def written_weights(graph: TaskGraph, training: bool = False) -> list[int]:
     return sorted(written)
 
 
+def restored_ranges(prepared: Prepared) -> list[tuple[int, int]]:
+    """``(address, size)`` where ``prepared`` runs them of the memory a checking run must put
+    back: the shared state (:func:`~nimble.engine.arena_layout.shared_state_buffers`) and the
+    weights it may write (:func:`written_weights`)."""
+    graph = prepared.graph
+    buffers = shared_state_buffers(graph) + written_weights(graph, prepared.step is not None)
+    return [(prepared.bases[b], graph.buffers[b].size) for b in buffers]
+
+
 def gradient_outputs(prepared: Prepared) -> list[int]:
     """The outputs of a training step that are gradients (held to the proof's tolerance)."""
     if prepared.step is None:
@@ -248,9 +257,7 @@ def _references(prepared: Prepared, blobs: BlobWriter) -> dict:
 
     slots = [s for launcher in prepared.launchers for s in launcher.slots]
     run = run_phases(prepared.launchers)
-    graph = prepared.graph
-    state = shared_state(graph) + [(prepared.bases[b], graph.buffers[b].size)
-                                   for b in written_weights(graph, prepared.step is not None)]
+    state = restored_ranges(prepared)
     shared = SharedState(state) if state else None
 
     def reference(inputs: list) -> list:
