@@ -34,9 +34,11 @@ VERSION = 1
 NONE, ARENA, WEIGHT, MEMORY = 0, 1, 2, 3
 KERNEL, MEMSET, MEMCPY, EMPTY = 0, 1, 2, 3
 NO_BLOB = (1 << 64) - 1
-#: dtype codes, as in the C header.
-DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3, "int64": 4, "int32": 5,
-          "int16": 6, "int8": 7, "uint8": 8, "bool": 9}
+#: Per dtype, its code as in the C header and its size in bytes (255: a dtype the header does
+#: not name, its size 1).
+DTYPES = {"float32": (0, 4), "float16": (1, 2), "bfloat16": (2, 2), "float64": (3, 8),
+          "int64": (4, 8), "int32": (5, 4), "int16": (6, 2), "int8": (7, 1), "uint8": (8, 1),
+          "bool": (9, 1)}
 FINGERPRINT = ("MAX_THREADS_PER_BLOCK", "SHARED_SIZE_BYTES", "CONST_SIZE_BYTES",
                "LOCAL_SIZE_BYTES", "NUM_REGS", "BINARY_VERSION")
 SETTABLE = ("MAX_DYNAMIC_SHARED_SIZE_BYTES", "NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
@@ -166,11 +168,10 @@ def _write_tensor(w: PlanWriter, ref, regions: Regions) -> None:
     import math
 
     w.u(*regions.relocation(ref.buffer, ref.offset, 0))
-    itemsize = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2,
-                "bfloat16": 2, "int16": 2}.get(ref.dtype, 1)
+    code, itemsize = DTYPES.get(ref.dtype, (255, 1))
     extent = 1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.strides)) if all(ref.shape) \
         else 0
-    w.u(max(extent, 0) * itemsize, DTYPES.get(ref.dtype, 255), len(ref.shape), *ref.shape)
+    w.u(max(extent, 0) * itemsize, code, len(ref.shape), *ref.shape)
     contiguous = extent == math.prod(ref.shape)
     w.u(1 if contiguous else 0)
 
