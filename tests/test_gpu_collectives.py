@@ -47,9 +47,22 @@ def _two_ranks(worker: Path, lines: int, *args: str, ranks: int = 2) -> list[dic
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
          str(worker), *args],
         capture_output=True, text=True, timeout=240, env=env)
-    seen = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    seen = _json_lines(done.stdout)
     assert done.returncode == 0 and len(seen) == lines, \
         f"rc {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return seen
+
+
+def _json_lines(text: str) -> list[dict]:
+    """The JSON objects the ranks printed: an unbuffered ``print`` writes its text and its
+    newline apart, so two ranks' objects can share a line of the common pipe."""
+    decoder, seen = json.JSONDecoder(), []
+    for line in text.splitlines():
+        at = line.find("{")
+        while line.startswith("{") and 0 <= at < len(line):
+            obj, end = decoder.raw_decode(line, at)
+            seen.append(obj)
+            at = line.find("{", end)
     return seen
 
 

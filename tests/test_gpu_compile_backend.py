@@ -44,6 +44,14 @@ def _equal(got, want) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def _rounding_equal(got, want) -> None:
+    """Equal to float32 rounding: two compilations and preparations of one model need not run
+    the same kernels (Inductor's choices, cuBLAS's algorithm for other buffer offsets); on the
+    GPU 23 of the branchy model's 1000 logits came out 7e-9 apart. Each preparation is proven
+    bit for bit against its own single-stream replay by ``prepare()``."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_the_registered_backend_runs_a_branchy_model_on_several_streams_as_prepared_by_hand():
     model, x = zoo_model("branchy")
     model.eval()
@@ -58,7 +66,7 @@ def test_the_registered_backend_runs_a_branchy_model_on_several_streams_as_prepa
         compiled = torch.compile(model, backend="nimble", options=OPTIONS)
         got = [compiled(x), compiled(fresh)]
     for g, w in zip(got, want):
-        _equal(g, w)
+        _rounding_equal(g, w)
     (nm,) = _nimbles(registered)
     assert nm.graph.meta["triton_launches"] > 0, "Inductor's kernels were not the ones recorded"
     assert len(nm.schedule.streams) > 1
