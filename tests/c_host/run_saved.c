@@ -162,13 +162,17 @@ int main(int argc, char **argv) {
         fprintf(stderr, "run_saved: nimble_load: %s\n", nimble_last_error());
         return (int)s;
     }
-    if (zero_inputs(m) != 0) return 8;
-    nimble_run(m, 0, 0, NULL);
-    if (check(cuCtxSynchronize(), "the first call")) return 8;
-    double load_ms = (now_us() - t0) / 1e3;
-    int status = strcmp(argv[2], "--info") == 0    ? info(m)
-                 : strcmp(argv[2], "--bench") == 0 ? bench(m, load_ms, atoi(argv[3]))
-                                                   : run_sets(m, argv[2], argv[3]);
+    int status;
+    if (strcmp(argv[2], "--bench") == 0) {
+        /* Only the bench makes a call of its own: a graph with state (a decode step's cache)
+         * would otherwise run the caller's inputs on a state this call changed. */
+        if (zero_inputs(m) != 0) return 8;
+        nimble_run(m, 0, 0, NULL);
+        if (check(cuCtxSynchronize(), "the first call")) return 8;
+        status = bench(m, (now_us() - t0) / 1e3, atoi(argv[3]));
+    } else {
+        status = strcmp(argv[2], "--info") == 0 ? info(m) : run_sets(m, argv[2], argv[3]);
+    }
     nimble_free(m);
     cuDevicePrimaryCtxRelease(dev);
     return status;
