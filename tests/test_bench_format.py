@@ -402,6 +402,25 @@ def test_gpu_suite_runs_every_process_on_its_gpus_with_multicast_off(monkeypatch
     assert "gpu tests on GPU 3 [" in capsys.readouterr().out
 
 
+def test_gpu_suite_parts_hold_every_file_and_share_once_in_groups_of_about_equal_length():
+    suite = _gpu_suite()
+    files = _gpu_files(suite)
+    every = sorted(map(str, suite.shares(files)))
+    for parts in (1, 2, 3):
+        groups = [suite.part_of(files, k, parts) for k in range(1, parts + 1)]
+        assert sorted(str(f) for g in groups for f in g) == every
+        loads = [sum(suite.weight(f) for f in g) for g in groups]
+        assert max(loads) - min(loads) <= max(suite.weight(f) for f in suite.shares(files))
+        for g in groups:  # a part plans like the whole: shares stay shares, stages apart
+            planned = [f for stage in suite.plan_runs(g, ["0", "1", "2", "3"], 2)
+                       for run in stage for f in run.files]
+            assert sorted(map(str, planned)) == sorted(map(str, g))
+    assert suite.parse_part("2/3") == (2, 3)
+    for bad in ("0/2", "3/2", "x", "1/0"):
+        with pytest.raises(SystemExit, match="--part"):
+            suite.parse_part(bad)
+
+
 def test_every_gpu_test_is_in_a_file_the_suite_spreads():
     """The suite spreads the test_gpu_*.py files: a test marked gpu elsewhere would not run."""
     import ast

@@ -4,19 +4,23 @@
                                [--training-models M,M,...] [--training-batches B,B,...]
                                [--skip-tests] [--skip-bench] [--skip-training] [--out DIR]
                                [--jobs N] [--gpus auto|I,I,...] [--only F,F] [--exclude F,F]
+                               [--part K/N]
 
 Runs, in order:
 
 1. ``pytest -m gpu``: every test that needs the GPU (383-551 s on the H200 on 2026-11-25, with the
-   two-model training sequence and the expandable-segments test in child processes).  On a
-   machine with several GPUs the test files are spread over all of them, a *lane* per GPU
-   (each pytest process sees its GPU alone, ``CUDA_VISIBLE_DEVICES``), so that the whole suite
-   runs in one call; with ``--jobs N``, N pytest processes side by side on each GPU
+   two-model training sequence and the expandable-segments test in child processes; the files
+   added since have made it longer).  On a machine with several GPUs the test files are spread
+   over all of them, a *lane* per GPU (each pytest process sees its GPU alone,
+   ``CUDA_VISIBLE_DEVICES``); with ``--jobs N``, N pytest processes side by side on each GPU
    (correctness tests only: none times anything); a file of :data:`SPLIT`, too long for one
    process within a device call, runs as that many shares, each a process of its own
    (``NIMBLE_TEST_SHARD``, tests/conftest.py) spread like files.  Then the files that measure
    the device's free memory (:data:`EXCLUSIVE`) run alone on their GPUs, and last the files that need
-   several GPUs (:data:`MULTI_GPU`) on all of them.  The GPUs are those of
+   several GPUs (:data:`MULTI_GPU`) on all of them.  The whole suite does not fit one device
+   call even on four GPUs (2026-11-27, 4×H200, ``--jobs 2``: the first stage alone passed
+   545 s): ``--part 1/2`` and ``--part 2/2`` run it over two calls, each half of the files and
+   shares by :data:`WEIGHTS`.  The GPUs are those of
    ``CUDA_VISIBLE_DEVICES`` where it is set, else those ``nvidia-smi -L`` lists (torch is not
    asked: importing it here would start CUDA in this process), or ``--gpus``; every process
    this tool starts has NVLink multicast off (:data:`NO_MULTICAST`);
@@ -61,18 +65,22 @@ QUICK_ARGS = ["--quick", "--rounds", "5", "--iters", "50"]
 #: GPU test files that measure the whole device's free memory or serve under a time window:
 #: they run alone, after the rest.
 EXCLUSIVE = ("test_gpu_serving.py", "test_gpu_serve_bench.py")
-#: Rough minutes per GPU test file on an H200 beside other processes (from the 4-GPU runs of
-#: 2026-11-27: the debug tools' file 9 minutes sharing its GPU, the saved-graph files 10 with
-#: the C runtime's, training 3.3, the proof 2.5; a file not listed counts 1), to spread the
-#: files over the lanes.
-WEIGHTS = {"test_gpu_debug_tools.py": 9, "test_gpu_training.py": 4, "test_gpu_proof.py": 3,
-           "test_gpu_runtime.py": 1, "test_gpu_compiled.py": 2, "test_gpu_generate.py": 1,
+#: Rough minutes per GPU test file on an H200 with another pytest process on its GPU, to spread
+#: the files over the lanes (a file not listed counts 1).  From the 4-GPU runs of 2026-11-27
+#: (``--jobs 2``): training with two small files 8.6 minutes, the proof with three 6.3, each
+#: third of the saved-graph file with two small files 4.6-5.9; each third of the debug tools'
+#: file had not ended after 7.8 minutes, its NASNet and PNASNet cases (its last four) the
+#: longest; the C runtime's file 1, the compile backend's with the recording's 1.8.
+WEIGHTS = {"test_gpu_debug_tools.py": 30, "test_gpu_training.py": 8, "test_gpu_proof.py": 5,
+           "test_gpu_runtime.py": 1, "test_gpu_compiled.py": 1, "test_gpu_generate.py": 1,
            "test_gpu_record.py": 1, "test_gpu_proof_power.py": 1, "test_gpu_c_host.py": 1,
-           "test_gpu_deploy.py": 1, "test_gpu_saved.py": 10, "test_gpu_c_runtime.py": 2,
-           "test_gpu_compile_backend.py": 2}
+           "test_gpu_deploy.py": 1, "test_gpu_saved.py": 14, "test_gpu_c_runtime.py": 1,
+           "test_gpu_compile_backend.py": 1, "test_gpu_collectives.py": 2}
 #: Files too long for one process within a device call: each runs as this many shares, a
-#: process each (``NIMBLE_TEST_SHARD``, tests/conftest.py), spread like files.
-SPLIT = {"test_gpu_debug_tools.py": 3, "test_gpu_saved.py": 3}
+#: process each (``NIMBLE_TEST_SHARD``, tests/conftest.py: a test's index modulo the count),
+#: spread like files.  Six shares of the debug tools' file put its four NASNet and PNASNet
+#: cases (its last four tests) in four shares.
+SPLIT = {"test_gpu_debug_tools.py": 6, "test_gpu_saved.py": 3}
 #: GPU test files that need several GPUs (each its count): they run last, on every GPU.
 MULTI_GPU = {"test_gpu_collectives.py": 2}
 #: In the environment of every process the suite starts: NVLink multicast (NVLS) off, for
@@ -103,9 +111,32 @@ def weight(f) -> float:
 
 
 def shares(files: list) -> list:
-    """``files`` with each file of :data:`SPLIT` as its shares."""
-    return [Share(f, i, SPLIT[f.name]) for f in files if f.name in SPLIT
-            for i in range(SPLIT[f.name])] + [f for f in files if f.name not in SPLIT]
+    """``files`` with each file of :data:`SPLIT` as its shares (a share stays as it is)."""
+    return [Share(f, i, SPLIT[f.name]) for f in files
+            if f.name in SPLIT and not isinstance(f, Share) for i in range(SPLIT[f.name])] + \
+        [f for f in files if f.name not in SPLIT or isinstance(f, Share)]
+
+
+def part_of(files: list, part: int, parts: int) -> list:
+    """The ``part``-th (from 1) of ``parts`` groups of about equal :data:`WEIGHTS` that
+    ``files`` (split files as their shares) fall into, for a suite run over several device
+    calls; the groups together hold every file and share once."""
+    if parts == 1:
+        return shares(files)
+    groups = test_groups(shares(files), parts)
+    return groups[part - 1] if part <= len(groups) else []
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """``--part K/N`` as ``(K, N)``; SystemExit unless 1 <= K <= N."""
+    k, _, n = text.partition("/")
+    try:
+        part, parts = int(k), int(n)
+    except ValueError:
+        part, parts = 0, 0
+    if not 1 <= part <= parts:
+        raise SystemExit(f"gpu_suite: --part {text!r} is not K/N with 1 <= K <= N")
+    return part, parts
 
 
 def shard_setting(files) -> str:
@@ -243,11 +274,14 @@ def _log_name(group: list[Path]) -> str:
 
 def _stages(args) -> list[list[Run]]:
     """What :func:`_run_tests` runs: the whole folder in one process on one GPU (or none)
-    without ``--jobs``, ``--only`` or ``--exclude``; else :func:`plan_runs` of the files."""
-    if len(args.gpus) <= 1 and args.jobs <= 1 and not (args.only or args.exclude):
+    without ``--jobs``, ``--only``, ``--exclude`` or ``--part``; else :func:`plan_runs` of
+    the files (of ``--part``'s group of them)."""
+    part, parts = parse_part(args.part)
+    if len(args.gpus) <= 1 and args.jobs <= 1 and not (args.only or args.exclude) \
+            and parts == 1:
         return [[Run((ROOT / "tests",), tuple(args.gpus))]]
     files = _selected(sorted((ROOT / "tests").glob("test_gpu_*.py")), args)
-    return plan_runs(files, args.gpus, args.jobs)
+    return plan_runs(part_of(files, part, parts), args.gpus, args.jobs)
 
 
 def _run_tests(args, env) -> tuple[int, list[str]]:
@@ -330,6 +364,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--only", default="",
                    help="run only these GPU test files (comma-separated, e.g. serving,proof)")
     p.add_argument("--exclude", default="", help="leave these GPU test files out")
+    p.add_argument("--part", default="1/1",
+                   help="K/N: run the K-th of N groups of about equal length of the test files "
+                        "and shares (the suite over N device calls)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "out")))
     args = p.parse_args(argv)
     args.gpus = parse_gpus(args.gpus, os.environ)
