@@ -170,6 +170,17 @@ def test_another_capture_failure_keeps_its_first_line_and_the_site():
     assert "asynchronously" not in message
 
 
+def test_a_failure_with_no_line_of_the_users_names_the_last_op_traced_before_it():
+    error = RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    message = str(capture_failure(error, "backward", "Net", None,
+                                  "aten::convolution_backward in layer1.0.conv2"))
+    assert ("operation failed due to a previous error during capture; raised (no line outside "
+            "torch and Nimble on the call's stack; the last op traced before it: "
+            "aten::convolution_backward in layer1.0.conv2). A backward must not") in message
+    site = SyncSite("/home/user/model.py", 30, "forward")
+    assert "last op" not in str(capture_failure(error, "forward", "Net", site, "aten::mm"))
+
+
 def test_the_sync_mode_is_error_inside_and_the_users_after_a_failure(monkeypatch):
     import torch
 

@@ -298,12 +298,18 @@ def _capture_traced(phases: Sequence[Phase], module, name: str,
                 torch.cuda.synchronize()
                 _free_graphs(traced.graphs + [torch_graph])
                 raise capture_failure(e, phase.name, name,
-                                      exception_site(e, library_roots())) from e
+                                      exception_site(e, library_roots()),
+                                      _op_named(tracer.ops[-1]) if tracer.ops else "") from e
             traced.graphs.append(torch_graph)
             traced.results.append(value)
             traced.node_counts.append(driver.node_count_of(torch_graph.raw_cuda_graph()))
             traced.ops += tracer.ops
     return traced
+
+
+def _op_named(op) -> str:
+    """A traced op as an error names it: its ATen name and the module it ran in."""
+    return f"{op.name} in {op.module}" if op.module else op.name
 
 
 def _free_graphs(graphs: Sequence) -> None:

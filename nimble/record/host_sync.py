@@ -105,11 +105,14 @@ def exception_site(error: BaseException, skip: Sequence[str]) -> SyncSite | None
 
 
 def capture_failure(error: BaseException, what: str, name: str,
-                    site: SyncSite | None) -> CaptureError:
+                    site: SyncSite | None, last_op: str = "") -> CaptureError:
     """The :class:`CaptureError` for ``error``, raised while capturing the ``what`` ("forward",
-    "backward") of ``name``, made at ``site``."""
+    "backward") of ``name``, made at ``site``; ``last_op`` names the last op the capture
+    traced before it (where no line of the user's says where it broke)."""
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    at = f" at {site}" if site else " (no line outside torch and Nimble on the call's stack)"
+    after = f"; the last op traced before it: {last_op}" if last_op else ""
+    at = f" at {site}" if site else \
+        f" (no line outside torch and Nimble on the call's stack{after})"
     if any(m in str(e) for e in _chain(error) for m in TORCH_SYNC_MESSAGES):
         cause = f"it synchronises with the host{at}"
     else:
@@ -120,10 +123,8 @@ def capture_failure(error: BaseException, what: str, name: str,
 
 #: The error mode of every capture: only this thread's unsafe calls (a host sync, an
 #: allocation) break it.  Under torch's default, "global", another thread's unsafe call breaks
-#: a capture it has nothing to do with and fails itself: a server's thread that synchronises, or
-#: NCCL's watchdog querying the end of a collective enqueued before the capture (the likely
-#: cause of the DDP-wrapped step's capture failing right after DDP's constructor broadcast the
-#: module's state, on two H200s).
+#: a capture it has nothing to do with and fails itself: a server's thread that synchronises,
+#: or NCCL's watchdog querying the end of a collective enqueued before the capture.
 CAPTURE_ERROR_MODE = "thread_local"
 
 
