@@ -51,8 +51,10 @@ def test_a_ddp_prepares_its_module_with_its_group_and_default_buckets(one_rank):
     target = data_parallel_target(ddp, training=True)
     assert target.module is ddp.module  # one rank: no buffer to broadcast to anyone
     assert target.wrapper is ddp
+    # its reducer holds the parameters' gradient-accumulation nodes: captured on stand-ins
     assert target.average == GradientAverage(group=ddp.process_group, bucket_bytes=BUCKET_BYTES,
-                                             first_bucket_bytes=FIRST_BUCKET_BYTES)
+                                             first_bucket_bytes=FIRST_BUCKET_BYTES,
+                                             held_accumulators=True)
 
 
 @pytest.mark.parametrize("settings", [dict(gradient_as_bucket_view=True),
@@ -140,7 +142,8 @@ def test_nimble_prepares_the_wrapped_module_with_the_wrappers_averaging(one_rank
     with pytest.raises(Stop):
         nm.prepare(torch.randn(4, 6), training=True)
     assert seen["model"] is ddp.module and seen["training"]
-    assert seen["average"] == GradientAverage(ddp.process_group, 4 * 2**20, 4 * 2**20)
+    assert seen["average"] == GradientAverage(ddp.process_group, 4 * 2**20, 4 * 2**20,
+                                              held_accumulators=True)
     ddp.eval()
     with pytest.raises(Stop):
         nm.prepare(torch.randn(4, 6))

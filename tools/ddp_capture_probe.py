@@ -6,9 +6,15 @@ On two H200s (2026-11-27) ``Nimble(ddp).prepare(x, training=True)`` failed in th
 capture ("operation failed due to a previous error during capture", only torch on the stack)
 with a fresh DDP and no eager step before it, and with a relaxed capture mode too, while the
 same network prepared with ``average_gradients=True`` (the same all-reduce in the same place)
-passed.  Each probe prepares one small network one way and runs a step; every rank prints one
-JSON line per probe: ``ok``, or the error, its cause and the end of its trace.  The probes, each
-taking one difference away:
+passed.  The likely cause: the DDP's reducer keeps the parameters' gradient-accumulation nodes
+alive, made on the default stream, and the autograd engine ends a backward by making the
+capture's stream wait on theirs (torch's CUDA-graph notes ask for DDP to be built on a side
+stream); Nimble now captures a DDP's step on stand-ins for its parameters
+(:mod:`nimble.record.stand_ins`).  Expected with that: ``ddp`` and ``ddp_side_stream`` pass,
+``plain_under_ddp`` (no stand-ins, the reducer holding the nodes) fails,
+``plain_after_ddp`` passes.  Each probe prepares one small network one way and runs a step;
+every rank prints one JSON line per probe: ``ok``, or the error, its cause and the end of its
+trace.  The probes, each taking one difference away:
 
 ``plain``                 the network with ``average_gradients=True`` (passed)
 ``ddp``                   the DDP given to Nimble (failed)
@@ -19,6 +25,7 @@ taking one difference away:
 ``ddp_hooks_removed``     the DDP's reducer hooks removed (``_remove_autograd_hooks``) first
 ``ddp_no_init_sync``      the DDP built with ``init_sync=False`` (no constructor collectives),
                           where this torch has the argument
+``ddp_side_stream``       the DDP built on a side stream, as torch's CUDA-graph notes ask
 
 A probe that fails leaves the process group in an unknown state, so each runs in its own
 ``torchrun`` when none is named on the command line: the tool then starts itself once per probe.
@@ -36,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 PROBES = ("plain", "ddp", "plain_after_ddp", "plain_under_ddp", "ddp_hooks_removed",
-          "ddp_no_init_sync")
+          "ddp_no_init_sync", "ddp_side_stream")
 #: What a probe must keep alive while it runs (the DDP whose hooks it leaves on a network).
 _KEPT: list = []
 QUIET_NVLINK = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -84,6 +91,14 @@ def prepared(probe: str, rank: int, x):
         if "init_sync" not in inspect.signature(DistributedDataParallel.__init__).parameters:
             return None
         return nimble.Nimble(_ddp(_network(), rank, init_sync=False)).prepare(x, training=True)
+    if probe == "ddp_side_stream":
+        import torch
+
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            ddp = _ddp(_network(), rank)
+        torch.cuda.current_stream().wait_stream(side)
+        return nimble.Nimble(ddp).prepare(x, training=True)
     ddp = _ddp(_network(), rank)
     if probe == "ddp_hooks_removed":
         ddp._remove_autograd_hooks()

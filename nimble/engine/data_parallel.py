@@ -10,7 +10,10 @@ and either ``gradient_as_bucket_view`` gives the same values (the gradients hand
 views of the buckets in both cases).  What DDP does on the host between or after the
 collectives has no place in a graph and is refused with a typed error that says what to use
 (:func:`check_ddp_settings`).  The DDP object itself is never called: its reducer's hooks stay
-idle, since they wait for a forward of DDP's own.  Inference (``training=False``) records the
+idle, since they wait for a forward of DDP's own.  The reducer does keep the parameters'
+gradient-accumulation nodes alive, tied to the stream current when the DDP was built, which
+would tie the captured backward to a stream outside the capture: the step is captured on
+stand-ins for the parameters (``held_accumulators``, :mod:`nimble.record.stand_ins`).  Inference (``training=False``) records the
 wrapped module, which is what DDP's forward runs.
 """
 from __future__ import annotations
@@ -70,7 +73,8 @@ def ddp_average(ddp) -> GradientAverage:
         first = int(config.first_bucket_bytes_cap)
     else:
         first = FIRST_BUCKET_BYTES if getattr(ddp, "bucket_bytes_cap_default", True) else cap
-    return GradientAverage(group=ddp.process_group, bucket_bytes=cap, first_bucket_bytes=first)
+    return GradientAverage(group=ddp.process_group, bucket_bytes=cap, first_bucket_bytes=first,
+                           held_accumulators=True)  # by the DDP's reducer
 
 
 def _broadcasts_buffers(ddp) -> bool:

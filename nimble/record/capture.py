@@ -163,6 +163,11 @@ class Captured:
     twin: list | None = None  # node signatures of a second capture (see nimble.record.twin)
     twin_note: str = ""  # why there is no twin
 
+    def release(self) -> None:
+        """Free the graphs of a capture that will not be used (their hold on the pool)."""
+        _free_graphs(self.torch_graphs)
+        self.torch_graphs, self.results = [], []
+
 
 def clear_blas_workspaces() -> None:
     """Drop torch's cached cuBLAS/cuBLASLt workspaces (one per handle and stream).

@@ -42,6 +42,10 @@ class GradientAverage:
     group: Any = None
     bucket_bytes: int = BUCKET_BYTES
     first_bucket_bytes: int = FIRST_BUCKET_BYTES
+    #: The parameters' gradient-accumulation nodes are kept alive from outside the step (a
+    #: ``DistributedDataParallel``'s reducer holds them), so the step is captured on stand-ins
+    #: for the parameters (:mod:`nimble.record.stand_ins`).
+    held_accumulators: bool = False
 
 
 def gradient_average(average) -> GradientAverage | None:

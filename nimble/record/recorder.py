@@ -294,7 +294,7 @@ def record_step(module, example_inputs, *, warmup: int = 3, name: str | None = N
         seconds = {"warmup": warm.seconds}
 
         t0 = time.perf_counter()
-        captured = _capture_step(module, static_inputs, targets, warm, name, quiet, average)
+        captured = _capture_step_of(module, static_inputs, targets, warm, name, quiet, average)
         seconds["capture"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -347,6 +347,7 @@ class _WarmStep:
     seconds: float
     differentiable: list[int]  # the forward outputs that require grad
     grad_inputs: list  # per differentiable output, the static tensor of its incoming gradient
+    missing: list[bool]  # per gradient target, whether it got no gradient
 
 
 def _step_gradients(outputs: list, targets: _GradTargets, grad_outputs: list,
@@ -378,14 +379,47 @@ def _warm_step(module, static_inputs: list, targets: _GradTargets, warmup: int, 
             if not diff:
                 raise InputError(f"no output of {name} requires grad: there is nothing to "
                                  "train (are all parameters frozen?)")
-            _step_gradients([leaves[i] for i in diff], targets,
-                            [torch.ones_like(leaves[i]) for i in diff], average)
-        last[:] = [leaves, diff]
+            grads = _step_gradients([leaves[i] for i in diff], targets,
+                                    [torch.ones_like(leaves[i]) for i in diff], average)
+        last[:] = [leaves, diff, [g is None for g in grads]]
 
     with quiet_backward():
         seconds = _warm(step, warmup, name, quiet)
-    leaves, diff = last
-    return _WarmStep(seconds, diff, [torch.zeros_like(leaves[i]) for i in diff])
+    leaves, diff, missing = last
+    return _WarmStep(seconds, diff, [torch.zeros_like(leaves[i]) for i in diff], missing)
+
+
+def _capture_step_of(module, static_inputs: list, targets: _GradTargets, warm: _WarmStep,
+                     name: str, quiet: bool, average: GradientAverage | None) -> Captured:
+    """:func:`_capture_step`, on stand-ins for the parameters where something outside the
+    step holds their gradient-accumulation nodes (:mod:`nimble.record.stand_ins`); a stand-in
+    left without the gradient its parameter got in the warm-up (the module reaches that
+    parameter other than through its attribute) is a CaptureError."""
+    if average is None or not average.held_accumulators:
+        return _capture_step(module, static_inputs, targets, warm, name, quiet, average)
+    from .stand_ins import parameter_stand_ins
+
+    inputs = targets.tensors[:len(targets.inputs_with_grad)]
+    with parameter_stand_ins(module, targets.params) as fresh:
+        captured = _capture_step(module, static_inputs,
+                                 _GradTargets(targets.inputs_with_grad, targets.params,
+                                              inputs + fresh), warm, name, quiet, average)
+    missing = [g is None for g in captured.results[1]]
+    if missing != warm.missing:
+        lost = [i - len(inputs) for i, (m, w) in enumerate(zip(missing, warm.missing))
+                if m and not w and i >= len(inputs)]
+        names = {id(p): n for n, p in module.named_parameters()}
+        which = ", ".join(names.get(id(targets.params[i]), f"#{i}") for i in lost[:3])
+        captured.release()
+        raise CaptureError(
+            f"{name}'s training step could not be captured on stand-ins for its parameters: "
+            f"{len(lost)} parameter(s) ({which}) got a gradient in the warm-up but none on "
+            "the stand-ins, so the module reaches them other than through its attributes (a "
+            "plain list or dict of tensors?).  Hold them as nn.Parameter attributes or in "
+            "nn.ParameterList / nn.ParameterDict" if lost else
+            f"{name}'s training step gave other gradients on stand-ins for its parameters "
+            "than in its warm-up")
+    return captured
 
 
 def _capture_step(module, static_inputs: list, targets: _GradTargets, warm: _WarmStep,
