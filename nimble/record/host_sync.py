@@ -117,8 +117,23 @@ def capture_failure(error: BaseException, what: str, name: str,
         cause = f"it synchronises with the host{at}"
     else:
         cause = f"{first_line}; raised{at}"
+    help_text = f"A {what} {HOST_SYNC_HELP}."
+    if what == "backward" and site is None and INVALIDATED in str(error):
+        help_text += f"  {HELD_ACCUMULATORS_HELP}"
     return CaptureError(f"the {what} of {name} cannot be captured into a CUDA graph: {cause}. "
-                        f"A {what} {HOST_SYNC_HELP}.")
+                        f"{help_text}")
+
+
+#: What the driver says when an earlier call broke the capture without raising itself.
+INVALIDATED = "previous error during capture"
+#: The other cause of a backward's capture broken with no line of the user's: the parameters'
+#: gradient-accumulation nodes made earlier, on another stream, and still alive
+#: (:mod:`nimble.record.stand_ins`; a DistributedDataParallel's are captured on stand-ins).
+HELD_ACCUMULATORS_HELP = (
+    "It also breaks when the parameters' gradient-accumulation nodes were made earlier on "
+    "another stream and are still alive: an autograd graph of an eager step still held (a "
+    "loss kept in a variable: del it first), or an object that keeps them (a data-parallel "
+    "wrapper other than DistributedDataParallel, which Nimble handles).")
 
 
 #: The error mode of every capture: only this thread's unsafe calls (a host sync, an
