@@ -53,3 +53,32 @@ def load_tool(name: str):
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def _gloo_rank(rank: int, body, world: int, init: str, results) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        body(rank, results)
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_ranks(body, world: int = 2) -> dict:
+    """Run ``body(rank, results)`` (a module-level function) in ``world`` CPU processes of one
+    gloo process group; what they put in ``results`` (a shared dict), as a dict.  Skips where
+    this torch has no gloo."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        results = manager.dict()
+        init = f"file://{os.path.join(tmp, 'rendezvous')}"
+        mp.spawn(_gloo_rank, args=(body, world, init, results), nprocs=world, join=True)
+        return dict(results)

@@ -15,8 +15,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import FIXTURE_DIR
+from helpers import FIXTURE_DIR, gloo_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -198,44 +197,35 @@ def test_the_all_reduces_go_in_the_order_ddps_reducer_calls_its_buckets(one_rank
     assert called == want
 
 
-def _broadcast_rank(rank: int, world: int, init: str, results) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        eager = DistributedDataParallel(_network())
-        ddp = DistributedDataParallel(_network())
-        target = data_parallel_target(ddp, training=True)
-        names = [n for n, _ in target.module.named_parameters()]
-        with torch.no_grad():  # each rank's own statistics, as training leaves them
-            for bn in (eager.module[1], ddp.module[1]):
-                bn.running_mean.fill_(rank + 1.0)
-                bn.running_var.fill_(rank + 2.0)
-                bn.num_batches_tracked.fill_(rank + 3)
-        torch.manual_seed(rank)
-        x = torch.randn(5, 6)
-        want, got = eager(x), target.module(x)
-        results[rank] = dict(
-            wrapped=type(target.module).__name__, names=names == [
-                n for n, _ in ddp.named_parameters()],
-            out=torch.equal(want, got),
-            buffers=[torch.equal(a, b) for a, b in zip(eager.module.buffers(),
-                                                       ddp.module.buffers())],
-            tracked=int(ddp.module[1].num_batches_tracked))
-    finally:
-        dist.destroy_process_group()
+def _broadcast_rank(rank: int, results) -> None:
+    eager = DistributedDataParallel(_network())
+    ddp = DistributedDataParallel(_network())
+    target = data_parallel_target(ddp, training=True)
+    names = [n for n, _ in target.module.named_parameters()]
+    with torch.no_grad():  # each rank's own statistics, as training leaves them
+        for bn in (eager.module[1], ddp.module[1]):
+            bn.running_mean.fill_(rank + 1.0)
+            bn.running_var.fill_(rank + 2.0)
+            bn.num_batches_tracked.fill_(rank + 3)
+    torch.manual_seed(rank)
+    x = torch.randn(5, 6)
+    want, got = eager(x), target.module(x)
+    results[rank] = dict(
+        wrapped=type(target.module).__name__, names=names == [
+            n for n, _ in ddp.named_parameters()],
+        out=torch.equal(want, got),
+        buffers=[torch.equal(a, b) for a, b in zip(eager.module.buffers(),
+                                                   ddp.module.buffers())],
+        tracked=int(ddp.module[1].num_batches_tracked))
 
 
 def test_buffers_are_broadcast_from_rank_0_in_the_forward_as_ddp_does():
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("this torch has no gloo backend")
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
-        results = manager.dict()
-        init = f"file://{os.path.join(tmp, 'rendezvous')}"
-        mp.spawn(_broadcast_rank, args=(2, init, results), nprocs=2, join=True)
-        for rank in (0, 1):
-            seen = results[rank]
-            assert seen["wrapped"] == "BufferBroadcast" and seen["names"], seen
-            assert seen["out"] and all(seen["buffers"]), seen
-            assert seen["tracked"] == 3 + 1, seen  # rank 0's count, then this forward's
+    results = gloo_ranks(_broadcast_rank)
+    for rank in (0, 1):
+        seen = results[rank]
+        assert seen["wrapped"] == "BufferBroadcast" and seen["names"], seen
+        assert seen["out"] and all(seen["buffers"]), seen
+        assert seen["tracked"] == 3 + 1, seen  # rank 0's count, then this forward's
 
 
 def test_training_collectives_in_the_forward_only_where_data_parallel_puts_them():

@@ -6,14 +6,11 @@ kernels of the backward graph.  Here the same functions run eagerly over two CPU
 """
 from __future__ import annotations
 
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import FIXTURE_DIR
+from helpers import FIXTURE_DIR, gloo_ranks
 
 from nimble.record.gradient_average import (GradientAverage, averaged_gradients, bucket_plan,
                                             gradient_average)
@@ -74,46 +71,36 @@ def test_average_gradients_argument_forms():
     assert gradient_average(group).group is group
 
 
-def _rank(rank: int, world: int, init: str, results) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        from nimble.record.recorder import _GradTargets, _step_gradients
+def _rank(rank: int, results) -> None:
+    from nimble.record.recorder import _GradTargets, _step_gradients
 
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(),
-                                    torch.nn.Linear(4, 2))
-        torch.manual_seed(10 + rank)  # each rank its own batch
-        x = torch.randn(5, 3, requires_grad=True)
-        params = list(model.parameters())
-        out = model(x)
-        targets = _GradTargets([0], params, [x] + params)
-        small = GradientAverage(bucket_bytes=40, first_bucket_bytes=8)  # several buckets
-        got = _step_gradients([out], targets, [torch.ones_like(out)], small)
-        local = torch.autograd.grad(model(x), [x] + params, torch.ones_like(out))
-        results[rank] = ([g.clone() for g in got], [g.clone() for g in local])
-        mixed = averaged_gradients([None, params[0].detach() * (rank + 1), None], small)
-        results[10 + rank] = mixed
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    torch.manual_seed(10 + rank)  # each rank its own batch
+    x = torch.randn(5, 3, requires_grad=True)
+    params = list(model.parameters())
+    out = model(x)
+    targets = _GradTargets([0], params, [x] + params)
+    small = GradientAverage(bucket_bytes=40, first_bucket_bytes=8)  # several buckets
+    got = _step_gradients([out], targets, [torch.ones_like(out)], small)
+    local = torch.autograd.grad(model(x), [x] + params, torch.ones_like(out))
+    results[rank] = ([g.clone() for g in got], [g.clone() for g in local])
+    results[10 + rank] = averaged_gradients([None, params[0].detach() * (rank + 1), None],
+                                            small)
 
 
 def test_the_parameters_gradients_are_the_ranks_mean_and_the_inputs_stay_local():
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("this torch has no gloo backend")
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
-        results = manager.dict()
-        init = f"file://{os.path.join(tmp, 'rendezvous')}"
-        mp.spawn(_rank, args=(2, init, results), nprocs=2, join=True)
-        (got0, local0), (got1, local1) = results[0], results[1]
-        assert torch.equal(got0[0], local0[0]) and torch.equal(got1[0], local1[0])  # input
-        for a, b, l0, l1 in zip(got0[1:], got1[1:], local0[1:], local1[1:]):
-            assert torch.equal(a, b)  # every rank holds the same average
-            assert torch.allclose(a, (l0 + l1) / 2, rtol=1e-6, atol=1e-7)
-            assert a.shape == l0.shape
-        for k in (10, 11):
-            none0, mean, none2 = results[k]
-            assert none0 is None and none2 is None
-        assert torch.equal(results[10][1], results[11][1])
+    results = gloo_ranks(_rank)
+    (got0, local0), (got1, local1) = results[0], results[1]
+    assert torch.equal(got0[0], local0[0]) and torch.equal(got1[0], local1[0])  # input
+    for a, b, l0, l1 in zip(got0[1:], got1[1:], local0[1:], local1[1:]):
+        assert torch.equal(a, b)  # every rank holds the same average
+        assert torch.allclose(a, (l0 + l1) / 2, rtol=1e-6, atol=1e-7)
+        assert a.shape == l0.shape
+    for k in (10, 11):
+        none0, mean, none2 = results[k]
+        assert none0 is None and none2 is None
+    assert torch.equal(results[10][1], results[11][1])
 
 
 def test_check_average_says_what_is_missing():
