@@ -82,3 +82,12 @@ def gloo_ranks(body, world: int = 2) -> dict:
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
         mp.spawn(_gloo_rank, args=(body, world, init, results), nprocs=world, join=True)
         return dict(results)
+
+
+def param_words(kernel_params, count: int) -> list[int]:
+    """The first ``count`` 64-bit arguments a kernel node's ``kernelParams`` (an array of
+    pointers to the arguments) points at, as a stand-in driver reads them."""
+    import ctypes
+
+    slots = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
+    return [ctypes.c_uint64.from_address(slots[i]).value for i in range(count)]

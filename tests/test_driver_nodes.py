@@ -7,6 +7,7 @@ import ctypes
 from types import SimpleNamespace
 
 import pytest
+from helpers import param_words
 
 from nimble import driver
 from nimble.driver import calls
@@ -75,8 +76,7 @@ def test_nimbles_own_kernel_nodes_take_64_bit_arguments(log):
     seen = []
 
     def add(graph, deps, count, params):
-        slots = ctypes.cast(params.kernelParams, ctypes.POINTER(ctypes.c_void_p))
-        seen.append(([ctypes.c_uint64.from_address(slots[i]).value for i in range(2)],
+        seen.append((param_words(params.kernelParams, 2),
                      (params.gridDimX, params.blockDimX, params.sharedMemBytes, params.extra)))
         return 0, "node"
     calls._drv.cuGraphAddKernelNode = add

@@ -3,13 +3,13 @@ go, what a draw is, the fuzz launches the proof runs, what it records, and that 
 freed whether the proof passes or fails.  No GPU."""
 from __future__ import annotations
 
-import ctypes
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import param_words
 from nimble.driver import calls
 from nimble.engine import fuzz as fuzz_module
 from nimble.engine import proving
@@ -48,9 +48,7 @@ class DelayStandIn(StandIn):
     def cuGraphAddKernelNode(self, graph, deps, count, params):
         code, node = super().cuGraphAddKernelNode(graph, deps, count, params)
         if params.func == "nimble_delay":
-            slots = ctypes.cast(params.kernelParams, ctypes.POINTER(ctypes.c_void_p))
-            self.nodes[node].args = [ctypes.c_uint64.from_address(slots[i]).value
-                                     for i in range(2)]
+            self.nodes[node].args = param_words(params.kernelParams, 2)
         return code, node
 
     def cuMemAlloc(self, size):

@@ -3,13 +3,12 @@
 adds for it and the measured choice at prepare, on the stand-in bindings of test_rebuild."""
 from __future__ import annotations
 
-import ctypes
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import FIXTURE_DIR
+from helpers import FIXTURE_DIR, param_words
 from nimble.analysis.prefetch import (Prefetch, WeightRange, merged_ranges, plan_prefetch,
                                       weight_reads, window_bytes)
 from nimble.engine import prefetch as prefetch_module
@@ -111,15 +110,11 @@ class PrefetchStandIn(StandIn):
     def cuGraphAddKernelNode(self, graph, deps, count, params):
         err, node = super().cuGraphAddKernelNode(graph, deps, count, params)
         if params.func == "nimble_prefetch_l2":
-            slots = ctypes.cast(params.kernelParams, ctypes.POINTER(ctypes.c_void_p))
-            self.nodes[node].args = [ctypes.c_uint64.from_address(slots[i]).value
-                                     for i in range(3)]
+            self.nodes[node].args = param_words(params.kernelParams, 3)
         return err, node
 
     def cuGraphExecKernelNodeSetParams(self, exec_handle, node, params):
-        slots = ctypes.cast(params.kernelParams, ctypes.POINTER(ctypes.c_void_p))
-        self.exec_args.append((node, [ctypes.c_uint64.from_address(slots[i]).value
-                                      for i in range(3)]))
+        self.exec_args.append((node, param_words(params.kernelParams, 3)))
         return (0,)
 
 

@@ -4,11 +4,11 @@ instrumented copies; and what build_graph makes of a GraphSpec.  On stand-in dri
 (no GPU)."""
 from __future__ import annotations
 
-import ctypes
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import param_words
 
 from nimble.analysis.backfill import Backfill, Picked
 from nimble.analysis.schedule import Schedule
@@ -89,10 +89,8 @@ class StandIn:
     def cuGraphAddKernelNode(self, graph, deps, count, params):
         args = []
         if params.kernelParams:
-            slots = ctypes.cast(params.kernelParams, ctypes.POINTER(ctypes.c_void_p))
             names = {"nimble_gather_input": 3, "nimble_timestamp": 1}
-            args = [ctypes.c_uint64.from_address(slots[i]).value
-                    for i in range(names.get(params.func, 0))]
+            args = param_words(params.kernelParams, names.get(params.func, 0))
         node = self._new()
         self.nodes[node] = SimpleNamespace(func=params.func, deps=list(deps), args=args,
                                            grid=getattr(params, "gridDimX", None),
