@@ -3,7 +3,6 @@
 adds for it and the measured choice at prepare, on the stand-in bindings of test_rebuild."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,13 +13,13 @@ from nimble.analysis.prefetch import (Prefetch, WeightRange, merged_ranges, plan
 from nimble.engine import prefetch as prefetch_module
 from nimble.engine import prepared as prepared_module
 from nimble.engine.build import GraphSpec, InputGather, build_graph
-from nimble.engine.launcher import InputSlot
 from nimble.engine.options import PrepareOptions
 from nimble.engine.prefetch_nodes import (PREFETCH_BLOCK, PREFETCH_MAX_BLOCKS, PREFETCH_STEP,
                                           prefetch_grid, turn_off_moved)
 from nimble.engine.rebuild import PhaseOptions
 from nimble.ir.taskgraph import Access, Buffer, Task, TaskGraph, TaskKind
-from test_rebuild import SCHEDULE, SPANS, StandIn, served_builder, task_graph
+from test_rebuild import (SCHEDULE, SPANS, StandIn, served_builder, served_input,
+                          served_recording, task_graph)
 
 MB = 1 << 20
 
@@ -185,9 +184,7 @@ def test_a_prefetch_is_kept_only_where_its_phase_measures_faster(bindings, monke
         return timed
     monkeypatch.setattr(prepared_module, "_after_phases", launch)
     builder = served_builder()
-    rec = SimpleNamespace(graph=builder.graph, output_spec=SimpleNamespace(is_leaf=lambda: True),
-                          static_inputs=[torch.arange(1024.0)])
-    slot = InputSlot(torch.zeros(1024), 0x1000, 4096, (1024,), torch.float32, True, 0x9000)
+    rec, slot = served_recording(builder), served_input()
     builder.bases = BASES
     builts: list = []
     prepared_module._build_phases(builder, rec, [slot], [torch.zeros(1)], torch.device("cpu"),

@@ -142,10 +142,21 @@ def served_builder(nodes: list | None = None) -> PhaseBuilder:
                         PRIORITIES, [True, True], upload_stream="upload")
 
 
+def served_input() -> InputSlot:
+    """The served stand-in's one input slot (gathered in phase 0)."""
+    return InputSlot(torch.zeros(1024), 0x1000, 4096, (1024,), torch.float32, True, 0x9000)
+
+
+def served_recording(builder: PhaseBuilder) -> SimpleNamespace:
+    """A recording stand-in for ``builder``'s graph: one output, ``served_input``'s values."""
+    return SimpleNamespace(graph=builder.graph, output_spec=SimpleNamespace(is_leaf=lambda: True),
+                           static_inputs=[torch.arange(1024.0)])
+
+
 def stand_in_prepared(served: list) -> Prepared:
     """A Prepared over ``served`` (the built phases), with one input slot gathered in phase 0
     and phase 1's tail backfill kept."""
-    slot = InputSlot(torch.zeros(1024), 0x1000, 4096, (1024,), torch.float32, True, 0x9000)
+    slot = served_input()
     launchers = [SimpleNamespace(slots=[slot]), SimpleNamespace(slots=[])]
     kept = Backfill(1, 5, (4,), 1, 1.0, 1.0)
     return Prepared(graph=task_graph(), schedule=SCHEDULE, memplan=None, builts=served,
@@ -245,9 +256,7 @@ def test_the_served_phases_and_their_backfill_trial_go_through_the_builder(
         return timed
     monkeypatch.setattr(prepared_module, "_after_phases", launch)
     builder = served_builder()
-    rec = SimpleNamespace(graph=builder.graph, output_spec=SimpleNamespace(is_leaf=lambda: True),
-                          static_inputs=[torch.arange(1024.0)])
-    slot = InputSlot(torch.zeros(1024), 0x1000, 4096, (1024,), torch.float32, True, 0x9000)
+    rec, slot = served_recording(builder), served_input()
     trial = Backfill(1, 5, (4,), 1, 1.0, 1.0)
     builts: list = []
     launchers, picked = prepared_module._build_phases(

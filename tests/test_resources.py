@@ -4,7 +4,6 @@ pick at prepare on stand-in bindings (no GPU)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,12 +15,12 @@ from nimble.analysis.priorities import priority_levels
 from nimble.analysis.resources import Bound, SmLimits, family_bound, resident_blocks
 from nimble.analysis.schedule import phase_spans
 from nimble.engine import prepared as prepared_module
-from nimble.engine.launcher import InputSlot
 from nimble.engine.prepared import plan_graph
 from nimble.engine.priority_trials import PriorityTrial, pick_priorities
 from nimble.ir.taskgraph import Access, Task, TaskGraph, TaskKind
 # The stand-in bindings and the two-phase graph the builder's own tests use.
-from test_rebuild import PRIORITIES, bindings, recorded_builds, served_builder  # noqa: F401
+from test_rebuild import (PRIORITIES, bindings, recorded_builds, served_builder,  # noqa: F401
+                          served_input, served_recording)
 
 H100 = SmLimits()
 
@@ -179,9 +178,7 @@ def test_prepare_builds_each_phase_with_the_priorities_that_differ_in_it_and_kee
         return timed
     monkeypatch.setattr(prepared_module, "_after_phases", launch)
     builder = served_builder()
-    rec = SimpleNamespace(graph=builder.graph, output_spec=SimpleNamespace(is_leaf=lambda: True),
-                          static_inputs=[torch.arange(1024.0)])
-    slot = InputSlot(torch.zeros(1024), 0x1000, 4096, (1024,), torch.float32, True, 0x9000)
+    rec, slot = served_recording(builder), served_input()
     builts: list = []
     launchers, _ = prepared_module._build_phases(
         builder, rec, [slot], [torch.zeros(1)], torch.device("cpu"), None, None, builts,
