@@ -7,14 +7,12 @@ is from eager's, whose all-reduce meets the other rank outside any graph.
 """
 from __future__ import annotations
 
-import json
-import os
-import traceback
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from ranks import nccl_rank, note_failure, report
 
 
 class ReducedBranch(nn.Module):
@@ -41,8 +39,7 @@ def _prepare_and_call(model, rank: int, multi: bool) -> dict:
         try:
             nm = nimble.Nimble(model).prepare(x, use_multi_stream=multi)
         except Exception as e:  # reported to the test, which fails on it
-            seen["error"] = f"{type(e).__name__}: {e}"[:2000]
-            seen["trace"] = traceback.format_exc()[-3000:]
+            note_failure(seen, e)
             return seen
     seen["warnings"] = [str(w.message)[:300] for w in caught]
     seen["streams"] = len(nm.schedule.streams)
@@ -60,14 +57,12 @@ def _prepare_and_call(model, rank: int, multi: bool) -> dict:
 
 
 def main() -> None:
-    rank = int(os.environ["RANK"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    rank = nccl_rank()
     torch.manual_seed(0)
     model = ReducedBranch().cuda().eval()
     with torch.no_grad():
         for multi in (False, True):
-            print(json.dumps(_prepare_and_call(model, rank, multi)), flush=True)
+            report(_prepare_and_call(model, rank, multi))
             dist.barrier()
     dist.destroy_process_group()
 

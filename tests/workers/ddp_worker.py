@@ -12,15 +12,14 @@ floor, whether every rank holds the same parameters, and the collectives of each
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from ranks import nccl_rank, note_failure, report
 
 STEPS = 5
 VARIANTS = {
@@ -92,9 +91,7 @@ def _same_on_every_rank(v: torch.Tensor) -> bool:
 
 def main() -> None:
     variant = sys.argv[1]
-    rank = int(os.environ["RANK"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    rank = nccl_rank()
     seen: dict = {"rank": rank, "variant": variant}
     torch.manual_seed(1 + rank)  # each rank its own batches
     batches = [(torch.randn(8, 3, 16, 16, device="cuda"),
@@ -118,9 +115,8 @@ def main() -> None:
         seen["ranks_equal"] = _same_on_every_rank(_vector(served.parameters()))
         seen["eager_ranks_equal"] = _same_on_every_rank(want)
     except Exception as e:  # reported to the test, which judges it
-        seen["error"] = f"{type(e).__name__}: {e}"[:2000]
-        seen["trace"] = traceback.format_exc()[-3000:]
-    print(json.dumps(seen), flush=True)
+        note_failure(seen, e)
+    report(seen)
     dist.barrier()
     torch.cuda.synchronize()
     # docs/findings.md: destroy_process_group() can hang once a graph captured an NCCL

@@ -10,12 +10,10 @@ of the decode step's graph.
 """
 from __future__ import annotations
 
-import json
 import os
-import traceback
 
 import torch
-import torch.distributed as dist
+from ranks import nccl_rank, note_failure, report
 
 NEW_TOKENS = 24
 PROMPT = 16
@@ -28,9 +26,7 @@ def main() -> None:
     from nimble.generate import Generator, library_greedy
     from nimble.ir.kernel_names import collective_kernel
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    rank, world = nccl_rank(), int(os.environ["WORLD_SIZE"])
     seen: dict = {"rank": rank, "world": world}
     try:
         # float16: the split model sums in another order, and the near-tie judgement (8 units
@@ -49,8 +45,8 @@ def main() -> None:
                     all_reduces=sum(collective_kernel(t.name) for t in decode.graph.tasks),
                     layers=len(model.model.layers), streams=len(decode.schedule.streams))
     except Exception as e:  # noqa: BLE001 - the test reports it with the rank
-        seen.update(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-3000:])
-    print(json.dumps(seen), flush=True)
+        note_failure(seen, e)
+    report(seen)
     os._exit(0)  # after captured collectives, destroying the process group can hang
 
 

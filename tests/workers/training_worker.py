@@ -9,15 +9,13 @@ gradients are from DDP's at each step and how many collectives the backward grap
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from ranks import nccl_rank, note_failure, report
 
 #: Eager steps before DDP's first measured or captured one: its host-side statistics take ten
 #: (torch's CUDA-graph notes ask for 11); a capture among them fails.
@@ -62,9 +60,7 @@ def main() -> None:
     from nimble.ir.kernel_names import collective_kernel
 
     mode = sys.argv[1]
-    rank = int(os.environ["RANK"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    rank = nccl_rank()
     seen: dict = {"rank": rank, "mode": mode}
     torch.manual_seed(1 + rank)
     batches = [torch.randn(8, 3, 16, 16, device="cuda") for _ in range(2)]
@@ -84,9 +80,8 @@ def main() -> None:
             scales.append(max(float(a.abs().max()) for a in want))
         seen["grad_diffs"], seen["grad_scales"] = diffs, scales
     except Exception as e:  # reported to the test, which judges it
-        seen["error"] = f"{type(e).__name__}: {e}"[:2000]
-        seen["trace"] = traceback.format_exc()[-3000:]
-    print(json.dumps(seen), flush=True)
+        note_failure(seen, e)
+    report(seen)
     dist.barrier()
     dist.destroy_process_group()
 
