@@ -7,11 +7,6 @@ prepared :class:`nimble.Nimble` hands out; its outputs must equal Python calls' 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import os
-import platform
-import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,121 +17,26 @@ from nimble import PrepareOptions
 pytestmark = pytest.mark.gpu
 
 SOURCE = Path(__file__).parent / "c_host" / "nimble_host.c"
-_TARGET = {"x86_64": "x86_64-linux", "aarch64": "sbsa-linux"}.get(platform.machine(), "")
-_LDCONFIG_ARCH = {"x86_64": "x86-64", "aarch64": "AArch64"}.get(platform.machine(), "")
-_LIBCUDA = ("libcuda.so", "libcuda.so.1")
+def _tools() -> tuple[str, Path, list[str]]:
+    """The C compiler, the driver API's include folder and libcuda's linker flags, as
+    ``nimble c-runtime`` finds them; skips, saying what to install, where one is missing."""
+    from nimble.cli import c_runtime
+    from nimble.cli.common import Fail
 
-
-def _compiler() -> str:
-    for name in ("cc", "gcc", "clang"):
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.skip("no C compiler on PATH (looked for cc, gcc, clang): install one, e.g. "
-                "`apt-get install gcc`")
-
-
-def _toolkit_roots() -> list[Path]:
-    """Where a CUDA toolkit may live, in order: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, nvcc's."""
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        roots += [str(Path(nvcc).parent.parent), str(Path(nvcc).resolve().parent.parent)]
-    seen, out = set(), []
-    for r in roots:
-        if r and r not in seen:
-            seen.add(r)
-            out.append(Path(r))
-    return out
-
-
-def _is_driver_header(path: Path) -> bool:
-    # /usr/include/linux/cuda.h (the Coda file system) shares the name: look for the driver API.
     try:
-        text = path.read_bytes()
-    except OSError:
-        return False
-    return b"cuGraphLaunch" in text and b"cuStreamWriteValue64" in text
-
-
-def _cuda_include() -> Path:
-    dirs = []
-    for root in _toolkit_roots():
-        dirs.append(root / "include")
-        if _TARGET:
-            dirs.append(root / "targets" / _TARGET / "include")
-    for d in dirs:
-        if _is_driver_header(d / "cuda.h"):
-            return d
-    pytest.skip("no CUDA driver API header cuda.h (looked in " + ", ".join(map(str, dirs)) +
-                "): install the CUDA toolkit (or just NVIDIA's cuda-driver-dev-<version> package) "
-                "or point CUDA_HOME at it")
-
-
-def _ldconfig_libcuda() -> list[Path]:
-    exe = shutil.which("ldconfig") or next(
-        (p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None)
-    if exe is None:
-        return []
-    try:
-        listing = subprocess.run([exe, "-p"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    found = []
-    for line in listing.splitlines():
-        m = re.match(r"\s*(libcuda\.so(?:\.1)?) \(([^)]*)\) => (\S+)", line)
-        if m and (not _LDCONFIG_ARCH or _LDCONFIG_ARCH in m.group(2)):
-            found.append(Path(m.group(3)))
-    return found
-
-
-def _libcuda_link() -> tuple[list[str], str]:
-    """Linker flags for a libcuda, and where it is; skips where there is none.
-
-    In order: the toolkit's stub, the libcuda this process has loaded, ldconfig's, then
-    ``ctypes.util.find_library("cuda")`` looked up in the usual driver directories.
-    """
-    candidates: list[Path] = []
-    for root in _toolkit_roots():
-        candidates += [root / "lib64" / "stubs", root / "lib" / "stubs"]
-        if _TARGET:
-            candidates.append(root / "targets" / _TARGET / "lib" / "stubs")
-    try:
-        with open("/proc/self/maps") as maps:
-            candidates += [Path(line.split()[-1]).parent for line in maps
-                           if "/libcuda.so" in line and line.split()[-1].startswith("/")]
-    except OSError:
-        pass
-    candidates += [p.parent for p in _ldconfig_libcuda()]
-    name = ctypes.util.find_library("cuda")
-    if name:
-        if os.path.isabs(name):
-            candidates.append(Path(name).parent)
-        candidates += [Path(d) for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
-                                         "/usr/lib64", "/usr/lib", "/usr/local/nvidia/lib64",
-                                         "/usr/lib/wsl/lib")]
-    for d in candidates:
-        if (d / "libcuda.so").exists():
-            return ["-L", str(d), "-lcuda"], str(d / "libcuda.so")
-        if (d / "libcuda.so.1").exists():
-            return ["-L", str(d), "-l:libcuda.so.1"], str(d / "libcuda.so.1")
-    pytest.skip("no libcuda to link against (no lib64/stubs/libcuda.so under "
-                + ", ".join(map(str, _toolkit_roots())) + "; no libcuda.so or libcuda.so.1 "
-                "loaded in this process, in `ldconfig -p` or the usual directories): install the "
-                "CUDA toolkit or NVIDIA's cuda-driver-dev-<version> package (they ship the stub), "
-                "or point CUDA_HOME at a toolkit")
+        return c_runtime.compiler(), c_runtime.cuda_include(), c_runtime.libcuda()
+    except Fail as e:
+        pytest.skip(str(e))
 
 
 def _build(tmp_path: Path) -> ctypes.CDLL:
-    cc = _compiler()
-    include = _cuda_include()
-    link, libcuda = _libcuda_link()
+    cc, include, link = _tools()
     out = tmp_path / "libnimble_host.so"
     cmd = [cc, "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", str(SOURCE), "-I", str(include),
            *link, "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
-        pytest.fail(f"compiling {SOURCE.name} against {include}/cuda.h and {libcuda} failed "
+        pytest.fail(f"compiling {SOURCE.name} against {include}/cuda.h and {link} failed "
                     f"(exit {done.returncode}):\n{' '.join(cmd)}\n{done.stderr}{done.stdout}",
                     pytrace=False)
     lib = ctypes.CDLL(str(out))

@@ -15,6 +15,7 @@ import ctypes.util
 import glob
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ FOLDER = Path(__file__).resolve().parent.parent / "c_runtime"
 SOURCES = ("nimble.c", "nimble_plan.c", "nimble_sha256.c")
 HEADER = "nimble.h"
 _TARGET = {"x86_64": "x86_64-linux", "aarch64": "sbsa-linux"}.get(platform.machine(), "")
+_LDCONFIG_ARCH = {"x86_64": "x86-64", "aarch64": "AArch64"}.get(platform.machine(), "")
 
 
 def compiler() -> str:
@@ -73,11 +75,43 @@ def cuda_include() -> Path:
                "or install the CUDA toolkit, or point CUDA_HOME at one")
 
 
+def _ldconfig_libcuda() -> list[Path]:
+    """The libcuda libraries ``ldconfig -p`` lists for this machine's architecture."""
+    exe = shutil.which("ldconfig") or next(
+        (p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None)
+    if exe is None:
+        return []
+    try:
+        listing = subprocess.run([exe, "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    found = []
+    for line in listing.splitlines():
+        m = re.match(r"\s*(libcuda\.so(?:\.1)?) \(([^)]*)\) => (\S+)", line)
+        if m and (not _LDCONFIG_ARCH or _LDCONFIG_ARCH in m.group(2)):
+            found.append(Path(m.group(3)))
+    return found
+
+
+def _loaded_libcuda() -> list[Path]:
+    """The folders of a libcuda this process has loaded (a GPU process: the driver's own)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return [Path(line.split()[-1]).parent for line in maps
+                    if "/libcuda.so" in line and line.split()[-1].startswith("/")]
+    except OSError:
+        return []
+
+
 def libcuda() -> list[str]:
-    """Linker arguments for a libcuda: the toolkit's stub, or the driver's own library."""
+    """Linker arguments for a libcuda, looked for in order: the toolkit's stub, the libcuda this
+    process has loaded, ``ldconfig``'s, then the driver's usual folders."""
     dirs = []
     for root in toolkit_roots():
         dirs += [root / "lib64" / "stubs", root / "lib" / "stubs"]
+        if _TARGET:
+            dirs.append(root / "targets" / _TARGET / "lib" / "stubs")
+    dirs += _loaded_libcuda() + [p.parent for p in _ldconfig_libcuda()]
     found = ctypes.util.find_library("cuda")
     if found and os.path.isabs(found):
         dirs.append(Path(found).parent)
@@ -89,8 +123,9 @@ def libcuda() -> list[str]:
             return ["-L", str(d), "-lcuda"]
         if (d / "libcuda.so.1").exists():
             return ["-L", str(d), "-l:libcuda.so.1"]
-    raise Fail("no libcuda to link against (no CUDA toolkit stub, no driver library in the "
-               "usual folders): install the NVIDIA driver or the CUDA toolkit")
+    raise Fail("no libcuda to link against (no CUDA toolkit stub, none loaded, none in "
+               "`ldconfig -p` or the usual folders): install the NVIDIA driver or the CUDA "
+               "toolkit, or point CUDA_HOME at a toolkit")
 
 
 def compile_command(output: Path, shared: bool = True) -> list[str]:
