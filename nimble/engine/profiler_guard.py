@@ -123,7 +123,7 @@ def warn_once(stacklevel: int = 3) -> None:
     _state["warned"] = True
     tool = "" if _state["attached"] else injected_tool()
     advice = TOOL_ADVICE.format(tool=tool) if tool else \
-        KEEP_ADVICE if _state["reason"] else ADVICE
+        KEEP_ADVICE if _state.get("reason") else ADVICE
     warnings.warn(advice, RuntimeWarning, stacklevel=stacklevel)
 
 
