@@ -138,17 +138,6 @@ class StepBreakdown:
                         for g in self.groups()[:top]]}
 
 
-def _ranges_length(ranges: list[tuple[int, int]]) -> int:
-    """Bytes covered by ``[start, end)`` ranges, overlaps once."""
-    total, reach = 0, None
-    for b, e in sorted(ranges):
-        if reach is not None and e <= reach:
-            continue
-        total += e - (b if reach is None else max(b, reach))
-        reach = e
-    return total
-
-
 def touched_bytes(graph: TaskGraph, tasks, kinds: frozenset[str] | None = None) -> int:
     """Unique bytes the accesses of ``tasks`` (ids) name, in buffers of ``kinds`` (every kind
     when None); a range named twice counts once."""
@@ -157,7 +146,8 @@ def touched_bytes(graph: TaskGraph, tasks, kinds: frozenset[str] | None = None) 
         for a in graph.tasks[t].accesses:
             if kinds is None or graph.buffers[a.buffer].kind in kinds:
                 ranges.setdefault(a.buffer, []).append((a.offset, a.end))
-    return sum(_ranges_length(r) for r in ranges.values())
+    # whole bytes: the float union of integer ranges is exact
+    return sum(int(_union_length(r)) for r in ranges.values())
 
 
 _WEIGHTS = frozenset({BufferKind.PARAM})
