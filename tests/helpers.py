@@ -47,7 +47,10 @@ def load_tool(name: str):
     import importlib.util
     import sys
 
-    path = Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+    tools = Path(__file__).resolve().parent.parent / "tools"
+    if str(tools) not in sys.path:  # as for a script run from there: tools import each other
+        sys.path.insert(0, str(tools))
+    path = tools / f"{name}.py"
     spec = importlib.util.spec_from_file_location(Path(name).name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up

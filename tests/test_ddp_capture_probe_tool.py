@@ -14,6 +14,7 @@ def test_a_probe_not_named_in_the_docstring_is_refused_with_the_list(capsys):
     out = capsys.readouterr().out
     assert all(f"``{name}``" in out for name in probe.PROBES)
     assert all(f"``{name}``" in probe.__doc__ for name in probe.PROBES)
+    assert probe.main(["--help"]) == 0
 
 
 def test_started_by_hand_it_runs_one_torchrun_of_two_ranks_per_probe(monkeypatch):

@@ -39,13 +39,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+from gpu_suite import NO_MULTICAST  # tools/ is a script's first path entry
 
 MODES = ("prepare", "nimble load", "compile warm", "aoti load")
 GENERATOR_MODES = ("generator prepare", "generator load")
 SKIPPABLE = {"compile": "compile warm", "aoti": "aoti load"}
-#: Multicast off in every process this starts (docs: FINDINGS, KINDS).
-QUIET_NVLINK = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 # ---- the arithmetic (no GPU) -------------------------------------------------------------------
@@ -236,7 +234,7 @@ def _write_once(what: str, args) -> dict:
 def _spawn(argv: list[str], timeout: int = 1200) -> dict:
     """The child's JSON line; or ``{"failed": why}`` where it died (a crash in one way of
     loading, AOTInductor's say, leaves the others' rows standing)."""
-    env = {**os.environ, **QUIET_NVLINK}
+    env = {**os.environ, **NO_MULTICAST}
     try:
         done = subprocess.run([sys.executable, __file__, *argv], capture_output=True,
                               text=True, timeout=timeout, env=env)
@@ -252,7 +250,7 @@ def _spawn(argv: list[str], timeout: int = 1200) -> dict:
 
 def _saved_file(model: str, args, folder: Path) -> tuple[str, dict]:
     path = folder / f"{model}.nimble"
-    env = {**os.environ, **QUIET_NVLINK}
+    env = {**os.environ, **NO_MULTICAST}
     done = subprocess.run([sys.executable, "-m", "nimble", "save", model, "--dtype", args.dtype,
                            "--batch", str(args.batch), "-o", str(path), "-q"],
                           capture_output=True, text=True, env=env, timeout=1200)
@@ -300,7 +298,7 @@ def measure_generator(lm: str, args) -> tuple[list[dict], dict]:
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / f"{lm}.nimble")
-        env = {**os.environ, **QUIET_NVLINK}
+        env = {**os.environ, **NO_MULTICAST}
         done = subprocess.run([sys.executable, "-m", "nimble", "save", lm, "--generate",
                                "--dtype", args.dtype, "--batch", str(args.batch),
                                "--prompt-buckets", args.prompt_buckets, "-o", path, "-q"],

@@ -41,13 +41,12 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+from gpu_suite import NO_MULTICAST  # tools/ is a script's first path entry
 
 PROBES = ("plain", "ddp", "plain_after_ddp", "plain_under_ddp", "ddp_hooks_removed",
           "ddp_no_init_sync", "ddp_side_stream")
 #: What a probe must keep alive while it runs (the DDP whose hooks it leaves on a network).
 _KEPT: list = []
-QUIET_NVLINK = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _network():
@@ -134,7 +133,7 @@ def run_probe(probe: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    unknown = [p for p in argv if p not in PROBES]
+    unknown = [p for p in argv if p not in PROBES + ("-h", "--help")]
     if unknown or "-h" in argv or "--help" in argv:
         print(__doc__)
         return 2 if unknown else 0
@@ -143,7 +142,7 @@ def main(argv: list[str]) -> int:
         for probe in argv or PROBES:
             done = subprocess.run([sys.executable, "-m", "torch.distributed.run",
                                    "--nproc_per_node=2", __file__, probe],
-                                  env={**os.environ, **QUIET_NVLINK}, timeout=300)
+                                  env={**os.environ, **NO_MULTICAST}, timeout=300)
             status |= done.returncode
         return status
     for probe in argv:

@@ -21,10 +21,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from gpu_suite import NO_MULTICAST  # tools/ is a script's first path entry
 
 ROOT = Path(__file__).resolve().parent.parent
-QUIET_NVLINK = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
 RATIOS = ("after_over_before", "prepared_after_over_before")
 
 
@@ -34,7 +33,7 @@ def one_process(model: str, args, folder: Path, k: int) -> dict:
     cmd = [sys.executable, "-m", "nimble", "bench", "--profiler", model, "--dtype", args.dtype,
            "--rounds", str(args.rounds), "--iters", str(args.iters), "--json", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **QUIET_NVLINK}, timeout=1800)
+                          env={**os.environ, **NO_MULTICAST}, timeout=1800)
     if done.returncode != 0 or not out.exists():
         last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
         return {"failed": f"exit status {done.returncode}: {last[-300:]}"}

@@ -21,9 +21,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+from gpu_suite import NO_MULTICAST  # tools/ is a script's first path entry
 
-QUIET_NVLINK = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
 MODES = ("nimble", "compiled loop")
 
 
@@ -95,7 +94,7 @@ def _case(model, args, batch: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.update(QUIET_NVLINK)
+    os.environ.update(NO_MULTICAST)
     import torch
     import torch.distributed as dist
 
