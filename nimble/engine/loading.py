@@ -190,14 +190,8 @@ class _Bucket:
 def _tensors(saved: SavedFile, refs: list, like: list, device) -> list:
     import torch
 
-    out = []
-    for ref, r in zip(refs, like):
-        dtype = getattr(torch, r.dtype)
-        data = saved.blob(ref)
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else \
-            torch.empty(0, dtype=torch.uint8, device=device)
-        out.append(flat.view(dtype).reshape(r.shape))
-    return out
+    return [_on_device(saved.blob_view(ref), device, 0).view(getattr(torch, r.dtype))
+            .reshape(r.shape) for ref, r in zip(refs, like)]
 
 
 def _read_bucket(row: dict, k: int, saved: SavedFile, graph: TaskGraph, spec, functions: list,
