@@ -31,7 +31,9 @@ naming the nearest known key, raised when Dynamo hands over the first graph.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,14 +65,18 @@ class BackendOptions:
     inductor: dict = field(default_factory=dict)
 
 
-_BACKEND_KEYS = {"use_multi_stream": bool, "max_streams": (int, type(None)),
-                 "return_copies": bool, "quiet": bool, "max_shapes": int, "fallback": bool,
-                 "share_arena": bool, "inductor": dict}
-_PREPARE_TYPES = {"arena_limit": (int, str, type(None)), "device_launch": bool,
-                  "gather_inputs": bool, "verify": bool, "relaunches": (int, type(None)),
-                  "fuzz": bool, "keep_recording": bool, "priorities": bool,
-                  "backfill": (bool, type(None)), "resource_order": (bool, str),
-                  "prefetch_l2": bool}
+def _field_types(options: type, leave_out: str) -> dict:
+    """Each field of the dataclass ``options`` but ``leave_out``, and the types its annotation
+    names: read off the class, so that a field added there is taken by ``options={...}`` too."""
+    hints = typing.get_type_hints(options)
+    return {f.name: typing.get_args(hints[f.name]) or hints[f.name]
+            for f in dataclasses.fields(options) if f.name != leave_out}
+
+
+#: The backend's own keys (``prepare`` is the PrepareOptions the other keys make).
+_BACKEND_KEYS = _field_types(BackendOptions, "prepare")
+#: PrepareOptions' fields (``recording``, one model's, is refused by :func:`parse_options`).
+_PREPARE_TYPES = _field_types(PrepareOptions, "recording")
 
 
 def known_keys() -> list[str]:
