@@ -34,7 +34,7 @@ from ..api import Nimble
 from ..engine.preparation import restored_after
 from ..engine.weights import EPOCH, watch_modules
 from ..errors import InputError
-from .region import STALE, GraphInput, PrepareRequest
+from .region import STALE, GraphInput, PrepareRequest, close_run
 
 
 class RegionModule(torch.nn.Module):
@@ -135,9 +135,7 @@ class NimbleRun:
 
     def close(self) -> None:
         """Free the prepared graph (a graph serving these shapes replaced it)."""
-        close = getattr(self.launch, "close", None)
-        if close is not None:
-            close()
+        close_run(self.launch)
 
 
 def prepare_with_nimble(request: PrepareRequest) -> NimbleRun:

@@ -150,6 +150,14 @@ class InductorRun:
         return self.compiled(*args)
 
 
+def close_run(run) -> None:
+    """Free what ``run`` holds, where it holds anything (a stand-in or Inductor's code holds
+    nothing to close; None: no run)."""
+    close = getattr(run, "close", None)
+    if close is not None:
+        close()
+
+
 def _number(x) -> bool:
     return isinstance(x, (bool, int, float))
 
@@ -229,9 +237,7 @@ class Region:
             self._shared = None
             self._examples.clear()
         self._only = None
-        close = getattr(run, "close", None)
-        if close is not None:
-            close()
+        close_run(run)
 
     def _new_run(self, args: tuple, key: tuple) -> Run:
         training = _training(args)
@@ -268,16 +274,14 @@ class Region:
         self._examples[key] = tensors
         for k in self._examples:
             self.runs[k] = run
-        close = getattr(previous, "close", None)
-        if close is not None:
-            close()
+        close_run(previous)
         return run
 
     def _check_call(self, args: tuple) -> None:
         """InputError for what a prepared graph cannot take, said for torch.compile's user."""
         import torch
 
-        if len(self.runs) - self.fallbacks >= self.options.max_shapes:
+        if self.prepared >= self.options.max_shapes:
             raise InputError(
                 f"graph {self.name} was called with more than {self.options.max_shapes} "
                 f"signatures (shapes, or numbers Dynamo passes as inputs, such as sizes of a "
