@@ -20,11 +20,15 @@
 
 /* ---- the plan's words -------------------------------------------------------------------- */
 
+static uint64_t le64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
 
 static uint64_t rd(plan_t *pl) {
     if (pl->at + 8 > pl->n) { pl->bad = 1; return 0; }
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = v << 8 | pl->p[pl->at + i];
+    uint64_t v = le64(pl->p + pl->at);
     pl->at += 8;
     return v;
 }
@@ -217,12 +221,6 @@ nimble_status nimble_read_plan(nimble_model *m, plan_t *pl) {
 
 /* ---- the file ---------------------------------------------------------------------------- */
 
-static uint64_t le64(const uint8_t *p) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
-    return v;
-}
-
 void nimble_release_file(nimble_model *m) {
     if (m->file) munmap(m->file, m->file_size);
     m->file = NULL;
@@ -254,7 +252,7 @@ nimble_status nimble_read_file(nimble_model *m, const char *path, plan_t *pl) {
     m->file = mapped;
     m->file_size = got;
     const uint8_t *d = m->file;
-    if (got < 64 || memcmp(d, "NIMBLEGR", 8) != 0)
+    if (memcmp(d, "NIMBLEGR", 8) != 0)
         return fail(NIMBLE_ERROR_FORMAT, "%s is not a saved Nimble graph", path);
     uint32_t version = (uint32_t)(le64(d + 8) & 0xffffffffu);
     if (version != 1)
