@@ -11,14 +11,12 @@ images with their bytes), the weights (included or not) and the file's size.
 """
 from __future__ import annotations
 
-import gzip
-import json
-import zlib
 from collections import Counter
 from pathlib import Path
 
 from ..errors import LoadError
 from ..ir.saved_format import MAGIC, SavedFile
+from ..ir.saved_graph_check import UndecodableGraph, bucket_graph
 from ..ir.saved_manifest import check_manifest
 from ..ir.taskgraph import TaskGraph
 from .common import Fail
@@ -41,9 +39,8 @@ def _fail(path: str, e: LoadError) -> Fail:
 
 def _graph(saved: SavedFile, k: int, path: str) -> TaskGraph:
     try:
-        data = json.loads(gzip.decompress(saved.blob(saved.manifest["buckets"][k]["graph"])))
-        return TaskGraph.from_json(data)
-    except (ValueError, OSError, EOFError, zlib.error, RecursionError) as e:
+        return bucket_graph(saved, k)
+    except UndecodableGraph as e:
         raise Fail(f"{path}: a saved graph whose bucket {k} holds a graph that does not decode "
                    f"({' '.join(str(e).split())}); the file is damaged, save the model "
                    "again") from None

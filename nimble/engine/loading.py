@@ -27,10 +27,7 @@ differ).
 """
 from __future__ import annotations
 
-import gzip
-import json
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +37,7 @@ from ..analysis.memplan import MemPlan
 from ..analysis.schedule import Schedule
 from ..errors import InputError, LoadError, NoGpuError
 from ..ir.saved_format import SavedFile
-from ..ir.saved_graph_check import check_bucket_graph
+from ..ir.saved_graph_check import UndecodableGraph, bucket_graph, check_bucket_graph
 from ..ir.saved_manifest import check_manifest, graph_rows
 from ..ir.taskgraph import TaskGraph, TaskKind
 from ..progress import say
@@ -302,8 +299,8 @@ def _decoded(saved: SavedFile, k: int) -> tuple[TaskGraph, Any]:
 
     row = saved.manifest["buckets"][k]
     try:
-        graph = TaskGraph.from_json(json.loads(gzip.decompress(saved.blob(row["graph"]))))
-    except (ValueError, OSError, EOFError, zlib.error, RecursionError) as e:
+        graph = bucket_graph(saved, k)
+    except UndecodableGraph as e:
         raise LoadError(f"{saved.path}: the graph of bucket {k} does not decode ({e}): the file "
                         "is damaged, save the model again") from None
     check_bucket_graph(saved.manifest, k, graph, _itemsize, saved.path)

@@ -8,11 +8,31 @@ graph's inputs and outputs.  The manifest itself is checked first
 """
 from __future__ import annotations
 
+import gzip
+import json
+import zlib
 from typing import Callable
 
+from ..errors import LoadError
 from . import json_fields as jf
 from .saved_manifest import NODE_KINDS, damaged
 from .taskgraph import BufferKind, TaskGraph
+
+
+class UndecodableGraph(LoadError):
+    """A bucket's graph blob that is not a gzipped JSON TaskGraph; the message is the
+    decoder's, for the caller to say where."""
+
+
+def bucket_graph(saved, k: int) -> TaskGraph:
+    """Bucket ``k``'s TaskGraph, decoded from its gzipped JSON in ``saved`` (a
+    :class:`~nimble.ir.saved_format.SavedFile` whose manifest passed ``check_manifest``);
+    :class:`UndecodableGraph` for bytes that are not one."""
+    try:
+        return TaskGraph.from_json(json.loads(gzip.decompress(
+            saved.blob_view(saved.manifest["buckets"][k]["graph"]))))
+    except (ValueError, OSError, EOFError, zlib.error, RecursionError) as e:
+        raise UndecodableGraph(str(e)) from None
 
 
 def _fail(where: str, what: str) -> jf.FieldError:
