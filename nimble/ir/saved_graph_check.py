@@ -15,7 +15,7 @@ from typing import Callable
 
 from ..errors import LoadError
 from . import json_fields as jf
-from .saved_manifest import NODE_KINDS, damaged
+from .saved_manifest import NODE_KINDS, _fail, damaged
 from .taskgraph import BufferKind, TaskGraph
 
 
@@ -34,9 +34,6 @@ def bucket_graph(saved, k: int) -> TaskGraph:
     except (ValueError, OSError, EOFError, zlib.error, RecursionError) as e:
         raise UndecodableGraph(str(e)) from None
 
-
-def _fail(where: str, what: str) -> jf.FieldError:
-    return jf.FieldError(f"{where} {what}")
 
 def _placed(manifest: dict, row: dict, graph: TaskGraph, where: str) -> set[int]:
     """The buffers bucket ``row`` places, each checked to be the graph's and to fit where it
