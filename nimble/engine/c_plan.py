@@ -22,6 +22,7 @@ its reason).
 """
 from __future__ import annotations
 
+import math
 import struct
 from typing import Sequence
 
@@ -157,7 +158,8 @@ def _write_node(w: PlanWriter, task, row: dict, regions: Regions, priority) -> N
         f = row["memcpy"]
         w.u(MEMCPY, *_endpoint(task, f, "srcDevice", "src", regions),
             *_endpoint(task, f, "dstDevice", "dst", regions))
-        w.u(*(f[k] for k in ("srcMemoryType", "dstMemoryType", "srcXInBytes", "srcY", "srcZ", "srcPitch", "srcHeight",
+        w.u(*(f[k] for k in ("srcMemoryType", "dstMemoryType",
+                             "srcXInBytes", "srcY", "srcZ", "srcPitch", "srcHeight",
                              "dstXInBytes", "dstY", "dstZ", "dstPitch", "dstHeight",
                              "WidthInBytes", "Height", "Depth")))
     else:
@@ -165,8 +167,6 @@ def _write_node(w: PlanWriter, task, row: dict, regions: Regions, priority) -> N
 
 
 def _write_tensor(w: PlanWriter, ref, regions: Regions) -> None:
-    import math
-
     w.u(*regions.relocation(ref.buffer, ref.offset, 0))
     code, itemsize = DTYPES.get(ref.dtype, (255, 1))
     extent = 1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.strides)) if all(ref.shape) \
