@@ -514,7 +514,6 @@ nimble_status nimble_load(const char *path, int device, unsigned flags, nimble_m
     if (!m) return fail(NIMBLE_ERROR_IO, "out of memory");
     nimble_status s = load(m, path, device, flags);
     nimble_release_file(m); /* blobs and plan strings point into it; only loading reads them */
-    m->blobs = NULL;
     if (s != NIMBLE_OK) {
         char saved[sizeof last_error];
         memcpy(saved, last_error, sizeof saved);

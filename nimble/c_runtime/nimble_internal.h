@@ -103,7 +103,7 @@ static inline const uint8_t *blob(const nimble_model *m, blobref_t b) {
  * c_plan section.  The file's bytes are m->file. */
 nimble_status nimble_read_file(nimble_model *m, const char *path, plan_t *plan);
 
-/* Unmap the file nimble_read_file mapped (idempotent). */
+/* Unmap the file nimble_read_file mapped, and forget its blobs (idempotent). */
 void nimble_release_file(nimble_model *m);
 
 /* Read the whole c_plan into m (its arrays allocated; raw bytes point into m->file). */

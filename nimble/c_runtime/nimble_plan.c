@@ -225,6 +225,8 @@ void nimble_release_file(nimble_model *m) {
     if (m->file) munmap(m->file, m->file_size);
     m->file = NULL;
     m->file_size = 0;
+    m->blobs = NULL; /* they lay in the mapping */
+    m->blobs_size = 0;
 }
 
 nimble_status nimble_read_file(nimble_model *m, const char *path, plan_t *pl) {
