@@ -25,7 +25,6 @@ passes with those bound, re-binds any that changed (which the graph then follows
 """
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -119,14 +118,12 @@ class NimbleRun:
         self.launch = launch
         self.module = module
         self._tensors = module.tensor_positions
-        self._state_at = [i for i, _ in module.state]
-        self._state = [t for _, t in module.state]
+        self._state = module.state
         watch_modules()  # the epoch moves on every assignment from now on
         self._epoch = EPOCH[0]
 
     def __call__(self, args: tuple) -> Any:
-        if self._state and not all(map(operator.is_, [args[i] for i in self._state_at],
-                                       self._state)):
+        if self._state and any(args[i] is not t for i, t in self._state):
             return STALE
         if self._epoch != EPOCH[0]:
             self.module.follow(args)
