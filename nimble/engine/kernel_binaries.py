@@ -152,12 +152,9 @@ class KernelFinder:
         for i, k in enumerate(kernels):
             if rows[i] is not None:
                 continue
-            symbol = k.name.encode() + b"\0"
             for image in images:
-                at = image.find(symbol)
-                while at > 0 and image[at - 1:at] not in (b"\0", b"."):
-                    at = image.find(symbol, at + 1)
-                if at > 0 and _loads(image, k):
+                named = next(found.symbol_offsets(image, k.name, b"\0.", b"\0"), None)
+                if named is not None and _loads(image, k):
                     rows[i] = self.table.embedded(image, "module loaded in the saving process")
                     break
 

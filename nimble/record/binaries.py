@@ -28,7 +28,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from ..errors import NimbleError
 from ..progress import logger as log
@@ -155,24 +155,32 @@ def container_at(containers: Sequence[Container], offset: int) -> Container | No
     return None
 
 
+def symbol_offsets(data: bytes, name: str, before: bytes = b"\0 .",
+                   after: bytes = b"\0 (") -> Iterator[int]:
+    """Where ``name`` stands in ``data`` as a whole symbol: preceded by the start of ``data``
+    or one of the bytes of ``before``, followed by one of ``after`` (by default a zero byte or
+    a dot before it, as in an ELF string table's ``.text.name``, and a zero byte, space or
+    parenthesis after it, as in PTX's ``.entry name(``)."""
+    needle = name.encode()
+    start = data.find(needle)
+    while start >= 0:
+        end = start + len(needle)
+        if (start == 0 or data[start - 1] in before) and end < len(data) and data[end] in after:
+            yield start
+        start = data.find(needle, start + 1)
+
+
 def plain_name_hits(section: bytes, containers: Sequence[Container],
                     names: Iterable[str]) -> dict[str, Container]:
-    """The container whose uncompressed entries hold each of ``names`` as a whole symbol (its
-    bytes followed by a zero byte, as in an ELF string table, or by a space or parenthesis, as
-    in PTX's ``.entry name(``)."""
+    """The container whose uncompressed entries hold each of ``names`` as a whole symbol
+    (:func:`symbol_offsets`)."""
     found: dict[str, Container] = {}
     for name in names:
-        needle = name.encode()
-        start = section.find(needle)
-        while start >= 0:
-            after = section[start + len(needle):start + len(needle) + 1]
-            before = section[start - 1:start] if start else b"\0"
+        for start in symbol_offsets(section, name):
             container = container_at(containers, start)
-            if after in (b"\0", b" ", b"(") and before in (b"\0", b" ", b".") and container \
-                    and _in_plain_entry(container, start):
+            if container and _in_plain_entry(container, start):
                 found[name] = container
                 break
-            start = section.find(needle, start + 1)
     return found
 
 
