@@ -61,12 +61,8 @@ def run(args) -> int:
     nm = nimble.Nimble(model).prepare(
         x, batch_sizes=batches if len(batches) > 1 else None, instances=args.instances,
         quiet=args.quiet)
-    prepared = time.perf_counter() - began
-    began = time.perf_counter()
-    path = nm.save(output, weights=not args.no_weights, quiet=args.quiet)
-    saved = time.perf_counter() - began
-    print(f"{path}\t{path.stat().st_size} bytes\tprepare {prepared:.2f} s\tsave {saved:.2f} s")
-    return 0
+    return _saved(lambda: nm.save(output, weights=not args.no_weights, quiet=args.quiet),
+                  time.perf_counter() - began)
 
 
 def _save_generator(args) -> int:
@@ -97,9 +93,15 @@ def _save_generator(args) -> int:
     began = time.perf_counter()
     generator = Generator(causal_lm(args.model, args.dtype), max_cache_len=cache,
                           prompt_buckets=buckets, batch_sizes=batches)
-    prepared = time.perf_counter() - began
+    return _saved(lambda: generator.save(output, quiet=args.quiet), time.perf_counter() - began)
+
+
+def _saved(save, prepare_seconds: float) -> int:
+    """Run ``save`` (which returns the file's path) and print the path, its size and the
+    seconds of preparing and saving, one tab-separated line."""
     began = time.perf_counter()
-    path = generator.save(output, quiet=args.quiet)
+    path = save()
     saved = time.perf_counter() - began
-    print(f"{path}\t{path.stat().st_size} bytes\tprepare {prepared:.2f} s\tsave {saved:.2f} s")
+    print(f"{path}\t{path.stat().st_size} bytes\tprepare {prepare_seconds:.2f} s\t"
+          f"save {saved:.2f} s")
     return 0
