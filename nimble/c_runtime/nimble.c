@@ -416,9 +416,7 @@ static nimble_status build(nimble_model *m, bucket_t *b, uint64_t j) {
 
 static nimble_status restore_written(nimble_model *m, bucket_t *b) {
     for (uint64_t i = 0; i < b->nwritten; i++) {
-        place_t p = b->written[i];
-        if (p.region != R_MEMORY || p.index >= m->nmemory) continue;
-        memory_t *t = &m->memory[p.index];
+        memory_t *t = &m->memory[b->written[i]];
         const uint8_t *data = blob(m, t->blob);
         if (data && t->size) CU(cuMemcpyHtoD(t->ptr, data, t->size));
     }
@@ -608,7 +606,7 @@ static void free_bucket(bucket_t *b, uint64_t instances) {
         free(b->sets[s].inputs); free(b->sets[s].outputs); free(b->sets[s].checked);
     }
     free(b->execs); free(b->graphs); free(b->nodes); free(b->inputs); free(b->outputs);
-    free(b->private_); free(b->edges); free(b->sets); free(b->written); free(b->written_size);
+    free(b->private_); free(b->edges); free(b->sets); free(b->written);
 }
 
 void nimble_free(nimble_model *m) {

@@ -67,7 +67,9 @@ typedef struct {
     node_t *nodes;
     uint64_t *edges;
     refset_t *sets;
-    place_t *written; uint64_t *written_size;
+    /* the external memory ranges the graph writes, each once (the plan names a range once per
+     * buffer in it): the proof puts them back before each launch */
+    uint64_t *written;
     CUgraph *graphs; CUgraphExec *execs; /* per instance */
 } bucket_t;
 

@@ -117,7 +117,7 @@ static void rd_node(plan_t *pl, node_t *nd) {
     }
 }
 
-static void rd_bucket(plan_t *pl, bucket_t *b) {
+static void rd_bucket(plan_t *pl, bucket_t *b, uint64_t nmemory) {
     b->plan_bytes = rd(pl);
     b->ninputs = rd(pl);
     b->inputs = arr(pl, b->ninputs, sizeof(tensor_t));
@@ -154,12 +154,17 @@ static void rd_bucket(plan_t *pl, bucket_t *b) {
             set->checked[i] = rd(pl);
         }
     }
-    b->nwritten = rd(pl);
-    b->written = arr(pl, b->nwritten, sizeof(place_t));
-    b->written_size = arr(pl, b->nwritten, sizeof(uint64_t));
-    for (uint64_t i = 0; !pl->bad && i < b->nwritten; i++) {
-        rd_place(pl, &b->written[i]);
-        b->written_size[i] = rd(pl);
+    uint64_t places = rd(pl);
+    b->written = arr(pl, places, sizeof(uint64_t));
+    b->nwritten = 0;
+    for (uint64_t i = 0; !pl->bad && i < places; i++) {
+        place_t p;
+        rd_place(pl, &p);
+        rd(pl); /* the buffer's size: its whole range is put back */
+        uint64_t w = 0;
+        while (w < b->nwritten && b->written[w] != p.index) w++;
+        if (p.region == R_MEMORY && p.index < nmemory && w == b->nwritten)
+            b->written[b->nwritten++] = p.index;
     }
 }
 
@@ -205,7 +210,8 @@ nimble_status nimble_read_plan(nimble_model *m, plan_t *pl) {
         }
     }
     m->buckets = arr(pl, m->nbuckets, sizeof(bucket_t));
-    for (uint64_t k = 0; !pl->bad && k < m->nbuckets; k++) rd_bucket(pl, &m->buckets[k]);
+    for (uint64_t k = 0; !pl->bad && k < m->nbuckets; k++)
+        rd_bucket(pl, &m->buckets[k], m->nmemory);
     char *unsupported = pl->bad ? NULL : rd_text(pl);
     if (pl->bad) { free(unsupported); return fail(NIMBLE_ERROR_FORMAT, "the file's c_plan "
                                                     "section is damaged"); }
