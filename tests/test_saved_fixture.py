@@ -17,7 +17,7 @@ import torch
 import nimble
 from nimble.errors import LoadError, NoGpuError
 from nimble.ir.saved_format import FORMAT_VERSION, SavedFile
-from nimble.ir.saved_graph_check import check_bucket_graph
+from nimble.ir.saved_graph_check import bucket_graph, check_bucket_graph
 from nimble.ir.saved_manifest import check_manifest
 from nimble.ir.taskgraph import TaskGraph
 
@@ -35,8 +35,7 @@ def _fresh(raw: bytes) -> SavedFile:
 
 
 def _graph(saved: SavedFile) -> TaskGraph:
-    return TaskGraph.from_json(json.loads(gzip.decompress(
-        saved.blob(saved.manifest["buckets"][0]["graph"]))))
+    return bucket_graph(saved, 0)
 
 
 def test_the_committed_file_is_what_the_synthesizer_makes_and_small():
