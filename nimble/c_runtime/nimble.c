@@ -377,10 +377,10 @@ static nimble_status instantiate(nimble_model *m, bucket_t *b, uint64_t j, CUgra
     return NIMBLE_OK;
 }
 
+/* The graph is destroyed once instantiated: the exec is the driver's own copy of it. */
 static nimble_status build(nimble_model *m, bucket_t *b, uint64_t j) {
     CUgraph g;
     CU(cuGraphCreate(&g, 0));
-    b->graphs[j] = g;
     CUgraphNode *nodes = calloc(b->nnodes ? b->nnodes : 1, sizeof(CUgraphNode));
     CUgraphNode *from = calloc(b->nedges ? b->nedges : 1, sizeof(CUgraphNode));
     CUgraphNode *to = calloc(b->nedges ? b->nedges : 1, sizeof(CUgraphNode));
@@ -408,8 +408,9 @@ static nimble_status build(nimble_model *m, bucket_t *b, uint64_t j) {
         if (r != CUDA_SUCCESS) s = cuda_fail("cuGraphAddDependencies", r);
     }
     free(nodes); free(from); free(to);
-    TRY(s);
-    return instantiate(m, b, j, g, priorities);
+    if (s == NIMBLE_OK) s = instantiate(m, b, j, g, priorities);
+    cuGraphDestroy(g);
+    return s;
 }
 
 /* ---- the proof at load -------------------------------------------------------------------- */
@@ -494,9 +495,8 @@ static nimble_status load(nimble_model *m, const char *path, int device, unsigne
     lap(m, NIMBLE_STAGE_MEMORY, &clock);
     for (uint64_t k = 0; k < m->nbuckets; k++) {
         bucket_t *b = &m->buckets[k];
-        b->graphs = calloc(m->instances, sizeof(CUgraph));
         b->execs = calloc(m->instances, sizeof(CUgraphExec));
-        if (!b->graphs || !b->execs) return fail(NIMBLE_ERROR_IO, "out of memory");
+        if (!b->execs) return fail(NIMBLE_ERROR_IO, "out of memory");
         for (uint64_t j = 0; j < m->instances; j++) TRY(build(m, b, j));
     }
     lap(m, NIMBLE_STAGE_BUILD, &clock);
@@ -597,15 +597,13 @@ nimble_status nimble_run(const nimble_model *m, int k, int instance, CUstream st
 static void free_bucket(bucket_t *b, uint64_t instances) {
     for (uint64_t j = 0; b->execs && j < instances; j++)
         if (b->execs[j]) cuGraphExecDestroy(b->execs[j]);
-    for (uint64_t j = 0; b->graphs && j < instances; j++)
-        if (b->graphs[j]) cuGraphDestroy(b->graphs[j]);
     for (uint64_t i = 0; b->nodes && i < b->nnodes; i++) {
         free(b->nodes[i].params); free(b->nodes[i].relocs); free(b->nodes[i].attrs);
     }
     for (uint64_t s = 0; b->sets && s < b->nsets; s++) {
         free(b->sets[s].inputs); free(b->sets[s].outputs); free(b->sets[s].checked);
     }
-    free(b->execs); free(b->graphs); free(b->nodes); free(b->inputs); free(b->outputs);
+    free(b->execs); free(b->nodes); free(b->inputs); free(b->outputs);
     free(b->private_); free(b->edges); free(b->sets); free(b->written);
 }
 

@@ -70,7 +70,7 @@ typedef struct {
     /* the external memory ranges the graph writes, each once (the plan names a range once per
      * buffer in it): the proof puts them back before each launch */
     uint64_t *written;
-    CUgraph *graphs; CUgraphExec *execs; /* per instance */
+    CUgraphExec *execs; /* per instance */
 } bucket_t;
 
 struct nimble_model {
