@@ -114,34 +114,29 @@ def _seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def _library_generate(model, compiled: bool, max_cache_len: int) -> Callable:
+def _library_generate(model, compiled: bool, max_cache_len: int,
+                      backend: str | None = None) -> Callable:
     """``generate(ids, new_tokens)`` of transformers: eager with its default cache, or with a
-    static cache of ``max_cache_len`` tokens (the Generators' length), compiled."""
+    static cache of ``max_cache_len`` tokens (the Generators' length), compiled (through
+    ``torch.compile(backend=backend)`` where given, by ``CompileConfig``)."""
     import torch
 
     from ..generate import library_greedy
 
     if compiled:
         cache = _static_cache(model, max_cache_len)
-        return lambda ids, new: library_greedy(model, ids, new, compiled=True, cache=cache)
+        config = None
+        if backend is not None:
+            import transformers
+
+            config = transformers.CompileConfig(backend=backend, mode=None)
+        return lambda ids, new: library_greedy(model, ids, new, compiled=True, cache=cache,
+                                               compile_config=config)
 
     def eager(ids, new):
         return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                               max_new_tokens=new, eos_token_id=None, pad_token_id=0)
     return eager
-
-
-def _backend_generate(model, max_cache_len: int) -> Callable:
-    """``generate(ids, new_tokens)`` of transformers with a static cache, its decoding forward
-    compiled through ``torch.compile(backend="nimble")`` (``CompileConfig``)."""
-    import transformers
-
-    from ..generate import library_greedy
-
-    config = transformers.CompileConfig(backend="nimble", mode=None)
-    cache = _static_cache(model, max_cache_len)
-    return lambda ids, new: library_greedy(model, ids, new, compiled=True, cache=cache,
-                                           compile_config=config)
 
 
 def _static_cache(model, max_cache_len: int):
@@ -340,7 +335,7 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
         runs = {BASELINE: compiled_loop(model, cache_len),
                 "eager generate": _library_generate(model, False, cache_len),
                 "static+compile": _library_generate(model, True, cache_len),
-                "static+backend": _backend_generate(model, cache_len),
+                "static+backend": _library_generate(model, True, cache_len, "nimble"),
                 **{mode: g if isinstance(g, str) else g.generate
                    for mode, g in generators.items()}}
         for mode in MODES:
