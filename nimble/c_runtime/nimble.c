@@ -55,10 +55,11 @@ nimble_status nimble_cuda_fail(const char *call, CUresult r) {
 
 static nimble_status check_device(nimble_model *m, int ordinal) {
     int major = 0, minor = 0, version = 0;
+    CUcontext ctx;
     CU(cuInit(0));
     CU(cuDeviceGet(&m->device, ordinal));
-    CU(cuDevicePrimaryCtxRetain(&m->ctx, m->device));
-    m->retained = 1;
+    CU(cuDevicePrimaryCtxRetain(&ctx, m->device));
+    m->ctx = ctx; /* set only once retained: nimble_free releases it where it is set */
     CU(cuCtxSetCurrent(m->ctx));
     CU(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, m->device));
     CU(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, m->device));
@@ -626,6 +627,6 @@ void nimble_free(nimble_model *m) {
     free(m->buckets); free(m->arenas); free(m->bases); free(m->weights); free(m->memory);
     free(m->libraries); free(m->binaries); free(m->kernels);
     nimble_release_file(m);
-    if (m->retained) cuDevicePrimaryCtxRelease(m->device);
+    if (m->ctx) cuDevicePrimaryCtxRelease(m->device);
     free(m);
 }

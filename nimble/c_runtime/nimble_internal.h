@@ -74,7 +74,7 @@ typedef struct {
 } bucket_t;
 
 struct nimble_model {
-    CUdevice device; CUcontext ctx; int retained;
+    CUdevice device; CUcontext ctx; /* ctx: the retained primary context, NULL before */
     uint64_t arch, driver, arena_size, alignment, instances, nbuckets;
     uint64_t nbinaries, nkernels, nweights, nmemory;
     binary_t *binaries; kernel_t *kernels; memory_t *weights, *memory;
