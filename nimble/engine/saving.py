@@ -342,14 +342,13 @@ def save_graphs(graphs: list, path, *, weights: bool = True, quiet: bool = True,
 
     began = time.perf_counter()
     servings = [serving for _, serving in graphs]
-    for serving in servings:
-        for bucket in serving.buckets:
-            check_savable(bucket.instances[0])
+    preparations = [b.instances[0] for serving in servings for b in serving.buckets]
+    for prepared in preparations:
+        check_savable(prepared)
     device = torch.cuda.current_device()
     torch.cuda.synchronize()
     blobs = BlobWriter()
     kernels, outside = _Kernels(), _Outside(blobs, weights)
-    preparations = [b.instances[0] for serving in servings for b in serving.buckets]
     say(f"writing down {len(preparations)} bucket(s)", quiet)
     buckets = [_bucket_row(p, kernels, outside, blobs) for p in preparations]
     memory, where = outside.memory_rows()
