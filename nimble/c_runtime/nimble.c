@@ -7,7 +7,6 @@
 #include "nimble_internal.h"
 #include "nimble_sha256.h"
 
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -135,30 +134,24 @@ static nimble_status load_kernel(nimble_model *m, kernel_t *k) {
 
 /* ---- work spread over threads -------------------------------------------------------------- */
 
-#define LOAD_THREADS 8
-
-/* One item of parallel work, run on a thread with the model's context current: its status,
- * and its message (a worker's nimble_last_error is its own thread's). */
+/* One item of parallel work, run with the model's context current: its status, and its
+ * message (a worker's nimble_last_error is its own thread's). */
 typedef nimble_status (*item_fn)(nimble_model *m, uint64_t i);
 typedef struct {
-    nimble_model *m; item_fn fn; uint64_t first, step, count;
-    nimble_status *status; char (*message)[sizeof last_error];
-} spread_t;
+    nimble_model *m; item_fn fn; nimble_status *status; char (*message)[sizeof last_error];
+} items_t;
 
-static void *run_items(void *arg) {
-    spread_t *job = arg;
+static void run_item(void *arg, size_t i) {
+    items_t *job = arg;
     CUresult r = cuCtxSetCurrent(job->m->ctx);
-    for (uint64_t i = job->first; i < job->count; i += job->step) {
-        job->status[i] = r == CUDA_SUCCESS ? job->fn(job->m, i)
-                                           : nimble_cuda_fail("cuCtxSetCurrent", r);
-        if (job->status[i] != NIMBLE_OK)
-            snprintf(job->message[i], sizeof job->message[i], "%s", nimble_last_error());
-    }
-    return NULL;
+    job->status[i] = r == CUDA_SUCCESS ? job->fn(job->m, i)
+                                       : nimble_cuda_fail("cuCtxSetCurrent", r);
+    if (job->status[i] != NIMBLE_OK)
+        snprintf(job->message[i], sizeof job->message[i], "%s", nimble_last_error());
 }
 
-/* fn(m, i) for every i < count, on up to LOAD_THREADS threads (this one among them); the
- * first failing item's status and message, in item order, as this thread's error. */
+/* fn(m, i) for every i < count, over nimble_spread's threads; the first failing item's status
+ * and message, in item order, as this thread's error. */
 static nimble_status spread(nimble_model *m, item_fn fn, uint64_t count) {
     if (count == 0) return NIMBLE_OK;
     nimble_status *status = calloc((size_t)count, sizeof *status);
@@ -167,18 +160,8 @@ static nimble_status spread(nimble_model *m, item_fn fn, uint64_t count) {
         free(status); free(message);
         return fail(NIMBLE_ERROR_IO, "out of memory");
     }
-    uint64_t threads = count < LOAD_THREADS ? count : LOAD_THREADS;
-    pthread_t ids[LOAD_THREADS];
-    spread_t jobs[LOAD_THREADS];
-    int started[LOAD_THREADS] = {0};
-    for (uint64_t t = 0; t < threads; t++) {
-        jobs[t] = (spread_t){m, fn, t, threads, count, status, message};
-        if (t > 0) started[t] = pthread_create(&ids[t], NULL, run_items, &jobs[t]) == 0;
-    }
-    for (uint64_t t = 0; t < threads; t++)
-        if (t == 0 || !started[t]) run_items(&jobs[t]);
-    for (uint64_t t = 1; t < threads; t++)
-        if (started[t]) pthread_join(ids[t], NULL);
+    items_t job = {m, fn, status, message};
+    nimble_spread(run_item, &job, (size_t)count);
     nimble_status s = NIMBLE_OK;
     for (uint64_t i = 0; i < count && s == NIMBLE_OK; i++)
         if (status[i] != NIMBLE_OK) s = fail(status[i], "%s", message[i]);

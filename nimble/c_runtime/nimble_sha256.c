@@ -1,6 +1,8 @@
 /*
  * SHA-256 (FIPS 180-4), written from the standard, and the saved file's checksum: a hash list
- * over 8 MiB chunks, so that the chunks are hashed on several threads (nimble_sha256.h).
+ * over 8 MiB chunks, so that the chunks are hashed on several threads (nimble_sha256.h); the
+ * threads' spreading lives here, where the loader (nimble.c) takes it too, so that this file
+ * still builds alone, without libcuda.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "nimble_sha256.h"
@@ -134,31 +136,40 @@ void nimble_sha256(const uint8_t *data, size_t n, uint8_t out[32]) {
 #define CHUNK ((size_t)8 << 20)
 #define MAX_THREADS 8
 
-typedef struct {
-    const uint8_t *const *data; const size_t *n; uint8_t (*out)[32]; size_t first, step, count;
-} many_t;
+typedef struct { void (*fn)(void *, size_t); void *arg; size_t first, step, count; } share_t;
 
-static void *hash_many(void *arg) {
-    many_t *job = arg;
-    for (size_t i = job->first; i < job->count; i += job->step)
-        nimble_sha256(job->data[i], job->n[i], job->out[i]);
+static void *run_share(void *p) {
+    share_t *job = p;
+    for (size_t i = job->first; i < job->count; i += job->step) job->fn(job->arg, i);
     return NULL;
+}
+
+void nimble_spread(void (*fn)(void *arg, size_t i), void *arg, size_t count) {
+    size_t threads = count < MAX_THREADS ? count : MAX_THREADS;
+    pthread_t ids[MAX_THREADS];
+    share_t jobs[MAX_THREADS];
+    int started[MAX_THREADS] = {0}; /* the first share is this thread's */
+    for (size_t t = 0; t < threads; t++) {
+        jobs[t] = (share_t){fn, arg, t, threads, count};
+        if (t > 0) started[t] = pthread_create(&ids[t], NULL, run_share, &jobs[t]) == 0;
+    }
+    for (size_t t = 0; t < threads; t++)
+        if (!started[t]) run_share(&jobs[t]);
+    for (size_t t = 1; t < threads; t++)
+        if (started[t]) pthread_join(ids[t], NULL);
+}
+
+typedef struct { const uint8_t *const *data; const size_t *n; uint8_t (*out)[32]; } many_t;
+
+static void hash_one(void *arg, size_t i) {
+    many_t *job = arg;
+    nimble_sha256(job->data[i], job->n[i], job->out[i]);
 }
 
 void nimble_sha256_many(const uint8_t *const *data, const size_t *n, uint8_t (*out)[32],
                         size_t count) {
-    size_t threads = count < MAX_THREADS ? count : MAX_THREADS;
-    pthread_t ids[MAX_THREADS];
-    many_t jobs[MAX_THREADS];
-    size_t started = 0;
-    for (size_t t = 0; t < threads; t++) {
-        jobs[t] = (many_t){data, n, out, t, threads, count};
-        if (t > 0 && pthread_create(&ids[t], NULL, hash_many, &jobs[t]) == 0) started |= 1u << t;
-    }
-    for (size_t t = 0; t < threads; t++)
-        if (t == 0 || !(started & (1u << t))) hash_many(&jobs[t]);
-    for (size_t t = 1; t < threads; t++)
-        if (started & (1u << t)) pthread_join(ids[t], NULL);
+    many_t job = {data, n, out};
+    nimble_spread(hash_one, &job, count);
 }
 
 void nimble_checksum(const uint8_t *data, size_t n, uint8_t out[32]) {

@@ -1,4 +1,5 @@
-/* SHA-256 (FIPS 180-4) and the saved file's checksum, for Nimble's C runtime (internal). */
+/* SHA-256 (FIPS 180-4), the saved file's checksum, and the work they and the loader spread
+ * over threads, for Nimble's C runtime (internal). */
 #ifndef NIMBLE_SHA256_H
 #define NIMBLE_SHA256_H
 
@@ -20,6 +21,10 @@ void nimble_checksum(const uint8_t *data, size_t n, uint8_t out[32]);
  * to 8 threads. */
 void nimble_sha256_many(const uint8_t *const *data, const size_t *n, uint8_t (*out)[32],
                         size_t count);
+
+/* fn(arg, i) for every i < count, on up to 8 threads, this one among them (a share whose
+ * thread cannot be started runs here). */
+void nimble_spread(void (*fn)(void *arg, size_t i), void *arg, size_t count);
 
 #ifdef __cplusplus
 }
