@@ -1,8 +1,9 @@
 /*
  * The C runtime's reader alone (nimble_plan.c, no driver call): reads a saved file and its
  * c_plan, prints what it read as one line, or the nimble_status and message of what it refused.
- * The CPU tests run it (tests/test_c_runtime.py); the loader's own error functions live in
- * nimble.c, which needs libcuda, so this program brings its own.
+ * The CPU tests run it (tests/test_c_runtime.py); the loader's own nimble_fail lives in
+ * nimble.c, which needs libcuda, so this program brings its own (the reader makes no driver
+ * call, so nimble_cuda_fail is not needed).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <stdarg.h>
@@ -19,11 +20,6 @@ nimble_status nimble_fail(nimble_status status, const char *fmt, ...) {
     vsnprintf(message, sizeof message, fmt, args);
     va_end(args);
     return status;
-}
-
-nimble_status nimble_cuda_fail(const char *call, CUresult r) {
-    (void)r;
-    return nimble_fail(NIMBLE_ERROR_CUDA, "%s", call);
 }
 
 int main(int argc, char **argv) {
