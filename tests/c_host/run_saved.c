@@ -37,8 +37,7 @@ static int check(CUresult r, const char *what) {
     return r != CUDA_SUCCESS;
 }
 
-static double host_us(nimble_model *m, CUstream s, int calls, int bare) {
-    double *t = malloc(sizeof(double) * (size_t)calls), median;
+static double host_us(nimble_model *m, CUstream s, double *t, int calls, int bare) {
     CUgraphExec exec = nimble_exec(m, 0, 0);
     for (int i = 0; i < calls; i++) {
         cuStreamSynchronize(s); /* the GPU idle before each call: its host cost alone */
@@ -48,26 +47,39 @@ static double host_us(nimble_model *m, CUstream s, int calls, int bare) {
     }
     cuStreamSynchronize(s);
     qsort(t, (size_t)calls, sizeof(double), cmp);
-    median = t[calls / 2];
-    free(t);
-    return median;
+    return t[calls / 2];
 }
 
+/* The warm-up's calls are checked; the timed ones, the same calls, are not (the check would be
+ * timed with them): a fault of theirs shows at the synchronization after them. */
 static int bench(nimble_model *m, double load_ms, int calls) {
-    CUstream s;
-    CUevent a, b;
+    CUstream s = NULL;
+    CUevent a = NULL, b = NULL;
     float ms = 0;
-    if (check(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate") ||
-        check(cuEventCreate(&a, 0), "cuEventCreate") ||
-        check(cuEventCreate(&b, 0), "cuEventCreate"))
-        return 8;
-    for (int i = 0; i < 20; i++) nimble_run(m, 0, 0, s); /* warm-up */
-    double run = host_us(m, s, calls, 0), bare = host_us(m, s, calls, 1);
-    cuEventRecord(a, s);
-    for (int i = 0; i < calls; i++) nimble_run(m, 0, 0, s);
-    cuEventRecord(b, s);
-    cuEventSynchronize(b);
-    cuEventElapsedTime(&ms, a, b);
+    double run = 0, bare = 0, *t = malloc(sizeof(double) * (size_t)calls);
+    int status = !t || check(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate") ||
+                 check(cuEventCreate(&a, 0), "cuEventCreate") ||
+                 check(cuEventCreate(&b, 0), "cuEventCreate") ? 8 : 0;
+    for (int i = 0; status == 0 && i < 20; i++) /* warm-up */
+        if (nimble_run(m, 0, 0, s) != NIMBLE_OK) {
+            fprintf(stderr, "run_saved: %s\n", nimble_last_error());
+            status = 8;
+        }
+    if (status == 0) {
+        run = host_us(m, s, t, calls, 0);
+        bare = host_us(m, s, t, calls, 1);
+        cuEventRecord(a, s);
+        for (int i = 0; i < calls; i++) nimble_run(m, 0, 0, s);
+        cuEventRecord(b, s);
+        if (check(cuEventSynchronize(b), "the timed calls") ||
+            check(cuEventElapsedTime(&ms, a, b), "cuEventElapsedTime"))
+            status = 8;
+    }
+    if (b) cuEventDestroy(b);
+    if (a) cuEventDestroy(a);
+    if (s) cuStreamDestroy(s);
+    free(t);
+    if (status != 0) return status;
     static const char *stages[NIMBLE_STAGE_COUNT] = {
         "read", "binaries", "libraries", "functions", "memory", "build", "verify"};
     printf("{\"load_to_first_call_ms\": %.3f, \"host_us_nimble_run\": %.2f, "
@@ -110,51 +122,54 @@ static int zero_inputs(nimble_model *m) {
     return 0;
 }
 
+/* Each set of inputs in turn, until the file of inputs ends, its outputs appended to OUT. */
 static int run_sets(nimble_model *m, const char *inputs, const char *out) {
+    int n_in = nimble_inputs(m, 0), n_out = nimble_outputs(m, 0), more = 1;
+    nimble_tensor_info info;
+    size_t most = 1;
+    for (int i = 0; i < n_in + n_out; i++)
+        if ((i < n_in ? nimble_input_info(m, 0, i, &info)
+                      : nimble_output_info(m, 0, i - n_in, &info)) == NIMBLE_OK &&
+            info.nbytes > most)
+            most = info.nbytes;
     FILE *in = fopen(inputs, "rb"), *o = fopen(out, "wb");
-    if (!in || !o) { fprintf(stderr, "run_saved: cannot open %s or %s\n", inputs, out); return 2; }
-    int n_in = nimble_inputs(m, 0), n_out = nimble_outputs(m, 0);
-    for (;;) {
-        for (int i = 0; i < n_in; i++) {
-            nimble_tensor_info info;
+    char *host = malloc(most);
+    int status = in && o && host ? 0 : 2;
+    if (status) fprintf(stderr, "run_saved: cannot open %s or %s\n", inputs, out);
+    while (status == 0) {
+        for (int i = 0; more && status == 0 && i < n_in; i++) {
             nimble_input_info(m, 0, i, &info);
-            char *host = malloc(info.nbytes);
-            size_t got = fread(host, 1, info.nbytes, in);
-            if (got != info.nbytes) { free(host); fclose(in); fclose(o); return 0; }
-            cuMemcpyHtoD(nimble_input_address(m, 0, 0, i), host, info.nbytes);
-            free(host);
+            more = fread(host, 1, info.nbytes, in) == info.nbytes;
+            if (more && check(cuMemcpyHtoD(nimble_input_address(m, 0, 0, i), host, info.nbytes),
+                              "cuMemcpyHtoD"))
+                status = 8;
         }
+        if (!more || status) break;
         if (nimble_run(m, 0, 0, NULL) != NIMBLE_OK) {
             fprintf(stderr, "run_saved: %s\n", nimble_last_error());
-            return 8;
+            status = 8;
+        } else if (check(cuCtxSynchronize(), "the run")) {
+            status = 8;
         }
-        cuCtxSynchronize();
-        for (int i = 0; i < n_out; i++) {
-            nimble_tensor_info info;
+        for (int i = 0; status == 0 && i < n_out; i++) {
             nimble_output_info(m, 0, i, &info);
-            char *host = malloc(info.nbytes);
-            cuMemcpyDtoH(host, nimble_output_address(m, 0, 0, i), info.nbytes);
-            fwrite(host, 1, info.nbytes, o);
-            free(host);
+            if (check(cuMemcpyDtoH(host, nimble_output_address(m, 0, 0, i), info.nbytes),
+                      "cuMemcpyDtoH"))
+                status = 8;
+            else if (fwrite(host, 1, info.nbytes, o) != info.nbytes)
+                status = 2;
         }
     }
+    int opened = in && o && host;
+    free(host);
+    if (in) fclose(in);
+    if (o && fclose(o) != 0 && status == 0) status = 2; /* a write's error may show only here */
+    if (status == 2 && opened) fprintf(stderr, "run_saved: cannot write %s\n", out);
+    return status;
 }
 
-int main(int argc, char **argv) {
-    if (argc < 3 || (argc < 4 && strcmp(argv[2], "--info") != 0)) {
-        fprintf(stderr, "usage: run_saved FILE INPUTS OUT | run_saved FILE --info | "
-                        "run_saved FILE --bench N\n");
-        return 1;
-    }
-    CUdevice dev;
-    CUcontext ctx;
-    CUdeviceptr probe;
-    if (check(cuInit(0), "cuInit") || check(cuDeviceGet(&dev, 0), "cuDeviceGet") ||
-        check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain") ||
-        check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent") ||
-        check(cuMemAlloc(&probe, 1), "cuMemAlloc"))
-        return 8;
-    cuMemFree(probe); /* the context exists: the load time below leaves its creation out */
+/* With the context current: load, do what the command line asks, free. */
+static int with_model(char **argv, int bench_calls) {
     nimble_model *m = NULL;
     double t0 = now_us();
     nimble_status s = nimble_load(argv[1], 0, 0, &m);
@@ -163,17 +178,43 @@ int main(int argc, char **argv) {
         return (int)s;
     }
     int status;
-    if (strcmp(argv[2], "--bench") == 0) {
+    if (bench_calls) {
         /* Only the bench makes a call of its own: a graph with state (a decode step's cache)
          * would otherwise run the caller's inputs on a state this call changed. */
-        if (zero_inputs(m) != 0) return 8;
-        nimble_run(m, 0, 0, NULL);
-        if (check(cuCtxSynchronize(), "the first call")) return 8;
-        status = bench(m, (now_us() - t0) / 1e3, atoi(argv[3]));
+        status = zero_inputs(m);
+        if (status == 0 && nimble_run(m, 0, 0, NULL) != NIMBLE_OK) {
+            fprintf(stderr, "run_saved: %s\n", nimble_last_error());
+            status = 8;
+        }
+        if (status == 0 && check(cuCtxSynchronize(), "the first call")) status = 8;
+        if (status == 0) status = bench(m, (now_us() - t0) / 1e3, bench_calls);
     } else {
         status = strcmp(argv[2], "--info") == 0 ? info(m) : run_sets(m, argv[2], argv[3]);
     }
     nimble_free(m);
+    return status;
+}
+
+int main(int argc, char **argv) {
+    int bench_calls = argc >= 4 && strcmp(argv[2], "--bench") == 0 ? atoi(argv[3]) : 0;
+    if (argc < 3 || (argc < 4 && strcmp(argv[2], "--info") != 0) ||
+        (strcmp(argv[2], "--bench") == 0 && bench_calls < 1)) {
+        fprintf(stderr, "usage: run_saved FILE INPUTS OUT | run_saved FILE --info | "
+                        "run_saved FILE --bench N\n");
+        return 1;
+    }
+    CUdevice dev;
+    CUcontext ctx;
+    CUdeviceptr probe;
+    if (check(cuInit(0), "cuInit") || check(cuDeviceGet(&dev, 0), "cuDeviceGet") ||
+        check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain"))
+        return 8;
+    int status = 8;
+    if (!check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent") &&
+        !check(cuMemAlloc(&probe, 1), "cuMemAlloc")) {
+        cuMemFree(probe); /* the context exists: the load time below leaves its creation out */
+        status = with_model(argv, bench_calls);
+    }
     cuDevicePrimaryCtxRelease(dev);
     return status;
 }
