@@ -80,24 +80,32 @@ static void rd_tensor(plan_t *pl, tensor_t *t) {
     t->info.contiguous = (int)rd(pl);
 }
 
-static void rd_node(plan_t *pl, node_t *nd) {
+/* A kernel node's indices and offsets are checked here, so that the builder may trust them. */
+static void rd_node(plan_t *pl, node_t *nd, uint64_t nkernels) {
     nd->kind = (int)rd(pl);
     if (nd->kind == N_KERNEL) {
         nd->kernel = rd(pl);
+        if (nd->kernel >= nkernels) pl->bad = 1;
         for (int i = 0; i < 3; i++) nd->grid[i] = rd(pl);
         for (int i = 0; i < 3; i++) nd->block[i] = rd(pl);
         nd->shared = rd(pl);
         nd->has_priority = rd(pl); nd->priority = (int64_t)rd(pl);
         nd->packed = rd(pl);
         nd->nparams = rd(pl);
+        if (nd->nparams > pl->n) pl->bad = 1; /* its double would wrap */
         nd->params = arr(pl, 2 * nd->nparams, sizeof(uint64_t));
         for (uint64_t i = 0; !pl->bad && i < 2 * nd->nparams; i++) nd->params[i] = rd(pl);
         nd->args = rd_raw(pl, &nd->args_len);
+        for (uint64_t i = 0; !pl->bad && !nd->packed && i < nd->nparams; i++) /* the slots */
+            if (nd->params[2 * i] > nd->args_len ||
+                nd->params[2 * i + 1] > nd->args_len - nd->params[2 * i])
+                pl->bad = 1;
         nd->nrelocs = rd(pl);
         nd->relocs = arr(pl, nd->nrelocs, sizeof(reloc_t));
         for (uint64_t i = 0; !pl->bad && i < nd->nrelocs; i++) {
             nd->relocs[i].loc = rd(pl);
             rd_place(pl, &nd->relocs[i].place);
+            if (nd->args_len < 8 || nd->relocs[i].loc > nd->args_len - 8) pl->bad = 1;
         }
         nd->nattrs = rd(pl);
         nd->attrs = arr(pl, nd->nattrs, sizeof(attr_t));
@@ -117,7 +125,7 @@ static void rd_node(plan_t *pl, node_t *nd) {
     }
 }
 
-static void rd_bucket(plan_t *pl, bucket_t *b, uint64_t nmemory) {
+static void rd_bucket(plan_t *pl, bucket_t *b, const nimble_model *m) {
     b->plan_bytes = rd(pl);
     b->ninputs = rd(pl);
     b->inputs = arr(pl, b->ninputs, sizeof(tensor_t));
@@ -134,8 +142,9 @@ static void rd_bucket(plan_t *pl, bucket_t *b, uint64_t nmemory) {
     }
     b->nnodes = rd(pl);
     b->nodes = arr(pl, b->nnodes, sizeof(node_t));
-    for (uint64_t i = 0; !pl->bad && i < b->nnodes; i++) rd_node(pl, &b->nodes[i]);
+    for (uint64_t i = 0; !pl->bad && i < b->nnodes; i++) rd_node(pl, &b->nodes[i], m->nkernels);
     b->nedges = rd(pl);
+    if (b->nedges > pl->n) pl->bad = 1; /* its double would wrap */
     b->edges = arr(pl, 2 * b->nedges, sizeof(uint64_t));
     for (uint64_t i = 0; !pl->bad && i < 2 * b->nedges; i++) {
         b->edges[i] = rd(pl);
@@ -163,7 +172,7 @@ static void rd_bucket(plan_t *pl, bucket_t *b, uint64_t nmemory) {
         rd(pl); /* the buffer's size: its whole range is put back */
         uint64_t w = 0;
         while (w < b->nwritten && b->written[w] != p.index) w++;
-        if (p.region == R_MEMORY && p.index < nmemory && w == b->nwritten)
+        if (p.region == R_MEMORY && p.index < m->nmemory && w == b->nwritten)
             b->written[b->nwritten++] = p.index;
     }
 }
@@ -210,8 +219,7 @@ nimble_status nimble_read_plan(nimble_model *m, plan_t *pl) {
         }
     }
     m->buckets = arr(pl, m->nbuckets, sizeof(bucket_t));
-    for (uint64_t k = 0; !pl->bad && k < m->nbuckets; k++)
-        rd_bucket(pl, &m->buckets[k], m->nmemory);
+    for (uint64_t k = 0; !pl->bad && k < m->nbuckets; k++) rd_bucket(pl, &m->buckets[k], m);
     char *unsupported = pl->bad ? NULL : rd_text(pl);
     if (pl->bad) { free(unsupported); return fail(NIMBLE_ERROR_FORMAT, "the file's c_plan "
                                                     "section is damaged"); }
