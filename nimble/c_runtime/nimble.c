@@ -496,10 +496,7 @@ nimble_status nimble_load(const char *path, int device, unsigned flags, nimble_m
     nimble_status s = load(m, path, device, flags);
     nimble_release_file(m); /* blobs and plan strings point into it; only loading reads them */
     if (s != NIMBLE_OK) {
-        char saved[sizeof last_error];
-        memcpy(saved, last_error, sizeof saved);
-        nimble_free(m);
-        memcpy(last_error, saved, sizeof saved);
+        nimble_free(m); /* sets no error: the load's message stays */
         return s;
     }
     last_error[0] = 0;
