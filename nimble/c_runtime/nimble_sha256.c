@@ -91,11 +91,13 @@ static void sha256_blocks_ni(sha256_t *s, const uint8_t *p, size_t blocks) {
     _mm_storeu_si128((__m128i *)&s->h[4], _mm_alignr_epi8(dchg, feba, 8));
 }
 
-static int has_sha_ni(void) {
+/* The CPU has the SHA extensions and NIMBLE_NO_SHA_NI does not turn them off, asked once. */
+static int use_sha_ni(void) {
     static int known = -1; /* races only write the same value */
     if (known < 0) {
         unsigned a = 0, b = 0, c = 0, d = 0;
-        known = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 29 & 1u);
+        known = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 29 & 1u) &&
+                !getenv("NIMBLE_NO_SHA_NI");
     }
     return known;
 }
@@ -104,7 +106,7 @@ static int has_sha_ni(void) {
 /* `blocks` 64-byte blocks, on the SHA extensions where the CPU has them. */
 static void sha256_blocks(sha256_t *s, const uint8_t *p, size_t blocks) {
 #ifdef NIMBLE_SHA_NI
-    if (has_sha_ni() && !getenv("NIMBLE_NO_SHA_NI")) {
+    if (use_sha_ni()) {
         sha256_blocks_ni(s, p, blocks);
         return;
     }
