@@ -15,6 +15,13 @@ from .prepared import Prepared
 from .proof import FUZZ_TIME_FACTOR, ProofProgress
 
 
+def gradient_outputs(prepared: Prepared) -> list[int]:
+    """The outputs of a training step that are gradients (held to the proof's tolerance)."""
+    if prepared.step is None:
+        return []
+    return list(range(prepared.step.layout.forward_outputs, len(prepared.graph.outputs)))
+
+
 def low_word_ranges(prepared: Prepared) -> list[tuple[int, int]]:
     """``(address, size)`` of the buffers placed outside the arena to keep their low 32 bits."""
     graph = prepared.graph
@@ -69,8 +76,7 @@ def prove(prepared: Prepared, rec, relaunches: int, fuzz: bool = True,
 
     rng = prepared.launcher.rng
     saved = rng.generator.get_state() if rng else None
-    outputs = len(prepared.graph.outputs)
-    gradients = range(prepared.step.layout.forward_outputs, outputs) if prepared.step else ()
+    gradients = gradient_outputs(prepared)
     start = rng.generator.get_offset() if rng else 0
 
     def rng_at(k: int) -> None:

@@ -44,6 +44,7 @@ from .c_plan import c_plan
 from .kernel_binaries import BinaryTable, KernelFinder, LiveKernel
 from .launcher import run_phases
 from .prepared import Prepared
+from .proving import gradient_outputs
 
 #: Seed of the reference inputs a saved graph is checked against at load.
 REFERENCE_SEED = 0x5A7ED
@@ -237,13 +238,6 @@ def restored_ranges(prepared: Prepared) -> list[tuple[int, int]]:
     graph = prepared.graph
     buffers = shared_state_buffers(graph) + written_weights(graph, prepared.step is not None)
     return [(prepared.bases[b], graph.buffers[b].size) for b in buffers]
-
-
-def gradient_outputs(prepared: Prepared) -> list[int]:
-    """The outputs of a training step that are gradients (held to the proof's tolerance)."""
-    if prepared.step is None:
-        return []
-    return list(range(prepared.step.layout.forward_outputs, len(prepared.graph.outputs)))
 
 
 def _references(prepared: Prepared, blobs: BlobWriter) -> dict:
