@@ -181,24 +181,22 @@ static nimble_status load_kernel_item(nimble_model *m, uint64_t i) {
     return load_kernel(m, &m->kernels[i]);
 }
 
-/* Every binary read and each library's hash checked (on several threads), before the driver
- * loads any; then the libraries loaded side by side, then every kernel's function.  An image
- * in the file is not hashed again: the file's checksum has proved its bytes (it hashes none:
- * its size counts 0). */
+/* Every binary read and its hash checked (on several threads), before the driver loads any;
+ * then the libraries loaded side by side, then every kernel's function. */
 static nimble_status load_binaries(nimble_model *m, uint8_t **owned, size_t *sizes,
                                    uint8_t (*sums)[32]) {
     double clock = seconds_now();
     for (uint64_t i = 0; i < m->nbinaries; i++) {
         TRY(binary_image(m, &m->binaries[i], &owned[i], &m->images[i]));
-        sizes[i] = m->binaries[i].library ? (size_t)m->binaries[i].size : 0;
+        sizes[i] = (size_t)m->binaries[i].size;
     }
     nimble_sha256_many(m->images, sizes, sums, (size_t)m->nbinaries);
     for (uint64_t i = 0; i < m->nbinaries; i++) {
         binary_t *b = &m->binaries[i];
-        if (b->library && memcmp(sums[i], b->sha, 32) != 0)
+        if (memcmp(sums[i], b->sha, 32) != 0)
             return fail(NIMBLE_ERROR_LIBRARY, "the kernel binary at byte %llu of %s is not the "
                         "one the graph was saved with (another version of the library)",
-                        (unsigned long long)b->offset, b->path);
+                        (unsigned long long)b->offset, b->library ? b->path : "the file");
     }
     lap(m, NIMBLE_STAGE_BINARIES, &clock);
     TRY(spread(m, load_library, m->nbinaries));
