@@ -216,3 +216,14 @@ def test_the_decode_steps_shape_comes_from_one_trace_at_the_timed_tokens_middle(
     assert traced[-1] == ((1, 1), 16) and failed["concurrency"] is None
     assert failed["trace_error"] == "RuntimeError: stand-in second line"  # one line
     assert "breakdown" not in failed
+
+
+def test_the_8b_shape_is_llama_3_8b_and_built_on_the_gpu():
+    pytest.importorskip("transformers")
+    from nimble.cli.decoders import BUILT_ON_GPU, CAUSAL_LMS, config_of
+
+    config = config_of("llama3_8b")
+    assert "llama3_8b" in CAUSAL_LMS and "llama3_8b" in BUILT_ON_GPU
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size,
+            config.num_key_value_heads, config.vocab_size) == (4096, 32, 14336, 8, 128256)
+    assert not config.tie_word_embeddings

@@ -1,6 +1,7 @@
 """tools/tp_decode_bench.py on the CPU: its arguments and its report lines."""
 from __future__ import annotations
 
+import pytest
 from helpers import load_tool
 
 bench = load_tool("tp_decode_bench")
@@ -19,3 +20,11 @@ def test_a_row_reports_its_time_or_its_error():
         "2 GPU(s), batch 8, nimble: 1.234 ms/token (p90 1.500), 6480 tokens/s"
     assert bench.report_line(1, 1, "compiled loop", {"error": "Unsupported: x"}) == \
         "1 GPU(s), batch 1, compiled loop: failed: Unsupported: x"
+
+
+def test_modes_are_chosen_by_name_and_an_unknown_one_is_refused(capsys):
+    assert bench.parse_args([]).modes == ["nimble", "compiled loop"]
+    assert bench.parse_args(["--modes", "nimble+inductor"]).modes == ["nimble+inductor"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--modes", "nimble,fast"])
+    assert "modes are nimble, nimble+inductor, compiled loop" in capsys.readouterr().err

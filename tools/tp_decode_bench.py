@@ -23,7 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 from gpu_suite import NO_MULTICAST  # tools/ is a script's first path entry
 
-MODES = ("nimble", "compiled loop")
+#: Nimble's Generator on the model's eager kernels, on Inductor's kernels, and the compiled loop.
+MODES = ("nimble", "nimble+inductor", "compiled loop")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,8 +37,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--modes", default="nimble,compiled loop", type=_modes,
+                   help=f"which of {', '.join(MODES)} to time (default nimble,compiled loop)")
     p.add_argument("--json", help="also write the rows here (rank 0)")
     return p.parse_args(argv)
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"modes are {', '.join(MODES)}, not {text!r}")
+    return modes
 
 
 def report_line(world: int, batch: int, mode: str, row: dict) -> str:
@@ -60,36 +71,51 @@ def _timed(run, prompts: dict, args, batch: int) -> dict:
     return row
 
 
-def _case(model, args, batch: int) -> dict:
-    """Both modes' timings at ``batch``, and the decode step's all-reduce kernels."""
+def _case(model, args, batch: int, report) -> dict:
+    """The timings of ``args.modes`` at ``batch``, and each Generator's decode-step all-reduce
+    kernels; ``report(mode, row)`` is called as each mode ends."""
     import torch
 
     from nimble.cli.common import one_line
     from nimble.cli.decode_loop import compiled_loop
-    from nimble.generate import Generator
-    from nimble.ir.kernel_names import collective_kernel
 
     torch.manual_seed(1)  # the same prompts on every rank
     prompts = {args.prompt: torch.randint(0, model.config.vocab_size, (batch, args.prompt),
                                           device="cuda")}
     length = args.prompt + args.new_tokens
     rows: dict = {}
-    try:
-        generator = Generator(model, max_cache_len=length, prompt_buckets=[args.prompt],
-                              batch_sizes=[batch])
-    except Exception as e:  # noqa: BLE001 - the loop is still timed
-        rows["nimble"] = {"error": one_line(e)}
-    else:
-        decode, _ = generator.steps(batch)
-        rows["nimble"] = _timed(generator.generate, prompts, args, batch)
-        rows["nimble"]["all_reduces"] = sum(collective_kernel(t.name)
-                                            for t in decode.graph.tasks)
-        generator.close()
-    try:
-        rows["compiled loop"] = _timed(compiled_loop(model, length), prompts, args, batch)
-    except Exception as e:  # noqa: BLE001
-        rows["compiled loop"] = {"error": one_line(e)}
+    for mode in args.modes:
+        if mode == "compiled loop":
+            try:
+                rows[mode] = _timed(compiled_loop(model, length), prompts, args, batch)
+            except Exception as e:  # noqa: BLE001 - the other modes still run
+                rows[mode] = {"error": one_line(e)}
+        else:
+            rows[mode] = _generator_row(model, args, batch, prompts, mode == "nimble+inductor")
+        report(mode, rows[mode])
     return rows
+
+
+def _generator_row(model, args, batch: int, prompts: dict, inductor: bool) -> dict:
+    """A Generator's timing on the model's eager kernels or Inductor's, with its decode step's
+    all-reduce kernels."""
+    from nimble.cli.common import one_line
+    from nimble.generate import Generator, prepare_with_nimble
+    from nimble.ir.kernel_names import collective_kernel
+
+    try:
+        generator = Generator(model, max_cache_len=args.prompt + args.new_tokens,
+                              prompt_buckets=[args.prompt], batch_sizes=[batch],
+                              prepare_step=prepare_with_nimble(None, inductor))
+    except Exception as e:  # noqa: BLE001 - the other modes still run
+        return {"error": one_line(e)}
+    try:
+        decode, _ = generator.steps(batch)
+        row = _timed(generator.generate, prompts, args, batch)
+        row["all_reduces"] = sum(collective_kernel(t.name) for t in decode.graph.tasks)
+        return row
+    finally:
+        generator.close()
 
 
 def main(argv=None) -> int:
@@ -107,10 +133,10 @@ def main(argv=None) -> int:
     model = split(causal_lm(args.model, args.dtype), rank, world)
     results = {"model": args.model, "dtype": args.dtype, "world": world, "batches": {}}
     for batch in args.batch:
-        rows = results["batches"][str(batch)] = _case(model, args, batch)
-        if rank == 0:
-            for mode in MODES:
-                print(report_line(world, batch, mode, rows[mode]), flush=True)
+        def report(mode: str, row: dict, batch: int = batch) -> None:
+            if rank == 0:
+                print(report_line(world, batch, mode, row), flush=True)
+        results["batches"][str(batch)] = _case(model, args, batch, report)
     if rank == 0 and args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     sys.stdout.flush()

@@ -6,7 +6,9 @@ weights, no downloads; needs ``transformers``).
 ``llama_1b`` a Llama of about 0.85B parameters (hidden 2048, 16 layers, grouped-query attention
 with 8 key-value heads of 64); ``llama3_1b`` Llama-3.2-1B's shape (the same attention, an MLP of
 8192, a vocabulary of 128256 and the embedding tied to the language-model head), the model the
-issue "Decoding near the memory-bandwidth limit" sets its targets on.
+issue "Decoding near the memory-bandwidth limit" sets its targets on; ``llama3_8b``
+Llama-3-8B's shape (hidden 4096, 32 layers, an MLP of 14336; 16 GB in 16-bit), where a decode
+step is long enough for splitting it over GPUs to pay.
 """
 from __future__ import annotations
 
@@ -22,12 +24,18 @@ LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers":
 LLAMA3_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
              "tie_word_embeddings": True}
+#: Llama-3-8B's shape: its published config's sizes (the embedding and head untied).
+LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}
 #: A GPT-2 small enough for quick decoding tests.
 GPT2_TINY = {"n_layer": 4, "n_embd": 256, "n_head": 4}
 #: The names :func:`causal_lm` builds.
-CAUSAL_LMS = ("gpt2", "gpt2_tiny", "llama_small", "llama_1b", "llama3_1b")
+CAUSAL_LMS = ("gpt2", "gpt2_tiny", "llama_small", "llama_1b", "llama3_1b", "llama3_8b")
 #: The Llama-architecture configs by name.
-LLAMAS = {"llama_small": LLAMA_SMALL, "llama_1b": LLAMA_1B, "llama3_1b": LLAMA3_1B}
+LLAMAS = {"llama_small": LLAMA_SMALL, "llama_1b": LLAMA_1B, "llama3_1b": LLAMA3_1B,
+          "llama3_8b": LLAMA3_8B}
+#: Models built on the GPU in their dtype: in float32 on the CPU they take minutes and 32 GB.
+BUILT_ON_GPU = ("llama3_8b",)
 
 
 def config_of(name: str):
@@ -43,7 +51,8 @@ def config_of(name: str):
 
 def causal_lm(name: str, dtype: str = "float16"):
     """``name``'s decoder with its language-model head on the GPU in eval mode, in ``dtype``,
-    random weights from seed 0."""
+    random weights from seed 0 (drawn on the CPU in float32, or for :data:`BUILT_ON_GPU` on the
+    GPU in ``dtype``: other numbers from the same seed)."""
     import torch
     import transformers
 
@@ -51,4 +60,12 @@ def causal_lm(name: str, dtype: str = "float16"):
     torch.manual_seed(0)
     cls = transformers.GPT2LMHeadModel if name.startswith("gpt2") else \
         transformers.LlamaForCausalLM
-    return cls(config).cuda().eval().to(getattr(torch, dtype))
+    if name not in BUILT_ON_GPU:
+        return cls(config).cuda().eval().to(getattr(torch, dtype))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device("cuda"):
+            return cls(config).eval()
+    finally:
+        torch.set_default_dtype(default)
