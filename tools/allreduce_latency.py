@@ -1,0 +1,116 @@
+"""What one NCCL all-reduce costs on this machine's GPUs, by size, eagerly and inside a CUDA graph.
+
+    torchrun --nproc_per_node=N tools/allreduce_latency.py [--sizes 16K,1M,25M,94M]
+        [--graphed 8K] [--count 32] [--iters 20]
+
+The floor under the two places Nimble puts all-reduces: a data-parallel backward's gradient
+buckets (large: bandwidth) and a tensor-parallel decode step's partial sums (a few KiB each,
+two per layer: latency).  Rank 0 prints whether GPU 0 reaches GPU 1's memory directly (peer
+access; ``nvidia-smi topo -m`` says over what), then per ``--sizes`` the GPU time of one eager
+float32 all-reduce (mean of ``--iters`` after a warm-up, CUDA events) and its rate
+(bytes / time), then ``--count`` bfloat16 all-reduces of ``--graphed`` bytes captured in one CUDA
+graph: the time of each one replayed.  Multicast stays off (``NCCL_NVLS_ENABLE=0``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+from gpu_suite import NO_MULTICAST  # tools/ is a script's first path entry
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def size(text: str) -> int:
+    """Bytes from ``16K``, ``94M``, ``1G`` or a plain number."""
+    text = text.strip().upper().removesuffix("B")
+    scale = UNITS.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in UNITS else text
+    if not number.isdigit() or int(number) <= 0:
+        raise argparse.ArgumentTypeError(f"a size is a positive number with K, M or G, "
+                                         f"not {text!r}")
+    return int(number) * scale
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default=[size(s) for s in ("16K", "1M", "25M", "94M")],
+                   type=lambda text: [size(s) for s in text.split(",") if s.strip()])
+    p.add_argument("--graphed", type=size, default=size("8K"))
+    p.add_argument("--count", type=int, default=32)
+    p.add_argument("--iters", type=int, default=20)
+    return p.parse_args(argv)
+
+
+def rate_line(nbytes: int, us: float) -> str:
+    """One eager size's line: its time and bytes per second."""
+    return (f"all_reduce {nbytes / 2**20:10.3f} MiB: {us:9.1f} us "
+            f"{nbytes / us / 1e3:8.1f} GB/s")
+
+
+def _mean_ms(fn, iters: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _graphed_us(nbytes: int, count: int, iters: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dist.all_reduce(t)  # NCCL's warm-up before a capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(count):
+            dist.all_reduce(t)
+    return _mean_ms(graph.replay, iters) * 1e3 / count
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.update(NO_MULTICAST)
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", 0))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    world = dist.get_world_size()
+    if rank == 0:
+        peer = torch.cuda.can_device_access_peer(0, 1) if torch.cuda.device_count() > 1 else None
+        print(f"{world} ranks on {torch.cuda.get_device_name()}; peer access 0->1: {peer}",
+              flush=True)
+    for nbytes in args.sizes:
+        t = torch.ones(nbytes // 4, device="cuda")
+        us = _mean_ms(lambda t=t: dist.all_reduce(t), args.iters) * 1e3
+        if rank == 0:
+            print(rate_line(nbytes, us), flush=True)
+    us = _graphed_us(args.graphed, args.count, args.iters)
+    if rank == 0:
+        print(f"graphed: {args.count} x {args.graphed} B bfloat16 all_reduce, {us:.1f} us each",
+              flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # after a captured collective, destroying the process group can hang
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
