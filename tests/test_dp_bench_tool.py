@@ -1,15 +1,13 @@
 """tools/dp_bench.py's arithmetic: what its medians say (no GPU)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from helpers import load_tool
 
-_SPEC = importlib.util.spec_from_file_location(
-    "dp_bench", Path(__file__).resolve().parent.parent / "tools" / "dp_bench.py")
-dp_bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(dp_bench)
+dp_bench = load_tool("dp_bench")
+gpu_suite = load_tool("gpu_suite")
 
 
 def _rows(**ms: float) -> dict:
@@ -47,3 +45,22 @@ def test_the_ddp_wrapped_row_gets_its_own_speed_up_efficiency_and_hidden_share()
     assert "nimble ddp" in got["images_per_s"]
     assert "nimble ddp x ddp: 1.250" in dp_bench._report(
         {"model": "m", "world": 2, "gpu": "g", "batch_per_gpu": 32, "modes": rows, **got})
+
+
+def test_each_nimble_row_says_how_its_graphs_are_launched_and_the_mixing_setting():
+    nm = SimpleNamespace(engine=SimpleNamespace(builts=[SimpleNamespace(device_launch=True),
+                                                        SimpleNamespace(device_launch=False)]))
+    assert dp_bench.launch_modes(nm) == ["device", "host"]
+    rows = _rows(nimble=4.0, nimble_local=3.5)
+    report = dp_bench._report({"model": "m", "world": 2, "gpu": "G", "batch_per_gpu": 32,
+                               "graph_mixing": False, "launch": {"nimble": ["device", "host"]},
+                               "modes": rows, **dp_bench.derived(rows, 2, 32)})
+    assert report.splitlines()[0] == "m, 2 x G, batch 32 per GPU, NCCL graph mixing off"
+    assert report.splitlines()[1].endswith("launched device/host")
+    assert "launched" not in report.splitlines()[2]  # nimble local: no launch modes given
+
+
+def test_the_benches_turn_nccl_graph_mixing_off_unless_asked_to_keep_it():
+    off = gpu_suite.collective_environment(keep_graph_mixing=False)
+    assert off["NCCL_GRAPH_MIXING_SUPPORT"] == "0" and off["NCCL_NVLS_ENABLE"] == "0"
+    assert "NCCL_GRAPH_MIXING_SUPPORT" not in gpu_suite.collective_environment(True)

@@ -28,3 +28,10 @@ def test_modes_are_chosen_by_name_and_an_unknown_one_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--modes", "nimble,fast"])
     assert "modes are nimble, nimble+inductor, compiled loop" in capsys.readouterr().err
+
+
+def test_a_generator_row_says_how_its_decode_step_is_launched():
+    row = {"token_ms_median": 2.0, "token_ms_p90": 2.5, "tokens_per_s": 4000.0, "launch": "host"}
+    assert bench.report_line(2, 8, "nimble", row).endswith(
+        "4000 tokens/s, decode step host-launched")
+    assert not bench.parse_args([]).graph_mixing and bench.parse_args(["--graph-mixing"]).graph_mixing

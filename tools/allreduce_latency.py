@@ -1,7 +1,7 @@
 """What one NCCL all-reduce costs on this machine's GPUs, by size, eagerly and inside a CUDA graph.
 
     torchrun --nproc_per_node=N tools/allreduce_latency.py [--sizes 16K,1M,25M,94M]
-        [--graphed 8K] [--count 32] [--iters 20]
+        [--graphed 8K] [--count 32] [--iters 20] [--graph-mixing]
 
 The floor under the two places Nimble puts all-reduces: a data-parallel backward's gradient
 buckets (large: bandwidth) and a tensor-parallel decode step's partial sums (a few KiB each,
@@ -9,7 +9,9 @@ two per layer: latency).  Rank 0 prints whether GPU 0 reaches GPU 1's memory dir
 access; ``nvidia-smi topo -m`` says over what), then per ``--sizes`` the GPU time of one eager
 float32 all-reduce (mean of ``--iters`` after a warm-up, CUDA events) and its rate
 (bytes / time), then ``--count`` bfloat16 all-reduces of ``--graphed`` bytes captured in one CUDA
-graph: the time of each one replayed.  Multicast stays off (``NCCL_NVLS_ENABLE=0``).
+graph: the time of each one replayed.  Multicast stays off (``NCCL_NVLS_ENABLE=0``), and NCCL's
+graph mixing support too unless ``--graph-mixing`` keeps it (its event nodes sit around each
+captured all-reduce).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-from gpu_suite import NO_MULTICAST  # tools/ is a script's first path entry
+from gpu_suite import collective_environment  # tools/ is a script's first path entry
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -42,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--graphed", type=size, default=size("8K"))
     p.add_argument("--count", type=int, default=32)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--graph-mixing", action="store_true",
+                   help="keep NCCL's graph mixing support")
     return p.parse_args(argv)
 
 
@@ -87,7 +91,7 @@ def _graphed_us(nbytes: int, count: int, iters: int) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.update(NO_MULTICAST)
+    os.environ.update(collective_environment(args.graph_mixing))
     import torch
     import torch.distributed as dist
 

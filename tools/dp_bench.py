@@ -1,7 +1,7 @@
 """Data-parallel training step, side by side on every rank (several GPUs, under torchrun).
 
     torchrun --nproc_per_node=N tools/dp_bench.py [MODEL ...] [--batch 32] [--rounds 5]
-        [--iters 10]
+        [--iters 10] [--graph-mixing]
 
 Per model (default resnet50 at CIFAR-10's 32² with 10 classes, as the paper's training table
 takes it, and inception_v3 at 299²; :func:`nimble.cli.train_bench.setup`), ``--batch`` images per GPU,
@@ -28,6 +28,11 @@ held) and how much of the all-reduce is hidden behind compute (1 - (``nimble`` -
 local``) / ``all-reduce``); the same three for ``nimble ddp`` (keys ending ``_ddp_wrapped``,
 its buffer broadcast counted as exposed).  Run with ``--nproc_per_node=1`` too for the one-GPU
 rows.
+
+NCCL's graph mixing support is off (``NCCL_GRAPH_MIXING_SUPPORT=0``, set before the process
+group) unless ``--graph-mixing`` keeps it: its event nodes around each captured collective make
+the driver refuse a device-launchable graph, so Nimble's graphs with all-reduces are then
+host-launched.  Each Nimble row says how its graphs (forward, backward) are launched.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+from gpu_suite import collective_environment  # tools/ is a script's first path entry
 
 DEFAULT_MODELS = ["resnet50", "inception_v3"]
 MODES = ("ddp", "ddp graphed", "nimble", "nimble local", "nimble ddp", "all-reduce")
@@ -69,8 +75,14 @@ def derived(rows: dict[str, dict], world: int, batch: int) -> dict:
     return out
 
 
-def _steps(name: str, batch: int, rank: int, quiet: bool) -> dict:
-    """Every mode's step for ``name`` on this rank (GPU)."""
+def launch_modes(nm) -> list[str]:
+    """How each of a prepared step's graphs (forward, backward) is launched."""
+    return ["device" if built.device_launch else "host" for built in nm.engine.builts]
+
+
+def _steps(name: str, batch: int, rank: int, quiet: bool) -> tuple[dict, dict]:
+    """Every mode's step for ``name`` on this rank (GPU), and each Nimble mode's
+    :func:`launch_modes`."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -78,7 +90,7 @@ def _steps(name: str, batch: int, rank: int, quiet: bool) -> dict:
     from nimble.cli.train_bench import setup, training_step
 
     base, x, y = setup(name, batch)
-    steps = {}
+    steps, launches = {}, {}
     ddp = DistributedDataParallel(copy.deepcopy(base), device_ids=[rank])
     steps["ddp"] = training_step(ddp, ddp, x, y)
     graphed_model = copy.deepcopy(base)
@@ -90,11 +102,13 @@ def _steps(name: str, batch: int, rank: int, quiet: bool) -> dict:
         nm = nimble.Nimble(model).prepare(x, training=True, average_gradients=average,
                                           quiet=quiet)
         steps[mode] = training_step(nm, model, x, y)
+        launches[mode] = launch_modes(nm)
     wrapped = DistributedDataParallel(copy.deepcopy(base), device_ids=[rank])
     nm = nimble.Nimble(wrapped).prepare(x, training=True, quiet=quiet)
     steps["nimble ddp"] = training_step(nm, wrapped, x, y)
+    launches["nimble ddp"] = launch_modes(nm)
     steps["all-reduce"] = _graphed_average([torch.zeros_like(p) for p in base.parameters()])
-    return steps
+    return steps, launches
 
 
 def _graphed_average(grads: list) -> Callable[[], None]:
@@ -127,17 +141,21 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="images per GPU")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--graph-mixing", action="store_true",
+                        help="keep NCCL's graph mixing support (its event nodes make Nimble's "
+                             "graphs with collectives host-launched)")
     args = parser.parse_args(argv)
+    os.environ.update(collective_environment(args.graph_mixing))
     rank = int(os.environ.get("RANK", 0))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     world = dist.get_world_size()
     for name in args.models:
-        rows = mode_rows(time_rounds(_steps(name, args.batch, rank, rank != 0),
-                                     args.rounds, args.iters))
+        steps, launches = _steps(name, args.batch, rank, rank != 0)
+        rows = mode_rows(time_rounds(steps, args.rounds, args.iters))
         result = {"model": name, "world": world, "batch_per_gpu": args.batch,
-                  "gpu": torch.cuda.get_device_name(), "modes": rows,
-                  **derived(rows, world, args.batch)}
+                  "gpu": torch.cuda.get_device_name(), "graph_mixing": args.graph_mixing,
+                  "launch": launches, "modes": rows, **derived(rows, world, args.batch)}
         if rank == 0:
             print(_report(result))
             print(json.dumps(result), flush=True)
@@ -147,11 +165,15 @@ def main(argv=None) -> int:
 
 
 def _report(r: dict) -> str:
-    lines = [f"{r['model']}, {r['world']} x {r['gpu']}, batch {r['batch_per_gpu']} per GPU"]
+    mixing = "on" if r.get("graph_mixing") else "off"
+    lines = [f"{r['model']}, {r['world']} x {r['gpu']}, batch {r['batch_per_gpu']} per GPU, "
+             f"NCCL graph mixing {mixing}"]
     for mode, row in r["modes"].items():
         rate = r["images_per_s"].get(mode)
+        launch = r.get("launch", {}).get(mode)
         lines.append(f"  {mode:<13} {row['median_ms']:8.3f} ms ({row['min_ms']:.3f}-"
-                     f"{row['max_ms']:.3f})" + (f"  {rate:9.0f} images/s" if rate else ""))
+                     f"{row['max_ms']:.3f})" + (f"  {rate:9.0f} images/s" if rate else "")
+                     + (f"  launched {'/'.join(launch)}" if launch else ""))
     keys = [k + suffix for _, suffix in NIMBLE_ROWS
             for k in ("scaling_efficiency", "all_reduce_hidden")]
     for key in ["nimble_x_ddp", "nimble_ddp_x_ddp"] + keys:

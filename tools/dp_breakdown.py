@@ -1,7 +1,7 @@
 """Where the time of a data-parallel training step goes on the GPU (issue 51), per mode.
 
     torchrun --nproc_per_node=N tools/dp_breakdown.py [MODEL] [--batch 32] [--steps 10]
-        [--bucket-mib 4] [--json F]
+        [--bucket-mib 4] [--graph-mixing] [--json F]
 
 ``tools/dp_bench.py`` says how much slower a step with its gradients averaged is than the same
 step alone; this says why.  Each rank prepares the model's SGD step (as ``dp_bench.py`` does:
@@ -19,7 +19,9 @@ warm-up, and rank 0 prints, per step, from the kernels' intervals in the trace:
   kernels run (``busy`` less ``compute``).
 
 The profiler slows the host, so ``wall`` and ``idle`` are longer than in ``dp_bench.py``; hold
-the modes against each other.  Multicast stays off.
+the modes against each other.  Multicast stays off, and so does NCCL's graph mixing support
+(``NCCL_GRAPH_MIXING_SUPPORT=0``, whose event nodes make a graph with collectives
+host-launched) unless ``--graph-mixing`` keeps it.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-from gpu_suite import NO_MULTICAST  # tools/ is a script's first path entry
+from gpu_suite import collective_environment  # tools/ is a script's first path entry
 
 
 def covered(intervals: list[tuple[float, float]]) -> float:
@@ -101,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="images per GPU")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--bucket-mib", type=int, default=4, help="the small buckets' size")
+    p.add_argument("--graph-mixing", action="store_true",
+                   help="keep NCCL's graph mixing support")
     p.add_argument("--json", help="also write the rows here (rank 0)")
     return p.parse_args(argv)
 
@@ -145,7 +149,7 @@ def _profiled(step, steps: int, rank: int) -> Breakdown:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.update(NO_MULTICAST)
+    os.environ.update(collective_environment(args.graph_mixing))
     import torch
     import torch.distributed as dist
 
@@ -160,6 +164,7 @@ def main(argv=None) -> int:
     if rank == 0 and args.json:
         Path(args.json).write_text(json.dumps(
             {"model": args.model, "world": dist.get_world_size(), "batch_per_gpu": args.batch,
+             "graph_mixing": args.graph_mixing,
              "modes": {m: asdict(b) for m, b in rows.items()}}, indent=1))
     sys.stdout.flush()
     os._exit(0)  # after captured collectives, destroying the process group can hang

@@ -87,6 +87,18 @@ MULTI_GPU = {"test_gpu_collectives.py": 2}
 #: NCCL, torch's symmetric memory and NVSHMEM alike, as the multi-GPU tests are run.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
+#: NCCL's guard for graph-captured and eager collectives on one communicator (an event wait and
+#: an event record around each captured collective) off: those event nodes keep a graph from
+#: being device-launched (docs/inference.md, "Device launch").  With it off, an eager collective
+#: must not run on the communicator while a graph launch that uses it is still running; one
+#: stream's order, as the benches keep, is enough.
+GRAPH_MIXING_OFF = {"NCCL_GRAPH_MIXING_SUPPORT": "0"}
+
+
+def collective_environment(keep_graph_mixing: bool) -> dict:
+    """What a bench across GPUs sets before it makes its process group: multicast off, and
+    NCCL's graph mixing off unless ``keep_graph_mixing``."""
+    return {**NO_MULTICAST, **({} if keep_graph_mixing else GRAPH_MIXING_OFF)}
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 (:mod:`nimble.cli.tp_decoders`), beside the compiled tight loop on the same split.
 
     torchrun --nproc_per_node=N tools/tp_decode_bench.py [LM] [--dtype bfloat16]
-        [--batch 1,8] [--prompt 128] [--new-tokens 64] [--rounds 5] [--json F]
+        [--batch 1,8] [--prompt 128] [--new-tokens 64] [--rounds 5] [--modes M,...]
+        [--graph-mixing] [--json F]
 
 Run it with N = 1 (the whole model: one rank's split is all of it, its all-reduces trivial) and
 with N = 2 or 4 on as many GPUs, and hold the lines against each other.  Every rank runs the
@@ -10,7 +11,9 @@ same work (the collectives meet), rank 0 prints: per batch, the milliseconds per
 mode ((T64 - T16) / 48 as ``nimble bench --generate`` times it, the median of ``--rounds``),
 tokens/s, and the decode step's all-reduce kernels.  A mode that fails is a row with its
 one-line error; the ranks fail alike, so the others still meet.  Multicast stays off
-(``NCCL_NVLS_ENABLE=0``).
+(``NCCL_NVLS_ENABLE=0``), and so does NCCL's graph mixing support (``NCCL_GRAPH_MIXING_SUPPORT=0``)
+unless ``--graph-mixing`` keeps it: its event nodes make a graph with collectives host-launched;
+each Generator row says how its decode step is launched.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-from gpu_suite import NO_MULTICAST  # tools/ is a script's first path entry
+from gpu_suite import collective_environment  # tools/ is a script's first path entry
 
 #: Nimble's Generator on the model's eager kernels, on Inductor's kernels, and the compiled loop.
 MODES = ("nimble", "nimble+inductor", "compiled loop")
@@ -39,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--modes", default="nimble,compiled loop", type=_modes,
                    help=f"which of {', '.join(MODES)} to time (default nimble,compiled loop)")
+    p.add_argument("--graph-mixing", action="store_true",
+                   help="keep NCCL's graph mixing support (its event nodes make the graphs "
+                        "host-launched)")
     p.add_argument("--json", help="also write the rows here (rank 0)")
     return p.parse_args(argv)
 
@@ -55,8 +61,9 @@ def report_line(world: int, batch: int, mode: str, row: dict) -> str:
     """One mode's line: its ms per token and tokens/s, or its error."""
     if "error" in row:
         return f"{world} GPU(s), batch {batch}, {mode}: failed: {row['error']}"
+    launch = f", decode step {row['launch']}-launched" if row.get("launch") else ""
     return (f"{world} GPU(s), batch {batch}, {mode}: {row['token_ms_median']:.3f} ms/token "
-            f"(p90 {row['token_ms_p90']:.3f}), {row['tokens_per_s']:.0f} tokens/s")
+            f"(p90 {row['token_ms_p90']:.3f}), {row['tokens_per_s']:.0f} tokens/s{launch}")
 
 
 def _timed(run, prompts: dict, args, batch: int) -> dict:
@@ -113,6 +120,7 @@ def _generator_row(model, args, batch: int, prompts: dict, inductor: bool) -> di
         decode, _ = generator.steps(batch)
         row = _timed(generator.generate, prompts, args, batch)
         row["all_reduces"] = sum(collective_kernel(t.name) for t in decode.graph.tasks)
+        row["launch"] = "device" if decode.launch_mode == "device-launchable" else "host"
         return row
     finally:
         generator.close()
@@ -120,7 +128,7 @@ def _generator_row(model, args, batch: int, prompts: dict, inductor: bool) -> di
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.update(NO_MULTICAST)
+    os.environ.update(collective_environment(args.graph_mixing))
     import torch
     import torch.distributed as dist
 
@@ -131,7 +139,8 @@ def main(argv=None) -> int:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     model = split(causal_lm(args.model, args.dtype), rank, world)
-    results = {"model": args.model, "dtype": args.dtype, "world": world, "batches": {}}
+    results = {"model": args.model, "dtype": args.dtype, "world": world,
+               "graph_mixing": args.graph_mixing, "batches": {}}
     for batch in args.batch:
         def report(mode: str, row: dict, batch: int = batch) -> None:
             if rank == 0:
