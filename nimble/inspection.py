@@ -228,6 +228,13 @@ class GraphViews:
         return self.engine.late_edges
 
     @property
+    def programmatic_edges(self) -> list[tuple[int, int]]:
+        """The dependency edges built programmatic, ``(u, v)``: ``v`` may start while ``u``
+        ends (``PrepareOptions(programmatic_launch=True)``,
+        :mod:`nimble.analysis.programmatic`); empty without them."""
+        return sorted(self.engine.programmatic)
+
+    @property
     def launch_mode(self) -> str:
         """``"device-launchable"`` (uploaded once, cheap host launches) or ``"host"``."""
         return "device-launchable" if self.engine.built.device_launch else "host"

@@ -132,8 +132,10 @@ def test_the_breakdown_says_what_the_weight_prefetch_measured_when_asked():
     assert _breakdown_text({**info, "show_breakdown": False}) == ""
 
 
-@pytest.mark.parametrize("flag", [False, True])
-def test_the_nimble_steps_are_prepared_with_the_prefetch_when_asked(monkeypatch, flag):
+@pytest.mark.parametrize("prefetch,programmatic", [(False, False), (True, False),
+                                                   (False, True), (True, True)])
+def test_the_nimble_steps_are_prepared_with_the_levers_asked_for(monkeypatch, prefetch,
+                                                                 programmatic):
     import argparse
 
     import nimble.generate as generate_module
@@ -142,13 +144,16 @@ def test_the_nimble_steps_are_prepared_with_the_prefetch_when_asked(monkeypatch,
     asked = []
     monkeypatch.setattr(generate_module, "prepare_with_nimble",
                         lambda options=None, compile_steps=False, **inductor: asked.append(
-                            (options and options.prefetch_l2, compile_steps, inductor)))
+                            (options and (options.prefetch_l2, options.programmatic_launch),
+                             compile_steps, inductor)))
     monkeypatch.setattr(generate_module, "Generator", lambda *args, **kwargs: "generator")
-    args = argparse.Namespace(prompt_lengths=[8], new_tokens=4, prefetch_l2=flag)
+    args = argparse.Namespace(prompt_lengths=[8], new_tokens=4, prefetch_l2=prefetch,
+                              programmatic=programmatic)
     assert generate_bench._generators(None, args, 1) == {"nimble": "generator",
                                                          "nimble+inductor": "generator"}
     default = {"compile_mode": None, "compile_options": None}
-    assert asked == [(flag or None, False, {}), (flag or None, True, default)]
+    want = (prefetch, programmatic) if prefetch or programmatic else None
+    assert asked == [(want, False, {}), (want, True, default)]
 
 
 def test_nimble_inductors_kernels_are_compiled_as_the_bench_is_told(monkeypatch):
@@ -195,6 +200,7 @@ def test_the_decode_steps_shape_comes_from_one_trace_at_the_timed_tokens_middle(
     class Decode:
         def __init__(self, fails: bool) -> None:
             self.graph, self.schedule, self.fails = graph, schedule, fails
+            self.programmatic_edges = [(0, 1)]
 
         def trace(self, ids, position):
             traced.append((tuple(ids.shape), int(position)))
@@ -212,6 +218,7 @@ def test_the_decode_steps_shape_comes_from_one_trace_at_the_timed_tokens_middle(
     assert shape["breakdown"]["tasks"] == 4 and shape["breakdown"]["copy_bytes_per_s"] == 1e12
     assert "4 tasks in 40.0 µs" in shape["breakdown_text"]
     assert shape["prefetch_l2"] is None and "trace_error" not in shape
+    assert shape["programmatic_edges"] == 1
     failed = _decode_step_shape(generator(True), 1)
     assert traced[-1] == ((1, 1), 16) and failed["concurrency"] is None
     assert failed["trace_error"] == "RuntimeError: stand-in second line"  # one line

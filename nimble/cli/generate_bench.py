@@ -91,6 +91,10 @@ def add_arguments(p) -> None:
     p.add_argument("--prefetch-l2", action="store_true",
                    help="--generate: prepare the Nimble steps with PrepareOptions(prefetch_l2="
                         "True): weight prefetch into the L2, kept where measured faster")
+    p.add_argument("--programmatic", action="store_true",
+                   help="--generate: prepare the Nimble steps with PrepareOptions("
+                        "programmatic_launch=True): Inductor's kernels launched to start while "
+                        "their predecessor ends, where safe (served as built, not measured)")
     p.add_argument("--inductor-mode", choices=INDUCTOR_MODES, default=None,
                    help="--generate: torch.compile's mode for nimble+inductor's kernels "
                         "(default: Inductor's default; max-autotune-no-cudagraphs tunes them "
@@ -153,12 +157,15 @@ def _cache_len(args) -> int:
 def _generators(model, args, batch: int) -> dict:
     """The two Nimble generators by mode, or the one-line error that stopped one; with
     ``--prefetch-l2``, each step prepared with ``PrepareOptions(prefetch_l2=True)`` (kept
-    where it measures faster); ``--inductor-mode`` and ``--coordinate-descent`` choose how
+    where it measures faster), with ``--programmatic`` with ``programmatic_launch=True``;
+    ``--inductor-mode`` and ``--coordinate-descent`` choose how
     nimble+inductor's kernels are compiled."""
     from ..engine.options import PrepareOptions
     from ..generate import Generator, prepare_with_nimble
 
-    options = PrepareOptions(prefetch_l2=True) if getattr(args, "prefetch_l2", False) else None
+    asked = {"prefetch_l2": getattr(args, "prefetch_l2", False),
+             "programmatic_launch": getattr(args, "programmatic", False)}
+    options = PrepareOptions(**asked) if any(asked.values()) else None
     inductor = {"compile_mode": getattr(args, "inductor_mode", None),
                 "compile_options": {"coordinate_descent_tuning": True}
                 if getattr(args, "coordinate_descent", False) else None}
@@ -187,7 +194,8 @@ def _decode_step_shape(generator, batch: int, needed=None,
     decode, _ = generator.steps(batch)
     shape = {"dag_width": decode.schedule.width, "streams": len(decode.schedule.streams),
              "tasks": len(decode.graph.tasks), "concurrency": None,
-             "prefetch_l2": decode.graph.meta.get("prefetch_l2")}
+             "prefetch_l2": decode.graph.meta.get("prefetch_l2"),
+             "programmatic_edges": len(decode.programmatic_edges)}
     try:
         device = next(generator.model.parameters()).device
         at = int(needed.slots_read) - 1 if needed else generator.decode_position

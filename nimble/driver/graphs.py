@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .calls import bindings
+from .edges import programmatic_pairs
 from .nodes import graph_nodes, node_count
 
 
@@ -26,3 +27,10 @@ def graph_nodes_of(raw_handle: int) -> list:
 def node_count_of(raw_handle: int) -> int:
     """How many nodes the graph whose raw handle is ``raw_handle`` holds."""
     return node_count(borrowed_graph(raw_handle))
+
+
+def programmatic_edges_of(raw_handle: int) -> list[tuple[int, int]]:
+    """``(u, v)`` indices, in :func:`graph_nodes_of`'s order, of the graph's programmatic edges
+    (:func:`~nimble.driver.edges.programmatic_pairs`)."""
+    graph = borrowed_graph(raw_handle)
+    return programmatic_pairs(graph, graph_nodes(graph))

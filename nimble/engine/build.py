@@ -307,6 +307,9 @@ class GraphSpec:
     #: False: the graph alone, with no exec (the base that the serial orders' copies clone:
     #: instantiating a graph never launched costs as much as one launched).
     instantiate: bool = True
+    #: Edges of ``edges`` built as programmatic ones (:mod:`nimble.analysis.programmatic`):
+    #: ``v`` may start while ``u`` ends.  Left out before a task with a delay node.
+    programmatic: Set[tuple[int, int]] = frozenset()
 
 
 class _Assembly:
@@ -354,12 +357,17 @@ class _Assembly:
                 self.nodes.append(None)
                 continue
             task = self.graph.tasks[tid]
-            deps = [self.node(u) for u in self.preds[tid]
-                    if u >= self.span.start and self.node(u) is not None] or list(self.gather_nodes)
-            if delay is not None and (spec.delays.tasks is None or tid in spec.delays.tasks):
+            before = [u for u in self.preds[tid]
+                      if u >= self.span.start and self.node(u) is not None]
+            delayed = delay is not None and (spec.delays.tasks is None or tid in spec.delays.tasks)
+            early = [] if delayed else [u for u in before if (u, tid) in spec.programmatic]
+            deps = [self.node(u) for u in before if u not in early] or (
+                [] if early else list(self.gather_nodes))
+            if delayed:
                 deps = [self._add_delay(tid, delay, deps)]
             node = add_task_node(self.handle, task, self.recorded_nodes[tid], self.bases, deps,
                                  self.ctx, spec.nodes_relocated)
+            driver.add_programmatic_dependencies(self.handle, [(self.node(u), node) for u in early])
             self.nodes.append(node)
             if spec.priorities is not None and task.kind == TaskKind.KERNEL:
                 driver.set_kernel_priority(node, spec.priorities[tid])

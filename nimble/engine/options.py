@@ -74,6 +74,16 @@ class PrepareOptions:
         and the proof are unchanged.  ``nm.graph.meta["prefetch_l2"]`` says what was measured
         and kept.  Off until measured on the GPU; not written by ``save`` (a loaded graph
         runs without them).
+    programmatic_launch : bool
+        Builds the edges into kernels that were captured behind programmatic edges (Triton
+        kernels compiled with ``torch._inductor.config.triton.enable_pdl``, which this option
+        turns on while the model is recorded, so that a ``torch.compile``'d module compiles
+        so at its first call) as programmatic ones where that
+        is as safe as in the capture (:mod:`nimble.analysis.programmatic`): such a kernel may
+        start while its predecessor ends, and waits for its data in its own code.  The proof
+        checks the result as any graph.  ``nm.programmatic_edges`` lists the edges built so.
+        Off until measured on the GPU; not written by ``save`` (a loaded graph waits on full
+        dependencies).
     """
 
     arena_limit: int | str | None = "pool"
@@ -88,6 +98,7 @@ class PrepareOptions:
     backfill: bool | None = None
     resource_order: bool | str = False
     prefetch_l2: bool = False
+    programmatic_launch: bool = False
 
     def __post_init__(self) -> None:
         from ..analysis.resources import RULES

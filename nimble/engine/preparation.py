@@ -118,15 +118,17 @@ def _recording(model, example_inputs, training: bool, options: PrepareOptions, q
     gradients averaged over ``average``'s ranks where given)."""
     import torch
 
+    from ..record.programmatic import launched_programmatically
     from ..record.recorder import record, record_step
 
     rec = options.recording
     if rec is None:
-        if training:
-            rec = record_step(model, example_inputs, quiet=quiet, average=average)
-        else:
-            with torch.no_grad():
-                rec = record(model, example_inputs, quiet=quiet)
+        with launched_programmatically(options.programmatic_launch):
+            if training:
+                rec = record_step(model, example_inputs, quiet=quiet, average=average)
+            else:
+                with torch.no_grad():
+                    rec = record(model, example_inputs, quiet=quiet)
     if (rec.step is not None) != training:
         raise InputError("the recording passed to prepare() is of "
                          f"{'a training step' if rec.step else 'inference'}, but "
@@ -214,7 +216,8 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
                            region=region, late_edges=first.late_edges if first else (),
                            priority_trials=planned.ordering if first is None else (),
                            prefetch_trials=prefetch_trials,
-                           prefetch=first.prefetch if first else None)
+                           prefetch=first.prefetch if first else None,
+                           programmatic=options.programmatic_launch)
     seconds["build"] = time.perf_counter() - t0
     if first is not None:
         built.backfill = first.backfill

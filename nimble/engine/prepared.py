@@ -22,6 +22,7 @@ from .rebuild import PhaseBuilder, PhaseOptions
 from ..analysis.memplan import MemPlan, plan_memory
 from ..analysis.plan_check import check_plan
 from ..analysis.priorities import driver_priorities, priority_levels
+from ..analysis.programmatic import programmatic_edges
 from ..record.resolve import RNG_OFFSET, RNG_SEED
 from ..analysis.arena_fit import schedule_within
 from ..analysis.schedule import Schedule, phase_spans
@@ -101,6 +102,8 @@ class Prepared:
     #: Per phase, the weight prefetches its graph serves (:mod:`nimble.engine.prefetch`;
     #: empty: none).
     prefetch: list = field(default_factory=list)
+    #: The edges built programmatic (:mod:`nimble.analysis.programmatic`; empty: none).
+    programmatic: frozenset = frozenset()
     recording: Any = None  # kept only with keep_recording=True (debugging)
     step: Any = None  # training.TrainingStep for a training step, else None
     #: What a graph loaded from a file runs on besides its arena (its kernels' libraries, the
@@ -148,7 +151,8 @@ class Prepared:
                             [self.gathers(k) for k in phases], self.priorities,
                             [b.device_launch for b in self.builts], upload_stream,
                             late_edges=self.late_edges, nodes_relocated=True,
-                            prefetch=list(self.prefetch) or None)
+                            prefetch=list(self.prefetch) or None,
+                            programmatic=self.programmatic)
 
     def cells_to_own_slots(self) -> None:
         """Point every input cell at its own slot, so that a launch without a call (a debugging
@@ -403,7 +407,7 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
                    priority_trials: Sequence[PriorityTrial] = (),
                    placement: Placement | None = None,
                    prefetch_trials: dict[int, tuple] | None = None,
-                   prefetch: Sequence | None = None) -> Prepared:
+                   prefetch: Sequence | None = None, programmatic: bool = False) -> Prepared:
     """Arena, cells, explicit graph(s) and launchers for a planned recording (not verified).
 
     The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
@@ -421,7 +425,9 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     (:func:`nimble.engine.priority_trials.resource_trials`), before them, and the kept
     priorities are the result's, and after them ``prefetch_trials`` (per phase, the weight
     prefetches of :func:`nimble.engine.prefetch.plan_phases`); ``prefetch`` (per phase) is
-    built in as it is (a copy of a graph whose prefetch was picked already).
+    built in as it is (a copy of a graph whose prefetch was picked already).  With
+    ``programmatic``, the schedule's edges that
+    :func:`~nimble.analysis.programmatic.programmatic_edges` allows are built programmatic.
 
     With ``region`` the graph is built in an arena shared with other graphs (its plan from the
     arena's base, its state where ``region.layout`` says), which the caller owns and frees on
@@ -452,7 +458,9 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
             [gathers_of(slots[at:at + count]) for at, count in zip(starts, in_counts)],
             priorities, [device_launch] * len(spans),
             upload_stream=driver.stream(torch.cuda.current_stream().cuda_stream),
-            late_edges=late_edges, prefetch=list(prefetch) if prefetch else None)
+            late_edges=late_edges, prefetch=list(prefetch) if prefetch else None,
+            programmatic=programmatic_edges(graph, schedule.edges(), plan.offsets)
+            if programmatic else frozenset())
         launchers, picked = _build_phases(builder, rec, slots, outputs, device, rng,
                                           backfill_trials, builts, order, priority_trials,
                                           prefetch_trials)
@@ -467,7 +475,7 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
                         weights=Weights(model, graph, placement.outside if placement
                                         else None), seconds=seconds,
                         priorities=builder.priorities, backfill=picked,
-                        prefetch=list(builder.prefetch))
+                        prefetch=list(builder.prefetch), programmatic=builder.programmatic)
     if rec.step is not None:
         from .autograd import TrainingStep
 

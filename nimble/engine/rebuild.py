@@ -49,6 +49,10 @@ class PhaseOptions:
     #: proof's serial orders, whose clones add each order's chain
     #: (:func:`~nimble.engine.build.chained_copy`).
     edgeless: bool = False
+    #: The served phase's programmatic edges (:attr:`PhaseBuilder.programmatic`); False: every
+    #: edge a full dependency.  None go into a build with stamps or other bases, nor into a
+    #: task with a delay node.
+    programmatic: bool = True
 
 
 AS_SERVED = PhaseOptions()
@@ -77,6 +81,9 @@ class PhaseBuilder:
     nodes_relocated: bool = False
     #: Per phase, the weight prefetches it serves (:mod:`nimble.engine.prefetch`); None: none.
     prefetch: list | None = None
+    #: The edges of ``edges`` built as programmatic ones
+    #: (:func:`nimble.analysis.programmatic.programmatic_edges`); empty: none.
+    programmatic: Set[tuple[int, int]] = frozenset()
 
     def __post_init__(self) -> None:
         if self.prefetch is None:
@@ -99,7 +106,17 @@ class PhaseBuilder:
             late_edges=late, only=options.only, nodes_relocated=self.nodes_relocated,
             stamps=options.stamps, delays=options.delays, instantiate=not options.edgeless,
             prefetch=(self.prefetch[phase] if options.prefetch is None
-                      else options.prefetch) if not options.edgeless else ())
+                      else options.prefetch) if not options.edgeless else (),
+            programmatic=self._programmatic(options, edges))
+
+    def _programmatic(self, options: PhaseOptions, edges) -> frozenset:
+        """The programmatic edges of a build with ``options`` over ``edges``: the served ones
+        still among them, in a build timed and laid out as served."""
+        if (not self.programmatic or not options.programmatic or options.edgeless
+                or options.stamps is not None or options.bases is not None):
+            return frozenset()
+        kept = set(edges)
+        return frozenset(e for e in self.programmatic if e in kept)
 
     def edges_of(self, phase: int, options: PhaseOptions = AS_SERVED) -> list[tuple[int, int]]:
         """The edges inside phase ``phase`` of a build with ``options``, its late ones

@@ -207,6 +207,10 @@ class TaskGraph:
         for b in self.meta.get("low_word_buffers", []):
             if not 0 <= b < len(self.buffers):
                 raise ValueError(f"meta.low_word_buffers names buffer {b}, which does not exist")
+        for u, v in self.meta.get("programmatic_edges", []):
+            if not 0 <= u < v < len(self.tasks):
+                raise ValueError(f"meta.programmatic_edges holds [{u}, {v}]: an edge runs from an "
+                                 f"earlier task to a later one of the graph's {len(self.tasks)}")
 
     # ---- serialisation ---------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -396,7 +400,8 @@ def _task_from_json(d, where: str) -> Task:
 _META = {"model": jf.optional(jf.text), "training": jf.flag, "batch": jf.integer, "pool_bytes": jf.integer,
          "phases": _ints, "phase_inputs": _ints, "phase_outputs": _ints,
          "low_word_buffers": _ints, "pool_segments": _int_pairs, "rng": jf.obj,
-         "triton_launches": jf.integer, "words_not_pointers": jf.integer}
+         "triton_launches": jf.integer, "words_not_pointers": jf.integer,
+         "programmatic_edges": _int_pairs}
 
 
 def _meta_from_json(value, where: str) -> dict:

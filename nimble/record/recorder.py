@@ -30,6 +30,7 @@ from .gradient_average import GradientAverage, averaged_gradients
 from .rng_cells import find_rng_cells
 from ..ir.taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph
 from .twin import moved_words
+from .programmatic import programmatic_edges
 
 
 @dataclass
@@ -456,6 +457,7 @@ def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list,
             name: str, quiet: bool, strict: bool, meta: dict) -> tuple[TaskGraph, list]:
     """``(graph, nodes)``: every node decoded, every address resolved."""
     nodes = [n for g in captured.torch_graphs for n in driver.graph_nodes_of(g.raw_cuda_graph())]
+    programmatic = programmatic_edges(captured.torch_graphs)
     say(f"decoding {len(nodes)} graph nodes from {len(captured.ops)} ops", quiet)
     oracle = AddressOracle()
     raw_nodes = [decode_node(n, oracle) for n in nodes]
@@ -482,6 +484,8 @@ def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list,
         if hasattr(g, "instantiate"):  # keep_graph=True leaves that to replay
             g.instantiate()
     graph = build_taskgraph(raw)
+    if programmatic:
+        graph.meta["programmatic_edges"] = [list(e) for e in programmatic]
     stale = unresolved_in_pool(graph, raw)
     graph.meta["stale_pool_words"] = len(stale)
     if stale:

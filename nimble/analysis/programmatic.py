@@ -1,0 +1,63 @@
+"""Which dependency edges of a built graph may be programmatic (issue 53).
+
+A kernel captured behind a programmatic edge (``graph.meta["programmatic_edges"]``: Inductor's
+Triton kernels under ``torch._inductor.config.triton.enable_pdl``) runs ``griddepcontrol.wait``
+before its first access to what its predecessor in the capture wrote or read; before that wait
+it may already run while the predecessor finishes.  A built edge ``u -> v`` keeps that overlap
+only where it stays as safe as in the capture:
+
+- ``u -> v`` was itself a programmatic edge of the capture: ``v``'s wait covers ``u`` and no
+  other task (an edge from another predecessor stays a full dependency);
+- both are kernels;
+- the arena lets no buffer that ``u`` touches share a byte with a different buffer that ``v``
+  touches.  The capture's allocations never overlapped while both were live; the memory plan
+  may put a buffer ``v`` writes over one ``u`` reads, trusting the edge between them to order the
+  two, and ``v``'s code knows nothing of it, so it would write before its wait.
+
+Buffers outside the arena (weights, external memory) keep their recorded addresses: sharing
+one of those is sharing it as the capture did.  Numpy-free and GPU-free: plain Python on the
+TaskGraph.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+from ..ir.taskgraph import TaskGraph, TaskKind
+
+#: ``graph.meta``'s key for the capture's programmatic edges, ``[u, v]`` task ids.
+META_KEY = "programmatic_edges"
+
+
+def recorded_pairs(graph: TaskGraph) -> set[tuple[int, int]]:
+    """The capture's programmatic edges as ``(u, v)`` task ids."""
+    return {(int(u), int(v)) for u, v in graph.meta.get(META_KEY, ())}
+
+
+def _arena_ranges(graph: TaskGraph, offsets: Mapping[int, int], task: int
+                  ) -> list[tuple[int, int, int]]:
+    """``(buffer, start, end)`` arena byte ranges of the planned buffers ``task`` touches."""
+    touched = {a.buffer for a in graph.tasks[task].accesses}
+    return [(b, offsets[b], offsets[b] + graph.buffers[b].size) for b in sorted(touched)
+            if b in offsets]
+
+
+def shares_other_bytes(graph: TaskGraph, offsets: Mapping[int, int], u: int, v: int) -> bool:
+    """Whether a planned buffer of task ``u`` and a different planned buffer of task ``v``
+    overlap in the arena (``offsets``: the memory plan's, buffer id to arena offset)."""
+    mine = _arena_ranges(graph, offsets, u)
+    return any(bu != bv and su < ev and sv < eu
+               for bu, su, eu in mine for bv, sv, ev in _arena_ranges(graph, offsets, v))
+
+
+def programmatic_edges(graph: TaskGraph, edges: Iterable[tuple[int, int]],
+                       offsets: Mapping[int, int]) -> frozenset[tuple[int, int]]:
+    """The edges of ``edges`` (the built graph's dependencies) that may be programmatic: see the
+    module docstring.  Empty for a capture without programmatic edges."""
+    recorded = recorded_pairs(graph)
+    if not recorded:
+        return frozenset()
+    tasks: Sequence = graph.tasks
+    return frozenset(
+        (u, v) for u, v in edges
+        if (u, v) in recorded and tasks[u].kind == TaskKind.KERNEL
+        and tasks[v].kind == TaskKind.KERNEL and not shares_other_bytes(graph, offsets, u, v))

@@ -1,0 +1,62 @@
+"""Programmatic edges on the GPU (``PrepareOptions(programmatic_launch=True)``, issue 53):
+Inductor's Triton kernels compiled to wait for their data in their own code, captured behind
+programmatic edges, rebuilt with those the analysis allows, proven, and equal bit for bit to
+the same model prepared without them."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _mlp():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512), nn.LayerNorm(512),
+                          nn.Linear(512, 2048), nn.SiLU(), nn.Linear(2048, 512))
+    return model.cuda().half().eval(), torch.randn(8, 512, device="cuda", dtype=torch.float16)
+
+
+def test_a_compiled_models_kernels_get_programmatic_edges_and_the_same_bits():
+    import torch
+
+    import nimble
+
+    model, x = _mlp()
+    plain = nimble.Nimble(torch.compile(model, dynamic=False)).prepare(x)
+    torch._dynamo.reset()  # compiled again, now with programmatic launches
+    fast = nimble.Nimble(torch.compile(model, dynamic=False)).prepare(
+        x, options=nimble.PrepareOptions(programmatic_launch=True))
+    recorded = fast.graph.meta.get("programmatic_edges", [])
+    assert recorded, "the capture holds no programmatic edge: did Inductor launch with PDL?"
+    assert "programmatic_edges" not in plain.graph.meta and not plain.programmatic_edges
+    assert fast.programmatic_edges, (len(recorded), fast.launch_mode)
+    assert set(fast.programmatic_edges) <= {tuple(e) for e in recorded}
+    for _ in range(3):
+        fresh = torch.randn_like(x)
+        assert torch.equal(fast(fresh), plain(fresh))
+
+
+def test_a_generator_on_programmatic_inductor_kernels_decodes_the_same_tokens():
+    pytest.importorskip("transformers")
+    import torch
+
+    from nimble.cli.decoders import causal_lm
+    from nimble.engine.options import PrepareOptions
+    from nimble.generate import Generator, prepare_with_nimble
+
+    model = causal_lm("llama_small", "float16")
+    prompt = torch.randint(0, model.config.vocab_size, (1, 16), device="cuda")
+    tokens = {}
+    for asked in (False, True):
+        torch._dynamo.reset()
+        step = prepare_with_nimble(PrepareOptions(programmatic_launch=asked), True)
+        generator = Generator(model, max_cache_len=64, prompt_buckets=[16], prepare_step=step)
+        decode, _ = generator.steps(1)
+        if asked:
+            assert decode.programmatic_edges, decode.graph.meta.get("programmatic_edges")
+        tokens[asked] = generator.generate(prompt, 32)
+        generator.close()
+    assert torch.equal(tokens[True], tokens[False])

@@ -1,0 +1,195 @@
+"""Programmatic edges (issue 53) without a GPU: which built edges may be programmatic
+(nimble.analysis.programmatic), their trip through the TaskGraph format, how build_graph adds
+them and which copies of a phase keep them, on the stand-in bindings of test_rebuild."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from nimble.analysis.programmatic import programmatic_edges, recorded_pairs, shares_other_bytes
+from nimble.driver import calls
+from nimble.driver.edges import programmatic_pairs
+from nimble.engine.build import DelaySpec, GraphSpec, build_graph
+from nimble.engine.options import PrepareOptions
+from nimble.engine.rebuild import PhaseOptions
+from nimble.ir.taskgraph import Access, Buffer, Task, TaskGraph, TaskKind
+from test_rebuild import SCHEDULE, SPANS, StandIn, served_builder, task_graph
+
+PROGRAMMATIC, DEFAULT = 1, 0
+
+
+def _graph() -> TaskGraph:
+    """Kernels 0 -> 1 -> 2 and a memset 3; the capture had 0 -> 1, 1 -> 2 and 2 -> 3
+    programmatic.  Kernel 0 writes buffer 0, kernel 1 reads it and writes buffer 1, kernel 2
+    reads buffer 1 and writes buffer 2; buffer 3 is a weight every kernel reads."""
+    g = TaskGraph(meta={"programmatic_edges": [[0, 1], [1, 2], [2, 3]]})
+    g.buffers = [Buffer(0, "intermediate", 256, 0x1000), Buffer(1, "intermediate", 256, 0x2000),
+                 Buffer(2, "output", 256, 0x3000), Buffer(3, "param", 512, 0x9000)]
+    weight = Access(3, 0, 512, False)
+    g.tasks = [Task(0, TaskKind.KERNEL, accesses=[Access(0, 0, 256, True), weight]),
+               Task(1, TaskKind.KERNEL, accesses=[Access(0, 0, 256, False),
+                                                  Access(1, 0, 256, True), weight]),
+               Task(2, TaskKind.KERNEL, accesses=[Access(1, 0, 256, False),
+                                                  Access(2, 0, 256, True), weight]),
+               Task(3, TaskKind.MEMSET, accesses=[Access(2, 0, 256, True)])]
+    return g
+
+
+EDGES = [(0, 1), (1, 2), (2, 3)]
+
+
+def test_a_recorded_programmatic_edge_between_kernels_on_their_own_bytes_stays_programmatic():
+    g = _graph()
+    apart = {0: 0, 1: 256, 2: 512}
+    assert recorded_pairs(g) == {(0, 1), (1, 2), (2, 3)}
+    # 2 -> 3 ends at a memset: only kernels take programmatic edges
+    assert programmatic_edges(g, EDGES, apart) == {(0, 1), (1, 2)}
+    # an edge the capture had as a full dependency stays one, whatever the bytes
+    assert programmatic_edges(g, [(0, 2)], apart) == frozenset()
+    # a capture without programmatic edges has none
+    assert programmatic_edges(TaskGraph(tasks=g.tasks, buffers=g.buffers), EDGES, apart) == set()
+
+
+def test_an_edge_whose_tasks_the_arena_makes_share_other_buffers_bytes_stays_a_full_one():
+    g = _graph()
+    # buffer 2 (kernel 2 writes it) placed over buffer 0 (kernel 1 reads it): kernel 2 could
+    # write before kernel 1 has read, and kernel 2's code waits only for what kernel 1 wrote
+    reused = {0: 0, 1: 256, 2: 0}
+    assert shares_other_bytes(g, reused, 1, 2) and not shares_other_bytes(g, reused, 0, 1)
+    assert programmatic_edges(g, EDGES, reused) == {(0, 1)}
+    # the same weight in both is shared as in the capture (it has no arena offset)
+    assert not shares_other_bytes(g, {0: 0, 1: 256, 2: 512}, 0, 1)
+    # touching ranges are not overlapping ones
+    assert not shares_other_bytes(g, {0: 0, 1: 512, 2: 256}, 1, 2)
+
+
+def test_the_captures_programmatic_edges_go_through_the_taskgraph_format():
+    g = _graph()
+    back = TaskGraph.from_json(g.to_json())
+    assert back.meta["programmatic_edges"] == [[0, 1], [1, 2], [2, 3]]
+    for bad in ([[1, 0]], [[0, 4]], [[2, 2]]):
+        g.meta["programmatic_edges"] = bad
+        with pytest.raises(ValueError, match="programmatic_edges"):
+            g.validate()
+
+
+class EdgeStandIn(StandIn):
+    """The stand-in bindings with edge data: each added edge's type, and a captured graph's."""
+
+    CUgraphDependencyType = SimpleNamespace(CU_GRAPH_DEPENDENCY_TYPE_DEFAULT=DEFAULT,
+                                            CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC=PROGRAMMATIC)
+    CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.edge_types: dict[tuple[int, int], tuple] = {}
+        self.captured_edges: list[tuple[int, int, int]] = []
+
+    def CUgraphEdgeData(self):  # noqa: N802 - the binding's name
+        return SimpleNamespace(type=DEFAULT, from_port=0, to_port=0)
+
+    def cuGraphAddDependencies(self, graph, froms, tos, edge_data, count):
+        for k, (u, v) in enumerate(zip(froms, tos)):
+            data = edge_data[k] if edge_data else None
+            self.edge_types[(u, v)] = (data.type, data.from_port) if data else (DEFAULT, 0)
+        return super().cuGraphAddDependencies(graph, froms, tos, edge_data, count)
+
+    def cuGraphGetEdges(self, graph, count):
+        if not count:
+            return 0, None, None, None, len(self.captured_edges)
+        return (0, [u for u, _, _ in self.captured_edges], [v for _, v, _ in self.captured_edges],
+                [SimpleNamespace(type=t) for _, _, t in self.captured_edges],
+                len(self.captured_edges))
+
+
+@pytest.fixture
+def bindings(monkeypatch):
+    fake = EdgeStandIn()
+    monkeypatch.setattr(calls, "_drv", fake)
+    return fake
+
+
+def test_a_captured_graphs_programmatic_edges_are_read_as_node_indices(bindings):
+    nodes = [501, 502, 503]
+    bindings.captured_edges = [(501, 502, PROGRAMMATIC), (502, 503, DEFAULT), (501, 503, DEFAULT)]
+    assert programmatic_pairs("graph", nodes) == [(0, 1)]
+    bindings.captured_edges = []
+    assert programmatic_pairs("graph", nodes) == []
+
+
+def test_build_graph_adds_a_programmatic_edge_instead_of_the_full_one(bindings):
+    # SCHEDULE's edges in phase 0: 0 -> 1, 0 -> 2; make 0 -> 1 programmatic
+    spec = GraphSpec(SCHEDULE.edges(), span=SPANS[0], programmatic=frozenset({(0, 1)}))
+    built = build_graph(task_graph(), [f"recorded {t}" for t in range(6)], [], spec)
+    zero, one, two = built.nodes
+    assert bindings.nodes[one].deps == []  # not a full dependency ...
+    assert bindings.edge_types[(zero, one)] == (PROGRAMMATIC, 1)  # ... a programmatic one
+    assert bindings.nodes[two].deps == [zero] and (zero, two) not in bindings.edge_types
+    built.close()
+
+
+def test_a_delayed_task_waits_on_full_dependencies(bindings):
+    spec = GraphSpec(SCHEDULE.edges(), span=SPANS[0], programmatic=frozenset({(0, 1)}),
+                     delays=DelaySpec(table=0x7000, tasks={1}))
+    built = build_graph(task_graph(), [f"recorded {t}" for t in range(6)], [], spec)
+    zero, one, _ = built.nodes
+    (delay,) = bindings.nodes[one].deps
+    assert bindings.nodes[delay].deps == [zero] and not bindings.edge_types
+    built.close()
+
+
+def test_copies_keep_the_served_programmatic_edges_unless_timed_or_moved():
+    builder = served_builder()
+    builder.programmatic = frozenset({(0, 1), (3, 4)})
+    assert builder.spec(0).programmatic == {(0, 1), (3, 4)}
+    # an edge the copy leaves out is not built programmatic either
+    assert builder.spec(1, PhaseOptions(removed_edges={(3, 4)})).programmatic == {(0, 1)}
+    for options in (PhaseOptions(programmatic=False), PhaseOptions(edgeless=True),
+                    PhaseOptions(bases=[0] * 6),
+                    PhaseOptions(stamps=SimpleNamespace(address=0, tasks=None))):
+        assert builder.spec(0, options).programmatic == frozenset(), options
+    # a fuzz copy keeps them: the tasks it delays wait on full dependencies (build_graph)
+    assert builder.spec(0, PhaseOptions(delays=DelaySpec(table=0, tasks={1}))).programmatic
+
+
+def test_the_option_is_off_unless_asked():
+    assert PrepareOptions().programmatic_launch is False
+    assert PrepareOptions(programmatic_launch=True).programmatic_launch is True
+
+
+def test_the_recorder_reads_edges_only_where_inductor_launches_programmatically(monkeypatch):
+    import sys
+
+    from nimble.errors import CudaError
+    from nimble.record import programmatic as recorder
+
+    graphs = [SimpleNamespace(raw_cuda_graph=lambda k=k: k) for k in (10, 20)]
+    read = {10: [(0, 1)], 20: [(1, 2)]}
+    monkeypatch.setattr(recorder.driver, "programmatic_edges_of", lambda raw: read[raw])
+    monkeypatch.setattr(recorder.driver, "node_count_of", lambda raw: 3)
+    config = SimpleNamespace(triton=SimpleNamespace(enable_pdl=False))
+    monkeypatch.setitem(sys.modules, "torch._inductor.config", config)
+    assert recorder.programmatic_edges(graphs) == []  # no query at all
+    config.triton.enable_pdl = True
+    # the second graph's nodes are numbered after the first's three
+    assert recorder.programmatic_edges(graphs) == [(0, 1), (4, 5)]
+
+    def refused(raw):
+        raise CudaError("cuGraphGetEdges", 1, "CUDA_ERROR_INVALID_VALUE")
+    monkeypatch.setattr(recorder.driver, "programmatic_edges_of", refused)
+    with pytest.warns(RuntimeWarning, match="full dependencies"):
+        assert recorder.programmatic_edges(graphs) == []
+
+
+def test_recording_turns_inductors_programmatic_launches_on_only_when_asked():
+    import torch._inductor.config as inductor
+
+    from nimble.record.programmatic import launched_programmatically
+
+    before = inductor.triton.enable_pdl
+    with launched_programmatically(False):
+        assert inductor.triton.enable_pdl == before
+    with launched_programmatically(True):
+        assert inductor.triton.enable_pdl is True
+    assert inductor.triton.enable_pdl == before
