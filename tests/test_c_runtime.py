@@ -156,11 +156,39 @@ def test_the_c_reader_reads_what_python_wrote(plan_check, tmp_path, name):
     rc, out = _run(plan_check, path)
     assert rc == 0, out
     bucket = plan["buckets"][0]
+    written = {(p[0], p[1]) for p, _ in bucket["written"]}
     want = (f"arch 90 instances 2 buckets 1 binaries 1 kernels 1 weights {len(plan['weights'])} "
             f"memory {len(plan['memory'])} nodes {len(bucket['nodes'])} relocations "
             f"{sum(len(n.get('relocs', ())) for n in bucket['nodes'])} "
-            f"edges {len(bucket['edges'])}")
+            f"edges {len(bucket['edges'])} written {len(written)} (weights 0)")
     assert out == want
+
+
+def test_a_weight_the_graph_writes_is_put_back_by_the_c_proof_as_by_pythons(plan_check, tmp_path):
+    """A weight a kernel writes (a buffer updated in the forward) is in the plan's list of
+    memory put back before each checked launch, and the C reader keeps it, as the Python
+    loader's proof restores it (nimble.engine.saving.restored_ranges)."""
+    from c_plan_reader import read_plan
+    from test_c_plan import _stand_in
+
+    from nimble.engine.arena_layout import written_weights
+    from nimble.engine.c_plan import c_plan
+    from nimble.ir.saved_format import SavedFile
+    from nimble.ir.taskgraph import BufferKind
+
+    prepared, state, manifest, *_ = _stand_in("googlenet")
+    graph = prepared.graph
+    assert not written_weights(graph)
+    task, access = next((t, a) for t in graph.tasks for a in t.accesses
+                        if graph.buffers[a.buffer].kind == BufferKind.PARAM)
+    access.write = True
+    data, _ = c_plan(manifest, [prepared], [state], state.size)
+    written = read_plan(data)["buckets"][0]["written"]
+    assert [p[0] for p, _ in written].count(2) == 1  # R_WEIGHT, once
+    path = SavedFile({"format": "nimble.saved-graph"}, b"\0" * 64,
+                     extra={"c_plan": data}).write(tmp_path / "writes_a_weight.nimble")
+    rc, out = _run(plan_check, path)
+    assert rc == 0 and out.endswith(f"written {len(written)} (weights 1)"), out
 
 
 def test_the_c_reader_refuses_bad_files_with_their_codes(plan_check, tmp_path):

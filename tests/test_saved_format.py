@@ -244,7 +244,7 @@ def test_a_training_steps_checks_put_back_every_weight_it_points_to():
     """cuDNN's batch norm writes the running statistics through arguments no access records:
     a saved training step's reference runs and its proof at load put every weight back."""
     from helpers import FIXTURE_DIR
-    from nimble.engine.saving import written_weights
+    from nimble.engine.arena_layout import written_weights
     from nimble.ir.taskgraph import BufferKind, TaskGraph
 
     graph = TaskGraph.load(FIXTURE_DIR / "resnet50_train.json.gz")

@@ -398,7 +398,8 @@ static nimble_status build(nimble_model *m, bucket_t *b, uint64_t j) {
 
 static nimble_status restore_written(nimble_model *m, bucket_t *b) {
     for (uint64_t i = 0; i < b->nwritten; i++) {
-        memory_t *t = &m->memory[b->written[i]];
+        place_t p = b->written[i];
+        memory_t *t = p.region == R_WEIGHT ? &m->weights[p.index] : &m->memory[p.index];
         const uint8_t *data = blob(m, t->blob);
         if (data && t->size) CU(cuMemcpyHtoD(t->ptr, data, t->size));
     }

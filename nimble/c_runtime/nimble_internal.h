@@ -67,9 +67,10 @@ typedef struct {
     node_t *nodes;
     uint64_t *edges;
     refset_t *sets;
-    /* the external memory ranges the graph writes, each once (the plan names a range once per
-     * buffer in it): the proof puts them back before each launch */
-    uint64_t *written;
+    /* the external memory and the weights the graph writes, each once (the plan names a range
+     * once per buffer in it; region R_MEMORY or R_WEIGHT, and its index there): the proof puts
+     * them back from the file before each launch */
+    place_t *written;
     CUgraphExec *execs; /* per instance */
 } bucket_t;
 

@@ -164,16 +164,18 @@ static void rd_bucket(plan_t *pl, bucket_t *b, const nimble_model *m) {
         }
     }
     uint64_t places = rd(pl);
-    b->written = arr(pl, places, sizeof(uint64_t));
+    b->written = arr(pl, places, sizeof(place_t));
     b->nwritten = 0;
     for (uint64_t i = 0; !pl->bad && i < places; i++) {
         place_t p;
         rd_place(pl, &p);
         rd(pl); /* the buffer's size: its whole range is put back */
+        int known = (p.region == R_MEMORY && p.index < m->nmemory)
+                    || (p.region == R_WEIGHT && p.index < m->nweights);
         uint64_t w = 0;
-        while (w < b->nwritten && b->written[w] != p.index) w++;
-        if (p.region == R_MEMORY && p.index < m->nmemory && w == b->nwritten)
-            b->written[b->nwritten++] = p.index;
+        while (w < b->nwritten && !(b->written[w].region == p.region
+                                    && b->written[w].index == p.index)) w++;
+        if (known && w == b->nwritten) b->written[b->nwritten++] = p;
     }
 }
 

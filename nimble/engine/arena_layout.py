@@ -85,6 +85,19 @@ def shared_state_buffers(graph: TaskGraph) -> list[int]:
     return [b.id for b in _written_outside(graph) if b.id not in skipped]
 
 
+def written_weights(graph: TaskGraph, training: bool = False) -> list[int]:
+    """The weight buffers a run of the graph may change, put back after every run that only
+    checks the graph: those it writes by its accesses and, for a training step, every weight
+    it points to, since cuDNN's batch norm updates the running statistics through arguments
+    its schema does not mark as written (no access records those writes)."""
+    written = {a.buffer for t in graph.tasks for a in t.accesses
+               if a.write and a.size > 0 and graph.buffers[a.buffer].kind == BufferKind.PARAM}
+    if training:
+        written |= {p.buffer for t in graph.tasks for p in t.pointers
+                    if p.buffer >= 0 and graph.buffers[p.buffer].kind == BufferKind.PARAM}
+    return sorted(written)
+
+
 def shared_state(graph: TaskGraph) -> list[tuple[int, int]]:
     """``(address, size)`` as recorded of every :func:`shared_state_buffers` buffer."""
     return [(graph.buffers[b].address, graph.buffers[b].size)

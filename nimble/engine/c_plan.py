@@ -28,7 +28,7 @@ from typing import Sequence
 
 from ..ir.alignment import ALIGNMENT
 from ..ir.taskgraph import BufferKind, TaskKind
-from .arena_layout import StateLayout, shared_state_buffers
+from .arena_layout import StateLayout, shared_state_buffers, written_weights
 
 MAGIC = int.from_bytes(b"NIMBLECP", "little")
 VERSION = 1
@@ -213,8 +213,10 @@ def _write_reference(w: PlanWriter, reference: dict, prepared, regions: Regions)
         for i, ref in enumerate(outputs):
             w.blob(ref)
             w.u(0 if i in spread else 1)  # 1: held bit for bit
-    written = shared_state_buffers(graph)
-    w.u(len(written))  # memory the graph writes: put back before each checked launch
+    # memory and weights the graph writes: put back before each checked launch, as the
+    # Python loader's proof does (nimble.engine.saving.restored_ranges)
+    written = shared_state_buffers(graph) + written_weights(graph, prepared.step is not None)
+    w.u(len(written))
     for bid in written:
         region, index, offset = regions.relocation(bid, 0, 0)
         w.u(region, index, offset, graph.buffers[bid].size)

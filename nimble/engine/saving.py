@@ -38,7 +38,7 @@ from ..ir.saved_format import C_PLAN, BlobWriter, SavedFile
 from ..ir.saved_manifest import FORMAT_NAME
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
 from ..progress import say
-from .arena_layout import shared_state_buffers, written_externals
+from .arena_layout import shared_state_buffers, written_externals, written_weights
 from .build import relocated
 from .c_plan import c_plan
 from .kernel_binaries import BinaryTable, KernelFinder, LiveKernel
@@ -218,23 +218,10 @@ def _placement(prepared: Prepared, outside: _Outside) -> tuple[dict, dict]:
     return sources, private_rows
 
 
-def written_weights(graph: TaskGraph, training: bool = False) -> list[int]:
-    """The weight buffers a run of the graph may change, put back after every run that only
-    checks the graph: those it writes by its accesses and, for a training step, every weight
-    it points to, since cuDNN's batch norm updates the running statistics through arguments
-    its schema does not mark as written (no access records those writes)."""
-    written = {a.buffer for t in graph.tasks for a in t.accesses
-               if a.write and a.size > 0 and graph.buffers[a.buffer].kind == BufferKind.PARAM}
-    if training:
-        written |= {p.buffer for t in graph.tasks for p in t.pointers
-                    if p.buffer >= 0 and graph.buffers[p.buffer].kind == BufferKind.PARAM}
-    return sorted(written)
-
-
 def restored_ranges(prepared: Prepared) -> list[tuple[int, int]]:
     """``(address, size)`` where ``prepared`` runs them of the memory a checking run must put
     back: the shared state (:func:`~nimble.engine.arena_layout.shared_state_buffers`) and the
-    weights it may write (:func:`written_weights`)."""
+    weights it may write (:func:`~nimble.engine.arena_layout.written_weights`)."""
     graph = prepared.graph
     buffers = shared_state_buffers(graph) + written_weights(graph, prepared.step is not None)
     return [(prepared.bases[b], graph.buffers[b].size) for b in buffers]
