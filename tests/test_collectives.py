@@ -29,8 +29,15 @@ def test_nccl_kernels_are_told_from_every_other_kernel():
     assert collective_kernel("_Z39ncclDevKernel_AllReduce_Sum_f32_RING_LL24ncclDevKernel"
                              "ArgsStorageILm4096EE")
     assert collective_kernel("ncclKernel_AllGather_RING_LL_Sum_int8_t")
+    # torch's one-shot all-reduce over symmetric memory: a static template in an anonymous
+    # namespace
+    assert collective_kernel("_ZN12_GLOBAL__N_1L26one_shot_all_reduce_kernelIN3c108BFloat16ELi16"
+                             "ELi2EEEvPPT_S5_S5_mmPPjmm")
+    assert collective_kernel("_ZN12_GLOBAL__N_126two_shot_all_reduce_kernelIfLi16ELi2ELb0ELb0EE"
+                             "EvPPT_S3_mmPPjmmm")
     for name in ("sm80_xmma_fprop_implicit_gemm_f32f32", "void at::native::elementwise_kernel",
-                 "triton_poi_fused_add_0", "nimble_gather"):
+                 "triton_poi_fused_add_0", "nimble_gather", "all_reduce_kernel_of_mine",
+                 "_ZN2at6native18reduce_kernelILi512ELi1EEEvv"):
         assert not collective_kernel(name)
     g = TaskGraph.load(ALLREDUCE)
     assert _kinds(g).count("nccl") == 1

@@ -35,3 +35,10 @@ def test_a_generator_row_says_how_its_decode_step_is_launched():
     assert bench.report_line(2, 8, "nimble", row).endswith(
         "4000 tokens/s, decode step host-launched")
     assert not bench.parse_args([]).graph_mixing and bench.parse_args(["--graph-mixing"]).graph_mixing
+
+
+def test_the_all_reduce_is_chosen_by_name():
+    assert bench.parse_args([]).all_reduce == "nccl"
+    assert bench.parse_args(["--all-reduce", "one_shot"]).all_reduce == "one_shot"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--all-reduce", "ring"])

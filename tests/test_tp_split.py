@@ -80,3 +80,29 @@ def test_a_model_whose_heads_do_not_split_is_refused():
                                       vocab_size=50)
     with pytest.raises(ValueError, match="do not split over 4"):
         _worker().split(transformers.LlamaForCausalLM(config), 0, 4)
+
+
+def test_the_one_shot_all_reduce_is_asked_for_with_what_it_needs():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=8, num_key_value_heads=4,
+                                      vocab_size=50)
+    worker = _worker()
+    with pytest.raises(ValueError, match="all_reduce='ring': one of nccl, one_shot"):
+        worker.split(transformers.LlamaForCausalLM(config), 0, 2, all_reduce="ring")
+    half = transformers.LlamaForCausalLM(config).half()
+    with pytest.raises(ValueError, match="bfloat16 or float32, not torch.float16"):
+        worker.split(half, 0, 2, all_reduce="one_shot", max_tokens=8)
+    with pytest.raises(ValueError, match="needs max_tokens"):
+        worker.split(transformers.LlamaForCausalLM(config), 0, 2, all_reduce="one_shot")
+
+
+def test_a_one_shot_sum_refuses_a_call_larger_than_its_buffer():
+    worker = _worker()
+    summed = worker.OneShotSum.__new__(worker.OneShotSum)  # no symmetric memory on the CPU
+    summed.buffer, summed.group_name = torch.zeros(16), "0"
+    summed.op = lambda buffer, local, op, group: (buffer.copy_(local), buffer)[1]
+    y = torch.arange(12.0).view(3, 4)
+    assert torch.equal(summed(y), y)  # the op gets a view of the buffer shaped as the input
+    with pytest.raises(ValueError, match="17 elements: the split was made for 16"):
+        summed(torch.zeros(17))

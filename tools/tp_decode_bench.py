@@ -3,7 +3,7 @@
 
     torchrun --nproc_per_node=N tools/tp_decode_bench.py [LM] [--dtype bfloat16]
         [--batch 1,8] [--prompt 128] [--new-tokens 64] [--rounds 5] [--modes M,...]
-        [--graph-mixing] [--json F]
+        [--all-reduce nccl|one_shot] [--graph-mixing] [--json F]
 
 Run it with N = 1 (the whole model: one rank's split is all of it, its all-reduces trivial) and
 with N = 2 or 4 on as many GPUs, and hold the lines against each other.  Every rank runs the
@@ -13,7 +13,9 @@ tokens/s, and the decode step's all-reduce kernels.  A mode that fails is a row 
 one-line error; the ranks fail alike, so the others still meet.  Multicast stays off
 (``NCCL_NVLS_ENABLE=0``), and so does NCCL's graph mixing support (``NCCL_GRAPH_MIXING_SUPPORT=0``)
 unless ``--graph-mixing`` keeps it: its event nodes make a graph with collectives host-launched;
-each Generator row says how its decode step is launched.
+each Generator row says how its decode step is launched.  ``--all-reduce one_shot`` sums the
+split layers' partial sums with torch's one-shot all-reduce over symmetric memory instead of
+NCCL's (:mod:`nimble.cli.tp_decoders`).
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--modes", default="nimble,compiled loop", type=_modes,
                    help=f"which of {', '.join(MODES)} to time (default nimble,compiled loop)")
+    p.add_argument("--all-reduce", default="nccl", choices=("nccl", "one_shot"),
+                   help="how the split layers sum their partial sums: NCCL's all-reduce, or "
+                        "torch's one-shot all-reduce over symmetric memory (bfloat16, float32)")
     p.add_argument("--graph-mixing", action="store_true",
                    help="keep NCCL's graph mixing support (its event nodes make the graphs "
                         "host-launched)")
@@ -138,9 +143,10 @@ def main(argv=None) -> int:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    model = split(causal_lm(args.model, args.dtype), rank, world)
+    model = split(causal_lm(args.model, args.dtype), rank, world, all_reduce=args.all_reduce,
+                  max_tokens=max(args.batch) * args.prompt)
     results = {"model": args.model, "dtype": args.dtype, "world": world,
-               "graph_mixing": args.graph_mixing, "batches": {}}
+               "all_reduce": args.all_reduce, "graph_mixing": args.graph_mixing, "batches": {}}
     for batch in args.batch:
         def report(mode: str, row: dict, batch: int = batch) -> None:
             if rank == 0:

@@ -62,8 +62,20 @@ def library_kernel(name: str) -> bool:
                 or short.startswith(("triton", "nimble_")))
 
 
+#: torch's collectives over symmetric memory (``torch.ops.symm_mem``): each rank's kernel reads
+#: the others' buffers and meets them at barriers in signal pads, through pointer tables in
+#: device memory.
+SYMMETRIC_MEMORY_COLLECTIVES = frozenset({
+    "one_shot_all_reduce_kernel", "two_shot_all_reduce_kernel",
+    "two_shot_all_reduce_kernel_inplace", "multimem_all_reduce_kernel",
+    "multimem_one_shot_all_reduce_kernel", "multimem_all_gather_kernel"})
+
+
 def collective_kernel(name: str) -> bool:
-    """Whether a kernel is a collective of NCCL (an all-reduce, all-gather...): one that meets
-    the same kernel of every other rank through the communicator's memory, so its launches must
-    keep their order on every rank and that memory must stay where NCCL keeps it."""
-    return short_kernel_name(name, limit=len(name)).startswith(("ncclDevKernel", "ncclKernel"))
+    """Whether a kernel is a collective (an all-reduce, all-gather...) of NCCL or of torch's
+    symmetric memory: one that meets the same kernel of every other rank through memory they
+    share, so its launches must keep their order on every rank and that memory must stay where
+    its owner keeps it."""
+    short = short_kernel_name(name, limit=len(name))
+    return short.startswith(("ncclDevKernel", "ncclKernel")) or \
+        short.rsplit("::", 1)[-1] in SYMMETRIC_MEMORY_COLLECTIVES
