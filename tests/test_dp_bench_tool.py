@@ -64,3 +64,23 @@ def test_the_benches_turn_nccl_graph_mixing_off_unless_asked_to_keep_it():
     off = gpu_suite.collective_environment(keep_graph_mixing=False)
     assert off["NCCL_GRAPH_MIXING_SUPPORT"] == "0" and off["NCCL_NVLS_ENABLE"] == "0"
     assert "NCCL_GRAPH_MIXING_SUPPORT" not in gpu_suite.collective_environment(True)
+
+
+def test_a_bench_rank_starts_with_its_environment_gpu_and_process_group(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    made = []
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for key in {**gpu_suite.NO_MULTICAST, **gpu_suite.GRAPH_MIXING_OFF}:
+        monkeypatch.setenv(key, "unset")  # put back as it was after the test
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: made.append(("device", i)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, device_id: made.append((backend, str(device_id))))
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert gpu_suite.start_rank(keep_graph_mixing=False) == (1, 2)
+    assert made == [("device", 1), ("nccl", "cuda:1")]
+    import os
+    assert os.environ["NCCL_GRAPH_MIXING_SUPPORT"] == "0" and os.environ["NCCL_NVLS_ENABLE"] == "0"

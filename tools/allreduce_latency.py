@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-from gpu_suite import collective_environment  # tools/ is a script's first path entry
+from gpu_suite import start_rank  # tools/ is a script's first path entry
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -91,14 +91,10 @@ def _graphed_us(nbytes: int, count: int, iters: int) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.update(collective_environment(args.graph_mixing))
+    rank, world = start_rank(args.graph_mixing)
     import torch
     import torch.distributed as dist
 
-    rank = int(os.environ.get("RANK", 0))
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    world = dist.get_world_size()
     if rank == 0:
         peer = torch.cuda.can_device_access_peer(0, 1) if torch.cuda.device_count() > 1 else None
         print(f"{world} ranks on {torch.cuda.get_device_name()}; peer access 0->1: {peer}",

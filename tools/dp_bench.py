@@ -39,14 +39,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-from gpu_suite import collective_environment  # tools/ is a script's first path entry
+from gpu_suite import start_rank  # tools/ is a script's first path entry
 
 DEFAULT_MODELS = ["resnet50", "inception_v3"]
 MODES = ("ddp", "ddp graphed", "nimble", "nimble local", "nimble ddp", "all-reduce")
@@ -145,11 +144,7 @@ def main(argv=None) -> int:
                         help="keep NCCL's graph mixing support (its event nodes make Nimble's "
                              "graphs with collectives host-launched)")
     args = parser.parse_args(argv)
-    os.environ.update(collective_environment(args.graph_mixing))
-    rank = int(os.environ.get("RANK", 0))
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    world = dist.get_world_size()
+    rank, world = start_rank(args.graph_mixing)
     for name in args.models:
         steps, launches = _steps(name, args.batch, rank, rank != 0)
         rows = mode_rows(time_rounds(steps, args.rounds, args.iters))

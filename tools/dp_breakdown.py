@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-from gpu_suite import collective_environment  # tools/ is a script's first path entry
+from gpu_suite import start_rank  # tools/ is a script's first path entry
 
 
 def covered(intervals: list[tuple[float, float]]) -> float:
@@ -149,13 +149,7 @@ def _profiled(step, steps: int, rank: int) -> Breakdown:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.update(collective_environment(args.graph_mixing))
-    import torch
-    import torch.distributed as dist
-
-    rank = int(os.environ.get("RANK", 0))
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    rank, world = start_rank(args.graph_mixing)
     rows = {}
     for mode, step in _steps(args, rank).items():
         rows[mode] = _profiled(step, args.steps, rank)
@@ -163,7 +157,7 @@ def main(argv=None) -> int:
             print(line(mode, rows[mode]), flush=True)
     if rank == 0 and args.json:
         Path(args.json).write_text(json.dumps(
-            {"model": args.model, "world": dist.get_world_size(), "batch_per_gpu": args.batch,
+            {"model": args.model, "world": world, "batch_per_gpu": args.batch,
              "graph_mixing": args.graph_mixing,
              "modes": {m: asdict(b) for m, b in rows.items()}}, indent=1))
     sys.stdout.flush()

@@ -101,6 +101,19 @@ def collective_environment(keep_graph_mixing: bool) -> dict:
     return {**NO_MULTICAST, **({} if keep_graph_mixing else GRAPH_MIXING_OFF)}
 
 
+def start_rank(keep_graph_mixing: bool) -> tuple[int, int]:
+    """A bench's rank under ``torchrun``: :func:`collective_environment` set, this rank's GPU
+    current and the NCCL process group made; ``(rank, world size)``."""
+    os.environ.update(collective_environment(keep_graph_mixing))
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", 0))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    return rank, dist.get_world_size()
+
+
 @dataclass(frozen=True)
 class Share:
     """The ``index``-th of ``count`` shares of a test file's tests (:data:`SPLIT`)."""

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-from gpu_suite import collective_environment  # tools/ is a script's first path entry
+from gpu_suite import start_rank  # tools/ is a script's first path entry
 
 #: Nimble's Generator on the model's eager kernels, on Inductor's kernels, and the compiled loop.
 MODES = ("nimble", "nimble+inductor", "compiled loop")
@@ -133,16 +133,10 @@ def _generator_row(model, args, batch: int, prompts: dict, inductor: bool) -> di
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.update(collective_environment(args.graph_mixing))
-    import torch
-    import torch.distributed as dist
-
+    rank, world = start_rank(args.graph_mixing)
     from nimble.cli.decoders import causal_lm
     from nimble.cli.tp_decoders import split
 
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     model = split(causal_lm(args.model, args.dtype), rank, world, all_reduce=args.all_reduce,
                   max_tokens=max(args.batch) * args.prompt)
     results = {"model": args.model, "dtype": args.dtype, "world": world,
