@@ -42,7 +42,12 @@ class OneShotSum:
             enable(self.group_name)
         self.buffer = symm_mem.empty(max_numel, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, group)
-        self.op = torch.ops.symm_mem.one_shot_all_reduce_copy
+        ops = torch.ops.symm_mem
+        if hasattr(ops, "one_shot_all_reduce_copy"):  # the copy in, inside the kernel
+            self.op = ops.one_shot_all_reduce_copy
+        else:  # torch releases before it: a copy kernel, then the all-reduce
+            self.op = lambda buffer, local, op, group_name: ops.one_shot_all_reduce(
+                buffer.copy_(local), op, group_name)
 
     def __call__(self, y):
         n = y.numel()
