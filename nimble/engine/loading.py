@@ -8,8 +8,9 @@ container (checksum, format version), every field of the manifest for its type a
 :class:`~nimble.errors.LoadError` on any machine, GPU or not, before anything is allocated.
 Then the GPU: its architecture and driver are held against the file's, every
 kernel is loaded from its binary and checked against its saved fingerprint
-(:mod:`nimble.engine.kernel_binaries`), the weights put in place (the model's, by name, or the
-file's), the external memory and the private copies of library memory restored, and every
+(:mod:`nimble.engine.kernel_binaries`, on worker threads) while the weights are put in place
+(the model's, by name, or the file's) and the external memory copied, the private copies of
+library memory restored, and every
 bucket of every instance built through the same
 :func:`~nimble.engine.prepared.build_prepared` that prepare uses, from stored nodes instead of
 recorded ones.
@@ -28,6 +29,7 @@ differ).
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -358,6 +360,37 @@ class _Graph:
                        self.arenas, self.layout, self.pad, report)
 
 
+def _weights_beside_kernels(manifest: dict, saved: SavedFile, model, device, seconds: dict):
+    """``(weight addresses, their owners, memory addresses, their owners, LoadedKernels)``:
+    the kernels loaded on a worker (its own threads read, hash and load the binaries) while
+    this thread copies the weights and external memory to the GPU; ``seconds`` gets each
+    side's time (``kernels``, ``weights_and_memory``).  A failure on either side closes the
+    kernels once both have ended."""
+    context = driver.current_context()
+
+    def kernels_here() -> LoadedKernels:
+        driver.use_context(context)
+        began = time.perf_counter()
+        loaded = load_kernels(manifest["kernels"], manifest["binaries"], saved)
+        seconds["kernels"] = time.perf_counter() - began
+        seconds.update(loaded.seconds)
+        return loaded
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(kernels_here)
+        began = time.perf_counter()
+        try:
+            weights, keep = _weights(manifest, saved, model, device)
+            memory, kept_memory = _memory(manifest, saved, device)
+        except BaseException:
+            done = pending.exception() is None and pending.result()
+            if done:
+                done.close()
+            raise
+        seconds["weights_and_memory"] = time.perf_counter() - began
+        return weights, keep, memory, kept_memory, pending.result()
+
+
 def load_serving(path, model=None, *, instances: int | None = None, verify: bool = True,
                  quiet: bool = True) -> Serving:
     """Every bucket and instance of the saved graph at ``path``, built here and proven (see the
@@ -398,19 +431,15 @@ def load_graphs(path, model=None, *, verify: bool = True, quiet: bool = True,
     kernels: LoadedKernels | None = None
     graphs: list[_Graph] = []
     try:
+        weights, keep, memory, kept_memory, kernels = _weights_beside_kernels(
+            manifest, saved, model, device, seconds)
         t0 = time.perf_counter()
-        kernels = load_kernels(manifest["kernels"], manifest["binaries"], saved)
-        seconds["kernels"] = time.perf_counter() - t0
-        seconds.update(kernels.seconds)
-        t0 = time.perf_counter()
-        weights, keep = _weights(manifest, saved, model, device)
-        memory, kept_memory = _memory(manifest, saved, device)
         buckets = [_read_bucket(row, k, saved, graph, spec, kernels.functions, weights,
                                 memory, device, model)
                    for k, (row, (graph, spec)) in enumerate(zip(manifest["buckets"], decoded))]
         graphs = [_Graph(r["name"], [buckets[i] for i in r["buckets"]],
                          instances or int(r["instances"]), bool(r["pad"])) for r in rows]
-        seconds["weights_and_memory"] = time.perf_counter() - t0
+        seconds["weights_and_memory"] += time.perf_counter() - t0  # the buckets read too
         t0 = time.perf_counter()
         for graph in graphs:
             graph.build(model)
