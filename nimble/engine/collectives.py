@@ -83,7 +83,7 @@ def check_instances(graph, instances: int) -> None:
     collectives: callers on several streams would launch its collectives in an order no other
     rank shares, and the ranks would wait on each other."""
     if instances > 1 and communicates(graph):
-        raise InputError(f"instances={instances} of a model whose graph holds NCCL collectives: "
+        raise InputError(f"instances={instances} of a model whose graph holds collectives: "
                          "each rank must launch its collectives in one order, which callers on "
                          "several streams cannot keep; prepare one instance (instances=1)")
 

@@ -54,9 +54,10 @@ def check_savable(prepared: Prepared) -> None:
     """Raise :class:`SaveError` for a graph this version cannot write down."""
     graph = prepared.graph
     if communicates(graph):
-        raise SaveError("this graph holds NCCL collectives, whose communicator is a live "
-                        "connection between this process and its peers: prepare it in each "
-                        "process instead of loading it")
+        raise SaveError("this graph holds collectives (NCCL's, or torch's over symmetric "
+                        "memory), whose communicator or shared buffers are a live connection "
+                        "between this process and its peers: prepare it in each process "
+                        "instead of loading it")
     if graph.meta.get("rng"):
         raise SaveError("this graph draws random numbers (dropout or sampling in the "
                         "forward), which saving does not support yet: prepare it in the "
