@@ -193,3 +193,67 @@ def test_recording_turns_inductors_programmatic_launches_on_only_when_asked():
     with launched_programmatically(True):
         assert inductor.triton.enable_pdl is True
     assert inductor.triton.enable_pdl == before
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_programmatic_edges_are_kept_only_where_their_phase_measures_faster(bindings, monkeypatch,
+                                                                          faster):
+    import torch
+
+    from nimble.engine import prepared as prepared_module
+    from test_rebuild import served_input, served_recording
+
+    def launch(before, stream, refresh):
+        def timed(built, count):
+            gain = 0.9 if faster else 0.999  # 0.1% is below the gain a choice must show
+            return count * (gain if built in trial else 1.0)
+        return timed
+    trial: list = []
+    real_build = served_builder().build.__func__
+
+    def build(self, phase, options=PhaseOptions()):
+        got = real_build(self, phase, options)
+        if options.programmatic_edges is not None:
+            trial.append(got)
+        return got
+    monkeypatch.setattr(prepared_module, "_after_phases", launch)
+    builder = served_builder()
+    monkeypatch.setattr(type(builder), "build", build)
+    rec, slot = served_recording(builder), served_input()
+    builts: list = []
+    prepared_module._build_phases(builder, rec, [slot], [torch.zeros(1)], torch.device("cpu"),
+                                  None, None, builts,
+                                  programmatic_trials={1: frozenset({(3, 4)})})
+    # the trial was built with the edge programmatic
+    assert [kind for kind, _ in bindings.edge_types.values()].count(PROGRAMMATIC) >= 1
+    assert builder.programmatic == ({(3, 4)} if faster else set())
+    assert (builts[1] in trial) is faster  # phase 1 served as timed; phase 0 never tried
+    [measured] = builder.graph.meta["programmatic"]
+    assert measured["phase"] == 1 and measured["kept"] is faster and measured["measured"]
+    assert measured["edges"] == 1 and measured["programmatic_ms"] < measured["plain_ms"]
+    for built in builts:
+        built.close()
+
+
+def test_the_plan_times_each_phase_serves_a_copy_the_first_ones_and_collectives_untimed(
+        monkeypatch):
+    from nimble.analysis.schedule import Schedule
+    from nimble.engine import programmatic_pick
+
+    g = _graph()
+    g.meta["phases"] = [2, 2]
+    schedule = Schedule([0, 0, 0, 0], [[0, 1, 2, 3]], [], 0, 1, phases=[2, 2])
+    apart = SimpleNamespace(offsets={0: 0, 1: 256, 2: 512})
+    on, off = PrepareOptions(programmatic_launch=True), PrepareOptions()
+    assert programmatic_pick.planned_programmatic(g, schedule, apart, off).trials is None
+    plan = programmatic_pick.planned_programmatic(g, schedule, apart, on)
+    # (0, 1) lies in phase 0; (1, 2) crosses into phase 1: the phases' barrier, in neither graph
+    assert plan.served == frozenset() and plan.trials == {0: {(0, 1)}}
+    copy = programmatic_pick.planned_programmatic(
+        g, schedule, apart, on, first=SimpleNamespace(programmatic={(0, 1)}))
+    assert copy.served == {(0, 1)} and copy.trials is None
+    monkeypatch.setattr(programmatic_pick, "communicates", lambda graph: True)
+    lockstep = programmatic_pick.planned_programmatic(g, schedule, apart, on)
+    assert lockstep.served == {(0, 1), (1, 2)} and lockstep.trials is None
+    assert g.meta["programmatic"] == [{"phase": None, "edges": 2, "measured": False,
+                                       "kept": True}]

@@ -94,7 +94,7 @@ def add_arguments(p) -> None:
     p.add_argument("--programmatic", action="store_true",
                    help="--generate: prepare the Nimble steps with PrepareOptions("
                         "programmatic_launch=True): Inductor's kernels launched to start while "
-                        "their predecessor ends, where safe (served as built, not measured)")
+                        "their predecessor ends, where safe, kept where measured faster")
     p.add_argument("--inductor-mode", choices=INDUCTOR_MODES, default=None,
                    help="--generate: torch.compile's mode for nimble+inductor's kernels "
                         "(default: Inductor's default; max-autotune-no-cudagraphs tunes them "

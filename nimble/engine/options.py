@@ -80,10 +80,12 @@ class PrepareOptions:
         turns on while the model is recorded, so that a ``torch.compile``'d module compiles
         so at its first call) as programmatic ones where that
         is as safe as in the capture (:mod:`nimble.analysis.programmatic`): such a kernel may
-        start while its predecessor ends, and waits for its data in its own code.  The proof
-        checks the result as any graph.  ``nm.programmatic_edges`` lists the edges built so.
-        Off until measured on the GPU; not written by ``save`` (a loaded graph waits on full
-        dependencies).
+        start while its predecessor ends, and waits for its data in its own code.  Each phase
+        keeps them only where it measures faster at prepare (a graph of collectives, which is
+        not timed, is served with them); the proof checks the result as any graph.
+        ``nm.programmatic_edges`` lists the edges built so, ``nm.graph.meta["programmatic"]``
+        what was measured.  Off until measured on the GPU; not written by ``save`` (a loaded
+        graph waits on full dependencies).
     """
 
     arena_limit: int | str | None = "pool"

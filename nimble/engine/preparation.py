@@ -33,6 +33,7 @@ from .collectives import (check_data_parallel, check_instances, check_training_c
 from .launcher import CallOrder
 from .options import PrepareOptions
 from .prefetch import planned_prefetch
+from .programmatic_pick import planned_programmatic
 from .profiler_guard import device_launch_allowed
 from .prepared import (ArenaRegion, Prepared, backfill_trials, build_prepared, kernel_priorities,
                        plan_graph, task_times)
@@ -208,6 +209,11 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
     prefetch_trials = planned_prefetch(planned.rec.graph, options) if first is None else None
     if prefetch_trials:
         say(f"timing weight prefetch in {len(prefetch_trials)} phase(s) against none", quiet)
+    programmatic = planned_programmatic(planned.rec.graph, planned.schedule, planned.memplan,
+                                        options, first)
+    if programmatic.trials:
+        say(f"timing programmatic edges in {len(programmatic.trials)} phase(s) against none",
+            quiet)
     built = build_prepared(model, planned.rec, planned.schedule, planned.memplan,
                            device_launch=device_launch_allowed(options.device_launch),
                            gather_inputs=options.gather_inputs, seconds=seconds,
@@ -217,7 +223,7 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
                            priority_trials=planned.ordering if first is None else (),
                            prefetch_trials=prefetch_trials,
                            prefetch=first.prefetch if first else None,
-                           programmatic=options.programmatic_launch)
+                           programmatic=programmatic)
     seconds["build"] = time.perf_counter() - t0
     if first is not None:
         built.backfill = first.backfill
@@ -229,6 +235,10 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
         say(f"phase {r['phase']}: {r['plain_ms']:.3f} ms per launch plain, "
             f"{r['prefetch_ms']:.3f} with {r['windows']} weight prefetch(es) of "
             f"{r['bytes'] / 2**20:.1f} MiB; " + ("kept" if r["kept"] else "kept none"), quiet)
+    for r in built.graph.meta.get("programmatic", []) if programmatic.trials else ():
+        say(f"phase {r['phase']}: {r['plain_ms']:.3f} ms per launch plain, "
+            f"{r['programmatic_ms']:.3f} with {r['edges']} programmatic edge(s); "
+            + ("kept" if r["kept"] else "kept none"), quiet)
     for p in built.backfill if first is None else ():
         say(f"phase {p.phase}: {p.plain_ms:.3f} ms per launch plain, "
             + ", ".join(f"{ms:.3f}" for ms in p.trial_ms) + " with backfill; "

@@ -17,12 +17,12 @@ from .arena_layout import StateLayout, own_layout
 from .build import BuiltGraph, InputGather, buffer_bases
 from .launcher import CallOrder, InputSlot, Launcher, RngCells
 from .prefetch import pick_prefetch
+from .programmatic_pick import ProgrammaticPlan, pick_programmatic
 from .priority_trials import PriorityTrial, pick_priorities
 from .rebuild import PhaseBuilder, PhaseOptions
 from ..analysis.memplan import MemPlan, plan_memory
 from ..analysis.plan_check import check_plan
 from ..analysis.priorities import driver_priorities, priority_levels
-from ..analysis.programmatic import programmatic_edges
 from ..record.resolve import RNG_OFFSET, RNG_SEED
 from ..analysis.arena_fit import schedule_within
 from ..analysis.schedule import Schedule, phase_spans
@@ -314,13 +314,15 @@ def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: l
                   device, rng: RngCells | None, backfill_trials: dict[int, list] | None,
                   builts: list[BuiltGraph], order: CallOrder | None = None,
                   priority_trials: Sequence[PriorityTrial] = (),
-                  prefetch_trials: dict[int, tuple] | None = None
+                  prefetch_trials: dict[int, tuple] | None = None,
+                  programmatic_trials: dict[int, frozenset] | None = None
                   ) -> tuple[list[Launcher], list[backfill.Picked]]:
     """Each phase built as served (appended to ``builts``, which the caller frees on an error),
     its resource-aware priorities (``priority_trials``; what was measured goes to
-    ``graph.meta["resource_order"]``), then its tail backfill trials and its weight prefetch
-    (``prefetch_trials``; ``graph.meta["prefetch_l2"]``) timed, and its launcher over its share
-    of inputs and outputs (sharing ``order``: a new one when None)."""
+    ``graph.meta["resource_order"]``), then its tail backfill trials, its weight prefetch
+    (``prefetch_trials``; ``graph.meta["prefetch_l2"]``) and its programmatic edges
+    (``programmatic_trials``; ``graph.meta["programmatic"]``) timed, and its launcher over its
+    share of inputs and outputs (sharing ``order``: a new one when None)."""
     graph = rec.graph
     order = order if order is not None else CallOrder()
     in_counts = _counts(graph, "phase_inputs", len(graph.inputs))
@@ -356,6 +358,10 @@ def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: l
         if prefetch_trials and prefetch_trials.get(k):
             built = pick_prefetch(builder, k, built, prefetch_trials[k],
                                   _after_phases(builts, builder.upload_stream, refresh), graph)
+        if programmatic_trials and programmatic_trials.get(k):
+            built = pick_programmatic(builder, k, built, programmatic_trials[k],
+                                      _after_phases(builts, builder.upload_stream, refresh),
+                                      graph)
         builts.append(built)
         launchers.append(Launcher(
             built.exec.handle, slots[first_in:first_in + in_counts[k]], device,
@@ -407,7 +413,8 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
                    priority_trials: Sequence[PriorityTrial] = (),
                    placement: Placement | None = None,
                    prefetch_trials: dict[int, tuple] | None = None,
-                   prefetch: Sequence | None = None, programmatic: bool = False) -> Prepared:
+                   prefetch: Sequence | None = None,
+                   programmatic: ProgrammaticPlan | None = None) -> Prepared:
     """Arena, cells, explicit graph(s) and launchers for a planned recording (not verified).
 
     The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
@@ -425,9 +432,9 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     (:func:`nimble.engine.priority_trials.resource_trials`), before them, and the kept
     priorities are the result's, and after them ``prefetch_trials`` (per phase, the weight
     prefetches of :func:`nimble.engine.prefetch.plan_phases`); ``prefetch`` (per phase) is
-    built in as it is (a copy of a graph whose prefetch was picked already).  With
-    ``programmatic``, the schedule's edges that
-    :func:`~nimble.analysis.programmatic.programmatic_edges` allows are built programmatic.
+    built in as it is (a copy of a graph whose prefetch was picked already); ``programmatic``
+    (:func:`~nimble.engine.programmatic_pick.planned_programmatic`) says which programmatic
+    edges are served from the start and which each phase times against none.
 
     With ``region`` the graph is built in an arena shared with other graphs (its plan from the
     arena's base, its state where ``region.layout`` says), which the caller owns and frees on
@@ -459,11 +466,11 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
             priorities, [device_launch] * len(spans),
             upload_stream=driver.stream(torch.cuda.current_stream().cuda_stream),
             late_edges=late_edges, prefetch=list(prefetch) if prefetch else None,
-            programmatic=programmatic_edges(graph, schedule.edges(), plan.offsets)
-            if programmatic else frozenset())
+            programmatic=programmatic.served if programmatic else frozenset())
         launchers, picked = _build_phases(builder, rec, slots, outputs, device, rng,
                                           backfill_trials, builts, order, priority_trials,
-                                          prefetch_trials)
+                                          prefetch_trials,
+                                          programmatic.trials if programmatic else None)
     except BaseException:
         for built in builts:
             built.close()

@@ -53,6 +53,8 @@ class PhaseOptions:
     #: edge a full dependency.  None go into a build with stamps or other bases, nor into a
     #: task with a delay node.
     programmatic: bool = True
+    #: These edges programmatic instead of the served ones (a timed trial); None: the served.
+    programmatic_edges: Set[tuple[int, int]] | None = None
 
 
 AS_SERVED = PhaseOptions()
@@ -112,11 +114,13 @@ class PhaseBuilder:
     def _programmatic(self, options: PhaseOptions, edges) -> frozenset:
         """The programmatic edges of a build with ``options`` over ``edges``: the served ones
         still among them, in a build timed and laid out as served."""
-        if (not self.programmatic or not options.programmatic or options.edgeless
+        chosen = self.programmatic if options.programmatic_edges is None \
+            else options.programmatic_edges
+        if (not chosen or not options.programmatic or options.edgeless
                 or options.stamps is not None or options.bases is not None):
             return frozenset()
         kept = set(edges)
-        return frozenset(e for e in self.programmatic if e in kept)
+        return frozenset(e for e in chosen if e in kept)
 
     def edges_of(self, phase: int, options: PhaseOptions = AS_SERVED) -> list[tuple[int, int]]:
         """The edges inside phase ``phase`` of a build with ``options``, its late ones
