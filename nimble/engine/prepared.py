@@ -16,6 +16,8 @@ from .. import driver
 from .arena_layout import StateLayout, own_layout
 from .build import BuiltGraph, InputGather, buffer_bases
 from .launcher import CallOrder, InputSlot, Launcher, RngCells
+from .phase_timing import after_phases as _after_phases
+from .phase_timing import recorded_inputs_into as _recorded_inputs_into
 from .prefetch import pick_prefetch
 from .programmatic_pick import ProgrammaticPlan, pick_programmatic
 from .priority_trials import PriorityTrial, pick_priorities
@@ -375,25 +377,6 @@ def _build_phases(builder: PhaseBuilder, rec, slots: list[InputSlot], outputs: l
     return launchers, picked
 
 
-def _recorded_inputs_into(slots: Sequence[InputSlot], values: Sequence) -> Callable[[], None]:
-    """A ``refresh`` for :func:`_after_phases`: the recording's inputs copied into the slots
-    (in stream order), so that every timed launch reads real inputs.  An input's bytes are
-    planned for reuse once its last reader ran (gpt2's token ids share theirs with later
-    activations), and a launch with no call behind it gathers each slot onto itself: the
-    second launch would read those activations as token ids, an embedding's index out of
-    range and a device-side assert."""
-    pairs = [(s.tensor, v) for s, v in zip(slots, values)
-             if tuple(s.shape) == tuple(v.shape) and s.dtype == v.dtype]
-
-    def refresh() -> None:
-        import torch
-
-        with torch.no_grad():
-            for slot, value in pairs:
-                slot.copy_(value)
-    return refresh
-
-
 class ArenaRegion(NamedTuple):
     """Where a graph is built in an arena it does not own (one of several shape buckets of a
     model instance, :mod:`nimble.engine.arena_layout`): the arena, this graph's layout in it,
@@ -489,28 +472,3 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         prepared.step = TrainingStep(launchers[0], launchers[1], rec.step, names)
     return prepared
-
-
-def _after_phases(before: Sequence[BuiltGraph], stream, refresh: Callable[[], None]
-                  ) -> Callable[[BuiltGraph, int], float]:
-    """``launch(built, count) -> ms``: ``count`` launches of ``built``, each after one launch of
-    every phase of ``before`` (so it reads what they write: a backward reads the forward's
-    saved max-pool indices, and its own writes may reuse their bytes), timing ``built`` only;
-    ``refresh()`` runs before each (:func:`_recorded_inputs_into`)."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def launch(built: BuiltGraph, count: int) -> float:
-        total = 0.0
-        for _ in range(count):
-            refresh()
-            for b in before:
-                driver.launch(b.exec.handle, stream)
-            start.record()
-            driver.launch(built.exec.handle, stream)
-            end.record()
-            end.synchronize()
-            total += start.elapsed_time(end)
-        return total
-    return launch
