@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import FIXTURE_DIR, param_words
+from helpers import FIXTURE_DIR, param_words, timed_stand_in
 from nimble.analysis.prefetch import (Prefetch, WeightRange, merged_ranges, plan_prefetch,
                                       weight_reads, window_bytes)
 from nimble.engine import prefetch as prefetch_module
@@ -177,12 +177,8 @@ def test_the_builder_serves_its_prefetch_and_options_override_it():
 @pytest.mark.parametrize("faster", [True, False])
 def test_a_prefetch_is_kept_only_where_its_phase_measures_faster(bindings, monkeypatch,
                                                                   faster):
-    def launch(before, stream, refresh):
-        def timed(built, count):
-            gain = 0.9 if faster else 0.999  # 0.1% is below the gain a choice must show
-            return count * (gain if built.prefetch_nodes else 1.0)
-        return timed
-    monkeypatch.setattr(prepared_module, "_after_phases", launch)
+    monkeypatch.setattr(prepared_module, "_after_phases",
+                        timed_stand_in(faster, lambda built: bool(built.prefetch_nodes)))
     builder = served_builder()
     rec, slot = served_recording(builder), served_input()
     builder.bases = BASES

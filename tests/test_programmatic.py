@@ -14,6 +14,7 @@ from nimble.engine.build import DelaySpec, GraphSpec, build_graph
 from nimble.engine.options import PrepareOptions
 from nimble.engine.rebuild import PhaseOptions
 from nimble.ir.taskgraph import Access, Buffer, Task, TaskGraph, TaskKind
+from helpers import timed_stand_in
 from test_rebuild import SCHEDULE, SPANS, StandIn, served_builder, task_graph
 
 PROGRAMMATIC, DEFAULT = 1, 0
@@ -203,11 +204,6 @@ def test_programmatic_edges_are_kept_only_where_their_phase_measures_faster(bind
     from nimble.engine import prepared as prepared_module
     from test_rebuild import served_input, served_recording
 
-    def launch(before, stream, refresh):
-        def timed(built, count):
-            gain = 0.9 if faster else 0.999  # 0.1% is below the gain a choice must show
-            return count * (gain if built in trial else 1.0)
-        return timed
     trial: list = []
     real_build = served_builder().build.__func__
 
@@ -216,7 +212,8 @@ def test_programmatic_edges_are_kept_only_where_their_phase_measures_faster(bind
         if options.programmatic_edges is not None:
             trial.append(got)
         return got
-    monkeypatch.setattr(prepared_module, "_after_phases", launch)
+    monkeypatch.setattr(prepared_module, "_after_phases",
+                        timed_stand_in(faster, lambda built: built in trial))
     builder = served_builder()
     monkeypatch.setattr(type(builder), "build", build)
     rec, slot = served_recording(builder), served_input()
