@@ -254,3 +254,44 @@ def test_the_plan_times_each_phase_serves_a_copy_the_first_ones_and_collectives_
     assert lockstep.served == {(0, 1), (1, 2)} and lockstep.trials is None
     assert g.meta["programmatic"] == [{"phase": None, "edges": 2, "measured": False,
                                        "kept": True}]
+
+
+def test_the_memory_plan_keeps_a_pairs_buffers_apart_where_the_limit_allows():
+    from nimble.analysis.memplan import plan_memory
+    from nimble.analysis.programmatic import plan_apart
+
+    g = _graph()
+    g.buffers[2].kind = "intermediate"  # free to share bytes with buffer 0 once it is read
+    plain = plan_memory(g, EDGES)
+    # the usual ping-pong: kernel 2's output over the buffer kernel 1 read
+    assert plain.offsets[2] == plain.offsets[0]
+    assert programmatic_edges(g, EDGES, plain.offsets) == {(0, 1)}
+    apart = plan_apart(g, EDGES, plain, limit=None)
+    assert programmatic_edges(g, EDGES, apart.offsets) == {(0, 1), (1, 2)}
+    assert apart.arena_bytes > plain.arena_bytes
+    # a limit the pairs' arena does not fit keeps the plan as it was
+    assert plan_apart(g, EDGES, plain, limit=plain.arena_bytes) is plain
+    # a capture without programmatic edges is planned as before
+    g.meta.pop("programmatic_edges")
+    assert plan_apart(g, EDGES, plain, limit=None) is plain
+
+
+def test_on_a_recorded_decoder_every_pair_stays_programmatic_once_planned_apart():
+    """llama_small's decode recording with every two successive kernels taken as captured
+    programmatic: the usual plan keeps fewer than half, the plan that keeps the pairs apart
+    all of them, in an arena still inside the capture's pool."""
+    from helpers import FIXTURE_DIR
+
+    from nimble.analysis.programmatic import candidate_edges, plan_apart
+    from nimble.engine.prepared import plan_graph
+
+    g = TaskGraph.load(FIXTURE_DIR / "llama_small_float16.json.gz")
+    kernels = [t.id for t in g.tasks if t.kind == TaskKind.KERNEL]
+    g.meta["programmatic_edges"] = [[u, v] for u, v in zip(kernels, kernels[1:])]
+    schedule, plan = plan_graph(g, False, None, None)
+    candidates = candidate_edges(g, schedule.edges())
+    assert len(candidates) > 100
+    assert len(programmatic_edges(g, schedule.edges(), plan.offsets)) < len(candidates) / 2
+    apart = plan_apart(g, schedule.edges(), plan, g.meta["pool_bytes"])
+    assert programmatic_edges(g, schedule.edges(), apart.offsets) == set(candidates)
+    assert plan.arena_bytes < apart.arena_bytes <= g.meta["pool_bytes"]

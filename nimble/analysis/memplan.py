@@ -175,6 +175,20 @@ def _conflicts(graph: TaskGraph, ids: list[int], dag: Dag) -> np.ndarray:
     return conflict
 
 
+def _keep_apart(graph: TaskGraph, ids: list[int], conflict: np.ndarray,
+                overlapping: Iterable[tuple[int, int]]) -> None:
+    """Mark conflicting, in ``conflict``, every two different planned buffers that the two tasks
+    of a pair of ``overlapping`` touch, one each."""
+    pos = {b: i for i, b in enumerate(ids)}
+    for u, v in overlapping:
+        mine = sorted({pos[a.buffer] for a in graph.tasks[u].accesses if a.buffer in pos})
+        theirs = sorted({pos[a.buffer] for a in graph.tasks[v].accesses if a.buffer in pos})
+        if mine and theirs:
+            conflict[np.ix_(mine, theirs)] = True
+            conflict[np.ix_(theirs, mine)] = True
+    np.fill_diagonal(conflict, False)
+
+
 def _place(order: np.ndarray, sizes: np.ndarray, conflict: np.ndarray) -> np.ndarray:
     """Lowest-fit placement in ``order``: each buffer at the lowest offset free of its conflicts."""
     offsets = np.zeros(len(sizes), dtype=np.int64)
@@ -198,11 +212,15 @@ def _place(order: np.ndarray, sizes: np.ndarray, conflict: np.ndarray) -> np.nda
 
 
 def plan_memory(graph: TaskGraph, edges: Iterable[tuple[int, int]],
-                alignment: int = ALIGNMENT) -> MemPlan:
+                alignment: int = ALIGNMENT,
+                overlapping: Iterable[tuple[int, int]] = ()) -> MemPlan:
     """Give every relocatable buffer an aligned arena offset, reusing bytes where ``edges`` allow.
 
     ``edges`` are the executed graph's happens-before edges (low task id to high).  Two greedy
     placements are tried (largest buffer first; first-accessed first) and the smaller arena kept.
+    ``overlapping`` are task pairs that an edge orders but that may still run at once (a
+    programmatic edge, :mod:`nimble.analysis.programmatic`): no buffer of one shares a byte
+    with another buffer of the other.
     """
     if alignment <= 0:
         raise MemPlanError(f"alignment must be positive, not {alignment}")
@@ -214,6 +232,7 @@ def plan_memory(graph: TaskGraph, edges: Iterable[tuple[int, int]],
     if not ids:
         return MemPlan({}, 0, 0, bound, alignment)
     conflict = _conflicts(graph, ids, dag)
+    _keep_apart(graph, ids, conflict, overlapping)
     first_access = np.full(len(ids), n + 1, dtype=np.int64)
     pos = {b: i for i, b in enumerate(ids)}
     for t in reversed(graph.tasks):

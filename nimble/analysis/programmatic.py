@@ -23,6 +23,8 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Sequence
 
 from ..ir.taskgraph import TaskGraph, TaskKind
+from .memplan import MemPlan, plan_memory
+from .plan_check import check_plan
 
 #: ``graph.meta``'s key for the capture's programmatic edges, ``[u, v]`` task ids.
 META_KEY = "programmatic_edges"
@@ -53,11 +55,31 @@ def programmatic_edges(graph: TaskGraph, edges: Iterable[tuple[int, int]],
                        offsets: Mapping[int, int]) -> frozenset[tuple[int, int]]:
     """The edges of ``edges`` (the built graph's dependencies) that may be programmatic: see the
     module docstring.  Empty for a capture without programmatic edges."""
+    return frozenset((u, v) for u, v in candidate_edges(graph, edges)
+                     if not shares_other_bytes(graph, offsets, u, v))
+
+
+def candidate_edges(graph: TaskGraph, edges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The edges of ``edges`` the capture had programmatic, between two kernels: those
+    :func:`programmatic_edges` then keeps where the arena lets them."""
     recorded = recorded_pairs(graph)
-    if not recorded:
-        return frozenset()
     tasks: Sequence = graph.tasks
-    return frozenset(
-        (u, v) for u, v in edges
-        if (u, v) in recorded and tasks[u].kind == TaskKind.KERNEL
-        and tasks[v].kind == TaskKind.KERNEL and not shares_other_bytes(graph, offsets, u, v))
+    return sorted((u, v) for u, v in edges if (u, v) in recorded
+                  and tasks[u].kind == TaskKind.KERNEL and tasks[v].kind == TaskKind.KERNEL)
+
+
+def plan_apart(graph: TaskGraph, edges: Sequence[tuple[int, int]], plan: MemPlan,
+               limit: int | None) -> MemPlan:
+    """``plan``, or a plan of the same edges that lays no buffer of one end of a
+    :func:`candidate_edges` pair over another buffer of the other (the memory plan's usual
+    ping-pong of a chain, an output over the input its predecessor read, would keep most of a
+    decoder's pairs full dependencies) where that fits ``limit`` (bytes; None: any), checked.
+    The arena grows by what the pairs can no longer share."""
+    pairs = candidate_edges(graph, edges)
+    if not pairs:
+        return plan
+    apart = plan_memory(graph, edges, plan.alignment, overlapping=pairs)
+    if limit is not None and apart.arena_bytes > max(limit, plan.arena_bytes):
+        return plan
+    check_plan(graph, edges, apart)
+    return apart

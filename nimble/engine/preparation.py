@@ -34,9 +34,10 @@ from .launcher import CallOrder
 from .options import PrepareOptions
 from .prefetch import planned_prefetch
 from .programmatic_pick import planned_programmatic
+from ..analysis.programmatic import plan_apart
 from .profiler_guard import device_launch_allowed
-from .prepared import (ArenaRegion, Prepared, backfill_trials, build_prepared, kernel_priorities,
-                       plan_graph, task_times)
+from .prepared import (ArenaRegion, Prepared, arena_limit_bytes, backfill_trials, build_prepared,
+                       kernel_priorities, plan_graph, task_times)
 from .proof import ProofProgress
 from .proving import prove, prove_copy
 from .priority_trials import PriorityTrial, planned_ordering
@@ -173,6 +174,9 @@ def _plan(model, example, training: bool, use_multi_stream: bool, max_streams: i
     say(f"scheduling {len(rec.graph.tasks)} tasks", quiet)
     schedule, memplan = plan_graph(rec.graph, use_multi_stream, max_streams, options.arena_limit,
                                    durations)
+    if options.programmatic_launch:  # the pairs' buffers kept apart, where the limit allows
+        memplan = plan_apart(rec.graph, schedule.edges(), memplan,
+                             arena_limit_bytes(rec.graph, options.arena_limit))
     seconds["schedule_and_memplan"] = time.perf_counter() - t0 - seconds.get("timing", 0.0)
     say(f"{len(schedule.streams)} streams, {len(schedule.sync_edges)} syncs; arena "
         f"{memplan.arena_bytes / 2**20:.1f} MiB", quiet)

@@ -193,6 +193,12 @@ def _rng_cells(graph: TaskGraph, device, at: int) -> tuple[dict[int, int], RngCe
     return bases, RngCells(generator, at, at + 8, int(rng["increment"]))
 
 
+def arena_limit_bytes(graph: TaskGraph, arena_limit: int | str | None) -> int | None:
+    """``PrepareOptions.arena_limit`` in bytes: ``"pool"`` is what the capture's memory pool
+    held."""
+    return graph.meta.get("pool_bytes") if arena_limit == "pool" else arena_limit
+
+
 def plan_graph(graph: TaskGraph, use_multi_stream: bool, max_streams: int | None,
                arena_limit: int | str | None,
                durations: Sequence[float] | Callable[[], Sequence[float]] | None = None
@@ -201,7 +207,7 @@ def plan_graph(graph: TaskGraph, use_multi_stream: bool, max_streams: int | None
     isolated µs, or a callable that measures them when the limit binds) pick among the
     schedules that fit the arena (:func:`nimble.analysis.arena_fit.schedule_within`).
     """
-    limit = graph.meta.get("pool_bytes") if arena_limit == "pool" else arena_limit
+    limit = arena_limit_bytes(graph, arena_limit)
     if use_multi_stream:
         schedule, plan = schedule_within(graph, max_streams, limit, durations)
     else:
