@@ -27,8 +27,9 @@ def test_a_compiled_models_kernels_get_programmatic_edges_and_the_same_bits():
     model, x = _mlp()
     plain = nimble.Nimble(torch.compile(model, dynamic=False)).prepare(x)
     torch._dynamo.reset()  # compiled again, now with programmatic launches
+    # served unmeasured, so that the edges are built whatever they gain on this machine
     fast = nimble.Nimble(torch.compile(model, dynamic=False)).prepare(
-        x, options=nimble.PrepareOptions(programmatic_launch=True))
+        x, options=nimble.PrepareOptions(programmatic_launch="always"))
     recorded = fast.graph.meta.get("programmatic_edges", [])
     assert recorded, "the capture holds no programmatic edge: did Inductor launch with PDL?"
     assert "programmatic_edges" not in plain.graph.meta and not plain.programmatic_edges
@@ -37,6 +38,14 @@ def test_a_compiled_models_kernels_get_programmatic_edges_and_the_same_bits():
     for _ in range(3):
         fresh = torch.randn_like(x)
         assert torch.equal(fast(fresh), plain(fresh))
+    # measured: kept or not, as the timing says, and the same bits either way
+    torch._dynamo.reset()
+    measured = nimble.Nimble(torch.compile(model, dynamic=False)).prepare(
+        x, options=nimble.PrepareOptions(programmatic_launch=True))
+    [row] = measured.graph.meta["programmatic"]
+    assert row["measured"] and bool(measured.programmatic_edges) == row["kept"], row
+    fresh = torch.randn_like(x)
+    assert torch.equal(measured(fresh), plain(fresh))
 
 
 def test_a_generator_on_programmatic_inductor_kernels_decodes_the_same_tokens():
@@ -52,7 +61,8 @@ def test_a_generator_on_programmatic_inductor_kernels_decodes_the_same_tokens():
     tokens = {}
     for asked in (False, True):
         torch._dynamo.reset()
-        step = prepare_with_nimble(PrepareOptions(programmatic_launch=asked), True)
+        step = prepare_with_nimble(PrepareOptions(programmatic_launch="always" if asked
+                                                  else False), True)
         generator = Generator(model, max_cache_len=64, prompt_buckets=[16], prepare_step=step)
         decode, _ = generator.steps(1)
         if asked:

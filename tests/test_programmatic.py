@@ -155,8 +155,13 @@ def test_copies_keep_the_served_programmatic_edges_unless_timed_or_moved():
 
 
 def test_the_option_is_off_unless_asked():
+    from nimble.errors import InputError
+
     assert PrepareOptions().programmatic_launch is False
     assert PrepareOptions(programmatic_launch=True).programmatic_launch is True
+    assert PrepareOptions(programmatic_launch="always").programmatic_launch == "always"
+    with pytest.raises(InputError, match="'always' \\(served unmeasured\\)"):
+        PrepareOptions(programmatic_launch="sometimes")
 
 
 def test_the_recorder_reads_edges_only_where_inductor_launches_programmatically(monkeypatch):
@@ -249,6 +254,9 @@ def test_the_plan_times_each_phase_serves_a_copy_the_first_ones_and_collectives_
     copy = programmatic_pick.planned_programmatic(
         g, schedule, apart, on, first=SimpleNamespace(programmatic={(0, 1)}))
     assert copy.served == {(0, 1)} and copy.trials is None
+    always = programmatic_pick.planned_programmatic(
+        g, schedule, apart, PrepareOptions(programmatic_launch="always"))
+    assert always.served == {(0, 1), (1, 2)} and always.trials is None
     monkeypatch.setattr(programmatic_pick, "communicates", lambda graph: True)
     lockstep = programmatic_pick.planned_programmatic(g, schedule, apart, on)
     assert lockstep.served == {(0, 1), (1, 2)} and lockstep.trials is None

@@ -83,6 +83,7 @@ class PrepareOptions:
         start while its predecessor ends, and waits for its data in its own code.  Each phase
         keeps them only where it measures faster at prepare (a graph of collectives, which is
         not timed, is served with them); the proof checks the result as any graph.
+        ``"always"`` serves them unmeasured (side-by-side timing, tests).
         ``nm.programmatic_edges`` lists the edges built so, ``nm.graph.meta["programmatic"]``
         what was measured.  Off until measured on the GPU; not written by ``save`` (a loaded
         graph waits on full dependencies).
@@ -100,11 +101,16 @@ class PrepareOptions:
     backfill: bool | None = None
     resource_order: bool | str = False
     prefetch_l2: bool = False
-    programmatic_launch: bool = False
+    programmatic_launch: bool | str = False
 
     def __post_init__(self) -> None:
         from ..analysis.resources import RULES
         from ..errors import InputError
+
+        if self.programmatic_launch not in (False, True, "always"):
+            raise InputError(f"PrepareOptions(programmatic_launch={self.programmatic_launch!r}): "
+                             "True (kept where measured faster), 'always' (served unmeasured) "
+                             "or False")
 
         order = self.resource_order
         if isinstance(order, str) and order not in RULES:

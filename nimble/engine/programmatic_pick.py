@@ -2,7 +2,8 @@
 phase built with the edges :func:`nimble.analysis.programmatic.programmatic_edges` allows, timed
 against the phase without them, and kept only where it measures faster, as the weight
 prefetch is (:mod:`nimble.engine.prefetch`).  A graph of collectives is not timed (its ranks
-must launch alike, not by their own timings): it is served with them, unmeasured, as asked.
+must launch alike, not by their own timings): it is served with them, unmeasured, as asked;
+so is any graph with ``programmatic_launch="always"``.
 What was measured goes to ``graph.meta["programmatic"]``.
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ def planned_programmatic(graph: TaskGraph, schedule: Schedule, memplan, options,
     allowed = programmatic_edges(graph, schedule.edges(), memplan.offsets)
     if not allowed:
         return ProgrammaticPlan()
-    if communicates(graph):
+    if communicates(graph) or options.programmatic_launch == "always":
         graph.meta[META_KEY] = [{"phase": None, "edges": len(allowed), "measured": False,
                                  "kept": True}]
         return ProgrammaticPlan(allowed)
