@@ -16,7 +16,8 @@ warm-up, and rank 0 prints, per step, from the kernels' intervals in the trace:
 - ``compute``: time some kernel other than NCCL's runs, and the sum of those kernels' own
   durations (beside ``local``'s, what sharing the SMs with NCCL costs);
 - ``nccl``: time some NCCL kernel runs, and its kernels per step; ``exposed``: time only NCCL
-  kernels run (``busy`` less ``compute``).
+  kernels run (``busy`` less ``compute``);
+- how the step's graphs (forward, backward) are launched: from the device, or by the host.
 
 The profiler slows the host, so ``wall`` and ``idle`` are longer than in ``dp_bench.py``; hold
 the modes against each other.  Multicast stays off, and so does NCCL's graph mixing support
@@ -110,7 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _steps(args, rank: int) -> dict:
+    """Per mode, ``(its step, how its graphs are launched)``."""
     import nimble
+    from dp_bench import launch_modes
     from nimble.cli.train_bench import setup, training_step
     from nimble.record.gradient_average import GradientAverage
 
@@ -122,7 +125,7 @@ def _steps(args, rank: int) -> dict:
         model = copy.deepcopy(base)
         nm = nimble.Nimble(model).prepare(x, training=True, average_gradients=average,
                                           quiet=rank != 0)
-        steps[mode] = training_step(nm, model, x, y)
+        steps[mode] = (training_step(nm, model, x, y), launch_modes(nm))
     return steps
 
 
@@ -150,15 +153,15 @@ def _profiled(step, steps: int, rank: int) -> Breakdown:
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank, world = start_rank(args.graph_mixing)
-    rows = {}
-    for mode, step in _steps(args, rank).items():
+    rows, launches = {}, {}
+    for mode, (step, launches[mode]) in _steps(args, rank).items():
         rows[mode] = _profiled(step, args.steps, rank)
         if rank == 0:
-            print(line(mode, rows[mode]), flush=True)
+            print(f"{line(mode, rows[mode])}  launched {'/'.join(launches[mode])}", flush=True)
     if rank == 0 and args.json:
         Path(args.json).write_text(json.dumps(
             {"model": args.model, "world": world, "batch_per_gpu": args.batch,
-             "graph_mixing": args.graph_mixing,
+             "graph_mixing": args.graph_mixing, "launch": launches,
              "modes": {m: asdict(b) for m, b in rows.items()}}, indent=1))
     sys.stdout.flush()
     os._exit(0)  # after captured collectives, destroying the process group can hang
