@@ -132,6 +132,22 @@ def test_the_breakdown_says_what_the_weight_prefetch_measured_when_asked():
     assert _breakdown_text({**info, "show_breakdown": False}) == ""
 
 
+def test_the_breakdown_says_what_the_programmatic_edges_measured():
+    from nimble.cli.generate_bench import _breakdown_text
+
+    timed = {"phase": 0, "plain_ms": 1.25, "programmatic_ms": 1.2, "edges": 40,
+             "measured": True, "kept": True}
+    served = {"phase": None, "edges": 12, "measured": False, "kept": True}
+    info = {"show_breakdown": True, "decode_step": {
+        "nimble+inductor": {"breakdown_text": "stand-in\n", "programmatic": [timed]},
+        "nimble": {"breakdown_text": "stand-in\n", "programmatic": [served]}}}
+    assert _breakdown_text(info) == (
+        "where nimble+inductor's decode step spends its time:\nstand-in\n"
+        "  programmatic edges: 1.250 ms per launch without, 1.200 with 40 edge(s); kept\n"
+        "where nimble's decode step spends its time:\nstand-in\n"
+        "  programmatic edges: served unmeasured: 12 edge(s); kept")
+
+
 @pytest.mark.parametrize("prefetch,programmatic", [(False, False), (True, False),
                                                    (False, True), (True, True)])
 def test_the_nimble_steps_are_prepared_with_the_levers_asked_for(monkeypatch, prefetch,
@@ -218,7 +234,7 @@ def test_the_decode_steps_shape_comes_from_one_trace_at_the_timed_tokens_middle(
     assert shape["breakdown"]["tasks"] == 4 and shape["breakdown"]["copy_bytes_per_s"] == 1e12
     assert "4 tasks in 40.0 µs" in shape["breakdown_text"]
     assert shape["prefetch_l2"] is None and "trace_error" not in shape
-    assert shape["programmatic_edges"] == 1
+    assert shape["programmatic_edges"] == 1 and shape["programmatic"] is None
     failed = _decode_step_shape(generator(True), 1)
     assert traced[-1] == ((1, 1), 16) and failed["concurrency"] is None
     assert failed["trace_error"] == "RuntimeError: stand-in second line"  # one line

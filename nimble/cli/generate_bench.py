@@ -195,7 +195,8 @@ def _decode_step_shape(generator, batch: int, needed=None,
     shape = {"dag_width": decode.schedule.width, "streams": len(decode.schedule.streams),
              "tasks": len(decode.graph.tasks), "concurrency": None,
              "prefetch_l2": decode.graph.meta.get("prefetch_l2"),
-             "programmatic_edges": len(decode.programmatic_edges)}
+             "programmatic_edges": len(decode.programmatic_edges),
+             "programmatic": decode.graph.meta.get("programmatic")}
     try:
         device = next(generator.model.parameters()).device
         at = int(needed.slots_read) - 1 if needed else generator.decode_position
@@ -222,6 +223,11 @@ def _breakdown_text(info: dict) -> str:
             out.append(f"  weight prefetch: {r['plain_ms']:.3f} ms per launch without, "
                        f"{r['prefetch_ms']:.3f} with {r['windows']} windows of "
                        f"{r['bytes'] / 1e6:.1f} MB in all; "
+                       + ("kept\n" if r["kept"] else "not kept\n"))
+        for r in shape.get("programmatic") or ():
+            timed = (f"{r['plain_ms']:.3f} ms per launch without, {r['programmatic_ms']:.3f} "
+                     "with " if r.get("measured") else "served unmeasured: ")
+            out.append(f"  programmatic edges: {timed}{r['edges']} edge(s); "
                        + ("kept\n" if r["kept"] else "not kept\n"))
     return "".join(out).rstrip("\n")
 
