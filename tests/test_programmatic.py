@@ -146,8 +146,8 @@ def test_copies_keep_the_served_programmatic_edges_unless_timed_or_moved():
     assert builder.spec(0).programmatic == {(0, 1), (3, 4)}
     # an edge the copy leaves out is not built programmatic either
     assert builder.spec(1, PhaseOptions(removed_edges={(3, 4)})).programmatic == {(0, 1)}
-    for options in (PhaseOptions(programmatic=False), PhaseOptions(edgeless=True),
-                    PhaseOptions(bases=[0] * 6),
+    for options in (PhaseOptions(programmatic_edges=frozenset()),
+                    PhaseOptions(edgeless=True), PhaseOptions(bases=[0] * 6),
                     PhaseOptions(stamps=SimpleNamespace(address=0, tasks=None))):
         assert builder.spec(0, options).programmatic == frozenset(), options
     # a fuzz copy keeps them: the tasks it delays wait on full dependencies (build_graph)
@@ -170,10 +170,9 @@ def test_the_recorder_reads_edges_only_where_inductor_launches_programmatically(
     from nimble.errors import CudaError
     from nimble.record import programmatic as recorder
 
-    graphs = [SimpleNamespace(raw_cuda_graph=lambda k=k: k) for k in (10, 20)]
+    graphs = [(10, ["a", "b", "c"]), (20, ["d", "e", "f"])]
     read = {10: [(0, 1)], 20: [(1, 2)]}
-    monkeypatch.setattr(recorder.driver, "programmatic_edges_of", lambda raw: read[raw])
-    monkeypatch.setattr(recorder.driver, "node_count_of", lambda raw: 3)
+    monkeypatch.setattr(recorder.driver, "programmatic_edges_of", lambda raw, nodes: read[raw])
     config = SimpleNamespace(triton=SimpleNamespace(enable_pdl=False))
     monkeypatch.setitem(sys.modules, "torch._inductor.config", config)
     assert recorder.programmatic_edges(graphs) == []  # no query at all
@@ -181,7 +180,7 @@ def test_the_recorder_reads_edges_only_where_inductor_launches_programmatically(
     # the second graph's nodes are numbered after the first's three
     assert recorder.programmatic_edges(graphs) == [(0, 1), (4, 5)]
 
-    def refused(raw):
+    def refused(raw, nodes):
         raise CudaError("cuGraphGetEdges", 1, "CUDA_ERROR_INVALID_VALUE")
     monkeypatch.setattr(recorder.driver, "programmatic_edges_of", refused)
     with pytest.warns(RuntimeWarning, match="full dependencies"):

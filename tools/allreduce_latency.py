@@ -7,9 +7,9 @@ The floor under the two places Nimble puts all-reduces: a data-parallel backward
 buckets (large: bandwidth) and a tensor-parallel decode step's partial sums (a few KiB each,
 two per layer: latency).  Rank 0 prints whether GPU 0 reaches GPU 1's memory directly (peer
 access; ``nvidia-smi topo -m`` says over what), then per ``--sizes`` the GPU time of one eager
-float32 all-reduce (mean of ``--iters`` after a warm-up, CUDA events) and its rate
-(bytes / time), then ``--count`` bfloat16 all-reduces of ``--graphed`` bytes captured in one CUDA
-graph: the time of each one replayed.  Multicast stays off (``NCCL_NVLS_ENABLE=0``), and NCCL's
+float32 all-reduce (the median of 5 rounds of ``--iters`` calls after a warm-up, CUDA events)
+and its rate (bytes / time), then ``--count`` bfloat16 all-reduces of ``--graphed`` bytes
+captured in one CUDA graph: the time of each one replayed.  Multicast stays off (``NCCL_NVLS_ENABLE=0``), and NCCL's
 graph mixing support too unless ``--graph-mixing`` keeps it (its event nodes sit around each
 captured all-reduce).
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from gpu_suite import start_rank  # tools/ is a script's first path entry
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+#: Timed rounds per measurement (their median is reported).
+ROUNDS = 5
 
 
 def size(text: str) -> int:
@@ -55,21 +58,12 @@ def rate_line(nbytes: int, us: float) -> str:
             f"{nbytes / us / 1e3:8.1f} GB/s")
 
 
-def _mean_ms(fn, iters: int) -> float:
-    import torch
-    import torch.distributed as dist
+def _median_ms(fn, iters: int) -> float:
+    """The median over :data:`ROUNDS` rounds of ``fn``'s GPU ms per call, ``iters`` calls a
+    round after a warm-up (:func:`nimble.cli.harness.time_rounds`; every rank calls alike)."""
+    from nimble.cli.harness import time_rounds
 
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    return statistics.median(time_rounds({"all_reduce": fn}, ROUNDS, iters)["all_reduce"])
 
 
 def _graphed_us(nbytes: int, count: int, iters: int) -> float:
@@ -86,7 +80,7 @@ def _graphed_us(nbytes: int, count: int, iters: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(count):
             dist.all_reduce(t)
-    return _mean_ms(graph.replay, iters) * 1e3 / count
+    return _median_ms(graph.replay, iters) * 1e3 / count
 
 
 def main(argv=None) -> int:
@@ -101,7 +95,7 @@ def main(argv=None) -> int:
               flush=True)
     for nbytes in args.sizes:
         t = torch.ones(nbytes // 4, device="cuda")
-        us = _mean_ms(lambda t=t: dist.all_reduce(t), args.iters) * 1e3
+        us = _median_ms(lambda t=t: dist.all_reduce(t), args.iters) * 1e3
         if rank == 0:
             print(rate_line(nbytes, us), flush=True)
     us = _graphed_us(args.graphed, args.count, args.iters)

@@ -4,9 +4,9 @@
         [--iters 10] [--graph-mixing]
 
 Per model (default resnet50 at CIFAR-10's 32² with 10 classes, as the paper's training table
-takes it, and inception_v3 at 299²; :func:`nimble.cli.train_bench.setup`), ``--batch`` images per GPU,
-each rank times one SGD step (momentum 0.9, cross-entropy) in every mode, modes interleaved
-in rounds (:func:`nimble.cli.harness.time_rounds`, the same order on every rank):
+takes it, and inception_v3 at 299²; :func:`nimble.cli.train_bench.setup`), ``--batch`` images
+per GPU, each rank times one SGD step (momentum 0.9, cross-entropy) in every mode, modes
+interleaved in rounds (:func:`nimble.cli.harness.time_rounds`, the same order on every rank):
 
 - ``ddp``: ``DistributedDataParallel`` eager;
 - ``ddp graphed``: DDP around ``torch.cuda.make_graphed_callables`` of the model (its all-reduce

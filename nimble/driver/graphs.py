@@ -29,8 +29,7 @@ def node_count_of(raw_handle: int) -> int:
     return node_count(borrowed_graph(raw_handle))
 
 
-def programmatic_edges_of(raw_handle: int) -> list[tuple[int, int]]:
-    """``(u, v)`` indices, in :func:`graph_nodes_of`'s order, of the graph's programmatic edges
-    (:func:`~nimble.driver.edges.programmatic_pairs`)."""
-    graph = borrowed_graph(raw_handle)
-    return programmatic_pairs(graph, graph_nodes(graph))
+def programmatic_edges_of(raw_handle: int, nodes: list) -> list[tuple[int, int]]:
+    """``(u, v)`` indices into ``nodes`` (the graph's, as :func:`graph_nodes_of` lists them) of
+    the graph's programmatic edges (:func:`~nimble.driver.edges.programmatic_pairs`)."""
+    return programmatic_pairs(borrowed_graph(raw_handle), nodes)

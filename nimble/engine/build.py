@@ -367,7 +367,9 @@ class _Assembly:
                 deps = [self._add_delay(tid, delay, deps)]
             node = add_task_node(self.handle, task, self.recorded_nodes[tid], self.bases, deps,
                                  self.ctx, spec.nodes_relocated)
-            driver.add_programmatic_dependencies(self.handle, [(self.node(u), node) for u in early])
+            if early:
+                driver.add_programmatic_dependencies(self.handle,
+                                                     [(self.node(u), node) for u in early])
             self.nodes.append(node)
             if spec.priorities is not None and task.kind == TaskKind.KERNEL:
                 driver.set_kernel_priority(node, spec.priorities[tid])

@@ -49,11 +49,9 @@ class PhaseOptions:
     #: proof's serial orders, whose clones add each order's chain
     #: (:func:`~nimble.engine.build.chained_copy`).
     edgeless: bool = False
-    #: The served phase's programmatic edges (:attr:`PhaseBuilder.programmatic`); False: every
-    #: edge a full dependency.  None go into a build with stamps or other bases, nor into a
-    #: task with a delay node.
-    programmatic: bool = True
-    #: These edges programmatic instead of the served ones (a timed trial); None: the served.
+    #: These edges programmatic instead of the served ones (:attr:`PhaseBuilder.programmatic`;
+    #: empty: every edge a full dependency, a timed trial's: its own); None: the served.  None
+    #: go into a build with stamps or other bases, nor into a task with a delay node.
     programmatic_edges: Set[tuple[int, int]] | None = None
 
 
@@ -116,8 +114,8 @@ class PhaseBuilder:
         still among them, in a build timed and laid out as served."""
         chosen = self.programmatic if options.programmatic_edges is None \
             else options.programmatic_edges
-        if (not chosen or not options.programmatic or options.edgeless
-                or options.stamps is not None or options.bases is not None):
+        if (not chosen or options.edgeless or options.stamps is not None
+                or options.bases is not None):
             return frozenset()
         kept = set(edges)
         return frozenset(e for e in chosen if e in kept)

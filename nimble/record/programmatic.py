@@ -12,10 +12,11 @@ from .. import driver
 from ..errors import CudaError
 
 
-def programmatic_edges(torch_graphs) -> list[tuple[int, int]]:
+def programmatic_edges(graphs) -> list[tuple[int, int]]:
     """The captured graphs' programmatic edges (kernels launched with programmatic stream
     serialization, :mod:`nimble.driver.edges`) as ``(u, v)`` task ids: node indices over the
-    graphs' nodes in order, as the tasks are numbered.  Read only where Inductor made its
+    graphs' nodes in order, as the tasks are numbered (``graphs``: each captured graph's raw
+    handle and its nodes, as the recorder listed them).  Read only where Inductor made its
     kernels so (``triton.enable_pdl``); where the driver will not say, none, with a warning
     (the graph is then built with full dependencies: slower, never wrong)."""
     config = sys.modules.get("torch._inductor.config")
@@ -23,10 +24,10 @@ def programmatic_edges(torch_graphs) -> list[tuple[int, int]]:
         return []
     edges, first = [], 0
     try:
-        for g in torch_graphs:
-            raw = g.raw_cuda_graph()
-            edges += [(first + u, first + v) for u, v in driver.programmatic_edges_of(raw)]
-            first += driver.node_count_of(raw)
+        for raw, nodes in graphs:
+            edges += [(first + u, first + v)
+                      for u, v in driver.programmatic_edges_of(raw, nodes)]
+            first += len(nodes)
     except CudaError as e:
         warnings.warn(f"the captured graph's edges could not be read ({e}): its kernels are "
                       "built behind full dependencies, none programmatic", RuntimeWarning,

@@ -456,8 +456,10 @@ def _computed_gradients(grads, first_output: int) -> tuple[list, list[int]]:
 def _decode(captured: Captured, statics: list[DeviceRange], static_inputs: list, outputs: list,
             name: str, quiet: bool, strict: bool, meta: dict) -> tuple[TaskGraph, list]:
     """``(graph, nodes)``: every node decoded, every address resolved."""
-    nodes = [n for g in captured.torch_graphs for n in driver.graph_nodes_of(g.raw_cuda_graph())]
-    programmatic = programmatic_edges(captured.torch_graphs)
+    listed = [(raw, driver.graph_nodes_of(raw))
+              for raw in (g.raw_cuda_graph() for g in captured.torch_graphs)]
+    nodes = [n for _, graph_nodes in listed for n in graph_nodes]
+    programmatic = programmatic_edges(listed)
     say(f"decoding {len(nodes)} graph nodes from {len(captured.ops)} ops", quiet)
     oracle = AddressOracle()
     raw_nodes = [decode_node(n, oracle) for n in nodes]
