@@ -136,8 +136,9 @@ class GraphViews:
         a :class:`~nimble.debug.divergence.Divergence` (``nimble.Divergence``: op, module,
         tasks, difference) or None.
 
-        Walks the ops in recorded order with a step-through run (:meth:`run_until`) per op and
-        stops at the first that goes wrong; a long walk reports its progress on stderr unless
+        Walks the ops in recorded order with step-through runs (:meth:`run_until`), one for
+        several consecutive ops wherever their outputs all outlast it
+        (:mod:`nimble.debug.stop_groups`), and stops at the first that goes wrong; a long walk reports its progress on stderr unless
         ``quiet``.  An op that differs from the eager chain counts only if it also differs from
         its eager twin run on the graph's own inputs to it, so rounding that builds up over a
         deep network is not taken for a fault
@@ -146,6 +147,7 @@ class GraphViews:
         """
         from .debug.divergence import align, eager_ops, first_divergence, first_nonfinite
         from .debug.step_through import StepThrough, run_before, run_until, select_tasks
+        from .debug.stop_groups import walk_groups
 
         state = self.engine
         if state.step is not None:
@@ -165,11 +167,18 @@ class GraphViews:
 
         def before(op: int, read: set[int]):
             return run_before(state, op, list(inputs), read, stepper)
+
+        def run_group(ops: list[int]):
+            tasks = [t for op in ops for t in select_tasks(state.graph, op=op)]
+            read = {a.buffer for op in ops for a in state.graph.ops[op].accesses if a.write}
+            return run_until(state, tasks, list(inputs), read, stepper)
+        grouped = walk_groups(state, aligned, run_group)
         progress = lambda line: say(line, quiet)  # noqa: E731
         try:
             if nonfinite:
-                return first_nonfinite(run, state.graph, aligned, progress)
-            return first_divergence(run, state.graph, aligned, progress, run_before=before)
+                return first_nonfinite(run, state.graph, aligned, progress, grouped)
+            return first_divergence(run, state.graph, aligned, progress, run_before=before,
+                                    grouped=grouped)
         finally:
             stepper.close()
 

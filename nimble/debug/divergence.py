@@ -313,21 +313,44 @@ def _compare(raw, want, magnitude=None) -> tuple[bool, float]:
     return worst <= atol + rtol * scale, worst
 
 
+@dataclass(frozen=True)
+class GroupedStops:
+    """Stops of several ops in one run (:mod:`nimble.debug.stop_groups`): ``plan`` cuts a
+    walk's op indices (in order) into groups of consecutive ops, ``run`` makes one run for a
+    group and returns a snapshot holding every member's outputs."""
+
+    plan: Callable[[list[int]], list[list[int]]]
+    run: Callable[[list[int]], Any]
+
+
 def _walk(run_until: Callable[[int], Any], graph: TaskGraph, ops: Sequence[AlignedOp],
           wrong: Callable[[Any, AlignedOp], tuple[bool, float]],
-          progress: Callable[[str], None] | None = None) -> tuple[AlignedOp, float] | None:
+          progress: Callable[[str], None] | None = None,
+          grouped: GroupedStops | None = None,
+          looks_wrong: Callable[[Any, AlignedOp], bool] | None = None
+          ) -> tuple[AlignedOp, float] | None:
     """The first of ``ops`` (in order) for which ``wrong(snapshot, op)`` says so; ``progress``
-    gets a line every few seconds on a long walk."""
+    gets a line every few seconds on a long walk.  With ``grouped``, a group's ops are first
+    read from the group's one run, and only an op that ``looks_wrong`` there gets a stop of its
+    own and ``wrong``'s judgement: ``looks_wrong`` must say so wherever ``wrong`` would."""
     with_tasks = {t.op for t in graph.tasks}
     todo = [op for op in ops if op.pairs and op.index in with_tasks]
-    last = time.monotonic()
-    for k, op in enumerate(todo):
-        bad, diff = wrong(run_until(op.index), op)
-        if bad:
-            return op, diff
-        if progress is not None and time.monotonic() - last > PROGRESS_SECONDS:
-            progress(f"compared {k + 1} of {len(todo)} ops: up to op {op.index} all agree")
-            last = time.monotonic()
+    by_index = {op.index: op for op in todo}
+    groups = grouped.plan([op.index for op in todo]) if grouped is not None \
+        else [[op.index] for op in todo]
+    last, k = time.monotonic(), 0
+    for group in groups:
+        shared = grouped.run(group) if grouped is not None and len(group) > 1 else None
+        for index in group:
+            op = by_index[index]
+            if shared is None or looks_wrong is None or looks_wrong(shared, op):
+                bad, diff = wrong(run_until(index), op)
+                if bad:
+                    return op, diff
+            k += 1
+            if progress is not None and time.monotonic() - last > PROGRESS_SECONDS:
+                progress(f"compared {k} of {len(todo)} ops: up to op {op.index} all agree")
+                last = time.monotonic()
     return None
 
 
@@ -340,17 +363,22 @@ def _found(graph: TaskGraph, op: AlignedOp, diff: float, what: str) -> Divergenc
 def first_divergence(run_until: Callable[[int], Any], graph: TaskGraph,
                      aligned: Sequence[AlignedOp],
                      progress: Callable[[str], None] | None = None,
-                     run_before: Callable[[int, set[int]], Any] | None = None
-                     ) -> Divergence | None:
+                     run_before: Callable[[int, set[int]], Any] | None = None,
+                     grouped: GroupedStops | None = None) -> Divergence | None:
     """The first op (in recorded order) whose outputs, as ``run_until(op)`` (a
     :class:`nimble.debug.step_through.Snapshot`) leaves them, differ from eager's; None if none does.
 
     With ``run_before(op, buffers)`` (a snapshot of ``buffers`` after every task before ``op``)
     an op that differs from the eager chain counts only if it also differs from its eager twin
     run on the graph's own inputs (:func:`isolated_difference`); ``run_until(op)`` must then
-    hold the ranges those inputs lie in too.
+    hold the ranges those inputs lie in too.  With ``grouped``, ops are read from shared runs
+    first (:class:`GroupedStops`), and one that differs from the eager chain there is judged on a
+    stop of its own.
     """
     judged: dict[int, str] = {}
+
+    def chain_differs(snap, op: AlignedOp) -> bool:
+        return any(not _compare(_range(snap, access), want)[0] for access, want in op.pairs)
 
     def differs(snap, op: AlignedOp) -> tuple[bool, float]:
         worst, bad = 0.0, False
@@ -369,7 +397,7 @@ def first_divergence(run_until: Callable[[int], Any], graph: TaskGraph,
         judged[op.index] = (f"differs from eager by up to {worst:.3g}, and by up to "
                             f"{alone[1]:.3g} from its eager twin run on the graph's own inputs")
         return alone
-    hit = _walk(run_until, graph, aligned, differs, progress)
+    hit = _walk(run_until, graph, aligned, differs, progress, grouped, chain_differs)
     if hit is None:
         return None
     return _found(graph, hit[0], hit[1], judged.get(
@@ -426,9 +454,11 @@ def _rerun(twin: EagerOp, values: Sequence) -> list:
 
 def first_nonfinite(run_until: Callable[[int], Any], graph: TaskGraph,
                     aligned: Sequence[AlignedOp],
-                    progress: Callable[[str], None] | None = None) -> Divergence | None:
+                    progress: Callable[[str], None] | None = None,
+                    grouped: GroupedStops | None = None) -> Divergence | None:
     """The first op (in recorded order) whose floating-point outputs hold NaN or Inf (only NaN
-    for the ops of :data:`INF_SENTINEL_OPS`, whose infinities are meant)."""
+    for the ops of :data:`INF_SENTINEL_OPS`, whose infinities are meant); ``grouped`` as for
+    :func:`first_divergence`."""
     found: dict[int, str] = {}
 
     def nonfinite(snap, op: AlignedOp) -> tuple[bool, float]:
@@ -439,7 +469,8 @@ def first_nonfinite(run_until: Callable[[int], Any], graph: TaskGraph,
         if kinds:
             found[op.index] = " and ".join(sorted(kinds, reverse=True))
         return bool(kinds), float("nan")
-    hit = _walk(run_until, graph, aligned, nonfinite, progress)
+    hit = _walk(run_until, graph, aligned, nonfinite, progress, grouped,
+                lambda snap, op: nonfinite(snap, op)[0])
     return None if hit is None else _found(graph, hit[0], hit[1],
                                            f"is the first to write {found[hit[0].index]}")
 
