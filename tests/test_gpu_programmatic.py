@@ -70,3 +70,22 @@ def test_a_generator_on_programmatic_inductor_kernels_decodes_the_same_tokens():
         tokens[asked] = generator.generate(prompt, 32)
         generator.close()
     assert torch.equal(tokens[True], tokens[False])
+
+
+def test_a_saved_graph_keeps_its_programmatic_edges_when_loaded(tmp_path):
+    """The edges a prepare served are in the saved file, and the loaded graph is built with
+    them: the same edges, the same bits."""
+    import torch
+
+    import nimble
+
+    model, x = _mlp()
+    torch._dynamo.reset()
+    fast = nimble.Nimble(torch.compile(model, dynamic=False)).prepare(
+        x, options=nimble.PrepareOptions(programmatic_launch="always"))
+    assert fast.programmatic_edges
+    loaded = nimble.load(fast.save(tmp_path / "mlp.nimble"))
+    assert set(loaded.programmatic_edges) == set(fast.programmatic_edges)
+    for _ in range(3):
+        fresh = torch.randn_like(x)
+        assert torch.equal(loaded(fresh), fast(fresh))

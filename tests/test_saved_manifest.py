@@ -134,3 +134,52 @@ def test_a_load_for_an_impossible_instance_count_says_so(tmp_path, no_gpu_work, 
     path = _small().write(tmp_path / "m.nimble")
     with pytest.raises(InputError, match="instances must be an int >= 1"):
         nimble.load(path, instances=instances)
+
+
+# ---- programmatic edges -----------------------------------------------------------------
+
+def _with_programmatic(tmp_path, served, recorded=((0, 1), (1, 3))):
+    graph = branchy_graph(seed=1)
+    graph.meta["programmatic_edges"] = [list(e) for e in recorded]
+    saved = saved_file_of(graph)
+    saved.manifest["buckets"][0]["programmatic"] = [list(e) for e in served]
+    return saved.write(tmp_path / "m.nimble")
+
+
+def test_the_programmatic_edges_a_file_serves_are_read_back_where_the_capture_made_them(tmp_path):
+    from nimble.engine.loading import _read
+
+    saved, _ = _read(_with_programmatic(tmp_path, [(0, 1), (1, 3)]))
+    assert saved.manifest["buckets"][0]["programmatic"] == [[0, 1], [1, 3]]
+    saved, _ = _read(_with_programmatic(tmp_path, []))  # none served: as a file without the key
+    assert saved.manifest["buckets"][0]["programmatic"] == []
+
+
+@pytest.mark.parametrize("served,message", [
+    ([(2, 3)], r"buckets\[0\]\.programmatic\[0\] makes 2 -> 3 programmatic, an edge the "
+               r"recording's capture did not launch so"),
+    ([(3, 1)], r"buckets\[0\]\.programmatic\[0\] goes from task 3 back to task 1"),
+    ([(0, 10**6)], r"buckets\[0\]\.programmatic\[0\]\[1\]"),
+])
+def test_a_programmatic_edge_the_capture_did_not_make_is_refused_before_the_gpu(
+        tmp_path, no_gpu_work, served, message):
+    with pytest.raises(LoadError, match=message):
+        nimble.load(_with_programmatic(tmp_path, served))
+
+
+def test_the_loaded_graph_is_built_with_the_files_programmatic_edges(monkeypatch):
+    from types import SimpleNamespace
+
+    from nimble.engine import loading
+
+    seen = {}
+    monkeypatch.setattr(loading, "build_prepared",
+                        lambda *a, **kw: seen.update(kw) or SimpleNamespace())
+    monkeypatch.setattr(loading, "device_launch_allowed", lambda asked: asked)
+    bucket = SimpleNamespace(row={"programmatic": [[0, 1], [4, 7]]}, rec=None, schedule=None,
+                             memplan=None, placement=None)
+    loading._build(None, bucket, None)
+    assert seen["programmatic"].served == {(0, 1), (4, 7)}
+    bucket.row = {}  # a file saved before programmatic edges were written down
+    loading._build(None, bucket, None)
+    assert seen["programmatic"].served == frozenset()

@@ -48,6 +48,7 @@ from .kernel_binaries import LoadedKernels, load_kernels
 from .launcher import CallOrder, run_phases
 from .prepared import ArenaRegion, Placement, Prepared, build_prepared
 from .profiler_guard import device_launch_allowed
+from .programmatic_pick import ProgrammaticPlan
 from .saving import restored_ranges
 from .serving import Bucket, BucketCost, PrepareReport, Serving, close_partial
 from .weights import named_weights
@@ -260,7 +261,8 @@ def _build(model, bucket: _Bucket, region: ArenaRegion) -> Prepared:
         gather_inputs=bool(row.get("gather_inputs", True)), seconds={},
         priorities=row.get("priorities"), region=region,
         late_edges=[e for p in _backfill(row) if p.kept for e in p.kept.edges()],
-        placement=bucket.placement)
+        placement=bucket.placement,
+        programmatic=ProgrammaticPlan(frozenset(tuple(e) for e in row.get("programmatic", []))))
     built.backfill = _backfill(row)
     return built
 

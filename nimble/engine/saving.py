@@ -295,6 +295,7 @@ def _bucket_row(prepared: Prepared, kernels: _Kernels, outside: _Outside,
                       "kept": p.kept._asdict() if p.kept is not None else None}
                      for p in prepared.backfill],
         "device_launch": [b.device_launch for b in prepared.builts],
+        "programmatic": sorted([u, v] for u, v in prepared.programmatic),
         "gather_inputs": any(s.cell for s in prepared.launcher.slots),
         "output_spec": treespec_dumps(spec) if spec is not None else None,
         "nodes": _node_rows(prepared, kernels),

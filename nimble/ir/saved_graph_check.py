@@ -90,6 +90,11 @@ def _against_graph(manifest: dict, k: int, graph: TaskGraph,
                                    "points into (neither its arena plan nor outside nor private "
                                    "names it)")
     _references(row["reference"], graph, where, itemsize)
+    recorded = {tuple(e) for e in graph.meta.get("programmatic_edges", [])}
+    for i, edge in enumerate(row.get("programmatic", [])):
+        if tuple(edge) not in recorded:
+            raise _fail(f"{where}.programmatic[{i}]", f"makes {edge[0]} -> {edge[1]} "
+                        "programmatic, an edge the recording's capture did not launch so")
     if row.get("step") is not None:
         _step(row["step"], graph, f"{where}.step")
 

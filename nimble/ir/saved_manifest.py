@@ -292,6 +292,18 @@ def _schedule(n: int) -> Read:
     return read
 
 
+def _forward_edge(n: int) -> Read:
+    """A reader of ``[u, v]``: two of the bucket's ``n`` tasks, ``u`` recorded before ``v``."""
+    task = _list(_index(n, "tasks in the bucket"), 2)
+
+    def read(value: Any, where: str) -> list:
+        u, v = task(value, where)
+        if not u < v:
+            raise _fail(where, f"goes from task {u} back to task {v}")
+        return [u, v]
+    return read
+
+
 def _memplan(value: Any, where: str) -> None:
     row = jf.obj(value, where)
     _only(row, MEMPLAN_KEYS, where)
@@ -383,6 +395,7 @@ def _bucket(manifest: dict, blobs_size: int, weights: list[int], memory: list[in
                   jf.optional(_list(jf.integer, n)), None)
         jf.member(row, "backfill", where, _list(_picked(n)), [])
         jf.member(row, "device_launch", where, _list(jf.flag), [])
+        jf.member(row, "programmatic", where, _list(_forward_edge(n)), [])
         jf.member(row, "gather_inputs", where, jf.flag, True)
         jf.member(row, "output_spec", where, jf.optional(jf.text), None)
         jf.member(row, "outside", where, _keyed(_source(weights, memory)))
