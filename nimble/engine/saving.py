@@ -37,6 +37,7 @@ from ..errors import SaveError
 from ..ir.saved_format import C_PLAN, BlobWriter, SavedFile
 from ..ir.saved_manifest import FORMAT_NAME
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
+from ..progress import logger as log
 from ..progress import say
 from .arena_layout import shared_state_buffers, written_externals, written_weights
 from .build import relocated
@@ -328,6 +329,9 @@ def save_graphs(graphs: list, path, *, weights: bool = True, quiet: bool = True,
     preparations = [b.instances[0] for serving in servings for b in serving.buckets]
     for prepared in preparations:
         check_savable(prepared)
+    if any(any(phase) for p in preparations for phase in p.prefetch):
+        log.warning("the weight prefetches (prefetch_l2) this graph serves are not written "
+                    "down: the loaded graph runs without them")
     device = torch.cuda.current_device()
     torch.cuda.synchronize()
     blobs = BlobWriter()
