@@ -110,3 +110,18 @@ def test_a_graph_of_another_size_or_a_missing_phase_is_refused():
         step_breakdown(Timeline(g, s, times), other)
     with pytest.raises(ValueError, match="no phase 1"):
         step_breakdown(Timeline(g, s, times), phase=1)
+
+
+def test_the_longest_waits_are_named_with_the_tasks_on_each_side():
+    g, s, times = _diamond()
+    b = step_breakdown(Timeline(g, s, times))
+    # 2 waits 5 µs for 0; 1 waits 2 µs for 0; 3 waits 1 µs for 1, which ended after 2
+    assert [(x.task, x.after, x.us) for x in b.largest_gaps] == [(2, 0, 5.0), (1, 0, 2.0),
+                                                                 (3, 1, 1.0)]
+    assert (b.largest_gaps[0].name, b.largest_gaps[0].after_name) == ("gemm", "embed")
+    assert b.largest_gaps[2].name == "memset"
+    assert b.summary()["largest_gaps"][0] == {"task": 2, "name": "gemm", "after": 0,
+                                              "after_name": "embed", "us": 5.0}
+    lines = format_breakdown(b).splitlines()
+    assert lines[1].startswith("  gaps between dependent tasks")
+    assert lines[2] == "       5.00 µs before task 2 (gemm), after task 0 (embed)"

@@ -77,6 +77,17 @@ class NameGroup:
         return self.bytes / (self.us / 1e6) if self.us > 0 else None
 
 
+@dataclass(frozen=True)
+class Gap:
+    """A task's wait: its start less the end of ``after``, the predecessor that ended last."""
+
+    task: int
+    name: str
+    after: int
+    after_name: str
+    us: float
+
+
 @dataclass
 class StepBreakdown:
     """One phase's time, gaps, bytes and concurrency (:func:`step_breakdown`)."""
@@ -93,6 +104,7 @@ class StepBreakdown:
     step_bytes: int  # unique bytes of every buffer it touches
     kernels: list[KernelTime] = field(default_factory=list)
     copy_bytes_per_s: float | None = None
+    largest_gaps: list[Gap] = field(default_factory=list)  # the longest waits, longest first
 
     @property
     def idle_us(self) -> float:
@@ -132,6 +144,9 @@ class StepBreakdown:
             "weight_bytes": self.weight_bytes, "step_bytes": self.step_bytes,
             "weights_per_s": self.weights_per_s,
             "weights_of_copy": self.of_copy(self.weights_per_s),
+            "largest_gaps": [{"task": g.task, "name": g.name, "after": g.after,
+                              "after_name": g.after_name, "us": g.us}
+                             for g in self.largest_gaps],
             "copy_bytes_per_s": self.copy_bytes_per_s,
             "by_name": [{"name": g.name, "count": g.count, "us": g.us, "bytes": g.bytes,
                          "bytes_per_s": g.bytes_per_s, "of_copy": self.of_copy(g.bytes_per_s)}
@@ -164,15 +179,27 @@ def _kernel_times(graph: TaskGraph, times, span: range) -> list[KernelTime]:
     return out
 
 
-def _waits(timeline: Timeline, span: range) -> dict[int, float]:
-    """Per task of ``span`` with a predecessor there: its start less its last predecessor's
-    end."""
+def _waits(timeline: Timeline, span: range) -> dict[int, tuple[int, float]]:
+    """Per task of ``span`` with a predecessor there: that predecessor of the latest end, and
+    the task's start less that end."""
     times = timeline.times
-    ready: dict[int, float] = {}
+    last: dict[int, int] = {}
     for u, v in timeline.edges():
-        if u in span and v in span:
-            ready[v] = max(ready.get(v, float("-inf")), times[u][1])
-    return {v: times[v][0] - r for v, r in ready.items()}
+        if u in span and v in span and (v not in last or times[u][1] > times[last[v]][1]):
+            last[v] = u
+    return {v: (u, times[v][0] - times[u][1]) for v, u in last.items()}
+
+
+#: The longest waits a breakdown names, with the tasks on each side.
+LARGEST_GAPS = 5
+
+
+def _largest_gaps(graph: TaskGraph, waits: dict[int, tuple[int, float]]) -> list[Gap]:
+    def name(t: int) -> str:
+        task = graph.tasks[t]
+        return task.short_name or task.name or task.kind
+    longest = sorted(waits.items(), key=lambda kv: -kv[1][1])[:LARGEST_GAPS]
+    return [Gap(v, name(v), u, name(u), us) for v, (u, us) in longest if us > 0]
 
 
 def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: int = 0,
@@ -197,11 +224,12 @@ def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: in
         tasks=len(span), makespan_us=makespan,
         busy_us=_union_length([times[t] for t in span]),
         work_us=sum(times[t][1] - times[t][0] for t in span),
-        gaps=Spread.of(list(waits.values())), path_tasks=len(path),
+        gaps=Spread.of([us for _, us in waits.values()]), path_tasks=len(path),
         path_busy_us=sum(times[t][1] - times[t][0] for t in path),
         path_gaps=Spread.of(path_gaps),
         weight_bytes=touched_bytes(graph, span, _WEIGHTS), step_bytes=touched_bytes(graph, span),
-        kernels=_kernel_times(graph, times, span), copy_bytes_per_s=copy_bytes_per_s)
+        kernels=_kernel_times(graph, times, span), copy_bytes_per_s=copy_bytes_per_s,
+        largest_gaps=_largest_gaps(graph, waits))
 
 
 def _rate(rate: float | None, share: float | None) -> str:
@@ -228,6 +256,8 @@ def format_breakdown(b: StepBreakdown, top: int = 10) -> str:
         f"  weights {b.weight_bytes / 1e6:.1f} MB over the makespan: "
         f"{_rate(b.weights_per_s, b.of_copy(b.weights_per_s))}; every buffer touched "
         f"{b.step_bytes / 1e6:.1f} MB"]
+    lines[2:2] = [f"    {g.us:7.2f} µs before task {g.task} ({g.name[:40]}), after task "
+                  f"{g.after} ({g.after_name[:40]})" for g in b.largest_gaps]
     if b.copy_bytes_per_s:
         lines.append(f"  at the copy bandwidth ({b.copy_bytes_per_s / 1e12:.2f} TB/s) those "
                      f"bytes take {b.step_bytes / b.copy_bytes_per_s * 1e6:.1f} µs")
