@@ -7,6 +7,7 @@
 #include "nimble_internal.h"
 #include "nimble_sha256.h"
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -260,6 +261,46 @@ static nimble_status place_arenas(nimble_model *m) {
     return NIMBLE_OK;
 }
 
+/* The weights, the external memory and the arenas, uploaded while another thread loads the
+ * kernels: the two share nothing but the context. */
+static nimble_status upload_memory(nimble_model *m) {
+    double clock = seconds_now();
+    TRY(upload(m, m->weights, m->nweights, "weight storage"));
+    TRY(upload(m, m->memory, m->nmemory, "external memory range"));
+    TRY(place_arenas(m));
+    lap(m, NIMBLE_STAGE_MEMORY, &clock);
+    return NIMBLE_OK;
+}
+
+typedef struct {
+    nimble_model *m; nimble_status status; char message[sizeof last_error];
+} memory_job_t;
+
+static void *memory_worker(void *arg) {
+    memory_job_t *job = arg;
+    CUresult r = cuCtxSetCurrent(job->m->ctx);
+    job->status = r == CUDA_SUCCESS ? upload_memory(job->m)
+                                    : nimble_cuda_fail("cuCtxSetCurrent", r);
+    if (job->status != NIMBLE_OK)
+        snprintf(job->message, sizeof job->message, "%s", nimble_last_error());
+    return NULL;
+}
+
+/* The kernels on this thread and the memory on one of its own, side by side; the kernels'
+ * failure first, then the memory's, as this thread's error. */
+static nimble_status load_kernels_and_memory(nimble_model *m) {
+    memory_job_t job = {m, NIMBLE_OK, ""};
+    pthread_t id;
+    int started = pthread_create(&id, NULL, memory_worker, &job) == 0;
+    nimble_status kernels = load_kernels(m);
+    if (started)
+        pthread_join(id, NULL);
+    else if (kernels == NIMBLE_OK)
+        memory_worker(&job);
+    TRY(kernels);
+    return job.status == NIMBLE_OK ? NIMBLE_OK : fail(job.status, "%s", job.message);
+}
+
 /* ---- building ----------------------------------------------------------------------------- */
 
 static nimble_status add_kernel_node(nimble_model *m, uint64_t j, node_t *nd, CUgraph g,
@@ -469,12 +510,8 @@ static nimble_status load(nimble_model *m, const char *path, int device, unsigne
     TRY(nimble_read_plan(m, &pl));
     TRY(check_device(m, device));
     lap(m, NIMBLE_STAGE_READ, &clock);
-    TRY(load_kernels(m));
+    TRY(load_kernels_and_memory(m));
     clock = seconds_now();
-    TRY(upload(m, m->weights, m->nweights, "weight storage"));
-    TRY(upload(m, m->memory, m->nmemory, "external memory range"));
-    TRY(place_arenas(m));
-    lap(m, NIMBLE_STAGE_MEMORY, &clock);
     for (uint64_t k = 0; k < m->nbuckets; k++) {
         bucket_t *b = &m->buckets[k];
         b->execs = calloc(m->instances, sizeof(CUgraphExec));

@@ -104,7 +104,8 @@ typedef enum nimble_load_stage {
     NIMBLE_STAGE_BINARIES,     /* kernel binaries read from their libraries and hashed */
     NIMBLE_STAGE_LIBRARIES,    /* cuLibraryLoadData of each binary */
     NIMBLE_STAGE_FUNCTIONS,    /* each kernel's function taken and checked */
-    NIMBLE_STAGE_MEMORY,       /* weights and external memory uploaded, arenas allocated */
+    NIMBLE_STAGE_MEMORY,       /* weights and external memory uploaded, arenas allocated, on a
+                                  thread of its own beside the three stages before it */
     NIMBLE_STAGE_BUILD,        /* graphs built and instantiated */
     NIMBLE_STAGE_VERIFY,       /* the proof at load */
     NIMBLE_STAGE_COUNT
