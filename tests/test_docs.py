@@ -138,7 +138,7 @@ def test_the_maintainers_tools_and_the_finished_experiments_are_apart_and_each_l
     """tools/ holds what maintainers run; the finished experiments are in tools/experiments/;
     docs/tools.md gives each its line in the table of its folder."""
     text = (ROOT / "docs" / "tools.md").read_text(encoding="utf-8")
-    top = sorted(p.name for p in TOOLS.iterdir() if p.suffix in (".py", ".sh"))
+    top = sorted(p.name for p in TOOLS.iterdir() if p.suffix in (".py", ".sh", ".cpp"))
     experiments = sorted(f"experiments/{p.name}" for p in (TOOLS / "experiments").glob("*.py"))
     assert sorted(_table_names(text, "| tool | what it does |")) == top
     assert sorted(_table_names(text, "| experiment | what it measured |")) == experiments
