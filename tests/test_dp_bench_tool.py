@@ -84,3 +84,20 @@ def test_a_bench_rank_starts_with_its_environment_gpu_and_process_group(monkeypa
     assert made == [("device", 1), ("nccl", "cuda:1")]
     import os
     assert os.environ["NCCL_GRAPH_MIXING_SUPPORT"] == "0" and os.environ["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_the_averaging_options_reach_the_nimble_row_and_its_report():
+    from nimble.record.gradient_average import GradientAverage
+
+    args = SimpleNamespace(average_in_all_reduce=False, last_bucket_mib=None)
+    assert dp_bench.averaging(args) is True  # DDP's defaults
+    args = SimpleNamespace(average_in_all_reduce=True, last_bucket_mib=0.5)
+    assert dp_bench.averaging(args) == GradientAverage(average_in_all_reduce=True,
+                                                       last_bucket_bytes=1 << 19)
+    rows = _rows(nimble=4.0, nimble_local=3.5)
+    first = dp_bench._report({"model": "m", "world": 2, "gpu": "G", "batch_per_gpu": 32,
+                              "graph_mixing": False, "average_in_all_reduce": True,
+                              "last_bucket_mib": 0.5, "modes": rows,
+                              **dp_bench.derived(rows, 2, 32)}).splitlines()[0]
+    assert first.endswith("mixing off, the nimble row averaging inside the all-reduce, its last "
+                          "bucket at most 0.5 MiB")

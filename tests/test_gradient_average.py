@@ -13,7 +13,7 @@ import torch.distributed as dist
 from helpers import FIXTURE_DIR, gloo_ranks
 
 from nimble.record.gradient_average import (GradientAverage, averaged_gradients, bucket_plan,
-                                            gradient_average)
+                                            gradient_average, split_last_bucket)
 
 
 def test_buckets_run_from_the_last_gradient_back_the_first_one_small():
@@ -225,3 +225,31 @@ def test_each_buckets_all_reduce_waits_only_for_its_own_gradients():
         if b:
             assert before[reduce] >> reduces[b - 1] & 1  # the ranks' one order
     assert not before[reduces[0]] >> weight_task[0] & 1  # the first runs beside the stem's work
+
+
+@pytest.mark.parametrize("cap,want", [(15, [[4, 3], [2, 1], [0]]), (25, [[4, 3], [2], [1, 0]]),
+                                      (5, [[4, 3], [2, 1], [0]]), (30, [[4, 3], [2, 1, 0]]),
+                                      (None, [[4, 3], [2, 1, 0]])])
+def test_the_last_bucket_splits_off_the_gradients_made_last(cap, want):
+    assert split_last_bucket([[4, 3], [2, 1, 0]], [10] * 5, cap) == want
+    assert split_last_bucket([], [], cap) == []
+
+
+def test_averaging_inside_the_all_reduce_leaves_the_bucket_undivided(monkeypatch):
+    sizes = [100, 25, 75, 50, 12]
+    grads = [torch.full((n,), float(i + 1)) for i, n in enumerate(sizes)]
+    seen = []
+
+    def all_reduce(flat, op=None, group=None):
+        seen.append((op, sorted({round(v) for v in flat.tolist()})))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    average = GradientAverage(bucket_bytes=4 * 200, first_bucket_bytes=4 * 40,
+                              average_in_all_reduce=True, last_bucket_bytes=4 * 100)
+    out = averaged_gradients(grads, average)
+    whole = bucket_plan([4 * n for n in sizes], ["f32"] * 5, 4 * 200, 4 * 40)
+    assert whole == [[4, 3], [2, 1, 0]]
+    # the last bucket split; each bucket's values its gradients' index + 1, undivided
+    assert seen == [(dist.ReduceOp.AVG, [4, 5]), (dist.ReduceOp.AVG, [2, 3]),
+                    (dist.ReduceOp.AVG, [1])]
+    assert all(torch.equal(o, g) for o, g in zip(out, grads))

@@ -80,9 +80,22 @@ def launch_modes(nm) -> list[str]:
     return ["device" if built.device_launch else "host" for built in nm.engine.builts]
 
 
-def _steps(name: str, batch: int, rank: int, quiet: bool) -> tuple[dict, dict]:
+def averaging(args):
+    """The ``average_gradients`` of the ``nimble`` row: DDP's defaults (True), or a
+    :class:`nimble.GradientAverage` with the command line's averaging options."""
+    from nimble.record.gradient_average import GradientAverage
+
+    if not args.average_in_all_reduce and args.last_bucket_mib is None:
+        return True
+    last = None if args.last_bucket_mib is None else int(args.last_bucket_mib * 2**20)
+    return GradientAverage(average_in_all_reduce=args.average_in_all_reduce,
+                           last_bucket_bytes=last)
+
+
+def _steps(name: str, batch: int, rank: int, quiet: bool, average=True) -> tuple[dict, dict]:
     """Every mode's step for ``name`` on this rank (GPU), and each Nimble mode's
-    :func:`launch_modes`."""
+    :func:`launch_modes`; ``average``: the ``nimble`` row's ``average_gradients`` (the
+    all-reduce row times the same)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -97,9 +110,9 @@ def _steps(name: str, batch: int, rank: int, quiet: bool) -> tuple[dict, dict]:
     graphed = DistributedDataParallel(torch.cuda.make_graphed_callables(graphed_model, (x,)),
                                       device_ids=[rank])
     steps["ddp graphed"] = training_step(graphed, graphed, x, y)
-    for mode, average in (("nimble", True), ("nimble local", None)):
+    for mode, averaged in (("nimble", average), ("nimble local", None)):
         model = copy.deepcopy(base)
-        nm = nimble.Nimble(model).prepare(x, training=True, average_gradients=average,
+        nm = nimble.Nimble(model).prepare(x, training=True, average_gradients=averaged,
                                           quiet=quiet)
         steps[mode] = training_step(nm, model, x, y)
         launches[mode] = launch_modes(nm)
@@ -107,26 +120,29 @@ def _steps(name: str, batch: int, rank: int, quiet: bool) -> tuple[dict, dict]:
     nm = nimble.Nimble(wrapped).prepare(x, training=True, quiet=quiet)
     steps["nimble ddp"] = training_step(nm, wrapped, x, y)
     launches["nimble ddp"] = launch_modes(nm)
-    steps["all-reduce"] = _graphed_average([torch.zeros_like(p) for p in base.parameters()])
+    steps["all-reduce"] = _graphed_average([torch.zeros_like(p) for p in base.parameters()],
+                                           average)
     return steps, launches
 
 
-def _graphed_average(grads: list) -> Callable[[], None]:
+def _graphed_average(grads: list, average=True) -> Callable[[], None]:
     """The replay of a CUDA graph holding ``averaged_gradients`` of ``grads`` (captured after an
-    eager warm-up on the capture's stream, as NCCL asks)."""
+    eager warm-up on the capture's stream, as NCCL asks); ``average`` as ``average_gradients``
+    takes it."""
     import torch
 
-    from nimble.record.gradient_average import GradientAverage, averaged_gradients
+    from nimble.record.gradient_average import averaged_gradients, gradient_average
 
+    settings = gradient_average(average)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        averaged_gradients(grads, GradientAverage())
+        averaged_gradients(grads, settings)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        averaged_gradients(grads, GradientAverage())
+        averaged_gradients(grads, settings)
     return graph.replay
 
 
@@ -144,13 +160,19 @@ def main(argv=None) -> int:
     parser.add_argument("--graph-mixing", action="store_true",
                         help="keep NCCL's graph mixing support (its event nodes make Nimble's "
                              "graphs with collectives host-launched)")
+    parser.add_argument("--average-in-all-reduce", action="store_true",
+                        help="the nimble row divides inside NCCL's all-reduce (ReduceOp.AVG)")
+    parser.add_argument("--last-bucket-mib", type=float,
+                        help="the nimble row's last bucket split to at most this many MiB")
     args = parser.parse_args(argv)
     rank, world = start_rank(args.graph_mixing)
     for name in args.models:
-        steps, launches = _steps(name, args.batch, rank, rank != 0)
+        steps, launches = _steps(name, args.batch, rank, rank != 0, averaging(args))
         rows = mode_rows(time_rounds(steps, args.rounds, args.iters))
         result = {"model": name, "world": world, "batch_per_gpu": args.batch,
                   "gpu": torch.cuda.get_device_name(), "graph_mixing": args.graph_mixing,
+                  "average_in_all_reduce": args.average_in_all_reduce,
+                  "last_bucket_mib": args.last_bucket_mib,
                   "launch": launches, "modes": rows, **derived(rows, world, args.batch)}
         if rank == 0:
             print(_report(result))
@@ -164,7 +186,11 @@ def main(argv=None) -> int:
 def _report(r: dict) -> str:
     mixing = "on" if r.get("graph_mixing") else "off"
     lines = [f"{r['model']}, {r['world']} x {r['gpu']}, batch {r['batch_per_gpu']} per GPU, "
-             f"NCCL graph mixing {mixing}"]
+             f"NCCL graph mixing {mixing}"
+             + (", the nimble row averaging inside the all-reduce"
+                if r.get("average_in_all_reduce") else "")
+             + (f", its last bucket at most {r['last_bucket_mib']} MiB"
+                if r.get("last_bucket_mib") is not None else "")]
     for mode, row in r["modes"].items():
         rate = r["images_per_s"].get(mode)
         launch = r.get("launch", {}).get(mode)

@@ -46,6 +46,16 @@ class GradientAverage:
     #: ``DistributedDataParallel``'s reducer holds them), so the step is captured on stand-ins
     #: for the parameters (:mod:`nimble.record.stand_ins`).
     held_accumulators: bool = False
+    #: The division by the world size done inside NCCL's all-reduce (``ReduceOp.AVG``: each
+    #: rank's values multiplied by 1/world as they are summed) in place of a pass of its own
+    #: over each bucket: DDP's reducer multiplies by 1/world too, as it copies a gradient into
+    #: its bucket, so the bits are DDP's in float32, and in every dtype where the world size is
+    #: a power of two (as dividing gives them).
+    average_in_all_reduce: bool = False
+    #: Where set, the bucket reduced last is split so that its last part holds at most this
+    #: many bytes: it holds the first parameters' gradients, made when the backward ends, and
+    #: its all-reduce is the one nothing runs beside (:func:`split_last_bucket`).
+    last_bucket_bytes: int | None = None
 
 
 def gradient_average(average) -> GradientAverage | None:
@@ -85,6 +95,23 @@ def bucket_plan(sizes: Sequence[int], dtypes: Sequence[str], bucket_bytes: int =
     return buckets
 
 
+def split_last_bucket(plan: list[list[int]], sizes: Sequence[int],
+                      cap: int | None) -> list[list[int]]:
+    """``plan`` with its last bucket split in two where it holds more than ``cap`` bytes
+    (``sizes[i]``: gradient ``i``'s): the second part the gradients made last (those at the
+    bucket's end, the lowest parameters), as many as fit ``cap``, at least one."""
+    if cap is None or not plan:
+        return plan
+    last = plan[-1]
+    held, keep = 0, len(last)
+    while keep > 0 and (keep == len(last) or held + sizes[last[keep - 1]] <= cap):
+        keep -= 1
+        held += sizes[last[keep]]
+    if keep == 0:
+        return plan
+    return plan[:-1] + [last[:keep], last[keep:]]
+
+
 def averaged_gradients(grads: Sequence, average: GradientAverage) -> list:
     """``grads`` (None where a parameter got no gradient) averaged over ``average.group``: one
     divide and one all-reduce per bucket; the gradients returned are views of the buckets."""
@@ -93,15 +120,19 @@ def averaged_gradients(grads: Sequence, average: GradientAverage) -> list:
 
     world = dist.get_world_size(average.group)
     present = [i for i, g in enumerate(grads) if g is not None]
-    plan = bucket_plan([grads[i].numel() * grads[i].element_size() for i in present],
-                       [str(grads[i].dtype) for i in present],
-                       average.bucket_bytes, average.first_bucket_bytes)
+    sizes = [grads[i].numel() * grads[i].element_size() for i in present]
+    plan = split_last_bucket(bucket_plan(sizes, [str(grads[i].dtype) for i in present],
+                                         average.bucket_bytes, average.first_bucket_bytes),
+                             sizes, average.last_bucket_bytes)
     out = list(grads)
     for bucket in plan:
         members = [present[k] for k in bucket]
         flat = torch.cat([grads[i].reshape(-1) for i in members])
-        flat.div_(world)
-        dist.all_reduce(flat, group=average.group)
+        if average.average_in_all_reduce:
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=average.group)
+        else:
+            flat.div_(world)
+            dist.all_reduce(flat, group=average.group)
         pieces = flat.split([grads[i].numel() for i in members])
         for i, piece in zip(members, pieces):
             out[i] = piece.view(grads[i].shape)
