@@ -176,3 +176,37 @@ def test_a_group_of_one_is_a_stop_of_its_own_and_the_nan_hunt_groups_too():
     found = first_nonfinite(run, g, aligned, grouped=GroupedStops(_every(10), run_group))
     assert found.op == 13 and found.detail.endswith("write NaN")
     assert calls["single"] == [13] and len(calls["group"]) == 2
+
+
+@pytest.mark.parametrize("name", ["resnet50", "googlenet"])
+def test_on_a_recorded_network_groups_keep_every_members_bytes_and_save_runs(name):
+    """A recorded network, scheduled and planned as prepare does (the arena reusing bytes):
+    every member's outputs outlast its group's run, and the walk makes fewer runs."""
+    from helpers import FIXTURE_DIR
+    from nimble.analysis.report import analyze
+
+    g = TaskGraph.load(FIXTURE_DIR / f"{name}.json.gz")
+    a = analyze(g, memplan=True)
+    bases = [(1 << 40) + a.plan.offsets[b.id] if b.id in a.plan.offsets else b.address
+             for b in g.buffers]
+    outputs = {op.index: [x for x in op.accesses if x.write] for op in g.ops}
+    with_tasks = {t.op for t in g.tasks}
+    ops = [op.index for op in g.ops if op.index in with_tasks and outputs[op.index]]
+    plan = plan_input(g, a.schedule.edges(), bases, outputs)
+    groups = stop_groups(ops, plan)
+    assert [op for group in groups for op in group] == ops
+    assert len(groups) < 0.7 * len(ops), (len(groups), len(ops))
+    for group in groups:
+        ran = 0
+        for op in group:
+            for t in plan.op_tasks[op]:
+                ran |= plan.closure[t]
+        for op in group:
+            mine = 0
+            for t in plan.op_tasks[op]:
+                mine |= plan.closure[t]
+            for t in range(len(g.tasks)):
+                if ran >> t & 1 and not mine >> t & 1:
+                    for c, d in plan.writes[t]:
+                        assert all(d <= a0 or c >= b0 for a0, b0 in plan.op_outputs[op]), \
+                            (group, op, t)
