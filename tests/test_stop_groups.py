@@ -178,7 +178,7 @@ def test_a_group_of_one_is_a_stop_of_its_own_and_the_nan_hunt_groups_too():
     assert calls["single"] == [13] and len(calls["group"]) == 2
 
 
-@pytest.mark.parametrize("name", ["resnet50", "googlenet"])
+@pytest.mark.parametrize("name", ["resnet50", "googlenet", "inception_v3", "nasnetalarge"])
 def test_on_a_recorded_network_groups_keep_every_members_bytes_and_save_runs(name):
     """A recorded network, scheduled and planned as prepare does (the arena reusing bytes):
     every member's outputs outlast its group's run, and the walk makes fewer runs."""
@@ -196,6 +196,7 @@ def test_on_a_recorded_network_groups_keep_every_members_bytes_and_save_runs(nam
     groups = stop_groups(ops, plan)
     assert [op for group in groups for op in group] == ops
     assert len(groups) < 0.7 * len(ops), (len(groups), len(ops))
+    print(f"{name}: {len(ops)} ops with outputs, {len(groups)} runs")
     for group in groups:
         ran = 0
         for op in group:
