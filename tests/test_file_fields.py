@@ -98,6 +98,22 @@ def test_a_field_of_the_wrong_type_is_one_line_naming_it(path, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("path, value", [
+    ("tasks[0].accesses[0][3]", 1), ("tasks[0].accesses[0][0]", True),
+    ("tasks[0].grid[0]", True), ("buffers[0][2]", False), ("tasks[0].pointers[0][1]", True),
+    ("buffers[0][0]", 1.0), ("inputs[0].shape[0]", True),
+])
+def test_a_boolean_for_a_number_or_a_number_for_a_boolean_is_named(path, value, tmp_path,
+                                                                    capsys):
+    """JSON's true is no integer and 1 no flag: the whole-array readers that take the exact
+    types json.loads makes leave such a row to the field-by-field reader, which names it."""
+    data = copy.deepcopy(GRAPH)
+    _set(data, path, value)
+    status, err = _inspect(tmp_path, data, capsys)
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and f"({path} is " in lines[0], err
+
+
+@pytest.mark.parametrize("path, value", [
     ("tasks[0].op", 10**9), ("tasks[0].op", -7), ("tasks[0].grid", [0, -1, 2**40]),
     ("tasks[0].duration_us", -3.5), ("tasks[0].duration_us", None), ("tasks[0].pointers", []),
     ("tasks[0].accesses[0][0]", 10**9), ("tasks[0].accesses[0][2]", -1),

@@ -313,7 +313,18 @@ def _rows(read):
     return lambda value, where: jf.items(value, where, read)
 
 
+# The readers below first try the exact types json.loads makes (``type(v) is int`` leaves out
+# bool, as :func:`jf.integer` does) over a whole array at once; only an array with something
+# else in it is read item by item, which names the first wrong field.  The two agree on every
+# value both accept: the fast one is the slow one without building each item's path.
+
+_JUST_INT = {int}
+
+
 def _ints(value, where: str, length: int | None = None) -> list[int]:
+    if type(value) is list and (length is None or len(value) == length) and \
+            (not value or set(map(type, value)) == _JUST_INT):
+        return value
     return jf.items(value, where, jf.integer, length)
 
 
@@ -331,6 +342,17 @@ def _access_from_json(row, where: str) -> Access:
                   jf.integer(row[2], f"{where}[2]"), jf.flag(row[3], f"{where}[3]"))
 
 
+def _plain_access(row) -> bool:
+    return type(row) is list and len(row) == 4 and type(row[0]) is int and \
+        type(row[1]) is int and type(row[2]) is int and type(row[3]) is bool
+
+
+def _accesses(value, where: str) -> list[Access]:
+    if type(value) is list and all(_plain_access(row) for row in value):
+        return [Access(*row) for row in value]
+    return jf.items(value, where, _access_from_json)
+
+
 def _pointer_from_json(row, where: str) -> Pointer:
     """``[location, value, buffer, offset]``; a kernel's location is a byte offset, a memcpy's
     or memset's the name of its field."""
@@ -340,8 +362,28 @@ def _pointer_from_json(row, where: str) -> Pointer:
                    jf.integer(row[2], f"{where}[2]"), jf.integer(row[3], f"{where}[3]"))
 
 
+def _plain_pointer(row) -> bool:
+    return type(row) is list and len(row) == 4 and type(row[0]) in (int, str) and \
+        type(row[1]) is int and type(row[2]) is int and type(row[3]) is int
+
+
+def _pointers(value, where: str) -> list[Pointer]:
+    if type(value) is list and all(_plain_pointer(row) for row in value):
+        return [Pointer(*row) for row in value]
+    return jf.items(value, where, _pointer_from_json)
+
+
+def _plain_buffer(row) -> bool:
+    n = len(row) if type(row) is list else 0
+    return 4 <= n <= 6 and type(row[0]) is int and type(row[1]) is str and \
+        type(row[2]) is int and type(row[3]) is int and (n < 5 or type(row[4]) is str) and \
+        (n < 6 or type(row[5]) is int)
+
+
 def _buffer_from_json(row, where: str) -> Buffer:
     """``[id, kind, size, address, name, op]`` (``name`` and ``op`` may be left off)."""
+    if _plain_buffer(row):
+        return Buffer(*row)
     row = jf.array(row, where, (4, 6))
     read = (jf.integer, jf.text, jf.integer, jf.integer, jf.text, jf.integer)
     return Buffer(*(r(v, f"{where}[{i}]") for i, (r, v) in enumerate(zip(read, row))))
@@ -351,7 +393,7 @@ def _op_from_json(d, where: str) -> Op:
     d = jf.obj(d, where)
     return Op(jf.member(d, "index", where, jf.integer), jf.member(d, "name", where, jf.text),
               jf.member(d, "module", where, jf.text, ""),
-              jf.member(d, "accesses", where, _rows(_access_from_json), []))
+              jf.member(d, "accesses", where, _accesses, []))
 
 
 def _tensor_from_json(d, where: str) -> TensorRef:
@@ -388,8 +430,8 @@ def _task_from_json(d, where: str) -> Task:
         shared_mem=get("shared_mem", jf.integer, 0),
         param_layout=[tuple(p) for p in get("param_layout", _int_pairs, [])],
         params=get("params", _params, b""),
-        pointers=get("pointers", _rows(_pointer_from_json), []),
-        accesses=get("accesses", _rows(_access_from_json), []),
+        pointers=get("pointers", _pointers, []),
+        accesses=get("accesses", _accesses, []),
         fields=get("fields", _scalars, {}),
         duration_us=get("duration_us", jf.optional(jf.number), None),
     )
