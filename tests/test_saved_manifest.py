@@ -183,3 +183,11 @@ def test_the_loaded_graph_is_built_with_the_files_programmatic_edges(monkeypatch
     bucket.row = {}  # a file saved before programmatic edges were written down
     loading._build(None, bucket, None)
     assert seen["programmatic"].served == frozenset()
+
+
+def test_reading_a_file_times_its_mapping_and_its_checks_apart(tmp_path):
+    from nimble.engine.loading import _read
+
+    seconds: dict = {}
+    _read(_small().write(tmp_path / "m.nimble"), seconds)
+    assert set(seconds) == {"read_file", "read_check"} and all(v >= 0 for v in seconds.values())
