@@ -38,6 +38,36 @@ def test_the_c_runtime_and_its_host_program_compile_without_a_warning(tmp_path):
         _compile(cc, include, source, tmp_path / (source.stem + ".o"))
 
 
+def test_the_runtimes_files_link_leaving_only_the_drivers_and_the_c_librarys_symbols(tmp_path):
+    """One file's function called in another is defined there: linked as a shared library,
+    every symbol left undefined is the driver's (``cu...``, found in libcuda at run time) or
+    comes from the C library the link named (versioned: ``fopen@GLIBC_2.2.5``)."""
+    import shutil
+
+    cc, include = _toolchain()
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm on PATH")
+    objects = []
+    for source in [c_runtime.FOLDER / s for s in c_runtime.SOURCES]:
+        objects.append(tmp_path / (source.stem + ".o"))
+        cmd = [cc, "-O2", "-std=c11", "-pthread", "-fPIC", "-I", str(c_runtime.FOLDER), "-I",
+               str(include), "-c", str(source), "-o", str(objects[-1])]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    lib = tmp_path / "libnimble.so"
+    done = subprocess.run([cc, "-shared", "-pthread", *map(str, objects), "-o", str(lib)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    listed = subprocess.run([nm, "-D", "--undefined-only", str(lib)], capture_output=True,
+                            text=True, check=True).stdout.split()
+    names = [word for word in listed if word not in ("U", "w", "v")]
+    strange = [n for n in names if not n.startswith("cu") and "@" not in n
+               and not n.startswith("_")]
+    assert not strange, strange
+    assert any(n.startswith("cuGraphLaunch") for n in names)
+
+
 def test_the_header_compiles_as_cpp_too(tmp_path):
     import shutil
 

@@ -1,17 +1,24 @@
 /*
  * Internal to Nimble's C runtime: the model's parts as read from a saved file's c_plan, shared
- * by the reader (nimble_plan.c) and the loader, builder and API (nimble.c).  Not installed for
- * users: nimble.h is the API.
+ * by the reader (nimble_plan.c), the kernels' and memory's loader (nimble_load.c) and the
+ * builder and API (nimble.c).  Not installed for users: nimble.h is the API.
  */
 #ifndef NIMBLE_INTERNAL_H
 #define NIMBLE_INTERNAL_H
 
 #include "nimble.h"
 
-/* ---- errors (nimble.c) -------------------------------------------------------------------- */
+/* ---- errors and stage clocks (nimble.c) ---------------------------------------------------- */
+
+/* The bytes of one thread's last error message (nimble_last_error), a worker's copied with it. */
+#define NIMBLE_MESSAGE_BYTES 1024
 
 nimble_status nimble_fail(nimble_status status, const char *fmt, ...);
 nimble_status nimble_cuda_fail(const char *call, CUresult r);
+/* A monotonic clock in seconds. */
+double nimble_seconds_now(void);
+/* Adds the seconds since *since to stage's total and restarts the clock. */
+void nimble_lap(nimble_model *m, nimble_load_stage stage, double *since);
 
 #define CU(call)                                                                              \
     do {                                                                                      \
@@ -111,5 +118,12 @@ void nimble_release_file(nimble_model *m);
 
 /* Read the whole c_plan into m (its arrays allocated; raw bytes point into m->file). */
 nimble_status nimble_read_plan(nimble_model *m, plan_t *plan);
+
+/* ---- the kernels and the memory (nimble_load.c) -------------------------------------------- */
+
+/* Every kernel binary read and hashed, loaded, and each kernel's function taken, on this thread
+ * and its workers; the weights, external memory and arenas uploaded on a thread of its own
+ * meanwhile.  The kernels' failure first, then the memory's, as this thread's error. */
+nimble_status nimble_load_kernels_and_memory(nimble_model *m);
 
 #endif /* NIMBLE_INTERNAL_H */
