@@ -28,6 +28,7 @@ from typing import Any
 
 from ..errors import WeightsChangedError
 from ..ir.taskgraph import BufferKind, TaskGraph
+from ..record.module_weights import module_weights
 
 #: Bumped by every event that may give a module's weights new memory.  A list, so that the
 #: per-call check is one subscript with no global rebinding.
@@ -75,13 +76,14 @@ class Binding:
 
 
 def named_weights(module) -> dict[str, Any]:
-    """Every parameter and buffer of ``module`` by qualified name, shared ones under each name."""
+    """Every parameter and buffer of ``module`` by qualified name, shared ones under each name,
+    a tensor subclass (a tensor-parallel model's DTensor) as the tensors inside it
+    (:func:`~nimble.record.module_weights.module_weights`)."""
     import torch
 
     if not isinstance(module, torch.nn.Module):
         return {}
-    return dict(list(module.named_parameters(remove_duplicate=False))
-                + list(module.named_buffers(remove_duplicate=False)))
+    return module_weights(module)
 
 
 class Weights:

@@ -21,6 +21,7 @@ from .capture import (Captured, Phase, capture, gradient_hooks_set_aside, quiet_
 from .compiled import check_compiled, module_name
 from ..driver.gpu import require_gpu
 from ..errors import CaptureError, InputError, RecordError
+from .module_weights import module_weights
 from .kv_cache import check_module_caches, check_result_caches, growing_cache_error, \
     is_growing_cache
 from ..progress import say
@@ -146,9 +147,7 @@ def _statics(module, static_inputs) -> list[DeviceRange]:
 
     ranges: dict[int, DeviceRange] = {}
     if isinstance(module, torch.nn.Module):
-        named = list(module.named_parameters(remove_duplicate=False)) + \
-            list(module.named_buffers(remove_duplicate=False))
-        for name, t in named:
+        for name, t in module_weights(module).items():
             st = t.untyped_storage()
             if st.nbytes() and st.data_ptr() not in ranges:
                 ranges[st.data_ptr()] = DeviceRange(st.data_ptr(), st.nbytes(), name,
