@@ -147,3 +147,25 @@ def test_options_of_a_taskgraph_do_not_apply_to_a_saved_graph(saved, tmp_path, c
     assert "a saved graph; --memplan, --export apply to a TaskGraph only" in \
         capsys.readouterr().err
     assert not (tmp_path / "p").exists()
+
+
+def test_the_largest_embedded_images_are_named_with_their_origin(saved, capsys):
+    file = _manifest(saved)
+    m = file.manifest
+    first = m["binaries"][0]
+    m["binaries"].append({**first, "blob": [first["blob"][0], first["blob"][1] // 2],
+                          "origin": "module loaded in the saving process"})
+    for kernel in m["kernels"][:3]:
+        kernel["binary"] = 1
+    file.write(saved)
+    assert cli.main(["inspect", str(saved)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("    embedded: 42 kernels in 2 images, 0.01 MiB")
+    assert lines[at + 1].startswith("      0.01 MiB, 39 kernels (")
+    assert lines[at + 1].endswith(f"), from {first['origin']}")
+    assert lines[at + 2].startswith("      0.00 MiB, 3 kernels (" + m["kernels"][0]["name"][:20])
+    assert lines[at + 2].endswith("), from module loaded in the saving process")
+    assert cli.main(["inspect", str(saved), "--json"]) == 0
+    largest = json.loads(capsys.readouterr().out)["binaries"]["largest_images"]
+    assert [r["kernels"] for r in largest] == [39, 3] and largest[1]["bytes"] == \
+        first["blob"][1] // 2

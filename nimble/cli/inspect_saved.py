@@ -57,13 +57,21 @@ def _bucket(row: dict, graph: TaskGraph) -> dict:
             "training_step": row.get("step") is not None}
 
 
+#: The embedded images a summary names one by one, the largest first.
+LARGEST_IMAGES = 3
+
+
 def _binaries(manifest: dict) -> dict:
     """Where the kernels' binaries come from: per library file (by name) its kernels and
-    containers; the embedded images' count, kernels and bytes."""
+    containers; the embedded images' count, kernels and bytes, and the largest of them each
+    with its bytes, origin (the file or module it was taken from), kernels and one kernel's
+    name: what a file larger than its weights carries."""
     rows = manifest["binaries"]
     kernels = Counter(k["binary"] for k in manifest["kernels"])
+    named = {k["binary"]: k["name"] for k in reversed(manifest["kernels"])}
     libraries: dict[str, dict] = {}
     embedded = {"images": 0, "kernels": 0, "bytes": 0}
+    images = []
     for i, row in enumerate(rows):
         if row["kind"] == "library":
             lib = libraries.setdefault(row["name"], {"name": row["name"], "kernels": 0,
@@ -74,8 +82,11 @@ def _binaries(manifest: dict) -> dict:
             embedded["images"] += 1
             embedded["kernels"] += kernels[i]
             embedded["bytes"] += row["blob"][1]
+            images.append({"bytes": row["blob"][1], "origin": row.get("origin", ""),
+                           "kernels": kernels[i], "example": named.get(i, "")})
+    images.sort(key=lambda r: -r["bytes"])
     return {"libraries": sorted(libraries.values(), key=lambda r: (-r["kernels"], r["name"])),
-            "embedded": embedded}
+            "embedded": embedded, "largest_images": images[:LARGEST_IMAGES]}
 
 
 def saved_summary(path: str) -> dict:
@@ -142,6 +153,11 @@ def format_saved(path: str, s: dict) -> str:
     if e["images"]:
         lines.append(f"    embedded: {e['kernels']} kernels in {e['images']} "
                      f"image{'s' * (e['images'] != 1)}, {e['bytes'] / MIB:.2f} MiB")
+        if e["images"] > 1:
+            for image in s["binaries"]["largest_images"]:
+                lines.append(f"      {image['bytes'] / MIB:.2f} MiB, {image['kernels']} "
+                             f"kernel{'s' * (image['kernels'] != 1)} ({image['example'][:48]}"
+                             f"), from {image['origin'] or 'the saving process'}")
     where = "included" if s["weights_included"] else "not included: load with model=..."
     lines.append(f"  weights: {s['weight_storages']} storages, {s['weight_bytes'] / MIB:.1f} "
                  f"MiB, {where}")
