@@ -324,7 +324,7 @@ _JUST_INT = {int}
 def _ints(value, where: str, length: int | None = None) -> list[int]:
     if type(value) is list and (length is None or len(value) == length) and \
             (not value or set(map(type, value)) == _JUST_INT):
-        return value
+        return list(value)
     return jf.items(value, where, jf.integer, length)
 
 
