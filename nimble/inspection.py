@@ -137,8 +137,8 @@ class GraphViews:
         tasks, difference) or None.
 
         Walks the ops in recorded order with step-through runs (:meth:`run_until`), one for
-        several consecutive ops wherever their outputs all outlast it
-        (:mod:`nimble.debug.stop_groups`), and stops at the first that goes wrong; a long walk reports its progress on stderr unless
+        several ops wherever their outputs all outlast it (:mod:`nimble.debug.stop_groups`),
+        and stops at the first that goes wrong; a long walk reports its progress on stderr unless
         ``quiet``.  An op that differs from the eager chain counts only if it also differs from
         its eager twin run on the graph's own inputs to it, so rounding that builds up over a
         deep network is not taken for a fault

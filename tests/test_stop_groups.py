@@ -66,7 +66,28 @@ def test_an_op_without_a_task_stands_alone_and_ops_with_several_tasks_count_them
     plan = _plan(4, _chain_edges(4), writes, op_tasks={0: [0, 1], 1: [], 2: [2, 3]},
                  outputs={0: [(100, 116)], 2: [(200, 216)]})
     # op 2's task 3 writes op 0's first task's range, which op 0's outputs do not name
-    assert stop_groups([0, 1, 2], plan) == [[0], [1], [2]]
+    assert stop_groups([0, 1, 2], plan) == [[0, 2], [1]]
+    plan = _plan(4, _chain_edges(4), writes, op_tasks={0: [0, 1], 1: [], 2: [2, 3]},
+                 outputs={0: [(0, 16)], 2: [(200, 216)]})
+    assert stop_groups([0, 1, 2], plan) == [[0], [1], [2]]  # now it does
+
+
+def test_an_op_joins_the_first_group_it_fits_past_ops_that_do_not():
+    # a chain 0 -> 1 -> 2 -> 3: op 1 writes over op 0's bytes in place, op 2 and op 3 elsewhere
+    writes = [[(0, 16)], [(0, 16)], [(100, 116)], [(200, 216)]]
+    plan = _plan(4, _chain_edges(4), writes)
+    assert stop_groups(range(4), plan) == [[0], [1, 2, 3]]
+    # two branches after op 0; op 3 (branch b) reuses op 1's bytes (branch a) after op 2 read
+    writes = [[(0, 16)], [(100, 116)], [(200, 216)], [(100, 116)], [(300, 316)]]
+    plan = _plan(5, [(0, 1), (1, 2), (0, 3), (2, 3), (3, 4)], writes)
+    assert stop_groups(range(5), plan) == [[0, 1, 2], [3, 4]]
+
+
+def _in_walk_order(groups: list[list[int]], ops: list[int]) -> None:
+    """Every op in one group; each group in the walk's order; the groups by their first op."""
+    assert sorted(op for g in groups for op in g) == sorted(ops)
+    assert all(g == sorted(g) for g in groups) and [g[0] for g in groups] == \
+        sorted(g[0] for g in groups)
 
 
 def _random_plan(rng: random.Random, n: int):
@@ -82,7 +103,7 @@ def test_every_member_of_every_group_keeps_its_bytes_through_the_groups_run(seed
     n = rng.randint(5, 40)
     plan = _random_plan(rng, n)
     groups = stop_groups(range(n), plan, limit=rng.choice((3, 8, 32)))
-    assert [op for g in groups for op in g] == list(range(n))
+    _in_walk_order(groups, list(range(n)))
     for group in groups:
         ran = 0
         for op in group:
@@ -194,7 +215,7 @@ def test_on_a_recorded_network_groups_keep_every_members_bytes_and_save_runs(nam
     ops = [op.index for op in g.ops if op.index in with_tasks and outputs[op.index]]
     plan = plan_input(g, a.schedule.edges(), bases, outputs)
     groups = stop_groups(ops, plan)
-    assert [op for group in groups for op in group] == ops
+    _in_walk_order(groups, ops)
     assert len(groups) < 0.7 * len(ops), (len(groups), len(ops))
     print(f"{name}: {len(ops)} ops with outputs, {len(groups)} runs")
     for group in groups:
@@ -211,3 +232,21 @@ def test_on_a_recorded_network_groups_keep_every_members_bytes_and_save_runs(nam
                     for c, d in plan.writes[t]:
                         assert all(d <= a0 or c >= b0 for a0, b0 in plan.op_outputs[op]), \
                             (group, op, t)
+
+
+def test_a_walk_over_interleaved_groups_names_the_first_op_once_all_before_it_were_read():
+    g, eager = _chain(6)
+    aligned = align(g, eager)
+    interleaved = lambda ops: [[0, 2, 4], [1, 3, 5]]  # noqa: E731
+    run, run_group, calls = _stand_in(g, eager, {3: 1.0, 4: 1.0})
+    found = first_divergence(run, g, aligned, grouped=GroupedStops(interleaved, run_group))
+    # 4 looked wrong first, but 1 and 3 were not read yet: 3 is the first that differs
+    assert found.op == 3 and calls["single"] == [3]
+    assert calls["group"] == [[0, 2, 4], [1, 3, 5]]
+    run, run_group, calls = _stand_in(g, eager, {4: 1.0})
+    found = first_divergence(run, g, aligned, grouped=GroupedStops(interleaved, run_group))
+    assert found.op == 4 and calls["single"] == [4]
+    mixed = lambda ops: [[0, 2], [1], [3, 4, 5]]  # noqa: E731  a group of one: its own stop
+    run, run_group, calls = _stand_in(g, eager, {1: 1.0, 2: 1.0})
+    found = first_divergence(run, g, aligned, grouped=GroupedStops(mixed, run_group))
+    assert found.op == 1 and calls["single"] == [1]  # 2 is a suspect after 1, never confirmed

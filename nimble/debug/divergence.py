@@ -23,6 +23,7 @@ weight still shows.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -315,9 +316,10 @@ def _compare(raw, want, magnitude=None) -> tuple[bool, float]:
 
 @dataclass(frozen=True)
 class GroupedStops:
-    """Stops of several ops in one run (:mod:`nimble.debug.stop_groups`): ``plan`` cuts a
-    walk's op indices (in order) into groups of consecutive ops, ``run`` makes one run for a
-    group and returns a snapshot holding every member's outputs."""
+    """Stops of several ops in one run (:mod:`nimble.debug.stop_groups`): ``plan`` groups a
+    walk's op indices (each group in the walk's order, the groups in the order of their first
+    op), ``run`` makes one run for a group and returns a snapshot holding every member's
+    outputs."""
 
     plan: Callable[[list[int]], list[list[int]]]
     run: Callable[[list[int]], Any]
@@ -331,26 +333,55 @@ def _walk(run_until: Callable[[int], Any], graph: TaskGraph, ops: Sequence[Align
           ) -> tuple[AlignedOp, float] | None:
     """The first of ``ops`` (in order) for which ``wrong(snapshot, op)`` says so; ``progress``
     gets a line every few seconds on a long walk.  With ``grouped``, a group's ops are first
-    read from the group's one run, and only an op that ``looks_wrong`` there gets a stop of its
-    own and ``wrong``'s judgement: ``looks_wrong`` must say so wherever ``wrong`` would."""
+    read from the group's one run; an op that ``looks_wrong`` there (which must say so wherever
+    ``wrong`` would) is a suspect, judged by ``wrong`` on a stop of its own once every op
+    before it has been read, in order, so that the answer is the sequential walk's."""
     with_tasks = {t.op for t in graph.tasks}
     todo = [op for op in ops if op.pairs and op.index in with_tasks]
-    by_index = {op.index: op for op in todo}
+    position = {op.index: k for k, op in enumerate(todo)}
     groups = grouped.plan([op.index for op in todo]) if grouped is not None \
         else [[op.index] for op in todo]
-    last, k = time.monotonic(), 0
+    read = [False] * len(todo)
+    frontier = 0  # every op before this position has been read
+    suspects: list[int] = []  # positions, a heap
+    found: dict[int, float] = {}  # positions judged wrong on stops of their own
+    last = time.monotonic()
     for group in groups:
-        shared = grouped.run(group) if grouped is not None and len(group) > 1 else None
+        shared = grouped.run(group) if grouped is not None and len(group) > 1 \
+            and looks_wrong is not None else None
         for index in group:
-            op = by_index[index]
-            if shared is None or looks_wrong is None or looks_wrong(shared, op):
-                bad, diff = wrong(run_until(index), op)
+            k = position[index]
+            read[k] = True
+            if shared is None:
+                bad, diff = wrong(run_until(index), todo[k])
                 if bad:
-                    return op, diff
-            k += 1
-            if progress is not None and time.monotonic() - last > PROGRESS_SECONDS:
-                progress(f"compared {k} of {len(todo)} ops: up to op {op.index} all agree")
-                last = time.monotonic()
+                    found[k] = diff
+            elif looks_wrong(shared, todo[k]):
+                heapq.heappush(suspects, k)
+        while frontier < len(todo) and read[frontier]:
+            frontier += 1
+        hit = _first_wrong(run_until, todo, wrong, frontier, suspects, found)
+        if hit is not None:
+            return hit
+        if progress is not None and frontier and time.monotonic() - last > PROGRESS_SECONDS:
+            progress(f"compared {frontier} of {len(todo)} ops: up to op "
+                     f"{todo[frontier - 1].index} all agree")
+            last = time.monotonic()
+    return None
+
+
+def _first_wrong(run_until, todo: Sequence[AlignedOp], wrong, frontier: int,
+                 suspects: list[int], found: dict[int, float]) -> tuple[AlignedOp, float] | None:
+    """The first op before ``frontier`` that is wrong: a position in ``found``, or a suspect
+    (taken from the heap in order) that ``wrong`` confirms on a stop of its own."""
+    first = min(found, default=len(todo))
+    while suspects and suspects[0] < min(frontier, first):
+        k = heapq.heappop(suspects)
+        bad, diff = wrong(run_until(todo[k].index), todo[k])
+        if bad:
+            return todo[k], diff
+    if first < frontier:
+        return todo[first], found[first]
     return None
 
 

@@ -5,15 +5,15 @@ tasks and every task they wait for (:func:`nimble.debug.step_through.run_until`)
 outputs and compares them.  Each stop is a pruned clone of the phase, instantiated, launched
 and waited for: on a network of a thousand ops, a thousand of them.
 
-Several consecutive ops can share one run when each one's outputs are still in place at its
-end: no task of the run writes a byte of an op's outputs unless it is one of the op's own tasks
-or one they wait for.  The arena hands an op's bytes to a later buffer once their last reader
-ran, and an in-place op writes over its input, so a run that goes on past such a writer loses
-the op's values; :func:`stop_groups` closes a group before that happens.  It needs only the
-dependencies (each task's closure) and each write's device address, so it is plain Python over
-integers.  The walk reads each member's outputs from the group's run and stops at an op that
-looks wrong there alone, as before: a group changes how many runs a walk makes, not what it
-finds.
+Several ops can share one run when each one's outputs are still in place at its end: no task
+of the run writes a byte of an op's outputs unless it is one of the op's own tasks or one they
+wait for.  The arena hands an op's bytes to a later buffer once their last reader ran, and an
+in-place op writes over its input, so a run that goes on past such a writer loses the op's
+values; :func:`stop_groups` keeps such ops apart.  It needs only the dependencies (each task's
+closure) and each write's device address, so it is plain Python over integers.  The walk reads
+each member's outputs from its group's run, and stops at an op that looks wrong there alone,
+as before, once every op before it was read: a group changes how many runs a walk makes, not
+what it finds.
 """
 from __future__ import annotations
 
@@ -94,36 +94,31 @@ def clobbers(plan: StopPlanInput) -> dict[int, int]:
 
 def stop_groups(ops: Sequence[int], plan: StopPlanInput,
                 limit: int = GROUP_LIMIT) -> list[list[int]]:
-    """``ops`` (a walk's order) cut into runs of consecutive ops, at most ``limit`` each, such
-    that a run of every member's tasks and what they wait for leaves each member's outputs as
-    its own tasks wrote them.  An op with no task is a group of its own."""
+    """``ops`` (a walk's order) cut into groups of at most ``limit``, each op in the first
+    group it fits (first fit), such that a run of every member's tasks and what they wait for
+    leaves each member's outputs as its own tasks wrote them; the groups in the order of their
+    first member, each in the walk's order.  An op with no task is a group of its own.  Ops on
+    other branches of a wide network share runs with ops far before them, so first fit makes
+    fewer runs than cutting the walk into consecutive pieces."""
     clobber = clobbers(plan)
     groups: list[list[int]] = []
-    group: list[int] = []
-    ran = 0  # the tasks the current group's run holds
+    ran: list[int] = []  # per group, the tasks its run holds
     for op in ops:
         tasks = plan.op_tasks.get(op, [])
-        if not tasks:
-            if group:
-                groups.append(group)
-            groups.append([op])
-            group, ran = [], 0
-            continue
         mine = 0
         for t in tasks:
             mine |= plan.closure[t]
-        joined = ran | mine
-        fits = group and len(group) < limit and \
-            all(not joined & clobber[m] for m in group + [op])
-        if fits:
-            group.append(op)
-            ran = joined
-            continue
-        if group:
-            groups.append(group)
-        group, ran = [op], mine
-    if group:
-        groups.append(group)
+        for g, group in enumerate(groups):
+            if not tasks or not ran[g] or len(group) >= limit:
+                continue
+            joined = ran[g] | mine
+            if all(not joined & clobber[m] for m in group) and not joined & clobber[op]:
+                group.append(op)
+                ran[g] = joined
+                break
+        else:
+            groups.append([op])
+            ran.append(mine)
     return groups
 
 
