@@ -64,13 +64,14 @@ def _node(w: Words) -> dict:
     return {"kind": "empty"}
 
 
-def _bucket(w: Words) -> dict:
+def _bucket(w: Words, version: int = 1) -> dict:
     b = {"plan_bytes": w.u()}
     b["inputs"] = [_tensor(w) for _ in range(w.u())]
     b["outputs"] = [_tensor(w) for _ in range(w.u())]
     b["private"] = [(w.u(), w.u(), w.blob()) for _ in range(w.u())]
     b["nodes"] = [_node(w) for _ in range(w.u())]
     b["edges"] = [(w.u(), w.u()) for _ in range(w.u())]
+    b["programmatic"] = [(w.u(), w.u()) for _ in range(w.u())] if version >= 2 else []
     sets = []
     for _ in range(w.u()):
         inputs = [w.blob() for _ in b["inputs"]]
@@ -93,7 +94,7 @@ def read_plan(data: bytes) -> dict:
                         "settable": [w.i() for _ in range(4)]} for _ in range(w.u())]
     plan["weights"] = [(w.u(), w.blob()) for _ in range(w.u())]
     plan["memory"] = [(w.u(), w.blob()) for _ in range(w.u())]
-    plan["buckets"] = [_bucket(w) for _ in range(nbuckets)]
+    plan["buckets"] = [_bucket(w, plan["version"]) for _ in range(nbuckets)]
     plan["unsupported"] = w.text()
     assert w.at == len(w.words), "words left over after the plan"
     return plan

@@ -160,7 +160,8 @@ def plan_check(tmp_path_factory) -> Path:
     return out
 
 
-def _saved_with_plan(tmp_path, name: str = "googlenet", **changes) -> tuple[Path, dict]:
+def _saved_with_plan(tmp_path, name: str = "googlenet", programmatic=(), **changes
+                     ) -> tuple[Path, dict]:
     from c_plan_reader import read_plan
     from test_c_plan import _stand_in
 
@@ -168,6 +169,7 @@ def _saved_with_plan(tmp_path, name: str = "googlenet", **changes) -> tuple[Path
     from nimble.ir.saved_format import SavedFile
 
     prepared, state, manifest, *_ = _stand_in(name)
+    prepared.programmatic = frozenset(programmatic)
     prepared.graph.meta.update(changes)
     data, _ = c_plan(manifest, [prepared], [state], state.size)
     path = SavedFile({"format": "nimble.saved-graph"}, b"\0" * 64,
@@ -190,7 +192,7 @@ def test_the_c_reader_reads_what_python_wrote(plan_check, tmp_path, name):
     want = (f"arch 90 instances 2 buckets 1 binaries 1 kernels 1 weights {len(plan['weights'])} "
             f"memory {len(plan['memory'])} nodes {len(bucket['nodes'])} relocations "
             f"{sum(len(n.get('relocs', ())) for n in bucket['nodes'])} "
-            f"edges {len(bucket['edges'])} written {len(written)} (weights 0)")
+            f"edges {len(bucket['edges'])} (programmatic 0) written {len(written)} (weights 0)")
     assert out == want
 
 
@@ -242,7 +244,7 @@ def test_the_c_reader_refuses_bad_files_with_their_codes(plan_check, tmp_path):
     assert code(bytes(newer))[0] == 4
     saved = SavedFile.read(path)
     plan = bytearray(saved.extra["c_plan"])
-    for at, value, want in ((0, 7, 3), (8, 2, 4)):  # the magic; the plan's version
+    for at, value, want in ((0, 7, 3), (8, 3, 4)):  # the magic; a plan version to come
         changed = bytearray(plan)
         struct.pack_into("<Q", changed, at, value)
         rc, _ = code(SavedFile({"format": "x"}, b"\0" * 64, extra={"c_plan": bytes(changed)})
@@ -275,3 +277,54 @@ def test_the_c_reader_refuses_a_file_of_several_graphs(plan_check, tmp_path):
         tmp_path / "g.nimble")
     rc, out = _run(plan_check, path)
     assert rc == 7 and "several graphs" in out
+
+
+def _kernel_edges(name: str = "googlenet", count: int = 3) -> list[tuple[int, int]]:
+    """The first ``count`` edges of the stand-in's one-stream schedule between two kernels."""
+    from test_c_plan import _stand_in
+
+    from nimble.ir.taskgraph import TaskKind
+
+    prepared, *_ = _stand_in(name)
+    tasks = prepared.graph.tasks
+    return [(u, v) for u, v in prepared.schedule.edges()
+            if tasks[u].kind == TaskKind.KERNEL and tasks[v].kind == TaskKind.KERNEL][:count]
+
+
+def test_a_plan_with_programmatic_edges_is_version_2_and_read_with_them(plan_check, tmp_path):
+    path, plan = _saved_with_plan(tmp_path, programmatic=_kernel_edges())
+    assert plan["version"] == 2 and plan["buckets"][0]["programmatic"] == _kernel_edges()
+    rc, out = _run(plan_check, path)
+    assert rc == 0 and "(programmatic 3)" in out, out
+    _, plain = _saved_with_plan(tmp_path)
+    assert plain["version"] == 1  # a runtime that reads version 1 reads every other file
+
+
+def test_a_programmatic_edge_that_is_no_edge_or_leaves_a_kernel_makes_the_plan_bad(
+        plan_check, tmp_path):
+    import struct
+
+    from nimble.ir.saved_format import SavedFile
+
+    path, plan = _saved_with_plan(tmp_path, programmatic=_kernel_edges(count=1))
+    data = bytearray(SavedFile.read(path).extra["c_plan"])
+    (u, v), = plan["buckets"][0]["programmatic"]
+    words = struct.unpack_from(f"<{len(data) // 8}Q", data)
+    # the pair's two words come right after the count 1, after the last edge
+    at = next(i for i in range(len(words) - 2) if words[i:i + 3] == (1, u, v)
+              and words[i - 2:i] == plan["buckets"][0]["edges"][-1])
+    from test_c_plan import _stand_in
+
+    from nimble.ir.taskgraph import TaskKind
+
+    tasks = _stand_in("googlenet")[0].graph.tasks
+    other = next((a, b) for a, b in plan["buckets"][0]["edges"]
+                 if TaskKind.KERNEL not in (tasks[a].kind, tasks[b].kind)
+                 or tasks[a].kind != tasks[b].kind)
+    for changed in ((v, u), (u, u + 10**6), other):
+        bad = bytearray(data)
+        struct.pack_into("<2Q", bad, 8 * (at + 1), *changed)
+        out = tmp_path / "bad.nimble"
+        SavedFile({"format": "x"}, b"\0" * 64, extra={"c_plan": bytes(bad)}).write(out)
+        rc, text = _run(plan_check, out)
+        assert rc == 3, text

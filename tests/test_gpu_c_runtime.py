@@ -212,3 +212,29 @@ def _saved_spread(saved: Path) -> dict[int, float]:
 
     (bucket,) = SavedFile.read(saved).manifest["buckets"]
     return {int(i): float(d) for i, d in bucket["reference"]["spread"].items()}
+
+
+def test_a_graph_with_programmatic_edges_runs_from_c_bit_for_bit_with_python(run_saved,
+                                                                              tmp_path):
+    """A prepare that served programmatic edges (Inductor's kernels launched with PDL) saves a
+    plan of version 2; the C runtime builds those edges and gives Python's bits."""
+    import torch
+
+    import nimble
+    from nimble.ir.saved_format import SavedFile
+    from test_gpu_programmatic import _mlp
+
+    model, x = _mlp()
+    torch._dynamo.reset()
+    nm = nimble.Nimble(torch.compile(model, dynamic=False)).prepare(
+        x, return_copies=True, options=nimble.PrepareOptions(programmatic_launch="always"))
+    assert nm.programmatic_edges
+    saved = nm.save(tmp_path / "p.nimble")
+    assert int.from_bytes(SavedFile.read(saved).extra["c_plan"][8:16], "little") == 2
+    inputs = [torch.randn_like(x) for _ in range(3)]
+    (tmp_path / "in.raw").write_bytes(b"".join(_raw(i) for i in inputs))
+    done = subprocess.run([str(run_saved), str(saved), str(tmp_path / "in.raw"),
+                           str(tmp_path / "out.raw")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out.raw").read_bytes() == b"".join(_raw(nm(i)) for i in inputs)

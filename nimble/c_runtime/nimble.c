@@ -174,6 +174,34 @@ static nimble_status instantiate(nimble_model *m, bucket_t *b, uint64_t j, CUgra
     return NIMBLE_OK;
 }
 
+/* The bucket's edges, those the plan marks programmatic from the kernel's programmatic port
+ * (the dependent may start as its predecessor's blocks trigger it or end, and reads its
+ * writes after its own griddepcontrol.wait, as Python's loader builds them); a driver API
+ * before CUDA 12.3, which has no edge data, gets every edge in full. */
+static nimble_status add_edges(bucket_t *b, CUgraph g, CUgraphNode *from, CUgraphNode *to) {
+#if CUDA_VERSION >= 12030
+    CUgraphEdgeData *data = NULL;
+    if (b->programmatic) {
+        data = calloc(b->nedges, sizeof *data);
+        if (!data) return fail(NIMBLE_ERROR_IO, "out of memory");
+        for (uint64_t e = 0; e < b->nedges; e++)
+            if (b->programmatic[e]) {
+                data[e].from_port = CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC;
+                data[e].type = CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC;
+            }
+    }
+#if CUDA_VERSION >= 13000
+    CUresult r = cuGraphAddDependencies(g, from, to, data, b->nedges);
+#else
+    CUresult r = cuGraphAddDependencies_v2(g, from, to, data, b->nedges);
+#endif
+    free(data);
+#else
+    CUresult r = cuGraphAddDependencies(g, from, to, b->nedges);
+#endif
+    return r == CUDA_SUCCESS ? NIMBLE_OK : cuda_fail("cuGraphAddDependencies", r);
+}
+
 /* The graph is destroyed once instantiated: the exec is the driver's own copy of it. */
 static nimble_status build(nimble_model *m, bucket_t *b, uint64_t j) {
     CUgraph g;
@@ -196,14 +224,7 @@ static nimble_status build(nimble_model *m, bucket_t *b, uint64_t j) {
         from[e] = nodes[b->edges[2 * e]];
         to[e] = nodes[b->edges[2 * e + 1]];
     }
-    if (s == NIMBLE_OK && b->nedges) {
-#if CUDA_VERSION >= 13000
-        CUresult r = cuGraphAddDependencies(g, from, to, NULL, b->nedges);
-#else
-        CUresult r = cuGraphAddDependencies(g, from, to, b->nedges);
-#endif
-        if (r != CUDA_SUCCESS) s = cuda_fail("cuGraphAddDependencies", r);
-    }
+    if (s == NIMBLE_OK && b->nedges) s = add_edges(b, g, from, to);
     free(nodes); free(from); free(to);
     if (s == NIMBLE_OK) s = instantiate(m, b, j, g, priorities);
     cuGraphDestroy(g);
@@ -395,7 +416,7 @@ static void free_bucket(bucket_t *b, uint64_t instances) {
         free(b->sets[s].inputs); free(b->sets[s].outputs); free(b->sets[s].checked);
     }
     free(b->execs); free(b->nodes); free(b->inputs); free(b->outputs);
-    free(b->private_); free(b->edges); free(b->sets); free(b->written);
+    free(b->private_); free(b->edges); free(b->programmatic); free(b->sets); free(b->written);
 }
 
 void nimble_free(nimble_model *m) {

@@ -34,7 +34,7 @@ void nimble_lap(nimble_model *m, nimble_load_stage stage, double *since);
 
 /* ---- the plan's words (nimble_plan.c) ------------------------------------------------------ */
 
-typedef struct { const uint8_t *p; size_t n, at; int bad; } plan_t;
+typedef struct { const uint8_t *p; size_t n, at; int bad; uint64_t version; } plan_t;
 
 /* ---- the model --------------------------------------------------------------------------- */
 
@@ -73,6 +73,8 @@ typedef struct {
     private_t *private_;
     node_t *nodes;
     uint64_t *edges;
+    /* per edge, whether it is programmatic (the plan's version 2; NULL: none is) */
+    uint8_t *programmatic;
     refset_t *sets;
     /* the external memory and the weights the graph writes, each once (the plan names a range
      * once per buffer in it; region R_MEMORY or R_WEIGHT, and its index there): the proof puts

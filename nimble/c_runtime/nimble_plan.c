@@ -125,6 +125,22 @@ static void rd_node(plan_t *pl, node_t *nd, uint64_t nkernels) {
     }
 }
 
+/* Version 2: the edges built programmatic, each one of the bucket's edges between two kernel
+ * nodes (anything else makes the plan bad). */
+static void rd_programmatic(plan_t *pl, bucket_t *b) {
+    uint64_t n = rd(pl);
+    if (n > b->nedges) { pl->bad = 1; return; }
+    b->programmatic = arr(pl, b->nedges, 1);
+    for (uint64_t i = 0; !pl->bad && i < n; i++) {
+        uint64_t u = rd(pl), v = rd(pl), e = 0;
+        while (e < b->nedges && (b->edges[2 * e] != u || b->edges[2 * e + 1] != v)) e++;
+        if (e == b->nedges || b->nodes[u].kind != N_KERNEL || b->nodes[v].kind != N_KERNEL)
+            pl->bad = 1;
+        else
+            b->programmatic[e] = 1;
+    }
+}
+
 static void rd_bucket(plan_t *pl, bucket_t *b, const nimble_model *m) {
     b->plan_bytes = rd(pl);
     b->ninputs = rd(pl);
@@ -150,6 +166,7 @@ static void rd_bucket(plan_t *pl, bucket_t *b, const nimble_model *m) {
         b->edges[i] = rd(pl);
         if (b->edges[i] >= b->nnodes) pl->bad = 1;
     }
+    if (pl->version >= 2) rd_programmatic(pl, b);
     b->nsets = rd(pl);
     b->sets = arr(pl, b->nsets, sizeof(refset_t));
     for (uint64_t s = 0; !pl->bad && s < b->nsets; s++) {
@@ -183,10 +200,11 @@ nimble_status nimble_read_plan(nimble_model *m, plan_t *pl) {
     if (rd(pl) != 0x5043454c424d494eULL) /* "NIMBLECP", little-endian */
         return fail(NIMBLE_ERROR_FORMAT, "the file's c_plan section has no NIMBLECP magic");
     uint64_t version = rd(pl);
-    if (version != 1)
-        return fail(NIMBLE_ERROR_VERSION, "c_plan version %llu; this runtime reads 1: rebuild "
-                    "the C runtime from the Nimble that saved the file",
+    if (version != 1 && version != 2)
+        return fail(NIMBLE_ERROR_VERSION, "c_plan version %llu; this runtime reads 1 and 2: "
+                    "rebuild the C runtime from the Nimble that saved the file",
                     (unsigned long long)version);
+    pl->version = version;
     m->arch = rd(pl); m->driver = rd(pl);
     m->arena_size = rd(pl); m->alignment = rd(pl); m->instances = rd(pl); m->nbuckets = rd(pl);
     m->nbinaries = rd(pl);

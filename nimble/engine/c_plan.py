@@ -32,6 +32,16 @@ from .arena_layout import StateLayout, shared_state_buffers, written_weights
 
 MAGIC = int.from_bytes(b"NIMBLECP", "little")
 VERSION = 1
+#: The version of a plan whose buckets list their programmatic edges (after their edges): only
+#: a file that has some is written so, so that a runtime reading version 1 reads the rest.
+PROGRAMMATIC_VERSION = 2
+
+
+def plan_version(preparations: Sequence) -> int:
+    """The plan version for ``preparations``: :data:`PROGRAMMATIC_VERSION` where one of them
+    serves programmatic edges, else :data:`VERSION`."""
+    served = any(getattr(p, "programmatic", None) for p in preparations)
+    return PROGRAMMATIC_VERSION if served else VERSION
 NONE, ARENA, WEIGHT, MEMORY = 0, 1, 2, 3
 KERNEL, MEMSET, MEMCPY, EMPTY = 0, 1, 2, 3
 NO_BLOB = (1 << 64) - 1
@@ -176,7 +186,8 @@ def _write_tensor(w: PlanWriter, ref, regions: Regions) -> None:
     w.u(1 if contiguous else 0)
 
 
-def _write_bucket(w: PlanWriter, prepared, state: StateLayout, row: dict) -> str:
+def _write_bucket(w: PlanWriter, prepared, state: StateLayout, row: dict,
+                  version: int = 1) -> str:
     graph = prepared.graph
     regions = Regions(prepared, state, row["outside"])
     w.u(prepared.memplan.arena_bytes, len(graph.inputs))
@@ -199,6 +210,11 @@ def _write_bucket(w: PlanWriter, prepared, state: StateLayout, row: dict) -> str
     w.u(len(edges))
     for u, v in edges:
         w.u(u, v)
+    if version >= PROGRAMMATIC_VERSION:
+        served = sorted(set(prepared.programmatic) & set(edges))
+        w.u(len(served))
+        for u, v in served:
+            w.u(u, v)
     _write_reference(w, row["reference"], prepared, regions)
     return regions.unsupported
 
@@ -227,7 +243,8 @@ def c_plan(manifest: dict, preparations: Sequence, states: Sequence[StateLayout]
     """The C plan of a saved file (see the module docstring) and, where the C runtime cannot
     run it, why ("" where it can; ``unsupported`` says so from the start)."""
     w = PlanWriter()
-    w.u(MAGIC, VERSION, manifest["arch"], manifest["driver"])
+    version = plan_version(preparations)
+    w.u(MAGIC, version, manifest["arch"], manifest["driver"])
     w.u(arena_size, ALIGNMENT, manifest["instances"], len(preparations))
     w.u(len(manifest["binaries"]))
     for b in manifest["binaries"]:
@@ -250,6 +267,6 @@ def c_plan(manifest: dict, preparations: Sequence, states: Sequence[StateLayout]
     for prepared, state, row in zip(preparations, states, manifest["buckets"]):
         if prepared.step is not None:
             unsupported = unsupported or "a training step"
-        unsupported = _write_bucket(w, prepared, state, row) or unsupported
+        unsupported = _write_bucket(w, prepared, state, row, version) or unsupported
     w.text(unsupported)
     return w.getvalue(), unsupported

@@ -33,9 +33,12 @@ int main(int argc, char **argv) {
         return (int)s;
     }
     unsigned long long nodes = 0, relocs = 0, edges = 0, written = 0, written_weights = 0;
+    unsigned long long programmatic = 0;
     for (uint64_t k = 0; k < m->nbuckets; k++) {
         nodes += m->buckets[k].nnodes;
         edges += m->buckets[k].nedges;
+        for (uint64_t e = 0; m->buckets[k].programmatic && e < m->buckets[k].nedges; e++)
+            programmatic += m->buckets[k].programmatic[e];
         written += m->buckets[k].nwritten;
         for (uint64_t i = 0; i < m->buckets[k].nwritten; i++)
             written_weights += m->buckets[k].written[i].region == R_WEIGHT;
@@ -43,10 +46,12 @@ int main(int argc, char **argv) {
             relocs += m->buckets[k].nodes[i].nrelocs;
     }
     printf("arch %llu instances %llu buckets %llu binaries %llu kernels %llu weights %llu "
-           "memory %llu nodes %llu relocations %llu edges %llu written %llu (weights %llu)\n",
+           "memory %llu nodes %llu relocations %llu edges %llu (programmatic %llu) written %llu "
+           "(weights %llu)\n",
            (unsigned long long)m->arch, (unsigned long long)m->instances,
            (unsigned long long)m->nbuckets, (unsigned long long)m->nbinaries,
            (unsigned long long)m->nkernels, (unsigned long long)m->nweights,
-           (unsigned long long)m->nmemory, nodes, relocs, edges, written, written_weights);
+           (unsigned long long)m->nmemory, nodes, relocs, edges, programmatic, written,
+           written_weights);
     return 0;
 }
