@@ -44,23 +44,27 @@ def _raw(t) -> bytes:
 
 
 def test_a_saved_graph_runs_from_c_bit_for_bit_with_python(run_saved, tmp_path):
-    import torch
-
     import nimble
 
     model, x = _conv_net()
     model.half()
     x = x.half()
     nm = nimble.Nimble(model).prepare(x, return_copies=True)
-    saved = nm.save(tmp_path / "m.nimble")
+    _same_from_c(run_saved, nm, nm.save(tmp_path / "m.nimble"), x, tmp_path)
+
+
+def _same_from_c(run_saved, nm, saved, x, tmp_path) -> None:
+    """Three fresh inputs like ``x`` through ``saved`` run from C and through ``nm``: the same
+    bytes out."""
+    import torch
+
     inputs = [torch.randn_like(x) for _ in range(3)]
     (tmp_path / "in.raw").write_bytes(b"".join(_raw(i) for i in inputs))
     done = subprocess.run([str(run_saved), str(saved), str(tmp_path / "in.raw"),
                            str(tmp_path / "out.raw")], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    want = b"".join(_raw(nm(i)) for i in inputs)
-    assert (tmp_path / "out.raw").read_bytes() == want
+    assert (tmp_path / "out.raw").read_bytes() == b"".join(_raw(nm(i)) for i in inputs)
 
 
 def test_bad_files_give_their_error_codes(run_saved, tmp_path):
@@ -231,10 +235,4 @@ def test_a_graph_with_programmatic_edges_runs_from_c_bit_for_bit_with_python(run
     assert nm.programmatic_edges
     saved = nm.save(tmp_path / "p.nimble")
     assert int.from_bytes(SavedFile.read(saved).extra["c_plan"][8:16], "little") == 2
-    inputs = [torch.randn_like(x) for _ in range(3)]
-    (tmp_path / "in.raw").write_bytes(b"".join(_raw(i) for i in inputs))
-    done = subprocess.run([str(run_saved), str(saved), str(tmp_path / "in.raw"),
-                           str(tmp_path / "out.raw")], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "out.raw").read_bytes() == b"".join(_raw(nm(i)) for i in inputs)
+    _same_from_c(run_saved, nm, saved, x, tmp_path)
