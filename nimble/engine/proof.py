@@ -207,9 +207,11 @@ class Reference:
         expected, spread = _expected_outputs(reference, input_sets, rng_at, repeats)
         return cls(graph, input_sets, expected, spread, gradients, rng_at)
 
-    def launches(self, run: Callable[[list], list], count: int, label: str = "launch") -> None:
-        """``count`` launches of ``run``, alternating the input sets, each checked."""
-        for launch in range(count):
+    def launches(self, run: Callable[[list], list], count: int, label: str = "launch",
+                 first: int = 0) -> None:
+        """Launches ``first`` to ``count - 1`` of ``run``, alternating the input sets, each
+        checked."""
+        for launch in range(first, count):
             self._check_one(f"{label} {launch}", run, launch)
 
     def fuzz_launches(self, fuzz: FuzzRuns, budget: FuzzBudget, proof_seconds: float) -> None:
