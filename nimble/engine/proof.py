@@ -104,7 +104,9 @@ def same_bits(a, b) -> bool:
 def differing(outputs: Sequence, expected: Sequence) -> list[int]:
     """The indices of ``outputs`` whose bits differ from ``expected``'s (:func:`same_bits`),
     read back with one synchronisation for all of them: a training step's dozens of gradients
-    would otherwise cost a host round trip each, every launch."""
+    would otherwise cost a host round trip each, every launch.  An expected tensor on the host
+    is compared there, its output copied to it (the proof at load: no kernel of torch's to load
+    in a fresh process)."""
     import torch
 
     found, flags = [], []
@@ -112,6 +114,8 @@ def differing(outputs: Sequence, expected: Sequence) -> list[int]:
         if a.shape != b.shape or a.dtype != b.dtype:
             found.append(i)
         elif a.numel():
+            if a.device != b.device:  # references kept on the host: the output copied there
+                a = a.to(b.device)
             flags.append((i, torch.ne(_as_bytes(a), _as_bytes(b)).any()))
     if flags:
         device = flags[0][1].device
@@ -247,7 +251,7 @@ class Reference:
         for i in differing(outputs, self.expected[k]):
             got, want = outputs[i], self.expected[k][i]
             torch.cuda.synchronize()
-            worst = _max_diff(got, want)
+            worst = _max_diff(got.to(want.device), want)
             if i in spread and worst <= NONDETERMINISTIC_SLACK * spread[i]:
                 continue
             if i in self.tolerant and worst <= GRADIENT_RTOL * float(want.abs().max()):
