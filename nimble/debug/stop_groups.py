@@ -24,6 +24,10 @@ import numpy as np
 
 #: The most ops one run stands for: a group's reads are every member's outputs.
 GROUP_LIMIT = 32
+#: The latest groups an op may join (first fit among them): an older group's run holds so
+#: much of the graph that a later op rarely fits it, and looking at every group would make
+#: planning a walk of thousands of ops quadratic.
+OPEN_GROUPS = 64
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,8 @@ def stop_groups(ops: Sequence[int], plan: StopPlanInput,
         mine = 0
         for t in tasks:
             mine |= plan.closure[t]
-        for g, group in enumerate(groups):
+        for g in range(max(0, len(groups) - OPEN_GROUPS), len(groups)):
+            group = groups[g]
             if not tasks or not ran[g] or len(group) >= limit:
                 continue
             joined = ran[g] | mine
