@@ -1,8 +1,8 @@
 """``nimble c-runtime``: where Nimble's C runtime is, and building it.
 
 The runtime is a few files inside the package (``nimble/c_runtime/``: the API ``nimble.h``;
-``nimble.c``, ``nimble_load.c``, ``nimble_plan.c`` and ``nimble_sha256.c``; C11 on the CUDA driver API and POSIX
-threads alone), so a wheel or sdist carries them.  ``--print-include``
+``nimble.c``, ``nimble_load.c``, ``nimble_plan.c`` and ``nimble_sha256.c``; C11 on the CUDA
+driver API and POSIX threads alone), so a wheel or sdist carries them.  ``--print-include``
 prints their folder for a build system (``cc -I$(python -m nimble c-runtime --print-include)``);
 ``--build DIR`` compiles ``libnimble.so`` with the system C compiler against a ``cuda.h`` and a
 ``libcuda`` it finds (a CUDA toolkit, ``$CUDA_HOME``, the headers of the ``nvidia-cuda-runtime``
