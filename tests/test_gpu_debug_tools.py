@@ -179,6 +179,49 @@ def test_every_stop_of_a_walk_repeats_bit_for_bit_and_equals_its_own_sub_graph()
     assert not bad, bad[:5]
 
 
+def test_a_group_of_stops_reads_what_each_stop_alone_reads():
+    """The walk's shared runs (nimble.debug.stop_groups) on a real graph: each member's output
+    bytes, read from its group's one run, equal those of a run up to that op alone."""
+    import torch
+
+    import nimble
+    from nimble.debug.divergence import align, eager_ops
+    from nimble.debug.step_through import StepThrough, run_until, select_tasks
+    from nimble.debug.stop_groups import walk_groups
+
+    model, x = zoo_model("googlenet")
+    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
+    state, g = nm.engine, nm.graph
+    with torch.no_grad():
+        aligned = align(g, eager_ops(model, (x,)))
+    stepper = StepThrough(state, 0)
+
+    def written(ops):
+        return {a.buffer for op in ops for a in g.ops[op].accesses if a.write}
+
+    def run_group(ops):
+        tasks = [t for op in ops for t in select_tasks(g, op=op)]
+        return run_until(state, tasks, [x], written(ops), stepper)
+    try:
+        grouped = walk_groups(state, aligned, run_group)
+        with_tasks = {t.op for t in g.tasks}
+        ops = [op.index for op in aligned if op.pairs and op.index in with_tasks]
+        groups = [group for group in grouped.plan(ops) if len(group) > 1]
+        assert len(groups) >= 10, len(groups)
+        bad = []
+        for group in groups:
+            shared = grouped.run(group)
+            for op in group:
+                alone = run_until(state, select_tasks(g, op=op), [x], written([op]), stepper)
+                for a, _ in aligned[op].pairs:
+                    if not torch.equal(shared.buffer(a.buffer)[a.offset:a.end],
+                                       alone.buffer(a.buffer)[a.offset:a.end]):
+                        bad.append((group, op))
+    finally:
+        stepper.close()
+    assert not bad, bad[:5]
+
+
 def _compare_with_a_weight_read_elsewhere(nm, x):
     """``(nm.first_divergence(x), the first op reading the weight)`` while one weight's buffer
     is read through the address of another weight of the same size (put back afterwards)."""
