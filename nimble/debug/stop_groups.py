@@ -22,6 +22,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..analysis.deps import ancestors, dag_from_edges
+
 #: The most ops one run stands for: a group's reads are every member's outputs.
 GROUP_LIMIT = 32
 #: The latest groups an op may join (first fit among them): an older group's run holds so
@@ -48,19 +50,10 @@ class StopPlanInput:
 
 def closures(n: int, edges) -> list[int]:
     """Per task of ``n``, the bit mask of itself and every task it waits for, from ``edges``
-    ``(u, v)`` (``v`` waits for ``u``) that go forward in task order, as a schedule's do."""
-    preds: list[list[int]] = [[] for _ in range(n)]
-    for u, v in edges:
-        if not u < v:
-            raise ValueError(f"edge {u} -> {v} goes backward in task order")
-        preds[v].append(u)
-    out = [0] * n
-    for v in range(n):
-        mask = 1 << v
-        for u in preds[v]:
-            mask |= out[u]
-        out[v] = mask
-    return out
+    ``(u, v)`` (``v`` waits for ``u``), which must go forward in task order as a schedule's do
+    (:func:`nimble.analysis.deps.ancestors`; ValueError otherwise)."""
+    dag = dag_from_edges(n, edges, what="schedule edge (backward or out of range)")
+    return [a | 1 << t for t, a in enumerate(ancestors(dag))]
 
 
 def _writers(plan: StopPlanInput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -132,13 +125,13 @@ def plan_input(graph, edges, bases: Sequence[int], outputs: dict[int, list]) -> 
     ``bases`` (buffer id to device address) and whose schedule has ``edges``; ``outputs``: per
     op, the accesses a stop reads (its written ranges)."""
     n = len(graph.tasks)
-    writes = [[(bases[a.buffer] + a.offset, bases[a.buffer] + a.offset + a.size)
+    writes = [[(bases[a.buffer] + a.offset, bases[a.buffer] + a.end)
                for a in task.accesses if a.write] for task in graph.tasks]
     op_tasks: dict[int, list[int]] = {}
     for task in graph.tasks:
         if task.op is not None and task.op >= 0:
             op_tasks.setdefault(task.op, []).append(task.id)
-    op_outputs = {op: [(bases[a.buffer] + a.offset, bases[a.buffer] + a.offset + a.size)
+    op_outputs = {op: [(bases[a.buffer] + a.offset, bases[a.buffer] + a.end)
                        for a in accesses] for op, accesses in outputs.items()}
     return StopPlanInput(closures(n, edges), writes, op_tasks, op_outputs)
 
