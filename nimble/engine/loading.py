@@ -128,6 +128,16 @@ def _model_storage(row: dict, current: dict, device) -> int:
     return base
 
 
+def _host_bytes(view: memoryview, empty_size: int = 0):
+    """The bytes of ``view`` as a uint8 tensor on the host over the file's buffer itself (no
+    copy, where the mapping is writable); ``empty_size`` bytes where there are none."""
+    import torch
+
+    if not len(view):
+        return torch.empty(empty_size, dtype=torch.uint8)
+    return torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8)
+
+
 def _on_device(view: memoryview, device, empty_size: int):
     """The bytes of ``view`` in a uint8 tensor of their own on ``device``, copied from the
     file's buffer itself (no host copy first); ``empty_size`` bytes where there are none."""
@@ -135,8 +145,7 @@ def _on_device(view: memoryview, device, empty_size: int):
 
     if not len(view):
         return torch.empty(empty_size, dtype=torch.uint8, device=device)
-    host = torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8)
-    return host.to(device)
+    return _host_bytes(view).to(device)
 
 
 def _memory(manifest: dict, saved: SavedFile, device) -> tuple[list[int], list]:
@@ -187,26 +196,16 @@ class _Bucket:
     reference: tuple  # (input sets, expected outputs, spread, gradient outputs)
 
 
-def _tensors(saved: SavedFile, refs: list, like: list, device) -> list:
+def _tensors(saved: SavedFile, refs: list, like: list, device=None) -> list:
+    """The saved tensors ``refs`` shaped as ``like``: on ``device``, or with None on the host
+    over the file itself (the reference outputs, which the proof at load compares there: a
+    fresh process then loads none of torch's comparison kernels, whose first use costs tens of
+    ms, and they take no device memory)."""
     import torch
 
-    return [_on_device(saved.blob_view(ref), device, 0).view(getattr(torch, r.dtype))
-            .reshape(r.shape) for ref, r in zip(refs, like)]
-
-
-def _host_tensors(saved: SavedFile, refs: list, like: list) -> list:
-    """The saved reference outputs on the host, where the proof at load compares them: a
-    fresh process then loads none of torch's comparison kernels (their first use costs tens
-    of ms), and the references take no device memory."""
-    import torch
-
-    out = []
-    for ref, r in zip(refs, like):
-        view = saved.blob_view(ref)
-        raw = torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8) \
-            if len(view) else torch.empty(0, dtype=torch.uint8)
-        out.append(raw.view(getattr(torch, r.dtype)).reshape(r.shape))
-    return out
+    return [(_host_bytes(saved.blob_view(ref)) if device is None
+             else _on_device(saved.blob_view(ref), device, 0))
+            .view(getattr(torch, r.dtype)).reshape(r.shape) for ref, r in zip(refs, like)]
 
 
 def _read_bucket(row: dict, k: int, saved: SavedFile, graph: TaskGraph, spec, functions: list,
@@ -228,7 +227,7 @@ def _read_bucket(row: dict, k: int, saved: SavedFile, graph: TaskGraph, spec, fu
     private = {int(bid): saved.blob(ref) for bid, ref in row["private"].items()}
     refs = row["reference"]
     sets = [_tensors(saved, s, graph.inputs, device) for s in refs["inputs"]]
-    expected = [_host_tensors(saved, s, graph.outputs) for s in refs["outputs"]]
+    expected = [_tensors(saved, s, graph.outputs) for s in refs["outputs"]]
     rec = _SavedRecording(graph, _stored_nodes(graph, row["nodes"], functions), sets[0], spec,
                           _step_layout(row.get("step"), model, k))
     return _Bucket(rec, schedule, memplan, row, Placement(outside, private),
