@@ -71,7 +71,8 @@ def _stand_in(name: str):
         "buckets": [{"outside": outside, "private": {str(b): [0, 8] for b in private},
                      "nodes": nodes, "reference": reference}]}
     prepared = SimpleNamespace(graph=graph, memplan=plan, schedule=single_stream_schedule(n),
-                               priorities=list(range(n)), late_edges=[], step=None)
+                               priorities=list(range(n)), late_edges=[], step=None,
+                               programmatic=frozenset())
     return prepared, state, manifest, bases, len(weights), len(memory)
 
 

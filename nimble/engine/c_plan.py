@@ -35,13 +35,6 @@ VERSION = 1
 #: The version of a plan whose buckets list their programmatic edges (after their edges): only
 #: a file that has some is written so, so that a runtime reading version 1 reads the rest.
 PROGRAMMATIC_VERSION = 2
-
-
-def plan_version(preparations: Sequence) -> int:
-    """The plan version for ``preparations``: :data:`PROGRAMMATIC_VERSION` where one of them
-    serves programmatic edges, else :data:`VERSION`."""
-    served = any(getattr(p, "programmatic", None) for p in preparations)
-    return PROGRAMMATIC_VERSION if served else VERSION
 NONE, ARENA, WEIGHT, MEMORY = 0, 1, 2, 3
 KERNEL, MEMSET, MEMCPY, EMPTY = 0, 1, 2, 3
 NO_BLOB = (1 << 64) - 1
@@ -186,8 +179,13 @@ def _write_tensor(w: PlanWriter, ref, regions: Regions) -> None:
     w.u(1 if contiguous else 0)
 
 
-def _write_bucket(w: PlanWriter, prepared, state: StateLayout, row: dict,
-                  version: int = 1) -> str:
+def plan_version(preparations: Sequence) -> int:
+    """The plan version for ``preparations``: :data:`PROGRAMMATIC_VERSION` where one of them
+    serves programmatic edges, else :data:`VERSION`."""
+    return PROGRAMMATIC_VERSION if any(p.programmatic for p in preparations) else VERSION
+
+
+def _write_bucket(w: PlanWriter, prepared, state: StateLayout, row: dict, version: int) -> str:
     graph = prepared.graph
     regions = Regions(prepared, state, row["outside"])
     w.u(prepared.memplan.arena_bytes, len(graph.inputs))
