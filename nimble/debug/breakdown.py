@@ -22,6 +22,7 @@ Plain data, no GPU: the CPU tests run it on recorded fixtures with simulated tim
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
@@ -144,9 +145,7 @@ class StepBreakdown:
             "weight_bytes": self.weight_bytes, "step_bytes": self.step_bytes,
             "weights_per_s": self.weights_per_s,
             "weights_of_copy": self.of_copy(self.weights_per_s),
-            "largest_gaps": [{"task": g.task, "name": g.name, "after": g.after,
-                              "after_name": g.after_name, "us": g.us}
-                             for g in self.largest_gaps],
+            "largest_gaps": [dataclasses.asdict(g) for g in self.largest_gaps],
             "copy_bytes_per_s": self.copy_bytes_per_s,
             "by_name": [{"name": g.name, "count": g.count, "us": g.us, "bytes": g.bytes,
                          "bytes_per_s": g.bytes_per_s, "of_copy": self.of_copy(g.bytes_per_s)}
