@@ -109,13 +109,14 @@ def test_average_gradients_trains_as_ddp_with_the_all_reduce_in_the_backward_gra
 TP_WORKER = Path(__file__).parent / "workers" / "tp_decode_worker.py"
 
 
-def test_a_generator_on_a_model_split_over_two_gpus_decodes_the_whole_models_tokens():
-    """A small Llama split over two ranks as Megatron splits it (heads and MLP columns shared
-    out, the partial sums all-reduced): a Generator on it decodes transformers' greedy tokens
-    of the whole model (near-ties aside), its decode step holding every layer's two
-    all-reduces."""
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_generator_on_a_model_split_over_gpus_decodes_the_whole_models_tokens(ranks):
+    """A small Llama split over the ranks as Megatron splits it (heads and MLP columns shared
+    out, the partial sums all-reduced; over four ranks its two key-value heads replicated): a
+    Generator on it decodes transformers' greedy tokens of the whole model (near-ties aside),
+    its decode step holding every layer's two all-reduces."""
     pytest.importorskip("transformers")
-    for seen in _two_ranks(TP_WORKER, 2):
+    for seen in _two_ranks(TP_WORKER, ranks, ranks=ranks):
         assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
         assert seen["wrong"] == 0, seen
         assert seen["all_reduces"] >= 2 * seen["layers"], seen

@@ -37,12 +37,14 @@ class LockstepSum:
         self.barrier.wait()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_the_ranks_shards_with_their_sums_give_the_whole_models_logits(monkeypatch, world):
+@pytest.mark.parametrize("world,kv_heads", [(2, 4), (4, 4), (4, 2), (4, 1)])
+def test_the_ranks_shards_with_their_sums_give_the_whole_models_logits(monkeypatch, world,
+                                                                        kv_heads):
+    """Key-value heads split over the ranks, and fewer of them than ranks (replicated)."""
     transformers = pytest.importorskip("transformers")
     worker = _worker()
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=4,
+                                      num_attention_heads=8, num_key_value_heads=kv_heads,
                                       vocab_size=50)
     torch.manual_seed(0)
     whole = transformers.LlamaForCausalLM(config).eval()
@@ -54,7 +56,7 @@ def test_the_ranks_shards_with_their_sums_give_the_whole_models_logits(monkeypat
         torch.manual_seed(0)
         shards.append(worker.split(transformers.LlamaForCausalLM(config).eval(), rank, world))
     assert shards[0].config.num_attention_heads == 8 // world
-    assert shards[0].config.num_key_value_heads == 4 // world
+    assert shards[0].config.num_key_value_heads == max(kv_heads // world, 1)
     assert shards[0].config.head_dim == 8
     reduce = LockstepSum(world)
     monkeypatch.setattr(worker.dist, "all_reduce", reduce)
@@ -76,10 +78,13 @@ def test_the_ranks_shards_with_their_sums_give_the_whole_models_logits(monkeypat
 def test_a_model_whose_heads_do_not_split_is_refused():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                      num_attention_heads=8, num_key_value_heads=2,
+                                      num_attention_heads=8, num_key_value_heads=4,
                                       vocab_size=50)
-    with pytest.raises(ValueError, match="do not split over 4"):
-        _worker().split(transformers.LlamaForCausalLM(config), 0, 4)
+    with pytest.raises(ValueError, match="do not split over 3"):  # 8 heads over 3 ranks
+        _worker().split(transformers.LlamaForCausalLM(config), 0, 3)
+    config.num_attention_heads, config.num_key_value_heads, config.hidden_size = 12, 4, 96
+    with pytest.raises(ValueError, match="do not split over 6"):  # 6 ranks, 4 key-value heads
+        _worker().split(transformers.LlamaForCausalLM(config), 0, 6)
 
 
 def test_the_one_shot_all_reduce_is_asked_for_with_what_it_needs():

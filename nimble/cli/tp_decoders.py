@@ -96,21 +96,34 @@ def _reduce_of(model, all_reduce: str, max_tokens: int | None):
     return OneShotSum(max_tokens * model.config.hidden_size, weight.dtype, weight.device)
 
 
+def _kv_heads_of_rank(kv_heads: int, rank: int, world: int) -> range:
+    """The key-value heads ``rank`` keeps: its share where they split over ``world``, else (a
+    model with fewer key-value heads than ranks, as Megatron and vLLM do it) the one head its
+    query heads read, each head kept on ``world // kv_heads`` ranks."""
+    if kv_heads % world == 0:
+        return range(rank * kv_heads // world, (rank + 1) * kv_heads // world)
+    head = rank * kv_heads // world
+    return range(head, head + 1)
+
+
 def split(model, rank: int, world: int, all_reduce: str = "nccl",
           max_tokens: int | None = None):
     """``model`` (a ``LlamaForCausalLM``) split over ``world`` ranks in place, this rank's
     share kept; its config then says the heads one rank holds (the static cache is sized from
-    it), the head size unchanged.  ``all_reduce`` says how the partial sums are summed
-    (:data:`ALL_REDUCES`; ``"one_shot"`` needs ``max_tokens``, the most tokens one call
+    it), the head size unchanged.  Key-value heads fewer than the ranks are replicated (each
+    rank keeps the one its query heads read).  ``all_reduce`` says how the partial sums are
+    summed (:data:`ALL_REDUCES`; ``"one_shot"`` needs ``max_tokens``, the most tokens one call
     carries)."""
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if heads % world or kv_heads % world or config.intermediate_size % world:
+    if heads % world or (kv_heads % world and world % kv_heads) \
+            or config.intermediate_size % world:
         raise ValueError(f"{heads} heads, {kv_heads} key-value heads and "
                          f"{config.intermediate_size} MLP columns do not split over {world}")
     q = slice(rank * heads // world * head_dim, (rank + 1) * heads // world * head_dim)
-    kv = slice(rank * kv_heads // world * head_dim, (rank + 1) * kv_heads // world * head_dim)
+    kept = _kv_heads_of_rank(kv_heads, rank, world)
+    kv = slice(kept.start * head_dim, kept.stop * head_dim)
     mlp = config.intermediate_size // world
     m = slice(rank * mlp, (rank + 1) * mlp)
     reduce = _reduce_of(model, all_reduce, max_tokens)
@@ -120,11 +133,13 @@ def split(model, rank: int, world: int, all_reduce: str = "nccl",
         attention.k_proj = _columns(attention.k_proj, kv.start, kv.stop)
         attention.v_proj = _columns(attention.v_proj, kv.start, kv.stop)
         attention.o_proj = RowParallel(attention.o_proj, q.start, q.stop, reduce)
+        # transformers keeps the query heads per key-value head on the module, from the config
+        attention.num_key_value_groups = heads // world // len(kept)
         ffn.gate_proj = _columns(ffn.gate_proj, m.start, m.stop)
         ffn.up_proj = _columns(ffn.up_proj, m.start, m.stop)
         ffn.down_proj = RowParallel(ffn.down_proj, m.start, m.stop, reduce)
     local = type(config).from_dict(config.to_dict())
-    local.num_attention_heads, local.num_key_value_heads = heads // world, kv_heads // world
+    local.num_attention_heads, local.num_key_value_heads = heads // world, len(kept)
     local.head_dim = head_dim
     model.config = local
     return model
