@@ -314,10 +314,11 @@ def _gpu_files(suite):
     return files
 
 
-def test_gpu_suite_gives_each_gpu_a_lane_then_runs_the_memory_and_multi_gpu_files_apart():
+def test_gpu_suite_gives_each_gpu_a_lane_and_the_multi_gpu_files_all_then_the_memory_files():
     suite = _gpu_suite()
     files = _gpu_files(suite)
-    shared, alone, multi = suite.plan_runs(files, ["0", "1", "2", "3"], jobs=1)
+    first, alone = suite.plan_runs(files, ["0", "1", "2", "3"], jobs=1)
+    shared, multi = first[:-1], first[-1:]
     planned = [f for stage in (shared, alone, multi) for run in stage for f in run.files]
     whole = [f for f in planned if not isinstance(f, suite.Share)]
     parts = [f for f in planned if isinstance(f, suite.Share)]
@@ -335,7 +336,7 @@ def test_gpu_suite_gives_each_gpu_a_lane_then_runs_the_memory_and_multi_gpu_file
     assert multi == [suite.Run(tuple(f for f in files if f.name in suite.MULTI_GPU),
                                ("0", "1", "2", "3"))]
     two_jobs = suite.plan_runs(files, ["0", "1"], jobs=2)[0]
-    assert sorted(run.gpus for run in two_jobs) == [("0",), ("0",), ("1",), ("1",)]
+    assert sorted(run.gpus for run in two_jobs) == [("0",), ("0",), ("0", "1"), ("1",), ("1",)]
 
 
 def test_gpu_suite_on_one_gpu_runs_the_memory_files_in_one_process_and_no_multi_gpu_stage():
@@ -352,7 +353,7 @@ def test_gpu_suite_on_one_gpu_runs_the_memory_files_in_one_process_and_no_multi_
 def test_gpu_suite_runs_every_process_on_its_gpus_with_multicast_off(monkeypatch, tmp_path,
                                                                     capsys):
     """Four GPUs seen by nvidia-smi: the suite in one call, four lanes at once, each process
-    seeing its own GPU, and every process (the benches too) with NVLink multicast off."""
+    seeing its own GPU (the multi-GPU files' process every GPU, beside them), and every process (the benches too) with NVLink multicast off."""
     from pathlib import Path
 
     suite = _gpu_suite()
@@ -380,9 +381,9 @@ def test_gpu_suite_runs_every_process_on_its_gpus_with_multicast_off(monkeypatch
     monkeypatch.setattr(suite.subprocess, "Popen", Proc)
     monkeypatch.setattr(suite.subprocess, "run", bench)
     assert suite.main(["--skip-bench", "--out", str(tmp_path)]) == 0
-    assert most[0] == 4  # the four lanes at once
-    lanes = [env["CUDA_VISIBLE_DEVICES"] for names, env in started[:4]]
-    assert sorted(lanes) == ["0", "1", "2", "3"]
+    assert most[0] == 5  # the four lanes at once, the multi-GPU files' process beside them
+    lanes = [env["CUDA_VISIBLE_DEVICES"] for names, env in started[:5]]
+    assert sorted(lanes) == ["0", "0,1,2,3", "1", "2", "3"]
     collectives = next(env for names, env in started if "test_gpu_collectives.py" in names)
     assert collectives["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     for _, env in started:

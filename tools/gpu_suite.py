@@ -15,10 +15,10 @@ Runs, in order:
    ``CUDA_VISIBLE_DEVICES``); with ``--jobs N``, N pytest processes side by side on each GPU
    (correctness tests only: none times anything); a file of :data:`SPLIT`, too long for one
    process within a device call, runs as that many shares, each a process of its own
-   (``NIMBLE_TEST_SHARD``, tests/conftest.py) spread like files.  Then the files that measure
-   the device's free memory (:data:`EXCLUSIVE`) run alone on their GPUs, and last the files that need
-   several GPUs (:data:`MULTI_GPU`) on all of them.  The whole suite does not fit one device
-   call even on four GPUs (2026-11-27, 4×H200, ``--jobs 2``: the first stage alone passed
+   (``NIMBLE_TEST_SHARD``, tests/conftest.py) spread like files; the files that need several
+   GPUs (:data:`MULTI_GPU`) run beside them in one more process that sees every GPU.  Then the
+   files that measure the device's free memory (:data:`EXCLUSIVE`) run alone on their GPUs.
+   The whole suite does not fit one device call even on four GPUs (2026-11-27, 4×H200, ``--jobs 2``: the first stage alone passed
    545 s): ``--part 1/2`` and ``--part 2/2`` run it over two calls, each half of the files and
    shares by :data:`WEIGHTS`.  The GPUs are those of
    ``CUDA_VISIBLE_DEVICES`` where it is set, else those ``nvidia-smi -L`` lists (torch is not
@@ -72,18 +72,20 @@ EXCLUSIVE = ("test_gpu_serving.py", "test_gpu_serve_bench.py")
 #: file had not ended after 7.8 minutes, its NASNet and PNASNet cases (its last four) the
 #: longest; the C runtime's file 1, the compile backend's with the recording's 1.8.  The
 #: saved-graph file's zoo saves went from 11 to 21 (every zoo model in three dtypes) since:
-#: its weight is that run's scaled, not measured.
+#: its weight is that run's scaled, not measured; so is the collectives' (ten runs of
+#: ``torchrun`` since the tests on four ranks).
 WEIGHTS = {"test_gpu_debug_tools.py": 30, "test_gpu_training.py": 8, "test_gpu_proof.py": 5,
            "test_gpu_runtime.py": 1, "test_gpu_compiled.py": 1, "test_gpu_generate.py": 1,
            "test_gpu_record.py": 1, "test_gpu_proof_power.py": 1, "test_gpu_c_host.py": 1,
            "test_gpu_deploy.py": 1, "test_gpu_saved.py": 24, "test_gpu_c_runtime.py": 1,
-           "test_gpu_compile_backend.py": 1, "test_gpu_collectives.py": 2}
+           "test_gpu_compile_backend.py": 1, "test_gpu_collectives.py": 5}
 #: Files too long for one process within a device call: each runs as this many shares, a
 #: process each (``NIMBLE_TEST_SHARD``, tests/conftest.py: a test's index modulo the count),
 #: spread like files.  Six shares of the debug tools' file put its four NASNet and PNASNet
-#: cases (its last four tests) in four shares.
-SPLIT = {"test_gpu_debug_tools.py": 6, "test_gpu_saved.py": 5}
-#: GPU test files that need several GPUs (each its count): they run last, on every GPU.
+#: cases (its last four tests) in four shares; two of the training file's keep its 8.6 minutes
+#: from being the longest lane.
+SPLIT = {"test_gpu_debug_tools.py": 6, "test_gpu_saved.py": 5, "test_gpu_training.py": 2}
+#: GPU test files that need several GPUs (each its count): one process sees every GPU.
 MULTI_GPU = {"test_gpu_collectives.py": 2}
 #: In the environment of every process the suite starts: NVLink multicast (NVLS) off, for
 #: NCCL, torch's symmetric memory and NVSHMEM alike, as the multi-GPU tests are run.
@@ -223,18 +225,19 @@ def parse_gpus(text: str, environ, list_gpus=None) -> list[str]:
 def plan_runs(files: list[Path], gpus: list[str], jobs: int) -> list[list[Run]]:
     """The test files as stages of pytest processes; the processes of a stage run at once.
 
-    First every shared file, in ``jobs`` groups per GPU of about equal :data:`WEIGHTS`; then
-    the :data:`EXCLUSIVE` files, at most one process per GPU; then the :data:`MULTI_GPU`
-    files on all the GPUs (where there is one GPU or none, they run with the shared files and
-    skip themselves)."""
+    First every shared file, in ``jobs`` groups per GPU of about equal :data:`WEIGHTS`, and
+    beside them the :data:`MULTI_GPU` files in one process that sees every GPU (their tests
+    time nothing, and their ranks' processes fit beside the lanes); then the
+    :data:`EXCLUSIVE` files, at most one process per GPU, alone on the machine.  Where there is
+    one GPU or none, the multi-GPU files run with the shared files and skip themselves."""
     lanes = [(g,) for g in gpus] or [()]
     multi = [f for f in files if f.name in MULTI_GPU and len(gpus) > 1]
     alone = [f for f in files if f.name in EXCLUSIVE and f not in multi]
     shared = [f for f in files if f not in multi and f not in alone]
     stages = [[Run(tuple(g), lanes[k % len(lanes)])
-               for k, g in enumerate(test_groups(shares(shared), len(lanes) * max(jobs, 1)))],
-              [Run(tuple(g), lanes[k]) for k, g in enumerate(test_groups(alone, len(lanes)))],
-              [Run(tuple(multi), tuple(gpus))] if multi else []]
+               for k, g in enumerate(test_groups(shares(shared), len(lanes) * max(jobs, 1)))]
+              + ([Run(tuple(multi), tuple(gpus))] if multi else []),
+              [Run(tuple(g), lanes[k]) for k, g in enumerate(test_groups(alone, len(lanes)))]]
     return [stage for stage in stages if stage]
 
 
