@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -316,7 +317,7 @@ def _stages(args) -> list[list[Run]]:
 
 def _run_tests(args, env) -> tuple[int, list[str]]:
     """The GPU tests, stage by stage (:func:`_stages`); (status, summary lines)."""
-    extra = args.pytest_args.split()
+    extra = shlex.split(args.pytest_args)
     status, summary = 0, []
     for stage in _stages(args):
         t0 = time.perf_counter()
@@ -385,7 +386,7 @@ def main(argv: list[str]) -> int:
                    help="the training benchmark's models")
     p.add_argument("--training-batches", default="32", help="the training benchmark's batches")
     p.add_argument("--skip-training", action="store_true", help="skip the training benchmark")
-    p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
+    p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string split as a shell does")
     p.add_argument("--jobs", type=int, default=1,
                    help="run the GPU test files in this many pytest processes at once per GPU")
     p.add_argument("--gpus", default="auto",
