@@ -107,7 +107,11 @@ def test_every_relocation_of_the_c_plan_gives_what_the_python_build_gives(name):
 
 def test_a_graph_the_c_runtime_cannot_run_says_why():
     prepared, state, manifest, *_ = _stand_in("googlenet")
-    prepared.graph.meta["low_word_buffers"] = [0]
+    graph = prepared.graph
+    # memory the graph uses where it is keeps its low bits anyway
+    graph.meta["low_word_buffers"] = [next(b.id for b in graph.buffers if not b.relocatable)]
+    assert c_plan(manifest, [prepared], [state], state.size)[1] == ""
+    graph.meta["low_word_buffers"] = [next(b.id for b in graph.buffers if b.relocatable)]
     data, why = c_plan(manifest, [prepared], [state], state.size)
     assert "low 32 address bits" in why and read_plan(data)["unsupported"] == why
     prepared.graph.meta["low_word_buffers"] = []

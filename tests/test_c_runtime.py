@@ -258,7 +258,11 @@ def test_the_c_reader_refuses_bad_files_with_their_codes(plan_check, tmp_path):
 
 
 def test_the_c_reader_refuses_a_graph_it_cannot_run_with_the_reason(plan_check, tmp_path):
-    path, _ = _saved_with_plan(tmp_path, low_word_buffers=[0])
+    from test_c_plan import _stand_in
+
+    graph = _stand_in("googlenet")[0].graph
+    arena_buffer = next(b.id for b in graph.buffers if b.relocatable)
+    path, _ = _saved_with_plan(tmp_path, low_word_buffers=[arena_buffer])
     rc, out = _run(plan_check, path)
     assert rc == 7 and "low 32 address bits" in out
 

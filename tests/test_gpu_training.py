@@ -100,6 +100,37 @@ def test_gradients_and_running_stats_match_eager(name):
             assert torch.equal(b, c)
 
 
+def test_private_copies_of_library_memory_keep_their_low_bits_and_train_right():
+    """The library memory a training step writes (cuDNN batch norm's partial sums and
+    semaphore) gets a private copy; where a kernel word that may be an integer points into it
+    (``low_word_buffers``), the copy sits at the memory's address plus a multiple of 4 GiB,
+    and the step proves and trains as eager does."""
+    import torch
+
+    import nimble
+    from nimble.engine.arena_layout import low_word_buffers, written_externals
+
+    model, x = _cifar("resnet18", batch=8)
+    twin = copy.deepcopy(model)
+    first = nimble.Nimble(model).prepare(x, training=True,
+                                         options=nimble.PrepareOptions(keep_recording=True))
+    rec = first.recording
+    graph = rec.graph
+    private = written_externals(graph)
+    assert private, "no library memory written: cuDNN's training batch norm should write some"
+    graph.meta["low_word_buffers"] = sorted(set(graph.meta.get("low_word_buffers", []))
+                                            | set(private))
+    assert set(private) <= set(low_word_buffers(graph))
+    nm = nimble.Nimble(model).prepare(x, training=True,
+                                      options=nimble.PrepareOptions(recording=rec))
+    bases = nm.buffer_addresses
+    for b in private:
+        recorded = graph.buffers[b].address
+        assert bases[b] % (1 << 32) == recorded % (1 << 32) and bases[b] != recorded, b
+    y = torch.randint(0, 10, (x.shape[0],), device="cuda")
+    _step_matches_eager(nm, model, twin, x, y, seed=2)
+
+
 def test_grad_accumulates_and_zero_grad_works_both_ways():
     import torch
 

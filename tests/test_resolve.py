@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from nimble.analysis.deps import build_dag
 from nimble.record.raw import (AllocEvent, DeviceRange, OpRecord, RawCapture, RawNode, TensorSpan,
                                TensorSpec)
+from nimble.engine.arena_layout import low_word_buffers
 from nimble.record.resolve import build_taskgraph, unresolved_in_pool
 from nimble.record.intervals import Intervals
 from nimble.ir.taskgraph import Access, BufferKind, Pointer, TaskKind
@@ -334,6 +335,45 @@ def test_a_low_word_into_library_memory_at_a_4gib_boundary(offset, pointer):
     assert bool(external) is pointer
     assert (word in [p.value for p in g.tasks[0].pointers]) is pointer
     assert g.meta["padded_words_in_external"] == (0 if pointer else 1)
+    # a pointer that may still be an int under stale padding: a private copy of the memory
+    # (the kernel writes it) keeps the low 32 bits
+    low = [external[0].buffer] if pointer and offset < 0x20_0000 else []
+    assert _externals(g, g.meta["low_word_buffers"]) == low
+    assert _externals(g, low_word_buffers(g)) == low
+
+
+def _externals(g, buffers) -> list[int]:
+    return sorted(b for b in buffers if g.buffers[b].kind == BufferKind.EXTERNAL)
+
+
+def test_a_block_aligned_int_in_a_struct_keeps_the_low_bits_of_the_library_memory_it_hits():
+    """cuDNN's ``region_transform`` kernels of inception_v3's backward carry the ints 0x600
+    and 0x800 under a stale top half in their 112-byte struct argument; a library's 64 MiB that
+    began at a 4 GiB boundary took them for pointers into it (block-aligned, so no rule vetoes
+    them), and the arena's private copy of that memory rewrote them: the training step faulted
+    in its proof.  Such memory's private copy keeps its low 32 bits, memory the graph only
+    reads is used where it is."""
+    A = POOL
+    written, read = LIBRARY_AT_BOUNDARY, LIBRARY_AT_BOUNDARY + (8 << 32)
+    nodes = []
+    for word in (written + 0x600, read + 0x800):
+        node = kernel(X, A, word)
+        node.name = "internal::region_transform_ABC_val"
+        node.param_layout = [(0, 112)]
+        nodes.append(node)
+    g = build_taskgraph(capture(
+        [op("convolution_backward", (0, 1), (0, 1), (X, 256, False), (A, 256, True)),
+         op("convolution_backward", (1, 2), (1, 1), (X, 256, False), (A, 256, True))], nodes,
+        [(A, 256)], outputs=[(A, 256)],
+        externals=[DeviceRange(written, 0x400_0000, "device allocation@0x7d4000000000"),
+                   DeviceRange(read, 0x400_0000, "device allocation@0x7d4800000000")]))
+    ones = [p.buffer for t in g.tasks for p in t.pointers if p.location == 16]
+    assert len(ones) == 2 and _externals(g, g.meta["low_word_buffers"]) == sorted(ones)
+    # the kernels' words count as writes (a library kernel's unlisted pointer): both would get
+    # a private copy, each keeping its low bits
+    assert _externals(g, low_word_buffers(g)) == sorted(ones)
+    g.tasks[1].accesses = [a for a in g.tasks[1].accesses if a.buffer != ones[1]]
+    assert _externals(g, low_word_buffers(g)) == [ones[0]]  # the other is used where it is
 
 
 CACHED_BLOCK = 0x9_8720_0000  # a 32 MiB block torch cached before the recording, low in memory

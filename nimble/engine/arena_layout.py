@@ -45,6 +45,16 @@ def written_externals(graph: TaskGraph) -> list[int]:
             and (b.name.startswith(LIBRARY_MEMORY) or b.id in scratch)]
 
 
+def low_word_buffers(graph: TaskGraph) -> list[int]:
+    """The buffers that keep their recorded low 32 address bits wherever the graph puts them
+    (``meta["low_word_buffers"]``, :mod:`nimble.record.resolve`): arena buffers, and private
+    copies of memory from before the recording (:func:`written_externals`).  Memory from
+    before the recording that the graph uses where it is keeps every bit anyway."""
+    private = set(written_externals(graph))
+    return [b for b in graph.meta.get("low_word_buffers", [])
+            if graph.buffers[b].relocatable or b in private]
+
+
 def collective_memory(graph: TaskGraph) -> list[int]:
     """External buffers that NCCL's collective kernels access
     (:func:`~nimble.ir.kernel_names.collective_kernel`): the communicator's own memory, whose

@@ -28,7 +28,7 @@ from typing import Sequence
 
 from ..ir.alignment import ALIGNMENT
 from ..ir.taskgraph import BufferKind, TaskKind
-from .arena_layout import StateLayout, shared_state_buffers, written_weights
+from .arena_layout import StateLayout, low_word_buffers, shared_state_buffers, written_weights
 
 MAGIC = int.from_bytes(b"NIMBLECP", "little")
 VERSION = 1
@@ -102,7 +102,7 @@ class Regions:
                 self.places[bid] = (WEIGHT, int(source["weight"]), 0)
             else:
                 self.places[bid] = (MEMORY, int(source["memory"]), int(source["offset"]))
-        low = graph.meta.get("low_word_buffers") or []
+        low = low_word_buffers(graph)
         if low:
             self.unsupported = (f"buffer {low[0]} must keep its low 32 address bits (a word "
                                 "that may be an integer points into it)")

@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from ..analysis import backfill
 from .. import driver
-from .arena_layout import StateLayout, own_layout
+from .arena_layout import StateLayout, low_word_buffers, own_layout
 from .build import BuiltGraph, InputGather, buffer_bases
 from .launcher import CallOrder, InputSlot, Launcher, RngCells
 from .phase_timing import after_phases as _after_phases
@@ -279,23 +279,26 @@ def _place_buffers(graph: TaskGraph, plan: MemPlan, layout: StateLayout,
     rng_bases, rng = _rng_cells(graph, device, base + layout.rng_at)
     for bid, address in rng_bases.items():
         bases[bid] = address
-    stream = driver.stream(torch.cuda.current_stream().cuda_stream)
-    for bid, at in layout.private.items():
-        size = graph.buffers[bid].size
-        saved = placement.private_bytes.get(bid) if placement else None
-        if bid in layout.zeroed or (placement is not None and saved is None):
-            # a workspace: nothing to carry over, and torch may have freed it
-            driver.fill_bytes_async(base + at, 0, size, stream)
-        elif placement is not None:
-            driver.copy_to_device(base + at, saved)
-        else:
-            driver.copy_device(base + at, graph.buffers[bid].address, size)
-        bases[bid] = base + at
-    for bid in graph.meta.get("low_word_buffers", []):
+    low = {}
+    for bid in low_word_buffers(graph):
         b = graph.buffers[bid]
         memory = driver.LowBitsMemory.allocate(b.size, b.address, device.index or 0)
         arena.companions.append(memory)
-        bases[bid] = memory.address
+        low[bid] = memory.address
+    stream = driver.stream(torch.cuda.current_stream().cuda_stream)
+    for bid, at in layout.private.items():
+        size = graph.buffers[bid].size
+        copy = low.get(bid, base + at)  # a low-word copy leaves its arena slot unused
+        saved = placement.private_bytes.get(bid) if placement else None
+        if bid in layout.zeroed or (placement is not None and saved is None):
+            # a workspace: nothing to carry over, and torch may have freed it
+            driver.fill_bytes_async(copy, 0, size, stream)
+        elif placement is not None:
+            driver.copy_to_device(copy, saved)
+        else:
+            driver.copy_device(copy, graph.buffers[bid].address, size)
+        bases[bid] = copy
+    bases.update(low)
     return base, bases, rng
 
 
@@ -409,8 +412,9 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
     The arena holds the plan's buffers, then an 8-byte cell per gathered input (the source
     address the graph's gather node reads), then the generator's seed and offset cells, then a
     private copy of every library-owned buffer the graph writes (:func:`written_externals`),
-    initialized from the library's bytes.  Each buffer in ``meta["low_word_buffers"]`` gets
-    memory of its own at its recorded address plus a multiple of 4 GiB
+    initialized from the library's bytes.  Each buffer of
+    :func:`~nimble.engine.arena_layout.low_word_buffers` (an arena buffer or a private copy)
+    gets memory of its own at its recorded address plus a multiple of 4 GiB
     (:class:`~nimble.driver.LowBitsMemory`), owned with the arena; its arena slot stays unused.
     A phased recording (a training step) gets one graph and one launcher per phase, over the
     phase's own tasks, inputs and outputs.  ``priorities`` (driver priority numbers per task,

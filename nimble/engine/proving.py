@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from ..analysis.deps import communicates
-from .arena_layout import shared_state
+from .arena_layout import low_word_buffers, shared_state
 from .fuzz import FuzzCopies, FuzzStats
 from .launcher import run_phases
 from .prepared import Prepared
@@ -23,10 +23,11 @@ def gradient_outputs(prepared: Prepared) -> list[int]:
 
 
 def low_word_ranges(prepared: Prepared) -> list[tuple[int, int]]:
-    """``(address, size)`` of the buffers placed outside the arena to keep their low 32 bits."""
+    """``(address, size)`` of the arena's buffers placed outside it to keep their low 32 bits
+    (poisoned with the arena; a private copy of a library's memory, kept so too, is not)."""
     graph = prepared.graph
-    return [(prepared.bases[b], graph.buffers[b].size)
-            for b in graph.meta.get("low_word_buffers", []) if graph.buffers[b].size]
+    return [(prepared.bases[b], graph.buffers[b].size) for b in low_word_buffers(graph)
+            if graph.buffers[b].size and graph.buffers[b].relocatable]
 
 
 def run_all(prepared: Prepared):

@@ -71,6 +71,11 @@ A word that may be either (less than 2 MiB above a 4 GiB boundary, inside a stru
 buffer the op may use) stays a pointer, and its buffer is listed in ``meta["low_word_buffers"]``:
 the engine places such a buffer at its recorded address plus a multiple of 4 GiB, so relocation
 rewrites only the word's top half, which is right for a pointer and harmless for the integer.
+Memory from before the recording is listed too: where the graph gets a private copy of it, the
+copy keeps the low 32 bits.  A library's 64 MiB that began at a 4 GiB boundary took a cuDNN
+``region_transform`` kernel's ints 0x600 and 0x800 (block-aligned, so no rule above vetoes them)
+for pointers into it; its private copy in the arena then rewrote them, and inception_v3's
+training step faulted in its proof (two ranks, averaged gradients, 2026-11-27).
 """
 from __future__ import annotations
 
@@ -348,8 +353,11 @@ def _word_pointers(r: AddressResolver, t: int, task: Task, op_words: _OpWords,
         b = r.buffers[bid]
         task.pointers.append(Pointer(location, value, bid, value - b.address))
         seen_buffers.add(bid)
-        if b.relocatable and padded_int_like(value) and location not in whole_params:
-            r.low_word_buffers.add(bid)  # a pointer, or an integer under stale padding
+        if (b.relocatable or b.kind == BufferKind.EXTERNAL) and padded_int_like(value) \
+                and location not in whole_params:
+            # a pointer, or an integer under stale padding: wherever the buffer (or a private
+            # copy of memory from before the recording) goes, its low 32 bits stay
+            r.low_word_buffers.add(bid)
         if b.kind == BufferKind.SCRATCH or bid in op_words.own_reused:
             accesses.append(Access(bid, 0, b.size, True))
         elif bid in by_buffer:
