@@ -334,16 +334,22 @@ def test_the_bisect_names_the_op_whose_kernel_writes_its_output_elsewhere_after_
     assert nm.first_divergence(fresh, quiet=True) is None  # put back, all agree again
 
 
-ZOO_DTYPES = [(name, dtype) for name in ZOO for dtype in ("float32", "float16")]
+#: Each zoo model in one dtype, the two taking turns down the zoo (fp32 and fp16 each on three
+#: or four models, nasnetalarge in fp16: the rounding of its 1,000+ ops is the hard case, and
+#: pnasnet5large in fp32, where its "same" pools pad with -inf).  The tools' code is the same
+#: in every dtype, only the tolerance differs; with both dtypes of every model this file was
+#: the GPU suite's longest on four H200s (2026-11-27: its six shares 166 to over 540 s each,
+#: two cut off by the device call's limit in the middle of a wide model's case).
+ZOO_DTYPES = [(name, ("float32", "float16")[k % 2]) for k, name in enumerate(ZOO)]
 
 
 @pytest.mark.parametrize("name,dtype", ZOO_DTYPES)
 def test_on_every_zoo_model_the_tools_trace_every_task_find_no_divergence_and_name_a_nan(
         name, dtype):
-    """Every zoo model in fp32 and fp16: a trace in two stamp groups times every task; the compare
-    against eager finds no op beyond the dtype's tolerance (the -inf that NASNet's and PNASNet's
-    "same" pools pad with included); a NaN put into a convolution weight in the middle of the
-    network is traced to the first op that reads that weight."""
+    """Every zoo model (:data:`ZOO_DTYPES`): a trace in two stamp groups times every task; the
+    compare against eager finds no op beyond the dtype's tolerance (the -inf that NASNet's and
+    PNASNet's "same" pools pad with included); a NaN put into a convolution weight in the middle
+    of the network is traced to the first op that reads that weight."""
     import torch
 
     import nimble
