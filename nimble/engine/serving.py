@@ -21,10 +21,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from .. import driver
 from ..errors import InputError
-from .arena_layout import SharedArena
+from .arena_layout import SharedArena, low_word_buffers
 from .launcher import TAKE_GENERAL_PATH, not_a_tensor
 from .prepared import Prepared
-from .proving import low_word_ranges
 
 #: The input shapes of one call or bucket, in input order.
 Shapes = tuple[tuple[int, ...], ...]
@@ -372,7 +371,8 @@ class Serving:
                 for b in self.buckets]
 
     def memory(self) -> MemoryReport:
-        outside = sum(size for p in self.preparations() for _, size in low_word_ranges(p))
+        outside = sum(p.graph.buffers[b].size for p in self.preparations()
+                      for b in low_word_buffers(p.graph))
         return MemoryReport(self.layout.shared_bytes, self.layout.state_bytes,
                             [a.size for a in self.arenas], outside)
 
