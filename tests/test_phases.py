@@ -285,6 +285,30 @@ def test_library_scratch_that_training_writes_gets_a_private_copy():
     assert state_layout(bf16, 0, 0).zeroed == {workspace}
 
 
+def test_the_library_memory_an_int_was_taken_to_point_into_keeps_its_low_bits():
+    """inception_v3's averaged training step as recorded on four H200s (2026-11-27), whose
+    rebuilt graph faulted in its proof: cuDNN's region_transform kernels carry the ints 0x600
+    and 0x800 under a stale top half (a struct argument, not a whole pointer), which read as
+    pointers into a library's 64 MiB at 0x7fdd_0000_0000; the graph writes through them, so the
+    memory gets a private copy, which must keep its low 32 bits or the ints are rewritten.  The
+    recording lists no low-word buffer (made before the resolver listed such memory): the
+    engine finds it from the words."""
+    from nimble.engine.arena_layout import ambiguous_targets, low_word_buffers, \
+        written_externals
+    from nimble.ir.taskgraph import TaskGraph
+
+    graph = TaskGraph.load(FIXTURE_DIR / "inception_v3_train_averaged_fault.json.gz")
+    assert graph.meta["low_word_buffers"] == []
+    private = written_externals(graph)
+    [kept] = low_word_buffers(graph)
+    memory = graph.buffers[kept]
+    assert kept in private and memory.address % (1 << 32) == 0 and memory.size == 64 << 20
+    ints = {p.value - memory.address for t in graph.tasks for p in t.pointers
+            if p.buffer == kept and t.short_name.startswith("internal::region_transform")}
+    assert ints == {0x600, 0x800}
+    assert ambiguous_targets(graph, set(private)) == {kept}  # no other private copy at risk
+
+
 def test_a_phase_whose_cap_saves_no_memory_keeps_its_full_width():
     """resnet50's training step needs more than torch's pool with every phase uncapped; only the
     backward's cap saves memory, so the forward keeps all its streams and the plan fits."""

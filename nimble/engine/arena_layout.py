@@ -22,6 +22,7 @@ from ..analysis.memplan import MemPlan
 from ..ir.alignment import ALIGNMENT, align_up
 from ..ir.kernel_names import collective_kernel, library_kernel
 from ..ir.taskgraph import LIBRARY_MEMORY, BufferKind, TaskGraph, TaskKind
+from ..record.pointers import padded_int_like
 
 
 def written_externals(graph: TaskGraph) -> list[int]:
@@ -49,10 +50,25 @@ def low_word_buffers(graph: TaskGraph) -> list[int]:
     """The buffers that keep their recorded low 32 address bits wherever the graph puts them
     (``meta["low_word_buffers"]``, :mod:`nimble.record.resolve`): arena buffers, and private
     copies of memory from before the recording (:func:`written_externals`).  Memory from
-    before the recording that the graph uses where it is keeps every bit anyway."""
+    before the recording that the graph uses where it is keeps every bit anyway.  A private
+    copy that a word which may be an integer points into is one of them even where the
+    recording does not list it (one made before the resolver listed memory from before the
+    recording, or a saved file of then)."""
     private = set(written_externals(graph))
-    return [b for b in graph.meta.get("low_word_buffers", [])
-            if graph.buffers[b].relocatable or b in private]
+    listed = set(graph.meta.get("low_word_buffers", [])) | ambiguous_targets(graph, private)
+    return sorted(b for b in listed if graph.buffers[b].relocatable or b in private)
+
+
+def ambiguous_targets(graph: TaskGraph, buffers: set[int]) -> set[int]:
+    """The buffers of ``buffers`` that a kernel word points into which may as well be a 32-bit
+    integer under a stale top half (not a whole 8-byte parameter)."""
+    found: set[int] = set()
+    for t in graph.tasks:
+        whole = {offset for offset, size in t.param_layout or () if size == 8}
+        found.update(p.buffer for p in t.pointers
+                     if p.buffer in buffers and isinstance(p.location, int)
+                     and p.location not in whole and padded_int_like(p.value))
+    return found
 
 
 def collective_memory(graph: TaskGraph) -> list[int]:
