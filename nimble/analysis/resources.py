@@ -46,12 +46,14 @@ COMPUTE_FAMILIES = ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "convolve", "co
 #: Name fragments of memory-bound kernels, tried before :data:`COMPUTE_FAMILIES`: some of them
 #: carry a compute word in their name (a split-K GEMM's reduction, a depthwise convolution,
 #: which reads each input once per output channel, a matrix-vector product, cuBLAS's vector
-#: scaling, a GEMM's separate epilogue).
+#: scaling, a GEMM's separate epilogue; the transforms around cuDNN's FFT convolutions: the
+#: tiles' FFTs, the filters' flip, the layout changes).
 MEMORY_FAMILIES = ("elementwise", "reduce", "pool", "bn_fw", "bn_bw", "batch_norm", "norm",
                    "cat", "copy", "nchwtonhwc", "nhwctonchw", "scalepacked", "gather", "scatter",
                    "softmax", "triton_poi", "triton_per", "triton_red", "depthwise",
-                   "gemv", "scal", "splitkreduce", "epilogue", "scan", "dropout", "fill", "transpose", "embedding",
-                   "init_device_workspace")
+                   "gemv", "scal", "splitkreduce", "epilogue", "scan", "dropout", "fill",
+                   "transpose", "embedding", "init_device_workspace", "fft2d_", "flip_filter",
+                   "region_transform")
 #: A kernel of no known family that moves at least this share of the DRAM bandwidth (its
 #: recorded bytes over its isolated time) is memory-bound.
 MEMORY_BOUND_SHARE = 0.3
