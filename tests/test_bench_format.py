@@ -268,14 +268,17 @@ def test_gpu_suite_spreads_the_test_files_and_runs_the_memory_tests_alone(monkey
     started = []
 
     class Proc:
+        """A pytest process; the first one started ends last (it is polled twice first)."""
         returncode = 0
 
         def __init__(self, cmd, stdout, **kwargs):
             started.append([Path(c).name for c in cmd if c.endswith(".py")])
-            stdout.write("1 passed in 1.0s\n")
+            stdout.write(f"{len(started)} passed in 1.0s\n")
+            self.polls_left = 2 if len(started) == 1 else 0
 
-        def wait(self):
-            return 0
+        def poll(self):
+            self.polls_left -= 1
+            return 0 if self.polls_left < 0 else None
     monkeypatch.setattr(suite.subprocess, "Popen", Proc)
     monkeypatch.setattr(suite, "EXCLUSIVE", ("test_gpu_deploy.py",))
     assert suite.main(["--skip-bench", "--skip-training", "--jobs", "2", "--gpus", "0", "--out",
@@ -284,7 +287,10 @@ def test_gpu_suite_spreads_the_test_files_and_runs_the_memory_tests_alone(monkey
     assert len(parallel) == 2 and alone == list(suite.EXCLUSIVE)
     assert not set(suite.EXCLUSIVE) & {name for g in parallel for name in g}
     out = capsys.readouterr().out
-    assert out.count("gpu tests on GPU 0 [") == 3
+    # each process's line as it ends (the second before the first), then the summary again
+    ended = [line.rsplit(": ", 1)[1] for line in out.splitlines()
+             if line.startswith("gpu tests on GPU 0 [")]
+    assert ended == ["2 passed in 1.0s", "1 passed in 1.0s", "3 passed in 1.0s"] * 2
     assert (tmp_path / "gpu_tests_deploy.log").exists()  # the exclusive group's, by its file
     assert len(list(tmp_path.glob("gpu_tests_*.log"))) == 3
 
@@ -371,7 +377,7 @@ def test_gpu_suite_runs_every_process_on_its_gpus_with_multicast_off(monkeypatch
             most[0] = max(most[0], len(running))
             stdout.write("1 passed in 1.0s\n")
 
-        def wait(self):
+        def poll(self):
             running.discard(id(self))
             return 0
 

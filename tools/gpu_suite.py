@@ -37,8 +37,9 @@ Runs, in order:
    host launch) and the critical-path limit: several more minutes, so better as its own call
    (``--skip-tests --skip-bench --full``), since one device command may run 10 minutes.
 
-``torch.compile`` is left out unless ``--compile``.  At the end it prints the pytest summary line
-and the benchmark tables, each phase with the seconds it took.  Logs and the benchmark JSON go to
+``torch.compile`` is left out unless ``--compile``.  Each pytest process's summary line is
+printed as the process ends, with the seconds since its stage began (a call cut off by a time
+limit still shows what ended); at the end, every such line again and the benchmark tables.  Logs and the benchmark JSON go to
 ``--out`` (default ``$OUT`` on the device machine, else ``./out``): ``gpu_tests_NAME.log`` (one
 per pytest process, named after its first test file, ``gpu_tests_all.log`` for one process),
 ``bench.log`` / ``bench.json`` and ``bench_full.log`` / ``bench_full.json`` (a bench's log holds
@@ -319,29 +320,42 @@ def _stages(args) -> list[list[Run]]:
 
 
 def _run_tests(args, env) -> tuple[int, list[str]]:
-    """The GPU tests, stage by stage (:func:`_stages`); (status, summary lines)."""
+    """The GPU tests, stage by stage (:func:`_stages`); (status, summary lines).  Each
+    process's result is printed as soon as it ends, with its own seconds, so that a call cut
+    off by a time limit still shows what ended and how long it took."""
     extra = shlex.split(args.pytest_args)
     status, summary = 0, []
     for stage in _stages(args):
         t0 = time.perf_counter()
         logs = [args.out / _log_name(list(run.files)) for run in stage]
-        running = [_pytest(list(run.files), log, extra, run_environment(env, run))
-                   for run, log in zip(stage, logs)]
-        for proc in running:
-            proc.wait()
-            proc.log.close()
-        seconds = time.perf_counter() - t0
-        for run, proc, log in zip(stage, running, logs):
-            lines = log.read_text().strip().splitlines()
-            failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
-            print("\n".join(failed or lines[-3:]), flush=True)
-            names = " ".join(f"{f.name} ({f.index + 1}/{f.count})" if isinstance(f, Share)
-                             else Path(f).name for f in run.files)
-            where = f" on GPU {','.join(run.gpus)}" if run.gpus else ""
-            summary.append(f"gpu tests{where} [{names}] ({seconds:.0f} s): "
-                           + (lines[-1] if lines else "no output"))
-            status |= proc.returncode
+        running = {k: _pytest(list(run.files), log, extra, run_environment(env, run))
+                   for k, (run, log) in enumerate(zip(stage, logs))}
+        while running:
+            ended = [k for k, proc in running.items() if proc.poll() is not None]
+            if not ended:
+                time.sleep(0.5)
+                continue
+            for k in ended:
+                proc = running.pop(k)
+                proc.log.close()
+                line = _ended(stage[k], logs[k], time.perf_counter() - t0)
+                summary.append(line)
+                print(line, flush=True)
+                status |= proc.returncode
     return status, summary
+
+
+def _ended(run: Run, log: Path, seconds: float) -> str:
+    """The summary line of ``run``'s ended process (its failures printed first)."""
+    lines = log.read_text().strip().splitlines()
+    failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+    if failed:
+        print("\n".join(failed), flush=True)
+    names = " ".join(f"{f.name} ({f.index + 1}/{f.count})" if isinstance(f, Share)
+                     else Path(f).name for f in run.files)
+    where = f" on GPU {','.join(run.gpus)}" if run.gpus else ""
+    return (f"gpu tests{where} [{names}] ({seconds:.0f} s): "
+            + (lines[-1] if lines else "no output"))
 
 
 def _split_table(out: str) -> tuple[str, str | None]:
