@@ -145,7 +145,8 @@ class GraphViews:
         (:func:`nimble.debug.divergence.isolated_difference`).
         Inference graphs only; the model must dispatch the same ops eagerly as when recorded.
         """
-        from .debug.divergence import align, eager_ops, first_divergence, first_nonfinite
+        from .debug.divergence import first_divergence, first_nonfinite
+        from .debug.eager_twins import align, eager_ops
         from .debug.step_through import StepThrough, run_before, run_until, select_tasks
         from .debug.stop_groups import walk_groups
 

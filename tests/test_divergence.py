@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nimble.debug.divergence import (EagerOp, align, eager_ops, first_divergence, first_nonfinite,
-                               span_bytes, tolerance)
+from nimble.debug.divergence import first_divergence, first_nonfinite, tolerance
+from nimble.debug.eager_twins import EagerOp, align, eager_ops, span_bytes
 from nimble.errors import InputError
 from nimble.debug.step_through import Snapshot
 from nimble.ir.taskgraph import Access, Op, Task, TaskGraph

@@ -185,7 +185,7 @@ def test_a_group_of_stops_reads_what_each_stop_alone_reads():
     import torch
 
     import nimble
-    from nimble.debug.divergence import align, eager_ops
+    from nimble.debug.eager_twins import align, eager_ops
     from nimble.debug.step_through import StepThrough, run_until, select_tasks
     from nimble.debug.stop_groups import walk_groups
 
@@ -266,10 +266,11 @@ def test_ops_that_drift_from_the_eager_chain_are_judged_on_the_graphs_own_inputs
     still named: run alone, the op gets the true weight from the eager run."""
     import nimble
     import nimble.debug.divergence as divergence
+    import nimble.debug.eager_twins as eager_twins
 
     model, x = zoo_model("branchy")
     nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
-    real_eager, real_alone = divergence.eager_ops, divergence.isolated_difference
+    real_eager, real_alone = eager_twins.eager_ops, divergence.isolated_difference
     judged = []
 
     def drifted(model, inputs, keep_inputs=False):
@@ -281,7 +282,7 @@ def test_ops_that_drift_from_the_eager_chain_are_judged_on_the_graphs_own_inputs
     def alone(op, before, after):
         judged.append(op.index)
         return real_alone(op, before, after)
-    monkeypatch.setattr(divergence, "eager_ops", drifted)
+    monkeypatch.setattr(eager_twins, "eager_ops", drifted)
     monkeypatch.setattr(divergence, "isolated_difference", alone)
     assert nm.first_divergence(x, quiet=True) is None
     g = nm.graph

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from nimble.debug.divergence import GroupedStops, align, first_divergence, first_nonfinite
+from nimble.debug.divergence import GroupedStops, first_divergence, first_nonfinite
+from nimble.debug.eager_twins import align
 from nimble.debug.step_through import Snapshot
 from nimble.debug.stop_groups import StopPlanInput, closures, plan_input, stop_groups
 from nimble.ir.taskgraph import Access, Op, Task, TaskGraph
@@ -137,7 +138,7 @@ def _chain(n: int):
     g.ops = [Op(k, "aten::add.Tensor", f"layer{k}", [Access(k, 0, 16, True)]) for k in range(n)]
     g.tasks = [Task(k, "kernel", op=k) for k in range(n)]
     eager = [torch.arange(4.0) + k for k in range(n)]
-    from nimble.debug.divergence import EagerOp
+    from nimble.debug.eager_twins import EagerOp
     return g, [EagerOp("aten::add.Tensor", [e]) for e in eager]
 
 
