@@ -110,7 +110,7 @@ def test_private_copies_of_library_memory_keep_their_low_bits_and_train_right():
     import nimble
     from nimble.engine.arena_layout import low_word_buffers, written_externals
 
-    model, x = _cifar("resnet18", batch=8)
+    model, x = _cifar("resnet18")  # batch 32, as the recorded fixtures whose batch norm writes
     twin = copy.deepcopy(model)
     first = nimble.Nimble(model).prepare(x, training=True,
                                          options=nimble.PrepareOptions(keep_recording=True))
