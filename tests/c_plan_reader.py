@@ -52,7 +52,11 @@ def _node(w: Words) -> dict:
         n = w.u()
         node["params"] = [(w.u(), w.u()) for _ in range(n)]
         node["args"] = w.raw()
-        node["relocs"] = [(w.u(), w.place()) for _ in range(w.u())]
+        node["relocs"], node["reloc_words"] = [], []  # each place's first word in the plan
+        for _ in range(w.u()):
+            location = w.u()
+            node["reloc_words"].append(w.at)
+            node["relocs"].append((location, w.place()))
         node["attrs"] = [(w.u(), w.raw()) for _ in range(w.u())]
         return node
     if kind == 1:
@@ -66,6 +70,8 @@ def _node(w: Words) -> dict:
 
 def _bucket(w: Words, version: int = 1) -> dict:
     b = {"plan_bytes": w.u()}
+    b["low_bits"] = [{"size": w.u(), "address": w.u(), "poison": w.u(), "blob": w.blob()}
+                     for _ in range(w.u())] if version >= 3 else []
     b["inputs"] = [_tensor(w) for _ in range(w.u())]
     b["outputs"] = [_tensor(w) for _ in range(w.u())]
     b["private"] = [(w.u(), w.u(), w.blob()) for _ in range(w.u())]
@@ -101,15 +107,18 @@ def read_plan(data: bytes) -> dict:
 
 
 def resolve(place: tuple[int, int, int], arena: int, weights: list[int],
-            memory: list[int]) -> int:
+            memory: list[int], low_bits: list[int] = ()) -> int:
     region, index, addend = place
     base = {0: 0, 1: arena, 2: weights[index] if region == 2 else 0,
-            3: memory[index] if region == 3 else 0}[region]
+            3: memory[index] if region == 3 else 0,
+            4: low_bits[index] if region == 4 else 0}[region]
     return (base + addend) % (1 << 64)
 
 
-def relocated_args(node: dict, arena: int, weights: list[int], memory: list[int]) -> bytes:
+def relocated_args(node: dict, arena: int, weights: list[int], memory: list[int],
+                   low_bits: list[int] = ()) -> bytes:
     args = bytearray(node["args"])
     for loc, place in node["relocs"]:
-        args[loc:loc + 8] = resolve(place, arena, weights, memory).to_bytes(8, "little")
+        args[loc:loc + 8] = resolve(place, arena, weights, memory,
+                                    low_bits).to_bytes(8, "little")
     return bytes(args)

@@ -249,6 +249,11 @@ static nimble_status prove_one(nimble_model *m, uint64_t k, uint64_t j, uint64_t
     refset_t *set = &b->sets[launch % b->nsets];
     TRY(restore_written(m, b));
     CU(cuMemsetD8(m->bases[j], 0xFF, b->plan_bytes)); /* poison: a missed pointer reads NaN */
+    for (uint64_t i = 0; i < m->nlowbits; i++) { /* the plan's buffers kept apart, likewise */
+        const lowbits_t *l = &m->lowbits[i];
+        if (l->bucket == k && l->poison && l->size)
+            CU(cuMemsetD8(l->maps[j].ptr, 0xFF, l->size));
+    }
     for (uint64_t i = 0; i < b->ninputs; i++) { /* the inputs' slots lie in the plan */
         const uint8_t *data = blob(m, set->inputs[i]);
         if (!data || set->inputs[i].size != b->inputs[i].info.nbytes)
@@ -426,6 +431,16 @@ void nimble_free(nimble_model *m) {
                                                                           m->instances);
     for (uint64_t j = 0; m->arenas && j < m->instances; j++)
         if (m->arenas[j]) cuMemFree(m->arenas[j]);
+    for (uint64_t i = 0; m->lowbits && i < m->nlowbits; i++) {
+        lowmap_t *maps = m->lowbits[i].maps;
+        for (uint64_t j = 0; maps && j < m->instances; j++) {
+            if (maps[j].mapped) cuMemUnmap(maps[j].mapped, maps[j].span);
+            if (maps[j].have_handle) cuMemRelease(maps[j].handle);
+            if (maps[j].va) cuMemAddressFree(maps[j].va, maps[j].reserve);
+        }
+        free(maps);
+    }
+    free(m->lowbits);
     memory_t *tables[2] = {m->weights, m->memory};
     uint64_t counts[2] = {m->nweights, m->nmemory};
     for (int t = 0; t < 2; t++)

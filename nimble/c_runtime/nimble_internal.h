@@ -38,7 +38,7 @@ typedef struct { const uint8_t *p; size_t n, at; int bad; uint64_t version; } pl
 
 /* ---- the model --------------------------------------------------------------------------- */
 
-enum { R_NONE = 0, R_ARENA = 1, R_WEIGHT = 2, R_MEMORY = 3 };
+enum { R_NONE = 0, R_ARENA = 1, R_WEIGHT = 2, R_MEMORY = 3, R_LOWBITS = 4 };
 enum { N_KERNEL = 0, N_MEMSET = 1, N_MEMCPY = 2, N_EMPTY = 3 };
 #define NO_BLOB UINT64_MAX
 
@@ -51,6 +51,18 @@ typedef struct {
 typedef struct { uint64_t size; blobref_t blob; CUdeviceptr ptr; } memory_t;
 typedef struct { place_t place; nimble_tensor_info info; } tensor_t;
 typedef struct { uint64_t offset, size; blobref_t blob; } private_t;
+/* One instance's copy of a low-bits buffer: mapped at the buffer's recorded address plus a
+ * multiple of 4 GiB (a reservation of 8 GiB and the span, the span mapped in it). */
+typedef struct {
+    CUdeviceptr va, mapped, ptr; size_t reserve, span;
+    CUmemGenericAllocationHandle handle; int have_handle;
+} lowmap_t;
+/* A buffer kept at its recorded low 32 address bits (the plan's version 3): a word into it may
+ * be an integer under a stale top half, which its relocation must leave as it is. */
+typedef struct {
+    uint64_t size, address, poison, bucket; blobref_t blob;
+    lowmap_t *maps; /* per instance */
+} lowbits_t;
 typedef struct { uint64_t loc; place_t place; } reloc_t;
 typedef struct { uint64_t id; const uint8_t *value; size_t len; } attr_t;
 typedef struct {
@@ -88,6 +100,7 @@ struct nimble_model {
     uint64_t arch, driver, arena_size, alignment, instances, nbuckets;
     uint64_t nbinaries, nkernels, nweights, nmemory;
     binary_t *binaries; kernel_t *kernels; memory_t *weights, *memory;
+    uint64_t nlowbits; lowbits_t *lowbits; /* every bucket's, in order */
     bucket_t *buckets;
     CUlibrary *libraries;
     const uint8_t **images; /* each binary's bytes, while the libraries load */
@@ -102,6 +115,7 @@ static inline CUdeviceptr resolve(const nimble_model *m, uint64_t instance, plac
     case R_ARENA: return m->bases[instance] + p.addend;
     case R_WEIGHT: return m->weights[p.index].ptr + p.addend;
     case R_MEMORY: return m->memory[p.index].ptr + p.addend;
+    case R_LOWBITS: return m->lowbits[p.index].maps[instance].ptr + p.addend;
     default: return (CUdeviceptr)p.addend;
     }
 }

@@ -205,13 +205,62 @@ static nimble_status place_arenas(nimble_model *m) {
     return NIMBLE_OK;
 }
 
-/* The weights, the external memory and the arenas, uploaded while another thread loads the
- * kernels: the two share nothing but the context. */
+/* One instance's copy of low-bits buffer `l`: 8 GiB and the span reserved, the span mapped at
+ * the first 4 GiB boundary in them plus the buffer's recorded low bits (rounded down to the
+ * allocation granularity), its first bytes uploaded (zeroes where the plan gives none).  What
+ * was made is noted in `map` as it is made, for nimble_free. */
+static nimble_status map_low_bits(nimble_model *m, const lowbits_t *l, lowmap_t *map) {
+    const uint64_t four_gib = 1ULL << 32;
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = (int)m->device;
+    size_t grain = 0;
+    CU(cuMemGetAllocationGranularity(&grain, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    if (!grain) grain = 1;
+    uint64_t low = l->address % four_gib, first = low - low % grain;
+    uint64_t need = low + (l->size ? l->size : 1) - first;
+    size_t span = (size_t)((need + grain - 1) / grain * grain);
+    size_t reserve = (size_t)(2 * four_gib) + span;
+    CU(cuMemAddressReserve(&map->va, reserve, 0, 0, 0));
+    map->reserve = reserve;
+    CUdeviceptr window = (map->va + four_gib - 1) / four_gib * four_gib;
+    CU(cuMemCreate(&map->handle, span, &prop, 0));
+    map->have_handle = 1;
+    CU(cuMemMap(window + first, span, 0, map->handle, 0));
+    map->mapped = window + first;
+    map->span = span;
+    CUmemAccessDesc access;
+    memset(&access, 0, sizeof access);
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CU(cuMemSetAccess(map->mapped, span, &access, 1));
+    map->ptr = window + low;
+    const uint8_t *data = blob(m, l->blob);
+    if (data && l->blob.size == l->size && l->size) CU(cuMemcpyHtoD(map->ptr, data, l->size));
+    else if (l->size) CU(cuMemsetD8(map->ptr, 0, l->size));
+    return NIMBLE_OK;
+}
+
+static nimble_status place_low_bits(nimble_model *m) {
+    for (uint64_t i = 0; i < m->nlowbits; i++) {
+        lowbits_t *l = &m->lowbits[i];
+        l->maps = calloc(m->instances ? m->instances : 1, sizeof(lowmap_t));
+        if (!l->maps) return fail(NIMBLE_ERROR_IO, "out of memory");
+        for (uint64_t j = 0; j < m->instances; j++) TRY(map_low_bits(m, l, &l->maps[j]));
+    }
+    return NIMBLE_OK;
+}
+
+/* The weights, the external memory, the arenas and the low-bits buffers, uploaded while
+ * another thread loads the kernels: the two share nothing but the context. */
 static nimble_status upload_memory(nimble_model *m) {
     double clock = seconds_now();
     TRY(upload(m, m->weights, m->nweights, "weight storage"));
     TRY(upload(m, m->memory, m->nmemory, "external memory range"));
     TRY(place_arenas(m));
+    TRY(place_low_bits(m));
     lap(m, NIMBLE_STAGE_MEMORY, &clock);
     return NIMBLE_OK;
 }

@@ -56,8 +56,14 @@ static char *rd_text(plan_t *pl) {
 
 /* ---- reading the plan -------------------------------------------------------------------- */
 
-static void rd_place(plan_t *pl, place_t *p) {
+/* A place, its region and index checked against what the plan has listed so far (weights,
+ * memory, the low-bits buffers of this bucket and those before it). */
+static void rd_place(plan_t *pl, place_t *p, const nimble_model *m) {
     p->region = rd(pl); p->index = rd(pl); p->addend = rd(pl);
+    if (p->region > R_LOWBITS || (p->region == R_WEIGHT && p->index >= m->nweights)
+        || (p->region == R_MEMORY && p->index >= m->nmemory)
+        || (p->region == R_LOWBITS && p->index >= m->nlowbits))
+        pl->bad = 1;
 }
 
 static void rd_blob(plan_t *pl, blobref_t *b) { b->at = rd(pl); b->size = rd(pl); }
@@ -69,8 +75,8 @@ static void *arr(plan_t *pl, uint64_t n, size_t size) {
     return p;
 }
 
-static void rd_tensor(plan_t *pl, tensor_t *t) {
-    rd_place(pl, &t->place);
+static void rd_tensor(plan_t *pl, tensor_t *t, const nimble_model *m) {
+    rd_place(pl, &t->place, m);
     t->info.nbytes = (size_t)rd(pl);
     t->info.dtype = (nimble_dtype)rd(pl);
     uint64_t ndim = rd(pl);
@@ -81,11 +87,11 @@ static void rd_tensor(plan_t *pl, tensor_t *t) {
 }
 
 /* A kernel node's indices and offsets are checked here, so that the builder may trust them. */
-static void rd_node(plan_t *pl, node_t *nd, uint64_t nkernels) {
+static void rd_node(plan_t *pl, node_t *nd, const nimble_model *m) {
     nd->kind = (int)rd(pl);
     if (nd->kind == N_KERNEL) {
         nd->kernel = rd(pl);
-        if (nd->kernel >= nkernels) pl->bad = 1;
+        if (nd->kernel >= m->nkernels) pl->bad = 1;
         for (int i = 0; i < 3; i++) nd->grid[i] = rd(pl);
         for (int i = 0; i < 3; i++) nd->block[i] = rd(pl);
         nd->shared = rd(pl);
@@ -104,7 +110,7 @@ static void rd_node(plan_t *pl, node_t *nd, uint64_t nkernels) {
         nd->relocs = arr(pl, nd->nrelocs, sizeof(reloc_t));
         for (uint64_t i = 0; !pl->bad && i < nd->nrelocs; i++) {
             nd->relocs[i].loc = rd(pl);
-            rd_place(pl, &nd->relocs[i].place);
+            rd_place(pl, &nd->relocs[i].place, m);
             if (nd->args_len < 8 || nd->relocs[i].loc > nd->args_len - 8) pl->bad = 1;
         }
         nd->nattrs = rd(pl);
@@ -114,11 +120,11 @@ static void rd_node(plan_t *pl, node_t *nd, uint64_t nkernels) {
             nd->attrs[i].value = rd_raw(pl, &nd->attrs[i].len);
         }
     } else if (nd->kind == N_MEMSET) {
-        rd_place(pl, &nd->dst);
+        rd_place(pl, &nd->dst, m);
         for (int i = 0; i < 5; i++) nd->f[i] = rd(pl);
     } else if (nd->kind == N_MEMCPY) {
-        rd_place(pl, &nd->src);
-        rd_place(pl, &nd->dst);
+        rd_place(pl, &nd->src, m);
+        rd_place(pl, &nd->dst, m);
         for (int i = 0; i < 15; i++) nd->f[i] = rd(pl);
     } else if (nd->kind != N_EMPTY) {
         pl->bad = 1;
@@ -141,14 +147,31 @@ static void rd_programmatic(plan_t *pl, bucket_t *b) {
     }
 }
 
-static void rd_bucket(plan_t *pl, bucket_t *b, const nimble_model *m) {
+/* Version 3: the bucket's low-bits buffers, appended to the model's (bucket k's). */
+static void rd_low_bits(plan_t *pl, nimble_model *m, uint64_t k) {
+    uint64_t n = rd(pl);
+    if (pl->bad || n > pl->n) { pl->bad = 1; return; }
+    lowbits_t *grown = realloc(m->lowbits, (size_t)(m->nlowbits + n + 1) * sizeof(lowbits_t));
+    if (!grown) { pl->bad = 1; return; }
+    m->lowbits = grown;
+    for (uint64_t i = 0; !pl->bad && i < n; i++) {
+        lowbits_t *l = &m->lowbits[m->nlowbits];
+        memset(l, 0, sizeof *l);
+        l->size = rd(pl); l->address = rd(pl); l->poison = rd(pl); l->bucket = k;
+        rd_blob(pl, &l->blob);
+        m->nlowbits++;
+    }
+}
+
+static void rd_bucket(plan_t *pl, bucket_t *b, nimble_model *m, uint64_t k) {
     b->plan_bytes = rd(pl);
+    if (pl->version >= 3) rd_low_bits(pl, m, k); /* before every place that may name one */
     b->ninputs = rd(pl);
     b->inputs = arr(pl, b->ninputs, sizeof(tensor_t));
-    for (uint64_t i = 0; !pl->bad && i < b->ninputs; i++) rd_tensor(pl, &b->inputs[i]);
+    for (uint64_t i = 0; !pl->bad && i < b->ninputs; i++) rd_tensor(pl, &b->inputs[i], m);
     b->noutputs = rd(pl);
     b->outputs = arr(pl, b->noutputs, sizeof(tensor_t));
-    for (uint64_t i = 0; !pl->bad && i < b->noutputs; i++) rd_tensor(pl, &b->outputs[i]);
+    for (uint64_t i = 0; !pl->bad && i < b->noutputs; i++) rd_tensor(pl, &b->outputs[i], m);
     b->nprivate = rd(pl);
     b->private_ = arr(pl, b->nprivate, sizeof(private_t));
     for (uint64_t i = 0; !pl->bad && i < b->nprivate; i++) {
@@ -158,7 +181,7 @@ static void rd_bucket(plan_t *pl, bucket_t *b, const nimble_model *m) {
     }
     b->nnodes = rd(pl);
     b->nodes = arr(pl, b->nnodes, sizeof(node_t));
-    for (uint64_t i = 0; !pl->bad && i < b->nnodes; i++) rd_node(pl, &b->nodes[i], m->nkernels);
+    for (uint64_t i = 0; !pl->bad && i < b->nnodes; i++) rd_node(pl, &b->nodes[i], m);
     b->nedges = rd(pl);
     if (b->nedges > pl->n) pl->bad = 1; /* its double would wrap */
     b->edges = arr(pl, 2 * b->nedges, sizeof(uint64_t));
@@ -185,7 +208,7 @@ static void rd_bucket(plan_t *pl, bucket_t *b, const nimble_model *m) {
     b->nwritten = 0;
     for (uint64_t i = 0; !pl->bad && i < places; i++) {
         place_t p;
-        rd_place(pl, &p);
+        rd_place(pl, &p, m);
         rd(pl); /* the buffer's size: its whole range is put back */
         int known = (p.region == R_MEMORY && p.index < m->nmemory)
                     || (p.region == R_WEIGHT && p.index < m->nweights);
@@ -200,8 +223,8 @@ nimble_status nimble_read_plan(nimble_model *m, plan_t *pl) {
     if (rd(pl) != 0x5043454c424d494eULL) /* "NIMBLECP", little-endian */
         return fail(NIMBLE_ERROR_FORMAT, "the file's c_plan section has no NIMBLECP magic");
     uint64_t version = rd(pl);
-    if (version != 1 && version != 2)
-        return fail(NIMBLE_ERROR_VERSION, "c_plan version %llu; this runtime reads 1 and 2: "
+    if (version < 1 || version > 3)
+        return fail(NIMBLE_ERROR_VERSION, "c_plan version %llu; this runtime reads 1 to 3: "
                     "rebuild the C runtime from the Nimble that saved the file",
                     (unsigned long long)version);
     pl->version = version;
@@ -239,7 +262,7 @@ nimble_status nimble_read_plan(nimble_model *m, plan_t *pl) {
         }
     }
     m->buckets = arr(pl, m->nbuckets, sizeof(bucket_t));
-    for (uint64_t k = 0; !pl->bad && k < m->nbuckets; k++) rd_bucket(pl, &m->buckets[k], m);
+    for (uint64_t k = 0; !pl->bad && k < m->nbuckets; k++) rd_bucket(pl, &m->buckets[k], m, k);
     char *unsupported = pl->bad ? NULL : rd_text(pl);
     if (pl->bad) { free(unsupported); return fail(NIMBLE_ERROR_FORMAT, "the file's c_plan "
                                                     "section is damaged"); }

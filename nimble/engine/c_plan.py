@@ -7,18 +7,20 @@ C runtime (``nimble/c_runtime/``) needs, already resolved: every pointer of ever
 places, the references of the proof at load.  A region is where an address lives in the loading
 process:
 
-====== ==========================================================================
-NONE   no relocation: the addend is the value (a word that points nowhere Nimble knows)
-ARENA  the instance's arena base (aligned to 512 bytes) plus the addend
-WEIGHT the address of weight storage ``index`` (the file's bytes) plus the addend
-MEMORY the address of external memory range ``index`` plus the addend
-====== ==========================================================================
+======= ==========================================================================
+NONE    no relocation: the addend is the value (a word that points nowhere Nimble knows)
+ARENA   the instance's arena base (aligned to 512 bytes) plus the addend
+WEIGHT  the address of weight storage ``index`` (the file's bytes) plus the addend
+MEMORY  the address of external memory range ``index`` plus the addend
+LOWBITS the instance's copy of low-bits buffer ``index`` (a buffer kept at its recorded
+        low 32 address bits, :func:`~nimble.engine.arena_layout.low_word_buffers`: memory
+        the loader maps at its recorded address plus a multiple of 4 GiB) plus the addend
+======= ==========================================================================
 
 The words are written and read in one fixed order (:class:`PlanWriter`, the C reader's
 ``plan_*`` functions, and ``tests/c_plan_reader.py``, which reads it back on the CPU):
-``docs/c-host.md`` lists it.  Inference graphs only; a graph with a buffer kept at its low
-address bits, or with a random generator, is marked unsupported (the C runtime refuses it with
-its reason).
+``docs/c-host.md`` lists it.  Inference graphs only; a graph with a random generator is marked
+unsupported (the C runtime refuses it with its reason).
 """
 from __future__ import annotations
 
@@ -35,7 +37,10 @@ VERSION = 1
 #: The version of a plan whose buckets list their programmatic edges (after their edges): only
 #: a file that has some is written so, so that a runtime reading version 1 reads the rest.
 PROGRAMMATIC_VERSION = 2
-NONE, ARENA, WEIGHT, MEMORY = 0, 1, 2, 3
+#: The version of a plan whose buckets list their low-bits buffers (after their plan's size;
+#: their programmatic edges as in version 2, none where none): only a file that has some.
+LOW_BITS_VERSION = 3
+NONE, ARENA, WEIGHT, MEMORY, LOWBITS = 0, 1, 2, 3, 4
 KERNEL, MEMSET, MEMCPY, EMPTY = 0, 1, 2, 3
 NO_BLOB = (1 << 64) - 1
 #: Per dtype, its code as in the C header and its size in bytes (255: a dtype the header does
@@ -88,7 +93,7 @@ class Regions:
     """Where each buffer of one bucket's graph lives in the loading process: ``(region,
     index, offset)``, or a reason it cannot be placed by the C runtime."""
 
-    def __init__(self, prepared, state: StateLayout, outside: dict) -> None:
+    def __init__(self, prepared, state: StateLayout, outside: dict, low_start: int = 0) -> None:
         graph = prepared.graph
         self.places: dict[int, tuple[int, int, int]] = {}
         self.unsupported = ""
@@ -102,10 +107,11 @@ class Regions:
                 self.places[bid] = (WEIGHT, int(source["weight"]), 0)
             else:
                 self.places[bid] = (MEMORY, int(source["memory"]), int(source["offset"]))
-        low = low_word_buffers(graph)
-        if low:
-            self.unsupported = (f"buffer {low[0]} must keep its low 32 address bits (a word "
-                                "that may be an integer points into it)")
+        #: The buffers kept at their low address bits, the plan's low-bits buffers
+        #: ``low_start`` on.
+        self.low = low_word_buffers(graph)
+        for k, bid in enumerate(self.low):
+            self.places[bid] = (LOWBITS, low_start + k, 0)
         if graph.meta.get("rng") or any(b.kind == BufferKind.RNG for b in graph.buffers):
             self.unsupported = "the graph draws random numbers"
 
@@ -180,23 +186,47 @@ def _write_tensor(w: PlanWriter, ref, regions: Regions) -> None:
 
 
 def plan_version(preparations: Sequence) -> int:
-    """The plan version for ``preparations``: :data:`PROGRAMMATIC_VERSION` where one of them
-    serves programmatic edges, else :data:`VERSION`."""
+    """The plan version for ``preparations``: :data:`LOW_BITS_VERSION` where one of them keeps
+    a buffer at its low address bits, else :data:`PROGRAMMATIC_VERSION` where one serves
+    programmatic edges, else :data:`VERSION`."""
+    if any(low_word_buffers(p.graph) for p in preparations):
+        return LOW_BITS_VERSION
     return PROGRAMMATIC_VERSION if any(p.programmatic for p in preparations) else VERSION
 
 
-def _write_bucket(w: PlanWriter, prepared, state: StateLayout, row: dict, version: int) -> str:
+def _write_low_bits(w: PlanWriter, graph, state: StateLayout, private: dict,
+                    low: Sequence[int]) -> None:
+    """Each low-bits buffer: its size, recorded address, whether the proof poisons it (an
+    arena buffer: its bytes are the graph's own), and its first bytes (a private copy's; none:
+    zeroes)."""
+    w.u(len(low))
+    for bid in low:
+        b = graph.buffers[bid]
+        copied = bid in state.private and bid not in state.zeroed
+        w.u(b.size, b.address, 1 if b.relocatable else 0)
+        w.blob(private.get(str(bid)) if copied else None)
+
+
+def _write_bucket(w: PlanWriter, prepared, state: StateLayout, row: dict, version: int,
+                  low_start: int) -> tuple[str, int]:
+    """One bucket's words; (why the C runtime cannot run it, "" where it can; how many
+    low-bits buffers it lists)."""
     graph = prepared.graph
-    regions = Regions(prepared, state, row["outside"])
-    w.u(prepared.memplan.arena_bytes, len(graph.inputs))
+    regions = Regions(prepared, state, row["outside"], low_start)
+    private = row["private"]
+    w.u(prepared.memplan.arena_bytes)
+    if version >= LOW_BITS_VERSION:  # before every place that may name one
+        _write_low_bits(w, graph, state, private, regions.low)
+    w.u(len(graph.inputs))
     for ref in graph.inputs:
         _write_tensor(w, ref, regions)
     w.u(len(graph.outputs))
     for ref in graph.outputs:
         _write_tensor(w, ref, regions)
-    private = row["private"]
-    w.u(len(state.private))
-    for bid, offset in sorted(state.private.items()):
+    # a private copy kept at its low address bits is a low-bits buffer instead
+    in_arena = sorted((bid, at) for bid, at in state.private.items() if bid not in regions.low)
+    w.u(len(in_arena))
+    for bid, offset in in_arena:
         w.u(offset, graph.buffers[bid].size)
         w.blob(None if bid in state.zeroed else private.get(str(bid)))
     priorities = prepared.priorities
@@ -214,7 +244,7 @@ def _write_bucket(w: PlanWriter, prepared, state: StateLayout, row: dict, versio
         for u, v in served:
             w.u(u, v)
     _write_reference(w, row["reference"], prepared, regions)
-    return regions.unsupported
+    return regions.unsupported, len(regions.low)
 
 
 def _write_reference(w: PlanWriter, reference: dict, prepared, regions: Regions) -> None:
@@ -262,9 +292,11 @@ def c_plan(manifest: dict, preparations: Sequence, states: Sequence[StateLayout]
         for r in rows:
             w.u(r["size"])
             w.blob(r.get("blob"))
+    low = 0  # low-bits buffers so far: each bucket's are numbered on from the last's
     for prepared, state, row in zip(preparations, states, manifest["buckets"]):
         if prepared.step is not None:
             unsupported = unsupported or "a training step"
-        unsupported = _write_bucket(w, prepared, state, row, version) or unsupported
+        why, listed = _write_bucket(w, prepared, state, row, version, low)
+        unsupported, low = why or unsupported, low + listed
     w.text(unsupported)
     return w.getvalue(), unsupported

@@ -45,13 +45,18 @@ int main(int argc, char **argv) {
         for (uint64_t i = 0; i < m->buckets[k].nnodes; i++)
             relocs += m->buckets[k].nodes[i].nrelocs;
     }
+    unsigned long long low_relocs = 0;
+    for (uint64_t k = 0; k < m->nbuckets; k++)
+        for (uint64_t i = 0; i < m->buckets[k].nnodes; i++)
+            for (uint64_t r = 0; r < m->buckets[k].nodes[i].nrelocs; r++)
+                low_relocs += m->buckets[k].nodes[i].relocs[r].place.region == R_LOWBITS;
     printf("arch %llu instances %llu buckets %llu binaries %llu kernels %llu weights %llu "
            "memory %llu nodes %llu relocations %llu edges %llu (programmatic %llu) written %llu "
-           "(weights %llu)\n",
+           "(weights %llu) low-bits %llu (relocations %llu)\n",
            (unsigned long long)m->arch, (unsigned long long)m->instances,
            (unsigned long long)m->nbuckets, (unsigned long long)m->nbinaries,
            (unsigned long long)m->nkernels, (unsigned long long)m->nweights,
            (unsigned long long)m->nmemory, nodes, relocs, edges, programmatic, written,
-           written_weights);
+           written_weights, (unsigned long long)m->nlowbits, low_relocs);
     return 0;
 }
