@@ -104,6 +104,7 @@ struct nimble_model {
     bucket_t *buckets;
     CUlibrary *libraries;
     const uint8_t **images; /* each binary's bytes, while the libraries load */
+    uint8_t **owned_images; /* those read from library files (freed after the loads) */
     CUdeviceptr *arenas, *bases; /* per instance: as allocated, and aligned */
     uint8_t *file; size_t file_size; const uint8_t *blobs; size_t blobs_size;
     char launch_note[256]; /* "" while every exec is device-launchable */

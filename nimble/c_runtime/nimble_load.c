@@ -126,42 +126,46 @@ static nimble_status load_kernel_item(nimble_model *m, uint64_t i) {
     return load_kernel(m, &m->kernels[i]);
 }
 
+/* Binary i read (from its library file, or viewed in the file) and its SHA-256 held to the
+ * saved one: one item of the threads' work, so that the library files are read side by side
+ * as they are hashed. */
+static nimble_status read_binary_item(nimble_model *m, uint64_t i) {
+    binary_t *b = &m->binaries[i];
+    TRY(binary_image(m, b, &m->owned_images[i], &m->images[i]));
+    uint8_t sum[32];
+    nimble_sha256(m->images[i], (size_t)b->size, sum);
+    if (memcmp(sum, b->sha, 32) != 0)
+        return fail(NIMBLE_ERROR_LIBRARY, "the kernel binary at byte %llu of %s is not the "
+                    "one the graph was saved with (another version of the library)",
+                    (unsigned long long)b->offset, b->library ? b->path : "the file");
+    return NIMBLE_OK;
+}
+
 /* Every binary read and its hash checked (on several threads), before the driver loads any;
- * then the libraries loaded side by side, then every kernel's function. */
-static nimble_status load_binaries(nimble_model *m, uint8_t **owned, size_t *sizes,
-                                   uint8_t (*sums)[32]) {
+ * then the libraries loaded side by side. */
+static nimble_status load_binaries(nimble_model *m) {
     double clock = seconds_now();
-    for (uint64_t i = 0; i < m->nbinaries; i++) {
-        TRY(binary_image(m, &m->binaries[i], &owned[i], &m->images[i]));
-        sizes[i] = (size_t)m->binaries[i].size;
-    }
-    nimble_sha256_many(m->images, sizes, sums, (size_t)m->nbinaries);
-    for (uint64_t i = 0; i < m->nbinaries; i++) {
-        binary_t *b = &m->binaries[i];
-        if (memcmp(sums[i], b->sha, 32) != 0)
-            return fail(NIMBLE_ERROR_LIBRARY, "the kernel binary at byte %llu of %s is not the "
-                        "one the graph was saved with (another version of the library)",
-                        (unsigned long long)b->offset, b->library ? b->path : "the file");
-    }
+    TRY(spread(m, read_binary_item, m->nbinaries));
     lap(m, NIMBLE_STAGE_BINARIES, &clock);
     TRY(spread(m, load_library, m->nbinaries));
     lap(m, NIMBLE_STAGE_LIBRARIES, &clock);
     return NIMBLE_OK;
 }
 
+/* The binaries and libraries (load_binaries), then every kernel's function; the binaries'
+ * bytes read from library files are freed once the libraries are loaded. */
 static nimble_status load_kernels(nimble_model *m) {
     size_t n = m->nbinaries ? (size_t)m->nbinaries : 1;
     m->libraries = calloc(n, sizeof(CUlibrary));
     m->images = calloc(n, sizeof *m->images);
-    uint8_t **owned = calloc(n, sizeof *owned);
-    size_t *sizes = calloc(n, sizeof *sizes);
-    uint8_t (*sums)[32] = calloc(n, sizeof *sums);
-    nimble_status s = m->libraries && m->images && owned && sizes && sums
-                          ? load_binaries(m, owned, sizes, sums)
+    m->owned_images = calloc(n, sizeof *m->owned_images);
+    nimble_status s = m->libraries && m->images && m->owned_images
+                          ? load_binaries(m)
                           : fail(NIMBLE_ERROR_IO, "out of memory");
-    for (uint64_t i = 0; owned && i < m->nbinaries; i++) free(owned[i]);
-    free(m->images); free(owned); free(sizes); free(sums);
+    for (uint64_t i = 0; m->owned_images && i < m->nbinaries; i++) free(m->owned_images[i]);
+    free(m->images); free(m->owned_images);
     m->images = NULL;
+    m->owned_images = NULL;
     TRY(s);
     double clock = seconds_now();
     TRY(spread(m, load_kernel_item, m->nkernels));
