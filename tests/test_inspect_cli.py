@@ -312,3 +312,23 @@ def test_fixture_inspects(path, tmp_path, capsys):
     assert s["buffers_by_kind"][BufferKind.PARAM] > 0
     _check_export(graph, json.loads(out.read_text()))
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+
+
+def test_inspect_names_the_memory_a_graph_keeps_beside_its_plan(capsys):
+    """The faulting inception_v3 training fixture: its six private copies of library memory,
+    and the one of them a word that may be an integer points into, named in the text and the
+    JSON (the report that would have named the fault's memory at once)."""
+    from helpers import FIXTURE_DIR
+
+    path = FIXTURE_DIR / "inception_v3_train_averaged_fault.json.gz"
+    outside = _run_json(capsys, path)["outside_arena"]
+    assert len(outside["private_copies"]) == 6
+    [kept] = outside["low_bits"]
+    assert (kept["buffer"], kept["kind"], kept["bytes"], kept["address"]) == \
+        (1067, "external", 64 << 20, "0x7fdd00000000")
+    assert cli.main(["inspect", str(path), "-q"]) == 0
+    text = capsys.readouterr().out
+    assert "private copies of library memory: 6, 74.05 MiB" in text
+    assert "buffer 1067 (external, device allocation@0x7fdd00000000): 64.00 MiB" in text
+    assert cli.main(["inspect", str(FIXTURE_DIR / "resnet50.json.gz"), "-q"]) == 0
+    assert "private copies" not in capsys.readouterr().out  # an inference graph keeps none

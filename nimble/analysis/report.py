@@ -332,6 +332,23 @@ def _us(x: float | None) -> str:
     return "unknown (no durations recorded)" if x is None else f"{x:,.1f} µs"
 
 
+def _outside_arena_lines(outside: dict | None) -> list[str]:
+    """The report's lines on the memory a prepared graph keeps beside its plan (the
+    ``outside_arena`` rows ``nimble inspect`` adds): private copies of library memory, buffers
+    kept at their recorded low address bits, each of the latter named."""
+    if not outside or not (outside["private_copies"] or outside["low_bits"]):
+        return []
+    private = outside["private_copies"]
+    out = [f"private copies of library memory: {len(private)}, "
+           f"{_mib(sum(r['bytes'] for r in private))}"]
+    if outside["low_bits"]:
+        out.append("kept at their recorded low 32 address bits (a word into each may be an "
+                   "integer under a stale top half):")
+        out += [f"  buffer {r['buffer']} ({r['kind']}, {r['name']}): {_mib(r['bytes'])} "
+                f"at {r['address']}" for r in outside["low_bits"]]
+    return out
+
+
 def format_summary(summary: dict, schedule: dict | None = None,
                    memplan: dict | None = None) -> str:
     """The human-readable report of ``nimble inspect``, from the dicts the summaries return."""
@@ -357,6 +374,7 @@ def format_summary(summary: dict, schedule: dict | None = None,
                    f"{s['meta']['words_not_pointers']} (meta['not_pointer_words'])")
     for e in s.get("unresolved_examples", []):
         out.append(f"  task {e['task']} at {e['location']}: {e['value']}")
+    out += _outside_arena_lines(s.get("outside_arena"))
     if schedule is not None:
         c = schedule
         limit = "unlimited" if c["max_streams"] is None else c["max_streams"]

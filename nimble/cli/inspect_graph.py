@@ -126,7 +126,7 @@ def _report_graph(file: NimbleFile, args: argparse.Namespace, out: Outputs,
     graph = taskgraph_of(file)
     say(f"loaded {args.path}: {len(graph.tasks)} tasks, {len(graph.buffers)} buffers in "
         f"{time.perf_counter() - start:.2f} s", tag=None)
-    summary = ins.summarize(graph)
+    summary = {**ins.summarize(graph), "outside_arena": _outside_arena(graph)}
     want_schedule = args.schedule or args.memplan
     want_plan = args.memplan or args.export is not None
     analysis = None
@@ -149,6 +149,20 @@ def _report_graph(file: NimbleFile, args: argparse.Namespace, out: Outputs,
                   "simulated Chrome trace")
     _report(args, out, {**summary, **(sched or {}), **(mem or {})},
             ins.format_summary(summary, sched, mem))
+
+
+def _outside_arena(graph) -> dict:
+    """The memory a prepared graph of ``graph`` keeps beside its arena's plan: its private
+    copies of library memory, and the buffers kept at their recorded low 32 address bits (a
+    kernel word into each may be an integer under a stale top half)."""
+    from ..engine.arena_layout import low_word_buffers, written_externals
+
+    def row(bid: int) -> dict:
+        b = graph.buffers[bid]
+        return {"buffer": bid, "kind": b.kind, "name": b.name, "bytes": b.size,
+                "address": hex(b.address)}
+    return {"private_copies": [row(b) for b in written_externals(graph)],
+            "low_bits": [row(b) for b in low_word_buffers(graph)]}
 
 
 def _require_path(args: argparse.Namespace) -> None:
