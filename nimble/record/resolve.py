@@ -72,10 +72,9 @@ buffer the op may use) stays a pointer, and its buffer is listed in ``meta["low_
 the engine places such a buffer at its recorded address plus a multiple of 4 GiB, so relocation
 rewrites only the word's top half, which is right for a pointer and harmless for the integer.
 Memory from before the recording is listed too: where the graph gets a private copy of it, the
-copy keeps the low 32 bits.  A library's 64 MiB that began at a 4 GiB boundary took a cuDNN
-``region_transform`` kernel's ints 0x600 and 0x800 (block-aligned, so no rule above vetoes them)
-for pointers into it; its private copy in the arena then rewrote them, and inception_v3's
-training step faulted in its proof (two ranks, averaged gradients, 2026-11-27).
+copy keeps the low 32 bits, since a block-aligned small int (which no rule above vetoes) may read
+as a pointer into library memory that begins at a 4 GiB boundary (docs/design.md, "Which words of
+a kernel are pointers").
 """
 from __future__ import annotations
 
