@@ -26,7 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-from gpu_suite import NO_MULTICAST  # tools/ is a script's first path entry
+from cold_start import report  # tools/ is a script's first path entry
+from gpu_suite import NO_MULTICAST
 
 HOST_C = ROOT / "tests" / "c_host" / "run_saved.c"
 HOST_CPP = Path(__file__).resolve().parent / "aoti_host.cpp"
@@ -196,13 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             failed = _build(cmd)
             if failed:
                 programs[program] = failed
-        results = {}
-        for model in args.models:
-            rows, once = measure(model, args, work, programs)
-            results[model] = {"rows": rows, "once": once}
-            print(table(model, rows, once), flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
+        report(args.models, lambda model: measure(model, args, work, programs), table,
+               args.json)
     return 0
 
 

@@ -76,6 +76,20 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
+def report(names, measure_one, table_of, json_path: str | None) -> dict:
+    """Each of ``names`` measured (``measure_one(name) -> (rows, once)``), its table printed as
+    it ends (``table_of(name, rows, once)``), and every result written to ``json_path`` where
+    given; the results by name."""
+    results = {}
+    for name in names:
+        rows, once = measure_one(name)
+        results[name] = {"rows": rows, "once": once}
+        print(table_of(name, rows, once), flush=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=1))
+    return results
+
+
 def table(model: str, rows: list[dict], extra: dict) -> str:
     """The rows as a Markdown table, with what the one-off steps cost beneath."""
     lines = [f"### {model}", "",
@@ -339,18 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--skip takes {', '.join(SKIPPABLE)}, not {unknown[0]}")
     skip = {SKIPPABLE[s] for s in args.skip.split(",") if s}
-    results = {}
     if args.generate:
-        rows, extra = measure_generator(args.generate, args)
-        results[args.generate] = {"rows": rows, "once": extra}
-        print(table(f"{args.generate} Generator", rows, extra), flush=True)
-        args.models = []
-    for model in args.models:
-        rows, extra = measure(model, args, skip)
-        results[model] = {"rows": rows, "once": extra}
-        print(table(model, rows, extra), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        report([args.generate], lambda name: measure_generator(name, args),
+               lambda name, rows, extra: table(f"{name} Generator", rows, extra), args.json)
+    else:
+        report(args.models, lambda model: measure(model, args, skip), table, args.json)
     return 0
 
 
