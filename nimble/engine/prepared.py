@@ -298,7 +298,8 @@ def _place_buffers(graph: TaskGraph, plan: MemPlan, layout: StateLayout,
         else:
             driver.copy_device(copy, graph.buffers[bid].address, size)
         bases[bid] = copy
-    bases.update(low)
+    for bid, address in low.items():
+        bases[bid] = address
     return base, bases, rng
 
 
