@@ -292,6 +292,26 @@ def test_the_c_reader_reads_buffers_kept_at_their_low_bits(plan_check, tmp_path)
     assert rc == 3 and "damaged" in out, out
 
 
+def test_a_private_copy_reaching_past_the_arena_makes_the_plan_bad(plan_check, tmp_path):
+    """The loader writes the arena's private copies while the file's checksum is still being
+    computed (nimble_file_check_start): the reader keeps each inside the arena past its base's
+    alignment slack, so that a damaged plan cannot send them into other memory.  A copy that
+    ends at the last byte allowed is read; one byte less of arena and the plan is bad."""
+    from nimble.ir.saved_format import SavedFile
+
+    path, plan = _saved_with_plan(tmp_path, "inception_v3_bfloat16")  # cuDNN's 32 MiB workspace
+    (offset, size, _), = plan["buckets"][0]["private"]
+    room = plan["arena_size"] - plan["alignment"]
+    assert offset + size == room  # the writer's layout: the slack after the last state
+    data = bytearray(SavedFile.read(path).extra["c_plan"])
+    for arena, want in ((plan["arena_size"], 0), (plan["arena_size"] - 1, 3)):
+        struct.pack_into("<Q", data, 8 * 4, arena)  # the plan's fifth word: the arena's size
+        changed = SavedFile({"format": "x"}, b"\0" * 64, extra={"c_plan": bytes(data)}).write(
+            tmp_path / "arena.nimble")
+        rc, out = _run(plan_check, changed)
+        assert rc == want and (want == 0 or "damaged" in out), out
+
+
 def test_the_c_reader_refuses_a_file_of_several_graphs(plan_check, tmp_path):
     from test_c_plan import _stand_in
 
@@ -357,3 +377,129 @@ def test_a_programmatic_edge_that_is_no_edge_or_leaves_a_kernel_makes_the_plan_b
         SavedFile({"format": "x"}, b"\0" * 64, extra={"c_plan": bytes(bad)}).write(out)
         rc, text = _run(plan_check, out)
         assert rc == 3, text
+
+
+# ---- nimble_load on a fake driver, on the CPU ---------------------------------------------------
+
+FAKE_SIZES = [40, 3 << 20, 1000, 200_000, 64, 5000, 1 << 20, 77, 300, 90_000, 12, 9 << 20]
+
+
+@pytest.fixture(scope="module", params=["plain", "thread sanitizer"])
+def fake_load(request, tmp_path_factory) -> Path:
+    """tests/c_host/fake_driver.c linked with the whole runtime: nimble_load with its threads,
+    on a driver of the test's own (no GPU); also built with ThreadSanitizer where the compiler
+    and the machine run it."""
+    cc, include = _toolchain()
+    folder = tmp_path_factory.mktemp("fake")
+    flags = ["-O2"] if request.param == "plain" else ["-O1", "-g", "-fsanitize=thread"]
+    if request.param != "plain":
+        probe = folder / "probe.c"
+        probe.write_text("int main(void) { return 0; }\n")
+        done = subprocess.run([cc, *flags, str(probe), "-o", str(folder / "probe")],
+                              capture_output=True, text=True)
+        if done.returncode != 0 or subprocess.run([str(folder / "probe")]).returncode != 0:
+            pytest.skip("no ThreadSanitizer here")
+    out = folder / "fake_driver"
+    cmd = [cc, *flags, "-std=c11", "-pthread", "-Wall", "-Wextra", "-Werror", "-I",
+           str(c_runtime.FOLDER), "-I", str(include), str(HOST.parent / "fake_driver.c"),
+           *[str(c_runtime.FOLDER / s) for s in c_runtime.SOURCES], "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, " ".join(cmd) + "\n" + done.stderr
+    return out
+
+
+def _fake_saved(tmp_path, wrong_hashes=()) -> tuple[Path, dict]:
+    """The branchy stand-in with 12 embedded binaries (FAKE_SIZES: one past the checksum's 8 MiB
+    chunk) tagged for the fake driver, 40 kernels over them, the weights' bytes in the file; the
+    binaries of ``wrong_hashes`` saved with another binary's hash.  (path, where things are)."""
+    import hashlib
+    import random
+
+    from test_c_plan import _stand_in
+
+    from nimble.engine.c_plan import c_plan
+    from nimble.ir.saved_format import SavedFile
+
+    rng = random.Random(0)
+    prepared, state, manifest, *_ = _stand_in("branchy")
+    blobs = bytearray()
+
+    def add(data: bytes) -> list[int]:
+        at = len(blobs)
+        blobs.extend(data + b"\0" * (-len(data) % 64))
+        return [at, len(data)]
+    binaries = []
+    for i, size in enumerate(FAKE_SIZES):
+        image = (f"BIN{i}\0".encode() + rng.randbytes(4096))[:size].ljust(size, b"\0")
+        digest = hashlib.sha256(image + (b"x" if i in wrong_hashes else b"")).hexdigest()
+        binaries.append({"kind": "embedded", "blob": add(image), "sha256": digest})
+    kernels = [{**manifest["kernels"][0], "binary": rng.randrange(len(binaries)) if k else 0,
+                "name": f"kernel{k}"} for k in range(40)]
+    for w in manifest["weights"]:
+        w["blob"] = add(rng.randbytes(w["size"]))
+    manifest.update(binaries=binaries, kernels=kernels)
+    data, why = c_plan(manifest, [prepared], [state], state.size)
+    assert why == ""
+    path = SavedFile({"format": "nimble.saved-graph"}, bytes(blobs),
+                     extra={"c_plan": data}).write(tmp_path / "fake.nimble")
+    raw = path.read_bytes()
+    where = {"blobs": raw.index(bytes(blobs[:64])), "plan": raw.index(data[:64]),
+             "binaries": [b["blob"][0] for b in binaries],
+             "weight": manifest["weights"][0]["blob"][0]}
+    return path, where
+
+
+def _fake_run(program: Path, path: Path, **env) -> tuple[int, list[str]]:
+    import os
+
+    done = subprocess.run([str(program), str(path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "FAKE_JITTER": "1", **env})
+    assert "ThreadSanitizer" not in done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines and lines[-1] == ("left: allocations 0 libraries 0 graphs 0 execs 0 contexts 0 "
+                                   "wild 0 no-context 0"), done.stdout + done.stderr
+    return done.returncode, lines
+
+
+def test_a_load_takes_each_kernels_function_from_its_own_binary(fake_load, tmp_path):
+    """One item per binary (read, hashed, loaded, its kernels' functions taken) over the
+    threads, the binaries ending out of order: every kernel's function is its own binary's,
+    and nimble_free leaves nothing behind."""
+    path, _ = _fake_saved(tmp_path)
+    for _ in range(3):
+        rc, lines = _fake_run(fake_load, path)
+        assert rc == 0 and lines[1] == "kernels 40 misplaced 0", lines
+
+
+@pytest.mark.parametrize("where", ["binary", "plan", "section table", "weight"])
+def test_a_damaged_files_checksum_error_wins_over_what_the_damage_did(fake_load, tmp_path,
+                                                                      where):
+    """The checksum runs beside the loading: a damaged file fails on it (status 3, its message)
+    whatever else failed meanwhile (a binary's hash, the plan, the sections; a library's load,
+    failed on purpose here too), and everything loaded by then is freed."""
+    path, at = _fake_saved(tmp_path)
+    raw = bytearray(path.read_bytes())
+    if where == "binary":
+        raw[at["blobs"] + at["binaries"][3] + 100] ^= 1
+    elif where == "plan":
+        raw[at["plan"]] ^= 1  # its magic
+    elif where == "section table":
+        struct.pack_into("<Q", raw, 64 + 48 * 2 + 16, 1 << 40)  # the c_plan section's offset
+    else:
+        raw[at["blobs"] + at["weight"]] ^= 1
+    path.write_bytes(bytes(raw))
+    rc, lines = _fake_run(fake_load, path, FAKE_FAIL_LIBRARY="5")
+    assert rc == 3 and lines[0].endswith("is damaged: its checksum does not match"), lines
+
+
+def test_the_first_failing_binary_in_binary_order_is_the_loads_error(fake_load, tmp_path):
+    """Every binary's item runs to its end whatever the others do, and the error kept is the
+    first failing binary's in binary order, however the items end: binary 3's hash here, not
+    binary 7's nor binary 9's failed load."""
+    path, at = _fake_saved(tmp_path, wrong_hashes=(3, 7))
+    for _ in range(5):
+        rc, lines = _fake_run(fake_load, path, FAKE_FAIL_LIBRARY="9")
+        assert rc == 6 and f"binary at byte {at['binaries'][3]} of the file" in lines[0], lines
+    path, _ = _fake_saved(tmp_path)
+    rc, lines = _fake_run(fake_load, path, FAKE_FAIL_LIBRARY="9", FAKE_MISSING_KERNEL="kernel0")
+    assert rc == 6 and "kernel kernel0 is not in the binary" in lines[0], lines  # binary 0's

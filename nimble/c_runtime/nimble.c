@@ -304,14 +304,26 @@ static nimble_status prove(nimble_model *m) {
 
 /* ---- the API ------------------------------------------------------------------------------ */
 
-static nimble_status load(nimble_model *m, const char *path, int device, unsigned flags) {
+/* What the checksum runs beside, reading bytes it has not vouched for yet (each read bounded). */
+static nimble_status load_unchecked(nimble_model *m, const char *path, int device, double *clock) {
     plan_t pl = {0};
-    double clock = seconds_now();
-    TRY(nimble_read_file(m, path, &pl));
+    TRY(nimble_find_sections(m, path, &pl));
     TRY(nimble_read_plan(m, &pl));
     TRY(check_device(m, device));
-    lap(m, NIMBLE_STAGE_READ, &clock);
-    TRY(nimble_load_kernels_and_memory(m));
+    lap(m, NIMBLE_STAGE_READ, clock);
+    return nimble_load_kernels_and_memory(m);
+}
+
+/* The checksum is joined on every path before load returns (nimble_load unmaps the file it
+ * reads), and its failure is the load's whatever else failed meanwhile: a damaged file's
+ * other errors are the damage's. */
+static nimble_status load(nimble_model *m, const char *path, int device, unsigned flags) {
+    double clock = seconds_now();
+    TRY(nimble_map_file(m, path));
+    nimble_file_check check;
+    nimble_file_check_start(m, &check);
+    nimble_status s = load_unchecked(m, path, device, &clock);
+    TRY(nimble_file_check_finish(m, &check, path, s));
     clock = seconds_now();
     for (uint64_t k = 0; k < m->nbuckets; k++) {
         bucket_t *b = &m->buckets[k];

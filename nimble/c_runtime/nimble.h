@@ -7,6 +7,8 @@
  * its SHA-256, or an image inside the file), places the weights and external memory, builds
  * and instantiates every bucket of every instance as an explicit multi-stream CUDA graph, and
  * proves each against the outputs saved with the file, bit for bit, after poisoning its arena.
+ * The file's checksum is computed on a thread of its own while the kernels and memory load,
+ * and checked before any graph is built: a damaged file fails on it whatever else failed.
  *
  * A saved file is code: its kernels run with its arguments.  Load only files you trust.
  *
@@ -98,16 +100,28 @@ nimble_status nimble_run(const nimble_model *model, int bucket, int instance, CU
  * load gives); else why the driver refused, and the graphs launch from the host. */
 const char *nimble_launch_note(const nimble_model *model);
 
-/* Where nimble_load's time went, in seconds: the stages in order. */
+/* Where nimble_load's time went, in seconds.  Three kinds of number:
+ *  - wall-clock on the calling thread, one after another, together about the whole load:
+ *    READ, KERNELS, WAIT, BUILD, VERIFY;
+ *  - wall-clock on a thread of its own, beside READ and KERNELS: MEMORY, CHECKSUM;
+ *  - the kernels' work summed over their threads (the time the binaries' items spent in each
+ *    part, not a span of the load: with threads side by side, together they can exceed
+ *    KERNELS): BINARIES, LIBRARIES, FUNCTIONS. */
 typedef enum nimble_load_stage {
-    NIMBLE_STAGE_READ = 0,     /* the file read, its checksum and plan checked */
-    NIMBLE_STAGE_BINARIES,     /* kernel binaries read from their libraries and hashed */
-    NIMBLE_STAGE_LIBRARIES,    /* cuLibraryLoadData of each binary */
-    NIMBLE_STAGE_FUNCTIONS,    /* each kernel's function taken and checked */
+    NIMBLE_STAGE_READ = 0,     /* the file mapped, its header, sections and plan read, the device
+                                  checked (not the checksum: CHECKSUM) */
+    NIMBLE_STAGE_BINARIES,     /* summed: kernel binaries read from their libraries and hashed */
+    NIMBLE_STAGE_LIBRARIES,    /* summed: cuLibraryLoadData of each binary */
+    NIMBLE_STAGE_FUNCTIONS,    /* summed: each kernel's function taken and checked */
     NIMBLE_STAGE_MEMORY,       /* weights and external memory uploaded, arenas allocated, on a
-                                  thread of its own beside the three stages before it */
+                                  thread of its own beside KERNELS */
     NIMBLE_STAGE_BUILD,        /* graphs built and instantiated */
     NIMBLE_STAGE_VERIFY,       /* the proof at load */
+    NIMBLE_STAGE_KERNELS,      /* every binary read, hashed, loaded and its kernels' functions
+                                  taken: one item per binary over up to 8 threads */
+    NIMBLE_STAGE_CHECKSUM,     /* the whole file's checksum, on a thread of its own from the
+                                  header's check on, beside READ and KERNELS */
+    NIMBLE_STAGE_WAIT,         /* after KERNELS, waiting for the MEMORY and CHECKSUM threads */
     NIMBLE_STAGE_COUNT
 } nimble_load_stage;
 double nimble_load_seconds(const nimble_model *model, nimble_load_stage stage);

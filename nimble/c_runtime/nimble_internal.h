@@ -8,6 +8,8 @@
 
 #include "nimble.h"
 
+#include <pthread.h>
+
 /* ---- errors and stage clocks (nimble.c) ---------------------------------------------------- */
 
 /* The bytes of one thread's last error message (nimble_last_error), a worker's copied with it. */
@@ -102,9 +104,7 @@ struct nimble_model {
     binary_t *binaries; kernel_t *kernels; memory_t *weights, *memory;
     uint64_t nlowbits; lowbits_t *lowbits; /* every bucket's, in order */
     bucket_t *buckets;
-    CUlibrary *libraries;
-    const uint8_t **images; /* each binary's bytes, while the libraries load */
-    uint8_t **owned_images; /* those read from library files (freed after the loads) */
+    CUlibrary *libraries; /* per binary; each written only by the item that loads it */
     CUdeviceptr *arenas, *bases; /* per instance: as allocated, and aligned */
     uint8_t *file; size_t file_size; const uint8_t *blobs; size_t blobs_size;
     char launch_note[256]; /* "" while every exec is device-launchable */
@@ -126,11 +126,24 @@ static inline const uint8_t *blob(const nimble_model *m, blobref_t b) {
     return m->blobs + b.at;
 }
 
-/* Read and check the file at `path` (size, checksum, version, sections); `plan` is set to its
- * c_plan section.  The file's bytes are m->file. */
+/* Map the file at `path` and check what its checksum does not cover: its header (magic, format
+ * version, size).  The file's bytes are m->file. */
+nimble_status nimble_map_file(nimble_model *m, const char *path);
+
+/* NIMBLE_OK where `sum` (nimble_checksum of every byte after the header) is the one the header
+ * holds; else the damaged file's NIMBLE_ERROR_FORMAT and message. */
+nimble_status nimble_file_intact(const nimble_model *m, const uint8_t sum[32], const char *path);
+
+/* The section table read: m->blobs and `plan` (the c_plan section) set.  The table lies in the
+ * checksummed bytes: before the checksum is known good, its errors may be the damage's. */
+nimble_status nimble_find_sections(nimble_model *m, const char *path, plan_t *plan);
+
+/* nimble_map_file, the checksum checked on this thread (and nimble_checksum's), then
+ * nimble_find_sections: a damaged file refused before a byte of its plan is read.  For readers
+ * that stop at the plan (tests/c_host/plan_check.c); nimble_load checks beside the loading. */
 nimble_status nimble_read_file(nimble_model *m, const char *path, plan_t *plan);
 
-/* Unmap the file nimble_read_file mapped, and forget its blobs (idempotent). */
+/* Unmap the file nimble_map_file mapped, and forget its blobs (idempotent). */
 void nimble_release_file(nimble_model *m);
 
 /* Read the whole c_plan into m (its arrays allocated; raw bytes point into m->file). */
@@ -138,9 +151,26 @@ nimble_status nimble_read_plan(nimble_model *m, plan_t *plan);
 
 /* ---- the kernels and the memory (nimble_load.c) -------------------------------------------- */
 
-/* Every kernel binary read and hashed, loaded, and each kernel's function taken, on this thread
- * and its workers; the weights, external memory and arenas uploaded on a thread of its own
- * meanwhile.  The kernels' failure first, then the memory's, as this thread's error. */
+/* One item per kernel binary, on this thread and its workers: the binary read and held to its
+ * SHA-256, loaded, then the functions of its kernels taken; the weights, external memory and
+ * arenas uploaded on a thread of their own meanwhile.  The kernels' failure first (the first
+ * failing binary's, in binary order), then the memory's, as this thread's error. */
 nimble_status nimble_load_kernels_and_memory(nimble_model *m);
+
+/* The whole file's checksum, computed on a thread of its own while the plan, the kernels and
+ * the memory load: nimble_file_check_start after nimble_map_file, nimble_file_check_finish
+ * (joins it) before the graphs are built.  A damaged file's bytes reach the loaders meanwhile:
+ * every read of them is bounded, and whatever they make is freed by nimble_free. */
+typedef struct {
+    const uint8_t *data; size_t size; uint8_t sum[32]; double seconds;
+    pthread_t thread; int started;
+} nimble_file_check;
+
+void nimble_file_check_start(const nimble_model *m, nimble_file_check *check);
+
+/* Joins the checksum: its failure wins over `then` (the status of the loading beside it, whose
+ * message, if any, is this thread's error and stays so where the checksum is good). */
+nimble_status nimble_file_check_finish(nimble_model *m, nimble_file_check *check,
+                                       const char *path, nimble_status then);
 
 #endif /* NIMBLE_INTERNAL_H */

@@ -1,8 +1,9 @@
 /*
- * The kernels and the memory of a load (nimble.c's nimble_load): every kernel binary read from
- * the file or its library and hashed, the libraries loaded and each kernel's function taken and
- * checked, on several threads; beside them, on a thread of its own, the weights, the external
- * memory and the arenas uploaded.
+ * The kernels and the memory of a load (nimble.c's nimble_load): one item per kernel binary,
+ * over several threads, that reads it from the file or its library, holds it to its SHA-256,
+ * loads it and takes and checks the functions of its kernels; beside them, on a thread of its
+ * own, the weights, the external memory and the arenas uploaded; and, on another, the whole
+ * file's checksum, which the load joins before building.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "nimble_internal.h"
@@ -20,7 +21,7 @@
 
 /* The bytes of binary `b`: a view into the file's blobs, or read from its library file into
  * *owned (the caller frees it).  Its hash is checked by the caller. */
-static nimble_status binary_image(nimble_model *m, binary_t *b, uint8_t **owned,
+static nimble_status binary_image(nimble_model *m, const binary_t *b, uint8_t **owned,
                                   const uint8_t **image) {
     *owned = NULL;
     if (!b->library) {
@@ -77,63 +78,14 @@ static nimble_status load_kernel(nimble_model *m, kernel_t *k) {
     return NIMBLE_OK;
 }
 
-/* ---- work spread over threads -------------------------------------------------------------- */
+/* ---- kernels: one item per binary ------------------------------------------------------ */
 
-/* One item of parallel work, run with the model's context current: its status, and its
- * message (a worker's nimble_last_error is its own thread's). */
-typedef nimble_status (*item_fn)(nimble_model *m, uint64_t i);
-typedef struct {
-    nimble_model *m; item_fn fn; nimble_status *status; char (*message)[NIMBLE_MESSAGE_BYTES];
-} items_t;
-
-static void run_item(void *arg, size_t i) {
-    items_t *job = arg;
-    CUresult r = cuCtxSetCurrent(job->m->ctx);
-    job->status[i] = r == CUDA_SUCCESS ? job->fn(job->m, i)
-                                       : nimble_cuda_fail("cuCtxSetCurrent", r);
-    if (job->status[i] != NIMBLE_OK)
-        snprintf(job->message[i], sizeof job->message[i], "%s", nimble_last_error());
-}
-
-/* fn(m, i) for every i < count, over nimble_spread's threads; the first failing item's status
- * and message, in item order, as this thread's error. */
-static nimble_status spread(nimble_model *m, item_fn fn, uint64_t count) {
-    if (count == 0) return NIMBLE_OK;
-    nimble_status *status = calloc((size_t)count, sizeof *status);
-    char (*message)[NIMBLE_MESSAGE_BYTES] = calloc((size_t)count, sizeof *message);
-    if (!status || !message) {
-        free(status); free(message);
-        return fail(NIMBLE_ERROR_IO, "out of memory");
-    }
-    items_t job = {m, fn, status, message};
-    nimble_spread(run_item, &job, (size_t)count);
-    nimble_status s = NIMBLE_OK;
-    for (uint64_t i = 0; i < count && s == NIMBLE_OK; i++)
-        if (status[i] != NIMBLE_OK) s = fail(status[i], "%s", message[i]);
-    free(status); free(message);
-    return s;
-}
-
-/* ---- kernels ----------------------------------------------------------------------------- */
-
-static nimble_status load_library(nimble_model *m, uint64_t i) {
-    CUresult r = cuLibraryLoadData(&m->libraries[i], m->images[i], NULL, NULL, 0, NULL, NULL,
-                                   0);
-    return r == CUDA_SUCCESS ? NIMBLE_OK : cuda_fail("cuLibraryLoadData", r);
-}
-
-static nimble_status load_kernel_item(nimble_model *m, uint64_t i) {
-    return load_kernel(m, &m->kernels[i]);
-}
-
-/* Binary i read (from its library file, or viewed in the file) and its SHA-256 held to the
- * saved one: one item of the threads' work, so that the library files are read side by side
- * as they are hashed. */
-static nimble_status read_binary_item(nimble_model *m, uint64_t i) {
-    binary_t *b = &m->binaries[i];
-    TRY(binary_image(m, b, &m->owned_images[i], &m->images[i]));
+/* The bytes of binary `b` (*owned: the caller frees it) held to its saved SHA-256. */
+static nimble_status read_binary(nimble_model *m, const binary_t *b, uint8_t **owned,
+                                 const uint8_t **image) {
+    TRY(binary_image(m, b, owned, image));
     uint8_t sum[32];
-    nimble_sha256(m->images[i], (size_t)b->size, sum);
+    nimble_sha256(*image, (size_t)b->size, sum);
     if (memcmp(sum, b->sha, 32) != 0)
         return fail(NIMBLE_ERROR_LIBRARY, "the kernel binary at byte %llu of %s is not the "
                     "one the graph was saved with (another version of the library)",
@@ -141,37 +93,137 @@ static nimble_status read_binary_item(nimble_model *m, uint64_t i) {
     return NIMBLE_OK;
 }
 
-/* Every binary read and its hash checked (on several threads), before the driver loads any;
- * then the libraries loaded side by side. */
-static nimble_status load_binaries(nimble_model *m) {
-    double clock = seconds_now();
-    TRY(spread(m, read_binary_item, m->nbinaries));
-    lap(m, NIMBLE_STAGE_BINARIES, &clock);
-    TRY(spread(m, load_library, m->nbinaries));
-    lap(m, NIMBLE_STAGE_LIBRARIES, &clock);
+/* Set only where the load worked: nimble_free unloads every library that is not NULL. */
+static nimble_status load_library(nimble_model *m, uint64_t i, const uint8_t *image) {
+    CUlibrary library = NULL;
+    CUresult r = cuLibraryLoadData(&library, image, NULL, NULL, 0, NULL, NULL, 0);
+    if (r != CUDA_SUCCESS) return cuda_fail("cuLibraryLoadData", r);
+    m->libraries[i] = library;
     return NIMBLE_OK;
 }
 
-/* The binaries and libraries (load_binaries), then every kernel's function; the binaries'
- * bytes read from library files are freed once the libraries are loaded. */
-static nimble_status load_kernels(nimble_model *m) {
-    size_t n = m->nbinaries ? (size_t)m->nbinaries : 1;
-    m->libraries = calloc(n, sizeof(CUlibrary));
-    m->images = calloc(n, sizeof *m->images);
-    m->owned_images = calloc(n, sizeof *m->owned_images);
-    nimble_status s = m->libraries && m->images && m->owned_images
-                          ? load_binaries(m)
-                          : fail(NIMBLE_ERROR_IO, "out of memory");
-    for (uint64_t i = 0; m->owned_images && i < m->nbinaries; i++) free(m->owned_images[i]);
-    free(m->images); free(m->owned_images);
-    m->images = NULL;
-    m->owned_images = NULL;
-    TRY(s);
-    double clock = seconds_now();
-    TRY(spread(m, load_kernel_item, m->nkernels));
-    lap(m, NIMBLE_STAGE_FUNCTIONS, &clock);
+typedef struct { uint64_t size, binary; } sized_t;
+
+/* The items' shared state.  An item writes only its own binary's slots (status, message,
+ * seconds, m->libraries[binary]) and the functions of its own kernels: each kernel has one
+ * binary, so no two items write one place. */
+typedef struct {
+    nimble_model *m;
+    sized_t *order;            /* the order items are taken in: the largest binaries first */
+    uint64_t *first, *members; /* binary i's kernels: members[first[i]] to members[first[i+1]-1] */
+    double (*seconds)[3];      /* per binary: read and hashed, loaded, its functions taken */
+    nimble_status *status;
+    char (*message)[NIMBLE_MESSAGE_BYTES];
+} kernels_job_t;
+
+static void tick(double *into, double *clock) {
+    double now = seconds_now();
+    *into += now - *clock;
+    *clock = now;
+}
+
+/* Binary i read and hashed, loaded, then its kernels' functions taken: a library's load need
+ * not wait for every other binary's hash, nor a function for every other library's load.  The
+ * bytes read from a library file are freed once its kernels' functions are taken. */
+static nimble_status binary_item(kernels_job_t *job, uint64_t i) {
+    nimble_model *m = job->m;
+    double *seconds = job->seconds[i], clock = seconds_now();
+    uint8_t *owned = NULL;
+    const uint8_t *image = NULL;
+    nimble_status s = read_binary(m, &m->binaries[i], &owned, &image);
+    tick(&seconds[0], &clock);
+    if (s == NIMBLE_OK) s = load_library(m, i, image);
+    tick(&seconds[1], &clock);
+    for (uint64_t f = job->first[i]; s == NIMBLE_OK && f < job->first[i + 1]; f++)
+        s = load_kernel(m, &m->kernels[job->members[f]]);
+    tick(&seconds[2], &clock);
+    free(owned);
+    return s;
+}
+
+/* Run with the model's context current (cuKernelGetFunction needs one); a worker's
+ * nimble_last_error is its own thread's, so the message is copied beside the status. */
+static void run_binary_item(void *arg, size_t taken) {
+    kernels_job_t *job = arg;
+    uint64_t i = job->order[taken].binary;
+    CUresult r = cuCtxSetCurrent(job->m->ctx);
+    job->status[i] = r == CUDA_SUCCESS ? binary_item(job, i)
+                                       : nimble_cuda_fail("cuCtxSetCurrent", r);
+    if (job->status[i] != NIMBLE_OK)
+        snprintf(job->message[i], sizeof job->message[i], "%s", nimble_last_error());
+}
+
+static int larger_first(const void *a, const void *b) {
+    const sized_t *x = a, *y = b;
+    if (x->size != y->size) return x->size < y->size ? 1 : -1;
+    return (x->binary > y->binary) - (x->binary < y->binary);
+}
+
+/* The largest binaries are taken first, so that none of them starts last, alone. */
+static void order_binaries(kernels_job_t *job) {
+    for (uint64_t i = 0; i < job->m->nbinaries; i++)
+        job->order[i] = (sized_t){job->m->binaries[i].size, i};
+    qsort(job->order, (size_t)job->m->nbinaries, sizeof *job->order, larger_first);
+}
+
+/* Kernel indices grouped by binary, in kernel order within each (a counting sort; the reader
+ * checked every kernel's binary index). */
+static void group_kernels(kernels_job_t *job) {
+    const nimble_model *m = job->m;
+    for (uint64_t k = 0; k < m->nkernels; k++) job->first[m->kernels[k].binary + 1]++;
+    for (uint64_t i = 0; i < m->nbinaries; i++) job->first[i + 1] += job->first[i];
+    for (uint64_t k = 0; k < m->nkernels; k++) /* first[b] moves to first[b + 1] as it fills */
+        job->members[job->first[m->kernels[k].binary]++] = k;
+    for (uint64_t i = m->nbinaries; i > 0; i--) job->first[i] = job->first[i - 1];
+    job->first[0] = 0;
+}
+
+static int job_alloc(kernels_job_t *job, nimble_model *m) {
+    size_t n = (size_t)m->nbinaries + 1, k = (size_t)m->nkernels + 1;
+    job->m = m;
+    job->order = calloc(n, sizeof *job->order);
+    job->first = calloc(n, sizeof *job->first);
+    job->members = calloc(k, sizeof *job->members);
+    job->seconds = calloc(n, sizeof *job->seconds);
+    job->status = calloc(n, sizeof *job->status);
+    job->message = calloc(n, sizeof *job->message);
+    return job->order && job->first && job->members && job->seconds && job->status &&
+           job->message;
+}
+
+static void job_free(kernels_job_t *job) {
+    free(job->order); free(job->first); free(job->members);
+    free(job->seconds); free(job->status); free(job->message);
+}
+
+/* The items spread over threads; every item runs (none is cut short by another's failure), so
+ * the error reported, the first failing binary's in binary order, is the same on every run. */
+static nimble_status run_binaries(kernels_job_t *job) {
+    static const nimble_load_stage PARTS[3] = {
+        NIMBLE_STAGE_BINARIES, NIMBLE_STAGE_LIBRARIES, NIMBLE_STAGE_FUNCTIONS};
+    nimble_model *m = job->m;
+    order_binaries(job);
+    group_kernels(job);
+    nimble_spread(run_binary_item, job, (size_t)m->nbinaries);
+    for (uint64_t i = 0; i < m->nbinaries; i++)
+        for (int p = 0; p < 3; p++) m->stage_seconds[PARTS[p]] += job->seconds[i][p];
+    for (uint64_t i = 0; i < m->nbinaries; i++)
+        if (job->status[i] != NIMBLE_OK) return fail(job->status[i], "%s", job->message[i]);
     return NIMBLE_OK;
 }
+
+static nimble_status load_kernels(nimble_model *m) {
+    double clock = seconds_now();
+    kernels_job_t job = {0};
+    m->libraries = calloc(m->nbinaries ? (size_t)m->nbinaries : 1, sizeof(CUlibrary));
+    nimble_status s = m->libraries && job_alloc(&job, m) ? run_binaries(&job)
+                                                         : fail(NIMBLE_ERROR_IO, "out of memory");
+    job_free(&job);
+    lap(m, NIMBLE_STAGE_KERNELS, &clock);
+    return s;
+}
+
+/* ---- memory ------------------------------------------------------------------------------ */
 
 static nimble_status upload(nimble_model *m, memory_t *t, uint64_t n, const char *what) {
     for (uint64_t i = 0; i < n; i++) {
@@ -290,10 +342,42 @@ nimble_status nimble_load_kernels_and_memory(nimble_model *m) {
     pthread_t id;
     int started = pthread_create(&id, NULL, memory_worker, &job) == 0;
     nimble_status kernels = load_kernels(m);
+    double clock = seconds_now();
     if (started)
         pthread_join(id, NULL);
     else if (kernels == NIMBLE_OK)
         memory_worker(&job);
+    lap(m, NIMBLE_STAGE_WAIT, &clock);
     TRY(kernels);
     return job.status == NIMBLE_OK ? NIMBLE_OK : fail(job.status, "%s", job.message);
+}
+
+/* ---- the file's checksum ------------------------------------------------------------------ */
+
+/* Touches nothing of the model: the loading beside it writes the model freely. */
+static void *check_worker(void *arg) {
+    nimble_file_check *check = arg;
+    double clock = seconds_now();
+    nimble_checksum(check->data, check->size, check->sum);
+    check->seconds = seconds_now() - clock;
+    return NULL;
+}
+
+void nimble_file_check_start(const nimble_model *m, nimble_file_check *check) {
+    check->data = m->file + 64; /* nimble_map_file checked there are 64 bytes */
+    check->size = m->file_size - 64;
+    check->seconds = 0.0;
+    check->started = pthread_create(&check->thread, NULL, check_worker, check) == 0;
+    if (!check->started) check_worker(check); /* no thread: hashed here, before the loading */
+}
+
+nimble_status nimble_file_check_finish(nimble_model *m, nimble_file_check *check,
+                                       const char *path, nimble_status then) {
+    double clock = seconds_now();
+    if (check->started) pthread_join(check->thread, NULL);
+    check->started = 0;
+    lap(m, NIMBLE_STAGE_WAIT, &clock);
+    m->stage_seconds[NIMBLE_STAGE_CHECKSUM] = check->seconds;
+    nimble_status sum = nimble_file_intact(m, check->sum, path);
+    return sum != NIMBLE_OK ? sum : then;
 }

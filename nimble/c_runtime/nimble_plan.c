@@ -163,6 +163,17 @@ static void rd_low_bits(plan_t *pl, nimble_model *m, uint64_t k) {
     }
 }
 
+/* A private copy, kept inside the arena past its base's alignment slack: the loader writes the
+ * copies while the file's checksum is still being computed, so a damaged plan must not send
+ * them outside the model's own allocation (into memory of another model in the context). */
+static void rd_private(plan_t *pl, private_t *p, const nimble_model *m) {
+    uint64_t room = m->arena_size >= m->alignment ? m->arena_size - m->alignment : 0;
+    p->offset = rd(pl);
+    p->size = rd(pl);
+    rd_blob(pl, &p->blob);
+    if (p->offset > room || p->size > room - p->offset) pl->bad = 1;
+}
+
 static void rd_bucket(plan_t *pl, bucket_t *b, nimble_model *m, uint64_t k) {
     b->plan_bytes = rd(pl);
     if (pl->version >= 3) rd_low_bits(pl, m, k); /* before every place that may name one */
@@ -174,11 +185,7 @@ static void rd_bucket(plan_t *pl, bucket_t *b, nimble_model *m, uint64_t k) {
     for (uint64_t i = 0; !pl->bad && i < b->noutputs; i++) rd_tensor(pl, &b->outputs[i], m);
     b->nprivate = rd(pl);
     b->private_ = arr(pl, b->nprivate, sizeof(private_t));
-    for (uint64_t i = 0; !pl->bad && i < b->nprivate; i++) {
-        b->private_[i].offset = rd(pl);
-        b->private_[i].size = rd(pl);
-        rd_blob(pl, &b->private_[i].blob);
-    }
+    for (uint64_t i = 0; !pl->bad && i < b->nprivate; i++) rd_private(pl, &b->private_[i], m);
     b->nnodes = rd(pl);
     b->nodes = arr(pl, b->nnodes, sizeof(node_t));
     for (uint64_t i = 0; !pl->bad && i < b->nnodes; i++) rd_node(pl, &b->nodes[i], m);
@@ -286,7 +293,7 @@ void nimble_release_file(nimble_model *m) {
     m->blobs_size = 0;
 }
 
-nimble_status nimble_read_file(nimble_model *m, const char *path, plan_t *pl) {
+nimble_status nimble_map_file(nimble_model *m, const char *path) {
     /* Mapped, not copied: the checksum, the plan and the weights' uploads read the page
      * cache's bytes where they are. */
     int fd = open(path, O_RDONLY);
@@ -319,10 +326,18 @@ nimble_status nimble_read_file(nimble_model *m, const char *path, plan_t *pl) {
                     path, version);
     if (le64(d + 24) != got)
         return fail(NIMBLE_ERROR_FORMAT, "%s is truncated or has bytes appended", path);
-    uint8_t sum[32];
-    nimble_checksum(d + 64, got - 64, sum);
-    if (memcmp(sum, d + 32, 32) != 0)
+    return NIMBLE_OK;
+}
+
+nimble_status nimble_file_intact(const nimble_model *m, const uint8_t sum[32], const char *path) {
+    if (memcmp(sum, m->file + 32, 32) != 0)
         return fail(NIMBLE_ERROR_FORMAT, "%s is damaged: its checksum does not match", path);
+    return NIMBLE_OK;
+}
+
+nimble_status nimble_find_sections(nimble_model *m, const char *path, plan_t *pl) {
+    const uint8_t *d = m->file;
+    size_t got = m->file_size;
     uint32_t count = (uint32_t)(le64(d + 16) & 0xffffffffu);
     int have_plan = 0;
     for (uint32_t i = 0; i < count && 64 + 48 * (size_t)(i + 1) <= got; i++) {
@@ -340,4 +355,12 @@ nimble_status nimble_read_file(nimble_model *m, const char *path, plan_t *pl) {
         return fail(NIMBLE_ERROR_UNSUPPORTED, "%s has no c_plan section: save it again with "
                     "a Nimble that writes one", path);
     return NIMBLE_OK;
+}
+
+nimble_status nimble_read_file(nimble_model *m, const char *path, plan_t *pl) {
+    uint8_t sum[32];
+    TRY(nimble_map_file(m, path));
+    nimble_checksum(m->file + 64, m->file_size - 64, sum);
+    TRY(nimble_file_intact(m, sum, path));
+    return nimble_find_sections(m, path, pl);
 }

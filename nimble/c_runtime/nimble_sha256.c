@@ -8,6 +8,7 @@
 #include "nimble_sha256.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -91,15 +92,21 @@ static void sha256_blocks_ni(sha256_t *s, const uint8_t *p, size_t blocks) {
     _mm_storeu_si128((__m128i *)&s->h[4], _mm_alignr_epi8(dchg, feba, 8));
 }
 
-/* The CPU has the SHA extensions and NIMBLE_NO_SHA_NI does not turn them off, asked once. */
+static int sha_ni;
+static pthread_once_t sha_ni_asked = PTHREAD_ONCE_INIT;
+
+static void ask_sha_ni(void) {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    sha_ni = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 29 & 1u) &&
+             !getenv("NIMBLE_NO_SHA_NI");
+}
+
+/* The CPU has the SHA extensions and NIMBLE_NO_SHA_NI does not turn them off, asked once: a
+ * load hashes on the checksum's threads and the kernels' at once, so the first answer is
+ * published through pthread_once rather than raced. */
 static int use_sha_ni(void) {
-    static int known = -1; /* races only write the same value */
-    if (known < 0) {
-        unsigned a = 0, b = 0, c = 0, d = 0;
-        known = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 29 & 1u) &&
-                !getenv("NIMBLE_NO_SHA_NI");
-    }
-    return known;
+    pthread_once(&sha_ni_asked, ask_sha_ni);
+    return sha_ni;
 }
 #endif
 
@@ -138,25 +145,27 @@ void nimble_sha256(const uint8_t *data, size_t n, uint8_t out[32]) {
 #define CHUNK ((size_t)8 << 20)
 #define MAX_THREADS 8
 
-typedef struct { void (*fn)(void *, size_t); void *arg; size_t first, step, count; } share_t;
+/* Items are claimed one at a time from a shared counter, not dealt out in turn: the loader's
+ * items (one per kernel binary) differ in cost by orders of magnitude, and a thread that drew
+ * small ones takes the next item rather than sitting idle beside one that drew large ones. */
+typedef struct { void (*fn)(void *, size_t); void *arg; size_t count; atomic_size_t next; } share_t;
 
 static void *run_share(void *p) {
     share_t *job = p;
-    for (size_t i = job->first; i < job->count; i += job->step) job->fn(job->arg, i);
+    for (size_t i = atomic_fetch_add(&job->next, 1); i < job->count;
+         i = atomic_fetch_add(&job->next, 1))
+        job->fn(job->arg, i);
     return NULL;
 }
 
 void nimble_spread(void (*fn)(void *arg, size_t i), void *arg, size_t count) {
     size_t threads = count < MAX_THREADS ? count : MAX_THREADS;
     pthread_t ids[MAX_THREADS];
-    share_t jobs[MAX_THREADS];
-    int started[MAX_THREADS] = {0}; /* the first share is this thread's */
-    for (size_t t = 0; t < threads; t++) {
-        jobs[t] = (share_t){fn, arg, t, threads, count};
-        if (t > 0) started[t] = pthread_create(&ids[t], NULL, run_share, &jobs[t]) == 0;
-    }
-    for (size_t t = 0; t < threads; t++)
-        if (!started[t]) run_share(&jobs[t]);
+    int started[MAX_THREADS] = {0};
+    share_t job = {fn, arg, count, 0};
+    for (size_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], NULL, run_share, &job) == 0;
+    run_share(&job); /* returns once every item is claimed: a thread not started claims none */
     for (size_t t = 1; t < threads; t++)
         if (started[t]) pthread_join(ids[t], NULL);
 }

@@ -22,8 +22,8 @@ void nimble_checksum(const uint8_t *data, size_t n, uint8_t out[32]);
 void nimble_sha256_many(const uint8_t *const *data, const size_t *n, uint8_t (*out)[32],
                         size_t count);
 
-/* fn(arg, i) for every i < count, on up to 8 threads, this one among them (a share whose
- * thread cannot be started runs here). */
+/* fn(arg, i) for every i < count, on up to 8 threads, this one among them, each item taken by
+ * the next thread free (where no thread can be started, this one runs them all). */
 void nimble_spread(void (*fn)(void *arg, size_t i), void *arg, size_t count);
 
 #ifdef __cplusplus
