@@ -77,8 +77,9 @@ def failed_proofs_saved_aside(monkeypatch, tmp_path):
 
 @pytest.fixture
 def no_gpu_work(monkeypatch):
-    """Fail the test where a load asks for the GPU (or the driver) at all: a damaged saved file
-    must be refused before."""
+    """Fail the test where a load asks for the GPU (or the driver) at all: a saved file whose
+    structure does not hold must be refused before (its checksum, hashed meanwhile, holds later,
+    before any graph is built: tests/test_load_checksum.py)."""
     import torch
 
     from nimble.engine import loading

@@ -1,19 +1,21 @@
 """``nimble.load(path, model=None)``: a saved graph rebuilt in this process, and proven.
 
 Nothing is recorded and nothing scheduled: the file says what ``prepare()`` decided
-(:mod:`nimble.engine.saving`).  Loading first reads and checks the whole file on the CPU: the
-container (checksum, format version), every field of the manifest for its type and range
-(:mod:`nimble.ir.saved_manifest`), each bucket's graph against its row
-(:mod:`nimble.ir.saved_graph_check`), so that a damaged file is a
+(:mod:`nimble.engine.saving`).  Loading first reads and checks the file's structure on the
+CPU: the container (format version, size, section table), every field of the manifest for its
+type and range (:mod:`nimble.ir.saved_manifest`), each bucket's graph against its row
+(:mod:`nimble.ir.saved_graph_check`), so that a file whose structure does not hold is a
 :class:`~nimble.errors.LoadError` on any machine, GPU or not, before anything is allocated.
-Then the GPU: its architecture and driver are held against the file's, every
+The whole file's checksum is hashed on threads of its own meanwhile and on through the GPU
+work that follows: the GPU's architecture and driver are held against the file's, every
 kernel is loaded from its binary and checked against its saved fingerprint
-(:mod:`nimble.engine.kernel_binaries`, on worker threads) while the weights are put in place
-(the model's, by name, or the file's) and the external memory copied, the private copies of
-library memory restored, and every
-bucket of every instance built through the same
-:func:`~nimble.engine.prepared.build_prepared` that prepare uses, from stored nodes instead of
-recorded ones.
+(:mod:`nimble.engine.kernel_binaries`, on worker threads, each binary held to its own SHA-256
+before the driver sees it) while the weights are put in place (the model's, by name, or the
+file's) and the external memory copied, the private copies of library memory restored.  The
+checksum must hold before any graph is built: a damaged file is its LoadError, whatever the
+damage broke first, and nothing of it has run.  Then every bucket of every instance is built
+through the same :func:`~nimble.engine.prepared.build_prepared` that prepare uses, from stored
+nodes instead of recorded ones.
 
 **The proof at load** is the served part of prepare's proof: the plan's region of every arena
 is poisoned, and each graph is launched on the two saved input sets in turn and must give the
@@ -38,7 +40,7 @@ from ..analysis.backfill import Backfill, Picked
 from ..analysis.memplan import MemPlan
 from ..analysis.schedule import Schedule
 from ..errors import InputError, LoadError, NoGpuError
-from ..ir.saved_format import SavedFile
+from ..ir.saved_format import PendingChecksum, SavedFile
 from ..ir.saved_graph_check import UndecodableGraph, bucket_graph, check_bucket_graph
 from ..ir.saved_manifest import check_manifest, graph_rows
 from ..ir.taskgraph import TaskGraph, TaskKind
@@ -339,19 +341,36 @@ def _decoded(saved: SavedFile, k: int) -> tuple[TaskGraph, Any]:
                         "file is damaged, save the model again") from None
 
 
-def _read(path, seconds: dict | None = None) -> tuple[SavedFile, list[tuple[TaskGraph, Any]]]:
-    """The file read and every part of it checked, on the CPU: the container, the manifest
-    (:func:`~nimble.ir.saved_manifest.check_manifest`), each bucket's graph against its row;
-    ``seconds`` gets ``read_file`` (mapping it, its checksum) and ``read_check`` (the rest)."""
+def _read(path, seconds: dict | None = None
+          ) -> tuple[SavedFile, list[tuple[TaskGraph, Any]], PendingChecksum]:
+    """The file read and every part of its structure checked, on the CPU: the container, the
+    manifest (:func:`~nimble.ir.saved_manifest.check_manifest`), each bucket's graph against
+    its row; and the file's checksum, still hashing on threads of its own (the caller waits for
+    it before anything of the file runs on the GPU).  An error here is the checksum's where
+    that fails.  ``seconds`` gets ``read_file`` (mapping it, its header, section table and
+    manifest) and ``read_check`` (the rest)."""
     began = time.perf_counter()
-    saved = SavedFile.read(path)
+    saved, checksum = SavedFile.read_pending(path)
     mapped = time.perf_counter()
-    check_manifest(saved.manifest, len(saved.blobs), str(path))
-    decoded = [_decoded(saved, k) for k in range(len(saved.manifest["buckets"]))]
+    with checksum.blaming():
+        check_manifest(saved.manifest, len(saved.blobs), str(path))
+        decoded = [_decoded(saved, k) for k in range(len(saved.manifest["buckets"]))]
     if seconds is not None:
         seconds["read_file"] = mapped - began
         seconds["read_check"] = time.perf_counter() - mapped
-    return saved, decoded
+    return saved, decoded, checksum
+
+
+def _checked_file(checksum: PendingChecksum, seconds: dict) -> None:
+    """Wait for the file's checksum (LoadError where the file is damaged); ``seconds`` gets
+    ``checksum`` (its hashing's wall-clock seconds, beside the rest of the load) and
+    ``checksum_wait`` (what the load waited for it)."""
+    began = time.perf_counter()
+    try:
+        checksum.verify()
+    finally:
+        seconds["checksum"] = checksum.seconds
+        seconds["checksum_wait"] = time.perf_counter() - began
 
 
 @dataclass
@@ -441,23 +460,50 @@ def load_graphs(path, model=None, *, verify: bool = True, quiet: bool = True,
     each with every bucket and instance built here and proven: ``(name, Serving)`` pairs in
     the file's order.  With ``single``, a file of several is a LoadError before anything
     reaches the GPU.  ``instances`` replaces every graph's count saved."""
-    import torch
-
     began = time.perf_counter()
     seconds: dict[str, float] = {}
-    saved, decoded = _read(path, seconds)  # a damaged file stops here, on any machine
-    manifest = saved.manifest
-    rows = graph_rows(manifest)
-    if single and len(rows) > 1:
-        raise LoadError(f"{path} holds {len(rows)} graphs ({', '.join(r['name'] for r in rows)}"
-                        "): a Generator's file, which nimble.generate.Generator.load reads")
+    # A file whose structure does not hold stops here, on any machine; its checksum goes on
+    # hashing beside the kernels' loading and the weights' copies.
+    saved, decoded, checksum = _read(path, seconds)
+    # Whatever the damage of a damaged file breaks first, the checksum's error is the one said.
+    with checksum.blaming():
+        manifest = saved.manifest
+        rows = graph_rows(manifest)
+        if single and len(rows) > 1:
+            raise LoadError(f"{path} holds {len(rows)} graphs "
+                            f"({', '.join(r['name'] for r in rows)}): a Generator's file, "
+                            "which nimble.generate.Generator.load reads")
+        device = _this_gpu(manifest)
+        seconds["read"] = time.perf_counter() - began
+        graphs = _built(saved, decoded, rows, model, device, checksum, seconds,
+                        instances=instances, verify=verify)
+    total = time.perf_counter() - began
+    say(f"loaded {path}: {len(manifest['buckets'])} bucket(s) of {len(graphs)} graph(s) in "
+        f"{total:.2f} s", quiet)
+    return manifest, [(graph.name, graph.serving(seconds, total)) for graph in graphs]
+
+
+def _this_gpu(manifest: dict):
+    """The current GPU, its context made, held against the file's architecture and driver."""
+    import torch
+
     if not torch.cuda.is_available():
         raise NoGpuError("loading a saved graph needs an NVIDIA GPU with a driver; none is "
                          "visible to this process")
     driver.ensure_context()
     device = torch.device("cuda", torch.cuda.current_device())
     _check_machine(manifest, device.index)
-    seconds["read"] = time.perf_counter() - began
+    return device
+
+
+def _built(saved: SavedFile, decoded: list, rows: list[dict], model, device,
+           checksum: PendingChecksum, seconds: dict, *, instances: int | None,
+           verify: bool) -> list[_Graph]:
+    """Every graph of the file built here and proven (see the module docstring), after its
+    checksum held; a failure at any step closes everything made so far."""
+    import torch
+
+    manifest = saved.manifest
     kernels: LoadedKernels | None = None
     graphs: list[_Graph] = []
     try:
@@ -470,6 +516,10 @@ def load_graphs(path, model=None, *, verify: bool = True, quiet: bool = True,
         graphs = [_Graph(r["name"], [buckets[i] for i in r["buckets"]],
                          instances or int(r["instances"]), bool(r["pad"])) for r in rows]
         seconds["weights_and_memory"] += time.perf_counter() - t0  # the buckets read too
+        # Until here the file's bytes were only copied (the weights, the reference inputs) or
+        # loaded after their own hash held (the kernels' binaries); a graph built from them
+        # runs its kernels with the file's arguments, so the whole file's checksum holds first.
+        _checked_file(checksum, seconds)
         t0 = time.perf_counter()
         for graph in graphs:
             graph.build(model)
@@ -489,7 +539,4 @@ def load_graphs(path, model=None, *, verify: bool = True, quiet: bool = True,
         if kernels is not None:
             kernels.close()  # after the execs that ran its kernels
         raise
-    total = time.perf_counter() - began
-    say(f"loaded {path}: {len(buckets)} bucket(s) of {len(graphs)} graph(s) in {total:.2f} s",
-        quiet)
-    return manifest, [(graph.name, graph.serving(seconds, total)) for graph in graphs]
+    return graphs

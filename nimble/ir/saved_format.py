@@ -14,9 +14,13 @@ structure, see ``docs/saved-format.md``), ``blobs`` (raw bytes the manifest poin
 offset and size: weights, library memory, embedded cubins, the reference inputs and outputs),
 and ``c_plan`` (the graph resolved for the C runtime, :mod:`nimble.engine.c_plan`).
 
-A file is read whole and its checksum held before anything in it is parsed: a truncated,
-damaged or altered file is refused with a :class:`~nimble.errors.LoadError` before any of it
-reaches the GPU.  Nothing in the file is executable Python (no pickle): the manifest is JSON.
+A file is read whole and its checksum held against it: a truncated, damaged or altered file is
+refused with a :class:`~nimble.errors.LoadError`.  :meth:`SavedFile.from_bytes` and
+:meth:`SavedFile.read` wait for the checksum before they return; :meth:`SavedFile.parse` and
+:meth:`SavedFile.read_pending` return with it still running (:class:`PendingChecksum`), for a
+loader that has work to do beside it and waits for it before anything of the file runs on the
+GPU.  Either way a failed checksum is the error of a damaged file, whatever else its damage
+broke first.  Nothing in the file is executable Python (no pickle): the manifest is JSON.
 Plain bytes and JSON: no GPU, no torch.
 """
 from __future__ import annotations
@@ -26,9 +30,12 @@ import json
 import mmap
 import os
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from ..errors import LoadError
 
@@ -52,18 +59,97 @@ def _digest(chunk) -> bytes:
     return hashlib.sha256(chunk).digest()
 
 
+def _chunks(data) -> list[memoryview]:
+    view = memoryview(data)
+    return [view[i:i + CHECKSUM_CHUNK] for i in range(0, len(view), CHECKSUM_CHUNK)]
+
+
+def _hash_threads(chunks: list, spare: int = 0) -> int:
+    return max(min(8, len(chunks), (os.cpu_count() or 1) - spare), 1)
+
+
 def checksum(data) -> bytes:
     """SHA-256 of the SHA-256 digests of ``data``'s consecutive 8 MiB chunks (the last one
     shorter): a hash list, so that a large file is checked on several cores (hashlib releases
     the GIL) while any changed byte still changes the result."""
-    view = memoryview(data)
-    chunks = [view[i:i + CHECKSUM_CHUNK] for i in range(0, len(view), CHECKSUM_CHUNK)]
+    chunks = _chunks(data)
     if len(chunks) > 1:
-        with ThreadPoolExecutor(max_workers=min(8, len(chunks), os.cpu_count() or 1)) as pool:
+        with ThreadPoolExecutor(max_workers=_hash_threads(chunks)) as pool:
             digests = list(pool.map(_digest, chunks))
     else:
         digests = [_digest(c) for c in chunks]
     return hashlib.sha256(b"".join(digests)).digest()
+
+
+def damaged_file(where: str) -> LoadError:
+    """The LoadError of a file whose checksum does not match its contents."""
+    return LoadError(f"{where} is damaged: its checksum does not match its contents; "
+                     "save the model again")
+
+
+class PendingChecksum:
+    """:func:`checksum` of a file's bytes, hashed on threads of its own from construction on
+    while the caller goes on (hashlib releases the GIL), and held against the header's
+    ``digest`` when asked: :meth:`error`, :meth:`verify`, :meth:`blaming`.  The bytes must not
+    change until then: the loader only reads the file's mapping before it waits."""
+
+    def __init__(self, data, digest: bytes, where: str, spare_cores: int = 1) -> None:
+        self.where = where
+        self._digest = digest
+        self._began = time.perf_counter()
+        chunks = _chunks(data)
+        # By default a core is left to the caller, whose work beside the hashing is why it
+        # is pending (on a 2-core machine, hashing on both slowed a stand-in load's CPU side
+        # by ~10 ms).
+        self._pool = ThreadPoolExecutor(max_workers=_hash_threads(chunks, spare_cores),
+                                        thread_name_prefix="nimble-checksum")
+        self._futures = [self._pool.submit(self._timed, c) for c in chunks]
+        self._matches: bool | None = None
+        #: The hashing's wall-clock seconds, from construction to its last chunk's digest.
+        self.seconds = 0.0
+
+    @staticmethod
+    def _timed(chunk) -> tuple[bytes, float]:
+        return _digest(chunk), time.perf_counter()
+
+    def error(self) -> LoadError | None:
+        """Wait for the hashing; a damaged file's LoadError (a new one each call), or None."""
+        if self._matches is None:
+            try:
+                done = [f.result() for f in self._futures]
+            finally:
+                self._pool.shutdown(wait=True)
+                self._futures = []  # the chunks' views: the file's buffer may be closed
+            self.seconds = max((end for _, end in done), default=self._began) - self._began
+            self._matches = hashlib.sha256(b"".join(d for d, _ in done)).digest() == self._digest
+        return None if self._matches else damaged_file(self.where)
+
+    def verify(self) -> None:
+        """Wait for the hashing; LoadError where the file is damaged."""
+        error = self.error()
+        if error is not None:
+            raise error
+
+    def abandon(self) -> None:
+        """Stop hashing without a verdict (chunks not begun are dropped); ask nothing after."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @contextmanager
+    def blaming(self) -> Iterator["PendingChecksum"]:
+        """Within: an error gives way to the damaged file's LoadError where the checksum fails,
+        since damaged bytes can break anything read from them first (a manifest that no longer
+        parses, a binary that no longer hashes to its row), and the damage is what to report.
+        An interrupt (not an Exception) goes on as it is, and stops the hashing."""
+        try:
+            yield self
+        except Exception:
+            error = self.error()
+            if error is not None:
+                raise error  # the error the damage caused stays its __context__
+            raise
+        except BaseException:
+            self.abandon()
+            raise
 
 
 @dataclass(frozen=True)
@@ -163,7 +249,19 @@ class SavedFile:
     @classmethod
     def from_bytes(cls, data: bytes, path: str = "") -> "SavedFile":
         """Parse and check a whole file (see the module docstring); LoadError for anything
-        that does not hold."""
+        that does not hold (the checksum's, where it fails, over any other)."""
+        saved, pending = cls.parse(data, path, spare_cores=0)  # waited for: every core
+        pending.verify()
+        return saved
+
+    @classmethod
+    def parse(cls, data: bytes, path: str = "", spare_cores: int = 1
+              ) -> tuple["SavedFile", PendingChecksum]:
+        """:meth:`from_bytes` without waiting for the checksum: the file, and its checksum
+        still hashing (on all cores but ``spare_cores``).  The header is checked before the
+        hashing starts (magic, version, size); the section table and the manifest while it
+        runs, their errors giving way to the checksum's where that fails
+        (:meth:`PendingChecksum.blaming`)."""
         where = path or "the file"
         if len(data) < HEADER.size or bytes(data[:8]) != MAGIC:
             raise LoadError(f"{where} is not a saved Nimble graph (no NIMBLEGR header)")
@@ -175,9 +273,12 @@ class SavedFile:
         if size != len(data):
             raise LoadError(f"{where} is truncated or has bytes appended: its header says "
                             f"{size} bytes, the file has {len(data)}; save the model again")
-        if checksum(memoryview(data)[HEADER.size:]) != digest:
-            raise LoadError(f"{where} is damaged: its checksum does not match its contents; "
-                            "save the model again")
+        pending = PendingChecksum(memoryview(data)[HEADER.size:], digest, where, spare_cores)
+        with pending.blaming():
+            return cls._sections(data, count, version, where), pending
+
+    @classmethod
+    def _sections(cls, data, count: int, version: int, where: str) -> "SavedFile":
         sections = {}
         for i in range(count):
             at = HEADER.size + SECTION.size * i
@@ -207,13 +308,23 @@ class SavedFile:
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "SavedFile":
-        # Mapped copy-on-write rather than read into a copy: the checksum and the weights'
-        # copies to the GPU read the page cache's bytes where they are, and a view of them is
-        # writable (torch.frombuffer takes it without a warning) without touching the file.
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
-        except (OSError, ValueError) as e:
-            raise LoadError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-        return cls.from_bytes(memoryview(data), str(path))
+        """The file at ``path``, mapped, parsed and checked (:meth:`from_bytes`)."""
+        return cls.from_bytes(_mapped(path), str(path))
+
+    @classmethod
+    def read_pending(cls, path: str | os.PathLike) -> tuple["SavedFile", PendingChecksum]:
+        """:meth:`read` without waiting for the checksum (:meth:`parse`)."""
+        return cls.parse(_mapped(path), str(path))
+
+
+def _mapped(path: str | os.PathLike) -> memoryview:
+    # Mapped copy-on-write rather than read into a copy: the checksum and the weights' copies
+    # to the GPU read the page cache's bytes where they are, and a view of them is writable
+    # (torch.frombuffer takes it without a warning) without touching the file.
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
+    except (OSError, ValueError) as e:
+        raise LoadError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    return memoryview(data)
