@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from debug_zoo import WIDE, ZOO_DTYPES, check_tools_on_zoo_model
 from helpers import zoo_model
-from nimble.cli.models import ZOO
 
 pytestmark = pytest.mark.gpu
 
@@ -335,45 +335,9 @@ def test_the_bisect_names_the_op_whose_kernel_writes_its_output_elsewhere_after_
     assert nm.first_divergence(fresh, quiet=True) is None  # put back, all agree again
 
 
-#: Each zoo model in one dtype, the two taking turns down the zoo (fp32 and fp16 each on three
-#: or four models, nasnetalarge in fp16: the rounding of its 1,000+ ops is the hard case, and
-#: pnasnet5large in fp32, where its "same" pools pad with -inf).  The tools' code is the same
-#: in every dtype, only the tolerance differs; with both dtypes of every model this file was
-#: the GPU suite's longest on four H200s (2026-11-27: its six shares 166 to over 540 s each,
-#: two cut off by the device call's limit in the middle of a wide model's case).
-ZOO_DTYPES = [(name, ("float32", "float16")[k % 2]) for k, name in enumerate(ZOO)]
-
-
-@pytest.mark.parametrize("name,dtype", ZOO_DTYPES)
+@pytest.mark.parametrize("name,dtype", [c for c in ZOO_DTYPES if c[0] not in WIDE])
 def test_on_every_zoo_model_the_tools_trace_every_task_find_no_divergence_and_name_a_nan(
         name, dtype):
-    """Every zoo model (:data:`ZOO_DTYPES`): a trace in two stamp groups times every task; the
-    compare against eager finds no op beyond the dtype's tolerance (the -inf that NASNet's and
-    PNASNet's "same" pools pad with included); a NaN put into a convolution weight in the middle
-    of the network is traced to the first op that reads that weight."""
-    import torch
-
-    import nimble
-
-    model, x = zoo_model(name)
-    model, x = model.to(getattr(torch, dtype)), x.to(getattr(torch, dtype))
-    nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
-    n = len(nm.graph.tasks)
-    timeline = nm.trace(x, start_stamps=False, groups=2)
-    assert len(timeline.times) == n and all(0.0 <= a <= b for a, b in timeline.times)
-    assert sum(end > 0.0 for _, end in timeline.times) >= n - len(nm.schedule.streams)
-    assert timeline.instrumented_us > 0 and timeline.plain_us > 0
-    # each op that drifts from the eager chain is judged again from the graph's own inputs, so
-    # rounding that builds up over 1,000+ fp16 ops (nasnetalarge) is no divergence
-    assert nm.first_divergence(x, quiet=True) is None
-    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
-    victim = convs[len(convs) // 2].weight
-    g = nm.graph
-    [buffer] = [b for b in g.buffers if b.kind == "param" and b.address == victim.data_ptr()]
-    reader = min(t.op for t in g.tasks if any(a.buffer == buffer.id for a in t.accesses))
-    with torch.no_grad():
-        victim[0, 0, 0, 0] = float("nan")
-    found = nm.first_divergence(x, nonfinite=True, quiet=True)
-    assert found is not None and found.op == reader, found
-    assert "NaN" in found.detail
-    nm.close()
+    """Every zoo model but the two widest (those are tests/test_gpu_debug_tools_wide.py's):
+    :func:`debug_zoo.check_tools_on_zoo_model`."""
+    check_tools_on_zoo_model(name, dtype)
