@@ -120,3 +120,19 @@ def test_a_generator_on_a_model_split_over_gpus_decodes_the_whole_models_tokens(
         assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
         assert seen["wrong"] == 0, seen
         assert seen["all_reduces"] >= 2 * seen["layers"], seen
+
+
+TP_PLAN_WORKER = Path(__file__).parent / "workers" / "tp_plan_worker.py"
+
+
+def test_a_generator_on_transformers_own_tensor_parallel_model_decodes_the_whole_models_tokens(
+        tmp_path):
+    """A model that transformers itself splits over two ranks (``tp_plan="auto"``: DTensor
+    weights, its own all-reduces): a Generator prepared on it decodes the whole model's greedy
+    tokens, as the split model's eager decode does, its decode step holding the all-reduces."""
+    pytest.importorskip("transformers")
+    for seen in _two_ranks(TP_PLAN_WORKER, 2, str(tmp_path / "llama")):
+        assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
+        assert "DTensor" in seen["weight_types"], seen
+        assert seen["eager_equal"] and seen["nimble_equal"] and seen["nimble_equal_eager"], seen
+        assert seen["all_reduces"] >= seen["layers"], seen
