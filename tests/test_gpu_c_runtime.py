@@ -121,24 +121,6 @@ def test_bad_files_give_their_error_codes(run_saved, tmp_path):
     assert rc == DEVICE and "compute capability 80" in err
 
 
-def test_a_zoo_model_saved_by_the_command_runs_from_c(run_saved, tmp_path):
-    """``nimble save`` in one process, the C program in another: the C load's proof holds the
-    graph bit for bit to the saving process's outputs; the bench line is printed."""
-    pytest.importorskip("torchvision")
-    saved = tmp_path / "resnet50.nimble"
-    done = subprocess.run([sys.executable, "-m", "nimble", "save", "resnet50", "--dtype",
-                           "float16", "-o", str(saved), "-q"], capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = subprocess.run([str(run_saved), str(saved), "--bench", "1000"], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    numbers = json.loads(done.stdout.strip().splitlines()[-1])
-    numbers["host_us_python_call"] = _python_host_us(saved, 1000)
-    print(f"C resnet50 float16: {json.dumps(numbers)}")
-    assert numbers["load_to_first_call_ms"] > 0
-
-
 def _python_host_us(saved: Path, calls: int) -> float:
     """The host microseconds of one Python call of the same file (GPU idle before each),
     median of ``calls``: what run_saved's nimble_run is set against."""

@@ -78,19 +78,21 @@ EXCLUSIVE = ("test_gpu_serving.py", "test_gpu_serve_bench.py")
 #: collectives 6.9, and the two shares of the debug tools' file that held the widest models'
 #: cases (each with smaller cases and another file) still running at 9.2 minutes, which is why
 #: those cases are a file of their own (``test_gpu_debug_tools_wide.py``: a case a share, each
-#: more than five minutes there; their weights are estimates, not yet measured alone so).
+#: more than five minutes there; their weights are estimates, not yet measured alone so).  The C
+#: runtime's zoo file (14 saves, each run from C) is weighted by its resnet50 case, not measured.
 WEIGHTS = {"test_gpu_debug_tools.py": 6, "test_gpu_debug_tools_wide.py": 14,
            "test_gpu_training.py": 8, "test_gpu_proof.py": 5,
            "test_gpu_runtime.py": 1, "test_gpu_compiled.py": 1, "test_gpu_generate.py": 1,
            "test_gpu_record.py": 1, "test_gpu_proof_power.py": 1, "test_gpu_c_host.py": 1,
            "test_gpu_deploy.py": 1, "test_gpu_saved.py": 24, "test_gpu_c_runtime.py": 1,
-           "test_gpu_compile_backend.py": 1, "test_gpu_collectives.py": 7}
+           "test_gpu_compile_backend.py": 1, "test_gpu_collectives.py": 7,
+           "test_gpu_c_zoo.py": 8}
 #: Files too long for one process within a device call: each runs as this many shares, a
 #: process each (``NIMBLE_TEST_SHARD``, tests/conftest.py: a test's index modulo the count),
 #: spread like files.  The wide debug-tools file's two cases each get a process; two of the
 #: training file's shares keep its 8.6 minutes from being the longest lane.
 SPLIT = {"test_gpu_debug_tools.py": 3, "test_gpu_debug_tools_wide.py": 2,
-         "test_gpu_saved.py": 5, "test_gpu_training.py": 2}
+         "test_gpu_saved.py": 5, "test_gpu_training.py": 2, "test_gpu_c_zoo.py": 2}
 #: GPU test files that need several GPUs (each its count): one process sees every GPU.
 MULTI_GPU = {"test_gpu_collectives.py": 2}
 #: In the environment of every process the suite starts: NVLink multicast (NVLS) off, for
