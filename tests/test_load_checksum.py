@@ -212,13 +212,13 @@ def test_an_error_of_a_sound_file_is_its_own_and_closes_what_was_loaded(raw, tmp
 def test_a_sound_file_reaches_the_build_with_its_checksum_timed(raw, tmp_path, stand_in_gpu,
                                                                 monkeypatch):
     seconds = {}
-    checked = loading._checked_file
+    checked = loading.wait_for_checksum
 
     def timed(pending, into):
         checked(pending, into)
         seconds.update(into)
         raise RuntimeError("stop before the GPU's build")
-    monkeypatch.setattr(loading, "_checked_file", timed)
+    monkeypatch.setattr(loading, "wait_for_checksum", timed)
     path = tmp_path / "m.nimble"
     path.write_bytes(raw)
     with pytest.raises(RuntimeError, match="stop before"):

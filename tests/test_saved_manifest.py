@@ -145,12 +145,12 @@ def _with_programmatic(tmp_path, served, recorded=((0, 1), (1, 3))):
 
 
 def test_the_programmatic_edges_a_file_serves_are_read_back_where_the_capture_made_them(tmp_path):
-    from nimble.engine.loading import _read
+    from nimble.engine.saved_reading import read_checked
 
-    saved, _, checksum = _read(_with_programmatic(tmp_path, [(0, 1), (1, 3)]))
+    saved, _, checksum = read_checked(_with_programmatic(tmp_path, [(0, 1), (1, 3)]))
     checksum.verify()
     assert saved.manifest["buckets"][0]["programmatic"] == [[0, 1], [1, 3]]
-    saved, _, checksum = _read(_with_programmatic(tmp_path, []))  # none served: no key, as it were
+    saved, _, checksum = read_checked(_with_programmatic(tmp_path, []))  # none served: no key, as it were
     checksum.verify()
     assert saved.manifest["buckets"][0]["programmatic"] == []
 
@@ -186,9 +186,9 @@ def test_the_loaded_graph_is_built_with_the_files_programmatic_edges(monkeypatch
 
 
 def test_reading_a_file_times_its_mapping_and_its_checks_apart(tmp_path):
-    from nimble.engine.loading import _read
+    from nimble.engine.saved_reading import read_checked
 
     seconds: dict = {}
-    _, _, checksum = _read(_small().write(tmp_path / "m.nimble"), seconds)
+    _, _, checksum = read_checked(_small().write(tmp_path / "m.nimble"), seconds)
     assert set(seconds) == {"read_file", "read_check"} and all(v >= 0 for v in seconds.values())
     checksum.verify()  # left hashing: the load waits for it later

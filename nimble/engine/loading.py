@@ -41,8 +41,7 @@ from ..analysis.memplan import MemPlan
 from ..analysis.schedule import Schedule
 from ..errors import InputError, LoadError, NoGpuError
 from ..ir.saved_format import PendingChecksum, SavedFile
-from ..ir.saved_graph_check import UndecodableGraph, bucket_graph, check_bucket_graph
-from ..ir.saved_manifest import check_manifest, graph_rows
+from ..ir.saved_manifest import graph_rows
 from ..ir.taskgraph import TaskGraph, TaskKind
 from ..progress import say
 from .arena_layout import shared_layout
@@ -51,6 +50,7 @@ from .launcher import CallOrder, run_phases
 from .prepared import ArenaRegion, Placement, Prepared, build_prepared
 from .profiler_guard import device_launch_allowed
 from .programmatic_pick import ProgrammaticPlan
+from .saved_reading import read_checked, wait_for_checksum
 from .saving import restored_ranges
 from .serving import Bucket, BucketCost, PrepareReport, Serving, close_partial
 from .weights import named_weights
@@ -313,66 +313,6 @@ def prove_loaded(prepared: Prepared, reference: tuple, launches: int = LOAD_PROO
             shared.close()
 
 
-def _itemsize(dtype: str) -> int | None:
-    import torch
-
-    found = getattr(torch, dtype, None)
-    return found.itemsize if isinstance(found, torch.dtype) else None
-
-
-def _decoded(saved: SavedFile, k: int) -> tuple[TaskGraph, Any]:
-    """Bucket ``k``'s graph and output structure, decoded and checked against its row."""
-    from torch.utils._pytree import treespec_loads
-
-    row = saved.manifest["buckets"][k]
-    try:
-        graph = bucket_graph(saved, k)
-    except UndecodableGraph as e:
-        raise LoadError(f"{saved.path}: the graph of bucket {k} does not decode ({e}): the file "
-                        "is damaged, save the model again") from None
-    check_bucket_graph(saved.manifest, k, graph, _itemsize, saved.path)
-    spec = row.get("output_spec")
-    try:
-        return graph, treespec_loads(spec) if spec else None
-    # torch's decoder of a pytree's structure raises what its parts raise on text it did not
-    # write: any of them means a damaged file.
-    except Exception as e:  # noqa: BLE001
-        raise LoadError(f"{saved.path}: buckets[{k}].output_spec does not decode ({e}): the "
-                        "file is damaged, save the model again") from None
-
-
-def _read(path, seconds: dict | None = None
-          ) -> tuple[SavedFile, list[tuple[TaskGraph, Any]], PendingChecksum]:
-    """The file read and every part of its structure checked, on the CPU: the container, the
-    manifest (:func:`~nimble.ir.saved_manifest.check_manifest`), each bucket's graph against
-    its row; and the file's checksum, still hashing on threads of its own (the caller waits for
-    it before anything of the file runs on the GPU).  An error here is the checksum's where
-    that fails.  ``seconds`` gets ``read_file`` (mapping it, its header, section table and
-    manifest) and ``read_check`` (the rest)."""
-    began = time.perf_counter()
-    saved, checksum = SavedFile.read_pending(path)
-    mapped = time.perf_counter()
-    with checksum.blaming():
-        check_manifest(saved.manifest, len(saved.blobs), str(path))
-        decoded = [_decoded(saved, k) for k in range(len(saved.manifest["buckets"]))]
-    if seconds is not None:
-        seconds["read_file"] = mapped - began
-        seconds["read_check"] = time.perf_counter() - mapped
-    return saved, decoded, checksum
-
-
-def _checked_file(checksum: PendingChecksum, seconds: dict) -> None:
-    """Wait for the file's checksum (LoadError where the file is damaged); ``seconds`` gets
-    ``checksum`` (its hashing's wall-clock seconds, beside the rest of the load) and
-    ``checksum_wait`` (what the load waited for it)."""
-    began = time.perf_counter()
-    try:
-        checksum.verify()
-    finally:
-        seconds["checksum"] = checksum.seconds
-        seconds["checksum_wait"] = time.perf_counter() - began
-
-
 @dataclass
 class _Graph:
     """One serving of a file (every bucket, or one of a Generator's steps) as it is built."""
@@ -464,7 +404,7 @@ def load_graphs(path, model=None, *, verify: bool = True, quiet: bool = True,
     seconds: dict[str, float] = {}
     # A file whose structure does not hold stops here, on any machine; its checksum goes on
     # hashing beside the kernels' loading and the weights' copies.
-    saved, decoded, checksum = _read(path, seconds)
+    saved, decoded, checksum = read_checked(path, seconds)
     # Whatever the damage of a damaged file breaks first, the checksum's error is the one said.
     with checksum.blaming():
         manifest = saved.manifest
@@ -519,7 +459,7 @@ def _built(saved: SavedFile, decoded: list, rows: list[dict], model, device,
         # Until here the file's bytes were only copied (the weights, the reference inputs) or
         # loaded after their own hash held (the kernels' binaries); a graph built from them
         # runs its kernels with the file's arguments, so the whole file's checksum holds first.
-        _checked_file(checksum, seconds)
+        wait_for_checksum(checksum, seconds)
         t0 = time.perf_counter()
         for graph in graphs:
             graph.build(model)
