@@ -54,6 +54,15 @@ def _stand_in(name: str):
             nodes.append({"memset": {"dst": dst, "value": f["value"],
                                      "elementSize": f["element_size"], "width": f["width"],
                                      "height": f["height"], "pitch": f["pitch"]}})
+        elif t.kind == TaskKind.MEMCPY:
+            ends = {p.location: p.value for p in t.pointers}
+            f = t.fields
+            nodes.append({"memcpy": {
+                "srcDevice": ends["src"], "dstDevice": ends["dst"],
+                "srcMemoryType": f["src_type"], "dstMemoryType": f["dst_type"],
+                "srcXInBytes": 0, "srcY": 0, "srcZ": 0, "srcPitch": 0, "srcHeight": 0,
+                "dstXInBytes": 0, "dstY": 0, "dstZ": 0, "dstPitch": 0, "dstHeight": 0,
+                "WidthInBytes": f["width"], "Height": f["height"], "Depth": f["depth"]}})
         else:
             nodes.append({"empty": True})
     reference = {"inputs": [[[0, 8] for _ in graph.inputs]],
@@ -76,7 +85,16 @@ def _stand_in(name: str):
     return prepared, state, manifest, bases, len(weights), len(memory)
 
 
-@pytest.mark.parametrize("name", ["googlenet", "inception_v3", "resnet50", "gpt2_float16"])
+#: Every recorded inference fixture: the zoo's models (fp32, and fp16/bf16 where recorded), on
+#: Inductor's kernels, the decoders; a C plan of each is what ``nimble save`` writes beside it.
+C_PLAN_FIXTURES = ["branchy", "efficientnet_b0", "gemm_chains", "googlenet", "googlenet_bfloat16",
+                   "googlenet_float16", "googlenet_inductor", "gpt2_float16", "inception_v3",
+                   "inception_v3_bfloat16", "inception_v3_float16", "inception_v3_inductor",
+                   "llama_small_float16", "mobilenet_v2", "nasnetalarge", "pnasnet5large",
+                   "resnet50"]
+
+
+@pytest.mark.parametrize("name", C_PLAN_FIXTURES)
 def test_every_relocation_of_the_c_plan_gives_what_the_python_build_gives(name):
     prepared, state, manifest, bases, nweights, nmemory = _stand_in(name)
     data, why = c_plan(manifest, [prepared], [state], state.size)
@@ -97,6 +115,10 @@ def test_every_relocation_of_the_c_plan_gives_what_the_python_build_gives(name):
             recorded = next(p.value for p in task.pointers if p.location == "dst")
             want = _mover(task, bases)("dst", recorded)
             assert resolve(node["dst"], ARENA, weights, memory) == want
+        elif task.kind == TaskKind.MEMCPY:
+            for p in task.pointers:
+                assert resolve(node[p.location], ARENA, weights, memory) == \
+                    bases[p.buffer] + p.offset
     for ref, tensor in zip(graph.inputs + graph.outputs, bucket["inputs"] + bucket["outputs"]):
         assert resolve(tensor["place"], ARENA, weights, memory) == bases[ref.buffer] + ref.offset
         assert tensor["shape"] == list(ref.shape)
