@@ -59,6 +59,19 @@ def low_word_buffers(graph: TaskGraph) -> list[int]:
     return sorted(b for b in listed if graph.buffers[b].relocatable or b in private)
 
 
+def low_word_outside(graph: TaskGraph) -> list[int]:
+    """The weight storages and memory from before the recording that the graph uses where they
+    are (so prepare keeps every bit of their addresses) but that a load from a file places
+    anew, and that a word which may as well be a 32-bit integer points into: the load keeps
+    their recorded low 32 bits, as :func:`low_word_buffers` does for the arena's
+    (:mod:`nimble.engine.loading`)."""
+    private = set(written_externals(graph))
+    outside = {b.id for b in graph.buffers if not b.relocatable and b.id not in private
+               and b.kind in (BufferKind.PARAM, BufferKind.EXTERNAL)}
+    listed = set(graph.meta.get("low_word_buffers", [])) | ambiguous_targets(graph, outside)
+    return sorted(listed & outside)
+
+
 def ambiguous_targets(graph: TaskGraph, buffers: set[int]) -> set[int]:
     """The buffers of ``buffers`` that a kernel word points into which may as well be a 32-bit
     integer under a stale top half (not a whole 8-byte parameter)."""

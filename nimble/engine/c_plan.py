@@ -30,7 +30,8 @@ from typing import Sequence
 
 from ..ir.alignment import ALIGNMENT
 from ..ir.taskgraph import BufferKind, TaskKind
-from .arena_layout import StateLayout, low_word_buffers, shared_state_buffers, written_weights
+from .arena_layout import (StateLayout, low_word_buffers, low_word_outside, shared_state_buffers,
+                           written_weights)
 
 MAGIC = int.from_bytes(b"NIMBLECP", "little")
 VERSION = 1
@@ -114,6 +115,12 @@ class Regions:
             self.places[bid] = (LOWBITS, low_start + k, 0)
         if graph.meta.get("rng") or any(b.kind == BufferKind.RNG for b in graph.buffers):
             self.unsupported = "the graph draws random numbers"
+        kept = [bid for bid in low_word_outside(graph) if str(bid) in outside]
+        if kept and not self.unsupported:
+            self.unsupported = (f"a word that may be an integer points into the weights or "
+                                f"external memory of buffer {kept[0]}, which the C runtime "
+                                "cannot place at its recorded low address bits: load the file "
+                                "from Python")
 
     def relocation(self, buffer: int, addend: int, value: int) -> tuple[int, int, int]:
         """``(region, index, addend)`` of a word that points ``addend`` bytes into

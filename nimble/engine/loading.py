@@ -30,6 +30,7 @@ differ).
 """
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from ..ir.saved_format import PendingChecksum, SavedFile
 from ..ir.saved_manifest import graph_rows
 from ..ir.taskgraph import TaskGraph, TaskKind
 from ..progress import say
-from .arena_layout import shared_layout
+from .arena_layout import low_word_outside, shared_layout
 from .kernel_binaries import LoadedKernels, load_kernels
 from .launcher import CallOrder, run_phases
 from .prepared import ArenaRegion, Placement, Prepared, build_prepared
@@ -54,6 +55,8 @@ from .saved_reading import read_checked, wait_for_checksum
 from .saving import restored_ranges
 from .serving import Bucket, BucketCost, PrepareReport, Serving, close_partial
 from .weights import named_weights
+
+log = logging.getLogger("nimble")
 
 #: Launches of each loaded graph checked against the saved outputs (the two input sets, twice).
 LOAD_PROOF_LAUNCHES = 4
@@ -84,21 +87,73 @@ def _check_machine(manifest: dict, device: int) -> None:
             f"driver is {version}, older: update the driver, or save the model here")
 
 
-def _weights(manifest: dict, saved: SavedFile, model, device) -> tuple[list[int], list]:
-    """Per weight storage of the file, its address now, and the memory to keep alive."""
+def _low_bits_rows(manifest: dict, decoded: list) -> dict[tuple[str, int], int]:
+    """Per weight storage or memory range of the file (``("weight" | "memory", index)``) that
+    a word which may be an integer points into (:func:`~nimble.engine.arena_layout.
+    low_word_outside`), the recorded address of its start: the load keeps its low 32 bits, so
+    that relocating the word rewrites only its top half."""
+    wanted: dict[tuple[str, int], int] = {}
+    for row, (graph, _) in zip(manifest["buckets"], decoded):
+        for bid in low_word_outside(graph):
+            source = row["outside"].get(str(bid))
+            if source is None:
+                continue
+            recorded = graph.buffers[bid].address
+            if "weight" in source:
+                wanted[("weight", int(source["weight"]))] = recorded
+            else:
+                wanted[("memory", int(source["memory"]))] = recorded - int(source["offset"])
+    return wanted
+
+
+def _at_low_bits(view: memoryview, size: int, recorded: int, device):
+    """The bytes of ``view`` (zeros past them, up to ``size``) in memory whose address keeps
+    ``recorded``'s low 32 bits (:class:`~nimble.driver.LowBitsMemory`), its owner."""
+    memory = driver.LowBitsMemory.allocate(max(size, len(view), 1), recorded, device.index or 0)
+    data = bytes(view)
+    driver.copy_to_device(memory.address, data + bytes(max(size - len(data), 0)))
+    return memory
+
+
+def _weights(manifest: dict, saved: SavedFile, model, device, low: dict | None = None,
+             verify: bool = True) -> tuple[list[int], list]:
+    """Per weight storage of the file, its address now, and the memory to keep alive; the
+    file's weights in ``low`` (:func:`_low_bits_rows`) at their recorded low 32 bits."""
     addresses, keep = [], []
+    low = low or {}
     current = named_weights(model) if model is not None else {}
     for i, row in enumerate(manifest.get("weights", [])):
         if model is None:
             if row.get("blob") is None:
                 raise LoadError("the file was saved without its weights (weights=False): pass "
                                 "the model, nimble.load(path, model=...)")
-            tensor = _on_device(saved.blob_view(row["blob"]), device, 0)
-            keep.append(tensor)
-            addresses.append(tensor.data_ptr())
+            view = saved.blob_view(row["blob"])
+            owner = _at_low_bits(view, int(row["size"]), low[("weight", i)], device) \
+                if ("weight", i) in low else _on_device(view, device, 0)
+            keep.append(owner)
+            addresses.append(owner.address if ("weight", i) in low else owner.data_ptr())
             continue
         addresses.append(_model_storage(row, current, device))
+        if ("weight", i) in low:
+            _model_low_bits(row, addresses[-1], low[("weight", i)], verify)
     return addresses, keep
+
+
+def _model_low_bits(row: dict, address: int, recorded: int, verify: bool) -> None:
+    """A model's weight storage that a word which may be an integer points into, where its low
+    32 bits differ from the recorded ones: the word is relocated as a pointer, which the proof
+    at load judges; without the proof, refused."""
+    if (address - recorded) % (1 << 32) == 0:
+        return
+    name = row["names"][0]["name"]
+    if not verify:
+        raise LoadError(f"a kernel word that may be an integer points into '{name}', which "
+                        "the model holds at other low address bits than when saved: load it "
+                        "with verify=True (the proof judges the word) or without model= (the "
+                        "file's weights are placed at their recorded low bits)")
+    log.warning("a kernel word that may be an integer points into '%s', which the model holds "
+                "at other low address bits than when saved; the proof at load judges it",
+                name)
 
 
 def _model_storage(row: dict, current: dict, device) -> int:
@@ -150,13 +205,21 @@ def _on_device(view: memoryview, device, empty_size: int):
     return _host_bytes(view).to(device)
 
 
-def _memory(manifest: dict, saved: SavedFile, device) -> tuple[list[int], list]:
-    """The saved external memory, each range in memory of its own, and its owners."""
+def _memory(manifest: dict, saved: SavedFile, device, low: dict | None = None
+            ) -> tuple[list[int], list]:
+    """The saved external memory, each range in memory of its own (those in ``low`` at their
+    recorded low 32 bits, :func:`_low_bits_rows`), and its owners."""
     addresses, keep = [], []
-    for row in manifest.get("memory", []):
-        tensor = _on_device(saved.blob_view(row.get("blob")), device, 1)
-        keep.append(tensor)
-        addresses.append(tensor.data_ptr())
+    low = low or {}
+    for i, row in enumerate(manifest.get("memory", [])):
+        view = saved.blob_view(row.get("blob"))
+        if ("memory", i) in low:
+            owner = _at_low_bits(view, int(row["size"]), low[("memory", i)], device)
+            addresses.append(owner.address)
+        else:
+            owner = _on_device(view, device, 1)
+            addresses.append(owner.data_ptr())
+        keep.append(owner)
     return addresses, keep
 
 
@@ -349,7 +412,8 @@ class _Graph:
                        self.arenas, self.layout, self.pad, report)
 
 
-def _weights_beside_kernels(manifest: dict, saved: SavedFile, model, device, seconds: dict):
+def _weights_beside_kernels(manifest: dict, saved: SavedFile, model, device, seconds: dict,
+                            low: dict | None = None, verify: bool = True):
     """``(weight addresses, their owners, memory addresses, their owners, LoadedKernels)``:
     the kernels loaded on a worker (its own threads read, hash and load the binaries) while
     this thread copies the weights and external memory to the GPU; ``seconds`` gets each
@@ -369,8 +433,8 @@ def _weights_beside_kernels(manifest: dict, saved: SavedFile, model, device, sec
         pending = pool.submit(kernels_here)
         began = time.perf_counter()
         try:
-            weights, keep = _weights(manifest, saved, model, device)
-            memory, kept_memory = _memory(manifest, saved, device)
+            weights, keep = _weights(manifest, saved, model, device, low, verify)
+            memory, kept_memory = _memory(manifest, saved, device, low)
         except BaseException:
             done = pending.exception() is None and pending.result()
             if done:
@@ -448,7 +512,7 @@ def _built(saved: SavedFile, decoded: list, rows: list[dict], model, device,
     graphs: list[_Graph] = []
     try:
         weights, keep, memory, kept_memory, kernels = _weights_beside_kernels(
-            manifest, saved, model, device, seconds)
+            manifest, saved, model, device, seconds, _low_bits_rows(manifest, decoded), verify)
         t0 = time.perf_counter()
         buckets = [_read_bucket(row, k, saved, graph, spec, kernels.functions, weights,
                                 memory, device, model)
