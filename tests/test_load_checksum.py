@@ -150,8 +150,8 @@ def stand_in_gpu(monkeypatch):
     monkeypatch.setattr(loading, "_this_gpu", lambda manifest: "cuda:0")
     monkeypatch.setattr(loading.driver, "current_context", lambda: "ctx")
     monkeypatch.setattr(loading.driver, "use_context", lambda ctx: None)
-    monkeypatch.setattr(loading, "_weights", lambda *a: ([], []))
-    monkeypatch.setattr(loading, "_memory", lambda *a: ([], []))
+    monkeypatch.setattr(loading, "place_weights", lambda *a: ([], []))
+    monkeypatch.setattr(loading, "place_memory", lambda *a: ([], []))
 
     def load_kernels(rows, binaries, saved):
         made["kernels"].append(Kernels())

@@ -1,5 +1,5 @@
 """Memory outside the arena that a kernel word which may be an integer points into, placed by a
-load from a file (``nimble.engine.loading``): the file's weights and external memory keep their
+load from a file (``nimble.engine.loaded_memory``): the file's weights and external memory keep their
 recorded low 32 bits, a model's weight at other low bits is the proof's to judge (refused
 without it), and the C plan says the C runtime cannot run such a graph; the driver's memory
 calls stood in for."""
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import FIXTURE_DIR
-from nimble.engine import loading
+from nimble.engine import loaded_memory
 from nimble.engine.arena_layout import (ambiguous_targets, low_word_buffers, low_word_outside,
                                         written_externals)
 from nimble.errors import LoadError
@@ -56,11 +56,11 @@ class _FakeLowBits:
 @pytest.fixture
 def stand_in_driver(monkeypatch):
     copies = {}
-    monkeypatch.setattr(loading.driver.LowBitsMemory, "allocate",
+    monkeypatch.setattr(loaded_memory.driver.LowBitsMemory, "allocate",
                         classmethod(lambda cls, size, low, device: _FakeLowBits(size, low)))
-    monkeypatch.setattr(loading.driver, "copy_to_device",
+    monkeypatch.setattr(loaded_memory.driver, "copy_to_device",
                         lambda address, data: copies.__setitem__(address, bytes(data)))
-    monkeypatch.setattr(loading, "_on_device",
+    monkeypatch.setattr(loaded_memory, "on_device",
                         lambda view, device, empty: pytest.fail("placed without its low bits"))
     return copies
 
@@ -78,9 +78,9 @@ def test_a_files_external_memory_range_is_placed_at_its_recorded_low_bits(stand_
     graph, kept = _read_only_fault_graph()
     recorded = graph.buffers[kept].address
     manifest, saved = _saved(graph, kept, {"memory": 0, "offset": 32})
-    low = loading._low_bits_rows(manifest, [(graph, None)])
+    low = loaded_memory.low_bits_rows(manifest, [(graph, None)])
     assert low == {("memory", 0): recorded - 32}
-    addresses, keep = loading._memory(manifest, saved, SimpleNamespace(index=0), low)
+    addresses, keep = loaded_memory.place_memory(manifest, saved, SimpleNamespace(index=0), low)
     assert (addresses[0] + 32) % FOUR_GIB == recorded % FOUR_GIB
     assert keep[0].size == 96 and stand_in_driver[addresses[0]] == bytes(range(64)) + bytes(32)
 
@@ -89,8 +89,8 @@ def test_a_files_weight_storage_is_placed_at_its_recorded_low_bits(stand_in_driv
     graph, kept = _read_only_fault_graph()
     recorded = graph.buffers[kept].address
     manifest, saved = _saved(graph, kept, {"weight": 0})
-    low = loading._low_bits_rows(manifest, [(graph, None)])
-    addresses, keep = loading._weights(manifest, saved, None, SimpleNamespace(index=0), low)
+    low = loaded_memory.low_bits_rows(manifest, [(graph, None)])
+    addresses, keep = loaded_memory.place_weights(manifest, saved, None, SimpleNamespace(index=0), low)
     assert addresses[0] % FOUR_GIB == recorded % FOUR_GIB and addresses[0] == keep[0].address
     assert stand_in_driver[addresses[0]] == bytes(range(64))
 
@@ -98,12 +98,12 @@ def test_a_files_weight_storage_is_placed_at_its_recorded_low_bits(stand_in_driv
 def test_a_models_weight_at_other_low_bits_is_the_proofs_to_judge_or_refused(caplog):
     row = {"names": [{"name": "conv.weight"}]}
     recorded = 0x7F00_0000_0000
-    loading._model_low_bits(row, recorded + 5 * FOUR_GIB, recorded, verify=False)  # same bits
+    loaded_memory.model_low_bits(row, recorded + 5 * FOUR_GIB, recorded, verify=False)  # same bits
     with caplog.at_level(logging.WARNING, logger="nimble"):
-        loading._model_low_bits(row, recorded + 0x200, recorded, verify=True)
+        loaded_memory.model_low_bits(row, recorded + 0x200, recorded, verify=True)
     assert "conv.weight" in caplog.text and "proof" in caplog.text
     with pytest.raises(LoadError, match="conv.weight.*verify=True"):
-        loading._model_low_bits(row, recorded + 0x200, recorded, verify=False)
+        loaded_memory.model_low_bits(row, recorded + 0x200, recorded, verify=False)
 
 
 def test_the_c_plan_says_the_c_runtime_cannot_place_such_memory():

@@ -31,8 +31,8 @@ def stand_ins(monkeypatch):
         made["kernels"] = Kernels()
         return made["kernels"]
     monkeypatch.setattr(loading, "load_kernels", load_kernels)
-    monkeypatch.setattr(loading, "_weights", lambda *a: ([1], ["w"]))
-    monkeypatch.setattr(loading, "_memory", lambda *a: ([2], ["m"]))
+    monkeypatch.setattr(loading, "place_weights", lambda *a: ([1], ["w"]))
+    monkeypatch.setattr(loading, "place_memory", lambda *a: ([2], ["m"]))
     return made
 
 
@@ -52,7 +52,7 @@ def test_the_kernels_load_on_a_worker_with_the_callers_context(stand_ins):
 def test_a_weight_that_does_not_fit_closes_the_kernels_loaded_beside_it(stand_ins, monkeypatch):
     def refused(*args):
         raise LoadError("the model has no 'fc.weight'")
-    monkeypatch.setattr(loading, "_weights", refused)
+    monkeypatch.setattr(loading, "place_weights", refused)
     with pytest.raises(LoadError, match="fc.weight"):
         loading._weights_beside_kernels(MANIFEST, None, None, "cuda:0", {})
     assert stand_ins["kernels"].closed

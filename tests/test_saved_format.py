@@ -303,7 +303,7 @@ def test_another_gpu_or_an_older_driver_is_refused_with_what_to_do(monkeypatch):
 def test_a_models_weights_must_be_those_the_graph_was_saved_for():
     import torch
 
-    from nimble.engine.loading import _model_storage
+    from nimble.engine.loaded_memory import _model_storage
 
     model = torch.nn.Linear(4, 3)
     current = dict(model.named_parameters())

@@ -30,7 +30,6 @@ differ).
 """
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,8 +44,9 @@ from ..ir.saved_format import PendingChecksum, SavedFile
 from ..ir.saved_manifest import graph_rows
 from ..ir.taskgraph import TaskGraph, TaskKind
 from ..progress import say
-from .arena_layout import low_word_outside, shared_layout
+from .arena_layout import shared_layout
 from .kernel_binaries import LoadedKernels, load_kernels
+from .loaded_memory import host_bytes, low_bits_rows, on_device, place_memory, place_weights
 from .launcher import CallOrder, run_phases
 from .prepared import ArenaRegion, Placement, Prepared, build_prepared
 from .profiler_guard import device_launch_allowed
@@ -54,9 +54,6 @@ from .programmatic_pick import ProgrammaticPlan
 from .saved_reading import read_checked, wait_for_checksum
 from .saving import restored_ranges
 from .serving import Bucket, BucketCost, PrepareReport, Serving, close_partial
-from .weights import named_weights
-
-log = logging.getLogger("nimble")
 
 #: Launches of each loaded graph checked against the saved outputs (the two input sets, twice).
 LOAD_PROOF_LAUNCHES = 4
@@ -85,142 +82,6 @@ def _check_machine(manifest: dict, device: int) -> None:
         raise LoadError(
             f"the graph was saved under CUDA driver {manifest.get('driver')}; this machine's "
             f"driver is {version}, older: update the driver, or save the model here")
-
-
-def _low_bits_rows(manifest: dict, decoded: list) -> dict[tuple[str, int], int]:
-    """Per weight storage or memory range of the file (``("weight" | "memory", index)``) that
-    a word which may be an integer points into (:func:`~nimble.engine.arena_layout.
-    low_word_outside`), the recorded address of its start: the load keeps its low 32 bits, so
-    that relocating the word rewrites only its top half."""
-    wanted: dict[tuple[str, int], int] = {}
-    for row, (graph, _) in zip(manifest["buckets"], decoded):
-        for bid in low_word_outside(graph):
-            source = row["outside"].get(str(bid))
-            if source is None:
-                continue
-            recorded = graph.buffers[bid].address
-            if "weight" in source:
-                wanted[("weight", int(source["weight"]))] = recorded
-            else:
-                wanted[("memory", int(source["memory"]))] = recorded - int(source["offset"])
-    return wanted
-
-
-def _at_low_bits(view: memoryview, size: int, recorded: int, device):
-    """The bytes of ``view`` (zeros past them, up to ``size``) in memory whose address keeps
-    ``recorded``'s low 32 bits (:class:`~nimble.driver.LowBitsMemory`), its owner."""
-    memory = driver.LowBitsMemory.allocate(max(size, len(view), 1), recorded, device.index or 0)
-    data = bytes(view)
-    driver.copy_to_device(memory.address, data + bytes(max(size - len(data), 0)))
-    return memory
-
-
-def _weights(manifest: dict, saved: SavedFile, model, device, low: dict | None = None,
-             verify: bool = True) -> tuple[list[int], list]:
-    """Per weight storage of the file, its address now, and the memory to keep alive; the
-    file's weights in ``low`` (:func:`_low_bits_rows`) at their recorded low 32 bits."""
-    addresses, keep = [], []
-    low = low or {}
-    current = named_weights(model) if model is not None else {}
-    for i, row in enumerate(manifest.get("weights", [])):
-        if model is None:
-            if row.get("blob") is None:
-                raise LoadError("the file was saved without its weights (weights=False): pass "
-                                "the model, nimble.load(path, model=...)")
-            view = saved.blob_view(row["blob"])
-            owner = _at_low_bits(view, int(row["size"]), low[("weight", i)], device) \
-                if ("weight", i) in low else _on_device(view, device, 0)
-            keep.append(owner)
-            addresses.append(owner.address if ("weight", i) in low else owner.data_ptr())
-            continue
-        addresses.append(_model_storage(row, current, device))
-        if ("weight", i) in low:
-            _model_low_bits(row, addresses[-1], low[("weight", i)], verify)
-    return addresses, keep
-
-
-def _model_low_bits(row: dict, address: int, recorded: int, verify: bool) -> None:
-    """A model's weight storage that a word which may be an integer points into, where its low
-    32 bits differ from the recorded ones: the word is relocated as a pointer, which the proof
-    at load judges; without the proof, refused."""
-    if (address - recorded) % (1 << 32) == 0:
-        return
-    name = row["names"][0]["name"]
-    if not verify:
-        raise LoadError(f"a kernel word that may be an integer points into '{name}', which "
-                        "the model holds at other low address bits than when saved: load it "
-                        "with verify=True (the proof judges the word) or without model= (the "
-                        "file's weights are placed at their recorded low bits)")
-    log.warning("a kernel word that may be an integer points into '%s', which the model holds "
-                "at other low address bits than when saved; the proof at load judges it",
-                name)
-
-
-def _model_storage(row: dict, current: dict, device) -> int:
-    """Where the model's tensors of one saved storage live: every name there, of the saved
-    dtype, shape and strides, at the saved offsets of one storage."""
-    base = None
-    for entry in row.get("names", []):
-        name = entry["name"]
-        t = current.get(name)
-        if t is None:
-            raise LoadError(f"the model has no '{name}', which the saved graph reads: pass the "
-                            "model the graph was saved from")
-        want = (entry["dtype"], list(entry["shape"]), list(entry["strides"]))
-        have = (str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()))
-        if want != have:
-            raise LoadError(f"'{name}' is {have[0]} {have[1]} (strides {have[2]}); the graph "
-                            f"was saved for {want[0]} {want[1]} (strides {want[2]}): pass a "
-                            "model of the saved dtype and shapes")
-        if t.device != device:
-            raise LoadError(f"'{name}' is on {t.device}; the graph runs on {device}: move the "
-                            "model there first")
-        at = t.data_ptr() - int(entry["offset"])
-        if base is not None and at != base:
-            raise LoadError(f"'{name}' no longer shares its memory with the weights it shared "
-                            "it with when saved: pass the model as it was saved")
-        base = at
-    if base is None:
-        raise LoadError("a weight storage of the file names no tensor: the file is damaged")
-    return base
-
-
-def _host_bytes(view: memoryview, empty_size: int = 0):
-    """The bytes of ``view`` as a uint8 tensor on the host over the file's buffer itself (no
-    copy, where the mapping is writable); ``empty_size`` bytes where there are none."""
-    import torch
-
-    if not len(view):
-        return torch.empty(empty_size, dtype=torch.uint8)
-    return torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8)
-
-
-def _on_device(view: memoryview, device, empty_size: int):
-    """The bytes of ``view`` in a uint8 tensor of their own on ``device``, copied from the
-    file's buffer itself (no host copy first); ``empty_size`` bytes where there are none."""
-    import torch
-
-    if not len(view):
-        return torch.empty(empty_size, dtype=torch.uint8, device=device)
-    return _host_bytes(view).to(device)
-
-
-def _memory(manifest: dict, saved: SavedFile, device, low: dict | None = None
-            ) -> tuple[list[int], list]:
-    """The saved external memory, each range in memory of its own (those in ``low`` at their
-    recorded low 32 bits, :func:`_low_bits_rows`), and its owners."""
-    addresses, keep = [], []
-    low = low or {}
-    for i, row in enumerate(manifest.get("memory", [])):
-        view = saved.blob_view(row.get("blob"))
-        if ("memory", i) in low:
-            owner = _at_low_bits(view, int(row["size"]), low[("memory", i)], device)
-            addresses.append(owner.address)
-        else:
-            owner = _on_device(view, device, 1)
-            addresses.append(owner.data_ptr())
-        keep.append(owner)
-    return addresses, keep
 
 
 def _stored_nodes(graph: TaskGraph, rows: list, functions: list) -> list:
@@ -268,8 +129,8 @@ def _tensors(saved: SavedFile, refs: list, like: list, device=None) -> list:
     ms, and they take no device memory)."""
     import torch
 
-    return [(_host_bytes(saved.blob_view(ref)) if device is None
-             else _on_device(saved.blob_view(ref), device, 0))
+    return [(host_bytes(saved.blob_view(ref)) if device is None
+             else on_device(saved.blob_view(ref), device, 0))
             .view(getattr(torch, r.dtype)).reshape(r.shape) for ref, r in zip(refs, like)]
 
 
@@ -433,8 +294,8 @@ def _weights_beside_kernels(manifest: dict, saved: SavedFile, model, device, sec
         pending = pool.submit(kernels_here)
         began = time.perf_counter()
         try:
-            weights, keep = _weights(manifest, saved, model, device, low, verify)
-            memory, kept_memory = _memory(manifest, saved, device, low)
+            weights, keep = place_weights(manifest, saved, model, device, low, verify)
+            memory, kept_memory = place_memory(manifest, saved, device, low)
         except BaseException:
             done = pending.exception() is None and pending.result()
             if done:
@@ -512,7 +373,7 @@ def _built(saved: SavedFile, decoded: list, rows: list[dict], model, device,
     graphs: list[_Graph] = []
     try:
         weights, keep, memory, kept_memory, kernels = _weights_beside_kernels(
-            manifest, saved, model, device, seconds, _low_bits_rows(manifest, decoded), verify)
+            manifest, saved, model, device, seconds, low_bits_rows(manifest, decoded), verify)
         t0 = time.perf_counter()
         buckets = [_read_bucket(row, k, saved, graph, spec, kernels.functions, weights,
                                 memory, device, model)
