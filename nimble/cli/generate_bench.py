@@ -102,6 +102,10 @@ def add_arguments(p) -> None:
     p.add_argument("--coordinate-descent", action="store_true",
                    help="--generate: nimble+inductor's kernels compiled with Inductor's "
                         "coordinate_descent_tuning (not with --inductor-mode)")
+    p.add_argument("--fuse-projections", action="store_true",
+                   help="--generate: the Nimble rows on a copy of the model whose sibling "
+                        "projections (query/key/value, gate/up) are one GEMM each "
+                        "(nimble.fused_projections); the other rows keep the model as it is")
     p.add_argument("--breakdown", action="store_true",
                    help="--generate: print where each Nimble decode step's time goes (busy, "
                         "gaps between dependent kernels, each kernel's bandwidth, concurrency; "
@@ -178,6 +182,20 @@ def _generators(model, args, batch: int) -> dict:
         except Exception as e:  # noqa: BLE001 - the other modes still run
             made[mode] = one_line(e)
     return made
+
+
+def _nimble_model(model, args, info: dict):
+    """The model the Nimble rows run: with ``--fuse-projections`` a copy with its sibling
+    projections fused (their count in ``info["fused_projections"]``), else ``model``."""
+    if not getattr(args, "fuse_projections", False):
+        return model
+    import copy
+
+    from ..fused_projections import fuse_projections
+
+    fused = copy.deepcopy(model)
+    info["fused_projections"] = fuse_projections(fused)
+    return fused
 
 
 def _decode_step_shape(generator, batch: int, needed=None,
@@ -344,7 +362,7 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
                      "slots_read": needed.slots_read, "per_step": needed.total}
     info["copy_bytes_per_s"] = _copy_bandwidth(args)
     step("preparing the Nimble generators (eager kernels, Inductor's)")
-    generators = _generators(model, args, batch)
+    generators = _generators(_nimble_model(model, args, info), args, batch)
     try:
         runs = {BASELINE: compiled_loop(model, cache_len),
                 "eager generate": _library_generate(model, False, cache_len),
@@ -437,6 +455,9 @@ def _header(info: dict) -> list[str]:
                      f"({needed['slots_read']:.1f} slots); device copy bandwidth "
                      + ("not measured" if not copy else f"{copy / 1e12:.2f} TB/s "
                         "(1 GiB device-to-device, read + write)"))
+    if info.get("fused_projections") is not None:
+        lines.append(f"the Nimble rows' model: {info['fused_projections']} group(s) of sibling "
+                     "projections fused into one GEMM each (--fuse-projections)")
     return lines
 
 

@@ -1,0 +1,140 @@
+"""``fuse_projections(model)``: sibling ``nn.Linear`` layers that read the same input (an
+attention's query, key and value projections; a gated MLP's gate and up projections) computed
+as one GEMM, a decode step's lever (issue 53): at batch 1 each projection is a GEMV, and the
+small ones (a Llama 3.2 1B shape's 2 MB key and value projections) run at a tenth of the memory
+bandwidth, latency-bound, each with its kernel boundary on the step's critical path.
+
+The siblings' weights (and biases) become views of one concatenated tensor, so the model keeps
+its parameters' names, counts and ``state_dict``, an in-place update of a weight
+(``load_state_dict``, ``copy_``) reaches the fused GEMM, and a graph prepared after the fusion
+reads the one storage.  A sibling called with the input its group last computed gets its slice
+of that output; called with any other input (siblings that do not share theirs), it computes
+its own: the result is the same either way, only the kernels differ.  The concatenated weight
+is no leaf of autograd, so where a gradient is wanted (grad enabled and the weight requiring
+one) each sibling computes its own, as before.
+
+A fused GEMM may sum in another order than the separate ones (another kernel, another tiling),
+so outputs may differ in the last bits, as between any two GEMM kernels.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .errors import InputError
+
+log = logging.getLogger("nimble")
+
+#: Groups of sibling attributes that read the same input in the models transformers defines
+#: (Llama, Mistral, Qwen, Gemma and their kind); a group is fused where every member is an
+#: ``nn.Linear`` of one input width, dtype and device, all with biases or none.
+SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _views(part: torch.Tensor, whole: torch.Tensor | None, row: int) -> bool:
+    return whole is not None and part.dtype == whole.dtype and part.device == whole.device \
+        and part.data_ptr() == whole[row].data_ptr()
+
+
+class _Group:
+    """The concatenated weight (and bias) of one set of siblings, and its last output."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 spans: Sequence[tuple[int, int]]) -> None:
+        self.weight, self.bias, self.spans = weight, bias, list(spans)
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._pending: set[int] = set()
+        self._warned = False
+
+    def holds(self, member: int, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether ``weight`` and ``bias`` still view the group's tensors: ``model.to()`` or
+        ``.half()`` after the fusion gives each parameter a tensor of its own, and the group's
+        would be stale (the member then computes its own output, and a warning says so)."""
+        lo, _ = self.spans[member]
+        same = _views(weight, self.weight, lo) and (bias is None or _views(bias, self.bias, lo))
+        if not same and not self._warned:
+            self._warned = True
+            log.warning("fused projections: a member's weight no longer views its group's "
+                        "(the model was moved or cast after fuse_projections); its group runs "
+                        "unfused: call fuse_projections after .to()/.half()")
+        return same
+
+    def output_of(self, member: int, x: torch.Tensor) -> torch.Tensor:
+        """Member ``member``'s output for ``x``: a slice of the group's GEMM of ``x``, computed
+        once for the members that ask with the same ``x``."""
+        if self._input is not x or member not in self._pending:
+            self._output = F.linear(x, self.weight, self.bias)
+            self._input, self._pending = x, set(range(len(self.spans)))
+        lo, hi = self.spans[member]
+        out = self._output[..., lo:hi]
+        self._pending.discard(member)
+        if not self._pending:  # every member served: hold no tensor past the forward
+            self._input = self._output = None
+        return out
+
+
+class FusedSibling(nn.Module):
+    """One sibling of a fused group, in its ``nn.Linear``'s place: the same ``weight`` and
+    ``bias`` names (views of the group's tensors), the same output."""
+
+    def __init__(self, linear: nn.Linear, group: _Group, member: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        lo, hi = group.spans[member]
+        self.weight = nn.Parameter(group.weight[lo:hi], requires_grad=linear.weight.requires_grad)
+        self.bias = None if group.bias is None else nn.Parameter(
+            group.bias[lo:hi], requires_grad=linear.bias.requires_grad)
+        self._group, self._member = group, member
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wants_grad = torch.is_grad_enabled() and (self.weight.requires_grad or (
+            self.bias is not None and self.bias.requires_grad))
+        if wants_grad or not self._group.holds(self._member, self.weight, self.bias):
+            return F.linear(x, self.weight, self.bias)
+        return self._group.output_of(self._member, x)
+
+    def extra_repr(self) -> str:
+        lo, hi = self._group.spans[self._member]
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"rows {lo}:{hi} of a fused GEMM of {self._group.spans[-1][1]}")
+
+
+def _fusable(linears: list) -> bool:
+    if not all(type(m) is nn.Linear for m in linears):
+        return False
+    first = linears[0].weight
+    return all(m.in_features == linears[0].in_features and m.weight.dtype == first.dtype
+               and m.weight.device == first.device and (m.bias is None) == (linears[0].bias is None)
+               for m in linears)
+
+
+def _fuse(parent: nn.Module, names: Sequence[str]) -> None:
+    linears = [getattr(parent, n) for n in names]
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in linears], 0)
+        bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears], 0)
+    ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
+    group = _Group(weight, bias, list(zip([0] + ends[:-1], ends)))
+    for k, (name, linear) in enumerate(zip(names, linears)):
+        setattr(parent, name, FusedSibling(linear, group, k))
+
+
+def fuse_projections(model: nn.Module, siblings: Sequence[Sequence[str]] = SIBLINGS) -> int:
+    """Fuse every group of :data:`SIBLINGS` (or ``siblings``) in ``model`` into one GEMM each
+    (see the module docstring); the number of groups fused.  Call it before preparing (a graph
+    prepared before keeps the separate GEMMs and the old weights)."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"fuse_projections takes an nn.Module, got {type(model).__name__}")
+    fused = 0
+    for parent in list(model.modules()):
+        for names in siblings:
+            linears = [getattr(parent, n, None) for n in names]
+            if all(m is not None for m in linears) and _fusable(linears):
+                _fuse(parent, names)
+                fused += 1
+    return fused

@@ -1,0 +1,150 @@
+"""``nimble.fused_projections.fuse_projections``: sibling projections that read one input as
+one GEMM, on the CPU (the decode step's lever, issue 53)."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nimble.errors import InputError
+from nimble.fused_projections import FusedSibling, fuse_projections
+
+
+class _GEMMs(TorchDispatchMode):
+    """Counts the matrix products a forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Block(nn.Module):
+    """An attention's projections and a gated MLP, as transformers names them."""
+
+    def __init__(self, width: int = 32, bias: bool = False) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(width, width, bias=bias)
+        self.k_proj = nn.Linear(width, width // 4, bias=bias)
+        self.v_proj = nn.Linear(width, width // 4, bias=bias)
+        self.gate_proj = nn.Linear(width, 2 * width, bias=bias)
+        self.up_proj = nn.Linear(width, 2 * width, bias=bias)
+
+    def forward(self, x):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        h = x + q * k.repeat(1, 1, 4) + v.repeat(1, 1, 4)
+        return self.gate_proj(h) * self.up_proj(h)
+
+
+def _pair(bias: bool = False):
+    torch.manual_seed(0)
+    plain = _Block(bias=bias).eval()
+    fused = copy.deepcopy(plain)
+    assert fuse_projections(fused) == 2
+    return plain, fused
+
+
+def _gemms(model, x) -> int:
+    with torch.no_grad(), _GEMMs() as mode:
+        model(x)
+    return mode.count
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_siblings_run_as_one_gemm_each_and_give_the_same_outputs(bias):
+    plain, fused = _pair(bias)
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), plain(x))
+    assert (_gemms(plain, x), _gemms(fused, x)) == (5, 2)
+    assert sorted(fused.state_dict()) == sorted(plain.state_dict())
+    assert all(isinstance(getattr(fused, n), FusedSibling) for n in ("q_proj", "gate_proj"))
+
+
+def test_a_weight_updated_in_place_reaches_the_fused_gemm():
+    plain, fused = _pair()
+    new = {k: 0.1 * torch.randn_like(v) for k, v in plain.state_dict().items()}
+    plain.load_state_dict(new)
+    fused.load_state_dict(new)
+    x = torch.randn(1, 4, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), plain(x))
+
+
+def test_siblings_called_with_other_inputs_compute_their_own():
+    plain, fused = _pair()
+    a, b = torch.randn(1, 2, 32), torch.randn(1, 2, 32)
+    with torch.no_grad():
+        got = (fused.q_proj(a), fused.k_proj(b), fused.k_proj(a), fused.v_proj(a),
+               fused.q_proj(a))
+        want = (plain.q_proj(a), plain.k_proj(b), plain.k_proj(a), plain.v_proj(a),
+                plain.q_proj(a))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_where_a_gradient_is_wanted_each_sibling_computes_its_own():
+    plain, fused = _pair()
+    plain.train(), fused.train()
+    x = torch.randn(2, 3, 32)
+    plain(x).sum().backward()
+    fused(x).sum().backward()
+    for (name, p), (_, q) in zip(plain.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def test_a_model_cast_after_the_fusion_runs_unfused_and_says_so(caplog):
+    plain, fused = _pair()
+    plain.double(), fused.double()
+    x = torch.randn(1, 2, 32, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="nimble"), torch.no_grad():
+        torch.testing.assert_close(fused(x), plain(x))
+    assert "fuse_projections after" in caplog.text
+    assert _gemms(fused, x) == 5
+
+
+def test_siblings_that_differ_are_left_alone_and_a_non_module_is_refused():
+    block = _Block()
+    block.k_proj = nn.Linear(16, 8)  # another input width: not siblings of one input
+    assert fuse_projections(block) == 1  # the MLP's pair only
+    assert type(block.q_proj) is nn.Linear
+    with pytest.raises(InputError, match="nn.Module"):
+        fuse_projections(lambda x: x)
+
+
+def test_a_llama_decodes_the_same_tokens_with_its_projections_fused():
+    transformers = pytest.importorskip("transformers")
+    from nimble.generate import library_greedy
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100)
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(config).eval()
+    fused = copy.deepcopy(plain)
+    assert fuse_projections(fused) == 4  # each layer's attention and MLP
+    ids = torch.randint(0, 100, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, plain(ids).logits)
+    assert torch.equal(library_greedy(fused, ids, 6), library_greedy(plain, ids, 6))
+
+
+def test_the_bench_fuses_a_copy_for_the_nimble_rows_only():
+    from types import SimpleNamespace
+
+    from nimble.cli.generate_bench import _nimble_model
+
+    plain, _ = _pair()
+    info: dict = {}
+    fused = _nimble_model(plain, SimpleNamespace(fuse_projections=True), info)
+    assert info["fused_projections"] == 2 and fused is not plain
+    assert type(plain.q_proj) is nn.Linear and isinstance(fused.q_proj, FusedSibling)
+    assert _nimble_model(plain, SimpleNamespace(fuse_projections=False), {}) is plain
