@@ -13,6 +13,10 @@ its own: the result is the same either way, only the kernels differ.  The concat
 is no leaf of autograd, so where a gradient is wanted (grad enabled and the weight requiring
 one) each sibling computes its own, as before.
 
+After the fusion, ``.to()``/``.half()`` (which give each parameter a tensor of its own) and
+``copy.deepcopy`` (which clones each on its own) leave a group whose members compute their own
+outputs again, correct and unfused; fuse again after them.
+
 A fused GEMM may sum in another order than the separate ones (another kernel, another tiling),
 so outputs may differ in the last bits, as between any two GEMM kernels.
 """
@@ -35,11 +39,6 @@ log = logging.getLogger("nimble")
 SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _views(part: torch.Tensor, whole: torch.Tensor | None, row: int) -> bool:
-    return whole is not None and part.dtype == whole.dtype and part.device == whole.device \
-        and part.data_ptr() == whole[row].data_ptr()
-
-
 class _Group:
     """The concatenated weight (and bias) of one set of siblings, and its last output."""
 
@@ -49,20 +48,16 @@ class _Group:
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
         self._pending: set[int] = set()
-        self._warned = False
+        #: Set where a member's tensors were replaced (``model.to()``, ``.half()``): the
+        #: group's concatenated ones are stale, and every member computes its own.
+        self.stale = False
 
-    def holds(self, member: int, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether ``weight`` and ``bias`` still view the group's tensors: ``model.to()`` or
-        ``.half()`` after the fusion gives each parameter a tensor of its own, and the group's
-        would be stale (the member then computes its own output, and a warning says so)."""
-        lo, _ = self.spans[member]
-        same = _views(weight, self.weight, lo) and (bias is None or _views(bias, self.bias, lo))
-        if not same and not self._warned:
-            self._warned = True
-            log.warning("fused projections: a member's weight no longer views its group's "
-                        "(the model was moved or cast after fuse_projections); its group runs "
-                        "unfused: call fuse_projections after .to()/.half()")
-        return same
+    def __deepcopy__(self, memo) -> "_Group":
+        # Parameter's deepcopy clones each member's weight on its own, so a copy's members
+        # view no concatenated tensor: the copy's group runs unfused (fuse the copy again).
+        copied = _Group(None, None, self.spans)  # type: ignore[arg-type]
+        copied.stale = True
+        return copied
 
     def output_of(self, member: int, x: torch.Tensor) -> torch.Tensor:
         """Member ``member``'s output for ``x``: a slice of the group's GEMM of ``x``, computed
@@ -94,9 +89,27 @@ class FusedSibling(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wants_grad = torch.is_grad_enabled() and (self.weight.requires_grad or (
             self.bias is not None and self.bias.requires_grad))
-        if wants_grad or not self._group.holds(self._member, self.weight, self.bias):
+        if wants_grad or self._group.stale:
             return F.linear(x, self.weight, self.bias)
         return self._group.output_of(self._member, x)
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to(), .half(), .cuda() give each parameter a tensor of its own (or may): the
+        # group's concatenated copy would then be stale, so it stops being used.  Caught here,
+        # where it happens, rather than by comparing addresses in forward (which torch.compile
+        # cannot trace).
+        def where() -> tuple:  # a parameter may keep its object and change its data
+            return tuple((t.data_ptr(), t.dtype, t.device) for t in (self.weight, self.bias)
+                         if t is not None)
+        before = where()
+        out = super()._apply(fn, recurse)
+        moved = where() != before
+        if moved and not self._group.stale:
+            self._group.stale = True
+            log.warning("fused projections: the model was moved or cast after "
+                        "fuse_projections; its groups run unfused: call fuse_projections "
+                        "after .to()/.half()")
+        return out
 
     def extra_repr(self) -> str:
         lo, hi = self._group.spans[self._member]
@@ -105,7 +118,7 @@ class FusedSibling(nn.Module):
 
 
 def _fusable(linears: list) -> bool:
-    if not all(type(m) is nn.Linear for m in linears):
+    if not all(type(m) in (nn.Linear, FusedSibling) for m in linears):  # a copy fuses again
         return False
     first = linears[0].weight
     return all(m.in_features == linears[0].in_features and m.weight.dtype == first.dtype

@@ -103,12 +103,45 @@ def test_where_a_gradient_is_wanted_each_sibling_computes_its_own():
 
 def test_a_model_cast_after_the_fusion_runs_unfused_and_says_so(caplog):
     plain, fused = _pair()
-    plain.double(), fused.double()
-    x = torch.randn(1, 2, 32, dtype=torch.float64)
-    with caplog.at_level(logging.WARNING, logger="nimble"), torch.no_grad():
-        torch.testing.assert_close(fused(x), plain(x))
+    with caplog.at_level(logging.WARNING, logger="nimble"):
+        plain.double(), fused.double()
     assert "fuse_projections after" in caplog.text
+    x = torch.randn(1, 2, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), plain(x))
     assert _gemms(fused, x) == 5
+
+
+def test_a_copy_of_a_fused_model_runs_unfused_and_follows_its_own_weights():
+    plain, fused = _pair()
+    copied = copy.deepcopy(fused)
+    new = {k: 0.1 * torch.randn_like(v) for k, v in plain.state_dict().items()}
+    plain.load_state_dict(new)
+    copied.load_state_dict(new)
+    x = torch.randn(1, 2, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(copied(x), plain(x))
+    assert _gemms(copied, x) == 5 and fuse_projections(copied) == 2 and _gemms(copied, x) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(copied(x), plain(x))
+
+
+def test_torch_compile_traces_the_fused_model_whole_with_one_gemm_per_group():
+    """The decode steps on Inductor's kernels compile the model: a graph break at each
+    projection would cut the step into pieces."""
+    plain, fused = _pair()
+    linears = []
+
+    def counting(gm, inputs):
+        linears.append(sum(n.op == "call_function" and "linear" in str(n.target)
+                           for n in gm.graph.nodes))
+        return gm
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        got = torch.compile(fused, backend=counting, fullgraph=True)(x)
+        torch.compile(plain, backend=counting, fullgraph=True)(x)
+        torch.testing.assert_close(got, plain(x))
+    assert linears == [2, 5]
 
 
 def test_siblings_that_differ_are_left_alone_and_a_non_module_is_refused():
