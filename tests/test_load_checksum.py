@@ -225,3 +225,29 @@ def test_a_sound_file_reaches_the_build_with_its_checksum_timed(raw, tmp_path, s
         nimble.load(path)
     assert {"read_file", "read_check", "read", "checksum", "checksum_wait"} <= set(seconds)
     assert all(v >= 0 for v in seconds.values()) and stand_in_gpu["kernels"][0].closed
+
+
+def test_a_load_runs_with_the_garbage_collector_paused_and_puts_it_back(tmp_path, monkeypatch):
+    """Full collections set off by the load's own allocations walk every object of a process
+    that imported torch (tools/load_read_bench.py): the collector is off for the load and as
+    it was after, an error included."""
+    import gc
+
+    seen = []
+
+    def refused(path, seconds=None):
+        seen.append(gc.isenabled())
+        raise LoadError("stop here")
+    monkeypatch.setattr(loading, "read_checked", refused)
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with pytest.raises(LoadError, match="stop here"):
+            nimble.load(tmp_path / "m.nimble")
+        assert seen == [False] and gc.isenabled()
+        gc.disable()
+        with pytest.raises(LoadError, match="stop here"):
+            nimble.load(tmp_path / "m.nimble")
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -30,8 +30,10 @@ differ).
 """
 from __future__ import annotations
 
+import gc
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -318,6 +320,22 @@ def load_serving(path, model=None, *, instances: int | None = None, verify: bool
                        instances=instances)[1][0][1]
 
 
+@contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off within (as it was, after).  A process that
+    imported torch holds some 10^5 objects, and every full collection that a load's own
+    allocations (the JSON of its manifest and graphs, the nodes it builds) set off walks all of
+    them; the load makes no cycles it needs collected before it ends (docs/results.md, "The
+    read stage and the garbage collector")."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def load_graphs(path, model=None, *, verify: bool = True, quiet: bool = True,
                 single: bool = False, instances: int | None = None
                 ) -> tuple[dict, list[tuple[str, Serving]]]:
@@ -325,6 +343,13 @@ def load_graphs(path, model=None, *, verify: bool = True, quiet: bool = True,
     each with every bucket and instance built here and proven: ``(name, Serving)`` pairs in
     the file's order.  With ``single``, a file of several is a LoadError before anything
     reaches the GPU.  ``instances`` replaces every graph's count saved."""
+    with collector_paused():
+        return _load_graphs(path, model, verify=verify, quiet=quiet, single=single,
+                            instances=instances)
+
+
+def _load_graphs(path, model, *, verify: bool, quiet: bool, single: bool,
+                 instances: int | None) -> tuple[dict, list[tuple[str, Serving]]]:
     began = time.perf_counter()
     seconds: dict[str, float] = {}
     # A file whose structure does not hold stops here, on any machine; its checksum goes on
