@@ -143,11 +143,24 @@ def fuse_projections(model: nn.Module, siblings: Sequence[Sequence[str]] = SIBLI
     prepared before keeps the separate GEMMs and the old weights)."""
     if not isinstance(model, nn.Module):
         raise InputError(f"fuse_projections takes an nn.Module, got {type(model).__name__}")
+    shared = _shared(model)
     fused = 0
     for parent in list(model.modules()):
         for names in siblings:
             linears = [getattr(parent, n, None) for n in names]
-            if all(m is not None for m in linears) and _fusable(linears):
+            if all(m is not None for m in linears) and _fusable(linears) and \
+                    not any(id(m) in shared or id(m.weight) in shared for m in linears):
                 _fuse(parent, names)
                 fused += 1
     return fused
+
+
+def _shared(model: nn.Module) -> set[int]:
+    """The ids of the modules and parameters reachable from ``model`` more than once (a layer
+    or a weight tied to another): fusing one place would untie it from the others."""
+    seen: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        seen[id(m)] = seen.get(id(m), 0) + 1
+    for _, t in model.named_parameters(remove_duplicate=False):
+        seen[id(t)] = seen.get(id(t), 0) + 1
+    return {k for k, n in seen.items() if n > 1}

@@ -153,6 +153,19 @@ def test_siblings_that_differ_are_left_alone_and_a_non_module_is_refused():
         fuse_projections(lambda x: x)
 
 
+def test_a_layer_or_weight_tied_to_another_place_is_left_alone():
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = _Block(), _Block()
+            self.b.q_proj = self.a.q_proj  # one layer in two places
+            self.b.gate_proj.weight = self.a.up_proj.weight  # one weight in two places
+
+    two = Two()
+    assert fuse_projections(two) == 0
+    assert two.b.q_proj is two.a.q_proj and two.b.gate_proj.weight is two.a.up_proj.weight
+
+
 def test_a_llama_decodes_the_same_tokens_with_its_projections_fused():
     transformers = pytest.importorskip("transformers")
     from nimble.generate import library_greedy
