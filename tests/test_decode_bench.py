@@ -165,7 +165,7 @@ def test_the_nimble_steps_are_prepared_with_the_levers_asked_for(monkeypatch, pr
     monkeypatch.setattr(generate_module, "Generator", lambda *args, **kwargs: "generator")
     args = argparse.Namespace(prompt_lengths=[8], new_tokens=4, prefetch_l2=prefetch,
                               programmatic=programmatic)
-    assert generate_bench._generators(None, args, 1) == {"nimble": "generator",
+    assert generate_bench.nimble_generators(None, args, 1) == {"nimble": "generator",
                                                          "nimble+inductor": "generator"}
     default = {"compile_mode": None, "compile_options": None}
     want = (prefetch, programmatic) if prefetch or programmatic else None
@@ -188,9 +188,9 @@ def test_nimble_inductors_kernels_are_compiled_as_the_bench_is_told(monkeypatch)
     monkeypatch.setattr(generate_module, "Generator", lambda *args, **kwargs: "generator")
     args = argparse.Namespace(prompt_lengths=[8], new_tokens=4,
                               inductor_mode="max-autotune-no-cudagraphs")
-    generate_bench._generators(None, args, 1)
+    generate_bench.nimble_generators(None, args, 1)
     args = argparse.Namespace(prompt_lengths=[8], new_tokens=4, coordinate_descent=True)
-    generate_bench._generators(None, args, 1)
+    generate_bench.nimble_generators(None, args, 1)
     assert asked == [
         (False, {}), (True, {"compile_mode": "max-autotune-no-cudagraphs",
                              "compile_options": None}),
@@ -250,3 +250,26 @@ def test_the_8b_shape_is_llama_3_8b_and_built_on_the_gpu():
     assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size,
             config.num_key_value_heads, config.vocab_size) == (4096, 32, 14336, 8, 128256)
     assert not config.tie_word_embeddings
+
+
+def test_the_nimble_steps_are_prepared_with_the_attention_kernels_asked_for(monkeypatch):
+    """--sdpa-backends: the Generators are made (recorded, compiled) inside torch's
+    sdpa_kernel of those backends, and only they; a name torch has not is a usage error."""
+    import argparse
+
+    import torch
+
+    import nimble.generate as generate_module
+    from nimble.cli import generate_levers
+
+    seen = []
+    monkeypatch.setattr(generate_module, "prepare_with_nimble", lambda *a, **k: None)
+    monkeypatch.setattr(generate_module, "Generator", lambda *a, **k: seen.append(
+        (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())))
+    args = argparse.Namespace(prompt_lengths=[8], new_tokens=4,
+                              sdpa_backends=generate_levers.parse_sdpa_backends("flash"))
+    generate_levers.nimble_generators(None, args, 1)
+    assert seen == [(True, False), (True, False)]
+    assert torch.backends.cuda.math_sdp_enabled()  # as it was, after
+    with pytest.raises(argparse.ArgumentTypeError, match="fast.*not attention backends"):
+        generate_levers.parse_sdpa_backends("flash,fast")

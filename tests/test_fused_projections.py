@@ -186,7 +186,7 @@ def test_a_llama_decodes_the_same_tokens_with_its_projections_fused():
 def test_the_bench_fuses_a_copy_for_the_nimble_rows_only():
     from types import SimpleNamespace
 
-    from nimble.cli.generate_bench import _nimble_model
+    from nimble.cli.generate_levers import nimble_model as _nimble_model
 
     plain, _ = _pair()
     info: dict = {}

@@ -320,7 +320,7 @@ def test_the_generate_bench_times_every_mode_and_checks_every_sequence(monkeypat
         return {mode: Generator(model, max(args.prompt_lengths) + args.new_tokens,
                                 args.prompt_lengths, [batch], prepare_step=run_eagerly)
                 for mode in ("nimble", "nimble+inductor")}
-    monkeypatch.setattr(generate_bench, "_generators", eager_generators)
+    monkeypatch.setattr(generate_bench, "nimble_generators", eager_generators)
     args = argparse.Namespace(models=["llama_small"], dtypes=["float32"], batches=[2],
                               prompt_lengths=[8, 16], new_tokens=6, rounds=2, quiet=True,
                               json=None, training=False, profiler=False, breakdown=True)
@@ -356,7 +356,7 @@ def test_the_generate_bench_times_every_mode_and_checks_every_sequence(monkeypat
     info["modes"]["nimble"]["mismatch"] = {"sequences": 2, "first_token": 20, "near_ties": 1}
     assert generate_bench._status(generate_bench.Outcome(results=[info])) == 1
     # a mode that fails is reported on its own line; the others keep their numbers
-    monkeypatch.setattr(generate_bench, "_generators", lambda model, args, batch: {
+    monkeypatch.setattr(generate_bench, "nimble_generators", lambda model, args, batch: {
         **eager_generators(model, args, batch), "nimble+inductor": "RecordError: stand-in"})
     info = generate_bench.bench_generate("llama_small", args, "float32", 2)
     assert info["modes"]["nimble+inductor"] == {"error": "RecordError: stand-in"}

@@ -54,9 +54,9 @@ from . import decode_bandwidth
 from .common import Fail, one_line, positive_int, require_gpu
 from .decode_loop import compiled_loop
 from .decoders import CAUSAL_LMS, causal_lm
+from .generate_levers import add_lever_arguments, cache_length, nimble_generators, nimble_model
 from .harness import Case, Column, Outcome, format_table, run_cases, write_results
 from .output import outputs
-from ..generate import INDUCTOR_MODES
 from ..progress import say
 
 #: A departure from the reference at a token it chose by at most this many units in the last
@@ -88,24 +88,7 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=positive_int, default=64,
                    help="--generate: tokens generated per sequence (default 64; a token's "
                         "time is (T(N) - T(16)) / (N - 16))")
-    p.add_argument("--prefetch-l2", action="store_true",
-                   help="--generate: prepare the Nimble steps with PrepareOptions(prefetch_l2="
-                        "True): weight prefetch into the L2, kept where measured faster")
-    p.add_argument("--programmatic", action="store_true",
-                   help="--generate: prepare the Nimble steps with PrepareOptions("
-                        "programmatic_launch=True): Inductor's kernels launched to start while "
-                        "their predecessor ends, where safe, kept where measured faster")
-    p.add_argument("--inductor-mode", choices=INDUCTOR_MODES, default=None,
-                   help="--generate: torch.compile's mode for nimble+inductor's kernels "
-                        "(default: Inductor's default; max-autotune-no-cudagraphs tunes them "
-                        "at prepare)")
-    p.add_argument("--coordinate-descent", action="store_true",
-                   help="--generate: nimble+inductor's kernels compiled with Inductor's "
-                        "coordinate_descent_tuning (not with --inductor-mode)")
-    p.add_argument("--fuse-projections", action="store_true",
-                   help="--generate: the Nimble rows on a copy of the model whose sibling "
-                        "projections (query/key/value, gate/up) are one GEMM each "
-                        "(nimble.fused_projections); the other rows keep the model as it is")
+    add_lever_arguments(p)
     p.add_argument("--breakdown", action="store_true",
                    help="--generate: print where each Nimble decode step's time goes (busy, "
                         "gaps between dependent kernels, each kernel's bandwidth, concurrency; "
@@ -151,51 +134,6 @@ def _static_cache(model, max_cache_len: int):
     import transformers
 
     return transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
-
-
-def _cache_len(args) -> int:
-    """Every static cache's length: the longest prompt and the new tokens."""
-    return max(args.prompt_lengths) + args.new_tokens
-
-
-def _generators(model, args, batch: int) -> dict:
-    """The two Nimble generators by mode, or the one-line error that stopped one; with
-    ``--prefetch-l2``, each step prepared with ``PrepareOptions(prefetch_l2=True)`` (kept
-    where it measures faster), with ``--programmatic`` with ``programmatic_launch=True``;
-    ``--inductor-mode`` and ``--coordinate-descent`` choose how
-    nimble+inductor's kernels are compiled."""
-    from ..engine.options import PrepareOptions
-    from ..generate import Generator, prepare_with_nimble
-
-    asked = {"prefetch_l2": getattr(args, "prefetch_l2", False),
-             "programmatic_launch": getattr(args, "programmatic", False)}
-    options = PrepareOptions(**asked) if any(asked.values()) else None
-    inductor = {"compile_mode": getattr(args, "inductor_mode", None),
-                "compile_options": {"coordinate_descent_tuning": True}
-                if getattr(args, "coordinate_descent", False) else None}
-    made: dict = {}
-    for mode, compiled in (("nimble", False), ("nimble+inductor", True)):
-        try:
-            made[mode] = Generator(model, _cache_len(args), args.prompt_lengths, [batch],
-                                   prepare_step=prepare_with_nimble(
-                                       options, compiled, **(inductor if compiled else {})))
-        except Exception as e:  # noqa: BLE001 - the other modes still run
-            made[mode] = one_line(e)
-    return made
-
-
-def _nimble_model(model, args, info: dict):
-    """The model the Nimble rows run: with ``--fuse-projections`` a copy with its sibling
-    projections fused (their count in ``info["fused_projections"]``), else ``model``."""
-    if not getattr(args, "fuse_projections", False):
-        return model
-    import copy
-
-    from ..fused_projections import fuse_projections
-
-    fused = copy.deepcopy(model)
-    info["fused_projections"] = fuse_projections(fused)
-    return fused
 
 
 def _decode_step_shape(generator, batch: int, needed=None,
@@ -351,8 +289,9 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
     info: dict = {"model": name, "dtype": dtype, "batch": batch, "new_tokens": args.new_tokens,
                   "prompt_lengths": list(args.prompt_lengths), "rounds": args.rounds,
                   "baseline": BASELINE, "modes": {},
-                  "show_breakdown": bool(getattr(args, "breakdown", False))}
-    cache_len = _cache_len(args)
+                  "show_breakdown": bool(getattr(args, "breakdown", False)),
+                  "sdpa_backends": getattr(args, "sdpa_backends", None)}
+    cache_len = cache_length(args)
     step("the reference: transformers' greedy tokens, static cache, eager kernels")
     reference_cache = _static_cache(model, cache_len)
     want, want_logits = library_greedy(model, decode_ids, args.new_tokens,
@@ -362,7 +301,7 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
                      "slots_read": needed.slots_read, "per_step": needed.total}
     info["copy_bytes_per_s"] = _copy_bandwidth(args)
     step("preparing the Nimble generators (eager kernels, Inductor's)")
-    generators = _generators(_nimble_model(model, args, info), args, batch)
+    generators = nimble_generators(nimble_model(model, args, info), args, batch)
     try:
         runs = {BASELINE: compiled_loop(model, cache_len),
                 "eager generate": _library_generate(model, False, cache_len),
@@ -455,6 +394,9 @@ def _header(info: dict) -> list[str]:
                      f"({needed['slots_read']:.1f} slots); device copy bandwidth "
                      + ("not measured" if not copy else f"{copy / 1e12:.2f} TB/s "
                         "(1 GiB device-to-device, read + write)"))
+    if info.get("sdpa_backends"):
+        lines.append("the Nimble rows' attention kernels: "
+                     f"{', '.join(info['sdpa_backends'])} (--sdpa-backends)")
     if info.get("fused_projections") is not None:
         lines.append(f"the Nimble rows' model: {info['fused_projections']} group(s) of sibling "
                      "projections fused into one GEMM each (--fuse-projections)")

@@ -1,0 +1,107 @@
+"""The Nimble rows of ``nimble bench --generate``: the levers a user may ask for (weight prefetch
+into the L2, programmatic launch, Inductor's compile mode or tuning, the attention kernels, the
+sibling projections fused) and the generators prepared with them."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+from ..generate import INDUCTOR_MODES
+from .common import one_line
+
+
+def add_lever_arguments(p) -> None:
+    """The ``--generate`` options that choose how the Nimble rows are prepared."""
+    p.add_argument("--prefetch-l2", action="store_true",
+                   help="--generate: prepare the Nimble steps with PrepareOptions(prefetch_l2="
+                        "True): weight prefetch into the L2, kept where measured faster")
+    p.add_argument("--programmatic", action="store_true",
+                   help="--generate: prepare the Nimble steps with PrepareOptions("
+                        "programmatic_launch=True): Inductor's kernels launched to start while "
+                        "their predecessor ends, where safe, kept where measured faster")
+    p.add_argument("--inductor-mode", choices=INDUCTOR_MODES, default=None,
+                   help="--generate: torch.compile's mode for nimble+inductor's kernels "
+                        "(default: Inductor's default; max-autotune-no-cudagraphs tunes them "
+                        "at prepare)")
+    p.add_argument("--coordinate-descent", action="store_true",
+                   help="--generate: nimble+inductor's kernels compiled with Inductor's "
+                        "coordinate_descent_tuning (not with --inductor-mode)")
+    p.add_argument("--fuse-projections", action="store_true",
+                   help="--generate: the Nimble rows on a copy of the model whose sibling "
+                        "projections (query/key/value, gate/up) are one GEMM each "
+                        "(nimble.fused_projections); the other rows keep the model as it is")
+    p.add_argument("--sdpa-backends", type=parse_sdpa_backends, default=None, metavar="B,B",
+                   help="--generate: the attention kernels the Nimble steps are prepared with "
+                        "(torch.nn.attention.sdpa_kernel: flash, efficient, cudnn, math; "
+                        "default: torch's choice)")
+
+
+#: ``--sdpa-backends`` names and torch's scaled-dot-product attention backends.
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
+
+
+def parse_sdpa_backends(text: str) -> list[str]:
+    """``--sdpa-backends``: names of :data:`SDPA_BACKENDS`, comma-separated."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SDPA_BACKENDS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown) or repr(text)}: not attention backends (choose from "
+            f"{', '.join(SDPA_BACKENDS)})")
+    return names
+
+
+def attention_backends(names: list[str] | None):
+    """The context the Nimble steps are prepared in: ``sdpa_kernel`` of ``names``, or none."""
+    if not names:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[n]) for n in names])
+
+
+def cache_length(args) -> int:
+    """Every static cache's length: the longest prompt and the new tokens."""
+    return max(args.prompt_lengths) + args.new_tokens
+
+
+def nimble_generators(model, args, batch: int) -> dict:
+    """The two Nimble generators by mode, or the one-line error that stopped one; with
+    ``--prefetch-l2``, each step prepared with ``PrepareOptions(prefetch_l2=True)`` (kept
+    where it measures faster), with ``--programmatic`` with ``programmatic_launch=True``;
+    ``--inductor-mode`` and ``--coordinate-descent`` choose how
+    nimble+inductor's kernels are compiled."""
+    from ..engine.options import PrepareOptions
+    from ..generate import Generator, prepare_with_nimble
+
+    asked = {"prefetch_l2": getattr(args, "prefetch_l2", False),
+             "programmatic_launch": getattr(args, "programmatic", False)}
+    options = PrepareOptions(**asked) if any(asked.values()) else None
+    inductor = {"compile_mode": getattr(args, "inductor_mode", None),
+                "compile_options": {"coordinate_descent_tuning": True}
+                if getattr(args, "coordinate_descent", False) else None}
+    made: dict = {}
+    for mode, compiled in (("nimble", False), ("nimble+inductor", True)):
+        try:
+            with attention_backends(getattr(args, "sdpa_backends", None)):
+                made[mode] = Generator(model, cache_length(args), args.prompt_lengths, [batch],
+                                       prepare_step=prepare_with_nimble(
+                                           options, compiled, **(inductor if compiled else {})))
+        except Exception as e:  # noqa: BLE001 - the other modes still run
+            made[mode] = one_line(e)
+    return made
+
+
+def nimble_model(model, args, info: dict):
+    """The model the Nimble rows run: with ``--fuse-projections`` a copy with its sibling
+    projections fused (their count in ``info["fused_projections"]``), else ``model``."""
+    if not getattr(args, "fuse_projections", False):
+        return model
+    import copy
+
+    from ..fused_projections import fuse_projections
+
+    fused = copy.deepcopy(model)
+    info["fused_projections"] = fuse_projections(fused)
+    return fused
