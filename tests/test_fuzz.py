@@ -572,7 +572,8 @@ def _stand_in_prove(monkeypatch, fake: FakeFuzz):
     launcher = SimpleNamespace(rng=None, stream=lambda: None, slots=[0],
                                run_flat=lambda inputs: [inputs[0] * 2])
     prepared = SimpleNamespace(graph=graph, launcher=launcher, launchers=[launcher], step=None,
-                               arena_base=0, memplan=SimpleNamespace(arena_bytes=0), seconds={})
+                               arena_base=0, memplan=SimpleNamespace(arena_bytes=0), seconds={},
+                               low_bits=())
     rec = SimpleNamespace(replay_reference=lambda inputs: [inputs[0] * 2],
                           static_inputs=[torch.zeros(8)])
     return prepared, rec

@@ -152,7 +152,8 @@ def test_prove_hands_the_progress_to_the_proof(monkeypatch):
     graph = TaskGraph()
     prepared = types.SimpleNamespace(
         launcher=types.SimpleNamespace(rng=None, stream=lambda: None), graph=graph, step=None,
-        launchers=[], arena_base=0, memplan=types.SimpleNamespace(arena_bytes=0), seconds={})
+        launchers=[], arena_base=0, memplan=types.SimpleNamespace(arena_bytes=0), seconds={},
+        low_bits=())
     rec = types.SimpleNamespace(replay_reference=None, static_inputs=[])
     progress = proof.ProofProgress()
     proving.prove(prepared, rec, 2, fuzz=False, progress=progress)

@@ -41,7 +41,7 @@ def _place(monkeypatch, graph: TaskGraph):
     layout = own_layout(graph, plan)
     arena = SimpleNamespace(address=1 << 44, companions=[])
     base, bases, _ = prepared._place_buffers(graph, plan, layout, arena,
-                                             SimpleNamespace(index=0))
+                                             SimpleNamespace(index=0), low_word_buffers(graph))
     return layout, arena, base, bases, calls
 
 

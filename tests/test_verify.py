@@ -120,7 +120,7 @@ def _stand_in_prepared(launches: list, poisoned: list):
                                run_flat=run_flat)
     return SimpleNamespace(graph=g, launcher=launcher, launchers=[launcher], step=None,
                            arena_base=0x10000, memplan=SimpleNamespace(arena_bytes=4096),
-                           bases=[0x20000, 0x30000], seconds={})
+                           bases=[0x20000, 0x30000], seconds={}, low_bits=(1,))
 
 
 @pytest.mark.parametrize("which", ["prove", "prove_copy"])

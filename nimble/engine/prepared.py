@@ -108,6 +108,9 @@ class Prepared:
     programmatic: frozenset = frozenset()
     recording: Any = None  # kept only with keep_recording=True (debugging)
     step: Any = None  # training.TrainingStep for a training step, else None
+    #: The buffers kept at their recorded low address bits, each in memory of its own
+    #: (:func:`~nimble.engine.arena_layout.low_word_buffers`, found once at the build).
+    low_bits: tuple[int, ...] = ()
     #: What a graph loaded from a file runs on besides its arena (its kernels' libraries, the
     #: file's weights and external memory): kept as long as the graph is.
     owned_memory: list = field(default_factory=list)
@@ -264,7 +267,8 @@ class Placement:
 
 
 def _place_buffers(graph: TaskGraph, plan: MemPlan, layout: StateLayout,
-                   arena: driver.DeviceMemory, device, placement: Placement | None = None
+                   arena: driver.DeviceMemory, device, low_bits: Sequence[int],
+                   placement: Placement | None = None
                    ) -> tuple[int, list[int], RngCells | None]:
     """``(aligned arena base, where every buffer lives, the generator's cells)``; copies the
     library's bytes into the private copies (zeroes those of workspaces) and gives each
@@ -280,7 +284,7 @@ def _place_buffers(graph: TaskGraph, plan: MemPlan, layout: StateLayout,
     for bid, address in rng_bases.items():
         bases[bid] = address
     low = {}
-    for bid in low_word_buffers(graph):
+    for bid in low_bits:
         b = graph.buffers[bid]
         memory = driver.LowBitsMemory.allocate(b.size, b.address, device.index or 0)
         arena.companions.append(memory)
@@ -448,7 +452,9 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
         arena, layout, order = region
     builts: list[BuiltGraph] = []
     try:
-        base, bases, rng = _place_buffers(graph, plan, layout, arena, device, placement)
+        low_bits = tuple(low_word_buffers(graph))
+        base, bases, rng = _place_buffers(graph, plan, layout, arena, device, low_bits,
+                                          placement)
         slots = _input_slots(graph, bases, base + layout.cells_at, arena, device, gather_inputs)
         outputs = [device_tensor(bases[r.buffer] + r.offset, r, arena, device)
                    for r in graph.outputs]
@@ -476,7 +482,8 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
                         weights=Weights(model, graph, placement.outside if placement
                                         else None), seconds=seconds,
                         priorities=builder.priorities, backfill=picked,
-                        prefetch=list(builder.prefetch), programmatic=builder.programmatic)
+                        prefetch=list(builder.prefetch), programmatic=builder.programmatic,
+                        low_bits=low_bits)
     if rec.step is not None:
         from .autograd import TrainingStep
 

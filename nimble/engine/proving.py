@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from ..analysis.deps import communicates
-from .arena_layout import low_word_buffers, shared_state
+from .arena_layout import shared_state
 from .fuzz import FuzzCopies, FuzzStats
 from .launcher import run_phases
 from .prepared import Prepared
@@ -26,7 +26,7 @@ def low_word_ranges(prepared: Prepared) -> list[tuple[int, int]]:
     """``(address, size)`` of the arena's buffers placed outside it to keep their low 32 bits
     (poisoned with the arena; a private copy of a library's memory, kept so too, is not)."""
     graph = prepared.graph
-    return [(prepared.bases[b], graph.buffers[b].size) for b in low_word_buffers(graph)
+    return [(prepared.bases[b], graph.buffers[b].size) for b in prepared.low_bits
             if graph.buffers[b].size and graph.buffers[b].relocatable]
 
 

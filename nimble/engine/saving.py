@@ -39,8 +39,7 @@ from ..ir.saved_manifest import FORMAT_NAME
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
 from ..progress import logger as log
 from ..progress import say
-from .arena_layout import low_word_buffers, shared_state_buffers, written_externals, \
-    written_weights
+from .arena_layout import shared_state_buffers, written_externals, written_weights
 from .build import relocated
 from .c_plan import c_plan
 from .kernel_binaries import BinaryTable, KernelFinder, LiveKernel
@@ -206,7 +205,7 @@ def _placement(prepared: Prepared, outside: _Outside) -> tuple[dict, dict]:
     private copy, its bytes as the graph holds them now."""
     graph = prepared.graph
     private = set(written_externals(graph))
-    planned = set(prepared.memplan.offsets) | set(low_word_buffers(graph))
+    planned = set(prepared.memplan.offsets) | set(prepared.low_bits)
     pointed = sorted({p.buffer for t in graph.tasks for p in t.pointers if p.buffer >= 0})
     sources: dict[str, dict] = {}
     for bid in pointed:

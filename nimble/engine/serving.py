@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from .. import driver
 from ..errors import InputError
-from .arena_layout import SharedArena, low_word_buffers
+from .arena_layout import SharedArena
 from .launcher import TAKE_GENERAL_PATH, not_a_tensor
 from .prepared import Prepared
 
@@ -372,7 +372,7 @@ class Serving:
 
     def memory(self) -> MemoryReport:
         outside = sum(p.graph.buffers[b].size for p in self.preparations()
-                      for b in low_word_buffers(p.graph))
+                      for b in p.low_bits)
         return MemoryReport(self.layout.shared_bytes, self.layout.state_bytes,
                             [a.size for a in self.arenas], outside)
 
