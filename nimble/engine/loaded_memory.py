@@ -35,17 +35,21 @@ def low_bits_rows(manifest: dict, decoded: list) -> dict[tuple[str, int], int]:
     return wanted
 
 
-def _at_low_bits(view: memoryview, size: int, recorded: int, device):
-    """The bytes of ``view`` (zeros past them, up to ``size``) in memory whose address keeps
-    ``recorded``'s low 32 bits (:class:`~nimble.driver.LowBitsMemory`), its owner."""
+def _placed(view: memoryview, size: int, recorded: int | None, device, empty_size: int):
+    """``(address, owner)`` of the bytes of ``view`` on ``device``: in a tensor of their own
+    (:func:`on_device`), or, with ``recorded``, zero-padded to ``size`` in memory whose address
+    keeps ``recorded``'s low 32 bits (:class:`~nimble.driver.LowBitsMemory`)."""
+    if recorded is None:
+        tensor = on_device(view, device, empty_size)
+        return tensor.data_ptr(), tensor
     memory = driver.LowBitsMemory.allocate(max(size, len(view), 1), recorded, device.index or 0)
     data = bytes(view)
     driver.copy_to_device(memory.address, data + bytes(max(size - len(data), 0)))
-    return memory
+    return memory.address, memory
 
 
 def place_weights(manifest: dict, saved: SavedFile, model, device, low: dict | None = None,
-             verify: bool = True) -> tuple[list[int], list]:
+                  verify: bool = True) -> tuple[list[int], list]:
     """Per weight storage of the file, its address now, and the memory to keep alive; the
     file's weights in ``low`` (:func:`low_bits_rows`) at their recorded low 32 bits."""
     addresses, keep = [], []
@@ -56,11 +60,10 @@ def place_weights(manifest: dict, saved: SavedFile, model, device, low: dict | N
             if row.get("blob") is None:
                 raise LoadError("the file was saved without its weights (weights=False): pass "
                                 "the model, nimble.load(path, model=...)")
-            view = saved.blob_view(row["blob"])
-            owner = _at_low_bits(view, int(row["size"]), low[("weight", i)], device) \
-                if ("weight", i) in low else on_device(view, device, 0)
+            address, owner = _placed(saved.blob_view(row["blob"]), int(row["size"]),
+                                     low.get(("weight", i)), device, 0)
+            addresses.append(address)
             keep.append(owner)
-            addresses.append(owner.address if ("weight", i) in low else owner.data_ptr())
             continue
         addresses.append(_model_storage(row, current, device))
         if ("weight", i) in low:
@@ -135,18 +138,14 @@ def on_device(view: memoryview, device, empty_size: int):
 
 
 def place_memory(manifest: dict, saved: SavedFile, device, low: dict | None = None
-            ) -> tuple[list[int], list]:
+                 ) -> tuple[list[int], list]:
     """The saved external memory, each range in memory of its own (those in ``low`` at their
     recorded low 32 bits, :func:`low_bits_rows`), and its owners."""
     addresses, keep = [], []
     low = low or {}
     for i, row in enumerate(manifest.get("memory", [])):
-        view = saved.blob_view(row.get("blob"))
-        if ("memory", i) in low:
-            owner = _at_low_bits(view, int(row["size"]), low[("memory", i)], device)
-            addresses.append(owner.address)
-        else:
-            owner = on_device(view, device, 1)
-            addresses.append(owner.data_ptr())
+        address, owner = _placed(saved.blob_view(row.get("blob")), int(row["size"]),
+                                 low.get(("memory", i)), device, 1)
+        addresses.append(address)
         keep.append(owner)
     return addresses, keep
