@@ -31,6 +31,7 @@ taken in the graph and the token goes back in as the next step's input.
 from __future__ import annotations
 
 import bisect
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -41,6 +42,8 @@ from .decode_steps import (INDUCTOR_MODES, DecodeStep, PrefillStep, PrepareStep,
                            _cache_tensors, library_greedy, pad_right, prepare_with_nimble,
                            run_eagerly, unit_in_last_place)
 from .errors import CaptureError, InputError
+
+log = logging.getLogger("nimble")
 
 #: The step modules and their preparation live in :mod:`nimble.decode_steps`; they are named
 #: here too, where a Generator's users reach for them.
@@ -146,15 +149,29 @@ class Generator:
     bucket per prompt length, in one arena sized by the largest); ``batch_sizes`` the batch
     sizes to prepare.
     ``prepare_step`` says how a step module runs (default: :func:`prepare_with_nimble`).
+    ``fuse_projections=True`` first makes each attention's query, key and value projections
+    and each gated MLP's gate and up projections one GEMM
+    (:func:`nimble.fused_projections.fuse_projections`, in place: the model's weights become
+    views of one concatenated tensor per group, names and ``state_dict`` kept); a decode step's
+    lever where the small projections are latency-bound (batch 1), whose tokens may depart
+    from the unfused model's at near-ties (another GEMM kernel rounds otherwise).
     """
 
     def __init__(self, model, max_cache_len: int, prompt_buckets: Sequence[int],
                  batch_sizes: Sequence[int] = (1,), prepare_step: PrepareStep | None = None,
-                 pad_id: int = 0) -> None:
+                 pad_id: int = 0, fuse_projections: bool = False) -> None:
         self.limits = Limits.checked(max_cache_len, prompt_buckets, batch_sizes)
         if getattr(model, "training", False):
             raise InputError("the model is in training mode: call model.eval() before building "
                              "a Generator")
+        #: Groups of sibling projections made one GEMM (None: not asked for).
+        self.fused_projections: int | None = None
+        if fuse_projections:
+            from .fused_projections import fuse_projections as fuse
+
+            self.fused_projections = fuse(model)
+            log.info("fused %d group(s) of sibling projections into one GEMM each",
+                     self.fused_projections)
         self.model = model
         self.pad_id = pad_id
         self._steps: dict[int, _BatchSteps] = {}

@@ -467,6 +467,22 @@ def test_training_bench_parses_batches_and_formats_its_table():
     assert row[10:] == ["223", "230", "20.5"]
 
 
+def test_the_training_lines_set_the_backend_against_nimble_on_inductors_kernels():
+    """The per-model line of ``bench --training`` gives the backend's step over Nimble's step
+    of the same compiled model (issue 52's 3%), and says why that row is missing where its
+    prepare failed, instead of leaving it out unsaid."""
+    from nimble.cli.train_bench import BACKEND_ROW, INDUCTOR_ROW, _report
+
+    modes = {"graphed": {"median_ms": 4.0}, BACKEND_ROW: {"median_ms": 3.09},
+             INDUCTOR_ROW: {"median_ms": 3.0}}
+    line = _report({"model": "resnet50", "batch": 32, "modes": modes})
+    assert line.endswith(f"{BACKEND_ROW} against {INDUCTOR_ROW}: 1.030")
+    del modes[INDUCTOR_ROW]
+    line = _report({"model": "resnet50", "batch": 32, "modes": modes,
+                    "nimble_inductor_error": "CaptureError: no"})
+    assert "against" not in line and line.endswith(f"{INDUCTOR_ROW} not timed (CaptureError: no)")
+
+
 def test_the_compile_backend_row_and_the_host_times_of_torch_compiles_two_ways():
     from nimble.cli.bench import BACKEND_ROW
 

@@ -107,6 +107,31 @@ def test_the_token_loop_equals_the_librarys_greedy_generate_token_for_token(name
                            library_greedy(model, ids, new_tokens, cache=cache))
 
 
+def test_a_generator_asked_to_fuse_projections_fuses_them_before_preparing_and_decodes_alike():
+    """``Generator(fuse_projections=True)``: the model's sibling projections are one GEMM each
+    in the modules the steps are prepared from, and the tokens are the unfused model's."""
+    pytest.importorskip("transformers")
+    import copy
+
+    from nimble.fused_projections import FusedSibling
+
+    model = _tiny("llama")
+    plain = copy.deepcopy(model)
+    seen = []
+
+    def prepare_step(module, examples):
+        seen.append(isinstance(module.model.model.layers[0].self_attn.k_proj, FusedSibling))
+        return run_eagerly(module, examples)
+
+    generator = Generator(model, 64, [16], prepare_step=prepare_step, fuse_projections=True)
+    assert generator.fused_projections == 4 and seen == [True, True]
+    ids = torch.randint(0, VOCAB, (1, 12))
+    assert torch.equal(generator.generate(ids, 10), library_greedy(plain, ids, 10))
+    unfused = Generator(plain, 64, [16], prepare_step=run_eagerly)
+    assert unfused.fused_projections is None
+    assert type(plain.model.layers[0].self_attn.k_proj) is torch.nn.Linear
+
+
 def test_generate_refuses_what_was_not_prepared_with_the_limits():
     pytest.importorskip("transformers")
     generator = Generator(_tiny("llama"), max_cache_len=64, prompt_buckets=[16],

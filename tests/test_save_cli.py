@@ -14,6 +14,8 @@ from nimble.cli.main import main
     (["save", "gpt2_tiny", "--generate"], "needs an NVIDIA GPU"),
     (["save", "resnet50"], "needs an NVIDIA GPU"),
     (["save", "alexnet"], "unknown model 'alexnet'"),
+    (["save", "resnet50", "--fuse-projections"], "applies to a Generator: add --generate"),
+    (["save", "gpt2_tiny", "--generate", "--fuse-projections"], "needs an NVIDIA GPU"),
     (["save", "resnet50", "--dtype", "int8"], None),
 ])
 def test_a_wrong_or_gpuless_save_ends_in_one_line(argv, message, capsys):

@@ -54,6 +54,8 @@ def _bucket(row: dict, graph: TaskGraph) -> dict:
     return {"inputs": _tensors(graph.inputs), "outputs": _tensors(graph.outputs),
             "tasks": len(graph.tasks), "streams": len(row["schedule"]["streams"]),
             "arena_bytes": row["memplan"]["arena_bytes"],
+            # the bytes of library memory the graph writes, held by the file for each copy
+            "private_bytes": sum(blob[1] for blob in (row.get("private") or {}).values()),
             "training_step": row.get("step") is not None}
 
 
@@ -145,6 +147,9 @@ def format_saved(path: str, s: dict) -> str:
                   f"{_shapes(b['outputs'])}",
                   f"    tasks: {b['tasks']}, streams: {b['streams']}, arena: "
                   f"{b['arena_bytes'] / MIB:.1f} MiB"]
+        if b["private_bytes"]:
+            lines.append(f"    private copies of library memory: {b['private_bytes'] / MIB:.1f} "
+                         "MiB, in the file")
     lines.append(f"  kernels: {s['kernels']}")
     for lib in s["binaries"]["libraries"]:
         lines.append(f"    {lib['name']}: {lib['kernels']} kernels in {lib['containers']} "

@@ -39,12 +39,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cache-len", type=positive_int, default=None, metavar="L",
                    help="with --generate: the static cache's length (default the largest "
                         "prompt bucket + 64)")
+    p.add_argument("--fuse-projections", action="store_true",
+                   help="with --generate: make sibling projections one GEMM each first "
+                        "(nimble.fused_projections; a batch-1 decode step's lever)")
     add_quiet_argument(p)
 
 
 def run(args) -> int:
     if args.generate:
         return _save_generator(args)
+    if args.fuse_projections:
+        raise Fail("--fuse-projections applies to a Generator: add --generate")
     check_models([args.model], "save")
     import nimble
 
@@ -92,7 +97,8 @@ def _save_generator(args) -> int:
     output = args.output or f"{args.model}-{args.dtype}-generator.nimble"
     began = time.perf_counter()
     generator = Generator(causal_lm(args.model, args.dtype), max_cache_len=cache,
-                          prompt_buckets=buckets, batch_sizes=batches)
+                          prompt_buckets=buckets, batch_sizes=batches,
+                          fuse_projections=args.fuse_projections)
     return _saved(lambda: generator.save(output, quiet=args.quiet), time.perf_counter() - began)
 
 

@@ -12,7 +12,11 @@ longer of Nimble's two prepares):
 * ``compile backend=nimble``: ``torch.compile(model, backend="nimble")``, each step's forward
   and backward as Nimble's prepared training step (skipped with ``--no-compile``; in the
   per-model lines and the JSON, not the table);
-* ``nimble single`` / ``nimble multi``: ``prepare(x, training=True)`` on one stream / many.
+* ``nimble single`` / ``nimble multi``: ``prepare(x, training=True)`` on one stream / many;
+* ``nimble+inductor``: ``Nimble(torch.compile(model)).prepare(x, training=True)``, the step on
+  Inductor's kernels that the backend's row is held to (skipped with ``--no-compile``; a model
+  whose compiled step cannot be prepared gets its error in the per-model line and the JSON,
+  ``nimble_inductor_error``, and the other rows still run).
 
 The classifiers of the paper's training table run at CIFAR-10 shapes (3×32×32, 10 classes), the
 others at their ImageNet shapes.  The table prints ×eager beside the paper's figure (batch 32,
@@ -37,6 +41,8 @@ from ..progress import say
 #: The paper's training speed-ups over PyTorch (batch 32, CIFAR-10, V100).
 PAPER_X_EAGER = {"mobilenet_v2": 3.61, "efficientnet_b0": 3.32, "resnet50": 1.90}
 CIFAR_MODELS = ("resnet50", "mobilenet_v2", "efficientnet_b0")
+#: The row of Nimble's training step on Inductor's kernels, prepared by hand.
+INDUCTOR_ROW = "nimble+inductor"
 DEFAULT_MODELS = ["resnet50", "mobilenet_v2", "efficientnet_b0", "googlenet", "inception_v3"]
 
 
@@ -107,6 +113,8 @@ def bench_training(name: str, batch: int, args) -> dict:
         t0 = time.perf_counter()
         steps[BACKEND_ROW]()  # its first step compiles and prepares
         info["backend_first_step_seconds"] = time.perf_counter() - t0
+    if not args.no_compile:
+        _add_inductor_step(steps, info, base, x, y, args)
     for label, multi in (("nimble single", False), ("nimble multi", True)):
         model = copy.deepcopy(base)
         t0 = time.perf_counter()
@@ -129,6 +137,25 @@ def bench_training(name: str, batch: int, args) -> dict:
     info["paper_x_eager"] = PAPER_X_EAGER.get(name) if name in CIFAR_MODELS and batch == 32 \
         else None
     return info
+
+
+def _add_inductor_step(steps: dict, info: dict, base, x, y, args) -> None:
+    """``steps[INDUCTOR_ROW]``: Nimble's training step of ``torch.compile(copy of base)``; its
+    prepare's seconds (Inductor's compile included) apart from Nimble's own prepares."""
+    import torch
+
+    import nimble
+
+    model = copy.deepcopy(base)
+    t0 = time.perf_counter()
+    try:
+        nm = nimble.Nimble(torch.compile(model)).prepare(x, training=True, quiet=args.quiet)
+    except nimble.NimbleError as e:
+        info["nimble_inductor_error"] = f"{type(e).__name__}: {e}"
+        say(f"{INDUCTOR_ROW} not timed: {info['nimble_inductor_error']}", args.quiet, "bench")
+        return
+    info["nimble_inductor_prepare_seconds"] = time.perf_counter() - t0
+    steps[INDUCTOR_ROW] = training_step(nm, model, x, y)
 
 
 _COLUMNS = [Column("model", 16, left=True), Column("batch", 6), Column("eager", 8),
@@ -162,8 +189,15 @@ def table(results: list[dict]) -> str:
 
 
 def _report(info: dict) -> str:
-    return f"{info['model']} batch {info['batch']}: " + ", ".join(
+    line = f"{info['model']} batch {info['batch']}: " + ", ".join(
         f"{k} {v['median_ms']:.2f} ms" for k, v in info["modes"].items())
+    modes = info["modes"]
+    if BACKEND_ROW in modes and INDUCTOR_ROW in modes:
+        ratio = modes[BACKEND_ROW]["median_ms"] / modes[INDUCTOR_ROW]["median_ms"]
+        line += f"; {BACKEND_ROW} against {INDUCTOR_ROW}: {ratio:.3f}"
+    if info.get("nimble_inductor_error"):
+        line += f"; {INDUCTOR_ROW} not timed ({info['nimble_inductor_error']})"
+    return line
 
 
 def _case(name: str, batch: int, args) -> Case:
