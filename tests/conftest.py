@@ -55,6 +55,31 @@ def _sharded(config, items) -> None:
         items[:] = kept
 
 
+#: Per test id, its seconds so far (setup, call, teardown) and its outcome.
+_TIMES: dict[str, list] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Where ``NIMBLE_TEST_TIMES`` names a file (tools/gpu_suite.py sets it per process), a
+    line per test as it ends: outcome, seconds (setup, call and teardown), test id; written at
+    once, so a process stopped at the suite's deadline still tells what it did."""
+    import os
+
+    path = os.environ.get("NIMBLE_TEST_TIMES")
+    if not path:
+        return
+    entry = _TIMES.setdefault(report.nodeid, [0.0, "passed"])
+    entry[0] += report.duration
+    if report.failed:
+        entry[1] = "failed" if report.when == "call" else "error"
+    elif report.skipped and entry[1] == "passed":
+        entry[1] = "skipped"
+    if report.when == "teardown":
+        seconds, outcome = _TIMES.pop(report.nodeid)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{outcome}\t{seconds:.2f}\t{report.nodeid}\n")
+
+
 def pytest_collection_modifyitems(config, items):
     _sharded(config, items)
     reason = _gpu_skip_reason()

@@ -295,6 +295,78 @@ def test_gpu_suite_spreads_the_test_files_and_runs_the_memory_tests_alone(monkey
     assert len(list(tmp_path.glob("gpu_tests_*.log"))) == 3
 
 
+def test_gpu_suite_stops_processes_at_its_deadline_and_says_what_each_did_so_far(monkeypatch,
+                                                                                  tmp_path,
+                                                                                  capsys):
+    """``--deadline``: a process still running is stopped (its session signalled, so torchrun's
+    ranks go with it), and its line says what its tests did, from the times file each pytest
+    process writes as tests end; the slowest tests follow; the status is a failure."""
+    from pathlib import Path
+
+    suite = _gpu_suite()
+    stale = tmp_path / "gpu_tests_all.times.tsv"
+    stale.write_text("failed\t99.0\tan::earlier_run\n")
+    signalled = []
+
+    class Proc:
+        """A pytest process that never ends by itself, having ended two tests."""
+        returncode = None
+
+        def __init__(self, cmd, stdout, **kwargs):
+            env = kwargs["env"]
+            self.pid = 4242 + len(signalled)
+            assert kwargs.get("start_new_session")
+            with open(env[suite.TIMES_ENV], "a") as f:
+                f.write("passed\t3.50\ttests/test_gpu_runtime.py::fast\n"
+                        "failed\t12.25\ttests/test_gpu_runtime.py::slow\npass")  # cut off
+
+        def poll(self):
+            return None
+
+        def wait(self, timeout=None):
+            return 0
+    monkeypatch.setattr(suite.subprocess, "Popen", Proc)
+    monkeypatch.setattr(suite.os, "killpg", lambda pid, sig: signalled.append((pid, sig)))
+    monkeypatch.setattr(suite, "_stages", lambda args: [[suite.Run((Path("tests"),), ("0",))]])
+    assert suite.main(["--skip-bench", "--skip-training", "--deadline", "0", "--gpus", "0", "--out",
+                       str(tmp_path)]) == 1
+    assert signalled == [(4242, suite.signal.SIGTERM)]
+    out = capsys.readouterr().out
+    assert "FAILED tests/test_gpu_runtime.py::slow" in out
+    assert "gpu tests on GPU 0 [tests] (0 s): cut off at the deadline; 1 failed, 1 passed" in out
+    slowest = out[out.index("slowest tests"):].splitlines()
+    assert slowest[1].split() == ["12.2", "failed", "tests/test_gpu_runtime.py::slow"]
+    assert slowest[2].split() == ["3.5", "passed", "tests/test_gpu_runtime.py::fast"]
+    assert "earlier_run" not in out  # the folder's times file of a former run was removed
+
+
+def test_each_test_writes_its_outcome_and_seconds_where_the_suite_asks(tmp_path):
+    """tests/conftest.py's hook, in a pytest process of its own: a line per test as it ends."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    (tmp_path / "none.ini").write_text("[pytest]\n")
+    (tmp_path / "test_three.py").write_text(
+        "import pytest\n"
+        "def test_ok():\n    pass\n"
+        "def test_bad():\n    assert False\n"
+        "@pytest.mark.skip(reason='no')\ndef test_skipped():\n    pass\n")
+    times = tmp_path / "times.tsv"
+    env = {**__import__("os").environ, "NIMBLE_TEST_TIMES": str(times),
+           "PYTHONPATH": str(tests)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                        "conftest", "-c", str(tmp_path / "none.ini"), "--rootdir",
+                        str(tmp_path), str(tmp_path / "test_three.py")],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert "1 failed, 1 passed, 1 skipped" in r.stdout, r.stdout + r.stderr
+    rows = [line.split("\t") for line in times.read_text().splitlines()]
+    assert [(outcome, test.rsplit("::", 1)[1]) for outcome, _, test in rows] == \
+        [("passed", "test_ok"), ("failed", "test_bad"), ("skipped", "test_skipped")]
+    assert all(float(seconds) >= 0 for _, seconds, _ in rows)
+
+
 NVIDIA_SMI = ["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-a)", "GPU 1: NVIDIA H100 (UUID: GPU-b)",
               "  MIG 1g.10gb     Device  0: (UUID: MIG-c)", "GPU 2: NVIDIA H100 (UUID: GPU-d)",
               "GPU 3: NVIDIA H100 (UUID: GPU-e)"]

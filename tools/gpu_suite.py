@@ -4,7 +4,7 @@
                                [--training-models M,M,...] [--training-batches B,B,...]
                                [--skip-tests] [--skip-bench] [--skip-training] [--out DIR]
                                [--jobs N] [--gpus auto|I,I,...] [--only F,F] [--exclude F,F]
-                               [--part K/N]
+                               [--part K/N] [--deadline S]
 
 Runs, in order:
 
@@ -40,7 +40,11 @@ Runs, in order:
 
 ``torch.compile`` is left out unless ``--compile``.  Each pytest process's summary line is
 printed as the process ends, with the seconds since its stage began (a call cut off by a time
-limit still shows what ended); at the end, every such line again and the benchmark tables.  Logs and the benchmark JSON go to
+limit still shows what ended); with ``--deadline S``, the processes still running S seconds
+after the tests began are stopped, each with a line of what its tests did so far (every
+process writes each test's outcome and seconds to ``gpu_tests_NAME.times.tsv`` as it ends,
+:data:`TIMES_ENV`); after the tests, the slowest of them; at the end, every such line again and
+the benchmark tables.  Logs and the benchmark JSON go to
 ``--out`` (default ``$OUT`` on the device machine, else ``./out``): ``gpu_tests_NAME.log`` (one
 per pytest process, named after its first test file, ``gpu_tests_all.log`` for one process),
 ``bench.log`` / ``bench.json`` and ``bench_full.log`` / ``bench_full.json`` (a bench's log holds
@@ -55,6 +59,7 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -105,6 +110,12 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 #: must not run on the communicator while a graph launch that uses it is still running; one
 #: stream's order, as the benches keep, is enough.
 GRAPH_MIXING_OFF = {"NCCL_GRAPH_MIXING_SUPPORT": "0"}
+#: Each pytest process writes its tests' outcomes and seconds to the file this names as each
+#: test ends (tests/conftest.py), so that a process cut off at the deadline still says what it
+#: passed and where its time went.
+TIMES_ENV = "NIMBLE_TEST_TIMES"
+#: The slowest tests printed after the test stages, from every process's times file.
+SLOWEST = 15
 
 
 def collective_environment(keep_graph_mixing: bool) -> dict:
@@ -294,8 +305,9 @@ def _pytest(files: list[Path], log_path: Path, extra: list[str], env) -> subproc
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
            *process_files(files), *extra]
     log = open(log_path, "w")
+    # a session of its own: a cut-off process's children (torchrun's ranks) are stopped with it
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, start_new_session=True)
     proc.log = log  # type: ignore[attr-defined]  # closed when the process is waited for
     return proc
 
@@ -328,12 +340,24 @@ def _run_tests(args, env) -> tuple[int, list[str]]:
     off by a time limit still shows what ended and how long it took."""
     extra = shlex.split(args.pytest_args)
     status, summary = 0, []
+    began = time.perf_counter()
     for stage in _stages(args):
         t0 = time.perf_counter()
         logs = [args.out / _log_name(list(run.files)) for run in stage]
-        running = {k: _pytest(list(run.files), log, extra, run_environment(env, run))
+        for log in logs:
+            times_path(log).unlink(missing_ok=True)  # a former run's, in the same folder
+        running = {k: _pytest(list(run.files), log, extra,
+                              {**run_environment(env, run), TIMES_ENV: str(times_path(log))})
                    for k, (run, log) in enumerate(zip(stage, logs))}
         while running:
+            if args.deadline is not None and time.perf_counter() - began > args.deadline:
+                for k, proc in sorted(running.items()):
+                    _stop(proc)
+                    proc.log.close()
+                    line = _cut_off(stage[k], logs[k], time.perf_counter() - t0)
+                    summary.append(line)
+                    print(line, flush=True)
+                return 1, summary + _slowest(args.out)
             ended = [k for k, proc in running.items() if proc.poll() is not None]
             if not ended:
                 time.sleep(0.5)
@@ -345,7 +369,72 @@ def _run_tests(args, env) -> tuple[int, list[str]]:
                 summary.append(line)
                 print(line, flush=True)
                 status |= proc.returncode
-    return status, summary
+    return status, summary + _slowest(args.out)
+
+
+def times_path(log: Path) -> Path:
+    """The times file (:data:`TIMES_ENV`) of the pytest process that writes ``log``."""
+    return log.with_suffix(".times.tsv")
+
+
+def read_times(path: Path) -> list[tuple[str, float, str]]:
+    """``(outcome, seconds, test id)`` per test a process ended, from its times file (none
+    where it wrote none)."""
+    rows = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        outcome, _, rest = line.partition("\t")
+        seconds, _, test = rest.partition("\t")
+        try:
+            rows.append((outcome, float(seconds), test))
+        except ValueError:
+            continue  # a line cut off as the process was stopped
+    return rows
+
+
+def _stop(proc) -> None:
+    """Stop a pytest process cut off at the deadline, and its children: SIGTERM to its session,
+    SIGKILL 10 s later if it still runs."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _cut_off(run: Run, log: Path, seconds: float) -> str:
+    """The summary line of ``run``'s process stopped at the deadline: what its tests did so
+    far, from its times file."""
+    rows = read_times(times_path(log))
+    counts: dict[str, int] = {}
+    for outcome, _, _ in rows:
+        counts[outcome] = counts.get(outcome, 0) + 1
+    failed = [test for outcome, _, test in rows if outcome in ("failed", "error")]
+    if failed:
+        print("\n".join(f"FAILED {test}" for test in failed), flush=True)
+    names = " ".join(f"{f.name} ({f.index + 1}/{f.count})" if isinstance(f, Share)
+                     else Path(f).name for f in run.files)
+    where = f" on GPU {','.join(run.gpus)}" if run.gpus else ""
+    done = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "no test ended"
+    return f"gpu tests{where} [{names}] ({seconds:.0f} s): cut off at the deadline; {done}"
+
+
+def _slowest(out: Path, count: int = SLOWEST) -> list[str]:
+    """One summary block: the ``count`` slowest tests of every times file under ``out``."""
+    rows = [row for path in sorted(out.glob("*.times.tsv")) for row in read_times(path)]
+    if not rows:
+        return []
+    rows.sort(key=lambda r: -r[1])
+    return ["slowest tests (s, outcome, test):\n" + "\n".join(
+        f"{seconds:8.1f}  {outcome:7}  {test}" for outcome, seconds, test in rows[:count])]
 
 
 def _ended(run: Run, log: Path, seconds: float) -> str:
@@ -419,6 +508,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--part", default="1/1",
                    help="K/N: run the K-th of N groups of about equal length of the test files "
                         "and shares (the suite over N device calls)")
+    p.add_argument("--deadline", type=float, default=None, metavar="S",
+                   help="stop the test processes still running S seconds after the tests "
+                        "began, and report what each passed so far (set it under the device "
+                        "call's limit, so that the report is printed)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "out")))
     args = p.parse_args(argv)
     args.gpus = parse_gpus(args.gpus, os.environ)
