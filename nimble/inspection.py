@@ -4,6 +4,7 @@ the debugging tools (a trace, a step-through, the first divergence from eager). 
 ``Nimble`` object, reading its ``engine`` (the primary prepared graph) and its serving."""
 from __future__ import annotations
 
+
 from .analysis.memplan import MemPlan
 from .analysis.schedule import Schedule
 from .engine.launcher import RngCells
@@ -11,6 +12,7 @@ from .engine.serving import BucketView, MemoryReport, PhaseView, PrepareReport, 
 from .errors import InputError
 from .ir.taskgraph import TaskGraph
 from .progress import say
+
 
 
 class GraphViews:
@@ -145,7 +147,7 @@ class GraphViews:
         (:func:`nimble.debug.divergence.isolated_difference`).
         Inference graphs only; the model must dispatch the same ops eagerly as when recorded.
         """
-        from .debug.divergence import first_divergence, first_nonfinite
+        from .debug.divergence import WalkCost, first_divergence, first_nonfinite
         from .debug.eager_twins import align, eager_ops
         from .debug.step_through import StepThrough, run_before, run_until, select_tasks
         from .debug.stop_groups import walk_groups
@@ -173,15 +175,19 @@ class GraphViews:
             tasks = [t for op in ops for t in select_tasks(state.graph, op=op)]
             read = {a.buffer for op in ops for a in state.graph.ops[op].accesses if a.write}
             return run_until(state, tasks, list(inputs), read, stepper)
-        grouped = walk_groups(state, aligned, run_group)
+        cost = WalkCost()
+        run, before = cost.counted("stops of one op", run), cost.counted("runs before an op",
+                                                                          before)
+        grouped = walk_groups(state, aligned, cost.counted("runs of a group", run_group))
         progress = lambda line: say(line, quiet)  # noqa: E731
         try:
             if nonfinite:
                 return first_nonfinite(run, state.graph, aligned, progress, grouped)
             return first_divergence(run, state.graph, aligned, progress, run_before=before,
-                                    grouped=grouped)
+                                    grouped=grouped, cost=cost)
         finally:
             stepper.close()
+            say(cost.summary(), quiet)
 
     @property
     def phases(self) -> list[PhaseView]:

@@ -250,6 +250,29 @@ def test_rounding_that_builds_up_over_depth_is_not_a_divergence_but_a_fault_stil
         assert "its eager twin run on the graph's own inputs" in found.detail
 
 
+def test_a_walk_counts_its_runs_and_the_ops_judged_again_alone(no_tf32):
+    """:class:`WalkCost`: each kind of run counted and timed through its wrapper, and every op
+    that differed from the eager chain and was judged again on its own inputs counted, so that a
+    slow walk says where its time went."""
+    from nimble.debug.divergence import WalkCost
+
+    n = 12
+    model, x = _Scaled(n), torch.arange(4.0) + 1
+    eager = eager_ops(model, (x,), keep_inputs=True)
+    g = _scaled_graph(n, eager)
+    aligned = align(g, eager)
+    run_until, run_before = _stand_ins(g, _graph_values(x, model.w.detach(), n, 5e-5), [])
+    cost = WalkCost()
+    stops = cost.counted("stops of one op", run_until)
+    assert first_divergence(stops, g, aligned, run_before=run_before, cost=cost) is None
+    walked = sum(1 for op in aligned if op.pairs and any(t.op == op.index for t in g.tasks))
+    assert cost.runs == {"stops of one op": walked}
+    assert 0 < cost.judged_alone < walked  # the first ops agree with the chain, the deep ones not
+    line = cost.summary()
+    assert f"{walked} stops of one op (" in line and line.endswith(
+        f"{cost.judged_alone} op(s) judged again on the graph's own inputs")
+
+
 def test_a_sum_of_products_run_alone_is_held_to_its_terms_magnitude(no_tf32):
     """64 terms of 100 with alternating signs sum to 0: another summation order may leave 0.3
     (a 2e-5 fraction of the terms' 6,400) and still be right, while 5.0 off is a fault.  The

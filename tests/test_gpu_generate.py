@@ -77,6 +77,34 @@ def test_greedy_tokens_equal_the_librarys_static_cache_generate(name):
         generator.close()
 
 
+def test_a_generator_with_fused_projections_decodes_the_fused_models_tokens_with_fewer_gemms():
+    """``Generator(fuse_projections=True)`` on the small Llama: every layer's q/k/v and gate/up
+    one GEMM each, the decode step proven bit for bit, its tokens the library's greedy ones on
+    the fused model, and fewer kernels than the unfused model's step."""
+    import copy
+
+    from nimble.generate import Generator, library_greedy
+
+    model = _lm("llama_small")
+    plain = copy.deepcopy(model)
+    generator = Generator(model, max_cache_len=128 + NEW_TOKENS, prompt_buckets=[128],
+                          prepare_step=prepare_proving_decode, fuse_projections=True)
+    unfused = Generator(plain, max_cache_len=128 + NEW_TOKENS, prompt_buckets=[128],
+                        prepare_step=prepare_proving_decode)
+    try:
+        assert generator.fused_projections == 2 * model.config.num_hidden_layers
+        decode, _ = generator.steps(1)
+        verified = decode.graph.meta["verified"]
+        assert verified["launches"] >= 100 and not verified["not_bitwise"], verified
+        assert len(decode.graph.tasks) < len(unfused.steps(1)[0].graph.tasks)
+        ids = _prompt(model, 1, 128)
+        assert torch.equal(generator.generate(ids, NEW_TOKENS),
+                           library_greedy(model, ids, NEW_TOKENS))
+    finally:
+        generator.close()
+        unfused.close()
+
+
 def test_gpt2_default_config_decodes_as_the_library_does():
     from nimble.generate import Generator, library_greedy
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..ir.taskgraph import Access, TaskGraph
@@ -130,6 +130,36 @@ def _compare(raw, want, magnitude=None) -> tuple[bool, float]:
     return worst <= atol + rtol * scale, worst
 
 
+@dataclass
+class WalkCost:
+    """What a walk spent, for its last progress line and the log: step-through runs of a
+    group of ops, of one op (a stop of its own), of the tasks before an op (its inputs where it
+    writes over them), ops judged again on their own inputs, and the seconds of each kind of
+    run and of the whole walk."""
+
+    runs: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    judged_alone: int = 0
+    began: float = field(default_factory=time.monotonic)
+
+    def counted(self, kind: str, run: Callable) -> Callable:
+        """``run``, counted and timed as a run of ``kind``."""
+        def counted_run(*args):
+            t0 = time.monotonic()
+            try:
+                return run(*args)
+            finally:
+                self.runs[kind] = self.runs.get(kind, 0) + 1
+                self.seconds[kind] = self.seconds.get(kind, 0.0) + time.monotonic() - t0
+        return counted_run
+
+    def summary(self) -> str:
+        runs = ", ".join(f"{n} {kind} ({self.seconds[kind]:.1f} s)"
+                         for kind, n in self.runs.items()) or "no run"
+        return (f"the walk took {time.monotonic() - self.began:.1f} s: {runs}; "
+                f"{self.judged_alone} op(s) judged again on the graph's own inputs")
+
+
 @dataclass(frozen=True)
 class GroupedStops:
     """Stops of several ops in one run (:mod:`nimble.debug.stop_groups`): ``plan`` groups a
@@ -211,7 +241,8 @@ def first_divergence(run_until: Callable[[int], Any], graph: TaskGraph,
                      aligned: Sequence[AlignedOp],
                      progress: Callable[[str], None] | None = None,
                      run_before: Callable[[int, set[int]], Any] | None = None,
-                     grouped: GroupedStops | None = None) -> Divergence | None:
+                     grouped: GroupedStops | None = None,
+                     cost: WalkCost | None = None) -> Divergence | None:
     """The first op (in recorded order) whose outputs, as ``run_until(op)`` (a
     :class:`nimble.debug.step_through.Snapshot`) leaves them, differ from eager's; None if none does.
 
@@ -220,7 +251,7 @@ def first_divergence(run_until: Callable[[int], Any], graph: TaskGraph,
     run on the graph's own inputs (:func:`isolated_difference`); ``run_until(op)`` must then
     hold the ranges those inputs lie in too.  With ``grouped``, ops are read from shared runs
     first (:class:`GroupedStops`), and one that differs from the eager chain there is judged on a
-    stop of its own.
+    stop of its own.  ``cost`` counts the ops judged again alone.
     """
     judged: dict[int, str] = {}
 
@@ -241,6 +272,8 @@ def first_divergence(run_until: Callable[[int], Any], graph: TaskGraph,
         inputs = snap if not overwrites_inputs(graph, op) else run_before(
             op.index, {a.buffer for a in op.sources if a})
         alone = isolated_difference(op, inputs, snap)
+        if cost is not None:
+            cost.judged_alone += 1
         judged[op.index] = (f"differs from eager by up to {worst:.3g}, and by up to "
                             f"{alone[1]:.3g} from its eager twin run on the graph's own inputs")
         return alone
