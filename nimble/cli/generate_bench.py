@@ -54,7 +54,8 @@ from . import decode_bandwidth
 from .common import Fail, one_line, positive_int, require_gpu
 from .decode_loop import compiled_loop
 from .decoders import CAUSAL_LMS, causal_lm
-from .generate_levers import add_lever_arguments, cache_length, nimble_generators, nimble_model
+from .generate_levers import (add_lever_arguments, cache_length, fuse_if_asked,
+                              nimble_generators)
 from .harness import Case, Column, Outcome, format_table, run_cases, write_results
 from .output import outputs
 from ..progress import say
@@ -291,6 +292,7 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
                   "baseline": BASELINE, "modes": {},
                   "show_breakdown": bool(getattr(args, "breakdown", False)),
                   "sdpa_backends": getattr(args, "sdpa_backends", None)}
+    fuse_if_asked(model, args, info)
     cache_len = cache_length(args)
     step("the reference: transformers' greedy tokens, static cache, eager kernels")
     reference_cache = _static_cache(model, cache_len)
@@ -301,7 +303,7 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
                      "slots_read": needed.slots_read, "per_step": needed.total}
     info["copy_bytes_per_s"] = _copy_bandwidth(args)
     step("preparing the Nimble generators (eager kernels, Inductor's)")
-    generators = nimble_generators(nimble_model(model, args, info), args, batch)
+    generators = nimble_generators(model, args, batch)
     try:
         runs = {BASELINE: compiled_loop(model, cache_len),
                 "eager generate": _library_generate(model, False, cache_len),
@@ -398,7 +400,7 @@ def _header(info: dict) -> list[str]:
         lines.append("the Nimble rows' attention kernels: "
                      f"{', '.join(info['sdpa_backends'])} (--sdpa-backends)")
     if info.get("fused_projections") is not None:
-        lines.append(f"the Nimble rows' model: {info['fused_projections']} group(s) of sibling "
+        lines.append(f"every row's model: {info['fused_projections']} group(s) of sibling "
                      "projections fused into one GEMM each (--fuse-projections)")
     return lines
 

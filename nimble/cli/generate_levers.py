@@ -27,9 +27,10 @@ def add_lever_arguments(p) -> None:
                    help="--generate: nimble+inductor's kernels compiled with Inductor's "
                         "coordinate_descent_tuning (not with --inductor-mode)")
     p.add_argument("--fuse-projections", action="store_true",
-                   help="--generate: the Nimble rows on a copy of the model whose sibling "
-                        "projections (query/key/value, gate/up) are one GEMM each "
-                        "(nimble.fused_projections); the other rows keep the model as it is")
+                   help="--generate: every row (the baseline's and the reference tokens too) "
+                        "on the model with its sibling projections (query/key/value, gate/up) "
+                        "one GEMM each (nimble.fused_projections), as gpt-fast's model has "
+                        "them")
     p.add_argument("--sdpa-backends", type=parse_sdpa_backends, default=None, metavar="B,B",
                    help="--generate: the attention kernels the Nimble steps are prepared with "
                         "(torch.nn.attention.sdpa_kernel: flash, efficient, cudnn, math; "
@@ -93,15 +94,13 @@ def nimble_generators(model, args, batch: int) -> dict:
     return made
 
 
-def nimble_model(model, args, info: dict):
-    """The model the Nimble rows run: with ``--fuse-projections`` a copy with its sibling
-    projections fused (their count in ``info["fused_projections"]``), else ``model``."""
+def fuse_if_asked(model, args, info: dict) -> None:
+    """With ``--fuse-projections``, ``model``'s sibling projections fused in place, before any
+    row runs (their count in ``info["fused_projections"]``): a fused model is a lever every way
+    of running it gets (gpt-fast's model fuses its query, key and value projections), so the
+    baseline gets it too."""
     if not getattr(args, "fuse_projections", False):
-        return model
-    import copy
-
+        return
     from ..fused_projections import fuse_projections
 
-    fused = copy.deepcopy(model)
-    info["fused_projections"] = fuse_projections(fused)
-    return fused
+    info["fused_projections"] = fuse_projections(model)
