@@ -4,7 +4,6 @@ the debugging tools (a trace, a step-through, the first divergence from eager). 
 ``Nimble`` object, reading its ``engine`` (the primary prepared graph) and its serving."""
 from __future__ import annotations
 
-
 from .analysis.memplan import MemPlan
 from .analysis.schedule import Schedule
 from .engine.launcher import RngCells
@@ -12,7 +11,6 @@ from .engine.serving import BucketView, MemoryReport, PhaseView, PrepareReport, 
 from .errors import InputError
 from .ir.taskgraph import TaskGraph
 from .progress import say
-
 
 
 class GraphViews:
@@ -178,8 +176,8 @@ class GraphViews:
             read |= {a.buffer for op in ops for a in aligned[op].sources if a is not None}
             return run_until(state, tasks, list(inputs), read, stepper)
         cost = WalkCost()
-        run, before = cost.counted("stops of one op", run), cost.counted("runs before an op",
-                                                                          before)
+        run = cost.counted("stops of one op", run)
+        before = cost.counted("runs before an op", before)
         grouped = walk_groups(state, aligned, cost.counted("runs of a group", run_group),
                               with_sources=not nonfinite)
         progress = lambda line: say(line, quiet)  # noqa: E731

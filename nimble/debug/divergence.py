@@ -262,8 +262,9 @@ def first_divergence(run_until: Callable[[int], Any], graph: TaskGraph,
     an op that differs from the eager chain counts only if it also differs from its eager twin
     run on the graph's own inputs (:func:`isolated_difference`); ``run_until(op)`` must then
     hold the ranges those inputs lie in too.  With ``grouped``, ops are read from shared runs
-    first (:class:`GroupedStops`), and one that differs from the eager chain there is judged on a
-    stop of its own.  ``cost`` counts the ops judged again alone.
+    first (:class:`GroupedStops`), and one that differs from the eager chain there is judged on
+    that run where ``grouped.judged_in_run`` names it (its inputs outlast the run too), else on
+    a stop of its own.  ``cost`` counts the ops judged again alone.
     """
     judged: dict[int, str] = {}
 
