@@ -157,6 +157,10 @@ class Generator:
     from the unfused model's at near-ties (another GEMM kernel rounds otherwise).
     """
 
+    #: Groups of sibling projections made one GEMM by ``fuse_projections=True`` (None: not
+    #: asked for, or a Generator loaded from a file).
+    fused_projections: int | None = None
+
     def __init__(self, model, max_cache_len: int, prompt_buckets: Sequence[int],
                  batch_sizes: Sequence[int] = (1,), prepare_step: PrepareStep | None = None,
                  pad_id: int = 0, fuse_projections: bool = False) -> None:
@@ -164,8 +168,6 @@ class Generator:
         if getattr(model, "training", False):
             raise InputError("the model is in training mode: call model.eval() before building "
                              "a Generator")
-        #: Groups of sibling projections made one GEMM (None: not asked for).
-        self.fused_projections: int | None = None
         if fuse_projections:
             from .fused_projections import fuse_projections as fuse
 
