@@ -26,8 +26,8 @@ from pathlib import Path
 
 from nimble.analysis.memplan import plan_memory
 from nimble.analysis.schedule import Schedule
-from nimble.engine.arena_layout import written_externals
-from nimble.ir.saved_format import BlobWriter, SavedFile
+from nimble.engine.arena_layout import library_scratch, written_externals
+from nimble.ir.saved_format import ZEROED_WORKSPACES_VERSION, BlobWriter, SavedFile
 from nimble.ir.saved_manifest import FORMAT_NAME, MEMSET_FIELDS
 from nimble.ir.taskgraph import BufferKind, TaskGraph, TaskKind
 
@@ -117,7 +117,7 @@ def _bucket(graph: TaskGraph, blobs: BlobWriter, kernels: dict[str, int], dtype:
     n = len(graph.tasks)
     schedule = Schedule([0] * n, [list(range(n))], [], 0, 1)
     plan = plan_memory(graph, [(i, i + 1) for i in range(n - 1)])
-    private = set(written_externals(graph))
+    private, scratch = set(written_externals(graph)), set(library_scratch(graph))
     sources, weights, memory = _outside(graph, plan, private, blobs, dtype)
     text = json.dumps(graph.to_json(), separators=(",", ":")).encode()
     sets = [[blobs.add(_pattern(_nbytes(r), 100 * s + i)).as_json()
@@ -133,7 +133,9 @@ def _bucket(graph: TaskGraph, blobs: BlobWriter, kernels: dict[str, int], dtype:
         "output_spec": ONE_TENSOR_SPEC if len(graph.outputs) == 1 else None,
         "nodes": [_node(t, kernels) for t in graph.tasks],
         "outside": sources,
-        "private": {str(b): blobs.add(_pattern(graph.buffers[b].size, b)).as_json()
+        # a workspace's copy without bytes (null), as saving writes it: it starts zeroed
+        "private": {str(b): None if b in scratch else
+                    blobs.add(_pattern(graph.buffers[b].size, b)).as_json()
                     for b in sorted(private)},
         "reference": {"inputs": sets, "outputs": outputs, "spread": {}},
         "prepare_seconds": {"record": 1.5, "schedule": 0.25, "build": 0.5, "verify": 0.75},
@@ -164,7 +166,8 @@ def saved_file_of(graph: TaskGraph) -> SavedFile:
                      "layout": layouts[k], "attributes": dict(ATTRIBUTES)} for k in kernels],
         "weights": weights, "memory": memory, "buckets": [bucket],
     }
-    return SavedFile(manifest, blobs.getvalue())
+    zeroed = any(ref is None for ref in bucket["private"].values())
+    return SavedFile(manifest, blobs.getvalue(), version=ZEROED_WORKSPACES_VERSION if zeroed else 1)
 
 
 def compressed(name: str = NAME) -> bytes:

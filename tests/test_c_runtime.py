@@ -241,7 +241,7 @@ def test_the_c_reader_refuses_bad_files_with_their_codes(plan_check, tmp_path):
     rc, out = code(bytes(flipped))
     assert rc == 3 and "checksum" in out
     newer = bytearray(data)
-    struct.pack_into("<I", newer, 8, 2)
+    struct.pack_into("<I", newer, 8, 3)  # 2 holds workspaces without bytes: read
     assert code(bytes(newer))[0] == 4
     saved = SavedFile.read(path)
     plan = bytearray(saved.extra["c_plan"])

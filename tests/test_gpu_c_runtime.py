@@ -108,9 +108,9 @@ def test_bad_files_give_their_error_codes(run_saved, tmp_path):
     rc, err = code("truncated.nimble", data[:-100])
     assert rc == FORMAT and "truncated" in err
     newer = bytearray(data)
-    struct.pack_into("<I", newer, 8, 2)
+    struct.pack_into("<I", newer, 8, 3)
     rc, err = code("version.nimble", bytes(newer))
-    assert rc == VERSION and "version 2" in err
+    assert rc == VERSION and "version 3" in err
     other = SavedFile.read(saved)
     plan = bytearray(other.extra["c_plan"])
     struct.pack_into("<Q", plan, 16, 80)  # the plan's third word: the architecture

@@ -99,22 +99,24 @@ def test_kernels_from_library_files_are_counted_by_library(saved, capsys):
     assert "    embedded: 37 kernels in 1 image" in out
 
 
-def test_the_private_copies_of_library_memory_are_counted_in_the_bucket(saved, capsys):
-    """What a file holds beyond its weights and kernels: a workspace the graph writes is
-    copied into the file byte for byte (inception_v3 bf16's 32 MiB)."""
-    file = _manifest(saved)
-    row = file.manifest["buckets"][0]
-    blob = [0, len(file.blobs)]  # the whole blobs section, as large a copy as the file holds
-    row["private"] = {"7": blob, "9": [blob[0], blob[1] // 2]}
-    file.write(saved)
-    assert cli.main(["inspect", str(saved), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["buckets"][0]["private_bytes"] == \
-        blob[1] + blob[1] // 2
-    assert cli.main(["inspect", str(saved)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    at = lines.index("    tasks: 219, streams: 1, arena: 1.3 MiB")
-    assert lines[at + 1] == "    private copies of library memory: " \
-        f"{(blob[1] + blob[1] // 2) / 2**20:.1f} MiB, in the file"
+def test_the_private_copies_of_library_memory_are_counted_in_the_bucket(tmp_path, capsys):
+    """What a file holds beyond its weights and kernels: the bytes of library memory a graph
+    writes (resnet50's training step: cuDNN's batch-norm buffers), and the workspaces it holds
+    no bytes of (inception_v3 in bfloat16: a 32 MiB convolution workspace, zeroed at load)."""
+    from saved_fixture import saved_file
+
+    for name, private, zeroed in (("resnet50_train", 2 * (25344 + 4), 0),
+                                  ("inception_v3_bfloat16", 0, 32 << 20)):
+        path = saved_file(name).write(tmp_path / f"{name}.nimble")
+        assert cli.main(["inspect", str(path), "--json"]) == 0
+        bucket = json.loads(capsys.readouterr().out)["buckets"][0]
+        assert (bucket["private_bytes"], bucket["zeroed_bytes"]) == (private, zeroed)
+        assert cli.main(["inspect", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert ("    private copies of library memory: 0.0 MiB, in the file\n" in out) == \
+            bool(private)
+        assert ("    workspaces: 32.0 MiB, zeroed at load (not in the file)\n" in out) == \
+            bool(zeroed)
 
 
 def _truncated(path: Path) -> None:

@@ -62,3 +62,30 @@ def test_a_private_copy_that_an_integer_may_point_into_keeps_its_low_bits(monkey
             assert bases[bid] == base + at
     filled_or_copied = {c[1] for c in calls}
     assert filled_or_copied == {bases[b] for b in layout.private}
+
+
+def test_saving_writes_a_workspaces_copy_without_bytes_and_any_other_copy_with_them(
+        monkeypatch):
+    """What ``save`` writes of each private copy: inception_v3 bf16's convolution workspace
+    (a block of torch's allocator only cuDNN writes) as null, since its copy starts zeroed
+    wherever it is built; resnet50's training step's cuDNN batch-norm buffers (library memory,
+    whose bytes carry state) byte for byte."""
+    from nimble.engine import saving
+    from nimble.ir.saved_format import BlobWriter
+
+    read = []
+    monkeypatch.setattr(saving.driver, "copy_to_host",
+                        lambda address, size: read.append(address) or bytes(size))
+    for name, want in (("inception_v3_bfloat16", {"679": None}),
+                       ("resnet50_train", {"326": 25344, "327": 4, "576": 25344, "577": 4})):
+        graph = TaskGraph.load(FIXTURE_DIR / f"{name}.json.gz")
+        plan = plan_memory(graph, [(i, i + 1) for i in range(len(graph.tasks) - 1)])
+        stand_in = SimpleNamespace(graph=graph, memplan=plan, low_bits=[],
+                                   bases=[b.address for b in graph.buffers],
+                                   weights=SimpleNamespace(bindings=[]))
+        read.clear()
+        _, private = saving._placement(stand_in, saving._Outside(BlobWriter(), False))
+        assert {bid: None if ref is None else ref[1] for bid, ref in private.items()} == want
+        # only the copies written with their bytes were read from the GPU
+        assert sorted(read) == sorted(graph.buffers[int(bid)].address
+                                      for bid, ref in private.items() if ref is not None)

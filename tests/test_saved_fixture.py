@@ -70,6 +70,29 @@ def test_the_checks_take_the_files_of_other_recordings(name, holds):
     assert bucket["private"] if holds == "private" else any(holds in n for n in bucket["nodes"])
 
 
+def test_a_workspace_is_stored_without_bytes_and_only_a_workspace(tmp_path):
+    """A private copy of a workspace (inception_v3 bf16's 32 MiB convolution workspace) holds
+    no bytes in the file (null; it starts zeroed), which makes the file version 2; the CPU
+    read takes it.  A null in place of library memory whose bytes carry state (cuDNN's
+    batch-norm buffers of a training step) is a damaged file, refused before the GPU."""
+    from nimble.engine.saved_reading import read_checked
+
+    saved = saved_file("inception_v3_bfloat16")
+    assert saved.version == 2 and list(saved.manifest["buckets"][0]["private"].values()) == [None]
+    path = saved.write(tmp_path / "workspace.nimble")
+    read, _, checksum = read_checked(path)
+    checksum.verify()
+    assert read.version == 2 and path.stat().st_size < 2 << 20  # not the workspace's 32 MiB
+    train = saved_file("resnet50_train")
+    assert train.version == 1 and None not in train.manifest["buckets"][0]["private"].values()
+    bid = next(iter(train.manifest["buckets"][0]["private"]))
+    train.manifest["buckets"][0]["private"][bid] = None
+    damaged = train.write(tmp_path / "damaged.nimble")
+    with pytest.raises(LoadError, match=rf"private\['{bid}'\] holds no bytes, but buffer {bid} "
+                                        "is no workspace"):
+        read_checked(damaged)
+
+
 def test_the_file_passes_every_check_and_then_needs_a_gpu(tmp_path, monkeypatch):
     path = tmp_path / "llama.nimble"
     path.write_bytes(gzip.decompress(fixture_path().read_bytes()))
@@ -195,7 +218,7 @@ def _container(how: str, data: bytes) -> bytes:
 # holds before any graph is built: tests/test_load_checksum.py.
 CONTAINER = {"truncated": r"is truncated", "appended": r"has bytes appended",
              "future version": rf"format version {FORMAT_VERSION + 1}; this Nimble reads "
-                               rf"version {FORMAT_VERSION}"}
+                               rf"versions 1 to {FORMAT_VERSION}"}
 
 
 

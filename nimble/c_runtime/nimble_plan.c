@@ -321,9 +321,9 @@ nimble_status nimble_map_file(nimble_model *m, const char *path) {
     if (memcmp(d, "NIMBLEGR", 8) != 0)
         return fail(NIMBLE_ERROR_FORMAT, "%s is not a saved Nimble graph", path);
     uint32_t version = (uint32_t)(le64(d + 8) & 0xffffffffu);
-    if (version != 1)
-        return fail(NIMBLE_ERROR_VERSION, "%s is of format version %u; this runtime reads 1",
-                    path, version);
+    if (version < 1 || version > 2) /* 2: workspaces without bytes, which the plan zeroes */
+        return fail(NIMBLE_ERROR_VERSION, "%s is of format version %u; this runtime reads 1 "
+                    "to 2", path, version);
     if (le64(d + 24) != got)
         return fail(NIMBLE_ERROR_FORMAT, "%s is truncated or has bytes appended", path);
     return NIMBLE_OK;

@@ -54,8 +54,13 @@ def _bucket(row: dict, graph: TaskGraph) -> dict:
     return {"inputs": _tensors(graph.inputs), "outputs": _tensors(graph.outputs),
             "tasks": len(graph.tasks), "streams": len(row["schedule"]["streams"]),
             "arena_bytes": row["memplan"]["arena_bytes"],
-            # the bytes of library memory the graph writes, held by the file for each copy
-            "private_bytes": sum(blob[1] for blob in (row.get("private") or {}).values()),
+            # library memory the graph writes: the bytes the file holds of its private copies,
+            # and the workspaces' copies it holds none of (they start zeroed)
+            "private_bytes": sum(ref[1] for ref in (row.get("private") or {}).values()
+                                 if ref is not None),
+            "zeroed_bytes": sum(graph.buffers[int(bid)].size
+                                for bid, ref in (row.get("private") or {}).items()
+                                if ref is None),
             "training_step": row.get("step") is not None}
 
 
@@ -150,6 +155,9 @@ def format_saved(path: str, s: dict) -> str:
         if b["private_bytes"]:
             lines.append(f"    private copies of library memory: {b['private_bytes'] / MIB:.1f} "
                          "MiB, in the file")
+        if b["zeroed_bytes"]:
+            lines.append(f"    workspaces: {b['zeroed_bytes'] / MIB:.1f} MiB, zeroed at load "
+                         "(not in the file)")
     lines.append(f"  kernels: {s['kernels']}")
     for lib in s["binaries"]["libraries"]:
         lines.append(f"    {lib['name']}: {lib['kernels']} kernels in {lib['containers']} "

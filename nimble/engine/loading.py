@@ -152,7 +152,9 @@ def _read_bucket(row: dict, k: int, saved: SavedFile, graph: TaskGraph, spec, fu
             outside[int(bid)] = weights[int(source["weight"])]
         else:
             outside[int(bid)] = memory[int(source["memory"])] + int(source["offset"])
-    private = {int(bid): saved.blob(ref) for bid, ref in row["private"].items()}
+    # a workspace's copy stored without bytes (null) starts zeroed
+    private = {int(bid): saved.blob(ref) for bid, ref in row["private"].items()
+               if ref is not None}
     refs = row["reference"]
     sets = [_tensors(saved, s, graph.inputs, device) for s in refs["inputs"]]
     expected = [_tensors(saved, s, graph.outputs) for s in refs["outputs"]]

@@ -12,6 +12,7 @@ from ..ir.saved_format import PendingChecksum, SavedFile
 from ..ir.saved_graph_check import UndecodableGraph, bucket_graph, check_bucket_graph
 from ..ir.saved_manifest import check_manifest
 from ..ir.taskgraph import TaskGraph
+from .arena_layout import library_scratch
 
 
 def itemsize(dtype: str) -> int | None:
@@ -32,6 +33,7 @@ def decoded_bucket(saved: SavedFile, k: int) -> tuple[TaskGraph, Any]:
         raise LoadError(f"{saved.path}: the graph of bucket {k} does not decode ({e}): the file "
                         "is damaged, save the model again") from None
     check_bucket_graph(saved.manifest, k, graph, itemsize, saved.path)
+    check_zeroed(row, graph, k, saved.path)
     spec = row.get("output_spec")
     try:
         return graph, treespec_loads(spec) if spec else None
@@ -40,6 +42,18 @@ def decoded_bucket(saved: SavedFile, k: int) -> tuple[TaskGraph, Any]:
     except Exception as e:  # noqa: BLE001
         raise LoadError(f"{saved.path}: buckets[{k}].output_spec does not decode ({e}): the "
                         "file is damaged, save the model again") from None
+
+
+def check_zeroed(row: dict, graph: TaskGraph, k: int, path) -> None:
+    """LoadError where bucket ``k`` stores a private copy without bytes (null) that is no
+    workspace (:func:`~nimble.engine.arena_layout.library_scratch`): only a workspace's copy
+    starts zeroed, the bytes of any other carry state."""
+    empty = {int(bid) for bid, ref in row["private"].items() if ref is None}
+    wrong = sorted(empty - set(library_scratch(graph)))
+    if wrong:
+        raise LoadError(f"{path}: buckets[{k}].private['{wrong[0]}'] holds no bytes, but buffer "
+                        f"{wrong[0]} is no workspace that may start zeroed: the file is "
+                        "damaged, save the model again")
 
 
 def read_checked(path, seconds: dict | None = None

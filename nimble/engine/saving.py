@@ -34,12 +34,13 @@ from .. import driver
 from .._version import __version__
 from ..analysis.deps import communicates
 from ..errors import SaveError
-from ..ir.saved_format import C_PLAN, BlobWriter, SavedFile
+from ..ir.saved_format import C_PLAN, ZEROED_WORKSPACES_VERSION, BlobWriter, SavedFile
 from ..ir.saved_manifest import FORMAT_NAME
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
 from ..progress import logger as log
 from ..progress import say
-from .arena_layout import shared_state_buffers, written_externals, written_weights
+from .arena_layout import (library_scratch, shared_state_buffers, written_externals,
+                           written_weights)
 from .build import relocated
 from .c_plan import c_plan
 from .kernel_binaries import BinaryTable, KernelFinder, LiveKernel
@@ -214,7 +215,10 @@ def _placement(prepared: Prepared, outside: _Outside) -> tuple[dict, dict]:
             continue
         got = outside.weight(prepared, bid) if b.kind == BufferKind.PARAM else None
         sources[str(bid)] = got if got is not None else outside.external(prepared, bid)
-    private_rows = {str(bid): outside.blobs.add(
+    # a workspace's copy starts zeroed wherever it is built (its bytes carry nothing from one
+    # call to the next), so the file holds none of its bytes: null
+    scratch = set(library_scratch(graph))
+    private_rows = {str(bid): None if bid in scratch else outside.blobs.add(
         driver.copy_to_host(prepared.bases[bid], graph.buffers[bid].size)).as_json()
         for bid in sorted(private)}
     return sources, private_rows
@@ -367,7 +371,9 @@ def save_graphs(graphs: list, path, *, weights: bool = True, quiet: bool = True,
         why = "several graphs in one file (a Generator): load it from Python"
         plan, _ = c_plan(manifest, [], [], 0, unsupported=why)
     manifest["c_runtime"] = why or "supported"
-    out = SavedFile(manifest, blobs.getvalue(), extra={C_PLAN: plan}).write(path)
+    version = ZEROED_WORKSPACES_VERSION if any(
+        ref is None for row in buckets for ref in row["private"].values()) else 1
+    out = SavedFile(manifest, blobs.getvalue(), version=version, extra={C_PLAN: plan}).write(path)
     say(f"saved {os.path.getsize(out) / 2**20:.1f} MiB to {out} in "
         f"{time.perf_counter() - began:.1f} s", quiet)
     return Path(out)

@@ -40,7 +40,12 @@ from typing import Iterator
 from ..errors import LoadError
 
 MAGIC = b"NIMBLEGR"
-FORMAT_VERSION = 1
+#: The newest format version this Nimble reads and writes.  A file is written at the lowest
+#: version that holds it, so that an older Nimble still reads what it can: version 2 adds
+#: private copies stored without bytes (null in a bucket's ``private``: workspaces, which
+#: start zeroed), :data:`ZEROED_WORKSPACES_VERSION`.
+FORMAT_VERSION = 2
+ZEROED_WORKSPACES_VERSION = 2
 HEADER = struct.Struct("<8sIIIIQ32s")
 SECTION = struct.Struct("<16sQQ16s")
 ALIGN = 64
@@ -196,7 +201,8 @@ class SavedFile:
 
     manifest: dict
     blobs: bytes = b""
-    version: int = FORMAT_VERSION
+    #: The format version written (the lowest that holds the file: the writer raises it).
+    version: int = 1
     path: str = ""
     sections: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: Further sections by name (``c_plan``), written after the blobs.
@@ -268,8 +274,8 @@ class SavedFile:
         magic, version, _, count, _, size, digest = HEADER.unpack_from(data)
         if version > FORMAT_VERSION or version < 1:
             raise LoadError(f"{where} is a saved graph of format version {version}; this "
-                            f"Nimble reads version {FORMAT_VERSION}: load it with the Nimble "
-                            "that saved it, or save the model again with this one")
+                            f"Nimble reads versions 1 to {FORMAT_VERSION}: load it with the "
+                            "Nimble that saved it, or save the model again with this one")
         if size != len(data):
             raise LoadError(f"{where} is truncated or has bytes appended: its header says "
                             f"{size} bytes, the file has {len(data)}; save the model again")

@@ -62,7 +62,7 @@ def _placed(manifest: dict, row: dict, graph: TaskGraph, where: str) -> set[int]
                                                      f"{room} bytes are left")
     for bid, blob in row["private"].items():
         size = size_of(f"{where}.private", bid)
-        if blob[1] != size:
+        if blob is not None and blob[1] != size:
             raise _fail(f"{where}.private['{bid}']", f"is {blob[1]} bytes for buffer {bid}'s "
                                                      f"{size}")
     return {int(b) for key in ("outside", "private") for b in row[key]} | \
