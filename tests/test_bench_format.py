@@ -327,7 +327,9 @@ def test_gpu_suite_stops_processes_at_its_deadline_and_says_what_each_did_so_far
             return 0
     monkeypatch.setattr(suite.subprocess, "Popen", Proc)
     monkeypatch.setattr(suite.os, "killpg", lambda pid, sig: signalled.append((pid, sig)))
-    monkeypatch.setattr(suite, "_stages", lambda args: [[suite.Run((Path("tests"),), ("0",))]])
+    monkeypatch.setattr(suite, "_stages", lambda args: [
+        [suite.Run((Path("tests"),), ("0",))],
+        [suite.Run((Path("tests/test_gpu_serving.py"),), ("0",))]])
     assert suite.main(["--skip-bench", "--skip-training", "--deadline", "0", "--gpus", "0", "--out",
                        str(tmp_path)]) == 1
     assert signalled == [(4242, suite.signal.SIGTERM)]
@@ -338,6 +340,7 @@ def test_gpu_suite_stops_processes_at_its_deadline_and_says_what_each_did_so_far
     assert slowest[1].split() == ["12.2", "failed", "tests/test_gpu_runtime.py::slow"]
     assert slowest[2].split() == ["3.5", "passed", "tests/test_gpu_runtime.py::fast"]
     assert "earlier_run" not in out  # the folder's times file of a former run was removed
+    assert "not started at the deadline: test_gpu_serving.py" in out
 
 
 def test_each_test_writes_its_outcome_and_seconds_where_the_suite_asks(tmp_path):

@@ -341,7 +341,8 @@ def _run_tests(args, env) -> tuple[int, list[str]]:
     extra = shlex.split(args.pytest_args)
     status, summary = 0, []
     began = time.perf_counter()
-    for stage in _stages(args):
+    stages = _stages(args)
+    for at, stage in enumerate(stages):
         t0 = time.perf_counter()
         logs = [args.out / _log_name(list(run.files)) for run in stage]
         for log in logs:
@@ -357,6 +358,10 @@ def _run_tests(args, env) -> tuple[int, list[str]]:
                     line = _cut_off(stage[k], logs[k], time.perf_counter() - t0)
                     summary.append(line)
                     print(line, flush=True)
+                later = [_names(run) for stage in stages[at + 1:] for run in stage]
+                if later:
+                    summary.append("not started at the deadline: " + "; ".join(later))
+                    print(summary[-1], flush=True)
                 return 1, summary + _slowest(args.out)
             ended = [k for k, proc in running.items() if proc.poll() is not None]
             if not ended:
@@ -410,6 +415,12 @@ def _stop(proc) -> None:
             continue
 
 
+def _names(run: Run) -> str:
+    """The test files of ``run``'s process, each share with its number."""
+    return " ".join(f"{f.name} ({f.index + 1}/{f.count})" if isinstance(f, Share)
+                    else Path(f).name for f in run.files)
+
+
 def _cut_off(run: Run, log: Path, seconds: float) -> str:
     """The summary line of ``run``'s process stopped at the deadline: what its tests did so
     far, from its times file."""
@@ -420,8 +431,7 @@ def _cut_off(run: Run, log: Path, seconds: float) -> str:
     failed = [test for outcome, _, test in rows if outcome in ("failed", "error")]
     if failed:
         print("\n".join(f"FAILED {test}" for test in failed), flush=True)
-    names = " ".join(f"{f.name} ({f.index + 1}/{f.count})" if isinstance(f, Share)
-                     else Path(f).name for f in run.files)
+    names = _names(run)
     where = f" on GPU {','.join(run.gpus)}" if run.gpus else ""
     done = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "no test ended"
     return f"gpu tests{where} [{names}] ({seconds:.0f} s): cut off at the deadline; {done}"
@@ -443,8 +453,7 @@ def _ended(run: Run, log: Path, seconds: float) -> str:
     failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
     if failed:
         print("\n".join(failed), flush=True)
-    names = " ".join(f"{f.name} ({f.index + 1}/{f.count})" if isinstance(f, Share)
-                     else Path(f).name for f in run.files)
+    names = _names(run)
     where = f" on GPU {','.join(run.gpus)}" if run.gpus else ""
     return (f"gpu tests{where} [{names}] ({seconds:.0f} s): "
             + (lines[-1] if lines else "no output"))
