@@ -418,7 +418,62 @@ def _scalars(value, where: str) -> dict:
     return {k: jf.scalar(v, f"{where}.{k}") for k, v in jf.obj(value, where).items()}
 
 
+_SCALAR_TYPES = frozenset({str, int, float, bool, type(None)})
+
+
+def _plain_dim3(d: dict, key: str):
+    """``d[key]`` as a launch dimension where it is three ints, (1, 1, 1) where absent, else
+    None (the slow reader names what is wrong)."""
+    if key not in d:
+        return (1, 1, 1)
+    value = d[key]
+    if type(value) is list and len(value) == 3 and set(map(type, value)) == _JUST_INT:
+        return tuple(value)
+    return None
+
+
+def _plain_task(d) -> Task | None:
+    """The task of a row whose every field has the exact type json.loads makes, read without
+    building each field's path; None for any other row, which :func:`_task_from_json` then
+    reads field by field, naming the first wrong one."""
+    if type(d) is not dict:
+        return None
+    get = d.get
+    tid, kind, op = get("id"), get("kind"), get("op", -1)
+    name, short, shared = get("name", ""), get("short_name", ""), get("shared_mem", 0)
+    if type(tid) is not int or type(kind) is not str or type(op) is not int or \
+            type(name) is not str or type(short) is not str or type(shared) is not int:
+        return None
+    grid, block = _plain_dim3(d, "grid"), _plain_dim3(d, "block")
+    layout, params = get("param_layout", []), get("params", "")
+    pointers, accesses = get("pointers", []), get("accesses", [])
+    fields, duration = get("fields", {}), get("duration_us")
+    if grid is None or block is None or type(params) is not str or \
+            type(layout) is not list or not all(
+                type(p) is list and len(p) == 2 and type(p[0]) is int and type(p[1]) is int
+                for p in layout) or \
+            type(pointers) is not list or not all(map(_plain_pointer, pointers)) or \
+            type(accesses) is not list or not all(map(_plain_access, accesses)) or \
+            type(fields) is not dict or not all(type(v) in _SCALAR_TYPES
+                                                for v in fields.values()) or \
+            not (duration is None or type(duration) in (int, float)):
+        return None
+    try:
+        raw = bytes.fromhex(params)
+    except ValueError:
+        return None
+    return Task(tid, kind, op, name, short, grid, block, shared, [tuple(p) for p in layout],
+                raw, [Pointer(*row) for row in pointers], [Access(*row) for row in accesses],
+                dict(fields), duration)
+
+
 def _task_from_json(d, where: str) -> Task:
+    plain = _plain_task(d)
+    return plain if plain is not None else _task_fields(d, where)
+
+
+def _task_fields(d, where: str) -> Task:
+    """A task read field by field, each checked for its type (a wrong one named by its path)."""
     d = jf.obj(d, where)
 
     def get(key: str, read, default=...):
