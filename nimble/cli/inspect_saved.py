@@ -127,8 +127,20 @@ def saved_summary(path: str) -> dict:
     }
 
 
+#: The tensors a bucket's line names one by one (a training step's outputs are its output and a
+#: gradient per parameter: the rest are counted; ``--json`` lists every one).
+SHOWN_TENSORS = 4
+
+
 def _shapes(tensors: list[dict]) -> str:
-    return ", ".join(f"{t['dtype']} {t['shape']}" for t in tensors) or "none"
+    shown = ", ".join(f"{t['dtype']} {t['shape']}" for t in tensors[:SHOWN_TENSORS]) or "none"
+    rest = len(tensors) - SHOWN_TENSORS
+    return shown + (f" and {rest} more" if rest > 0 else "")
+
+
+def _size(n: int) -> str:
+    """Bytes as MiB, or KiB under one MiB (a few KiB of library memory would read 0.0 MiB)."""
+    return f"{n / MIB:.1f} MiB" if n >= MIB else f"{n / 1024:.1f} KiB"
 
 
 def format_saved(path: str, s: dict) -> str:
@@ -153,11 +165,11 @@ def format_saved(path: str, s: dict) -> str:
                   f"    tasks: {b['tasks']}, streams: {b['streams']}, arena: "
                   f"{b['arena_bytes'] / MIB:.1f} MiB"]
         if b["private_bytes"]:
-            lines.append(f"    private copies of library memory: {b['private_bytes'] / MIB:.1f} "
-                         "MiB, in the file")
+            lines.append(f"    private copies of library memory: {_size(b['private_bytes'])}, "
+                         "in the file")
         if b["zeroed_bytes"]:
-            lines.append(f"    workspaces: {b['zeroed_bytes'] / MIB:.1f} MiB, zeroed at load "
-                         "(not in the file)")
+            lines.append(f"    workspaces: {_size(b['zeroed_bytes'])}, zeroed at load (not in "
+                         "the file)")
     lines.append(f"  kernels: {s['kernels']}")
     for lib in s["binaries"]["libraries"]:
         lines.append(f"    {lib['name']}: {lib['kernels']} kernels in {lib['containers']} "
