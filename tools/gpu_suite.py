@@ -18,11 +18,9 @@ Runs, in order:
    (``NIMBLE_TEST_SHARD``, tests/conftest.py) spread like files; the files that need several
    GPUs (:data:`MULTI_GPU`) run beside them in one more process that sees every GPU.  Then the
    files that measure the device's free memory (:data:`EXCLUSIVE`) run alone on their GPUs.
-   On four H200s (2026-11-27) the suite took two device calls at ``--jobs 2`` (``--part 1/2``
-   and ``--part 2/2``, each half of the files and shares by :data:`WEIGHTS`), and at
-   ``--jobs 3`` all but two shares' processes and the exclusive files ended within one call's
-   555 s: the two held the widest models' debug-tools cases, now a file of their own, a case
-   a process (not yet measured so).  The GPUs are those of
+   Where one device call is too short for the whole suite, ``--part K/N`` runs the K-th of N
+   groups of about equal :data:`WEIGHTS` (how long each run took: docs/results.md, "The GPU
+   suite on four GPUs").  The GPUs are those of
    ``CUDA_VISIBLE_DEVICES`` where it is set, else those ``nvidia-smi -L`` lists (torch is not
    asked: importing it here would start CUDA in this process), or ``--gpus``; every process
    this tool starts has NVLink multicast off (:data:`NO_MULTICAST`);
@@ -74,24 +72,20 @@ QUICK_ARGS = ["--quick", "--rounds", "5", "--iters", "50"]
 #: GPU test files that measure the whole device's free memory or serve under a time window:
 #: they run alone, after the rest.
 EXCLUSIVE = ("test_gpu_serving.py", "test_gpu_serve_bench.py")
-#: Rough minutes per GPU test file on an H200 with another pytest process on its GPU, to spread
-#: the files over the lanes (a file not listed counts 1).  From the 4-GPU runs of 2026-11-27:
-#: at ``--jobs 2``, training with two small files 8.6 minutes, the proof with three 6.3, each
-#: saved-graph share 4.4-5.1, each training share 4.4, the collectives' file (ten runs of
-#: ``torchrun``, on 2 and 4 ranks) 6.7 beside the lanes; at ``--jobs 3`` (one call), the
-#: saved-graph shares 4.9-6.8, training 4.6-5.8, the proof with the programmatic file 6.3, the
-#: collectives 6.9, and the two shares of the debug tools' file that held the widest models'
-#: cases (each with smaller cases and another file) still running at 9.2 minutes, which is why
-#: those cases are a file of their own (``test_gpu_debug_tools_wide.py``: a case a share, each
-#: more than five minutes there; their weights are estimates, not yet measured alone so).  The C
-#: runtime's zoo file (14 saves, each run from C) is weighted by its resnet50 case, not measured.
+#: Rough minutes per GPU test file on an H200 shared with other pytest processes, to spread the
+#: files over the lanes (a file not listed counts 1), from the suite's runs on four H200s
+#: (docs/results.md): saved-graph shares 5-8 minutes, training 5-8, the proof with two small
+#: files 8, the collectives' file 8 beside the lanes.  Two are lower bounds: each share of the
+#: C runtime's zoo file (7 saves, each run from C) and of the widest walks (nasnetalarge's alone
+#: on a GPU: 4.2 minutes) was still running at 9 minutes beside two other processes.  Each
+#: test's seconds are in the times files (:data:`TIMES_ENV`) to set them from.
 WEIGHTS = {"test_gpu_debug_tools.py": 6, "test_gpu_debug_tools_wide.py": 14,
            "test_gpu_training.py": 8, "test_gpu_proof.py": 5,
            "test_gpu_runtime.py": 1, "test_gpu_compiled.py": 1, "test_gpu_generate.py": 1,
            "test_gpu_record.py": 1, "test_gpu_proof_power.py": 1, "test_gpu_c_host.py": 1,
            "test_gpu_deploy.py": 1, "test_gpu_saved.py": 24, "test_gpu_c_runtime.py": 1,
            "test_gpu_compile_backend.py": 1, "test_gpu_collectives.py": 7,
-           "test_gpu_c_zoo.py": 8}
+           "test_gpu_c_zoo.py": 14}
 #: Files too long for one process within a device call: each runs as this many shares, a
 #: process each (``NIMBLE_TEST_SHARD``, tests/conftest.py: a test's index modulo the count),
 #: spread like files.  The wide debug-tools file's two cases each get a process; two of the
