@@ -173,7 +173,8 @@ def test_the_nimble_steps_are_prepared_with_the_levers_asked_for(monkeypatch, pr
 
 
 def test_nimble_inductors_kernels_are_compiled_as_the_bench_is_told(monkeypatch):
-    """--inductor-mode and --coordinate-descent reach torch.compile for nimble+inductor only;
+    """--inductor-mode, --coordinate-descent and --combo-kernels reach torch.compile for
+    nimble+inductor only;
     a mode that makes CUDA graphs of its own, or both at once, is an InputError."""
     import argparse
 
@@ -191,11 +192,17 @@ def test_nimble_inductors_kernels_are_compiled_as_the_bench_is_told(monkeypatch)
     generate_bench.nimble_generators(None, args, 1)
     args = argparse.Namespace(prompt_lengths=[8], new_tokens=4, coordinate_descent=True)
     generate_bench.nimble_generators(None, args, 1)
+    args = argparse.Namespace(prompt_lengths=[8], new_tokens=4, combo_kernels=True,
+                              coordinate_descent=True)
+    generate_bench.nimble_generators(None, args, 1)
     assert asked == [
         (False, {}), (True, {"compile_mode": "max-autotune-no-cudagraphs",
                              "compile_options": None}),
         (False, {}), (True, {"compile_mode": None,
-                             "compile_options": {"coordinate_descent_tuning": True}})]
+                             "compile_options": {"coordinate_descent_tuning": True}}),
+        (False, {}), (True, {"compile_mode": None,
+                             "compile_options": {"coordinate_descent_tuning": True,
+                                                 "combo_kernels": True}})]
     monkeypatch.undo()
     with pytest.raises(InputError, match="without its CUDA graphs"):
         generate_module.prepare_with_nimble(None, True, compile_mode="reduce-overhead")

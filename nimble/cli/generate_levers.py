@@ -26,6 +26,11 @@ def add_lever_arguments(p) -> None:
     p.add_argument("--coordinate-descent", action="store_true",
                    help="--generate: nimble+inductor's kernels compiled with Inductor's "
                         "coordinate_descent_tuning (not with --inductor-mode)")
+    p.add_argument("--combo-kernels", action="store_true",
+                   help="--generate: nimble+inductor's kernels compiled with Inductor's "
+                        "combo_kernels, independent small kernels (the key and value cache "
+                        "updates, each half of the rotary embedding) one launch each (not with "
+                        "--inductor-mode)")
     p.add_argument("--fuse-projections", action="store_true",
                    help="--generate: every row (the baseline's and the reference tokens too) "
                         "on the model with its sibling projections (query/key/value, gate/up) "
@@ -71,7 +76,7 @@ def nimble_generators(model, args, batch: int) -> dict:
     """The two Nimble generators by mode, or the one-line error that stopped one; with
     ``--prefetch-l2``, each step prepared with ``PrepareOptions(prefetch_l2=True)`` (kept
     where it measures faster), with ``--programmatic`` with ``programmatic_launch=True``;
-    ``--inductor-mode`` and ``--coordinate-descent`` choose how
+    ``--inductor-mode``, ``--coordinate-descent`` and ``--combo-kernels`` choose how
     nimble+inductor's kernels are compiled."""
     from ..engine.options import PrepareOptions
     from ..generate import Generator, prepare_with_nimble
@@ -79,9 +84,11 @@ def nimble_generators(model, args, batch: int) -> dict:
     asked = {"prefetch_l2": getattr(args, "prefetch_l2", False),
              "programmatic_launch": getattr(args, "programmatic", False)}
     options = PrepareOptions(**asked) if any(asked.values()) else None
+    tuned = {key: True for key, flag in (("coordinate_descent_tuning", "coordinate_descent"),
+                                         ("combo_kernels", "combo_kernels"))
+             if getattr(args, flag, False)}
     inductor = {"compile_mode": getattr(args, "inductor_mode", None),
-                "compile_options": {"coordinate_descent_tuning": True}
-                if getattr(args, "coordinate_descent", False) else None}
+                "compile_options": tuned or None}
     made: dict = {}
     for mode, compiled in (("nimble", False), ("nimble+inductor", True)):
         try:
