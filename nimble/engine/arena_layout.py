@@ -115,6 +115,13 @@ def library_scratch(graph: TaskGraph) -> list[int]:
             and all(t.kind == TaskKind.KERNEL and library_kernel(t.name) for t in writers[b.id])]
 
 
+def zeroed_copies(graph: TaskGraph) -> frozenset[int]:
+    """The private copies (:func:`written_externals`) that start zeroed wherever they are built
+    (prepare, a load, the C runtime) instead of from the library's bytes: workspaces
+    (:func:`library_scratch`), of which a saved file therefore holds no bytes."""
+    return frozenset(library_scratch(graph)).intersection(written_externals(graph))
+
+
 def shared_state_buffers(graph: TaskGraph) -> list[int]:
     """The buffers of the memory from torch's allocator, outside the arena, that the graph's
     ATen or Triton kernels write: state the model updates on purpose (a static cache's keys,
@@ -159,7 +166,7 @@ class StateLayout:
     rng_at: int  # the generator's seed and offset cells
     private: dict[int, int]  # buffer -> offset of its private copy (:func:`written_externals`)
     end: int  # the first byte after the state
-    # the private copies that start zeroed instead of copied: workspaces (:func:`library_scratch`)
+    # the private copies that start zeroed instead of copied (:func:`zeroed_copies`)
     zeroed: frozenset[int]
 
     @property
@@ -177,8 +184,7 @@ def state_layout(graph: TaskGraph, plan_bytes: int, at: int) -> StateLayout:
         private_at = align_up(private_at)
         private[bid] = private_at
         private_at += graph.buffers[bid].size
-    zeroed = frozenset(library_scratch(graph)).intersection(private)
-    return StateLayout(plan_bytes, cells_at, rng_at, private, private_at, zeroed)
+    return StateLayout(plan_bytes, cells_at, rng_at, private, private_at, zeroed_copies(graph))
 
 
 def own_layout(graph: TaskGraph, plan: MemPlan) -> StateLayout:

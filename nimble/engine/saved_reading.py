@@ -12,7 +12,7 @@ from ..ir.saved_format import PendingChecksum, SavedFile
 from ..ir.saved_graph_check import UndecodableGraph, bucket_graph, check_bucket_graph
 from ..ir.saved_manifest import check_manifest
 from ..ir.taskgraph import TaskGraph
-from .arena_layout import library_scratch
+from .arena_layout import zeroed_copies
 
 
 def itemsize(dtype: str) -> int | None:
@@ -46,10 +46,10 @@ def decoded_bucket(saved: SavedFile, k: int) -> tuple[TaskGraph, Any]:
 
 def check_zeroed(row: dict, graph: TaskGraph, k: int, path) -> None:
     """LoadError where bucket ``k`` stores a private copy without bytes (null) that is no
-    workspace (:func:`~nimble.engine.arena_layout.library_scratch`): only a workspace's copy
+    workspace (:func:`~nimble.engine.arena_layout.zeroed_copies`): only a workspace's copy
     starts zeroed, the bytes of any other carry state."""
     empty = {int(bid) for bid, ref in row["private"].items() if ref is None}
-    wrong = sorted(empty - set(library_scratch(graph)))
+    wrong = sorted(empty - zeroed_copies(graph))
     if wrong:
         raise LoadError(f"{path}: buckets[{k}].private['{wrong[0]}'] holds no bytes, but buffer "
                         f"{wrong[0]} is no workspace that may start zeroed: the file is "

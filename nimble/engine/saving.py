@@ -39,8 +39,8 @@ from ..ir.saved_manifest import FORMAT_NAME
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
 from ..progress import logger as log
 from ..progress import say
-from .arena_layout import (library_scratch, shared_state_buffers, written_externals,
-                           written_weights)
+from .arena_layout import (shared_state_buffers, written_externals, written_weights,
+                           zeroed_copies)
 from .build import relocated
 from .c_plan import c_plan
 from .kernel_binaries import BinaryTable, KernelFinder, LiveKernel
@@ -217,8 +217,8 @@ def _placement(prepared: Prepared, outside: _Outside) -> tuple[dict, dict]:
         sources[str(bid)] = got if got is not None else outside.external(prepared, bid)
     # a workspace's copy starts zeroed wherever it is built (its bytes carry nothing from one
     # call to the next), so the file holds none of its bytes: null
-    scratch = set(library_scratch(graph))
-    private_rows = {str(bid): None if bid in scratch else outside.blobs.add(
+    zeroed = zeroed_copies(graph)
+    private_rows = {str(bid): None if bid in zeroed else outside.blobs.add(
         driver.copy_to_host(prepared.bases[bid], graph.buffers[bid].size)).as_json()
         for bid in sorted(private)}
     return sources, private_rows
