@@ -122,6 +122,30 @@ def test_the_private_copies_of_library_memory_are_counted_in_the_bucket(tmp_path
             bool(zeroed)
 
 
+def test_the_files_bytes_are_told_by_what_they_hold(tmp_path, capsys):
+    """Every byte of the file counted once, under the kind of blob (or section) that holds it:
+    what a file larger than its weights carries (mobilenet_v2's float32 fixture without its
+    weights: two reference input sets of 3x224x224 floats, the rest small)."""
+    from saved_fixture import saved_file
+
+    path = saved_file("mobilenet_v2").write(tmp_path / "m.nimble")
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    contents = json.loads(capsys.readouterr().out)["contents"]
+    assert sum(contents.values()) == path.stat().st_size
+    assert all(n >= 0 for n in contents.values())
+    saved = SavedFile.read(path)
+    m = saved.manifest
+    refs = {tuple(r) for row in m["buckets"] for part in ("inputs", "outputs")
+            for sets in row["reference"][part] for r in sets}
+    assert contents["references"] == sum(size for _, size in refs) >= 2 * 3 * 224 * 224 * 4
+    assert contents["weights"] == 0 and contents["library_memory"] == 0
+    assert contents["manifest"] == saved.sections["manifest"][1]
+    assert 0 < contents["other"] < 4096
+    assert cli.main(["inspect", str(path)]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("  the file's bytes: references 1.2 MiB, manifest ")
+
+
 def _truncated(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:5000])
 

@@ -96,6 +96,33 @@ def _binaries(manifest: dict) -> dict:
             "embedded": embedded, "largest_images": images[:LARGEST_IMAGES]}
 
 
+def _contents(saved: SavedFile, file_bytes: int) -> dict:
+    """The file's bytes by what they hold: each kind's blobs (a byte string stored once counts
+    once, for the first kind that names it), the manifest, the C plan, and the rest (the header,
+    the section table and alignment): what a file larger than its weights carries."""
+    m = saved.manifest
+    kinds: dict[str, list] = {
+        "weights": [w["blob"] for w in m.get("weights", [])],
+        "external_memory": [r["blob"] for r in m.get("memory", [])],
+        "library_memory": [ref for row in m["buckets"]
+                           for ref in (row.get("private") or {}).values()],
+        "kernel_images": [row["blob"] for row in m["binaries"] if row["kind"] != "library"],
+        "references": [ref for row in m["buckets"] for part in ("inputs", "outputs")
+                       for refs in row["reference"][part] for ref in refs],
+        "graphs": [row["graph"] for row in m["buckets"]],
+    }
+    seen: set = set()
+    out = {}
+    for kind, refs in kinds.items():
+        unique = {tuple(r) for r in refs if r is not None} - seen
+        seen |= unique
+        out[kind] = sum(size for _, size in unique)
+    out["manifest"] = saved.sections.get("manifest", (0, 0))[1]
+    out["c_plan"] = saved.sections.get("c_plan", (0, 0))[1]
+    out["other"] = file_bytes - sum(out.values())
+    return out
+
+
 def saved_summary(path: str) -> dict:
     """The numbers of the saved graph at ``path`` (see the module docstring); :class:`Fail` for
     a file that does not hold."""
@@ -124,6 +151,7 @@ def saved_summary(path: str) -> dict:
         "c_runtime": c_runtime if isinstance(c_runtime, str) else None,
         "graphs": [{"name": g["name"], "buckets": g["buckets"]} for g in m.get("graphs") or []],
         "generator": m.get("generator"),
+        "contents": _contents(saved, len(data)),
     }
 
 
@@ -190,4 +218,7 @@ def format_saved(path: str, s: dict) -> str:
         lines.append(f"  external memory: {s['memory_bytes'] / MIB:.1f} MiB")
     if s["c_runtime"]:
         lines.append(f"  C runtime: {s['c_runtime']}")
+    parts = sorted(s["contents"].items(), key=lambda kv: -kv[1])
+    lines.append("  the file's bytes: " + ", ".join(
+        f"{kind.replace('_', ' ')} {_size(n)}" for kind, n in parts if n))
     return "\n".join(lines) + "\n"
