@@ -164,17 +164,17 @@ class GraphViews:
             read = {a.buffer for a in state.graph.ops[op].accesses if a.write}
             read |= {a.buffer for a in aligned[op].sources if a is not None}
             return run_until(state, select_tasks(state.graph, op=op), list(inputs), read,
-                             stepper)
+                             stepper, on_device=True)
 
         def before(op: int, read: set[int]):
-            return run_before(state, op, list(inputs), read, stepper)
+            return run_before(state, op, list(inputs), read, stepper, on_device=True)
 
         def run_group(ops: list[int]):
             tasks = [t for op in ops for t in select_tasks(state.graph, op=op)]
             read = {a.buffer for op in ops for a in state.graph.ops[op].accesses if a.write}
             # the members' inputs too: one that looks wrong here is judged on this run
             read |= {a.buffer for op in ops for a in aligned[op].sources if a is not None}
-            return run_until(state, tasks, list(inputs), read, stepper)
+            return run_until(state, tasks, list(inputs), read, stepper, on_device=True)
         cost = WalkCost()
         run = cost.counted("stops of one op", run)
         before = cost.counted("runs before an op", before)

@@ -106,8 +106,8 @@ def _compare(raw, want, magnitude=None) -> tuple[bool, float]:
     when given (see :data:`SUM_OPS`)."""
     import torch
 
-    got = graph_tensor(raw, want.cpu())
-    want = want.cpu()
+    # where eager's outputs are (the GPU): a walk's compares then never cross to the host
+    got = graph_tensor(raw.to(want.device), want)
     if not want.is_floating_point():
         same = bool(torch.equal(got, want))
         return same, 0.0 if same else float("inf")
@@ -124,7 +124,7 @@ def _compare(raw, want, magnitude=None) -> tuple[bool, float]:
     diff = (got[finite] - want[finite]).abs()
     worst = float(diff.max()) if diff.numel() else 0.0
     if magnitude is not None:
-        largest = magnitude.cpu().double()[finite]
+        largest = magnitude.to(want.device).double()[finite]
         return worst <= atol + rtol * (float(largest.max()) if largest.numel() else 0.0), worst
     scale = float(want[finite].abs().max()) if diff.numel() else 0.0
     return worst <= atol + rtol * scale, worst
@@ -343,7 +343,7 @@ def first_nonfinite(run_until: Callable[[int], Any], graph: TaskGraph,
     found: dict[int, str] = {}
 
     def nonfinite(snap, op: AlignedOp) -> tuple[bool, float]:
-        kinds = nonfinite_kinds([graph_tensor(_range(snap, a), t.cpu())
+        kinds = nonfinite_kinds([graph_tensor(_range(snap, a), t)
                                  for a, t in op.pairs if t.is_floating_point()])
         if op.name.split(".")[0] in INF_SENTINEL_OPS:
             kinds.discard("Inf")

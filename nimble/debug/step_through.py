@@ -72,7 +72,8 @@ def ancestor_closure(schedule: Schedule, targets: Sequence[int], n: int) -> tupl
 
 @dataclass
 class Snapshot:
-    """Buffers as a step-through left them: ``buffers[b]`` is a copy of buffer ``b``'s bytes."""
+    """Buffers as a step-through left them: ``buffers[b]`` is a copy of buffer ``b``'s bytes (a
+    uint8 tensor on the host, or on the GPU for a walk's runs)."""
 
     graph: TaskGraph
     tasks: set[int]
@@ -171,35 +172,40 @@ class StepThrough:
 
 
 def run_until(prepared, targets: Sequence[int], inputs: Sequence | None = None,
-              read: set[int] | None = None, stepper: StepThrough | None = None) -> Snapshot:
+              read: set[int] | None = None, stepper: StepThrough | None = None,
+              on_device: bool = False) -> Snapshot:
     """Run ``prepared`` (a :class:`nimble.engine.prepared.Prepared`) up to ``targets`` on ``inputs``
     (the flat inputs of every phase; random when None) and copy out every buffer the run
     touched (only those in ``read``, when given).  ``stepper`` (a :class:`StepThrough` of the
     targets' phase) is used for the run when given; without one the kept tasks' sub-graph is
     built for this run alone.  Needs the GPU; the prepared graph's outputs are put back
-    afterwards."""
+    afterwards.  The copies are on the host, or ``on_device`` (a walk's, compared there with
+    eager's outputs on the GPU)."""
     keep, span = ancestor_closure(prepared.schedule, targets, len(prepared.graph.tasks))
     phase = next(k for k, b in enumerate(prepared.builts) if b.span == span)
-    return run_tasks(prepared, phase, keep, inputs, read, stepper)
+    return run_tasks(prepared, phase, keep, inputs, read, stepper, on_device)
 
 
 def run_before(prepared, op: int, inputs: Sequence | None = None,
-               read: set[int] | None = None, stepper: StepThrough | None = None) -> Snapshot:
+               read: set[int] | None = None, stepper: StepThrough | None = None,
+               on_device: bool = False) -> Snapshot:
     """Run every task of op ``op``'s phase recorded before op ``op``'s first task (the phases
     before it whole) and copy out the buffers in ``read`` (all it touched when None): what the
     recorded ops before ``op`` left for it to read.  Edges only go forward in recorded order, so
     such a prefix holds its tasks' predecessors; and the arena lets no earlier task overwrite a
-    range that a later one still reads."""
+    range that a later one still reads.  ``on_device`` as for :func:`run_until`."""
     tasks = [t.id for t in prepared.graph.tasks if t.op == op]
     if not tasks:
         raise InputError(f"op {op} launched no task")
     phase = next(k for k, b in enumerate(prepared.builts) if tasks[0] in b.span)
     span = prepared.builts[phase].span
-    return run_tasks(prepared, phase, set(range(span.start, min(tasks))), inputs, read, stepper)
+    return run_tasks(prepared, phase, set(range(span.start, min(tasks))), inputs, read, stepper,
+                     on_device)
 
 
 def run_tasks(prepared, phase: int, keep: set[int], inputs: Sequence | None = None,
-              read: set[int] | None = None, stepper: StepThrough | None = None) -> Snapshot:
+              read: set[int] | None = None, stepper: StepThrough | None = None,
+              on_device: bool = False) -> Snapshot:
     """Run the tasks ``keep`` of phase ``phase`` (closed under predecessors) after the phases
     before it, on ``inputs`` (random when None), and copy out every buffer the run touched
     (only those in ``read``, when given); see :func:`run_until`."""
@@ -243,7 +249,7 @@ def run_tasks(prepared, phase: int, keep: set[int], inputs: Sequence | None = No
                 touched = {a.buffer for t in keep for a in graph.tasks[t].accesses}
                 if read is not None:
                     touched &= set(read)
-                buffers = {b: _read(prepared, b) for b in sorted(touched)}
+                buffers = {b: _read(prepared, b, on_device) for b in sorted(touched)}
                 outs = [o for launcher in launchers for o in launcher.outputs]
                 for live, old in zip(outs, saved):
                     live.copy_(old)
@@ -256,12 +262,17 @@ def run_tasks(prepared, phase: int, keep: set[int], inputs: Sequence | None = No
     return Snapshot(graph, keep, buffers)
 
 
-def _read(prepared, bid: int):
+def _read(prepared, bid: int, on_device: bool = False):
     import torch
 
     from .. import driver
 
     size = prepared.graph.buffers[bid].size
+    if on_device:
+        copy = torch.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
+        if size:
+            driver.copy_device(copy.data_ptr(), prepared.bases[bid], size)
+        return copy
     raw = driver.copy_to_host(prepared.bases[bid], size) if size else b""
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
         torch.empty(0, dtype=torch.uint8)
