@@ -453,11 +453,8 @@ void nimble_free(nimble_model *m) {
         free(maps);
     }
     free(m->lowbits);
-    memory_t *tables[2] = {m->weights, m->memory};
-    uint64_t counts[2] = {m->nweights, m->nmemory};
-    for (int t = 0; t < 2; t++)
-        for (uint64_t i = 0; tables[t] && i < counts[t]; i++)
-            if (tables[t][i].ptr) cuMemFree(tables[t][i].ptr);
+    if (m->weight_block) cuMemFree(m->weight_block);
+    if (m->memory_block) cuMemFree(m->memory_block);
     for (uint64_t i = 0; m->libraries && i < m->nbinaries; i++)
         if (m->libraries[i]) cuLibraryUnload(m->libraries[i]);
     for (uint64_t i = 0; m->binaries && i < m->nbinaries; i++) free(m->binaries[i].path);

@@ -102,6 +102,8 @@ struct nimble_model {
     uint64_t arch, driver, arena_size, alignment, instances, nbuckets;
     uint64_t nbinaries, nkernels, nweights, nmemory;
     binary_t *binaries; kernel_t *kernels; memory_t *weights, *memory;
+    /* one allocation each that the weights and the external memory ranges lie in */
+    CUdeviceptr weight_block, memory_block;
     uint64_t nlowbits; lowbits_t *lowbits; /* every bucket's, in order */
     bucket_t *buckets;
     CUlibrary *libraries; /* per binary; each written only by the item that loads it */

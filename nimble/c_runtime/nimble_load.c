@@ -225,15 +225,30 @@ static nimble_status load_kernels(nimble_model *m) {
 
 /* ---- memory ------------------------------------------------------------------------------ */
 
-static nimble_status upload(nimble_model *m, memory_t *t, uint64_t n, const char *what) {
+/* Each range's place in its table's one allocation: as torch's allocator aligns a storage,
+ * which is what the saving process's kernels saw. */
+#define RANGE_ALIGNMENT 512u
+
+/* One allocation for the whole table, each range at its aligned offset in it: a cuMemAlloc per
+ * range (a thousand storages in the widest zoo models) waited on the driver's lock while the
+ * kernels loaded beside it. */
+static nimble_status upload(nimble_model *m, memory_t *t, uint64_t n, CUdeviceptr *block,
+                            const char *what) {
+    uint64_t total = 0;
     for (uint64_t i = 0; i < n; i++) {
-        const uint8_t *data = blob(m, t[i].blob);
-        if (!data || t[i].blob.size != t[i].size)
+        if (!blob(m, t[i].blob) || t[i].blob.size != t[i].size)
             return fail(NIMBLE_ERROR_UNSUPPORTED, "the file holds no bytes for %s %llu (saved "
                         "with weights=False?): the C runtime needs them in the file", what,
                         (unsigned long long)i);
-        CU(cuMemAlloc(&t[i].ptr, t[i].size ? t[i].size : 1));
-        if (t[i].size) CU(cuMemcpyHtoD(t[i].ptr, data, t[i].size));
+        total += (t[i].size + RANGE_ALIGNMENT - 1) / RANGE_ALIGNMENT * RANGE_ALIGNMENT;
+    }
+    if (!n) return NIMBLE_OK;
+    CU(cuMemAlloc(block, total ? total : 1));
+    uint64_t offset = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        t[i].ptr = *block + offset;
+        if (t[i].size) CU(cuMemcpyHtoD(t[i].ptr, blob(m, t[i].blob), t[i].size));
+        offset += (t[i].size + RANGE_ALIGNMENT - 1) / RANGE_ALIGNMENT * RANGE_ALIGNMENT;
     }
     return NIMBLE_OK;
 }
@@ -313,8 +328,8 @@ static nimble_status place_low_bits(nimble_model *m) {
  * another thread loads the kernels: the two share nothing but the context. */
 static nimble_status upload_memory(nimble_model *m) {
     double clock = seconds_now();
-    TRY(upload(m, m->weights, m->nweights, "weight storage"));
-    TRY(upload(m, m->memory, m->nmemory, "external memory range"));
+    TRY(upload(m, m->weights, m->nweights, &m->weight_block, "weight storage"));
+    TRY(upload(m, m->memory, m->nmemory, &m->memory_block, "external memory range"));
     TRY(place_arenas(m));
     TRY(place_low_bits(m));
     lap(m, NIMBLE_STAGE_MEMORY, &clock);
