@@ -53,7 +53,9 @@ def test_a_ddp_prepares_its_module_with_its_group_and_default_buckets(one_rank):
     # its reducer holds the parameters' gradient-accumulation nodes: captured on stand-ins
     assert target.average == GradientAverage(group=ddp.process_group, bucket_bytes=BUCKET_BYTES,
                                              first_bucket_bytes=FIRST_BUCKET_BYTES,
-                                             held_accumulators=True)
+                                             held_accumulators=True, last_bucket_bytes=None)
+    # the reducer's buckets as they are (Nimble's own averaging splits its last one)
+    assert target.average.last_bucket_bytes is None
 
 
 @pytest.mark.parametrize("settings", [dict(gradient_as_bucket_view=True),
@@ -142,7 +144,7 @@ def test_nimble_prepares_the_wrapped_module_with_the_wrappers_averaging(one_rank
         nm.prepare(torch.randn(4, 6), training=True)
     assert seen["model"] is ddp.module and seen["training"]
     assert seen["average"] == GradientAverage(ddp.process_group, 4 * 2**20, 4 * 2**20,
-                                              held_accumulators=True)
+                                              held_accumulators=True, last_bucket_bytes=None)
     ddp.eval()
     with pytest.raises(Stop):
         nm.prepare(torch.randn(4, 6))

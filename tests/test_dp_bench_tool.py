@@ -90,10 +90,14 @@ def test_the_averaging_options_reach_the_nimble_row_and_its_report():
     from nimble.record.gradient_average import GradientAverage
 
     args = SimpleNamespace(average_in_all_reduce=False, last_bucket_mib=None)
-    assert dp_bench.averaging(args) is True  # DDP's defaults
+    assert dp_bench.averaging(args) is True  # Nimble's defaults
     args = SimpleNamespace(average_in_all_reduce=True, last_bucket_mib=0.5)
     assert dp_bench.averaging(args) == GradientAverage(average_in_all_reduce=True,
                                                        last_bucket_bytes=1 << 19)
+    args = SimpleNamespace(average_in_all_reduce=False, last_bucket_mib=0)  # DDP's buckets
+    assert dp_bench.averaging(args) == GradientAverage(last_bucket_bytes=None)
+    args = SimpleNamespace(average_in_all_reduce=True, last_bucket_mib=None)
+    assert dp_bench.averaging(args).last_bucket_bytes == 4 << 20
     rows = _rows(nimble=4.0, nimble_local=3.5)
     first = dp_bench._report({"model": "m", "world": 2, "gpu": "G", "batch_per_gpu": 32,
                               "graph_mixing": False, "average_in_all_reduce": True,

@@ -65,6 +65,8 @@ def test_the_plan_is_ddps_bucket_assignment(elements, dtypes, first, cap):
 def test_average_gradients_argument_forms():
     assert gradient_average(None) is None and gradient_average(False) is None
     assert gradient_average(True) == GradientAverage()
+    # Nimble's own averaging splits the bucket reduced last to at most 4 MiB
+    assert gradient_average(True).last_bucket_bytes == 4 * 2**20
     given = GradientAverage(bucket_bytes=4096)
     assert gradient_average(given) is given
     group = object()

@@ -81,13 +81,15 @@ def launch_modes(nm) -> list[str]:
 
 
 def averaging(args):
-    """The ``average_gradients`` of the ``nimble`` row: DDP's defaults (True), or a
+    """The ``average_gradients`` of the ``nimble`` row: Nimble's defaults (True), or a
     :class:`nimble.GradientAverage` with the command line's averaging options."""
     from nimble.record.gradient_average import GradientAverage
 
     if not args.average_in_all_reduce and args.last_bucket_mib is None:
         return True
-    last = None if args.last_bucket_mib is None else int(args.last_bucket_mib * 2**20)
+    if args.last_bucket_mib is None:
+        return GradientAverage(average_in_all_reduce=args.average_in_all_reduce)
+    last = int(args.last_bucket_mib * 2**20) or None  # 0: DDP's buckets, none split
     return GradientAverage(average_in_all_reduce=args.average_in_all_reduce,
                            last_bucket_bytes=last)
 
@@ -163,7 +165,8 @@ def main(argv=None) -> int:
     parser.add_argument("--average-in-all-reduce", action="store_true",
                         help="the nimble row divides inside NCCL's all-reduce (ReduceOp.AVG)")
     parser.add_argument("--last-bucket-mib", type=float,
-                        help="the nimble row's last bucket split to at most this many MiB")
+                        help="the nimble row's last bucket split to at most this many MiB "
+                             "(default Nimble's, 4; 0 keeps DDP's buckets unsplit)")
     args = parser.parse_args(argv)
     rank, world = start_rank(args.graph_mixing)
     for name in args.models:

@@ -66,15 +66,17 @@ def data_parallel_target(model, training: bool, average_gradients=None) -> DataP
 
 def ddp_average(ddp) -> GradientAverage:
     """The averaging a DDP's settings ask for: its process group and bucket caps (the first
-    bucket 1 MiB only where ``bucket_cap_mb`` was left out, as DDP's reducer has it)."""
+    bucket 1 MiB only where ``bucket_cap_mb`` was left out, as DDP's reducer has it), and its
+    buckets as the reducer makes them (the last one not split)."""
     cap = int(ddp.bucket_bytes_cap)
     config = getattr(ddp, "_bucket_config", None)
     if config is not None:
         first = int(config.first_bucket_bytes_cap)
     else:
         first = FIRST_BUCKET_BYTES if getattr(ddp, "bucket_bytes_cap_default", True) else cap
+    # its buckets as the DDP's reducer makes them, the last one not split
     return GradientAverage(group=ddp.process_group, bucket_bytes=cap, first_bucket_bytes=first,
-                           held_accumulators=True)  # by the DDP's reducer
+                           held_accumulators=True, last_bucket_bytes=None)
 
 
 def _broadcasts_buffers(ddp) -> bool:

@@ -32,6 +32,11 @@ from typing import Any, Sequence
 #: DDP's defaults: 25 MiB buckets, and a first one of 1 MiB.
 BUCKET_BYTES = 25 * 2**20
 FIRST_BUCKET_BYTES = 1 * 2**20
+#: The most bytes the last part of the bucket reduced last holds, for Nimble's own averaging:
+#: that all-reduce waits for the backward's end with nothing beside it, and on two GPUs a last
+#: part of 4 MiB hid the whole all-reduce where DDP's buckets left 40-60% of it exposed
+#: (docs/results.md, "Two GPUs, four ways to end the backward").
+LAST_BUCKET_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -54,8 +59,9 @@ class GradientAverage:
     average_in_all_reduce: bool = False
     #: Where set, the bucket reduced last is split so that its last part holds at most this
     #: many bytes: it holds the first parameters' gradients, made when the backward ends, and
-    #: its all-reduce is the one nothing runs beside (:func:`split_last_bucket`).
-    last_bucket_bytes: int | None = None
+    #: its all-reduce is the one nothing runs beside (:func:`split_last_bucket`); None keeps
+    #: DDP's buckets as they are (a ``DistributedDataParallel`` given to Nimble does).
+    last_bucket_bytes: int | None = LAST_BUCKET_BYTES
 
 
 def gradient_average(average) -> GradientAverage | None:
