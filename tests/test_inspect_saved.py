@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -78,7 +79,8 @@ def test_the_json_summary_holds_the_files_numbers(saved, capsys):
     assert not bucket["training_step"]
     assert s["kernels"] == 42 and s["binaries"]["libraries"] == []
     assert s["binaries"]["embedded"] == {"images": 1, "kernels": 42,
-                                         "bytes": m["binaries"][0]["blob"][1]}
+                                         "bytes": m["binaries"][0]["blob"][1],
+                                         "unpacked_bytes": m["binaries"][0]["blob"][1]}
     assert not s["weights_included"] and s["weight_storages"] == 39
     assert s["weight_bytes"] == sum(w["size"] for w in m["weights"])
 
@@ -216,3 +218,37 @@ def test_the_largest_embedded_images_are_named_with_their_origin(saved, capsys):
     largest = json.loads(capsys.readouterr().out)["binaries"]["largest_images"]
     assert [r["kernels"] for r in largest] == [39, 3] and largest[1]["bytes"] == \
         first["blob"][1] // 2
+
+
+def test_an_image_stored_packed_is_counted_in_the_file_and_unpacked(saved, capsys):
+    """The fixture's image stored as nimble save stores a cubin (LZ4-packed, the row saying
+    its size unpacked), beside a second image stored as it is (three of the kernels in it)."""
+    from nimble.record.fatbin_pack import packed_cubin
+
+    file = _manifest(saved)
+    m = file.manifest
+    first = m["binaries"][0]
+    image = file.blob(first["blob"])
+    packed = packed_cubin(image, 90)
+    m["binaries"][0] = {**first, "blob": [len(file.blobs), len(packed)], "packed": "lz4",
+                        "image_size": len(image),
+                        "sha256": hashlib.sha256(packed).hexdigest()}
+    m["binaries"].append({**first, "blob": [first["blob"][0], 1 << 20]})
+    file.blobs += packed + bytes(1 << 20)
+    for kernel in m["kernels"][:3]:
+        kernel["binary"] = 1
+    file.write(saved)
+    assert cli.main(["inspect", str(saved)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    stored, unpacked = (len(packed) + (1 << 20)) / 2**20, (len(image) + (1 << 20)) / 2**20
+    at = lines.index(f"    embedded: 42 kernels in 2 images, {stored:.2f} MiB ({unpacked:.2f} MiB "
+                     "unpacked)")
+    assert lines[at + 1].startswith("      1.00 MiB, 3 kernels (")
+    assert lines[at + 2].startswith(f"      0.00 MiB ({len(image) / 2**20:.2f} MiB unpacked), "
+                                    "39 kernels (")
+    assert cli.main(["inspect", str(saved), "--json"]) == 0
+    binaries = json.loads(capsys.readouterr().out)["binaries"]
+    assert binaries["embedded"] == {"images": 2, "kernels": 42, "bytes": len(packed) + (1 << 20),
+                                    "unpacked_bytes": len(image) + (1 << 20)}
+    assert [(r["bytes"], r["unpacked_bytes"]) for r in binaries["largest_images"]] == \
+        [(1 << 20, 1 << 20), (len(packed), len(image))]

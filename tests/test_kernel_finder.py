@@ -59,7 +59,7 @@ def world(monkeypatch, tmp_path):
 
 
 def test_each_kernel_is_found_where_it_lives(world):
-    table = kb.BinaryTable(BlobWriter())
+    table = kb.BinaryTable(BlobWriter(), 90)
     kernels = [_kernel("lib_a"), _kernel("triton_poi_0", threads=128),
                _kernel("nvjet_sm90_x")]
     rows = kb.KernelFinder(90, table).locate(kernels)
@@ -71,16 +71,16 @@ def test_each_kernel_is_found_where_it_lives(world):
 
 
 def test_a_kernel_whose_only_candidate_differs_is_refused_with_what_to_do(world, monkeypatch):
-    finder = kb.KernelFinder(90, kb.BinaryTable(BlobWriter()))
+    finder = kb.KernelFinder(90, kb.BinaryTable(BlobWriter(), 90))
     with pytest.raises(SaveError, match=r"1 kernel\(s\) .*\(lib_b\) and none of the modules"):
         finder.locate([_kernel("lib_b")])
     monkeypatch.setattr(kb.module_images, "capturing", lambda: False)
     with pytest.raises(SaveError, match="call nimble.keep_kernel_binaries.. at the start"):
-        kb.KernelFinder(90, kb.BinaryTable(BlobWriter())).locate([_kernel("nowhere")])
+        kb.KernelFinder(90, kb.BinaryTable(BlobWriter(), 90)).locate([_kernel("nowhere")])
 
 
 def test_a_binary_used_by_several_kernels_is_one_row(world):
-    table = kb.BinaryTable(BlobWriter())
+    table = kb.BinaryTable(BlobWriter(), 90)
     rows = kb.KernelFinder(90, table).locate([_kernel("lib_a"), _kernel("lib_a", threads=64)])
     assert rows == [0, 0] and len(table.rows) == 1
 
@@ -95,7 +95,8 @@ def test_a_library_listed_for_the_first_time_on_a_machine_says_so(world, monkeyp
 
     monkeypatch.setattr(binaries, "index_cached", lambda lib, arch: cached)
     with caplog.at_level(logging.INFO, logger="nimble"):
-        kb.KernelFinder(90, kb.BinaryTable(BlobWriter()), quiet=False).locate([_kernel("lib_a")])
+        finder = kb.KernelFinder(90, kb.BinaryTable(BlobWriter(), 90), quiet=False)
+        finder.locate([_kernel("lib_a")])
     said = [r.getMessage() for r in caplog.records if "compressed kernels" in r.getMessage()]
     if cached:
         assert said == []

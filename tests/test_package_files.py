@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "MANIFEST.in"
 #: The folders whose files an unpacked sdist needs to run its tests and tools, and the
 #: suffixes of the files there that are source (not caches or outputs).
-NEEDED = {"tests": (".py", ".c", ".json.gz", ".nimble.gz"), "tools": (".py", ".sh", ".cpp"),
-          "docs": (".md",), "kernels": (".ptx",)}
+NEEDED = {"tests": (".py", ".c", ".json.gz", ".nimble.gz", ".fatbin"),
+          "tools": (".py", ".sh", ".cpp"), "docs": (".md",), "kernels": (".ptx",)}
 
 pytestmark = pytest.mark.skipif(not MANIFEST.exists(), reason="no MANIFEST.in (not a checkout)")
 

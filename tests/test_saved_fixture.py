@@ -164,6 +164,16 @@ STRUCTURAL = {
     "unknown binary kind": (_set("binaries.0.kind", "ptx-jit"),
                             r"binaries\[0\]\.kind is 'ptx-jit', a kind of kernel binary this "
                             r"Nimble does not know: load the file with the Nimble that saved"),
+    "packing of the wrong type": (_set("binaries.0.packed", 1),
+                                  r"binaries\[0\]\.packed is a number \(1\), not a string"),
+    "unknown packing": (_set("binaries.0.packed", "zstd"),
+                        r"binaries\[0\]\.packed is 'zstd', not a packing this Nimble reads "
+                        r"\(lz4\)"),
+    "image size of the wrong type": (_set("binaries.0.image_size", "6762"),
+                                     r"binaries\[0\]\.image_size is a string \('6762'\), not an "
+                                     r"integer"),
+    "packed without its size": (_set("binaries.0.packed", "lz4"),
+                                r"binaries\[0\] has no 'image_size'"),
     "another format": (_set("format", "nimble.other"), r"not a saved Nimble graph"),
     "stream out of range": (_set("buckets.0.schedule.stream_of.7", 3),
                             r"schedule\.stream_of\[7\] is 3, but there are 1 streams"),

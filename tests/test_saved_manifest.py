@@ -63,6 +63,16 @@ def test_a_sound_manifest_passes():
     check_manifest(saved.manifest, len(saved.blobs))
 
 
+def test_an_embedded_image_stored_packed_passes_with_its_size_unpacked():
+    saved = _small()
+    saved.manifest["binaries"][0].update(packed="lz4", image_size=123456)
+    check_manifest(saved.manifest, len(saved.blobs))
+    saved.manifest["binaries"][0]["image_size"] = -1
+    with pytest.raises(LoadError, match=r"^m\.nimble: binaries\[0\]\.image_size is -1, a "
+                                        r"negative count or size"):
+        check_manifest(saved.manifest, len(saved.blobs), "m.nimble")
+
+
 def test_the_check_knows_what_the_driver_writes():
     from nimble.driver import stored
 

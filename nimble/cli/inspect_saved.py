@@ -70,14 +70,15 @@ LARGEST_IMAGES = 3
 
 def _binaries(manifest: dict) -> dict:
     """Where the kernels' binaries come from: per library file (by name) its kernels and
-    containers; the embedded images' count, kernels and bytes, and the largest of them each
-    with its bytes, origin (the file or module it was taken from), kernels and one kernel's
-    name: what a file larger than its weights carries."""
+    containers; the embedded images' count, kernels, bytes in the file and bytes unpacked (an
+    image stored LZ4-packed says its size), and the largest of them each with its bytes,
+    origin (the file or module it was taken from), kernels and one kernel's name: what a file
+    larger than its weights carries."""
     rows = manifest["binaries"]
     kernels = Counter(k["binary"] for k in manifest["kernels"])
     named = {k["binary"]: k["name"] for k in reversed(manifest["kernels"])}
     libraries: dict[str, dict] = {}
-    embedded = {"images": 0, "kernels": 0, "bytes": 0}
+    embedded = {"images": 0, "kernels": 0, "bytes": 0, "unpacked_bytes": 0}
     images = []
     for i, row in enumerate(rows):
         if row["kind"] == "library":
@@ -88,8 +89,11 @@ def _binaries(manifest: dict) -> dict:
         else:
             embedded["images"] += 1
             embedded["kernels"] += kernels[i]
-            embedded["bytes"] += row["blob"][1]
-            images.append({"bytes": row["blob"][1], "origin": row.get("origin", ""),
+            stored, unpacked = row["blob"][1], row.get("image_size", row["blob"][1])
+            embedded["bytes"] += stored
+            embedded["unpacked_bytes"] += unpacked
+            images.append({"bytes": stored, "unpacked_bytes": unpacked,
+                           "origin": row.get("origin", ""),
                            "kernels": kernels[i], "example": named.get(i, "")})
     images.sort(key=lambda r: -r["bytes"])
     return {"libraries": sorted(libraries.values(), key=lambda r: (-r["kernels"], r["name"])),
@@ -171,6 +175,13 @@ def _size(n: int) -> str:
     return f"{n / MIB:.1f} MiB" if n >= MIB else f"{n / 1024:.1f} KiB"
 
 
+def _image_bytes(images: dict) -> str:
+    """The MiB embedded images take in the file, and unpacked where they are packed."""
+    stored, unpacked = images["bytes"], images["unpacked_bytes"]
+    return f"{stored / MIB:.2f} MiB" + \
+        (f" ({unpacked / MIB:.2f} MiB unpacked)" if unpacked != stored else "")
+
+
 def format_saved(path: str, s: dict) -> str:
     """The text report of :func:`saved_summary`'s numbers."""
     driver = f"{s['driver'] // 1000}.{s['driver'] % 1000 // 10}"
@@ -205,10 +216,10 @@ def format_saved(path: str, s: dict) -> str:
     e = s["binaries"]["embedded"]
     if e["images"]:
         lines.append(f"    embedded: {e['kernels']} kernels in {e['images']} "
-                     f"image{'s' * (e['images'] != 1)}, {e['bytes'] / MIB:.2f} MiB")
+                     f"image{'s' * (e['images'] != 1)}, {_image_bytes(e)}")
         if e["images"] > 1:
             for image in s["binaries"]["largest_images"]:
-                lines.append(f"      {image['bytes'] / MIB:.2f} MiB, {image['kernels']} "
+                lines.append(f"      {_image_bytes(image)}, {image['kernels']} "
                              f"kernel{'s' * (image['kernels'] != 1)} ({image['example'][:48]}"
                              f"), from {image['origin'] or 'the saving process'}")
     where = "included" if s["weights_included"] else "not included: load with model=..."

@@ -21,13 +21,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .. import driver
 from ..errors import CudaError, LoadError, SaveError
 from ..progress import logger as log, say
 from ..driver import module_images
-from ..record import binaries as found
+from ..record import binaries as found, fatbin_pack
 
 
 @dataclass
@@ -62,6 +62,16 @@ def _same_kernel(library: driver.Library, kernel: LiveKernel) -> bool:
         [list(p) for p in driver.function_param_layout(function)] == kernel.layout
 
 
+#: Whether the driver loads a form of an image (its bytes as they would be stored) and it yields
+#: the kernel the saving process runs.
+Verify = Callable[[bytes], bool]
+
+
+def _verifier(kernel: LiveKernel) -> Verify:
+    """Whether the driver loads a form of an image as ``kernel`` (for :class:`BinaryTable`)."""
+    return lambda image: _loads(image, kernel)
+
+
 def _loads(image: bytes, kernel: LiveKernel) -> bool:
     try:
         library = driver.Library.load_data(image, detail=kernel.name)
@@ -74,12 +84,19 @@ def _loads(image: bytes, kernel: LiveKernel) -> bool:
 
 
 class BinaryTable:
-    """The binaries of a saved graph (library containers and embedded cubins), each once."""
+    """The binaries of a saved graph (library containers and embedded cubins), each once.
 
-    def __init__(self, blobs) -> None:
+    An embedded cubin is stored as a fatbin container of one LZ4-compressed entry
+    (:mod:`nimble.record.fatbin_pack`) where that is smaller and the driver loads it as the
+    same kernel: the row then says ``packed: "lz4"`` and the ``image_size`` it unpacks to, and
+    its ``sha256`` is of the stored bytes, which every loader hashes and hands to the driver."""
+
+    def __init__(self, blobs, arch: int) -> None:
         self.rows: list[dict] = []
         self._index: dict[tuple, int] = {}
         self._blobs = blobs
+        self.arch = arch  # the device's: an entry's architecture where the ELF does not say
+        self._stored: dict[tuple, bytes] = {}
 
     def library(self, lib: found.LibraryFatbins, c: found.Container) -> int:
         key = ("library", lib.key, c.offset)
@@ -93,13 +110,64 @@ class BinaryTable:
                               "sha256": found.sha256(data)})
         return self._index[key]
 
-    def embedded(self, data: bytes, origin: str) -> int:
+    def embedded(self, data: bytes, origin: str, verify: Verify | None = None) -> int:
+        """The row of the image ``data`` (one per distinct image, keyed by its own hash).
+
+        ``verify(stored)`` says whether the driver loads a form of it as the kernel the caller
+        found in ``data``: a packed form is stored only where it does (:meth:`_packed`), and a
+        later kernel of a packed image is held to the packed form too (the image is stored as
+        it is where that fails); without ``verify`` the image is stored as it is."""
         key = ("embedded", found.sha256(data))
         if key not in self._index:
+            packed = self._packed(data, origin, verify)
             self._index[key] = len(self.rows)
-            self.rows.append({"kind": "embedded", "blob": self._blobs.add(data).as_json(),
-                              "sha256": key[1], "origin": origin})
+            self.rows.append({})
+            self._store(key, packed or data, origin, len(data) if packed else None)
+        elif verify is not None and self.rows[self._index[key]].get("packed") and \
+                not verify(self._stored[key]):
+            log.info("the driver does not load a kernel of the LZ4-packed image from %s as it "
+                     "runs: the image is stored as it is (%d bytes)", origin, len(data))
+            self._store(key, data, origin, None)
         return self._index[key]
+
+    def _store(self, key: tuple, stored: bytes, origin: str, image_size: int | None) -> None:
+        """Row ``key`` made to hold ``stored``: a packed image of ``image_size`` bytes, or
+        (None) the image itself (a packed form it held before stays in the blobs, unused)."""
+        row = {"kind": "embedded", "blob": self._blobs.add(stored).as_json(),
+               "sha256": found.sha256(stored), "origin": origin}
+        if image_size is not None:
+            row.update(packed="lz4", image_size=image_size)
+        self.rows[self._index[key]] = row
+        self._stored[key] = stored
+
+    def _packed(self, data: bytes, origin: str, verify: Verify | None) -> bytes | None:
+        """``data`` as a container of one LZ4-compressed ELF entry, where it is a cubin, the
+        container is smaller and ``verify`` holds for it; None otherwise (said at INFO where the
+        driver refused it).  An ``sm_90a`` image may or may not be marked so in its ELF
+        header, so the container is tried with the architecture-specific flag as the header
+        says, then the other way."""
+        if verify is None or data[:4] != b"\x7fELF":
+            return None
+        began = time.perf_counter()
+        try:
+            image = fatbin_pack.pack(data)
+        except (found.BinaryFormatError, fatbin_pack.PackingError) as e:
+            log.info("the image from %s is stored unpacked: %s", origin, e)
+            return None
+        if image.container_size >= len(data):
+            return None
+        target = fatbin_pack.cubin_target(data)
+        arch = target.arch if target else self.arch
+        specific = bool(target and target.arch_specific)
+        for marked in (specific, not specific):
+            container = image.container(arch, marked)
+            if verify(container):
+                log.debug("packed the %d-byte image from %s into %d bytes in %.2f s", len(data),
+                          origin, len(container), time.perf_counter() - began)
+                return container
+        log.info("the driver does not load the LZ4-packed form of the image from %s as the "
+                 "same kernel: stored as it is (%d bytes)", origin, len(data))
+        return None
 
 
 class KernelFinder:
@@ -155,7 +223,8 @@ class KernelFinder:
             for image in images:
                 named = next(found.symbol_offsets(image, k.name, b"\0.", b"\0"), None)
                 if named is not None and _loads(image, k):
-                    rows[i] = self.table.embedded(image, "module loaded in the saving process")
+                    rows[i] = self.table.embedded(image, "module loaded in the saving process",
+                                                  _verifier(k))
                     break
 
     def _plain(self, kernels: Sequence[LiveKernel], rows: list) -> None:
@@ -182,7 +251,7 @@ class KernelFinder:
                     continue
                 data = candidate.path.read_bytes()
                 if _loads(data, k):
-                    rows[i] = self.table.embedded(data, str(candidate.path))
+                    rows[i] = self.table.embedded(data, str(candidate.path), _verifier(k))
                     break
 
     def _compressed(self, kernels: Sequence[LiveKernel], rows: list) -> None:

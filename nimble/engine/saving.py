@@ -349,7 +349,7 @@ def save_graphs(graphs: list, path, *, weights: bool = True, quiet: bool = True,
                 i, offset = where[source.pop("memory_at")]
                 source.update(memory=i, offset=offset)
     arch = driver.device_architecture(device)
-    table = BinaryTable(blobs)
+    table = BinaryTable(blobs, arch)
     say(f"finding the binaries of {len(kernels.kernels)} kernels", quiet)
     found = KernelFinder(arch, table, quiet).locate(kernels.kernels)
     manifest = {

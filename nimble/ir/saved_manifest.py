@@ -24,6 +24,9 @@ from .taskgraph import TaskKind
 FORMAT_NAME = "nimble.saved-graph"
 #: Where a kernel's binary comes from: a fatbin container of a library file, or the blobs.
 BINARY_KINDS = ("library", "embedded")
+#: How an embedded image may be stored besides as it is: ``lz4``, a fatbin container of one
+#: LZ4-compressed ELF entry, which the driver unpacks (``nimble.record.fatbin_pack``).
+PACKINGS = ("lz4",)
 #: A stored memset's and memcpy's fields, as the driver's parameter structs name them
 #: (:mod:`nimble.driver.stored`).
 MEMSET_FIELDS = ("dst", "value", "elementSize", "width", "height", "pitch")
@@ -167,6 +170,9 @@ def _binary(blobs_size: int, path: str) -> Read:
         if kind == "embedded":
             jf.member(row, "blob", where, _blob(blobs_size))
             jf.member(row, "origin", where, jf.text, "")
+            packed = jf.member(row, "packed", where, _packing, None)
+            # a packed image says its size unpacked
+            jf.member(row, "image_size", where, _natural, None if packed is None else ...)
             return
         for key in ("path", "name"):
             jf.member(row, key, where, jf.text)
@@ -175,6 +181,14 @@ def _binary(blobs_size: int, path: str) -> Read:
         if offset + jf.member(row, "size", where, _positive) > file_size:
             raise _fail(where, f"names bytes past the end of its {file_size}-byte library file")
     return read
+
+
+def _packing(value: Any, where: str) -> str:
+    packing = jf.text(value, where)
+    if packing not in PACKINGS:
+        raise _fail(where, f"is {packing!r}, not a packing this Nimble reads "
+                           f"({', '.join(PACKINGS)})")
+    return packing
 
 
 def _kernel(binaries: int) -> Read:
