@@ -172,14 +172,11 @@ class GraphViews:
         def run_group(ops: list[int]):
             tasks = [t for op in ops for t in select_tasks(state.graph, op=op)]
             read = {a.buffer for op in ops for a in state.graph.ops[op].accesses if a.write}
-            # the members' inputs too: one that looks wrong here is judged on this run
-            read |= {a.buffer for op in ops for a in aligned[op].sources if a is not None}
             return run_until(state, tasks, list(inputs), read, stepper, on_device=True)
         cost = WalkCost()
         run = cost.counted("stops of one op", run)
         before = cost.counted("runs before an op", before)
-        grouped = walk_groups(state, aligned, cost.counted("runs of a group", run_group),
-                              with_sources=not nonfinite)
+        grouped = walk_groups(state, aligned, cost.counted("runs of a group", run_group))
         progress = lambda line: say(line, quiet)  # noqa: E731
         try:
             if nonfinite:

@@ -165,13 +165,12 @@ class GroupedStops:
     """Stops of several ops in one run (:mod:`nimble.debug.stop_groups`): ``plan`` groups a
     walk's op indices (each group in the walk's order, the groups in the order of their first
     op), ``run`` makes one run for a group and returns a snapshot holding every member's
-    outputs; ``judged_in_run`` (where given) names the members of a group whose every range the
-    walk's judgement reads outlasts the group's run, so that one looking wrong there is judged
-    on that run, not on a stop of its own."""
+    outputs.  A member that looks wrong there is always judged on a stop of its own: the plan
+    trusts the recorded writes, and a fault the walk hunts (a kernel writing outside them) can
+    spoil an earlier member's bytes in the shared run."""
 
     plan: Callable[[list[int]], list[list[int]]]
     run: Callable[[list[int]], Any]
-    judged_in_run: Callable[[list[int]], set[int]] | None = None
 
 
 def _walk(run_until: Callable[[int], Any], graph: TaskGraph, ops: Sequence[AlignedOp],
@@ -183,10 +182,8 @@ def _walk(run_until: Callable[[int], Any], graph: TaskGraph, ops: Sequence[Align
     """The first of ``ops`` (in order) for which ``wrong(snapshot, op)`` says so; ``progress``
     gets a line every few seconds on a long walk.  With ``grouped``, a group's ops are first
     read from the group's one run; an op that ``looks_wrong`` there (which must say so wherever
-    ``wrong`` would) is judged by ``wrong`` on that run where ``grouped.judged_in_run`` says
-    all it reads outlasts it, else it is a suspect, judged on a stop of its own once every op
-    before it has been read; either way the first wrong op in order is the answer, the
-    sequential walk's."""
+    ``wrong`` would) is a suspect, judged on a stop of its own once every op before it has been
+    read: the first wrong op in order is the answer, the sequential walk's."""
     with_tasks = {t.op for t in graph.tasks}
     todo = [op for op in ops if op.pairs and op.index in with_tasks]
     position = {op.index: k for k, op in enumerate(todo)}
@@ -200,22 +197,15 @@ def _walk(run_until: Callable[[int], Any], graph: TaskGraph, ops: Sequence[Align
     for group in groups:
         shared = grouped.run(group) if grouped is not None and len(group) > 1 \
             and looks_wrong is not None else None
-        judged_here = grouped.judged_in_run(group) \
-            if shared is not None and grouped.judged_in_run is not None else set()
         for index in group:
             k = position[index]
             read[k] = True
             if shared is None:
                 bad, diff = wrong(run_until(index), todo[k])
-            elif not looks_wrong(shared, todo[k]):
-                continue
-            elif index in judged_here:
-                bad, diff = wrong(shared, todo[k])
-            else:
+                if bad:
+                    found[k] = diff
+            elif looks_wrong(shared, todo[k]):
                 heapq.heappush(suspects, k)
-                continue
-            if bad:
-                found[k] = diff
         while frontier < len(todo) and read[frontier]:
             frontier += 1
         hit = _first_wrong(run_until, todo, wrong, frontier, suspects, found)
@@ -263,7 +253,6 @@ def first_divergence(run_until: Callable[[int], Any], graph: TaskGraph,
     run on the graph's own inputs (:func:`isolated_difference`); ``run_until(op)`` must then
     hold the ranges those inputs lie in too.  With ``grouped``, ops are read from shared runs
     first (:class:`GroupedStops`), and one that differs from the eager chain there is judged on
-    that run where ``grouped.judged_in_run`` names it (its inputs outlast the run too), else on
     a stop of its own.  ``cost`` counts the ops judged again alone.
     """
     judged: dict[int, str] = {}

@@ -11,10 +11,10 @@ wait for.  The arena hands an op's bytes to a later buffer once their last reade
 in-place op writes over its input, so a run that goes on past such a writer loses the op's
 values; :func:`stop_groups` keeps such ops apart.  It needs only the dependencies (each task's
 closure) and each write's device address, so it is plain Python over integers.  The walk reads
-each member's outputs from its group's run.  A member that looks wrong there is judged on that
-run where the ranges its judgement reads (its outputs, and its inputs where the walk runs the op
-again on them) outlast it too (:func:`kept_through_run`), else on a stop of its own, once every
-op before it was read: a group changes how many runs a walk makes, not what it finds.
+each member's outputs from its group's run.  A member that looks wrong there is judged on a stop
+of its own, once every op before it was read: the plan trusts the recorded writes, and a fault
+the walk hunts (a kernel writing outside them) can spoil an earlier member's bytes in a shared
+run, so a group changes how many runs a walk makes, not what it finds.
 """
 from __future__ import annotations
 
@@ -124,18 +124,6 @@ def stop_groups(ops: Sequence[int], plan: StopPlanInput,
     return groups
 
 
-def kept_through_run(group: Sequence[int], plan: StopPlanInput,
-                     clobber: dict[int, int]) -> set[int]:
-    """The members of ``group`` whose ranges (those ``clobber`` was computed for,
-    :func:`clobbers`) no task of the group's run writes but their own and those they wait for:
-    read from the group's run, they hold what a stop of their own would."""
-    ran = 0
-    for op in group:
-        for t in plan.op_tasks.get(op, []):
-            ran |= plan.closure[t]
-    return {op for op in group if op in clobber and not ran & clobber[op]}
-
-
 def plan_input(graph, edges, bases: Sequence[int], outputs: dict[int, list]) -> StopPlanInput:
     """The planner's input for a one-phase ``graph`` (a TaskGraph) whose buffers live at
     ``bases`` (buffer id to device address) and whose schedule has ``edges``; ``outputs``: per
@@ -152,14 +140,11 @@ def plan_input(graph, edges, bases: Sequence[int], outputs: dict[int, list]) -> 
     return StopPlanInput(closures(n, edges), writes, op_tasks, op_outputs)
 
 
-def walk_groups(prepared, aligned, run_group, with_sources: bool = True):
+def walk_groups(prepared, aligned, run_group):
     """The :class:`~nimble.debug.divergence.GroupedStops` of a walk over ``prepared`` (an
     inference graph, one phase) whose ``aligned`` ops are read from runs made by
     ``run_group(op indices)``; None where the schedule's edges do not all go forward in task
-    order (then every op gets a stop of its own).  A member that looks wrong in its group's
-    run is judged there where its outputs and, ``with_sources`` (a walk that runs an op again
-    on the graph's own inputs), the ranges of its inputs outlast the run
-    (:func:`kept_through_run`); ``run_group`` must then read those inputs too."""
+    order (then every op gets a stop of its own)."""
     from .divergence import GroupedStops
 
     graph = prepared.graph
@@ -168,10 +153,4 @@ def walk_groups(prepared, aligned, run_group, with_sources: bool = True):
         plan = plan_input(graph, prepared.schedule.edges(), prepared.bases, outputs)
     except ValueError:
         return None
-    bases = prepared.bases
-    kept = {op.index: plan.op_outputs.get(op.index, []) + (
-        [(bases[a.buffer] + a.offset, bases[a.buffer] + a.end) for a in op.sources if a]
-        if with_sources else []) for op in aligned}
-    clobber = clobbers(plan, kept)
-    return GroupedStops(lambda ops: stop_groups(ops, plan), run_group,
-                        lambda group: kept_through_run(group, plan, clobber))
+    return GroupedStops(lambda ops: stop_groups(ops, plan), run_group)
