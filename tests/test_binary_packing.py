@@ -122,6 +122,15 @@ def test_what_is_not_a_shrinking_verified_cubin_is_stored_as_it_is(monkeypatch, 
         row = table.embedded(data, what, driver)
         assert "packed" not in table.rows[row] and _stored(table, blobs, row) == data, what
         assert driver is None or driver.seen == [], what
+    monkeypatch.setattr(kb, "PACK_LIMIT", len(_cubin()) - 1)  # larger than packing takes
+    blobs, driver = BlobWriter(), Driver()
+    table = kb.BinaryTable(blobs, 90)
+    with caplog.at_level(logging.INFO, logger="nimble"):
+        row = table.embedded(_cubin(), "large", driver)
+    assert "packed" not in table.rows[row] and driver.seen == []
+    assert any("stored unpacked: packing takes more than" in r.getMessage()
+               for r in caplog.records)
+    monkeypatch.undo()
     monkeypatch.setattr(fp, "lz4_compress", lambda data: b"\x10x")
     blobs = BlobWriter()
     table = kb.BinaryTable(blobs, 90)

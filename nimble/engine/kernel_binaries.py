@@ -65,6 +65,9 @@ def _same_kernel(library: driver.Library, kernel: LiveKernel) -> bool:
 #: Whether the driver loads a form of an image (its bytes as they would be stored) and it yields
 #: the kernel the saving process runs.
 Verify = Callable[[bytes], bool]
+#: The largest image packed: the compressor holds some 50 bytes of index per byte of image
+#: (400 MB for an 8 MiB cubin); a larger image is stored as it is.
+PACK_LIMIT = 64 * 2**20
 
 
 def _verifier(kernel: LiveKernel) -> Verify:
@@ -147,6 +150,10 @@ class BinaryTable:
         header, so the container is tried with the architecture-specific flag as the header
         says, then the other way."""
         if verify is None or data[:4] != b"\x7fELF":
+            return None
+        if len(data) > PACK_LIMIT:
+            log.info("the %d-byte image from %s is stored unpacked: packing takes more than %d "
+                     "MiB", len(data), origin, PACK_LIMIT >> 20)
             return None
         began = time.perf_counter()
         try:
