@@ -65,8 +65,8 @@ def _same_kernel(library: driver.Library, kernel: LiveKernel) -> bool:
 #: Whether the driver loads a form of an image (its bytes as they would be stored) and it yields
 #: the kernel the saving process runs.
 Verify = Callable[[bytes], bool]
-#: The largest image packed: the compressor holds some 50 bytes of index per byte of image
-#: (400 MB for an 8 MiB cubin); a larger image is stored as it is.
+#: The largest image packed: the compressor indexes every byte of an image (tens of bytes of
+#: index each), so a larger image is stored as it is.
 PACK_LIMIT = 64 * 2**20
 
 

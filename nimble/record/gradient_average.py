@@ -33,9 +33,9 @@ from typing import Any, Sequence
 BUCKET_BYTES = 25 * 2**20
 FIRST_BUCKET_BYTES = 1 * 2**20
 #: The most bytes the last part of the bucket reduced last holds, for Nimble's own averaging:
-#: that all-reduce waits for the backward's end with nothing beside it, and on two GPUs a last
-#: part of 4 MiB hid the whole all-reduce where DDP's buckets left 40-60% of it exposed
-#: (docs/results.md, "Two GPUs, four ways to end the backward").
+#: that all-reduce waits for the backward's end with nothing beside it, so the less it holds,
+#: the less of the averaging is left exposed (measured: docs/results.md, "Two GPUs, four ways
+#: to end the backward").
 LAST_BUCKET_BYTES = 4 * 2**20
 
 
