@@ -242,6 +242,22 @@ def test_the_library_scan_reads_a_packed_cubin_as_one_compressed_elf_entry():
     assert flags == 0x102011  # what fatbinary writes for sm=90a
 
 
+def test_an_uncompressed_entry_as_cuda_writes_it_holds_its_cubin_and_its_names_are_found():
+    """``fixtures/gather_input_sm90_plain.fatbin``: the same cubin through ``fatbinary -64
+    --create=... --image3=kind=elf,sm=90,file=gather_input.cubin`` (no compression), whose entry
+    leaves its payload-size field 0 (it counts compressed bytes): the library scan takes the
+    padded payload for its bytes, so a kernel's name in a plain entry is found there."""
+    plain = (FIXTURES / "gather_input_sm90_plain.fatbin").read_bytes()
+    cubin = _nvidia_cubin()
+    assert struct.unpack_from("<I", plain, 16 + 16)[0] == 0  # as CUDA 13.0's fatbinary writes
+    container, = binaries.fatbin_containers(plain)
+    entry, = container.entries
+    assert (entry.kind, entry.arch, entry.compressed) == (binaries.ENTRY_KIND_ELF, 90, False)
+    assert plain[entry.payload].rstrip(b"\0") == cubin.rstrip(b"\0")
+    hits = binaries.plain_name_hits(plain, [container], ["nimble_gather_input"])
+    assert hits == {"nimble_gather_input": container}
+
+
 def test_a_cubins_target_is_read_from_either_elf_layout():
     cubin = bytearray(_nvidia_cubin())
     assert fp.cubin_target(bytes(cubin)) == fp.CubinTarget(90, False)  # ABI 8: SM in bits 8-15

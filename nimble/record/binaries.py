@@ -133,11 +133,15 @@ def _entries(section: bytes, at: int, end: int) -> Iterable[FatbinEntry]:
         if header_size == 0:
             return
         flags, = struct.unpack_from("<Q", section, at + _FLAGS_AT)
+        compressed = bool(flags & _COMPRESSED_FLAGS)
+        if not compressed and payload == 0:
+            # the payload-size field counts compressed bytes: CUDA 13's fatbinary leaves it 0 in
+            # an uncompressed entry, whose bytes are then the padded payload
+            payload = padded
         start = at + header_size
         if start + payload > end:
             raise BinaryFormatError(f"a fatbin entry at byte {at} runs past its container")
-        yield FatbinEntry(kind, arch, bool(flags & _COMPRESSED_FLAGS),
-                          slice(start, start + payload))
+        yield FatbinEntry(kind, arch, compressed, slice(start, start + payload))
         at = start + padded
 
 
