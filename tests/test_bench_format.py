@@ -556,6 +556,10 @@ def test_the_training_lines_set_the_backend_against_nimble_on_inductors_kernels(
     line = _report({"model": "resnet50", "batch": 32, "modes": modes,
                     "nimble_inductor_error": "CaptureError: no"})
     assert "against" not in line and line.endswith(f"{INDUCTOR_ROW} not timed (CaptureError: no)")
+    host = {"graphed": 812.4, BACKEND_ROW: 1430.2, INDUCTOR_ROW: 951.0}
+    line = _report({"model": "resnet50", "batch": 32, "modes": modes, "host_us_per_step": host})
+    assert line.endswith(f"; host µs/step sampled in turn: graphed 812, {BACKEND_ROW} 1430, "
+                         f"{INDUCTOR_ROW} 951")
 
 
 def test_the_compile_backend_row_and_the_host_times_of_torch_compiles_two_ways():

@@ -22,7 +22,9 @@ The classifiers of the paper's training table run at CIFAR-10 shapes (3×32×32,
 others at their ImageNet shapes.  The table prints ×eager beside the paper's figure (batch 32,
 V100) where the paper has one, Nimble's arena beside the memory pool ``make_graphed_callables``
 took for the same model (the allocator's segments of the pool it created), and how long
-``prepare(training=True)`` took.
+``prepare(training=True)`` took.  Each model's line (and the JSON's ``host_us_per_step``) adds
+the host µs to queue one step of each graph mode, sampled in turn with the GPU idle before
+each: a step whose host time reaches its GPU time is host-bound.
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ from typing import Callable
 
 from . import models
 from .common import check_models
-from .harness import (BACKEND_ROW, Case, Column, add_speedup, format_table, mode_rows,
-                      run_cases, time_rounds)
+from .harness import (BACKEND_ROW, Case, Column, add_speedup, format_table, host_us_beside,
+                      mode_rows, run_cases, time_rounds)
 from .output import outputs
 from ..driver.gpu import use_cudnn_benchmark
 from ..progress import say
@@ -43,6 +45,11 @@ PAPER_X_EAGER = {"mobilenet_v2": 3.61, "efficientnet_b0": 3.32, "resnet50": 1.90
 CIFAR_MODELS = ("resnet50", "mobilenet_v2", "efficientnet_b0")
 #: The row of Nimble's training step on Inductor's kernels, prepared by hand.
 INDUCTOR_ROW = "nimble+inductor"
+#: The graph modes whose host time per step is sampled in turn, each with the GPU idle before
+#: it: what a step costs the host to queue, against its GPU time, says whether a row is
+#: host-bound (the backend's step over Nimble's on the same kernels).
+HOST_SAMPLED = ("graphed", BACKEND_ROW, INDUCTOR_ROW, "nimble single", "nimble multi")
+HOST_STEPS = 30
 DEFAULT_MODELS = ["resnet50", "mobilenet_v2", "efficientnet_b0", "googlenet", "inception_v3"]
 
 
@@ -134,6 +141,9 @@ def bench_training(name: str, batch: int, args) -> dict:
     add_speedup(rows, "x_eager", "eager")
     add_speedup(rows, "x_graphed", "graphed")
     info["modes"] = rows
+    sampled = [m for m in HOST_SAMPLED if m in steps]
+    info["host_us_per_step"] = dict(zip(sampled, host_us_beside([steps[m] for m in sampled],
+                                                                calls=HOST_STEPS)))
     info["paper_x_eager"] = PAPER_X_EAGER.get(name) if name in CIFAR_MODELS and batch == 32 \
         else None
     return info
@@ -197,6 +207,10 @@ def _report(info: dict) -> str:
         line += f"; {BACKEND_ROW} against {INDUCTOR_ROW}: {ratio:.3f}"
     if info.get("nimble_inductor_error"):
         line += f"; {INDUCTOR_ROW} not timed ({info['nimble_inductor_error']})"
+    host = info.get("host_us_per_step")
+    if host:
+        line += "; host µs/step sampled in turn: " + ", ".join(
+            f"{mode} {us:.0f}" for mode, us in host.items())
     return line
 
 
