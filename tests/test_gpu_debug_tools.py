@@ -193,7 +193,7 @@ def test_a_group_of_stops_reads_what_each_stop_alone_reads():
     nm = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(relaunches=4))
     state, g = nm.engine, nm.graph
     with torch.no_grad():
-        aligned = align(g, eager_ops(model, (x,), keep_inputs=True))
+        aligned = align(g, eager_ops(model, (x,)))
     stepper = StepThrough(state, 0)
 
     def written(ops):

@@ -10,8 +10,7 @@ import torch
 from nimble.debug.divergence import GroupedStops, first_divergence, first_nonfinite
 from nimble.debug.eager_twins import align
 from nimble.debug.step_through import Snapshot
-from nimble.debug.stop_groups import (StopPlanInput, clobbers, closures,
-                                      plan_input, stop_groups)
+from nimble.debug.stop_groups import StopPlanInput, closures, plan_input, stop_groups
 from nimble.ir.taskgraph import Access, Op, Task, TaskGraph
 
 

@@ -70,12 +70,9 @@ def _writers(plan: StopPlanInput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             np.asarray(owners, dtype=np.int64))
 
 
-def clobbers(plan: StopPlanInput, ranges: dict[int, list[tuple[int, int]]] | None = None
-             ) -> dict[int, int]:
-    """Per op, the bit mask of the tasks that write a byte of its outputs (or of its ``ranges``)
-    and are neither its own nor one it waits for: a run holding any of them may leave other
-    values there."""
-    ranges = plan.op_outputs if ranges is None else ranges
+def clobbers(plan: StopPlanInput) -> dict[int, int]:
+    """Per op, the bit mask of the tasks that write a byte of its outputs and are neither its
+    own nor one it waits for: a run holding any of them may leave other values there."""
     starts, ends, owners = _writers(plan)
     out: dict[int, int] = {}
     for op, tasks in plan.op_tasks.items():
@@ -83,7 +80,7 @@ def clobbers(plan: StopPlanInput, ranges: dict[int, list[tuple[int, int]]] | Non
         for t in tasks:
             own |= plan.closure[t]
         hit = np.zeros(len(owners), dtype=bool)
-        for a, b in ranges.get(op, []):
+        for a, b in plan.op_outputs.get(op, []):
             if b > a:
                 hit |= (starts < np.uint64(b)) & (ends > np.uint64(a))
         mask = 0
