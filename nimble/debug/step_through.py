@@ -249,7 +249,9 @@ def run_tasks(prepared, phase: int, keep: set[int], inputs: Sequence | None = No
                 touched = {a.buffer for t in keep for a in graph.tasks[t].accesses}
                 if read is not None:
                     touched &= set(read)
-                buffers = {b: _read(prepared, b, on_device) for b in sorted(touched)}
+                # the prepared graph's GPU, where its outputs and inputs are
+                device = [*saved, *(s.tensor for s in slots)][0].device if on_device else None
+                buffers = {b: _read(prepared, b, device) for b in sorted(touched)}
                 outs = [o for launcher in launchers for o in launcher.outputs]
                 for live, old in zip(outs, saved):
                     live.copy_(old)
@@ -262,14 +264,16 @@ def run_tasks(prepared, phase: int, keep: set[int], inputs: Sequence | None = No
     return Snapshot(graph, keep, buffers)
 
 
-def _read(prepared, bid: int, on_device: bool = False):
+def _read(prepared, bid: int, device=None):
+    """Buffer ``bid``'s bytes as a uint8 tensor: on the host, or copied on ``device`` (the
+    prepared graph's GPU)."""
     import torch
 
     from .. import driver
 
     size = prepared.graph.buffers[bid].size
-    if on_device:
-        copy = torch.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
+    if device is not None:
+        copy = torch.empty(size, dtype=torch.uint8, device=device)
         if size:
             driver.copy_device(copy.data_ptr(), prepared.bases[bid], size)
         return copy
