@@ -2,6 +2,7 @@
 bug report, and the model's state left alone on the lost context."""
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -167,3 +168,16 @@ def test_the_models_state_is_put_back_after_a_prepare_that_ends_well(monkeypatch
     with preparation.model_state_kept(object(), training=True):
         pass
     assert restored == [True]
+
+
+@pytest.mark.parametrize("model, word", [("PrefillStep (compiled)", "PrefillStep_compiled"),
+                                         ("a/b\\c", "a_b_c"), ("(  )", "model")])
+def test_a_saved_recordings_name_is_one_plain_word(monkeypatch, tmp_path, model, word):
+    """A compiled step's model name has a space and parentheses: its recording's file name
+    must still be one word a shell and a file copy take as it is."""
+    graph = _graph()
+    graph.meta["model"] = model
+    monkeypatch.setenv(preparation.FAULT_DIR_VARIABLE, str(tmp_path))
+    path = preparation.saved_recording(graph, "mismatch")
+    assert os.path.basename(path) == f"nimble-mismatch-{word}-{os.getpid()}.json.gz"
+    assert len(TaskGraph.load(path).tasks) == len(graph.tasks)

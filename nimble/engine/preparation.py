@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -303,7 +304,10 @@ def saved_recording(graph, what: str) -> str | None:
 
 
 def _model_name(graph) -> str:
-    return str(graph.meta.get("model", "model")).replace(os.sep, "_")
+    # a name a shell, a bug tracker and a file copy take as one word: "PrefillStep (compiled)"
+    # becomes "PrefillStep_compiled"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(graph.meta.get("model", "model"))).strip("_") \
+        or "model"
 
 
 def one_order(schedule: Schedule) -> bool:
