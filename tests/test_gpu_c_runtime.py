@@ -2,7 +2,6 @@
 the system compiler, tests/c_host/run_saved.c loading a file and running it."""
 from __future__ import annotations
 
-import json
 import struct
 import subprocess
 import sys
@@ -222,20 +221,3 @@ def _saved_spread(saved: Path) -> dict[int, float]:
 
     (bucket,) = SavedFile.read(saved).manifest["buckets"]
     return {int(i): float(d) for i, d in bucket["reference"]["spread"].items()}
-
-
-def test_a_graph_with_programmatic_edges_runs_from_c_bit_for_bit_with_python(run_saved,
-                                                                              tmp_path):
-    """A prepare that served programmatic edges (Inductor's kernels launched with PDL) saves a
-    plan of version 2; the C runtime builds those edges and gives Python's bits."""
-    from nimble.ir.saved_format import SavedFile
-    from test_gpu_programmatic import saved_programmatic_mlp
-
-    seen = saved_programmatic_mlp(tmp_path)
-    assert seen["edges"], seen
-    saved = tmp_path / "p.nimble"
-    assert int.from_bytes(SavedFile.read(saved).extra["c_plan"][8:16], "little") == 2
-    done = subprocess.run([str(run_saved), str(saved), str(tmp_path / "in.raw"),
-                           str(tmp_path / "c.raw")], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "c.raw").read_bytes() == (tmp_path / "out.raw").read_bytes()

@@ -1,7 +1,6 @@
-"""Programmatic edges on the GPU (``PrepareOptions(programmatic_launch=True)``, issue 53):
-Inductor's Triton kernels compiled to wait for their data in their own code, captured behind
-programmatic edges, rebuilt with those the analysis allows, proven, and equal bit for bit to
-the same model prepared without them."""
+"""``PrepareOptions(programmatic_launch=...)`` on the GPU (issue 53): withdrawn, since graphs
+built with the programmatic edges the analysis allowed gave wrong outputs on a busy GPU; asked
+for, it warns and builds full dependencies, with the bits of a prepare that did not ask."""
 from __future__ import annotations
 
 import pytest
@@ -19,36 +18,28 @@ def _mlp():
     return model.cuda().half().eval(), torch.randn(8, 512, device="cuda", dtype=torch.float16)
 
 
-def test_a_compiled_models_kernels_get_programmatic_edges_and_the_same_bits():
+def test_programmatic_launch_is_withdrawn_with_a_warning_and_the_same_bits():
+    """Asked for, programmatic launch warns that it is withdrawn and builds every edge as a
+    full dependency: no programmatic edge, and the bits of the same model prepared without
+    asking (graphs built with them raced on a busy GPU: docs/findings.md)."""
     import torch
 
     import nimble
 
     model, x = _mlp()
     plain = nimble.Nimble(torch.compile(model, dynamic=False)).prepare(x)
-    torch._dynamo.reset()  # compiled again, now with programmatic launches
-    # served unmeasured, so that the edges are built whatever they gain on this machine
-    fast = nimble.Nimble(torch.compile(model, dynamic=False)).prepare(
-        x, options=nimble.PrepareOptions(programmatic_launch="always"))
-    recorded = fast.graph.meta.get("programmatic_edges", [])
-    assert recorded, "the capture holds no programmatic edge: did Inductor launch with PDL?"
-    assert "programmatic_edges" not in plain.graph.meta and not plain.programmatic_edges
-    assert fast.programmatic_edges, (len(recorded), fast.launch_mode)
-    assert set(fast.programmatic_edges) <= {tuple(e) for e in recorded}
-    for _ in range(3):
-        fresh = torch.randn_like(x)
-        assert torch.equal(fast(fresh), plain(fresh))
-    # measured: kept or not, as the timing says, and the same bits either way
-    torch._dynamo.reset()
-    measured = nimble.Nimble(torch.compile(model, dynamic=False)).prepare(
-        x, options=nimble.PrepareOptions(programmatic_launch=True))
-    [row] = measured.graph.meta["programmatic"]
-    assert row["measured"] and bool(measured.programmatic_edges) == row["kept"], row
-    fresh = torch.randn_like(x)
-    assert torch.equal(measured(fresh), plain(fresh))
+    for asked in (True, "always"):
+        torch._dynamo.reset()
+        with pytest.warns(RuntimeWarning, match="programmatic launch is withdrawn"):
+            nm = nimble.Nimble(torch.compile(model, dynamic=False)).prepare(
+                x, options=nimble.PrepareOptions(programmatic_launch=asked))
+        assert not nm.programmatic_edges and "programmatic" not in nm.graph.meta
+        for _ in range(2):
+            fresh = torch.randn_like(x)
+            assert torch.equal(nm(fresh), plain(fresh))
 
 
-def test_a_generator_on_programmatic_inductor_kernels_decodes_the_same_tokens():
+def test_a_generator_asked_for_programmatic_launch_decodes_the_same_tokens():
     pytest.importorskip("transformers")
     import torch
 
@@ -61,36 +52,10 @@ def test_a_generator_on_programmatic_inductor_kernels_decodes_the_same_tokens():
     tokens = {}
     for asked in (False, True):
         torch._dynamo.reset()
-        step = prepare_with_nimble(PrepareOptions(programmatic_launch="always" if asked
-                                                  else False), True)
+        step = prepare_with_nimble(PrepareOptions(programmatic_launch=asked), True)
         generator = Generator(model, max_cache_len=64, prompt_buckets=[16], prepare_step=step)
         decode, _ = generator.steps(1)
-        if asked:
-            assert decode.programmatic_edges, decode.graph.meta.get("programmatic_edges")
+        assert not decode.programmatic_edges
         tokens[asked] = generator.generate(prompt, 32)
         generator.close()
     assert torch.equal(tokens[True], tokens[False])
-
-
-def saved_programmatic_mlp(folder) -> dict:
-    """:func:`_mlp` prepared with programmatic edges and saved into ``folder`` by
-    tests/workers/programmatic_save_worker.py (a process that keeps its kernel binaries from
-    its start), with its inputs and outputs; the worker's JSON line."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    worker = Path(__file__).parent / "workers" / "programmatic_save_worker.py"
-    done = subprocess.run([sys.executable, str(worker), str(folder)], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_a_saved_graph_keeps_its_programmatic_edges_when_loaded(tmp_path):
-    """The edges a prepare served are in the saved file, and the loaded graph is built with
-    them: the same edges, the same bits."""
-    seen = saved_programmatic_mlp(tmp_path)
-    assert seen["edges"] and seen["loaded_edges"] == seen["edges"], seen
-    assert seen["same"], seen

@@ -302,3 +302,23 @@ def test_on_a_recorded_decoder_every_pair_stays_programmatic_once_planned_apart(
     apart = plan_apart(g, schedule.edges(), plan, g.meta["pool_bytes"])
     assert programmatic_edges(g, schedule.edges(), apart.offsets) == set(candidates)
     assert plan.arena_bytes < apart.arena_bytes <= g.meta["pool_bytes"]
+
+
+@pytest.mark.parametrize("asked", [True, "always"])
+def test_asked_for_programmatic_launch_a_prepare_warns_and_builds_full_dependencies(asked):
+    """Withdrawn (graphs built with programmatic edges raced on a busy GPU): the prepare's
+    options lose the switch, with a warning that says why, and the rest is kept."""
+    import warnings
+
+    from nimble.analysis.programmatic import WITHDRAWN
+    from nimble.engine import preparation
+
+    options = PrepareOptions(programmatic_launch=asked, relaunches=7)
+    with pytest.warns(RuntimeWarning, match="programmatic launch is withdrawn") as seen:
+        served = preparation._without_programmatic(options)
+    assert str(seen[0].message) == WITHDRAWN and "docs/findings.md" in WITHDRAWN
+    assert served.programmatic_launch is False and served.relaunches == 7
+    plain = PrepareOptions()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert preparation._without_programmatic(plain) is plain

@@ -177,9 +177,12 @@ def test_a_programmatic_edge_the_capture_did_not_make_is_refused_before_the_gpu(
         nimble.load(_with_programmatic(tmp_path, served))
 
 
-def test_the_loaded_graph_is_built_with_the_files_programmatic_edges(monkeypatch):
+def test_a_files_programmatic_edges_are_built_as_full_dependencies(monkeypatch, caplog):
+    """Programmatic launch is withdrawn (graphs built so raced on a busy GPU): a file that
+    lists programmatic edges still loads, every edge a full dependency, and the log says why."""
     from types import SimpleNamespace
 
+    from nimble.analysis.programmatic import WITHDRAWN
     from nimble.engine import loading
 
     seen = {}
@@ -188,11 +191,14 @@ def test_the_loaded_graph_is_built_with_the_files_programmatic_edges(monkeypatch
     monkeypatch.setattr(loading, "device_launch_allowed", lambda asked: asked)
     bucket = SimpleNamespace(row={"programmatic": [[0, 1], [4, 7]]}, rec=None, schedule=None,
                              memplan=None, placement=None)
-    loading._build(None, bucket, None)
-    assert seen["programmatic"].served == {(0, 1), (4, 7)}
+    with caplog.at_level("WARNING", logger="nimble"):
+        loading._build(None, bucket, None)
+    assert seen["programmatic"].served == frozenset() and not seen["programmatic"].trials
+    assert "serves 2 edge(s) programmatic" in caplog.text and WITHDRAWN in caplog.text
+    caplog.clear()
     bucket.row = {}  # a file saved before programmatic edges were written down
     loading._build(None, bucket, None)
-    assert seen["programmatic"].served == frozenset()
+    assert seen["programmatic"].served == frozenset() and not caplog.text
 
 
 def test_reading_a_file_times_its_mapping_and_its_checks_apart(tmp_path):

@@ -26,6 +26,18 @@ from ..ir.taskgraph import TaskGraph, TaskKind
 from .memplan import MemPlan, plan_memory
 from .plan_check import check_plan
 
+#: Why ``PrepareOptions(programmatic_launch=...)`` builds no programmatic edge any more, and a
+#: saved file's are built as full dependencies.  The rules below keep an edge whose two kernels
+#: the capture itself launched so, trusting the dependent's wait; the likely gap: Inductor
+#: emits that wait only before the buffers its scheduler's previous node wrote, so a kernel
+#: may end before its programmatic predecessor does, while the schedule's reduced edges order
+#: later kernels through it.  Kept for a sound rule: nothing in the engine calls it now.
+WITHDRAWN = (
+    "programmatic launch is withdrawn: graphs built with programmatic edges gave wrong outputs "
+    "(their proof failed in 19 of 24 prepares) while another process kept the GPU busy, so a "
+    "proof on an idle GPU cannot vouch for them (docs/findings.md, \"Programmatic edges raced "
+    "on a busy GPU\"); every edge is built as a full dependency")
+
 #: ``graph.meta``'s key for the capture's programmatic edges, ``[u, v]`` task ids.
 META_KEY = "programmatic_edges"
 

@@ -174,28 +174,14 @@ static nimble_status instantiate(nimble_model *m, bucket_t *b, uint64_t j, CUgra
     return NIMBLE_OK;
 }
 
-/* The bucket's edges, those the plan marks programmatic from the kernel's programmatic port
- * (the dependent may start as its predecessor's blocks trigger it or end, and reads its
- * writes after its own griddepcontrol.wait, as Python's loader builds them); a driver API
- * before CUDA 12.3, which has no edge data, gets every edge in full. */
+/* The bucket's edges, every one a full dependency: the plan's programmatic marks are read and
+ * not served (Python's loader does the same), since graphs built with them gave wrong outputs
+ * on a busy GPU (docs/findings.md, "Programmatic edges raced on a busy GPU"). */
 static nimble_status add_edges(bucket_t *b, CUgraph g, CUgraphNode *from, CUgraphNode *to) {
-#if CUDA_VERSION >= 12030
-    CUgraphEdgeData *data = NULL;
-    if (b->programmatic) {
-        data = calloc(b->nedges, sizeof *data);
-        if (!data) return fail(NIMBLE_ERROR_IO, "out of memory");
-        for (uint64_t e = 0; e < b->nedges; e++)
-            if (b->programmatic[e]) {
-                data[e].from_port = CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC;
-                data[e].type = CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC;
-            }
-    }
 #if CUDA_VERSION >= 13000
-    CUresult r = cuGraphAddDependencies(g, from, to, data, b->nedges);
-#else
-    CUresult r = cuGraphAddDependencies_v2(g, from, to, data, b->nedges);
-#endif
-    free(data);
+    CUresult r = cuGraphAddDependencies(g, from, to, NULL, b->nedges);
+#elif CUDA_VERSION >= 12030
+    CUresult r = cuGraphAddDependencies_v2(g, from, to, NULL, b->nedges);
 #else
     CUresult r = cuGraphAddDependencies(g, from, to, b->nedges);
 #endif

@@ -39,13 +39,14 @@ from typing import Any
 
 from .. import driver
 from ..analysis.backfill import Backfill, Picked
+from ..analysis.programmatic import WITHDRAWN
 from ..analysis.memplan import MemPlan
 from ..analysis.schedule import Schedule
 from ..errors import InputError, LoadError, NoGpuError
 from ..ir.saved_format import PendingChecksum, SavedFile
 from ..ir.saved_manifest import graph_rows
 from ..ir.taskgraph import TaskGraph, TaskKind
-from ..progress import say
+from ..progress import logger as log, say
 from .arena_layout import shared_layout
 from .kernel_binaries import LoadedKernels, load_kernels
 from .loaded_memory import host_bytes, low_bits_rows, on_device, place_memory, place_weights
@@ -206,9 +207,18 @@ def _build(model, bucket: _Bucket, region: ArenaRegion) -> Prepared:
         priorities=row.get("priorities"), region=region,
         late_edges=[e for p in _backfill(row) if p.kept for e in p.kept.edges()],
         placement=bucket.placement,
-        programmatic=ProgrammaticPlan(frozenset(tuple(e) for e in row.get("programmatic", []))))
+        programmatic=_full_dependencies(row))
     built.backfill = _backfill(row)
     return built
+
+
+def _full_dependencies(row: dict) -> ProgrammaticPlan:
+    """No programmatic edge, whatever the file lists: each is built as a full dependency
+    (:data:`~nimble.analysis.programmatic.WITHDRAWN`)."""
+    if row.get("programmatic"):
+        log.warning("the file serves %d edge(s) programmatic; %s", len(row["programmatic"]),
+                    WITHDRAWN)
+    return ProgrammaticPlan()
 
 
 def prove_loaded(prepared: Prepared, reference: tuple, launches: int = LOAD_PROOF_LAUNCHES,

@@ -75,18 +75,11 @@ class PrepareOptions:
         and kept.  Off until measured on the GPU; not written by ``save`` (a loaded graph
         runs without them).
     programmatic_launch : bool
-        Builds the edges into kernels that were captured behind programmatic edges (Triton
-        kernels compiled with ``torch._inductor.config.triton.enable_pdl``, which this option
-        turns on while the model is recorded, so that a ``torch.compile``'d module compiles
-        so at its first call) as programmatic ones where that
-        is as safe as in the capture (:mod:`nimble.analysis.programmatic`): such a kernel may
-        start while its predecessor ends, and waits for its data in its own code.  Each phase
-        keeps them only where it measures faster at prepare (a graph of collectives, which is
-        not timed, is served with them); the proof checks the result as any graph.
-        ``"always"`` serves them unmeasured (side-by-side timing, tests).
-        ``nm.programmatic_edges`` lists the edges built so, ``nm.graph.meta["programmatic"]``
-        what was measured.  Off until measured on the GPU; not written by ``save`` (a loaded
-        graph waits on full dependencies).
+        Withdrawn: asked for (``True`` or ``"always"``), a prepare warns and builds every edge
+        as a full dependency.  It built the edges into Inductor's kernels that the capture
+        launched programmatically as programmatic ones, and graphs built so gave wrong
+        outputs while another process kept the GPU busy, after a proof on an idle GPU
+        (:data:`nimble.analysis.programmatic.WITHDRAWN`, docs/findings.md).
     """
 
     arena_limit: int | str | None = "pool"

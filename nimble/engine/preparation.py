@@ -13,6 +13,7 @@ generator.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterator
 from .. import driver
 from ..analysis.deps import communicates
 from ..analysis.memplan import MemPlan
+from ..analysis.programmatic import WITHDRAWN, plan_apart
 from ..analysis.schedule import Schedule, phase_spans
 from ..errors import GraphFaultError, InputError, VerificationError
 from ..progress import logger as log, say
@@ -35,7 +37,6 @@ from .launcher import CallOrder
 from .options import PrepareOptions
 from .prefetch import planned_prefetch
 from .programmatic_pick import planned_programmatic
-from ..analysis.programmatic import plan_apart
 from .profiler_guard import device_launch_allowed
 from .prepared import (ArenaRegion, Prepared, arena_limit_bytes, backfill_trials, build_prepared,
                        kernel_priorities, plan_graph, task_times)
@@ -362,6 +363,7 @@ def prepare_serving(model, examples: list, *, instances: int, pad: bool, trainin
     A failure frees everything built so far and raises.
     """
     began = time.perf_counter()
+    options = _without_programmatic(options)
     if options.recording is not None and len(examples) > 1:
         raise InputError("PrepareOptions(recording=...) holds one recording, of one shape: "
                          "prepare one bucket with it, or leave it out to record every bucket")
@@ -413,6 +415,18 @@ def prepare_serving(model, examples: list, *, instances: int, pad: bool, trainin
 
 #: Poisoned launches of the proof of a further instance (a relocated copy of a proven graph).
 INSTANCE_PROOF_LAUNCHES = 4
+
+
+def _without_programmatic(options: PrepareOptions) -> PrepareOptions:
+    """``options`` with ``programmatic_launch`` off, warning where it was asked for: built with
+    the programmatic edges the analysis allowed, graphs of Inductor's kernels gave wrong outputs
+    while another process kept the GPU busy, and proved at prepare while it was idle
+    (:data:`~nimble.analysis.programmatic.WITHDRAWN`)."""
+    if not options.programmatic_launch:
+        return options
+    # stacklevel: the warning names the line that called Nimble.prepare.
+    warnings.warn(WITHDRAWN, RuntimeWarning, stacklevel=4)
+    return dataclasses.replace(options, programmatic_launch=False)
 
 
 def _prove_instance(copy: Prepared, planned: _Planned, options: PrepareOptions, instance: int,
