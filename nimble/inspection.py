@@ -244,8 +244,9 @@ class GraphViews:
     @property
     def programmatic_edges(self) -> list[tuple[int, int]]:
         """The dependency edges built programmatic, ``(u, v)``: ``v`` may start while ``u``
-        ends (``PrepareOptions(programmatic_launch=True)``,
-        :mod:`nimble.analysis.programmatic`); empty without them."""
+        ends.  Empty: programmatic launch is withdrawn
+        (:data:`nimble.analysis.programmatic.WITHDRAWN`), and a prepare or a load builds every
+        edge as a full dependency."""
         return sorted(self.engine.programmatic)
 
     @property
