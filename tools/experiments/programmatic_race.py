@@ -3,7 +3,7 @@ a second process keeping the GPU busy (docs/findings.md, "Programmatic edges rac
 GPU").
 
     python3 tools/experiments/programmatic_race.py [--variant programmatic|plain]
-        [--tries 12] [--seconds 270] [--no-load] [--rule library-sources]
+        [--tries 12] [--seconds 270] [--no-load] [--rule allowed|library-sources|none]
 
 Each try builds the Generator of ``llama3_1b`` (bf16, random weights, sibling projections fused,
 the math attention kernels, prompt buckets 128 and 512) on ``torch.compile``'s kernels, in one
@@ -11,7 +11,9 @@ process, and prints whether every prepare's proof passed or the first line of th
 ``VerificationError``.  ``--variant programmatic`` asks for ``programmatic_launch=True`` with the
 engine's withdrawal undone for this process only (the edges the analysis allows are built, as
 before the withdrawal); ``plain`` does not ask.  ``--rule library-sources`` also keeps no edge
-out of a library's kernel (a candidate rule that did not help).  Unless ``--no-load``, a child
+out of a library's kernel (a candidate rule that did not help); ``--rule none`` builds no edge
+at all while Inductor still compiles its kernels to launch programmatically (whether their code
+alone, in a graph of full dependencies, races).  Unless ``--no-load``, a child
 process runs bf16 matmuls of 256 to 4096 in bursts on the same GPU for ``--seconds``.  Set
 ``NIMBLE_FAULT_DIR`` to keep the recordings of the failed proofs.
 """
@@ -47,7 +49,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--tries", type=int, default=12)
     p.add_argument("--seconds", type=float, default=270.0, help="how long the load runs")
     p.add_argument("--no-load", action="store_true", help="no second process on the GPU")
-    p.add_argument("--rule", choices=("allowed", "library-sources"), default="allowed")
+    p.add_argument("--rule", choices=("allowed", "library-sources", "none"), default="allowed")
     return p.parse_args(argv)
 
 
@@ -58,7 +60,9 @@ def undo_withdrawal(rule: str) -> None:
     from nimble.ir.kernel_names import library_kernel
 
     preparation._without_programmatic = lambda options: options
-    if rule == "library-sources":
+    if rule == "none":
+        programmatic.candidate_edges = lambda graph, edges: []
+    elif rule == "library-sources":
         allowed = programmatic.candidate_edges
         programmatic.candidate_edges = lambda graph, edges: [
             (u, v) for u, v in allowed(graph, edges) if not library_kernel(graph.tasks[u].name)]
