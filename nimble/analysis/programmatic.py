@@ -28,10 +28,10 @@ from .plan_check import check_plan
 
 #: Why ``PrepareOptions(programmatic_launch=...)`` builds no programmatic edge any more, and a
 #: saved file's are built as full dependencies.  The rules below keep an edge whose two kernels
-#: the capture itself launched so, trusting the dependent's wait; the likely gap: Inductor
-#: emits that wait only before the buffers its scheduler's previous node wrote, so a kernel
-#: may end before its programmatic predecessor does, while the schedule's reduced edges order
-#: later kernels through it.  Kept for a sound rule: nothing in the engine calls it now.
+#: the capture itself launched so, trusting the dependent's own wait; graphs built with them
+#: raced (docs/findings.md), and which edge broke, and how, is not known.  Kept for a sound
+#: rule, and for the experiment that undoes the withdrawal
+#: (tools/experiments/programmatic_race.py); a prepare no longer reaches it.
 WITHDRAWN = (
     "programmatic launch is withdrawn: graphs built with programmatic edges gave wrong outputs "
     "(their proof failed in 19 of 24 prepares) while another process kept the GPU busy, so a "

@@ -39,8 +39,8 @@ from typing import Any
 
 from .. import driver
 from ..analysis.backfill import Backfill, Picked
-from ..analysis.programmatic import WITHDRAWN
 from ..analysis.memplan import MemPlan
+from ..analysis.programmatic import WITHDRAWN
 from ..analysis.schedule import Schedule
 from ..errors import InputError, LoadError, NoGpuError
 from ..ir.saved_format import PendingChecksum, SavedFile
