@@ -408,10 +408,11 @@ def fake_load(request, tmp_path_factory) -> Path:
     return out
 
 
-def _fake_saved(tmp_path, wrong_hashes=()) -> tuple[Path, dict]:
+def _fake_saved(tmp_path, wrong_hashes=(), programmatic=()) -> tuple[Path, dict]:
     """The branchy stand-in with 12 embedded binaries (FAKE_SIZES: one past the checksum's 8 MiB
     chunk) tagged for the fake driver, 40 kernels over them, the weights' bytes in the file; the
-    binaries of ``wrong_hashes`` saved with another binary's hash.  (path, where things are)."""
+    binaries of ``wrong_hashes`` saved with another binary's hash; ``programmatic`` edges
+    marked so in the plan.  (path, where things are)."""
     import hashlib
     import random
 
@@ -422,6 +423,7 @@ def _fake_saved(tmp_path, wrong_hashes=()) -> tuple[Path, dict]:
 
     rng = random.Random(0)
     prepared, state, manifest, *_ = _stand_in("branchy")
+    prepared.programmatic = frozenset(programmatic)
     blobs = bytearray()
 
     def add(data: bytes) -> list[int]:
@@ -468,7 +470,19 @@ def test_a_load_takes_each_kernels_function_from_its_own_binary(fake_load, tmp_p
     path, _ = _fake_saved(tmp_path)
     for _ in range(3):
         rc, lines = _fake_run(fake_load, path)
-        assert rc == 0 and lines[1] == "kernels 40 misplaced 0", lines
+        assert rc == 0 and lines[1].startswith("kernels 40 misplaced 0 edges "), lines
+        assert lines[1].endswith(" programmatic 0") and not lines[1].startswith(
+            "kernels 40 misplaced 0 edges 0 "), lines
+
+
+def test_a_plans_programmatic_edges_are_built_as_full_dependencies(fake_load, tmp_path):
+    """Programmatic launch is withdrawn: a plan of version 2 that marks edges programmatic (a
+    file saved before) loads, and the runtime adds every edge, none of them programmatic."""
+    path, _ = _fake_saved(tmp_path, programmatic=_kernel_edges("branchy"))
+    rc, lines = _fake_run(fake_load, path)
+    assert rc == 0 and lines[1].startswith("kernels 40 misplaced 0 edges "), lines
+    built = int(lines[1].split()[5])
+    assert built > 0 and lines[1].endswith(" programmatic 0"), lines
 
 
 @pytest.mark.parametrize("where", ["binary", "plan", "section table", "weight"])

@@ -8,8 +8,9 @@
  * FAKE_MISSING_KERNEL=<name> that kernel's cuLibraryGetKernel; FAKE_JITTER=1 sleeps at random
  * in the loads, so that the binaries' items end out of order.
  *
- * Prints "status N: message", then (loaded) "kernels N misplaced N" (a kernel whose function
- * is not from its own binary), then "left: ..." (every count 0 where all was freed).
+ * Prints "status N: message", then (loaded) "kernels N misplaced N edges N programmatic N" (a
+ * kernel whose function is not from its own binary; the dependency edges added, and those of
+ * them given the programmatic type), then "left: ..." (every count 0 where all was freed).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
@@ -26,6 +27,8 @@ static _Thread_local CUcontext current;
 static int ctx_token, node_token;
 #define CTX ((CUcontext)&ctx_token)
 static atomic_int libraries, graphs, execs, retained, wild, no_context;
+/* Dependency edges the runtime added, and those of them it gave the programmatic type. */
+static atomic_int edges, programmatic;
 
 typedef struct { uintptr_t at; size_t size; } alloc_t;
 static alloc_t allocs[4096];
@@ -215,22 +218,32 @@ CUresult CUDAAPI cuGraphKernelNodeSetAttribute(CUgraphNode n, CUkernelNodeAttrID
 }
 /* The runtime's call (nimble.c's add_edges): with edge data from CUDA 12.3, named _v2 before
  * CUDA 13 (where cuda.h maps the plain name to it). */
+#if CUDA_VERSION >= 12030
+static void count_edges(const CUgraphEdgeData *e, size_t n) {
+    atomic_fetch_add(&edges, (int)n);
+    for (size_t i = 0; e && i < n; i++)
+        if (e[i].type == CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC) atomic_fetch_add(&programmatic, 1);
+}
+#endif
 #if CUDA_VERSION >= 13000
 CUresult CUDAAPI cuGraphAddDependencies(CUgraph g, const CUgraphNode *f, const CUgraphNode *t,
                                         const CUgraphEdgeData *e, size_t n) {
-    (void)g; (void)f; (void)t; (void)e; (void)n;
+    (void)g; (void)f; (void)t;
+    count_edges(e, n);
     return CUDA_SUCCESS;
 }
 #elif CUDA_VERSION >= 12030
 CUresult CUDAAPI cuGraphAddDependencies_v2(CUgraph g, const CUgraphNode *f, const CUgraphNode *t,
                                            const CUgraphEdgeData *e, size_t n) {
-    (void)g; (void)f; (void)t; (void)e; (void)n;
+    (void)g; (void)f; (void)t;
+    count_edges(e, n);
     return CUDA_SUCCESS;
 }
 #else
 CUresult CUDAAPI cuGraphAddDependencies(CUgraph g, const CUgraphNode *f, const CUgraphNode *t,
                                         size_t n) {
-    (void)g; (void)f; (void)t; (void)n;
+    (void)g; (void)f; (void)t;
+    atomic_fetch_add(&edges, (int)n);
     return CUDA_SUCCESS;
 }
 #endif
@@ -299,7 +312,9 @@ int main(int argc, char **argv) {
     nimble_status s = nimble_load(argv[1], 0, NIMBLE_LOAD_NO_VERIFY, &m);
     printf("status %d: %s\n", (int)s, nimble_last_error());
     if (s == NIMBLE_OK)
-        printf("kernels %llu misplaced %d\n", (unsigned long long)m->nkernels, misplaced(m));
+        printf("kernels %llu misplaced %d edges %d programmatic %d\n",
+               (unsigned long long)m->nkernels, misplaced(m), atomic_load(&edges),
+               atomic_load(&programmatic));
     nimble_free(m);
     printf("left: allocations %d libraries %d graphs %d execs %d contexts %d wild %d "
            "no-context %d\n", nallocs, atomic_load(&libraries), atomic_load(&graphs),
