@@ -105,7 +105,7 @@ def _cubin_like(size: int, seed: int) -> bytes:
     register fields, and runs of zeros between functions."""
     rng = random.Random(seed)
     vocabulary = [rng.randbytes(16) for _ in range(300)]
-    out = bytearray(fp._ELF_MAGIC + bytes(60))
+    out = bytearray(binaries.ELF_MAGIC + bytes(60))
     while len(out) < size:
         if rng.random() < 0.02:
             out += bytes(rng.randrange(16, 512))

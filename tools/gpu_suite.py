@@ -424,10 +424,8 @@ def _cut_off(run: Run, log: Path, seconds: float) -> str:
     failed = [test for outcome, _, test in rows if outcome in ("failed", "error")]
     if failed:
         print("\n".join(f"FAILED {test}" for test in failed), flush=True)
-    names = _names(run)
-    where = f" on GPU {','.join(run.gpus)}" if run.gpus else ""
     done = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "no test ended"
-    return f"gpu tests{where} [{names}] ({seconds:.0f} s): cut off at the deadline; {done}"
+    return f"{_head(run, seconds)}cut off at the deadline; {done}"
 
 
 def _slowest(out: Path, count: int = SLOWEST) -> list[str]:
@@ -446,10 +444,13 @@ def _ended(run: Run, log: Path, seconds: float) -> str:
     failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
     if failed:
         print("\n".join(failed), flush=True)
-    names = _names(run)
+    return _head(run, seconds) + (lines[-1] if lines else "no output")
+
+
+def _head(run: Run, seconds: float) -> str:
+    """How a summary line of ``run``'s process begins: its GPUs, files and seconds."""
     where = f" on GPU {','.join(run.gpus)}" if run.gpus else ""
-    return (f"gpu tests{where} [{names}] ({seconds:.0f} s): "
-            + (lines[-1] if lines else "no output"))
+    return f"gpu tests{where} [{_names(run)}] ({seconds:.0f} s): "
 
 
 def _split_table(out: str) -> tuple[str, str | None]:

@@ -229,6 +229,10 @@ static nimble_status load_kernels(nimble_model *m) {
  * which is what the saving process's kernels saw. */
 #define RANGE_ALIGNMENT 512u
 
+static uint64_t range_room(uint64_t size) {
+    return (size + RANGE_ALIGNMENT - 1) / RANGE_ALIGNMENT * RANGE_ALIGNMENT;
+}
+
 /* One allocation for the whole table, each range at its aligned offset in it: a cuMemAlloc per
  * range (a thousand storages in the widest zoo models) waited on the driver's lock while the
  * kernels loaded beside it. */
@@ -240,7 +244,7 @@ static nimble_status upload(nimble_model *m, memory_t *t, uint64_t n, CUdevicept
             return fail(NIMBLE_ERROR_UNSUPPORTED, "the file holds no bytes for %s %llu (saved "
                         "with weights=False?): the C runtime needs them in the file", what,
                         (unsigned long long)i);
-        total += (t[i].size + RANGE_ALIGNMENT - 1) / RANGE_ALIGNMENT * RANGE_ALIGNMENT;
+        total += range_room(t[i].size);
     }
     if (!n) return NIMBLE_OK;
     CU(cuMemAlloc(block, total ? total : 1));
@@ -248,7 +252,7 @@ static nimble_status upload(nimble_model *m, memory_t *t, uint64_t n, CUdevicept
     for (uint64_t i = 0; i < n; i++) {
         t[i].ptr = *block + offset;
         if (t[i].size) CU(cuMemcpyHtoD(t[i].ptr, blob(m, t[i].blob), t[i].size));
-        offset += (t[i].size + RANGE_ALIGNMENT - 1) / RANGE_ALIGNMENT * RANGE_ALIGNMENT;
+        offset += range_room(t[i].size);
     }
     return NIMBLE_OK;
 }

@@ -74,7 +74,6 @@ def ddp_average(ddp) -> GradientAverage:
         first = int(config.first_bucket_bytes_cap)
     else:
         first = FIRST_BUCKET_BYTES if getattr(ddp, "bucket_bytes_cap_default", True) else cap
-    # its buckets as the DDP's reducer makes them, the last one not split
     return GradientAverage(group=ddp.process_group, bucket_bytes=cap, first_bucket_bytes=first,
                            held_accumulators=True, last_bucket_bytes=None)
 

@@ -149,7 +149,7 @@ class BinaryTable:
         driver refused it).  An ``sm_90a`` image may or may not be marked so in its ELF
         header, so the container is tried with the architecture-specific flag as the header
         says, then the other way."""
-        if verify is None or data[:4] != b"\x7fELF":
+        if verify is None or data[:4] != found.ELF_MAGIC:
             return None
         if len(data) > PACK_LIMIT:
             log.info("the %d-byte image from %s is stored unpacked: packing takes more than %d "

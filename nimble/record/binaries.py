@@ -38,8 +38,18 @@ FATBIN_HEADER = struct.Struct("<IHHQ")  # magic, version, header size, bytes of 
 # kind, version, entry header size, padded payload size, payload size, ?, minor, arch, ...
 FATBIN_ENTRY = struct.Struct("<HHIQII II")
 ENTRY_KIND_PTX, ENTRY_KIND_ELF = 1, 2
-_COMPRESSED_FLAGS = 0x2000 | 0x8000  # LZ4 (older toolkits) or zstd (CUDA 12.8 and later)
+#: An entry's flags for a payload compressed with LZ4 (older toolkits) or zstd (CUDA 12.8 on).
+FLAG_LZ4, FLAG_ZSTD = 0x2000, 0x8000
+_COMPRESSED_FLAGS = FLAG_LZ4 | FLAG_ZSTD
 _FLAGS_AT = 40  # the entry's 64-bit flags
+
+
+ELF_MAGIC = b"\x7fELF"
+
+
+def elf64_le(header: bytes) -> bool:
+    """Whether ``header`` (a file's first 64 bytes or more) starts a little-endian ELF64."""
+    return len(header) >= 64 and header[:4] == ELF_MAGIC and header[4] == 2 and header[5] == 1
 
 
 class BinaryFormatError(NimbleError, ValueError):
@@ -76,7 +86,7 @@ def elf_section(read: Callable[[int, int], bytes], name: str) -> tuple[int, int]
     headers are read here).  Raises :class:`BinaryFormatError` for a file that is not a
     little-endian ELF64."""
     ident = read(0, 64)
-    if len(ident) < 64 or ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
+    if not elf64_le(ident):
         raise BinaryFormatError("not a little-endian 64-bit ELF file")
     shoff, = struct.unpack_from("<Q", ident, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", ident, 0x3A)

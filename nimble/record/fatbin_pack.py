@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import NimbleError
-from .binaries import ENTRY_KIND_ELF, FATBIN_HEADER, FATBIN_MAGIC, BinaryFormatError
+from .binaries import (ELF_MAGIC, ENTRY_KIND_ELF, FATBIN_HEADER, FATBIN_MAGIC, FLAG_LZ4,
+                       FLAG_ZSTD, BinaryFormatError, elf64_le)
 
 #: One fatbin entry's 64-byte header as written here: kind, version (0x0101), header size,
 #: padded payload size, payload size, options offset, code version minor and major, arch,
@@ -38,11 +39,8 @@ ENTRY = struct.Struct("<HHIQIIHHIIIQQQ")
 ENTRY_VERSION = 0x0101
 FLAG_64BIT = 0x1
 FLAG_HOST_LINUX = 0x10
-FLAG_LZ4 = 0x2000
-FLAG_ZSTD = 0x8000
 #: What ``fatbinary`` adds for an architecture-specific target (``sm=90a``).
 FLAG_ARCH_SPECIFIC = 0x100000
-_ELF_MAGIC = b"\x7fELF"
 _EM_CUDA = 190
 
 # The LZ4 block format's rules: a match is at least 4 bytes, reaches at most 65535 bytes back,
@@ -336,7 +334,7 @@ def cubin_target(cubin: bytes) -> CubinTarget | None:
     low byte and ``0x800`` for an architecture-specific target before ELF ABI version 8, the SM
     in bits 8 to 15 and ``0x8`` from version 8 (CUDA 13's ``ptxas`` leaves that bit clear for
     ``sm_90a``, so False here proves nothing)."""
-    if len(cubin) < 64 or cubin[:4] != _ELF_MAGIC or cubin[4] != 2 or cubin[5] != 1:
+    if not elf64_le(cubin):
         return None
     machine, = struct.unpack_from("<H", cubin, 18)
     flags, = struct.unpack_from("<I", cubin, 48)
@@ -382,7 +380,7 @@ def pack(cubin: bytes) -> PackedImage:
     """``cubin`` (an ELF file) compressed; :class:`BinaryFormatError` for bytes that are not
     an ELF file, :class:`PackingError` where the compressed form does not decompress to it."""
     cubin = bytes(cubin)
-    if len(cubin) < 16 or cubin[:4] != _ELF_MAGIC:
+    if len(cubin) < 16 or cubin[:4] != ELF_MAGIC:
         raise BinaryFormatError("not an ELF file: only a cubin is packed")
     if len(cubin) > MAX_IMAGE:
         raise PackingError(f"a {len(cubin)}-byte image is past the {MAX_IMAGE} bytes packed")
