@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .errors import InputError
+from .fast_gemv import gemv_linear
 
 log = logging.getLogger("nimble")
 
@@ -51,6 +52,8 @@ class _Group:
         #: Set where a member's tensors were replaced (``model.to()``, ``.half()``): the
         #: group's concatenated ones are stale, and every member computes its own.
         self.stale = False
+        #: The GEMV configuration of a single-row call (:func:`nimble.fast_gemv.fast_gemv`).
+        self.gemv_config = None
 
     def __deepcopy__(self, memo) -> "_Group":
         # Parameter's deepcopy clones each member's weight on its own, so a copy's members
@@ -63,7 +66,7 @@ class _Group:
         """Member ``member``'s output for ``x``: a slice of the group's GEMM of ``x``, computed
         once for the members that ask with the same ``x``."""
         if self._input is not x or member not in self._pending:
-            self._output = F.linear(x, self.weight, self.bias)
+            self._output = gemv_linear(x, self.weight, self.bias, self.gemv_config)
             self._input, self._pending = x, set(range(len(self.spans)))
         lo, hi = self.spans[member]
         out = self._output[..., lo:hi]

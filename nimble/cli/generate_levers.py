@@ -36,6 +36,10 @@ def add_lever_arguments(p) -> None:
                         "on the model with its sibling projections (query/key/value, gate/up) "
                         "one GEMM each (nimble.fused_projections), as gpt-fast's model has "
                         "them")
+    p.add_argument("--fast-gemv", action="store_true",
+                   help="--generate: every row on the model whose single-row GEMMs run a Triton "
+                        "GEMV where fast_gemv measured it faster than torch's, per weight shape "
+                        "(nimble.fast_gemv; after --fuse-projections)")
     p.add_argument("--sdpa-backends", type=parse_sdpa_backends, default=None, metavar="B,B",
                    help="--generate: the attention kernels the Nimble steps are prepared with "
                         "(torch.nn.attention.sdpa_kernel: flash, efficient, cudnn, math; "
@@ -111,3 +115,14 @@ def fuse_if_asked(model, args, info: dict) -> None:
     from ..fused_projections import fuse_projections
 
     info["fused_projections"] = fuse_projections(model)
+
+
+def gemv_if_asked(model, args, info: dict) -> None:
+    """With ``--fast-gemv``, ``model``'s single-row GEMMs given the GEMV where it measured
+    faster (after any fusion, whose groups it reaches), before any row runs: what was measured
+    per weight shape in ``info["fast_gemv"]``."""
+    if not getattr(args, "fast_gemv", False):
+        return
+    from ..fast_gemv import fast_gemv
+
+    info["fast_gemv"] = [choice.describe() for choice in fast_gemv(model)]

@@ -1,0 +1,267 @@
+"""``fast_gemv(model)``: a decode step's single-row projections on a Triton GEMV where it is
+measured faster than torch's GEMM (issue 53).
+
+At batch 1 every projection of a decoder is a matrix-vector product: a pass over the weight,
+bound by memory bandwidth.  cuBLASLt's kernels for one row reach 33-57% of the copy bandwidth
+on the small and the tall-and-narrow weights of a 1B decoder (its attention's projections, its
+MLP's down projection), where a plain GEMV (a few rows of the weight per program, the row's dot
+product summed in fp32) reaches 49-76% (docs/results.md).  Which kernel is faster depends on
+the weight's shape and the GPU, so nothing here is assumed: ``fast_gemv`` times torch's GEMM
+and each GEMV configuration of :data:`CONFIGS` on the model's own weights of every distinct
+shape (rotated past the L2 cache, as a decode step reads them once each), and a layer takes the
+GEMV only where its shape's best configuration beat torch's by :data:`MARGIN`.
+
+The swapped layers keep their class's parameters, names and ``state_dict`` (an ``nn.Linear``
+becomes a :class:`GemvLinear`, its subclass); an input of more than one row (a prefill, a
+batch) runs ``F.linear`` as before, so only single-row calls change kernels.  The GEMV is the
+custom operator ``nimble::gemv``, which ``torch.compile`` traces as one opaque call and Nimble
+records as any kernel.  A GEMV sums in another order than cuBLASLt's kernels, so outputs may
+differ in the last bits, as between any two GEMM kernels.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .errors import InputError
+
+log = logging.getLogger("nimble")
+
+#: A GEMV configuration wins only when faster than torch's GEMM by this fraction.
+MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch shape of the GEMV kernel: rows of the weight per program, the columns read
+    per step, the program's warps and Triton's pipelining stages."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+#: The configurations timed per weight shape (the winners of a sweep of 24 on an H200 at a 1B
+#: decoder's shapes, and their neighbours).
+CONFIGS = (GemvConfig(4, 1024, 8, 1), GemvConfig(4, 1024, 8, 3), GemvConfig(8, 1024, 8, 1),
+           GemvConfig(8, 512, 4, 1), GemvConfig(8, 512, 4, 3), GemvConfig(16, 512, 8, 1))
+
+
+@dataclass(frozen=True)
+class ShapeChoice:
+    """What ``fast_gemv`` measured for one weight shape, and what it chose."""
+
+    out_features: int
+    in_features: int
+    dtype: str
+    layers: int
+    torch_us: float
+    gemv_us: float
+    config: GemvConfig | None  # None: torch's GEMM stays
+
+    def describe(self) -> str:
+        pick = "GEMV" if self.config else "torch"
+        return (f"{self.out_features}x{self.in_features} {self.dtype} ({self.layers} layers): "
+                f"torch {self.torch_us:.2f} µs, GEMV {self.gemv_us:.2f} µs -> {pick}")
+
+
+# ---- the kernel and its operator ------------------------------------------------------------
+
+_KERNEL: list = []
+
+
+def _kernel():
+    """The Triton GEMV (made on first use: no Triton import where no GEMV runs)."""
+    if _KERNEL:
+        return _KERNEL[0]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        # Products summed per lane across the row's steps, reduced once at the end.
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            cols = k + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
+                        mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+            acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
+
+    _KERNEL.append(gemv_kernel)
+    return gemv_kernel
+
+
+def launch_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Tensor:
+    """``weight @ x`` for a vector ``x`` of ``in_features`` elements, on the current stream."""
+    import triton
+
+    n, k = weight.shape
+    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    _kernel()[(triton.cdiv(n, config.block_n),)](
+        x, weight, y, n, k, weight.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.warps, num_stages=config.stages)
+    return y
+
+
+@torch.library.custom_op("nimble::gemv", mutates_args=(), device_types="cuda")
+def gemv_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, warps: int,
+            stages: int) -> torch.Tensor:
+    """The GEMV as an operator ``torch.compile`` traces as one call."""
+    return launch_gemv(x, weight, GemvConfig(block_n, block_k, warps, stages))
+
+
+@gemv_op.register_fake
+def _gemv_shape(x, weight, block_n, block_k, warps, stages):
+    return x.new_empty(weight.shape[0])
+
+
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                config: GemvConfig | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, on the GEMV where ``x`` is one row and ``config`` is set."""
+    k = weight.shape[1]
+    if config is None or x.numel() != k or weight.stride(1) != 1 or (
+            torch.is_grad_enabled() and weight.requires_grad):
+        return F.linear(x, weight, bias)
+    y = gemv_op(x.reshape(k).contiguous(), weight, config.block_n, config.block_k,
+                config.warps, config.stages)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class GemvLinear(nn.Linear):
+    """An ``nn.Linear`` whose single-row calls run the GEMV configuration ``gemv_config``."""
+
+    gemv_config: GemvConfig | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemv_linear(x, self.weight, self.bias, self.gemv_config)
+
+
+# ---- choosing per shape ---------------------------------------------------------------------
+
+#: ``time(config, weights, x) -> µs per call`` of torch's GEMM (``config`` None) or of the GEMV
+#: in ``config``, on ``x`` over ``weights``: how a candidate is timed (:func:`graph_timer`; a
+#: stand-in in the tests).
+Timer = Callable[[GemvConfig | None, list, torch.Tensor], float]
+
+
+def _targets(model: nn.Module) -> list[tuple[object, torch.Tensor]]:
+    """Every GEMM the swap can reach: ``(owner, weight)`` of each ``nn.Linear`` (its exact
+    class) and of each group of fused projections (:mod:`nimble.fused_projections`: a member's
+    ``_group``, which reads its ``gemv_config``)."""
+    found, groups = [], set()
+    for m in model.modules():
+        group = getattr(m, "_group", None)
+        if type(m) in (nn.Linear, GemvLinear):
+            found.append((m, m.weight))
+        elif hasattr(group, "gemv_config") and id(group) not in groups and not group.stale:
+            groups.add(id(group))
+            found.append((group, group.weight))
+    return found
+
+
+def _key(weight: torch.Tensor) -> tuple:
+    return tuple(weight.shape), weight.dtype, weight.device
+
+
+def choose(weights: list, time: Timer, configs: Iterable[GemvConfig] = CONFIGS,
+           margin: float = MARGIN) -> ShapeChoice:
+    """Time torch's GEMM and every configuration on ``weights`` (all of one shape); the
+    fastest configuration where it beats torch's by ``margin``, else None."""
+    n, k = weights[0].shape
+    x = torch.randn(k, dtype=weights[0].dtype, device=weights[0].device)
+    torch_us = time(None, weights, x)
+    best: tuple[float, GemvConfig | None] = (float("inf"), None)
+    for config in configs:
+        us = time(config, weights, x)
+        if us < best[0]:
+            best = (us, config)
+    gemv_us, config = best
+    keep = config if gemv_us < torch_us * (1 - margin) else None
+    return ShapeChoice(n, k, str(weights[0].dtype).removeprefix("torch."), len(weights),
+                       torch_us, gemv_us, keep)
+
+
+def graph_timer(config: GemvConfig | None, weights: list, x: torch.Tensor,
+                replays: int = 5) -> float:
+    """µs per call of torch's GEMM (``config`` None) or the GEMV over ``weights`` in a CUDA
+    graph, median of ``replays``: the weights (repeated past twice the L2 cache) are read once
+    each per pass, as a decode step reads them."""
+    def call(v, w):
+        return F.linear(v, w) if config is None else launch_gemv(v, w, config)
+    l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
+    size = weights[0].numel() * weights[0].element_size()
+    rotation = list(weights) + [w.clone() for w in weights[:1] * max(
+        0, min(64, -(-2 * l2 // size)) - len(weights))]
+    stream = torch.cuda.Stream(x.device)
+    with torch.cuda.stream(stream):
+        for w in rotation:  # compiles and warms every kernel before the capture
+            call(x, w)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for w in rotation:
+            call(x, w)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(rotation))
+    return statistics.median(times)
+
+
+def fast_gemv(model: nn.Module, time: Timer | None = None,
+              configs: Iterable[GemvConfig] = CONFIGS) -> list[ShapeChoice]:
+    """Give each single-row GEMM of ``model`` the GEMV where it was measured faster (see the
+    module docstring); what was measured and chosen, per weight shape.  Call it after
+    :func:`~nimble.fused_projections.fuse_projections` (whose groups it reaches) and before
+    preparing.  ``time`` replaces the measurement (:data:`Timer`; with the default, the
+    model's weights must be on a CUDA device), ``configs`` the configurations tried."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"fast_gemv takes an nn.Module, got {type(model).__name__}")
+    targets = _targets(model)
+    devices = {w.device.type for _, w in targets}
+    if time is None and targets and devices != {"cuda"}:
+        raise InputError("fast_gemv measures the model's GEMMs on the GPU: move the model to a "
+                         f"CUDA device first (its weights are on {sorted(devices)})")
+    by_shape: dict[tuple, list] = {}
+    for owner, weight in targets:
+        by_shape.setdefault(_key(weight), []).append((owner, weight))
+    choices = []
+    with torch.no_grad():
+        for members in by_shape.values():
+            choice = choose([w for _, w in members], time or graph_timer, configs)
+            choices.append(choice)
+            log.info("fast_gemv: %s", choice.describe())
+            for owner, _ in members:
+                _give(owner, choice.config)
+    return choices
+
+
+def _give(owner, config: GemvConfig | None) -> None:
+    if isinstance(owner, nn.Linear):
+        if type(owner) is nn.Linear and config is not None:
+            owner.__class__ = GemvLinear
+        if isinstance(owner, GemvLinear):
+            owner.gemv_config = config
+    else:  # a fused group: its GEMM of the members' shared input
+        owner.gemv_config = config

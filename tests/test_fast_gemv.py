@@ -1,0 +1,126 @@
+"""fast_gemv: which GEMMs it reaches, what it keeps per shape, and what a swapped layer runs
+(the timing and the GEMV stood in: the CPU has neither)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import nimble.fast_gemv as fg
+from nimble.errors import InputError
+from nimble.fused_projections import fuse_projections
+
+FAST, SLOW = fg.GemvConfig(4, 1024, 8, 1), fg.GemvConfig(8, 512, 4, 3)
+
+
+class Block(nn.Module):
+    def __init__(self, width=16, hidden=48):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(width, width, bias=False)
+                                                 for _ in range(3))
+        self.down = nn.Linear(hidden, width)
+        self.up = nn.Linear(width, hidden)
+
+    def forward(self, x):
+        h = self.q_proj(x) + self.k_proj(x) + self.v_proj(x)
+        return self.down(F.relu(self.up(h)))
+
+
+def timer(table):
+    """A stand-in for the GPU's timing: µs per config by (out, in) shape (None: torch's)."""
+    seen = []
+
+    def time(config, weights, x):
+        seen.append((tuple(weights[0].shape), config, len(weights)))
+        return table[tuple(weights[0].shape)][config]
+    time.seen = seen
+    return time
+
+
+@pytest.fixture
+def stand_in_gemv(monkeypatch):
+    """The GEMV operator replaced by F.linear's values on the CPU, each call noted."""
+    calls = []
+
+    def op(x, weight, block_n, block_k, warps, stages):
+        calls.append((tuple(weight.shape), fg.GemvConfig(block_n, block_k, warps, stages)))
+        return F.linear(x, weight)
+    monkeypatch.setattr(fg, "gemv_op", op)
+    return calls
+
+
+def test_choose_keeps_the_fastest_gemv_where_it_beats_torch_by_the_margin():
+    w = [torch.zeros(8, 16)]
+    fast = fg.choose(w, timer({(8, 16): {None: 10.0, FAST: 6.0, SLOW: 8.0}}), (FAST, SLOW))
+    assert fast.config == FAST and (fast.torch_us, fast.gemv_us) == (10.0, 6.0)
+    near = fg.choose(w, timer({(8, 16): {None: 10.0, FAST: 9.8, SLOW: 9.9}}), (FAST, SLOW))
+    assert near.config is None and near.gemv_us == 9.8  # within 3%: torch's stays
+    assert "-> torch" in near.describe() and "-> GEMV" in fast.describe()
+
+
+def test_fast_gemv_measures_each_shape_once_over_all_its_layers_and_swaps_the_winners(
+        stand_in_gemv):
+    model = Block()
+    table = {(16, 16): {None: 5.0, FAST: 3.0, SLOW: 4.0},  # q, k, v: the GEMV wins
+             (16, 48): {None: 5.0, FAST: 6.0, SLOW: 7.0},  # down: torch's stays
+             (48, 16): {None: 5.0, FAST: 4.0, SLOW: 2.0}}
+    time = timer(table)
+    names = [n for n, _ in model.named_parameters()]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    choices = fg.fast_gemv(model, time=time, configs=(FAST, SLOW))
+    assert {(c.out_features, c.in_features): c.config for c in choices} == {
+        (16, 16): FAST, (16, 48): None, (48, 16): SLOW}
+    assert sorted(len_ for shape, c, len_ in time.seen if c is None) == [1, 1, 3]
+    assert type(model.q_proj) is fg.GemvLinear and model.q_proj.gemv_config == FAST
+    assert type(model.down) is nn.Linear  # no win: the layer is left as it was
+    assert [n for n, _ in model.named_parameters()] == names
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_single_row_runs_the_gemv_and_more_rows_or_grad_run_f_linear(stand_in_gemv):
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 8)
+    want = layer(torch.ones(1, 1, 16))
+    layer.__class__ = fg.GemvLinear
+    layer.gemv_config = FAST
+    with torch.no_grad():
+        one = layer(torch.ones(1, 1, 16))
+        layer(torch.ones(3, 16))  # a prefill or a batch: torch's GEMM
+    assert one.shape == (1, 1, 8) and torch.allclose(one, want)
+    assert stand_in_gemv == [((8, 16), FAST)]
+    layer(torch.ones(1, 16))  # grad enabled and the weight trainable: torch's GEMM
+    assert len(stand_in_gemv) == 1
+
+
+def test_a_fused_group_gets_its_shapes_choice(stand_in_gemv):
+    model = Block()
+    assert fuse_projections(model, [("q_proj", "k_proj", "v_proj")]) == 1
+    table = {(48, 16): {None: 5.0, FAST: 3.0}, (16, 48): {None: 5.0, FAST: 9.0}}
+    fg.fast_gemv(model, time=timer(table), configs=(FAST,))
+    group = model.q_proj._group
+    assert group.gemv_config == FAST and model.up.gemv_config == FAST
+    with torch.no_grad():
+        model(torch.ones(1, 16))
+    assert ((48, 16), FAST) in stand_in_gemv  # the fused q/k/v GEMM and the up projection
+
+
+def test_fast_gemv_wants_a_module_on_the_gpu():
+    with pytest.raises(InputError, match="nn.Module"):
+        fg.fast_gemv("model")
+    with pytest.raises(InputError, match="CUDA device"):
+        fg.fast_gemv(Block())
+
+
+def test_the_bench_lever_is_off_unless_asked():
+    from nimble.cli.generate_levers import add_lever_arguments, gemv_if_asked
+
+    p = argparse.ArgumentParser()
+    add_lever_arguments(p)
+    assert p.parse_args(["--fast-gemv"]).fast_gemv and not p.parse_args([]).fast_gemv
+    info: dict = {}
+    gemv_if_asked(Block(), p.parse_args([]), info)
+    assert "fast_gemv" not in info
