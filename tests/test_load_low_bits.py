@@ -118,3 +118,45 @@ def test_the_c_plan_says_the_c_runtime_cannot_place_such_memory():
     regions = Regions(prepared, state, {str(kept): {"memory": 0, "offset": 0}})
     assert "low address bits" in regions.unsupported and str(kept) in regions.unsupported
     assert Regions(prepared, state, {}).unsupported == ""
+
+
+def _regions_graph():
+    graph, kept = _read_only_fault_graph()
+    graph.meta.pop("rng", None)
+    graph.buffers = [dataclasses.replace(b, kind=BufferKind.EXTERNAL)
+                     if b.kind == BufferKind.RNG else b for b in graph.buffers]
+    graph.buffers[kept] = dataclasses.replace(graph.buffers[kept], kind=BufferKind.PARAM)
+    prepared = SimpleNamespace(graph=graph, memplan=SimpleNamespace(offsets={}))
+    return graph, kept, prepared, SimpleNamespace(private={})
+
+
+def test_the_c_plan_keeps_a_weight_an_integer_may_point_into_at_its_low_bits():
+    from nimble.engine.c_plan import LOW_BITS_VERSION, LOWBITS, Regions, plan_version
+
+    graph, kept, prepared, state = _regions_graph()
+    size = graph.buffers[kept].size
+    outside = {str(kept): {"weight": 0}}
+    weights = [{"size": size, "blob": [4096, size]}]
+    regions = Regions(prepared, state, outside, low_start=2, weights=weights)
+    assert regions.unsupported == "" and regions.low[-1] == kept
+    assert regions.places[kept] == (LOWBITS, 2 + len(regions.low) - 1, 0)
+    assert regions.weight_blobs == {kept: (4096, size)}  # its bytes: the file's weight
+    assert plan_version([prepared], {"buckets": [{"outside": outside}],
+                                     "weights": weights}) == LOW_BITS_VERSION
+    # without the weight's bytes whole in the file (saved with weights=False), it cannot
+    short = [{"size": size, "blob": None}]
+    assert "low address bits" in Regions(prepared, state, outside, weights=short).unsupported
+    assert "low address bits" in Regions(prepared, state, outside).unsupported
+
+
+def test_the_c_plan_leaves_a_weight_the_graph_writes_where_it_cannot_place_it():
+    from nimble.engine.c_plan import Regions
+
+    graph, kept, prepared, state = _regions_graph()
+    task = next(t for t in graph.tasks if any(a.buffer == kept for a in t.accesses))
+    task.accesses = [dataclasses.replace(a, write=True) if a.buffer == kept else a
+                     for a in task.accesses]
+    size = graph.buffers[kept].size
+    regions = Regions(prepared, state, {str(kept): {"weight": 0}},
+                      weights=[{"size": size, "blob": [0, size]}])
+    assert "low address bits" in regions.unsupported and str(kept) in regions.unsupported

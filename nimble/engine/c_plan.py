@@ -90,11 +90,32 @@ class PlanWriter:
         return struct.pack(f"<{len(self.words)}Q", *self.words)
 
 
+def weights_at_low_bits(graph, outside: dict, weights: Sequence[dict]) -> list[int]:
+    """The weight storages of ``graph`` that a word which may be an integer points into
+    (:func:`~nimble.engine.arena_layout.low_word_outside`) and that the C runtime can keep at
+    their recorded low address bits as low-bits buffers of their own, their bytes the file's:
+    those the graph only reads, whose bytes the file holds whole."""
+    written = set(written_weights(graph))
+    found = []
+    for bid in low_word_outside(graph):
+        source = outside.get(str(bid), {})
+        if "weight" not in source or bid in written:
+            continue
+        row = weights[int(source["weight"])]
+        blob = row.get("blob")
+        if blob is not None and int(blob[1]) == int(row["size"]) >= graph.buffers[bid].size:
+            found.append(bid)
+    return found
+
+
 class Regions:
     """Where each buffer of one bucket's graph lives in the loading process: ``(region,
-    index, offset)``, or a reason it cannot be placed by the C runtime."""
+    index, offset)``, or a reason it cannot be placed by the C runtime.  ``weights`` (the
+    manifest's weight rows) lets the weights a word which may be an integer points into be
+    low-bits buffers (:func:`weights_at_low_bits`)."""
 
-    def __init__(self, prepared, state: StateLayout, outside: dict, low_start: int = 0) -> None:
+    def __init__(self, prepared, state: StateLayout, outside: dict, low_start: int = 0,
+                 weights: Sequence[dict] = ()) -> None:
         graph = prepared.graph
         self.places: dict[int, tuple[int, int, int]] = {}
         self.unsupported = ""
@@ -108,19 +129,25 @@ class Regions:
                 self.places[bid] = (WEIGHT, int(source["weight"]), 0)
             else:
                 self.places[bid] = (MEMORY, int(source["memory"]), int(source["offset"]))
+        #: The weight storages kept at their low address bits: their first bytes, the file's.
+        self.weight_blobs: dict[int, tuple[int, int]] = {}
+        if weights:
+            for bid in weights_at_low_bits(graph, outside, weights):
+                ref = weights[int(outside[str(bid)]["weight"])]["blob"]
+                self.weight_blobs[bid] = (int(ref[0]), graph.buffers[bid].size)
         #: The buffers kept at their low address bits, the plan's low-bits buffers
         #: ``low_start`` on.
-        self.low = low_word_buffers(graph)
+        self.low = low_word_buffers(graph) + sorted(self.weight_blobs)
         for k, bid in enumerate(self.low):
             self.places[bid] = (LOWBITS, low_start + k, 0)
         if graph.meta.get("rng") or any(b.kind == BufferKind.RNG for b in graph.buffers):
             self.unsupported = "the graph draws random numbers"
-        kept = [bid for bid in low_word_outside(graph) if str(bid) in outside]
+        kept = [bid for bid in low_word_outside(graph)
+                if str(bid) in outside and bid not in self.weight_blobs]
         if kept and not self.unsupported:
             self.unsupported = (f"a word that may be an integer points into the weights or "
                                 f"external memory of buffer {kept[0]}, which the C runtime "
-                                "cannot place at its recorded low address bits: load the file "
-                                "from Python")
+                                "cannot place at its recorded low address bits")
 
     def relocation(self, buffer: int, addend: int, value: int) -> tuple[int, int, int]:
         """``(region, index, addend)`` of a word that points ``addend`` bytes into
@@ -192,38 +219,42 @@ def _write_tensor(w: PlanWriter, ref, regions: Regions) -> None:
     w.u(1 if contiguous else 0)
 
 
-def plan_version(preparations: Sequence) -> int:
+def plan_version(preparations: Sequence, manifest: dict | None = None) -> int:
     """The plan version for ``preparations``: :data:`LOW_BITS_VERSION` where one of them keeps
-    a buffer at its low address bits, else :data:`PROGRAMMATIC_VERSION` where one serves
-    programmatic edges, else :data:`VERSION`."""
+    a buffer at its low address bits (a weight storage of ``manifest``'s too), else
+    :data:`PROGRAMMATIC_VERSION` where one serves programmatic edges, else :data:`VERSION`."""
     if any(low_word_buffers(p.graph) for p in preparations):
+        return LOW_BITS_VERSION
+    if manifest is not None and any(
+            weights_at_low_bits(p.graph, row["outside"], manifest["weights"])
+            for p, row in zip(preparations, manifest["buckets"])):
         return LOW_BITS_VERSION
     return PROGRAMMATIC_VERSION if any(p.programmatic for p in preparations) else VERSION
 
 
 def _write_low_bits(w: PlanWriter, graph, state: StateLayout, private: dict,
-                    low: Sequence[int]) -> None:
+                    regions: Regions) -> None:
     """Each low-bits buffer: its size, recorded address, whether the proof poisons it (an
-    arena buffer: its bytes are the graph's own), and its first bytes (a private copy's; none:
-    zeroes)."""
-    w.u(len(low))
-    for bid in low:
+    arena buffer: its bytes are the graph's own), and its first bytes (a private copy's, or a
+    weight storage's from the file; none: zeroes)."""
+    w.u(len(regions.low))
+    for bid in regions.low:
         b = graph.buffers[bid]
         copied = bid in state.private and bid not in state.zeroed
         w.u(b.size, b.address, 1 if b.relocatable else 0)
-        w.blob(private.get(str(bid)) if copied else None)
+        w.blob(regions.weight_blobs.get(bid) or (private.get(str(bid)) if copied else None))
 
 
 def _write_bucket(w: PlanWriter, prepared, state: StateLayout, row: dict, version: int,
-                  low_start: int) -> tuple[str, int]:
+                  low_start: int, weights: Sequence[dict]) -> tuple[str, int]:
     """One bucket's words; (why the C runtime cannot run it, "" where it can; how many
     low-bits buffers it lists)."""
     graph = prepared.graph
-    regions = Regions(prepared, state, row["outside"], low_start)
+    regions = Regions(prepared, state, row["outside"], low_start, weights)
     private = row["private"]
     w.u(prepared.memplan.arena_bytes)
     if version >= LOW_BITS_VERSION:  # before every place that may name one
-        _write_low_bits(w, graph, state, private, regions.low)
+        _write_low_bits(w, graph, state, private, regions)
     w.u(len(graph.inputs))
     for ref in graph.inputs:
         _write_tensor(w, ref, regions)
@@ -278,7 +309,7 @@ def c_plan(manifest: dict, preparations: Sequence, states: Sequence[StateLayout]
     """The C plan of a saved file (see the module docstring) and, where the C runtime cannot
     run it, why ("" where it can; ``unsupported`` says so from the start)."""
     w = PlanWriter()
-    version = plan_version(preparations)
+    version = plan_version(preparations, manifest)
     w.u(MAGIC, version, manifest["arch"], manifest["driver"])
     w.u(arena_size, ALIGNMENT, manifest["instances"], len(preparations))
     w.u(len(manifest["binaries"]))
@@ -303,7 +334,8 @@ def c_plan(manifest: dict, preparations: Sequence, states: Sequence[StateLayout]
     for prepared, state, row in zip(preparations, states, manifest["buckets"]):
         if prepared.step is not None:
             unsupported = unsupported or "a training step"
-        why, listed = _write_bucket(w, prepared, state, row, version, low)
+        why, listed = _write_bucket(w, prepared, state, row, version, low,
+                                    manifest["weights"])
         unsupported, low = why or unsupported, low + listed
     w.text(unsupported)
     return w.getvalue(), unsupported
