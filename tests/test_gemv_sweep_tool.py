@@ -1,0 +1,27 @@
+"""tools/experiments/gemv_sweep.py: its shapes and its grid (no GPU)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from helpers import load_tool
+
+tool = load_tool("experiments/gemv_sweep")
+
+
+def test_shapes_parse_and_bad_ones_are_refused():
+    assert tool.parse_shapes("3072x2048,2048X8192") == [(3072, 2048), (2048, 8192)]
+    assert tool.parse([]).shapes[-1] == (128256, 2048)
+    for bad in ("3072", "ax2", "0x4", "1x2x3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            tool.parse_shapes(bad)
+
+
+def test_the_grid_keeps_tiles_of_at_most_16k_elements_and_holds_the_chosen_configs():
+    from nimble.fast_gemv import CONFIGS
+
+    configs = tool.grid((4, 8, 16), (512, 1024), (4, 8), (1, 3))
+    assert len(configs) == 24 and all(c.block_n * c.block_k <= 16384 for c in configs)
+    assert set(CONFIGS) <= set(configs)
+    assert tool.grid((32,), (1024,), (4,), (1,)) == []

@@ -1,0 +1,24 @@
+"""tools/experiments/train_gap.py: its switches and its summary lines (no GPU)."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import load_tool
+
+tool = load_tool("experiments/train_gap")
+
+
+def test_the_switches_and_their_defaults():
+    args = tool.parse(["resnet50", "googlenet"])
+    assert (args.models, args.batch, args.rounds, args.steps) == (["resnet50", "googlenet"], 32,
+                                                                   9, 20)
+    with pytest.raises(SystemExit):
+        tool.parse([])
+
+
+def test_the_summary_gives_medians_spreads_and_the_ratio():
+    lines = tool.summary("m", {"backend": [5.0, 5.5, 6.0], "inductor": [4.0, 5.0, 4.5]},
+                         {"backend": [100, 300, 200], "inductor": [90, 95, 100]})
+    assert lines[0] == "m backend   ms/step 5.500 (5.000-6.000)  host µs/step 200"
+    assert lines[1].startswith("m inductor  ms/step 4.500 (4.000-5.000)")
+    assert lines[2] == "m backend / inductor 1.222"

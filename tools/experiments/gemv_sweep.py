@@ -1,0 +1,84 @@
+"""Every GEMV configuration of a grid against torch's GEMM (cuBLASLt) on single-row products of
+given weight shapes, the weights rotated past the L2 cache (``nimble.fast_gemv.graph_timer``),
+and how far each falls from the device's copy bandwidth: what ``nimble.fast_gemv.CONFIGS`` was
+chosen from (issue 53).
+
+    python3 tools/experiments/gemv_sweep.py --shapes 3072x2048,2048x2048,16384x2048,2048x8192,128256x2048
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+#: A Llama 3.2 1B shape's projections with the sibling ones fused: query-key-value, output,
+#: gate-up, down, and the LM head.
+DEFAULT_SHAPES = "3072x2048,2048x2048,16384x2048,2048x8192,128256x2048"
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``OUTxIN[,OUTxIN...]`` as ``(out_features, in_features)`` pairs."""
+    try:
+        shapes = [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"{text!r}: shapes are OUTxIN, comma-separated")
+    return shapes
+
+
+def grid(block_n, block_k, warps, stages) -> list:
+    """The configurations of the grid whose tile holds at most 16K elements."""
+    from nimble.fast_gemv import GemvConfig
+
+    return [GemvConfig(*c) for c in itertools.product(block_n, block_k, warps, stages)
+            if c[0] * c[1] <= 16384]
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    import torch
+
+    from nimble.fast_gemv import graph_timer
+
+    dtype = getattr(torch, args.dtype)
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    copy = 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
+    del a, b
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy / 1e12:.2f} TB/s")
+    configs = grid((4, 8, 16), (512, 1024), (4, 8), (1, 3))
+    for n, k in args.shapes:
+        torch.manual_seed(0)
+        weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02]
+        size = n * k * weights[0].element_size()
+        x = torch.randn(k, device="cuda", dtype=dtype)
+        theirs = graph_timer(None, weights, x)
+        timed = sorted((graph_timer(c, weights, x), c) for c in configs)
+        us, best = timed[0]
+        print(f"{n}x{k} {size / 1e6:.1f} MB: torch {theirs:.2f} µs "
+              f"({size / theirs / 1e6 / (copy / 1e12) * 100:.0f}% of copy), best GEMV "
+              f"{us:.2f} µs ({size / us / 1e6 / (copy / 1e12) * 100:.0f}%) {best}; next: "
+              + ", ".join(f"{u:.2f} {c.block_n}/{c.block_k}/{c.warps}/{c.stages}"
+                          for u, c in timed[1:4]), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""A training step through ``torch.compile(model, backend="nimble")`` against the same step
+prepared by hand on Inductor's kernels (``Nimble(torch.compile(model)).prepare(training=True)``):
+GPU ms per step (CUDA events over a run of steps) and host µs to queue one step (the GPU idle
+before it), the two interleaved round by round, per model (issue 52).
+
+A step is the training bench's (``nimble bench --training``: zero_grad, forward, cross-entropy,
+backward, SGD with momentum) at its shapes (the paper's classifiers at CIFAR-10's).  Where a
+step's host µs reach its GPU ms, the step is host-bound and the backend's extra host work per
+call (Dynamo's frame and guards over the lifted weights) shows in its time; where the GPU time
+dominates, it does not.
+
+    python3 tools/experiments/train_gap.py resnet50 mobilenet_v2 googlenet --batch 32
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("models", nargs="+")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=9, help="interleaved rounds per model")
+    p.add_argument("--steps", type=int, default=20, help="steps timed per round on the GPU")
+    p.add_argument("--host-steps", type=int, default=10,
+                   help="steps whose host µs are sampled per round, each after the GPU idles")
+    return p.parse_args(argv)
+
+
+def summary(name: str, gpu_ms: dict, host_us: dict) -> list[str]:
+    """One line per mode (median GPU ms with its spread, median host µs), then the ratio."""
+    median = {k: statistics.median(v) for k, v in gpu_ms.items()}
+    lines = [f"{name} {k:9s} ms/step {median[k]:.3f} ({min(v):.3f}-{max(v):.3f})  "
+             f"host µs/step {statistics.median(host_us[k]):.0f}" for k, v in gpu_ms.items()]
+    lines.append(f"{name} backend / inductor {median['backend'] / median['inductor']:.3f}")
+    return lines
+
+
+def measure(name: str, args) -> list[str]:
+    import torch
+
+    import nimble
+    from nimble.cli import train_bench
+
+    base, x, y = train_bench.setup(name, args.batch)
+    by_backend, by_hand = copy.deepcopy(base), copy.deepcopy(base)
+    steps = {"backend": train_bench.training_step(torch.compile(by_backend, backend="nimble"),
+                                                  by_backend, x, y)}
+    steps["backend"]()  # compiles and prepares
+    prepared = nimble.Nimble(torch.compile(by_hand)).prepare(x, training=True, quiet=True)
+    steps["inductor"] = train_bench.training_step(prepared, by_hand, x, y)
+    for step in steps.values():
+        for _ in range(10):
+            step()
+    gpu_ms: dict = {k: [] for k in steps}
+    host_us: dict = {k: [] for k in steps}
+    for _ in range(args.rounds):
+        for k, step in steps.items():
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.steps):
+                step()
+            end.record()
+            end.synchronize()
+            gpu_ms[k].append(start.elapsed_time(end) / args.steps)
+            for _ in range(args.host_steps):
+                torch.cuda.current_stream().synchronize()
+                t0 = time.perf_counter()
+                step()
+                host_us[k].append((time.perf_counter() - t0) * 1e6)
+    return summary(name, gpu_ms, host_us)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    import torch
+
+    torch.backends.cudnn.benchmark = True
+    for name in args.models:
+        print("\n".join(measure(name, args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
