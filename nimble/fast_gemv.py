@@ -131,9 +131,10 @@ def _gemv_shape(x, weight, block_n, block_k, warps, stages):
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 config: GemvConfig | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on the GEMV where ``x`` is one row and ``config`` is set."""
+    """``F.linear(x, weight, bias)``, on the GEMV where ``x`` is one row on the GPU and
+    ``config`` is set (a model moved to the CPU after :func:`fast_gemv` runs torch's)."""
     k = weight.shape[1]
-    if config is None or x.numel() != k or weight.stride(1) != 1 or (
+    if config is None or x.numel() != k or weight.stride(1) != 1 or not x.is_cuda or (
             torch.is_grad_enabled() and weight.requires_grad):
         return F.linear(x, weight, bias)
     y = gemv_op(x.reshape(k).contiguous(), weight, config.block_n, config.block_k,

@@ -40,6 +40,18 @@ def timer(table):
     return time
 
 
+class _OnGpu(torch.Tensor):
+    """A CPU tensor that says it is on the GPU: the swapped layers' test inputs."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def gpu_like(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(_OnGpu)
+
+
 @pytest.fixture
 def stand_in_gemv(monkeypatch):
     """The GEMV operator replaced by F.linear's values on the CPU, each call noted."""
@@ -47,7 +59,7 @@ def stand_in_gemv(monkeypatch):
 
     def op(x, weight, block_n, block_k, warps, stages):
         calls.append((tuple(weight.shape), fg.GemvConfig(block_n, block_k, warps, stages)))
-        return F.linear(x, weight)
+        return F.linear(x.as_subclass(torch.Tensor), weight)
     monkeypatch.setattr(fg, "gemv_op", op)
     return calls
 
@@ -88,11 +100,12 @@ def test_a_single_row_runs_the_gemv_and_more_rows_or_grad_run_f_linear(stand_in_
     layer.__class__ = fg.GemvLinear
     layer.gemv_config = FAST
     with torch.no_grad():
-        one = layer(torch.ones(1, 1, 16))
-        layer(torch.ones(3, 16))  # a prefill or a batch: torch's GEMM
-    assert one.shape == (1, 1, 8) and torch.allclose(one, want)
+        one = layer(gpu_like(torch.ones(1, 1, 16)))
+        layer(gpu_like(torch.ones(3, 16)))  # a prefill or a batch: torch's GEMM
+        layer(torch.ones(1, 16))  # a model moved to the CPU afterwards: torch's GEMM
+    assert one.shape == (1, 1, 8) and torch.allclose(one.as_subclass(torch.Tensor), want)
     assert stand_in_gemv == [((8, 16), FAST)]
-    layer(torch.ones(1, 16))  # grad enabled and the weight trainable: torch's GEMM
+    layer(gpu_like(torch.ones(1, 16)))  # grad enabled and the weight trainable: torch's GEMM
     assert len(stand_in_gemv) == 1
 
 
@@ -104,7 +117,7 @@ def test_a_fused_group_gets_its_shapes_choice(stand_in_gemv):
     group = model.q_proj._group
     assert group.gemv_config == FAST and model.up.gemv_config == FAST
     with torch.no_grad():
-        model(torch.ones(1, 16))
+        model(gpu_like(torch.ones(1, 16)))
     assert ((48, 16), FAST) in stand_in_gemv  # the fused q/k/v GEMM and the up projection
 
 
