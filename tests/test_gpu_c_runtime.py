@@ -66,12 +66,11 @@ def _same_from_c(run_saved, nm, saved, x, tmp_path) -> None:
     assert (tmp_path / "out.raw").read_bytes() == b"".join(_raw(nm(i)) for i in inputs)
 
 
-def test_buffers_kept_at_their_low_bits_run_from_c_bit_for_bit_with_python(run_saved,
-                                                                          tmp_path):
-    """Arena buffers listed as kept at their low address bits (as a recording lists those a
-    word that may be an integer points into): the file's plan is of version 3, the C runtime
-    maps each at its recorded address plus a multiple of 4 GiB, proves the graph with them
-    poisoned, and gives Python's bits."""
+def _low_bits_from_c(run_saved, tmp_path, listed, every: int) -> None:
+    """A small network prepared again from its recording with every ``every``-th buffer that
+    ``listed(buffer)`` picks among those its kernels point into listed as kept at its low address
+    bits (as a recording lists those a word that may be an integer points into): the file's plan
+    is of version 3, and the C runtime runs it with Python's bits."""
     import nimble
     from nimble.ir.saved_format import SavedFile
 
@@ -81,37 +80,28 @@ def test_buffers_kept_at_their_low_bits_run_from_c_bit_for_bit_with_python(run_s
     graph = rec.graph
     pointed = {p.buffer for t in graph.tasks for p in t.pointers}
     graph.meta["low_word_buffers"] = [b.id for b in graph.buffers
-                                      if b.relocatable and b.id in pointed][::3]
+                                      if listed(b) and b.id in pointed][::every]
     assert graph.meta["low_word_buffers"]
     nm = nimble.Nimble(model).prepare(x, return_copies=True,
                                       options=nimble.PrepareOptions(recording=rec))
     saved = nm.save(tmp_path / "low.nimble")
     assert int.from_bytes(SavedFile.read(saved).extra["c_plan"][8:16], "little") == 3
     _same_from_c(run_saved, nm, saved, x, tmp_path)
+
+
+def test_buffers_kept_at_their_low_bits_run_from_c_bit_for_bit_with_python(run_saved,
+                                                                          tmp_path):
+    """Arena buffers kept at their low bits: the C runtime maps each at its recorded address
+    plus a multiple of 4 GiB, proves the graph with them poisoned, and gives Python's bits."""
+    _low_bits_from_c(run_saved, tmp_path, lambda b: b.relocatable, every=3)
 
 
 def test_weights_kept_at_their_low_bits_run_from_c_bit_for_bit_with_python(run_saved,
                                                                           tmp_path):
-    """Weight storages listed as kept at their low address bits (as a recording lists those a
-    word that may be an integer points into; nasnetalarge's float16 file came with one): the
+    """Weight storages kept at their low bits (nasnetalarge's float16 file came with one): the
     plan keeps each as a low-bits buffer holding the file's bytes, and the C runtime, which
     refused such a file before, proves it and gives Python's bits."""
-    import nimble
-    from nimble.ir.saved_format import SavedFile
-
-    model, x = _conv_net()
-    first = nimble.Nimble(model).prepare(x, options=nimble.PrepareOptions(keep_recording=True))
-    rec = first.recording
-    graph = rec.graph
-    pointed = {p.buffer for t in graph.tasks for p in t.pointers}
-    graph.meta["low_word_buffers"] = [b.id for b in graph.buffers
-                                      if b.kind == "param" and b.id in pointed][::2]
-    assert graph.meta["low_word_buffers"]
-    nm = nimble.Nimble(model).prepare(x, return_copies=True,
-                                      options=nimble.PrepareOptions(recording=rec))
-    saved = nm.save(tmp_path / "low.nimble")
-    assert int.from_bytes(SavedFile.read(saved).extra["c_plan"][8:16], "little") == 3
-    _same_from_c(run_saved, nm, saved, x, tmp_path)
+    _low_bits_from_c(run_saved, tmp_path, lambda b: b.kind == "param", every=2)
 
 
 def test_bad_files_give_their_error_codes(run_saved, tmp_path):
