@@ -173,7 +173,8 @@ def _targets(model: nn.Module) -> list[tuple[object, torch.Tensor]]:
         elif hasattr(group, "gemv_config") and id(group) not in groups and not group.stale:
             groups.add(id(group))
             found.append((group, group.weight))
-    return found
+    # the GEMV reads each row of the weight contiguously (a transposed view stays torch's)
+    return [(owner, w) for owner, w in found if w.dim() == 2 and w.stride(1) == 1]
 
 
 def _key(weight: torch.Tensor) -> tuple:

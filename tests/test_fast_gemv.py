@@ -137,3 +137,13 @@ def test_the_bench_lever_is_off_unless_asked():
     info: dict = {}
     gemv_if_asked(Block(), p.parse_args([]), info)
     assert "fast_gemv" not in info
+
+
+def test_a_weight_whose_rows_are_not_contiguous_is_left_to_torch(stand_in_gemv):
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 16))
+    with torch.no_grad():
+        model[0].weight = nn.Parameter(torch.randn(16, 8).t())  # a transposed view
+    table = {(16, 8): {None: 5.0, FAST: 1.0}}
+    choices = fg.fast_gemv(model, time=timer(table), configs=(FAST,))
+    assert [(c.out_features, c.in_features) for c in choices] == [(16, 8)]
+    assert type(model[0]) is nn.Linear and type(model[1]) is fg.GemvLinear
