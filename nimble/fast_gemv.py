@@ -2,11 +2,12 @@
 measured faster than torch's GEMM (issue 53).
 
 At batch 1 every projection of a decoder is a matrix-vector product: a pass over the weight,
-bound by memory bandwidth.  cuBLASLt's kernels for one row reach 33-57% of the copy bandwidth
-on the small and the tall-and-narrow weights of a 1B decoder (its attention's projections, its
-MLP's down projection), where a plain GEMV (a few rows of the weight per program, the row's dot
-product summed in fp32) reaches 49-76% (docs/results.md).  Which kernel is faster depends on
-the weight's shape and the GPU, so nothing here is assumed: ``fast_gemv`` times torch's GEMM
+bound by memory bandwidth.  On the small and the tall-and-narrow weights of a decoder (its
+attention's projections, its MLP's down projection) cuBLASLt's kernels for one row leave much
+of the bandwidth unused, where a plain GEMV (a few rows of the weight per program, the row's
+dot product summed in fp32) takes more of it (docs/results.md, "A GEMV where it is measured
+faster").  Which kernel is faster depends on the weight's shape and the GPU, so nothing here is
+assumed: ``fast_gemv`` times torch's GEMM
 and each GEMV configuration of :data:`CONFIGS` on the model's own weights of every distinct
 shape (rotated past the L2 cache, as a decode step reads them once each), and a layer takes the
 GEMV only where its shape's best configuration beat torch's by :data:`MARGIN`.
@@ -48,8 +49,8 @@ class GemvConfig:
     stages: int
 
 
-#: The configurations timed per weight shape (the winners of a sweep of 24 on an H200 at a 1B
-#: decoder's shapes, and their neighbours).
+#: The configurations timed per weight shape: the winners of tools/experiments/gemv_sweep.py's
+#: grid at a 1B decoder's shapes, and their neighbours.
 CONFIGS = (GemvConfig(4, 1024, 8, 1), GemvConfig(4, 1024, 8, 3), GemvConfig(8, 1024, 8, 1),
            GemvConfig(8, 512, 4, 1), GemvConfig(8, 512, 4, 3), GemvConfig(16, 512, 8, 1))
 
