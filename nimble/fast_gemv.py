@@ -209,8 +209,8 @@ def graph_timer(config: GemvConfig | None, weights: list, x: torch.Tensor,
         return F.linear(v, w) if config is None else launch_gemv(v, w, config)
     l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
     size = weights[0].numel() * weights[0].element_size()
-    rotation = list(weights) + [w.clone() for w in weights[:1] * max(
-        0, min(64, -(-2 * l2 // size)) - len(weights))]
+    wanted = min(64, -(-2 * l2 // size))  # copies that pass twice the L2 cache
+    rotation = list(weights) + [weights[0].clone() for _ in range(wanted - len(weights))]
     stream = torch.cuda.Stream(x.device)
     with torch.cuda.stream(stream):
         for w in rotation:  # compiles and warms every kernel before the capture

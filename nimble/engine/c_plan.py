@@ -90,21 +90,23 @@ class PlanWriter:
         return struct.pack(f"<{len(self.words)}Q", *self.words)
 
 
-def weights_at_low_bits(graph, outside: dict, weights: Sequence[dict]) -> list[int]:
+def weights_at_low_bits(graph, outside: dict, weights: Sequence[dict]
+                        ) -> dict[int, tuple[int, int]]:
     """The weight storages of ``graph`` that a word which may be an integer points into
     (:func:`~nimble.engine.arena_layout.low_word_outside`) and that the C runtime can keep at
     their recorded low address bits as low-bits buffers of their own, their bytes the file's:
-    those the graph only reads, whose bytes the file holds whole."""
+    those the graph only reads, whose bytes the file holds whole.  Per buffer, the blob of its
+    first bytes."""
     written = set(written_weights(graph))
-    found = []
+    found = {}
     for bid in low_word_outside(graph):
         source = outside.get(str(bid), {})
         if "weight" not in source or bid in written:
             continue
         row = weights[int(source["weight"])]
-        blob = row.get("blob")
-        if blob is not None and int(blob[1]) == int(row["size"]) >= graph.buffers[bid].size:
-            found.append(bid)
+        blob, size = row.get("blob"), graph.buffers[bid].size
+        if blob is not None and int(blob[1]) == int(row["size"]) >= size:
+            found[bid] = (int(blob[0]), size)
     return found
 
 
@@ -130,11 +132,7 @@ class Regions:
             else:
                 self.places[bid] = (MEMORY, int(source["memory"]), int(source["offset"]))
         #: The weight storages kept at their low address bits: their first bytes, the file's.
-        self.weight_blobs: dict[int, tuple[int, int]] = {}
-        if weights:
-            for bid in weights_at_low_bits(graph, outside, weights):
-                ref = weights[int(outside[str(bid)]["weight"])]["blob"]
-                self.weight_blobs[bid] = (int(ref[0]), graph.buffers[bid].size)
+        self.weight_blobs = weights_at_low_bits(graph, outside, weights) if weights else {}
         #: The buffers kept at their low address bits, the plan's low-bits buffers
         #: ``low_start`` on.
         self.low = low_word_buffers(graph) + sorted(self.weight_blobs)

@@ -46,20 +46,11 @@ def main(argv=None) -> int:
     args = parse(argv)
     import torch
 
+    from nimble.cli.decode_bandwidth import copy_bandwidth
     from nimble.fast_gemv import graph_timer
 
     dtype = getattr(torch, args.dtype)
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    copy = 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
-    del a, b
+    copy = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy / 1e12:.2f} TB/s")
     configs = grid((4, 8, 16), (512, 1024), (4, 8), (1, 3))
     for n, k in args.shapes:
@@ -68,7 +59,7 @@ def main(argv=None) -> int:
         size = n * k * weights[0].element_size()
         x = torch.randn(k, device="cuda", dtype=dtype)
         theirs = graph_timer(None, weights, x)
-        timed = sorted((graph_timer(c, weights, x), c) for c in configs)
+        timed = sorted(((graph_timer(c, weights, x), c) for c in configs), key=lambda t: t[0])
         us, best = timed[0]
         print(f"{n}x{k} {size / 1e6:.1f} MB: torch {theirs:.2f} µs "
               f"({size / theirs / 1e6 / (copy / 1e12) * 100:.0f}% of copy), best GEMV "
