@@ -225,9 +225,7 @@ static void job_free(kernels_job_t *job) {
 
 /* ---- the loaders: the items' threads ---------------------------------------------------- */
 
-#ifndef MOST_LOADERS /* -DMOST_LOADERS=N at build time: another cap, for measuring */
 #define MOST_LOADERS 16
-#endif
 
 typedef struct {
     kernels_job_t *job;
@@ -318,9 +316,6 @@ static void build_as_items_end(kernels_job_t *job, outcome_t *built, double star
     double clock = seconds_now();
     if (built->status == NIMBLE_OK) keep(built, nimble_builds_start(m, &bs));
     lap(m, NIMBLE_STAGE_NODES, &clock);
-#ifdef NIMBLE_BUILD_AFTER_KERNELS /* measuring: no node added before every binary loaded */
-    if (m->nbinaries) ended_binary(job, (size_t)m->nbinaries - 1);
-#endif
     for (size_t n = 0; n < (size_t)m->nbinaries; n++) {
         uint64_t i = ended_binary(job, n);
         clock = seconds_now();
