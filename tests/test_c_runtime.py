@@ -410,8 +410,7 @@ def fake_load(request, tmp_path_factory) -> Path:
 
 def _fake_saved(tmp_path, wrong_hashes=(), programmatic=()) -> tuple[Path, dict]:
     """The branchy stand-in with 12 embedded binaries (FAKE_SIZES: one past the checksum's 8 MiB
-    chunk) tagged for the fake driver, 40 kernels over them and its kernel nodes over the 40,
-    the weights' bytes in the file; the
+    chunk) tagged for the fake driver, 40 kernels over them, the weights' bytes in the file; the
     binaries of ``wrong_hashes`` saved with another binary's hash; ``programmatic`` edges
     marked so in the plan.  (path, where things are)."""
     import hashlib
@@ -440,9 +439,6 @@ def _fake_saved(tmp_path, wrong_hashes=(), programmatic=()) -> tuple[Path, dict]
                 "name": f"kernel{k}"} for k in range(40)]
     for w in manifest["weights"]:
         w["blob"] = add(rng.randbytes(w["size"]))
-    kernel_nodes = [n for n in manifest["buckets"][0]["nodes"] if "kernel" in n]
-    for k, node in enumerate(kernel_nodes):  # every kernel, and so every binary, has nodes
-        node["kernel"] = k % len(kernels)
     manifest.update(binaries=binaries, kernels=kernels)
     data, why = c_plan(manifest, [prepared], [state], state.size)
     assert why == ""
@@ -477,20 +473,6 @@ def test_a_load_takes_each_kernels_function_from_its_own_binary(fake_load, tmp_p
         assert rc == 0 and lines[1].startswith("kernels 40 misplaced 0 edges "), lines
         assert lines[1].endswith(" programmatic 0") and not lines[1].startswith(
             "kernels 40 misplaced 0 edges 0 "), lines
-
-
-def test_the_graphs_are_built_while_the_kernels_load(fake_load, tmp_path):
-    """Each binary's kernel nodes are added as its item ends, not after the last: with binary
-    0's load slow, the other binaries' nodes are in the graphs before it ends, binary 0's
-    after, and every node's function is its own binary's."""
-    path, _ = _fake_saved(tmp_path)
-    rc, lines = _fake_run(fake_load, path, FAKE_SLOW_LIBRARY="99")  # no such binary
-    assert rc == 0, lines
-    every = int(lines[2].removeprefix("kernel nodes before the slow library "))
-    rc, lines = _fake_run(fake_load, path, FAKE_SLOW_LIBRARY="0")
-    assert rc == 0 and lines[1].startswith("kernels 40 misplaced 0 "), lines
-    early = int(lines[2].removeprefix("kernel nodes before the slow library "))
-    assert 0 < early < every, (early, every)
 
 
 def test_a_plans_programmatic_edges_are_built_as_full_dependencies(fake_load, tmp_path):

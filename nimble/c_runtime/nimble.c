@@ -1,8 +1,8 @@
 /*
  * Nimble's C runtime (see nimble.h): loading a saved graph read by nimble_plan.c (every pointer
  * already resolved to a region, the arena, a weight storage or an external memory range, and an
- * addend: docs/c-host.md), its kernels and memory loaded and its graphs built by nimble_load.c
- * and nimble_build.c, proving it against its saved outputs, and the API.
+ * addend: docs/c-host.md), its kernels and memory loaded by nimble_load.c, building it, proving
+ * it against its saved outputs, and the API.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "nimble_internal.h"
@@ -74,6 +74,147 @@ static nimble_status check_device(nimble_model *m, int ordinal) {
         return fail(NIMBLE_ERROR_DEVICE, "the graph was saved under driver %llu; this one is "
                     "%d, older: update the driver", (unsigned long long)m->driver, version);
     return NIMBLE_OK;
+}
+
+/* ---- building ----------------------------------------------------------------------------- */
+
+static nimble_status add_kernel_node(nimble_model *m, uint64_t j, node_t *nd, CUgraph g,
+                                     CUgraphNode *out) {
+    uint8_t *args = malloc(nd->args_len ? nd->args_len : 1);
+    void **slots = calloc(nd->nparams ? nd->nparams : 1, sizeof(void *));
+    if (!args || !slots) { free(args); free(slots); return fail(NIMBLE_ERROR_IO, "out of memory"); }
+    memcpy(args, nd->args, nd->args_len);
+    for (uint64_t i = 0; i < nd->nrelocs; i++) { /* the reader kept each inside the block */
+        uint64_t v = resolve(m, j, nd->relocs[i].place);
+        for (int b = 0; b < 8; b++) args[nd->relocs[i].loc + b] = (uint8_t)(v >> (8 * b));
+    }
+    size_t size = nd->args_len;
+    void *extra[5] = {CU_LAUNCH_PARAM_BUFFER_POINTER, args, CU_LAUNCH_PARAM_BUFFER_SIZE, &size,
+                      CU_LAUNCH_PARAM_END};
+    CUDA_KERNEL_NODE_PARAMS p;
+    memset(&p, 0, sizeof p);
+    p.func = m->kernels[nd->kernel].fn;
+    p.gridDimX = (unsigned)nd->grid[0]; p.gridDimY = (unsigned)nd->grid[1];
+    p.gridDimZ = (unsigned)nd->grid[2];
+    p.blockDimX = (unsigned)nd->block[0]; p.blockDimY = (unsigned)nd->block[1];
+    p.blockDimZ = (unsigned)nd->block[2];
+    p.sharedMemBytes = (unsigned)nd->shared;
+    if (nd->packed) {
+        p.extra = extra;
+    } else if (nd->nparams) {
+        for (uint64_t i = 0; i < nd->nparams; i++) slots[i] = args + nd->params[2 * i];
+        p.kernelParams = slots;
+    }
+    CUresult r = cuGraphAddKernelNode(out, g, NULL, 0, &p);
+    free(args);
+    free(slots);
+    if (r != CUDA_SUCCESS) return cuda_fail("cuGraphAddKernelNode", r);
+    for (uint64_t i = 0; i < nd->nattrs; i++) {
+        CUlaunchAttributeValue v;
+        memset(&v, 0, sizeof v);
+        memcpy(&v, nd->attrs[i].value, nd->attrs[i].len < sizeof v ? nd->attrs[i].len : sizeof v);
+        CU(cuGraphKernelNodeSetAttribute(*out, (CUlaunchAttributeID)nd->attrs[i].id, &v));
+    }
+    if (nd->has_priority) {
+        CUlaunchAttributeValue v;
+        memset(&v, 0, sizeof v);
+        v.priority = (int)nd->priority;
+        CU(cuGraphKernelNodeSetAttribute(*out, CU_LAUNCH_ATTRIBUTE_PRIORITY, &v));
+    }
+    return NIMBLE_OK;
+}
+
+static nimble_status add_copy_node(nimble_model *m, uint64_t j, node_t *nd, CUgraph g,
+                                   CUgraphNode *out) {
+    if (nd->kind == N_MEMSET) {
+        CUDA_MEMSET_NODE_PARAMS p;
+        memset(&p, 0, sizeof p);
+        p.dst = resolve(m, j, nd->dst);
+        p.value = (unsigned)nd->f[0]; p.elementSize = (unsigned)nd->f[1];
+        p.width = (size_t)nd->f[2]; p.height = (size_t)nd->f[3]; p.pitch = (size_t)nd->f[4];
+        CU(cuGraphAddMemsetNode(out, g, NULL, 0, &p, m->ctx));
+        return NIMBLE_OK;
+    }
+    CUDA_MEMCPY3D p;
+    memset(&p, 0, sizeof p);
+    p.srcMemoryType = (CUmemorytype)nd->f[0]; p.dstMemoryType = (CUmemorytype)nd->f[1];
+    p.srcDevice = resolve(m, j, nd->src); p.dstDevice = resolve(m, j, nd->dst);
+    p.srcXInBytes = (size_t)nd->f[2]; p.srcY = (size_t)nd->f[3]; p.srcZ = (size_t)nd->f[4];
+    p.srcPitch = (size_t)nd->f[5]; p.srcHeight = (size_t)nd->f[6];
+    p.dstXInBytes = (size_t)nd->f[7]; p.dstY = (size_t)nd->f[8]; p.dstZ = (size_t)nd->f[9];
+    p.dstPitch = (size_t)nd->f[10]; p.dstHeight = (size_t)nd->f[11];
+    p.WidthInBytes = (size_t)nd->f[12]; p.Height = (size_t)nd->f[13]; p.Depth = (size_t)nd->f[14];
+    CU(cuGraphAddMemcpyNode(out, g, NULL, 0, &p, m->ctx));
+    return NIMBLE_OK;
+}
+
+/* Instantiate for device launch (a host launch is then a short, constant-cost submission) as
+ * Python's prepare does, uploading on the way; where the driver refuses (a node it cannot
+ * launch from the device), for host launch, with the refusal kept for nimble_launch_note. */
+static nimble_status instantiate(nimble_model *m, bucket_t *b, uint64_t j, CUgraph g,
+                                 int priorities) {
+    cuuint64_t flags = priorities ? CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY : 0;
+    CUDA_GRAPH_INSTANTIATE_PARAMS p;
+    memset(&p, 0, sizeof p);
+    p.flags = flags | CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH |
+              CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD;
+    p.hUploadStream = NULL;
+    CUresult r = cuGraphInstantiateWithParams(&b->execs[j], g, &p);
+    if (r == CUDA_SUCCESS) return NIMBLE_OK;
+    if (!m->launch_note[0]) {
+        const char *name = NULL;
+        cuGetErrorName(r, &name);
+        snprintf(m->launch_note, sizeof m->launch_note, "device launch refused (%s, "
+                 "instantiate result %d): launched from the host", name ? name : "?",
+                 (int)p.result_out);
+    }
+    b->execs[j] = NULL;
+    CU(cuGraphInstantiateWithFlags(&b->execs[j], g, flags));
+    CU(cuGraphUpload(b->execs[j], 0));
+    return NIMBLE_OK;
+}
+
+/* The bucket's edges, every one a full dependency: the plan's programmatic marks are read and
+ * not served (Python's loader does the same), since graphs built with them gave wrong outputs
+ * on a busy GPU (docs/findings.md, "Programmatic edges raced on a busy GPU"). */
+static nimble_status add_edges(bucket_t *b, CUgraph g, CUgraphNode *from, CUgraphNode *to) {
+#if CUDA_VERSION >= 13000
+    CUresult r = cuGraphAddDependencies(g, from, to, NULL, b->nedges);
+#elif CUDA_VERSION >= 12030
+    CUresult r = cuGraphAddDependencies_v2(g, from, to, NULL, b->nedges);
+#else
+    CUresult r = cuGraphAddDependencies(g, from, to, b->nedges);
+#endif
+    return r == CUDA_SUCCESS ? NIMBLE_OK : cuda_fail("cuGraphAddDependencies", r);
+}
+
+/* The graph is destroyed once instantiated: the exec is the driver's own copy of it. */
+static nimble_status build(nimble_model *m, bucket_t *b, uint64_t j) {
+    CUgraph g;
+    CU(cuGraphCreate(&g, 0));
+    CUgraphNode *nodes = calloc(b->nnodes ? b->nnodes : 1, sizeof(CUgraphNode));
+    CUgraphNode *from = calloc(b->nedges ? b->nedges : 1, sizeof(CUgraphNode));
+    CUgraphNode *to = calloc(b->nedges ? b->nedges : 1, sizeof(CUgraphNode));
+    nimble_status s = nodes && from && to ? NIMBLE_OK : fail(NIMBLE_ERROR_IO, "out of memory");
+    int priorities = 0;
+    for (uint64_t i = 0; s == NIMBLE_OK && i < b->nnodes; i++) {
+        node_t *nd = &b->nodes[i];
+        priorities |= nd->kind == N_KERNEL && nd->has_priority;
+        if (nd->kind == N_KERNEL) s = add_kernel_node(m, j, nd, g, &nodes[i]);
+        else if (nd->kind == N_EMPTY) {
+            CUresult r = cuGraphAddEmptyNode(&nodes[i], g, NULL, 0);
+            if (r != CUDA_SUCCESS) s = cuda_fail("cuGraphAddEmptyNode", r);
+        } else s = add_copy_node(m, j, nd, g, &nodes[i]);
+    }
+    for (uint64_t e = 0; s == NIMBLE_OK && e < b->nedges; e++) {
+        from[e] = nodes[b->edges[2 * e]];
+        to[e] = nodes[b->edges[2 * e + 1]];
+    }
+    if (s == NIMBLE_OK && b->nedges) s = add_edges(b, g, from, to);
+    free(nodes); free(from); free(to);
+    if (s == NIMBLE_OK) s = instantiate(m, b, j, g, priorities);
+    cuGraphDestroy(g);
+    return s;
 }
 
 /* ---- the proof at load -------------------------------------------------------------------- */
@@ -149,15 +290,14 @@ static nimble_status prove(nimble_model *m) {
 
 /* ---- the API ------------------------------------------------------------------------------ */
 
-/* What the checksum runs beside, reading bytes it has not vouched for yet (each read bounded):
- * the graphs are built from them too, and nothing runs before the checksum is joined. */
+/* What the checksum runs beside, reading bytes it has not vouched for yet (each read bounded). */
 static nimble_status load_unchecked(nimble_model *m, const char *path, int device, double *clock) {
     plan_t pl = {0};
     TRY(nimble_find_sections(m, path, &pl));
     TRY(nimble_read_plan(m, &pl));
     TRY(check_device(m, device));
     lap(m, NIMBLE_STAGE_READ, clock);
-    return nimble_load_and_build(m);
+    return nimble_load_kernels_and_memory(m);
 }
 
 /* The checksum is joined on every path before load returns (nimble_load unmaps the file it
@@ -171,6 +311,13 @@ static nimble_status load(nimble_model *m, const char *path, int device, unsigne
     nimble_status s = load_unchecked(m, path, device, &clock);
     TRY(nimble_file_check_finish(m, &check, path, s));
     clock = seconds_now();
+    for (uint64_t k = 0; k < m->nbuckets; k++) {
+        bucket_t *b = &m->buckets[k];
+        b->execs = calloc(m->instances, sizeof(CUgraphExec));
+        if (!b->execs) return fail(NIMBLE_ERROR_IO, "out of memory");
+        for (uint64_t j = 0; j < m->instances; j++) TRY(build(m, b, j));
+    }
+    lap(m, NIMBLE_STAGE_BUILD, &clock);
     if (!(flags & NIMBLE_LOAD_NO_VERIFY)) TRY(prove(m));
     lap(m, NIMBLE_STAGE_VERIFY, &clock);
     return NIMBLE_OK;

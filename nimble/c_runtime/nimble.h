@@ -102,10 +102,8 @@ const char *nimble_launch_note(const nimble_model *model);
 
 /* Where nimble_load's time went, in seconds.  Three kinds of number:
  *  - wall-clock on the calling thread, one after another, together about the whole load:
- *    READ, KERNELS, BUILD, WAIT, VERIFY;
- *  - wall-clock on threads of their own, beside READ and KERNELS: MEMORY (its placement on the
- *    calling thread, then its upload on a thread of its own, summed), CHECKSUM; and NODES, the
- *    calling thread's time adding the graphs' nodes as the binaries loaded, within KERNELS;
+ *    READ, KERNELS, WAIT, BUILD, VERIFY;
+ *  - wall-clock on a thread of its own, beside READ and KERNELS: MEMORY, CHECKSUM;
  *  - the kernels' work summed over their threads (the time the binaries' items spent in each
  *    part, not a span of the load: with threads side by side, together they can exceed
  *    KERNELS): BINARIES, LIBRARIES, FUNCTIONS. */
@@ -115,19 +113,15 @@ typedef enum nimble_load_stage {
     NIMBLE_STAGE_BINARIES,     /* summed: kernel binaries read from their libraries and hashed */
     NIMBLE_STAGE_LIBRARIES,    /* summed: cuLibraryLoadData of each binary */
     NIMBLE_STAGE_FUNCTIONS,    /* summed: each kernel's function taken and checked */
-    NIMBLE_STAGE_MEMORY,       /* every allocation made (the calling thread, before the build),
-                                  then the weights, external memory and arenas' bytes uploaded
-                                  on a thread of its own beside KERNELS and BUILD */
-    NIMBLE_STAGE_BUILD,        /* after the last binary loaded: the graphs' edges added and the
-                                  graphs instantiated */
+    NIMBLE_STAGE_MEMORY,       /* weights and external memory uploaded, arenas allocated, on a
+                                  thread of its own beside KERNELS */
+    NIMBLE_STAGE_BUILD,        /* graphs built and instantiated */
     NIMBLE_STAGE_VERIFY,       /* the proof at load */
-    NIMBLE_STAGE_KERNELS,      /* from the first binary's item to the last's end: one item per
-                                  binary over up to 16 threads (the online CPUs less two) */
+    NIMBLE_STAGE_KERNELS,      /* every binary read, hashed, loaded and its kernels' functions
+                                  taken: one item per binary over up to 8 threads */
     NIMBLE_STAGE_CHECKSUM,     /* the whole file's checksum, on a thread of its own from the
                                   header's check on, beside READ and KERNELS */
-    NIMBLE_STAGE_WAIT,         /* after BUILD, waiting for the upload's and checksum's threads */
-    NIMBLE_STAGE_NODES,        /* within KERNELS: the graphs' nodes added on the calling thread
-                                  as each binary's functions were taken */
+    NIMBLE_STAGE_WAIT,         /* after KERNELS, waiting for the MEMORY and CHECKSUM threads */
     NIMBLE_STAGE_COUNT
 } nimble_load_stage;
 double nimble_load_seconds(const nimble_model *model, nimble_load_stage stage);

@@ -151,36 +151,13 @@ void nimble_release_file(nimble_model *m);
 /* Read the whole c_plan into m (its arrays allocated; raw bytes point into m->file). */
 nimble_status nimble_read_plan(nimble_model *m, plan_t *plan);
 
-/* ---- the graphs' building (nimble_build.c) ------------------------------------------------ */
+/* ---- the kernels and the memory (nimble_load.c) -------------------------------------------- */
 
-/* Every bucket's graph per instance, built while the kernels load: _start makes the graphs and
- * their nodes of no kernel (the memory placed: every address known), _add_binary the nodes of
- * binary i's kernels once its functions are taken, _finish the edges and the instantiation
- * (each bucket's execs).  _free destroys the graphs (the execs stay the model's). */
-typedef struct nimble_builds nimble_builds;
-nimble_status nimble_builds_start(nimble_model *m, nimble_builds **out);
-nimble_status nimble_builds_add_binary(nimble_builds *bs, uint64_t binary);
-nimble_status nimble_builds_finish(nimble_builds *bs);
-void nimble_builds_free(nimble_builds *bs);
-
-/* ---- the memory (nimble_memory.c) --------------------------------------------------------- */
-
-/* Every allocation of the load made and every address the graphs point at set (the weights',
- * the external memory's, the arenas' and the low-bits buffers'), no byte uploaded. */
-nimble_status nimble_place_memory(nimble_model *m);
-/* The placed memory's bytes from the file (zeroes where the plan gives none): reads only what
- * nimble_place_memory set, so it may run beside the build. */
-nimble_status nimble_upload_memory(nimble_model *m);
-
-/* ---- the kernels, the memory and the build (nimble_load.c) --------------------------------- */
-
-/* One item per kernel binary on worker threads: the binary read and held to its SHA-256,
- * loaded, then the functions of its kernels taken.  On this thread meanwhile: the memory placed
- * (every allocation made), then the graphs built, each binary's kernel nodes as its item ends;
- * the weights, external memory and arenas' bytes uploaded on a thread of their own.  The
- * kernels' failure first (the first failing binary's, in binary order), then the memory's, then
- * the build's, as this thread's error. */
-nimble_status nimble_load_and_build(nimble_model *m);
+/* One item per kernel binary, on this thread and its workers: the binary read and held to its
+ * SHA-256, loaded, then the functions of its kernels taken; the weights, external memory and
+ * arenas uploaded on a thread of their own meanwhile.  The kernels' failure first (the first
+ * failing binary's, in binary order), then the memory's, as this thread's error. */
+nimble_status nimble_load_kernels_and_memory(nimble_model *m);
 
 /* The whole file's checksum, computed on a thread of its own while the plan, the kernels and
  * the memory load: nimble_file_check_start after nimble_map_file, nimble_file_check_finish

@@ -1,22 +1,18 @@
 /*
- * The kernels, the memory and the build of a load (nimble.c's nimble_load): one item per kernel
- * binary, over worker threads, that reads it from the file or its library, holds it to its
- * SHA-256, loads it and takes and checks the functions of its kernels; on the calling thread
- * meanwhile, the memory placed and the graphs built (nimble_build.c), each binary's kernel
- * nodes as its item ends; on a thread of its own, the weights', external memory's and arenas'
- * bytes uploaded; and, on another, the whole file's checksum, which the load joins before its
- * proof.
+ * The kernels and the memory of a load (nimble.c's nimble_load): one item per kernel binary,
+ * over several threads, that reads it from the file or its library, holds it to its SHA-256,
+ * loads it and takes and checks the functions of its kernels; beside them, on a thread of its
+ * own, the weights, the external memory and the arenas uploaded; and, on another, the whole
+ * file's checksum, which the load joins before building.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "nimble_internal.h"
 #include "nimble_sha256.h"
 
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #define fail nimble_fail
 #define cuda_fail nimble_cuda_fail
@@ -118,11 +114,6 @@ typedef struct {
     double (*seconds)[3];      /* per binary: read and hashed, loaded, its functions taken */
     nimble_status *status;
     char (*message)[NIMBLE_MESSAGE_BYTES];
-    /* the binaries whose items have ended, in the order they did: the build takes them */
-    pthread_mutex_t lock;
-    pthread_cond_t ended_one;
-    uint64_t *ended;
-    size_t nended;
 } kernels_job_t;
 
 static void tick(double *into, double *clock) {
@@ -160,19 +151,6 @@ static void run_binary_item(void *arg, size_t taken) {
                                        : nimble_cuda_fail("cuCtxSetCurrent", r);
     if (job->status[i] != NIMBLE_OK)
         snprintf(job->message[i], sizeof job->message[i], "%s", nimble_last_error());
-    pthread_mutex_lock(&job->lock);
-    job->ended[job->nended++] = i;
-    pthread_cond_signal(&job->ended_one);
-    pthread_mutex_unlock(&job->lock);
-}
-
-/* The binary whose item ended `taken`-th, once it has. */
-static uint64_t ended_binary(kernels_job_t *job, size_t taken) {
-    pthread_mutex_lock(&job->lock);
-    while (job->nended <= taken) pthread_cond_wait(&job->ended_one, &job->lock);
-    uint64_t i = job->ended[taken];
-    pthread_mutex_unlock(&job->lock);
-    return i;
 }
 
 static int larger_first(const void *a, const void *b) {
@@ -209,71 +187,24 @@ static int job_alloc(kernels_job_t *job, nimble_model *m) {
     job->seconds = calloc(n, sizeof *job->seconds);
     job->status = calloc(n, sizeof *job->status);
     job->message = calloc(n, sizeof *job->message);
-    job->ended = calloc(n, sizeof *job->ended);
-    pthread_mutex_init(&job->lock, NULL);
-    pthread_cond_init(&job->ended_one, NULL);
     return job->order && job->first && job->members && job->seconds && job->status &&
-           job->message && job->ended;
+           job->message;
 }
 
 static void job_free(kernels_job_t *job) {
     free(job->order); free(job->first); free(job->members);
-    free(job->seconds); free(job->status); free(job->message); free(job->ended);
-    pthread_mutex_destroy(&job->lock);
-    pthread_cond_destroy(&job->ended_one);
+    free(job->seconds); free(job->status); free(job->message);
 }
 
-/* ---- the loaders: the items' threads ---------------------------------------------------- */
-
-#define MOST_LOADERS 16
-
-typedef struct {
-    kernels_job_t *job;
-    atomic_size_t next;
-    pthread_t ids[MOST_LOADERS];
-    int started[MOST_LOADERS];
-} loaders_t;
-
-/* The online CPUs less two (the upload's thread and the checksum's run beside the items), from
- * 1 to MOST_LOADERS: the driver's loads of the binaries scale with threads. */
-static size_t loader_threads(size_t items) {
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    size_t n = cpus > 3 ? (size_t)(cpus - 2) : 1;
-    if (n > MOST_LOADERS) n = MOST_LOADERS;
-    return n < items ? n : items;
-}
-
-/* Items are claimed one at a time, the largest binaries first (order_binaries): a thread that
- * drew small ones takes the next rather than sitting idle beside one that drew a large one. */
-static void *run_loader(void *arg) {
-    loaders_t *l = arg;
-    size_t count = (size_t)l->job->m->nbinaries;
-    for (size_t i = atomic_fetch_add(&l->next, 1); i < count; i = atomic_fetch_add(&l->next, 1))
-        run_binary_item(l->job, i);
-    return NULL;
-}
-
-static void loaders_start(loaders_t *l, kernels_job_t *job) {
-    l->job = job;
-    atomic_init(&l->next, 0);
-    size_t threads = loader_threads((size_t)job->m->nbinaries);
-    int any = 0;
-    for (size_t t = 0; t < threads; t++)
-        any |= l->started[t] = pthread_create(&l->ids[t], NULL, run_loader, l) == 0;
-    if (!any) run_loader(l); /* no thread: every item here, before the build takes them */
-}
-
-static void loaders_join(loaders_t *l) {
-    for (size_t t = 0; t < MOST_LOADERS; t++)
-        if (l->started[t]) pthread_join(l->ids[t], NULL);
-}
-
-/* Every item has run (none is cut short by another's failure), so the error reported, the
- * first failing binary's in binary order, is the same on every run. */
-static nimble_status kernels_status(kernels_job_t *job) {
+/* The items spread over threads; every item runs (none is cut short by another's failure), so
+ * the error reported, the first failing binary's in binary order, is the same on every run. */
+static nimble_status run_binaries(kernels_job_t *job) {
     static const nimble_load_stage PARTS[3] = {
         NIMBLE_STAGE_BINARIES, NIMBLE_STAGE_LIBRARIES, NIMBLE_STAGE_FUNCTIONS};
     nimble_model *m = job->m;
+    order_binaries(job);
+    group_kernels(job);
+    nimble_spread(run_binary_item, job, (size_t)m->nbinaries);
     for (uint64_t i = 0; i < m->nbinaries; i++)
         for (int p = 0; p < 3; p++) m->stage_seconds[PARTS[p]] += job->seconds[i][p];
     for (uint64_t i = 0; i < m->nbinaries; i++)
@@ -281,7 +212,133 @@ static nimble_status kernels_status(kernels_job_t *job) {
     return NIMBLE_OK;
 }
 
-/* ---- the memory's upload (nimble_memory.c) on a thread of its own ---------------------- */
+static nimble_status load_kernels(nimble_model *m) {
+    double clock = seconds_now();
+    kernels_job_t job = {0};
+    m->libraries = calloc(m->nbinaries ? (size_t)m->nbinaries : 1, sizeof(CUlibrary));
+    nimble_status s = m->libraries && job_alloc(&job, m) ? run_binaries(&job)
+                                                         : fail(NIMBLE_ERROR_IO, "out of memory");
+    job_free(&job);
+    lap(m, NIMBLE_STAGE_KERNELS, &clock);
+    return s;
+}
+
+/* ---- memory ------------------------------------------------------------------------------ */
+
+/* Each range's place in its table's one allocation: as torch's allocator aligns a storage,
+ * which is what the saving process's kernels saw. */
+#define RANGE_ALIGNMENT 512u
+
+static uint64_t range_room(uint64_t size) {
+    return (size + RANGE_ALIGNMENT - 1) / RANGE_ALIGNMENT * RANGE_ALIGNMENT;
+}
+
+/* One allocation for the whole table, each range at its aligned offset in it: a cuMemAlloc per
+ * range (a thousand storages in the widest zoo models) waited on the driver's lock while the
+ * kernels loaded beside it. */
+static nimble_status upload(nimble_model *m, memory_t *t, uint64_t n, CUdeviceptr *block,
+                            const char *what) {
+    uint64_t total = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        if (!blob(m, t[i].blob) || t[i].blob.size != t[i].size)
+            return fail(NIMBLE_ERROR_UNSUPPORTED, "the file holds no bytes for %s %llu (saved "
+                        "with weights=False?): the C runtime needs them in the file", what,
+                        (unsigned long long)i);
+        total += range_room(t[i].size);
+    }
+    if (!n) return NIMBLE_OK;
+    CU(cuMemAlloc(block, total ? total : 1));
+    uint64_t offset = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        t[i].ptr = *block + offset;
+        if (t[i].size) CU(cuMemcpyHtoD(t[i].ptr, blob(m, t[i].blob), t[i].size));
+        offset += range_room(t[i].size);
+    }
+    return NIMBLE_OK;
+}
+
+static nimble_status place_arenas(nimble_model *m) {
+    m->arenas = calloc(m->instances, sizeof(CUdeviceptr));
+    m->bases = calloc(m->instances, sizeof(CUdeviceptr));
+    if (!m->arenas || !m->bases) return fail(NIMBLE_ERROR_IO, "out of memory");
+    for (uint64_t j = 0; j < m->instances; j++) {
+        CU(cuMemAlloc(&m->arenas[j], m->arena_size ? m->arena_size : 1));
+        uint64_t a = m->alignment ? m->alignment : 1;
+        m->bases[j] = (m->arenas[j] + a - 1) / a * a;
+        for (uint64_t k = 0; k < m->nbuckets; k++) {
+            bucket_t *b = &m->buckets[k];
+            for (uint64_t i = 0; i < b->nprivate; i++) {
+                private_t *p = &b->private_[i];
+                const uint8_t *data = blob(m, p->blob);
+                if (data && p->blob.size == p->size)
+                    CU(cuMemcpyHtoD(m->bases[j] + p->offset, data, p->size));
+                else
+                    CU(cuMemsetD8(m->bases[j] + p->offset, 0, p->size));
+            }
+        }
+    }
+    return NIMBLE_OK;
+}
+
+/* One instance's copy of low-bits buffer `l`: 8 GiB and the span reserved, the span mapped at
+ * the first 4 GiB boundary in them plus the buffer's recorded low bits (rounded down to the
+ * allocation granularity), its first bytes uploaded (zeroes where the plan gives none).  What
+ * was made is noted in `map` as it is made, for nimble_free. */
+static nimble_status map_low_bits(nimble_model *m, const lowbits_t *l, lowmap_t *map) {
+    const uint64_t four_gib = 1ULL << 32;
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = (int)m->device;
+    size_t grain = 0;
+    CU(cuMemGetAllocationGranularity(&grain, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    if (!grain) grain = 1;
+    uint64_t low = l->address % four_gib, first = low - low % grain;
+    uint64_t need = low + (l->size ? l->size : 1) - first;
+    size_t span = (size_t)((need + grain - 1) / grain * grain);
+    size_t reserve = (size_t)(2 * four_gib) + span;
+    CU(cuMemAddressReserve(&map->va, reserve, 0, 0, 0));
+    map->reserve = reserve;
+    CUdeviceptr window = (map->va + four_gib - 1) / four_gib * four_gib;
+    CU(cuMemCreate(&map->handle, span, &prop, 0));
+    map->have_handle = 1;
+    CU(cuMemMap(window + first, span, 0, map->handle, 0));
+    map->mapped = window + first;
+    map->span = span;
+    CUmemAccessDesc access;
+    memset(&access, 0, sizeof access);
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CU(cuMemSetAccess(map->mapped, span, &access, 1));
+    map->ptr = window + low;
+    const uint8_t *data = blob(m, l->blob);
+    if (data && l->blob.size == l->size && l->size) CU(cuMemcpyHtoD(map->ptr, data, l->size));
+    else if (l->size) CU(cuMemsetD8(map->ptr, 0, l->size));
+    return NIMBLE_OK;
+}
+
+static nimble_status place_low_bits(nimble_model *m) {
+    for (uint64_t i = 0; i < m->nlowbits; i++) {
+        lowbits_t *l = &m->lowbits[i];
+        l->maps = calloc(m->instances ? m->instances : 1, sizeof(lowmap_t));
+        if (!l->maps) return fail(NIMBLE_ERROR_IO, "out of memory");
+        for (uint64_t j = 0; j < m->instances; j++) TRY(map_low_bits(m, l, &l->maps[j]));
+    }
+    return NIMBLE_OK;
+}
+
+/* The weights, the external memory, the arenas and the low-bits buffers, uploaded while
+ * another thread loads the kernels: the two share nothing but the context. */
+static nimble_status upload_memory(nimble_model *m) {
+    double clock = seconds_now();
+    TRY(upload(m, m->weights, m->nweights, &m->weight_block, "weight storage"));
+    TRY(upload(m, m->memory, m->nmemory, &m->memory_block, "external memory range"));
+    TRY(place_arenas(m));
+    TRY(place_low_bits(m));
+    lap(m, NIMBLE_STAGE_MEMORY, &clock);
+    return NIMBLE_OK;
+}
 
 typedef struct {
     nimble_model *m; nimble_status status; char message[NIMBLE_MESSAGE_BYTES];
@@ -290,89 +347,28 @@ typedef struct {
 static void *memory_worker(void *arg) {
     memory_job_t *job = arg;
     CUresult r = cuCtxSetCurrent(job->m->ctx);
-    job->status = r == CUDA_SUCCESS ? nimble_upload_memory(job->m)
+    job->status = r == CUDA_SUCCESS ? upload_memory(job->m)
                                     : nimble_cuda_fail("cuCtxSetCurrent", r);
     if (job->status != NIMBLE_OK)
         snprintf(job->message, sizeof job->message, "%s", nimble_last_error());
     return NULL;
 }
 
-/* ---- the load: the three side by side ------------------------------------------------------ */
-
-/* A failure's message kept beside its status: this thread's error changes with the next. */
-typedef struct { nimble_status status; char message[NIMBLE_MESSAGE_BYTES]; } outcome_t;
-
-static void keep(outcome_t *o, nimble_status s) {
-    o->status = s;
-    if (s != NIMBLE_OK) snprintf(o->message, sizeof o->message, "%s", nimble_last_error());
-}
-
-/* The graphs built on this thread as the items end: the nodes of no kernel first, then each
- * ended binary's kernel nodes; once one fails, the rest of the items are waited for, not
- * built.  KERNELS is the span from `started` to the last item's end. */
-static void build_as_items_end(kernels_job_t *job, outcome_t *built, double started) {
-    nimble_model *m = job->m;
-    nimble_builds *bs = NULL;
-    double clock = seconds_now();
-    if (built->status == NIMBLE_OK) keep(built, nimble_builds_start(m, &bs));
-    lap(m, NIMBLE_STAGE_NODES, &clock);
-    for (size_t n = 0; n < (size_t)m->nbinaries; n++) {
-        uint64_t i = ended_binary(job, n);
-        clock = seconds_now();
-        if (built->status == NIMBLE_OK && job->status[i] == NIMBLE_OK)
-            keep(built, nimble_builds_add_binary(bs, i));
-        lap(m, NIMBLE_STAGE_NODES, &clock);
-    }
-    m->stage_seconds[NIMBLE_STAGE_KERNELS] += seconds_now() - started;
-    int loaded = 1;
-    for (uint64_t i = 0; i < m->nbinaries; i++) loaded &= job->status[i] == NIMBLE_OK;
-    clock = seconds_now();
-    if (built->status == NIMBLE_OK && loaded) keep(built, nimble_builds_finish(bs));
-    nimble_builds_free(bs);
-    lap(m, NIMBLE_STAGE_BUILD, &clock);
-}
-
-/* The items started first (they need nothing of the memory), the memory placed, its upload
- * started, then the build; precedence of errors as nimble_internal.h says. */
-static nimble_status load_and_build(nimble_model *m, kernels_job_t *job) {
-    double clock = seconds_now();
-    loaders_t loaders;
-    memset(&loaders, 0, sizeof loaders);
-    order_binaries(job);
-    group_kernels(job);
-    loaders_start(&loaders, job);
-    outcome_t placed, built, uploaded;
-    memset(&built, 0, sizeof built);
-    keep(&placed, nimble_place_memory(m));
-    memory_job_t upload = {m, NIMBLE_OK, ""};
+/* The kernels on this thread and the memory on one of its own, side by side; the kernels'
+ * failure first, then the memory's, as this thread's error. */
+nimble_status nimble_load_kernels_and_memory(nimble_model *m) {
+    memory_job_t job = {m, NIMBLE_OK, ""};
     pthread_t id;
-    int uploading = placed.status == NIMBLE_OK &&
-                    pthread_create(&id, NULL, memory_worker, &upload) == 0;
-    built.status = placed.status; /* no build without the memory's addresses */
-    build_as_items_end(job, &built, clock);
-    loaders_join(&loaders);
-    clock = seconds_now();
-    if (uploading) pthread_join(id, NULL);
-    else if (placed.status == NIMBLE_OK) memory_worker(&upload); /* no thread: here, last */
+    int started = pthread_create(&id, NULL, memory_worker, &job) == 0;
+    nimble_status kernels = load_kernels(m);
+    double clock = seconds_now();
+    if (started)
+        pthread_join(id, NULL);
+    else if (kernels == NIMBLE_OK)
+        memory_worker(&job);
     lap(m, NIMBLE_STAGE_WAIT, &clock);
-    uploaded.status = upload.status;
-    snprintf(uploaded.message, sizeof uploaded.message, "%s", upload.message);
-    TRY(kernels_status(job));
-    const outcome_t *order[3] = {&placed, &built, &uploaded};
-    for (int i = 0; i < 3; i++)
-        if (order[i]->status != NIMBLE_OK) return fail(order[i]->status, "%s", order[i]->message);
-    return NIMBLE_OK;
-}
-
-nimble_status nimble_load_and_build(nimble_model *m) {
-    kernels_job_t job;
-    memset(&job, 0, sizeof job);
-    int made = job_alloc(&job, m); /* its lock made whatever else fails: job_free ends it */
-    m->libraries = calloc(m->nbinaries ? (size_t)m->nbinaries : 1, sizeof(CUlibrary));
-    nimble_status s = made && m->libraries ? load_and_build(m, &job)
-                                           : fail(NIMBLE_ERROR_IO, "out of memory");
-    job_free(&job);
-    return s;
+    TRY(kernels);
+    return job.status == NIMBLE_OK ? NIMBLE_OK : fail(job.status, "%s", job.message);
 }
 
 /* ---- the file's checksum ------------------------------------------------------------------ */

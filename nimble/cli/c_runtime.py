@@ -1,9 +1,9 @@
 """``nimble c-runtime``: where Nimble's C runtime is, and building it.
 
 The runtime is a few files inside the package (``nimble/c_runtime/``: the API ``nimble.h``;
-``nimble.c``, ``nimble_build.c``, ``nimble_load.c``, ``nimble_memory.c``, ``nimble_plan.c``
-and ``nimble_sha256.c``; C11 on the CUDA driver API and POSIX threads alone), so a wheel or
-sdist carries them.  ``--print-include`` prints their folder for a build system (``cc -I$(python -m nimble c-runtime --print-include)``);
+``nimble.c``, ``nimble_load.c``, ``nimble_plan.c`` and ``nimble_sha256.c``; C11 on the CUDA
+driver API and POSIX threads alone), so a wheel or sdist carries them.  ``--print-include``
+prints their folder for a build system (``cc -I$(python -m nimble c-runtime --print-include)``);
 ``--build DIR`` compiles ``libnimble.so`` with the system C compiler against a ``cuda.h`` and a
 ``libcuda`` it finds (a CUDA toolkit, ``$CUDA_HOME``, the headers of the ``nvidia-cuda-runtime``
 wheel, the driver's own library).  Plain Python: no torch, no GPU needed to print or build.
@@ -25,8 +25,7 @@ from .common import Fail
 
 HELP = "where Nimble's C runtime is, and building it (libnimble.so)"
 FOLDER = Path(__file__).resolve().parent.parent / "c_runtime"
-SOURCES = ("nimble.c", "nimble_build.c", "nimble_load.c", "nimble_memory.c", "nimble_plan.c",
-           "nimble_sha256.c")
+SOURCES = ("nimble.c", "nimble_load.c", "nimble_plan.c", "nimble_sha256.c")
 HEADER = "nimble.h"
 _TARGET = {"x86_64": "x86_64-linux", "aarch64": "sbsa-linux"}.get(platform.machine(), "")
 _LDCONFIG_ARCH = {"x86_64": "x86-64", "aarch64": "AArch64"}.get(platform.machine(), "")

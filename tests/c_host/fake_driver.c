@@ -6,13 +6,11 @@
  * needs a context checks one is current on its thread, and what is left alive after
  * nimble_free is counted.  FAKE_FAIL_LIBRARY=<index> fails that binary's cuLibraryLoadData,
  * FAKE_MISSING_KERNEL=<name> that kernel's cuLibraryGetKernel; FAKE_JITTER=1 sleeps at random
- * in the loads, so that the binaries' items end out of order; FAKE_SLOW_LIBRARY=<index> makes
- * that binary's load take 300 ms, and the kernel nodes added before it ended are counted.
+ * in the loads, so that the binaries' items end out of order.
  *
  * Prints "status N: message", then (loaded) "kernels N misplaced N edges N programmatic N" (a
  * kernel whose function is not from its own binary; the dependency edges added, and those of
- * them given the programmatic type), "kernel nodes before the slow library N", then "left: ..."
- * (every count 0 where all was freed).
+ * them given the programmatic type), then "left: ..." (every count 0 where all was freed).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
@@ -31,8 +29,6 @@ static int ctx_token, node_token;
 static atomic_int libraries, graphs, execs, retained, wild, no_context;
 /* Dependency edges the runtime added, and those of them it gave the programmatic type. */
 static atomic_int edges, programmatic;
-/* Whether FAKE_SLOW_LIBRARY's load has ended, and the kernel nodes added before it did. */
-static atomic_int slow_ended, nodes_before_slow;
 
 typedef struct { uintptr_t at; size_t size; } alloc_t;
 static alloc_t allocs[4096];
@@ -95,13 +91,8 @@ CUresult CUDAAPI cuLibraryLoadData(CUlibrary *l, const void *code, CUjit_option 
                                    unsigned n, CUlibraryOption *lo, void **lov, unsigned ln) {
     (void)o; (void)ov; (void)n; (void)lo; (void)lov; (void)ln;
     int tag = memcmp(code, "BIN", 3) == 0 ? atoi((const char *)code + 3) : -1;
-    const char *fail = getenv("FAKE_FAIL_LIBRARY"), *slow = getenv("FAKE_SLOW_LIBRARY");
+    const char *fail = getenv("FAKE_FAIL_LIBRARY");
     jitter();
-    if (slow && atoi(slow) == tag) {
-        struct timespec t = {0, 300L * 1000 * 1000};
-        nanosleep(&t, NULL);
-        atomic_store(&slow_ended, 1);
-    }
     if (tag < 0 || (fail && atoi(fail) == tag)) return CUDA_ERROR_INVALID_IMAGE;
     lib_t *lib = calloc(1, sizeof *lib);
     if (!lib) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -200,7 +191,6 @@ CUresult CUDAAPI cuGraphAddKernelNode(CUgraphNode *n, CUgraph g, const CUgraphNo
     (void)g; (void)d; (void)c;
     const kern_t *k = (const kern_t *)p->func;
     if (!k || k->lib->dead) return CUDA_ERROR_INVALID_HANDLE;
-    if (!atomic_load(&slow_ended)) atomic_fetch_add(&nodes_before_slow, 1);
     *n = (CUgraphNode)&node_token;
     return CUDA_SUCCESS;
 }
@@ -325,8 +315,6 @@ int main(int argc, char **argv) {
         printf("kernels %llu misplaced %d edges %d programmatic %d\n",
                (unsigned long long)m->nkernels, misplaced(m), atomic_load(&edges),
                atomic_load(&programmatic));
-    if (s == NIMBLE_OK)
-        printf("kernel nodes before the slow library %d\n", atomic_load(&nodes_before_slow));
     nimble_free(m);
     printf("left: allocations %d libraries %d graphs %d execs %d contexts %d wild %d "
            "no-context %d\n", nallocs, atomic_load(&libraries), atomic_load(&graphs),

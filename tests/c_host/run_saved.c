@@ -83,7 +83,7 @@ static int bench(nimble_model *m, double load_ms, int calls) {
     /* "_summed": over the kernels' threads, not spans of the load (nimble.h) */
     static const char *stages[] = {
         "read", "binaries_summed", "libraries_summed", "functions_summed", "memory", "build",
-        "verify", "kernels", "checksum", "wait", "nodes"};
+        "verify", "kernels", "checksum", "wait"};
     _Static_assert(sizeof stages / sizeof *stages == NIMBLE_STAGE_COUNT, "a name per stage");
     printf("{\"load_to_first_call_ms\": %.3f, \"host_us_nimble_run\": %.2f, "
            "\"host_us_bare_launch\": %.2f, \"gpu_ms_per_call\": %.4f, "
