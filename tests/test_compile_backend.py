@@ -201,6 +201,30 @@ def test_a_call_under_grad_records_a_training_step_whose_gradients_reach_the_mod
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_parameters_held_as_graph_attributes_are_refused_under_grad_and_run_without_it():
+    """A graph that keeps the parameters inside it (Dynamo with inline_inbuilt_nn_modules=False
+    where torch honours it; here an FX trace handed to the backend as Dynamo would): a call
+    under grad mode gets the typed error saying why (a prepared graph would give no
+    gradients), not a backward that fails later; under no_grad it is prepared as inference,
+    and with fallback on, the call under grad runs on Inductor's differentiable code."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    gm = torch.fx.symbolic_trace(model)
+    backend, requests = _backend()
+    region = backend(gm, [x])
+    with pytest.raises(InputError, match="inline_inbuilt_nn_modules.*no_grad"):
+        region(x)
+    assert requests.seen == []
+    with torch.no_grad():
+        torch.testing.assert_close(region(x), model(x))
+    assert [r.training for r in requests.seen] == [False]
+    backend, requests = _backend()
+    region = backend(gm, [x], options={"fallback": True})
+    region(x).sum().backward()
+    assert requests.seen == [] and backend.fallbacks == 1
+    assert all(p.grad is not None for p in model.parameters())
+
+
 # ---- a region alone ---------------------------------------------------------------------------
 
 def _region(inputs, dynamic, prepare, **options):

@@ -28,6 +28,13 @@ def inductor_compile(gm, example_inputs: Sequence[Any], patches: dict) -> Callab
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
+def _held_parameters(gm) -> list[str]:
+    """The parameters that require grad which the graph holds as its own attributes, not as
+    inputs (Dynamo with ``inline_inbuilt_nn_modules=False``)."""
+    named = getattr(gm, "named_parameters", None)
+    return [n for n, p in named() if p.requires_grad] if named is not None else []
+
+
 def _graph_name(count: int) -> str:
     """Dynamo's id of the graph being compiled (``frame/recompile``, as ``TORCH_LOGS`` shows
     it), or the backend's own count where there is none."""
@@ -71,7 +78,8 @@ class NimbleBackend:
         log.debug("graph %s: %d inputs (%d lifted weights)%s", name, len(inputs),
                   sum(g.static for g in inputs), ", dynamic shapes" if dynamic else "")
         compiled = self._compile(gm, example_inputs, parsed.inductor)
-        region = Region(name, compiled, inputs, dynamic, parsed, self._prepare_fn())
+        region = Region(name, compiled, inputs, dynamic, parsed, self._prepare_fn(),
+                        held=_held_parameters(gm))
         self._regions.append(weakref.ref(region))
         return region
 

@@ -166,8 +166,10 @@ class Region:
     """One graph Dynamo compiled, and a prepared graph per signature it was called with."""
 
     def __init__(self, name: str, compiled: Callable, inputs: list[GraphInput], dynamic: bool,
-                 options: BackendOptions, prepare: PrepareFn) -> None:
+                 options: BackendOptions, prepare: PrepareFn, held: Sequence[str] = ()) -> None:
         self.name = name
+        #: Parameters requiring grad that the graph holds as attributes, not inputs.
+        self.held = list(held)
         self.compiled = compiled
         self.inputs = inputs
         self.dynamic = dynamic
@@ -281,6 +283,14 @@ class Region:
         """InputError for what a prepared graph cannot take, said for torch.compile's user."""
         import torch
 
+        if self.held and torch.is_grad_enabled():
+            raise InputError(
+                f"graph {self.name} holds the model's parameters ({self.held[0]}, ... "
+                f"{len(self.held)} in all) as its own attributes, not as inputs (Dynamo with "
+                "torch._dynamo.config.inline_inbuilt_nn_modules=False), and grad mode is on: "
+                "a prepared graph would give outputs without gradients. Call it under "
+                "torch.no_grad() for inference; for training, leave inline_inbuilt_nn_modules "
+                "at its default (True), which lifts the parameters as inputs")
         if self.prepared >= self.options.max_shapes:
             raise InputError(
                 f"graph {self.name} was called with more than {self.options.max_shapes} "
