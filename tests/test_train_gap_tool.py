@@ -12,6 +12,7 @@ def test_the_switches_and_their_defaults():
     args = tool.parse(["resnet50", "googlenet"])
     assert (args.models, args.batch, args.rounds, args.steps) == (["resnet50", "googlenet"], 32,
                                                                    9, 20)
+    assert args.block_steps == 100 and tool.parse(["m", "--block-steps", "0"]).block_steps == 0
     with pytest.raises(SystemExit):
         tool.parse([])
 
@@ -22,3 +23,11 @@ def test_the_summary_gives_medians_spreads_and_the_ratio():
     assert lines[0] == "m backend   ms/step 5.500 (5.000-6.000)  host µs/step 200"
     assert lines[1].startswith("m inductor  ms/step 4.500 (4.000-5.000)")
     assert lines[2] == "m backend / inductor 1.222"
+
+
+def test_the_block_samples_are_reported_beside_the_rounds_where_measured():
+    lines = tool.summary("m", {"backend": [5.0], "inductor": [4.0]},
+                         {"backend": [200], "inductor": [100]},
+                         {"backend": [150, 160, 170], "inductor": []})
+    assert lines[0] == "m backend   ms/step 5.000 (5.000-5.000)  host µs/step 200 (in a block of 3: 160)"
+    assert lines[1].endswith("host µs/step 100")

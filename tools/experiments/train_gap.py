@@ -28,14 +28,22 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="steps timed per round on the GPU")
     p.add_argument("--host-steps", type=int, default=10,
                    help="steps whose host µs are sampled per round, each after the GPU idles")
+    p.add_argument("--block-steps", type=int, default=100,
+                   help="after the rounds, each mode's host µs sampled again over this many "
+                        "steps in a row (the other mode not run between them); 0: not")
     return p.parse_args(argv)
 
 
-def summary(name: str, gpu_ms: dict, host_us: dict) -> list[str]:
-    """One line per mode (median GPU ms with its spread, median host µs), then the ratio."""
+def summary(name: str, gpu_ms: dict, host_us: dict, block_us: dict | None = None
+            ) -> list[str]:
+    """One line per mode (median GPU ms with its spread, median host µs sampled within the
+    rounds, and in a block of steps where measured), then the ratio."""
     median = {k: statistics.median(v) for k, v in gpu_ms.items()}
+    block_us = block_us or {}
     lines = [f"{name} {k:9s} ms/step {median[k]:.3f} ({min(v):.3f}-{max(v):.3f})  "
-             f"host µs/step {statistics.median(host_us[k]):.0f}" for k, v in gpu_ms.items()]
+             f"host µs/step {statistics.median(host_us[k]):.0f}"
+             + (f" (in a block of {len(block_us[k])}: {statistics.median(block_us[k]):.0f})"
+                if block_us.get(k) else "") for k, v in gpu_ms.items()]
     lines.append(f"{name} backend / inductor {median['backend'] / median['inductor']:.3f}")
     return lines
 
@@ -68,12 +76,24 @@ def measure(name: str, args) -> list[str]:
             end.record()
             end.synchronize()
             gpu_ms[k].append(start.elapsed_time(end) / args.steps)
-            for _ in range(args.host_steps):
-                torch.cuda.current_stream().synchronize()
-                t0 = time.perf_counter()
-                step()
-                host_us[k].append((time.perf_counter() - t0) * 1e6)
-    return summary(name, gpu_ms, host_us)
+            host_us[k] += host_samples(step, args.host_steps)
+    # the same quantity with the other mode not run in between: the rounds interleave the two
+    # steps, whose Python objects and graphs then take turns in the CPU's caches
+    block_us = {k: host_samples(step, args.block_steps) for k, step in steps.items()}
+    return summary(name, gpu_ms, host_us, block_us)
+
+
+def host_samples(step, count: int) -> list[float]:
+    """µs to queue each of ``count`` steps, the GPU idle before each."""
+    import torch
+
+    samples = []
+    for _ in range(count):
+        torch.cuda.current_stream().synchronize()
+        t0 = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return samples
 
 
 def main(argv=None) -> int:
