@@ -94,10 +94,10 @@ def measure(path: str) -> list[str]:
         as_is = [load_ms(i) for i in images]
         cut = [load_ms(s) if s is not None else t for s, t in zip(slim, as_is)]
     kinds = collections.Counter(r["kind"] for r in rows)
+    cut_bytes = sum(len(s) if s is not None else len(i) for s, i in zip(slim, images))
     lines = [f"{path}: arch {arch}, {len(rows)} binaries {dict(kinds)}, "
              f"{sum(map(len, images))} bytes; {sum(s is not None for s in slim)} cut to this "
-             f"GPU's entry: {sum(len(s) if s is not None else len(i) for s, i in zip(slim, images))}"
-             " bytes",
+             f"GPU's entry: {cut_bytes} bytes",
              f"cuLibraryLoadData on one thread, summed: as stored {sum(as_is):.1f} ms, this "
              f"GPU's entry alone {sum(cut):.1f} ms"]
     for k in sorted(range(len(rows)), key=lambda k: -as_is[k])[:10]:
