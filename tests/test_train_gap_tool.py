@@ -31,3 +31,10 @@ def test_the_block_samples_are_reported_beside_the_rounds_where_measured():
                          {"backend": [150, 160, 170], "inductor": []})
     assert lines[0] == "m backend   ms/step 5.000 (5.000-5.000)  host µs/step 200 (in a block of 3: 160)"
     assert lines[1].endswith("host µs/step 100")
+
+
+def test_a_third_mode_gets_its_own_ratio_to_the_step_prepared_by_hand():
+    assert tool.parse(["m", "--unguarded"]).unguarded and not tool.parse(["m"]).unguarded
+    lines = tool.summary("m", {"backend": [5.0], "inductor": [4.0], "unguarded": [4.4]},
+                         {"backend": [2], "inductor": [1], "unguarded": [1]})
+    assert lines[-2:] == ["m backend / inductor 1.250", "m unguarded / inductor 1.100"]

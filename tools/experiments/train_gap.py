@@ -10,6 +10,7 @@ call (Dynamo's frame and guards over the lifted weights) shows in its time; wher
 dominates, it does not.
 
     python3 tools/experiments/train_gap.py resnet50 mobilenet_v2 googlenet --batch 32
+    python3 tools/experiments/train_gap.py resnet50 --unguarded   # a third step: fewer guards
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="steps timed per round on the GPU")
     p.add_argument("--host-steps", type=int, default=10,
                    help="steps whose host µs are sampled per round, each after the GPU idles")
+    p.add_argument("--unguarded", action="store_true",
+                   help="also the backend's step compiled with Dynamo's guards on the modules "
+                        "filtered out (guard_filter_fn=skip_guard_on_inbuilt_nn_modules_unsafe)")
     p.add_argument("--block-steps", type=int, default=100,
                    help="after the rounds, each mode's host µs sampled again over this many "
                         "steps in a row (the other mode not run between them); 0: not")
@@ -44,7 +48,8 @@ def summary(name: str, gpu_ms: dict, host_us: dict, block_us: dict | None = None
              f"host µs/step {statistics.median(host_us[k]):.0f}"
              + (f" (in a block of {len(block_us[k])}: {statistics.median(block_us[k]):.0f})"
                 if block_us.get(k) else "") for k, v in gpu_ms.items()]
-    lines.append(f"{name} backend / inductor {median['backend'] / median['inductor']:.3f}")
+    lines += [f"{name} {k} / inductor {median[k] / median['inductor']:.3f}"
+              for k in median if k != "inductor"]
     return lines
 
 
@@ -59,6 +64,12 @@ def measure(name: str, args) -> list[str]:
     steps = {"backend": train_bench.training_step(torch.compile(by_backend, backend="nimble"),
                                                   by_backend, x, y)}
     steps["backend"]()  # compiles and prepares
+    if args.unguarded:
+        unguarded = copy.deepcopy(base)
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe}
+        steps["unguarded"] = train_bench.training_step(
+            torch.compile(unguarded, backend="nimble", options=options), unguarded, x, y)
+        steps["unguarded"]()
     prepared = nimble.Nimble(torch.compile(by_hand)).prepare(x, training=True, quiet=True)
     steps["inductor"] = train_bench.training_step(prepared, by_hand, x, y)
     for step in steps.values():
