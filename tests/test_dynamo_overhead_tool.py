@@ -13,7 +13,8 @@ tool = load_tool("experiments/dynamo_overhead")
 
 def test_the_switches_and_their_defaults():
     args = tool.parse([])
-    assert (args.blocks, args.calls) == (16, 3000)
+    assert (args.blocks, args.calls, args.training) == (16, 3000, False)
+    assert tool.parse(["--training"]).training
     assert tool.parse(["--blocks", "2", "--calls", "5"]).blocks == 2
 
 
@@ -32,7 +33,17 @@ def test_the_stand_in_has_fourteen_weights_a_block_and_a_call_through_the_backen
 
 def test_the_saved_run_returns_what_the_graph_gave_at_its_prepare():
     model, x = tool.stand_in(1)
-    request = type("R", (), {"compiled": model, "args": (x,)})()
+    request = type("R", (), {"compiled": model, "args": (x,), "training": False})()
     run = tool._prepare(request)
     with torch.no_grad():
         torch.testing.assert_close(run(()), model(x))
+
+
+def test_a_training_step_through_the_backend_and_directly_gives_every_parameter_a_gradient():
+    model, x = tool.stand_in(1)
+    model.train()
+    assert tool.direct_us(model, x, calls=3, training=True) > 0
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    assert tool.per_call_us(model, x, None, calls=3, training=True) > 0
+    assert all(p.grad is not None for p in model.parameters())
