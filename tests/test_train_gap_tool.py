@@ -38,3 +38,11 @@ def test_a_third_mode_gets_its_own_ratio_to_the_step_prepared_by_hand():
     lines = tool.summary("m", {"backend": [5.0], "inductor": [4.0], "unguarded": [4.4]},
                          {"backend": [2], "inductor": [1], "unguarded": [1]})
     assert lines[-2:] == ["m backend / inductor 1.250", "m unguarded / inductor 1.100"]
+
+
+def test_the_parts_line_names_each_part_with_its_median():
+    assert tool.parse(["m"]).parts == 0 and tool.parse(["m", "--parts", "50"]).parts == 50
+    line = tool.parts_line("m", "backend", {"forward": 348.3, "forward+loss+backward": 3667.3,
+                                            "optimizer step": 48.4, "zero_grad": 35.0})
+    assert line == ("m backend   host µs, parts alone: forward 348, forward+loss+backward "
+                    "3667, optimizer step 48, zero_grad 35")

@@ -11,6 +11,7 @@ dominates, it does not.
 
     python3 tools/experiments/train_gap.py resnet50 mobilenet_v2 googlenet --batch 32
     python3 tools/experiments/train_gap.py resnet50 --unguarded   # a third step: fewer guards
+    python3 tools/experiments/train_gap.py resnet50 --parts 200   # and each part of a step
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--unguarded", action="store_true",
                    help="also the backend's step compiled with Dynamo's guards on the modules "
                         "filtered out (guard_filter_fn=skip_guard_on_inbuilt_nn_modules_unsafe)")
+    p.add_argument("--parts", type=int, default=0, metavar="N",
+                   help="also each part of a step (forward, forward+loss+backward, optimizer "
+                        "step, zero_grad) timed alone N times per mode; 0: not")
     p.add_argument("--block-steps", type=int, default=100,
                    help="after the rounds, each mode's host µs sampled again over this many "
                         "steps in a row (the other mode not run between them); 0: not")
@@ -60,17 +64,22 @@ def measure(name: str, args) -> list[str]:
     from nimble.cli import train_bench
 
     base, x, y = train_bench.setup(name, args.batch)
-    by_backend, by_hand = copy.deepcopy(base), copy.deepcopy(base)
-    steps = {"backend": train_bench.training_step(torch.compile(by_backend, backend="nimble"),
-                                                  by_backend, x, y)}
-    steps["backend"]()  # compiles and prepares
+    # per mode: (the forward a step calls, the model whose parameters it trains)
+    modes = {}
+    by_backend = copy.deepcopy(base)
+    modes["backend"] = (torch.compile(by_backend, backend="nimble"), by_backend)
     if args.unguarded:
         unguarded = copy.deepcopy(base)
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe}
-        steps["unguarded"] = train_bench.training_step(
-            torch.compile(unguarded, backend="nimble", options=options), unguarded, x, y)
-        steps["unguarded"]()
+        modes["unguarded"] = (torch.compile(unguarded, backend="nimble", options=options),
+                              unguarded)
+    steps = {}
+    for k, (forward, model) in modes.items():
+        steps[k] = train_bench.training_step(forward, model, x, y)
+        steps[k]()  # compiles and prepares
+    by_hand = copy.deepcopy(base)
     prepared = nimble.Nimble(torch.compile(by_hand)).prepare(x, training=True, quiet=True)
+    modes["inductor"] = (prepared, by_hand)
     steps["inductor"] = train_bench.training_step(prepared, by_hand, x, y)
     for step in steps.values():
         for _ in range(10):
@@ -91,15 +100,47 @@ def measure(name: str, args) -> list[str]:
     # the same quantity with the other mode not run in between: the rounds interleave the two
     # steps, whose Python objects and graphs then take turns in the CPU's caches
     block_us = {k: host_samples(step, args.block_steps) for k, step in steps.items()}
-    return summary(name, gpu_ms, host_us, block_us)
+    lines = summary(name, gpu_ms, host_us, block_us)
+    if args.parts:
+        for k, (forward, model) in modes.items():
+            lines.append(parts_line(name, k, part_us(forward, model, x, y, args.parts)))
+    return lines
 
 
-def host_samples(step, count: int) -> list[float]:
-    """µs to queue each of ``count`` steps, the GPU idle before each."""
+def part_us(forward, model, x, y, count: int) -> dict[str, float]:
+    """Median host µs of each part of a step, timed alone (the GPU idle before each): the
+    forward, the forward with the loss and the backward, the optimizer's step (with gradients
+    in place), zero_grad (after a backward each time).  A fresh SGD with momentum, as the
+    step's."""
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def backward() -> None:
+        loss_fn(forward(x), y).backward()
+    times = {"forward": host_samples(lambda: forward(x), count),
+             "forward+loss+backward": host_samples(backward, count),
+             "optimizer step": host_samples(opt.step, count),
+             "zero_grad": host_samples(lambda: opt.zero_grad(set_to_none=True), count,
+                                       before=backward)}
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def parts_line(name: str, mode: str, parts: dict[str, float]) -> str:
+    return f"{name} {mode:9s} host µs, parts alone: " + ", ".join(
+        f"{k} {v:.0f}" for k, v in parts.items())
+
+
+def host_samples(step, count: int, before=None) -> list[float]:
+    """µs to queue each of ``count`` steps, the GPU idle before each (``before()`` run first
+    each time, not timed)."""
     import torch
 
     samples = []
     for _ in range(count):
+        if before is not None:
+            before()
         torch.cuda.current_stream().synchronize()
         t0 = time.perf_counter()
         step()
