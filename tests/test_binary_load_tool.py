@@ -1,5 +1,5 @@
-"""tools/experiments/binary_load.py on the CPU: a container's entries read from their headers,
-and this GPU's ELF entry cut out as a container of its own that the library scan reads back."""
+"""tools/experiments/binary_load.py on the CPU: a container's entries as the library scan reads
+them, and this GPU's ELF entry cut out as a container of its own that the scan reads back."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,7 +18,7 @@ def _two_arch_container() -> bytes:
     """The fixture's one sm_90 entry after a copy of it marked sm_80."""
     one = FIXTURE.read_bytes()
     (entry,) = tool.entries(one)
-    body = bytearray(one[entry.at:entry.at + entry.header_size + entry.padded])
+    body = bytearray(one[entry.whole])
     other = bytearray(body)
     other[28:32] = (80).to_bytes(4, "little")  # the entry header's arch
     both = bytes(other) + bytes(body)
@@ -28,11 +28,11 @@ def _two_arch_container() -> bytes:
 def test_the_entries_of_a_container_are_read_from_their_headers():
     one = FIXTURE.read_bytes()
     (entry,) = tool.entries(one)
-    assert (entry.kind, entry.arch, entry.at) == (found.ENTRY_KIND_ELF, 90, 16)
-    assert entry.flags & found.FLAG_LZ4
+    assert (entry.kind, entry.arch, entry.whole.start) == (found.ENTRY_KIND_ELF, 90, 16)
+    assert entry.compressed
     listed = tool.entries(_two_arch_container())
     assert [e.arch for e in listed] == [80, 90]
-    assert listed[1].at == listed[0].at + listed[0].header_size + listed[0].padded
+    assert listed[1].whole.start == listed[0].whole.stop
 
 
 def test_this_gpus_entry_is_cut_out_as_a_container_the_scan_reads_back():

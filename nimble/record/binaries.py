@@ -64,6 +64,7 @@ class FatbinEntry:
     arch: int  # 10 * major + minor
     compressed: bool
     payload: slice  # its bytes within the section
+    whole: slice  # its header and padded payload within the section
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,8 @@ def _entries(section: bytes, at: int, end: int) -> Iterable[FatbinEntry]:
         start = at + header_size
         if start + payload > end:
             raise BinaryFormatError(f"a fatbin entry at byte {at} runs past its container")
-        yield FatbinEntry(kind, arch, compressed, slice(start, start + payload))
+        yield FatbinEntry(kind, arch, compressed, slice(start, start + payload),
+                          slice(at, start + padded))
         at = start + padded
 
 

@@ -11,44 +11,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import struct
 import sys
 import time
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One entry of a fatbin container, as its header says."""
-
-    at: int  # its header's offset in the container
-    header_size: int
-    padded: int  # its payload's bytes, padding included
-    kind: int
-    arch: int
-    flags: int
-
-
-def entries(container: bytes) -> list[Entry]:
-    """The entries of a fatbin container whose header starts at byte 0."""
-    from nimble.record import binaries as found
-
-    _, _, header_size, body = found.FATBIN_HEADER.unpack_from(container, 0)
-    at, end, out = header_size, min(header_size + body, len(container)), []
-    while at + 64 <= end:
-        kind, _, size, padded, _, _, _, arch = found.FATBIN_ENTRY.unpack_from(container, at)
-        if size == 0:
-            break
-        flags, = struct.unpack_from("<Q", container, at + 40)
-        out.append(Entry(at, size, padded, kind, arch, flags))
-        at += size + padded
-    return out
-
-
-def is_container(image: bytes) -> bool:
-    from nimble.record import binaries as found
-
-    return image[:4] == found.FATBIN_MAGIC.to_bytes(4, "little")
 
 
 def own_arch_container(image: bytes, arch: int) -> bytes | None:
@@ -57,16 +21,22 @@ def own_arch_container(image: bytes, arch: int) -> bytes | None:
     nothing else."""
     from nimble.record import binaries as found
 
-    if not is_container(image):
-        return None
     listed = entries(image)
     mine = [e for e in listed if e.kind == found.ENTRY_KIND_ELF and e.arch == arch]
     if not mine or len(listed) == 1:
         return None
-    e = mine[0]
-    body = image[e.at:e.at + e.header_size + e.padded]
+    body = image[mine[0].whole]
     return found.FATBIN_HEADER.pack(found.FATBIN_MAGIC, 1, found.FATBIN_HEADER.size,
                                     len(body)) + body
+
+
+def entries(container: bytes) -> tuple:
+    """The entries (``nimble.record.binaries.FatbinEntry``) of the fatbin container that
+    starts ``container``; none where it starts no container."""
+    from nimble.record import binaries as found
+
+    found_here = found.fatbin_containers(container)
+    return found_here[0].entries if found_here and found_here[0].offset == 0 else ()
 
 
 def load_ms(image: bytes) -> float:
@@ -101,7 +71,7 @@ def measure(path: str) -> list[str]:
              f"cuLibraryLoadData on one thread, summed: as stored {sum(as_is):.1f} ms, this "
              f"GPU's entry alone {sum(cut):.1f} ms"]
     for k in sorted(range(len(rows)), key=lambda k: -as_is[k])[:10]:
-        listed = entries(images[k]) if is_container(images[k]) else []
+        listed = entries(images[k])
         lines.append(f"  {as_is[k]:7.2f} ms {cut[k]:7.2f} ms  {len(images[k]):9d} bytes  "
                      f"{rows[k].get('name', rows[k]['kind'])}  archs {[e.arch for e in listed]}")
     return lines
