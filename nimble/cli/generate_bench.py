@@ -54,8 +54,8 @@ from . import decode_bandwidth
 from .common import Fail, one_line, positive_int, require_gpu
 from .decode_loop import compiled_loop
 from .decoders import CAUSAL_LMS, causal_lm
-from .generate_levers import (add_lever_arguments, cache_length, fuse_if_asked,
-                              gemv_if_asked, nimble_generators)
+from .generate_levers import (add_lever_arguments, attention_if_asked, cache_length,
+                              fuse_if_asked, gemv_if_asked, nimble_generators)
 from .harness import Case, Column, Outcome, format_table, run_cases, write_results
 from .output import outputs
 from ..progress import say
@@ -294,6 +294,7 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
                   "sdpa_backends": getattr(args, "sdpa_backends", None)}
     fuse_if_asked(model, args, info)
     gemv_if_asked(model, args, info)
+    attention_if_asked(model, args, info)
     cache_len = cache_length(args)
     step("the reference: transformers' greedy tokens, static cache, eager kernels")
     reference_cache = _static_cache(model, cache_len)
@@ -403,6 +404,9 @@ def _header(info: dict) -> list[str]:
     if info.get("fused_projections") is not None:
         lines.append(f"every row's model: {info['fused_projections']} group(s) of sibling "
                      "projections fused into one GEMM each (--fuse-projections)")
+    if info.get("decode_attention"):
+        lines.append("every row's model: single-query attention on nimble::decode_attention "
+                     "(--decode-attention)")
     for choice in info.get("fast_gemv") or ():
         lines.append(f"every row's model, --fast-gemv: {choice}")
     return lines

@@ -40,6 +40,10 @@ def add_lever_arguments(p) -> None:
                    help="--generate: every row on the model whose single-row GEMMs run a Triton "
                         "GEMV where fast_gemv measured it faster than torch's, per weight shape "
                         "(nimble.fast_gemv; after --fuse-projections)")
+    p.add_argument("--decode-attention", action="store_true",
+                   help="--generate: every row on the model whose single-query attention runs "
+                        "nimble::decode_attention, one kernel over the cache's key-value heads "
+                        "(nimble.decode_attention; prefills stay on sdpa)")
     p.add_argument("--sdpa-backends", type=parse_sdpa_backends, default=None, metavar="B,B",
                    help="--generate: the attention kernels the Nimble steps are prepared with "
                         "(torch.nn.attention.sdpa_kernel: flash, efficient, cudnn, math; "
@@ -126,3 +130,15 @@ def gemv_if_asked(model, args, info: dict) -> None:
     from ..fast_gemv import fast_gemv
 
     info["fast_gemv"] = [choice.describe() for choice in fast_gemv(model)]
+
+
+def attention_if_asked(model, args, info: dict) -> None:
+    """With ``--decode-attention``, ``model``'s single-query attention on
+    ``nimble::decode_attention`` before any row runs (the reference tokens too, as with the
+    other model-level levers); ``info["decode_attention"]`` says so."""
+    if not getattr(args, "decode_attention", False):
+        return
+    from ..decode_attention import decode_attention
+
+    decode_attention(model)
+    info["decode_attention"] = True

@@ -1,0 +1,347 @@
+"""``decode_attention(model)``: a transformers decoder's single-query attention on one Triton
+kernel that reads the cache's key and value heads as they are (issue 53).
+
+A decode step's attention is one query token against the whole static cache.  Through
+transformers' ``sdpa`` implementation under ``torch.compile``, grouped-query attention first
+copies every key and value head once per query head that shares it (``repeat_kv``: at a Llama
+3.2 1B shape four copies of each layer's cache a token), then runs a library attention kernel
+made for long queries; both are latency-bound at one token, and each is a kernel boundary on
+the step's critical path.  Here the query heads of one key-value head are one tile of a program
+(padded to the matrix units' sixteen rows), each program reads one stretch of that head's
+cache slots once, skips the stretches the mask hides (a static cache's slots past the
+position), and keeps a running softmax in fp32; where the slots are split over several
+programs a second small kernel joins their parts (flash-decoding's split).
+
+``decode_attention(model)`` registers the implementation ``"nimble_decode"`` with transformers'
+``AttentionInterface`` (and ``sdpa``'s masks with its ``AttentionMaskInterface``) and points the
+model at it; it returns an :class:`AttentionSwap` whose ``undo()`` points it back.  Only the
+calls this kernel computes as ``sdpa`` would take it: one query position, on the GPU, in
+float16, bfloat16 or float32, key and value heads of one size up to 256 that divide the query
+heads, a boolean or additive mask (or none), no dropout, no position bias, no soft-capping.
+Every other call (a prefill, a batch of queries) runs transformers' ``sdpa`` as before.  The
+kernel is the custom operator ``nimble::decode_attention``, which ``torch.compile`` traces as
+one call and Nimble records as any kernel.  It sums in another order than the library's
+kernels, so outputs may differ in the last bits, as between any two attention kernels.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .errors import InputError
+
+log = logging.getLogger("nimble")
+
+#: The name the implementation is registered under with transformers.
+NAME = "nimble_decode"
+#: The implementation a model must run before the swap: its masks are the ones the kernel takes,
+#: and it runs every call the kernel does not.
+REPLACES = "sdpa"
+#: Largest head size the kernel takes.
+MAX_HEAD_DIM = 256
+#: Cache slots a program reads per step of its loop.
+BLOCK_SLOTS = 64
+#: The programs a call aims for (about an H100's or H200's multiprocessors): the cache's slots
+#: are split until the key-value heads of the batch reach it, a block of slots per program at
+#: the least.
+TARGET_PROGRAMS = 132
+#: Rows of the matrix units' tiles: the query heads of a key-value head are padded to them.
+MIN_TILE = 16
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a call's cache slots are spread over programs."""
+
+    splits: int  # programs per (sequence, key-value head)
+    slots_per_split: int  # a multiple of BLOCK_SLOTS
+
+
+def split_for(batch: int, kv_heads: int, slots: int, target: int = TARGET_PROGRAMS,
+              block: int = BLOCK_SLOTS) -> Split:
+    """The split of ``slots`` cache slots for ``batch * kv_heads`` (sequence, head) pairs: as
+    many programs per pair as bring the call to ``target`` programs, at most one per block of
+    slots."""
+    blocks = -(-slots // block)
+    splits = max(1, min(blocks, -(-target // max(1, batch * kv_heads))))
+    per_split = -(-blocks // splits) * block
+    return Split(-(-slots // per_split), per_split)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ---- the kernels and their operator ---------------------------------------------------------
+
+_KERNELS: list = []
+
+
+def _kernels():
+    """The two Triton kernels (made on first use: no Triton import where no attention runs)."""
+    if _KERNELS:
+        return _KERNELS[0]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, scale,
+               slots, groups, kv_heads, splits, slots_per_split,
+               sqb, sqh, skb, skh, skl, svb, svh, svl, smb, smh, sml, sob, soh,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_L: tl.constexpr, MASK: tl.constexpr, SPLIT: tl.constexpr,
+               IEEE: tl.constexpr):
+        pair = tl.program_id(0)  # (sequence, key-value head)
+        split = tl.program_id(1)
+        b = pair // kv_heads
+        g = pair % kv_heads
+        r = tl.arange(0, BLOCK_R)
+        row_ok = r < groups
+        heads = g * groups + r
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_i = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_R,), tl.float32)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+        lo = split * slots_per_split
+        hi = tl.minimum(lo + slots_per_split, slots)
+        for start in range(lo, hi, BLOCK_L):
+            at = start + tl.arange(0, BLOCK_L)
+            ok = at < hi
+            live = row_ok[:, None] & ok[None, :]
+            bias = tl.zeros((BLOCK_R, BLOCK_L), tl.float32)
+            if MASK == 1:  # boolean: True attends
+                keep = tl.load(mask_ptr + b * smb + heads[:, None] * smh + at[None, :] * sml,
+                               mask=live, other=0)
+                live = live & (keep != 0)
+            if MASK == 2:  # additive
+                bias = tl.load(mask_ptr + b * smb + heads[:, None] * smh + at[None, :] * sml,
+                               mask=live, other=float("-inf")).to(tl.float32)
+                live = live & (bias != float("-inf"))
+            # stretches the mask hides entirely (a static cache past the position) read
+            # nothing more
+            if tl.max(live.to(tl.int32)) > 0:
+                k = tl.load(k_ptr + b * skb + g * skh + at[:, None] * skl + d[None, :],
+                            mask=ok[:, None] & d_ok[None, :], other=0.0)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                # natural exponents: an additive mask of the dtype's least value stays finite
+                s = s * scale + bias
+                s = tl.where(live, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_use)
+                p = tl.exp(s - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_ptr + b * svb + g * svh + at[:, None] * svl + d[None, :],
+                            mask=ok[:, None] & d_ok[None, :], other=0.0)
+                if IEEE:
+                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+        if SPLIT:
+            row = (pair * splits + split) * BLOCK_R + r
+            tl.store(part_ptr + row[:, None] * BLOCK_D + d[None, :], acc)
+            tl.store(stat_ptr + row * 2, m_i)
+            tl.store(stat_ptr + row * 2 + 1, l_i)
+        else:
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + b * sob + heads[:, None] * soh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def join(part_ptr, stat_ptr, out_ptr, groups, kv_heads, splits, sob, soh,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+        pair = tl.program_id(0)
+        b = pair // kv_heads
+        g = pair % kv_heads
+        r = tl.arange(0, BLOCK_R)
+        d = tl.arange(0, BLOCK_D)
+        top = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+        for s in range(0, splits):
+            row = (pair * splits + s) * BLOCK_R + r
+            top = tl.maximum(top, tl.load(stat_ptr + row * 2))
+        top_use = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.zeros((BLOCK_R,), tl.float32)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+        for s in range(0, splits):
+            row = (pair * splits + s) * BLOCK_R + r
+            w = tl.exp(tl.load(stat_ptr + row * 2) - top_use)
+            total += w * tl.load(stat_ptr + row * 2 + 1)
+            acc += w[:, None] * tl.load(part_ptr + row[:, None] * BLOCK_D + d[None, :])
+        out = acc / total[:, None]
+        heads = g * groups + r
+        tl.store(out_ptr + b * sob + heads[:, None] * soh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty),
+                 mask=(r < groups)[:, None] & (d < HEAD_DIM)[None, :])
+
+    _KERNELS.append((attend, join))
+    return _KERNELS[0]
+
+
+def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The attention of ``query`` ``(B, H, 1, D)`` over ``key`` and ``value``
+    ``(B, Hkv, L, D)`` with ``mask`` (boolean or additive, broadcastable to ``(B, H, 1, L)``,
+    or None), as ``(B, 1, H, D)``, on the current stream."""
+    attend, join = _kernels()
+    batch, heads, _, head_dim = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    block_r, block_d = max(MIN_TILE, _pow2(groups)), max(MIN_TILE, _pow2(head_dim))
+    # the kernels step the head dimension contiguously
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    out = torch.empty((batch, 1, heads, head_dim), dtype=query.dtype, device=query.device)
+    if mask is None:
+        kind, mask_t, mask_strides = 0, query, (0, 0, 0)
+    else:
+        kind = 1 if mask.dtype == torch.bool else 2
+        mask_t = mask.expand(batch, heads, 1, slots)
+        mask_strides = (mask_t.stride(0), mask_t.stride(1), mask_t.stride(3))
+    plan = split_for(batch, kv_heads, slots)
+    parted = plan.splits > 1
+    rows = batch * kv_heads * plan.splits * block_r if parted else 1
+    part = torch.empty((rows, block_d) if parted else (1,), dtype=torch.float32,
+                       device=query.device)
+    stat = torch.empty((rows, 2) if parted else (1,), dtype=torch.float32, device=query.device)
+    attend[(batch * kv_heads, plan.splits)](
+        query, key, value, mask_t, out, part, stat, scale, slots, groups,
+        kv_heads, plan.splits, plan.slots_per_split,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), *mask_strides,
+        out.stride(0), out.stride(2),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_L=BLOCK_SLOTS, MASK=kind,
+        SPLIT=parted, IEEE=query.dtype == torch.float32, num_warps=4, num_stages=2)
+    if parted:
+        join[(batch * kv_heads,)](part, stat, out, groups, kv_heads, plan.splits,
+                                  out.stride(0), out.stride(2), HEAD_DIM=head_dim,
+                                  BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)
+    return out
+
+
+@torch.library.custom_op("nimble::decode_attention", mutates_args=(), device_types="cuda")
+def decode_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """The kernel as an operator ``torch.compile`` traces as one call."""
+    return launch(query, key, value, mask, scale)
+
+
+@decode_attention_op.register_fake
+def _decode_attention_shape(query, key, value, mask, scale):
+    batch, heads, _, head_dim = query.shape
+    return query.new_empty((batch, 1, heads, head_dim))
+
+
+# ---- which calls take it --------------------------------------------------------------------
+
+def unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: torch.Tensor | None, dropout: float, kwargs: dict) -> str | None:
+    """Why the kernel cannot compute this call as ``sdpa`` would (None: it can)."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return "not (batch, heads, positions, head size) tensors"
+    batch, heads, positions, head_dim = query.shape
+    if positions != 1:
+        return f"{positions} query positions"
+    if not (query.is_cuda and key.is_cuda and value.is_cuda):
+        return "not on the GPU"
+    if query.dtype not in DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+        return f"dtype {query.dtype}"
+    if key.shape[-1] != head_dim or value.shape[-1] != head_dim or head_dim > MAX_HEAD_DIM:
+        return f"head sizes {head_dim}, {key.shape[-1]}, {value.shape[-1]}"
+    if key.shape[:3] != value.shape[:3] or key.shape[0] != batch or \
+            key.shape[1] == 0 or heads % key.shape[1]:
+        return f"key {tuple(key.shape)} and value {tuple(value.shape)} for {heads} query heads"
+    if dropout:
+        return "dropout"
+    if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None or \
+            kwargs.get("output_attentions"):
+        return "a position bias, soft-capping or attention weights asked for"
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or not mask.is_cuda:
+            return "a mask that is no 4-d tensor on the GPU"
+        if mask.dtype != torch.bool and mask.dtype not in DTYPES:
+            return f"a mask of dtype {mask.dtype}"
+        try:
+            torch.broadcast_shapes(mask.shape, (batch, heads, 1, key.shape[2]))
+        except RuntimeError:
+            return f"a mask of shape {tuple(mask.shape)}"
+        if mask.shape[2] != 1 or mask.shape[3] != key.shape[2]:
+            return f"a mask of shape {tuple(mask.shape)}"
+    return None
+
+
+def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """transformers' attention-function signature: the kernel where :func:`unsupported` finds
+    nothing, else ``sdpa``."""
+    reason = unsupported(query, key, value, attention_mask, dropout, kwargs)
+    if reason is None:
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        return decode_attention_op(query, key, value, attention_mask, scale), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)
+
+
+# ---- the swap -------------------------------------------------------------------------------
+
+def register() -> None:
+    """``"nimble_decode"`` in transformers' attention and mask registries (``sdpa``'s masks)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+@dataclass
+class AttentionSwap:
+    """A model pointed at ``"nimble_decode"``; :meth:`undo` points it back at ``previous``."""
+
+    model: nn.Module
+    previous: str
+
+    def undo(self) -> None:
+        _point(self.model, self.previous)
+
+
+def _point(model: nn.Module, name: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(name)
+    else:
+        model.config._attn_implementation = name
+
+
+def decode_attention(model: nn.Module) -> AttentionSwap:
+    """Point ``model`` (a transformers model on ``sdpa``) at ``"nimble_decode"`` (see the
+    module docstring); before preparing."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"decode_attention takes an nn.Module, got {type(model).__name__}")
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current == NAME:
+        raise InputError("the model's attention already runs on nimble_decode")
+    if current != REPLACES:
+        raise InputError(
+            f"decode_attention takes a transformers model whose attention runs on "
+            f"{REPLACES!r} (its masks and its other calls are sdpa's); this one's is "
+            f"{current!r}: load it with attn_implementation={REPLACES!r}")
+    register()
+    _point(model, NAME)
+    log.info("decode_attention: %s's single-query attention on nimble::decode_attention",
+             type(model).__name__)
+    return AttentionSwap(model, current)

@@ -1,0 +1,162 @@
+"""decode_attention: the kernel's values (run by Triton's interpreter on the CPU, in float32 and
+float16: the interpreter's bfloat16 products are wrong, so bfloat16 is the GPU test's), how a
+call's slots are split, which calls take the kernel, and the swap on a tiny Llama."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import nimble.decode_attention as da
+from nimble.errors import InputError
+
+WORKER = Path(__file__).parent / "workers" / "decode_attention_interpreted.py"
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    """Every kernel case of the worker, run by Triton's interpreter in a process of its own
+    (the interpreter must be asked for before Triton is imported): the results by case."""
+    pytest.importorskip("triton", reason="the kernel's CPU test runs Triton's interpreter")
+    done = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}
+
+
+def test_the_kernel_computes_attention_over_the_cache(interpreted):
+    """Every shape (grouped heads, a head size no power of two, split and unsplit slots), dtype
+    and kind of mask, each sequence of a batch at its own position, and a strided query."""
+    assert len(interpreted) == 25
+    for name, r in interpreted.items():
+        limit = 2e-3 if "float16" in name else 1e-5
+        assert r["shape_ok"] and r["error"] < limit, (name, r)
+
+
+def test_the_slots_are_split_until_the_call_has_its_programs():
+    assert da.split_for(1, 8, 192) == da.Split(3, 64)  # one block of slots a program
+    assert da.split_for(1, 8, 4096) == da.Split(16, 256)  # 16 programs a head, 4 blocks each
+    assert da.split_for(64, 8, 576) == da.Split(1, 576)  # 512 heads: one program each
+    assert da.split_for(8, 8, 576) == da.Split(3, 192)
+    for batch, kv_heads, slots in ((1, 1, 1), (2, 8, 65), (1, 8, 10_000), (5, 3, 700)):
+        plan = da.split_for(batch, kv_heads, slots)
+        assert plan.slots_per_split % da.BLOCK_SLOTS == 0
+        # every slot in one split, no split empty
+        assert (plan.splits - 1) * plan.slots_per_split < slots <= \
+            plan.splits * plan.slots_per_split
+
+
+class _OnGpu(torch.Tensor):
+    """A CPU tensor that says it is on the GPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _gpu_like(*shape, dtype=torch.float16):
+    return torch.zeros(shape, dtype=dtype).as_subclass(_OnGpu)
+
+
+def test_only_the_calls_the_kernel_computes_as_sdpa_take_it():
+    q, k, v = _gpu_like(2, 8, 1, 64), _gpu_like(2, 2, 50, 64), _gpu_like(2, 2, 50, 64)
+    mask = _gpu_like(2, 1, 1, 50, dtype=torch.bool)
+    assert da.unsupported(q, k, v, mask, 0.0, {}) is None
+    assert da.unsupported(q, k, v, None, 0.0, {"is_causal": False, "sliding_window": 8}) is None
+    refused = {
+        "query positions": (_gpu_like(2, 8, 5, 64), k, v, mask, 0.0, {}),
+        "GPU": (torch.zeros(2, 8, 1, 64), k, v, mask, 0.0, {}),
+        "dtype": (_gpu_like(2, 8, 1, 64, dtype=torch.float64), k, v, mask, 0.0, {}),
+        "head sizes": (_gpu_like(2, 8, 1, 64), k, _gpu_like(2, 2, 50, 32), mask, 0.0, {}),
+        "query heads": (_gpu_like(2, 7, 1, 64), k, v, mask, 0.0, {}),
+        "dropout": (q, k, v, mask, 0.1, {}),
+        "position bias": (q, k, v, mask, 0.0, {"position_bias": q}),
+        "soft-capping": (q, k, v, mask, 0.0, {"softcap": 30.0}),
+        "mask of shape": (q, k, v, _gpu_like(2, 1, 3, 50, dtype=torch.bool), 0.0, {}),
+        "mask of dtype": (q, k, v, _gpu_like(2, 1, 1, 50, dtype=torch.int64), 0.0, {}),
+    }
+    for words, call in refused.items():
+        reason = da.unsupported(*call)
+        assert reason and words.split()[-1] in reason, (words, reason)
+    big = _gpu_like(1, 4, 1, 512)
+    assert "head sizes" in da.unsupported(big, _gpu_like(1, 4, 9, 512),
+                                          _gpu_like(1, 4, 9, 512), None, 0.0, {})
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=8,
+                                      num_key_value_heads=2, vocab_size=97,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval(), transformers
+
+
+def _decode(model, transformers, steps=5, prompt=6, cache_len=40):
+    """The logits of a prompt and ``steps`` greedy tokens after it, through a static cache."""
+    cache = transformers.StaticCache(config=model.config, max_cache_len=cache_len)
+    ids = torch.arange(1, prompt + 1).view(1, prompt)
+    out = []
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        out.append(logits)
+        for t in range(steps):
+            token = logits.argmax(-1, keepdim=True)
+            logits = model(input_ids=token, past_key_values=cache, use_cache=True,
+                           position_ids=torch.tensor([[prompt + t]])).logits[:, -1]
+            out.append(logits)
+    return torch.stack(out)
+
+
+def _attention(query, key, value, mask, scale):
+    """The operator's values on the CPU (the operator is the GPU's), as ``(B, 1, H, D)``."""
+    groups = query.shape[1] // key.shape[1]
+    keys, values = (t.repeat_interleave(groups, 1) for t in (key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                                           scale=scale)
+    return out.transpose(1, 2).contiguous()
+
+
+def test_a_swapped_llama_decodes_on_the_operator_and_prefills_on_sdpa(monkeypatch):
+    model, transformers = _tiny_llama()
+    want = _decode(model, transformers)
+    calls = []
+
+    def on_cpu(query, key, value, mask, scale):  # the operator is the GPU's; its kernel here
+        calls.append((tuple(query.shape), tuple(key.shape), mask.dtype))
+        return _attention(query, key, value, mask, scale)
+    monkeypatch.setattr(da, "decode_attention_op", on_cpu)
+    real = da.unsupported
+    monkeypatch.setattr(da, "unsupported", lambda q, k, v, m, d, kw: real(
+        q.as_subclass(_OnGpu), k.as_subclass(_OnGpu), v.as_subclass(_OnGpu),
+        None if m is None else m.as_subclass(_OnGpu), d, kw))
+    swap = da.decode_attention(model)
+    assert model.config._attn_implementation == da.NAME
+    got = _decode(model, transformers)
+    # two layers, five single-token steps; the prompt ran on sdpa
+    assert len(calls) == 10 and all(q == (1, 8, 1, 8) and k == (1, 2, 40, 8) and
+                                    m == torch.bool for q, k, m in calls)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    swap.undo()
+    assert model.config._attn_implementation == "sdpa"
+    calls.clear()
+    _decode(model, transformers)
+    assert not calls
+
+
+def test_a_model_not_on_sdpa_or_swapped_twice_is_refused():
+    model, _ = _tiny_llama()
+    da.decode_attention(model)
+    with pytest.raises(InputError, match="already"):
+        da.decode_attention(model)
+    model.set_attn_implementation("eager")
+    with pytest.raises(InputError, match="attn_implementation='sdpa'"):
+        da.decode_attention(model)
+    with pytest.raises(InputError, match="nn.Module"):
+        da.decode_attention("model")

@@ -1,0 +1,75 @@
+"""decode_attention on the GPU: the kernel's values in three dtypes (bfloat16 too, which the
+CPU's interpreter cannot check), and Generators on a swapped model, eager and on Inductor's
+kernels, proven bit for bit and giving the swapped model's own greedy tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+NEW_TOKENS = 48
+
+
+def _reference(q, k, v, keep, scale):
+    groups = q.shape[1] // k.shape[1]
+    keys, values = (t.repeat_interleave(groups, 1).double() for t in (k, v))
+    scores = (q.double() @ keys.transpose(-1, -2)) * scale
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return (torch.softmax(scores, -1) @ values).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_kernel_matches_attention_in_float64(dtype):
+    from nimble.decode_attention import launch
+
+    dt = getattr(torch, dtype)
+    # (batch, query heads, key-value heads, slots, head size): a 1B Llama layer split over
+    # programs, a long cache, a head size no power of two, a batch with one program a head
+    for batch, heads, kv_heads, slots, head_dim in ((1, 32, 8, 576, 64), (1, 32, 8, 8192, 64),
+                                                   (3, 12, 12, 200, 80), (64, 8, 2, 300, 128)):
+        torch.manual_seed(slots)
+        q = torch.randn(batch, heads, 1, head_dim, device="cuda", dtype=dt)
+        k, v = (torch.randn(batch, kv_heads, slots, head_dim, device="cuda", dtype=dt)
+                for _ in range(2))
+        position = torch.randint(1, slots, (batch,), device="cuda")
+        keep = (torch.arange(slots, device="cuda")[None, :] <= position[:, None]).view(
+            batch, 1, 1, slots)
+        for mask in (keep, torch.where(keep, 0.0, torch.finfo(dt).min).to(dt), None):
+            got = launch(q, k, v, mask, head_dim ** -0.5)
+            torch.cuda.synchronize()
+            want = _reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
+            error = float((got.double() - want).norm() / want.norm())
+            limit = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dt]
+            assert error < limit, (batch, heads, kv_heads, slots, head_dim, dtype, error)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager kernels", "inductor"])
+def test_a_swapped_llama_generates_its_own_greedy_tokens_from_proven_graphs(compiled):
+    pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+    from nimble.cli.decoders import causal_lm
+    from nimble.decode_attention import NAME, decode_attention
+    from nimble.generate import Generator, library_greedy, prepare_with_nimble
+
+    model = causal_lm("llama_small", "bfloat16")
+    swap = decode_attention(model)
+    generator = Generator(model, max_cache_len=128 + NEW_TOKENS, prompt_buckets=[128],
+                          batch_sizes=[1, 8], prepare_step=prepare_with_nimble(None, compiled))
+    try:
+        assert model.config._attn_implementation == NAME
+        for batch in (1, 8):
+            decode, _ = generator.steps(batch)
+            assert not decode.graph.meta["verified"]["not_bitwise"]
+            names = [t.short_name or t.name for t in decode.graph.tasks]
+            assert any("attend" in n for n in names), names
+            torch.manual_seed(batch)
+            ids = torch.randint(0, model.config.vocab_size, (batch, 128), device="cuda")
+            got = generator.generate(ids, NEW_TOKENS)
+            if not compiled:  # the same kernels as the swapped model's eager greedy
+                assert torch.equal(got, library_greedy(model, ids, NEW_TOKENS))
+            assert torch.equal(generator.generate(ids, NEW_TOKENS), got)
+    finally:
+        generator.close()
+        swap.undo()
+    assert model.config._attn_implementation == "sdpa"

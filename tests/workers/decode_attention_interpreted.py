@@ -1,0 +1,80 @@
+"""The decode-attention kernel's cases under Triton's interpreter, one JSON line each: run as a
+subprocess with ``TRITON_INTERPRET=1`` set before Triton is imported (the interpreter cannot
+take over a Triton imported without it), by ``tests/test_decode_attention.py``."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+import nimble.decode_attention as da  # noqa: E402
+
+CASES = [  # batch, query heads, key-value heads, slots, head size
+    (1, 32, 8, 192, 64),  # a Llama 3.2 1B layer: split over three programs per head
+    (2, 4, 4, 70, 80),  # no grouping, a head size that is no power of two
+    (3, 6, 2, 300, 32),
+    (40, 4, 4, 50, 16),  # enough heads that one program per head suffices: no split
+]
+DTYPES = ("float32", "float16")
+MASKS = ("bool", "additive", "none")
+
+
+def reference(q, k, v, keep, scale):
+    """Attention in float64 with the key and value heads repeated, as ``(B, 1, H, D)``."""
+    groups = q.shape[1] // k.shape[1]
+    keys, values = (t.repeat_interleave(groups, 1).double() for t in (k, v))
+    scores = (q.double() @ keys.transpose(-1, -2)) * scale
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return (torch.softmax(scores, -1) @ values).transpose(1, 2)
+
+
+def error(got, want) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+def case(shape, dtype_name: str, mask_kind: str) -> dict:
+    batch, heads, kv_heads, slots, head_dim = shape
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    q = torch.randn(batch, heads, 1, head_dim, dtype=dtype)
+    k, v = (torch.randn(batch, kv_heads, slots, head_dim, dtype=dtype) for _ in range(2))
+    # each sequence at its own position, so whole stretches of slots are hidden for some
+    position = torch.randint(1, slots, (batch,))
+    keep = (torch.arange(slots)[None, :] <= position[:, None]).view(batch, 1, 1, slots)
+    mask = {"bool": keep, "none": None,
+            "additive": torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)}[mask_kind]
+    got = da.launch(q, k, v, mask, head_dim ** -0.5)
+    want = reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
+    return {"case": f"{shape}-{dtype_name}-{mask_kind}", "error": error(got, want),
+            "shape_ok": tuple(got.shape) == (batch, 1, heads, head_dim) and got.dtype == dtype}
+
+
+def strided() -> dict:
+    """A fused projection's output sliced for the query, one mask for the whole batch."""
+    torch.manual_seed(1)
+    fused = torch.randn(2, 1, 3 * 128)
+    q = fused[..., :128].view(2, 1, 4, 32).transpose(1, 2)
+    k, v = (torch.randn(2, 2, 130, 32) for _ in range(2))
+    mask = (torch.arange(130) < 77).view(1, 1, 1, 130)
+    got = da.launch(q, k, v, mask, 0.125)
+    return {"case": "strided", "error": error(got, reference(q, k, v, mask.expand(2, 1, 1, 130),
+                                                             0.125)),
+            "shape_ok": tuple(got.shape) == (2, 1, 4, 32)}
+
+
+def main() -> int:
+    for shape in CASES:
+        for dtype in DTYPES:
+            for mask in MASKS:
+                print(json.dumps(case(shape, dtype, mask)), flush=True)
+    print(json.dumps(strided()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Decode-step levers side by side in one process (issue 53): per variant, the compiled tight
+loop (gpt-fast's baseline, compiled under the same Inductor settings) and a Generator on
+Inductor's kernels, ms per token, the share of the copy bandwidth, the tokens against
+transformers' greedy ones, and where the Generator's decode step spends its time.
+
+    python3 tools/experiments/decode_levers.py --variants base,prefetch,coordinate,gemv
+
+Every variant runs on one model (built once, its sibling projections fused unless
+``--no-fuse``); ``gemv`` and ``attention`` change the model's modules and run after the
+others.  The Inductor settings of a variant (``combo_kernels`` always, ``coordinate_descent_
+tuning`` for ``coordinate``) are set around both rows' compilations, so the baseline gets every
+lever that is not Nimble's own; ``prefetch`` (the weight prefetch into the L2) is Nimble's own.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way of preparing the decode step."""
+
+    inductor: dict  # torch._inductor.config settings around both rows' compilations
+    prefetch_l2: bool = False  # PrepareOptions(prefetch_l2=True): Nimble's own
+    fast_gemv: bool = False  # nimble.fast_gemv on the model, before both rows
+    decode_attention: bool = False  # nimble.decode_attention on the model, before both rows
+
+
+COMBO = {"combo_kernels": True}
+VARIANTS = {
+    "base": Variant(COMBO),
+    "prefetch": Variant(COMBO, prefetch_l2=True),
+    "coordinate": Variant({**COMBO, "coordinate_descent_tuning": True}),
+    "gemv": Variant(COMBO, fast_gemv=True),
+    "attention": Variant(COMBO, decode_attention=True),
+    "attention+coordinate": Variant({**COMBO, "coordinate_descent_tuning": True},
+                                    decode_attention=True),
+    "attention+gemv": Variant(COMBO, fast_gemv=True, decode_attention=True),
+    "coordinate+gemv": Variant({**COMBO, "coordinate_descent_tuning": True}, fast_gemv=True),
+    "attention+coordinate+gemv": Variant({**COMBO, "coordinate_descent_tuning": True},
+                                         fast_gemv=True, decode_attention=True),
+}
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama3_1b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--variants", default="base,prefetch,coordinate,gemv")
+    p.add_argument("--no-fuse", action="store_true")
+    p.add_argument("--top", type=int, default=14, help="kernel names shown per breakdown")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; there are {', '.join(VARIANTS)}")
+    # a variant that swaps modules for good goes after every variant that does not
+    args.variants.sort(key=lambda v: VARIANTS[v].fast_gemv)
+    return args
+
+
+@dataclasses.dataclass
+class Reference:
+    """transformers' greedy tokens on the plain model (static cache, eager kernels), and what a
+    decode step must read."""
+
+    tokens: object
+    logits: object
+    needed: object
+
+
+def reference(model, args, ids) -> Reference:
+    import transformers
+
+    from nimble.cli.generate_bench import step_bytes
+    from nimble.generate import library_greedy
+
+    cache = transformers.StaticCache(config=model.config,
+                                     max_cache_len=args.prompt + args.new_tokens)
+    tokens, logits = library_greedy(model, ids, args.new_tokens, cache=cache, with_logits=True)
+    return Reference(tokens, logits, step_bytes(model, cache, args.prompt, args.new_tokens))
+
+
+def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Reference) -> dict:
+    import torch
+    import torch._inductor.config as inductor_config
+
+    from nimble.cli import decode_bandwidth
+    from nimble.cli.decode_loop import compiled_loop
+    from nimble.cli.generate_bench import _mismatches, _time_mode
+    from nimble.engine.options import PrepareOptions
+    from nimble.generate import Generator, prepare_with_nimble
+
+    variant = VARIANTS[name]
+    out: dict = {"variant": name, "settings": dataclasses.asdict(variant)}
+    if variant.fast_gemv and not getattr(model, "_levers_gemv", False):
+        from nimble.fast_gemv import fast_gemv
+
+        out["fast_gemv"] = [c.describe() for c in fast_gemv(model)]
+        model._levers_gemv = True
+    undo = []
+    if variant.decode_attention:
+        from nimble.decode_attention import decode_attention
+
+        undo.append(decode_attention(model).undo)
+    cache_len = args.prompt + args.new_tokens
+    ids = prompts[args.prompt]
+    options = PrepareOptions(prefetch_l2=True) if variant.prefetch_l2 else None
+    try:
+        torch._dynamo.reset()
+        with inductor_config.patch(**variant.inductor):
+            rows = {"compiled loop": compiled_loop(model, cache_len)}
+            generator = Generator(model, cache_len, [args.prompt], [args.batch],
+                                  prepare_step=prepare_with_nimble(options, True))
+            undo.append(generator.close)
+            rows["nimble+inductor"] = generator.generate
+            for mode, run in rows.items():
+                row = out[mode] = _time_mode(run, prompts, args.new_tokens, args.rounds)
+                row["bandwidth"] = decode_bandwidth.used(ref.needed, row["token_ms_median"],
+                                                         copy)
+                row["mismatch"] = _mismatches(run(ids, args.new_tokens), ref.tokens,
+                                              ref.logits, model.dtype)
+        out["decode_step"] = breakdown(generator, args, ref.needed, copy)
+    finally:
+        for step in reversed(undo):
+            step()
+    return out
+
+
+def breakdown(generator, args, needed, copy: float) -> dict:
+    """The decode step traced at the timed tokens' middle position: its breakdown's numbers,
+    its text with ``--top`` kernel names, and the prefetch's measured choice."""
+    import torch
+
+    from nimble.cli.common import one_line
+    from nimble.debug.breakdown import format_breakdown, step_breakdown
+
+    decode, _ = generator.steps(args.batch)
+    at = int(needed.slots_read) - 1
+    out = {"streams": len(decode.schedule.streams), "tasks": len(decode.graph.tasks),
+           "prefetch_l2": decode.graph.meta.get("prefetch_l2")}
+    try:
+        timeline = decode.trace(torch.ones((args.batch, 1), dtype=torch.long, device="cuda"),
+                                torch.full((1,), at, dtype=torch.long, device="cuda"))
+        broken = step_breakdown(timeline, decode.graph, copy_bytes_per_s=copy)
+        out["breakdown"] = broken.summary(top=args.top)
+        out["text"] = format_breakdown(broken, top=args.top)
+    except Exception as e:  # noqa: BLE001 - the timings stand without it
+        out["text"] = f"(no trace: {one_line(e)})"
+    return out
+
+
+def line(r: dict) -> str:
+    def cell(mode):
+        row = r.get(mode)
+        if not row:
+            return "-"
+        share = row["bandwidth"]["of_copy"]
+        differ = row["mismatch"]
+        return (f"{row['token_ms_median']:.3f} ms (p90 {row['token_ms_p90']:.3f}, "
+                f"{100 * share:.0f}%, differ {differ['sequences']}/{differ['near_ties']} tie)")
+    loop, ours = r.get("compiled loop"), r.get("nimble+inductor")
+    ratio = loop["token_ms_median"] / ours["token_ms_median"] if loop and ours else None
+    return (f"{r['variant']:<22} loop {cell('compiled loop')}  nimble {cell('nimble+inductor')}"
+            f"  x loop {ratio:.3f}" if ratio else f"{r['variant']}: {r.get('error')}")
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    import torch
+
+    from nimble.cli.decode_bandwidth import copy_bandwidth
+    from nimble.cli.decoders import causal_lm
+    from nimble.cli.common import one_line
+    from nimble.fused_projections import fuse_projections
+
+    copy = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy / 1e12:.2f} TB/s", flush=True)
+    model = causal_lm(args.model, args.dtype)
+    fused = 0 if args.no_fuse else fuse_projections(model)
+    torch.manual_seed(1)
+    prompts = {args.prompt: torch.randint(0, model.config.vocab_size, (args.batch, args.prompt),
+                                          device="cuda")}
+    ref = reference(model, args, prompts[args.prompt])
+    results = []
+    for name in args.variants:
+        print(f"--- {name} ({args.model} {args.dtype}, batch {args.batch}, {fused} fused "
+              "groups)", flush=True)
+        try:
+            r = run_variant(name, model, args, copy, prompts, ref)
+        except Exception as e:  # noqa: BLE001 - the other variants still run
+            r = {"variant": name, "error": one_line(e)}
+        results.append(r)
+        print(line(r), flush=True)
+        if r.get("decode_step"):
+            print(r["decode_step"]["text"], flush=True)
+        for p in (r.get("decode_step") or {}).get("prefetch_l2") or ():
+            print(f"  prefetch: {p}", flush=True)
+    print("=== summary")
+    for r in results:
+        print(line(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
