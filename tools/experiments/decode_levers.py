@@ -27,6 +27,7 @@ class Variant:
     prefetch_l2: bool = False  # PrepareOptions(prefetch_l2=True): Nimble's own
     fast_gemv: bool = False  # nimble.fast_gemv on the model, before both rows
     decode_attention: bool = False  # nimble.decode_attention on the model, before both rows
+    single_stream: bool = False  # the Generator's steps prepared with use_multi_stream=False
 
 
 COMBO = {"combo_kernels": True}
@@ -38,6 +39,7 @@ VARIANTS = {
     "attention": Variant(COMBO, decode_attention=True),
     "attention+coordinate": Variant({**COMBO, "coordinate_descent_tuning": True},
                                     decode_attention=True),
+    "attention+single": Variant(COMBO, decode_attention=True, single_stream=True),
     "attention+gemv": Variant(COMBO, fast_gemv=True, decode_attention=True),
     "coordinate+gemv": Variant({**COMBO, "coordinate_descent_tuning": True}, fast_gemv=True),
     "attention+coordinate+gemv": Variant({**COMBO, "coordinate_descent_tuning": True},
@@ -119,7 +121,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
         with inductor_config.patch(**variant.inductor):
             rows = {"compiled loop": compiled_loop(model, cache_len)}
             generator = Generator(model, cache_len, [args.prompt], [args.batch],
-                                  prepare_step=prepare_with_nimble(options, True))
+                                  prepare_step=single_stream(options) if variant.single_stream
+                                  else prepare_with_nimble(options, True))
             undo.append(generator.close)
             rows["nimble+inductor"] = generator.generate
             for mode, run in rows.items():
@@ -133,6 +136,18 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
         for step in reversed(undo):
             step()
     return out
+
+
+def single_stream(options):
+    """``prepare_step`` of a Generator on Inductor's kernels whose graphs run on one stream."""
+    def prepare(module, examples):
+        import torch
+
+        from nimble import Nimble
+
+        return Nimble(torch.compile(module, dynamic=False)).prepare(
+            buckets=list(examples), options=options, use_multi_stream=False)
+    return prepare
 
 
 def breakdown(generator, args, needed, copy: float) -> dict:
