@@ -174,7 +174,7 @@ def test_the_nimble_steps_are_prepared_with_the_levers_asked_for(monkeypatch, pr
 
 def test_nimble_inductors_kernels_are_compiled_as_the_bench_is_told(monkeypatch):
     """--inductor-mode, --coordinate-descent and --combo-kernels reach torch.compile for
-    nimble+inductor only;
+    nimble+inductor (the settings reach the rows that compile themselves too: the next test);
     a mode that makes CUDA graphs of its own, or both at once, is an InputError."""
     import argparse
 
@@ -209,6 +209,47 @@ def test_nimble_inductors_kernels_are_compiled_as_the_bench_is_told(monkeypatch)
     with pytest.raises(InputError, match="not both"):
         generate_module.prepare_with_nimble(None, True, compile_mode="default",
                                             compile_options={"coordinate_descent_tuning": True})
+
+
+def test_the_rows_that_compile_themselves_compile_under_the_nimble_rows_settings():
+    """A setting of Inductor's is every row's lever: the compiled loop and generate()'s
+    compiled forward compile under --coordinate-descent and --combo-kernels as nimble+inductor
+    does, and run as they are without them."""
+    import argparse
+
+    import torch._inductor.config as inductor_config
+
+    from nimble.cli.generate_levers import compiled_under
+
+    def run(ids, new):
+        return (inductor_config.coordinate_descent_tuning, inductor_config.combo_kernels, new)
+    plain = argparse.Namespace()
+    assert compiled_under(run, plain) is run
+    before = run(None, 1)
+    tuned = compiled_under(run, argparse.Namespace(coordinate_descent=True, combo_kernels=True))
+    assert tuned(None, 3) == (True, True, 3)
+    assert run(None, 1) == before  # the settings are the call's alone
+    only = compiled_under(run, argparse.Namespace(combo_kernels=True))
+    assert only(None, 2)[1:] == (True, 2)
+
+
+def test_the_bench_puts_every_rows_attention_on_the_kernel_only_where_asked(monkeypatch):
+    import argparse
+
+    import nimble.decode_attention as da
+    from nimble.cli.generate_bench import _header
+    from nimble.cli.generate_levers import attention_if_asked
+
+    swapped = []
+    monkeypatch.setattr(da, "decode_attention", lambda model: swapped.append(model))
+    info: dict = {}
+    attention_if_asked("model", argparse.Namespace(), info)
+    assert not swapped and "decode_attention" not in info
+    attention_if_asked("model", argparse.Namespace(decode_attention=True), info)
+    assert swapped == ["model"] and info["decode_attention"] is True
+    head = _header({"model": "m", "dtype": "bfloat16", "batch": 1, "new_tokens": 64,
+                    "rounds": 1, "decode_attention": True})
+    assert any("nimble::decode_attention" in line for line in head)
 
 
 def test_the_decode_steps_shape_comes_from_one_trace_at_the_timed_tokens_middle():

@@ -55,7 +55,7 @@ from .common import Fail, one_line, positive_int, require_gpu
 from .decode_loop import compiled_loop
 from .decoders import CAUSAL_LMS, causal_lm
 from .generate_levers import (add_lever_arguments, attention_if_asked, cache_length,
-                              fuse_if_asked, gemv_if_asked, nimble_generators)
+                              compiled_under, fuse_if_asked, gemv_if_asked, nimble_generators)
 from .harness import Case, Column, Outcome, format_table, run_cases, write_results
 from .output import outputs
 from ..progress import say
@@ -307,10 +307,12 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
     step("preparing the Nimble generators (eager kernels, Inductor's)")
     generators = nimble_generators(model, args, batch)
     try:
-        runs = {BASELINE: compiled_loop(model, cache_len),
+        runs = {BASELINE: compiled_under(compiled_loop(model, cache_len), args),
                 "eager generate": _library_generate(model, False, cache_len),
-                "static+compile": _library_generate(model, True, cache_len),
-                "static+backend": _library_generate(model, True, cache_len, "nimble"),
+                "static+compile": compiled_under(_library_generate(model, True, cache_len),
+                                                 args),
+                "static+backend": compiled_under(
+                    _library_generate(model, True, cache_len, "nimble"), args),
                 **{mode: g if isinstance(g, str) else g.generate
                    for mode, g in generators.items()}}
         for mode in MODES:

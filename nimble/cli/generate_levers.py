@@ -24,10 +24,13 @@ def add_lever_arguments(p) -> None:
                         "(default: Inductor's default; max-autotune-no-cudagraphs tunes them "
                         "at prepare)")
     p.add_argument("--coordinate-descent", action="store_true",
-                   help="--generate: nimble+inductor's kernels compiled with Inductor's "
-                        "coordinate_descent_tuning (not with --inductor-mode)")
+                   help="--generate: nimble+inductor's kernels, and every row that compiles "
+                        "(the baseline too, as gpt-fast's recipe has it), compiled with "
+                        "Inductor's coordinate_descent_tuning, under which a single-row GEMM "
+                        "is a reduction fused with its neighbours (not with --inductor-mode)")
     p.add_argument("--combo-kernels", action="store_true",
-                   help="--generate: nimble+inductor's kernels compiled with Inductor's "
+                   help="--generate: nimble+inductor's kernels, and every row that compiles, "
+                        "compiled with Inductor's "
                         "combo_kernels, independent small kernels (the key and value cache "
                         "updates, each half of the rotary embedding) one launch each (not with "
                         "--inductor-mode)")
@@ -92,9 +95,7 @@ def nimble_generators(model, args, batch: int) -> dict:
     asked = {"prefetch_l2": getattr(args, "prefetch_l2", False),
              "programmatic_launch": getattr(args, "programmatic", False)}
     options = PrepareOptions(**asked) if any(asked.values()) else None
-    tuned = {key: True for key, flag in (("coordinate_descent_tuning", "coordinate_descent"),
-                                         ("combo_kernels", "combo_kernels"))
-             if getattr(args, flag, False)}
+    tuned = inductor_settings(args)
     inductor = {"compile_mode": getattr(args, "inductor_mode", None),
                 "compile_options": tuned or None}
     made: dict = {}
@@ -107,6 +108,29 @@ def nimble_generators(model, args, batch: int) -> dict:
         except Exception as e:  # noqa: BLE001 - the other modes still run
             made[mode] = one_line(e)
     return made
+
+
+def inductor_settings(args) -> dict:
+    """The Inductor settings ``--coordinate-descent`` and ``--combo-kernels`` ask for."""
+    return {key: True for key, flag in (("coordinate_descent_tuning", "coordinate_descent"),
+                                        ("combo_kernels", "combo_kernels"))
+            if getattr(args, flag, False)}
+
+
+def compiled_under(run, args):
+    """``run`` (a row that compiles with Inductor on its first calls: the compiled loop,
+    ``generate()``'s compiled forward) compiling under the Inductor settings the Nimble rows
+    are compiled with: a setting of Inductor's is every row's lever, as the coordinate-descent
+    tuning is in gpt-fast's own recipe."""
+    settings = inductor_settings(args)
+    if not settings:
+        return run
+    import torch._inductor.config as inductor_config
+
+    def compiled(*a, **k):
+        with inductor_config.patch(**settings):
+            return run(*a, **k)
+    return compiled
 
 
 def fuse_if_asked(model, args, info: dict) -> None:
