@@ -105,3 +105,17 @@ def timed_stand_in(faster: bool, wins):
             return count * ((0.9 if faster else 0.999) if wins(built) else 1.0)
         return timed
     return launch
+
+
+def attention_reference(q, k, v, keep, scale):
+    """Single-query attention in float64, the key and value heads repeated for the query heads
+    that share them, ``keep`` (boolean, broadcastable to the scores) hiding slots: ``(B, 1, H,
+    D)``, as ``nimble.decode_attention`` gives it."""
+    import torch
+
+    groups = q.shape[1] // k.shape[1]
+    keys, values = (t.repeat_interleave(groups, 1).double() for t in (k, v))
+    scores = (q.double() @ keys.transpose(-1, -2)) * scale
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return (torch.softmax(scores, -1) @ values).transpose(1, 2)

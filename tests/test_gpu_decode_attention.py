@@ -5,19 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import attention_reference
 
 pytestmark = pytest.mark.gpu
 
 NEW_TOKENS = 48
-
-
-def _reference(q, k, v, keep, scale):
-    groups = q.shape[1] // k.shape[1]
-    keys, values = (t.repeat_interleave(groups, 1).double() for t in (k, v))
-    scores = (q.double() @ keys.transpose(-1, -2)) * scale
-    if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return (torch.softmax(scores, -1) @ values).transpose(1, 2)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -39,7 +31,7 @@ def test_the_kernel_matches_attention_in_float64(dtype):
         for mask in (keep, torch.where(keep, 0.0, torch.finfo(dt).min).to(dt), None):
             got = launch(q, k, v, mask, head_dim ** -0.5)
             torch.cuda.synchronize()
-            want = _reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
+            want = attention_reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
             error = float((got.double() - want).norm() / want.norm())
             limit = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dt]
             assert error < limit, (batch, heads, kv_heads, slots, head_dim, dtype, error)

@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
 import nimble.decode_attention as da  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for its helpers
+from helpers import attention_reference as reference  # noqa: E402
 
 CASES = [  # batch, query heads, key-value heads, slots, head size
     (1, 32, 8, 192, 64),  # a Llama 3.2 1B layer: split over three programs per head
@@ -21,16 +25,6 @@ CASES = [  # batch, query heads, key-value heads, slots, head size
 ]
 DTYPES = ("float32", "float16")
 MASKS = ("bool", "additive", "none")
-
-
-def reference(q, k, v, keep, scale):
-    """Attention in float64 with the key and value heads repeated, as ``(B, 1, H, D)``."""
-    groups = q.shape[1] // k.shape[1]
-    keys, values = (t.repeat_interleave(groups, 1).double() for t in (k, v))
-    scores = (q.double() @ keys.transpose(-1, -2)) * scale
-    if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return (torch.softmax(scores, -1) @ values).transpose(1, 2)
 
 
 def error(got, want) -> float:

@@ -1,0 +1,39 @@
+"""tools/experiments/decode_levers.py: its variants, their order and its summary line (no GPU)."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import load_tool
+
+tool = load_tool("experiments/decode_levers")
+
+
+def test_variants_that_swap_the_models_layers_for_good_run_last():
+    args = tool.parse(["--variants", "attention+gemv,base,coordinate+gemv,prefetch"])
+    assert args.variants == ["base", "prefetch", "attention+gemv", "coordinate+gemv"]
+    assert tool.parse([]).variants == ["base", "prefetch", "coordinate", "gemv"]
+    with pytest.raises(SystemExit):
+        tool.parse(["--variants", "base,warp-speed"])
+
+
+def test_every_variant_compiles_with_combo_kernels_and_names_what_it_adds():
+    for name, variant in tool.VARIANTS.items():
+        assert variant.inductor.get("combo_kernels") is True, name
+        assert ("coordinate" in name) == bool(variant.inductor.get(
+            "coordinate_descent_tuning")), name
+        assert ("gemv" in name) == variant.fast_gemv, name
+        assert ("attention" in name) == variant.decode_attention, name
+        assert ("prefetch" in name) == variant.prefetch_l2, name
+        assert ("single" in name) == variant.single_stream, name
+
+
+def test_the_summary_line_holds_both_rows_and_their_ratio():
+    def row(ms):
+        return {"token_ms_median": ms, "token_ms_p90": ms + 0.01,
+                "bandwidth": {"of_copy": 0.5}, "mismatch": {"sequences": 1, "near_ties": 1}}
+    line = tool.line({"variant": "base", "compiled loop": row(1.2),
+                      "nimble+inductor": row(1.0)})
+    assert "loop 1.200 ms" in line and "nimble 1.000 ms" in line and "x loop 1.200" in line
+    assert "differ 1/1 tie" in line
+    assert tool.line({"variant": "base", "error": "RuntimeError: x"}) == \
+        "base: RuntimeError: x"
