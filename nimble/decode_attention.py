@@ -211,10 +211,11 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         mask_strides = (mask_t.stride(0), mask_t.stride(1), mask_t.stride(3))
     plan = split_for(batch, kv_heads, slots)
     parted = plan.splits > 1
-    rows = batch * kv_heads * plan.splits * block_r if parted else 1
-    part = torch.empty((rows, block_d) if parted else (1,), dtype=torch.float32,
-                       device=query.device)
-    stat = torch.empty((rows, 2) if parted else (1,), dtype=torch.float32, device=query.device)
+    part = stat = out  # unsplit, the kernel writes the output alone: no parts to allocate
+    if parted:
+        rows = batch * kv_heads * plan.splits * block_r
+        part = torch.empty((rows, block_d), dtype=torch.float32, device=query.device)
+        stat = torch.empty((rows, 2), dtype=torch.float32, device=query.device)
     attend[(batch * kv_heads, plan.splits)](
         query, key, value, mask_t, out, part, stat, scale, slots, groups,
         kv_heads, plan.splits, plan.slots_per_split,

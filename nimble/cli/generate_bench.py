@@ -138,12 +138,12 @@ def _static_cache(model, max_cache_len: int):
 
 
 def _decode_step_shape(generator, batch: int, needed=None,
-                       copy_bytes_per_s: float | None = None) -> dict:
+                       copy_bytes_per_s: float | None = None, top: int = 10) -> dict:
     """The decode step's DAG width, streams and achieved concurrency, and where its time goes
-    (:func:`nimble.debug.breakdown.step_breakdown`, held against ``copy_bytes_per_s``), from
-    one trace at the timed tokens' middle position (``needed``, the step's
-    :class:`~nimble.cli.decode_bandwidth.StepBytes`; None and the trace's error where it
-    failed)."""
+    (:func:`nimble.debug.breakdown.step_breakdown`, held against ``copy_bytes_per_s``, the
+    ``top`` kernel names by time), from one trace at the timed tokens' middle position
+    (``needed``, the step's :class:`~nimble.cli.decode_bandwidth.StepBytes`; None and the
+    trace's error where it failed)."""
     import torch
 
     from ..debug.breakdown import format_breakdown, step_breakdown
@@ -161,8 +161,8 @@ def _decode_step_shape(generator, batch: int, needed=None,
                                 torch.full((1,), at, dtype=torch.long, device=device))
         shape["concurrency"] = timeline.summary()["phases"][0]["concurrency"]
         broken = step_breakdown(timeline, decode.graph, copy_bytes_per_s=copy_bytes_per_s)
-        shape["breakdown"] = broken.summary()
-        shape["breakdown_text"] = format_breakdown(broken)
+        shape["breakdown"] = broken.summary(top=top)
+        shape["breakdown_text"] = format_breakdown(broken, top=top)
     except Exception as e:  # noqa: BLE001 - the timings stand without it
         shape["trace_error"] = one_line(e)
     return shape

@@ -91,23 +91,24 @@ def reference(model, args, ids) -> Reference:
     return Reference(tokens, logits, step_bytes(model, cache, args.prompt, args.new_tokens))
 
 
-def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Reference) -> dict:
+def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Reference,
+                swapped: set) -> dict:
     import torch
     import torch._inductor.config as inductor_config
 
     from nimble.cli import decode_bandwidth
     from nimble.cli.decode_loop import compiled_loop
-    from nimble.cli.generate_bench import _mismatches, _time_mode
+    from nimble.cli.generate_bench import _decode_step_shape, _mismatches, _time_mode
     from nimble.engine.options import PrepareOptions
     from nimble.generate import Generator, prepare_with_nimble
 
     variant = VARIANTS[name]
     out: dict = {"variant": name, "settings": dataclasses.asdict(variant)}
-    if variant.fast_gemv and not getattr(model, "_levers_gemv", False):
+    if variant.fast_gemv and "fast_gemv" not in swapped:
         from nimble.fast_gemv import fast_gemv
 
         out["fast_gemv"] = [c.describe() for c in fast_gemv(model)]
-        model._levers_gemv = True
+        swapped.add("fast_gemv")  # for good: the variants after it run on the swapped layers
     undo = []
     if variant.decode_attention:
         from nimble.decode_attention import decode_attention
@@ -131,7 +132,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                                          copy)
                 row["mismatch"] = _mismatches(run(ids, args.new_tokens), ref.tokens,
                                               ref.logits, model.dtype)
-        out["decode_step"] = breakdown(generator, args, ref.needed, copy)
+        out["decode_step"] = _decode_step_shape(generator, args.batch, ref.needed, copy,
+                                                top=args.top)
     finally:
         for step in reversed(undo):
             step()
@@ -148,29 +150,6 @@ def single_stream(options):
         return Nimble(torch.compile(module, dynamic=False)).prepare(
             buckets=list(examples), options=options, use_multi_stream=False)
     return prepare
-
-
-def breakdown(generator, args, needed, copy: float) -> dict:
-    """The decode step traced at the timed tokens' middle position: its breakdown's numbers,
-    its text with ``--top`` kernel names, and the prefetch's measured choice."""
-    import torch
-
-    from nimble.cli.common import one_line
-    from nimble.debug.breakdown import format_breakdown, step_breakdown
-
-    decode, _ = generator.steps(args.batch)
-    at = int(needed.slots_read) - 1
-    out = {"streams": len(decode.schedule.streams), "tasks": len(decode.graph.tasks),
-           "prefetch_l2": decode.graph.meta.get("prefetch_l2")}
-    try:
-        timeline = decode.trace(torch.ones((args.batch, 1), dtype=torch.long, device="cuda"),
-                                torch.full((1,), at, dtype=torch.long, device="cuda"))
-        broken = step_breakdown(timeline, decode.graph, copy_bytes_per_s=copy)
-        out["breakdown"] = broken.summary(top=args.top)
-        out["text"] = format_breakdown(broken, top=args.top)
-    except Exception as e:  # noqa: BLE001 - the timings stand without it
-        out["text"] = f"(no trace: {one_line(e)})"
-    return out
 
 
 def line(r: dict) -> str:
@@ -205,18 +184,20 @@ def main(argv=None) -> int:
     prompts = {args.prompt: torch.randint(0, model.config.vocab_size, (args.batch, args.prompt),
                                           device="cuda")}
     ref = reference(model, args, prompts[args.prompt])
-    results = []
+    results, swapped = [], set()
     for name in args.variants:
         print(f"--- {name} ({args.model} {args.dtype}, batch {args.batch}, {fused} fused "
               "groups)", flush=True)
         try:
-            r = run_variant(name, model, args, copy, prompts, ref)
+            r = run_variant(name, model, args, copy, prompts, ref, swapped)
         except Exception as e:  # noqa: BLE001 - the other variants still run
             r = {"variant": name, "error": one_line(e)}
         results.append(r)
         print(line(r), flush=True)
         if r.get("decode_step"):
-            print(r["decode_step"]["text"], flush=True)
+            step = r["decode_step"]
+            print(step.get("breakdown_text") or f"(no trace: {step.get('trace_error')})",
+                  flush=True)
         for p in (r.get("decode_step") or {}).get("prefetch_l2") or ():
             print(f"  prefetch: {p}", flush=True)
     print("=== summary")
