@@ -49,6 +49,9 @@ BLOCK_SLOTS = 64
 #: are split until the key-value heads of the batch reach it, a block of slots per program at
 #: the least.
 TARGET_PROGRAMS = 132
+#: Caches of at most this many blocks of slots are read unsplit: one program per (sequence,
+#: key-value head) walks them all, and no second kernel joins parts.
+UNSPLIT_BLOCKS = 4
 #: Rows of the matrix units' tiles: the query heads of a key-value head are padded to them.
 MIN_TILE = 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,12 +66,19 @@ class Split:
 
 
 def split_for(batch: int, kv_heads: int, slots: int, target: int = TARGET_PROGRAMS,
-              block: int = BLOCK_SLOTS) -> Split:
+              block: int = BLOCK_SLOTS, unsplit_blocks: int | None = None,
+              splits: int | None = None) -> Split:
     """The split of ``slots`` cache slots for ``batch * kv_heads`` (sequence, head) pairs: as
     many programs per pair as bring the call to ``target`` programs, at most one per block of
-    slots."""
+    slots; none where the slots are ``unsplit_blocks`` blocks or fewer (default
+    :data:`UNSPLIT_BLOCKS`; ``splits`` given: that many, at most one per block)."""
     blocks = -(-slots // block)
-    splits = max(1, min(blocks, -(-target // max(1, batch * kv_heads))))
+    if unsplit_blocks is None:
+        unsplit_blocks = UNSPLIT_BLOCKS
+    if splits is None:
+        splits = 1 if blocks <= unsplit_blocks else \
+            -(-target // max(1, batch * kv_heads))
+    splits = max(1, min(blocks, splits))
     per_split = -(-blocks // splits) * block
     return Split(-(-slots // per_split), per_split)
 
@@ -191,10 +201,11 @@ def _kernels():
 
 
 def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+           mask: torch.Tensor | None, scale: float, splits: int | None = None) -> torch.Tensor:
     """The attention of ``query`` ``(B, H, 1, D)`` over ``key`` and ``value``
     ``(B, Hkv, L, D)`` with ``mask`` (boolean or additive, broadcastable to ``(B, H, 1, L)``,
-    or None), as ``(B, 1, H, D)``, on the current stream."""
+    or None), as ``(B, 1, H, D)``, on the current stream; ``splits``: programs per (sequence,
+    key-value head), else :func:`split_for`'s."""
     attend, join = _kernels()
     batch, heads, _, head_dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
@@ -209,7 +220,7 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kind = 1 if mask.dtype == torch.bool else 2
         mask_t = mask.expand(batch, heads, 1, slots)
         mask_strides = (mask_t.stride(0), mask_t.stride(1), mask_t.stride(3))
-    plan = split_for(batch, kv_heads, slots)
+    plan = split_for(batch, kv_heads, slots, splits=splits)
     parted = plan.splits > 1
     part = stat = out  # unsplit, the kernel writes the output alone: no parts to allocate
     if parted:

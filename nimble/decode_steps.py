@@ -7,7 +7,8 @@ transformers' own greedy tokens that a Generator reproduces.
   ``position`` first;
 - ``prepare_step`` functions: :func:`prepare_with_nimble` (Nimble's graphs, on eager or
   Inductor's kernels) and :func:`run_eagerly`;
-- :func:`library_greedy`: ``generate()``'s greedy tokens with a static cache.
+- :func:`library_greedy`: ``generate()``'s greedy tokens with a static cache;
+- :func:`greedy`: the steps' (and the compiled loop's) argmax.
 
 transformers keeps a static cache's position in the cache itself (``cumulative_length``, a
 tensor per layer), so the steps set those counters from their inputs inside the graph
@@ -72,10 +73,39 @@ def unit_in_last_place(value: float, dtype) -> float:
     return info.eps * 2.0 ** math.floor(math.log2(max(abs(value), info.tiny)))
 
 
-def _greedy(logits):
+#: Logits per chunk of :func:`split_argmax`.
+ARGMAX_CHUNK = 1024
+#: Vocabularies from this size on take :func:`split_argmax` under ``torch.compile``.
+SPLIT_ARGMAX_FROM = 8 * ARGMAX_CHUNK
+
+
+def greedy(logits):
     """The argmax token of each row, taken as ``generate(do_sample=False)`` takes it (over the
-    logits as float32: the first of equal maxima)."""
-    return logits.float().argmax(-1)
+    logits as float32: the first of equal maxima, the first NaN before any number).
+
+    Under ``torch.compile`` a large vocabulary takes :func:`split_argmax`: Inductor makes one
+    program of a row's whole argmax (a 128,256-logit row is one multiprocessor's 22 µs, the
+    step's last kernel), where the split's first reduction spreads a row over a program per
+    chunk. Eager kernels keep torch's argmax, which spreads a row itself."""
+    values = logits.float()
+    if values.shape[-1] < SPLIT_ARGMAX_FROM or not torch.compiler.is_compiling():
+        return values.argmax(-1)
+    return split_argmax(values)
+
+
+def split_argmax(values, chunk: int = ARGMAX_CHUNK):
+    """``values.argmax(-1)`` as two reductions: each chunk's maximum and its first place, then
+    the first chunk holding the row's maximum, so ties and NaNs resolve as one argmax would
+    (the padding past the row's end is -inf, which no value loses to but another -inf, and an
+    all--inf row still picks 0)."""
+    lead, width = values.shape[:-1], values.shape[-1]
+    chunks = -(-width // chunk)
+    pad = chunks * chunk - width
+    if pad:
+        values = torch.nn.functional.pad(values, (0, pad), value=float("-inf"))
+    best, where = values.reshape(*lead, chunks, chunk).max(-1)
+    pick = best.argmax(-1, keepdim=True)
+    return (pick * chunk + where.gather(-1, pick)).squeeze(-1)
 
 
 class PrefillStep(torch.nn.Module):
@@ -98,7 +128,7 @@ class PrefillStep(torch.nn.Module):
                                        use_cache=True).last_hidden_state
         logits = self.model.get_output_embeddings()(hidden.index_select(1, last))[:, 0]
         _set_counters(counters, last + 1)
-        return _greedy(logits), logits
+        return greedy(logits), logits
 
 
 class DecodeStep(torch.nn.Module):
@@ -115,7 +145,7 @@ class DecodeStep(torch.nn.Module):
         positions = position.view(1, 1).expand(ids.shape[0], 1)
         logits = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache,
                             use_cache=True).logits[:, -1]
-        return _greedy(logits), logits
+        return greedy(logits), logits
 
 
 #: torch.compile's modes whose kernels Nimble takes: those that make no CUDA graphs of their own.

@@ -32,23 +32,42 @@ def interpreted() -> dict:
 def test_the_kernel_computes_attention_over_the_cache(interpreted):
     """Every shape (grouped heads, a head size no power of two, split and unsplit slots), dtype
     and kind of mask, each sequence of a batch at its own position, and a strided query."""
-    assert len(interpreted) == 25
+    assert len(interpreted) == 31
     for name, r in interpreted.items():
         limit = 2e-3 if "float16" in name else 1e-5
         assert r["shape_ok"] and r["error"] < limit, (name, r)
 
 
 def test_the_slots_are_split_until_the_call_has_its_programs():
-    assert da.split_for(1, 8, 192) == da.Split(3, 64)  # one block of slots a program
-    assert da.split_for(1, 8, 4096) == da.Split(16, 256)  # 16 programs a head, 4 blocks each
-    assert da.split_for(64, 8, 576) == da.Split(1, 576)  # 512 heads: one program each
-    assert da.split_for(8, 8, 576) == da.Split(3, 192)
+    def split(*args):
+        return da.split_for(*args, unsplit_blocks=0)
+
+    assert split(1, 8, 192) == da.Split(3, 64)  # one block of slots a program
+    assert split(1, 8, 4096) == da.Split(16, 256)  # 16 programs a head, 4 blocks each
+    assert split(64, 8, 576) == da.Split(1, 576)  # 512 heads: one program each
+    assert split(8, 8, 576) == da.Split(3, 192)
     for batch, kv_heads, slots in ((1, 1, 1), (2, 8, 65), (1, 8, 10_000), (5, 3, 700)):
-        plan = da.split_for(batch, kv_heads, slots)
-        assert plan.slots_per_split % da.BLOCK_SLOTS == 0
-        # every slot in one split, no split empty
-        assert (plan.splits - 1) * plan.slots_per_split < slots <= \
-            plan.splits * plan.slots_per_split
+        for plan in (split(batch, kv_heads, slots), da.split_for(batch, kv_heads, slots)):
+            assert plan.slots_per_split % da.BLOCK_SLOTS == 0
+            # every slot in one split, no split empty
+            assert (plan.splits - 1) * plan.slots_per_split < slots <= \
+                plan.splits * plan.slots_per_split
+
+
+def test_a_short_cache_is_read_unsplit_and_a_longer_one_split():
+    short = 4 * da.BLOCK_SLOTS
+    assert da.split_for(1, 8, short, unsplit_blocks=4) == da.Split(1, short)
+    assert da.split_for(1, 8, short + 1, unsplit_blocks=4).splits > 1
+    limit = da.UNSPLIT_BLOCKS * da.BLOCK_SLOTS  # the default rule
+    if limit:
+        assert da.split_for(1, 8, limit).splits == 1
+    assert da.split_for(1, 8, limit + da.BLOCK_SLOTS + 1).splits > 1
+
+
+def test_splits_asked_for_are_taken_up_to_one_a_block():
+    assert da.split_for(1, 8, 4096, splits=1) == da.Split(1, 4096)
+    assert da.split_for(1, 8, 4096, splits=4) == da.Split(4, 1024)
+    assert da.split_for(1, 8, 100, splits=8) == da.Split(2, 64)
 
 
 class _OnGpu(torch.Tensor):

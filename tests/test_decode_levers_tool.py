@@ -16,8 +16,11 @@ def test_variants_that_swap_the_models_layers_for_good_run_last():
         tool.parse(["--variants", "base,warp-speed"])
 
 
-def test_every_variant_compiles_with_combo_kernels_and_names_what_it_adds():
-    for name, variant in tool.VARIANTS.items():
+def test_a_variants_name_joins_the_levers_it_sets():
+    for name in ("base", "prefetch", "coordinate", "gemv", "attention", "attention+single",
+                 "attention+coordinate+gemv", "plain-argmax+attention+gemv",
+                 "split-attention+gemv"):
+        variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
             "coordinate_descent_tuning")), name
@@ -25,6 +28,21 @@ def test_every_variant_compiles_with_combo_kernels_and_names_what_it_adds():
         assert ("attention" in name) == variant.decode_attention, name
         assert ("prefetch" in name) == variant.prefetch_l2, name
         assert ("single" in name) == variant.single_stream, name
+        assert ("plain-argmax" in name) == variant.plain_argmax, name
+        assert ("split-attention" in name) == variant.split_attention, name
+    with pytest.raises(KeyError):
+        tool.variant("attention+warp")
+
+
+def test_a_variants_constants_hold_inside_its_block_and_are_restored_after():
+    from nimble import decode_attention, decode_steps
+
+    before = decode_steps.SPLIT_ARGMAX_FROM, decode_attention.UNSPLIT_BLOCKS
+    with tool._patched({"SPLIT_ARGMAX_FROM": (decode_steps, 5),
+                        "UNSPLIT_BLOCKS": (decode_attention, 0)}):
+        assert (decode_steps.SPLIT_ARGMAX_FROM, decode_attention.UNSPLIT_BLOCKS) == (5, 0)
+        assert decode_attention.split_for(1, 8, 128).splits == 2
+    assert (decode_steps.SPLIT_ARGMAX_FROM, decode_attention.UNSPLIT_BLOCKS) == before
 
 
 def test_the_summary_line_holds_both_rows_and_their_ratio():

@@ -1,7 +1,10 @@
 """decode_attention on the GPU: the kernel's values in three dtypes (bfloat16 too, which the
 CPU's interpreter cannot check), and Generators on a swapped model, eager and on Inductor's
-kernels, proven bit for bit and giving the swapped model's own greedy tokens."""
+kernels, proven bit for bit and giving the swapped model's own greedy tokens; the kernel read
+unsplit and split alike."""
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -28,13 +31,15 @@ def test_the_kernel_matches_attention_in_float64(dtype):
         position = torch.randint(1, slots, (batch,), device="cuda")
         keep = (torch.arange(slots, device="cuda")[None, :] <= position[:, None]).view(
             batch, 1, 1, slots)
-        for mask in (keep, torch.where(keep, 0.0, torch.finfo(dt).min).to(dt), None):
-            got = launch(q, k, v, mask, head_dim ** -0.5)
+        masks = (keep, torch.where(keep, 0.0, torch.finfo(dt).min).to(dt), None)
+        # the rule's split, every slot on one program (the unsplit kernel), a split of two
+        for mask, splits in itertools.product(masks, (None, 1, 2)):
+            got = launch(q, k, v, mask, head_dim ** -0.5, splits)
             torch.cuda.synchronize()
             want = attention_reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
             error = float((got.double() - want).norm() / want.norm())
             limit = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dt]
-            assert error < limit, (batch, heads, kv_heads, slots, head_dim, dtype, error)
+            assert error < limit, (batch, heads, kv_heads, slots, head_dim, dtype, splits, error)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager kernels", "inductor"])

@@ -29,6 +29,8 @@ def compiled_loop(model, max_cache_len: int, compile: Callable | None = None) ->
     import torch
     import transformers
 
+    from ..decode_steps import greedy
+
     cache = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
     by_position = takes_cache_position(model)
 
@@ -39,7 +41,7 @@ def compiled_loop(model, max_cache_len: int, compile: Callable | None = None) ->
 
     def step(token, position):
         positions = position.view(1, 1).expand(token.shape[0], 1)
-        return forward(token, positions).argmax(-1, keepdim=True)
+        return greedy(forward(token, positions)).unsqueeze(-1)
 
     compiled = (compile or torch.compile)(step, mode="reduce-overhead", fullgraph=True)
 

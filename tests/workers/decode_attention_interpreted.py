@@ -17,11 +17,12 @@ import nimble.decode_attention as da  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for its helpers
 from helpers import attention_reference as reference  # noqa: E402
 
-CASES = [  # batch, query heads, key-value heads, slots, head size
-    (1, 32, 8, 192, 64),  # a Llama 3.2 1B layer: split over three programs per head
-    (2, 4, 4, 70, 80),  # no grouping, a head size that is no power of two
-    (3, 6, 2, 300, 32),
-    (40, 4, 4, 50, 16),  # enough heads that one program per head suffices: no split
+CASES = [  # batch, query heads, key-value heads, slots, head size, splits (None: the rule's)
+    (1, 32, 8, 192, 64, 3),  # a Llama 3.2 1B layer split over three programs per head
+    (1, 32, 8, 192, 64, 1),  # ... and read by one program per head
+    (2, 4, 4, 70, 80, None),  # no grouping, a head size that is no power of two
+    (3, 6, 2, 300, 32, 2),
+    (40, 4, 4, 50, 16, None),  # enough heads that one program per head suffices: no split
 ]
 DTYPES = ("float32", "float16")
 MASKS = ("bool", "additive", "none")
@@ -32,7 +33,7 @@ def error(got, want) -> float:
 
 
 def case(shape, dtype_name: str, mask_kind: str) -> dict:
-    batch, heads, kv_heads, slots, head_dim = shape
+    batch, heads, kv_heads, slots, head_dim, splits = shape
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     q = torch.randn(batch, heads, 1, head_dim, dtype=dtype)
@@ -42,7 +43,7 @@ def case(shape, dtype_name: str, mask_kind: str) -> dict:
     keep = (torch.arange(slots)[None, :] <= position[:, None]).view(batch, 1, 1, slots)
     mask = {"bool": keep, "none": None,
             "additive": torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)}[mask_kind]
-    got = da.launch(q, k, v, mask, head_dim ** -0.5)
+    got = da.launch(q, k, v, mask, head_dim ** -0.5, splits)
     want = reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
     return {"case": f"{shape}-{dtype_name}-{mask_kind}", "error": error(got, want),
             "shape_ok": tuple(got.shape) == (batch, 1, heads, head_dim) and got.dtype == dtype}

@@ -5,15 +5,21 @@ transformers' greedy ones, and where the Generator's decode step spends its time
 
     python3 tools/experiments/decode_levers.py --variants base,prefetch,coordinate,gemv
 
-Every variant runs on one model (built once, its sibling projections fused unless
-``--no-fuse``); ``gemv`` and ``attention`` change the model's modules and run after the
-others.  The Inductor settings of a variant (``combo_kernels`` always, ``coordinate_descent_
-tuning`` for ``coordinate``) are set around both rows' compilations, so the baseline gets every
-lever that is not Nimble's own; ``prefetch`` (the weight prefetch into the L2) is Nimble's own.
+A variant is ``base`` or levers joined with "+" (``attention+coordinate+gemv``): ``prefetch``
+(the weight prefetch into the L2, Nimble's own), ``coordinate`` (Inductor's coordinate-descent
+tuning), ``gemv`` (:func:`nimble.fast_gemv`), ``attention`` (:func:`nimble.decode_attention`),
+``single`` (Nimble's steps on one stream), ``plain-argmax`` (the argmax as one reduction, not
+:func:`nimble.decode_steps.split_argmax`), ``split-attention`` (the attention kernel with every
+cache split over programs, not read unsplit where it is short).  Every variant runs on one
+model (built once, its sibling projections fused unless ``--no-fuse``); a ``gemv`` variant
+changes the model's modules for good and runs after the others.  The Inductor settings of a
+variant (``combo_kernels`` always) and the module constants it sets are set around both rows'
+compilations, so the baseline gets every lever that is not Nimble's own.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -28,23 +34,31 @@ class Variant:
     fast_gemv: bool = False  # nimble.fast_gemv on the model, before both rows
     decode_attention: bool = False  # nimble.decode_attention on the model, before both rows
     single_stream: bool = False  # the Generator's steps prepared with use_multi_stream=False
+    plain_argmax: bool = False  # both rows' argmax one reduction (no decode_steps.split_argmax)
+    split_attention: bool = False  # the attention kernel splits every cache (UNSPLIT_BLOCKS 0)
 
 
 COMBO = {"combo_kernels": True}
-VARIANTS = {
-    "base": Variant(COMBO),
-    "prefetch": Variant(COMBO, prefetch_l2=True),
-    "coordinate": Variant({**COMBO, "coordinate_descent_tuning": True}),
-    "gemv": Variant(COMBO, fast_gemv=True),
-    "attention": Variant(COMBO, decode_attention=True),
-    "attention+coordinate": Variant({**COMBO, "coordinate_descent_tuning": True},
-                                    decode_attention=True),
-    "attention+single": Variant(COMBO, decode_attention=True, single_stream=True),
-    "attention+gemv": Variant(COMBO, fast_gemv=True, decode_attention=True),
-    "coordinate+gemv": Variant({**COMBO, "coordinate_descent_tuning": True}, fast_gemv=True),
-    "attention+coordinate+gemv": Variant({**COMBO, "coordinate_descent_tuning": True},
-                                         fast_gemv=True, decode_attention=True),
+#: The levers a variant's name joins with "+" ("base": none), and what each sets.
+LEVERS = {
+    "prefetch": {"prefetch_l2": True},
+    "coordinate": {"inductor": {**COMBO, "coordinate_descent_tuning": True}},
+    "gemv": {"fast_gemv": True},
+    "attention": {"decode_attention": True},
+    "single": {"single_stream": True},
+    "plain-argmax": {"plain_argmax": True},
+    "split-attention": {"decode_attention": True, "split_attention": True},
 }
+
+
+def variant(name: str) -> Variant:
+    """The variant a name describes: ``base``, or levers of :data:`LEVERS` joined with "+"."""
+    fields: dict = {"inductor": COMBO}
+    for lever in ([] if name == "base" else name.split("+")):
+        if lever not in LEVERS:
+            raise KeyError(lever)
+        fields.update(LEVERS[lever])
+    return Variant(**fields)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -61,11 +75,17 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variants if v not in VARIANTS]
+    unknown = []
+    for v in args.variants:
+        try:
+            variant(v)
+        except KeyError:
+            unknown.append(v)
     if unknown:
-        p.error(f"unknown variants {unknown}; there are {', '.join(VARIANTS)}")
+        p.error(f"unknown variants {unknown}: base, or levers joined with '+' of "
+                f"{', '.join(LEVERS)}")
     # a variant that swaps modules for good goes after every variant that does not
-    args.variants.sort(key=lambda v: VARIANTS[v].fast_gemv)
+    args.variants.sort(key=lambda v: variant(v).fast_gemv)
     return args
 
 
@@ -102,27 +122,36 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
     from nimble.engine.options import PrepareOptions
     from nimble.generate import Generator, prepare_with_nimble
 
-    variant = VARIANTS[name]
-    out: dict = {"variant": name, "settings": dataclasses.asdict(variant)}
-    if variant.fast_gemv and "fast_gemv" not in swapped:
+    from nimble import decode_attention as attention_module
+    from nimble import decode_steps
+
+    lever = variant(name)
+    out: dict = {"variant": name, "settings": dataclasses.asdict(lever)}
+    if lever.fast_gemv and "fast_gemv" not in swapped:
         from nimble.fast_gemv import fast_gemv
 
         out["fast_gemv"] = [c.describe() for c in fast_gemv(model)]
         swapped.add("fast_gemv")  # for good: the variants after it run on the swapped layers
     undo = []
-    if variant.decode_attention:
+    if lever.decode_attention:
         from nimble.decode_attention import decode_attention
 
         undo.append(decode_attention(model).undo)
     cache_len = args.prompt + args.new_tokens
     ids = prompts[args.prompt]
-    options = PrepareOptions(prefetch_l2=True) if variant.prefetch_l2 else None
+    options = PrepareOptions(prefetch_l2=True) if lever.prefetch_l2 else None
     try:
         torch._dynamo.reset()
-        with inductor_config.patch(**variant.inductor):
+        # read where the step is traced (the argmax) and where its kernels are recorded (the
+        # attention's split): both inside the block
+        patches = {"SPLIT_ARGMAX_FROM": (decode_steps, sys.maxsize if lever.plain_argmax
+                                         else decode_steps.SPLIT_ARGMAX_FROM),
+                   "UNSPLIT_BLOCKS": (attention_module, 0 if lever.split_attention
+                                      else attention_module.UNSPLIT_BLOCKS)}
+        with inductor_config.patch(**lever.inductor), _patched(patches):
             rows = {"compiled loop": compiled_loop(model, cache_len)}
             generator = Generator(model, cache_len, [args.prompt], [args.batch],
-                                  prepare_step=single_stream(options) if variant.single_stream
+                                  prepare_step=single_stream(options) if lever.single_stream
                                   else prepare_with_nimble(options, True))
             undo.append(generator.close)
             rows["nimble+inductor"] = generator.generate
@@ -138,6 +167,19 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
         for step in reversed(undo):
             step()
     return out
+
+
+@contextlib.contextmanager
+def _patched(patches: dict):
+    """Module constants set (``{name: (module, value)}``) for the block, restored after it."""
+    before = {name: getattr(module, name) for name, (module, _) in patches.items()}
+    try:
+        for name, (module, value) in patches.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, (module, _) in patches.items():
+            setattr(module, name, before[name])
 
 
 def single_stream(options):
