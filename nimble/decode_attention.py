@@ -50,8 +50,10 @@ BLOCK_SLOTS = 64
 #: the least.
 TARGET_PROGRAMS = 132
 #: Caches of at most this many blocks of slots are read unsplit: one program per (sequence,
-#: key-value head) walks them all, and no second kernel joins parts.
-UNSPLIT_BLOCKS = 4
+#: key-value head) walks them all, and no second kernel joins parts.  Each block a program
+#: walks adds about 2 µs where the join costs about 3 (tools/experiments/attention_split.py,
+#: docs/results.md), so only the shortest caches gain.
+UNSPLIT_BLOCKS = 2
 #: Rows of the matrix units' tiles: the query heads of a key-value head are padded to them.
 MIN_TILE = 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

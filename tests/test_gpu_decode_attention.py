@@ -5,6 +5,9 @@ unsplit and split alike."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,3 +73,21 @@ def test_a_swapped_llama_generates_its_own_greedy_tokens_from_proven_graphs(comp
         generator.close()
         swap.undo()
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_saved_generator_of_a_swapped_model_loads_and_decodes_its_tokens(tmp_path):
+    """The file carries the attention kernel's binary (found in Triton's cache, as Inductor's
+    kernels are): loaded in another process and proven at its load, the Generator decodes the
+    saving process's tokens."""
+    pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+    worker = Path(__file__).parent / "workers" / "generator_worker.py"
+    torch.manual_seed(0)
+    torch.save(torch.randint(0, 1000, (1, 50)), tmp_path / "ids.pt")
+    outs = {}
+    for mode in ("save-swapped", "load"):
+        outs[mode] = tmp_path / f"{mode}.pt"
+        done = subprocess.run([sys.executable, str(worker), mode, str(tmp_path / "g.nimble"),
+                               str(tmp_path / "ids.pt"), str(outs[mode])],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+    assert torch.equal(torch.load(outs["load"]), torch.load(outs["save-swapped"]))

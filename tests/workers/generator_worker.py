@@ -7,6 +7,9 @@ the prompt in ``IDS`` (a ``torch.save``d tensor) to ``OUT`` and saves the Genera
 ``OUT``, and the load's seconds on stdout.
 ``python generator_worker.py save-decode FILE IDS OUT``: as ``save``, but saves the decode step
 of batch 1 alone (one graph, its static cache as the file's external memory), for the C runtime.
+``python generator_worker.py save-swapped FILE IDS OUT``: as ``save``, on the tiny Llama in
+bfloat16 with its single-query attention on ``nimble.decode_attention`` and the steps on
+Inductor's kernels (prompt bucket 64, cache 80).
 """
 from __future__ import annotations
 
@@ -31,10 +34,19 @@ def main() -> None:
     if mode.startswith("save"):
         from nimble.cli.decoders import causal_lm
 
-        generator = Generator(causal_lm("gpt2_tiny", "float16"), max_cache_len=96,
-                              prompt_buckets=[32], batch_sizes=[1])
+        if mode == "save-swapped":
+            from nimble.decode_attention import decode_attention
+            from nimble.generate import prepare_with_nimble
+
+            model = causal_lm("llama_small", "bfloat16")
+            decode_attention(model)
+            generator = Generator(model, max_cache_len=80, prompt_buckets=[64],
+                                  batch_sizes=[1], prepare_step=prepare_with_nimble(None, True))
+        else:
+            generator = Generator(causal_lm("gpt2_tiny", "float16"), max_cache_len=96,
+                                  prompt_buckets=[32], batch_sizes=[1])
         tokens = generator.generate(ids, NEW_TOKENS)
-        if mode == "save":
+        if mode in ("save", "save-swapped"):
             generator.save(path)
         else:
             generator.steps(1)[0].save(path)
