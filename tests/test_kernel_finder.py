@@ -104,3 +104,116 @@ def test_a_library_listed_for_the_first_time_on_a_machine_says_so(world, monkeyp
         assert said[0] == "listing the compressed kernels of libfake.so (once on this machine, " \
                           "then cached)"
         assert said[1].startswith("listed the compressed kernels of libfake.so in ")
+
+
+def _elf(sections: dict[str, bytes]) -> bytes:
+    """A little-endian ELF64 with a section table: a null section, ``.shstrtab`` and
+    ``sections`` in order (what kernel_code reads of a cubin)."""
+    names = b"\0.shstrtab\0" + b"".join(n.encode() + b"\0" for n in sections)
+    body, placed = b"", []
+    for data in [names, *sections.values()]:
+        placed.append((64 + len(body), len(data)))
+        body += data
+    shoff = 64 + len(body)
+    name_at = [1] + [names.index(b"\0" + n.encode() + b"\0") + 1 for n in sections]
+    table = b"\0" * 64
+    for (offset, size), sh_name, sh_type in zip(placed, name_at, [3] + [1] * len(sections)):
+        table += struct.pack("<IIQQQQIIQQ", sh_name, sh_type, 0, 0, offset, size, 0, 0, 1, 0)
+    head = b"\x7fELF" + bytes([2, 1, 1]) + b"\0" * 9
+    head += struct.pack("<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, shoff, 0, 64, 0, 0, 64,
+                        len(sections) + 2, 1)
+    return head + body + table
+
+
+def _cache_of(tmp_path, monkeypatch, images: dict[str, bytes]) -> None:
+    """Triton's cache holding ``{hash: cubin}``, each ``triton_red_0.cubin`` for 128 threads,
+    and nothing else to find: no library, no CUPTI."""
+    cache = tmp_path / "triton"
+    for key, data in images.items():
+        folder = cache / key
+        folder.mkdir(parents=True)
+        (folder / "triton_red_0.cubin").write_bytes(data)
+        (folder / "triton_red_0.json").write_text(json.dumps({"num_warps": 4, "shared": 0,
+                                                              "hash": key}))
+    monkeypatch.setattr(binaries, "cubin_folders", lambda: [cache])
+    monkeypatch.setattr(binaries, "loaded_libraries", lambda: [])
+    monkeypatch.setattr(kb.module_images, "capturing", lambda: False)
+    monkeypatch.setattr(kb, "_loads", lambda image, k: True)  # every one fits the fingerprint
+
+
+def _hashed(key):
+    return kb.LiveKernel("triton_red_0", None, {"NUM_REGS": 32}, [[0, 8]], {}, 128, 0, key)
+
+
+def test_same_named_cubins_of_other_sizes_are_told_apart_by_trions_hash(tmp_path, monkeypatch):
+    """Inductor's kernels bake their sizes into their code: a batch of 1's and of 8's argmax
+    kernel share a name and a fingerprint. The one this process loaded (its hash) is saved."""
+    one = _elf({".text.triton_red_0": b"xnumel = 1"})
+    eight = _elf({".text.triton_red_0": b"xnumel = 8"})
+    _cache_of(tmp_path, monkeypatch, {"aa": one, "bb": eight})
+    for key, want in (("aa", one), ("bb", eight)):
+        table = kb.BinaryTable(BlobWriter(), 90)
+        row = table.rows[kb.KernelFinder(90, table).locate([_hashed(key)])[0]]
+        assert row["origin"].endswith(f"{key}/triton_red_0.cubin")
+
+
+def test_same_named_cubins_of_other_code_and_no_hash_refuse_the_save(tmp_path, monkeypatch):
+    _cache_of(tmp_path, monkeypatch, {"aa": _elf({".text.triton_red_0": b"xnumel = 1"}),
+                                      "bb": _elf({".text.triton_red_0": b"xnumel = 8"})})
+    finder = kb.KernelFinder(90, kb.BinaryTable(BlobWriter(), 90))
+    with pytest.raises(SaveError, match=r"several binaries .*triton_red_0 \(2 codes\).*nothing "
+                                        "is saved"):
+        finder.locate([_hashed(None)])
+
+
+def test_same_named_cubins_of_one_code_are_one_kernel(tmp_path, monkeypatch):
+    """Two cubins whose images differ elsewhere (another kernel beside) but hold one code for
+    this kernel: either is right."""
+    _cache_of(tmp_path, monkeypatch, {
+        "aa": _elf({".text.triton_red_0": b"same code"}),
+        "bb": _elf({".text.other": b"more", ".text.triton_red_0": b"same code"})})
+    table = kb.BinaryTable(BlobWriter(), 90)
+    kb.KernelFinder(90, table).locate([_hashed(None)])
+    assert len(table.rows) == 1
+
+
+def test_the_code_of_a_kernel_is_its_text_section_or_the_whole_image():
+    image = _elf({".text.k": b"CODE", ".nv.info.k": b"info"})
+    assert binaries.kernel_code(image, "k") == b"CODE"
+    assert binaries.kernel_code(image, "absent") == image
+    assert binaries.kernel_code(b"not an elf", "k") == b"not an elf"
+
+
+class _Launcher:
+    """Stands for a Triton CompiledKernel or Inductor's static launcher."""
+
+    def __init__(self, function, key):
+        self.function, self.hash = function, key
+
+
+def test_the_hashes_of_the_loaded_triton_kernels_are_read_from_their_holders(monkeypatch):
+    monkeypatch.setattr(_Launcher, "__module__", "triton.compiler.compiler")
+    held = [_Launcher(0x7F00, "aa"), _Launcher(0x7F08, "bb"), _Launcher(None, "cc")]
+
+    class Elsewhere(_Launcher):
+        __module__ = "somebody.else"
+    other = Elsewhere(0x7F10, "dd")
+    got = binaries.triton_hashes()
+    assert got[0x7F00] == "aa" and got[0x7F08] == "bb"
+    assert 0x7F10 not in got and None not in got
+    del held, other
+
+
+def test_two_functions_of_one_name_and_fingerprint_are_two_kernels_where_their_hash_differs(
+        monkeypatch):
+    from types import SimpleNamespace
+
+    from nimble.engine import saving
+
+    monkeypatch.setattr(kb.driver, "function_fingerprint", lambda f: {"NUM_REGS": 32})
+    monkeypatch.setattr(kb.driver, "function_param_layout", lambda f: [(0, 8)])
+    monkeypatch.setattr(kb.driver, "function_attributes", lambda f, names: {})
+    task = SimpleNamespace(name="triton_red_0", block=(128, 1, 1), shared_mem=0)
+    kernels = saving._Kernels({1: "aa", 2: "bb", 3: "aa"})
+    assert [kernels.index(task, f) for f in (1, 2, 3, 4, 1)] == [0, 1, 0, 2, 0]
+    assert [k.triton_hash for k in kernels.kernels] == ["aa", "bb", None]

@@ -7,8 +7,13 @@ in the libraries the process loaded, then in Triton's and Inductor's cubin cache
 module images the process kept since :func:`keep_kernel_binaries`
 (:mod:`nimble.driver.module_images`: cuBLASLt's GEMMs and runtime-compiled kernels are on no
 disk); every candidate is loaded through the driver and kept only if the kernel it yields has
-the same fingerprint.  A kernel found nowhere raises :class:`~nimble.errors.SaveError` naming it
-and what to do.
+the same fingerprint.  A fingerprint does not tell same-named kernels of other sizes apart
+(Inductor's and Triton's kernels bake their sizes into their code), so a Triton kernel is
+matched to the cubin of its own compilation by Triton's hash, read from the objects that loaded
+it (:func:`nimble.record.binaries.triton_hashes`), and where several fitting binaries of a name
+hold different code with nothing to tell which one runs, the save is refused rather than
+guessed.  A kernel found nowhere raises :class:`~nimble.errors.SaveError` naming it and what to
+do.
 
 At load, each binary is read back (from its library file, checked by the container's hash, or
 from the saved file), loaded once with ``cuLibraryLoadData``, and each kernel's ``CUfunction``
@@ -41,17 +46,25 @@ class LiveKernel:
     attributes: dict  # the settable function attributes as the library left them
     threads: int  # threads per block of a launch of it (tells Triton's variants apart)
     shared_mem: int
+    #: Triton's compilation hash where a Triton kernel (Inductor's among them) was loaded from
+    #: a cubin of its cache (:func:`nimble.record.binaries.triton_hashes`): which of several
+    #: cubins of the kernel's name it is.
+    triton_hash: str | None = None
 
     @classmethod
-    def of(cls, name: str, function, threads: int, shared_mem: int) -> "LiveKernel":
+    def of(cls, name: str, function, threads: int, shared_mem: int,
+           triton_hash: str | None = None) -> "LiveKernel":
         return cls(name, function, driver.function_fingerprint(function),
                    [list(p) for p in driver.function_param_layout(function)],
                    driver.function_attributes(function, driver.SETTABLE_ATTRIBUTES),
-                   threads, shared_mem)
+                   threads, shared_mem, triton_hash)
 
     def key(self) -> tuple:
+        """What makes two loaded functions one kernel of the file: a name, a fingerprint and
+        a parameter layout, and for Triton's kernels the compilation (same-named kernels of
+        other sizes fit the rest)."""
         return self.name, tuple(sorted(self.fingerprint.items())), \
-            tuple(map(tuple, self.layout))
+            tuple(map(tuple, self.layout)), self.triton_hash
 
 
 def _same_kernel(library: driver.Library, kernel: LiveKernel) -> bool:
@@ -184,6 +197,8 @@ class KernelFinder:
         self.arch, self.table, self.quiet = arch, table, quiet
         self._libraries: list[found.LibraryFatbins] | None = None
         self._indexes: dict[str, dict[str, int]] = {}
+        #: Kernel names whose fitting binaries hold different code: how many codes.
+        self.ambiguous: dict[str, int] = {}
 
     def libraries(self) -> list[found.LibraryFatbins]:
         if self._libraries is None:
@@ -203,6 +218,16 @@ class KernelFinder:
         self._compressed(kernels, rows)
         self._captured(kernels, rows)
         missing = [k for k, row in zip(kernels, rows) if row is None]
+        unsure = [k.name for k in missing if k.name in self.ambiguous]
+        if unsure:
+            listed = ", ".join(f"{n} ({self.ambiguous[n]} codes)" for n in unsure[:3])
+            raise SaveError(
+                f"{len(unsure)} kernel(s) of this graph have several binaries of their name "
+                f"with different code and nothing tells which one this process runs "
+                f"({listed}{', ...' if len(unsure) > 3 else ''}): a wrong pick would compute "
+                "wrong values, so nothing is saved; save from a fresh process that compiles "
+                "only this graph (same-named kernels of other models or shapes, in the caches "
+                "or loaded beside, make the pick ambiguous)")
         if missing:
             names = ", ".join(k.name for k in missing[:3])
             more = ", ..." if len(missing) > 3 else ""
@@ -219,20 +244,35 @@ class KernelFinder:
         return [int(r) for r in rows]
 
     def _captured(self, kernels: Sequence[LiveKernel], rows: list) -> None:
-        """Kernels found in the module images kept since :func:`keep_kernel_binaries`: each
-        image that names the kernel as a symbol and yields the same kernel is embedded."""
+        """Kernels found in the module images kept since :func:`keep_kernel_binaries`: an
+        image that names the kernel as a symbol and yields the same kernel is embedded, where
+        every such image holds one code for it (:meth:`_one_code`)."""
         if all(r is not None for r in rows) or not module_images.capturing():
             return
         images = module_images.images()
         for i, k in enumerate(kernels):
             if rows[i] is not None:
                 continue
-            for image in images:
-                named = next(found.symbol_offsets(image, k.name, b"\0.", b"\0"), None)
-                if named is not None and _loads(image, k):
-                    rows[i] = self.table.embedded(image, "module loaded in the saving process",
-                                                  _verifier(k))
-                    break
+            fits = [image for image in images
+                    if next(found.symbol_offsets(image, k.name, b"\0.", b"\0"), None) is not None
+                    and _loads(image, k)]
+            image = self._one_code(k, fits)
+            if image is not None:
+                rows[i] = self.table.embedded(image, "module loaded in the saving process",
+                                              _verifier(k))
+
+    def _one_code(self, kernel: LiveKernel, fits: Sequence[bytes]) -> bytes | None:
+        """The first of the images that fit ``kernel`` where all hold one code for it (its
+        ``.text`` section); None where none fits, or where they differ (then the kernel the
+        process runs could be any of them, and a wrong pick computes wrong values: it is
+        noted for the SaveError)."""
+        if not fits:
+            return None
+        codes = {found.kernel_code(image, kernel.name) for image in fits}
+        if len(codes) == 1:
+            return fits[0]
+        self.ambiguous[kernel.name] = len(codes)
+        return None
 
     def _plain(self, kernels: Sequence[LiveKernel], rows: list) -> None:
         for lib in self.libraries():
@@ -248,18 +288,28 @@ class KernelFinder:
                     rows[i] = self.table.library(lib, c)
 
     def _cubins(self, kernels: Sequence[LiveKernel], rows: list) -> None:
+        """Kernels found in Triton's and Inductor's cubin caches: the cubin of the kernel's own
+        compilation where its hash is known, else one whose code every fitting cubin of the
+        name shares (:meth:`_one_code`)."""
         folders = found.cubin_folders()
         for i, k in enumerate(kernels):
             if rows[i] is not None or not folders:
                 continue
+            fits, paths = [], []
             for candidate in found.cubin_candidates(k.name, folders):
                 if candidate.threads not in (None, k.threads) or \
                         candidate.shared not in (None, k.shared_mem):
                     continue
+                if k.triton_hash is not None and candidate.triton_hash not in (None,
+                                                                               k.triton_hash):
+                    continue
                 data = candidate.path.read_bytes()
                 if _loads(data, k):
-                    rows[i] = self.table.embedded(data, str(candidate.path), _verifier(k))
-                    break
+                    fits.append(data)
+                    paths.append(candidate.path)
+            data = self._one_code(k, fits)
+            if data is not None:
+                rows[i] = self.table.embedded(data, str(paths[fits.index(data)]), _verifier(k))
 
     def _compressed(self, kernels: Sequence[LiveKernel], rows: list) -> None:
         for lib in self.libraries():

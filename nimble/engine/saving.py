@@ -39,6 +39,7 @@ from ..ir.saved_manifest import FORMAT_NAME
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
 from ..progress import logger as log
 from ..progress import say
+from ..record import binaries as found
 from .arena_layout import (shared_state_buffers, written_externals, written_weights,
                            zeroed_copies)
 from .build import relocated
@@ -88,17 +89,22 @@ def _unrelocated(task, fields: dict, bases, names: dict[str, str]) -> dict:
 class _Kernels:
     """The distinct kernels of every bucket, in first-seen order."""
 
-    def __init__(self) -> None:
+    def __init__(self, triton_hashes: dict[int, str] | None = None) -> None:
         self.kernels: list[LiveKernel] = []
         self._index: dict[Any, int] = {}
         self._by_function: dict[int, int] = {}
+        #: ``{function handle: Triton's compilation hash}`` (read on first use).
+        self._hashes = triton_hashes
 
     def index(self, task, function) -> int:
         handle = int(function)
         if handle in self._by_function:
             return self._by_function[handle]
+        if self._hashes is None:
+            self._hashes = found.triton_hashes()
         threads = task.block[0] * task.block[1] * task.block[2]
-        kernel = LiveKernel.of(task.name, function, threads, task.shared_mem)
+        kernel = LiveKernel.of(task.name, function, threads, task.shared_mem,
+                               self._hashes.get(handle))
         k = self._index.setdefault(kernel.key(), len(self.kernels))
         if k == len(self.kernels):
             self.kernels.append(kernel)

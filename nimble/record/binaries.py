@@ -21,6 +21,7 @@ GPU; the index and :func:`locate` load containers through the driver.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -363,11 +364,12 @@ def cubin_folders() -> list[Path]:
 
 @dataclass(frozen=True)
 class CubinCandidate:
-    """A cubin file named for a kernel, and the launch shape its metadata gives (if any)."""
+    """A cubin file named for a kernel, and what Triton's metadata beside it gives (if any)."""
 
     path: Path
     threads: int | None  # num_warps * 32 from Triton's metadata
     shared: int | None  # dynamic shared memory from Triton's metadata
+    triton_hash: str | None = None  # the compilation's key, Triton's metadata "hash"
 
 
 def cubin_candidates(name: str, folders: Sequence[Path]) -> list[CubinCandidate]:
@@ -375,13 +377,54 @@ def cubin_candidates(name: str, folders: Sequence[Path]) -> list[CubinCandidate]
     found = []
     for folder in folders:
         for path in folder.rglob(f"{name}.cubin"):
-            threads = shared = None
+            threads = shared = key = None
             meta = path.with_suffix(".json")
             try:
                 data = json.loads(meta.read_text())
                 threads = int(data["num_warps"]) * 32
                 shared = int(data["shared"])
-            except (OSError, ValueError, KeyError, TypeError):
+                key = data.get("hash")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 pass
-            found.append(CubinCandidate(path, threads, shared))
+            found.append(CubinCandidate(path, threads, shared,
+                                        key if isinstance(key, str) else None))
     return found
+
+
+#: Where the objects that load Triton's kernels live: Triton's own ``CompiledKernel`` and
+#: Inductor's launchers (its static launcher drops the cubin's path once it has loaded it, but
+#: keeps the compilation's hash and the function handle).
+_TRITON_HOLDERS = ("triton.", "torch._inductor.")
+
+
+def triton_hashes() -> dict[int, str]:
+    """``{CUfunction handle: Triton's compilation hash}`` for every Triton kernel this process
+    holds loaded.  Kernels of one name compiled for other shapes (a batch size, a graph beside)
+    carry their sizes in their code and fit one another's fingerprint (registers, parameters),
+    so a kernel's name alone does not say which cubin of the cache it was loaded from; the hash
+    does (the cubin's metadata holds it).  Read from the objects themselves, since no driver
+    call gives a loaded kernel's code back."""
+    out: dict[int, str] = {}
+    for obj in gc.get_objects():
+        module = getattr(type(obj), "__module__", None)
+        if not isinstance(module, str) or not module.startswith(_TRITON_HOLDERS):
+            continue
+        fields = getattr(obj, "__dict__", None) or {}  # attributes only, no property runs
+        function, key = fields.get("function"), fields.get("hash")
+        if isinstance(function, int) and function and isinstance(key, str):
+            out[function] = key
+    return out
+
+
+def kernel_code(image: bytes, name: str) -> bytes:
+    """The code of kernel ``name`` in a cubin (its ``.text.<name>`` section, where the sizes a
+    compiler baked in stand), or the whole image where it is no ELF or has no such section: two
+    candidates with equal code here are one kernel, whatever else their images hold."""
+    try:
+        at = elf_section(lambda offset, size: image[offset:offset + size], f".text.{name}")
+    except BinaryFormatError:
+        at = None
+    if at is None:
+        return image
+    offset, size = at
+    return image[offset:offset + size]
