@@ -54,6 +54,11 @@ TARGET_PROGRAMS = 132
 #: walks adds about 2 µs where the join costs about 3 (tools/experiments/attention_split.py,
 #: docs/results.md), so only the shortest caches gain.
 UNSPLIT_BLOCKS = 2
+#: Whether a program skips the stretches the mask hides by loads masked to the live slots
+#: (no branch in its loop, so Triton may pipeline the loop's loads) rather than by a branch
+#: around each block; the values are the same.  Off until measured faster on the GPU
+#: (tools/experiments/attention_split.py --branchless).
+BRANCHLESS = False
 #: Rows of the matrix units' tiles: the query heads of a key-value head are padded to them.
 MIN_TILE = 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -107,7 +112,7 @@ def _kernels():
                sqb, sqh, skb, skh, skl, svb, svh, svl, smb, smh, sml, sob, soh,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
                BLOCK_L: tl.constexpr, MASK: tl.constexpr, SPLIT: tl.constexpr,
-               IEEE: tl.constexpr):
+               IEEE: tl.constexpr, BRANCHLESS: tl.constexpr):
         pair = tl.program_id(0)  # (sequence, key-value head)
         split = tl.program_id(1)
         b = pair // kv_heads
@@ -138,10 +143,19 @@ def _kernels():
                                mask=live, other=float("-inf")).to(tl.float32)
                 live = live & (bias != float("-inf"))
             # stretches the mask hides entirely (a static cache past the position) read
-            # nothing more
-            if tl.max(live.to(tl.int32)) > 0:
+            # nothing more: by a branch around the block, or (BRANCHLESS) by loads masked to
+            # the slots some row attends, which issue no reads for the others and leave the
+            # loop free of a branch around its loads (a hidden slot's key and value are then
+            # zeros, its weight zero either way: the same values)
+            if BRANCHLESS:
+                read = tl.max(live.to(tl.int32), 0) > 0
+                run = True
+            else:
+                read = ok
+                run = tl.max(live.to(tl.int32)) > 0
+            if run:
                 k = tl.load(k_ptr + b * skb + g * skh + at[:, None] * skl + d[None, :],
-                            mask=ok[:, None] & d_ok[None, :], other=0.0)
+                            mask=read[:, None] & d_ok[None, :], other=0.0)
                 if IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
@@ -155,7 +169,7 @@ def _kernels():
                 p = tl.exp(s - m_use[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(v_ptr + b * svb + g * svh + at[:, None] * svl + d[None, :],
-                            mask=ok[:, None] & d_ok[None, :], other=0.0)
+                            mask=read[:, None] & d_ok[None, :], other=0.0)
                 if IEEE:
                     pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
                 else:
@@ -203,11 +217,15 @@ def _kernels():
 
 
 def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           mask: torch.Tensor | None, scale: float, splits: int | None = None) -> torch.Tensor:
+           mask: torch.Tensor | None, scale: float, splits: int | None = None,
+           branchless: bool | None = None) -> torch.Tensor:
     """The attention of ``query`` ``(B, H, 1, D)`` over ``key`` and ``value``
     ``(B, Hkv, L, D)`` with ``mask`` (boolean or additive, broadcastable to ``(B, H, 1, L)``,
     or None), as ``(B, 1, H, D)``, on the current stream; ``splits``: programs per (sequence,
-    key-value head), else :func:`split_for`'s."""
+    key-value head), else :func:`split_for`'s; ``branchless``: hidden stretches skipped by
+    masked loads rather than a branch (default :data:`BRANCHLESS`)."""
+    if branchless is None:
+        branchless = BRANCHLESS
     attend, join = _kernels()
     batch, heads, _, head_dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
@@ -236,7 +254,8 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         value.stride(0), value.stride(1), value.stride(2), *mask_strides,
         out.stride(0), out.stride(2),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_L=BLOCK_SLOTS, MASK=kind,
-        SPLIT=parted, IEEE=query.dtype == torch.float32, num_warps=4, num_stages=2)
+        SPLIT=parted, IEEE=query.dtype == torch.float32, BRANCHLESS=bool(branchless),
+        num_warps=4, num_stages=2)
     if parted:
         join[(batch * kv_heads,)](part, stat, out, groups, kv_heads, plan.splits,
                                   out.stride(0), out.stride(2), HEAD_DIM=head_dim,

@@ -23,5 +23,9 @@ def test_the_rule_is_the_longest_cache_from_the_shortest_where_unsplit_never_los
 
 def test_every_shape_times_unsplit_the_full_split_and_the_fixed_counts():
     plan = tool.variants(1, 8, 192, [2, 4])
-    assert plan == {"unsplit": 1, "split": 3, "splits=2": 2, "splits=4": 4}
+    assert plan == {"unsplit": (1, False), "split": (3, False), "splits=2": (2, False),
+                    "splits=4": (4, False)}
+    both = tool.variants(1, 8, 192, [], branchless=True)
+    assert both == {"unsplit": (1, False), "split": (3, False), "unsplit bl": (1, True),
+                    "split bl": (3, True)}
     assert tool.parse(["--splits", "", "--batches", "8"]).splits == []

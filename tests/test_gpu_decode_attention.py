@@ -37,7 +37,10 @@ def test_the_kernel_matches_attention_in_float64(dtype):
         masks = (keep, torch.where(keep, 0.0, torch.finfo(dt).min).to(dt), None)
         # the rule's split, every slot on one program (the unsplit kernel), a split of two
         for mask, splits in itertools.product(masks, (None, 1, 2)):
-            got = launch(q, k, v, mask, head_dim ** -0.5, splits)
+            got = launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=False)
+            # the hidden stretches skipped by masked loads instead of a branch: the same bits
+            assert torch.equal(launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=True),
+                               got), (batch, slots, dtype, splits)
             torch.cuda.synchronize()
             want = attention_reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
             error = float((got.double() - want).norm() / want.norm())

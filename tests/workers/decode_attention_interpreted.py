@@ -43,10 +43,12 @@ def case(shape, dtype_name: str, mask_kind: str) -> dict:
     keep = (torch.arange(slots)[None, :] <= position[:, None]).view(batch, 1, 1, slots)
     mask = {"bool": keep, "none": None,
             "additive": torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)}[mask_kind]
-    got = da.launch(q, k, v, mask, head_dim ** -0.5, splits)
+    got = da.launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=False)
+    branchless = da.launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=True)
     want = reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
     return {"case": f"{shape}-{dtype_name}-{mask_kind}", "error": error(got, want),
-            "shape_ok": tuple(got.shape) == (batch, 1, heads, head_dim) and got.dtype == dtype}
+            "shape_ok": tuple(got.shape) == (batch, 1, heads, head_dim) and got.dtype == dtype,
+            "branchless_same": bool(torch.equal(got, branchless))}
 
 
 def strided() -> dict:

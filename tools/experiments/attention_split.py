@@ -9,7 +9,8 @@ own (``--between``: the MLP's down projection of a 1B Llama, 33.5 MB, so each ca
 cache out of the L2 as a decode step does), and subtracts the same graph without the attention:
 µs per call, median of ``--replays``.  A call's variants: ``unsplit`` (one program per sequence
 and key-value head), ``split`` (the slots split until the call has about 132 programs, with the
-second kernel that joins them), and ``splits=N`` for each ``--splits``.  "live" is the slots
+second kernel that joins them), and ``splits=N`` for each ``--splits``; with ``--branchless``,
+each again with the stretches the mask hides skipped by masked loads, not a branch (``bl``).  "live" is the slots
 the mask lets through (a static cache's slots past the position are skipped): the whole cache,
 and ``--short`` slots of it.
 """
@@ -34,6 +35,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--splits", default="2,4", help="fixed split counts also timed")
     p.add_argument("--between", default="2048x8192",
                    help="the weight read between two calls (OUTxIN), or 'none'")
+    p.add_argument("--branchless", action="store_true",
+                   help="also each variant with the hidden stretches skipped by masked loads "
+                        "rather than a branch (nimble.decode_attention.BRANCHLESS)")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -43,14 +47,19 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
-def variants(batch: int, kv_heads: int, slots: int, fixed: list[int]) -> dict:
-    """``{name: splits}`` of the variants timed for one shape (None: the split rule's, every
-    cache split)."""
+def variants(batch: int, kv_heads: int, slots: int, fixed: list[int],
+             branchless: bool = False) -> dict:
+    """``{name: (splits, branchless)}`` of the variants timed for one shape: unsplit, the split
+    rule's (every cache split), each fixed count; with ``branchless``, each again with masked
+    loads for the hidden stretches (named ``... bl``)."""
     from nimble.decode_attention import split_for
 
-    out = {"unsplit": 1, "split": split_for(batch, kv_heads, slots, unsplit_blocks=0).splits}
+    counts = {"unsplit": 1, "split": split_for(batch, kv_heads, slots, unsplit_blocks=0).splits}
     for n in fixed:
-        out[f"splits={n}"] = n
+        counts[f"splits={n}"] = n
+    out = {name: (n, False) for name, n in counts.items()}
+    if branchless:
+        out.update({f"{name} bl": (n, True) for name, n in counts.items()})
     return out
 
 
@@ -125,22 +134,23 @@ def main(argv=None) -> int:
             for live in sorted({slots, min(slots, args.short)}, reverse=True):
                 keep = (torch.arange(slots, device=dev) < live).view(1, 1, 1, slots).expand(
                     batch, 1, 1, slots).contiguous()
-                plan = variants(batch, args.kv_heads, slots, args.splits)
+                plan = variants(batch, args.kv_heads, slots, args.splits, args.branchless)
                 outs, us = {}, {}
-                for name, splits in plan.items():
-                    def calls(splits=splits, name=name):
+                for name, (splits, branchless) in plan.items():
+                    def calls(splits=splits, name=name, branchless=branchless):
                         for i in range(args.layers):
-                            outs[name] = launch(q[i], kv[i][0], kv[i][1], keep, scale, splits)
+                            outs[name] = launch(q[i], kv[i][0], kv[i][1], keep, scale, splits,
+                                                branchless)
                             between(i)
                     us[name] = round((timed(calls) - floor) / args.layers, 2)
                 ref = outs["unsplit"].float()
                 worst = max(float((o.float() - ref).abs().max()) for o in outs.values())
                 row = {"batch": batch, "slots": slots, "live": live, "us": us,
-                       "splits": plan, "max_difference": worst}
+                       "splits": {n: v[0] for n, v in plan.items()}, "max_difference": worst}
                 rows.append(row)
                 cells = "  ".join(f"{n} {v:6.2f}" for n, v in us.items())
                 print(f"batch {batch:3d} slots {slots:5d} live {live:5d}  {cells}  "
-                      f"(split {plan['split']}, max |diff| {worst:.1e})", flush=True)
+                      f"(split {plan['split'][0]}, max |diff| {worst:.1e})", flush=True)
     pick = best_unsplit_blocks(rows, BLOCK_SLOTS)
     print(f"unsplit no slower up to {pick} blocks of {BLOCK_SLOTS} slots "
           f"({pick * BLOCK_SLOTS} slots), every batch, the whole cache live")

@@ -10,7 +10,8 @@ A variant is ``base`` or levers joined with "+" (``attention+coordinate+gemv``):
 tuning), ``gemv`` (:func:`nimble.fast_gemv`), ``attention`` (:func:`nimble.decode_attention`),
 ``single`` (Nimble's steps on one stream), ``plain-argmax`` (the argmax as one reduction, not
 :func:`nimble.decode_steps.split_argmax`), ``split-attention`` (the attention kernel with every
-cache split over programs, not read unsplit where it is short).  Every variant runs on one
+cache split over programs, not read unsplit where it is short), ``branchless`` (the attention
+kernel's hidden stretches skipped by masked loads, not a branch).  Every variant runs on one
 model (built once, its sibling projections fused unless ``--no-fuse``); a ``gemv`` variant
 changes the model's modules for good and runs after the others.  The Inductor settings of a
 variant (``combo_kernels`` always) and the module constants it sets are set around both rows'
@@ -36,6 +37,7 @@ class Variant:
     single_stream: bool = False  # the Generator's steps prepared with use_multi_stream=False
     plain_argmax: bool = False  # both rows' argmax one reduction (no decode_steps.split_argmax)
     split_attention: bool = False  # the attention kernel splits every cache (UNSPLIT_BLOCKS 0)
+    branchless: bool = False  # the attention kernel's hidden stretches by masked loads
 
 
 COMBO = {"combo_kernels": True}
@@ -48,6 +50,7 @@ LEVERS = {
     "single": {"single_stream": True},
     "plain-argmax": {"plain_argmax": True},
     "split-attention": {"decode_attention": True, "split_attention": True},
+    "branchless": {"decode_attention": True, "branchless": True},
 }
 
 
@@ -147,7 +150,9 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
         patches = {"SPLIT_ARGMAX_FROM": (decode_steps, sys.maxsize if lever.plain_argmax
                                          else decode_steps.SPLIT_ARGMAX_FROM),
                    "UNSPLIT_BLOCKS": (attention_module, 0 if lever.split_attention
-                                      else attention_module.UNSPLIT_BLOCKS)}
+                                      else attention_module.UNSPLIT_BLOCKS),
+                   "BRANCHLESS": (attention_module, lever.branchless
+                                  or attention_module.BRANCHLESS)}
         with inductor_config.patch(**lever.inductor), _patched(patches):
             rows = {"compiled loop": compiled_loop(model, cache_len)}
             generator = Generator(model, cache_len, [args.prompt], [args.batch],
