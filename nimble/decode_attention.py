@@ -59,6 +59,12 @@ UNSPLIT_BLOCKS = 2
 #: around each block; the values are the same.  Off until measured faster on the GPU
 #: (tools/experiments/attention_split.py --branchless).
 BRANCHLESS = False
+#: Whether a split's parts are joined by the last of its programs to finish (each counts
+#: itself on an atomic counter zeroed every call, the last reads the parts in split order, so
+#: the values do not depend on which program is last) rather than by a second kernel: one
+#: kernel boundary fewer a call.  Off until measured faster on the GPU
+#: (tools/experiments/attention_split.py --last-joins).
+LAST_JOINS = False
 #: Rows of the matrix units' tiles: the query heads of a key-value head are padded to them.
 MIN_TILE = 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -100,132 +106,27 @@ _KERNELS: list = []
 
 
 def _kernels():
-    """The two Triton kernels (made on first use: no Triton import where no attention runs)."""
-    if _KERNELS:
-        return _KERNELS[0]
-    import triton
-    import triton.language as tl
+    """The two Triton kernels (:mod:`nimble.decode_attention_kernels`, imported on first use: no
+    Triton import where no attention runs)."""
+    if not _KERNELS:
+        from . import decode_attention_kernels as kernels
 
-    @triton.jit
-    def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, scale,
-               slots, groups, kv_heads, splits, slots_per_split,
-               sqb, sqh, skb, skh, skl, svb, svh, svl, smb, smh, sml, sob, soh,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_L: tl.constexpr, MASK: tl.constexpr, SPLIT: tl.constexpr,
-               IEEE: tl.constexpr, BRANCHLESS: tl.constexpr):
-        pair = tl.program_id(0)  # (sequence, key-value head)
-        split = tl.program_id(1)
-        b = pair // kv_heads
-        g = pair % kv_heads
-        r = tl.arange(0, BLOCK_R)
-        row_ok = r < groups
-        heads = g * groups + r
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        m_i = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_R,), tl.float32)
-        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-        lo = split * slots_per_split
-        hi = tl.minimum(lo + slots_per_split, slots)
-        for start in range(lo, hi, BLOCK_L):
-            at = start + tl.arange(0, BLOCK_L)
-            ok = at < hi
-            live = row_ok[:, None] & ok[None, :]
-            bias = tl.zeros((BLOCK_R, BLOCK_L), tl.float32)
-            if MASK == 1:  # boolean: True attends
-                keep = tl.load(mask_ptr + b * smb + heads[:, None] * smh + at[None, :] * sml,
-                               mask=live, other=0)
-                live = live & (keep != 0)
-            if MASK == 2:  # additive
-                bias = tl.load(mask_ptr + b * smb + heads[:, None] * smh + at[None, :] * sml,
-                               mask=live, other=float("-inf")).to(tl.float32)
-                live = live & (bias != float("-inf"))
-            # stretches the mask hides entirely (a static cache past the position) read
-            # nothing more: by a branch around the block, or (BRANCHLESS) by loads masked to
-            # the slots some row attends, which issue no reads for the others and leave the
-            # loop free of a branch around its loads (a hidden slot's key and value are then
-            # zeros, its weight zero either way: the same values)
-            if BRANCHLESS:
-                read = tl.max(live.to(tl.int32), 0) > 0
-                run = True
-            else:
-                read = ok
-                run = tl.max(live.to(tl.int32)) > 0
-            if run:
-                k = tl.load(k_ptr + b * skb + g * skh + at[:, None] * skl + d[None, :],
-                            mask=read[:, None] & d_ok[None, :], other=0.0)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                # natural exponents: an additive mask of the dtype's least value stays finite
-                s = s * scale + bias
-                s = tl.where(live, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_use)
-                p = tl.exp(s - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_ptr + b * svb + g * svh + at[:, None] * svl + d[None, :],
-                            mask=read[:, None] & d_ok[None, :], other=0.0)
-                if IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
-        if SPLIT:
-            row = (pair * splits + split) * BLOCK_R + r
-            tl.store(part_ptr + row[:, None] * BLOCK_D + d[None, :], acc)
-            tl.store(stat_ptr + row * 2, m_i)
-            tl.store(stat_ptr + row * 2 + 1, l_i)
-        else:
-            out = acc / l_i[:, None]
-            tl.store(out_ptr + b * sob + heads[:, None] * soh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-    @triton.jit
-    def join(part_ptr, stat_ptr, out_ptr, groups, kv_heads, splits, sob, soh,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-        pair = tl.program_id(0)
-        b = pair // kv_heads
-        g = pair % kv_heads
-        r = tl.arange(0, BLOCK_R)
-        d = tl.arange(0, BLOCK_D)
-        top = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-        for s in range(0, splits):
-            row = (pair * splits + s) * BLOCK_R + r
-            top = tl.maximum(top, tl.load(stat_ptr + row * 2))
-        top_use = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.zeros((BLOCK_R,), tl.float32)
-        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-        for s in range(0, splits):
-            row = (pair * splits + s) * BLOCK_R + r
-            w = tl.exp(tl.load(stat_ptr + row * 2) - top_use)
-            total += w * tl.load(stat_ptr + row * 2 + 1)
-            acc += w[:, None] * tl.load(part_ptr + row[:, None] * BLOCK_D + d[None, :])
-        out = acc / total[:, None]
-        heads = g * groups + r
-        tl.store(out_ptr + b * sob + heads[:, None] * soh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty),
-                 mask=(r < groups)[:, None] & (d < HEAD_DIM)[None, :])
-
-    _KERNELS.append((attend, join))
+        _KERNELS.append((kernels.attend, kernels.join))
     return _KERNELS[0]
 
 
 def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            mask: torch.Tensor | None, scale: float, splits: int | None = None,
-           branchless: bool | None = None) -> torch.Tensor:
+           branchless: bool | None = None, last_joins: bool | None = None) -> torch.Tensor:
     """The attention of ``query`` ``(B, H, 1, D)`` over ``key`` and ``value``
     ``(B, Hkv, L, D)`` with ``mask`` (boolean or additive, broadcastable to ``(B, H, 1, L)``,
     or None), as ``(B, 1, H, D)``, on the current stream; ``splits``: programs per (sequence,
     key-value head), else :func:`split_for`'s; ``branchless``: hidden stretches skipped by
-    masked loads rather than a branch (default :data:`BRANCHLESS`)."""
-    if branchless is None:
-        branchless = BRANCHLESS
+    masked loads rather than a branch (default :data:`BRANCHLESS`); ``last_joins``: a split's
+    parts joined by its last program rather than a second kernel (default
+    :data:`LAST_JOINS`)."""
+    branchless = BRANCHLESS if branchless is None else branchless
+    last_joins = LAST_JOINS if last_joins is None else last_joins
     attend, join = _kernels()
     batch, heads, _, head_dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
@@ -242,21 +143,24 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         mask_strides = (mask_t.stride(0), mask_t.stride(1), mask_t.stride(3))
     plan = split_for(batch, kv_heads, slots, splits=splits)
     parted = plan.splits > 1
-    part = stat = out  # unsplit, the kernel writes the output alone: no parts to allocate
+    # unsplit, the kernel writes the output alone: no parts and no count to allocate
+    part = stat = count = out
     if parted:
         rows = batch * kv_heads * plan.splits * block_r
         part = torch.empty((rows, block_d), dtype=torch.float32, device=query.device)
         stat = torch.empty((rows, 2), dtype=torch.float32, device=query.device)
+        if last_joins:  # each pair's programs counted from zero, every call
+            count = torch.zeros(batch * kv_heads, dtype=torch.int32, device=query.device)
     attend[(batch * kv_heads, plan.splits)](
-        query, key, value, mask_t, out, part, stat, scale, slots, groups,
+        query, key, value, mask_t, out, part, stat, count, scale, slots, groups,
         kv_heads, plan.splits, plan.slots_per_split,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), *mask_strides,
         out.stride(0), out.stride(2),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_L=BLOCK_SLOTS, MASK=kind,
         SPLIT=parted, IEEE=query.dtype == torch.float32, BRANCHLESS=bool(branchless),
-        num_warps=4, num_stages=2)
-    if parted:
+        LAST_JOINS=bool(parted and last_joins), num_warps=4, num_stages=2)
+    if parted and not last_joins:
         join[(batch * kv_heads,)](part, stat, out, groups, kv_heads, plan.splits,
                                   out.stride(0), out.stride(2), HEAD_DIM=head_dim,
                                   BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)

@@ -23,9 +23,10 @@ def test_the_rule_is_the_longest_cache_from_the_shortest_where_unsplit_never_los
 
 def test_every_shape_times_unsplit_the_full_split_and_the_fixed_counts():
     plan = tool.variants(1, 8, 192, [2, 4])
-    assert plan == {"unsplit": (1, False), "split": (3, False), "splits=2": (2, False),
-                    "splits=4": (4, False)}
-    both = tool.variants(1, 8, 192, [], branchless=True)
-    assert both == {"unsplit": (1, False), "split": (3, False), "unsplit bl": (1, True),
-                    "split bl": (3, True)}
+    assert plan == {"unsplit": (1, False, False), "split": (3, False, False),
+                    "splits=2": (2, False, False), "splits=4": (4, False, False)}
+    both = tool.variants(1, 8, 192, [], branchless=True, last_joins=True)
+    assert both == {"unsplit": (1, False, False), "split": (3, False, False),
+                    "unsplit bl": (1, True, False), "split bl": (3, True, False),
+                    "split lj": (3, False, True)}
     assert tool.parse(["--splits", "", "--batches", "8"]).splits == []

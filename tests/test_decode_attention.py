@@ -38,6 +38,8 @@ def test_the_kernel_computes_attention_over_the_cache(interpreted):
         assert r["shape_ok"] and r["error"] < limit, (name, r)
         # the hidden stretches skipped by masked loads, not a branch: the same bits
         assert r.get("branchless_same", True), (name, r)
+        # a split joined by its last program, not a second kernel: the same bits
+        assert r.get("last_joins_same", True), (name, r)
 
 
 def test_the_slots_are_split_until_the_call_has_its_programs():

@@ -19,18 +19,20 @@ def test_variants_that_swap_the_models_layers_for_good_run_last():
 def test_a_variants_name_joins_the_levers_it_sets():
     for name in ("base", "prefetch", "coordinate", "gemv", "attention", "attention+single",
                  "attention+coordinate+gemv", "plain-argmax+attention+gemv",
-                 "split-attention+gemv", "branchless+gemv"):
+                 "split-attention+gemv", "branchless+gemv", "last-joins+gemv"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
             "coordinate_descent_tuning")), name
         assert ("gemv" in name) == variant.fast_gemv, name
-        assert ("attention" in name or "branchless" in name) == variant.decode_attention, name
+        assert any(w in name for w in ("attention", "branchless", "last-joins")) == \
+            variant.decode_attention, name
         assert ("prefetch" in name) == variant.prefetch_l2, name
         assert ("single" in name) == variant.single_stream, name
         assert ("plain-argmax" in name) == variant.plain_argmax, name
         assert ("split-attention" in name) == variant.split_attention, name
         assert ("branchless" in name) == variant.branchless, name
+        assert ("last-joins" in name) == variant.last_joins, name
     with pytest.raises(KeyError):
         tool.variant("attention+warp")
 

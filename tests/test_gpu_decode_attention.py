@@ -41,11 +41,17 @@ def test_the_kernel_matches_attention_in_float64(dtype):
             # the hidden stretches skipped by masked loads instead of a branch: the same bits
             assert torch.equal(launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=True),
                                got), (batch, slots, dtype, splits)
+            # a split joined by whichever of its programs ends last: the same values each time
+            joined = [launch(q, k, v, mask, head_dim ** -0.5, splits, last_joins=True)
+                      for _ in range(3)]
+            assert all(torch.equal(j, joined[0]) for j in joined), (batch, slots, dtype, splits)
             torch.cuda.synchronize()
             want = attention_reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
-            error = float((got.double() - want).norm() / want.norm())
             limit = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dt]
-            assert error < limit, (batch, heads, kv_heads, slots, head_dim, dtype, splits, error)
+            for form, value in (("join kernel", got), ("last program joins", joined[0])):
+                error = float((value.double() - want).norm() / want.norm())
+                assert error < limit, (batch, heads, kv_heads, slots, head_dim, dtype, splits,
+                                       form, error)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager kernels", "inductor"])

@@ -45,10 +45,13 @@ def case(shape, dtype_name: str, mask_kind: str) -> dict:
             "additive": torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)}[mask_kind]
     got = da.launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=False)
     branchless = da.launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=True)
+    last_joins = da.launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=False,
+                           last_joins=True)
     want = reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
     return {"case": f"{shape}-{dtype_name}-{mask_kind}", "error": error(got, want),
             "shape_ok": tuple(got.shape) == (batch, 1, heads, head_dim) and got.dtype == dtype,
-            "branchless_same": bool(torch.equal(got, branchless))}
+            "branchless_same": bool(torch.equal(got, branchless)),
+            "last_joins_same": bool(torch.equal(got, last_joins))}
 
 
 def strided() -> dict:

@@ -10,7 +10,9 @@ cache out of the L2 as a decode step does), and subtracts the same graph without
 µs per call, median of ``--replays``.  A call's variants: ``unsplit`` (one program per sequence
 and key-value head), ``split`` (the slots split until the call has about 132 programs, with the
 second kernel that joins them), and ``splits=N`` for each ``--splits``; with ``--branchless``,
-each again with the stretches the mask hides skipped by masked loads, not a branch (``bl``).  "live" is the slots
+each again with the stretches the mask hides skipped by masked loads, not a branch (``bl``);
+with ``--last-joins``, each split variant again with its parts joined by its last program
+(``lj``).  "live" is the slots
 the mask lets through (a static cache's slots past the position are skipped): the whole cache,
 and ``--short`` slots of it.
 """
@@ -38,6 +40,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--branchless", action="store_true",
                    help="also each variant with the hidden stretches skipped by masked loads "
                         "rather than a branch (nimble.decode_attention.BRANCHLESS)")
+    p.add_argument("--last-joins", action="store_true",
+                   help="also each split variant with its parts joined by its last program, "
+                        "not a second kernel (nimble.decode_attention.LAST_JOINS)")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -48,18 +53,21 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def variants(batch: int, kv_heads: int, slots: int, fixed: list[int],
-             branchless: bool = False) -> dict:
-    """``{name: (splits, branchless)}`` of the variants timed for one shape: unsplit, the split
-    rule's (every cache split), each fixed count; with ``branchless``, each again with masked
-    loads for the hidden stretches (named ``... bl``)."""
+             branchless: bool = False, last_joins: bool = False) -> dict:
+    """``{name: (splits, branchless, last_joins)}`` of the variants timed for one shape:
+    unsplit, the split rule's (every cache split), each fixed count; with ``branchless``, each
+    again with masked loads for the hidden stretches (``... bl``); with ``last_joins``, each
+    split one again joined by its last program (``... lj``)."""
     from nimble.decode_attention import split_for
 
     counts = {"unsplit": 1, "split": split_for(batch, kv_heads, slots, unsplit_blocks=0).splits}
     for n in fixed:
         counts[f"splits={n}"] = n
-    out = {name: (n, False) for name, n in counts.items()}
+    out = {name: (n, False, False) for name, n in counts.items()}
     if branchless:
-        out.update({f"{name} bl": (n, True) for name, n in counts.items()})
+        out.update({f"{name} bl": (n, True, False) for name, n in counts.items()})
+    if last_joins:
+        out.update({f"{name} lj": (n, False, True) for name, n in counts.items() if n > 1})
     return out
 
 
@@ -134,13 +142,15 @@ def main(argv=None) -> int:
             for live in sorted({slots, min(slots, args.short)}, reverse=True):
                 keep = (torch.arange(slots, device=dev) < live).view(1, 1, 1, slots).expand(
                     batch, 1, 1, slots).contiguous()
-                plan = variants(batch, args.kv_heads, slots, args.splits, args.branchless)
+                plan = variants(batch, args.kv_heads, slots, args.splits, args.branchless,
+                                args.last_joins)
                 outs, us = {}, {}
-                for name, (splits, branchless) in plan.items():
-                    def calls(splits=splits, name=name, branchless=branchless):
+                for name, (splits, branchless, last_joins) in plan.items():
+                    def calls(splits=splits, name=name, branchless=branchless,
+                              last_joins=last_joins):
                         for i in range(args.layers):
                             outs[name] = launch(q[i], kv[i][0], kv[i][1], keep, scale, splits,
-                                                branchless)
+                                                branchless, last_joins)
                             between(i)
                     us[name] = round((timed(calls) - floor) / args.layers, 2)
                 ref = outs["unsplit"].float()

@@ -11,7 +11,8 @@ tuning), ``gemv`` (:func:`nimble.fast_gemv`), ``attention`` (:func:`nimble.decod
 ``single`` (Nimble's steps on one stream), ``plain-argmax`` (the argmax as one reduction, not
 :func:`nimble.decode_steps.split_argmax`), ``split-attention`` (the attention kernel with every
 cache split over programs, not read unsplit where it is short), ``branchless`` (the attention
-kernel's hidden stretches skipped by masked loads, not a branch).  Every variant runs on one
+kernel's hidden stretches skipped by masked loads, not a branch), ``last-joins`` (a split's
+parts joined by its last program, not a second kernel).  Every variant runs on one
 model (built once, its sibling projections fused unless ``--no-fuse``); a ``gemv`` variant
 changes the model's modules for good and runs after the others.  The Inductor settings of a
 variant (``combo_kernels`` always) and the module constants it sets are set around both rows'
@@ -38,6 +39,7 @@ class Variant:
     plain_argmax: bool = False  # both rows' argmax one reduction (no decode_steps.split_argmax)
     split_attention: bool = False  # the attention kernel splits every cache (UNSPLIT_BLOCKS 0)
     branchless: bool = False  # the attention kernel's hidden stretches by masked loads
+    last_joins: bool = False  # the attention's split joined by its last program
 
 
 COMBO = {"combo_kernels": True}
@@ -51,6 +53,7 @@ LEVERS = {
     "plain-argmax": {"plain_argmax": True},
     "split-attention": {"decode_attention": True, "split_attention": True},
     "branchless": {"decode_attention": True, "branchless": True},
+    "last-joins": {"decode_attention": True, "last_joins": True},
 }
 
 
@@ -152,7 +155,9 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                    "UNSPLIT_BLOCKS": (attention_module, 0 if lever.split_attention
                                       else attention_module.UNSPLIT_BLOCKS),
                    "BRANCHLESS": (attention_module, lever.branchless
-                                  or attention_module.BRANCHLESS)}
+                                  or attention_module.BRANCHLESS),
+                   "LAST_JOINS": (attention_module, lever.last_joins
+                                  or attention_module.LAST_JOINS)}
         with inductor_config.patch(**lever.inductor), _patched(patches):
             rows = {"compiled loop": compiled_loop(model, cache_len)}
             generator = Generator(model, cache_len, [args.prompt], [args.batch],
