@@ -119,3 +119,27 @@ def attention_reference(q, k, v, keep, scale):
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     return (torch.softmax(scores, -1) @ values).transpose(1, 2)
+
+
+def generator_worker_tokens(tmp_path, save_mode: str, ids) -> tuple:
+    """tests/workers/generator_worker.py run twice in fresh processes, ``save_mode`` (which
+    saves a Generator to a file) then ``load``, on prompt ``ids``: the tokens each decoded, and
+    the load's last line of output."""
+    import subprocess
+    import sys
+
+    import torch
+
+    worker = Path(__file__).parent / "workers" / "generator_worker.py"
+    torch.save(ids, tmp_path / "ids.pt")
+    tokens, said = [], ""
+    for mode in (save_mode, "load"):
+        out = tmp_path / f"{mode}.pt"
+        done = subprocess.run([sys.executable, str(worker), mode, str(tmp_path / "g.nimble"),
+                               str(tmp_path / "ids.pt"), str(out)],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        said = done.stdout.strip().splitlines()[-1]
+        tokens.append(torch.load(out))
+    return tokens[0], tokens[1], said
+

@@ -5,13 +5,10 @@ unsplit and split alike."""
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import attention_reference
+from helpers import attention_reference, generator_worker_tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -89,14 +86,7 @@ def test_a_saved_generator_of_a_swapped_model_loads_and_decodes_its_tokens(tmp_p
     kernels are): loaded in another process and proven at its load, the Generator decodes the
     saving process's tokens."""
     pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
-    worker = Path(__file__).parent / "workers" / "generator_worker.py"
     torch.manual_seed(0)
-    torch.save(torch.randint(0, 1000, (1, 50)), tmp_path / "ids.pt")
-    outs = {}
-    for mode in ("save-swapped", "load"):
-        outs[mode] = tmp_path / f"{mode}.pt"
-        done = subprocess.run([sys.executable, str(worker), mode, str(tmp_path / "g.nimble"),
-                               str(tmp_path / "ids.pt"), str(outs[mode])],
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-4000:]
-    assert torch.equal(torch.load(outs["load"]), torch.load(outs["save-swapped"]))
+    saved, loaded, _ = generator_worker_tokens(tmp_path, "save-swapped",
+                                               torch.randint(0, 1000, (1, 50)))
+    assert torch.equal(loaded, saved)

@@ -265,18 +265,13 @@ def test_a_generator_saved_in_one_process_decodes_the_same_tokens_in_another(tmp
     import torch
 
     pytest.importorskip("transformers")
-    worker = Path(__file__).parent / "workers" / "generator_worker.py"
+    from helpers import generator_worker_tokens
+
     torch.manual_seed(0)
-    torch.save(torch.randint(0, 100, (1, 20)), tmp_path / "ids.pt")
-    outs = {}
-    for mode in ("save", "load"):
-        outs[mode] = tmp_path / f"{mode}.pt"
-        done = subprocess.run([sys.executable, str(worker), mode, str(tmp_path / "g.nimble"),
-                               str(tmp_path / "ids.pt"), str(outs[mode])],
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-4000:]
-        print(done.stdout.strip().splitlines()[-1])
-    assert torch.equal(torch.load(outs["load"]), torch.load(outs["save"]))
+    saved, loaded, said = generator_worker_tokens(tmp_path, "save",
+                                                  torch.randint(0, 100, (1, 20)))
+    print(said)
+    assert torch.equal(loaded, saved)
 
 
 def test_a_loaded_graph_keeps_its_outputs_after_a_profiler_run(tmp_path):
