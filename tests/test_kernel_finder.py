@@ -180,8 +180,23 @@ def test_same_named_cubins_of_one_code_are_one_kernel(tmp_path, monkeypatch):
 def test_the_code_of_a_kernel_is_its_text_section_or_the_whole_image():
     image = _elf({".text.k": b"CODE", ".nv.info.k": b"info"})
     assert binaries.kernel_code(image, "k") == b"CODE"
-    assert binaries.kernel_code(image, "absent") == image
-    assert binaries.kernel_code(b"not an elf", "k") == b"not an elf"
+    assert binaries.kernel_code(image, "absent") is None
+    assert binaries.kernel_code(b"not an elf", "k") is None
+
+
+def test_images_whose_code_cannot_be_read_do_not_make_a_kernel_ambiguous(tmp_path,
+                                                                         monkeypatch):
+    """Two fitting images that show no ``.text`` section for the kernel (a fatbin, say) are
+    taken as before, one of them; beside one that shows it, that one."""
+    _cache_of(tmp_path, monkeypatch, {"aa": b"fatbin one", "bb": b"fatbin two"})
+    table = kb.BinaryTable(BlobWriter(), 90)
+    row = table.rows[kb.KernelFinder(90, table).locate([_hashed(None)])[0]]
+    assert row["origin"].endswith(("aa/triton_red_0.cubin", "bb/triton_red_0.cubin"))
+    _cache_of(tmp_path / "2", monkeypatch, {"aa": b"fatbin one",
+                                            "bb": _elf({".text.triton_red_0": b"code"})})
+    table = kb.BinaryTable(BlobWriter(), 90)
+    row = table.rows[kb.KernelFinder(90, table).locate([_hashed(None)])[0]]
+    assert row["origin"].endswith("bb/triton_red_0.cubin")
 
 
 class _Launcher:

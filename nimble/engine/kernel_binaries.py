@@ -262,17 +262,20 @@ class KernelFinder:
                                               _verifier(k))
 
     def _one_code(self, kernel: LiveKernel, fits: Sequence[bytes]) -> bytes | None:
-        """The first of the images that fit ``kernel`` where all hold one code for it (its
-        ``.text`` section); None where none fits, or where they differ (then the kernel the
-        process runs could be any of them, and a wrong pick computes wrong values: it is
-        noted for the SaveError)."""
+        """The first of the images that fit ``kernel`` where those whose code for it can be
+        read (an ELF's ``.text.<name>`` section) hold one code, preferring one that shows it;
+        None where none fits, or where the codes differ (then the kernel the process runs
+        could be any of them, and a wrong pick computes wrong values: it is noted for the
+        SaveError)."""
         if not fits:
             return None
-        codes = {found.kernel_code(image, kernel.name) for image in fits}
-        if len(codes) == 1:
-            return fits[0]
-        self.ambiguous[kernel.name] = len(codes)
-        return None
+        codes = [found.kernel_code(image, kernel.name) for image in fits]
+        known = {c for c in codes if c is not None}
+        if len(known) > 1:
+            self.ambiguous[kernel.name] = len(known)
+            return None
+        shown = [image for image, c in zip(fits, codes) if c is not None]
+        return (shown or list(fits))[0]
 
     def _plain(self, kernels: Sequence[LiveKernel], rows: list) -> None:
         for lib in self.libraries():

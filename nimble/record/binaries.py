@@ -416,15 +416,15 @@ def triton_hashes() -> dict[int, str]:
     return out
 
 
-def kernel_code(image: bytes, name: str) -> bytes:
+def kernel_code(image: bytes, name: str) -> bytes | None:
     """The code of kernel ``name`` in a cubin (its ``.text.<name>`` section, where the sizes a
-    compiler baked in stand), or the whole image where it is no ELF or has no such section: two
+    compiler baked in stand), or None where the image is no ELF or has no such section: two
     candidates with equal code here are one kernel, whatever else their images hold."""
     try:
         at = elf_section(lambda offset, size: image[offset:offset + size], f".text.{name}")
     except BinaryFormatError:
-        at = None
+        return None
     if at is None:
-        return image
+        return None
     offset, size = at
     return image[offset:offset + size]
