@@ -256,26 +256,25 @@ class KernelFinder:
             fits = [image for image in images
                     if next(found.symbol_offsets(image, k.name, b"\0.", b"\0"), None) is not None
                     and _loads(image, k)]
-            image = self._one_code(k, fits)
-            if image is not None:
-                rows[i] = self.table.embedded(image, "module loaded in the saving process",
+            pick = self._one_code(k, fits)
+            if pick is not None:
+                rows[i] = self.table.embedded(fits[pick], "module loaded in the saving process",
                                               _verifier(k))
 
-    def _one_code(self, kernel: LiveKernel, fits: Sequence[bytes]) -> bytes | None:
-        """The first of the images that fit ``kernel`` where those whose code for it can be
-        read (an ELF's ``.text.<name>`` section) hold one code, preferring one that shows it;
-        None where none fits, or where the codes differ (then the kernel the process runs
-        could be any of them, and a wrong pick computes wrong values: it is noted for the
-        SaveError)."""
-        if not fits:
-            return None
+    def _one_code(self, kernel: LiveKernel, fits: Sequence[bytes]) -> int | None:
+        """Which of the images that fit ``kernel`` to take, where those whose code for it can
+        be read (an ELF's ``.text.<name>`` section) hold one code: the first that shows it,
+        else the first; None where none fits, or where the codes differ (then the kernel the
+        process runs could be any of them, and a wrong pick computes wrong values: it is
+        noted for the SaveError)."""
         codes = [found.kernel_code(image, kernel.name) for image in fits]
         known = {c for c in codes if c is not None}
         if len(known) > 1:
             self.ambiguous[kernel.name] = len(known)
             return None
-        shown = [image for image, c in zip(fits, codes) if c is not None]
-        return (shown or list(fits))[0]
+        if not fits:
+            return None
+        return next((i for i, c in enumerate(codes) if c is not None), 0)
 
     def _plain(self, kernels: Sequence[LiveKernel], rows: list) -> None:
         for lib in self.libraries():
@@ -310,9 +309,9 @@ class KernelFinder:
                 if _loads(data, k):
                     fits.append(data)
                     paths.append(candidate.path)
-            data = self._one_code(k, fits)
-            if data is not None:
-                rows[i] = self.table.embedded(data, str(paths[fits.index(data)]), _verifier(k))
+            pick = self._one_code(k, fits)
+            if pick is not None:
+                rows[i] = self.table.embedded(fits[pick], str(paths[pick]), _verifier(k))
 
     def _compressed(self, kernels: Sequence[LiveKernel], rows: list) -> None:
         for lib in self.libraries():

@@ -424,7 +424,4 @@ def kernel_code(image: bytes, name: str) -> bytes | None:
         at = elf_section(lambda offset, size: image[offset:offset + size], f".text.{name}")
     except BinaryFormatError:
         return None
-    if at is None:
-        return None
-    offset, size = at
-    return image[offset:offset + size]
+    return None if at is None else image[at[0]:at[0] + at[1]]

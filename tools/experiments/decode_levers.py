@@ -182,14 +182,12 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
 @contextlib.contextmanager
 def _patched(patches: dict):
     """Module constants set (``{name: (module, value)}``) for the block, restored after it."""
-    before = {name: getattr(module, name) for name, (module, _) in patches.items()}
-    try:
+    from unittest import mock
+
+    with contextlib.ExitStack() as stack:
         for name, (module, value) in patches.items():
-            setattr(module, name, value)
+            stack.enter_context(mock.patch.object(module, name, value))
         yield
-    finally:
-        for name, (module, _) in patches.items():
-            setattr(module, name, before[name])
 
 
 def single_stream(options):
