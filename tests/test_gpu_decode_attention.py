@@ -35,9 +35,9 @@ def test_the_kernel_matches_attention_in_float64(dtype):
         # the rule's split, every slot on one program (the unsplit kernel), a split of two
         for mask, splits in itertools.product(masks, (None, 1, 2)):
             got = launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=False)
-            # the hidden stretches skipped by masked loads instead of a branch: the same bits
-            assert torch.equal(launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=True),
-                               got), (batch, slots, dtype, splits)
+            # the hidden stretches skipped by masked loads instead of a branch: other code
+            # (Triton compiles the loop otherwise), so not always the same bits; as close
+            branchless = launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=True)
             # a split joined by whichever of its programs ends last: the same values each time
             joined = [launch(q, k, v, mask, head_dim ** -0.5, splits, last_joins=True)
                       for _ in range(3)]
@@ -45,7 +45,8 @@ def test_the_kernel_matches_attention_in_float64(dtype):
             torch.cuda.synchronize()
             want = attention_reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
             limit = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dt]
-            for form, value in (("join kernel", got), ("last program joins", joined[0])):
+            for form, value in (("join kernel", got), ("last program joins", joined[0]),
+                                ("branchless", branchless)):
                 error = float((value.double() - want).norm() / want.norm())
                 assert error < limit, (batch, heads, kv_heads, slots, head_dim, dtype, splits,
                                        form, error)

@@ -232,3 +232,27 @@ def test_two_functions_of_one_name_and_fingerprint_are_two_kernels_where_their_h
     kernels = saving._Kernels({1: "aa", 2: "bb", 3: "aa"})
     assert [kernels.index(task, f) for f in (1, 2, 3, 4, 1)] == [0, 1, 0, 2, 0]
     assert [k.triton_hash for k in kernels.kernels] == ["aa", "bb", None]
+
+
+def test_a_kernel_name_past_tritons_file_name_limit_is_found_by_its_cut_name(tmp_path,
+                                                                            monkeypatch):
+    """Triton files a kernel's cubin under the first 150 characters of its name (Inductor's
+    fused names run longer): found there by its hash, and a kernel whose name only begins the
+    same (its metadata names it) is not taken for it."""
+    name = "triton_poi_fused_" + "_".join(f"op{i}" for i in range(60))
+    assert len(name) > binaries.TRITON_FILE_NAME_LIMIT
+    cache = tmp_path / "triton"
+    stem = name[:binaries.TRITON_FILE_NAME_LIMIT]
+    for key, kernel_name in (("aa", name), ("bb", name + "_other")):
+        folder = cache / key
+        folder.mkdir(parents=True)
+        (folder / f"{stem}.cubin").write_bytes(_elf({f".text.{kernel_name}": key.encode()}))
+        (folder / f"{stem}.json").write_text(json.dumps(
+            {"num_warps": 4, "shared": 0, "hash": key, "name": kernel_name}))
+    assert [c.triton_hash for c in binaries.cubin_candidates(name, [cache])] == ["aa"]
+    _cache_of(tmp_path / "empty", monkeypatch, {})
+    monkeypatch.setattr(binaries, "cubin_folders", lambda: [cache])
+    kernel = kb.LiveKernel(name, None, {"NUM_REGS": 32}, [[0, 8]], {}, 128, 0, "aa")
+    table = kb.BinaryTable(BlobWriter(), 90)
+    row = table.rows[kb.KernelFinder(90, table).locate([kernel])[0]]
+    assert row["origin"].endswith(f"aa/{stem}.cubin")

@@ -372,20 +372,35 @@ class CubinCandidate:
     triton_hash: str | None = None  # the compilation's key, Triton's metadata "hash"
 
 
+#: Triton names a kernel's cache files by the first 150 characters of its name (Inductor's fused
+#: kernels' names run longer), so a longer name's cubin is found by that prefix and told apart
+#: from others sharing it by the full name in the metadata beside it.
+TRITON_FILE_NAME_LIMIT = 150
+
+
 def cubin_candidates(name: str, folders: Sequence[Path]) -> list[CubinCandidate]:
-    """Every ``<name>.cubin`` under ``folders``, with Triton's metadata where it sits beside."""
+    """Every cubin under ``folders`` filed for kernel ``name`` (``<name>.cubin``, or the
+    name cut at :data:`TRITON_FILE_NAME_LIMIT`), with Triton's metadata where it sits beside."""
+    stem = name[:TRITON_FILE_NAME_LIMIT]
     found = []
     for folder in folders:
-        for path in folder.rglob(f"{name}.cubin"):
+        for path in folder.rglob(f"{stem}.cubin"):
             threads = shared = key = None
             meta = path.with_suffix(".json")
             try:
                 data = json.loads(meta.read_text())
+            except (OSError, ValueError):
+                data = None
+            if not isinstance(data, dict):
+                data = {}
+            if stem != name and data.get("name", name) != name:
+                continue  # another kernel whose name begins the same
+            try:
                 threads = int(data["num_warps"]) * 32
                 shared = int(data["shared"])
-                key = data.get("hash")
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                pass
+            except (KeyError, TypeError, ValueError):
+                threads = shared = None
+            key = data.get("hash")
             found.append(CubinCandidate(path, threads, shared,
                                         key if isinstance(key, str) else None))
     return found
