@@ -55,15 +55,17 @@ TARGET_PROGRAMS = 132
 #: docs/results.md), so only the shortest caches gain.
 UNSPLIT_BLOCKS = 2
 #: Whether a program skips the stretches the mask hides by loads masked to the live slots
-#: (no branch in its loop, so Triton may pipeline the loop's loads) rather than by a branch
-#: around each block; the values are the same.  Off until measured faster on the GPU
-#: (tools/experiments/attention_split.py --branchless).
+#: (no branch in its loop) rather than by a branch around each block.  Off: measured slower
+#: in nearly every shape, and far slower where most of the cache is hidden, since each hidden
+#: block still runs its dots (tools/experiments/attention_split.py --branchless,
+#: docs/results.md); its values are close to the default's but not its bits on the GPU.
 BRANCHLESS = False
 #: Whether a split's parts are joined by the last of its programs to finish (each counts
 #: itself on an atomic counter zeroed every call, the last reads the parts in split order, so
 #: the values do not depend on which program is last) rather than by a second kernel: one
-#: kernel boundary fewer a call.  Off until measured faster on the GPU
-#: (tools/experiments/attention_split.py --last-joins).
+#: kernel boundary fewer a call.  Off: measured faster only from about 12 programs a head
+#: (long caches at batch 1), slower below (tools/experiments/attention_split.py
+#: --last-joins, docs/results.md).
 LAST_JOINS = False
 #: Rows of the matrix units' tiles: the query heads of a key-value head are padded to them.
 MIN_TILE = 16

@@ -75,7 +75,7 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
         # nothing more: by a branch around the block, or (BRANCHLESS) by loads masked to
         # the slots some row attends, which issue no reads for the others and leave the
         # loop free of a branch around its loads (a hidden slot's key and value are then
-        # zeros, its weight zero either way: the same values)
+        # zeros, its weight zero either way: the same values, up to the rounding of other code)
         if BRANCHLESS:
             read = tl.max(live.to(tl.int32), 0) > 0
             run = True
