@@ -200,21 +200,26 @@ def test_images_whose_code_cannot_be_read_do_not_make_a_kernel_ambiguous(tmp_pat
 
 
 class _Launcher:
-    """Stands for a Triton CompiledKernel or Inductor's static launcher."""
+    """Stands for a Triton CompiledKernel (which keeps its cubin as ``kernel``) or Inductor's
+    static launcher (``cubin_raw``, dropped once loaded)."""
 
-    def __init__(self, function, key):
+    def __init__(self, function, key, **image):
         self.function, self.hash = function, key
+        self.__dict__.update(image)
 
 
 def test_the_hashes_of_the_loaded_triton_kernels_are_read_from_their_holders(monkeypatch):
     monkeypatch.setattr(_Launcher, "__module__", "triton.compiler.compiler")
-    held = [_Launcher(0x7F00, "aa"), _Launcher(0x7F08, "bb"), _Launcher(None, "cc")]
+    held = [_Launcher(0x7F00, "aa", kernel=b"CUBIN"), _Launcher(0x7F08, "bb", cubin_raw=None),
+            _Launcher(None, "cc"), _Launcher(0x7F18, "ee", cubin_raw=b"RAW")]
 
     class Elsewhere(_Launcher):
         __module__ = "somebody.else"
     other = Elsewhere(0x7F10, "dd")
-    got = binaries.triton_hashes()
-    assert got[0x7F00] == "aa" and got[0x7F08] == "bb"
+    got = binaries.triton_loaded()
+    assert got[0x7F00] == binaries.TritonLoaded("aa", b"CUBIN")
+    assert got[0x7F08] == binaries.TritonLoaded("bb", None)
+    assert got[0x7F18].image == b"RAW"
     assert 0x7F10 not in got and None not in got
     del held, other
 
@@ -229,7 +234,8 @@ def test_two_functions_of_one_name_and_fingerprint_are_two_kernels_where_their_h
     monkeypatch.setattr(kb.driver, "function_param_layout", lambda f: [(0, 8)])
     monkeypatch.setattr(kb.driver, "function_attributes", lambda f, names: {})
     task = SimpleNamespace(name="triton_red_0", block=(128, 1, 1), shared_mem=0)
-    kernels = saving._Kernels({1: "aa", 2: "bb", 3: "aa"})
+    kernels = saving._Kernels({f: binaries.TritonLoaded(key)
+                               for f, key in ((1, "aa"), (2, "bb"), (3, "aa"))})
     assert [kernels.index(task, f) for f in (1, 2, 3, 4, 1)] == [0, 1, 0, 2, 0]
     assert [k.triton_hash for k in kernels.kernels] == ["aa", "bb", None]
 
@@ -256,3 +262,21 @@ def test_a_kernel_name_past_tritons_file_name_limit_is_found_by_its_cut_name(tmp
     table = kb.BinaryTable(BlobWriter(), 90)
     row = table.rows[kb.KernelFinder(90, table).locate([kernel])[0]]
     assert row["origin"].endswith(f"aa/{stem}.cubin")
+
+
+def test_a_triton_kernel_whose_cubin_left_the_cache_is_saved_from_the_image_its_loader_keeps(
+        tmp_path, monkeypatch):
+    """The cache holds two cubins of the name with other code (no hash fits: the kernel's own
+    was cleaned away), so the cache alone leaves the save refused; the image Triton's
+    CompiledKernel keeps in memory is the kernel's own, and is embedded."""
+    _cache_of(tmp_path, monkeypatch, {"aa": _elf({".text.triton_red_0": b"xnumel = 1"}),
+                                      "bb": _elf({".text.triton_red_0": b"xnumel = 8"})})
+    own = _elf({".text.triton_red_0": b"xnumel = 4"})
+    kernel = kb.LiveKernel("triton_red_0", None, {"NUM_REGS": 32}, [[0, 8]], {}, 128, 0, None)
+    with pytest.raises(SaveError, match="2 codes"):
+        kb.KernelFinder(90, kb.BinaryTable(BlobWriter(), 90)).locate([kernel])
+    kernel.held_image = own
+    table = kb.BinaryTable(BlobWriter(), 90)
+    row = table.rows[kb.KernelFinder(90, table).locate([kernel])[0]]
+    assert row["origin"] == "Triton's compiled kernel in the saving process"
+    assert ("embedded", binaries.sha256(own)) in table._index

@@ -3,14 +3,15 @@ loaded back from there (:mod:`nimble.record.binaries` finds the bytes).
 
 At save, each distinct kernel (a name and the fingerprint of its ``CUfunction``: registers,
 shared, constant and local memory, thread limit, binary version, parameter layout) is looked up
-in the libraries the process loaded, then in Triton's and Inductor's cubin caches, then among the
-module images the process kept since :func:`keep_kernel_binaries`
+in the libraries the process loaded, then in Triton's and Inductor's cubin caches (else the
+cubin a Triton kernel's loader keeps in memory), then among the module images the process kept
+since :func:`keep_kernel_binaries`
 (:mod:`nimble.driver.module_images`: cuBLASLt's GEMMs and runtime-compiled kernels are on no
 disk); every candidate is loaded through the driver and kept only if the kernel it yields has
 the same fingerprint.  A fingerprint does not tell same-named kernels of other sizes apart
 (Inductor's and Triton's kernels bake their sizes into their code), so a Triton kernel is
 matched to the cubin of its own compilation by Triton's hash, read from the objects that loaded
-it (:func:`nimble.record.binaries.triton_hashes`), and where several fitting binaries of a name
+it (:func:`nimble.record.binaries.triton_loaded`), and where several fitting binaries of a name
 hold different code with nothing to tell which one runs, the save is refused rather than
 guessed.  A kernel found nowhere raises :class:`~nimble.errors.SaveError` naming it and what to
 do.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -47,17 +48,21 @@ class LiveKernel:
     threads: int  # threads per block of a launch of it (tells Triton's variants apart)
     shared_mem: int
     #: Triton's compilation hash where a Triton kernel (Inductor's among them) was loaded from
-    #: a cubin of its cache (:func:`nimble.record.binaries.triton_hashes`): which of several
+    #: a cubin of its cache (:func:`nimble.record.binaries.triton_loaded`): which of several
     #: cubins of the kernel's name it is.
     triton_hash: str | None = None
+    #: The binary Triton's ``CompiledKernel`` loaded it from, where it keeps it in memory: the
+    #: kernel's own cubin, taken where no cache file holds it (a cache cleaned since, or filed
+    #: elsewhere).
+    held_image: bytes | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, name: str, function, threads: int, shared_mem: int,
-           triton_hash: str | None = None) -> "LiveKernel":
+           triton_hash: str | None = None, held_image: bytes | None = None) -> "LiveKernel":
         return cls(name, function, driver.function_fingerprint(function),
                    [list(p) for p in driver.function_param_layout(function)],
                    driver.function_attributes(function, driver.SETTABLE_ATTRIBUTES),
-                   threads, shared_mem, triton_hash)
+                   threads, shared_mem, triton_hash, held_image)
 
     def key(self) -> tuple:
         """What makes two loaded functions one kernel of the file: a name, a fingerprint and
@@ -215,6 +220,7 @@ class KernelFinder:
         rows: list[int | None] = [None] * len(kernels)
         self._plain(kernels, rows)
         self._cubins(kernels, rows)
+        self._held(kernels, rows)
         self._compressed(kernels, rows)
         self._captured(kernels, rows)
         missing = [k for k, row in zip(kernels, rows) if row is None]
@@ -312,6 +318,14 @@ class KernelFinder:
             pick = self._one_code(k, fits)
             if pick is not None:
                 rows[i] = self.table.embedded(fits[pick], str(paths[pick]), _verifier(k))
+
+    def _held(self, kernels: Sequence[LiveKernel], rows: list) -> None:
+        """Triton kernels no cache file was found for, from the binary their loader keeps:
+        the very image this process loaded, so no other code of the name can be meant."""
+        for i, k in enumerate(kernels):
+            if rows[i] is None and k.held_image is not None and _loads(k.held_image, k):
+                rows[i] = self.table.embedded(k.held_image, "Triton's compiled kernel in the "
+                                              "saving process", _verifier(k))
 
     def _compressed(self, kernels: Sequence[LiveKernel], rows: list) -> None:
         for lib in self.libraries():

@@ -89,22 +89,24 @@ def _unrelocated(task, fields: dict, bases, names: dict[str, str]) -> dict:
 class _Kernels:
     """The distinct kernels of every bucket, in first-seen order."""
 
-    def __init__(self, triton_hashes: dict[int, str] | None = None) -> None:
+    def __init__(self, triton_loaded: dict[int, found.TritonLoaded] | None = None) -> None:
         self.kernels: list[LiveKernel] = []
         self._index: dict[Any, int] = {}
         self._by_function: dict[int, int] = {}
-        #: ``{function handle: Triton's compilation hash}`` (read on first use).
-        self._hashes = triton_hashes
+        #: ``{function handle: what Triton kept of its loading}`` (read on first use).
+        self._triton = triton_loaded
 
     def index(self, task, function) -> int:
         handle = int(function)
         if handle in self._by_function:
             return self._by_function[handle]
-        if self._hashes is None:
-            self._hashes = found.triton_hashes()
+        if self._triton is None:
+            self._triton = found.triton_loaded()
+        loaded = self._triton.get(handle)
         threads = task.block[0] * task.block[1] * task.block[2]
         kernel = LiveKernel.of(task.name, function, threads, task.shared_mem,
-                               self._hashes.get(handle))
+                               loaded.hash if loaded else None,
+                               loaded.image if loaded else None)
         k = self._index.setdefault(kernel.key(), len(self.kernels))
         if k == len(self.kernels):
             self.kernels.append(kernel)

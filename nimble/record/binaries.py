@@ -412,14 +412,24 @@ def cubin_candidates(name: str, folders: Sequence[Path]) -> list[CubinCandidate]
 _TRITON_HOLDERS = ("triton.", "torch._inductor.")
 
 
-def triton_hashes() -> dict[int, str]:
-    """``{CUfunction handle: Triton's compilation hash}`` for every Triton kernel this process
-    holds loaded.  Kernels of one name compiled for other shapes (a batch size, a graph beside)
+@dataclass(frozen=True)
+class TritonLoaded:
+    """What the object that loaded a Triton kernel keeps of it."""
+
+    hash: str  # the compilation's key: the metadata "hash" of its cubin in the cache
+    #: The binary it loaded, where it keeps it (Triton's ``CompiledKernel`` does, as its
+    #: ``kernel``; Inductor's static launcher drops its copy once loaded).
+    image: bytes | None = None
+
+
+def triton_loaded() -> dict[int, TritonLoaded]:
+    """``{CUfunction handle: what loaded it}`` for every Triton kernel this process holds
+    loaded.  Kernels of one name compiled for other shapes (a batch size, a graph beside)
     carry their sizes in their code and fit one another's fingerprint (registers, parameters),
     so a kernel's name alone does not say which cubin of the cache it was loaded from; the hash
-    does (the cubin's metadata holds it).  Read from the objects themselves, since no driver
-    call gives a loaded kernel's code back."""
-    out: dict[int, str] = {}
+    does (the cubin's metadata holds it), and the binary kept in memory is that cubin itself.
+    Read from the objects themselves, since no driver call gives a loaded kernel's code back."""
+    out: dict[int, TritonLoaded] = {}
     for obj in gc.get_objects():
         module = getattr(type(obj), "__module__", None)
         if not isinstance(module, str) or not module.startswith(_TRITON_HOLDERS):
@@ -427,7 +437,9 @@ def triton_hashes() -> dict[int, str]:
         fields = getattr(obj, "__dict__", None) or {}  # attributes only, no property runs
         function, key = fields.get("function"), fields.get("hash")
         if isinstance(function, int) and function and isinstance(key, str):
-            out[function] = key
+            image = next((fields[f] for f in ("kernel", "cubin_raw")
+                          if isinstance(fields.get(f), bytes) and fields[f]), None)
+            out[function] = TritonLoaded(key, image)
     return out
 
 
