@@ -80,14 +80,17 @@ class Split:
     slots_per_split: int  # a multiple of BLOCK_SLOTS
 
 
-def split_for(batch: int, kv_heads: int, slots: int, target: int = TARGET_PROGRAMS,
+def split_for(batch: int, kv_heads: int, slots: int, target: int | None = None,
               block: int = BLOCK_SLOTS, unsplit_blocks: int | None = None,
               splits: int | None = None) -> Split:
     """The split of ``slots`` cache slots for ``batch * kv_heads`` (sequence, head) pairs: as
-    many programs per pair as bring the call to ``target`` programs, at most one per block of
-    slots; none where the slots are ``unsplit_blocks`` blocks or fewer (default
-    :data:`UNSPLIT_BLOCKS`; ``splits`` given: that many, at most one per block)."""
+    many programs per pair as bring the call to ``target`` programs (default
+    :data:`TARGET_PROGRAMS`), at most one per block of slots; none where the slots are
+    ``unsplit_blocks`` blocks or fewer (default :data:`UNSPLIT_BLOCKS`; ``splits`` given: that
+    many, at most one per block)."""
     blocks = -(-slots // block)
+    if target is None:
+        target = TARGET_PROGRAMS
     if unsplit_blocks is None:
         unsplit_blocks = UNSPLIT_BLOCKS
     if splits is None:

@@ -19,13 +19,15 @@ def test_variants_that_swap_the_models_layers_for_good_run_last():
 def test_a_variants_name_joins_the_levers_it_sets():
     for name in ("base", "prefetch", "coordinate", "gemv", "attention", "attention+single",
                  "attention+coordinate+gemv", "plain-argmax+attention+gemv",
-                 "split-attention+gemv", "branchless+gemv", "last-joins+gemv"):
+                 "split-attention+gemv", "branchless+gemv", "last-joins+gemv",
+                 "wide-split+coordinate+gemv"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
             "coordinate_descent_tuning")), name
         assert ("gemv" in name) == variant.fast_gemv, name
-        assert any(w in name for w in ("attention", "branchless", "last-joins")) == \
+        assert any(w in name for w in ("attention", "branchless", "last-joins",
+                                       "wide-split")) == \
             variant.decode_attention, name
         assert ("prefetch" in name) == variant.prefetch_l2, name
         assert ("single" in name) == variant.single_stream, name
@@ -33,6 +35,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert ("split-attention" in name) == variant.split_attention, name
         assert ("branchless" in name) == variant.branchless, name
         assert ("last-joins" in name) == variant.last_joins, name
+        assert ("wide-split" in name) == variant.wide_split, name
     with pytest.raises(KeyError):
         tool.variant("attention+warp")
 
@@ -45,6 +48,12 @@ def test_a_variants_constants_hold_inside_its_block_and_are_restored_after():
                         "UNSPLIT_BLOCKS": (decode_attention, 0)}):
         assert (decode_steps.SPLIT_ARGMAX_FROM, decode_attention.UNSPLIT_BLOCKS) == (5, 0)
         assert decode_attention.split_for(1, 8, 128).splits == 2
+    # the split's target read at the call, not fixed when split_for was defined
+    assert decode_attention.split_for(8, 8, 4096).splits == 3
+    with tool._patched({"TARGET_PROGRAMS": (decode_attention,
+                                            2 * decode_attention.TARGET_PROGRAMS)}):
+        assert decode_attention.split_for(8, 8, 4096).splits == 5
+    assert decode_attention.split_for(8, 8, 4096).splits == 3
     assert (decode_steps.SPLIT_ARGMAX_FROM, decode_attention.UNSPLIT_BLOCKS) == before
 
 

@@ -12,7 +12,9 @@ tuning), ``gemv`` (:func:`nimble.fast_gemv`), ``attention`` (:func:`nimble.decod
 :func:`nimble.decode_steps.split_argmax`), ``split-attention`` (the attention kernel with every
 cache split over programs, not read unsplit where it is short), ``branchless`` (the attention
 kernel's hidden stretches skipped by masked loads, not a branch), ``last-joins`` (a split's
-parts joined by its last program, not a second kernel).  Every variant runs on one
+parts joined by its last program, not a second kernel), ``wide-split`` (the attention's split
+aiming for twice :data:`nimble.decode_attention.TARGET_PROGRAMS`: at batch 8 the kernel alone
+is faster with 4 programs a head than the rule's 3).  Every variant runs on one
 model (built once, its sibling projections fused unless ``--no-fuse``); a ``gemv`` variant
 changes the model's modules for good and runs after the others.  The Inductor settings of a
 variant (``combo_kernels`` always) and the module constants it sets are set around both rows'
@@ -40,6 +42,7 @@ class Variant:
     split_attention: bool = False  # the attention kernel splits every cache (UNSPLIT_BLOCKS 0)
     branchless: bool = False  # the attention kernel's hidden stretches by masked loads
     last_joins: bool = False  # the attention's split joined by its last program
+    wide_split: bool = False  # the attention's split aims for twice TARGET_PROGRAMS
 
 
 COMBO = {"combo_kernels": True}
@@ -54,6 +57,7 @@ LEVERS = {
     "split-attention": {"decode_attention": True, "split_attention": True},
     "branchless": {"decode_attention": True, "branchless": True},
     "last-joins": {"decode_attention": True, "last_joins": True},
+    "wide-split": {"decode_attention": True, "wide_split": True},
 }
 
 
@@ -157,7 +161,9 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                    "BRANCHLESS": (attention_module, lever.branchless
                                   or attention_module.BRANCHLESS),
                    "LAST_JOINS": (attention_module, lever.last_joins
-                                  or attention_module.LAST_JOINS)}
+                                  or attention_module.LAST_JOINS),
+                   "TARGET_PROGRAMS": (attention_module, attention_module.TARGET_PROGRAMS
+                                       * (2 if lever.wide_split else 1))}
         with inductor_config.patch(**lever.inductor), _patched(patches):
             rows = {"compiled loop": compiled_loop(model, cache_len)}
             generator = Generator(model, cache_len, [args.prompt], [args.batch],
