@@ -385,7 +385,6 @@ def cubin_candidates(name: str, folders: Sequence[Path]) -> list[CubinCandidate]
     found = []
     for folder in folders:
         for path in folder.rglob(f"{stem}.cubin"):
-            threads = shared = key = None
             meta = path.with_suffix(".json")
             try:
                 data = json.loads(meta.read_text())
