@@ -33,7 +33,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _positive_ints(text: str, example: str, allow_none: bool = False) -> list[int]:
+def positive_ints(text: str, example: str, allow_none: bool = False) -> list[int]:
     """Comma-separated positive ints, in the order given, no repeats (``example`` shows the
     syntax in the error); an empty list only where ``allow_none``."""
     try:
@@ -58,12 +58,12 @@ def names_from(choices, text: str) -> list[str]:
 
 def parse_batches(text: str) -> list[int]:
     """``--batch``: comma-separated positive ints, in the order given, no repeats."""
-    return _positive_ints(text, "batch sizes like 32 or 32,64,128")
+    return positive_ints(text, "batch sizes like 32 or 32,64,128")
 
 
 def parse_stream_caps(text: str) -> list[int]:
     """``bench --max-streams``: the stream caps to try, like ``--batch``; '' for none."""
-    return _positive_ints(text, "stream caps like 4 or 2,4,8 ('' for none)", allow_none=True)
+    return positive_ints(text, "stream caps like 4 or 2,4,8 ('' for none)", allow_none=True)
 
 
 def parse_one_batch(text: str) -> int:

@@ -26,15 +26,17 @@ import sys
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--slots", default="128,192,256,384,576,768,1024,2048,4096")
+    p.add_argument("--batches", type=_counts("batch sizes like 1,8"), default=[1, 8])
+    p.add_argument("--slots", type=_counts("cache lengths like 128,576"),
+                   default=[128, 192, 256, 384, 576, 768, 1024, 2048, 4096])
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--short", type=int, default=129, help="live slots of the short case")
-    p.add_argument("--splits", default="2,4", help="fixed split counts also timed")
+    p.add_argument("--splits", type=_counts("split counts like 2,4 ('' for none)", True),
+                   default=[2, 4], help="fixed split counts also timed")
     p.add_argument("--between", default="2048x8192",
                    help="the weight read between two calls (OUTxIN), or 'none'")
     p.add_argument("--branchless", action="store_true",
@@ -45,11 +47,14 @@ def parse(argv=None) -> argparse.Namespace:
                         "not a second kernel (nimble.decode_attention.LAST_JOINS)")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    args.batches = [int(v) for v in args.batches.split(",") if v]
-    args.slots = [int(v) for v in args.slots.split(",") if v]
-    args.splits = [int(v) for v in args.splits.split(",") if v]
-    return args
+    return p.parse_args(argv)
+
+
+def _counts(example: str, allow_none: bool = False):
+    """An argument type: comma-separated positive ints (``example`` shows them in the error)."""
+    from nimble.cli.common import positive_ints
+
+    return lambda text: positive_ints(text, example, allow_none)
 
 
 def variants(batch: int, kv_heads: int, slots: int, fixed: list[int],
