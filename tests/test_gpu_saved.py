@@ -229,6 +229,28 @@ def test_a_graph_of_inductors_kernels_embeds_its_triton_cubins(tmp_path):
     _same_elsewhere(nm, saved, x, 2, tmp_path)
 
 
+def test_a_graph_of_inductors_kernels_saves_where_no_cache_file_holds_them(tmp_path,
+                                                                         monkeypatch):
+    """Where no cache folder Nimble reads holds a Triton kernel's cubin (a cache emptied since
+    the compile, or filed elsewhere), the save embeds the image Triton's loader keeps in
+    memory, and a fresh process loads it bit for bit."""
+    import torch
+
+    import nimble
+    from nimble.ir.saved_format import SavedFile
+    from nimble.record import binaries
+
+    model, x = _conv_net()
+    nm = nimble.Nimble(torch.compile(model)).prepare(x, return_copies=True)
+    monkeypatch.setattr(binaries, "cubin_folders", lambda: [])
+    saved = nm.save(tmp_path / "held.nimble")
+    rows = SavedFile.read(saved).manifest["binaries"]
+    held = [r for r in rows if r["kind"] == "embedded" and "compiled kernel" in r["origin"]]
+    assert held, [r["origin"] for r in rows]
+    assert not any(r["origin"].endswith(".cubin") for r in rows)
+    _same_elsewhere(nm, saved, x, 2, tmp_path)
+
+
 def test_a_training_step_saved_and_loaded_fills_the_same_gradients(tmp_path):
     """A training step's two graphs saved and loaded with the model: a step through the loaded
     graph fills ``.grad`` as the prepared one does (cuDNN's backward adds with atomics: within
