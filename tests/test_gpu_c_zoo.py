@@ -52,7 +52,9 @@ def saved_zoo(request, tmp_path_factory) -> tuple[Path, dict, str]:
                           timeout=300 + 120 * len(plan))
     status_file = folder / "status.json"
     status = json.loads(status_file.read_text()) if status_file.exists() else {}
-    return folder, status, done.stderr
+    # A process killed (a signal, the host's memory) leaves its status negative and its
+    # stderr short: both go in the failure's message.
+    return folder, status, f"{done.stderr}\n[the saving process exited {done.returncode}]"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -229,26 +229,58 @@ def test_a_graph_of_inductors_kernels_embeds_its_triton_cubins(tmp_path):
     _same_elsewhere(nm, saved, x, 2, tmp_path)
 
 
-def test_a_graph_of_inductors_kernels_saves_where_no_cache_file_holds_them(tmp_path,
-                                                                         monkeypatch):
+def test_a_triton_kernel_saved_with_no_cache_folder_to_read_embeds_its_loaders_image(
+        tmp_path, monkeypatch):
     """Where no cache folder Nimble reads holds a Triton kernel's cubin (a cache emptied since
-    the compile, or filed elsewhere), the save embeds the image Triton's loader keeps in
-    memory, and a fresh process loads it bit for bit."""
+    the compile, or filed elsewhere), the save embeds the image Triton's ``CompiledKernel``
+    keeps in memory (here Nimble's own GEMV), and a fresh process loads it bit for bit."""
     import torch
+    from torch import nn
 
     import nimble
+    from nimble.fast_gemv import GemvConfig, launch_gemv
     from nimble.ir.saved_format import SavedFile
     from nimble.record import binaries
 
-    model, x = _conv_net()
-    nm = nimble.Nimble(torch.compile(model)).prepare(x, return_copies=True)
+    class Gemv(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(512, 1024, device="cuda",
+                                                   dtype=torch.float16), requires_grad=False)
+
+        def forward(self, x):
+            return launch_gemv(torch.relu(x), self.weight, GemvConfig(4, 1024, 8, 1))
+
+    torch.manual_seed(0)
+    x = torch.randn(1024, device="cuda", dtype=torch.float16)
+    nm = nimble.Nimble(Gemv()).prepare(x, return_copies=True)
     monkeypatch.setattr(binaries, "cubin_folders", lambda: [])
     saved = nm.save(tmp_path / "held.nimble")
     rows = SavedFile.read(saved).manifest["binaries"]
-    held = [r for r in rows if r["kind"] == "embedded" and "compiled kernel" in r["origin"]]
-    assert held, [r["origin"] for r in rows]
-    assert not any(r["origin"].endswith(".cubin") for r in rows)
+    assert any(r["kind"] == "embedded" and r["origin"] == "Triton's compiled kernel in the "
+               "saving process" for r in rows), [r.get("origin") for r in rows]
     _same_elsewhere(nm, saved, x, 2, tmp_path)
+
+
+def test_inductors_kernels_with_no_cache_folder_to_read_are_refused_saying_why(tmp_path,
+                                                                              monkeypatch):
+    """Inductor's static launcher keeps no copy of a cubin once it has loaded it: with no cache
+    folder to read, the save is refused, naming the launcher and what to do."""
+    import torch
+    from torch._inductor import config
+
+    import nimble
+    from nimble.errors import SaveError
+    from nimble.record import binaries
+
+    if not getattr(config, "use_static_cuda_launcher", False):
+        pytest.skip("this torch's Inductor launches its kernels through Triton's launcher")
+    model, x = _conv_net()
+    nm = nimble.Nimble(torch.compile(model)).prepare(x)
+    monkeypatch.setattr(binaries, "cubin_folders", lambda: [])
+    with pytest.raises(SaveError, match="static launcher"):
+        nm.save(tmp_path / "gone.nimble")
+    assert not (tmp_path / "gone.nimble").exists()
 
 
 def test_a_training_step_saved_and_loaded_fills_the_same_gradients(tmp_path):

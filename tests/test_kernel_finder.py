@@ -280,3 +280,20 @@ def test_a_triton_kernel_whose_cubin_left_the_cache_is_saved_from_the_image_its_
     row = table.rows[kb.KernelFinder(90, table).locate([kernel])[0]]
     assert row["origin"] == "Triton's compiled kernel in the saving process"
     assert ("embedded", binaries.sha256(own)) in table._index
+
+
+def test_a_triton_kernel_in_no_cache_and_kept_by_no_loader_is_refused_naming_the_caches(
+        tmp_path, monkeypatch):
+    """Inductor's static launcher keeps no copy of a cubin once loaded: where its cache file is
+    gone too, the refusal says so, names the folders read and what to do; a kernel of no
+    Triton compilation gets no such words."""
+    monkeypatch.setattr(binaries, "cubin_folders", lambda: [tmp_path])
+    monkeypatch.setattr(binaries, "loaded_libraries", lambda: [])
+    monkeypatch.setattr(kb.module_images, "capturing", lambda: False)
+    static = kb.LiveKernel("triton_poi_7", None, {"NUM_REGS": 32}, [[0, 8]], {}, 128, 0, "ab12")
+    with pytest.raises(SaveError, match=r"1 of them are Triton kernels whose cubin is in none "
+                       rf"of the cache folders read \({tmp_path}; .*static launcher"):
+        kb.KernelFinder(90, kb.BinaryTable(BlobWriter(), 90)).locate([static])
+    with pytest.raises(SaveError) as refused:
+        kb.KernelFinder(90, kb.BinaryTable(BlobWriter(), 90)).locate([_kernel("nowhere")])
+    assert "Triton" not in str(refused.value)

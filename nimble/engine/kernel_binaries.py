@@ -72,6 +72,20 @@ class LiveKernel:
             tuple(map(tuple, self.layout)), self.triton_hash
 
 
+def _triton_hint(missing: Sequence[LiveKernel]) -> str:
+    """What to add to the refusal where Triton kernels are among those found nowhere: their
+    cubin files left the caches, and their loader kept no copy (Inductor's static launcher
+    drops its own once the kernel is loaded)."""
+    triton = [k for k in missing if k.triton_hash is not None]
+    if not triton or module_images.capturing():
+        return ""
+    return (f"; {len(triton)} of them are Triton kernels whose cubin is in none of the cache "
+            f"folders read ({', '.join(map(str, found.cubin_folders())) or 'none exists'}; "
+            "TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR name them) and whose loader keeps "
+            "no copy (Inductor's static launcher drops its own once loaded): save while the "
+            "cache still holds them, or keep the binaries from the start as above")
+
+
 def _same_kernel(library: driver.Library, kernel: LiveKernel) -> bool:
     function = library.function(kernel.name)
     if function is None:
@@ -246,7 +260,8 @@ class KernelFinder:
                        "of the process, before the model first runs, then prepare and save "
                        "(`nimble save` does so)")
             raise SaveError(f"{len(missing)} kernel(s) of this graph are in no library file "
-                            f"or cubin this process can read ({names}{more}) {why}")
+                            f"or cubin this process can read ({names}{more}) {why}"
+                            f"{_triton_hint(missing)}")
         return [int(r) for r in rows]
 
     def _captured(self, kernels: Sequence[LiveKernel], rows: list) -> None:
