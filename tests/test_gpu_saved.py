@@ -253,7 +253,7 @@ def test_a_triton_kernel_saved_with_no_cache_folder_to_read_embeds_its_loaders_i
 
     torch.manual_seed(0)
     x = torch.randn(1024, device="cuda", dtype=torch.float16)
-    nm = nimble.Nimble(Gemv()).prepare(x, return_copies=True)
+    nm = nimble.Nimble(Gemv().eval()).prepare(x, return_copies=True)
     monkeypatch.setattr(binaries, "cubin_folders", lambda: [])
     saved = nm.save(tmp_path / "held.nimble")
     rows = SavedFile.read(saved).manifest["binaries"]
