@@ -43,6 +43,11 @@ class CuptiUnavailable(NimbleError):
 
 _state: dict = {"subscriber": None, "callback": None, "library": None}
 _images: list[bytes] = []
+#: The images kept, for telling a module loaded again from a new one: libraries load the same
+#: module again and again (most of a saving process's module loads are repeats, measured in
+#: docs/findings.md), and a process saving many models ran out of host memory.  A set of bytes
+#: compares whole images, so two images are one only where every byte is.
+_seen: set[bytes] = set()
 _lock = threading.Lock()
 
 
@@ -55,9 +60,14 @@ def _on_event(_user, domain, cbid, data) -> None:
     size = ctypes.c_size_t.from_address(descriptor + _SIZE_AT).value
     image = ctypes.c_void_p.from_address(descriptor + _IMAGE_AT).value
     if image and size:
-        copy = ctypes.string_at(image, size)
-        with _lock:
-            _images.append(copy)
+        _keep(ctypes.string_at(image, size))
+
+
+def _keep(image: bytes) -> None:
+    with _lock:
+        if image not in _seen:
+            _seen.add(image)
+            _images.append(image)
 
 
 def cupti_library_paths() -> list[str]:
@@ -111,6 +121,7 @@ def capturing() -> bool:
 
 
 def images() -> list[bytes]:
-    """The images of the modules loaded since :func:`start`, in load order."""
+    """The distinct images of the modules loaded since :func:`start`, in the order each was
+    first loaded."""
     with _lock:
         return list(_images)
