@@ -65,6 +65,34 @@ def test_a_compiled_branchy_model_runs_its_triton_kernels_on_several_streams(dty
     nm.close()
 
 
+def test_a_prepared_graph_keeps_its_triton_kernels_loaded_after_dynamos_caches_are_reset():
+    """Triton's and Inductor's kernel objects unload their modules when collected: after
+    ``torch._dynamo.reset()`` frees the compiled code, the prepared graph's kernels are still
+    loaded (each ``CUfunction`` answers the driver) and its outputs are the bits they were."""
+    import gc
+
+    import torch
+
+    import nimble
+    from nimble import driver
+    from nimble.engine.kernel_owners import kernel_functions
+
+    model, compiled, x = _compiled("branchy", "float16")
+    nm = nimble.Nimble(compiled).prepare(x, return_copies=True)
+    fresh = torch.randn_like(x)
+    want = nm(fresh)
+    prepared = nm._prepared
+    assert prepared.kernel_owners, "no owner of the graph's Triton kernels was kept"
+    del compiled
+    torch._dynamo.reset()
+    gc.collect()
+    for function in kernel_functions(prepared.graph, prepared.builts):
+        driver.function_fingerprint(function)  # CudaError (an invalid handle) once unloaded
+    got = nm(fresh)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    nm.close()
+
+
 def test_a_compile_mode_with_its_own_cuda_graphs_is_refused_and_the_process_stays_usable():
     import torch
 

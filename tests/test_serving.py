@@ -352,7 +352,8 @@ class _Stages:
             key=(instance, batch), region=region, late_edges=list(late_edges) or [(instance, 1)],
             given_late_edges=list(late_edges), seconds=seconds, backfill=[], memplan=plan,
             priorities=None, prefetch=[],
-            builts=[SimpleNamespace(device_launch_refusal="")], graph=SimpleNamespace(meta={}),
+            builts=[SimpleNamespace(device_launch_refusal="", span=range(0), nodes=[])],
+            graph=SimpleNamespace(meta={}, tasks=[]),
             launcher=SimpleNamespace(lock=region.order.lock), recording=None)
         built.close = lambda: self.closed.append(built.key)
         self.built.append(built)

@@ -38,6 +38,7 @@ from .options import PrepareOptions
 from .prefetch import planned_prefetch
 from .programmatic_pick import planned_programmatic
 from .profiler_guard import device_launch_allowed
+from .kernel_owners import owners_of
 from .prepared import (ArenaRegion, Prepared, arena_limit_bytes, backfill_trials, build_prepared,
                        kernel_priorities, plan_graph, task_times)
 from .proof import ProofProgress
@@ -230,6 +231,9 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
                            prefetch_trials=prefetch_trials,
                            prefetch=first.prefetch if first else None,
                            programmatic=programmatic)
+    # A copy launches the kernels of the graph it copies.
+    built.kernel_owners = list(first.kernel_owners) if first is not None else \
+        owners_of(built.graph, built.builts)
     seconds["build"] = time.perf_counter() - t0
     if first is not None:
         built.backfill = first.backfill

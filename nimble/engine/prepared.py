@@ -114,6 +114,9 @@ class Prepared:
     #: What a graph loaded from a file runs on besides its arena (its kernels' libraries, the
     #: file's weights and external memory): kept as long as the graph is.
     owned_memory: list = field(default_factory=list)
+    #: The Python objects whose modules hold the Triton kernels a graph recorded here launches
+    #: (:mod:`nimble.engine.kernel_owners`): kept as long as the graph is.
+    kernel_owners: list = field(default_factory=list, repr=False)
 
     @property
     def built(self) -> BuiltGraph:

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import struct
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -421,6 +422,19 @@ class TritonLoaded:
     image: bytes | None = None
 
 
+def _triton_holders():
+    """``(object, CUfunction handle, its fields)`` for every object of Triton's or Inductor's
+    that holds a loaded Triton kernel (attributes read from ``__dict__``: no property runs)."""
+    for obj in gc.get_objects():
+        module = getattr(type(obj), "__module__", None)
+        if not isinstance(module, str) or not module.startswith(_TRITON_HOLDERS):
+            continue
+        fields = getattr(obj, "__dict__", None) or {}
+        function = fields.get("function")
+        if isinstance(function, int) and function:
+            yield obj, function, fields
+
+
 def triton_loaded() -> dict[int, TritonLoaded]:
     """``{CUfunction handle: what loaded it}`` for every Triton kernel this process holds
     loaded.  Kernels of one name compiled for other shapes (a batch size, a graph beside)
@@ -429,17 +443,22 @@ def triton_loaded() -> dict[int, TritonLoaded]:
     does (the cubin's metadata holds it), and the binary kept in memory is that cubin itself.
     Read from the objects themselves, since no driver call gives a loaded kernel's code back."""
     out: dict[int, TritonLoaded] = {}
-    for obj in gc.get_objects():
-        module = getattr(type(obj), "__module__", None)
-        if not isinstance(module, str) or not module.startswith(_TRITON_HOLDERS):
-            continue
-        fields = getattr(obj, "__dict__", None) or {}  # attributes only, no property runs
-        function, key = fields.get("function"), fields.get("hash")
-        if isinstance(function, int) and function and isinstance(key, str):
+    for _, function, fields in _triton_holders():
+        key = fields.get("hash")
+        if isinstance(key, str):
             image = next((fields[f] for f in ("kernel", "cubin_raw")
                           if isinstance(fields.get(f), bytes) and fields[f]), None)
             out[function] = TritonLoaded(key, image)
     return out
+
+
+def triton_owners(functions: set[int]) -> list:
+    """The objects holding the Triton kernels of ``functions`` loaded (Triton's
+    ``CompiledKernel``, Inductor's static launchers): each unloads its module when it is
+    collected, so whatever launches those functions must keep them."""
+    if "triton" not in sys.modules:
+        return []  # no Triton kernel can be loaded in this process
+    return [obj for obj, function, _ in _triton_holders() if function in functions]
 
 
 def kernel_code(image: bytes, name: str) -> bytes | None:

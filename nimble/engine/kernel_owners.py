@@ -1,0 +1,55 @@
+"""The Python objects that own a prepared graph's Triton kernels, kept as long as the graph is.
+
+A graph's kernel nodes hold ``CUfunction`` handles only.  The modules of Triton's kernels
+belong to Python objects (Triton's ``CompiledKernel``, Inductor's static launchers), and each
+unloads its module when it is collected: a compiled model dropped after ``prepare()``, or
+``torch._dynamo.reset()``, would leave the graph launching code no longer loaded, which
+computes anything or faults.  So a graph recorded in this process keeps the owners of the
+Triton kernels it launches (:func:`nimble.record.binaries.triton_owners`); kernels of
+libraries belong to libraries the process never unloads, and a graph loaded from a file owns
+its libraries already.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Sequence
+
+from .. import driver
+from ..errors import CudaError
+from ..ir.taskgraph import TaskGraph, TaskKind
+from ..progress import logger as log
+from ..record import binaries
+from .build import BuiltGraph
+
+
+def kernel_functions(graph: TaskGraph, builts: Sequence[BuiltGraph]) -> set[int]:
+    """The ``CUfunction`` handles the built graphs' kernel nodes run (a node made from a
+    library's ``CUkernel`` carries no function: a library owns it)."""
+    functions: set[int] = set()
+    for built in builts:
+        for t, node in zip(built.span, built.nodes):
+            if graph.tasks[t].kind == TaskKind.KERNEL:
+                function = driver.kernel_node_params(node).func
+                if function is not None and int(function):
+                    functions.add(int(function))
+    return functions
+
+
+def owners_of(graph: TaskGraph, builts: Sequence[BuiltGraph]) -> list:
+    """The objects to keep for the Triton kernels ``builts`` launch (none where Triton was
+    never imported: no Triton kernel can be loaded then)."""
+    if "triton" not in sys.modules:
+        return []
+    began = time.perf_counter()
+    try:
+        functions = kernel_functions(graph, builts)
+    except CudaError as e:
+        log.warning("could not read the kernels of a prepared graph (%s): the objects owning "
+                    "its Triton kernels are not kept, so keep the compiled model alive as "
+                    "long as the graph", e)
+        return []
+    owners = binaries.triton_owners(functions)
+    log.debug("kept the owners of %d Triton kernel(s) in %.3f s", len(owners),
+              time.perf_counter() - began)
+    return owners
