@@ -24,8 +24,9 @@ from .build import BuiltGraph
 
 
 def kernel_functions(graph: TaskGraph, builts: Sequence[BuiltGraph]) -> set[int]:
-    """The ``CUfunction`` handles the built graphs' kernel nodes run (a node made from a
-    library's ``CUkernel`` carries no function: a library owns it)."""
+    """The ``CUfunction`` handles the built graphs' kernel nodes run.  (A node made from a
+    library's ``CUkernel`` may carry a ``func`` of no use in this context; no Triton object
+    holds it, so it matches no owner.)"""
     functions: set[int] = set()
     for built in builts:
         for t, node in zip(built.span, built.nodes):

@@ -33,12 +33,12 @@ from ..progress import logger as log, say
 from .arena_layout import shared_layout
 from .collectives import (check_data_parallel, check_instances, check_training_collectives,
                           refusal_reason)
+from .kernel_owners import owners_of
 from .launcher import CallOrder
 from .options import PrepareOptions
 from .prefetch import planned_prefetch
 from .programmatic_pick import planned_programmatic
 from .profiler_guard import device_launch_allowed
-from .kernel_owners import owners_of
 from .prepared import (ArenaRegion, Prepared, arena_limit_bytes, backfill_trials, build_prepared,
                        kernel_priorities, plan_graph, task_times)
 from .proof import ProofProgress
