@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 #: One process saving every case it is given (``[[model, dtype, path], ...]``) through the
 #: command's own entry point, a model's failure (its status or exception) leaving the others.
 _SAVE_ALL = """
-import json, sys
+import json, os, sys
 from nimble.cli.main import main
 status = {}
 for name, dtype, path in json.loads(sys.argv[1]):
@@ -31,7 +31,10 @@ for name, dtype, path in json.loads(sys.argv[1]):
         status[path] = main(["save", name, "--dtype", dtype, "-o", path, "-q"])
     except BaseException as e:
         status[path] = f"{type(e).__name__}: {e}"
-    print(f"saved {name} {dtype}: {status[path]}", file=sys.stderr, flush=True)
+    # the resident memory after each save: what grows in a process saving many models
+    resident = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    print(f"saved {name} {dtype}: {status[path]} ({resident / 2**30:.1f} GiB resident)",
+          file=sys.stderr, flush=True)
     with open(sys.argv[2], "w") as f:
         json.dump(status, f)
 """
