@@ -297,3 +297,27 @@ def test_a_triton_kernel_in_no_cache_and_kept_by_no_loader_is_refused_naming_the
     with pytest.raises(SaveError) as refused:
         kb.KernelFinder(90, kb.BinaryTable(BlobWriter(), 90)).locate([_kernel("nowhere")])
     assert "Triton" not in str(refused.value)
+
+
+def test_a_kernel_unloaded_since_the_prepare_refuses_the_save_saying_so(monkeypatch):
+    """A kernel whose module its owner unloaded answers the driver with an invalid handle: the
+    save says which kernel and what to do, and any other driver failure stays itself."""
+    from types import SimpleNamespace
+
+    from nimble.engine import saving
+    from nimble.errors import CudaError
+
+    def gone(f):
+        raise CudaError("cuFuncGetAttribute", 400, "CUDA_ERROR_INVALID_HANDLE",
+                        "MAX_THREADS_PER_BLOCK")
+    monkeypatch.setattr(kb.driver, "function_fingerprint", gone)
+    task = SimpleNamespace(name="triton_poi_3", block=(128, 1, 1), shared_mem=0)
+    with pytest.raises(SaveError, match="triton_poi_3 of this graph is no longer loaded.*"
+                       "prepare again"):
+        saving._Kernels({}).index(task, 7)
+
+    def busy(f):
+        raise CudaError("cuFuncGetAttribute", 999, "CUDA_ERROR_UNKNOWN")
+    monkeypatch.setattr(kb.driver, "function_fingerprint", busy)
+    with pytest.raises(CudaError, match="CUDA_ERROR_UNKNOWN"):
+        saving._Kernels({}).index(task, 8)

@@ -33,7 +33,7 @@ from typing import Any
 from .. import driver
 from .._version import __version__
 from ..analysis.deps import communicates
-from ..errors import SaveError
+from ..errors import CudaError, SaveError
 from ..ir.saved_format import C_PLAN, ZEROED_WORKSPACES_VERSION, BlobWriter, SavedFile
 from ..ir.saved_manifest import FORMAT_NAME
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
@@ -104,9 +104,18 @@ class _Kernels:
             self._triton = found.triton_loaded()
         loaded = self._triton.get(handle)
         threads = task.block[0] * task.block[1] * task.block[2]
-        kernel = LiveKernel.of(task.name, function, threads, task.shared_mem,
-                               loaded.hash if loaded else None,
-                               loaded.image if loaded else None)
+        try:
+            kernel = LiveKernel.of(task.name, function, threads, task.shared_mem,
+                                   loaded.hash if loaded else None,
+                                   loaded.image if loaded else None)
+        except CudaError as e:
+            if e.name != "CUDA_ERROR_INVALID_HANDLE":
+                raise
+            raise SaveError(
+                f"kernel {task.name} of this graph is no longer loaded in this process ({e}): "
+                "the object that loaded it (Triton's or Inductor's) unloaded its module after "
+                "the graph was prepared, so the graph cannot be written down, and its calls may "
+                "launch code no longer loaded: prepare again and save") from None
         k = self._index.setdefault(kernel.key(), len(self.kernels))
         if k == len(self.kernels):
             self.kernels.append(kernel)
