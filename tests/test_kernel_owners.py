@@ -29,46 +29,48 @@ _CompiledKernel.__module__ = "triton.compiler.compiler"
 
 @pytest.fixture
 def graph_of(monkeypatch):
-    """``(graph, builts)`` of kernel nodes running ``functions`` (0: a library's CUkernel
-    node, no function) and one memset node, with the driver's node query stood in for."""
+    """A maker of stand-in prepared graphs whose kernel nodes run ``functions`` (0: a
+    library's CUkernel node, no function), with one memset node, the driver's node query stood
+    in for."""
     monkeypatch.setitem(sys.modules, "triton", sys.modules.get("triton")
                         or types.ModuleType("triton"))
     monkeypatch.setattr(kernel_owners.driver, "kernel_node_params",
                         lambda node: SimpleNamespace(func=node))
 
     def make(functions):
+        """A stand-in prepared graph (its graph, built phases and kept owners)."""
         kinds = [TaskKind.KERNEL] * len(functions) + [TaskKind.MEMSET]
         graph = SimpleNamespace(tasks=[SimpleNamespace(kind=k) for k in kinds])
         built = SimpleNamespace(span=range(len(kinds)), nodes=list(functions) + [None])
-        return graph, [built]
+        return SimpleNamespace(graph=graph, builts=[built], kernel_owners=[])
     return make
 
 
 def test_the_owners_of_the_graphs_functions_are_kept_and_no_others(graph_of):
-    mine, other = _CompiledKernel(0x1000), _CompiledKernel(0x2000)
-    graph, builts = graph_of([0x1000, 0])
-    assert kernel_owners.kernel_functions(graph, builts) == {0x1000}
-    kept = kernel_owners.owners_of(graph, builts)
-    assert kept == [mine]
+    mine, theirs, other = (_CompiledKernel(f) for f in (0x1000, 0x1100, 0x2000))
+    first, second = graph_of([0x1000, 0]), graph_of([0x1100, 0x1000])
+    assert kernel_owners.kernel_functions(first.graph, first.builts) == {0x1000}
+    kernel_owners.keep_owners([first, second])
+    assert first.kernel_owners == [mine] and second.kernel_owners == [mine, theirs]
     alive = weakref.ref(mine)
     del mine
     gc.collect()
     assert alive() is not None, "the graph's kernel owner was collected while kept"
-    assert other not in kept
+    assert other not in first.kernel_owners + second.kernel_owners
 
 
 def test_the_loaded_kernels_hashes_and_images_are_read_from_the_same_holders(graph_of):
     held = _CompiledKernel(0x3000)
     assert binaries.triton_loaded()[0x3000] == binaries.TritonLoaded("h12288", b"cubin")
-    assert binaries.triton_owners({0x3000}) == [held]
+    assert binaries.triton_owners({0x3000}) == {0x3000: [held]}
 
 
 def test_nothing_is_scanned_where_triton_was_never_imported(graph_of, monkeypatch):
     held = _CompiledKernel(0x4000)
-    graph, builts = graph_of([0x4000])
+    prepared = graph_of([0x4000])
     monkeypatch.delitem(sys.modules, "triton")
-    assert kernel_owners.owners_of(graph, builts) == []
-    assert binaries.triton_owners({0x4000}) == []
+    kernel_owners.keep_owners([prepared])
+    assert prepared.kernel_owners == [] and binaries.triton_owners({0x4000}) == {}
     assert held.function == 0x4000
 
 
@@ -78,8 +80,9 @@ def test_a_graph_whose_nodes_cannot_be_read_keeps_nothing_and_warns(graph_of, mo
 
     def refuse(node):
         raise CudaError("cuGraphKernelNodeGetParams", 400, "CUDA_ERROR_INVALID_HANDLE")
-    graph, builts = graph_of([0x5000])
+    prepared = graph_of([0x5000])
     monkeypatch.setattr(kernel_owners.driver, "kernel_node_params", refuse)
     with caplog.at_level("WARNING", logger="nimble"):
-        assert kernel_owners.owners_of(graph, builts) == []
+        kernel_owners.keep_owners([prepared])
+    assert prepared.kernel_owners == []
     assert "keep the compiled model alive" in caplog.text

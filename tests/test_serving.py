@@ -354,7 +354,7 @@ class _Stages:
             priorities=None, prefetch=[],
             builts=[SimpleNamespace(device_launch_refusal="", span=range(0), nodes=[])],
             graph=SimpleNamespace(meta={}, tasks=[]),
-            launcher=SimpleNamespace(lock=region.order.lock), recording=None)
+            launcher=SimpleNamespace(lock=region.order.lock), recording=None, kernel_owners=[])
         built.close = lambda: self.closed.append(built.key)
         self.built.append(built)
         return built

@@ -21,6 +21,7 @@ from ..ir.taskgraph import TaskGraph, TaskKind
 from ..progress import logger as log
 from ..record import binaries
 from .build import BuiltGraph
+from .prepared import Prepared
 
 
 def kernel_functions(graph: TaskGraph, builts: Sequence[BuiltGraph]) -> set[int]:
@@ -37,20 +38,22 @@ def kernel_functions(graph: TaskGraph, builts: Sequence[BuiltGraph]) -> set[int]
     return functions
 
 
-def owners_of(graph: TaskGraph, builts: Sequence[BuiltGraph]) -> list:
-    """The objects to keep for the Triton kernels ``builts`` launch (none where Triton was
-    never imported: no Triton kernel can be loaded then)."""
+def keep_owners(graphs: Sequence[Prepared]) -> None:
+    """Give each of ``graphs`` the objects owning the Triton kernels it launches, found in one
+    scan of the process's objects for all of them (none where Triton was never imported: no
+    Triton kernel can be loaded then)."""
     if "triton" not in sys.modules:
-        return []
+        return
     began = time.perf_counter()
     try:
-        functions = kernel_functions(graph, builts)
+        functions = [kernel_functions(p.graph, p.builts) for p in graphs]
     except CudaError as e:
         log.warning("could not read the kernels of a prepared graph (%s): the objects owning "
                     "its Triton kernels are not kept, so keep the compiled model alive as "
                     "long as the graph", e)
-        return []
-    owners = binaries.triton_owners(functions)
+        return
+    owners = binaries.triton_owners(set().union(*functions))
+    for p, mine in zip(graphs, functions):
+        p.kernel_owners = [o for f in sorted(mine) for o in owners.get(f, ())]
     log.debug("kept the owners of %d Triton kernel(s) in %.3f s", len(owners),
               time.perf_counter() - began)
-    return owners

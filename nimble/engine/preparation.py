@@ -33,7 +33,7 @@ from ..progress import logger as log, say
 from .arena_layout import shared_layout
 from .collectives import (check_data_parallel, check_instances, check_training_collectives,
                           refusal_reason)
-from .kernel_owners import owners_of
+from .kernel_owners import keep_owners
 from .launcher import CallOrder
 from .options import PrepareOptions
 from .prefetch import planned_prefetch
@@ -231,9 +231,6 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
                            prefetch_trials=prefetch_trials,
                            prefetch=first.prefetch if first else None,
                            programmatic=programmatic)
-    # A copy launches the kernels of the graph it copies.
-    built.kernel_owners = list(first.kernel_owners) if first is not None else \
-        owners_of(built.graph, built.builts)
     seconds["build"] = time.perf_counter() - t0
     if first is not None:
         built.backfill = first.backfill
@@ -405,6 +402,10 @@ def prepare_serving(model, examples: list, *, instances: int, pad: bool, trainin
         raise
     buckets = [Bucket(shapes_of(p.rec.static_inputs), [row[k] for row in built])
                for k, p in enumerate(planned)]
+    keep_owners([bucket.instances[0] for bucket in buckets])
+    for bucket in buckets:  # a copy launches the kernels of the graph it copies
+        for copy in bucket.instances[1:]:
+            copy.kernel_owners = list(bucket.instances[0].kernel_owners)
     for bucket, p in zip(buckets, planned):
         first = bucket.instances[0]
         first.recording = p.rec if options.keep_recording else None

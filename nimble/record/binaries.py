@@ -452,13 +452,17 @@ def triton_loaded() -> dict[int, TritonLoaded]:
     return out
 
 
-def triton_owners(functions: set[int]) -> list:
-    """The objects holding the Triton kernels of ``functions`` loaded (Triton's
-    ``CompiledKernel``, Inductor's static launchers): each unloads its module when it is
-    collected, so whatever launches those functions must keep them."""
+def triton_owners(functions: set[int]) -> dict[int, list]:
+    """``{function: the objects holding it loaded}`` for the Triton kernels among
+    ``functions`` (Triton's ``CompiledKernel``, Inductor's static launchers): each unloads its
+    module when it is collected, so whatever launches those functions must keep them."""
+    owners: dict[int, list] = {}
     if "triton" not in sys.modules:
-        return []  # no Triton kernel can be loaded in this process
-    return [obj for obj, function, _ in _triton_holders() if function in functions]
+        return owners  # no Triton kernel can be loaded in this process
+    for obj, function, _ in _triton_holders():
+        if function in functions:
+            owners.setdefault(function, []).append(obj)
+    return owners
 
 
 def kernel_code(image: bytes, name: str) -> bytes | None:
