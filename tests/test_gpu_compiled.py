@@ -86,7 +86,7 @@ def test_a_prepared_graph_keeps_its_triton_kernels_loaded_after_dynamos_caches_a
     del compiled
     torch._dynamo.reset()
     gc.collect()
-    for function in kernel_functions(prepared.graph, prepared.builts):
+    for function in kernel_functions(prepared):
         driver.function_fingerprint(function)  # CudaError (an invalid handle) once unloaded
     got = nm(fresh)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -41,15 +41,16 @@ def graph_of(monkeypatch):
         """A stand-in prepared graph (its graph, built phases and kept owners)."""
         kinds = [TaskKind.KERNEL] * len(functions) + [TaskKind.MEMSET]
         graph = SimpleNamespace(tasks=[SimpleNamespace(kind=k) for k in kinds])
-        built = SimpleNamespace(span=range(len(kinds)), nodes=list(functions) + [None])
-        return SimpleNamespace(graph=graph, builts=[built], kernel_owners=[])
+        nodes = list(functions) + [None]
+        return SimpleNamespace(graph=graph, builts=[None], built_nodes=lambda phase: nodes,
+                               kernel_owners=[])
     return make
 
 
 def test_the_owners_of_the_graphs_functions_are_kept_and_no_others(graph_of):
     mine, theirs, other = (_CompiledKernel(f) for f in (0x1000, 0x1100, 0x2000))
     first, second = graph_of([0x1000, 0]), graph_of([0x1100, 0x1000])
-    assert kernel_owners.kernel_functions(first.graph, first.builts) == {0x1000}
+    assert kernel_owners.kernel_functions(first) == {0x1000}
     kernel_owners.keep_owners([first, second])
     assert first.kernel_owners == [mine] and second.kernel_owners == [mine, theirs]
     alive = weakref.ref(mine)

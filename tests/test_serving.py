@@ -352,8 +352,8 @@ class _Stages:
             key=(instance, batch), region=region, late_edges=list(late_edges) or [(instance, 1)],
             given_late_edges=list(late_edges), seconds=seconds, backfill=[], memplan=plan,
             priorities=None, prefetch=[],
-            builts=[SimpleNamespace(device_launch_refusal="", span=range(0), nodes=[])],
-            graph=SimpleNamespace(meta={}, tasks=[]),
+            builts=[SimpleNamespace(device_launch_refusal="")],
+            graph=SimpleNamespace(meta={}, tasks=[]), built_nodes=lambda phase: [],
             launcher=SimpleNamespace(lock=region.order.lock), recording=None, kernel_owners=[])
         built.close = lambda: self.closed.append(built.key)
         self.built.append(built)

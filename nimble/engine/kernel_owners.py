@@ -17,21 +17,20 @@ from typing import Sequence
 
 from .. import driver
 from ..errors import CudaError
-from ..ir.taskgraph import TaskGraph, TaskKind
+from ..ir.taskgraph import TaskKind
 from ..progress import logger as log
 from ..record import binaries
-from .build import BuiltGraph
 from .prepared import Prepared
 
 
-def kernel_functions(graph: TaskGraph, builts: Sequence[BuiltGraph]) -> set[int]:
-    """The ``CUfunction`` handles the built graphs' kernel nodes run.  (A node made from a
-    library's ``CUkernel`` may carry a ``func`` of no use in this context; no Triton object
-    holds it, so it matches no owner.)"""
+def kernel_functions(prepared: Prepared) -> set[int]:
+    """The ``CUfunction`` handles the kernel nodes of ``prepared``'s built phases run.  (A
+    node made from a library's ``CUkernel`` may carry a ``func`` of no use in this context; no
+    Triton object holds it, so it matches no owner.)"""
     functions: set[int] = set()
-    for built in builts:
-        for t, node in zip(built.span, built.nodes):
-            if graph.tasks[t].kind == TaskKind.KERNEL:
+    for phase in range(len(prepared.builts)):
+        for task, node in zip(prepared.graph.tasks, prepared.built_nodes(phase)):
+            if node is not None and task.kind == TaskKind.KERNEL:
                 function = driver.kernel_node_params(node).func
                 if function is not None and int(function):
                     functions.add(int(function))
@@ -46,7 +45,7 @@ def keep_owners(graphs: Sequence[Prepared]) -> None:
         return
     began = time.perf_counter()
     try:
-        functions = [kernel_functions(p.graph, p.builts) for p in graphs]
+        functions = [kernel_functions(p) for p in graphs]
     except CudaError as e:
         log.warning("could not read the kernels of a prepared graph (%s): the objects owning "
                     "its Triton kernels are not kept, so keep the compiled model alive as "
