@@ -11,8 +11,7 @@ from nimble.driver import module_images
 
 @pytest.fixture
 def kept(monkeypatch):
-    monkeypatch.setattr(module_images, "_images", [])
-    monkeypatch.setattr(module_images, "_seen", set())
+    monkeypatch.setattr(module_images, "_images", {})
     return module_images
 
 

@@ -42,12 +42,11 @@ class CuptiUnavailable(NimbleError):
 
 
 _state: dict = {"subscriber": None, "callback": None, "library": None}
-_images: list[bytes] = []
-#: The images kept, for telling a module loaded again from a new one: libraries load the same
-#: module again and again (most of a saving process's module loads are repeats, measured in
-#: docs/findings.md), and a process saving many models ran out of host memory.  A set of bytes
-#: compares whole images, so two images are one only where every byte is.
-_seen: set[bytes] = set()
+#: The images kept, each once, in the order first loaded (a dict as an ordered set): libraries
+#: load the same module again and again (most of a saving process's module loads are repeats,
+#: measured in docs/findings.md), and a process saving many models ran out of host memory.
+#: Keys compare whole images, so two images are one only where every byte is.
+_images: dict[bytes, None] = {}
 _lock = threading.Lock()
 
 
@@ -65,9 +64,7 @@ def _on_event(_user, domain, cbid, data) -> None:
 
 def _keep(image: bytes) -> None:
     with _lock:
-        if image not in _seen:
-            _seen.add(image)
-            _images.append(image)
+        _images.setdefault(image, None)
 
 
 def cupti_library_paths() -> list[str]:
