@@ -20,7 +20,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
     for name in ("base", "prefetch", "coordinate", "gemv", "attention", "attention+single",
                  "attention+coordinate+gemv", "plain-argmax+attention+gemv",
                  "split-attention+gemv", "branchless+gemv", "last-joins+gemv",
-                 "wide-split+coordinate+gemv"):
+                 "wide-split+coordinate+gemv", "attention+coordinate+gemv-prologues"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
@@ -36,6 +36,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert ("branchless" in name) == variant.branchless, name
         assert ("last-joins" in name) == variant.last_joins, name
         assert ("wide-split" in name) == variant.wide_split, name
+        assert ("prologues" in name) == variant.gemv_prologues, name
     with pytest.raises(KeyError):
         tool.variant("attention+warp")
 

@@ -43,6 +43,11 @@ def add_lever_arguments(p) -> None:
                    help="--generate: every row on the model whose single-row GEMMs run a Triton "
                         "GEMV where fast_gemv measured it faster than torch's, per weight shape "
                         "(nimble.fast_gemv; after --fuse-projections)")
+    p.add_argument("--gemv-prologues", action="store_true",
+                   help="--generate: every row that compiles (the baseline too) compiled with "
+                        "nimble.gemv_prologue_pass, under which a GEMV fed by an RMS norm or a "
+                        "gated activation computes that vector itself, one kernel fewer each "
+                        "(with --fast-gemv, whose GEMVs it folds into)")
     p.add_argument("--decode-attention", action="store_true",
                    help="--generate: every row on the model whose single-query attention runs "
                         "nimble::decode_attention, one kernel over the cache's key-value heads "
@@ -111,10 +116,16 @@ def nimble_generators(model, args, batch: int) -> dict:
 
 
 def inductor_settings(args) -> dict:
-    """The Inductor settings ``--coordinate-descent`` and ``--combo-kernels`` ask for."""
-    return {key: True for key, flag in (("coordinate_descent_tuning", "coordinate_descent"),
-                                        ("combo_kernels", "combo_kernels"))
-            if getattr(args, flag, False)}
+    """The Inductor settings ``--coordinate-descent``, ``--combo-kernels`` and
+    ``--gemv-prologues`` ask for."""
+    settings = {key: True for key, flag in (("coordinate_descent_tuning", "coordinate_descent"),
+                                            ("combo_kernels", "combo_kernels"))
+                if getattr(args, flag, False)}
+    if getattr(args, "gemv_prologues", False):
+        from ..gemv_prologue_pass import make_pass
+
+        settings["post_grad_custom_post_pass"] = make_pass()
+    return settings
 
 
 def compiled_under(run, args):
@@ -150,6 +161,11 @@ def gemv_if_asked(model, args, info: dict) -> None:
     faster (after any fusion, whose groups it reaches), before any row runs: what was measured
     per weight shape in ``info["fast_gemv"]``."""
     if not getattr(args, "fast_gemv", False):
+        if getattr(args, "gemv_prologues", False):
+            from ..errors import InputError
+
+            raise InputError("--gemv-prologues folds norms and activations into the GEMVs "
+                             "--fast-gemv gives a model: add --fast-gemv")
         return
     from ..fast_gemv import fast_gemv
 

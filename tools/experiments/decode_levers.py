@@ -14,7 +14,9 @@ cache split over programs, not read unsplit where it is short), ``branchless`` (
 kernel's hidden stretches skipped by masked loads, not a branch), ``last-joins`` (a split's
 parts joined by its last program, not a second kernel), ``wide-split`` (the attention's split
 aiming for twice :data:`nimble.decode_attention.TARGET_PROGRAMS`: at batch 8 the kernel alone
-is faster with 4 programs a head than the rule's 3).  Every variant runs on one
+is faster with 4 programs a head than the rule's 3), ``gemv-prologues`` (``gemv``, and each GEMV
+fed by an RMS norm or a gated activation computing that vector itself:
+:mod:`nimble.gemv_prologue_pass`).  Every variant runs on one
 model (built once, its sibling projections fused unless ``--no-fuse``); a ``gemv`` variant
 changes the model's modules for good and runs after the others.  The Inductor settings of a
 variant (``combo_kernels`` always) and the module constants it sets are set around both rows'
@@ -43,6 +45,7 @@ class Variant:
     branchless: bool = False  # the attention kernel's hidden stretches by masked loads
     last_joins: bool = False  # the attention's split joined by its last program
     wide_split: bool = False  # the attention's split aims for twice TARGET_PROGRAMS
+    gemv_prologues: bool = False  # nimble.gemv_prologue_pass around both rows' compilations
 
 
 COMBO = {"combo_kernels": True}
@@ -58,6 +61,7 @@ LEVERS = {
     "branchless": {"decode_attention": True, "branchless": True},
     "last-joins": {"decode_attention": True, "last_joins": True},
     "wide-split": {"decode_attention": True, "wide_split": True},
+    "gemv-prologues": {"fast_gemv": True, "gemv_prologues": True},
 }
 
 
@@ -164,7 +168,10 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                   or attention_module.LAST_JOINS),
                    "TARGET_PROGRAMS": (attention_module, attention_module.TARGET_PROGRAMS
                                        * (2 if lever.wide_split else 1))}
-        with inductor_config.patch(**lever.inductor), _patched(patches):
+        from nimble.gemv_prologue_pass import fusing
+
+        folding = fusing() if lever.gemv_prologues else contextlib.nullcontext()
+        with inductor_config.patch(**lever.inductor), _patched(patches), folding as folded:
             rows = {"compiled loop": compiled_loop(model, cache_len)}
             generator = Generator(model, cache_len, [args.prompt], [args.batch],
                                   prepare_step=single_stream(options) if lever.single_stream
@@ -177,6 +184,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                                          copy)
                 row["mismatch"] = _mismatches(run(ids, args.new_tokens), ref.tokens,
                                               ref.logits, model.dtype)
+        if folded is not None:
+            out["gemv_prologues"] = [dataclasses.asdict(r) for r in folded.runs if r.gemvs]
         out["decode_step"] = _decode_step_shape(generator, args.batch, ref.needed, copy,
                                                 top=args.top)
     finally:
@@ -256,6 +265,8 @@ def main(argv=None) -> int:
                   flush=True)
         for p in (r.get("decode_step") or {}).get("prefetch_l2") or ():
             print(f"  prefetch: {p}", flush=True)
+        for folded in r.get("gemv_prologues") or ():
+            print(f"  gemv prologues: {folded}", flush=True)
     print("=== summary")
     for r in results:
         print(line(r))

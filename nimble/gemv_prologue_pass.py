@@ -1,0 +1,291 @@
+"""An Inductor graph pass that folds the kernel before a GEMV into it (issue 53): where a
+compiled graph feeds :func:`nimble.fast_gemv`'s ``nimble::gemv`` an RMS norm (of a residual
+sum or of a plain vector) or a SiLU-gated product, the pass calls the GEMV of
+:mod:`nimble.gemv_prologues` that computes that vector itself, and the separate kernel goes.
+
+The pass matches the operations as Inductor hands them over after its decompositions (an RMS
+norm as ``x * rsqrt(mean(x**2) + eps)`` times its weight, in float32 between the conversions
+the model's code makes; SiLU as ``x / (1 + exp(-x))``, ``x * sigmoid(x)`` or ``silu``), on
+vectors of the GEMV's input width, every tensor of the GEMV's dtype.  What it does not match
+stays as it was: the pass only ever replaces a GEMV by one that computes the same vector, and
+where the norm's input is a residual sum the layer goes on to read, the new GEMV writes that
+sum for it.  Turn it on around a compilation with :func:`fusing` (or set
+``torch._inductor.config.post_grad_custom_post_pass`` to :data:`PASS`); the step's compile
+cache keys on this pass's source.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import operator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from torch import fx
+
+from . import gemv_prologues  # noqa: F401  (registers the operators the pass inserts)
+
+log = logging.getLogger("nimble")
+
+aten, prims = torch.ops.aten, torch.ops.prims
+VIEWS = (aten.reshape.default, aten.view.default)
+CONVERT = prims.convert_element_type.default
+
+
+@dataclass
+class Fused:
+    """What one run of the pass folded, by kind."""
+
+    rmsnorm: int = 0
+    add_rmsnorm: int = 0
+    gated: int = 0
+    gemvs: int = 0  # the graph's GEMVs, folded or not
+
+    @property
+    def total(self) -> int:
+        return self.rmsnorm + self.add_rmsnorm + self.gated
+
+
+def _val(node) -> Optional[torch.Tensor]:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _is(node, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _strip_views(node):
+    while _is(node, *VIEWS):
+        node = node.args[0]
+    return node
+
+
+def _strip_convert(node, dtype=None):
+    """``node`` without a dtype conversion on top (to ``dtype`` where given)."""
+    if _is(node, CONVERT) and (dtype is None or node.args[1] == dtype):
+        return node.args[0]
+    return node
+
+
+def _other(node, one):
+    """The operand of a binary ``node`` that is not ``one``, or None."""
+    a, b = node.args[:2]
+    return b if a is one else a if b is one else None
+
+
+def _vector_of(node, k: int, dtype) -> bool:
+    v = _val(node)
+    return v is not None and v.numel() == k and v.dtype == dtype and v.is_contiguous()
+
+
+# ---- the patterns ---------------------------------------------------------------------------
+
+def _silu_input(node) -> Optional[fx.Node]:
+    """``x`` where ``node`` is SiLU of ``x`` (in float32 between conversions, as decomposed)."""
+    node = _strip_convert(node)
+    if _is(node, aten.silu.default):
+        return _strip_convert(node.args[0], torch.float32)
+    if _is(node, aten.div.Tensor):
+        x, denominator = node.args[:2]
+        if (_is(denominator, aten.add.Tensor) and 1 in denominator.args[:2]
+                and len(denominator.args) == 2 and not denominator.kwargs):
+            e = _other(denominator, 1)
+            if _is(e, aten.exp.default) and _is(e.args[0], aten.neg.default) \
+                    and e.args[0].args[0] is x:
+                return _strip_convert(x, torch.float32)
+    if _is(node, aten.mul.Tensor):
+        for s, x in (node.args[:2], node.args[1::-1]):
+            if _is(s, aten.sigmoid.default) and s.args[0] is x:
+                return _strip_convert(x, torch.float32)
+    return None
+
+
+def match_gated(x, k: int, dtype) -> Optional[tuple]:
+    """``(gate, up)`` where ``x`` is ``silu(gate) * up`` over vectors of ``k`` elements."""
+    x = _strip_convert(x)
+    if not _is(x, aten.mul.Tensor) or x.kwargs:
+        return None
+    for activated, up in (x.args[:2], x.args[1::-1]):
+        gate = _silu_input(activated)
+        if gate is not None and _vector_of(gate, k, dtype) and _vector_of(up, k, dtype):
+            return gate, up
+    return None
+
+
+def match_rmsnorm(x, k: int, dtype) -> Optional[tuple]:
+    """``(input, weight, eps)`` where ``x`` is ``weight * rmsnorm(input)`` over ``k``
+    elements, the norm's arithmetic in float32 (the conversions optional)."""
+    x = _strip_convert(x)
+    if not _is(x, aten.mul.Tensor) or x.kwargs:
+        return None
+    for weight, normed in (x.args[:2], x.args[1::-1]):
+        if not _vector_of(weight, k, dtype):
+            continue
+        scaled = _strip_convert(normed)
+        if not _is(scaled, aten.mul.Tensor):
+            continue
+        for source, rs in (scaled.args[:2], scaled.args[1::-1]):
+            eps = _rsqrt_of_mean_square(rs, source)
+            value = _strip_convert(source, torch.float32)
+            if eps is not None and _vector_of(value, k, dtype):
+                return value, weight, eps
+    return None
+
+
+def _rsqrt_of_mean_square(rs, source) -> Optional[float]:
+    """``eps`` where ``rs`` is ``rsqrt(mean(source ** 2, -1, keepdim) + eps)``."""
+    if not _is(rs, aten.rsqrt.default) or not _is(rs.args[0], aten.add.Tensor):
+        return None
+    mean, eps = rs.args[0].args[:2]
+    if not isinstance(eps, float) or rs.args[0].kwargs or not _is(mean, aten.mean.dim):
+        return None
+    dims = mean.args[1] if len(mean.args) > 1 else None
+    rank = _val(source).dim() if _val(source) is not None else None
+    if list(dims or []) not in ([-1], [rank - 1]) or not (len(mean.args) > 2 and mean.args[2]):
+        return None
+    square = mean.args[0]
+    if _is(square, aten.pow.Tensor_Scalar) and square.args[0] is source and square.args[1] == 2:
+        return eps
+    if _is(square, aten.mul.Tensor) and square.args[0] is source and square.args[1] is source:
+        return eps
+    return None
+
+
+def _residual_sum(node, k: int, dtype) -> Optional[tuple]:
+    """``(a, b)`` where ``node`` is ``a + b``, both vectors of ``k`` elements."""
+    if not _is(node, aten.add.Tensor) or node.kwargs or len(node.args) != 2:
+        return None
+    a, b = node.args
+    if _vector_of(a, k, dtype) and _vector_of(b, k, dtype):
+        return a, b
+    return None
+
+
+# ---- the rewrite ----------------------------------------------------------------------------
+
+def _flat(graph: fx.Graph, node, k: int):
+    view = graph.call_function(aten.reshape.default, (node, [k]))
+    view.meta["val"] = _val(node).reshape(k)
+    return view
+
+
+def _before(graph: fx.Graph, nodes, where) -> bool:
+    """Whether every fx node of ``nodes`` comes before ``where`` in ``graph``."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return all(order[n] < order[where] for n in nodes if isinstance(n, fx.Node))
+
+
+def fuse(graph: fx.Graph) -> Fused:
+    """Fold what each ``nimble::gemv`` of ``graph`` reads into it where a pattern matches."""
+    done = Fused()
+    for gemv in [n for n in graph.nodes if _is(n, torch.ops.nimble.gemv.default)]:
+        done.gemvs += 1
+        x, weight, *config = gemv.args
+        w = _val(weight)
+        if w is None:
+            continue
+        k, dtype = w.shape[1], w.dtype
+        source = _strip_views(x)
+        gated = match_gated(source, k, dtype)
+        if gated is not None:
+            with graph.inserting_before(gemv):
+                args = [_flat(graph, t, k) for t in gated]
+                new = graph.call_function(torch.ops.nimble.gemv_gated.default,
+                                          (*args, weight, *config))
+            new.meta["val"] = _val(gemv)
+            gemv.replace_all_uses_with(new)
+            done.gated += 1
+            continue
+        norm = match_rmsnorm(source, k, dtype)
+        if norm is None:
+            continue
+        value, norm_weight, eps = norm
+        summed = _residual_sum(value, k, dtype)
+        if summed is not None and _before(graph, (*summed, norm_weight, weight), value):
+            _fold_add_rmsnorm(graph, gemv, value, summed, norm_weight, eps, weight, config, k)
+            done.add_rmsnorm += 1
+        else:
+            with graph.inserting_before(gemv):
+                new = graph.call_function(torch.ops.nimble.gemv_rmsnorm.default,
+                                          (_flat(graph, value, k), norm_weight, eps, weight,
+                                           *config))
+            new.meta["val"] = _val(gemv)
+            gemv.replace_all_uses_with(new)
+            done.rmsnorm += 1
+    if done.total:
+        graph.eliminate_dead_code()
+    return done
+
+
+def _fold_add_rmsnorm(graph, gemv, value, summed, norm_weight, eps, weight, config, k):
+    """The GEMV of ``rmsnorm(a + b)`` placed where the sum was computed; the sum's every other
+    reader takes the new kernel's copy of it."""
+    with graph.inserting_before(value.next):  # in order, right after the sum
+        a, b = (_flat(graph, t, k) for t in summed)
+        new = graph.call_function(torch.ops.nimble.gemv_add_rmsnorm.default,
+                                  (a, b, norm_weight, eps, weight, *config))
+        y = graph.call_function(operator.getitem, (new, 0))
+        total = graph.call_function(operator.getitem, (new, 1))
+        shaped = graph.call_function(aten.reshape.default, (total, list(_val(value).shape)))
+    y.meta["val"] = _val(gemv)
+    total.meta["val"] = _val(value).reshape(k)
+    shaped.meta["val"] = _val(value)
+    new.meta["val"] = (y.meta["val"], total.meta["val"])
+    gemv.replace_all_uses_with(y)
+    value.replace_all_uses_with(shaped)
+
+
+# ---- turning it on --------------------------------------------------------------------------
+
+def _source_hash() -> str:
+    digest = hashlib.sha256()
+    for path in (Path(__file__), Path(gemv_prologues.__file__)):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _make_pass():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class GemvPrologues(CustomGraphPass):
+        """The pass as Inductor's ``post_grad_custom_post_pass``; it chains to the pass that
+        was set before it (``then``)."""
+
+        def __init__(self, then=None) -> None:
+            self.then = then
+            self.runs: list[Fused] = []  # what each graph compiled with the pass folded
+
+        def __call__(self, graph: fx.Graph) -> None:
+            done = fuse(graph)
+            self.runs.append(done)
+            if done.total:
+                log.info("gemv prologues: %d of %d GEMVs folded (%d norms of a residual sum, "
+                         "%d norms, %d gated activations)", done.total, done.gemvs,
+                         done.add_rmsnorm, done.rmsnorm, done.gated)
+            if self.then is not None:
+                self.then(graph)
+
+        def uuid(self):
+            then = self.then.uuid() if self.then is not None else None
+            return f"nimble-gemv-prologues-{_source_hash()}-{then}"
+
+    return GemvPrologues
+
+
+def make_pass(then=None):
+    """A fresh pass (chained to ``then``, a pass set before it)."""
+    return _make_pass()(then)
+
+
+@contextlib.contextmanager
+def fusing() -> Iterator:
+    """Inductor's compilations inside the block run the pass (after any pass already set);
+    yields the pass, whose ``runs`` say what it folded in each graph."""
+    import torch._inductor.config as inductor_config
+
+    the_pass = make_pass(inductor_config.post_grad_custom_post_pass)
+    with inductor_config.patch(post_grad_custom_post_pass=the_pass):
+        yield the_pass

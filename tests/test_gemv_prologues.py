@@ -1,0 +1,204 @@
+"""gemv_prologues and its graph pass: the kernel's values (Triton's interpreter on the CPU, in
+float32 and float16), and the pass on graphs Inductor compiles on the CPU: what it folds on a
+tiny Llama, what it leaves, and the outputs it keeps."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nimble.fast_gemv as fast_gemv_module
+import nimble.fused_projections as fused_module
+from nimble import gemv_prologue_pass as prologue_pass
+from nimble.fast_gemv import GemvConfig
+
+WORKER = Path(__file__).parent / "workers" / "gemv_prologues_interpreted.py"
+CONFIG = (4, 1024, 8, 1)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    pytest.importorskip("triton", reason="the kernel's CPU test runs Triton's interpreter")
+    done = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}
+
+
+def test_the_kernel_computes_each_prologue_then_the_gemv(interpreted):
+    assert len(interpreted) == 18
+    for name, r in interpreted.items():
+        limit = 2e-3 if "float16" in name else 1e-5
+        assert r["shape_ok"] and r["error"] < limit, (name, r)
+        # the residual sum the layer reads on is the model's sum, bit for bit
+        assert r["total_same"] in ((True,) if name.startswith("add_") else (None,)), (name, r)
+
+
+def test_the_reference_rounds_where_the_models_code_rounds():
+    torch.manual_seed(0)
+    k = 64
+    a, b = torch.randn(k, dtype=torch.bfloat16), torch.randn(k, dtype=torch.bfloat16)
+    nw, w = torch.randn(k, dtype=torch.bfloat16), torch.randn(8, k, dtype=torch.bfloat16)
+    x = (a.float() + b.float()).to(torch.bfloat16)
+    normed = (x.float() * torch.rsqrt(x.float().pow(2).mean() + 1e-5)).to(torch.bfloat16)
+    want = (w.float() @ (nw * normed).float()).to(torch.bfloat16)
+    got, total = prologue_pass.gemv_prologues.reference(
+        prologue_pass.gemv_prologues.ADD_RMSNORM, a, b, nw, 1e-5, w)
+    assert torch.equal(total, x) and torch.equal(got, want)
+    gated = (torch.nn.functional.silu(a) * b)
+    got = prologue_pass.gemv_prologues.reference(prologue_pass.gemv_prologues.SILU_GATED, a, b,
+                                                 None, 0.0, w)[0]
+    assert torch.equal(got, (w.float() @ gated.float()).to(torch.bfloat16))
+
+
+def _gemv_on_every_device(x, weight, bias, config):
+    """``gemv_linear`` without its GPU check: the CPU's compiled graph holds the GEMV too."""
+    k = weight.shape[1]
+    if config is None or x.numel() != k:
+        return torch.nn.functional.linear(x, weight, bias)
+    y = torch.ops.nimble.gemv(x.reshape(k).contiguous(), weight, config.block_n,
+                              config.block_k, config.warps, config.stages)
+    y = y if bias is None else y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _compiled(fn, *args, fusing: bool):
+    """``fn`` compiled by Inductor (no cached graph: the pass runs on a compilation only) and
+    called, with the pass where ``fusing``."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    with inductor_config.patch(fx_graph_cache=False):
+        if not fusing:
+            return compiled(*args), None
+        with prologue_pass.fusing() as the_pass:
+            out = compiled(*args)
+    return out, the_pass
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_tiny_llamas_norms_and_gated_activation_fold_into_its_gemvs(monkeypatch, dtype):
+    transformers = pytest.importorskip("transformers")
+    from nimble.fast_gemv import fast_gemv
+    from nimble.fused_projections import fuse_projections
+
+    monkeypatch.setattr(fast_gemv_module, "gemv_linear", _gemv_on_every_device)
+    monkeypatch.setattr(fused_module, "gemv_linear", _gemv_on_every_device)
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=500)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    fuse_projections(model)
+    fast_gemv(model, time=lambda c, weights, x: 1.0 if c is None else 0.5)  # every GEMM
+
+    def logits(ids):
+        return model(ids, use_cache=False).logits
+
+    ids = torch.tensor([[7]])
+    with torch.no_grad():
+        plain, _ = _compiled(logits, ids, fusing=False)
+        folded, the_pass = _compiled(logits, ids, fusing=True)
+    runs = [r for r in the_pass.runs if r.gemvs]
+    assert len(runs) == 1
+    # 2 layers of (qkv, o, gate_up, down) and the head: every GEMV but the attention's
+    # output projections reads a norm or the gated activation; the first norm reads the
+    # embedding, every later one a residual sum
+    done = runs[0]
+    assert (done.gemvs, done.rmsnorm, done.add_rmsnorm, done.gated) == (9, 1, 4, 2)
+    limit = 0 if dtype == torch.float32 else 2 ** -6
+    assert (plain.float() - folded.float()).abs().max() <= limit * plain.float().abs().max() + 1e-6
+
+
+class GemmaNorm(nn.Module):
+    """An RMS norm that scales by ``1 + weight`` in float32 before it rounds: of a bfloat16
+    input, not the rounding the folded kernel does, so no pattern the pass takes."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(k))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+                * (1 + self.weight)).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, k, norm):
+        super().__init__()
+        self.norm = norm
+        self.w = nn.Parameter(torch.randn(k, k, dtype=torch.bfloat16) / k ** 0.5,
+                              requires_grad=False)
+
+    def forward(self, x, other):
+        y = torch.ops.nimble.gemv(self.norm(x).reshape(-1), self.w, *CONFIG)
+        # a GEMV of a product that is no gated activation, and of an op's plain output
+        z = torch.ops.nimble.gemv((torch.tanh(y) * other).reshape(-1), self.w, *CONFIG)
+        return torch.ops.nimble.gemv(torch.relu(z), self.w, *CONFIG)
+
+
+def test_what_matches_no_pattern_stays_as_it_was():
+    k = 32
+    block = Block(k, GemmaNorm(k)).requires_grad_(False)
+    x, other = torch.randn(1, k, dtype=torch.bfloat16), torch.randn(k, dtype=torch.bfloat16)
+    with torch.no_grad():
+        plain, _ = _compiled(block, x, other, fusing=False)
+        folded, the_pass = _compiled(block, x, other, fusing=True)
+    done = the_pass.runs[-1]
+    assert (done.gemvs, done.total) == (3, 0)
+    assert torch.equal(plain, folded)
+
+
+def test_a_norm_whose_input_is_read_on_keeps_its_value_for_the_readers():
+    """The residual sum before a norm, read again after the GEMV: the folded GEMV writes it."""
+    k = 64
+    torch.manual_seed(1)
+    w = torch.randn(k, k, dtype=torch.bfloat16) / 8
+    nw = torch.randn(k, dtype=torch.bfloat16)
+
+    def layer(h, d):
+        x = h + d
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+        y = torch.ops.nimble.gemv((nw * normed).reshape(-1), w, *CONFIG)
+        return x + y.reshape(x.shape), x * 2
+
+    h, d = torch.randn(1, 1, k, dtype=torch.bfloat16), torch.randn(1, 1, k, dtype=torch.bfloat16)
+    plain, _ = _compiled(layer, h, d, fusing=False)
+    folded, the_pass = _compiled(layer, h, d, fusing=True)
+    assert the_pass.runs[-1].add_rmsnorm == 1
+    assert torch.equal(plain[1], folded[1])  # the sum itself, as the model computes it
+    assert (plain[0].float() - folded[0].float()).abs().max() <= 2 ** -6 * plain[0].abs().max()
+
+
+def test_the_pass_chains_to_a_pass_set_before_it_and_keys_the_cache_on_both():
+    import torch._inductor.config as inductor_config
+
+    seen = []
+
+    class Before(prologue_pass._make_pass()):
+        def __call__(self, graph):
+            seen.append(len(graph.nodes))
+
+        def uuid(self):
+            return "before"
+
+    with inductor_config.patch(post_grad_custom_post_pass=Before(), fx_graph_cache=False):
+        with prologue_pass.fusing() as the_pass:
+            assert inductor_config.post_grad_custom_post_pass is the_pass
+            assert the_pass.uuid().endswith("-before")
+            compiled = torch.compile(lambda v: torch.ops.nimble.gemv(v.sin(), torch.ones(3, 4),
+                                                                     *CONFIG))
+            torch._dynamo.reset()
+            compiled(torch.randn(4))
+    assert seen and the_pass.runs and the_pass.runs[-1].gemvs == 1
+    assert prologue_pass.make_pass().uuid() == prologue_pass.make_pass().uuid()
+    GemvConfig(*CONFIG)

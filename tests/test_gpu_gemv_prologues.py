@@ -1,0 +1,84 @@
+"""gemv_prologues on the GPU: the kernel's values in the three dtypes, and a Llama whose GEMVs
+take their norms and gated activations in, compiled and prepared by Nimble."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+NEW_TOKENS = 24
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_each_prologue_gemv_matches_its_reference_in_float64(dtype):
+    import torch
+
+    import nimble.gemv_prologues as gp
+    from nimble.fast_gemv import CONFIGS
+
+    dt = getattr(torch, dtype)
+    torch.manual_seed(2)
+    for n, k in ((1001, 1500), (3, 4100), (3072, 2048)):
+        w = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+        a, b = (torch.randn(k, device="cuda", dtype=dt) for _ in range(2))
+        nw = (1 + 0.1 * torch.randn(k, device="cuda")).to(dt)
+        for prologue in (gp.RMSNORM, gp.ADD_RMSNORM, gp.SILU_GATED):
+            second = None if prologue == gp.RMSNORM else b
+            norm_weight = None if prologue == gp.SILU_GATED else nw
+            want, want_total = gp.reference(prologue, a.cpu(), None if second is None
+                                            else second.cpu(), None if norm_weight is None
+                                            else norm_weight.cpu(), 1e-5, w.cpu())
+            for config in CONFIGS:
+                got, total = gp.launch(prologue, a, second, norm_weight, 1e-5, w, config)
+                error = float((got.cpu().double() - want.double()).norm()
+                              / want.double().norm())
+                limit = {torch.bfloat16: 2e-2, torch.float16: 3e-3}.get(dt, 1e-5)
+                assert error < limit, (n, k, prologue, config, error)
+                if prologue == gp.ADD_RMSNORM:
+                    assert torch.equal(total.cpu(), want_total), (n, k, config)
+
+
+def test_a_llamas_folded_gemvs_prepare_proven_and_decode_as_the_unfolded_ones():
+    import torch
+
+    pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+    from nimble.cli.decoders import causal_lm
+    from nimble.fast_gemv import fast_gemv
+    from nimble.fused_projections import fuse_projections
+    from nimble.gemv_prologue_pass import fusing
+    from nimble.generate import Generator, prepare_with_nimble
+
+    model = causal_lm("llama_small", "bfloat16")
+    fuse_projections(model)
+    # every single-row GEMM on the GEMV, whatever was measured: the folds below must hold
+    fast_gemv(model, time=lambda config, weights, x: 1.0 if config is None else 0.5)
+    torch.manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (1, 128), device="cuda")
+    tokens, names = {}, {}
+    for folded in (False, True):
+        torch._dynamo.reset()
+        with (fusing() if folded else contextlib.nullcontext()) as the_pass:
+            generator = Generator(model, max_cache_len=128 + NEW_TOKENS, prompt_buckets=[128],
+                                  batch_sizes=[1], prepare_step=prepare_with_nimble(None, True))
+        try:
+            decode, _ = generator.steps(1)
+            assert not decode.graph.meta["verified"]["not_bitwise"]
+            names[folded] = [t.short_name or t.name for t in decode.graph.tasks]
+            tokens[folded] = generator.generate(ids, NEW_TOKENS)
+            assert torch.equal(generator.generate(ids, NEW_TOKENS), tokens[folded])
+        finally:
+            generator.close()
+        if folded:
+            done = [r for r in the_pass.runs if r.gemvs]
+            layers = model.config.num_hidden_layers
+            # every layer's two norms and its gated activation, and the final norm
+            assert max(r.total for r in done) == 3 * layers + 1, done
+    assert sum("gemv_prologue" in n for n in names[True]) == 3 * 4 + 1, names[True]
+    assert len(names[True]) < len(names[False])
+    # the folds round as the model's code does, so only the GEMV's order of sums and
+    # Inductor's unrounded intermediates differ: the first tokens are the same (later ones
+    # may part at a near-tie, and all after it with it)
+    assert torch.equal(tokens[True][:, :136], tokens[False][:, :136]), (tokens[True],
+                                                                        tokens[False])
