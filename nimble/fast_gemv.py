@@ -236,12 +236,16 @@ def graph_timer(config: GemvConfig | None, weights: list, x: torch.Tensor,
 
 
 def fast_gemv(model: nn.Module, time: Timer | None = None,
-              configs: Iterable[GemvConfig] = CONFIGS) -> list[ShapeChoice]:
+              configs: Iterable[GemvConfig] = CONFIGS,
+              margin: float = MARGIN) -> list[ShapeChoice]:
     """Give each single-row GEMM of ``model`` the GEMV where it was measured faster (see the
     module docstring); what was measured and chosen, per weight shape.  Call it after
     :func:`~nimble.fused_projections.fuse_projections` (whose groups it reaches) and before
     preparing.  ``time`` replaces the measurement (:data:`Timer`; with the default, the
-    model's weights must be on a CUDA device), ``configs`` the configurations tried."""
+    model's weights must be on a CUDA device), ``configs`` the configurations tried,
+    ``margin`` how much faster the GEMV must be (negative: how much slower it may be, where
+    what it allows pays for it, as :mod:`nimble.gemv_prologue_pass`'s folds do).  Called again,
+    it measures and chooses again."""
     if not isinstance(model, nn.Module):
         raise InputError(f"fast_gemv takes an nn.Module, got {type(model).__name__}")
     targets = _targets(model)
@@ -255,7 +259,7 @@ def fast_gemv(model: nn.Module, time: Timer | None = None,
     choices = []
     with torch.no_grad():
         for members in by_shape.values():
-            choice = choose([w for _, w in members], time or graph_timer, configs)
+            choice = choose([w for _, w in members], time or graph_timer, configs, margin)
             choices.append(choice)
             log.info("fast_gemv: %s", choice.describe())
             for owner, _ in members:

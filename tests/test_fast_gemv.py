@@ -91,6 +91,13 @@ def test_fast_gemv_measures_each_shape_once_over_all_its_layers_and_swaps_the_wi
     assert [n for n, _ in model.named_parameters()] == names
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+    # chosen again with a margin that lets a GEMV up to 25% slower win (where a fold pays
+    # for it): down takes it, and a margin that asks for 50% gives every layer back to torch
+    again = fg.fast_gemv(model, time=time, configs=(FAST, SLOW), margin=-0.25)
+    assert {(c.out_features, c.in_features): c.config for c in again}[(16, 48)] == FAST
+    assert type(model.down) is fg.GemvLinear and model.down.gemv_config == FAST
+    fg.fast_gemv(model, time=time, configs=(FAST, SLOW), margin=0.5)
+    assert model.down.gemv_config is None and model.q_proj.gemv_config is None
 
 
 def test_a_single_row_runs_the_gemv_and_more_rows_or_grad_run_f_linear(stand_in_gemv):

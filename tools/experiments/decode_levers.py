@@ -14,8 +14,9 @@ cache split over programs, not read unsplit where it is short), ``branchless`` (
 kernel's hidden stretches skipped by masked loads, not a branch), ``last-joins`` (a split's
 parts joined by its last program, not a second kernel), ``wide-split`` (the attention's split
 aiming for twice :data:`nimble.decode_attention.TARGET_PROGRAMS`: at batch 8 the kernel alone
-is faster with 4 programs a head than the rule's 3), ``gemv-prologues`` (``gemv``, and each GEMV
-fed by an RMS norm or a gated activation computing that vector itself:
+is faster with 4 programs a head than the rule's 3), ``gemv-within-10`` (``gemv``, a shape's
+GEMV kept where it is at most 10% slower than torch's GEMM), ``gemv-prologues`` (``gemv``, and
+each GEMV fed by an RMS norm or a gated activation computing that vector itself:
 :mod:`nimble.gemv_prologue_pass`).  Every variant runs on one
 model (built once, its sibling projections fused unless ``--no-fuse``); a ``gemv`` variant
 changes the model's modules for good and runs after the others.  The Inductor settings of a
@@ -38,6 +39,7 @@ class Variant:
     inductor: dict  # torch._inductor.config settings around both rows' compilations
     prefetch_l2: bool = False  # PrepareOptions(prefetch_l2=True): Nimble's own
     fast_gemv: bool = False  # nimble.fast_gemv on the model, before both rows
+    gemv_margin: float = 0.03  # fast_gemv's margin (nimble.fast_gemv.MARGIN)
     decode_attention: bool = False  # nimble.decode_attention on the model, before both rows
     single_stream: bool = False  # the Generator's steps prepared with use_multi_stream=False
     plain_argmax: bool = False  # both rows' argmax one reduction (no decode_steps.split_argmax)
@@ -62,6 +64,7 @@ LEVERS = {
     "last-joins": {"decode_attention": True, "last_joins": True},
     "wide-split": {"decode_attention": True, "wide_split": True},
     "gemv-prologues": {"fast_gemv": True, "gemv_prologues": True},
+    "gemv-within-10": {"fast_gemv": True, "gemv_margin": -0.10},
 }
 
 
@@ -141,11 +144,14 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
 
     lever = variant(name)
     out: dict = {"variant": name, "settings": dataclasses.asdict(lever)}
-    if lever.fast_gemv and "fast_gemv" not in swapped:
+    if lever.fast_gemv and ("fast_gemv", lever.gemv_margin) not in swapped:
         from nimble.fast_gemv import fast_gemv
 
-        out["fast_gemv"] = [c.describe() for c in fast_gemv(model)]
-        swapped.add("fast_gemv")  # for good: the variants after it run on the swapped layers
+        out["fast_gemv"] = [c.describe() for c in fast_gemv(model, margin=lever.gemv_margin)]
+        # for good: the variants after it run on the swapped layers (chosen again where a
+        # variant asks for another margin)
+        swapped.clear()
+        swapped.add(("fast_gemv", lever.gemv_margin))
     undo = []
     if lever.decode_attention:
         from nimble.decode_attention import decode_attention
