@@ -77,8 +77,11 @@ def _other(node, one):
 
 
 def _vector_of(node, k: int, dtype) -> bool:
+    """Whether ``node`` is a contiguous row of ``k`` elements of ``dtype`` (leading sizes 1:
+    a norm over its last dimension is then a norm over the GEMV's whole input)."""
     v = _val(node)
-    return v is not None and v.numel() == k and v.dtype == dtype and v.is_contiguous()
+    return (v is not None and v.numel() == k and v.dim() >= 1 and v.shape[-1] == k
+            and v.dtype == dtype and v.is_contiguous())
 
 
 # ---- the patterns ---------------------------------------------------------------------------

@@ -202,3 +202,20 @@ def test_the_pass_chains_to_a_pass_set_before_it_and_keys_the_cache_on_both():
     assert seen and the_pass.runs and the_pass.runs[-1].gemvs == 1
     assert prologue_pass.make_pass().uuid() == prologue_pass.make_pass().uuid()
     GemvConfig(*CONFIG)
+
+
+def test_a_norm_over_part_of_the_gemvs_input_is_not_folded():
+    """A norm over rows of half the GEMV's width, the rows then read as one vector: a fold
+    would normalise over the whole, so the pass leaves it."""
+    k = 64
+    w, nw = torch.randn(8, k), torch.randn(k // 2)
+
+    def halves(x):
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return torch.ops.nimble.gemv((nw * normed).reshape(-1), w, *CONFIG)
+
+    x = torch.randn(2, k // 2)
+    plain, _ = _compiled(halves, x, fusing=False)
+    folded, the_pass = _compiled(halves, x, fusing=True)
+    assert (the_pass.runs[-1].gemvs, the_pass.runs[-1].total) == (1, 0)
+    assert torch.equal(plain, folded)
