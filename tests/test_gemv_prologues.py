@@ -208,7 +208,7 @@ def test_a_norm_over_part_of_the_gemvs_input_is_not_folded():
     """A norm over rows of half the GEMV's width, the rows then read as one vector: a fold
     would normalise over the whole, so the pass leaves it."""
     k = 64
-    w, nw = torch.randn(8, k), torch.randn(k // 2)
+    w, nw = torch.randn(8, k), torch.randn(2, k // 2)
 
     def halves(x):
         normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
