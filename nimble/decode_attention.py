@@ -120,6 +120,48 @@ def _kernels():
     return _KERNELS[0]
 
 
+def _launch_attend(query, key, value, mask, scale, plan: Split, branchless: bool,
+                   last_joins: bool, out: torch.Tensor | None):
+    """The attend kernel over ``plan``'s split: ``(part, stat)`` where it splits (joined into
+    ``out`` by its last program with ``last_joins``), else its output written to ``out``."""
+    attend, _ = _kernels()
+    batch, heads, _, head_dim = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    block_r, block_d = max(MIN_TILE, _pow2(groups)), max(MIN_TILE, _pow2(head_dim))
+    if mask is None:
+        kind, mask_t, mask_strides = 0, query, (0, 0, 0)
+    else:
+        kind = 1 if mask.dtype == torch.bool else 2
+        mask_t = mask.expand(batch, heads, 1, slots)
+        mask_strides = (mask_t.stride(0), mask_t.stride(1), mask_t.stride(3))
+    parted = plan.splits > 1
+    # unsplit, the kernel writes the output alone: no parts and no count to allocate
+    part = stat = count = out if out is not None else query
+    if parted:
+        rows = batch * kv_heads * plan.splits * block_r
+        part = torch.empty((rows, block_d), dtype=torch.float32, device=query.device)
+        stat = torch.empty((rows, 2), dtype=torch.float32, device=query.device)
+        if last_joins:  # each pair's programs counted from zero, every call
+            count = torch.zeros(batch * kv_heads, dtype=torch.int32, device=query.device)
+    target = out if out is not None else part
+    attend[(batch * kv_heads, plan.splits)](
+        query, key, value, mask_t, target, part, stat, count, scale, slots, groups,
+        kv_heads, plan.splits, plan.slots_per_split,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), *mask_strides,
+        target.stride(0), target.stride(2) if target.dim() > 2 else 0,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_L=BLOCK_SLOTS, MASK=kind,
+        SPLIT=parted, IEEE=query.dtype == torch.float32, BRANCHLESS=bool(branchless),
+        LAST_JOINS=bool(parted and last_joins), num_warps=4, num_stages=2)
+    return part, stat
+
+
+def _contiguous_heads(*tensors):
+    # the kernels step the head dimension contiguously
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
 def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            mask: torch.Tensor | None, scale: float, splits: int | None = None,
            branchless: bool | None = None, last_joins: bool | None = None) -> torch.Tensor:
@@ -132,50 +174,128 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     :data:`LAST_JOINS`)."""
     branchless = BRANCHLESS if branchless is None else branchless
     last_joins = LAST_JOINS if last_joins is None else last_joins
-    attend, join = _kernels()
+    _, join = _kernels()
     batch, heads, _, head_dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     block_r, block_d = max(MIN_TILE, _pow2(groups)), max(MIN_TILE, _pow2(head_dim))
-    # the kernels step the head dimension contiguously
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    query, key, value = _contiguous_heads(query, key, value)
     out = torch.empty((batch, 1, heads, head_dim), dtype=query.dtype, device=query.device)
-    if mask is None:
-        kind, mask_t, mask_strides = 0, query, (0, 0, 0)
-    else:
-        kind = 1 if mask.dtype == torch.bool else 2
-        mask_t = mask.expand(batch, heads, 1, slots)
-        mask_strides = (mask_t.stride(0), mask_t.stride(1), mask_t.stride(3))
     plan = split_for(batch, kv_heads, slots, splits=splits)
-    parted = plan.splits > 1
-    # unsplit, the kernel writes the output alone: no parts and no count to allocate
-    part = stat = count = out
-    if parted:
-        rows = batch * kv_heads * plan.splits * block_r
-        part = torch.empty((rows, block_d), dtype=torch.float32, device=query.device)
-        stat = torch.empty((rows, 2), dtype=torch.float32, device=query.device)
-        if last_joins:  # each pair's programs counted from zero, every call
-            count = torch.zeros(batch * kv_heads, dtype=torch.int32, device=query.device)
-    attend[(batch * kv_heads, plan.splits)](
-        query, key, value, mask_t, out, part, stat, count, scale, slots, groups,
-        kv_heads, plan.splits, plan.slots_per_split,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), *mask_strides,
-        out.stride(0), out.stride(2),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_L=BLOCK_SLOTS, MASK=kind,
-        SPLIT=parted, IEEE=query.dtype == torch.float32, BRANCHLESS=bool(branchless),
-        LAST_JOINS=bool(parted and last_joins), num_warps=4, num_stages=2)
-    if parted and not last_joins:
+    part, stat = _launch_attend(query, key, value, mask, scale, plan, branchless, last_joins,
+                                out)
+    if plan.splits > 1 and not last_joins:
         join[(batch * kv_heads,)](part, stat, out, groups, kv_heads, plan.splits,
                                   out.stride(0), out.stride(2), HEAD_DIM=head_dim,
                                   BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)
     return out
 
 
-@torch.library.custom_op("nimble::decode_attention", mutates_args=(), device_types="cuda")
+@dataclass(frozen=True)
+class PartsLayout:
+    """Where the attend kernel's split leaves a (sequence, key-value head)'s parts: row
+    ``(pair * splits + split) * block_r + r`` of ``part`` (``block_d`` floats) and of ``stat``
+    (its running maximum and sum) holds query head ``g * groups + r`` of pair ``b * kv_heads +
+    g``."""
+
+    groups: int
+    kv_heads: int
+    splits: int
+    head_dim: int
+    block_r: int
+    block_d: int
+
+
+def parts_layout(query_shape, key_shape, splits: int) -> PartsLayout:
+    """The layout of :func:`launch_parts`'s parts for these shapes and ``splits``."""
+    heads, head_dim = query_shape[1], query_shape[3]
+    kv_heads = key_shape[1]
+    groups = heads // kv_heads
+    return PartsLayout(groups, kv_heads, splits, head_dim, max(MIN_TILE, _pow2(groups)),
+                       max(MIN_TILE, _pow2(head_dim)))
+
+
+def launch_parts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 mask: torch.Tensor | None, scale: float,
+                 splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attend kernel alone over ``splits`` programs per (sequence, key-value head), at
+    least two: ``(part, stat)`` in :class:`PartsLayout`'s rows, for a kernel that joins them
+    as it reads them (:func:`nimble.gemv_prologues.gemv_joined`)."""
+    query, key, value = _contiguous_heads(query, key, value)
+    plan = split_for(query.shape[0], key.shape[1], key.shape[2], splits=splits)
+    if plan.splits < 2:
+        raise InputError(f"launch_parts splits the cache's slots over programs: {splits} "
+                         f"programs of {key.shape[2]} slots is no split")
+    return _launch_attend(query, key, value, mask, scale, plan, False, False, None)
+
+
+def parts_reference(query, key, value, mask, scale: float,
+                    splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`launch_parts` computes, in torch's operations in float32 (the CPU's kernel
+    and the tests' reference; the sums in another order than the kernel's)."""
+    batch, heads, _, head_dim = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    layout = parts_layout(query.shape, key.shape, splits)
+    plan = split_for(batch, kv_heads, slots, splits=splits)
+    rows = batch * kv_heads * plan.splits * layout.block_r
+    part = torch.zeros((rows, layout.block_d), dtype=torch.float32, device=query.device)
+    stat = torch.zeros((rows, 2), dtype=torch.float32, device=query.device)
+    stat[:, 0] = float("-inf")
+    scores = torch.einsum("bhd,bhld->bhl", query[:, :, 0].float(),
+                          key.float().repeat_interleave(layout.groups, 1)) * scale
+    if mask is not None:
+        m = mask.expand(batch, heads, 1, slots)[:, :, 0]
+        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool \
+            else scores + m.float()
+    values = value.float().repeat_interleave(layout.groups, 1)
+    for b in range(batch):
+        for h in range(heads):
+            g, r = divmod(h, layout.groups)
+            for split in range(plan.splits):
+                lo = split * plan.slots_per_split
+                hi = min(lo + plan.slots_per_split, slots)
+                row = ((b * kv_heads + g) * plan.splits + split) * layout.block_r + r
+                s = scores[b, h, lo:hi]
+                top = s.max()
+                if top == float("-inf"):
+                    stat[row, 1] = 0.0
+                    continue
+                p = torch.exp(s - top)
+                stat[row] = torch.stack([top, p.sum()])
+                part[row, :head_dim] = p @ values[b, h, lo:hi]
+    return part, stat
+
+
+def join_reference(part: torch.Tensor, stat: torch.Tensor, layout: PartsLayout, batch: int,
+                   dtype) -> torch.Tensor:
+    """The parts joined in split order as the join kernel joins them: ``(B, 1, H, D)``."""
+    heads = layout.kv_heads * layout.groups
+    out = torch.empty((batch, 1, heads, layout.head_dim), dtype=dtype, device=part.device)
+    for b in range(batch):
+        for h in range(heads):
+            g, r = divmod(h, layout.groups)
+            rows = [((b * layout.kv_heads + g) * layout.splits + s) * layout.block_r + r
+                    for s in range(layout.splits)]
+            top = stat[rows, 0].max()
+            top = torch.zeros_like(top) if top == float("-inf") else top
+            w = torch.exp(stat[rows, 0] - top)
+            total = (w * stat[rows, 1]).sum()
+            acc = (w[:, None] * part[rows, :layout.head_dim]).sum(0)
+            out[b, 0, h] = (acc / total).to(dtype)
+    return out
+
+
+@torch.library.custom_op("nimble::decode_attention", mutates_args=())
 def decode_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """The kernel as an operator ``torch.compile`` traces as one call."""
+    """The kernel as an operator ``torch.compile`` traces as one call (on the CPU, where the
+    swap never sends a call, the same split in torch's operations: what the CPU tests of
+    :mod:`nimble.gemv_prologue_pass` compile)."""
+    if not query.is_cuda:
+        plan = split_for(query.shape[0], key.shape[1], key.shape[2])
+        part, stat = parts_reference(query, key, value, mask, scale, plan.splits)
+        return join_reference(part, stat, parts_layout(query.shape, key.shape, plan.splits),
+                              query.shape[0], query.dtype)
     return launch(query, key, value, mask, scale)
 
 
@@ -183,6 +303,25 @@ def decode_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 def _decode_attention_shape(query, key, value, mask, scale):
     batch, heads, _, head_dim = query.shape
     return query.new_empty((batch, 1, heads, head_dim))
+
+
+@torch.library.custom_op("nimble::decode_attention_parts", mutates_args=())
+def decode_attention_parts_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              mask: Optional[torch.Tensor], scale: float,
+                              splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`launch_parts` as an operator: the split's parts, unjoined."""
+    if not query.is_cuda:
+        return parts_reference(query, key, value, mask, scale, splits)
+    return launch_parts(query, key, value, mask, scale, splits)
+
+
+@decode_attention_parts_op.register_fake
+def _decode_attention_parts_shape(query, key, value, mask, scale, splits):
+    layout = parts_layout(query.shape, key.shape, splits)
+    plan = split_for(query.shape[0], key.shape[1], key.shape[2], splits=splits)
+    rows = query.shape[0] * layout.kv_heads * plan.splits * layout.block_r
+    return (query.new_empty((rows, layout.block_d), dtype=torch.float32),
+            query.new_empty((rows, 2), dtype=torch.float32))
 
 
 # ---- which calls take it --------------------------------------------------------------------

@@ -42,11 +42,12 @@ class Fused:
     rmsnorm: int = 0
     add_rmsnorm: int = 0
     gated: int = 0
+    joined: int = 0  # attentions whose split's join the GEMV after them took
     gemvs: int = 0  # the graph's GEMVs, folded or not
 
     @property
     def total(self) -> int:
-        return self.rmsnorm + self.add_rmsnorm + self.gated
+        return self.rmsnorm + self.add_rmsnorm + self.gated + self.joined
 
 
 def _val(node) -> Optional[torch.Tensor]:
@@ -181,8 +182,57 @@ def _before(graph: fx.Graph, nodes, where) -> bool:
     return all(order[n] < order[where] for n in nodes if isinstance(n, fx.Node))
 
 
-def fuse(graph: fx.Graph) -> Fused:
-    """Fold what each ``nimble::gemv`` of ``graph`` reads into it where a pattern matches."""
+def _only_feeds(node, gemv) -> bool:
+    """Whether ``node``'s one reader is a chain of views that ends at ``gemv``."""
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            return False
+        if users[0] is gemv:
+            return True
+        if not _is(users[0], *VIEWS):
+            return False
+        node = users[0]
+
+
+def match_joined_attention(x, gemv, k: int):
+    """``(attention node, parts layout)`` where ``x`` is a batch-1 ``nimble::decode_attention``
+    whose cache the kernel splits, read by ``gemv`` alone."""
+    from . import decode_attention as da
+
+    if not _is(x, torch.ops.nimble.decode_attention.default) or not _only_feeds(x, gemv):
+        return None
+    query, key = _val(x.args[0]), _val(x.args[1])
+    if query is None or key is None or query.shape[0] != 1 or query.numel() != k:
+        return None
+    plan = da.split_for(1, key.shape[1], key.shape[2])
+    if plan.splits < 2:
+        return None
+    return x, da.parts_layout(query.shape, key.shape, plan.splits)
+
+
+def _fold_joined(graph, gemv, attention, layout, weight, config):
+    with graph.inserting_before(gemv):
+        parts = graph.call_function(torch.ops.nimble.decode_attention_parts.default,
+                                    (*attention.args[:5], layout.splits))
+        part = graph.call_function(operator.getitem, (parts, 0))
+        stat = graph.call_function(operator.getitem, (parts, 1))
+        new = graph.call_function(torch.ops.nimble.gemv_joined.default,
+                                  (part, stat, weight, layout.groups, layout.kv_heads,
+                                   layout.splits, layout.head_dim, *config))
+    rows = layout.kv_heads * layout.splits * layout.block_r  # batch 1
+    like = _val(attention)
+    part_val = like.new_empty((rows, layout.block_d), dtype=torch.float32)
+    stat_val = like.new_empty((rows, 2), dtype=torch.float32)
+    parts.meta["val"] = (part_val, stat_val)
+    part.meta["val"], stat.meta["val"] = part_val, stat_val
+    new.meta["val"] = _val(gemv)
+    gemv.replace_all_uses_with(new)
+
+
+def fuse(graph: fx.Graph, join_attention: bool = False) -> Fused:
+    """Fold what each ``nimble::gemv`` of ``graph`` reads into it where a pattern matches;
+    with ``join_attention``, also the join of a split attention that only the GEMV reads."""
     done = Fused()
     for gemv in [n for n in graph.nodes if _is(n, torch.ops.nimble.gemv.default)]:
         done.gemvs += 1
@@ -192,6 +242,11 @@ def fuse(graph: fx.Graph) -> Fused:
             continue
         k, dtype = w.shape[1], w.dtype
         source = _strip_views(x)
+        joined = match_joined_attention(source, gemv, k) if join_attention else None
+        if joined is not None:
+            _fold_joined(graph, gemv, *joined, weight, config)
+            done.joined += 1
+            continue
         gated = match_gated(source, k, dtype)
         if gated is not None:
             with graph.inserting_before(gemv):
@@ -245,7 +300,9 @@ def _fold_add_rmsnorm(graph, gemv, value, summed, norm_weight, eps, weight, conf
 
 def _source_hash() -> str:
     digest = hashlib.sha256()
-    for path in (Path(__file__), Path(gemv_prologues.__file__)):
+    from . import decode_attention
+
+    for path in (Path(__file__), Path(gemv_prologues.__file__), Path(decode_attention.__file__)):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -257,38 +314,43 @@ def _make_pass():
         """The pass as Inductor's ``post_grad_custom_post_pass``; it chains to the pass that
         was set before it (``then``)."""
 
-        def __init__(self, then=None) -> None:
+        def __init__(self, then=None, join_attention: bool = False) -> None:
             self.then = then
+            self.join_attention = join_attention
             self.runs: list[Fused] = []  # what each graph compiled with the pass folded
 
         def __call__(self, graph: fx.Graph) -> None:
-            done = fuse(graph)
+            done = fuse(graph, self.join_attention)
             self.runs.append(done)
             if done.total:
                 log.info("gemv prologues: %d of %d GEMVs folded (%d norms of a residual sum, "
-                         "%d norms, %d gated activations)", done.total, done.gemvs,
-                         done.add_rmsnorm, done.rmsnorm, done.gated)
+                         "%d norms, %d gated activations, %d attention joins)", done.total,
+                         done.gemvs, done.add_rmsnorm, done.rmsnorm, done.gated, done.joined)
             if self.then is not None:
                 self.then(graph)
 
         def uuid(self):
             then = self.then.uuid() if self.then is not None else None
-            return f"nimble-gemv-prologues-{_source_hash()}-{then}"
+            joins = "-joins" if self.join_attention else ""
+            return f"nimble-gemv-prologues{joins}-{_source_hash()}-{then}"
 
     return GemvPrologues
 
 
-def make_pass(then=None):
-    """A fresh pass (chained to ``then``, a pass set before it)."""
-    return _make_pass()(then)
+def make_pass(then=None, join_attention: bool = False):
+    """A fresh pass (chained to ``then``, a pass set before it; ``join_attention``: see
+    :func:`fuse`)."""
+    return _make_pass()(then, join_attention)
 
 
 @contextlib.contextmanager
-def fusing() -> Iterator:
+def fusing(join_attention: bool = False) -> Iterator:
     """Inductor's compilations inside the block run the pass (after any pass already set);
-    yields the pass, whose ``runs`` say what it folded in each graph."""
+    yields the pass, whose ``runs`` say what it folded in each graph.  ``join_attention``
+    also folds the join of a split ``nimble::decode_attention`` into the GEMV that reads it
+    (not yet measured on a GPU: off unless asked)."""
     import torch._inductor.config as inductor_config
 
-    the_pass = make_pass(inductor_config.post_grad_custom_post_pass)
+    the_pass = make_pass(inductor_config.post_grad_custom_post_pass, join_attention)
     with inductor_config.patch(post_grad_custom_post_pass=the_pass):
         yield the_pass

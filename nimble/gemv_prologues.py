@@ -90,7 +90,53 @@ def _kernel():
         tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
 
     _KERNELS["gemv"] = gemv_prologue_kernel
+
+    @triton.jit
+    def gemv_joined_kernel(part_ptr, stat_ptr, w_ptr, y_ptr, N, K, stride_w, groups, splits,
+                           HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        dt = y_ptr.dtype.element_ty
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            cols = k + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
+                        mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            # the attention's output at cols (query head h, element d), joined from its
+            # split's parts in split order as the join kernel joins them
+            h = cols // HEAD_DIM
+            d = cols % HEAD_DIM
+            first = (h // groups) * splits * BLOCK_R + h % groups
+            top = tl.full((BLOCK_K,), float("-inf"), tl.float32)
+            for part in range(0, splits):
+                row = first + part * BLOCK_R
+                top = tl.maximum(top, tl.load(stat_ptr + row * 2, mask=col_ok,
+                                              other=float("-inf")))
+            top_use = tl.where(top == float("-inf"), 0.0, top)
+            total = tl.zeros((BLOCK_K,), tl.float32)
+            joined = tl.zeros((BLOCK_K,), tl.float32)
+            for part in range(0, splits):
+                row = first + part * BLOCK_R
+                weight = tl.exp(tl.load(stat_ptr + row * 2, mask=col_ok,
+                                        other=float("-inf")) - top_use)
+                total += weight * tl.load(stat_ptr + row * 2 + 1, mask=col_ok, other=0.0)
+                joined += weight * tl.load(part_ptr + row * BLOCK_D + d, mask=col_ok,
+                                           other=0.0)
+            x = tl.where(col_ok, joined / tl.where(col_ok, total, 1.0), 0.0).to(dt)
+            acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(dt), mask=row_ok)
+
+    _KERNELS["joined"] = gemv_joined_kernel
     return gemv_prologue_kernel
+
+
+def _joined_kernel():
+    _kernel()
+    return _KERNELS["joined"]
 
 
 def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
@@ -131,6 +177,31 @@ def reference(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
     return (weight.float() @ x.float()).to(dt), total
 
 
+def launch_joined(part: torch.Tensor, stat: torch.Tensor, weight: torch.Tensor,
+                  layout, config: GemvConfig) -> torch.Tensor:
+    """``weight @ attention`` for batch 1, the attention's output joined from the parts of
+    :func:`nimble.decode_attention.launch_parts` (``layout`` its
+    :class:`~nimble.decode_attention.PartsLayout`) as the GEMV reads it."""
+    import triton
+
+    n, k = weight.shape
+    y = torch.empty(n, dtype=weight.dtype, device=weight.device)
+    _joined_kernel()[(triton.cdiv(n, config.block_n),)](
+        part, stat, weight, y, n, k, weight.stride(0), layout.groups, layout.splits,
+        HEAD_DIM=layout.head_dim, BLOCK_R=layout.block_r, BLOCK_D=layout.block_d,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps,
+        num_stages=config.stages)
+    return y
+
+
+def joined_reference(part, stat, weight, layout) -> torch.Tensor:
+    """What :func:`launch_joined` computes, in torch's operations."""
+    from .decode_attention import join_reference
+
+    x = join_reference(part, stat, layout, 1, weight.dtype).reshape(-1)
+    return (weight.float() @ x.float()).to(weight.dtype)
+
+
 def _run(prologue: int, a, b, norm_weight, eps: float, weight, config: tuple):
     if not a.is_cuda:  # the tests' CPU runs: the same roundings in torch's operations
         return reference(prologue, a, b, norm_weight, eps, weight)
@@ -169,6 +240,27 @@ def gemv_gated(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, block
                block_k: int, warps: int, stages: int) -> torch.Tensor:
     """``weight @ (silu(gate) * up)``."""
     return _run(SILU_GATED, gate, up, None, 0.0, weight, (block_n, block_k, warps, stages))[0]
+
+
+@torch.library.custom_op("nimble::gemv_joined", mutates_args=())
+def gemv_joined(part: torch.Tensor, stat: torch.Tensor, weight: torch.Tensor, groups: int,
+                kv_heads: int, splits: int, head_dim: int, block_n: int, block_k: int,
+                warps: int, stages: int) -> torch.Tensor:
+    """``weight @ attention``, the attention joined from its split's parts (batch 1)."""
+    from .decode_attention import PartsLayout, MIN_TILE, _pow2
+
+    layout = PartsLayout(groups, kv_heads, splits, head_dim, max(MIN_TILE, _pow2(groups)),
+                         max(MIN_TILE, _pow2(head_dim)))
+    if not part.is_cuda:
+        return joined_reference(part, stat, weight, layout)
+    return launch_joined(part, stat, weight, layout,
+                         GemvConfig(block_n, block_k, warps, stages))
+
+
+@gemv_joined.register_fake
+def _gemv_joined_shape(part, stat, weight, groups, kv_heads, splits, head_dim, block_n,
+                       block_k, warps, stages):
+    return weight.new_empty(weight.shape[0])
 
 
 @gemv_gated.register_fake

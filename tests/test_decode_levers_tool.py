@@ -20,12 +20,14 @@ def test_a_variants_name_joins_the_levers_it_sets():
     for name in ("base", "prefetch", "coordinate", "gemv", "attention", "attention+single",
                  "attention+coordinate+gemv", "plain-argmax+attention+gemv",
                  "split-attention+gemv", "branchless+gemv", "last-joins+gemv",
-                 "wide-split+coordinate+gemv", "attention+coordinate+gemv-prologues"):
+                 "wide-split+coordinate+gemv", "attention+coordinate+gemv-prologues",
+                 "coordinate+joined-attention"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
             "coordinate_descent_tuning")), name
-        assert ("gemv" in name) == variant.fast_gemv, name
+        assert any(w in name for w in ("gemv", "joined")) == variant.fast_gemv, name
+        assert ("joined" in name) == variant.join_attention, name
         assert any(w in name for w in ("attention", "branchless", "last-joins",
                                        "wide-split")) == \
             variant.decode_attention, name
@@ -36,7 +38,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert ("branchless" in name) == variant.branchless, name
         assert ("last-joins" in name) == variant.last_joins, name
         assert ("wide-split" in name) == variant.wide_split, name
-        assert ("prologues" in name) == variant.gemv_prologues, name
+        assert any(w in name for w in ("prologues", "joined")) == variant.gemv_prologues, name
     with pytest.raises(KeyError):
         tool.variant("attention+warp")
 

@@ -32,12 +32,26 @@ def interpreted() -> dict:
 
 
 def test_the_kernel_computes_each_prologue_then_the_gemv(interpreted):
-    assert len(interpreted) == 18
+    assert len(interpreted) == 24
     for name, r in interpreted.items():
+        if name.startswith("joined"):
+            continue
         limit = 2e-3 if "float16" in name else 1e-5
         assert r["shape_ok"] and r["error"] < limit, (name, r)
         # the residual sum the layer reads on is the model's sum, bit for bit
         assert r["total_same"] in ((True,) if name.startswith("add_") else (None,)), (name, r)
+
+
+def test_the_gemv_joins_the_attentions_split_as_the_join_kernel_does(interpreted):
+    """Against the attention of the attend and join kernels and a GEMV of it; the references
+    in torch's operations against the kernels' parts and join."""
+    joined = {n: r for n, r in interpreted.items() if n.startswith("joined")}
+    assert len(joined) == 6
+    for name, r in joined.items():
+        limit = 2e-3 if "float16" in name else 1e-5
+        assert r["shape_ok"] and r["error"] < limit, (name, r)
+        assert r["join_error"] < (1e-3 if "float16" in name else 1e-6), (name, r)
+        assert r["parts_error"] < 1e-3 and r["stats_error"] < 1e-4, (name, r)
 
 
 def test_the_reference_rounds_where_the_models_code_rounds():
@@ -219,3 +233,50 @@ def test_a_norm_over_part_of_the_gemvs_input_is_not_folded():
     folded, the_pass = _compiled(halves, x, fusing=True)
     assert (the_pass.runs[-1].gemvs, the_pass.runs[-1].total) == (1, 0)
     assert torch.equal(plain, folded)
+
+
+def _attention_then_gemv(read_again: bool, slots: int = 192):
+    k_dim, heads, kv_heads, head_dim = 256, 4, 2, 64
+    torch.manual_seed(4)
+    w = torch.randn(40, heads * head_dim)
+
+    def step(q, k, v, keep):
+        out = torch.ops.nimble.decode_attention(q, k, v, keep, head_dim ** -0.5)
+        y = torch.ops.nimble.gemv(out.reshape(1, 1, -1).reshape(-1), w, *CONFIG)
+        return (y, out * 2) if read_again else y
+
+    q = torch.randn(1, heads, 1, head_dim)
+    k, v = (torch.randn(1, kv_heads, slots, head_dim) for _ in range(2))
+    keep = (torch.arange(slots) < slots - 40).view(1, 1, 1, slots)
+    assert k_dim == heads * head_dim
+    return step, (q, k, v, keep)
+
+
+def _compiled_joining(fn, *args):
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    with inductor_config.patch(fx_graph_cache=False), \
+            prologue_pass.fusing(join_attention=True) as the_pass:
+        return compiled(*args), the_pass
+
+
+def test_a_split_attention_read_by_a_gemv_alone_is_joined_by_the_gemv_when_asked():
+    step, args = _attention_then_gemv(read_again=False)
+    plain, the_pass = _compiled(step, *args, fusing=True)
+    assert the_pass.runs[-1].joined == 0  # not asked
+    joined, the_pass = _compiled_joining(step, *args)
+    assert (the_pass.runs[-1].gemvs, the_pass.runs[-1].joined) == (1, 1)
+    # the CPU's kernels: the same parts, the same join in the same order
+    assert torch.equal(plain, joined)
+
+
+def test_an_attention_read_by_more_than_the_gemv_or_unsplit_keeps_its_join():
+    step, args = _attention_then_gemv(read_again=True)
+    joined, the_pass = _compiled_joining(step, *args)
+    assert (the_pass.runs[-1].gemvs, the_pass.runs[-1].joined) == (1, 0)
+    # two blocks of slots: read unsplit, no join to fold
+    step, args = _attention_then_gemv(read_again=False, slots=128)
+    joined, the_pass = _compiled_joining(step, *args)
+    assert (the_pass.runs[-1].gemvs, the_pass.runs[-1].joined) == (1, 0)

@@ -82,3 +82,75 @@ def test_a_llamas_folded_gemvs_prepare_proven_and_decode_as_the_unfolded_ones():
     # may part at a near-tie, and all after it with it)
     assert torch.equal(tokens[True][:, :136], tokens[False][:, :136]), (tokens[True],
                                                                         tokens[False])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_gemv_joining_the_attentions_split_matches_the_join_kernels_output(dtype):
+    import torch
+
+    import nimble.decode_attention as da
+    import nimble.gemv_prologues as gp
+    from nimble.fast_gemv import CONFIGS
+
+    dt = getattr(torch, dtype)
+    torch.manual_seed(5)
+    for heads, kv_heads, slots, head_dim, splits in ((32, 8, 192, 64, 3), (32, 8, 4096, 64, 16),
+                                                    (6, 2, 300, 80, 2)):
+        q = torch.randn(1, heads, 1, head_dim, device="cuda", dtype=dt)
+        k, v = (torch.randn(1, kv_heads, slots, head_dim, device="cuda", dtype=dt)
+                for _ in range(2))
+        keep = (torch.arange(slots, device="cuda") < slots - 5).view(1, 1, 1, slots)
+        w = torch.randn(2048, heads * head_dim, device="cuda", dtype=dt) / 40
+        attention = da.launch(q, k, v, keep, head_dim ** -0.5, splits=splits)
+        part, stat = da.launch_parts(q, k, v, keep, head_dim ** -0.5, splits)
+        layout = da.parts_layout(q.shape, k.shape, splits)
+        want = (w.double() @ attention.reshape(-1).double())
+        scale = w.double().abs() @ attention.reshape(-1).double().abs()
+        for config in CONFIGS:
+            got = gp.launch_joined(part, stat, w, layout, config).double()
+            tol = scale * (2.0 ** -7 if dt is torch.bfloat16 else 2.0 ** -10 if
+                           dt is torch.float16 else 2.0 ** -16) + 1e-6
+            assert ((got - want).abs() <= tol).all(), (heads, slots, config)
+
+
+def test_a_swapped_llamas_attention_joined_by_its_output_projection_prepares_proven():
+    import torch
+
+    pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+    from nimble.cli.decoders import causal_lm
+    from nimble.decode_attention import decode_attention
+    from nimble.fast_gemv import fast_gemv
+    from nimble.fused_projections import fuse_projections
+    from nimble.gemv_prologue_pass import fusing
+    from nimble.generate import Generator, prepare_with_nimble
+
+    model = causal_lm("llama_small", "bfloat16")
+    fuse_projections(model)
+    fast_gemv(model, time=lambda config, weights, x: 1.0 if config is None else 0.5)
+    swap = decode_attention(model)
+    torch.manual_seed(6)
+    ids = torch.randint(0, model.config.vocab_size, (1, 128), device="cuda")
+    tokens = {}
+    try:
+        for joined in (False, True):
+            torch._dynamo.reset()
+            with fusing(join_attention=joined) as the_pass:
+                # 128 + 24 slots: three blocks, split over programs
+                generator = Generator(model, max_cache_len=128 + NEW_TOKENS,
+                                      prompt_buckets=[128], batch_sizes=[1],
+                                      prepare_step=prepare_with_nimble(None, True))
+            try:
+                decode, _ = generator.steps(1)
+                assert not decode.graph.meta["verified"]["not_bitwise"]
+                names = [t.short_name or t.name for t in decode.graph.tasks]
+                joins = sum(n.startswith("join") for n in names)
+                assert joins == (0 if joined else model.config.num_hidden_layers), names
+                tokens[joined] = generator.generate(ids, NEW_TOKENS)
+            finally:
+                generator.close()
+            if joined:
+                assert max(r.joined for r in the_pass.runs) == model.config.num_hidden_layers
+    finally:
+        swap.undo()
+    # the joined GEMV joins in the join kernel's order: the attention's bits are the same
+    assert torch.equal(tokens[True][:, :136], tokens[False][:, :136])

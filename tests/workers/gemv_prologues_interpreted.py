@@ -9,6 +9,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
+import nimble.decode_attention as da  # noqa: E402
 import nimble.gemv_prologues as gp  # noqa: E402
 from nimble.fast_gemv import GemvConfig  # noqa: E402
 
@@ -38,6 +39,44 @@ def main() -> None:
                     "error": error, "shape_ok": tuple(y.shape) == (n,),
                     "total_same": None if total is None else bool(torch.equal(total,
                                                                               want_total))}))
+
+    joined_cases()
+
+
+JOINED = [  # query heads, key-value heads, slots, head size, splits, rows of the weight
+    (32, 8, 192, 64, 3, 40),  # a Llama 3.2 1B layer's attention, split in three
+    (6, 2, 300, 32, 2, 17),   # a head size of 32, ragged rows
+    (4, 4, 130, 80, 3, 9),    # no grouping, a head size no power of two, a short last split
+]
+
+
+def joined_cases() -> None:
+    """The GEMV that joins the attention's split as it reads it, against the attention the
+    two kernels give (attend, join) and a GEMV of it, and against the torch reference."""
+    for dtype in (torch.float32, torch.float16):
+        for heads, kv_heads, slots, head_dim, splits, n in JOINED:
+            torch.manual_seed(heads + slots)
+            q = torch.randn(1, heads, 1, head_dim, dtype=dtype)
+            k, v = (torch.randn(1, kv_heads, slots, head_dim, dtype=dtype) for _ in range(2))
+            keep = (torch.arange(slots) <= slots - 7).view(1, 1, 1, slots)
+            w = torch.randn(n, heads * head_dim, dtype=dtype) / (heads * head_dim) ** 0.5
+            part, stat = da.launch_parts(q, k, v, keep, head_dim ** -0.5, splits)
+            layout = da.parts_layout(q.shape, k.shape, splits)
+            got = gp.launch_joined(part, stat, w, layout, GemvConfig(4, 512, 4, 1))
+            attention = da.launch(q, k, v, keep, head_dim ** -0.5, splits=splits)
+            want = (w.float() @ attention.reshape(-1).float()).to(dtype)
+            ref_part, ref_stat = da.parts_reference(q, k, v, keep, head_dim ** -0.5, splits)
+            joined = da.join_reference(part, stat, layout, 1, dtype)
+            print(json.dumps({
+                "case": f"joined-{heads}x{kv_heads}x{slots}x{head_dim}/{splits}-"
+                        f"{str(dtype).removeprefix('torch.')}",
+                "error": float((got.double() - want.double()).norm() / want.double().norm()),
+                "shape_ok": tuple(got.shape) == (n,),
+                # the join in torch's operations on the kernel's own parts, against the join
+                # kernel's output; and the parts in torch's operations against the kernel's
+                "join_error": float((joined.double() - attention.double()).abs().max()),
+                "parts_error": float((ref_part - part).abs().max() / part.abs().max()),
+                "stats_error": float((ref_stat - stat).nan_to_num(0, 0, 0).abs().max())}))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ aiming for twice :data:`nimble.decode_attention.TARGET_PROGRAMS`: at batch 8 the
 is faster with 4 programs a head than the rule's 3), ``gemv-within-10`` (``gemv``, a shape's
 GEMV kept where it is at most 10% slower than torch's GEMM), ``gemv-prologues`` (``gemv``, and
 each GEMV fed by an RMS norm or a gated activation computing that vector itself:
-:mod:`nimble.gemv_prologue_pass`).  Every variant runs on one
+:mod:`nimble.gemv_prologue_pass`), ``joined-attention`` (``gemv-prologues`` and ``attention``,
+the attention's split joined by the output projection's GEMV as it reads it).  Every variant runs on one
 model (built once, its sibling projections fused unless ``--no-fuse``); a ``gemv`` variant
 changes the model's modules for good and runs after the others.  The Inductor settings of a
 variant (``combo_kernels`` always) and the module constants it sets are set around both rows'
@@ -48,6 +49,7 @@ class Variant:
     last_joins: bool = False  # the attention's split joined by its last program
     wide_split: bool = False  # the attention's split aims for twice TARGET_PROGRAMS
     gemv_prologues: bool = False  # nimble.gemv_prologue_pass around both rows' compilations
+    join_attention: bool = False  # ... with the attention's join folded into its GEMV
 
 
 COMBO = {"combo_kernels": True}
@@ -65,6 +67,8 @@ LEVERS = {
     "wide-split": {"decode_attention": True, "wide_split": True},
     "gemv-prologues": {"fast_gemv": True, "gemv_prologues": True},
     "gemv-within-10": {"fast_gemv": True, "gemv_margin": -0.10},
+    "joined-attention": {"fast_gemv": True, "gemv_prologues": True, "decode_attention": True,
+                         "join_attention": True},
 }
 
 
@@ -176,7 +180,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                        * (2 if lever.wide_split else 1))}
         from nimble.gemv_prologue_pass import fusing
 
-        folding = fusing() if lever.gemv_prologues else contextlib.nullcontext()
+        folding = fusing(lever.join_attention) if lever.gemv_prologues \
+            else contextlib.nullcontext()
         with inductor_config.patch(**lever.inductor), _patched(patches), folding as folded:
             rows = {"compiled loop": compiled_loop(model, cache_len)}
             generator = Generator(model, cache_len, [args.prompt], [args.batch],
