@@ -28,115 +28,21 @@ import torch
 
 from .fast_gemv import GemvConfig
 
-_KERNELS: dict = {}
+_KERNELS: list = []
 
 #: What a prologue computes: an RMS norm of the input, of the input plus a residual, or a
-#: SiLU-gated product of two inputs.
+#: SiLU-gated product of two inputs (the kernel's ``PROLOGUE``).
 RMSNORM, ADD_RMSNORM, SILU_GATED = 0, 1, 2
 
 
-def _kernel():
-    """The Triton kernel (made on first use: no Triton import where no GEMV runs)."""
-    if _KERNELS:
-        return _KERNELS["gemv"]
-    import triton
-    import triton.language as tl
+def _kernels():
+    """The Triton kernels (:mod:`nimble.gemv_prologue_kernels`, imported on first use: no
+    Triton import where no GEMV runs): ``(prologue kernel, joined kernel)``."""
+    if not _KERNELS:
+        from . import gemv_prologue_kernels as kernels
 
-    @triton.jit
-    def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stride_w, eps,
-                             PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
-        dt = a_ptr.dtype.element_ty
-        rs = 1.0
-        if PROLOGUE != 2:
-            # the norm's sum of squares over the whole input, before the GEMV's first step
-            squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                cols = k + tl.arange(0, BLOCK_K)
-                col_ok = cols < K
-                a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
-                if PROLOGUE == 1:
-                    a = (a.to(tl.float32) + tl.load(b_ptr + cols, mask=col_ok,
-                                                    other=0.0).to(tl.float32)).to(dt)
-                    if tl.program_id(0) == 0:
-                        tl.store(sum_ptr + cols, a, mask=col_ok)
-                a32 = a.to(tl.float32)
-                squares += a32 * a32
-            rs = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            cols = k + tl.arange(0, BLOCK_K)
-            col_ok = cols < K
-            w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
-                        mask=row_ok[:, None] & col_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            # the input at cols, rounded to its dtype where the model's own code rounds it
-            a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
-            if PROLOGUE == 2:  # silu(gate) * up
-                g = a.to(tl.float32)
-                act = (g / (1.0 + tl.exp(-g))).to(dt)
-                up = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
-                x = (act.to(tl.float32) * up.to(tl.float32)).to(dt)
-            else:
-                if PROLOGUE == 1:  # the residual's sum first
-                    a = (a.to(tl.float32) + tl.load(b_ptr + cols, mask=col_ok,
-                                                    other=0.0).to(tl.float32)).to(dt)
-                normed = (a.to(tl.float32) * rs).to(dt)
-                nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0)
-                x = (nw.to(tl.float32) * normed.to(tl.float32)).to(dt)
-            acc += w.to(tl.float32) * x[None, :].to(tl.float32)
-        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
-
-    _KERNELS["gemv"] = gemv_prologue_kernel
-
-    @triton.jit
-    def gemv_joined_kernel(part_ptr, stat_ptr, w_ptr, y_ptr, N, K, stride_w, groups, splits,
-                           HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
-        dt = y_ptr.dtype.element_ty
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            cols = k + tl.arange(0, BLOCK_K)
-            col_ok = cols < K
-            w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
-                        mask=row_ok[:, None] & col_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            # the attention's output at cols (query head h, element d), joined from its
-            # split's parts in split order as the join kernel joins them
-            h = cols // HEAD_DIM
-            d = cols % HEAD_DIM
-            first = (h // groups) * splits * BLOCK_R + h % groups
-            top = tl.full((BLOCK_K,), float("-inf"), tl.float32)
-            for part in range(0, splits):
-                row = first + part * BLOCK_R
-                top = tl.maximum(top, tl.load(stat_ptr + row * 2, mask=col_ok,
-                                              other=float("-inf")))
-            top_use = tl.where(top == float("-inf"), 0.0, top)
-            total = tl.zeros((BLOCK_K,), tl.float32)
-            joined = tl.zeros((BLOCK_K,), tl.float32)
-            for part in range(0, splits):
-                row = first + part * BLOCK_R
-                weight = tl.exp(tl.load(stat_ptr + row * 2, mask=col_ok,
-                                        other=float("-inf")) - top_use)
-                total += weight * tl.load(stat_ptr + row * 2 + 1, mask=col_ok, other=0.0)
-                joined += weight * tl.load(part_ptr + row * BLOCK_D + d, mask=col_ok,
-                                           other=0.0)
-            x = tl.where(col_ok, joined / tl.where(col_ok, total, 1.0), 0.0).to(dt)
-            acc += w.to(tl.float32) * x[None, :].to(tl.float32)
-        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(dt), mask=row_ok)
-
-    _KERNELS["joined"] = gemv_joined_kernel
-    return gemv_prologue_kernel
-
-
-def _joined_kernel():
-    _kernel()
-    return _KERNELS["joined"]
+        _KERNELS.append((kernels.gemv_prologue_kernel, kernels.gemv_joined_kernel))
+    return _KERNELS[0]
 
 
 def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
@@ -152,7 +58,7 @@ def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
     nw = a if norm_weight is None else norm_weight.contiguous()
     y = torch.empty(n, dtype=a.dtype, device=a.device)
     total = torch.empty_like(a) if prologue == ADD_RMSNORM else None
-    _kernel()[(triton.cdiv(n, config.block_n),)](
+    _kernels()[0][(triton.cdiv(n, config.block_n),)](
         a, b, nw, weight, y, a if total is None else total, n, k, weight.stride(0), eps,
         PROLOGUE=prologue, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.warps, num_stages=config.stages)
@@ -186,7 +92,7 @@ def launch_joined(part: torch.Tensor, stat: torch.Tensor, weight: torch.Tensor,
 
     n, k = weight.shape
     y = torch.empty(n, dtype=weight.dtype, device=weight.device)
-    _joined_kernel()[(triton.cdiv(n, config.block_n),)](
+    _kernels()[1][(triton.cdiv(n, config.block_n),)](
         part, stat, weight, y, n, k, weight.stride(0), layout.groups, layout.splits,
         HEAD_DIM=layout.head_dim, BLOCK_R=layout.block_r, BLOCK_D=layout.block_d,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps,

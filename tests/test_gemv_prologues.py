@@ -280,3 +280,34 @@ def test_an_attention_read_by_more_than_the_gemv_or_unsplit_keeps_its_join():
     step, args = _attention_then_gemv(read_again=False, slots=128)
     joined, the_pass = _compiled_joining(step, *args)
     assert (the_pass.runs[-1].gemvs, the_pass.runs[-1].joined) == (1, 0)
+
+
+def test_the_kernels_compile_for_a_hopper_gpu_on_a_machine_without_one():
+    """Triton's compiler to PTX for sm_90, no GPU needed: what the interpreter cannot show
+    (the compiled language's rules for the kernels' nested calls and constexpr branches)."""
+    triton = pytest.importorskip("triton", reason="compiles with Triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import nimble.gemv_prologue_kernels as kernels
+
+    def compiled(fn, signature, constexprs):
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                target=GPUTarget("cuda", 90, 32))
+        return kernel.asm["ptx"]
+
+    pointers = {name: "*bf16" for name in ("a_ptr", "b_ptr", "nw_ptr", "w_ptr", "y_ptr",
+                                           "sum_ptr")}
+    for prologue in (0, 1, 2):
+        ptx = compiled(kernels.gemv_prologue_kernel,
+                       {**pointers, "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32",
+                        "PROLOGUE": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+                       {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024})
+        assert "gemv_prologue_kernel" in ptx
+    ptx = compiled(kernels.gemv_joined_kernel,
+                   {"part_ptr": "*fp32", "stat_ptr": "*fp32", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                    "N": "i32", "K": "i32", "stride_w": "i32", "groups": "i32", "splits": "i32",
+                    "HEAD_DIM": "constexpr", "BLOCK_R": "constexpr", "BLOCK_D": "constexpr",
+                    "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+                   {"HEAD_DIM": 64, "BLOCK_R": 16, "BLOCK_D": 64, "BLOCK_N": 4, "BLOCK_K": 1024})
+    assert "gemv_joined_kernel" in ptx

@@ -1,0 +1,112 @@
+"""The Triton kernels of :mod:`nimble.gemv_prologues` (imported on first use, so that no Triton
+import happens where no GEMV runs): the GEMV whose input is an RMS norm or a gated activation
+computed as it is read, and the GEMV whose input is a split attention joined as it is read.
+Triton resolves a kernel's callees among its module's names, so they live at a module's top
+level."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def weight_tile(w_ptr, rows, row_ok, cols, col_ok, stride_w):
+    """The weight's rows ``rows`` at columns ``cols``, read once: past the L1 and first out of
+    the L2."""
+    return tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
+                   mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE: tl.constexpr):
+    """The GEMV's input at ``cols``, rounded to the input's dtype where the model's own code
+    rounds it."""
+    dt = a_ptr.dtype.element_ty
+    a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
+    if PROLOGUE == 2:  # silu(gate) * up
+        g = a.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt)
+        up = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
+        x = (act.to(tl.float32) * up.to(tl.float32)).to(dt)
+    else:
+        if PROLOGUE == 1:  # the residual's sum first
+            a = (a.to(tl.float32) + tl.load(b_ptr + cols, mask=col_ok,
+                                            other=0.0).to(tl.float32)).to(dt)
+        normed = (a.to(tl.float32) * rs).to(dt)
+        nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0)
+        x = (nw.to(tl.float32) * normed.to(tl.float32)).to(dt)
+    return x
+
+
+@triton.jit
+def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stride_w, eps,
+                         PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    dt = a_ptr.dtype.element_ty
+    rs = 1.0
+    if PROLOGUE != 2:
+        # the norm's sum of squares over the whole input, before the GEMV's first step
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            cols = k + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
+            if PROLOGUE == 1:
+                a = (a.to(tl.float32) + tl.load(b_ptr + cols, mask=col_ok,
+                                                other=0.0).to(tl.float32)).to(dt)
+                if tl.program_id(0) == 0:
+                    tl.store(sum_ptr + cols, a, mask=col_ok)
+            a32 = a.to(tl.float32)
+            squares += a32 * a32
+        rs = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        w = weight_tile(w_ptr, rows, row_ok, cols, col_ok, stride_w)
+        x = prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE)
+        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def joined_input(part_ptr, stat_ptr, cols, col_ok, groups, splits, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The attention's output at ``cols`` (query head ``h``, element ``d``), joined from its
+    split's parts in split order as the join kernel joins them (batch 1), in float32 before
+    the join kernel's rounding to the output's dtype."""
+    h = cols // HEAD_DIM
+    d = cols % HEAD_DIM
+    first = (h // groups) * splits * BLOCK_R + h % groups
+    top = tl.full((BLOCK_K,), float("-inf"), tl.float32)
+    for part in range(0, splits):
+        row = first + part * BLOCK_R
+        top = tl.maximum(top, tl.load(stat_ptr + row * 2, mask=col_ok, other=float("-inf")))
+    top_use = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros((BLOCK_K,), tl.float32)
+    joined = tl.zeros((BLOCK_K,), tl.float32)
+    for part in range(0, splits):
+        row = first + part * BLOCK_R
+        weight = tl.exp(tl.load(stat_ptr + row * 2, mask=col_ok, other=float("-inf"))
+                        - top_use)
+        total += weight * tl.load(stat_ptr + row * 2 + 1, mask=col_ok, other=0.0)
+        joined += weight * tl.load(part_ptr + row * BLOCK_D + d, mask=col_ok, other=0.0)
+    return tl.where(col_ok, joined / tl.where(col_ok, total, 1.0), 0.0)
+
+
+@triton.jit
+def gemv_joined_kernel(part_ptr, stat_ptr, w_ptr, y_ptr, N, K, stride_w, groups, splits,
+                       HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    dt = y_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        w = weight_tile(w_ptr, rows, row_ok, cols, col_ok, stride_w)
+        x = joined_input(part_ptr, stat_ptr, cols, col_ok, groups, splits, HEAD_DIM,
+                         BLOCK_R, BLOCK_D, BLOCK_K).to(dt)
+        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(dt), mask=row_ok)
