@@ -143,3 +143,18 @@ def generator_worker_tokens(tmp_path, save_mode: str, ids) -> tuple:
         tokens.append(torch.load(out))
     return tokens[0], tokens[1], said
 
+
+
+def interpreted_cases(worker: Path) -> dict:
+    """A worker's kernel cases run by Triton's interpreter in a process of its own (the
+    interpreter must be asked for before Triton is imported): its JSON lines by case."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="the kernel's CPU test runs Triton's interpreter")
+    done = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}

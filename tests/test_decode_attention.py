@@ -3,10 +3,6 @@ float16: the interpreter's bfloat16 products are wrong, so bfloat16 is the GPU t
 call's slots are split, which calls take the kernel, and the swap on a tiny Llama."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,19 +10,15 @@ import torch
 
 import nimble.decode_attention as da
 from nimble.errors import InputError
+from helpers import interpreted_cases
 
 WORKER = Path(__file__).parent / "workers" / "decode_attention_interpreted.py"
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    """Every kernel case of the worker, run by Triton's interpreter in a process of its own
-    (the interpreter must be asked for before Triton is imported): the results by case."""
-    pytest.importorskip("triton", reason="the kernel's CPU test runs Triton's interpreter")
-    done = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}
+    """Every kernel case of the worker, by case (Triton's interpreter)."""
+    return interpreted_cases(WORKER)
 
 
 def test_the_kernel_computes_attention_over_the_cache(interpreted):

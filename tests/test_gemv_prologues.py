@@ -3,10 +3,6 @@ float32 and float16), and the pass on graphs Inductor compiles on the CPU: what 
 tiny Llama, what it leaves, and the outputs it keeps."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +13,7 @@ import nimble.fast_gemv as fast_gemv_module
 import nimble.fused_projections as fused_module
 from nimble import gemv_prologue_pass as prologue_pass
 from nimble.fast_gemv import GemvConfig
+from helpers import interpreted_cases
 
 WORKER = Path(__file__).parent / "workers" / "gemv_prologues_interpreted.py"
 CONFIG = (4, 1024, 8, 1)
@@ -24,11 +21,8 @@ CONFIG = (4, 1024, 8, 1)
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    pytest.importorskip("triton", reason="the kernel's CPU test runs Triton's interpreter")
-    done = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}
+    """Every kernel case of the worker, by case (Triton's interpreter)."""
+    return interpreted_cases(WORKER)
 
 
 def test_the_kernel_computes_each_prologue_then_the_gemv(interpreted):
