@@ -147,7 +147,9 @@ def _rsqrt_of_mean_square(rs, source) -> Optional[float]:
     if not isinstance(eps, float) or rs.args[0].kwargs or not _is(mean, aten.mean.dim):
         return None
     dims = mean.args[1] if len(mean.args) > 1 else None
-    rank = _val(source).dim() if _val(source) is not None else None
+    if _val(source) is None:
+        return None
+    rank = _val(source).dim()
     if list(dims or []) not in ([-1], [rank - 1]) or not (len(mean.args) > 2 and mean.args[2]):
         return None
     square = mean.args[0]
@@ -203,7 +205,8 @@ def match_joined_attention(x, gemv, k: int):
     if not _is(x, torch.ops.nimble.decode_attention.default) or not _only_feeds(x, gemv):
         return None
     query, key = _val(x.args[0]), _val(x.args[1])
-    if query is None or key is None or query.shape[0] != 1 or query.numel() != k:
+    if query is None or key is None or query.shape[0] != 1 or query.numel() != k \
+            or query.dtype != _val(gemv.args[1]).dtype:
         return None
     plan = da.split_for(1, key.shape[1], key.shape[2])
     if plan.splits < 2:
