@@ -305,3 +305,27 @@ def test_the_kernels_compile_for_a_hopper_gpu_on_a_machine_without_one():
                     "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
                    {"HEAD_DIM": 64, "BLOCK_R": 16, "BLOCK_D": 64, "BLOCK_N": 4, "BLOCK_K": 1024})
     assert "gemv_joined_kernel" in ptx
+
+
+def test_the_attend_kernel_compiles_in_both_forms_its_launches_give_it():
+    """The attend kernel for sm_90 with the parts alone (its output pointer the float32 parts,
+    as ``launch_parts`` passes it) and writing the attention itself."""
+    triton = pytest.importorskip("triton", reason="compiles with Triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import nimble.decode_attention_kernels as kernels
+
+    ints = ("slots", "groups", "kv_heads", "splits", "slots_per_split", "sqb", "sqh", "skb",
+            "skh", "skl", "svb", "svh", "svl", "smb", "smh", "sml", "sob", "soh")
+    for split, out in ((True, "*fp32"), (False, "*bf16")):
+        signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i1",
+                     "out_ptr": out, "part_ptr": "*fp32", "stat_ptr": "*fp32",
+                     "count_ptr": "*i32", "scale": "fp32", **{i: "i32" for i in ints}}
+        constexprs = {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16, "BLOCK_L": 64, "MASK": 1,
+                      "SPLIT": split, "IEEE": False, "BRANCHLESS": False, "LAST_JOINS": False}
+        signature.update({name: "constexpr" for name in constexprs})
+        kernel = triton.compile(ASTSource(fn=kernels.attend, signature=signature,
+                                          constexprs=constexprs),
+                                target=GPUTarget("cuda", 90, 32))
+        assert "attend" in kernel.asm["ptx"]
