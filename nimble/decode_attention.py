@@ -127,8 +127,7 @@ def _launch_attend(query, key, value, mask, scale, plan: Split, branchless: bool
     attend, _ = _kernels()
     batch, heads, _, head_dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    block_r, block_d = max(MIN_TILE, _pow2(groups)), max(MIN_TILE, _pow2(head_dim))
+    layout = PartsLayout(heads // kv_heads, kv_heads, plan.splits, head_dim)
     if mask is None:
         kind, mask_t, mask_strides = 0, query, (0, 0, 0)
     else:
@@ -139,20 +138,20 @@ def _launch_attend(query, key, value, mask, scale, plan: Split, branchless: bool
     # unsplit, the kernel writes the output alone: no parts and no count to allocate
     part = stat = count = out if out is not None else query
     if parted:
-        rows = batch * kv_heads * plan.splits * block_r
-        part = torch.empty((rows, block_d), dtype=torch.float32, device=query.device)
+        rows = layout.rows(batch)
+        part = torch.empty((rows, layout.block_d), dtype=torch.float32, device=query.device)
         stat = torch.empty((rows, 2), dtype=torch.float32, device=query.device)
         if last_joins:  # each pair's programs counted from zero, every call
             count = torch.zeros(batch * kv_heads, dtype=torch.int32, device=query.device)
     target = out if out is not None else part
     attend[(batch * kv_heads, plan.splits)](
-        query, key, value, mask_t, target, part, stat, count, scale, slots, groups,
+        query, key, value, mask_t, target, part, stat, count, scale, slots, layout.groups,
         kv_heads, plan.splits, plan.slots_per_split,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), *mask_strides,
         target.stride(0), target.stride(2) if target.dim() > 2 else 0,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_L=BLOCK_SLOTS, MASK=kind,
-        SPLIT=parted, IEEE=query.dtype == torch.float32, BRANCHLESS=bool(branchless),
+        HEAD_DIM=head_dim, BLOCK_D=layout.block_d, BLOCK_R=layout.block_r, BLOCK_L=BLOCK_SLOTS,
+        MASK=kind, SPLIT=parted, IEEE=query.dtype == torch.float32, BRANCHLESS=bool(branchless),
         LAST_JOINS=bool(parted and last_joins), num_warps=4, num_stages=2)
     return part, stat
 
@@ -177,17 +176,16 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     _, join = _kernels()
     batch, heads, _, head_dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    block_r, block_d = max(MIN_TILE, _pow2(groups)), max(MIN_TILE, _pow2(head_dim))
     query, key, value = _contiguous_heads(query, key, value)
     out = torch.empty((batch, 1, heads, head_dim), dtype=query.dtype, device=query.device)
     plan = split_for(batch, kv_heads, slots, splits=splits)
     part, stat = _launch_attend(query, key, value, mask, scale, plan, branchless, last_joins,
                                 out)
     if plan.splits > 1 and not last_joins:
-        join[(batch * kv_heads,)](part, stat, out, groups, kv_heads, plan.splits,
+        layout = PartsLayout(heads // kv_heads, kv_heads, plan.splits, head_dim)
+        join[(batch * kv_heads,)](part, stat, out, layout.groups, kv_heads, plan.splits,
                                   out.stride(0), out.stride(2), HEAD_DIM=head_dim,
-                                  BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)
+                                  BLOCK_D=layout.block_d, BLOCK_R=layout.block_r, num_warps=4)
     return out
 
 
@@ -202,17 +200,28 @@ class PartsLayout:
     kv_heads: int
     splits: int
     head_dim: int
-    block_r: int
-    block_d: int
+
+    @property
+    def block_r(self) -> int:
+        """A tile's rows: the query heads of a key-value head, padded to the matrix units'."""
+        return max(MIN_TILE, _pow2(self.groups))
+
+    @property
+    def block_d(self) -> int:
+        return max(MIN_TILE, _pow2(self.head_dim))
+
+    def rows(self, batch: int) -> int:
+        """The rows of ``part`` and ``stat`` for ``batch`` sequences."""
+        return batch * self.kv_heads * self.splits * self.block_r
 
 
-def parts_layout(query_shape, key_shape, splits: int) -> PartsLayout:
-    """The layout of :func:`launch_parts`'s parts for these shapes and ``splits``."""
-    heads, head_dim = query_shape[1], query_shape[3]
-    kv_heads = key_shape[1]
-    groups = heads // kv_heads
-    return PartsLayout(groups, kv_heads, splits, head_dim, max(MIN_TILE, _pow2(groups)),
-                       max(MIN_TILE, _pow2(head_dim)))
+def parts_layout(query_shape, key_shape, splits: int | None = None) -> PartsLayout:
+    """The layout of the attend kernel's parts for these shapes, split over ``splits``
+    programs (at most one per block of slots; None: :func:`split_for`'s rule)."""
+    batch, heads, _, head_dim = query_shape
+    kv_heads, slots = key_shape[1], key_shape[2]
+    plan = split_for(batch, kv_heads, slots, splits=splits)
+    return PartsLayout(heads // kv_heads, kv_heads, plan.splits, head_dim)
 
 
 def launch_parts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -237,9 +246,9 @@ def parts_reference(query, key, value, mask, scale: float,
     kv_heads, slots = key.shape[1], key.shape[2]
     layout = parts_layout(query.shape, key.shape, splits)
     plan = split_for(batch, kv_heads, slots, splits=splits)
-    rows = batch * kv_heads * plan.splits * layout.block_r
-    part = torch.zeros((rows, layout.block_d), dtype=torch.float32, device=query.device)
-    stat = torch.zeros((rows, 2), dtype=torch.float32, device=query.device)
+    part = torch.zeros((layout.rows(batch), layout.block_d), dtype=torch.float32,
+                       device=query.device)
+    stat = torch.zeros((layout.rows(batch), 2), dtype=torch.float32, device=query.device)
     stat[:, 0] = float("-inf")
     scores = torch.einsum("bhd,bhld->bhl", query[:, :, 0].float(),
                           key.float().repeat_interleave(layout.groups, 1)) * scale
@@ -292,10 +301,9 @@ def decode_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     swap never sends a call, the same split in torch's operations: what the CPU tests of
     :mod:`nimble.gemv_prologue_pass` compile)."""
     if not query.is_cuda:
-        plan = split_for(query.shape[0], key.shape[1], key.shape[2])
-        part, stat = parts_reference(query, key, value, mask, scale, plan.splits)
-        return join_reference(part, stat, parts_layout(query.shape, key.shape, plan.splits),
-                              query.shape[0], query.dtype)
+        layout = parts_layout(query.shape, key.shape)
+        part, stat = parts_reference(query, key, value, mask, scale, layout.splits)
+        return join_reference(part, stat, layout, query.shape[0], query.dtype)
     return launch(query, key, value, mask, scale)
 
 
@@ -318,8 +326,7 @@ def decode_attention_parts_op(query: torch.Tensor, key: torch.Tensor, value: tor
 @decode_attention_parts_op.register_fake
 def _decode_attention_parts_shape(query, key, value, mask, scale, splits):
     layout = parts_layout(query.shape, key.shape, splits)
-    plan = split_for(query.shape[0], key.shape[1], key.shape[2], splits=splits)
-    rows = query.shape[0] * layout.kv_heads * plan.splits * layout.block_r
+    rows = layout.rows(query.shape[0])
     return (query.new_empty((rows, layout.block_d), dtype=torch.float32),
             query.new_empty((rows, 2), dtype=torch.float32))
 

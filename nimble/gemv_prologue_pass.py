@@ -208,10 +208,8 @@ def match_joined_attention(x, gemv, k: int):
     if query is None or key is None or query.shape[0] != 1 or query.numel() != k \
             or query.dtype != _val(gemv.args[1]).dtype:
         return None
-    plan = da.split_for(1, key.shape[1], key.shape[2])
-    if plan.splits < 2:
-        return None
-    return x, da.parts_layout(query.shape, key.shape, plan.splits)
+    layout = da.parts_layout(query.shape, key.shape)
+    return (x, layout) if layout.splits >= 2 else None
 
 
 def _fold_joined(graph, gemv, attention, layout, weight, config):
@@ -223,10 +221,9 @@ def _fold_joined(graph, gemv, attention, layout, weight, config):
         new = graph.call_function(torch.ops.nimble.gemv_joined.default,
                                   (part, stat, weight, layout.groups, layout.kv_heads,
                                    layout.splits, layout.head_dim, *config))
-    rows = layout.kv_heads * layout.splits * layout.block_r  # batch 1
     like = _val(attention)
-    part_val = like.new_empty((rows, layout.block_d), dtype=torch.float32)
-    stat_val = like.new_empty((rows, 2), dtype=torch.float32)
+    part_val = like.new_empty((layout.rows(1), layout.block_d), dtype=torch.float32)
+    stat_val = like.new_empty((layout.rows(1), 2), dtype=torch.float32)
     parts.meta["val"] = (part_val, stat_val)
     part.meta["val"], stat.meta["val"] = part_val, stat_val
     new.meta["val"] = _val(gemv)

@@ -148,15 +148,19 @@ def gemv_gated(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, block
     return _run(SILU_GATED, gate, up, None, 0.0, weight, (block_n, block_k, warps, stages))[0]
 
 
+@gemv_gated.register_fake
+def _gemv_gated_shape(gate, up, weight, block_n, block_k, warps, stages):
+    return gate.new_empty(weight.shape[0])
+
+
 @torch.library.custom_op("nimble::gemv_joined", mutates_args=())
 def gemv_joined(part: torch.Tensor, stat: torch.Tensor, weight: torch.Tensor, groups: int,
                 kv_heads: int, splits: int, head_dim: int, block_n: int, block_k: int,
                 warps: int, stages: int) -> torch.Tensor:
     """``weight @ attention``, the attention joined from its split's parts (batch 1)."""
-    from .decode_attention import PartsLayout, MIN_TILE, _pow2
+    from .decode_attention import PartsLayout
 
-    layout = PartsLayout(groups, kv_heads, splits, head_dim, max(MIN_TILE, _pow2(groups)),
-                         max(MIN_TILE, _pow2(head_dim)))
+    layout = PartsLayout(groups, kv_heads, splits, head_dim)
     if not part.is_cuda:
         return joined_reference(part, stat, weight, layout)
     return launch_joined(part, stat, weight, layout,
@@ -168,7 +172,3 @@ def _gemv_joined_shape(part, stat, weight, groups, kv_heads, splits, head_dim, b
                        block_k, warps, stages):
     return weight.new_empty(weight.shape[0])
 
-
-@gemv_gated.register_fake
-def _gemv_gated_shape(gate, up, weight, block_n, block_k, warps, stages):
-    return gate.new_empty(weight.shape[0])
