@@ -118,15 +118,15 @@ def test_the_loops_step_is_one_graph_for_dynamo():
 def test_the_breakdown_says_what_the_weight_prefetch_measured_when_asked():
     from nimble.cli.generate_bench import _breakdown_text
 
-    measured = {"phase": 0, "plain_ms": 1.25, "prefetch_ms": 1.125, "windows": 3,
-                "bytes": 60e6, "kept": True}
+    measured = {"phase": 0, "plan": "gaps", "plain_ms": 1.25, "prefetch_ms": 1.125,
+                "windows": 3, "bytes": 60e6, "kept": True}
     info = {"show_breakdown": True, "decode_step": {
         "nimble": {"breakdown_text": "stand-in\n", "prefetch_l2": [measured]},
         "nimble+inductor": {"trace_error": "CudaError: stand-in", "prefetch_l2": None}}}
     assert _breakdown_text(info) == (
         "where nimble's decode step spends its time:\nstand-in\n"
-        "  weight prefetch: 1.250 ms per launch without, 1.125 with 3 windows of 60.0 MB in "
-        "all; kept\n"
+        "  weight prefetch (gaps): 1.250 ms per launch without, 1.125 with 3 prefetches of "
+        "60.0 MB in all; kept\n"
         "where nimble+inductor's decode step spends its time:\n"
         "(no trace: CudaError: stand-in)")
     assert _breakdown_text({**info, "show_breakdown": False}) == ""

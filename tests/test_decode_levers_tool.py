@@ -21,7 +21,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
                  "attention+coordinate+gemv", "plain-argmax+attention+gemv",
                  "split-attention+gemv", "branchless+gemv", "last-joins+gemv",
                  "wide-split+coordinate+gemv", "attention+coordinate+gemv-prologues",
-                 "coordinate+joined-attention"):
+                 "coordinate+joined-attention", "gap-prefetch+gemv", "window-prefetch"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
@@ -31,7 +31,9 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert any(w in name for w in ("attention", "branchless", "last-joins",
                                        "wide-split")) == \
             variant.decode_attention, name
-        assert ("prefetch" in name) == variant.prefetch_l2, name
+        assert ("prefetch" in name) == bool(variant.prefetch_l2), name
+        assert variant.prefetch_l2 in (False, True, "gaps", "windows"), name
+        assert ("gap-" in name) == (variant.prefetch_l2 == "gaps"), name
         assert ("single" in name) == variant.single_stream, name
         assert ("plain-argmax" in name) == variant.plain_argmax, name
         assert ("split-attention" in name) == variant.split_attention, name

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from helpers import FIXTURE_DIR, param_words, timed_stand_in
-from nimble.analysis.prefetch import (Prefetch, WeightRange, merged_ranges, plan_prefetch,
-                                      weight_reads, window_bytes)
+from nimble.analysis.prefetch import (GAP_SHARE, PLANS, Prefetch, WeightRange, merged_ranges,
+                                      plan, plan_gap_prefetch, plan_prefetch, weight_reads,
+                                      window_bytes)
+from nimble.errors import InputError
 from nimble.engine import prefetch as prefetch_module
 from nimble.engine import prepared as prepared_module
 from nimble.engine.build import GraphSpec, InputGather, build_graph
@@ -80,6 +82,84 @@ def test_a_recorded_decoders_windows_hold_each_weight_once_within_the_window():
     params = {b.id for b in g.buffers if b.kind == "param"}
     assert {r.buffer for p in plans for r in p.ranges} <= params
     assert window_bytes(50 * MB) == 20 * MB
+
+
+def _with_idle(g: TaskGraph, idle_after: dict[int, int]) -> TaskGraph:
+    """``g`` with ``idle_after[k]`` kernels that read no weight (only the activation) after
+    kernel ``k`` (-1: before the first), renumbered in the recorded order."""
+    act = len(g.buffers) - 1
+    tasks: list[Task] = []
+
+    def idle(n):
+        for _ in range(n):
+            tasks.append(Task(len(tasks), TaskKind.KERNEL, short_name="idle",
+                              accesses=[Access(act, 0, MB, True)]))
+    idle(idle_after.get(-1, 0))
+    for t in g.tasks:
+        tasks.append(Task(len(tasks), t.kind, short_name=t.short_name, accesses=t.accesses))
+        idle(idle_after.get(t.id, 0))
+    g.tasks = tasks
+    return g
+
+
+def test_a_gap_prefetch_asks_for_the_weight_after_kernels_that_read_none():
+    # weights 0..4; kernels reading none after weight 1's reader (two) and weight 3's (one),
+    # and one before the first reader
+    g = _with_idle(_chain([4 * MB, 4 * MB, 4 * MB, 32 * MB, 64 << 10]), {-1: 1, 1: 2, 3: 1})
+    names = [t.short_name for t in g.tasks]
+    assert names == ["idle", "k0", "k1", "idle", "idle", "k2", "k3", "idle", "k4"]
+    plans = plan_gap_prefetch(g, range(len(g.tasks)), most=16 * MB)
+    # weight 0 at the start (the idle kernel before it); weight 2 after k1 (task 2); weight 4
+    # is too small to fetch, so none after k3; weights 1 and 3 come right after a reader
+    assert [(p.after, p.tasks, [(r.buffer, r.size) for r in p.ranges]) for p in plans] == [
+        (None, (1,), [(0, 4 * MB)]), (2, (5,), [(2, 4 * MB)])]
+    # a large weight after a gap: its head
+    g = _with_idle(_chain([4 * MB, 32 * MB]), {0: 1})
+    [p] = plan_gap_prefetch(g, range(3), most=16 * MB)
+    assert p.after == 0 and p.ranges == (WeightRange(1, 0, 16 * MB),)
+    # a chain with no gap fetches nothing; a kernel that is no task kernel is no gap
+    assert plan_gap_prefetch(_chain([4 * MB] * 4), range(4), most=16 * MB) == []
+    g = _chain([4 * MB] * 2)
+    g.tasks.insert(1, Task(1, TaskKind.MEMSET, accesses=[Access(2, 0, 4, True)]))
+    g.tasks[2] = Task(2, TaskKind.KERNEL, accesses=g.tasks[2].accesses)
+    assert plan_gap_prefetch(g, range(3), most=16 * MB) == []
+    with pytest.raises(ValueError, match="positive size"):
+        plan_gap_prefetch(g, range(3), most=0)
+
+
+def test_a_gap_prefetch_of_a_phase_sees_only_that_phases_kernels():
+    g = _with_idle(_chain([4 * MB] * 4), {1: 1})  # k0 k1 idle k2 k3
+    assert [p.after for p in plan_gap_prefetch(g, range(5), most=16 * MB)] == [1]
+    # the phase from the idle kernel on: its first reader follows it, fetched at the start
+    assert [(p.after, p.tasks) for p in plan_gap_prefetch(g, range(2, 5), most=16 * MB)] == \
+        [(None, (3,))]
+    assert plan_gap_prefetch(g, range(3, 5), most=16 * MB) == []
+
+
+def test_a_recorded_decoders_gaps_are_the_weights_read_after_weightless_kernels():
+    g = TaskGraph.load(FIXTURE_DIR / "llama_small_float16.json.gz")
+    span = range(len(g.tasks))
+    most = 2 * MB
+    plans = plan_gap_prefetch(g, span, most)
+    reads = dict(weight_reads(g, span))
+    readers = sorted(reads)
+    assert plans, "a decoder's attention and norms read no weight: gaps before projections"
+    for p in plans:
+        [t] = p.tasks
+        assert t in reads and all(r.size <= most for r in p.ranges)
+        before = [r for r in readers if r < t]
+        assert p.after == (before[-1] if before else None)
+        between = range((p.after if p.after is not None else -1) + 1, t)
+        assert any(g.tasks[k].kind == TaskKind.KERNEL for k in between)
+    fetched = {p.tasks[0] for p in plans}
+    for a, b in zip(readers, readers[1:]):  # readers with no kernel between: not fetched for
+        if not any(g.tasks[k].kind == TaskKind.KERNEL for k in range(a + 1, b)):
+            assert b not in fetched
+    assert [k for k in PLANS] == ["windows", "gaps"]
+    assert plan("gaps", g, span, 8 * MB) == plan_gap_prefetch(g, span, int(8 * MB * GAP_SHARE))
+    assert plan("windows", g, span, 8 * MB) == plan_prefetch(g, span, window_bytes(8 * MB))
+    with pytest.raises(ValueError, match="one of windows, gaps"):
+        plan("everything", g, span, 8 * MB)
 
 
 def test_ranges_that_touch_become_one_node_each():
@@ -184,13 +264,36 @@ def test_a_prefetch_is_kept_only_where_its_phase_measures_faster(bindings, monke
     builder.bases = BASES
     builts: list = []
     prepared_module._build_phases(builder, rec, [slot], [torch.zeros(1)], torch.device("cpu"),
-                                  None, None, builts, prefetch_trials={1: PLAN})
+                                  None, None, builts, prefetch_trials={1: {"windows": PLAN}})
     assert builder.prefetch == [(), PLAN if faster else ()]
     assert bool(builts[1].prefetch_nodes) is faster and not builts[0].prefetch_nodes
     [measured] = builder.graph.meta["prefetch_l2"]
     assert measured["phase"] == 1 and measured["kept"] is faster
+    assert measured["plan"] == "windows"
     assert measured["windows"] == 2 and measured["bytes"] == 7 * MB
     assert measured["prefetch_ms"] < measured["plain_ms"]
+    for built in builts:
+        built.close()
+
+
+def test_of_two_plans_the_faster_is_kept_and_each_is_reported(bindings, monkeypatch):
+    gaps = (Prefetch(4, (WeightRange(2, 0, MB),)),)  # one node: the plan the stand-in favours
+    monkeypatch.setattr(prepared_module, "_after_phases",
+                        timed_stand_in(True, lambda built: len(built.prefetch_nodes) == 1))
+    builder = served_builder()
+    rec, slot = served_recording(builder), served_input()
+    builder.bases = BASES
+    builts: list = []
+    prepared_module._build_phases(builder, rec, [slot], [torch.zeros(1)], torch.device("cpu"),
+                                  None, None, builts,
+                                  prefetch_trials={1: {"windows": PLAN, "gaps": gaps}})
+    assert builder.prefetch == [(), gaps]
+    assert [p.nbytes for p in builts[1].prefetch_nodes] == [MB]
+    measured = builder.graph.meta["prefetch_l2"]
+    assert [(m["plan"], m["kept"], m["windows"]) for m in measured] == [
+        ("windows", False, 2), ("gaps", True, 1)]
+    assert measured[0]["plain_ms"] == measured[1]["plain_ms"]
+    assert measured[1]["prefetch_ms"] < measured[0]["prefetch_ms"]
     for built in builts:
         built.close()
 
@@ -202,7 +305,18 @@ def test_the_option_is_off_by_default_and_plans_on_the_devices_l2(monkeypatch):
     monkeypatch.setattr(prefetch_module, "l2_bytes", lambda: 20 * MB)  # windows of 8 MB
     g.meta["prefetch_l2"] = ["of an earlier prepare"]
     plans = prefetch_module.planned_prefetch(g, PrepareOptions(prefetch_l2=True))
-    assert list(plans) == [0] and [p.after for p in plans[0]] == [None, 0, 2]
+    # a chain with no gap: only the windows' plan fetches anything
+    assert list(plans) == [0] and list(plans[0]) == ["windows"]
+    assert [p.after for p in plans[0]["windows"]] == [None, 0, 2]
     assert "prefetch_l2" not in g.meta
+    assert prefetch_module.planned_prefetch(g, PrepareOptions(prefetch_l2="gaps")) is None
+    gapped = _with_idle(_chain([4 * MB] * 5), {2: 1})
+    plans = prefetch_module.planned_prefetch(gapped, PrepareOptions(prefetch_l2=True))
+    assert list(plans[0]) == ["windows", "gaps"]
+    assert [(p.after, p.tasks) for p in plans[0]["gaps"]] == [(2, (4,))]
+    plans = prefetch_module.planned_prefetch(gapped, PrepareOptions(prefetch_l2="gaps"))
+    assert list(plans[0]) == ["gaps"]
+    with pytest.raises(InputError, match="a plan \\(windows, gaps\\)"):
+        PrepareOptions(prefetch_l2="everything")
     monkeypatch.setattr(prefetch_module, "communicates", lambda graph: True)
     assert prefetch_module.planned_prefetch(g, PrepareOptions(prefetch_l2=True)) is None

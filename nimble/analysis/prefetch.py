@@ -17,6 +17,13 @@ updates) is never fetched, nor one smaller than ``min_bytes`` (a norm's scale: n
 node).  A range larger than a window is fetched up to a window's bytes (its head: what a
 GEMM's first waves read).
 
+Measured on a decode step, those windows lose: each window's prefetch streams while the
+kernels of the window before stream theirs, so the two compete for the same bandwidth
+(docs/results.md).  :func:`plan_gap_prefetch` asks only where nothing streams: a weight whose
+reader comes after kernels that read no weights (an attention over a cache, a norm, an
+activation) is fetched after the weight reader before them ends, so that it streams while they
+run, up to ``most`` bytes of it.  :data:`PLANS` names both; the engine times each.
+
 Plain data: the engine turns each :class:`Prefetch` into nodes (:mod:`nimble.engine.prefetch`)
 and keeps them only where the phase measures faster with them.
 """
@@ -33,6 +40,11 @@ MIN_BYTES = 256 << 10
 #: The share of the L2 one window takes: two windows (the one read, the one fetched) and the
 #: activations between them must fit.
 WINDOW_SHARE = 0.4
+#: The share of the L2 one gap's prefetch takes at most (the head of a larger weight).
+GAP_SHARE = 0.25
+#: The plans a prefetch is timed with: ``windows`` (:func:`plan_prefetch`), ``gaps``
+#: (:func:`plan_gap_prefetch`).
+PLANS = ("windows", "gaps")
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,43 @@ def plan_prefetch(graph: TaskGraph, span: range, window: int,
         tasks = tuple(dict.fromkeys(t for t, _ in members))
         plans.append(Prefetch(after, tuple(r for _, r in members), tasks))
     return plans
+
+
+def plan_gap_prefetch(graph: TaskGraph, span: range, most: int,
+                      min_bytes: int = MIN_BYTES) -> list[Prefetch]:
+    """The prefetches of the phase ``span`` into its gaps (see the module's text): for each
+    weight reader (:func:`weight_reads`) that follows, in the recorded order, at least one
+    kernel reading no weight since the reader before it, one prefetch of its weights (each
+    range's head, up to ``most`` bytes) after that reader (None: at the phase's start, where
+    the kernels before the first reader are the gap).  A reader right after another is not
+    fetched for: its fetch would stream beside the other's weights."""
+    if most <= 0:
+        raise ValueError(f"a gap's prefetch needs a positive size, got {most}")
+    ranges: dict[int, list[WeightRange]] = {}
+    for t, r in weight_reads(graph, span, min_bytes):
+        ranges.setdefault(t, []).append(WeightRange(r.buffer, r.offset, min(r.size, most)))
+    plans = []
+    before: int | None = None
+    idle = 0  # kernels since ``before`` that read no weight
+    for t in span:
+        if graph.tasks[t].kind != TaskKind.KERNEL:
+            continue
+        if t not in ranges:
+            idle += 1
+            continue
+        if idle:
+            plans.append(Prefetch(before, tuple(ranges[t]), (t,)))
+        before, idle = t, 0
+    return plans
+
+
+def plan(kind: str, graph: TaskGraph, span: range, l2_bytes: int) -> list[Prefetch]:
+    """The ``kind`` of :data:`PLANS` for the phase ``span`` on a GPU of ``l2_bytes`` of L2."""
+    if kind == "windows":
+        return plan_prefetch(graph, span, window_bytes(l2_bytes))
+    if kind == "gaps":
+        return plan_gap_prefetch(graph, span, window_bytes(l2_bytes, GAP_SHARE))
+    raise ValueError(f"no prefetch plan {kind!r}: one of {', '.join(PLANS)}")
 
 
 def merged_ranges(prefetch: Prefetch, bases: Sequence[int]) -> list[tuple[int, int]]:

@@ -177,8 +177,8 @@ def _breakdown_text(info: dict) -> str:
         text = shape.get("breakdown_text") or f"(no trace: {shape.get('trace_error')})\n"
         out.append(f"where {mode}'s decode step spends its time:\n{text}")
         for r in shape.get("prefetch_l2") or ():
-            out.append(f"  weight prefetch: {r['plain_ms']:.3f} ms per launch without, "
-                       f"{r['prefetch_ms']:.3f} with {r['windows']} windows of "
+            out.append(f"  weight prefetch ({r.get('plan', 'windows')}): {r['plain_ms']:.3f} ms "
+                       f"per launch without, {r['prefetch_ms']:.3f} with {r['windows']} prefetches of "
                        f"{r['bytes'] / 1e6:.1f} MB in all; "
                        + ("kept\n" if r["kept"] else "not kept\n"))
         for r in shape.get("programmatic") or ():

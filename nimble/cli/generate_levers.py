@@ -6,15 +6,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 
+from ..analysis.prefetch import PLANS
 from ..generate import INDUCTOR_MODES
 from .common import one_line
 
 
 def add_lever_arguments(p) -> None:
     """The ``--generate`` options that choose how the Nimble rows are prepared."""
-    p.add_argument("--prefetch-l2", action="store_true",
+    p.add_argument("--prefetch-l2", nargs="?", const=True, default=False,
+                   choices=(True, *PLANS), metavar="PLAN",
                    help="--generate: prepare the Nimble steps with PrepareOptions(prefetch_l2="
-                        "True): weight prefetch into the L2, kept where measured faster")
+                        "True): weight prefetch into the L2, kept where measured faster; "
+                        f"a plan ({', '.join(PLANS)}) times that one alone")
     p.add_argument("--programmatic", action="store_true",
                    help="--generate: withdrawn; asks for PrepareOptions(programmatic_launch="
                         "True), which warns and builds every edge as a full dependency "

@@ -66,11 +66,14 @@ class PrepareOptions:
         kept.  Off until measured on the GPU.  A rule's name
         (:data:`nimble.analysis.resources.RULES`) serves that rule's priorities unmeasured,
         for side-by-side timing (``tools/experiments/resource_ab.py``).
-    prefetch_l2 : bool
+    prefetch_l2 : bool or str
         Also builds each phase with weight prefetches beside its kernels: nodes that ask the
         L2 for the weights of the kernels ahead while the current ones run
         (:mod:`nimble.analysis.prefetch`, ``kernels/prefetch_l2.ptx``), and keeps them where
-        the phase measures faster at prepare.  A prefetch only reads weights: the outputs
+        the phase measures faster at prepare.  True times both plans, ``"windows"`` (every
+        weight, a window of the L2 ahead) and ``"gaps"`` (only the weights read after kernels
+        that read none, fetched while those run), and keeps the fastest; a plan's name times
+        that one alone.  A prefetch only reads weights: the outputs
         and the proof are unchanged.  ``nm.graph.meta["prefetch_l2"]`` says what was measured
         and kept.  Off until measured on the GPU; not written by ``save`` (a loaded graph
         runs without them).
@@ -93,7 +96,7 @@ class PrepareOptions:
     priorities: bool = True
     backfill: bool | None = None
     resource_order: bool | str = False
-    prefetch_l2: bool = False
+    prefetch_l2: bool | str = False
     programmatic_launch: bool | str = False
 
     def __post_init__(self) -> None:
@@ -104,6 +107,13 @@ class PrepareOptions:
             raise InputError(f"PrepareOptions(programmatic_launch={self.programmatic_launch!r}): "
                              "True (kept where measured faster), 'always' (served unmeasured) "
                              "or False")
+
+        from ..analysis.prefetch import PLANS
+
+        if self.prefetch_l2 not in (False, True, *PLANS):
+            raise InputError(f"PrepareOptions(prefetch_l2={self.prefetch_l2!r}): True (every "
+                             f"plan timed, the fastest kept), a plan ({', '.join(PLANS)}) or "
+                             "False")
 
         order = self.resource_order
         if isinstance(order, str) and order not in RULES:

@@ -240,7 +240,8 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
             + f"; kept {r['kept'] or 'the slack ones'}", quiet)
     for r in built.graph.meta.get("prefetch_l2", []) if prefetch_trials else ():
         say(f"phase {r['phase']}: {r['plain_ms']:.3f} ms per launch plain, "
-            f"{r['prefetch_ms']:.3f} with {r['windows']} weight prefetch(es) of "
+            f"{r['prefetch_ms']:.3f} with {r['windows']} weight prefetch(es) "
+            f"({r.get('plan', 'windows')}) of "
             f"{r['bytes'] / 2**20:.1f} MiB; " + ("kept" if r["kept"] else "kept none"), quiet)
     for r in built.graph.meta.get("programmatic", []) if programmatic.trials else ():
         say(f"phase {r['phase']}: {r['plain_ms']:.3f} ms per launch plain, "

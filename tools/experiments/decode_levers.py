@@ -6,7 +6,8 @@ transformers' greedy ones, and where the Generator's decode step spends its time
     python3 tools/experiments/decode_levers.py --variants base,prefetch,coordinate,gemv
 
 A variant is ``base`` or levers joined with "+" (``attention+coordinate+gemv``): ``prefetch``
-(the weight prefetch into the L2, Nimble's own), ``coordinate`` (Inductor's coordinate-descent
+(the weight prefetch into the L2, Nimble's own, every plan timed; ``window-prefetch`` and
+``gap-prefetch`` one plan each: :data:`nimble.analysis.prefetch.PLANS`), ``coordinate`` (Inductor's coordinate-descent
 tuning), ``gemv`` (:func:`nimble.fast_gemv`), ``attention`` (:func:`nimble.decode_attention`),
 ``single`` (Nimble's steps on one stream), ``plain-argmax`` (the argmax as one reduction, not
 :func:`nimble.decode_steps.split_argmax`), ``split-attention`` (the attention kernel with every
@@ -38,7 +39,7 @@ class Variant:
     """One way of preparing the decode step."""
 
     inductor: dict  # torch._inductor.config settings around both rows' compilations
-    prefetch_l2: bool = False  # PrepareOptions(prefetch_l2=True): Nimble's own
+    prefetch_l2: bool | str = False  # PrepareOptions(prefetch_l2=...): Nimble's own
     fast_gemv: bool = False  # nimble.fast_gemv on the model, before both rows
     gemv_margin: float = 0.03  # fast_gemv's margin (nimble.fast_gemv.MARGIN)
     decode_attention: bool = False  # nimble.decode_attention on the model, before both rows
@@ -56,6 +57,8 @@ COMBO = {"combo_kernels": True}
 #: The levers a variant's name joins with "+" ("base": none), and what each sets.
 LEVERS = {
     "prefetch": {"prefetch_l2": True},
+    "window-prefetch": {"prefetch_l2": "windows"},
+    "gap-prefetch": {"prefetch_l2": "gaps"},
     "coordinate": {"inductor": {**COMBO, "coordinate_descent_tuning": True}},
     "gemv": {"fast_gemv": True},
     "attention": {"decode_attention": True},
@@ -163,7 +166,7 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
         undo.append(decode_attention(model).undo)
     cache_len = args.prompt + args.new_tokens
     ids = prompts[args.prompt]
-    options = PrepareOptions(prefetch_l2=True) if lever.prefetch_l2 else None
+    options = PrepareOptions(prefetch_l2=lever.prefetch_l2) if lever.prefetch_l2 else None
     try:
         torch._dynamo.reset()
         # read where the step is traced (the argmax) and where its kernels are recorded (the
