@@ -39,14 +39,26 @@ def prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE: tl.constexp
 
 @triton.jit
 def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stride_w, eps,
-                         PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         NORM_BLOCK: tl.constexpr):
     dt = a_ptr.dtype.element_ty
+    programs = tl.num_programs(0)
+    blocks = tl.cdiv(N, BLOCK_N)
+    r = tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_K)
+    # each program's first weight tile is asked for before the norm's pass over the input, so
+    # that the DRAM's latency and the L2's overlap; from then on every step asks for the
+    # next one's tile (this block's next columns, else the next block's first) before it
+    # sums its own
+    rows = tl.program_id(0) * BLOCK_N + r
+    w = weight_tile(w_ptr, rows, rows < N, c, c < K, stride_w)
     rs = 1.0
     if PROLOGUE != 2:
-        # the norm's sum of squares over the whole input, before the GEMV's first step
-        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            cols = k + tl.arange(0, BLOCK_K)
+        # the norm's sum of squares over the whole input, once per program (the programs walk
+        # the row blocks grid-stride, so it is not paid again per wave of programs)
+        squares = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
+        for k in range(0, K, NORM_BLOCK):
+            cols = k + tl.arange(0, NORM_BLOCK)
             col_ok = cols < K
             a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
             if PROLOGUE == 1:
@@ -57,16 +69,22 @@ def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stri
             a32 = a.to(tl.float32)
             squares += a32 * a32
         rs = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        cols = k + tl.arange(0, BLOCK_K)
-        col_ok = cols < K
-        w = weight_tile(w_ptr, rows, row_ok, cols, col_ok, stride_w)
-        x = prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE)
-        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
+    for block in range(tl.program_id(0), blocks, programs):
+        rows = block * BLOCK_N + r
+        row_ok = rows < N
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            cols = k + c
+            col_ok = cols < K
+            ahead = k + BLOCK_K < K
+            next_rows = tl.where(ahead, rows, rows + programs * BLOCK_N)
+            next_cols = tl.where(ahead, k + BLOCK_K, 0) + c
+            w_next = weight_tile(w_ptr, next_rows, next_rows < N, next_cols, next_cols < K,
+                                 stride_w)
+            x = prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE)
+            acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+            w = w_next
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit

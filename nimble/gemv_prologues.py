@@ -33,6 +33,13 @@ _KERNELS: list = []
 #: What a prologue computes: an RMS norm of the input, of the input plus a residual, or a
 #: SiLU-gated product of two inputs (the kernel's ``PROLOGUE``).
 RMSNORM, ADD_RMSNORM, SILU_GATED = 0, 1, 2
+#: Programs per multiprocessor the prologue GEMV launches at most: past that, its programs walk
+#: the weight's row blocks grid-stride, each computing the norm once rather than once per block
+#: (a tall weight, the gate-up projection or the LM head, is several waves of blocks).
+PROGRAMS_PER_SM = 4
+#: The widest step of the norm's pass over the input (one step up to this many elements: its
+#: latency comes once, before the GEMV's first sums).
+MAX_NORM_BLOCK = 8192
 
 
 def _kernels():
@@ -45,11 +52,22 @@ def _kernels():
     return _KERNELS[0]
 
 
+def programs(blocks: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM) -> int:
+    """The programs a prologue GEMV of ``blocks`` row blocks launches on ``device``: at most
+    ``per_sm`` a multiprocessor (every block where the device is no GPU: the interpreter)."""
+    if device.type != "cuda":
+        return blocks
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(blocks, per_sm * sms))
+
+
 def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
            norm_weight: Optional[torch.Tensor], eps: float, weight: torch.Tensor,
-           config: GemvConfig) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+           config: GemvConfig, grid: int | None = None
+           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``weight @ prologue(a, b)`` for vectors ``a`` (and ``b``) of ``in_features`` elements,
-    on the current stream; with :data:`ADD_RMSNORM` also ``a + b``, else None."""
+    on the current stream; with :data:`ADD_RMSNORM` also ``a + b``, else None.  ``grid``: the
+    programs to launch (default :func:`programs`), each walking the row blocks grid-stride."""
     import triton
 
     n, k = weight.shape
@@ -58,9 +76,11 @@ def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
     nw = a if norm_weight is None else norm_weight.contiguous()
     y = torch.empty(n, dtype=a.dtype, device=a.device)
     total = torch.empty_like(a) if prologue == ADD_RMSNORM else None
-    _kernels()[0][(triton.cdiv(n, config.block_n),)](
+    blocks = triton.cdiv(n, config.block_n)
+    _kernels()[0][(grid or programs(blocks, a.device),)](
         a, b, nw, weight, y, a if total is None else total, n, k, weight.stride(0), eps,
         PROLOGUE=prologue, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        NORM_BLOCK=min(triton.next_power_of_2(k), MAX_NORM_BLOCK),
         num_warps=config.warps, num_stages=config.stages)
     return y, total
 

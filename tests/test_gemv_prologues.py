@@ -26,7 +26,7 @@ def interpreted() -> dict:
 
 
 def test_the_kernel_computes_each_prologue_then_the_gemv(interpreted):
-    assert len(interpreted) == 24
+    assert len(interpreted) == 36
     for name, r in interpreted.items():
         if name.startswith("joined"):
             continue
@@ -295,8 +295,9 @@ def test_the_kernels_compile_for_a_hopper_gpu_on_a_machine_without_one():
     for prologue in (0, 1, 2):
         ptx = compiled(kernels.gemv_prologue_kernel,
                        {**pointers, "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32",
-                        "PROLOGUE": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
-                       {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024})
+                        "PROLOGUE": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                        "NORM_BLOCK": "constexpr"},
+                       {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024, "NORM_BLOCK": 2048})
         assert "gemv_prologue_kernel" in ptx
     ptx = compiled(kernels.gemv_joined_kernel,
                    {"part_ptr": "*fp32", "stat_ptr": "*fp32", "w_ptr": "*bf16", "y_ptr": "*bf16",

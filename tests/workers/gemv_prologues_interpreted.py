@@ -13,17 +13,20 @@ import nimble.decode_attention as da  # noqa: E402
 import nimble.gemv_prologues as gp  # noqa: E402
 from nimble.fast_gemv import GemvConfig  # noqa: E402
 
-SHAPES = [  # rows, input width, configuration: ragged rows and columns, one step and several
-    (37, 300, GemvConfig(4, 128, 4, 1)),
-    (64, 2048, GemvConfig(8, 1024, 8, 1)),
-    (5, 96, GemvConfig(16, 512, 8, 1)),
+SHAPES = [  # rows, input width, configuration, programs: ragged rows and columns, one step
+    # and several, a program per row block and fewer programs walking them grid-stride
+    (37, 300, GemvConfig(4, 128, 4, 1), None),
+    (64, 2048, GemvConfig(8, 1024, 8, 1), None),
+    (5, 96, GemvConfig(16, 512, 8, 1), None),
+    (45, 300, GemvConfig(4, 128, 4, 1), 3),
+    (64, 10000, GemvConfig(8, 1024, 8, 1), 2),  # the norm's pass in two steps
 ]
 PROLOGUES = {"rmsnorm": gp.RMSNORM, "add_rmsnorm": gp.ADD_RMSNORM, "silu_gated": gp.SILU_GATED}
 
 
 def main() -> None:
     for dtype in (torch.float32, torch.float16):
-        for n, k, config in SHAPES:
+        for n, k, config, grid in SHAPES:
             torch.manual_seed(n + k)
             weight = torch.randn(n, k, dtype=dtype) / k ** 0.5
             a, b = torch.randn(k, dtype=dtype), torch.randn(k, dtype=dtype)
@@ -31,11 +34,12 @@ def main() -> None:
             for name, prologue in PROLOGUES.items():
                 second = None if prologue == gp.RMSNORM else b
                 nw = None if prologue == gp.SILU_GATED else norm_weight
-                y, total = gp.launch(prologue, a, second, nw, 1e-6, weight, config)
+                y, total = gp.launch(prologue, a, second, nw, 1e-6, weight, config, grid)
                 want, want_total = gp.reference(prologue, a, second, nw, 1e-6, weight)
                 error = float((y.double() - want.double()).norm() / want.double().norm())
                 print(json.dumps({
-                    "case": f"{name}-{n}x{k}-{str(dtype).removeprefix('torch.')}",
+                    "case": f"{name}-{n}x{k}/{grid or 'all'}-"
+                            f"{str(dtype).removeprefix('torch.')}",
                     "error": error, "shape_ok": tuple(y.shape) == (n,),
                     "total_same": None if total is None else bool(torch.equal(total,
                                                                               want_total))}))
