@@ -67,6 +67,11 @@ BRANCHLESS = False
 #: (long caches at batch 1), slower below (tools/experiments/attention_split.py
 #: --last-joins, docs/results.md).
 LAST_JOINS = False
+#: Whether a program asks for a block's values right after its keys rather than after the
+#: block's scores: the two loads' latencies overlap, at the cost of the values' registers
+#: held through the scores.  The same arithmetic either way (the same bits); off until measured
+#: (``tools/experiments/decode_levers.py``'s ``values-early``).
+VALUES_EARLY = False
 #: Rows of the matrix units' tiles: the query heads of a key-value head are padded to them.
 MIN_TILE = 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -152,7 +157,8 @@ def _launch_attend(query, key, value, mask, scale, plan: Split, branchless: bool
         target.stride(0), target.stride(2) if target.dim() > 2 else 0,
         HEAD_DIM=head_dim, BLOCK_D=layout.block_d, BLOCK_R=layout.block_r, BLOCK_L=BLOCK_SLOTS,
         MASK=kind, SPLIT=parted, IEEE=query.dtype == torch.float32, BRANCHLESS=bool(branchless),
-        LAST_JOINS=bool(parted and last_joins), num_warps=4, num_stages=2)
+        LAST_JOINS=bool(parted and last_joins), VALUES_EARLY=bool(VALUES_EARLY), num_warps=4,
+        num_stages=2)
     return part, stat
 
 

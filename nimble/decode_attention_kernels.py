@@ -41,7 +41,8 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
            sqb, sqh, skb, skh, skl, svb, svh, svl, smb, smh, sml, sob, soh,
            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
            BLOCK_L: tl.constexpr, MASK: tl.constexpr, SPLIT: tl.constexpr,
-           IEEE: tl.constexpr, BRANCHLESS: tl.constexpr, LAST_JOINS: tl.constexpr):
+           IEEE: tl.constexpr, BRANCHLESS: tl.constexpr, LAST_JOINS: tl.constexpr,
+           VALUES_EARLY: tl.constexpr):
     pair = tl.program_id(0)  # (sequence, key-value head)
     split = tl.program_id(1)
     b = pair // kv_heads
@@ -85,6 +86,9 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
         if run:
             k = tl.load(k_ptr + b * skb + g * skh + at[:, None] * skl + d[None, :],
                         mask=read[:, None] & d_ok[None, :], other=0.0)
+            if VALUES_EARLY:  # asked for beside the keys: one memory latency, not two
+                v = tl.load(v_ptr + b * svb + g * svh + at[:, None] * svl + d[None, :],
+                            mask=read[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -97,8 +101,9 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
             alpha = tl.exp(m_i - m_use)
             p = tl.exp(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + b * svb + g * svh + at[:, None] * svl + d[None, :],
-                        mask=read[:, None] & d_ok[None, :], other=0.0)
+            if not VALUES_EARLY:
+                v = tl.load(v_ptr + b * svb + g * svh + at[:, None] * svl + d[None, :],
+                            mask=read[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:

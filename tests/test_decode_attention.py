@@ -32,6 +32,8 @@ def test_the_kernel_computes_attention_over_the_cache(interpreted):
         assert r.get("branchless_same", True), (name, r)
         # a split joined by its last program, not a second kernel: the same bits
         assert r.get("last_joins_same", True), (name, r)
+        # a block's values asked for beside its keys: the same bits
+        assert r.get("values_early_same", True), (name, r)
 
 
 def test_the_slots_are_split_until_the_call_has_its_programs():

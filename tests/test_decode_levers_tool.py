@@ -21,7 +21,8 @@ def test_a_variants_name_joins_the_levers_it_sets():
                  "attention+coordinate+gemv", "plain-argmax+attention+gemv",
                  "split-attention+gemv", "branchless+gemv", "last-joins+gemv",
                  "wide-split+coordinate+gemv", "attention+coordinate+gemv-prologues",
-                 "coordinate+joined-attention", "gap-prefetch+gemv", "window-prefetch"):
+                 "coordinate+joined-attention", "gap-prefetch+gemv", "window-prefetch",
+                 "values-early+coordinate+gemv-prologues"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
@@ -29,7 +30,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert any(w in name for w in ("gemv", "joined")) == variant.fast_gemv, name
         assert ("joined" in name) == variant.join_attention, name
         assert any(w in name for w in ("attention", "branchless", "last-joins",
-                                       "wide-split")) == \
+                                       "wide-split", "values-early")) == \
             variant.decode_attention, name
         assert ("prefetch" in name) == bool(variant.prefetch_l2), name
         assert variant.prefetch_l2 in (False, True, "gaps", "windows"), name
@@ -39,6 +40,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert ("split-attention" in name) == variant.split_attention, name
         assert ("branchless" in name) == variant.branchless, name
         assert ("last-joins" in name) == variant.last_joins, name
+        assert ("values-early" in name) == variant.values_early, name
         assert ("wide-split" in name) == variant.wide_split, name
         assert any(w in name for w in ("prologues", "joined")) == variant.gemv_prologues, name
     with pytest.raises(KeyError):

@@ -47,8 +47,14 @@ def case(shape, dtype_name: str, mask_kind: str) -> dict:
     branchless = da.launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=True)
     last_joins = da.launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=False,
                            last_joins=True)
+    da.VALUES_EARLY = True
+    try:
+        values_early = da.launch(q, k, v, mask, head_dim ** -0.5, splits, branchless=False)
+    finally:
+        da.VALUES_EARLY = False
     want = reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
     return {"case": f"{shape}-{dtype_name}-{mask_kind}", "error": error(got, want),
+            "values_early_same": bool(torch.equal(got, values_early)),
             "shape_ok": tuple(got.shape) == (batch, 1, heads, head_dim) and got.dtype == dtype,
             "branchless_same": bool(torch.equal(got, branchless)),
             "last_joins_same": bool(torch.equal(got, last_joins))}

@@ -13,7 +13,8 @@ tuning), ``gemv`` (:func:`nimble.fast_gemv`), ``attention`` (:func:`nimble.decod
 :func:`nimble.decode_steps.split_argmax`), ``split-attention`` (the attention kernel with every
 cache split over programs, not read unsplit where it is short), ``branchless`` (the attention
 kernel's hidden stretches skipped by masked loads, not a branch), ``last-joins`` (a split's
-parts joined by its last program, not a second kernel), ``wide-split`` (the attention's split
+parts joined by its last program, not a second kernel), ``values-early`` (the attention
+kernel asks for a block's values beside its keys: :data:`nimble.decode_attention.VALUES_EARLY`), ``wide-split`` (the attention's split
 aiming for twice :data:`nimble.decode_attention.TARGET_PROGRAMS`: at batch 8 the kernel alone
 is faster with 4 programs a head than the rule's 3), ``gemv-within-10`` (``gemv``, a shape's
 GEMV kept where it is at most 10% slower than torch's GEMM), ``gemv-prologues`` (``gemv``, and
@@ -48,6 +49,7 @@ class Variant:
     split_attention: bool = False  # the attention kernel splits every cache (UNSPLIT_BLOCKS 0)
     branchless: bool = False  # the attention kernel's hidden stretches by masked loads
     last_joins: bool = False  # the attention's split joined by its last program
+    values_early: bool = False  # the attention kernel asks for a block's values beside its keys
     wide_split: bool = False  # the attention's split aims for twice TARGET_PROGRAMS
     gemv_prologues: bool = False  # nimble.gemv_prologue_pass around both rows' compilations
     join_attention: bool = False  # ... with the attention's join folded into its GEMV
@@ -67,6 +69,7 @@ LEVERS = {
     "split-attention": {"decode_attention": True, "split_attention": True},
     "branchless": {"decode_attention": True, "branchless": True},
     "last-joins": {"decode_attention": True, "last_joins": True},
+    "values-early": {"decode_attention": True, "values_early": True},
     "wide-split": {"decode_attention": True, "wide_split": True},
     "gemv-prologues": {"fast_gemv": True, "gemv_prologues": True},
     "gemv-within-10": {"fast_gemv": True, "gemv_margin": -0.10},
@@ -179,6 +182,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                   or attention_module.BRANCHLESS),
                    "LAST_JOINS": (attention_module, lever.last_joins
                                   or attention_module.LAST_JOINS),
+                   "VALUES_EARLY": (attention_module, lever.values_early
+                                    or attention_module.VALUES_EARLY),
                    "TARGET_PROGRAMS": (attention_module, attention_module.TARGET_PROGRAMS
                                        * (2 if lever.wide_split else 1))}
         from nimble.gemv_prologue_pass import fusing
