@@ -125,10 +125,34 @@ def _kernels():
     return _KERNELS[0]
 
 
+@dataclass(frozen=True)
+class Rope:
+    """What the attend kernel needs to apply a step's rotary embedding itself
+    (:mod:`nimble.attention_rope`): ``cos`` and ``sin`` ``(B or 1, 1, 1, D)``, the step's new
+    key (before its rotary embedding) and value ``(B, Hkv, 1, D)``, and ``position``, the
+    cache slot they go to (one element)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    position: torch.Tensor
+
+    def arguments(self) -> tuple:
+        """The kernel's pointer and stride arguments."""
+        def batch_stride(t):
+            return t.stride(0) if t.shape[0] > 1 else 0
+        return (self.cos, self.sin, self.key, self.value, self.position,
+                batch_stride(self.cos), batch_stride(self.sin), self.key.stride(0),
+                self.key.stride(1), self.value.stride(0), self.value.stride(1))
+
+
 def _launch_attend(query, key, value, mask, scale, plan: Split, branchless: bool,
-                   last_joins: bool, out: torch.Tensor | None):
+                   last_joins: bool, out: torch.Tensor | None, rope: Rope | None = None):
     """The attend kernel over ``plan``'s split: ``(part, stat)`` where it splits (joined into
-    ``out`` by its last program with ``last_joins``), else its output written to ``out``."""
+    ``out`` by its last program with ``last_joins``), else its output written to ``out``;
+    with ``rope``, the query and the new key rotated by the kernel, and the new key and value
+    read in place of the cache's slot at the position."""
     attend, _ = _kernels()
     batch, heads, _, head_dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
@@ -155,10 +179,11 @@ def _launch_attend(query, key, value, mask, scale, plan: Split, branchless: bool
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), *mask_strides,
         target.stride(0), target.stride(2) if target.dim() > 2 else 0,
+        *(rope.arguments() if rope is not None else (query,) * 5 + (0,) * 6),
         HEAD_DIM=head_dim, BLOCK_D=layout.block_d, BLOCK_R=layout.block_r, BLOCK_L=BLOCK_SLOTS,
         MASK=kind, SPLIT=parted, IEEE=query.dtype == torch.float32, BRANCHLESS=bool(branchless),
-        LAST_JOINS=bool(parted and last_joins), VALUES_EARLY=bool(VALUES_EARLY), num_warps=4,
-        num_stages=2)
+        LAST_JOINS=bool(parted and last_joins), VALUES_EARLY=bool(VALUES_EARLY),
+        ROPE=rope is not None, num_warps=4, num_stages=2)
     return part, stat
 
 
@@ -167,16 +192,26 @@ def _contiguous_heads(*tensors):
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
+def _contiguous_rope(rope: Rope | None) -> Rope | None:
+    if rope is None:
+        return None
+    cos, sin, key, value = _contiguous_heads(rope.cos, rope.sin, rope.key, rope.value)
+    return Rope(cos, sin, key, value, rope.position.reshape(-1))
+
+
 def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            mask: torch.Tensor | None, scale: float, splits: int | None = None,
-           branchless: bool | None = None, last_joins: bool | None = None) -> torch.Tensor:
+           branchless: bool | None = None, last_joins: bool | None = None,
+           rope: Rope | None = None) -> torch.Tensor:
     """The attention of ``query`` ``(B, H, 1, D)`` over ``key`` and ``value``
     ``(B, Hkv, L, D)`` with ``mask`` (boolean or additive, broadcastable to ``(B, H, 1, L)``,
     or None), as ``(B, 1, H, D)``, on the current stream; ``splits``: programs per (sequence,
     key-value head), else :func:`split_for`'s; ``branchless``: hidden stretches skipped by
     masked loads rather than a branch (default :data:`BRANCHLESS`); ``last_joins``: a split's
     parts joined by its last program rather than a second kernel (default
-    :data:`LAST_JOINS`)."""
+    :data:`LAST_JOINS`); ``rope``: the query before its rotary embedding, which the kernel
+    applies, and the step's new key and value read in place of the cache's slot at the
+    position (:class:`Rope`)."""
     branchless = BRANCHLESS if branchless is None else branchless
     last_joins = LAST_JOINS if last_joins is None else last_joins
     _, join = _kernels()
@@ -186,7 +221,7 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = torch.empty((batch, 1, heads, head_dim), dtype=query.dtype, device=query.device)
     plan = split_for(batch, kv_heads, slots, splits=splits)
     part, stat = _launch_attend(query, key, value, mask, scale, plan, branchless, last_joins,
-                                out)
+                                out, _contiguous_rope(rope))
     if plan.splits > 1 and not last_joins:
         layout = PartsLayout(heads // kv_heads, kv_heads, plan.splits, head_dim)
         join[(batch * kv_heads,)](part, stat, out, layout.groups, kv_heads, plan.splits,
@@ -231,17 +266,19 @@ def parts_layout(query_shape, key_shape, splits: int | None = None) -> PartsLayo
 
 
 def launch_parts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 mask: torch.Tensor | None, scale: float,
-                 splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 mask: torch.Tensor | None, scale: float, splits: int,
+                 rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The attend kernel alone over ``splits`` programs per (sequence, key-value head), at
     least two: ``(part, stat)`` in :class:`PartsLayout`'s rows, for a kernel that joins them
-    as it reads them (:func:`nimble.gemv_prologues.gemv_joined`)."""
+    as it reads them (:func:`nimble.gemv_prologues.gemv_joined`); ``rope`` as for
+    :func:`launch`."""
     query, key, value = _contiguous_heads(query, key, value)
     plan = split_for(query.shape[0], key.shape[1], key.shape[2], splits=splits)
     if plan.splits < 2:
         raise InputError(f"launch_parts splits the cache's slots over programs: {splits} "
                          f"programs of {key.shape[2]} slots is no split")
-    return _launch_attend(query, key, value, mask, scale, plan, False, False, None)
+    return _launch_attend(query, key, value, mask, scale, plan, False, False, None,
+                          _contiguous_rope(rope))
 
 
 def parts_reference(query, key, value, mask, scale: float,

@@ -36,13 +36,41 @@ def join_pair(part_ptr, stat_ptr, out_ptr, pair, groups, kv_heads, splits, sob, 
              mask=(r < groups)[:, None] & (d < HEAD_DIM)[None, :])
 
 @triton.jit
+def rotated(ptr, row_offsets, row_ok, d, d_ok, cos, sin, HEAD_DIM: tl.constexpr):
+    """Rows of head vectors at ``ptr + row_offsets`` with the rotary embedding applied as
+    transformers' ``rotate_half`` form applies it (``x * cos + rotate_half(x) * sin``), in
+    float32, rounded once to the vector's dtype."""
+    half = HEAD_DIM // 2
+    partner = tl.where(d < half, d + half, d - half)
+    sign = tl.where(d < half, -1.0, 1.0)
+    ok = row_ok[:, None] & d_ok[None, :]
+    x = tl.load(ptr + row_offsets[:, None] + d[None, :], mask=ok, other=0.0)
+    xp = tl.load(ptr + row_offsets[:, None] + partner[None, :], mask=ok, other=0.0)
+    y = x.to(tl.float32) * cos[None, :] + sign[None, :] * xp.to(tl.float32) * sin[None, :]
+    return y.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def rotated_vector(ptr, d, d_ok, cos, sin, HEAD_DIM: tl.constexpr):
+    """One head vector at ``ptr``, rotated as :func:`rotated` rotates rows."""
+    half = HEAD_DIM // 2
+    partner = tl.where(d < half, d + half, d - half)
+    sign = tl.where(d < half, -1.0, 1.0)
+    x = tl.load(ptr + d, mask=d_ok, other=0.0)
+    xp = tl.load(ptr + partner, mask=d_ok, other=0.0)
+    y = x.to(tl.float32) * cos + sign * xp.to(tl.float32) * sin
+    return y.to(ptr.dtype.element_ty)
+
+
+@triton.jit
 def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr, scale,
            slots, groups, kv_heads, splits, slots_per_split,
            sqb, sqh, skb, skh, skl, svb, svh, svl, smb, smh, sml, sob, soh,
+           cos_ptr, sin_ptr, kn_ptr, vn_ptr, pos_ptr, scb, ssb, sknb, sknh, svnb, svnh,
            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
            BLOCK_L: tl.constexpr, MASK: tl.constexpr, SPLIT: tl.constexpr,
            IEEE: tl.constexpr, BRANCHLESS: tl.constexpr, LAST_JOINS: tl.constexpr,
-           VALUES_EARLY: tl.constexpr):
+           VALUES_EARLY: tl.constexpr, ROPE: tl.constexpr):
     pair = tl.program_id(0)  # (sequence, key-value head)
     split = tl.program_id(1)
     b = pair // kv_heads
@@ -52,8 +80,19 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
     heads = g * groups + r
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROPE:
+        # the query and the step's new key before their rotary embedding: rotated here, and
+        # the new key and value stand in for the cache's slot at the position (which the
+        # cache's own write, after this kernel, fills with the same key and value)
+        cos = tl.load(cos_ptr + b * scb + d, mask=d_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + b * ssb + d, mask=d_ok, other=0.0).to(tl.float32)
+        q = rotated(q_ptr, b * sqb + heads * sqh, row_ok, d, d_ok, cos, sin, HEAD_DIM)
+        k_new = rotated_vector(kn_ptr + b * sknb + g * sknh, d, d_ok, cos, sin, HEAD_DIM)
+        v_new = tl.load(vn_ptr + b * svnb + g * svnh + d, mask=d_ok, other=0.0)
+        pos = tl.load(pos_ptr)
+    else:
+        q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
@@ -86,6 +125,8 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
         if run:
             k = tl.load(k_ptr + b * skb + g * skh + at[:, None] * skl + d[None, :],
                         mask=read[:, None] & d_ok[None, :], other=0.0)
+            if ROPE:
+                k = tl.where((at == pos)[:, None], k_new[None, :], k)
             if VALUES_EARLY:  # asked for beside the keys: one memory latency, not two
                 v = tl.load(v_ptr + b * svb + g * svh + at[:, None] * svl + d[None, :],
                             mask=read[:, None] & d_ok[None, :], other=0.0)
@@ -104,6 +145,8 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
             if not VALUES_EARLY:
                 v = tl.load(v_ptr + b * svb + g * svh + at[:, None] * svl + d[None, :],
                             mask=read[:, None] & d_ok[None, :], other=0.0)
+            if ROPE:
+                v = tl.where((at == pos)[:, None], v_new[None, :], v)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:

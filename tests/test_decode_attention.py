@@ -24,8 +24,9 @@ def interpreted() -> dict:
 def test_the_kernel_computes_attention_over_the_cache(interpreted):
     """Every shape (grouped heads, a head size no power of two, split and unsplit slots), dtype
     and kind of mask, each sequence of a batch at its own position, and a strided query."""
-    assert len(interpreted) == 31
-    for name, r in interpreted.items():
+    plain = {n: r for n, r in interpreted.items() if not n.startswith("rope-")}
+    assert len(plain) == 31
+    for name, r in plain.items():
         limit = 2e-3 if "float16" in name else 1e-5
         assert r["shape_ok"] and r["error"] < limit, (name, r)
         # the hidden stretches skipped by masked loads, not a branch: the same bits
@@ -34,6 +35,20 @@ def test_the_kernel_computes_attention_over_the_cache(interpreted):
         assert r.get("last_joins_same", True), (name, r)
         # a block's values asked for beside its keys: the same bits
         assert r.get("values_early_same", True), (name, r)
+
+
+def test_the_kernel_rotates_the_query_and_reads_the_steps_key_and_value_itself(interpreted):
+    """With the rotary embedding and the step's new key and value given
+    (:mod:`nimble.attention_rope`): the same bits as the kernel on the rotated query and the
+    cache with the slot written, the cache's own slot (NaN) never read; the split's parts
+    too."""
+    rope = {n: r for n, r in interpreted.items() if n.startswith("rope-")}
+    assert len(rope) == 12
+    for name, r in rope.items():
+        limit = 2e-3 if "float16" in name else 1e-5
+        assert r["shape_ok"] and r["same"] and r["error"] < limit, (name, r)
+        assert r.get("parts_same", True), (name, r)
+    assert sum("parts_same" in r for r in rope.values()) == 8  # the split shapes
 
 
 def test_the_slots_are_split_until_the_call_has_its_programs():

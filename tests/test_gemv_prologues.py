@@ -319,14 +319,18 @@ def test_the_attend_kernel_compiles_in_both_forms_its_launches_give_it():
 
     ints = ("slots", "groups", "kv_heads", "splits", "slots_per_split", "sqb", "sqh", "skb",
             "skh", "skl", "svb", "svh", "svl", "smb", "smh", "sml", "sob", "soh")
-    for split, out, early in ((True, "*fp32", False), (False, "*bf16", False),
-                              (True, "*fp32", True)):
+    rope_ints = ("scb", "ssb", "sknb", "sknh", "svnb", "svnh")
+    for split, out, early, rope in ((True, "*fp32", False, False), (False, "*bf16", False, False),
+                                    (True, "*fp32", True, False), (True, "*fp32", False, True),
+                                    (False, "*bf16", True, True)):
         signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i1",
                      "out_ptr": out, "part_ptr": "*fp32", "stat_ptr": "*fp32",
-                     "count_ptr": "*i32", "scale": "fp32", **{i: "i32" for i in ints}}
+                     "count_ptr": "*i32", "scale": "fp32", **{i: "i32" for i in ints},
+                     "cos_ptr": "*bf16", "sin_ptr": "*bf16", "kn_ptr": "*bf16",
+                     "vn_ptr": "*bf16", "pos_ptr": "*i64", **{i: "i32" for i in rope_ints}}
         constexprs = {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16, "BLOCK_L": 64, "MASK": 1,
                       "SPLIT": split, "IEEE": False, "BRANCHLESS": False, "LAST_JOINS": False,
-                      "VALUES_EARLY": early}
+                      "VALUES_EARLY": early, "ROPE": rope}
         signature.update({name: "constexpr" for name in constexprs})
         kernel = triton.compile(ASTSource(fn=kernels.attend, signature=signature,
                                           constexprs=constexprs),

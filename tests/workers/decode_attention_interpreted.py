@@ -12,6 +12,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
+import nimble.attention_rope as ar  # noqa: E402
 import nimble.decode_attention as da  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for its helpers
@@ -73,12 +74,58 @@ def strided() -> dict:
             "shape_ok": tuple(got.shape) == (2, 1, 4, 32)}
 
 
+def rope_case(shape, dtype_name: str, mask_kind: str) -> dict:
+    """The kernel rotating the query and the new key itself and reading the new key and value
+    in place of the cache's slot (NaN before the step, so a read of it shows), against the
+    kernel on the rotated query and the written cache; and the split's parts."""
+    batch, heads, kv_heads, slots, head_dim, splits = shape
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(2)
+    fused = torch.randn(batch, 1, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q, k_new, v_new = (t.view(batch, 1, -1, head_dim).transpose(1, 2) for t in fused.split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1))  # strided views
+    k, v = (torch.randn(batch, kv_heads, slots, head_dim, dtype=dtype) for _ in range(2))
+    position = torch.tensor([slots // 2 + 3])
+    k[:, :, position], v[:, :, position] = float("nan"), float("nan")
+    angle = torch.randn(1, 1, 1, head_dim // 2).repeat(1, 1, 1, 2)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    keep = (torch.arange(slots) <= position).view(1, 1, 1, slots).expand(batch, 1, 1, slots)
+    mask = {"bool": keep, "none": None,
+            "additive": torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)}[mask_kind]
+    rope = da.Rope(cos, sin, k_new, v_new, position)
+    got = da.launch(q, k, v, mask, head_dim ** -0.5, splits, rope=rope)
+    qr, kr, vr = ar.reference_inputs(q, k, v, rope)
+    want = da.launch(qr, kr, vr, mask, head_dim ** -0.5, splits)
+    out = {"case": f"rope-{shape}-{dtype_name}-{mask_kind}",
+           "same": bool(torch.equal(got, want)),
+           "error": error(got, reference(qr, kr, vr, None if mask is None else keep,
+                                         head_dim ** -0.5)),
+           "shape_ok": tuple(got.shape) == (batch, 1, heads, head_dim)}
+    plan = da.split_for(batch, kv_heads, slots, splits=splits)
+    if plan.splits > 1:
+        part, stat = da.launch_parts(q, k, v, mask, head_dim ** -0.5, plan.splits, rope=rope)
+        want_part, want_stat = da.launch_parts(qr, kr, vr, mask, head_dim ** -0.5, plan.splits)
+        out["parts_same"] = bool(torch.equal(part, want_part) and torch.equal(stat, want_stat))
+    return out
+
+
+ROPE_CASES = [  # batch, query heads, key-value heads, slots, head size, splits
+    (1, 32, 8, 192, 64, 3),  # a Llama 3.2 1B layer, split in three
+    (2, 6, 2, 130, 32, None),  # a batch, a ragged last block
+    (1, 4, 4, 70, 80, 1),  # a head size no power of two, unsplit
+]
+
+
 def main() -> int:
     for shape in CASES:
         for dtype in DTYPES:
             for mask in MASKS:
                 print(json.dumps(case(shape, dtype, mask)), flush=True)
     print(json.dumps(strided()), flush=True)
+    for shape in ROPE_CASES:
+        for dtype in DTYPES:
+            for mask in ("bool", "none"):
+                print(json.dumps(rope_case(shape, dtype, mask)), flush=True)
     return 0
 
 
