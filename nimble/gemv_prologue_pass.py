@@ -27,12 +27,14 @@ import torch
 from torch import fx
 
 from . import gemv_prologues  # noqa: F401  (registers the operators the pass inserts)
+from .fx_patterns import VIEWS, aten
+from .fx_patterns import is_call as _is
+from .fx_patterns import other_operand as _other
+from .fx_patterns import strip_convert as _strip_convert
+from .fx_patterns import strip_views as _strip_views
+from .fx_patterns import val as _val
 
 log = logging.getLogger("nimble")
-
-aten, prims = torch.ops.aten, torch.ops.prims
-VIEWS = (aten.reshape.default, aten.view.default)
-CONVERT = prims.convert_element_type.default
 
 
 @dataclass
@@ -44,37 +46,11 @@ class Fused:
     gated: int = 0
     joined: int = 0  # attentions whose split's join the GEMV after them took
     gemvs: int = 0  # the graph's GEMVs, folded or not
+    roped: int = 0  # attentions that took their rotary embedding and cache read
 
     @property
     def total(self) -> int:
         return self.rmsnorm + self.add_rmsnorm + self.gated + self.joined
-
-
-def _val(node) -> Optional[torch.Tensor]:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
-def _is(node, *targets) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def _strip_views(node):
-    while _is(node, *VIEWS):
-        node = node.args[0]
-    return node
-
-
-def _strip_convert(node, dtype=None):
-    """``node`` without a dtype conversion on top (to ``dtype`` where given)."""
-    if _is(node, CONVERT) and (dtype is None or node.args[1] == dtype):
-        return node.args[0]
-    return node
-
-
-def _other(node, one):
-    """The operand of a binary ``node`` that is not ``one``, or None."""
-    a, b = node.args[:2]
-    return b if a is one else a if b is one else None
 
 
 def _vector_of(node, k: int, dtype) -> bool:
@@ -197,12 +173,19 @@ def _only_feeds(node, gemv) -> bool:
         node = users[0]
 
 
+def _attentions() -> tuple:
+    from . import attention_rope  # noqa: F401  (registers decode_attention_rope)
+
+    return (torch.ops.nimble.decode_attention.default,
+            torch.ops.nimble.decode_attention_rope.default)
+
+
 def match_joined_attention(x, gemv, k: int):
     """``(attention node, parts layout)`` where ``x`` is a batch-1 ``nimble::decode_attention``
-    whose cache the kernel splits, read by ``gemv`` alone."""
+    (or ``decode_attention_rope``) whose cache the kernel splits, read by ``gemv`` alone."""
     from . import decode_attention as da
 
-    if not _is(x, torch.ops.nimble.decode_attention.default) or not _only_feeds(x, gemv):
+    if not _is(x, *_attentions()) or not _only_feeds(x, gemv):
         return None
     query, key = _val(x.args[0]), _val(x.args[1])
     if query is None or key is None or query.shape[0] != 1 or query.numel() != k \
@@ -213,9 +196,12 @@ def match_joined_attention(x, gemv, k: int):
 
 
 def _fold_joined(graph, gemv, attention, layout, weight, config):
+    roped = attention.target == torch.ops.nimble.decode_attention_rope.default
     with graph.inserting_before(gemv):
-        parts = graph.call_function(torch.ops.nimble.decode_attention_parts.default,
-                                    (*attention.args[:5], layout.splits))
+        parts = graph.call_function(
+            torch.ops.nimble.decode_attention_rope_parts.default if roped
+            else torch.ops.nimble.decode_attention_parts.default,
+            (*attention.args[:5], layout.splits, *attention.args[5:]))
         part = graph.call_function(operator.getitem, (parts, 0))
         stat = graph.call_function(operator.getitem, (parts, 1))
         new = graph.call_function(torch.ops.nimble.gemv_joined.default,
@@ -302,7 +288,10 @@ def _source_hash() -> str:
     digest = hashlib.sha256()
     from . import decode_attention
 
-    for path in (Path(__file__), Path(gemv_prologues.__file__), Path(decode_attention.__file__)):
+    from . import attention_rope, attention_rope_pass
+
+    for path in (Path(__file__), Path(gemv_prologues.__file__), Path(decode_attention.__file__),
+                 Path(attention_rope.__file__), Path(attention_rope_pass.__file__)):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -314,43 +303,55 @@ def _make_pass():
         """The pass as Inductor's ``post_grad_custom_post_pass``; it chains to the pass that
         was set before it (``then``)."""
 
-        def __init__(self, then=None, join_attention: bool = False) -> None:
+        def __init__(self, then=None, join_attention: bool = False,
+                     rope_attention: bool = False) -> None:
             self.then = then
             self.join_attention = join_attention
+            self.rope_attention = rope_attention
             self.runs: list[Fused] = []  # what each graph compiled with the pass folded
 
         def __call__(self, graph: fx.Graph) -> None:
+            roped = 0
+            if self.rope_attention:
+                from .attention_rope_pass import fold_rope
+
+                roped = fold_rope(graph)
             done = fuse(graph, self.join_attention)
+            done.roped = roped
             self.runs.append(done)
-            if done.total:
+            if done.total or roped:
                 log.info("gemv prologues: %d of %d GEMVs folded (%d norms of a residual sum, "
-                         "%d norms, %d gated activations, %d attention joins)", done.total,
-                         done.gemvs, done.add_rmsnorm, done.rmsnorm, done.gated, done.joined)
+                         "%d norms, %d gated activations, %d attention joins); %d attentions "
+                         "took their rotary embedding", done.total, done.gemvs,
+                         done.add_rmsnorm, done.rmsnorm, done.gated, done.joined, roped)
             if self.then is not None:
                 self.then(graph)
 
         def uuid(self):
             then = self.then.uuid() if self.then is not None else None
             joins = "-joins" if self.join_attention else ""
-            return f"nimble-gemv-prologues{joins}-{_source_hash()}-{then}"
+            rope = "-rope" if self.rope_attention else ""
+            return f"nimble-gemv-prologues{joins}{rope}-{_source_hash()}-{then}"
 
     return GemvPrologues
 
 
-def make_pass(then=None, join_attention: bool = False):
+def make_pass(then=None, join_attention: bool = False, rope_attention: bool = False):
     """A fresh pass (chained to ``then``, a pass set before it; ``join_attention``: see
-    :func:`fuse`)."""
-    return _make_pass()(then, join_attention)
+    :func:`fuse`; ``rope_attention``: :func:`nimble.attention_rope_pass.fold_rope` first)."""
+    return _make_pass()(then, join_attention, rope_attention)
 
 
 @contextlib.contextmanager
-def fusing(join_attention: bool = False) -> Iterator:
+def fusing(join_attention: bool = False, rope_attention: bool = False) -> Iterator:
     """Inductor's compilations inside the block run the pass (after any pass already set);
     yields the pass, whose ``runs`` say what it folded in each graph.  ``join_attention``
-    also folds the join of a split ``nimble::decode_attention`` into the GEMV that reads it
-    (not yet measured on a GPU: off unless asked)."""
+    also folds the join of a split ``nimble::decode_attention`` into the GEMV that reads it,
+    ``rope_attention`` the rotary embedding and the cache read into the attention
+    (:mod:`nimble.attention_rope_pass`); neither measured on a GPU yet: off unless asked."""
     import torch._inductor.config as inductor_config
 
-    the_pass = make_pass(inductor_config.post_grad_custom_post_pass, join_attention)
+    the_pass = make_pass(inductor_config.post_grad_custom_post_pass, join_attention,
+                         rope_attention)
     with inductor_config.patch(post_grad_custom_post_pass=the_pass):
         yield the_pass

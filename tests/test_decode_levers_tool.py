@@ -22,7 +22,8 @@ def test_a_variants_name_joins_the_levers_it_sets():
                  "split-attention+gemv", "branchless+gemv", "last-joins+gemv",
                  "wide-split+coordinate+gemv", "attention+coordinate+gemv-prologues",
                  "coordinate+joined-attention", "gap-prefetch+gemv", "window-prefetch",
-                 "values-early+coordinate+gemv-prologues"):
+                 "values-early+coordinate+gemv-prologues",
+                 "rope-attention+coordinate+joined-attention"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
@@ -30,7 +31,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert any(w in name for w in ("gemv", "joined")) == variant.fast_gemv, name
         assert ("joined" in name) == variant.join_attention, name
         assert any(w in name for w in ("attention", "branchless", "last-joins",
-                                       "wide-split", "values-early")) == \
+                                       "wide-split", "values-early", "rope")) == \
             variant.decode_attention, name
         assert ("prefetch" in name) == bool(variant.prefetch_l2), name
         assert variant.prefetch_l2 in (False, True, "gaps", "windows"), name
@@ -41,6 +42,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert ("branchless" in name) == variant.branchless, name
         assert ("last-joins" in name) == variant.last_joins, name
         assert ("values-early" in name) == variant.values_early, name
+        assert ("rope-attention" in name) == variant.rope_attention, name
         assert ("wide-split" in name) == variant.wide_split, name
         assert any(w in name for w in ("prologues", "joined")) == variant.gemv_prologues, name
     with pytest.raises(KeyError):

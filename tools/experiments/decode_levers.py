@@ -14,13 +14,16 @@ tuning), ``gemv`` (:func:`nimble.fast_gemv`), ``attention`` (:func:`nimble.decod
 cache split over programs, not read unsplit where it is short), ``branchless`` (the attention
 kernel's hidden stretches skipped by masked loads, not a branch), ``last-joins`` (a split's
 parts joined by its last program, not a second kernel), ``values-early`` (the attention
-kernel asks for a block's values beside its keys: :data:`nimble.decode_attention.VALUES_EARLY`), ``wide-split`` (the attention's split
+kernel asks for a block's values beside its keys: :data:`nimble.decode_attention.VALUES_EARLY`),
+``wide-split`` (the attention's split
 aiming for twice :data:`nimble.decode_attention.TARGET_PROGRAMS`: at batch 8 the kernel alone
 is faster with 4 programs a head than the rule's 3), ``gemv-within-10`` (``gemv``, a shape's
 GEMV kept where it is at most 10% slower than torch's GEMM), ``gemv-prologues`` (``gemv``, and
 each GEMV fed by an RMS norm or a gated activation computing that vector itself:
 :mod:`nimble.gemv_prologue_pass`), ``joined-attention`` (``gemv-prologues`` and ``attention``,
-the attention's split joined by the output projection's GEMV as it reads it).  Every variant runs on one
+the attention's split joined by the output projection's GEMV as it reads it),
+``rope-attention`` (``attention``, its rotary embedding and cache read in the attention
+kernel: :mod:`nimble.attention_rope_pass`).  Every variant runs on one
 model (built once, its sibling projections fused unless ``--no-fuse``); a ``gemv`` variant
 changes the model's modules for good and runs after the others.  The Inductor settings of a
 variant (``combo_kernels`` always) and the module constants it sets are set around both rows'
@@ -53,6 +56,7 @@ class Variant:
     wide_split: bool = False  # the attention's split aims for twice TARGET_PROGRAMS
     gemv_prologues: bool = False  # nimble.gemv_prologue_pass around both rows' compilations
     join_attention: bool = False  # ... with the attention's join folded into its GEMV
+    rope_attention: bool = False  # the rotary embedding and cache read folded into the attention
 
 
 COMBO = {"combo_kernels": True}
@@ -75,6 +79,7 @@ LEVERS = {
     "gemv-within-10": {"fast_gemv": True, "gemv_margin": -0.10},
     "joined-attention": {"fast_gemv": True, "gemv_prologues": True, "decode_attention": True,
                          "join_attention": True},
+    "rope-attention": {"decode_attention": True, "rope_attention": True},
 }
 
 
@@ -188,8 +193,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                        * (2 if lever.wide_split else 1))}
         from nimble.gemv_prologue_pass import fusing
 
-        folding = fusing(lever.join_attention) if lever.gemv_prologues \
-            else contextlib.nullcontext()
+        folding = fusing(lever.join_attention, lever.rope_attention) \
+            if lever.gemv_prologues or lever.rope_attention else contextlib.nullcontext()
         with inductor_config.patch(**lever.inductor), _patched(patches), folding as folded:
             rows = {"compiled loop": compiled_loop(model, cache_len)}
             generator = Generator(model, cache_len, [args.prompt], [args.batch],
