@@ -321,3 +321,24 @@ def test_a_kernel_unloaded_since_the_prepare_refuses_the_save_saying_so(monkeypa
     monkeypatch.setattr(kb.driver, "function_fingerprint", busy)
     with pytest.raises(CudaError, match="CUDA_ERROR_UNKNOWN"):
         saving._Kernels({}).index(task, 8)
+
+
+def test_an_unloaded_kernels_refusal_says_what_the_kept_owners_hold():
+    """Whether an object the graph keeps still holds the handle (another holder of its
+    module unloaded it) or none does (an owner was closed): what to look at next."""
+    from types import SimpleNamespace
+
+    from nimble.engine import saving
+
+    class Launcher:  # an owner as Inductor's static launcher holds a kernel
+        def __init__(self, function):
+            self.function = function
+
+    prepared = SimpleNamespace(kernel_owners=[Launcher(7), Launcher(9)])
+    said = saving._owners_state(prepared, 7)
+    assert "keeps 1 object(s) still holding it (Launcher)" in said
+    assert "another object holding its module unloaded it" in said
+    prepared.kernel_owners[0].function = None
+    said = saving._owners_state(prepared, 7)
+    assert "no object the graph keeps holds it any more; 1 of the 2 it keeps were closed " \
+           "(Launcher)" in said

@@ -132,6 +132,23 @@ def _function_of(params):
     return params.func
 
 
+def _owners_state(prepared: Prepared, handle: int) -> str:
+    """What the objects a graph keeps for its Triton kernels say of an unloaded ``handle``:
+    whether one still holds it (another object, holding the same module, unloaded it) or none
+    does any more (an owner was closed: its ``close()`` unloads the module, kept or not)."""
+    held = [o for o in prepared.kernel_owners
+            if (getattr(o, "__dict__", None) or {}).get("function") == handle]
+    closed = [o for o in prepared.kernel_owners
+              if (getattr(o, "__dict__", None) or {}).get("function") is None]
+    if held:
+        return (f"the graph keeps {len(held)} object(s) still holding it "
+                f"({', '.join(sorted({type(o).__name__ for o in held}))}): another object "
+                "holding its module unloaded it")
+    return (f"no object the graph keeps holds it any more; {len(closed)} of the "
+            f"{len(prepared.kernel_owners)} it keeps were closed "
+            f"({', '.join(sorted({type(o).__name__ for o in closed})) or 'none'})")
+
+
 def _node_rows(prepared: Prepared, kernels: _Kernels) -> list[dict]:
     """One stored node per task (see the module docstring)."""
     rows = []
@@ -143,7 +160,11 @@ def _node_rows(prepared: Prepared, kernels: _Kernels) -> list[dict]:
                 attributes = driver.kernel_node_attributes(node)
             except driver.ProcessBoundNode as e:
                 raise SaveError(f"{where} cannot be written down: {e}") from None
-            rows.append({"kernel": kernels.index(task, function),
+            try:
+                kernel = kernels.index(task, function)
+            except SaveError as e:
+                raise SaveError(f"{e} ({_owners_state(prepared, int(function))})") from None
+            rows.append({"kernel": kernel,
                          "attributes": {str(k): v.hex() for k, v in attributes.items()}})
         elif task.kind == TaskKind.MEMSET:
             rows.append({"memset": _unrelocated(task, driver.memset_fields(node),
