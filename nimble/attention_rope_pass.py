@@ -7,8 +7,8 @@ inputs with the step's key (rotated with the same ``cos`` and ``sin``) and value
 position (``index_put`` or ``index_copy`` over the slots), the pass calls
 ``nimble::decode_attention_rope`` (:mod:`nimble.attention_rope`) on the unrotated query and
 key, the new value and the caches as the graph received them.  The cache writes stay, moved
-after the attention so that Inductor still writes them in place; nothing else reads the query's
-rotation, which goes.  Anything else (a partial or interleaved rotary embedding, a cache that
+after the attention (so that Inductor still writes them in place: to the graph's end by
+default); nothing else reads the query's rotation, which goes.  Anything else (a partial or interleaved rotary embedding, a cache that
 is no graph input, several positions) stays as it was.
 """
 from __future__ import annotations
@@ -25,6 +25,10 @@ from .fx_patterns import aten, is_call, operand_orders, val
 #: The cache writes the pass takes: ``index_put(cache, [None, None, index], new)`` and
 #: ``index_copy(cache, 2, index, new)``.
 WRITES = (aten.index_put.default, aten.index_copy.default)
+#: Whether the cache writes go as late as their readers allow (together at the graph's end,
+#: where Inductor's combo kernels may launch several as one) rather than right after their
+#: attention (measured slower: each a branch of the step's DAG of its own, docs/results.md).
+WRITES_LAST = True
 
 
 @dataclass(frozen=True)
@@ -144,17 +148,25 @@ def _fold(graph: fx.Graph, attention: fx.Node) -> Optional[fx.Node]:
     return new
 
 
-def _writes_after(graph: fx.Graph, folded: list[fx.Node]) -> None:
-    """Each folded attention's cache writes moved right after it: it reads the caches as the
-    graph received them, and a write before that read would keep Inductor from writing in
-    place."""
+def _move_writes(graph: fx.Graph, folded: list[fx.Node], last: bool) -> None:
+    """Each folded attention's cache writes moved after it: it reads the caches as the graph
+    received them, and a write before that read would keep Inductor from writing in place.
+    With ``last``, each goes as late as its readers allow (before its first reader, the copy
+    back into the graph's input at the end): the layers' writes then stand together, off the
+    layers' chain, where Inductor may launch them as one combo kernel; else right after the
+    attention."""
     for attention in folded:
         after = attention
         for cache in attention.args[1:3]:
             for write in [u for u in cache.users if u is not attention and match_cache_write(u)]:
                 order = {n: i for i, n in enumerate(graph.nodes)}
-                if order[write] < order[attention] and all(
-                        order[u] > order[attention] for u in write.users):
+                readers = sorted(write.users, key=order.__getitem__)
+                if order[write] > order[attention] or any(
+                        order[u] < order[attention] for u in readers):
+                    continue
+                if last and readers:
+                    readers[0].prepend(write)
+                else:
                     after.append(write)
                     after = write
 
@@ -167,5 +179,5 @@ def fold_rope(graph: fx.Graph) -> int:
               if (new := _fold(graph, attention)) is not None]
     if folded:
         graph.eliminate_dead_code()  # the query's rotation, and views of the written caches
-        _writes_after(graph, folded)
+        _move_writes(graph, folded, WRITES_LAST)
     return len(folded)

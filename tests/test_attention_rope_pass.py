@@ -139,6 +139,21 @@ def test_a_tiny_llamas_attentions_take_their_rotary_embedding_and_cache_read(mon
     for place, ops, writes in inspect.folded:
         assert ops == ["placeholder", "placeholder"]
         assert len(writes) == 2 and all(w > place for w in writes)
+    # the writes together after the last attention, where Inductor may launch them as one
+    last = max(place for place, _, _ in inspect.folded)
+    assert all(w > last for _, _, writes in inspect.folded for w in writes)
+
+
+def test_the_writes_can_stay_right_after_their_attention(monkeypatch):
+    import nimble.attention_rope_pass as rope_pass
+
+    monkeypatch.setattr(rope_pass, "WRITES_LAST", False)
+    model, cache = _llama(monkeypatch, torch.float32)
+    inspect = Inspect()
+    _step(model, cache, rope=True, then=inspect)
+    (first, _, first_writes), (second, _, _) = sorted(inspect.folded)
+    assert sorted(first_writes) == [first + 1, first + 2]  # right after it, before the next
+    assert all(w < second for w in first_writes)
 
 
 def test_a_folded_attention_read_by_a_gemv_alone_gives_its_parts_to_the_joining_gemv(

@@ -23,7 +23,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
                  "wide-split+coordinate+gemv", "attention+coordinate+gemv-prologues",
                  "coordinate+joined-attention", "gap-prefetch+gemv", "window-prefetch",
                  "values-early+coordinate+gemv-prologues",
-                 "rope-attention+coordinate+joined-attention"):
+                 "rope-attention+coordinate+joined-attention", "rope-writes-after+gemv"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
@@ -42,7 +42,9 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert ("branchless" in name) == variant.branchless, name
         assert ("last-joins" in name) == variant.last_joins, name
         assert ("values-early" in name) == variant.values_early, name
-        assert ("rope-attention" in name) == variant.rope_attention, name
+        assert any(w in name for w in ("rope-attention", "rope-writes")) == \
+            variant.rope_attention, name
+        assert ("rope-writes-after" in name) == variant.rope_writes_after, name
         assert ("wide-split" in name) == variant.wide_split, name
         assert any(w in name for w in ("prologues", "joined")) == variant.gemv_prologues, name
     with pytest.raises(KeyError):

@@ -23,7 +23,8 @@ each GEMV fed by an RMS norm or a gated activation computing that vector itself:
 :mod:`nimble.gemv_prologue_pass`), ``joined-attention`` (``gemv-prologues`` and ``attention``,
 the attention's split joined by the output projection's GEMV as it reads it),
 ``rope-attention`` (``attention``, its rotary embedding and cache read in the attention
-kernel: :mod:`nimble.attention_rope_pass`).  Every variant runs on one
+kernel: :mod:`nimble.attention_rope_pass`; ``rope-writes-after`` with the cache writes right
+after each attention, not together at the graph's end).  Every variant runs on one
 model (built once, its sibling projections fused unless ``--no-fuse``); a ``gemv`` variant
 changes the model's modules for good and runs after the others.  The Inductor settings of a
 variant (``combo_kernels`` always) and the module constants it sets are set around both rows'
@@ -57,6 +58,7 @@ class Variant:
     gemv_prologues: bool = False  # nimble.gemv_prologue_pass around both rows' compilations
     join_attention: bool = False  # ... with the attention's join folded into its GEMV
     rope_attention: bool = False  # the rotary embedding and cache read folded into the attention
+    rope_writes_after: bool = False  # ... its cache writes right after it, not at the graph's end
 
 
 COMBO = {"combo_kernels": True}
@@ -80,6 +82,8 @@ LEVERS = {
     "joined-attention": {"fast_gemv": True, "gemv_prologues": True, "decode_attention": True,
                          "join_attention": True},
     "rope-attention": {"decode_attention": True, "rope_attention": True},
+    "rope-writes-after": {"decode_attention": True, "rope_attention": True,
+                          "rope_writes_after": True},
 }
 
 
@@ -154,6 +158,7 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
     from nimble.engine.options import PrepareOptions
     from nimble.generate import Generator, prepare_with_nimble
 
+    from nimble import attention_rope_pass as rope_pass
     from nimble import decode_attention as attention_module
     from nimble import decode_steps
 
@@ -189,6 +194,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                   or attention_module.LAST_JOINS),
                    "VALUES_EARLY": (attention_module, lever.values_early
                                     or attention_module.VALUES_EARLY),
+                   "WRITES_LAST": (rope_pass, rope_pass.WRITES_LAST
+                                   and not lever.rope_writes_after),
                    "TARGET_PROGRAMS": (attention_module, attention_module.TARGET_PROGRAMS
                                        * (2 if lever.wide_split else 1))}
         from nimble.gemv_prologue_pass import fusing
