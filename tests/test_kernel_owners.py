@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from nimble.engine import kernel_owners
+from nimble.engine import kernel_binaries, kernel_owners
 from nimble.ir.taskgraph import TaskKind
 from nimble.record import binaries
 
@@ -36,14 +36,21 @@ def graph_of(monkeypatch):
                         or types.ModuleType("triton"))
     monkeypatch.setattr(kernel_owners.driver, "kernel_node_params",
                         lambda node: SimpleNamespace(func=node))
+    # what LiveKernel.of asks the driver of a function
+    monkeypatch.setattr(kernel_binaries.driver, "function_fingerprint",
+                        lambda f: {"NUM_REGS": f % 97})
+    monkeypatch.setattr(kernel_binaries.driver, "function_param_layout", lambda f: [(0, 8)])
+    monkeypatch.setattr(kernel_binaries.driver, "function_attributes", lambda f, names: {})
 
     def make(functions):
         """A stand-in prepared graph (its graph, built phases and kept owners)."""
         kinds = [TaskKind.KERNEL] * len(functions) + [TaskKind.MEMSET]
-        graph = SimpleNamespace(tasks=[SimpleNamespace(kind=k) for k in kinds])
+        graph = SimpleNamespace(tasks=[SimpleNamespace(kind=k, name=f"triton_poi_{i}",
+                                                       block=(128, 1, 1), shared_mem=0)
+                                       for i, k in enumerate(kinds)])
         nodes = list(functions) + [None]
         return SimpleNamespace(graph=graph, builts=[None], built_nodes=lambda phase: nodes,
-                               kernel_owners=[])
+                               kernel_owners=[], kernel_facts={})
     return make
 
 
@@ -87,3 +94,62 @@ def test_a_graph_whose_nodes_cannot_be_read_keeps_nothing_and_warns(graph_of, mo
         kernel_owners.keep_owners([prepared])
     assert prepared.kernel_owners == []
     assert "keep the compiled model alive" in caplog.text
+
+
+def test_what_a_save_needs_of_each_triton_kernel_is_taken_at_the_prepare(graph_of,
+                                                                         monkeypatch, caplog):
+    """Facts of the graph's Triton kernels (not of a library's kernel), so that a save reads
+    them and not the driver: one whose module was closed since is still written down."""
+    from nimble.engine import saving
+
+    held = _CompiledKernel(0x6000)
+    prepared = graph_of([0x6000, 0x7000])  # 0x7000: no Triton object holds it (a library's)
+    kernel_owners.keep_owners([prepared])
+    assert list(prepared.kernel_facts) == [0x6000]
+    fact = prepared.kernel_facts[0x6000]
+    assert (fact.name, fact.triton_hash, fact.held_image, fact.threads) == \
+        ("triton_poi_0", "h24576", b"cubin", 128)
+    assert held.function == 0x6000
+
+    from nimble.errors import CudaError
+
+    def unloaded(f):
+        raise CudaError("cuFuncGetAttribute", 400, "CUDA_ERROR_INVALID_HANDLE", "NUM_REGS")
+    monkeypatch.setattr(kernel_binaries.driver, "function_fingerprint", unloaded)
+    monkeypatch.setattr(saving.driver, "function_fingerprint", unloaded)
+    kernels = saving._Kernels({}, prepared.kernel_facts)
+    with caplog.at_level("WARNING", logger="nimble"):
+        assert kernels.index(prepared.graph.tasks[0], 0x6000) == 0
+    assert kernels.kernels == [fact]  # written from the prepare's facts
+    assert "triton_poi_0 of this graph was unloaded after its prepare" in caplog.text
+
+
+def test_a_kernel_unloaded_before_the_prepare_ends_is_left_out_with_a_warning(graph_of,
+                                                                             monkeypatch,
+                                                                             caplog):
+    from nimble.errors import CudaError
+
+    held = _CompiledKernel(0x8000)
+    prepared = graph_of([0x8000])
+
+    def gone(f):
+        raise CudaError("cuFuncGetAttribute", 400, "CUDA_ERROR_INVALID_HANDLE",
+                        "MAX_THREADS_PER_BLOCK")
+    monkeypatch.setattr(kernel_binaries.driver, "function_fingerprint", gone)
+    with caplog.at_level("WARNING", logger="nimble"):
+        kernel_owners.keep_owners([prepared])
+    assert prepared.kernel_facts == {} and prepared.kernel_owners == [held]
+    assert "triton_poi_0 of a graph being prepared is no longer loaded" in caplog.text
+
+
+def test_a_driver_that_answers_otherwise_leaves_the_kernel_to_the_save(graph_of, monkeypatch):
+    from nimble.errors import CudaError
+
+    held = _CompiledKernel(0x9000)
+    prepared = graph_of([0x9000])
+
+    def old_driver(f):
+        raise CudaError("cuFuncGetParamInfo", 500, "CUDA_ERROR_NOT_FOUND")
+    monkeypatch.setattr(kernel_binaries.driver, "function_param_layout", old_driver)
+    kernel_owners.keep_owners([prepared])  # the prepare goes on
+    assert prepared.kernel_facts == {} and prepared.kernel_owners == [held]

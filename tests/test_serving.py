@@ -354,7 +354,8 @@ class _Stages:
             priorities=None, prefetch=[],
             builts=[SimpleNamespace(device_launch_refusal="")],
             graph=SimpleNamespace(meta={}, tasks=[]), built_nodes=lambda phase: [],
-            launcher=SimpleNamespace(lock=region.order.lock), recording=None, kernel_owners=[])
+            launcher=SimpleNamespace(lock=region.order.lock), recording=None, kernel_owners=[],
+            kernel_facts={})
         built.close = lambda: self.closed.append(built.key)
         self.built.append(built)
         return built

@@ -407,6 +407,7 @@ def prepare_serving(model, examples: list, *, instances: int, pad: bool, trainin
     for bucket in buckets:  # a copy launches the kernels of the graph it copies
         for copy in bucket.instances[1:]:
             copy.kernel_owners = list(bucket.instances[0].kernel_owners)
+            copy.kernel_facts = bucket.instances[0].kernel_facts
     for bucket, p in zip(buckets, planned):
         first = bucket.instances[0]
         first.recording = p.rec if options.keep_recording else None

@@ -117,6 +117,9 @@ class Prepared:
     #: The Python objects whose modules hold the Triton kernels a graph recorded here launches
     #: (:mod:`nimble.engine.kernel_owners`): kept as long as the graph is.
     kernel_owners: list = field(default_factory=list, repr=False)
+    #: What a save needs of each of those kernels, taken while the prepare held them loaded
+    #: (``{CUfunction handle: LiveKernel}``, :func:`nimble.engine.kernel_owners.kernel_facts`).
+    kernel_facts: dict = field(default_factory=dict, repr=False)
 
     @property
     def built(self) -> BuiltGraph:

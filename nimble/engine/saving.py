@@ -86,20 +86,42 @@ def _unrelocated(task, fields: dict, bases, names: dict[str, str]) -> dict:
     return fields
 
 
+def _warn_if_unloaded(task, function) -> None:
+    """A warning where a kernel the prepare took the facts of was unloaded since: the file is
+    written from them, but this process's calls of the graph may launch code no longer
+    loaded."""
+    try:
+        driver.function_fingerprint(function)
+    except CudaError as e:
+        if e.name != "CUDA_ERROR_INVALID_HANDLE":
+            raise
+        log.warning("kernel %s of this graph was unloaded after its prepare (%s): the file is "
+                    "written from what the prepare took of it (its binary found by its hash), "
+                    "but this process's calls of the graph may launch code no longer loaded: "
+                    "prepare again before calling it here", task.name, e)
+
+
 class _Kernels:
     """The distinct kernels of every bucket, in first-seen order."""
 
-    def __init__(self, triton_loaded: dict[int, found.TritonLoaded] | None = None) -> None:
+    def __init__(self, triton_loaded: dict[int, found.TritonLoaded] | None = None,
+                 facts: dict[int, LiveKernel] | None = None) -> None:
         self.kernels: list[LiveKernel] = []
         self._index: dict[Any, int] = {}
         self._by_function: dict[int, int] = {}
         #: ``{function handle: what Triton kept of its loading}`` (read on first use).
         self._triton = triton_loaded
+        #: ``{function handle: LiveKernel}`` taken at the prepare
+        #: (:func:`nimble.engine.kernel_owners.kernel_facts`): read instead of the driver.
+        self._facts = facts or {}
 
     def index(self, task, function) -> int:
         handle = int(function)
         if handle in self._by_function:
             return self._by_function[handle]
+        if handle in self._facts:
+            _warn_if_unloaded(task, function)
+            return self._add(handle, self._facts[handle])
         if self._triton is None:
             self._triton = found.triton_loaded()
         loaded = self._triton.get(handle)
@@ -116,6 +138,9 @@ class _Kernels:
                 "the object that loaded it (Triton's or Inductor's) unloaded its module after "
                 "the graph was prepared, so the graph cannot be written down, and its calls may "
                 "launch code no longer loaded: prepare again and save") from None
+        return self._add(handle, kernel)
+
+    def _add(self, handle: int, kernel: LiveKernel) -> int:
         k = self._index.setdefault(kernel.key(), len(self.kernels))
         if k == len(self.kernels):
             self.kernels.append(kernel)
@@ -377,7 +402,10 @@ def save_graphs(graphs: list, path, *, weights: bool = True, quiet: bool = True,
     device = torch.cuda.current_device()
     torch.cuda.synchronize()
     blobs = BlobWriter()
-    kernels, outside = _Kernels(), _Outside(blobs, weights)
+    facts: dict = {}
+    for prepared in preparations:
+        facts.update(prepared.kernel_facts)
+    kernels, outside = _Kernels(facts=facts), _Outside(blobs, weights)
     say(f"writing down {len(preparations)} bucket(s)", quiet)
     buckets = [_bucket_row(p, kernels, outside, blobs) for p in preparations]
     memory, where = outside.memory_rows()

@@ -456,13 +456,27 @@ def triton_owners(functions: set[int]) -> dict[int, list]:
     """``{function: the objects holding it loaded}`` for the Triton kernels among
     ``functions`` (Triton's ``CompiledKernel``, Inductor's static launchers): each unloads its
     module when it is collected, so whatever launches those functions must keep them."""
+    return triton_owners_and_loaded(functions)[0]
+
+
+def triton_owners_and_loaded(functions: set[int]
+                             ) -> tuple[dict[int, list], dict[int, TritonLoaded]]:
+    """:func:`triton_owners` and :func:`triton_loaded` of the Triton kernels among
+    ``functions``, in one scan of the process's objects."""
     owners: dict[int, list] = {}
+    loaded: dict[int, TritonLoaded] = {}
     if "triton" not in sys.modules:
-        return owners  # no Triton kernel can be loaded in this process
-    for obj, function, _ in _triton_holders():
-        if function in functions:
-            owners.setdefault(function, []).append(obj)
-    return owners
+        return owners, loaded  # no Triton kernel can be loaded in this process
+    for obj, function, fields in _triton_holders():
+        if function not in functions:
+            continue
+        owners.setdefault(function, []).append(obj)
+        key = fields.get("hash")
+        if isinstance(key, str) and (function not in loaded or loaded[function].image is None):
+            image = next((fields[f] for f in ("kernel", "cubin_raw")
+                          if isinstance(fields.get(f), bytes) and fields[f]), None)
+            loaded[function] = TritonLoaded(key, image)
+    return owners, loaded
 
 
 def kernel_code(image: bytes, name: str) -> bytes | None:
