@@ -5,11 +5,11 @@ Where a compiled graph feeds ``nimble::decode_attention`` a query rotated in tra
 ``rotate_half`` form (``x * cos + rotate_half(x) * sin``), and caches that are the graph's
 inputs with the step's key (rotated with the same ``cos`` and ``sin``) and value written at one
 position (``index_put`` or ``index_copy`` over the slots), the pass calls
-``nimble::decode_attention_rope`` (:mod:`nimble.attention_rope`) on the unrotated query and
-key, the new value and the caches as the graph received them.  The cache writes stay, moved
-after the attention (so that Inductor still writes them in place: to the graph's end by
-default); nothing else reads the query's rotation, which goes.  Anything else (a partial or interleaved rotary embedding, a cache that
-is no graph input, several positions) stays as it was.
+``nimble::decode_attention_rope`` (:mod:`nimble.attention_rope`) on the unrotated query and key,
+the new value and the caches as the graph received them. The cache writes stay, moved after the
+attention (so that Inductor still writes them in place: to the graph's end by default); nothing
+else reads the query's rotation, which goes. Anything else (a partial or interleaved rotary
+embedding, a cache that is no graph input, several positions) stays as it was.
 """
 from __future__ import annotations
 

@@ -88,8 +88,8 @@ def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stri
 
 
 @triton.jit
-def joined_input(part_ptr, stat_ptr, cols, col_ok, groups, splits, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def joined_input(part_ptr, stat_ptr, cols, col_ok, groups, splits, HEAD_DIM: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
     """The attention's output at ``cols`` (query head ``h``, element ``d``), joined from its
     split's parts in split order as the join kernel joins them (batch 1), in float32 before
     the join kernel's rounding to the output's dtype."""

@@ -178,7 +178,8 @@ def _breakdown_text(info: dict) -> str:
         out.append(f"where {mode}'s decode step spends its time:\n{text}")
         for r in shape.get("prefetch_l2") or ():
             out.append(f"  weight prefetch ({r.get('plan', 'windows')}): {r['plain_ms']:.3f} ms "
-                       f"per launch without, {r['prefetch_ms']:.3f} with {r['windows']} prefetches of "
+                       f"per launch without, {r['prefetch_ms']:.3f} with {r['windows']} "
+                       "prefetches of "
                        f"{r['bytes'] / 1e6:.1f} MB in all; "
                        + ("kept\n" if r["kept"] else "not kept\n"))
         for r in shape.get("programmatic") or ():

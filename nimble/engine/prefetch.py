@@ -2,12 +2,12 @@
 (``PrepareOptions(prefetch_l2=True)``; issue 53).
 
 :mod:`nimble.analysis.prefetch` plans, per phase, windows of weights (or the weights read after
-a gap) and the task after which each prefetch may start.  Each window becomes one ``nimble_prefetch_l2`` node per
-contiguous address range (``kernels/prefetch_l2.ptx``, :mod:`nimble.engine.prefetch_nodes`),
-after its anchor task's node (the first window's after the input gathers, or a root), at the
-device's least priority so that the schedule's kernels take the SMs first; nothing waits for
-them.  A prefetch only reads weights, so the graph computes what it computed without them, and
-the proof holds as for any build.
+a gap) and the task after which each prefetch may start. Each window becomes one
+``nimble_prefetch_l2`` node per contiguous address range (``kernels/prefetch_l2.ptx``,
+:mod:`nimble.engine.prefetch_nodes`), after its anchor task's node (the first window's after the
+input gathers, or a root), at the device's least priority so that the schedule's kernels take
+the SMs first; nothing waits for them. A prefetch only reads weights, so the graph computes what
+it computed without them, and the proof holds as for any build.
 
 :func:`pick_prefetch` builds a phase with the plan and times it against the phase as built
 (:func:`nimble.analysis.backfill.fastest`, the measured choice the tail backfill and the
