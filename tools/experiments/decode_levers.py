@@ -28,7 +28,9 @@ attention, not together at the graph's end). Every variant runs on one model (bu
 sibling projections fused unless ``--no-fuse``); a ``gemv`` variant changes the model's modules
 for good and runs after the others. The Inductor settings of a variant (``combo_kernels``
 always) and the module constants it sets are set around both rows' compilations, so the baseline
-gets every lever that is not Nimble's own. """ from __future__ import annotations
+gets every lever that is not Nimble's own.
+"""
+from __future__ import annotations
 
 import argparse
 import contextlib
