@@ -192,3 +192,39 @@ def test_a_model_not_on_sdpa_or_swapped_twice_is_refused():
         da.decode_attention(model)
     with pytest.raises(InputError, match="nn.Module"):
         da.decode_attention("model")
+
+
+def test_the_values_early_switch_asks_for_the_values_before_the_scores_in_the_ptx():
+    """VALUES_EARLY's point, in the code Triton writes for sm_90: every global load of a block
+    (its keys and values) comes before the block's first exponential; without it the values'
+    loads come after."""
+    triton = pytest.importorskip("triton", reason="compiles with Triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import nimble.decode_attention_kernels as kernels
+
+    ints = ("slots", "groups", "kv_heads", "splits", "slots_per_split", "sqb", "sqh", "skb",
+            "skh", "skl", "svb", "svh", "svl", "smb", "smh", "sml", "sob", "soh",
+            "scb", "ssb", "sknb", "sknh", "svnb", "svnh")
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i1",
+                "out_ptr": "*fp32", "part_ptr": "*fp32", "stat_ptr": "*fp32",
+                "count_ptr": "*i32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "kn_ptr": "*bf16",
+                "vn_ptr": "*bf16", "pos_ptr": "*i64"}
+
+    def loads_after_first_exponential(early: bool) -> int:
+        constexprs = {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16, "BLOCK_L": 64, "MASK": 1,
+                      "SPLIT": True, "IEEE": False, "BRANCHLESS": False, "LAST_JOINS": False,
+                      "VALUES_EARLY": early, "ROPE": False}
+        signature = {**pointers, "scale": "fp32", **{i: "i32" for i in ints},
+                     **{name: "constexpr" for name in constexprs}}
+        kernel = triton.compile(ASTSource(fn=kernels.attend, signature=signature,
+                                          constexprs=constexprs),
+                                target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": 4, "num_stages": 2})
+        lines = kernel.asm["ptx"].splitlines()
+        first = next(i for i, line in enumerate(lines) if "ex2" in line)
+        return sum("ld.global" in line for line in lines[first:])
+
+    assert loads_after_first_exponential(True) == 0
+    assert loads_after_first_exponential(False) > 0
