@@ -95,6 +95,8 @@ def _step(model, cache, rope: bool, join: bool = False, then=None):
 
     state = _state(cache)
     before = [t.clone() for t in state]
+    numbers = [(layer, dict((k, v) for k, v in vars(layer).items() if isinstance(v, int)))
+               for layer in cache.layers]  # a sliding layer counts its tokens in an int too
 
     def step(token, position):
         return model(token, past_key_values=cache, cache_position=position,
@@ -109,6 +111,8 @@ def _step(model, cache, rope: bool, join: bool = False, then=None):
     after = [t.clone() for t in _caches(cache)]
     for t, b in zip(state, before):
         t.copy_(b)
+    for layer, kept in numbers:
+        vars(layer).update(kept)
     return logits, after, the_pass
 
 
@@ -236,3 +240,31 @@ def test_what_is_no_rotate_half_over_a_cache_input_stays_as_it_was(case):
         got, the_pass = _compile_folding(step, args)
     assert the_pass.runs[-1].roped == 0
     assert (got[0] - want[0]).abs().max() <= 1e-5 * want[0].abs().max()
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Mistral", "Qwen3", "Gemma", "Phi3", "Granite"])
+def test_other_decoders_steps_fold_every_layer_and_compute_the_same(monkeypatch, family):
+    """The pass on other families' decode steps (tiny, float32, a static cache): each layer's
+    attention folded, the logits and the first layer's caches as without the fold."""
+    config_class = getattr(transformers, f"{family}Config", None)
+    model_class = getattr(transformers, f"{family}ForCausalLM", None)
+    if config_class is None or model_class is None:
+        pytest.skip(f"this transformers has no {family}")
+    monkeypatch.setattr(da, "unsupported", _on_every_device)
+    config = config_class(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                          max_position_embeddings=SLOTS, pad_token_id=0, head_dim=32)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    da.decode_attention(model)
+    cache = transformers.StaticCache(config=config, max_cache_len=SLOTS)
+    with torch.no_grad():
+        model(torch.arange(1, PROMPT + 1)[None], past_key_values=cache,
+              cache_position=torch.arange(PROMPT), use_cache=True)
+    plain, plain_caches, _ = _step(model, cache, rope=False)
+    folded, folded_caches, the_pass = _step(model, cache, rope=True)
+    assert [r.roped for r in the_pass.runs] == [2]
+    assert (plain - folded).abs().max() <= 1e-5 * plain.abs().max()
+    for a, b in zip(plain_caches[:2], folded_caches[:2]):
+        assert torch.equal(a, b)
