@@ -336,3 +336,42 @@ def test_the_attend_kernel_compiles_in_both_forms_its_launches_give_it():
                                           constexprs=constexprs),
                                 target=GPUTarget("cuda", 90, 32))
         assert "attend" in kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("family, folds", [("Qwen2", (1, 4, 2)), ("Mistral", (1, 4, 2)),
+                                           ("Qwen3", (1, 4, 2)), ("Phi3", (1, 4, 2)),
+                                           ("Granite", (1, 4, 2)), ("Gemma", (0, 0, 0))])
+def test_other_decoders_norms_and_activations_fold_where_they_are_the_patterns(monkeypatch,
+                                                                              family, folds):
+    """Tiny bfloat16 decoders of other families, every GEMM on the GEMV: the norms and SiLU
+    gates fold as in a Llama; Gemma's (a norm scaling by ``1 + weight`` in float32, a GELU
+    gate) are no pattern the pass takes, and stay."""
+    transformers = pytest.importorskip("transformers")
+    from nimble.fast_gemv import fast_gemv
+    from nimble.fused_projections import fuse_projections
+
+    config_class = getattr(transformers, f"{family}Config", None)
+    model_class = getattr(transformers, f"{family}ForCausalLM", None)
+    if config_class is None or model_class is None:
+        pytest.skip(f"this transformers has no {family}")
+    monkeypatch.setattr(fast_gemv_module, "gemv_linear", _gemv_on_every_device)
+    monkeypatch.setattr(fused_module, "gemv_linear", _gemv_on_every_device)
+    config = config_class(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                          pad_token_id=0, head_dim=32)
+    torch.manual_seed(0)
+    model = model_class(config).to(torch.bfloat16).eval()
+    fuse_projections(model)
+    fast_gemv(model, time=lambda c, weights, x: 1.0 if c is None else 0.5)
+
+    def logits(ids):
+        return model(ids, use_cache=False).logits
+
+    ids = torch.tensor([[7]])
+    with torch.no_grad():
+        plain, _ = _compiled(logits, ids, fusing=False)
+        folded, the_pass = _compiled(logits, ids, fusing=True)
+    done = [r for r in the_pass.runs if r.gemvs][-1]
+    assert (done.rmsnorm, done.add_rmsnorm, done.gated) == folds
+    limit = 2 ** -6
+    assert (plain.float() - folded.float()).abs().max() <= limit * plain.float().abs().max()
