@@ -228,3 +228,39 @@ def test_the_values_early_switch_asks_for_the_values_before_the_scores_in_the_pt
 
     assert loads_after_first_exponential(True) == 0
     assert loads_after_first_exponential(False) > 0
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Mistral", "Qwen3", "Gemma", "Phi3", "Granite",
+                                    "Cohere", "Olmo2"])
+def test_other_decoders_decode_on_the_operator_as_on_sdpa(monkeypatch, family):
+    """The swap on other families' decoders (their own scalings, query-key norms, a sliding
+    window's cache layers): every decode step's attention on the operator (its CPU form, the
+    kernel's split in torch's operations), the logits those of sdpa."""
+    transformers = pytest.importorskip("transformers")
+    config_class = getattr(transformers, f"{family}Config", None)
+    model_class = getattr(transformers, f"{family}ForCausalLM", None)
+    if config_class is None or model_class is None:
+        pytest.skip(f"this transformers has no {family}")
+    config = config_class(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                          pad_token_id=0, head_dim=32, max_position_embeddings=256,
+                          attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    want = _decode(model, transformers, cache_len=200)  # four blocks of slots: split
+    calls = []
+    op = da.decode_attention_op
+
+    def counted(*args):
+        calls.append(tuple(args[0].shape))
+        return op(*args)
+    monkeypatch.setattr(da, "decode_attention_op", counted)
+    real = da.unsupported
+    monkeypatch.setattr(da, "unsupported", lambda q, k, v, m, d, kw: real(
+        q.as_subclass(_OnGpu), k.as_subclass(_OnGpu), v.as_subclass(_OnGpu),
+        None if m is None else m.as_subclass(_OnGpu), d, kw))
+    swap = da.decode_attention(model)
+    got = _decode(model, transformers, cache_len=200)
+    swap.undo()
+    assert len(calls) == 10 and all(q == (1, 4, 1, 32) for q in calls), calls
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
