@@ -194,3 +194,29 @@ def test_the_bench_fuses_the_model_every_row_runs_only_where_asked():
     assert type(plain.q_proj) is nn.Linear and "fused_projections" not in info
     fuse_if_asked(plain, SimpleNamespace(fuse_projections=True), info)
     assert info["fused_projections"] == 2 and isinstance(plain.q_proj, FusedSibling)
+
+
+@pytest.mark.parametrize("family, groups", [("Qwen2", 4), ("Mistral", 4), ("Qwen3", 4),
+                                            ("Gemma", 4), ("Phi3", 0), ("Granite", 4),
+                                            ("Cohere", 4), ("Olmo2", 4)])
+def test_other_decoders_fuse_their_siblings_and_give_the_same_outputs(family, groups):
+    """Other families' attention and MLP projections (biases on Qwen2's, Phi-3's already one
+    GEMM each, so nothing to fuse): the same logits and greedy tokens fused."""
+    transformers = pytest.importorskip("transformers")
+    from nimble.generate import library_greedy
+
+    config_class = getattr(transformers, f"{family}Config", None)
+    model_class = getattr(transformers, f"{family}ForCausalLM", None)
+    if config_class is None or model_class is None:
+        pytest.skip(f"this transformers has no {family}")
+    config = config_class(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                          pad_token_id=0, head_dim=16)
+    torch.manual_seed(0)
+    plain = model_class(config).eval()
+    fused = copy.deepcopy(plain)
+    assert fuse_projections(fused) == groups
+    ids = torch.randint(1, 100, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, plain(ids).logits)
+    assert torch.equal(library_greedy(fused, ids, 6), library_greedy(plain, ids, 6))
