@@ -158,3 +158,22 @@ def interpreted_cases(worker: Path) -> dict:
                           env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}
+
+
+def tiny_decoder(family: str, *, hidden: int = 128, intermediate: int = 256, vocab: int = 500,
+                 head_dim: int = 32, **config):
+    """A tiny causal LM of transformers' ``family`` (``Qwen2``, ``Mistral``, ...: its
+    ``{family}Config`` and ``{family}ForCausalLM``), two layers of 4 query and 2 key-value
+    heads, seeded; the test is skipped where this transformers has no such family."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    config_class = getattr(transformers, f"{family}Config", None)
+    model_class = getattr(transformers, f"{family}ForCausalLM", None)
+    if config_class is None or model_class is None:
+        pytest.skip(f"this transformers has no {family}")
+    made = config_class(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                        pad_token_id=0, head_dim=head_dim, **config)
+    torch.manual_seed(0)
+    return model_class(made).eval()

@@ -11,6 +11,7 @@ import nimble.decode_attention as da
 import nimble.fast_gemv as fast_gemv_module
 import nimble.fused_projections as fused_module
 from nimble import gemv_prologue_pass as prologue_pass
+from helpers import tiny_decoder
 from test_gemv_prologues import _gemv_on_every_device
 
 transformers = pytest.importorskip("transformers", reason="the pass is for transformers' models")
@@ -246,19 +247,10 @@ def test_what_is_no_rotate_half_over_a_cache_input_stays_as_it_was(case):
 def test_other_decoders_steps_fold_every_layer_and_compute_the_same(monkeypatch, family):
     """The pass on other families' decode steps (tiny, float32, a static cache): each layer's
     attention folded, the logits and the first layer's caches as without the fold."""
-    config_class = getattr(transformers, f"{family}Config", None)
-    model_class = getattr(transformers, f"{family}ForCausalLM", None)
-    if config_class is None or model_class is None:
-        pytest.skip(f"this transformers has no {family}")
     monkeypatch.setattr(da, "unsupported", _on_every_device)
-    config = config_class(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
-                          max_position_embeddings=SLOTS, pad_token_id=0, head_dim=32)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = model_class(config).eval()
+    model = tiny_decoder(family, max_position_embeddings=SLOTS, attn_implementation="sdpa")
     da.decode_attention(model)
-    cache = transformers.StaticCache(config=config, max_cache_len=SLOTS)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=SLOTS)
     with torch.no_grad():
         model(torch.arange(1, PROMPT + 1)[None], past_key_values=cache,
               cache_position=torch.arange(PROMPT), use_cache=True)

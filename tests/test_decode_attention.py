@@ -10,7 +10,7 @@ import torch
 
 import nimble.decode_attention as da
 from nimble.errors import InputError
-from helpers import interpreted_cases
+from helpers import interpreted_cases, tiny_decoder
 
 WORKER = Path(__file__).parent / "workers" / "decode_attention_interpreted.py"
 
@@ -237,16 +237,8 @@ def test_other_decoders_decode_on_the_operator_as_on_sdpa(monkeypatch, family):
     window's cache layers): every decode step's attention on the operator (its CPU form, the
     kernel's split in torch's operations), the logits those of sdpa."""
     transformers = pytest.importorskip("transformers")
-    config_class = getattr(transformers, f"{family}Config", None)
-    model_class = getattr(transformers, f"{family}ForCausalLM", None)
-    if config_class is None or model_class is None:
-        pytest.skip(f"this transformers has no {family}")
-    config = config_class(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                          pad_token_id=0, head_dim=32, max_position_embeddings=256,
-                          attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = model_class(config).eval()
+    model = tiny_decoder(family, vocab=97, max_position_embeddings=256,
+                         attn_implementation="sdpa")
     want = _decode(model, transformers, cache_len=200)  # four blocks of slots: split
     calls = []
     op = da.decode_attention_op

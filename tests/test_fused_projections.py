@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nimble.errors import InputError
 from nimble.fused_projections import FusedSibling, fuse_projections
+from helpers import tiny_decoder
 
 
 class _GEMMs(TorchDispatchMode):
@@ -202,18 +203,9 @@ def test_the_bench_fuses_the_model_every_row_runs_only_where_asked():
 def test_other_decoders_fuse_their_siblings_and_give_the_same_outputs(family, groups):
     """Other families' attention and MLP projections (biases on Qwen2's, Phi-3's already one
     GEMM each, so nothing to fuse): the same logits and greedy tokens fused."""
-    transformers = pytest.importorskip("transformers")
     from nimble.generate import library_greedy
 
-    config_class = getattr(transformers, f"{family}Config", None)
-    model_class = getattr(transformers, f"{family}ForCausalLM", None)
-    if config_class is None or model_class is None:
-        pytest.skip(f"this transformers has no {family}")
-    config = config_class(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                          pad_token_id=0, head_dim=16)
-    torch.manual_seed(0)
-    plain = model_class(config).eval()
+    plain = tiny_decoder(family, hidden=64, intermediate=128, vocab=100, head_dim=16)
     fused = copy.deepcopy(plain)
     assert fuse_projections(fused) == groups
     ids = torch.randint(1, 100, (1, 8))

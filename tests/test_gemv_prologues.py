@@ -13,7 +13,7 @@ import nimble.fast_gemv as fast_gemv_module
 import nimble.fused_projections as fused_module
 from nimble import gemv_prologue_pass as prologue_pass
 from nimble.fast_gemv import GemvConfig
-from helpers import interpreted_cases
+from helpers import interpreted_cases, tiny_decoder
 
 WORKER = Path(__file__).parent / "workers" / "gemv_prologues_interpreted.py"
 CONFIG = (4, 1024, 8, 1)
@@ -346,21 +346,12 @@ def test_other_decoders_norms_and_activations_fold_where_they_are_the_patterns(m
     """Tiny bfloat16 decoders of other families, every GEMM on the GEMV: the norms and SiLU
     gates fold as in a Llama; Gemma's (a norm scaling by ``1 + weight`` in float32, a GELU
     gate) are no pattern the pass takes, and stay."""
-    transformers = pytest.importorskip("transformers")
     from nimble.fast_gemv import fast_gemv
     from nimble.fused_projections import fuse_projections
 
-    config_class = getattr(transformers, f"{family}Config", None)
-    model_class = getattr(transformers, f"{family}ForCausalLM", None)
-    if config_class is None or model_class is None:
-        pytest.skip(f"this transformers has no {family}")
     monkeypatch.setattr(fast_gemv_module, "gemv_linear", _gemv_on_every_device)
     monkeypatch.setattr(fused_module, "gemv_linear", _gemv_on_every_device)
-    config = config_class(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
-                          pad_token_id=0, head_dim=32)
-    torch.manual_seed(0)
-    model = model_class(config).to(torch.bfloat16).eval()
+    model = tiny_decoder(family).to(torch.bfloat16)
     fuse_projections(model)
     fast_gemv(model, time=lambda c, weights, x: 1.0 if c is None else 0.5)
 
