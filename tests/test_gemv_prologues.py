@@ -91,19 +91,12 @@ def _compiled(fn, *args, fusing: bool):
     return out, the_pass
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_tiny_llamas_norms_and_gated_activation_fold_into_its_gemvs(monkeypatch, dtype):
-    transformers = pytest.importorskip("transformers")
+def _one_token_logits_folded(model):
+    """A decoder's logits for one token compiled without the pass and with it, its sibling
+    projections fused and every GEMM on the GEMV: ``(plain, folded, the pass)``."""
     from nimble.fast_gemv import fast_gemv
     from nimble.fused_projections import fuse_projections
 
-    monkeypatch.setattr(fast_gemv_module, "gemv_linear", _gemv_on_every_device)
-    monkeypatch.setattr(fused_module, "gemv_linear", _gemv_on_every_device)
-    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=500)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
     fuse_projections(model)
     fast_gemv(model, time=lambda c, weights, x: 1.0 if c is None else 0.5)  # every GEMM
 
@@ -114,6 +107,21 @@ def test_a_tiny_llamas_norms_and_gated_activation_fold_into_its_gemvs(monkeypatc
     with torch.no_grad():
         plain, _ = _compiled(logits, ids, fusing=False)
         folded, the_pass = _compiled(logits, ids, fusing=True)
+    return plain, folded, the_pass
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_tiny_llamas_norms_and_gated_activation_fold_into_its_gemvs(monkeypatch, dtype):
+    transformers = pytest.importorskip("transformers")
+
+    monkeypatch.setattr(fast_gemv_module, "gemv_linear", _gemv_on_every_device)
+    monkeypatch.setattr(fused_module, "gemv_linear", _gemv_on_every_device)
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=500)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    plain, folded, the_pass = _one_token_logits_folded(model)
     runs = [r for r in the_pass.runs if r.gemvs]
     assert len(runs) == 1
     # 2 layers of (qkv, o, gate_up, down) and the head: every GEMV but the attention's
@@ -346,22 +354,10 @@ def test_other_decoders_norms_and_activations_fold_where_they_are_the_patterns(m
     """Tiny bfloat16 decoders of other families, every GEMM on the GEMV: the norms and SiLU
     gates fold as in a Llama; Gemma's (a norm scaling by ``1 + weight`` in float32, a GELU
     gate) are no pattern the pass takes, and stay."""
-    from nimble.fast_gemv import fast_gemv
-    from nimble.fused_projections import fuse_projections
 
     monkeypatch.setattr(fast_gemv_module, "gemv_linear", _gemv_on_every_device)
     monkeypatch.setattr(fused_module, "gemv_linear", _gemv_on_every_device)
-    model = tiny_decoder(family).to(torch.bfloat16)
-    fuse_projections(model)
-    fast_gemv(model, time=lambda c, weights, x: 1.0 if c is None else 0.5)
-
-    def logits(ids):
-        return model(ids, use_cache=False).logits
-
-    ids = torch.tensor([[7]])
-    with torch.no_grad():
-        plain, _ = _compiled(logits, ids, fusing=False)
-        folded, the_pass = _compiled(logits, ids, fusing=True)
+    plain, folded, the_pass = _one_token_logits_folded(tiny_decoder(family).to(torch.bfloat16))
     done = [r for r in the_pass.runs if r.gemvs][-1]
     assert (done.rmsnorm, done.add_rmsnorm, done.gated) == folds
     limit = 2 ** -6
