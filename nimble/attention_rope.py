@@ -7,8 +7,8 @@ kernel boundary on the step's critical path before the attention.  Here the atte
 :mod:`nimble.decode_attention` takes the query and the new key before their rotary embedding,
 applies it itself, and reads the new key and value in place of the cache's slot at the step's
 position, so that it needs the cache as it was before the step.  The cache's write stays (the
-next step reads it), but nothing on the chain waits for it: it may run beside the layer's
-output projection.
+next step reads it), but nothing on the layer's chain waits for it (the pass moves the layers'
+writes to the graph's end: :data:`nimble.attention_rope_pass.WRITES_LAST`).
 
 ``nimble::decode_attention_rope`` (and ``nimble::decode_attention_rope_parts``, the split's
 parts unjoined, for :func:`nimble.gemv_prologues.gemv_joined`) are what
