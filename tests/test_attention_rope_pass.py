@@ -260,3 +260,31 @@ def test_other_decoders_steps_fold_every_layer_and_compute_the_same(monkeypatch,
     assert (plain - folded).abs().max() <= 1e-5 * plain.abs().max()
     for a, b in zip(plain_caches[:2], folded_caches[:2]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Qwen3", "Mistral"])
+def test_every_fold_at_once_on_other_decoders_steps(monkeypatch, family):
+    """The swap, the fused projections on the GEMV, and every fold of the passes at once
+    (norms, gates, the rotary embedding, the join) on a biased (Qwen2), a query-key-normed
+    (Qwen3) and a sliding-window (Mistral) decoder's step: the logits as without the passes."""
+    from nimble.fast_gemv import fast_gemv
+    from nimble.fused_projections import fuse_projections
+
+    monkeypatch.setattr(da, "unsupported", _on_every_device)
+    monkeypatch.setattr(fast_gemv_module, "gemv_linear", _gemv_on_every_device)
+    monkeypatch.setattr(fused_module, "gemv_linear", _gemv_on_every_device)
+    model = tiny_decoder(family, max_position_embeddings=SLOTS, attn_implementation="sdpa")
+    fuse_projections(model)
+    fast_gemv(model, time=lambda c, weights, x: 1.0 if c is None else 0.5)
+    da.decode_attention(model)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=SLOTS)
+    with torch.no_grad():
+        model(torch.arange(1, PROMPT + 1)[None], past_key_values=cache,
+              cache_position=torch.arange(PROMPT), use_cache=True)
+    plain, plain_caches, _ = _step(model, cache, rope=False)
+    folded, folded_caches, the_pass = _step(model, cache, rope=True, join=True)
+    [done] = [r for r in the_pass.runs if r.gemvs]
+    assert (done.roped, done.joined, done.gated) == (2, 2, 2)
+    assert done.rmsnorm + done.add_rmsnorm == 5  # each layer's two norms and the final one
+    assert (plain - folded).abs().max() <= 1e-5 * plain.abs().max()
+    assert torch.equal(plain_caches[0], folded_caches[0])
