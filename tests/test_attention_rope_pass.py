@@ -71,11 +71,16 @@ def _llama(monkeypatch, dtype, gemv: bool = False):
         fuse_projections(model)
         fast_gemv(model, time=lambda c, weights, x: 1.0 if c is None else 0.5)
     da.decode_attention(model)
-    cache = transformers.StaticCache(config=config, max_cache_len=SLOTS)
+    return model, _prefilled(model)
+
+
+def _prefilled(model):
+    """A static cache of SLOTS slots holding ``model``'s prefill of a PROMPT-token prompt."""
+    cache = transformers.StaticCache(config=model.config, max_cache_len=SLOTS)
     with torch.no_grad():
         model(torch.arange(1, PROMPT + 1)[None], past_key_values=cache,
               cache_position=torch.arange(PROMPT), use_cache=True)
-    return model, cache
+    return cache
 
 
 def _caches(cache) -> list:
@@ -250,10 +255,7 @@ def test_other_decoders_steps_fold_every_layer_and_compute_the_same(monkeypatch,
     monkeypatch.setattr(da, "unsupported", _on_every_device)
     model = tiny_decoder(family, max_position_embeddings=SLOTS, attn_implementation="sdpa")
     da.decode_attention(model)
-    cache = transformers.StaticCache(config=model.config, max_cache_len=SLOTS)
-    with torch.no_grad():
-        model(torch.arange(1, PROMPT + 1)[None], past_key_values=cache,
-              cache_position=torch.arange(PROMPT), use_cache=True)
+    cache = _prefilled(model)
     plain, plain_caches, _ = _step(model, cache, rope=False)
     folded, folded_caches, the_pass = _step(model, cache, rope=True)
     assert [r.roped for r in the_pass.runs] == [2]
@@ -277,10 +279,7 @@ def test_every_fold_at_once_on_other_decoders_steps(monkeypatch, family):
     fuse_projections(model)
     fast_gemv(model, time=lambda c, weights, x: 1.0 if c is None else 0.5)
     da.decode_attention(model)
-    cache = transformers.StaticCache(config=model.config, max_cache_len=SLOTS)
-    with torch.no_grad():
-        model(torch.arange(1, PROMPT + 1)[None], past_key_values=cache,
-              cache_position=torch.arange(PROMPT), use_cache=True)
+    cache = _prefilled(model)
     plain, plain_caches, _ = _step(model, cache, rope=False)
     folded, folded_caches, the_pass = _step(model, cache, rope=True, join=True)
     [done] = [r for r in the_pass.runs if r.gemvs]

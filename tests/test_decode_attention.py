@@ -155,6 +155,14 @@ def _attention(query, key, value, mask, scale):
     return out.transpose(1, 2).contiguous()
 
 
+def _rules_as_if_on_the_gpu(monkeypatch) -> None:
+    """The swap's rules for which calls take the kernel, on CPU tensors taken for the GPU's."""
+    real = da.unsupported
+    monkeypatch.setattr(da, "unsupported", lambda q, k, v, m, d, kw: real(
+        q.as_subclass(_OnGpu), k.as_subclass(_OnGpu), v.as_subclass(_OnGpu),
+        None if m is None else m.as_subclass(_OnGpu), d, kw))
+
+
 def test_a_swapped_llama_decodes_on_the_operator_and_prefills_on_sdpa(monkeypatch):
     model, transformers = _tiny_llama()
     want = _decode(model, transformers)
@@ -164,10 +172,7 @@ def test_a_swapped_llama_decodes_on_the_operator_and_prefills_on_sdpa(monkeypatc
         calls.append((tuple(query.shape), tuple(key.shape), mask.dtype))
         return _attention(query, key, value, mask, scale)
     monkeypatch.setattr(da, "decode_attention_op", on_cpu)
-    real = da.unsupported
-    monkeypatch.setattr(da, "unsupported", lambda q, k, v, m, d, kw: real(
-        q.as_subclass(_OnGpu), k.as_subclass(_OnGpu), v.as_subclass(_OnGpu),
-        None if m is None else m.as_subclass(_OnGpu), d, kw))
+    _rules_as_if_on_the_gpu(monkeypatch)
     swap = da.decode_attention(model)
     assert model.config._attn_implementation == da.NAME
     got = _decode(model, transformers)
@@ -247,10 +252,7 @@ def test_other_decoders_decode_on_the_operator_as_on_sdpa(monkeypatch, family):
         calls.append(tuple(args[0].shape))
         return op(*args)
     monkeypatch.setattr(da, "decode_attention_op", counted)
-    real = da.unsupported
-    monkeypatch.setattr(da, "unsupported", lambda q, k, v, m, d, kw: real(
-        q.as_subclass(_OnGpu), k.as_subclass(_OnGpu), v.as_subclass(_OnGpu),
-        None if m is None else m.as_subclass(_OnGpu), d, kw))
+    _rules_as_if_on_the_gpu(monkeypatch)
     swap = da.decode_attention(model)
     got = _decode(model, transformers, cache_len=200)
     swap.undo()
