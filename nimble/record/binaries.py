@@ -444,12 +444,20 @@ def triton_loaded() -> dict[int, TritonLoaded]:
     Read from the objects themselves, since no driver call gives a loaded kernel's code back."""
     out: dict[int, TritonLoaded] = {}
     for _, function, fields in _triton_holders():
-        key = fields.get("hash")
-        if isinstance(key, str):
-            image = next((fields[f] for f in ("kernel", "cubin_raw")
-                          if isinstance(fields.get(f), bytes) and fields[f]), None)
-            out[function] = TritonLoaded(key, image)
+        loaded = _loaded_of(fields)
+        if loaded is not None:
+            out[function] = loaded
     return out
+
+
+def _loaded_of(fields: dict) -> TritonLoaded | None:
+    """What a holder's fields say of the kernel it loaded (None without Triton's hash)."""
+    key = fields.get("hash")
+    if not isinstance(key, str):
+        return None
+    image = next((fields[f] for f in ("kernel", "cubin_raw")
+                  if isinstance(fields.get(f), bytes) and fields[f]), None)
+    return TritonLoaded(key, image)
 
 
 def triton_owners(functions: set[int]) -> dict[int, list]:
@@ -471,11 +479,9 @@ def triton_owners_and_loaded(functions: set[int]
         if function not in functions:
             continue
         owners.setdefault(function, []).append(obj)
-        key = fields.get("hash")
-        if isinstance(key, str) and (function not in loaded or loaded[function].image is None):
-            image = next((fields[f] for f in ("kernel", "cubin_raw")
-                          if isinstance(fields.get(f), bytes) and fields[f]), None)
-            loaded[function] = TritonLoaded(key, image)
+        got = _loaded_of(fields)
+        if got is not None and (function not in loaded or loaded[function].image is None):
+            loaded[function] = got
     return owners, loaded
 
 
