@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .errors import InputError
+from .kernel_waits import waits
 
 log = logging.getLogger("nimble")
 
@@ -69,9 +70,10 @@ BRANCHLESS = False
 LAST_JOINS = False
 #: Whether a program asks for a block's values right after its keys rather than after the
 #: block's scores: the two loads' latencies overlap, at the cost of the values' registers
-#: held through the scores.  The same arithmetic either way (the same bits); off until measured
-#: (``tools/experiments/decode_levers.py``'s ``values-early``).
-VALUES_EARLY = False
+#: held through the scores.  The same arithmetic either way (the same bits); on since measured
+#: faster in a decode step (docs/results.md, "Values early, the rotary fold with its writes at
+#: the end, programmatic edges into Nimble's kernels").
+VALUES_EARLY = True
 #: Rows of the matrix units' tiles: the query heads of a key-value head are padded to them.
 MIN_TILE = 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -183,7 +185,7 @@ def _launch_attend(query, key, value, mask, scale, plan: Split, branchless: bool
         HEAD_DIM=head_dim, BLOCK_D=layout.block_d, BLOCK_R=layout.block_r, BLOCK_L=BLOCK_SLOTS,
         MASK=kind, SPLIT=parted, IEEE=query.dtype == torch.float32, BRANCHLESS=bool(branchless),
         LAST_JOINS=bool(parted and last_joins), VALUES_EARLY=bool(VALUES_EARLY),
-        ROPE=rope is not None, num_warps=4, num_stages=2)
+        ROPE=rope is not None, WAITS=waits(query.device), num_warps=4, num_stages=2)
     return part, stat
 
 
@@ -226,7 +228,8 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         layout = PartsLayout(heads // kv_heads, kv_heads, plan.splits, head_dim)
         join[(batch * kv_heads,)](part, stat, out, layout.groups, kv_heads, plan.splits,
                                   out.stride(0), out.stride(2), HEAD_DIM=head_dim,
-                                  BLOCK_D=layout.block_d, BLOCK_R=layout.block_r, num_warps=4)
+                                  BLOCK_D=layout.block_d, BLOCK_R=layout.block_r,
+                                  WAITS=waits(out.device), num_warps=4)
     return out
 
 

@@ -70,7 +70,10 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
            BLOCK_L: tl.constexpr, MASK: tl.constexpr, SPLIT: tl.constexpr,
            IEEE: tl.constexpr, BRANCHLESS: tl.constexpr, LAST_JOINS: tl.constexpr,
-           VALUES_EARLY: tl.constexpr, ROPE: tl.constexpr):
+           VALUES_EARLY: tl.constexpr, ROPE: tl.constexpr, WAITS: tl.constexpr):
+    if WAITS:  # behind a programmatic edge: launched early, it reads nothing before the wait
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)  # (sequence, key-value head)
     split = tl.program_id(1)
     b = pair // kv_heads
@@ -174,6 +177,10 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
 
 @triton.jit
 def join(part_ptr, stat_ptr, out_ptr, groups, kv_heads, splits, sob, soh,
-         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+         WAITS: tl.constexpr):
+    if WAITS:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     join_pair(part_ptr, stat_ptr, out_ptr, tl.program_id(0), groups, kv_heads, splits,
               sob, soh, HEAD_DIM, BLOCK_D, BLOCK_R, "")

@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .errors import InputError
+from .kernel_waits import waits
 
 log = logging.getLogger("nimble")
 
@@ -87,12 +88,26 @@ def _kernel():
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, WAITS: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
+        if WAITS:  # behind a programmatic edge: the next kernel may launch (and wait) now
+            tl.extra.cuda.gdc_launch_dependents()
+        # the first step's weight tile is asked for before the wait for the input (a constant
+        # of the graph: nimble.analysis.programmatic.WAITING_KERNELS); the step's sum is the
+        # loop's first, so the bits are the same with or without the wait
+        cols = tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        if WAITS:
+            tl.extra.cuda.gdc_wait()
+        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
         # Products summed per lane across the row's steps, reduced once at the end.
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
+        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+        for k in range(BLOCK_K, K, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
             col_ok = cols < K
             w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
@@ -114,7 +129,7 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> to
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     _kernel()[(triton.cdiv(n, config.block_n),)](
         x, weight, y, n, k, weight.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.warps, num_stages=config.stages)
+        WAITS=waits(x.device), num_warps=config.warps, num_stages=config.stages)
     return y
 
 

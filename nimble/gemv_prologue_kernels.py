@@ -40,8 +40,10 @@ def prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE: tl.constexp
 @triton.jit
 def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stride_w, eps,
                          PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NORM_BLOCK: tl.constexpr):
+                         NORM_BLOCK: tl.constexpr, WAITS: tl.constexpr):
     dt = a_ptr.dtype.element_ty
+    if WAITS:  # behind a programmatic edge: the next kernel may launch (and wait) now
+        tl.extra.cuda.gdc_launch_dependents()
     programs = tl.num_programs(0)
     blocks = tl.cdiv(N, BLOCK_N)
     r = tl.arange(0, BLOCK_N)
@@ -52,6 +54,8 @@ def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stri
     # sums its own
     rows = tl.program_id(0) * BLOCK_N + r
     w = weight_tile(w_ptr, rows, rows < N, c, c < K, stride_w)
+    if WAITS:  # the weight is a constant of the graph; the inputs are the predecessor's
+        tl.extra.cuda.gdc_wait()
     rs = 1.0
     if PROLOGUE != 2:
         # the norm's sum of squares over the whole input, once per program (the programs walk
@@ -115,8 +119,11 @@ def joined_input(part_ptr, stat_ptr, cols, col_ok, groups, splits, HEAD_DIM: tl.
 @triton.jit
 def gemv_joined_kernel(part_ptr, stat_ptr, w_ptr, y_ptr, N, K, stride_w, groups, splits,
                        HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAITS: tl.constexpr):
     dt = y_ptr.dtype.element_ty
+    if WAITS:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from .fast_gemv import GemvConfig
+from .kernel_waits import waits
 
 _KERNELS: list = []
 
@@ -80,7 +81,7 @@ def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
     _kernels()[0][(grid or programs(blocks, a.device),)](
         a, b, nw, weight, y, a if total is None else total, n, k, weight.stride(0), eps,
         PROLOGUE=prologue, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        NORM_BLOCK=min(triton.next_power_of_2(k), MAX_NORM_BLOCK),
+        NORM_BLOCK=min(triton.next_power_of_2(k), MAX_NORM_BLOCK), WAITS=waits(a.device),
         num_warps=config.warps, num_stages=config.stages)
     return y, total
 
@@ -115,8 +116,8 @@ def launch_joined(part: torch.Tensor, stat: torch.Tensor, weight: torch.Tensor,
     _kernels()[1][(triton.cdiv(n, config.block_n),)](
         part, stat, weight, y, n, k, weight.stride(0), layout.groups, layout.splits,
         HEAD_DIM=layout.head_dim, BLOCK_R=layout.block_r, BLOCK_D=layout.block_d,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps,
-        num_stages=config.stages)
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, WAITS=waits(weight.device),
+        num_warps=config.warps, num_stages=config.stages)
     return y
 
 

@@ -243,10 +243,11 @@ class GraphViews:
 
     @property
     def programmatic_edges(self) -> list[tuple[int, int]]:
-        """The dependency edges built programmatic, ``(u, v)``: ``v`` may start while ``u``
-        ends.  Empty: programmatic launch is withdrawn
-        (:data:`nimble.analysis.programmatic.WITHDRAWN`), and a prepare or a load builds every
-        edge as a full dependency."""
+        """The dependency edges built programmatic, ``(u, v)``: ``v`` (one of Nimble's own
+        kernels, which waits for ``u`` in its code) may start while ``u`` ends.  Empty unless
+        ``PrepareOptions(programmatic_launch=...)`` asked and they were kept
+        (:func:`nimble.analysis.programmatic.waiting_edges`); a load builds every edge as a
+        full dependency."""
         return sorted(self.engine.programmatic)
 
     @property

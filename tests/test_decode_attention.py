@@ -220,7 +220,7 @@ def test_the_values_early_switch_asks_for_the_values_before_the_scores_in_the_pt
     def loads_after_first_exponential(early: bool) -> int:
         constexprs = {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16, "BLOCK_L": 64, "MASK": 1,
                       "SPLIT": True, "IEEE": False, "BRANCHLESS": False, "LAST_JOINS": False,
-                      "VALUES_EARLY": early, "ROPE": False}
+                      "VALUES_EARLY": early, "ROPE": False, "WAITS": False}
         signature = {**pointers, "scale": "fp32", **{i: "i32" for i in ints},
                      **{name: "constexpr" for name in constexprs}}
         kernel = triton.compile(ASTSource(fn=kernels.attend, signature=signature,

@@ -23,7 +23,8 @@ def test_a_variants_name_joins_the_levers_it_sets():
                  "wide-split+coordinate+gemv", "attention+coordinate+gemv-prologues",
                  "coordinate+joined-attention", "gap-prefetch+gemv", "window-prefetch",
                  "values-early+coordinate+gemv-prologues",
-                 "rope-attention+coordinate+joined-attention", "rope-writes-after+gemv"):
+                 "rope-attention+coordinate+joined-attention", "rope-writes-after+gemv",
+                 "programmatic+values-late+attention", "programmatic+gemv"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
@@ -31,7 +32,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert any(w in name for w in ("gemv", "joined")) == variant.fast_gemv, name
         assert ("joined" in name) == variant.join_attention, name
         assert any(w in name for w in ("attention", "branchless", "last-joins",
-                                       "wide-split", "values-early", "rope")) == \
+                                       "wide-split", "values-", "rope")) == \
             variant.decode_attention, name
         assert ("prefetch" in name) == bool(variant.prefetch_l2), name
         assert variant.prefetch_l2 in (False, True, "gaps", "windows"), name
@@ -42,6 +43,8 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert ("branchless" in name) == variant.branchless, name
         assert ("last-joins" in name) == variant.last_joins, name
         assert ("values-early" in name) == variant.values_early, name
+        assert ("values-late" in name) == variant.values_late, name
+        assert ("programmatic" in name) == variant.programmatic, name
         assert any(w in name for w in ("rope-attention", "rope-writes")) == \
             variant.rope_attention, name
         assert ("rope-writes-after" in name) == variant.rope_writes_after, name

@@ -304,15 +304,17 @@ def test_the_kernels_compile_for_a_hopper_gpu_on_a_machine_without_one():
         ptx = compiled(kernels.gemv_prologue_kernel,
                        {**pointers, "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32",
                         "PROLOGUE": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                        "NORM_BLOCK": "constexpr"},
-                       {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024, "NORM_BLOCK": 2048})
+                        "NORM_BLOCK": "constexpr", "WAITS": "constexpr"},
+                       {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024, "NORM_BLOCK": 2048,
+                        "WAITS": True})
         assert "gemv_prologue_kernel" in ptx
     ptx = compiled(kernels.gemv_joined_kernel,
                    {"part_ptr": "*fp32", "stat_ptr": "*fp32", "w_ptr": "*bf16", "y_ptr": "*bf16",
                     "N": "i32", "K": "i32", "stride_w": "i32", "groups": "i32", "splits": "i32",
                     "HEAD_DIM": "constexpr", "BLOCK_R": "constexpr", "BLOCK_D": "constexpr",
-                    "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
-                   {"HEAD_DIM": 64, "BLOCK_R": 16, "BLOCK_D": 64, "BLOCK_N": 4, "BLOCK_K": 1024})
+                    "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "WAITS": "constexpr"},
+                   {"HEAD_DIM": 64, "BLOCK_R": 16, "BLOCK_D": 64, "BLOCK_N": 4, "BLOCK_K": 1024,
+                    "WAITS": True})
     assert "gemv_joined_kernel" in ptx
 
 
@@ -338,7 +340,7 @@ def test_the_attend_kernel_compiles_in_both_forms_its_launches_give_it():
                      "vn_ptr": "*bf16", "pos_ptr": "*i64", **{i: "i32" for i in rope_ints}}
         constexprs = {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16, "BLOCK_L": 64, "MASK": 1,
                       "SPLIT": split, "IEEE": False, "BRANCHLESS": False, "LAST_JOINS": False,
-                      "VALUES_EARLY": early, "ROPE": rope}
+                      "VALUES_EARLY": early, "ROPE": rope, "WAITS": True}
         signature.update({name: "constexpr" for name in constexprs})
         kernel = triton.compile(ASTSource(fn=kernels.attend, signature=signature,
                                           constexprs=constexprs),

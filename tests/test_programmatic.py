@@ -241,6 +241,7 @@ def test_the_plan_times_each_phase_serves_a_copy_the_first_ones_and_collectives_
     from nimble.analysis.schedule import Schedule
     from nimble.engine import programmatic_pick
 
+    monkeypatch.setattr(programmatic_pick, "RULE", "recorded")  # _graph's edges: the capture's
     g = _graph()
     g.meta["phases"] = [2, 2]
     schedule = Schedule([0, 0, 0, 0], [[0, 1, 2, 3]], [], 0, 1, phases=[2, 2])
@@ -304,21 +305,109 @@ def test_on_a_recorded_decoder_every_pair_stays_programmatic_once_planned_apart(
     assert plan.arena_bytes < apart.arena_bytes <= g.meta["pool_bytes"]
 
 
-@pytest.mark.parametrize("asked", [True, "always"])
-def test_asked_for_programmatic_launch_a_prepare_warns_and_builds_full_dependencies(asked):
-    """Withdrawn (graphs built with programmatic edges raced on a busy GPU): the prepare's
-    options lose the switch, with a warning that says why, and the rest is kept."""
-    import warnings
+def test_asked_for_programmatic_launch_the_recording_leaves_inductors_launches_as_they_are(
+        monkeypatch):
+    """The waiting rule builds edges into Nimble's kernels only: Inductor is not asked to
+    compile its kernels for programmatic launch (that was the withdrawn rule's), nor is the
+    memory plan changed; the experiment's recorded rule asks for both."""
+    from nimble.engine import preparation, programmatic_pick
 
-    from nimble.analysis.programmatic import WITHDRAWN
-    from nimble.engine import preparation
+    asked: list = []
+    monkeypatch.setattr("nimble.record.programmatic.launched_programmatically",
+                        lambda enabled: asked.append(enabled) or _nothing())
+    monkeypatch.setattr("nimble.record.recorder.record", lambda *a, **kw: SimpleNamespace(step=None))
+    options = PrepareOptions(programmatic_launch=True)
+    preparation._recording(None, (), False, options, True)
+    monkeypatch.setattr(programmatic_pick, "RULE", "recorded")
+    preparation._recording(None, (), False, options, True)
+    assert asked == [False, True]
 
-    options = PrepareOptions(programmatic_launch=asked, relaunches=7)
-    with pytest.warns(RuntimeWarning, match="programmatic launch is withdrawn") as seen:
-        served = preparation._without_programmatic(options)
-    assert str(seen[0].message) == WITHDRAWN and "docs/findings.md" in WITHDRAWN
-    assert served.programmatic_launch is False and served.relaunches == 7
-    plain = PrepareOptions()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert preparation._without_programmatic(plain) is plain
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _waiting_graph() -> TaskGraph:
+    """Kernels after an Inductor kernel (0, which writes buffer 0 and the weight of 2): Nimble's
+    GEMV on a weight no task writes (1), on the weight 0 writes (2), on an intermediate as its
+    weight (3); Nimble's attention's ``attend`` (4); a user's kernel named ``attend`` (5); a
+    memset (6) and, after it, a GEMV (7)."""
+    from nimble.ir.taskgraph import Op, Pointer
+
+    g = TaskGraph()
+    g.buffers = [Buffer(0, "intermediate", 256, 0x1000), Buffer(1, "param", 4096, 0x9000),
+                 Buffer(2, "param", 4096, 0xA000), Buffer(3, "intermediate", 4096, 0xB000),
+                 Buffer(4, "intermediate", 256, 0x2000)]
+    g.ops = [Op(0, "triton_poi_fused_add_0"), Op(1, "nimble::gemv"), Op(2, "nimble::gemv"),
+             Op(3, "nimble::gemv"), Op(4, "nimble::decode_attention"), Op(5, "aten::mm"),
+             Op(6, "aten::zero_"), Op(7, "nimble::gemv")]
+    layout = [(0, 8), (8, 8), (16, 8), (24, 4), (28, 4), (32, 4)]
+
+    def gemv(i: int, weight: int) -> Task:
+        return Task(i, TaskKind.KERNEL, op=i, name="gemv_kernel", param_layout=layout,
+                    pointers=[Pointer(0, 0x1000, 0, 0), Pointer(8, 0, weight, 0),
+                              Pointer(16, 0x2000, 4, 0)],
+                    accesses=[Access(0, 0, 256, False), Access(weight, 0, 4096, False),
+                              Access(4, 0, 256, True)])
+    g.tasks = [Task(0, TaskKind.KERNEL, op=0, name="triton_poi_fused_add_0",
+                    accesses=[Access(0, 0, 256, True), Access(2, 0, 4096, True)]),
+               gemv(1, 1), gemv(2, 2), gemv(3, 3),
+               Task(4, TaskKind.KERNEL, op=4, name="attend"),
+               Task(5, TaskKind.KERNEL, op=5, name="attend"),
+               Task(6, TaskKind.MEMSET, op=6, accesses=[Access(4, 0, 256, True)]),
+               gemv(7, 1)]
+    return g
+
+
+def test_edges_into_nimbles_waiting_kernels_are_programmatic_where_their_early_read_is_constant():
+    from nimble.analysis.programmatic import waiting_edges
+
+    g = _waiting_graph()
+    edges = [(0, v) for v in range(1, 7)] + [(6, 7)]
+    # 1: its weight a parameter no task writes; 4: Nimble's attention reads nothing early.
+    # Not 2 (kernel 0 writes its weight), 3 (its weight an intermediate), 5 (a kernel of that
+    # name under another operator), 6 (a memset), nor 7 (its predecessor a memset)
+    assert waiting_edges(g, edges) == {(0, 1), (0, 4)}
+    # one programmatic edge into a kernel: from its predecessor recorded last
+    assert waiting_edges(g, [(0, 1), (4, 1)]) == {(4, 1)}
+    # a parameter the pointer does not resolve to is no weight
+    g.tasks[1].pointers[1].buffer = -1
+    assert waiting_edges(g, [(0, 1)]) == frozenset()
+
+
+def test_every_waiting_kernel_names_a_weight_parameter_its_operator_passes():
+    """The parameter index of each GEMV's early read is its weight's in the kernel's
+    signature (pointers first, none left out: the launchers pass a tensor for every one)."""
+    import inspect
+
+    from nimble.analysis.programmatic import WAITING_KERNELS
+
+    pytest.importorskip("triton", reason="reads the kernels' signatures")
+    import nimble.gemv_prologue_kernels as prologues
+    from nimble import fast_gemv
+
+    kernels = {"gemv_kernel": fast_gemv._kernel(), "gemv_prologue_kernel":
+               prologues.gemv_prologue_kernel}
+    for (op, name), index in WAITING_KERNELS.items():
+        assert op.startswith("nimble::")
+        if index is not None:
+            params = list(inspect.signature(kernels[name].fn).parameters)
+            assert params[index] == "w_ptr", (op, name)
+            assert all(p.endswith("_ptr") for p in params[:index]), (op, name)
+
+
+def test_the_waiting_rule_is_the_plans_and_the_recorded_one_only_the_experiments(monkeypatch):
+    from nimble.engine import programmatic_pick
+
+    g = _waiting_graph()
+    g.meta["programmatic_edges"] = [[0, 2]]  # a capture's own: not the waiting rule's
+    schedule = SimpleNamespace(edges=lambda: [(0, 1), (0, 2), (1, 4), (6, 7)])
+    plan = SimpleNamespace(offsets={})
+    on = PrepareOptions(programmatic_launch=True)
+    assert programmatic_pick.planned_programmatic(g, schedule, plan, on).trials == {
+        0: {(0, 1), (1, 4)}}
+    monkeypatch.setattr(programmatic_pick, "RULE", "recorded")
+    assert programmatic_pick.planned_programmatic(g, schedule, plan, on).trials == {
+        0: {(0, 2)}}

@@ -6,8 +6,7 @@ import pytest
 
 from helpers import load_tool
 from nimble.analysis import programmatic
-from nimble.engine import preparation
-from nimble.engine.options import PrepareOptions
+from nimble.engine import programmatic_pick
 from nimble.ir.taskgraph import Task, TaskGraph
 
 tool = load_tool("experiments/programmatic_race")
@@ -37,8 +36,8 @@ def _graph() -> TaskGraph:
 def test_undoing_the_withdrawal_builds_the_edges_of_each_rule(monkeypatch, rule, edges):
     # the tool patches these modules in place: the test puts them back
     monkeypatch.setattr(programmatic, "candidate_edges", programmatic.candidate_edges)
-    monkeypatch.setattr(preparation, "_without_programmatic", preparation._without_programmatic)
+    monkeypatch.setattr(programmatic_pick, "RULE", programmatic_pick.RULE)
+    assert programmatic_pick.RULE == "waiting"
     tool.undo_withdrawal(rule)
-    asked = PrepareOptions(programmatic_launch=True)
-    assert preparation._without_programmatic(asked) is asked
+    assert programmatic_pick.RULE == "recorded"
     assert programmatic.candidate_edges(_graph(), [(0, 1), (1, 2)]) == edges

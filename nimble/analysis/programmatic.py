@@ -1,5 +1,17 @@
 """Which dependency edges of a built graph may be programmatic (issue 53).
 
+The rule a prepare uses (:func:`waiting_edges`): an edge ``u -> v`` into one of Nimble's own
+kernels (:data:`WAITING_KERNELS`, :mod:`nimble.kernel_waits`), which runs
+``griddepcontrol.wait`` in every program before it reads anything but its weight and writes
+nothing before it.  Its wait returns once ``u`` has ended and ``u``'s writes are visible; ``u``
+ends only after everything before it has: a full dependency ended before ``u`` began, and a
+programmatic one ends into a kernel of the same kind, whose every program waited before it
+ended.  So after its wait ``v`` sees what it would behind a full dependency, whatever the
+arena lays over what, and before it ``v`` reads only a weight no task of the graph writes.
+
+The rule before it (:func:`programmatic_edges`, withdrawn: :data:`WITHDRAWN`) kept the edges
+the capture itself launched programmatically between Inductor's kernels:
+
 A kernel captured behind a programmatic edge (``graph.meta["programmatic_edges"]``: Inductor's
 Triton kernels under ``torch._inductor.config.triton.enable_pdl``) runs ``griddepcontrol.wait``
 before its first access to what its predecessor in the capture wrote or read; before that wait
@@ -26,20 +38,77 @@ from ..ir.taskgraph import TaskGraph, TaskKind
 from .memplan import MemPlan, plan_memory
 from .plan_check import check_plan
 
-#: Why ``PrepareOptions(programmatic_launch=...)`` builds no programmatic edge any more, and a
-#: saved file's are built as full dependencies.  The rules below keep an edge whose two kernels
-#: the capture itself launched so, trusting the dependent's own wait; graphs built with them
-#: raced (docs/findings.md), and which edge broke, and how, is not known.  Kept for a sound
-#: rule, and for the experiment that undoes the withdrawal
-#: (tools/experiments/programmatic_race.py); a prepare no longer reaches it.
+#: Why the recorded rule (:func:`programmatic_edges`) is withdrawn: it kept an edge whose two
+#: kernels the capture itself launched so, trusting the dependent's own wait; graphs built with
+#: it raced (docs/findings.md), and which edge broke, and how, is not known.  Kept for the
+#: experiment that brings it back (tools/experiments/programmatic_race.py); a prepare uses
+#: :func:`waiting_edges`.
 WITHDRAWN = (
-    "programmatic launch is withdrawn: graphs built with programmatic edges gave wrong outputs "
-    "(their proof failed in 19 of 24 prepares) while another process kept the GPU busy, so a "
-    "proof on an idle GPU cannot vouch for them (docs/findings.md, \"Programmatic edges raced "
-    "on a busy GPU\"); every edge is built as a full dependency")
+    "the capture's own programmatic edges between Inductor's kernels are withdrawn: graphs "
+    "built with them gave wrong outputs (their proof failed in 19 of 24 prepares) while another "
+    "process kept the GPU busy, so a proof on an idle GPU cannot vouch for them "
+    "(docs/findings.md, \"Programmatic edges raced on a busy GPU\")")
 
 #: ``graph.meta``'s key for the capture's programmatic edges, ``[u, v]`` task ids.
 META_KEY = "programmatic_edges"
+
+#: Nimble's kernels that wait in every program before they read what a predecessor writes
+#: (:mod:`nimble.kernel_waits`): per (recorded operator, kernel name), the index of the kernel
+#: parameter whose buffer it reads before its wait (a GEMV's weight), or None for nothing.
+WAITING_KERNELS: dict[tuple[str, str], int | None] = {
+    ("nimble::gemv", "gemv_kernel"): 1,
+    ("nimble::gemv_rmsnorm", "gemv_prologue_kernel"): 3,
+    ("nimble::gemv_add_rmsnorm", "gemv_prologue_kernel"): 3,
+    ("nimble::gemv_gated", "gemv_prologue_kernel"): 3,
+    ("nimble::gemv_joined", "gemv_joined_kernel"): None,
+    **{(op, kernel): None
+       for op in ("nimble::decode_attention", "nimble::decode_attention_parts",
+                  "nimble::decode_attention_rope", "nimble::decode_attention_rope_parts")
+       for kernel in ("attend", "join")},
+}
+
+#: Buffers a waiting kernel may read before its wait: the model's, never moved by the plan.
+CONSTANT_KINDS = frozenset({"param", "external"})
+
+
+def _param_buffer(task, index: int) -> int | None:
+    """The buffer the pointer in ``task``'s parameter ``index`` points into, or None."""
+    if index >= len(task.param_layout):
+        return None
+    offset = task.param_layout[index][0]
+    return next((p.buffer for p in task.pointers if p.location == offset and p.buffer >= 0),
+                None)
+
+
+def waits_safely(graph: TaskGraph, task_id: int, written: set[int]) -> bool:
+    """Whether task ``task_id`` is a kernel of :data:`WAITING_KERNELS` whose read before its
+    wait, if any, is of a constant buffer (:data:`CONSTANT_KINDS`) no task writes
+    (``written``: the buffers some task writes)."""
+    task = graph.tasks[task_id]
+    if task.kind != TaskKind.KERNEL or not 0 <= task.op < len(graph.ops):
+        return False
+    key = (graph.ops[task.op].name, task.name)
+    if key not in WAITING_KERNELS:
+        return False
+    index = WAITING_KERNELS[key]
+    if index is None:
+        return True
+    buffer = _param_buffer(task, index)
+    return (buffer is not None and buffer not in written
+            and graph.buffers[buffer].kind in CONSTANT_KINDS)
+
+
+def waiting_edges(graph: TaskGraph, edges: Iterable[tuple[int, int]]) -> frozenset[tuple[int, int]]:
+    """The edges of ``edges`` (the built graph's dependencies) that may be programmatic under
+    the module docstring's rule: from a kernel into a kernel that :func:`waits_safely`, one
+    such edge a kernel (from the predecessor recorded last, the likeliest to end last)."""
+    written = {a.buffer for t in graph.tasks for a in t.accesses if a.write}
+    tasks: Sequence = graph.tasks
+    into: dict[int, int] = {}
+    for u, v in edges:
+        if tasks[u].kind == TaskKind.KERNEL and waits_safely(graph, v, written):
+            into[v] = max(u, into.get(v, -1))
+    return frozenset((u, v) for v, u in into.items())
 
 
 def recorded_pairs(graph: TaskGraph) -> set[tuple[int, int]]:

@@ -40,7 +40,6 @@ from typing import Any
 from .. import driver
 from ..analysis.backfill import Backfill, Picked
 from ..analysis.memplan import MemPlan
-from ..analysis.programmatic import WITHDRAWN
 from ..analysis.schedule import Schedule
 from ..errors import InputError, LoadError, NoGpuError
 from ..ir.saved_format import PendingChecksum, SavedFile
@@ -213,11 +212,13 @@ def _build(model, bucket: _Bucket, region: ArenaRegion) -> Prepared:
 
 
 def _full_dependencies(row: dict) -> ProgrammaticPlan:
-    """No programmatic edge, whatever the file lists: each is built as a full dependency
-    (:data:`~nimble.analysis.programmatic.WITHDRAWN`)."""
+    """No programmatic edge, whatever the file lists: each is built as a full dependency (a
+    load times no choice, and the edges a file lists were chosen by timing in the saving
+    process; files of the withdrawn rule list them too:
+    :data:`~nimble.analysis.programmatic.WITHDRAWN`)."""
     if row.get("programmatic"):
-        log.warning("the file serves %d edge(s) programmatic; %s", len(row["programmatic"]),
-                    WITHDRAWN)
+        log.info("the file serves %d edge(s) programmatic; a loaded graph builds every edge as "
+                 "a full dependency", len(row["programmatic"]))
     return ProgrammaticPlan()
 
 

@@ -77,12 +77,17 @@ class PrepareOptions:
         and the proof are unchanged.  ``nm.graph.meta["prefetch_l2"]`` says what was measured
         and kept.  Off until measured on the GPU; not written by ``save`` (a loaded graph
         runs without them).
-    programmatic_launch : bool
-        Withdrawn: asked for (``True`` or ``"always"``), a prepare warns and builds every edge
-        as a full dependency.  It built the edges into Inductor's kernels that the capture
-        launched programmatically as programmatic ones, and graphs built so gave wrong
-        outputs while another process kept the GPU busy, after a proof on an idle GPU
-        (:data:`nimble.analysis.programmatic.WITHDRAWN`, docs/findings.md).
+    programmatic_launch : bool or "always"
+        Builds the edges into Nimble's own kernels (its GEMVs and decode attention:
+        :mod:`nimble.kernel_waits`) as programmatic ones, so that each launches while its
+        predecessor ends and asks for its first weight tile before its wait for the
+        predecessor's end (:func:`nimble.analysis.programmatic.waiting_edges`), and keeps them
+        where the phase measures faster at prepare (``"always"``: served unmeasured).
+        ``nm.graph.meta["programmatic"]`` says what was measured and kept.  The edges between
+        Inductor's kernels that an earlier rule kept, trusting Inductor's own waits, are
+        withdrawn: graphs built so gave wrong outputs on a busy GPU
+        (:data:`nimble.analysis.programmatic.WITHDRAWN`, docs/findings.md).  Off until
+        measured on the GPU; a saved graph is loaded with full dependencies.
     """
 
     arena_limit: int | str | None = "pool"

@@ -13,7 +13,6 @@ generator.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import re
@@ -26,7 +25,7 @@ from typing import Any, Callable, Iterator
 from .. import driver
 from ..analysis.deps import communicates
 from ..analysis.memplan import MemPlan
-from ..analysis.programmatic import WITHDRAWN, plan_apart
+from ..analysis.programmatic import plan_apart
 from ..analysis.schedule import Schedule, phase_spans
 from ..errors import GraphFaultError, InputError, VerificationError
 from ..progress import logger as log, say
@@ -37,6 +36,7 @@ from .kernel_owners import keep_owners
 from .launcher import CallOrder
 from .options import PrepareOptions
 from .prefetch import planned_prefetch
+from . import programmatic_pick
 from .programmatic_pick import planned_programmatic
 from .profiler_guard import device_launch_allowed
 from .prepared import (ArenaRegion, Prepared, arena_limit_bytes, backfill_trials, build_prepared,
@@ -128,7 +128,8 @@ def _recording(model, example_inputs, training: bool, options: PrepareOptions, q
 
     rec = options.recording
     if rec is None:
-        with launched_programmatically(options.programmatic_launch):
+        with launched_programmatically(bool(options.programmatic_launch)
+                                       and programmatic_pick.RULE == "recorded"):
             if training:
                 rec = record_step(model, example_inputs, quiet=quiet, average=average)
             else:
@@ -177,7 +178,8 @@ def _plan(model, example, training: bool, use_multi_stream: bool, max_streams: i
     say(f"scheduling {len(rec.graph.tasks)} tasks", quiet)
     schedule, memplan = plan_graph(rec.graph, use_multi_stream, max_streams, options.arena_limit,
                                    durations)
-    if options.programmatic_launch:  # the pairs' buffers kept apart, where the limit allows
+    if options.programmatic_launch and programmatic_pick.RULE == "recorded":
+        # the pairs' buffers kept apart, where the limit allows
         memplan = plan_apart(rec.graph, schedule.edges(), memplan,
                              arena_limit_bytes(rec.graph, options.arena_limit))
     seconds["schedule_and_memplan"] = time.perf_counter() - t0 - seconds.get("timing", 0.0)
@@ -365,7 +367,6 @@ def prepare_serving(model, examples: list, *, instances: int, pad: bool, trainin
     A failure frees everything built so far and raises.
     """
     began = time.perf_counter()
-    options = _without_programmatic(options)
     if options.recording is not None and len(examples) > 1:
         raise InputError("PrepareOptions(recording=...) holds one recording, of one shape: "
                          "prepare one bucket with it, or leave it out to record every bucket")
@@ -422,18 +423,6 @@ def prepare_serving(model, examples: list, *, instances: int, pad: bool, trainin
 
 #: Poisoned launches of the proof of a further instance (a relocated copy of a proven graph).
 INSTANCE_PROOF_LAUNCHES = 4
-
-
-def _without_programmatic(options: PrepareOptions) -> PrepareOptions:
-    """``options`` with ``programmatic_launch`` off, warning where it was asked for: built with
-    the programmatic edges the analysis allowed, graphs of Inductor's kernels gave wrong outputs
-    while another process kept the GPU busy, and proved at prepare while it was idle
-    (:data:`~nimble.analysis.programmatic.WITHDRAWN`)."""
-    if not options.programmatic_launch:
-        return options
-    # stacklevel: the warning names the line that called Nimble.prepare.
-    warnings.warn(WITHDRAWN, RuntimeWarning, stacklevel=4)
-    return dataclasses.replace(options, programmatic_launch=False)
 
 
 def _prove_instance(copy: Prepared, planned: _Planned, options: PrepareOptions, instance: int,

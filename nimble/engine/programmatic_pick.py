@@ -1,5 +1,6 @@
 """Programmatic edges at prepare (``PrepareOptions(programmatic_launch=True)``; issue 53): each
-phase built with the edges :func:`nimble.analysis.programmatic.programmatic_edges` allows, timed
+phase built with the edges :func:`nimble.analysis.programmatic.waiting_edges` allows (into
+Nimble's own kernels, which wait for their predecessor in their code), timed
 against the phase without them, and kept only where it measures faster, as the weight
 prefetch is (:mod:`nimble.engine.prefetch`).  A graph of collectives is not timed (its ranks
 must launch alike, not by their own timings): it is served with them, unmeasured, as asked;
@@ -12,13 +13,28 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..analysis import backfill
-from ..analysis.programmatic import programmatic_edges
+from ..analysis.programmatic import programmatic_edges, waiting_edges
 from ..analysis.schedule import Schedule, phase_spans
 from ..ir.taskgraph import TaskGraph
 from .collectives import communicates
 from .rebuild import PhaseOptions
 
 META_KEY = "programmatic"
+
+#: The rule that picks the edges: ``"waiting"`` (:func:`~nimble.analysis.programmatic.waiting_edges`)
+#: or ``"recorded"``, the withdrawn one that kept the capture's own programmatic edges between
+#: Inductor's kernels (:func:`~nimble.analysis.programmatic.programmatic_edges`, which raced:
+#: :data:`~nimble.analysis.programmatic.WITHDRAWN`); only
+#: ``tools/experiments/programmatic_race.py`` sets it, for its own process.
+RULE = "waiting"
+
+
+def allowed_edges(graph: TaskGraph, edges, offsets) -> frozenset:
+    """The edges of ``edges`` that :data:`RULE` lets be programmatic (``offsets``: the memory
+    plan's, which only the recorded rule reads)."""
+    if RULE == "recorded":
+        return programmatic_edges(graph, edges, offsets)
+    return waiting_edges(graph, edges)
 
 
 @dataclass(frozen=True)
@@ -41,7 +57,7 @@ def planned_programmatic(graph: TaskGraph, schedule: Schedule, memplan, options,
         return ProgrammaticPlan()
     if first is not None:
         return ProgrammaticPlan(frozenset(first.programmatic))
-    allowed = programmatic_edges(graph, schedule.edges(), memplan.offsets)
+    allowed = allowed_edges(graph, schedule.edges(), memplan.offsets)
     if not allowed:
         return ProgrammaticPlan()
     if communicates(graph) or options.programmatic_launch == "always":

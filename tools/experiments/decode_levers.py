@@ -15,7 +15,7 @@ A variant is ``base`` or levers joined with "+" (``attention+coordinate+gemv``):
 ``branchless`` (the attention kernel's hidden stretches skipped by masked loads, not a branch),
 ``last-joins`` (a split's parts joined by its last program, not a second kernel),
 ``values-early`` (the attention kernel asks for a block's values beside its keys:
-:data:`nimble.decode_attention.VALUES_EARLY`), ``wide-split`` (the attention's split aiming for
+:data:`nimble.decode_attention.VALUES_EARLY`, on by default; ``values-late`` takes it back), ``wide-split`` (the attention's split aiming for
 twice :data:`nimble.decode_attention.TARGET_PROGRAMS`: at batch 8 the kernel alone is faster
 with 4 programs a head than the rule's 3), ``gemv-within-10`` (``gemv``, a shape's GEMV kept
 where it is at most 10% slower than torch's GEMM), ``gemv-prologues`` (``gemv``, and each GEMV
@@ -24,7 +24,9 @@ fed by an RMS norm or a gated activation computing that vector itself:
 the attention's split joined by the output projection's GEMV as it reads it), ``rope-attention``
 (``attention``, its rotary embedding and cache read in the attention kernel:
 :mod:`nimble.attention_rope_pass`; ``rope-writes-after`` with the cache writes right after each
-attention, not together at the graph's end). Every variant runs on one model (built once, its
+attention, not together at the graph's end), ``programmatic`` (the edges into Nimble's own
+kernels programmatic where the step measures faster at prepare:
+:func:`nimble.analysis.programmatic.waiting_edges`). Every variant runs on one model (built once, its
 sibling projections fused unless ``--no-fuse``); a ``gemv`` variant changes the model's modules
 for good and runs after the others. The Inductor settings of a variant (``combo_kernels``
 always) and the module constants it sets are set around both rows' compilations, so the baseline
@@ -54,11 +56,13 @@ class Variant:
     branchless: bool = False  # the attention kernel's hidden stretches by masked loads
     last_joins: bool = False  # the attention's split joined by its last program
     values_early: bool = False  # the attention kernel asks for a block's values beside its keys
+    values_late: bool = False  # ... after its scores (VALUES_EARLY off: it is on by default)
     wide_split: bool = False  # the attention's split aims for twice TARGET_PROGRAMS
     gemv_prologues: bool = False  # nimble.gemv_prologue_pass around both rows' compilations
     join_attention: bool = False  # ... with the attention's join folded into its GEMV
     rope_attention: bool = False  # the rotary embedding and cache read folded into the attention
     rope_writes_after: bool = False  # ... its cache writes right after it, not at the graph's end
+    programmatic: bool = False  # PrepareOptions(programmatic_launch=True): into Nimble's kernels
 
 
 COMBO = {"combo_kernels": True}
@@ -76,12 +80,14 @@ LEVERS = {
     "branchless": {"decode_attention": True, "branchless": True},
     "last-joins": {"decode_attention": True, "last_joins": True},
     "values-early": {"decode_attention": True, "values_early": True},
+    "values-late": {"decode_attention": True, "values_late": True},
     "wide-split": {"decode_attention": True, "wide_split": True},
     "gemv-prologues": {"fast_gemv": True, "gemv_prologues": True},
     "gemv-within-10": {"fast_gemv": True, "gemv_margin": -0.10},
     "joined-attention": {"fast_gemv": True, "gemv_prologues": True, "decode_attention": True,
                          "join_attention": True},
     "rope-attention": {"decode_attention": True, "rope_attention": True},
+    "programmatic": {"programmatic": True},
     "rope-writes-after": {"decode_attention": True, "rope_attention": True,
                           "rope_writes_after": True},
 }
@@ -179,7 +185,9 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
         undo.append(decode_attention(model).undo)
     cache_len = args.prompt + args.new_tokens
     ids = prompts[args.prompt]
-    options = PrepareOptions(prefetch_l2=lever.prefetch_l2) if lever.prefetch_l2 else None
+    options = PrepareOptions(prefetch_l2=lever.prefetch_l2,
+                             programmatic_launch=lever.programmatic) \
+        if lever.prefetch_l2 or lever.programmatic else None
     try:
         torch._dynamo.reset()
         # read where the step is traced (the argmax) and where its kernels are recorded (the
@@ -192,8 +200,9 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                   or attention_module.BRANCHLESS),
                    "LAST_JOINS": (attention_module, lever.last_joins
                                   or attention_module.LAST_JOINS),
-                   "VALUES_EARLY": (attention_module, lever.values_early
-                                    or attention_module.VALUES_EARLY),
+                   "VALUES_EARLY": (attention_module, (lever.values_early
+                                                       or attention_module.VALUES_EARLY)
+                                    and not lever.values_late),
                    "WRITES_LAST": (rope_pass, rope_pass.WRITES_LAST
                                    and not lever.rope_writes_after),
                    "TARGET_PROGRAMS": (attention_module, attention_module.TARGET_PROGRAMS
@@ -296,6 +305,8 @@ def main(argv=None) -> int:
                   flush=True)
         for p in (r.get("decode_step") or {}).get("prefetch_l2") or ():
             print(f"  prefetch: {p}", flush=True)
+        for p in (r.get("decode_step") or {}).get("programmatic") or ():
+            print(f"  programmatic: {p}", flush=True)
         for folded in r.get("gemv_prologues") or ():
             print(f"  gemv prologues: {folded}", flush=True)
     print("=== summary")

@@ -1,5 +1,5 @@
-"""Why programmatic launch is withdrawn: prepares on Inductor's kernels, proven, many times, with
-a second process keeping the GPU busy (docs/findings.md, "Programmatic edges raced on a busy
+"""Why the capture's own programmatic edges are withdrawn: prepares on Inductor's kernels,
+proven, many times, with a second process keeping the GPU busy (docs/findings.md, "Programmatic edges raced on a busy
 GPU").
 
     python3 tools/experiments/programmatic_race.py [--variant programmatic|plain|capture-replay]
@@ -9,8 +9,9 @@ Each try builds the Generator of ``llama3_1b`` (bf16, random weights, sibling pr
 the math attention kernels, prompt buckets 128 and 512) on ``torch.compile``'s kernels, in one
 process, and prints whether every prepare's proof passed or the first line of the
 ``VerificationError``.  ``--variant programmatic`` asks for ``programmatic_launch=True`` with the
-engine's withdrawal undone for this process only (the edges the analysis allows are built, as
-before the withdrawal); ``plain`` does not ask.  ``--rule library-sources`` also keeps no edge
+engine's withdrawn rule back for this process only (``nimble.engine.programmatic_pick.RULE``:
+the edges the capture launched programmatically between Inductor's kernels are built, as before
+the withdrawal, not the edges into Nimble's own waiting kernels); ``plain`` does not ask.  ``--rule library-sources`` also keeps no edge
 out of a library's kernel (a candidate rule that did not help); ``--rule none`` builds no edge
 at all while Inductor still compiles its kernels to launch programmatically (whether their code
 alone, in a graph of full dependencies, races).  ``--variant capture-replay`` takes Nimble out:
@@ -60,10 +61,10 @@ def parse(argv=None) -> argparse.Namespace:
 def undo_withdrawal(rule: str) -> None:
     """Programmatic edges built as before the withdrawal, in this process only."""
     from nimble.analysis import programmatic
-    from nimble.engine import preparation
+    from nimble.engine import programmatic_pick
     from nimble.ir.kernel_names import library_kernel
 
-    preparation._without_programmatic = lambda options: options
+    programmatic_pick.RULE = "recorded"
     if rule == "none":
         programmatic.candidate_edges = lambda graph, edges: []
     elif rule == "library-sources":

@@ -1,0 +1,107 @@
+"""Nimble's kernels behind programmatic edges (issue 53), in the PTX Triton writes for sm_90 on
+a machine without a GPU: every kernel a prepare may launch behind a programmatic edge
+(nimble.analysis.programmatic.WAITING_KERNELS) waits for its predecessor in every program
+before it reads anything but its weight, and writes nothing before the wait; compiled without
+the wait (Triton's interpreter), no such instruction."""
+from __future__ import annotations
+
+import pytest
+
+from nimble.kernel_waits import waits
+
+triton = pytest.importorskip("triton", reason="compiles with Triton")
+
+
+def _ptx(fn, signature: dict, constexprs: dict, **options) -> list[str]:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+    return kernel.asm["ptx"].splitlines()
+
+
+def _before_the_wait(lines: list[str]) -> list[str]:
+    """The instructions before the kernel's one ``griddepcontrol.wait``."""
+    at = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+    assert len(at) == 1, at
+    return lines[:at[0]]
+
+
+def _memory(lines: list[str], kind: str) -> list[str]:
+    return [line for line in lines if kind in line]
+
+
+def _gemv(waits_: bool) -> list[str]:
+    from nimble import fast_gemv
+
+    return _ptx(fast_gemv._kernel(), {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                                      "N": "i32", "K": "i32", "stride_w": "i32"},
+                {"BLOCK_N": 4, "BLOCK_K": 1024, "WAITS": waits_}, num_warps=8)
+
+
+def _prologue(prologue: int) -> list[str]:
+    import nimble.gemv_prologue_kernels as kernels
+
+    pointers = {name: "*bf16" for name in ("a_ptr", "b_ptr", "nw_ptr", "w_ptr", "y_ptr",
+                                           "sum_ptr")}
+    return _ptx(kernels.gemv_prologue_kernel,
+                {**pointers, "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32"},
+                {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024, "NORM_BLOCK": 2048,
+                 "WAITS": True}, num_warps=8)
+
+
+def _attention(kernel: str) -> list[str]:
+    import nimble.decode_attention_kernels as kernels
+
+    if kernel == "join":
+        return _ptx(kernels.join, {"part_ptr": "*fp32", "stat_ptr": "*fp32", "out_ptr": "*bf16",
+                                   "groups": "i32", "kv_heads": "i32", "splits": "i32",
+                                   "sob": "i32", "soh": "i32"},
+                    {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16, "WAITS": True})
+    ints = ("slots", "groups", "kv_heads", "splits", "slots_per_split", "sqb", "sqh", "skb",
+            "skh", "skl", "svb", "svh", "svl", "smb", "smh", "sml", "sob", "soh")
+    rope_ints = ("scb", "ssb", "sknb", "sknh", "svnb", "svnh")
+    signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i1",
+                 "out_ptr": "*fp32", "part_ptr": "*fp32", "stat_ptr": "*fp32",
+                 "count_ptr": "*i32", "scale": "fp32", **{i: "i32" for i in ints},
+                 "cos_ptr": "*bf16", "sin_ptr": "*bf16", "kn_ptr": "*bf16", "vn_ptr": "*bf16",
+                 "pos_ptr": "*i64", **{i: "i32" for i in rope_ints}}
+    return _ptx(kernels.attend, signature,
+                {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16, "BLOCK_L": 64, "MASK": 1,
+                 "SPLIT": True, "IEEE": False, "BRANCHLESS": False, "LAST_JOINS": True,
+                 "VALUES_EARLY": False, "ROPE": kernel == "rope attend", "WAITS": True})
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "rmsnorm", "add_rmsnorm", "gated"])
+def test_a_gemv_asks_for_its_first_weight_tile_alone_before_its_wait(kernel):
+    """Before the wait: the weight's loads (the only ones evicted first) and no other load,
+    no store, no atomic; after it, the rest.  The dependents may launch from the start."""
+    lines = _gemv(True) if kernel == "gemv" else _prologue(
+        {"rmsnorm": 0, "add_rmsnorm": 1, "gated": 2}[kernel])
+    early = _before_the_wait(lines)
+    loads = _memory(early, "ld.global")
+    assert loads and all("evict_first" in line for line in loads)
+    assert not _memory(early, "st.global") and not _memory(early, "atom.")
+    assert _memory(lines[len(early):], "ld.global")
+    assert _memory(early, "griddepcontrol.launch_dependents")
+
+
+@pytest.mark.parametrize("kernel", ["attend", "rope attend", "join"])
+def test_the_attentions_kernels_read_and_write_nothing_before_their_wait(kernel):
+    lines = _attention(kernel)
+    early = _before_the_wait(lines)
+    assert not [line for line in early if "ld." in line and "param" not in line
+                or "st.global" in line or "atom." in line]
+    assert _memory(lines[len(early):], "ld.global")
+
+
+def test_without_the_wait_no_grid_dependency_instruction_is_written():
+    assert not [line for line in _gemv(False) if "griddepcontrol" in line]
+
+
+def test_the_kernels_wait_on_a_gpu_and_not_under_the_interpreter():
+    import torch
+
+    assert waits(torch.device("cuda", 0)) and not waits(torch.device("cpu"))
