@@ -125,3 +125,43 @@ def test_the_longest_waits_are_named_with_the_tasks_on_each_side():
     lines = format_breakdown(b).splitlines()
     assert lines[1].startswith("  gaps between dependent tasks")
     assert lines[2] == "       5.00 µs before task 2 (gemm), after task 0 (embed)"
+
+
+def _filling_chain():
+    """0 -> 1 -> 2 on one stream: kernel 1 reads a 64 MB weight; its start was stamped 15 µs
+    after kernel 0 ended, 3 µs before its own end."""
+    g = TaskGraph()
+    g.buffers = [Buffer(0, "param", 64 * MB, 0x1000_0000, "w"),
+                 Buffer(1, "intermediate", MB, 0x3000_0000)]
+    g.tasks = [Task(0, "kernel", short_name="norm", accesses=[Access(1, 0, MB, True)]),
+               Task(1, "kernel", short_name="gemm", accesses=[Access(0, 0, 64 * MB, False),
+                                                              Access(1, 0, MB, False)]),
+               Task(2, "kernel", short_name="act", accesses=[Access(1, 0, MB, True)])]
+    s = Schedule([0, 0, 0], [[0, 1, 2]], [], 3, 1)
+    return g, s, [(0.0, 2.0), (17.0, 20.0), (20.5, 22.0)]
+
+
+def test_a_start_too_late_for_the_weights_it_read_is_taken_as_the_ready_time():
+    """64 MB in 3 µs is 22 TB/s, past a 4 TB/s copy and with more weight than a 60 MB L2
+    holds: the stamp beside a kernel that fills the GPU ran late, so the kernel is taken to
+    have run from its predecessor's end, and no gap is counted before it."""
+    g, s, times = _filling_chain()
+    b = step_breakdown(Timeline(g, s, times), copy_bytes_per_s=4e12, l2_bytes=60 * MB)
+    assert b.late_starts == [1]
+    gemm = b.kernels[1]
+    assert gemm.us == pytest.approx(18.0) and gemm.bytes_per_s < 4e12
+    assert (b.gaps.count, b.gaps.total_us) == (2, pytest.approx(0.5))
+    assert b.busy_us == pytest.approx(21.5) and b.idle_us == pytest.approx(0.5)
+    assert "starts taken as their ready times" in format_breakdown(b)
+    assert b.summary()["late_starts"] == [1]
+
+
+@pytest.mark.parametrize("copy, l2", [(4e12, None), (None, 60 * MB), (4e12, 80 * MB),
+                                      (30e12, 60 * MB)])
+def test_a_start_stays_as_stamped_without_both_rates_or_where_the_weights_could_stream(copy, l2):
+    """No L2 size or no copy rate: nothing to hold the stamp against; a weight the L2 holds
+    may be read faster than the copy; within the copy rate the stamp may be right."""
+    g, s, times = _filling_chain()
+    b = step_breakdown(Timeline(g, s, times), copy_bytes_per_s=copy, l2_bytes=l2)
+    assert b.late_starts == [] and b.kernels[1].us == pytest.approx(3.0)
+    assert b.gaps.total_us == pytest.approx(15.5)

@@ -160,7 +160,8 @@ def _decode_step_shape(generator, batch: int, needed=None,
         timeline = decode.trace(torch.ones((batch, 1), dtype=torch.long, device=device),
                                 torch.full((1,), at, dtype=torch.long, device=device))
         shape["concurrency"] = timeline.summary()["phases"][0]["concurrency"]
-        broken = step_breakdown(timeline, decode.graph, copy_bytes_per_s=copy_bytes_per_s)
+        broken = step_breakdown(timeline, decode.graph, copy_bytes_per_s=copy_bytes_per_s,
+                                l2_bytes=torch.cuda.get_device_properties(device).L2_cache_size)
         shape["breakdown"] = broken.summary(top=top)
         shape["breakdown_text"] = format_breakdown(broken, top=top)
     except Exception as e:  # noqa: BLE001 - the timings stand without it

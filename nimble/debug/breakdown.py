@@ -18,6 +18,14 @@ splits into kernels running and the gaps between dependent kernels, when nothing
 - the **achieved concurrency** (task time over makespan), and the step's unique weight bytes
   over its makespan: the bandwidth the step as a whole gets out of the weights it streams.
 
+A task's start is a timestamp kernel's beside it (:mod:`nimble.debug.timeline`), and beside a
+kernel that fills every multiprocessor that stamp can wait for a free one until the kernel's
+last blocks: the start lands late, the kernel looks short and the gap before it long.  Where
+the device's L2 size is given, a kernel whose weights are larger than the L2 and whose stamped
+time would have them stream faster than the copy bandwidth cannot have started when stamped:
+its start is taken as its ready time (the end of the predecessor it waited for last), the
+earliest it could start, and the breakdown counts it (``late_starts``).
+
 Plain data, no GPU: the CPU tests run it on recorded fixtures with simulated times.
 """
 from __future__ import annotations
@@ -106,6 +114,7 @@ class StepBreakdown:
     kernels: list[KernelTime] = field(default_factory=list)
     copy_bytes_per_s: float | None = None
     largest_gaps: list[Gap] = field(default_factory=list)  # the longest waits, longest first
+    late_starts: list[int] = field(default_factory=list)  # starts taken as ready times
 
     @property
     def idle_us(self) -> float:
@@ -146,6 +155,7 @@ class StepBreakdown:
             "weights_per_s": self.weights_per_s,
             "weights_of_copy": self.of_copy(self.weights_per_s),
             "largest_gaps": [dataclasses.asdict(g) for g in self.largest_gaps],
+            "late_starts": list(self.late_starts),
             "copy_bytes_per_s": self.copy_bytes_per_s,
             "by_name": [{"name": g.name, "count": g.count, "us": g.us, "bytes": g.bytes,
                          "bytes_per_s": g.bytes_per_s, "of_copy": self.of_copy(g.bytes_per_s)}
@@ -178,15 +188,39 @@ def _kernel_times(graph: TaskGraph, times, span: range) -> list[KernelTime]:
     return out
 
 
-def _waits(timeline: Timeline, span: range) -> dict[int, tuple[int, float]]:
-    """Per task of ``span`` with a predecessor there: that predecessor of the latest end, and
-    the task's start less that end."""
-    times = timeline.times
+def _last_predecessors(timeline: Timeline, span: range, times) -> dict[int, int]:
+    """Per task of ``span`` with a predecessor there: that predecessor of the latest end."""
     last: dict[int, int] = {}
     for u, v in timeline.edges():
         if u in span and v in span and (v not in last or times[u][1] > times[last[v]][1]):
             last[v] = u
+    return last
+
+
+def _waits(timeline: Timeline, span: range, times) -> dict[int, tuple[int, float]]:
+    """Per task of ``span`` with a predecessor there: that predecessor of the latest end, and
+    the task's start less that end."""
+    last = _last_predecessors(timeline, span, times)
     return {v: (u, times[v][0] - times[u][1]) for v, u in last.items()}
+
+
+def _late_starts(timeline: Timeline, graph: TaskGraph, span: range, copy_bytes_per_s,
+                 l2_bytes) -> dict[int, float]:
+    """Per kernel of ``span`` whose stamped start cannot be (the module's text), its ready
+    time; none without both rates."""
+    if not copy_bytes_per_s or not l2_bytes:
+        return {}
+    times = timeline.times
+    last = _last_predecessors(timeline, span, times)
+    late = {}
+    for t in span:
+        if graph.tasks[t].kind != TaskKind.KERNEL or t not in last:
+            continue
+        weights = touched_bytes(graph, [t], _WEIGHTS)
+        start, end = times[t]
+        if weights > l2_bytes and (end - start) * 1e-6 * copy_bytes_per_s < weights:
+            late[t] = min(start, times[last[t]][1])
+    return late
 
 
 #: The longest waits a breakdown names, with the tasks on each side.
@@ -202,10 +236,12 @@ def _largest_gaps(graph: TaskGraph, waits: dict[int, tuple[int, float]]) -> list
 
 
 def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: int = 0,
-                   copy_bytes_per_s: float | None = None) -> StepBreakdown:
+                   copy_bytes_per_s: float | None = None,
+                   l2_bytes: int | None = None) -> StepBreakdown:
     """Phase ``phase`` of a measured ``timeline`` broken down (see the module's text), its bytes
     read from ``graph`` (the recording the timeline ran: ``nm.graph``; the timeline's own by
-    default), held against ``copy_bytes_per_s`` where given."""
+    default), held against ``copy_bytes_per_s`` where given; with ``l2_bytes`` (the device's
+    L2 size) too, a start that cannot be is taken as its task's ready time."""
     graph = graph if graph is not None else timeline.graph
     if len(graph.tasks) != len(timeline.times):
         raise ValueError(f"the graph has {len(graph.tasks)} tasks and the timeline "
@@ -213,10 +249,13 @@ def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: in
     spans = timeline.phases()
     if not 0 <= phase < len(spans) or not len(spans[phase]):
         raise ValueError(f"no phase {phase} with tasks in the timeline ({len(spans)} phases)")
-    span, times = spans[phase], timeline.times
+    span, times = spans[phase], list(timeline.times)
+    late = _late_starts(timeline, graph, span, copy_bytes_per_s, l2_bytes)
+    for t, ready in late.items():
+        times[t] = (ready, times[t][1])
     begin = min(times[t][0] for t in span)
     makespan = max(times[t][1] for t in span) - begin
-    waits = _waits(timeline, span)
+    waits = _waits(timeline, span, times)
     path = executed_critical_path(timeline.schedule, times, span, timeline.late_edges)
     path_gaps = [times[v][0] - times[u][1] for u, v in zip(path, path[1:])]
     return StepBreakdown(
@@ -228,7 +267,7 @@ def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: in
         path_gaps=Spread.of(path_gaps),
         weight_bytes=touched_bytes(graph, span, _WEIGHTS), step_bytes=touched_bytes(graph, span),
         kernels=_kernel_times(graph, times, span), copy_bytes_per_s=copy_bytes_per_s,
-        largest_gaps=_largest_gaps(graph, waits))
+        largest_gaps=_largest_gaps(graph, waits), late_starts=sorted(late))
 
 
 def _rate(rate: float | None, share: float | None) -> str:
@@ -257,6 +296,10 @@ def format_breakdown(b: StepBreakdown, top: int = 10) -> str:
         f"{b.step_bytes / 1e6:.1f} MB"]
     lines[2:2] = [f"    {g.us:7.2f} µs before task {g.task} ({g.name[:40]}), after task "
                   f"{g.after} ({g.after_name[:40]})" for g in b.largest_gaps]
+    if b.late_starts:
+        lines.insert(1, f"  {len(b.late_starts)} kernel(s) stamped as starting too late to "
+                        "have read their weights (larger than the L2) by their end: their "
+                        "starts taken as their ready times")
     if b.copy_bytes_per_s:
         lines.append(f"  at the copy bandwidth ({b.copy_bytes_per_s / 1e12:.2f} TB/s) those "
                      f"bytes take {b.step_bytes / b.copy_bytes_per_s * 1e6:.1f} µs")
