@@ -160,8 +160,10 @@ def _decode_step_shape(generator, batch: int, needed=None,
         timeline = decode.trace(torch.ones((batch, 1), dtype=torch.long, device=device),
                                 torch.full((1,), at, dtype=torch.long, device=device))
         shape["concurrency"] = timeline.summary()["phases"][0]["concurrency"]
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size \
+            if device.type == "cuda" else None
         broken = step_breakdown(timeline, decode.graph, copy_bytes_per_s=copy_bytes_per_s,
-                                l2_bytes=torch.cuda.get_device_properties(device).L2_cache_size)
+                                l2_bytes=l2)
         shape["breakdown"] = broken.summary(top=top)
         shape["breakdown_text"] = format_breakdown(broken, top=top)
     except Exception as e:  # noqa: BLE001 - the timings stand without it
