@@ -94,7 +94,7 @@ def _kernel():
         if WAITS:  # behind a programmatic edge: the next kernel may launch (and wait) now
             tl.extra.cuda.gdc_launch_dependents()
         # the first step's weight tile is asked for before the wait for the input (a constant
-        # of the graph: nimble.analysis.programmatic.WAITING_KERNELS); the step's sum is the
+        # of the graph: nimble.ir.waiting_kernels.WAITING_KERNELS); the step's sum is the
         # loop's first, so the bits are the same with or without the wait
         cols = tl.arange(0, BLOCK_K)
         col_ok = cols < K

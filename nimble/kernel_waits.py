@@ -7,7 +7,7 @@ and to write nothing before it; a GEMV asks for its first weight tile before the
 a programmatic edge such a kernel launches while its predecessor ends, and its wait holds it
 until that predecessor has ended and its writes are visible; behind a full dependency the wait
 returns at once.  Which recorded kernels these are, and what each reads before its wait, is
-:data:`nimble.analysis.programmatic.WAITING_KERNELS`.
+:data:`nimble.ir.waiting_kernels.WAITING_KERNELS`.
 """
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ def test_a_generator_on_nimbles_kernels_builds_edges_into_them_and_decodes_the_s
     import torch
 
     pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
-    from nimble.analysis.programmatic import WAITING_KERNELS
+    from nimble.ir.waiting_kernels import WAITING_KERNELS
     from nimble.cli.decoders import causal_lm
     from nimble.decode_attention import decode_attention
     from nimble.engine.options import PrepareOptions

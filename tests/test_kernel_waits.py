@@ -1,6 +1,6 @@
 """Nimble's kernels behind programmatic edges (issue 53), in the PTX Triton writes for sm_90 on
 a machine without a GPU: every kernel a prepare may launch behind a programmatic edge
-(nimble.analysis.programmatic.WAITING_KERNELS) waits for its predecessor in every program
+(nimble.ir.waiting_kernels.WAITING_KERNELS) waits for its predecessor in every program
 before it reads anything but its weight, and writes nothing before the wait; compiled without
 the wait (Triton's interpreter), no such instruction."""
 from __future__ import annotations

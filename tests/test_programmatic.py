@@ -382,7 +382,7 @@ def test_every_waiting_kernel_names_a_weight_parameter_its_operator_passes():
     signature (pointers first, none left out: the launchers pass a tensor for every one)."""
     import inspect
 
-    from nimble.analysis.programmatic import WAITING_KERNELS
+    from nimble.ir.waiting_kernels import WAITING_KERNELS
 
     pytest.importorskip("triton", reason="reads the kernels' signatures")
     import nimble.gemv_prologue_kernels as prologues

@@ -167,7 +167,7 @@ def test_the_programmatic_edges_a_file_serves_are_read_back_where_the_capture_ma
 
 @pytest.mark.parametrize("served,message", [
     ([(2, 3)], r"buckets\[0\]\.programmatic\[0\] makes 2 -> 3 programmatic, an edge the "
-               r"recording's capture did not launch so"),
+               r"recording's capture did not launch so, nor one into a kernel of Nimble's"),
     ([(3, 1)], r"buckets\[0\]\.programmatic\[0\] goes from task 3 back to task 1"),
     ([(0, 10**6)], r"buckets\[0\]\.programmatic\[0\]\[1\]"),
 ])
@@ -175,6 +175,24 @@ def test_a_programmatic_edge_the_capture_did_not_make_is_refused_before_the_gpu(
         tmp_path, no_gpu_work, served, message):
     with pytest.raises(LoadError, match=message):
         nimble.load(_with_programmatic(tmp_path, served))
+
+
+def test_a_file_may_list_an_edge_into_a_kernel_of_nimbles_that_waits_for_its_predecessor(
+        tmp_path):
+    """An edge the capture did not launch programmatically, into a kernel the waiting rule
+    takes (nimble.ir.waiting_kernels): what a prepare with programmatic launch saves."""
+    from nimble.engine.saved_reading import read_checked
+    from nimble.ir.taskgraph import Op
+
+    graph = branchy_graph(seed=1)
+    kernels = [t.id for t in graph.tasks if t.kind == "kernel"]
+    u, v = kernels[0], kernels[1]
+    graph.ops.append(Op(len(graph.ops), "nimble::decode_attention"))
+    graph.tasks[v].op, graph.tasks[v].name = len(graph.ops) - 1, "attend"
+    saved = saved_file_of(graph)
+    saved.manifest["buckets"][0]["programmatic"] = [[u, v]]
+    back, _, _ = read_checked(saved.write(tmp_path / "w.nimble"))
+    assert back.manifest["buckets"][0]["programmatic"] == [[u, v]]
 
 
 def test_a_files_programmatic_edges_are_built_as_full_dependencies(monkeypatch, caplog):

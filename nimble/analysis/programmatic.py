@@ -1,9 +1,9 @@
 """Which dependency edges of a built graph may be programmatic (issue 53).
 
 The rule a prepare uses (:func:`waiting_edges`): an edge ``u -> v`` into one of Nimble's own
-kernels (:data:`WAITING_KERNELS`, :mod:`nimble.kernel_waits`), which runs
-``griddepcontrol.wait`` in every program before it reads anything but its weight and writes
-nothing before it.  Its wait returns once ``u`` has ended and ``u``'s writes are visible; ``u``
+kernels (:data:`~nimble.ir.waiting_kernels.WAITING_KERNELS`, :mod:`nimble.kernel_waits`),
+which runs ``griddepcontrol.wait`` in every program before it reads anything but its weight
+and writes nothing before it.  Its wait returns once ``u`` has ended and ``u``'s writes are visible; ``u``
 ends only after everything before it has: a full dependency ended before ``u`` began, and a
 programmatic one ends into a kernel of the same kind, whose every program waited before it
 ended.  So after its wait ``v`` sees what it would behind a full dependency, whatever the
@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Sequence
 
 from ..ir.taskgraph import TaskGraph, TaskKind
+from ..ir.waiting_kernels import waits_safely
 from .memplan import MemPlan, plan_memory
 from .plan_check import check_plan
 
@@ -51,52 +52,6 @@ WITHDRAWN = (
 
 #: ``graph.meta``'s key for the capture's programmatic edges, ``[u, v]`` task ids.
 META_KEY = "programmatic_edges"
-
-#: Nimble's kernels that wait in every program before they read what a predecessor writes
-#: (:mod:`nimble.kernel_waits`): per (recorded operator, kernel name), the index of the kernel
-#: parameter whose buffer it reads before its wait (a GEMV's weight), or None for nothing.
-WAITING_KERNELS: dict[tuple[str, str], int | None] = {
-    ("nimble::gemv", "gemv_kernel"): 1,
-    ("nimble::gemv_rmsnorm", "gemv_prologue_kernel"): 3,
-    ("nimble::gemv_add_rmsnorm", "gemv_prologue_kernel"): 3,
-    ("nimble::gemv_gated", "gemv_prologue_kernel"): 3,
-    ("nimble::gemv_joined", "gemv_joined_kernel"): None,
-    **{(op, kernel): None
-       for op in ("nimble::decode_attention", "nimble::decode_attention_parts",
-                  "nimble::decode_attention_rope", "nimble::decode_attention_rope_parts")
-       for kernel in ("attend", "join")},
-}
-
-#: Buffers a waiting kernel may read before its wait: the model's, never moved by the plan.
-CONSTANT_KINDS = frozenset({"param", "external"})
-
-
-def _param_buffer(task, index: int) -> int | None:
-    """The buffer the pointer in ``task``'s parameter ``index`` points into, or None."""
-    if index >= len(task.param_layout):
-        return None
-    offset = task.param_layout[index][0]
-    return next((p.buffer for p in task.pointers if p.location == offset and p.buffer >= 0),
-                None)
-
-
-def waits_safely(graph: TaskGraph, task_id: int, written: set[int]) -> bool:
-    """Whether task ``task_id`` is a kernel of :data:`WAITING_KERNELS` whose read before its
-    wait, if any, is of a constant buffer (:data:`CONSTANT_KINDS`) no task writes
-    (``written``: the buffers some task writes)."""
-    task = graph.tasks[task_id]
-    if task.kind != TaskKind.KERNEL or not 0 <= task.op < len(graph.ops):
-        return False
-    key = (graph.ops[task.op].name, task.name)
-    if key not in WAITING_KERNELS:
-        return False
-    index = WAITING_KERNELS[key]
-    if index is None:
-        return True
-    buffer = _param_buffer(task, index)
-    return (buffer is not None and buffer not in written
-            and graph.buffers[buffer].kind in CONSTANT_KINDS)
-
 
 def waiting_edges(graph: TaskGraph, edges: Iterable[tuple[int, int]]) -> frozenset[tuple[int, int]]:
     """The edges of ``edges`` (the built graph's dependencies) that may be programmatic under

@@ -16,7 +16,8 @@ from typing import Callable
 from ..errors import LoadError
 from . import json_fields as jf
 from .saved_manifest import NODE_KINDS, _fail, damaged
-from .taskgraph import BufferKind, TaskGraph
+from .taskgraph import BufferKind, TaskGraph, TaskKind
+from .waiting_kernels import waits_safely
 
 
 class UndecodableGraph(LoadError):
@@ -91,10 +92,14 @@ def _against_graph(manifest: dict, k: int, graph: TaskGraph,
                                    "names it)")
     _references(row["reference"], graph, where, itemsize)
     recorded = {tuple(e) for e in graph.meta.get("programmatic_edges", [])}
+    written = {a.buffer for t in graph.tasks for a in t.accesses if a.write}
     for i, edge in enumerate(row.get("programmatic", [])):
-        if tuple(edge) not in recorded:
-            raise _fail(f"{where}.programmatic[{i}]", f"makes {edge[0]} -> {edge[1]} "
-                        "programmatic, an edge the recording's capture did not launch so")
+        u, v = edge
+        into_waiting = graph.tasks[u].kind == TaskKind.KERNEL and waits_safely(graph, v, written)
+        if tuple(edge) not in recorded and not into_waiting:
+            raise _fail(f"{where}.programmatic[{i}]", f"makes {u} -> {v} programmatic, an "
+                        "edge the recording's capture did not launch so, nor one into a "
+                        "kernel of Nimble's that waits for its predecessor")
     if row.get("step") is not None:
         _step(row["step"], graph, f"{where}.step")
 
