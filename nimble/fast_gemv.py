@@ -37,6 +37,12 @@ log = logging.getLogger("nimble")
 
 #: A GEMV configuration wins only when faster than torch's GEMM by this fraction.
 MARGIN = 0.03
+#: The weight tiles (1 or 2) a GEMV's program asks for before it waits for its input: behind a
+#: programmatic edge (``PrepareOptions(programmatic_launch=True)``) they stream while the
+#: predecessor ends; 2 is a whole row block of a weight of up to ``2 * block_k`` columns (an
+#: output projection's).  The same bits either way; 1 until measured
+#: (``tools/experiments/decode_levers.py``'s ``early-tiles``).
+EARLY_TILES = 1
 
 
 @dataclass(frozen=True)
@@ -87,32 +93,44 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
+    def weight_tile(w_ptr, rows, row_ok, cols, col_ok, stride_w):
+        return tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
+                       mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                       eviction_policy="evict_first")
+
+    @triton.jit
     def gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, WAITS: tl.constexpr):
+                    BLOCK_K: tl.constexpr, WAITS: tl.constexpr, EARLY: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         if WAITS:  # behind a programmatic edge: the next kernel may launch (and wait) now
             tl.extra.cuda.gdc_launch_dependents()
-        # the first step's weight tile is asked for before the wait for the input (a constant
-        # of the graph: nimble.ir.waiting_kernels.WAITING_KERNELS); the step's sum is the
-        # loop's first, so the bits are the same with or without the wait
+        # the first EARLY steps' weight tiles are asked for before the wait for the input (a
+        # constant of the graph: nimble.ir.waiting_kernels.WAITING_KERNELS); their sums are the
+        # loop's first, in its order, so the bits are the same however many are asked early
         cols = tl.arange(0, BLOCK_K)
         col_ok = cols < K
-        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")
+        w = weight_tile(w_ptr, rows, row_ok, cols, col_ok, stride_w)
+        if EARLY == 2:
+            cols1 = BLOCK_K + tl.arange(0, BLOCK_K)
+            col1_ok = cols1 < K
+            w1 = weight_tile(w_ptr, rows, row_ok, cols1, col1_ok, stride_w)
         if WAITS:
             tl.extra.cuda.gdc_wait()
         x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
         # Products summed per lane across the row's steps, reduced once at the end.
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc += w.to(tl.float32) * x[None, :].to(tl.float32)
-        for k in range(BLOCK_K, K, BLOCK_K):
+        first = BLOCK_K
+        if EARLY == 2:
+            if K > BLOCK_K:
+                x1 = tl.load(x_ptr + cols1, mask=col1_ok, other=0.0)
+                acc += w1.to(tl.float32) * x1[None, :].to(tl.float32)
+            first = 2 * BLOCK_K
+        for k in range(first, K, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
             col_ok = cols < K
-            w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
-                        mask=row_ok[:, None] & col_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
+            w = weight_tile(w_ptr, rows, row_ok, cols, col_ok, stride_w)
             x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
             acc += w.to(tl.float32) * x[None, :].to(tl.float32)
         tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
@@ -129,7 +147,8 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> to
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     _kernel()[(triton.cdiv(n, config.block_n),)](
         x, weight, y, n, k, weight.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        WAITS=waits(x.device), num_warps=config.warps, num_stages=config.stages)
+        WAITS=waits(x.device), EARLY=EARLY_TILES, num_warps=config.warps,
+        num_stages=config.stages)
     return y
 
 

@@ -476,8 +476,9 @@ def test_a_load_takes_each_kernels_function_from_its_own_binary(fake_load, tmp_p
 
 
 def test_a_plans_programmatic_edges_are_built_as_full_dependencies(fake_load, tmp_path):
-    """Programmatic launch is withdrawn: a plan of version 2 that marks edges programmatic (a
-    file saved before) loads, and the runtime adds every edge, none of them programmatic."""
+    """A plan of version 2 that marks edges programmatic (a graph prepared with programmatic
+    launch) loads, and the runtime adds every edge, none of them programmatic, as the Python
+    loader builds them."""
     path, _ = _fake_saved(tmp_path, programmatic=_kernel_edges("branchy"))
     rc, lines = _fake_run(fake_load, path)
     assert rc == 0 and lines[1].startswith("kernels 40 misplaced 0 edges "), lines

@@ -24,12 +24,15 @@ def test_a_variants_name_joins_the_levers_it_sets():
                  "coordinate+joined-attention", "gap-prefetch+gemv", "window-prefetch",
                  "values-early+coordinate+gemv-prologues",
                  "rope-attention+coordinate+joined-attention", "rope-writes-after+gemv",
-                 "programmatic+values-late+attention", "programmatic+gemv"):
+                 "programmatic+values-late+attention", "programmatic+gemv",
+                 "programmatic+early-tiles+coordinate+gemv-prologues"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
             "coordinate_descent_tuning")), name
-        assert any(w in name for w in ("gemv", "joined")) == variant.fast_gemv, name
+        assert any(w in name for w in ("gemv", "joined", "early-tiles")) == variant.fast_gemv, \
+            name
+        assert ("early-tiles" in name) == variant.early_tiles, name
         assert ("joined" in name) == variant.join_attention, name
         assert any(w in name for w in ("attention", "branchless", "last-joins",
                                        "wide-split", "values-", "rope")) == \

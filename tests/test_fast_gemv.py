@@ -154,3 +154,18 @@ def test_a_weight_whose_rows_are_not_contiguous_is_left_to_torch(stand_in_gemv):
     choices = fg.fast_gemv(model, time=timer(table), configs=(FAST,))
     assert [(c.out_features, c.in_features) for c in choices] == [(16, 8)]
     assert type(model[0]) is nn.Linear and type(model[1]) is fg.GemvLinear
+
+
+def test_the_gemv_kernel_gives_the_same_bits_with_one_weight_tile_or_two_asked_early():
+    """Under Triton's interpreter: the GEMV's sum against float64, and ``EARLY_TILES`` 2 (a
+    second weight tile asked for before the wait) the same bits as 1, within one step of the
+    input, over two, ragged and over many."""
+    from pathlib import Path
+
+    from helpers import interpreted_cases
+
+    cases = interpreted_cases(Path(__file__).parent / "workers" / "gemv_interpreted.py")
+    assert len(cases) == 8, sorted(cases)
+    for name, case in cases.items():
+        assert case["same_bits"], name
+        assert case["error"] < (1e-6 if "float32" in name else 2e-3), (name, case["error"])

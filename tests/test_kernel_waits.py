@@ -33,12 +33,12 @@ def _memory(lines: list[str], kind: str) -> list[str]:
     return [line for line in lines if kind in line]
 
 
-def _gemv(waits_: bool) -> list[str]:
+def _gemv(waits_: bool, early: int = 1) -> list[str]:
     from nimble import fast_gemv
 
     return _ptx(fast_gemv._kernel(), {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
                                       "N": "i32", "K": "i32", "stride_w": "i32"},
-                {"BLOCK_N": 4, "BLOCK_K": 1024, "WAITS": waits_}, num_warps=8)
+                {"BLOCK_N": 4, "BLOCK_K": 1024, "WAITS": waits_, "EARLY": early}, num_warps=8)
 
 
 def _prologue(prologue: int) -> list[str]:
@@ -74,11 +74,11 @@ def _attention(kernel: str) -> list[str]:
                  "VALUES_EARLY": False, "ROPE": kernel == "rope attend", "WAITS": True})
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "rmsnorm", "add_rmsnorm", "gated"])
+@pytest.mark.parametrize("kernel", ["gemv", "gemv early 2", "rmsnorm", "add_rmsnorm", "gated"])
 def test_a_gemv_asks_for_its_first_weight_tile_alone_before_its_wait(kernel):
     """Before the wait: the weight's loads (the only ones evicted first) and no other load,
     no store, no atomic; after it, the rest.  The dependents may launch from the start."""
-    lines = _gemv(True) if kernel == "gemv" else _prologue(
+    lines = _gemv(True, 2 if "early" in kernel else 1) if "gemv" in kernel else _prologue(
         {"rmsnorm": 0, "add_rmsnorm": 1, "gated": 2}[kernel])
     early = _before_the_wait(lines)
     loads = _memory(early, "ld.global")
@@ -95,6 +95,12 @@ def test_the_attentions_kernels_read_and_write_nothing_before_their_wait(kernel)
     assert not [line for line in early if "ld." in line and "param" not in line
                 or "st.global" in line or "atom." in line]
     assert _memory(lines[len(early):], "ld.global")
+
+
+def test_two_early_tiles_are_twice_the_weight_loads_before_the_wait():
+    def early_loads(early: int) -> int:
+        return len(_memory(_before_the_wait(_gemv(True, early)), "ld.global"))
+    assert early_loads(2) == 2 * early_loads(1) > 0
 
 
 def test_without_the_wait_no_grid_dependency_instruction_is_written():

@@ -175,8 +175,9 @@ static nimble_status instantiate(nimble_model *m, bucket_t *b, uint64_t j, CUgra
 }
 
 /* The bucket's edges, every one a full dependency: the plan's programmatic marks are read and
- * not served (Python's loader does the same), since graphs built with them gave wrong outputs
- * on a busy GPU (docs/findings.md, "Programmatic edges raced on a busy GPU"). */
+ * not served (Python's loader does the same: a load times no choice, and the marks of the
+ * withdrawn rule gave wrong outputs on a busy GPU: docs/findings.md, "Programmatic edges raced
+ * on a busy GPU"). */
 static nimble_status add_edges(bucket_t *b, CUgraph g, CUgraphNode *from, CUgraphNode *to) {
 #if CUDA_VERSION >= 13000
     CUresult r = cuGraphAddDependencies(g, from, to, NULL, b->nedges);

@@ -19,9 +19,9 @@ def add_lever_arguments(p) -> None:
                         "True): weight prefetch into the L2, kept where measured faster; "
                         f"a plan ({', '.join(PLANS)}) times that one alone")
     p.add_argument("--programmatic", action="store_true",
-                   help="--generate: withdrawn; asks for PrepareOptions(programmatic_launch="
-                        "True), which warns and builds every edge as a full dependency "
-                        "(graphs built with programmatic edges raced on a busy GPU)")
+                   help="--generate: prepare the Nimble steps with PrepareOptions("
+                        "programmatic_launch=True): the edges into Nimble's own kernels "
+                        "(GEMVs, decode attention) programmatic, kept where measured faster")
     p.add_argument("--inductor-mode", choices=INDUCTOR_MODES, default=None,
                    help="--generate: torch.compile's mode for nimble+inductor's kernels "
                         "(default: Inductor's default; max-autotune-no-cudagraphs tunes them "

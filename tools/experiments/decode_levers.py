@@ -26,7 +26,8 @@ the attention's split joined by the output projection's GEMV as it reads it), ``
 :mod:`nimble.attention_rope_pass`; ``rope-writes-after`` with the cache writes right after each
 attention, not together at the graph's end), ``programmatic`` (the edges into Nimble's own
 kernels programmatic where the step measures faster at prepare:
-:func:`nimble.analysis.programmatic.waiting_edges`). Every variant runs on one model (built once, its
+:func:`nimble.analysis.programmatic.waiting_edges`), ``early-tiles`` (``gemv``, the plain GEMV
+asking for two weight tiles before its wait: :data:`nimble.fast_gemv.EARLY_TILES`). Every variant runs on one model (built once, its
 sibling projections fused unless ``--no-fuse``); a ``gemv`` variant changes the model's modules
 for good and runs after the others. The Inductor settings of a variant (``combo_kernels``
 always) and the module constants it sets are set around both rows' compilations, so the baseline
@@ -63,6 +64,7 @@ class Variant:
     rope_attention: bool = False  # the rotary embedding and cache read folded into the attention
     rope_writes_after: bool = False  # ... its cache writes right after it, not at the graph's end
     programmatic: bool = False  # PrepareOptions(programmatic_launch=True): into Nimble's kernels
+    early_tiles: bool = False  # the plain GEMV asks for two weight tiles before its wait
 
 
 COMBO = {"combo_kernels": True}
@@ -88,6 +90,7 @@ LEVERS = {
                          "join_attention": True},
     "rope-attention": {"decode_attention": True, "rope_attention": True},
     "programmatic": {"programmatic": True},
+    "early-tiles": {"fast_gemv": True, "early_tiles": True},
     "rope-writes-after": {"decode_attention": True, "rope_attention": True,
                           "rope_writes_after": True},
 }
@@ -207,7 +210,11 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                    and not lever.rope_writes_after),
                    "TARGET_PROGRAMS": (attention_module, attention_module.TARGET_PROGRAMS
                                        * (2 if lever.wide_split else 1))}
+        from nimble import fast_gemv as fast_gemv_module
         from nimble.gemv_prologue_pass import fusing
+
+        patches["EARLY_TILES"] = (fast_gemv_module, 2 if lever.early_tiles
+                                  else fast_gemv_module.EARLY_TILES)
 
         folding = fusing(lever.join_attention, lever.rope_attention) \
             if lever.gemv_prologues or lever.rope_attention else contextlib.nullcontext()
