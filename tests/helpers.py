@@ -145,6 +145,22 @@ def generator_worker_tokens(tmp_path, save_mode: str, ids) -> tuple:
 
 
 
+def swapped_llama_small():
+    """``llama_small`` in bfloat16 on the GPU with its sibling projections fused, every
+    single-row GEMM on Nimble's GEMV whatever was measured, and its attention on
+    ``nimble.decode_attention``: ``(model, swap)``, ``swap.undo()`` taking the attention back."""
+    pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+    from nimble.cli.decoders import causal_lm
+    from nimble.decode_attention import decode_attention
+    from nimble.fast_gemv import fast_gemv
+    from nimble.fused_projections import fuse_projections
+
+    model = causal_lm("llama_small", "bfloat16")
+    fuse_projections(model)
+    fast_gemv(model, time=lambda config, weights, x: 1.0 if config is None else 0.5)
+    return model, decode_attention(model)
+
+
 def interpreted_cases(worker: Path) -> dict:
     """A worker's kernel cases run by Triton's interpreter in a process of its own (the
     interpreter must be asked for before Triton is imported): its JSON lines by case."""

@@ -116,18 +116,11 @@ def test_the_gemv_joining_the_attentions_split_matches_the_join_kernels_output(d
 def test_a_swapped_llamas_attention_joined_by_its_output_projection_prepares_proven():
     import torch
 
-    pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
-    from nimble.cli.decoders import causal_lm
-    from nimble.decode_attention import decode_attention
-    from nimble.fast_gemv import fast_gemv
-    from nimble.fused_projections import fuse_projections
+    from helpers import swapped_llama_small
     from nimble.gemv_prologue_pass import fusing
     from nimble.generate import Generator, prepare_with_nimble
 
-    model = causal_lm("llama_small", "bfloat16")
-    fuse_projections(model)
-    fast_gemv(model, time=lambda config, weights, x: 1.0 if config is None else 0.5)
-    swap = decode_attention(model)
+    model, swap = swapped_llama_small()
     torch.manual_seed(6)
     ids = torch.randint(0, model.config.vocab_size, (1, 128), device="cuda")
     tokens = {}

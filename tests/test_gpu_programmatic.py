@@ -81,20 +81,13 @@ def test_a_generator_on_nimbles_kernels_builds_edges_into_them_and_decodes_the_s
     keeps the GPU busy."""
     import torch
 
-    pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
-    from nimble.ir.waiting_kernels import WAITING_KERNELS
-    from nimble.cli.decoders import causal_lm
-    from nimble.decode_attention import decode_attention
+    from helpers import swapped_llama_small
     from nimble.engine.options import PrepareOptions
-    from nimble.fast_gemv import fast_gemv
-    from nimble.fused_projections import fuse_projections
     from nimble.gemv_prologue_pass import fusing
     from nimble.generate import Generator, prepare_with_nimble
+    from nimble.ir.waiting_kernels import WAITING_KERNELS
 
-    model = causal_lm("llama_small", "bfloat16")
-    fuse_projections(model)
-    fast_gemv(model, time=lambda config, weights, x: 1.0 if config is None else 0.5)
-    swap = decode_attention(model)
+    model, swap = swapped_llama_small()
     torch.manual_seed(4)
     ids = torch.randint(0, model.config.vocab_size, (1, 64), device="cuda")
     generators = {}
