@@ -315,7 +315,8 @@ def test_asked_for_programmatic_launch_the_recording_leaves_inductors_launches_a
     asked: list = []
     monkeypatch.setattr("nimble.record.programmatic.launched_programmatically",
                         lambda enabled: asked.append(enabled) or _nothing())
-    monkeypatch.setattr("nimble.record.recorder.record", lambda *a, **kw: SimpleNamespace(step=None))
+    monkeypatch.setattr("nimble.record.recorder.record",
+                        lambda *a, **kw: SimpleNamespace(step=None))
     options = PrepareOptions(programmatic_launch=True)
     preparation._recording(None, (), False, options, True)
     monkeypatch.setattr(programmatic_pick, "RULE", "recorded")

@@ -3,10 +3,10 @@
 The rule a prepare uses (:func:`waiting_edges`): an edge ``u -> v`` into one of Nimble's own
 kernels (:data:`~nimble.ir.waiting_kernels.WAITING_KERNELS`, :mod:`nimble.kernel_waits`),
 which runs ``griddepcontrol.wait`` in every program before it reads anything but its weight
-and writes nothing before it.  Its wait returns once ``u`` has ended and ``u``'s writes are visible; ``u``
-ends only after everything before it has: a full dependency ended before ``u`` began, and a
-programmatic one ends into a kernel of the same kind, whose every program waited before it
-ended.  So after its wait ``v`` sees what it would behind a full dependency, whatever the
+and writes nothing before it.  Its wait returns once ``u`` has ended and ``u``'s writes are
+visible; ``u`` ends only after everything before it has: a full dependency ended before ``u``
+began, and a programmatic one ends into a kernel of the same kind, whose every program waited
+before it ended.  So after its wait ``v`` sees what it would behind a full dependency, whatever the
 arena lays over what, and before it ``v`` reads only a weight no task of the graph writes.
 
 The rule before it (:func:`programmatic_edges`, withdrawn: :data:`WITHDRAWN`) kept the edges
@@ -52,6 +52,7 @@ WITHDRAWN = (
 
 #: ``graph.meta``'s key for the capture's programmatic edges, ``[u, v]`` task ids.
 META_KEY = "programmatic_edges"
+
 
 def waiting_edges(graph: TaskGraph, edges: Iterable[tuple[int, int]]) -> frozenset[tuple[int, int]]:
     """The edges of ``edges`` (the built graph's dependencies) that may be programmatic under

@@ -21,9 +21,10 @@ from .rebuild import PhaseOptions
 
 META_KEY = "programmatic"
 
-#: The rule that picks the edges: ``"waiting"`` (:func:`~nimble.analysis.programmatic.waiting_edges`)
-#: or ``"recorded"``, the withdrawn one that kept the capture's own programmatic edges between
-#: Inductor's kernels (:func:`~nimble.analysis.programmatic.programmatic_edges`, which raced:
+#: The rule that picks the edges: ``"waiting"``
+#: (:func:`~nimble.analysis.programmatic.waiting_edges`) or ``"recorded"``, the withdrawn one
+#: that kept the capture's own programmatic edges between Inductor's kernels
+#: (:func:`~nimble.analysis.programmatic.programmatic_edges`, which raced:
 #: :data:`~nimble.analysis.programmatic.WITHDRAWN`); only
 #: ``tools/experiments/programmatic_race.py`` sets it, for its own process.
 RULE = "waiting"

@@ -4,7 +4,7 @@ programmatic edges a prepare may build (:func:`nimble.analysis.programmatic.wait
 a saved file may list (:mod:`nimble.ir.saved_graph_check`).  Plain data on the TaskGraph."""
 from __future__ import annotations
 
-from .taskgraph import TaskGraph, TaskKind
+from .taskgraph import BufferKind, TaskGraph, TaskKind
 
 #: Nimble's kernels that wait in every program before they read what a predecessor writes
 #: (:mod:`nimble.kernel_waits`): per (recorded operator, kernel name), the index of the kernel
@@ -22,7 +22,7 @@ WAITING_KERNELS: dict[tuple[str, str], int | None] = {
 }
 
 #: Buffers a waiting kernel may read before its wait: the model's, never moved by the plan.
-CONSTANT_KINDS = frozenset({"param", "external"})
+CONSTANT_KINDS = frozenset({BufferKind.PARAM, BufferKind.EXTERNAL})
 
 
 def _param_buffer(task, index: int) -> int | None:

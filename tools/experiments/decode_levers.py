@@ -5,33 +5,33 @@ transformers' greedy ones, and where the Generator's decode step spends its time
 
     python3 tools/experiments/decode_levers.py --variants base,prefetch,coordinate,gemv
 
-A variant is ``base`` or levers joined with "+" (``attention+coordinate+gemv``): ``prefetch``
-(the weight prefetch into the L2, Nimble's own, every plan timed; ``window-prefetch`` and
+A variant is ``base`` or levers joined with "+" (``attention+coordinate+gemv``): ``prefetch`` (the
+weight prefetch into the L2, Nimble's own, every plan timed; ``window-prefetch`` and
 ``gap-prefetch`` one plan each: :data:`nimble.analysis.prefetch.PLANS`), ``coordinate``
 (Inductor's coordinate-descent tuning), ``gemv`` (:func:`nimble.fast_gemv`), ``attention``
 (:func:`nimble.decode_attention`), ``single`` (Nimble's steps on one stream), ``plain-argmax``
 (the argmax as one reduction, not :func:`nimble.decode_steps.split_argmax`), ``split-attention``
 (the attention kernel with every cache split over programs, not read unsplit where it is short),
 ``branchless`` (the attention kernel's hidden stretches skipped by masked loads, not a branch),
-``last-joins`` (a split's parts joined by its last program, not a second kernel),
-``values-early`` (the attention kernel asks for a block's values beside its keys:
-:data:`nimble.decode_attention.VALUES_EARLY`, on by default; ``values-late`` takes it back), ``wide-split`` (the attention's split aiming for
-twice :data:`nimble.decode_attention.TARGET_PROGRAMS`: at batch 8 the kernel alone is faster
-with 4 programs a head than the rule's 3), ``gemv-within-10`` (``gemv``, a shape's GEMV kept
-where it is at most 10% slower than torch's GEMM), ``gemv-prologues`` (``gemv``, and each GEMV
-fed by an RMS norm or a gated activation computing that vector itself:
-:mod:`nimble.gemv_prologue_pass`), ``joined-attention`` (``gemv-prologues`` and ``attention``,
-the attention's split joined by the output projection's GEMV as it reads it), ``rope-attention``
-(``attention``, its rotary embedding and cache read in the attention kernel:
-:mod:`nimble.attention_rope_pass`; ``rope-writes-after`` with the cache writes right after each
-attention, not together at the graph's end), ``programmatic`` (the edges into Nimble's own
-kernels programmatic where the step measures faster at prepare:
-:func:`nimble.analysis.programmatic.waiting_edges`), ``early-tiles`` (``gemv``, the plain GEMV
-asking for two weight tiles before its wait: :data:`nimble.fast_gemv.EARLY_TILES`). Every variant runs on one model (built once, its
-sibling projections fused unless ``--no-fuse``); a ``gemv`` variant changes the model's modules
-for good and runs after the others. The Inductor settings of a variant (``combo_kernels``
-always) and the module constants it sets are set around both rows' compilations, so the baseline
-gets every lever that is not Nimble's own.
+``last-joins`` (a split's parts joined by its last program, not a second kernel), ``values-early``
+(the attention kernel asks for a block's values beside its keys:
+:data:`nimble.decode_attention.VALUES_EARLY`, on by default; ``values-late`` takes it back),
+``wide-split`` (the attention's split aiming for twice
+:data:`nimble.decode_attention.TARGET_PROGRAMS`: at batch 8 the kernel alone is faster with 4
+programs a head than the rule's 3), ``gemv-within-10`` (``gemv``, a shape's GEMV kept where it is
+at most 10% slower than torch's GEMM), ``gemv-prologues`` (``gemv``, and each GEMV fed by an RMS
+norm or a gated activation computing that vector itself: :mod:`nimble.gemv_prologue_pass`),
+``joined-attention`` (``gemv-prologues`` and ``attention``, the attention's split joined by the
+output projection's GEMV as it reads it), ``rope-attention`` (``attention``, its rotary embedding
+and cache read in the attention kernel: :mod:`nimble.attention_rope_pass`; ``rope-writes-after``
+with the cache writes right after each attention, not together at the graph's end),
+``programmatic`` (the edges into Nimble's own kernels programmatic where the step measures faster
+at prepare: :func:`nimble.analysis.programmatic.waiting_edges`), ``early-tiles`` (``gemv``, the
+plain GEMV asking for two weight tiles before its wait: :data:`nimble.fast_gemv.EARLY_TILES`).
+Every variant runs on one model (built once, its sibling projections fused unless ``--no-fuse``);
+a ``gemv`` variant changes the model's modules for good and runs after the others. The Inductor
+settings of a variant (``combo_kernels`` always) and the module constants it sets are set around
+both rows' compilations, so the baseline gets every lever that is not Nimble's own.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Why the capture's own programmatic edges are withdrawn: prepares on Inductor's kernels,
-proven, many times, with a second process keeping the GPU busy (docs/findings.md, "Programmatic edges raced on a busy
-GPU").
+"""Why the capture's own programmatic edges are withdrawn: prepares on Inductor's kernels, proven,
+many times, with a second process keeping the GPU busy (docs/findings.md, "Programmatic edges
+raced on a busy GPU").
 
     python3 tools/experiments/programmatic_race.py [--variant programmatic|plain|capture-replay]
         [--tries 12] [--seconds 270] [--no-load] [--rule allowed|library-sources|none]
@@ -8,18 +8,18 @@ GPU").
 Each try builds the Generator of ``llama3_1b`` (bf16, random weights, sibling projections fused,
 the math attention kernels, prompt buckets 128 and 512) on ``torch.compile``'s kernels, in one
 process, and prints whether every prepare's proof passed or the first line of the
-``VerificationError``.  ``--variant programmatic`` asks for ``programmatic_launch=True`` with the
-engine's withdrawn rule back for this process only (``nimble.engine.programmatic_pick.RULE``:
-the edges the capture launched programmatically between Inductor's kernels are built, as before
-the withdrawal, not the edges into Nimble's own waiting kernels); ``plain`` does not ask.  ``--rule library-sources`` also keeps no edge
-out of a library's kernel (a candidate rule that did not help); ``--rule none`` builds no edge
-at all while Inductor still compiles its kernels to launch programmatically (whether their code
-alone, in a graph of full dependencies, races).  ``--variant capture-replay`` takes Nimble out:
-the prefill captured by ``torch.cuda.graph`` with Inductor's programmatic launches, replayed
-``--tries`` times against its first replay (whether torch's own capture of the same kernels
-races under the same load).  Unless ``--no-load``, a child
-process runs bf16 matmuls of 256 to 4096 in bursts on the same GPU for ``--seconds``.  Set
-``NIMBLE_FAULT_DIR`` to keep the recordings of the failed proofs.
+``VerificationError``. ``--variant programmatic`` asks for ``programmatic_launch=True`` with the
+engine's withdrawn rule back for this process only (``nimble.engine.programmatic_pick.RULE``: the
+edges the capture launched programmatically between Inductor's kernels are built, as before the
+withdrawal, not the edges into Nimble's own waiting kernels); ``plain`` does not ask. ``--rule
+library-sources`` also keeps no edge out of a library's kernel (a candidate rule that did not
+help); ``--rule none`` builds no edge at all while Inductor still compiles its kernels to launch
+programmatically (whether their code alone, in a graph of full dependencies, races). ``--variant
+capture-replay`` takes Nimble out: the prefill captured by ``torch.cuda.graph`` with Inductor's
+programmatic launches, replayed ``--tries`` times against its first replay (whether torch's own
+capture of the same kernels races under the same load). Unless ``--no-load``, a child process runs
+bf16 matmuls of 256 to 4096 in bursts on the same GPU for ``--seconds``. Set ``NIMBLE_FAULT_DIR``
+to keep the recordings of the failed proofs.
 """
 from __future__ import annotations
 
