@@ -93,12 +93,6 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def weight_tile(w_ptr, rows, row_ok, cols, col_ok, stride_w):
-        return tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
-                       mask=row_ok[:, None] & col_ok[None, :], other=0.0,
-                       eviction_policy="evict_first")
-
-    @triton.jit
     def gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, WAITS: tl.constexpr, EARLY: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,11 +104,15 @@ def _kernel():
         # loop's first, in its order, so the bits are the same however many are asked early
         cols = tl.arange(0, BLOCK_K)
         col_ok = cols < K
-        w = weight_tile(w_ptr, rows, row_ok, cols, col_ok, stride_w)
+        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
         if EARLY == 2:
             cols1 = BLOCK_K + tl.arange(0, BLOCK_K)
             col1_ok = cols1 < K
-            w1 = weight_tile(w_ptr, rows, row_ok, cols1, col1_ok, stride_w)
+            w1 = tl.load(w_ptr + rows[:, None] * stride_w + cols1[None, :],
+                         mask=row_ok[:, None] & col1_ok[None, :], other=0.0,
+                         eviction_policy="evict_first")
         if WAITS:
             tl.extra.cuda.gdc_wait()
         x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
@@ -130,7 +128,9 @@ def _kernel():
         for k in range(first, K, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
             col_ok = cols < K
-            w = weight_tile(w_ptr, rows, row_ok, cols, col_ok, stride_w)
+            w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :],
+                        mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
             x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
             acc += w.to(tl.float32) * x[None, :].to(tl.float32)
         tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
