@@ -165,3 +165,16 @@ def test_a_start_stays_as_stamped_without_both_rates_or_where_the_weights_could_
     b = step_breakdown(Timeline(g, s, times), copy_bytes_per_s=copy, l2_bytes=l2)
     assert b.late_starts == [] and b.kernels[1].us == pytest.approx(3.0)
     assert b.gaps.total_us == pytest.approx(15.5)
+
+
+def test_a_kernel_whose_accesses_name_no_byte_is_named_with_its_op():
+    from nimble.ir.taskgraph import Op
+
+    g, s, times = _filling_chain()
+    g.ops = [Op(0, "triton_poi_fused_0")]
+    g.tasks[2].accesses, g.tasks[2].op = [], 0
+    b = step_breakdown(Timeline(g, s, times))
+    assert b.nameless == [(2, "act", "triton_poi_fused_0")]
+    assert "1 kernel(s) whose accesses name no byte: task 2 act (triton_poi_fused_0)" in \
+        format_breakdown(b)
+    assert step_breakdown(Timeline(*_filling_chain())).nameless == []

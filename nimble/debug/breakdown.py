@@ -115,6 +115,8 @@ class StepBreakdown:
     copy_bytes_per_s: float | None = None
     largest_gaps: list[Gap] = field(default_factory=list)  # the longest waits, longest first
     late_starts: list[int] = field(default_factory=list)  # starts taken as ready times
+    #: kernels whose accesses name no byte: ``(task, kernel name, op name)``
+    nameless: list[tuple[int, str, str]] = field(default_factory=list)
 
     @property
     def idle_us(self) -> float:
@@ -156,6 +158,7 @@ class StepBreakdown:
             "weights_of_copy": self.of_copy(self.weights_per_s),
             "largest_gaps": [dataclasses.asdict(g) for g in self.largest_gaps],
             "late_starts": list(self.late_starts),
+            "nameless": [list(k) for k in self.nameless],
             "copy_bytes_per_s": self.copy_bytes_per_s,
             "by_name": [{"name": g.name, "count": g.count, "us": g.us, "bytes": g.bytes,
                          "bytes_per_s": g.bytes_per_s, "of_copy": self.of_copy(g.bytes_per_s)}
@@ -235,6 +238,17 @@ def _largest_gaps(graph: TaskGraph, waits: dict[int, tuple[int, float]]) -> list
     return [Gap(v, name(v), u, name(u), us) for v, (u, us) in longest if us > 0]
 
 
+def _nameless(graph: TaskGraph, span: range) -> list[tuple[int, str, str]]:
+    """The kernels of ``span`` whose recorded accesses name no byte, with their ops' names."""
+    out = []
+    for t in span:
+        task = graph.tasks[t]
+        if task.kind == TaskKind.KERNEL and not any(a.size for a in task.accesses):
+            op = graph.ops[task.op].name if 0 <= task.op < len(graph.ops) else ""
+            out.append((t, task.short_name or task.name, op))
+    return out
+
+
 def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: int = 0,
                    copy_bytes_per_s: float | None = None,
                    l2_bytes: int | None = None) -> StepBreakdown:
@@ -267,7 +281,8 @@ def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: in
         path_gaps=Spread.of(path_gaps),
         weight_bytes=touched_bytes(graph, span, _WEIGHTS), step_bytes=touched_bytes(graph, span),
         kernels=_kernel_times(graph, times, span), copy_bytes_per_s=copy_bytes_per_s,
-        largest_gaps=_largest_gaps(graph, waits), late_starts=sorted(late))
+        largest_gaps=_largest_gaps(graph, waits), late_starts=sorted(late),
+        nameless=_nameless(graph, span))
 
 
 def _rate(rate: float | None, share: float | None) -> str:
@@ -303,6 +318,11 @@ def format_breakdown(b: StepBreakdown, top: int = 10) -> str:
     if b.copy_bytes_per_s:
         lines.append(f"  at the copy bandwidth ({b.copy_bytes_per_s / 1e12:.2f} TB/s) those "
                      f"bytes take {b.step_bytes / b.copy_bytes_per_s * 1e6:.1f} µs")
+    if b.nameless:
+        shown = ", ".join(f"task {t} {name[:40]}" + (f" ({op[:40]})" if op else "")
+                          for t, name, op in b.nameless[:6])
+        more = f" and {len(b.nameless) - 6} more" if len(b.nameless) > 6 else ""
+        lines.append(f"  {len(b.nameless)} kernel(s) whose accesses name no byte: {shown}{more}")
     lines.append(f"  kernels by time (top {top}): count, µs, MB touched, rate while running")
     for g in b.groups()[:top]:
         lines.append(f"    {g.count:4d} x {g.name[:60]:<60} {g.us:8.1f} {g.bytes / 1e6:9.2f}  "
