@@ -200,21 +200,18 @@ def _last_predecessors(timeline: Timeline, span: range, times) -> dict[int, int]
     return last
 
 
-def _waits(timeline: Timeline, span: range, times) -> dict[int, tuple[int, float]]:
-    """Per task of ``span`` with a predecessor there: that predecessor of the latest end, and
-    the task's start less that end."""
-    last = _last_predecessors(timeline, span, times)
+def _waits(last: dict[int, int], times) -> dict[int, tuple[int, float]]:
+    """Per task with a predecessor (``last``: :func:`_last_predecessors`): that predecessor of
+    the latest end, and the task's start less that end."""
     return {v: (u, times[v][0] - times[u][1]) for v, u in last.items()}
 
 
-def _late_starts(timeline: Timeline, graph: TaskGraph, span: range, copy_bytes_per_s,
-                 l2_bytes) -> dict[int, float]:
+def _late_starts(graph: TaskGraph, span: range, times, last: dict[int, int],
+                 copy_bytes_per_s, l2_bytes) -> dict[int, float]:
     """Per kernel of ``span`` whose stamped start cannot be (the module's text), its ready
     time; none without both rates."""
     if not copy_bytes_per_s or not l2_bytes:
         return {}
-    times = timeline.times
-    last = _last_predecessors(timeline, span, times)
     late = {}
     for t in span:
         if graph.tasks[t].kind != TaskKind.KERNEL or t not in last:
@@ -264,12 +261,14 @@ def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: in
     if not 0 <= phase < len(spans) or not len(spans[phase]):
         raise ValueError(f"no phase {phase} with tasks in the timeline ({len(spans)} phases)")
     span, times = spans[phase], list(timeline.times)
-    late = _late_starts(timeline, graph, span, copy_bytes_per_s, l2_bytes)
+    # the predecessor that ended last is the same after a start is moved (ends stay)
+    last = _last_predecessors(timeline, span, times)
+    late = _late_starts(graph, span, times, last, copy_bytes_per_s, l2_bytes)
     for t, ready in late.items():
         times[t] = (ready, times[t][1])
     begin = min(times[t][0] for t in span)
     makespan = max(times[t][1] for t in span) - begin
-    waits = _waits(timeline, span, times)
+    waits = _waits(last, times)
     path = executed_critical_path(timeline.schedule, times, span, timeline.late_edges)
     path_gaps = [times[v][0] - times[u][1] for u, v in zip(path, path[1:])]
     return StepBreakdown(

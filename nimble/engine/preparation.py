@@ -36,8 +36,7 @@ from .kernel_owners import keep_owners
 from .launcher import CallOrder
 from .options import PrepareOptions
 from .prefetch import planned_prefetch
-from . import programmatic_pick
-from .programmatic_pick import planned_programmatic
+from .programmatic_pick import planned_programmatic, recorded_rule
 from .profiler_guard import device_launch_allowed
 from .prepared import (ArenaRegion, Prepared, arena_limit_bytes, backfill_trials, build_prepared,
                        kernel_priorities, plan_graph, task_times)
@@ -128,8 +127,7 @@ def _recording(model, example_inputs, training: bool, options: PrepareOptions, q
 
     rec = options.recording
     if rec is None:
-        with launched_programmatically(bool(options.programmatic_launch)
-                                       and programmatic_pick.RULE == "recorded"):
+        with launched_programmatically(recorded_rule(options)):
             if training:
                 rec = record_step(model, example_inputs, quiet=quiet, average=average)
             else:
@@ -178,8 +176,7 @@ def _plan(model, example, training: bool, use_multi_stream: bool, max_streams: i
     say(f"scheduling {len(rec.graph.tasks)} tasks", quiet)
     schedule, memplan = plan_graph(rec.graph, use_multi_stream, max_streams, options.arena_limit,
                                    durations)
-    if options.programmatic_launch and programmatic_pick.RULE == "recorded":
-        # the pairs' buffers kept apart, where the limit allows
+    if recorded_rule(options):  # the pairs' buffers kept apart, where the limit allows
         memplan = plan_apart(rec.graph, schedule.edges(), memplan,
                              arena_limit_bytes(rec.graph, options.arena_limit))
     seconds["schedule_and_memplan"] = time.perf_counter() - t0 - seconds.get("timing", 0.0)

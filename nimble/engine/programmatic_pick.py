@@ -30,6 +30,13 @@ META_KEY = "programmatic"
 RULE = "waiting"
 
 
+def recorded_rule(options) -> bool:
+    """Whether ``options`` ask for programmatic edges under the withdrawn recorded rule, which
+    needs Inductor's kernels compiled to launch programmatically and each pair's buffers kept
+    apart in the arena."""
+    return bool(options.programmatic_launch) and RULE == "recorded"
+
+
 def allowed_edges(graph: TaskGraph, edges, offsets) -> frozenset:
     """The edges of ``edges`` that :data:`RULE` lets be programmatic (``offsets``: the memory
     plan's, which only the recorded rule reads)."""

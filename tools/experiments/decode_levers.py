@@ -170,6 +170,7 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
     from nimble import attention_rope_pass as rope_pass
     from nimble import decode_attention as attention_module
     from nimble import decode_steps
+    from nimble import fast_gemv as gemv_module
 
     lever = variant(name)
     out: dict = {"variant": name, "settings": dataclasses.asdict(lever)}
@@ -209,12 +210,10 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                    "WRITES_LAST": (rope_pass, rope_pass.WRITES_LAST
                                    and not lever.rope_writes_after),
                    "TARGET_PROGRAMS": (attention_module, attention_module.TARGET_PROGRAMS
-                                       * (2 if lever.wide_split else 1))}
-        from nimble import fast_gemv as fast_gemv_module
+                                       * (2 if lever.wide_split else 1)),
+                   "EARLY_TILES": (gemv_module, 2 if lever.early_tiles
+                                   else gemv_module.EARLY_TILES)}
         from nimble.gemv_prologue_pass import fusing
-
-        patches["EARLY_TILES"] = (fast_gemv_module, 2 if lever.early_tiles
-                                  else fast_gemv_module.EARLY_TILES)
 
         folding = fusing(lever.join_attention, lever.rope_attention) \
             if lever.gemv_prologues or lever.rope_attention else contextlib.nullcontext()
