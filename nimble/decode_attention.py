@@ -74,6 +74,15 @@ LAST_JOINS = False
 #: faster in a decode step (docs/results.md, "Values early, the rotary fold with its writes at
 #: the end, programmatic edges into Nimble's kernels").
 VALUES_EARLY = True
+#: Caches of at most this many slots are read as one tile by one program per (sequence,
+#: key-value head): every slot's key and value asked for at once, beside the mask rather than
+#: after it, no loop over blocks and no join; the tile's slots are the cache's rounded up to a
+#: power of two.  0: off, every cache walked in blocks of :data:`BLOCK_SLOTS` (not yet measured
+#: in a decode step: ``tools/experiments/decode_levers.py``'s ``whole-cache``).
+WHOLE_SLOTS = 0
+#: The largest tile of keys (slots × head size, each rounded up to a power of two) read whole:
+#: on 8 warps a thread then holds 64 of its keys and 64 of its values, no spill (the PTX test).
+WHOLE_ELEMENTS = 256 * 64
 #: Rows of the matrix units' tiles: the query heads of a key-value head are padded to them.
 MIN_TILE = 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -84,17 +93,32 @@ class Split:
     """How a call's cache slots are spread over programs."""
 
     splits: int  # programs per (sequence, key-value head)
-    slots_per_split: int  # a multiple of BLOCK_SLOTS
+    slots_per_split: int  # a multiple of block
+    block: int = BLOCK_SLOTS  # slots a program reads per step of its loop
+    whole: bool = False  # one tile of every slot, read before the mask is known
+
+
+def whole_block(slots: int, head_dim: int = 64) -> int:
+    """The tile of a cache of ``slots`` read whole (:data:`WHOLE_SLOTS`,
+    :data:`WHOLE_ELEMENTS`), or 0 where it is walked in blocks."""
+    tile = _pow2(slots)
+    return tile if 0 < slots <= WHOLE_SLOTS and tile * _pow2(head_dim) <= WHOLE_ELEMENTS else 0
 
 
 def split_for(batch: int, kv_heads: int, slots: int, target: int | None = None,
               block: int = BLOCK_SLOTS, unsplit_blocks: int | None = None,
-              splits: int | None = None) -> Split:
+              splits: int | None = None, head_dim: int = 64) -> Split:
     """The split of ``slots`` cache slots for ``batch * kv_heads`` (sequence, head) pairs: as
     many programs per pair as bring the call to ``target`` programs (default
     :data:`TARGET_PROGRAMS`), at most one per block of slots; none where the slots are
     ``unsplit_blocks`` blocks or fewer (default :data:`UNSPLIT_BLOCKS`; ``splits`` given: that
-    many, at most one per block)."""
+    many, at most one per block).  A cache of at most :data:`WHOLE_SLOTS` slots of
+    ``head_dim`` asked for with no ``splits`` or rule of its own is one tile per pair
+    (:func:`whole_block`)."""
+    tile = whole_block(slots, head_dim) if splits is None and unsplit_blocks is None \
+        and block == BLOCK_SLOTS else 0
+    if tile:
+        return Split(1, tile, tile, True)
     blocks = -(-slots // block)
     if target is None:
         target = TARGET_PROGRAMS
@@ -105,7 +129,7 @@ def split_for(batch: int, kv_heads: int, slots: int, target: int | None = None,
             -(-target // max(1, batch * kv_heads))
     splits = max(1, min(blocks, splits))
     per_split = -(-blocks // splits) * block
-    return Split(-(-slots // per_split), per_split)
+    return Split(-(-slots // per_split), per_split, block)
 
 
 def _pow2(n: int) -> int:
@@ -182,11 +206,18 @@ def _launch_attend(query, key, value, mask, scale, plan: Split, branchless: bool
         value.stride(0), value.stride(1), value.stride(2), *mask_strides,
         target.stride(0), target.stride(2) if target.dim() > 2 else 0,
         *(rope.arguments() if rope is not None else (query,) * 5 + (0,) * 6),
-        HEAD_DIM=head_dim, BLOCK_D=layout.block_d, BLOCK_R=layout.block_r, BLOCK_L=BLOCK_SLOTS,
+        HEAD_DIM=head_dim, BLOCK_D=layout.block_d, BLOCK_R=layout.block_r, BLOCK_L=plan.block,
         MASK=kind, SPLIT=parted, IEEE=query.dtype == torch.float32, BRANCHLESS=bool(branchless),
         LAST_JOINS=bool(parted and last_joins), VALUES_EARLY=bool(VALUES_EARLY),
-        ROPE=rope is not None, WAITS=waits(query.device), num_warps=4, num_stages=2)
+        ROPE=rope is not None, WAITS=waits(query.device), WHOLE=plan.whole,
+        num_warps=_warps(plan, layout.block_d), num_stages=2)
     return part, stat
+
+
+def _warps(plan: Split, block_d: int) -> int:
+    # a whole cache's tile of keys and of values held at once: 8 warps keep each thread's
+    # share of the two at 128 registers from 256 slots of 64
+    return 8 if plan.whole and plan.block * block_d > BLOCK_SLOTS * 128 else 4
 
 
 def _contiguous_heads(*tensors):
@@ -221,7 +252,7 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kv_heads, slots = key.shape[1], key.shape[2]
     query, key, value = _contiguous_heads(query, key, value)
     out = torch.empty((batch, 1, heads, head_dim), dtype=query.dtype, device=query.device)
-    plan = split_for(batch, kv_heads, slots, splits=splits)
+    plan = split_for(batch, kv_heads, slots, splits=splits, head_dim=head_dim)
     part, stat = _launch_attend(query, key, value, mask, scale, plan, branchless, last_joins,
                                 out, _contiguous_rope(rope))
     if plan.splits > 1 and not last_joins:
@@ -264,7 +295,7 @@ def parts_layout(query_shape, key_shape, splits: int | None = None) -> PartsLayo
     programs (at most one per block of slots; None: :func:`split_for`'s rule)."""
     batch, heads, _, head_dim = query_shape
     kv_heads, slots = key_shape[1], key_shape[2]
-    plan = split_for(batch, kv_heads, slots, splits=splits)
+    plan = split_for(batch, kv_heads, slots, splits=splits, head_dim=head_dim)
     return PartsLayout(heads // kv_heads, kv_heads, plan.splits, head_dim)
 
 

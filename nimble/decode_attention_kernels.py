@@ -70,7 +70,8 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
            BLOCK_L: tl.constexpr, MASK: tl.constexpr, SPLIT: tl.constexpr,
            IEEE: tl.constexpr, BRANCHLESS: tl.constexpr, LAST_JOINS: tl.constexpr,
-           VALUES_EARLY: tl.constexpr, ROPE: tl.constexpr, WAITS: tl.constexpr):
+           VALUES_EARLY: tl.constexpr, ROPE: tl.constexpr, WAITS: tl.constexpr,
+           WHOLE: tl.constexpr):
     if WAITS:  # behind a programmatic edge: launched early, it reads nothing before the wait
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -119,7 +120,12 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
         # the slots some row attends, which issue no reads for the others and leave the
         # loop free of a branch around its loads (a hidden slot's key and value are then
         # zeros, its weight zero either way: the same values, up to the rounding of other code)
-        if BRANCHLESS:
+        # (WHOLE: the whole cache is the one block, its every slot asked for beside the mask, not
+        # after it; the hidden slots' weights are zero all the same)
+        if WHOLE:
+            read = ok
+            run = True
+        elif BRANCHLESS:
             read = tl.max(live.to(tl.int32), 0) > 0
             run = True
         else:

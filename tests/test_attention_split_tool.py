@@ -22,11 +22,19 @@ def test_the_rule_is_the_longest_cache_from_the_shortest_where_unsplit_never_los
 
 
 def test_every_shape_times_unsplit_the_full_split_and_the_fixed_counts():
+    Form = tool.Form
     plan = tool.variants(1, 8, 192, [2, 4])
-    assert plan == {"unsplit": (1, False, False), "split": (3, False, False),
-                    "splits=2": (2, False, False), "splits=4": (4, False, False)}
+    assert plan == {"unsplit": Form(1), "split": Form(3), "splits=2": Form(2),
+                    "splits=4": Form(4)}
     both = tool.variants(1, 8, 192, [], branchless=True, last_joins=True)
-    assert both == {"unsplit": (1, False, False), "split": (3, False, False),
-                    "unsplit bl": (1, True, False), "split bl": (3, True, False),
-                    "split lj": (3, False, True)}
+    assert both == {"unsplit": Form(1), "split": Form(3),
+                    "unsplit bl": Form(1, branchless=True), "split bl": Form(3, branchless=True),
+                    "split lj": Form(3, last_joins=True)}
     assert tool.parse(["--splits", "", "--batches", "8"]).splits == []
+
+
+def test_the_whole_cache_as_one_tile_is_timed_only_up_to_its_slots():
+    assert tool.variants(1, 8, 192, [], whole=256)["whole"] == tool.Form(None, whole=True)
+    assert "whole" not in tool.variants(1, 8, 384, [], whole=256)
+    assert "whole" not in tool.variants(1, 8, 192, [])
+    assert tool.parse(["--whole", "256"]).whole == 256

@@ -35,6 +35,10 @@ def test_the_kernel_computes_attention_over_the_cache(interpreted):
         assert r.get("last_joins_same", True), (name, r)
         # a block's values asked for beside its keys: the same bits
         assert r.get("values_early_same", True), (name, r)
+        # the whole cache as one tile, every slot asked for before the mask is known
+        if "whole_error" in r:
+            assert r["whole_error"] < limit, (name, r)
+    assert sum("whole_error" in r for r in plain.values()) == 30  # all but the strided view
 
 
 def test_the_kernel_rotates_the_query_and_reads_the_steps_key_and_value_itself(interpreted):
@@ -47,6 +51,7 @@ def test_the_kernel_rotates_the_query_and_reads_the_steps_key_and_value_itself(i
     for name, r in rope.items():
         limit = 2e-3 if "float16" in name else 1e-5
         assert r["shape_ok"] and r["same"] and r["error"] < limit, (name, r)
+        assert r["whole_same"], (name, r)  # the whole cache as one tile: rotated the same
         assert r.get("parts_same", True), (name, r)
     assert sum("parts_same" in r for r in rope.values()) == 8  # the split shapes
 
@@ -65,6 +70,24 @@ def test_the_slots_are_split_until_the_call_has_its_programs():
             # every slot in one split, no split empty
             assert (plan.splits - 1) * plan.slots_per_split < slots <= \
                 plan.splits * plan.slots_per_split
+
+
+def test_a_cache_of_at_most_whole_slots_is_one_tile_a_program(monkeypatch):
+    monkeypatch.setattr(da, "WHOLE_SLOTS", 256)
+    assert da.split_for(1, 8, 192) == da.Split(1, 256, 256, True)  # rounded up to a power of 2
+    assert da.split_for(4, 8, 256) == da.Split(1, 256, 256, True)
+    assert not da.split_for(1, 8, 257).whole  # longer: walked in blocks, split
+    assert da.split_for(1, 8, 257).splits > 1
+    # splits asked for, or a rule of its own, walk the blocks as before
+    assert da.split_for(1, 8, 192, splits=3) == da.Split(3, 64)
+    assert da.split_for(1, 8, 192, unsplit_blocks=0) == da.Split(3, 64)
+    assert da.parts_layout((1, 32, 1, 64), (1, 8, 192, 64)).splits == 1
+    # a tile past WHOLE_ELEMENTS (256 slots of 128) is walked in blocks
+    assert not da.split_for(1, 8, 192, head_dim=128).whole
+    assert da.parts_layout((1, 32, 1, 128), (1, 8, 192, 128)).splits == 3
+    assert da.split_for(1, 8, 100, head_dim=128) == da.Split(1, 128, 128, True)
+    monkeypatch.setattr(da, "WHOLE_SLOTS", 0)  # off: the blocks' rule
+    assert da.split_for(1, 8, 192) == da.Split(3, 64)
 
 
 def test_a_short_cache_is_read_unsplit_and_a_longer_one_split():
@@ -202,7 +225,7 @@ def test_a_model_not_on_sdpa_or_swapped_twice_is_refused():
 def test_the_values_early_switch_asks_for_the_values_before_the_scores_in_the_ptx():
     """VALUES_EARLY's point, in the code Triton writes for sm_90: every global load of a block
     (its keys and values) comes before the block's first exponential; without it the values'
-    loads come after."""
+    loads come after.  The whole cache's tile (WHOLE_SLOTS) the same, with no spill."""
     triton = pytest.importorskip("triton", reason="compiles with Triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -217,22 +240,31 @@ def test_the_values_early_switch_asks_for_the_values_before_the_scores_in_the_pt
                 "count_ptr": "*i32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "kn_ptr": "*bf16",
                 "vn_ptr": "*bf16", "pos_ptr": "*i64"}
 
-    def loads_after_first_exponential(early: bool) -> int:
-        constexprs = {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16, "BLOCK_L": 64, "MASK": 1,
-                      "SPLIT": True, "IEEE": False, "BRANCHLESS": False, "LAST_JOINS": False,
-                      "VALUES_EARLY": early, "ROPE": False, "WAITS": False}
+    def ptx(early: bool, whole: bool = False) -> list[str]:
+        constexprs = {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16,
+                      "BLOCK_L": 256 if whole else 64, "MASK": 1, "SPLIT": not whole,
+                      "IEEE": False, "BRANCHLESS": False, "LAST_JOINS": False,
+                      "VALUES_EARLY": early, "ROPE": False, "WAITS": False, "WHOLE": whole}
         signature = {**pointers, "scale": "fp32", **{i: "i32" for i in ints},
                      **{name: "constexpr" for name in constexprs}}
+        plan = da.Split(1, 256, 256, True) if whole else da.Split(3, 64)
         kernel = triton.compile(ASTSource(fn=kernels.attend, signature=signature,
                                           constexprs=constexprs),
                                 target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4, "num_stages": 2})
-        lines = kernel.asm["ptx"].splitlines()
+                                options={"num_warps": da._warps(plan, 64), "num_stages": 2})
+        return kernel.asm["ptx"].splitlines()
+
+    def loads_after_first_exponential(lines: list[str]) -> int:
         first = next(i for i, line in enumerate(lines) if "ex2" in line)
         return sum("ld.global" in line for line in lines[first:])
 
-    assert loads_after_first_exponential(True) == 0
-    assert loads_after_first_exponential(False) > 0
+    assert loads_after_first_exponential(ptx(True)) == 0
+    assert loads_after_first_exponential(ptx(False)) > 0
+    # the whole cache as one tile of 256 slots: its loads before its first exponential too,
+    # and its two tiles held in registers on the warps it is given (no spill to local memory)
+    whole = ptx(True, whole=True)
+    assert loads_after_first_exponential(whole) == 0
+    assert not any("ld.local" in line or "st.local" in line for line in whole)
 
 
 @pytest.mark.parametrize("family", ["Qwen2", "Mistral", "Qwen3", "Gemma", "Phi3", "Granite",

@@ -25,7 +25,8 @@ def test_a_variants_name_joins_the_levers_it_sets():
                  "values-early+coordinate+gemv-prologues",
                  "rope-attention+coordinate+joined-attention", "rope-writes-after+gemv",
                  "programmatic+values-late+attention", "programmatic+gemv",
-                 "programmatic+early-tiles+coordinate+gemv-prologues"):
+                 "programmatic+early-tiles+coordinate+gemv-prologues",
+                 "whole-cache+rope-attention+coordinate+gemv-prologues"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
@@ -35,7 +36,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert ("early-tiles" in name) == variant.early_tiles, name
         assert ("joined" in name) == variant.join_attention, name
         assert any(w in name for w in ("attention", "branchless", "last-joins",
-                                       "wide-split", "values-", "rope")) == \
+                                       "wide-split", "values-", "rope", "whole")) == \
             variant.decode_attention, name
         assert ("prefetch" in name) == bool(variant.prefetch_l2), name
         assert variant.prefetch_l2 in (False, True, "gaps", "windows"), name
@@ -48,6 +49,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert ("values-early" in name) == variant.values_early, name
         assert ("values-late" in name) == variant.values_late, name
         assert ("programmatic" in name) == variant.programmatic, name
+        assert ("whole-cache" in name) == variant.whole_cache, name
         assert any(w in name for w in ("rope-attention", "rope-writes")) == \
             variant.rope_attention, name
         assert ("rope-writes-after" in name) == variant.rope_writes_after, name

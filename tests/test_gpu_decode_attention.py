@@ -17,12 +17,14 @@ NEW_TOKENS = 48
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_the_kernel_matches_attention_in_float64(dtype):
+    import nimble.decode_attention as da
     from nimble.decode_attention import launch
 
     dt = getattr(torch, dtype)
     # (batch, query heads, key-value heads, slots, head size): a 1B Llama layer split over
     # programs, a long cache, a head size no power of two, a batch with one program a head
-    for batch, heads, kv_heads, slots, head_dim in ((1, 32, 8, 576, 64), (1, 32, 8, 8192, 64),
+    for batch, heads, kv_heads, slots, head_dim in ((1, 32, 8, 192, 64),
+                                                   (1, 32, 8, 576, 64), (1, 32, 8, 8192, 64),
                                                    (3, 12, 12, 200, 80), (64, 8, 2, 300, 128)):
         torch.manual_seed(slots)
         q = torch.randn(batch, heads, 1, head_dim, device="cuda", dtype=dt)
@@ -45,8 +47,17 @@ def test_the_kernel_matches_attention_in_float64(dtype):
             torch.cuda.synchronize()
             want = attention_reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
             limit = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dt]
-            for form, value in (("join kernel", got), ("last program joins", joined[0]),
-                                ("branchless", branchless)):
+            forms = [("join kernel", got), ("last program joins", joined[0]),
+                     ("branchless", branchless)]
+            if splits is None and slots <= 256 and head_dim <= 64:
+                da.WHOLE_SLOTS = 256  # the whole cache as one tile a program
+                try:
+                    assert da.split_for(batch, kv_heads, slots).whole
+                    forms.append(("whole", launch(q, k, v, mask, head_dim ** -0.5)))
+                finally:
+                    da.WHOLE_SLOTS = 0
+                torch.cuda.synchronize()
+            for form, value in forms:
                 error = float((value.double() - want).norm() / want.norm())
                 assert error < limit, (batch, heads, kv_heads, slots, head_dim, dtype, splits,
                                        form, error)

@@ -54,11 +54,25 @@ def case(shape, dtype_name: str, mask_kind: str) -> dict:
     finally:
         da.VALUES_EARLY = False
     want = reference(q, k, v, None if mask is None else keep, head_dim ** -0.5)
+    whole = whole_launch(q, k, v, mask, head_dim ** -0.5)
     return {"case": f"{shape}-{dtype_name}-{mask_kind}", "error": error(got, want),
+            "whole_error": error(whole, want),
             "values_early_same": bool(torch.equal(got, values_early)),
             "shape_ok": tuple(got.shape) == (batch, 1, heads, head_dim) and got.dtype == dtype,
             "branchless_same": bool(torch.equal(got, branchless)),
             "last_joins_same": bool(torch.equal(got, last_joins))}
+
+
+def whole_launch(*args, rope=None):
+    """The kernel reading the whole cache as one tile (``WHOLE_SLOTS`` past every case's
+    slots), its split left to the rule."""
+    da.WHOLE_SLOTS, da.WHOLE_ELEMENTS = 512, 512 * 128
+    try:
+        assert da.split_for(args[0].shape[0], args[1].shape[1], args[1].shape[2],
+                            head_dim=args[0].shape[-1]).whole
+        return da.launch(*args, rope=rope)
+    finally:
+        da.WHOLE_SLOTS, da.WHOLE_ELEMENTS = 0, 256 * 64
 
 
 def strided() -> dict:
@@ -96,8 +110,11 @@ def rope_case(shape, dtype_name: str, mask_kind: str) -> dict:
     got = da.launch(q, k, v, mask, head_dim ** -0.5, splits, rope=rope)
     qr, kr, vr = ar.reference_inputs(q, k, v, rope)
     want = da.launch(qr, kr, vr, mask, head_dim ** -0.5, splits)
+    whole = whole_launch(q, k, v, mask, head_dim ** -0.5, rope=rope)
     out = {"case": f"rope-{shape}-{dtype_name}-{mask_kind}",
            "same": bool(torch.equal(got, want)),
+           "whole_same": bool(torch.equal(whole, whole_launch(qr, kr, vr, mask,
+                                                              head_dim ** -0.5))),
            "error": error(got, reference(qr, kr, vr, None if mask is None else keep,
                                          head_dim ** -0.5)),
            "shape_ok": tuple(got.shape) == (batch, 1, heads, head_dim)}

@@ -12,13 +12,15 @@ and key-value head), ``split`` (the slots split until the call has about 132 pro
 second kernel that joins them), and ``splits=N`` for each ``--splits``; with ``--branchless``,
 each again with the stretches the mask hides skipped by masked loads, not a branch (``bl``);
 with ``--last-joins``, each split variant again with its parts joined by its last program
-(``lj``).  "live" is the slots
+(``lj``); with ``--whole``, the cache read as one tile a program (``whole``:
+``nimble.decode_attention.WHOLE_SLOTS``) where it has at most ``--whole`` slots.  "live" is the slots
 the mask lets through (a static cache's slots past the position are skipped): the whole cache,
 and ``--short`` slots of it.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -45,6 +47,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--last-joins", action="store_true",
                    help="also each split variant with its parts joined by its last program, "
                         "not a second kernel (nimble.decode_attention.LAST_JOINS)")
+    p.add_argument("--whole", type=int, default=0, metavar="SLOTS",
+                   help="also the cache read as one tile a program (the kernel's WHOLE form) "
+                        "for caches of at most SLOTS slots")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -57,22 +62,35 @@ def _counts(example: str, allow_none: bool = False):
     return lambda text: positive_ints(text, example, allow_none)
 
 
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """How one variant launches the kernel."""
+
+    splits: int | None  # programs per (sequence, key-value head); None: the whole cache a tile
+    branchless: bool = False  # hidden stretches skipped by masked loads, not a branch
+    last_joins: bool = False  # a split's parts joined by its last program
+    whole: bool = False  # the cache read as one tile a program (WHOLE_SLOTS)
+
+
 def variants(batch: int, kv_heads: int, slots: int, fixed: list[int],
-             branchless: bool = False, last_joins: bool = False) -> dict:
-    """``{name: (splits, branchless, last_joins)}`` of the variants timed for one shape:
-    unsplit, the split rule's (every cache split), each fixed count; with ``branchless``, each
-    again with masked loads for the hidden stretches (``... bl``); with ``last_joins``, each
-    split one again joined by its last program (``... lj``)."""
+             branchless: bool = False, last_joins: bool = False, whole: int = 0) -> dict:
+    """``{name: Form}`` of the variants timed for one shape: unsplit, the split rule's (every
+    cache split), each fixed count; with ``branchless``, each again with masked loads for the
+    hidden stretches (``... bl``); with ``last_joins``, each split one again joined by its
+    last program (``... lj``); ``whole`` slots or fewer: the cache as one tile (``whole``)."""
     from nimble.decode_attention import split_for
 
     counts = {"unsplit": 1, "split": split_for(batch, kv_heads, slots, unsplit_blocks=0).splits}
     for n in fixed:
         counts[f"splits={n}"] = n
-    out = {name: (n, False, False) for name, n in counts.items()}
+    out = {name: Form(n) for name, n in counts.items()}
     if branchless:
-        out.update({f"{name} bl": (n, True, False) for name, n in counts.items()})
+        out.update({f"{name} bl": Form(n, branchless=True) for name, n in counts.items()})
     if last_joins:
-        out.update({f"{name} lj": (n, False, True) for name, n in counts.items() if n > 1})
+        out.update({f"{name} lj": Form(n, last_joins=True) for name, n in counts.items()
+                    if n > 1})
+    if 0 < slots <= whole:
+        out["whole"] = Form(None, whole=True)
     return out
 
 
@@ -96,6 +114,9 @@ def main(argv=None) -> int:
     args = parse(argv)
     import torch
 
+    from unittest import mock
+
+    import nimble.decode_attention as da
     from nimble.decode_attention import BLOCK_SLOTS, launch
     from nimble.fast_gemv import GemvConfig, launch_gemv
 
@@ -148,24 +169,27 @@ def main(argv=None) -> int:
                 keep = (torch.arange(slots, device=dev) < live).view(1, 1, 1, slots).expand(
                     batch, 1, 1, slots).contiguous()
                 plan = variants(batch, args.kv_heads, slots, args.splits, args.branchless,
-                                args.last_joins)
+                                args.last_joins, args.whole)
                 outs, us = {}, {}
-                for name, (splits, branchless, last_joins) in plan.items():
-                    def calls(splits=splits, name=name, branchless=branchless,
-                              last_joins=last_joins):
-                        for i in range(args.layers):
-                            outs[name] = launch(q[i], kv[i][0], kv[i][1], keep, scale, splits,
-                                                branchless, last_joins)
-                            between(i)
+                for name, form in plan.items():
+                    def calls(form=form, name=name):
+                        with mock.patch.object(da, "WHOLE_SLOTS",
+                                               slots if form.whole else 0):
+                            for i in range(args.layers):
+                                outs[name] = launch(q[i], kv[i][0], kv[i][1], keep, scale,
+                                                    form.splits, form.branchless,
+                                                    form.last_joins)
+                                between(i)
                     us[name] = round((timed(calls) - floor) / args.layers, 2)
                 ref = outs["unsplit"].float()
                 worst = max(float((o.float() - ref).abs().max()) for o in outs.values())
                 row = {"batch": batch, "slots": slots, "live": live, "us": us,
-                       "splits": {n: v[0] for n, v in plan.items()}, "max_difference": worst}
+                       "splits": {n: v.splits for n, v in plan.items()},
+                       "max_difference": worst}
                 rows.append(row)
                 cells = "  ".join(f"{n} {v:6.2f}" for n, v in us.items())
                 print(f"batch {batch:3d} slots {slots:5d} live {live:5d}  {cells}  "
-                      f"(split {plan['split'][0]}, max |diff| {worst:.1e})", flush=True)
+                      f"(split {plan['split'].splits}, max |diff| {worst:.1e})", flush=True)
     pick = best_unsplit_blocks(rows, BLOCK_SLOTS)
     print(f"unsplit no slower up to {pick} blocks of {BLOCK_SLOTS} slots "
           f"({pick * BLOCK_SLOTS} slots), every batch, the whole cache live")

@@ -27,7 +27,9 @@ and cache read in the attention kernel: :mod:`nimble.attention_rope_pass`; ``rop
 with the cache writes right after each attention, not together at the graph's end),
 ``programmatic`` (the edges into Nimble's own kernels programmatic where the step measures faster
 at prepare: :func:`nimble.analysis.programmatic.waiting_edges`), ``early-tiles`` (``gemv``, the
-plain GEMV asking for two weight tiles before its wait: :data:`nimble.fast_gemv.EARLY_TILES`).
+plain GEMV asking for two weight tiles before its wait: :data:`nimble.fast_gemv.EARLY_TILES`),
+``whole-cache`` (``attention``, a cache of at most 256 slots read as one tile a program, no join:
+:data:`nimble.decode_attention.WHOLE_SLOTS`).
 Every variant runs on one model (built once, its sibling projections fused unless ``--no-fuse``);
 a ``gemv`` variant changes the model's modules for good and runs after the others. The Inductor
 settings of a variant (``combo_kernels`` always) and the module constants it sets are set around
@@ -65,9 +67,12 @@ class Variant:
     rope_writes_after: bool = False  # ... its cache writes right after it, not at the graph's end
     programmatic: bool = False  # PrepareOptions(programmatic_launch=True): into Nimble's kernels
     early_tiles: bool = False  # the plain GEMV asks for two weight tiles before its wait
+    whole_cache: bool = False  # the attention reads a cache of <= 256 slots as one tile
 
 
 COMBO = {"combo_kernels": True}
+#: The longest cache the ``whole-cache`` lever reads as one tile.
+WHOLE_CACHE_SLOTS = 256
 #: The levers a variant's name joins with "+" ("base": none), and what each sets.
 LEVERS = {
     "prefetch": {"prefetch_l2": True},
@@ -91,6 +96,7 @@ LEVERS = {
     "rope-attention": {"decode_attention": True, "rope_attention": True},
     "programmatic": {"programmatic": True},
     "early-tiles": {"fast_gemv": True, "early_tiles": True},
+    "whole-cache": {"decode_attention": True, "whole_cache": True},
     "rope-writes-after": {"decode_attention": True, "rope_attention": True,
                           "rope_writes_after": True},
 }
@@ -212,7 +218,9 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                    "TARGET_PROGRAMS": (attention_module, attention_module.TARGET_PROGRAMS
                                        * (2 if lever.wide_split else 1)),
                    "EARLY_TILES": (gemv_module, 2 if lever.early_tiles
-                                   else gemv_module.EARLY_TILES)}
+                                   else gemv_module.EARLY_TILES),
+                   "WHOLE_SLOTS": (attention_module, WHOLE_CACHE_SLOTS if lever.whole_cache
+                                   else attention_module.WHOLE_SLOTS)}
         from nimble.gemv_prologue_pass import fusing
 
         folding = fusing(lever.join_attention, lever.rope_attention) \
