@@ -77,9 +77,10 @@ VALUES_EARLY = True
 #: Caches of at most this many slots are read as one tile by one program per (sequence,
 #: key-value head): every slot's key and value asked for at once, beside the mask rather than
 #: after it, no loop over blocks and no join; the tile's slots are the cache's rounded up to a
-#: power of two.  0: off, every cache walked in blocks of :data:`BLOCK_SLOTS` (not yet measured
-#: in a decode step: ``tools/experiments/decode_levers.py``'s ``whole-cache``).
-WHOLE_SLOTS = 0
+#: power of two.  0: off, every cache walked in blocks of :data:`BLOCK_SLOTS`.  Measured faster
+#: than the split at 128, 192 and 256 slots, batch 1 and 8 (4.23 against 5.50 µs a call at
+#: 192 slots, batch 1: ``tools/experiments/attention_split.py --whole 256``, docs/results.md).
+WHOLE_SLOTS = 256
 #: The largest tile of keys (slots × head size, each rounded up to a power of two) read whole:
 #: on 8 warps a thread then holds 64 of its keys and 64 of its values, no spill (the PTX test).
 WHOLE_ELEMENTS = 256 * 64
@@ -101,7 +102,7 @@ class Split:
 def whole_block(slots: int, head_dim: int = 64) -> int:
     """The tile of a cache of ``slots`` read whole (:data:`WHOLE_SLOTS`,
     :data:`WHOLE_ELEMENTS`), or 0 where it is walked in blocks."""
-    tile = _pow2(slots)
+    tile = max(MIN_TILE, _pow2(slots))  # the matrix units' least
     return tile if 0 < slots <= WHOLE_SLOTS and tile * _pow2(head_dim) <= WHOLE_ELEMENTS else 0
 
 

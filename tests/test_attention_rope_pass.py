@@ -168,6 +168,7 @@ def test_the_writes_can_stay_right_after_their_attention(monkeypatch):
 
 def test_a_folded_attention_read_by_a_gemv_alone_gives_its_parts_to_the_joining_gemv(
         monkeypatch):
+    monkeypatch.setattr(da, "WHOLE_SLOTS", 0)  # the cache split, its parts joined
     model, cache = _llama(monkeypatch, torch.float32, gemv=True)
     plain, _, _ = _step(model, cache, rope=False)
     inspect = Inspect()
@@ -273,6 +274,7 @@ def test_every_fold_at_once_on_other_decoders_steps(monkeypatch, family):
     from nimble.fused_projections import fuse_projections
 
     monkeypatch.setattr(da, "unsupported", _on_every_device)
+    monkeypatch.setattr(da, "WHOLE_SLOTS", 0)  # the caches split, their parts joined
     monkeypatch.setattr(fast_gemv_module, "gemv_linear", _gemv_on_every_device)
     monkeypatch.setattr(fused_module, "gemv_linear", _gemv_on_every_device)
     model = tiny_decoder(family, max_position_embeddings=SLOTS, attn_implementation="sdpa")

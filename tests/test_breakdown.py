@@ -178,3 +178,29 @@ def test_a_kernel_whose_accesses_name_no_byte_is_named_with_its_op():
     assert "1 kernel(s) whose accesses name no byte: task 2 act (triton_poi_fused_0)" in \
         format_breakdown(b)
     assert step_breakdown(Timeline(*_filling_chain())).nameless == []
+
+
+def test_a_small_kernel_that_runs_long_is_named_with_where_it_starts_and_what_it_waited_for():
+    """A kernel of a few bytes that takes microseconds is latency, not bytes: the report names
+    it, its start in the step, the predecessor it waited for and whether the path runs
+    through it; a small kernel that runs briefly and a large one that runs long are not
+    named."""
+    from nimble.ir.taskgraph import Op
+
+    g, s, times = _filling_chain()
+    g.ops = [Op(0, "triton_poi_fused_0")]
+    g.tasks[2].accesses, g.tasks[2].op = [Access(1, 0, 4096, True)], 0
+    times[2] = (20.5, 27.0)  # 4 KiB in 6.5 µs
+    b = step_breakdown(Timeline(g, s, times))
+    assert [(k.task, k.op, k.bytes, k.after, k.on_path) for k in b.slow_small] == \
+        [(2, "triton_poi_fused_0", 4096, 1, True)]
+    assert b.slow_small[0].us == pytest.approx(6.5)
+    assert b.slow_small[0].start_us == pytest.approx(20.5)
+    text = format_breakdown(b)
+    assert "1 small kernel(s) (at most 64 KiB touched) running 3 µs or more:" in text
+    assert "task 2 act (triton_poi_fused_0): 6.50 µs from 20.5 µs, 4096 B, after task 1, " \
+           "on the critical path" in text
+    assert b.summary()["slow_small"][0]["task"] == 2
+    times[2] = (20.5, 22.0)  # 1.5 µs: not slow
+    assert step_breakdown(Timeline(g, s, times)).slow_small == []
+    assert "small kernel" not in format_breakdown(step_breakdown(Timeline(*_filling_chain())))

@@ -25,7 +25,7 @@ def test_the_kernel_computes_attention_over_the_cache(interpreted):
     """Every shape (grouped heads, a head size no power of two, split and unsplit slots), dtype
     and kind of mask, each sequence of a batch at its own position, and a strided query."""
     plain = {n: r for n, r in interpreted.items() if not n.startswith("rope-")}
-    assert len(plain) == 31
+    assert len(plain) == 37
     for name, r in plain.items():
         limit = 2e-3 if "float16" in name else 1e-5
         assert r["shape_ok"] and r["error"] < limit, (name, r)
@@ -38,7 +38,7 @@ def test_the_kernel_computes_attention_over_the_cache(interpreted):
         # the whole cache as one tile, every slot asked for before the mask is known
         if "whole_error" in r:
             assert r["whole_error"] < limit, (name, r)
-    assert sum("whole_error" in r for r in plain.values()) == 30  # all but the strided view
+    assert sum("whole_error" in r for r in plain.values()) == 36  # all but the strided view
 
 
 def test_the_kernel_rotates_the_query_and_reads_the_steps_key_and_value_itself(interpreted):
@@ -66,7 +66,7 @@ def test_the_slots_are_split_until_the_call_has_its_programs():
     assert split(8, 8, 576) == da.Split(3, 192)
     for batch, kv_heads, slots in ((1, 1, 1), (2, 8, 65), (1, 8, 10_000), (5, 3, 700)):
         for plan in (split(batch, kv_heads, slots), da.split_for(batch, kv_heads, slots)):
-            assert plan.slots_per_split % da.BLOCK_SLOTS == 0
+            assert plan.slots_per_split % (plan.block if plan.whole else da.BLOCK_SLOTS) == 0
             # every slot in one split, no split empty
             assert (plan.splits - 1) * plan.slots_per_split < slots <= \
                 plan.splits * plan.slots_per_split
@@ -86,11 +86,13 @@ def test_a_cache_of_at_most_whole_slots_is_one_tile_a_program(monkeypatch):
     assert not da.split_for(1, 8, 192, head_dim=128).whole
     assert da.parts_layout((1, 32, 1, 128), (1, 8, 192, 128)).splits == 3
     assert da.split_for(1, 8, 100, head_dim=128) == da.Split(1, 128, 128, True)
+    assert da.split_for(2, 4, 3) == da.Split(1, 16, 16, True)  # the matrix units' least tile
     monkeypatch.setattr(da, "WHOLE_SLOTS", 0)  # off: the blocks' rule
     assert da.split_for(1, 8, 192) == da.Split(3, 64)
 
 
-def test_a_short_cache_is_read_unsplit_and_a_longer_one_split():
+def test_a_short_cache_is_read_unsplit_and_a_longer_one_split(monkeypatch):
+    monkeypatch.setattr(da, "WHOLE_SLOTS", 0)  # the blocks' rule alone
     short = 4 * da.BLOCK_SLOTS
     assert da.split_for(1, 8, short, unsplit_blocks=4) == da.Split(1, short)
     assert da.split_for(1, 8, short + 1, unsplit_blocks=4).splits > 1

@@ -148,10 +148,12 @@ def test_the_breakdown_says_what_the_programmatic_edges_measured():
         "  programmatic edges: served unmeasured: 12 edge(s); kept")
 
 
-@pytest.mark.parametrize("prefetch,programmatic", [(False, False), (True, False),
-                                                   (False, True), (True, True)])
+@pytest.mark.parametrize("prefetch,programmatic", [(False, None), (True, None), (False, True),
+                                                   (False, False), (True, False)])
 def test_the_nimble_steps_are_prepared_with_the_levers_asked_for(monkeypatch, prefetch,
                                                                  programmatic):
+    """--prefetch-l2 and --programmatic / --no-programmatic reach PrepareOptions; neither
+    given: its defaults (programmatic edges on)."""
     import argparse
 
     import nimble.generate as generate_module
@@ -168,8 +170,16 @@ def test_the_nimble_steps_are_prepared_with_the_levers_asked_for(monkeypatch, pr
     assert generate_bench.nimble_generators(None, args, 1) == {"nimble": "generator",
                                                          "nimble+inductor": "generator"}
     default = {"compile_mode": None, "compile_options": None}
-    want = (prefetch, programmatic) if prefetch or programmatic else None
+    want = None if not prefetch and programmatic is None else \
+        (prefetch, True if programmatic is None else programmatic)
     assert asked == [(want, False, {}), (want, True, default)]
+    from nimble.cli.generate_levers import add_lever_arguments
+
+    parser = argparse.ArgumentParser()
+    add_lever_arguments(parser)
+    assert [parser.parse_args(a).programmatic for a in ([], ["--programmatic"],
+                                                         ["--no-programmatic"])] == \
+        [None, True, False]
 
 
 def test_nimble_inductors_kernels_are_compiled_as_the_bench_is_told(monkeypatch):

@@ -264,7 +264,10 @@ def _compiled_joining(fn, *args):
         return compiled(*args), the_pass
 
 
-def test_a_split_attention_read_by_a_gemv_alone_is_joined_by_the_gemv_when_asked():
+def test_a_split_attention_read_by_a_gemv_alone_is_joined_by_the_gemv_when_asked(monkeypatch):
+    import nimble.decode_attention as da
+
+    monkeypatch.setattr(da, "WHOLE_SLOTS", 0)  # 192 slots split, not one tile
     step, args = _attention_then_gemv(read_again=False)
     plain, the_pass = _compiled(step, *args, fusing=True)
     assert the_pass.runs[-1].joined == 0  # not asked
@@ -278,7 +281,10 @@ def test_an_attention_read_by_more_than_the_gemv_or_unsplit_keeps_its_join():
     step, args = _attention_then_gemv(read_again=True)
     joined, the_pass = _compiled_joining(step, *args)
     assert (the_pass.runs[-1].gemvs, the_pass.runs[-1].joined) == (1, 0)
-    # two blocks of slots: read unsplit, no join to fold
+    # a cache read as one tile (WHOLE_SLOTS), or two blocks read unsplit: no join to fold
+    step, args = _attention_then_gemv(read_again=False)
+    joined, the_pass = _compiled_joining(step, *args)
+    assert (the_pass.runs[-1].gemvs, the_pass.runs[-1].joined) == (1, 0)
     step, args = _attention_then_gemv(read_again=False, slots=128)
     joined, the_pass = _compiled_joining(step, *args)
     assert (the_pass.runs[-1].gemvs, the_pass.runs[-1].joined) == (1, 0)
@@ -320,7 +326,8 @@ def test_the_kernels_compile_for_a_hopper_gpu_on_a_machine_without_one():
 
 def test_the_attend_kernel_compiles_in_both_forms_its_launches_give_it():
     """The attend kernel for sm_90 with the parts alone (its output pointer the float32 parts,
-    as ``launch_parts`` passes it) and writing the attention itself."""
+    as ``launch_parts`` passes it) and writing the attention itself, the whole cache as one
+    tile too."""
     triton = pytest.importorskip("triton", reason="compiles with Triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -330,21 +337,26 @@ def test_the_attend_kernel_compiles_in_both_forms_its_launches_give_it():
     ints = ("slots", "groups", "kv_heads", "splits", "slots_per_split", "sqb", "sqh", "skb",
             "skh", "skl", "svb", "svh", "svl", "smb", "smh", "sml", "sob", "soh")
     rope_ints = ("scb", "ssb", "sknb", "sknh", "svnb", "svnh")
-    for split, out, early, rope in ((True, "*fp32", False, False), (False, "*bf16", False, False),
-                                    (True, "*fp32", True, False), (True, "*fp32", False, True),
-                                    (False, "*bf16", True, True)):
+    for split, out, early, rope, whole in ((True, "*fp32", False, False, False),
+                                           (False, "*bf16", False, False, False),
+                                           (True, "*fp32", True, False, False),
+                                           (True, "*fp32", False, True, False),
+                                           (False, "*bf16", True, True, False),
+                                           (False, "*bf16", True, True, True)):
         signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i1",
                      "out_ptr": out, "part_ptr": "*fp32", "stat_ptr": "*fp32",
                      "count_ptr": "*i32", "scale": "fp32", **{i: "i32" for i in ints},
                      "cos_ptr": "*bf16", "sin_ptr": "*bf16", "kn_ptr": "*bf16",
                      "vn_ptr": "*bf16", "pos_ptr": "*i64", **{i: "i32" for i in rope_ints}}
-        constexprs = {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16, "BLOCK_L": 64, "MASK": 1,
-                      "SPLIT": split, "IEEE": False, "BRANCHLESS": False, "LAST_JOINS": False,
-                      "VALUES_EARLY": early, "ROPE": rope, "WAITS": True}
+        constexprs = {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16,
+                      "BLOCK_L": 256 if whole else 64, "MASK": 1, "SPLIT": split,
+                      "IEEE": False, "BRANCHLESS": False, "LAST_JOINS": False,
+                      "VALUES_EARLY": early, "ROPE": rope, "WAITS": True, "WHOLE": whole}
         signature.update({name: "constexpr" for name in constexprs})
         kernel = triton.compile(ASTSource(fn=kernels.attend, signature=signature,
                                           constexprs=constexprs),
-                                target=GPUTarget("cuda", 90, 32))
+                                target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": 8 if whole else 4})
         assert "attend" in kernel.asm["ptx"]
 
 

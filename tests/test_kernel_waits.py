@@ -68,10 +68,14 @@ def _attention(kernel: str) -> list[str]:
                  "count_ptr": "*i32", "scale": "fp32", **{i: "i32" for i in ints},
                  "cos_ptr": "*bf16", "sin_ptr": "*bf16", "kn_ptr": "*bf16", "vn_ptr": "*bf16",
                  "pos_ptr": "*i64", **{i: "i32" for i in rope_ints}}
+    whole = "whole" in kernel  # the whole cache as one tile, writing the output itself
+    if whole:
+        signature["out_ptr"] = "*bf16"
     return _ptx(kernels.attend, signature,
-                {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16, "BLOCK_L": 64, "MASK": 1,
-                 "SPLIT": True, "IEEE": False, "BRANCHLESS": False, "LAST_JOINS": True,
-                 "VALUES_EARLY": False, "ROPE": kernel == "rope attend", "WAITS": True})
+                {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16, "BLOCK_L": 256 if whole else 64,
+                 "MASK": 1, "SPLIT": not whole, "IEEE": False, "BRANCHLESS": False,
+                 "LAST_JOINS": not whole, "VALUES_EARLY": whole, "ROPE": "rope" in kernel,
+                 "WAITS": True, "WHOLE": whole}, num_warps=8 if whole else 4)
 
 
 @pytest.mark.parametrize("kernel", ["gemv", "gemv early 2", "rmsnorm", "add_rmsnorm", "gated"])
@@ -88,7 +92,7 @@ def test_a_gemv_asks_for_its_first_weight_tile_alone_before_its_wait(kernel):
     assert _memory(early, "griddepcontrol.launch_dependents")
 
 
-@pytest.mark.parametrize("kernel", ["attend", "rope attend", "join"])
+@pytest.mark.parametrize("kernel", ["attend", "rope attend", "whole rope attend", "join"])
 def test_the_attentions_kernels_read_and_write_nothing_before_their_wait(kernel):
     lines = _attention(kernel)
     early = _before_the_wait(lines)

@@ -157,7 +157,7 @@ def test_copies_keep_the_served_programmatic_edges_unless_timed_or_moved():
 def test_the_option_is_off_unless_asked():
     from nimble.errors import InputError
 
-    assert PrepareOptions().programmatic_launch is False
+    assert PrepareOptions().programmatic_launch is True  # kept only where measured faster
     assert PrepareOptions(programmatic_launch=True).programmatic_launch is True
     assert PrepareOptions(programmatic_launch="always").programmatic_launch == "always"
     with pytest.raises(InputError, match="'always' \\(served unmeasured\\)"):
@@ -246,7 +246,7 @@ def test_the_plan_times_each_phase_serves_a_copy_the_first_ones_and_collectives_
     g.meta["phases"] = [2, 2]
     schedule = Schedule([0, 0, 0, 0], [[0, 1, 2, 3]], [], 0, 1, phases=[2, 2])
     apart = SimpleNamespace(offsets={0: 0, 1: 256, 2: 512})
-    on, off = PrepareOptions(programmatic_launch=True), PrepareOptions()
+    on, off = PrepareOptions(programmatic_launch=True), PrepareOptions(programmatic_launch=False)
     assert programmatic_pick.planned_programmatic(g, schedule, apart, off).trials is None
     plan = programmatic_pick.planned_programmatic(g, schedule, apart, on)
     # (0, 1) lies in phase 0; (1, 2) crosses into phase 1: the phases' barrier, in neither graph

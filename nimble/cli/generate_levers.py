@@ -18,10 +18,11 @@ def add_lever_arguments(p) -> None:
                    help="--generate: prepare the Nimble steps with PrepareOptions(prefetch_l2="
                         "True): weight prefetch into the L2, kept where measured faster; "
                         f"a plan ({', '.join(PLANS)}) times that one alone")
-    p.add_argument("--programmatic", action="store_true",
-                   help="--generate: prepare the Nimble steps with PrepareOptions("
-                        "programmatic_launch=True): the edges into Nimble's own kernels "
-                        "(GEMVs, decode attention) programmatic, kept where measured faster")
+    p.add_argument("--programmatic", action=argparse.BooleanOptionalAction, default=None,
+                   help="--generate: the Nimble steps' edges into Nimble's own kernels (GEMVs, "
+                        "decode attention) programmatic, kept where measured faster "
+                        "(PrepareOptions(programmatic_launch=True), the default); "
+                        "--no-programmatic: full dependencies")
     p.add_argument("--inductor-mode", choices=INDUCTOR_MODES, default=None,
                    help="--generate: torch.compile's mode for nimble+inductor's kernels "
                         "(default: Inductor's default; max-autotune-no-cudagraphs tunes them "
@@ -94,15 +95,16 @@ def cache_length(args) -> int:
 def nimble_generators(model, args, batch: int) -> dict:
     """The two Nimble generators by mode, or the one-line error that stopped one; with
     ``--prefetch-l2``, each step prepared with ``PrepareOptions(prefetch_l2=True)`` (kept
-    where it measures faster), with ``--programmatic`` with ``programmatic_launch=True``;
+    where it measures faster), with ``--no-programmatic`` with ``programmatic_launch=False``;
     ``--inductor-mode``, ``--coordinate-descent`` and ``--combo-kernels`` choose how
     nimble+inductor's kernels are compiled."""
     from ..engine.options import PrepareOptions
     from ..generate import Generator, prepare_with_nimble
 
-    asked = {"prefetch_l2": getattr(args, "prefetch_l2", False),
-             "programmatic_launch": getattr(args, "programmatic", False)}
-    options = PrepareOptions(**asked) if any(asked.values()) else None
+    asked = {"prefetch_l2": getattr(args, "prefetch_l2", False)}
+    if getattr(args, "programmatic", None) is not None:  # else PrepareOptions' default
+        asked["programmatic_launch"] = args.programmatic
+    options = PrepareOptions(**asked) if asked != {"prefetch_l2": False} else None
     tuned = inductor_settings(args)
     inductor = {"compile_mode": getattr(args, "inductor_mode", None),
                 "compile_options": tuned or None}

@@ -97,6 +97,29 @@ class Gap:
     us: float
 
 
+@dataclass(frozen=True)
+class SlowSmall:
+    """A kernel that touches little yet runs long: where it starts in the step, what it waited
+    for, and whether the executed critical path runs through it."""
+
+    task: int
+    name: str
+    op: str  # the op that launched it
+    start_us: float  # from the step's first start
+    us: float
+    bytes: int
+    after: int | None  # the predecessor that ended last
+    on_path: bool
+
+
+#: A kernel touching at most this many bytes is small, and slow where it runs at least
+#: :data:`SLOW_SMALL_US`: latency, not bytes, makes its time.
+SMALL_BYTES = 64 * 1024
+SLOW_SMALL_US = 3.0
+#: The slow small kernels a report names, the longest first.
+SLOW_SMALL_SHOWN = 6
+
+
 @dataclass
 class StepBreakdown:
     """One phase's time, gaps, bytes and concurrency (:func:`step_breakdown`)."""
@@ -117,6 +140,7 @@ class StepBreakdown:
     late_starts: list[int] = field(default_factory=list)  # starts taken as ready times
     #: kernels whose accesses name no byte: ``(task, kernel name, op name)``
     nameless: list[tuple[int, str, str]] = field(default_factory=list)
+    slow_small: list[SlowSmall] = field(default_factory=list)  # the longest first
 
     @property
     def idle_us(self) -> float:
@@ -159,6 +183,7 @@ class StepBreakdown:
             "largest_gaps": [dataclasses.asdict(g) for g in self.largest_gaps],
             "late_starts": list(self.late_starts),
             "nameless": [list(k) for k in self.nameless],
+            "slow_small": [dataclasses.asdict(k) for k in self.slow_small],
             "copy_bytes_per_s": self.copy_bytes_per_s,
             "by_name": [{"name": g.name, "count": g.count, "us": g.us, "bytes": g.bytes,
                          "bytes_per_s": g.bytes_per_s, "of_copy": self.of_copy(g.bytes_per_s)}
@@ -235,15 +260,30 @@ def _largest_gaps(graph: TaskGraph, waits: dict[int, tuple[int, float]]) -> list
     return [Gap(v, name(v), u, name(u), us) for v, (u, us) in longest if us > 0]
 
 
+def _op_name(graph: TaskGraph, t: int) -> str:
+    op = graph.tasks[t].op
+    return graph.ops[op].name if 0 <= op < len(graph.ops) else ""
+
+
 def _nameless(graph: TaskGraph, span: range) -> list[tuple[int, str, str]]:
     """The kernels of ``span`` whose recorded accesses name no byte, with their ops' names."""
     out = []
     for t in span:
         task = graph.tasks[t]
         if task.kind == TaskKind.KERNEL and not any(a.size for a in task.accesses):
-            op = graph.ops[task.op].name if 0 <= task.op < len(graph.ops) else ""
-            out.append((t, task.short_name or task.name, op))
+            out.append((t, task.short_name or task.name, _op_name(graph, t)))
     return out
+
+
+def _slow_small(graph: TaskGraph, kernels: list[KernelTime], times, begin: float,
+                last: dict[int, int], path) -> list[SlowSmall]:
+    """The kernels of at most :data:`SMALL_BYTES` that ran :data:`SLOW_SMALL_US` or more, the
+    longest first."""
+    on_path = set(path)
+    slow = [k for k in kernels if k.bytes <= SMALL_BYTES and k.us >= SLOW_SMALL_US]
+    return [SlowSmall(k.task, k.name, _op_name(graph, k.task), times[k.task][0] - begin, k.us,
+                      k.bytes, last.get(k.task), k.task in on_path)
+            for k in sorted(slow, key=lambda k: -k.us)]
 
 
 def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: int = 0,
@@ -271,6 +311,7 @@ def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: in
     waits = _waits(last, times)
     path = executed_critical_path(timeline.schedule, times, span, timeline.late_edges)
     path_gaps = [times[v][0] - times[u][1] for u, v in zip(path, path[1:])]
+    kernels = _kernel_times(graph, times, span)
     return StepBreakdown(
         tasks=len(span), makespan_us=makespan,
         busy_us=_union_length([times[t] for t in span]),
@@ -279,9 +320,10 @@ def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: in
         path_busy_us=sum(times[t][1] - times[t][0] for t in path),
         path_gaps=Spread.of(path_gaps),
         weight_bytes=touched_bytes(graph, span, _WEIGHTS), step_bytes=touched_bytes(graph, span),
-        kernels=_kernel_times(graph, times, span), copy_bytes_per_s=copy_bytes_per_s,
+        kernels=kernels, copy_bytes_per_s=copy_bytes_per_s,
         largest_gaps=_largest_gaps(graph, waits), late_starts=sorted(late),
-        nameless=_nameless(graph, span))
+        nameless=_nameless(graph, span),
+        slow_small=_slow_small(graph, kernels, times, begin, last, path))
 
 
 def _rate(rate: float | None, share: float | None) -> str:
@@ -322,6 +364,14 @@ def format_breakdown(b: StepBreakdown, top: int = 10) -> str:
                           for t, name, op in b.nameless[:6])
         more = f" and {len(b.nameless) - 6} more" if len(b.nameless) > 6 else ""
         lines.append(f"  {len(b.nameless)} kernel(s) whose accesses name no byte: {shown}{more}")
+    if b.slow_small:
+        lines.append(f"  {len(b.slow_small)} small kernel(s) (at most {SMALL_BYTES // 1024} KiB "
+                     f"touched) running {SLOW_SMALL_US:g} µs or more:")
+        for k in b.slow_small[:SLOW_SMALL_SHOWN]:
+            after = f"after task {k.after}" if k.after is not None else "no predecessor"
+            lines.append(f"    task {k.task} {k.name[:40]}" + (f" ({k.op[:40]})" if k.op else "")
+                         + f": {k.us:.2f} µs from {k.start_us:.1f} µs, {k.bytes} B, {after}"
+                         + (", on the critical path" if k.on_path else ""))
     lines.append(f"  kernels by time (top {top}): count, µs, MB touched, rate while running")
     for g in b.groups()[:top]:
         lines.append(f"    {g.count:4d} x {g.name[:60]:<60} {g.us:8.1f} {g.bytes / 1e6:9.2f}  "

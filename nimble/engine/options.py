@@ -86,8 +86,9 @@ class PrepareOptions:
         ``nm.graph.meta["programmatic"]`` says what was measured and kept.  The edges between
         Inductor's kernels that an earlier rule kept, trusting Inductor's own waits, are
         withdrawn: graphs built so gave wrong outputs on a busy GPU
-        (:data:`nimble.analysis.programmatic.WITHDRAWN`, docs/findings.md).  Off until
-        measured on the GPU; a saved graph is loaded with full dependencies.
+        (:data:`nimble.analysis.programmatic.WITHDRAWN`, docs/findings.md).  On by default:
+        a graph with none of Nimble's kernels has no such edge and times nothing; a saved
+        graph is loaded with full dependencies.
     """
 
     arena_limit: int | str | None = "pool"
@@ -102,7 +103,7 @@ class PrepareOptions:
     backfill: bool | None = None
     resource_order: bool | str = False
     prefetch_l2: bool | str = False
-    programmatic_launch: bool | str = False
+    programmatic_launch: bool | str = True
 
     def __post_init__(self) -> None:
         from ..analysis.resources import RULES

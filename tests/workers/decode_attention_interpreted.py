@@ -18,12 +18,16 @@ import nimble.decode_attention as da  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for its helpers
 from helpers import attention_reference as reference  # noqa: E402
 
+# the cases' own splits walk the cache in blocks; whole_launch reads it as one tile
+da.WHOLE_SLOTS = 0
+
 CASES = [  # batch, query heads, key-value heads, slots, head size, splits (None: the rule's)
     (1, 32, 8, 192, 64, 3),  # a Llama 3.2 1B layer split over three programs per head
     (1, 32, 8, 192, 64, 1),  # ... and read by one program per head
     (2, 4, 4, 70, 80, None),  # no grouping, a head size that is no power of two
     (3, 6, 2, 300, 32, 2),
     (40, 4, 4, 50, 16, None),  # enough heads that one program per head suffices: no split
+    (2, 4, 2, 5, 16, None),  # fewer slots than the matrix units' least tile
 ]
 DTYPES = ("float32", "float16")
 MASKS = ("bool", "additive", "none")
@@ -66,13 +70,14 @@ def case(shape, dtype_name: str, mask_kind: str) -> dict:
 def whole_launch(*args, rope=None):
     """The kernel reading the whole cache as one tile (``WHOLE_SLOTS`` past every case's
     slots), its split left to the rule."""
+    before = da.WHOLE_SLOTS, da.WHOLE_ELEMENTS
     da.WHOLE_SLOTS, da.WHOLE_ELEMENTS = 512, 512 * 128
     try:
         assert da.split_for(args[0].shape[0], args[1].shape[1], args[1].shape[2],
                             head_dim=args[0].shape[-1]).whole
         return da.launch(*args, rope=rope)
     finally:
-        da.WHOLE_SLOTS, da.WHOLE_ELEMENTS = 0, 256 * 64
+        da.WHOLE_SLOTS, da.WHOLE_ELEMENTS = before
 
 
 def strided() -> dict:

@@ -195,9 +195,9 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
         undo.append(decode_attention(model).undo)
     cache_len = args.prompt + args.new_tokens
     ids = prompts[args.prompt]
+    # programmatic edges only where the variant names them (on by default in PrepareOptions)
     options = PrepareOptions(prefetch_l2=lever.prefetch_l2,
-                             programmatic_launch=lever.programmatic) \
-        if lever.prefetch_l2 or lever.programmatic else None
+                             programmatic_launch=lever.programmatic)
     try:
         torch._dynamo.reset()
         # read where the step is traced (the argmax) and where its kernels are recorded (the
