@@ -63,8 +63,15 @@ def test_a_variants_constants_hold_inside_its_block_and_are_restored_after():
     from nimble import decode_attention, decode_steps
 
     before = decode_steps.SPLIT_ARGMAX_FROM, decode_attention.UNSPLIT_BLOCKS
+    split = tool.variant("split-attention")
+    assert tool.whole_slots(split, decode_attention) == 0
+    assert tool.whole_slots(tool.variant("whole-cache"), decode_attention) == 256
+    assert tool.whole_slots(tool.variant("attention"), decode_attention) == \
+        decode_attention.WHOLE_SLOTS
     with tool._patched({"SPLIT_ARGMAX_FROM": (decode_steps, 5),
-                        "UNSPLIT_BLOCKS": (decode_attention, 0)}):
+                        "UNSPLIT_BLOCKS": (decode_attention, 0),
+                        "WHOLE_SLOTS": (decode_attention, tool.whole_slots(split,
+                                                                           decode_attention))}):
         assert (decode_steps.SPLIT_ARGMAX_FROM, decode_attention.UNSPLIT_BLOCKS) == (5, 0)
         assert decode_attention.split_for(1, 8, 128).splits == 2
     # the split's target read at the call, not fixed when split_for was defined

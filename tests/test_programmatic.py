@@ -412,3 +412,18 @@ def test_the_waiting_rule_is_the_plans_and_the_recorded_one_only_the_experiments
     monkeypatch.setattr(programmatic_pick, "RULE", "recorded")
     assert programmatic_pick.planned_programmatic(g, schedule, plan, on).trials == {
         0: {(0, 2)}}
+
+
+def test_a_graph_with_none_of_nimbles_waiting_kernels_plans_nothing_and_reads_no_schedule():
+    """On by default, the option costs a prepare of an ordinary model nothing: no waiting
+    kernel, no plan, the schedule's edges never asked for."""
+    from nimble.engine import programmatic_pick
+    from nimble.ir.waiting_kernels import has_waiting_kernels
+
+    g = _waiting_graph()
+    assert has_waiting_kernels(g)
+    plain = _waiting_graph()
+    plain.tasks = [t for t in plain.tasks if t.op in (0, 5, 6)]  # Inductor's, a user's attend
+    assert not has_waiting_kernels(plain)
+    plan = programmatic_pick.planned_programmatic(plain, None, None, PrepareOptions())
+    assert plan == programmatic_pick.ProgrammaticPlan()

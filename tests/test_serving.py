@@ -351,7 +351,7 @@ class _Stages:
         built = SimpleNamespace(
             key=(instance, batch), region=region, late_edges=list(late_edges) or [(instance, 1)],
             given_late_edges=list(late_edges), seconds=seconds, backfill=[], memplan=plan,
-            priorities=None, prefetch=[],
+            priorities=None, prefetch=[], programmatic=frozenset(),
             builts=[SimpleNamespace(device_launch_refusal="")],
             graph=SimpleNamespace(meta={}, tasks=[]), built_nodes=lambda phase: [],
             launcher=SimpleNamespace(lock=region.order.lock), recording=None, kernel_owners=[],

@@ -16,6 +16,7 @@ from ..analysis import backfill
 from ..analysis.programmatic import programmatic_edges, waiting_edges
 from ..analysis.schedule import Schedule, phase_spans
 from ..ir.taskgraph import TaskGraph
+from ..ir.waiting_kernels import has_waiting_kernels
 from .collectives import communicates
 from .rebuild import PhaseOptions
 
@@ -65,6 +66,8 @@ def planned_programmatic(graph: TaskGraph, schedule: Schedule, memplan, options,
         return ProgrammaticPlan()
     if first is not None:
         return ProgrammaticPlan(frozenset(first.programmatic))
+    if RULE == "waiting" and not has_waiting_kernels(graph):  # on by default: most graphs
+        return ProgrammaticPlan()
     allowed = allowed_edges(graph, schedule.edges(), memplan.offsets)
     if not allowed:
         return ProgrammaticPlan()

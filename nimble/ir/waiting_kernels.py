@@ -34,6 +34,14 @@ def _param_buffer(task, index: int) -> int | None:
                 None)
 
 
+def has_waiting_kernels(graph: TaskGraph) -> bool:
+    """Whether some kernel of ``graph`` is one of :data:`WAITING_KERNELS` (most graphs, with
+    none of Nimble's kernels, have no edge a prepare could make programmatic)."""
+    ops = graph.ops
+    return any(t.kind == TaskKind.KERNEL and 0 <= t.op < len(ops)
+               and (ops[t.op].name, t.name) in WAITING_KERNELS for t in graph.tasks)
+
+
 def waits_safely(graph: TaskGraph, task_id: int, written: set[int]) -> bool:
     """Whether task ``task_id`` is a kernel of :data:`WAITING_KERNELS` whose read before its
     wait, if any, is of a constant buffer (:data:`CONSTANT_KINDS`) no task writes

@@ -55,7 +55,8 @@ class Variant:
     decode_attention: bool = False  # nimble.decode_attention on the model, before both rows
     single_stream: bool = False  # the Generator's steps prepared with use_multi_stream=False
     plain_argmax: bool = False  # both rows' argmax one reduction (no decode_steps.split_argmax)
-    split_attention: bool = False  # the attention kernel splits every cache (UNSPLIT_BLOCKS 0)
+    split_attention: bool = False  # the attention kernel splits every cache (UNSPLIT_BLOCKS 0,
+    #                                WHOLE_SLOTS 0)
     branchless: bool = False  # the attention kernel's hidden stretches by masked loads
     last_joins: bool = False  # the attention's split joined by its last program
     values_early: bool = False  # the attention kernel asks for a block's values beside its keys
@@ -219,8 +220,7 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                        * (2 if lever.wide_split else 1)),
                    "EARLY_TILES": (gemv_module, 2 if lever.early_tiles
                                    else gemv_module.EARLY_TILES),
-                   "WHOLE_SLOTS": (attention_module, WHOLE_CACHE_SLOTS if lever.whole_cache
-                                   else attention_module.WHOLE_SLOTS)}
+                   "WHOLE_SLOTS": (attention_module, whole_slots(lever, attention_module))}
         from nimble.gemv_prologue_pass import fusing
 
         folding = fusing(lever.join_attention, lever.rope_attention) \
@@ -246,6 +246,14 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
         for step in reversed(undo):
             step()
     return out
+
+
+def whole_slots(lever: Variant, attention_module) -> int:
+    """The longest cache the attention reads as one tile under ``lever``: none where every
+    cache is split (``split-attention``)."""
+    if lever.whole_cache:
+        return WHOLE_CACHE_SLOTS
+    return 0 if lever.split_attention else attention_module.WHOLE_SLOTS
 
 
 @contextlib.contextmanager
