@@ -26,7 +26,8 @@ def test_a_variants_name_joins_the_levers_it_sets():
                  "rope-attention+coordinate+joined-attention", "rope-writes-after+gemv",
                  "programmatic+values-late+attention", "programmatic+gemv",
                  "programmatic+early-tiles+coordinate+gemv-prologues",
-                 "whole-cache+rope-attention+coordinate+gemv-prologues"):
+                 "whole-cache+rope-attention+coordinate+gemv-prologues",
+                 "lead-timing+programmatic+coordinate+gemv-prologues"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
@@ -50,6 +51,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert ("values-late" in name) == variant.values_late, name
         assert ("programmatic" in name) == variant.programmatic, name
         assert ("whole-cache" in name) == variant.whole_cache, name
+        assert ("lead-timing" in name) == variant.lead_timing, name
         assert any(w in name for w in ("rope-attention", "rope-writes")) == \
             variant.rope_attention, name
         assert ("rope-writes-after" in name) == variant.rope_writes_after, name

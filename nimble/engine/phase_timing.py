@@ -29,19 +29,35 @@ def recorded_inputs_into(slots: Sequence[InputSlot], values: Sequence) -> Callab
     return refresh
 
 
+#: Whether a phase with no phase before it is timed behind one untimed launch of itself, so that
+#: the GPU is busy when the host queues the timed launch and the timing starts as the last one
+#: ends, as in a loop of calls; without it the GPU is idle when the timing starts, and the
+#: launch's way from the host to the GPU is timed with it (docs/results.md: a decode step
+#: timed at prepare against the same step in a token loop).  A phase after others is always
+#: timed behind them.  Off until measured (``tools/experiments/decode_levers.py``'s
+#: ``lead-timing``).
+LEAD_LAUNCH = False
+
+
 def after_phases(before: Sequence[BuiltGraph], stream, refresh: Callable[[], None]
                   ) -> Callable[[BuiltGraph, int], float]:
     """``launch(built, count) -> ms``: ``count`` launches of ``built``, each after one launch of
     every phase of ``before`` (so it reads what they write: a backward reads the forward's
     saved max-pool indices, and its own writes may reuse their bytes), timing ``built`` only;
-    ``refresh()`` runs before each (:func:`recorded_inputs_into`)."""
+    ``refresh()`` runs before each (:func:`recorded_inputs_into`); with :data:`LEAD_LAUNCH`
+    and no phase before, each after an untimed launch of ``built`` itself (refreshed again
+    after it: a launch may reuse its inputs' bytes)."""
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    lead = LEAD_LAUNCH and not before
 
     def launch(built: BuiltGraph, count: int) -> float:
         total = 0.0
         for _ in range(count):
+            if lead:
+                refresh()
+                driver.launch(built.exec.handle, stream)
             refresh()
             for b in before:
                 driver.launch(b.exec.handle, stream)

@@ -29,7 +29,9 @@ with the cache writes right after each attention, not together at the graph's en
 at prepare: :func:`nimble.analysis.programmatic.waiting_edges`), ``early-tiles`` (``gemv``, the
 plain GEMV asking for two weight tiles before its wait: :data:`nimble.fast_gemv.EARLY_TILES`),
 ``whole-cache`` (``attention``, a cache of at most 256 slots read as one tile a program, no join:
-:data:`nimble.decode_attention.WHOLE_SLOTS`).
+:data:`nimble.decode_attention.WHOLE_SLOTS`), ``lead-timing`` (the prepare times each launch of a
+step behind an untimed one, as a loop of calls runs it:
+:data:`nimble.engine.phase_timing.LEAD_LAUNCH`).
 Every variant runs on one model (built once, its sibling projections fused unless ``--no-fuse``);
 a ``gemv`` variant changes the model's modules for good and runs after the others. The Inductor
 settings of a variant (``combo_kernels`` always) and the module constants it sets are set around
@@ -69,6 +71,7 @@ class Variant:
     programmatic: bool = False  # PrepareOptions(programmatic_launch=True): into Nimble's kernels
     early_tiles: bool = False  # the plain GEMV asks for two weight tiles before its wait
     whole_cache: bool = False  # the attention reads a cache of <= 256 slots as one tile
+    lead_timing: bool = False  # prepare times each launch behind an untimed one (LEAD_LAUNCH)
 
 
 COMBO = {"combo_kernels": True}
@@ -98,6 +101,7 @@ LEVERS = {
     "programmatic": {"programmatic": True},
     "early-tiles": {"fast_gemv": True, "early_tiles": True},
     "whole-cache": {"decode_attention": True, "whole_cache": True},
+    "lead-timing": {"lead_timing": True},
     "rope-writes-after": {"decode_attention": True, "rope_attention": True,
                           "rope_writes_after": True},
 }
@@ -178,6 +182,7 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
     from nimble import decode_attention as attention_module
     from nimble import decode_steps
     from nimble import fast_gemv as gemv_module
+    from nimble.engine import phase_timing
 
     lever = variant(name)
     out: dict = {"variant": name, "settings": dataclasses.asdict(lever)}
@@ -220,7 +225,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                        * (2 if lever.wide_split else 1)),
                    "EARLY_TILES": (gemv_module, 2 if lever.early_tiles
                                    else gemv_module.EARLY_TILES),
-                   "WHOLE_SLOTS": (attention_module, whole_slots(lever, attention_module))}
+                   "WHOLE_SLOTS": (attention_module, whole_slots(lever, attention_module)),
+                   "LEAD_LAUNCH": (phase_timing, lever.lead_timing or phase_timing.LEAD_LAUNCH)}
         from nimble.gemv_prologue_pass import fusing
 
         folding = fusing(lever.join_attention, lever.rope_attention) \
