@@ -247,7 +247,7 @@ class GraphViews:
         kernels, which waits for ``u`` in its code) may start while ``u`` ends.  Empty unless
         ``PrepareOptions(programmatic_launch=...)`` asked and they were kept
         (:func:`nimble.analysis.programmatic.waiting_edges`); a load builds every edge as a
-        full dependency."""
+        full dependency (unless :data:`nimble.engine.loading.LOAD_WAITING_EDGES`)."""
         return sorted(self.engine.programmatic)
 
     @property

@@ -115,3 +115,51 @@ def test_a_generator_on_nimbles_kernels_builds_edges_into_them_and_decodes_the_s
         for generator in generators.values():
             generator.close()
         swap.undo()
+
+
+def test_a_saved_generator_loads_its_edges_into_nimbles_kernels_where_asked(tmp_path,
+                                                                              monkeypatch):
+    """The decode step served with programmatic edges, saved and loaded in this process: by
+    default every edge a full dependency; with ``LOAD_WAITING_EDGES`` the file's edges into
+    Nimble's waiting kernels built programmatic as the saving process served them, the load's
+    proof passing and the tokens those of the saved Generator, while another stream keeps the
+    GPU busy."""
+    import torch
+
+    from helpers import swapped_llama_small
+    from nimble.engine import loading
+    from nimble.engine.options import PrepareOptions
+    from nimble.gemv_prologue_pass import fusing
+    from nimble.generate import Generator, prepare_with_nimble
+
+    model, swap = swapped_llama_small()
+    torch.manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), device="cuda")
+    made = []
+    try:
+        torch._dynamo.reset()
+        with fusing():
+            saved = Generator(model, max_cache_len=64 + NEW_TOKENS, prompt_buckets=[64],
+                              batch_sizes=[1],
+                              prepare_step=prepare_with_nimble(
+                                  PrepareOptions(programmatic_launch="always"), True))
+        made.append(saved)
+        edges = saved.steps(1)[0].programmatic_edges
+        assert edges
+        want = saved.generate(ids, NEW_TOKENS)
+        saved.save(tmp_path / "g.nimble")
+        plain = Generator.load(tmp_path / "g.nimble")
+        made.append(plain)
+        assert not plain.steps(1)[0].programmatic_edges
+        monkeypatch.setattr(loading, "LOAD_WAITING_EDGES", True)
+        loaded = Generator.load(tmp_path / "g.nimble")
+        made.append(loaded)
+        assert loaded.steps(1)[0].programmatic_edges == edges
+        assert torch.equal(plain.generate(ids, NEW_TOKENS), want)
+        with _busy_gpu():
+            for _ in range(3):
+                assert torch.equal(loaded.generate(ids, NEW_TOKENS), want)
+    finally:
+        for generator in made:
+            generator.close()
+        swap.undo()

@@ -211,12 +211,35 @@ def test_a_files_programmatic_edges_are_built_as_full_dependencies(monkeypatch, 
     with caplog.at_level("INFO", logger="nimble"):
         loading._build(None, bucket, None)
     assert seen["programmatic"].served == frozenset() and not seen["programmatic"].trials
-    assert "serves 2 edge(s) programmatic" in caplog.text
-    assert "every edge as a full dependency" in caplog.text
+    assert "serves 2 edge(s) programmatic; a loaded graph builds 0 of them" in caplog.text
+    assert "every other edge as a full dependency" in caplog.text
     caplog.clear()
     bucket.row = {}  # a file saved before programmatic edges were written down
     loading._build(None, bucket, None)
     assert seen["programmatic"].served == frozenset() and not caplog.text
+
+
+def test_with_load_waiting_edges_a_load_builds_the_files_edges_into_waiting_kernels_alone(
+        monkeypatch, caplog):
+    """LOAD_WAITING_EDGES (off until measured): of the edges a file serves programmatic, those
+    into one of Nimble's waiting kernels are built so; an edge between Inductor's kernels (the
+    withdrawn rule's) stays a full dependency, as does an edge the file does not list."""
+    from nimble.engine import loading
+    from test_programmatic import _waiting_graph
+
+    graph = _waiting_graph()  # 0 -> 1: into Nimble's GEMV on a constant weight; 0 -> 5: a
+    # user's kernel named attend; 0 -> 2: a GEMV whose weight task 0 writes
+    row = {"programmatic": [[0, 1], [0, 5], [0, 2]]}
+    assert loading.loaded_programmatic(row, graph).served == frozenset()  # off by default
+    monkeypatch.setattr(loading, "LOAD_WAITING_EDGES", True)
+    with caplog.at_level("INFO", logger="nimble"):
+        assert loading.loaded_programmatic(row, graph).served == {(0, 1)}
+    assert "serves 3 edge(s) programmatic; a loaded graph builds 1 of them" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="nimble"):
+        assert loading.loaded_programmatic({"programmatic": [[0, 1]]}, graph).served == {(0, 1)}
+    assert not caplog.text  # every edge listed is built as listed: nothing to say
+    assert loading.loaded_programmatic({}, graph).served == frozenset()
 
 
 def test_reading_a_file_times_its_mapping_and_its_checks_apart(tmp_path):

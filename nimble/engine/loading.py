@@ -40,6 +40,7 @@ from typing import Any
 from .. import driver
 from ..analysis.backfill import Backfill, Picked
 from ..analysis.memplan import MemPlan
+from ..analysis.programmatic import waiting_edges
 from ..analysis.schedule import Schedule
 from ..errors import InputError, LoadError, NoGpuError
 from ..ir.saved_format import PendingChecksum, SavedFile
@@ -206,20 +207,33 @@ def _build(model, bucket: _Bucket, region: ArenaRegion) -> Prepared:
         priorities=row.get("priorities"), region=region,
         late_edges=[e for p in _backfill(row) if p.kept for e in p.kept.edges()],
         placement=bucket.placement,
-        programmatic=_full_dependencies(row))
+        programmatic=loaded_programmatic(row, bucket.rec.graph if bucket.rec else None))
     built.backfill = _backfill(row)
     return built
 
 
-def _full_dependencies(row: dict) -> ProgrammaticPlan:
-    """No programmatic edge, whatever the file lists: each is built as a full dependency (a
-    load times no choice, and the edges a file lists were chosen by timing in the saving
-    process; files of the withdrawn rule list them too:
-    :data:`~nimble.analysis.programmatic.WITHDRAWN`)."""
-    if row.get("programmatic"):
-        log.info("the file serves %d edge(s) programmatic; a loaded graph builds every edge as "
-                 "a full dependency", len(row["programmatic"]))
-    return ProgrammaticPlan()
+#: Whether a load builds the edges a file serves programmatic that end in one of Nimble's
+#: waiting kernels (:func:`~nimble.ir.waiting_kernels.waits_safely`: safe by that kernel's
+#: code, whatever the GPU runs beside it), as the saving process served them; every other edge
+#: stays a full dependency.  Off until measured on the GPU: a loaded graph builds every edge
+#: as a full dependency.
+LOAD_WAITING_EDGES = False
+
+
+def loaded_programmatic(row: dict, graph) -> ProgrammaticPlan:
+    """The programmatic edges a loaded bucket builds: none (each a full dependency), or with
+    :data:`LOAD_WAITING_EDGES` those of the file's into a waiting kernel of ``graph``.  A load
+    times no choice: the edges a file lists were chosen by timing in the saving process, and
+    files of the withdrawn rule list edges between Inductor's kernels
+    (:data:`~nimble.analysis.programmatic.WITHDRAWN`), never built."""
+    listed = [tuple(e) for e in row.get("programmatic") or ()]
+    served: frozenset = frozenset()
+    if LOAD_WAITING_EDGES and listed and graph is not None:
+        served = waiting_edges(graph, listed) & frozenset(listed)
+    if len(served) < len(listed):
+        log.info("the file serves %d edge(s) programmatic; a loaded graph builds %d of them "
+                 "so, every other edge as a full dependency", len(listed), len(served))
+    return ProgrammaticPlan(served)
 
 
 def prove_loaded(prepared: Prepared, reference: tuple, launches: int = LOAD_PROOF_LAUNCHES,
