@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Sequence
 
 from ..ir.taskgraph import TaskGraph, TaskKind
-from ..ir.waiting_kernels import waits_safely
+from ..ir.waiting_kernels import may_be_programmatic, written_buffers
 from .memplan import MemPlan, plan_memory
 from .plan_check import check_plan
 
@@ -56,13 +56,12 @@ META_KEY = "programmatic_edges"
 
 def waiting_edges(graph: TaskGraph, edges: Iterable[tuple[int, int]]) -> frozenset[tuple[int, int]]:
     """The edges of ``edges`` (the built graph's dependencies) that may be programmatic under
-    the module docstring's rule: from a kernel into a kernel that :func:`waits_safely`, one
+    the module docstring's rule (:func:`~nimble.ir.waiting_kernels.may_be_programmatic`), one
     such edge a kernel (from the predecessor recorded last, the likeliest to end last)."""
-    written = {a.buffer for t in graph.tasks for a in t.accesses if a.write}
-    tasks: Sequence = graph.tasks
+    written = written_buffers(graph)
     into: dict[int, int] = {}
     for u, v in edges:
-        if tasks[u].kind == TaskKind.KERNEL and waits_safely(graph, v, written):
+        if may_be_programmatic(graph, u, v, written):
             into[v] = max(u, into.get(v, -1))
     return frozenset((u, v) for v, u in into.items())
 

@@ -229,7 +229,7 @@ def loaded_programmatic(row: dict, graph) -> ProgrammaticPlan:
     listed = [tuple(e) for e in row.get("programmatic") or ()]
     served: frozenset = frozenset()
     if LOAD_WAITING_EDGES and listed and graph is not None:
-        served = waiting_edges(graph, listed) & frozenset(listed)
+        served = waiting_edges(graph, listed)
     if len(served) < len(listed):
         log.info("the file serves %d edge(s) programmatic; a loaded graph builds %d of them "
                  "so, every other edge as a full dependency", len(listed), len(served))

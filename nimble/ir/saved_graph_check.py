@@ -16,8 +16,8 @@ from typing import Callable
 from ..errors import LoadError
 from . import json_fields as jf
 from .saved_manifest import NODE_KINDS, _fail, damaged
-from .taskgraph import BufferKind, TaskGraph, TaskKind
-from .waiting_kernels import waits_safely
+from .taskgraph import BufferKind, TaskGraph
+from .waiting_kernels import may_be_programmatic, written_buffers
 
 
 class UndecodableGraph(LoadError):
@@ -92,11 +92,10 @@ def _against_graph(manifest: dict, k: int, graph: TaskGraph,
                                    "names it)")
     _references(row["reference"], graph, where, itemsize)
     recorded = {tuple(e) for e in graph.meta.get("programmatic_edges", [])}
-    written = {a.buffer for t in graph.tasks for a in t.accesses if a.write}
+    written = written_buffers(graph)
     for i, edge in enumerate(row.get("programmatic", [])):
         u, v = edge
-        into_waiting = graph.tasks[u].kind == TaskKind.KERNEL and waits_safely(graph, v, written)
-        if tuple(edge) not in recorded and not into_waiting:
+        if tuple(edge) not in recorded and not may_be_programmatic(graph, u, v, written):
             raise _fail(f"{where}.programmatic[{i}]", f"makes {u} -> {v} programmatic, an "
                         "edge the recording's capture did not launch so, nor one into a "
                         "kernel of Nimble's that waits for its predecessor")

@@ -34,22 +34,30 @@ def _param_buffer(task, index: int) -> int | None:
                 None)
 
 
+def _key(graph: TaskGraph, task) -> tuple[str, str] | None:
+    """``task``'s (recorded operator, kernel name) where it is a kernel of a known op."""
+    if task.kind != TaskKind.KERNEL or not 0 <= task.op < len(graph.ops):
+        return None
+    return graph.ops[task.op].name, task.name
+
+
 def has_waiting_kernels(graph: TaskGraph) -> bool:
     """Whether some kernel of ``graph`` is one of :data:`WAITING_KERNELS` (most graphs, with
     none of Nimble's kernels, have no edge a prepare could make programmatic)."""
-    ops = graph.ops
-    return any(t.kind == TaskKind.KERNEL and 0 <= t.op < len(ops)
-               and (ops[t.op].name, t.name) in WAITING_KERNELS for t in graph.tasks)
+    return any(_key(graph, t) in WAITING_KERNELS for t in graph.tasks)
+
+
+def written_buffers(graph: TaskGraph) -> set[int]:
+    """The buffers some task of ``graph`` writes."""
+    return {a.buffer for t in graph.tasks for a in t.accesses if a.write}
 
 
 def waits_safely(graph: TaskGraph, task_id: int, written: set[int]) -> bool:
     """Whether task ``task_id`` is a kernel of :data:`WAITING_KERNELS` whose read before its
     wait, if any, is of a constant buffer (:data:`CONSTANT_KINDS`) no task writes
-    (``written``: the buffers some task writes)."""
+    (``written``: :func:`written_buffers`)."""
     task = graph.tasks[task_id]
-    if task.kind != TaskKind.KERNEL or not 0 <= task.op < len(graph.ops):
-        return False
-    key = (graph.ops[task.op].name, task.name)
+    key = _key(graph, task)
     if key not in WAITING_KERNELS:
         return False
     index = WAITING_KERNELS[key]
@@ -58,3 +66,9 @@ def waits_safely(graph: TaskGraph, task_id: int, written: set[int]) -> bool:
     buffer = _param_buffer(task, index)
     return (buffer is not None and buffer not in written
             and graph.buffers[buffer].kind in CONSTANT_KINDS)
+
+
+def may_be_programmatic(graph: TaskGraph, u: int, v: int, written: set[int]) -> bool:
+    """Whether edge ``u -> v`` may be programmatic by the waiting kernels' rule: from a kernel
+    into a kernel that :func:`waits_safely`."""
+    return graph.tasks[u].kind == TaskKind.KERNEL and waits_safely(graph, v, written)
