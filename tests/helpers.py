@@ -5,6 +5,8 @@ Test modules import them as ``from helpers import ...`` (pytest puts ``tests/`` 
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -193,3 +195,30 @@ def tiny_decoder(family: str, *, hidden: int = 128, intermediate: int = 256, voc
                         pad_token_id=0, head_dim=head_dim, **config)
     torch.manual_seed(0)
     return model_class(made).eval()
+
+
+@contextlib.contextmanager
+def busy_gpu():
+    """bf16 matmuls on a stream of their own, in bursts, until the block ends."""
+    import torch
+
+    stop = threading.Event()
+    stream = torch.cuda.Stream()
+    xs = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for n in (256, 1024, 4096)]
+
+    def run():
+        k = 0
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                x = xs[k % 3]
+                for _ in range(1 + k % 7):
+                    x @ x
+                stream.synchronize()
+                k += 1
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        worker.join()

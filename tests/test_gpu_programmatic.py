@@ -5,10 +5,9 @@ keeps the GPU busy (the withdrawn rule's edges between Inductor's kernels raced 
 docs/findings.md); on Inductor's kernels alone no edge qualifies."""
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import pytest
+
+from helpers import busy_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -46,33 +45,6 @@ def test_on_inductors_kernels_alone_no_edge_is_programmatic_and_the_bits_are_the
             assert torch.equal(nm(fresh), plain(fresh))
 
 
-@contextlib.contextmanager
-def _busy_gpu():
-    """bf16 matmuls on a stream of their own, in bursts, until the block ends."""
-    import torch
-
-    stop = threading.Event()
-    stream = torch.cuda.Stream()
-    xs = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for n in (256, 1024, 4096)]
-
-    def run():
-        k = 0
-        with torch.cuda.stream(stream):
-            while not stop.is_set():
-                x = xs[k % 3]
-                for _ in range(1 + k % 7):
-                    x @ x
-                stream.synchronize()
-                k += 1
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        worker.join()
-
-
 def test_a_generator_on_nimbles_kernels_builds_edges_into_them_and_decodes_the_same_tokens():
     """llama_small with every single-row GEMM on the GEMV (norms and gated activations folded
     into it) and the decode attention: asked for ``"always"`` (served unmeasured), the decode
@@ -108,7 +80,7 @@ def test_a_generator_on_nimbles_kernels_builds_edges_into_them_and_decodes_the_s
         assert into <= set(WAITING_KERNELS) and any("gemv" in op for op, _ in into), into
         assert not graph.meta["verified"]["not_bitwise"]
         want = generators[False].generate(ids, NEW_TOKENS)
-        with _busy_gpu():
+        with busy_gpu():
             for _ in range(3):
                 assert torch.equal(generators["always"].generate(ids, NEW_TOKENS), want)
     finally:
@@ -117,49 +89,21 @@ def test_a_generator_on_nimbles_kernels_builds_edges_into_them_and_decodes_the_s
         swap.undo()
 
 
-def test_a_saved_generator_loads_its_edges_into_nimbles_kernels_where_asked(tmp_path,
-                                                                              monkeypatch):
-    """The decode step served with programmatic edges, saved and loaded in this process: by
-    default every edge a full dependency; with ``LOAD_WAITING_EDGES`` the file's edges into
-    Nimble's waiting kernels built programmatic as the saving process served them, the load's
-    proof passing and the tokens those of the saved Generator, while another stream keeps the
-    GPU busy."""
-    import torch
+def test_a_saved_generator_loads_its_edges_into_nimbles_kernels_where_asked(tmp_path):
+    """The decode step served with programmatic edges, saved and loaded in a fresh process that
+    kept its kernel binaries (tests/workers/programmatic_load_worker.py): by default every edge
+    a full dependency; with ``LOAD_WAITING_EDGES`` the file's edges into Nimble's waiting
+    kernels built programmatic as the saving process served them, the load's proof passing and
+    the tokens those of the saved Generator, while another stream keeps the GPU busy."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    from helpers import swapped_llama_small
-    from nimble.engine import loading
-    from nimble.engine.options import PrepareOptions
-    from nimble.gemv_prologue_pass import fusing
-    from nimble.generate import Generator, prepare_with_nimble
-
-    model, swap = swapped_llama_small()
-    torch.manual_seed(5)
-    ids = torch.randint(0, model.config.vocab_size, (1, 64), device="cuda")
-    made = []
-    try:
-        torch._dynamo.reset()
-        with fusing():
-            saved = Generator(model, max_cache_len=64 + NEW_TOKENS, prompt_buckets=[64],
-                              batch_sizes=[1],
-                              prepare_step=prepare_with_nimble(
-                                  PrepareOptions(programmatic_launch="always"), True))
-        made.append(saved)
-        edges = saved.steps(1)[0].programmatic_edges
-        assert edges
-        want = saved.generate(ids, NEW_TOKENS)
-        saved.save(tmp_path / "g.nimble")
-        plain = Generator.load(tmp_path / "g.nimble")
-        made.append(plain)
-        assert not plain.steps(1)[0].programmatic_edges
-        monkeypatch.setattr(loading, "LOAD_WAITING_EDGES", True)
-        loaded = Generator.load(tmp_path / "g.nimble")
-        made.append(loaded)
-        assert loaded.steps(1)[0].programmatic_edges == edges
-        assert torch.equal(plain.generate(ids, NEW_TOKENS), want)
-        with _busy_gpu():
-            for _ in range(3):
-                assert torch.equal(loaded.generate(ids, NEW_TOKENS), want)
-    finally:
-        for generator in made:
-            generator.close()
-        swap.undo()
+    worker = Path(__file__).parent / "workers" / "programmatic_load_worker.py"
+    done = subprocess.run([sys.executable, str(worker), str(tmp_path / "g.nimble"),
+                           str(NEW_TOKENS)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["saved_edges"] > 0 and said["plain_edges"] == 0, said
+    assert said["loaded_edges"] == said["saved_edges"] and said["same_edges"], said
