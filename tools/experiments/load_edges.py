@@ -82,6 +82,7 @@ def save(args) -> dict:
     import nimble
 
     nimble.keep_kernel_binaries()
+    args.file.parent.mkdir(parents=True, exist_ok=True)
     with prepared(args) as generator:
         tokens = generator.generate(prompt(args), args.new_tokens)
         edges = generator.steps(1)[0].programmatic_edges
