@@ -246,8 +246,9 @@ class GraphViews:
         """The dependency edges built programmatic, ``(u, v)``: ``v`` (one of Nimble's own
         kernels, which waits for ``u`` in its code) may start while ``u`` ends.  Empty unless
         ``PrepareOptions(programmatic_launch=...)`` asked and they were kept
-        (:func:`nimble.analysis.programmatic.waiting_edges`); a load builds every edge as a
-        full dependency (unless :data:`nimble.engine.loading.LOAD_WAITING_EDGES`)."""
+        (:func:`nimble.analysis.programmatic.waiting_edges`); a load builds the file's edges into
+        those kernels so (:data:`nimble.engine.loading.LOAD_WAITING_EDGES`), every other edge
+        a full dependency."""
         return sorted(self.engine.programmatic)
 
     @property

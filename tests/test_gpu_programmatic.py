@@ -91,9 +91,9 @@ def test_a_generator_on_nimbles_kernels_builds_edges_into_them_and_decodes_the_s
 
 def test_a_saved_generator_loads_its_edges_into_nimbles_kernels_where_asked(tmp_path):
     """The decode step served with programmatic edges, saved and loaded in a fresh process that
-    kept its kernel binaries (tests/workers/programmatic_load_worker.py): by default every edge
-    a full dependency; with ``LOAD_WAITING_EDGES`` the file's edges into Nimble's waiting
-    kernels built programmatic as the saving process served them, the load's proof passing and
+    kept its kernel binaries (tests/workers/programmatic_load_worker.py): with
+    ``LOAD_WAITING_EDGES`` off every edge a full dependency; on (the default) the file's edges
+    into Nimble's waiting kernels built programmatic as the saving process served them, the load's proof passing and
     the tokens those of the saved Generator, while another stream keeps the GPU busy."""
     import json
     import subprocess

@@ -221,7 +221,7 @@ def test_a_files_programmatic_edges_are_built_as_full_dependencies(monkeypatch, 
 
 def test_with_load_waiting_edges_a_load_builds_the_files_edges_into_waiting_kernels_alone(
         monkeypatch, caplog):
-    """LOAD_WAITING_EDGES (off until measured): of the edges a file serves programmatic, those
+    """LOAD_WAITING_EDGES (on by default; off, a load builds none): of the edges a file serves programmatic, those
     into one of Nimble's waiting kernels are built so; an edge between Inductor's kernels (the
     withdrawn rule's) stays a full dependency, as does an edge the file does not list."""
     from nimble.engine import loading
@@ -230,7 +230,9 @@ def test_with_load_waiting_edges_a_load_builds_the_files_edges_into_waiting_kern
     graph = _waiting_graph()  # 0 -> 1: into Nimble's GEMV on a constant weight; 0 -> 5: a
     # user's kernel named attend; 0 -> 2: a GEMV whose weight task 0 writes
     row = {"programmatic": [[0, 1], [0, 5], [0, 2]]}
-    assert loading.loaded_programmatic(row, graph).served == frozenset()  # off by default
+    assert loading.LOAD_WAITING_EDGES  # on by default
+    monkeypatch.setattr(loading, "LOAD_WAITING_EDGES", False)
+    assert loading.loaded_programmatic(row, graph).served == frozenset()
     monkeypatch.setattr(loading, "LOAD_WAITING_EDGES", True)
     with caplog.at_level("INFO", logger="nimble"):
         assert loading.loaded_programmatic(row, graph).served == {(0, 1)}

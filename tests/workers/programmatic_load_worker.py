@@ -3,7 +3,7 @@
 ``python programmatic_load_worker.py FILE NEW_TOKENS``: keeps the kernel binaries (a process
 that ran cuBLAS before cannot save its kernels), builds the swapped tiny Llama's Generator with
 its GEMV prologues folded and ``programmatic_launch="always"``, saves it to ``FILE``, loads it
-twice (by default, then with ``loading.LOAD_WAITING_EDGES``) and checks that each load decodes
+twice (``loading.LOAD_WAITING_EDGES`` off, then on as by default) and checks that each load decodes
 the saved Generator's tokens, the second again and again while another stream keeps the GPU
 busy. The last line of stdout is JSON: the programmatic edges of each decode step of batch 1.
 """
@@ -43,6 +43,7 @@ def main() -> None:
     saved.close()
     swap.undo()
 
+    loading.LOAD_WAITING_EDGES = False
     plain = Generator.load(path)
     plain_edges = plain.steps(1)[0].programmatic_edges
     if not torch.equal(plain.generate(ids, new_tokens), want):
