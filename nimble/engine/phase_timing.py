@@ -34,8 +34,8 @@ def recorded_inputs_into(slots: Sequence[InputSlot], values: Sequence) -> Callab
 #: ends, as in a loop of calls; without it the GPU is idle when the timing starts, and the
 #: launch's way from the host to the GPU is timed with it (docs/results.md: a decode step
 #: timed at prepare against the same step in a token loop).  A phase after others is always
-#: timed behind them.  Off until measured (``tools/experiments/decode_levers.py``'s
-#: ``lead-timing``).
+#: timed behind them.  Off: a decode step prepared with it made the same choices and ran no
+#: faster (``tools/experiments/decode_levers.py``'s ``lead-timing``, docs/results.md).
 LEAD_LAUNCH = False
 
 
