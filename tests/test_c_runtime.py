@@ -475,15 +475,25 @@ def test_a_load_takes_each_kernels_function_from_its_own_binary(fake_load, tmp_p
             "kernels 40 misplaced 0 edges 0 "), lines
 
 
-def test_a_plans_programmatic_edges_are_built_as_full_dependencies(fake_load, tmp_path):
+def test_a_plans_programmatic_edges_are_built_as_full_dependencies_unless_asked(fake_load,
+                                                                                tmp_path):
     """A plan of version 2 that marks edges programmatic (a graph prepared with programmatic
-    launch) loads, and the runtime adds every edge, none of them programmatic, as the Python
-    loader builds them."""
-    path, _ = _fake_saved(tmp_path, programmatic=_kernel_edges("branchy"))
+    launch) loads, and the runtime adds every edge, none of them programmatic; with
+    NIMBLE_LOAD_PROGRAMMATIC the same edges, the marked ones (in every instance) given the
+    programmatic type and port, as the Python loader builds them."""
+    from test_c_plan import _stand_in
+
+    marked = _kernel_edges("branchy")
+    assert marked
+    path, _ = _fake_saved(tmp_path, programmatic=marked)
     rc, lines = _fake_run(fake_load, path)
     assert rc == 0 and lines[1].startswith("kernels 40 misplaced 0 edges "), lines
     built = int(lines[1].split()[5])
     assert built > 0 and lines[1].endswith(" programmatic 0"), lines
+    rc, lines = _fake_run(fake_load, path, FAKE_PROGRAMMATIC="1")
+    assert rc == 0 and int(lines[1].split()[5]) == built, lines
+    instances = _stand_in("branchy")[2]["instances"]
+    assert lines[1].endswith(f" programmatic {len(marked) * instances}"), lines
 
 
 @pytest.mark.parametrize("where", ["binary", "plan", "section table", "weight"])

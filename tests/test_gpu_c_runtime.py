@@ -211,21 +211,65 @@ def test_a_generators_decode_step_runs_from_c_as_from_python(run_saved, tmp_path
                            str(tmp_path / "out.raw")], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
-    got, want = (tmp_path / "out.raw").read_bytes(), (tmp_path / "want.raw").read_bytes()
+    _same_steps((tmp_path / "out.raw").read_bytes(), (tmp_path / "want.raw").read_bytes(),
+                len(steps), _saved_spread(saved), torch.float16)
+
+
+def _same_steps(got: bytes, want: bytes, steps: int, spread: dict, dtype) -> None:
+    """Per step, the next token (8 bytes) bit for bit and the logits (``dtype``) bit for bit,
+    or within the proof's slack of the saved spread where the saving process saw them vary."""
+    import torch
+
     assert len(got) == len(want)
-    spread = _saved_spread(saved)
-    per_step = len(want) // len(steps)
-    for k in range(len(steps)):
+    per_step = len(want) // steps
+    for k in range(steps):
         at = k * per_step
         token = slice(at, at + 8)
-        assert got[token] == want[token], f"step {k}: C's next token differs from Python's"
-        logits = [torch.frombuffer(bytearray(raw[at + 8:at + per_step]), dtype=torch.float16)
+        assert got[token] == want[token], f"step {k}: the next token differs"
+        logits = [torch.frombuffer(bytearray(raw[at + 8:at + per_step]), dtype=dtype)
                   for raw in (got, want)]
         if 1 not in spread:
             assert torch.equal(*logits), f"step {k}: the logits (held bit for bit) differ"
         else:
             worst = float((logits[0].float() - logits[1].float()).abs().max())
             assert worst <= PROOF_SLACK * spread[1], (k, worst, spread[1])
+
+
+def test_a_decode_steps_programmatic_edges_built_from_c_give_its_full_dependencies_outputs(
+        run_saved, tmp_path):
+    """The swapped tiny Llama's decode step, served with programmatic edges into Nimble's
+    kernels and saved alone (tests/workers/programmatic_load_worker.py), loaded by the C runtime
+    with NIMBLE_LOAD_PROGRAMMATIC (its proof at load passing with them built) and without: the
+    same next tokens and logits for a few steps from the same cache.  Each way's host and GPU
+    time per call is printed, not judged."""
+    import json
+    import os
+
+    import torch
+
+    pytest.importorskip("transformers")
+    worker = Path(__file__).parent / "workers" / "programmatic_load_worker.py"
+    saved = tmp_path / "decode.nimble"
+    done = subprocess.run([sys.executable, str(worker), str(tmp_path / "g.nimble"), "24",
+                           str(saved)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["saved_edges"] > 0
+    steps = [(torch.tensor([[t]]), torch.tensor([p])) for t, p in ((5, 64), (17, 65), (3, 66))]
+    (tmp_path / "in.raw").write_bytes(b"".join(_raw(ids) + _raw(pos) for ids, pos in steps))
+    outputs = {}
+    for way, env in (("full", {}), ("programmatic", {"RUN_SAVED_PROGRAMMATIC": "1"})):
+        env = {**os.environ, **env}
+        done = subprocess.run([str(run_saved), str(saved), str(tmp_path / "in.raw"),
+                               str(tmp_path / f"{way}.raw")], capture_output=True, text=True,
+                              timeout=120, env=env)
+        assert done.returncode == 0, (way, done.stderr[-4000:])
+        outputs[way] = (tmp_path / f"{way}.raw").read_bytes()
+        bench = subprocess.run([str(run_saved), str(saved), "--bench", "200"],
+                               capture_output=True, text=True, timeout=120, env=env)
+        assert bench.returncode == 0, (way, bench.stderr[-4000:])
+        print(way, bench.stdout.strip().splitlines()[-1])
+    _same_steps(outputs["programmatic"], outputs["full"], len(steps), _saved_spread(saved),
+                torch.bfloat16)
 
 
 def _saved_spread(saved: Path) -> dict[int, float]:

@@ -174,16 +174,31 @@ static nimble_status instantiate(nimble_model *m, bucket_t *b, uint64_t j, CUgra
     return NIMBLE_OK;
 }
 
-/* The bucket's edges, every one a full dependency: the plan's programmatic marks are read and
- * not served (Python's loader does the same: a load times no choice, and the marks of the
- * withdrawn rule gave wrong outputs on a busy GPU: docs/findings.md, "Programmatic edges raced
- * on a busy GPU"). */
-static nimble_status add_edges(bucket_t *b, CUgraph g, CUgraphNode *from, CUgraphNode *to) {
+/* The bucket's edges, a full dependency each; under NIMBLE_LOAD_PROGRAMMATIC the plan's
+ * programmatic ones built so, as Python's loader builds them (nimble.engine.loading's
+ * LOAD_WAITING_EDGES: the saving process kept only edges into its waiting kernels, and its
+ * saved-file check refuses any other).  Without the flag the marks are read and not served. */
+static nimble_status add_edges(const nimble_model *m, bucket_t *b, CUgraph g, CUgraphNode *from,
+                               CUgraphNode *to) {
+#if CUDA_VERSION >= 12030
+    CUgraphEdgeData *data = NULL; /* NULL: every edge the default, a full dependency */
+    if (m->programmatic && b->programmatic) {
+        data = calloc(b->nedges, sizeof *data);
+        if (!data) return fail(NIMBLE_ERROR_IO, "out of memory");
+        for (uint64_t e = 0; e < b->nedges; e++) {
+            if (!b->programmatic[e]) continue;
+            data[e].type = CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC;
+            data[e].from_port = CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC;
+        }
+    }
 #if CUDA_VERSION >= 13000
-    CUresult r = cuGraphAddDependencies(g, from, to, NULL, b->nedges);
-#elif CUDA_VERSION >= 12030
-    CUresult r = cuGraphAddDependencies_v2(g, from, to, NULL, b->nedges);
+    CUresult r = cuGraphAddDependencies(g, from, to, data, b->nedges);
 #else
+    CUresult r = cuGraphAddDependencies_v2(g, from, to, data, b->nedges);
+#endif
+    free(data);
+#else
+    (void)m;
     CUresult r = cuGraphAddDependencies(g, from, to, b->nedges);
 #endif
     return r == CUDA_SUCCESS ? NIMBLE_OK : cuda_fail("cuGraphAddDependencies", r);
@@ -211,7 +226,7 @@ static nimble_status build(nimble_model *m, bucket_t *b, uint64_t j) {
         from[e] = nodes[b->edges[2 * e]];
         to[e] = nodes[b->edges[2 * e + 1]];
     }
-    if (s == NIMBLE_OK && b->nedges) s = add_edges(b, g, from, to);
+    if (s == NIMBLE_OK && b->nedges) s = add_edges(m, b, g, from, to);
     free(nodes); free(from); free(to);
     if (s == NIMBLE_OK) s = instantiate(m, b, j, g, priorities);
     cuGraphDestroy(g);
@@ -306,6 +321,7 @@ static nimble_status load_unchecked(nimble_model *m, const char *path, int devic
  * other errors are the damage's. */
 static nimble_status load(nimble_model *m, const char *path, int device, unsigned flags) {
     double clock = seconds_now();
+    m->programmatic = (flags & NIMBLE_LOAD_PROGRAMMATIC) != 0;
     TRY(nimble_map_file(m, path));
     nimble_file_check check;
     nimble_file_check_start(m, &check);

@@ -68,6 +68,12 @@ typedef struct nimble_model nimble_model;
 
 /* nimble_load's flags. */
 #define NIMBLE_LOAD_NO_VERIFY 1u   /* skip the proof at load (not advised) */
+/* Build the plan's programmatic edges (each into one of Nimble's kernels that waits for its
+ * predecessor in its code, kept by the saving process where it measured faster) as
+ * programmatic, as Python's loader does, rather than as full dependencies; the proof at load
+ * runs with them built.  Needs CUDA 12.3's edge data (built full before it).  Not yet the
+ * default: not yet run on a GPU from C. */
+#define NIMBLE_LOAD_PROGRAMMATIC 2u
 
 /* Load the saved graph at `path` on device ordinal `device`; *model is NULL on failure. */
 nimble_status nimble_load(const char *path, int device, unsigned flags, nimble_model **model);

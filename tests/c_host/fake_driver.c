@@ -6,7 +6,8 @@
  * needs a context checks one is current on its thread, and what is left alive after
  * nimble_free is counted.  FAKE_FAIL_LIBRARY=<index> fails that binary's cuLibraryLoadData,
  * FAKE_MISSING_KERNEL=<name> that kernel's cuLibraryGetKernel; FAKE_JITTER=1 sleeps at random
- * in the loads, so that the binaries' items end out of order.
+ * in the loads, so that the binaries' items end out of order; FAKE_PROGRAMMATIC=1 loads with
+ * NIMBLE_LOAD_PROGRAMMATIC.
  *
  * Prints "status N: message", then (loaded) "kernels N misplaced N edges N programmatic N" (a
  * kernel whose function is not from its own binary; the dependency edges added, and those of
@@ -27,7 +28,8 @@ static _Thread_local CUcontext current;
 static int ctx_token, node_token;
 #define CTX ((CUcontext)&ctx_token)
 static atomic_int libraries, graphs, execs, retained, wild, no_context;
-/* Dependency edges the runtime added, and those of them it gave the programmatic type. */
+/* Dependency edges the runtime added, and those of them it gave the programmatic type (from
+ * the kernel's programmatic port). */
 static atomic_int edges, programmatic;
 
 typedef struct { uintptr_t at; size_t size; } alloc_t;
@@ -222,7 +224,9 @@ CUresult CUDAAPI cuGraphKernelNodeSetAttribute(CUgraphNode n, CUkernelNodeAttrID
 static void count_edges(const CUgraphEdgeData *e, size_t n) {
     atomic_fetch_add(&edges, (int)n);
     for (size_t i = 0; e && i < n; i++)
-        if (e[i].type == CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC) atomic_fetch_add(&programmatic, 1);
+        if (e[i].type == CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC &&
+            e[i].from_port == CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC && e[i].to_port == 0)
+            atomic_fetch_add(&programmatic, 1);
 }
 #endif
 #if CUDA_VERSION >= 13000
@@ -309,7 +313,9 @@ static int misplaced(const nimble_model *m) {
 int main(int argc, char **argv) {
     if (argc != 2) return 1;
     nimble_model *m = NULL;
-    nimble_status s = nimble_load(argv[1], 0, NIMBLE_LOAD_NO_VERIFY, &m);
+    unsigned flags = NIMBLE_LOAD_NO_VERIFY;
+    if (getenv("FAKE_PROGRAMMATIC")) flags |= NIMBLE_LOAD_PROGRAMMATIC;
+    nimble_status s = nimble_load(argv[1], 0, flags, &m);
     printf("status %d: %s\n", (int)s, nimble_last_error());
     if (s == NIMBLE_OK)
         printf("kernels %llu misplaced %d edges %d programmatic %d\n",

@@ -11,7 +11,8 @@
  *                               the inputs are not written again between calls, so it suits
  *                               graphs whose inputs are not indices
  *
- * Exit status: 0, or the nimble_status of what failed (its message on stderr).
+ * RUN_SAVED_PROGRAMMATIC=1 loads with NIMBLE_LOAD_PROGRAMMATIC (the plan's programmatic edges
+ * built so).  Exit status: 0, or the nimble_status of what failed (its message on stderr).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
@@ -175,7 +176,8 @@ static int run_sets(nimble_model *m, const char *inputs, const char *out) {
 static int with_model(char **argv, int bench_calls) {
     nimble_model *m = NULL;
     double t0 = now_us();
-    nimble_status s = nimble_load(argv[1], 0, 0, &m);
+    unsigned flags = getenv("RUN_SAVED_PROGRAMMATIC") ? NIMBLE_LOAD_PROGRAMMATIC : 0;
+    nimble_status s = nimble_load(argv[1], 0, flags, &m);
     if (s != NIMBLE_OK) {
         fprintf(stderr, "run_saved: nimble_load: %s\n", nimble_last_error());
         return (int)s;

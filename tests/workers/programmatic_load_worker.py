@@ -1,11 +1,13 @@
 """A Generator served with programmatic edges, saved and loaded in one fresh process.
 
-``python programmatic_load_worker.py FILE NEW_TOKENS``: keeps the kernel binaries (a process
+``python programmatic_load_worker.py FILE NEW_TOKENS [DECODE_FILE]``: keeps the kernel binaries (a process
 that ran cuBLAS before cannot save its kernels), builds the swapped tiny Llama's Generator with
 its GEMV prologues folded and ``programmatic_launch="always"``, saves it to ``FILE``, loads it
 twice (``loading.LOAD_WAITING_EDGES`` off, then on as by default) and checks that each load decodes
 the saved Generator's tokens, the second again and again while another stream keeps the GPU
-busy. The last line of stdout is JSON: the programmatic edges of each decode step of batch 1.
+busy; with ``DECODE_FILE``, also saves the decode step of batch 1 alone there (its static
+cache the file's external memory), for the C runtime.  The last line of stdout is JSON: the
+programmatic edges of each decode step of batch 1.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> None:
     path, new_tokens = Path(sys.argv[1]), int(sys.argv[2])
+    decode_file = Path(sys.argv[3]) if len(sys.argv) > 3 else None
     import nimble
 
     nimble.keep_kernel_binaries()
@@ -40,6 +43,8 @@ def main() -> None:
     saved_edges = saved.steps(1)[0].programmatic_edges
     want = saved.generate(ids, new_tokens)
     saved.save(path)
+    if decode_file is not None:
+        saved.steps(1)[0].save(decode_file)
     saved.close()
     swap.undo()
 
