@@ -3,6 +3,7 @@ the bandwidth arithmetic, the timed span, the Llama-3.2-1B shape, and the compil
 tokens with its step run as it is (no CUDA graphs on the CPU)."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -262,7 +263,7 @@ def test_the_bench_puts_every_rows_attention_on_the_kernel_only_where_asked(monk
     assert any("nimble::decode_attention" in line for line in head)
 
 
-def test_the_decode_steps_shape_comes_from_one_trace_at_the_timed_tokens_middle():
+def test_the_decode_steps_shape_comes_from_one_trace_at_the_timed_tokens_middle(tmp_path):
     from test_breakdown import _diamond
 
     from nimble.cli.generate_bench import _decode_step_shape
@@ -293,6 +294,10 @@ def test_the_decode_steps_shape_comes_from_one_trace_at_the_timed_tokens_middle(
     assert "4 tasks in 40.0 µs" in shape["breakdown_text"]
     assert shape["prefetch_l2"] is None and "trace_error" not in shape
     assert shape["programmatic_edges"] == 1 and shape["programmatic"] is None
+    kept = _decode_step_shape(generator(False), 3, needed, 1e12, trace_file=tmp_path / "t.json")
+    assert kept["trace_file"] == str(tmp_path / "t.json")
+    again = Timeline.from_chrome(json.loads((tmp_path / "t.json").read_text()))
+    assert again.times == times  # the run analysed again offline, as nimble inspect reads it
     failed = _decode_step_shape(generator(True), 1)
     assert traced[-1] == ((1, 1), 16) and failed["concurrency"] is None
     assert failed["trace_error"] == "RuntimeError: stand-in second line"  # one line

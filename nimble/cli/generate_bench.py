@@ -138,12 +138,16 @@ def _static_cache(model, max_cache_len: int):
 
 
 def _decode_step_shape(generator, batch: int, needed=None,
-                       copy_bytes_per_s: float | None = None, top: int = 10) -> dict:
+                       copy_bytes_per_s: float | None = None, top: int = 10,
+                       trace_file=None) -> dict:
     """The decode step's DAG width, streams and achieved concurrency, and where its time goes
     (:func:`nimble.debug.breakdown.step_breakdown`, held against ``copy_bytes_per_s``, the
     ``top`` kernel names by time), from one trace at the timed tokens' middle position
     (``needed``, the step's :class:`~nimble.cli.decode_bandwidth.StepBytes`; None and the
-    trace's error where it failed)."""
+    trace's error where it failed); the trace also written to ``trace_file`` where given, as a
+    Chrome trace that ``nimble inspect`` reads again."""
+    import json
+
     import torch
 
     from ..debug.breakdown import format_breakdown, step_breakdown
@@ -160,6 +164,10 @@ def _decode_step_shape(generator, batch: int, needed=None,
         timeline = decode.trace(torch.ones((batch, 1), dtype=torch.long, device=device),
                                 torch.full((1,), at, dtype=torch.long, device=device))
         shape["concurrency"] = timeline.summary()["phases"][0]["concurrency"]
+        if trace_file is not None:
+            with open(trace_file, "w") as f:
+                json.dump(timeline.to_chrome(), f)
+            shape["trace_file"] = str(trace_file)
         l2 = torch.cuda.get_device_properties(device).L2_cache_size \
             if device.type == "cuda" else None
         broken = step_breakdown(timeline, decode.graph, copy_bytes_per_s=copy_bytes_per_s,

@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +130,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--no-fuse", action="store_true")
     p.add_argument("--top", type=int, default=14, help="kernel names shown per breakdown")
     p.add_argument("--json", default=None)
+    p.add_argument("--traces", type=Path, default=None,
+                   help="a folder for each variant's traced decode step (a Chrome trace "
+                        "`nimble inspect` reads)")
     args = p.parse_args(argv)
+    if args.traces:
+        args.traces.mkdir(parents=True, exist_ok=True)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = []
     for v in args.variants:
@@ -246,8 +252,9 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                               ref.logits, model.dtype)
         if folded is not None:
             out["gemv_prologues"] = [dataclasses.asdict(r) for r in folded.runs if r.gemvs]
+        trace = args.traces / f"{name}.trace.json" if args.traces else None
         out["decode_step"] = _decode_step_shape(generator, args.batch, ref.needed, copy,
-                                                top=args.top)
+                                                top=args.top, trace_file=trace)
     finally:
         for step in reversed(undo):
             step()
