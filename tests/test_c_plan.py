@@ -182,3 +182,24 @@ def test_a_graph_the_c_runtime_cannot_run_says_why():
     del prepared.graph.meta["rng"]
     prepared.step = object()
     assert c_plan(manifest, [prepared], [state], state.size)[1] == "a training step"
+
+
+def test_a_plan_lists_only_the_served_edges_into_nimbles_waiting_kernels():
+    """Of the edges a prepare serves programmatic, a plan lists those into one of Nimble's
+    waiting kernels that are edges of the built graph (as a Python load builds them), and is
+    then of version 4, the only version the C runtime builds programmatic; none left, the plan
+    stays of version 1."""
+    from test_programmatic import _waiting_graph
+
+    from nimble.engine.c_plan import SERVED_EDGES_VERSION, VERSION, plan_version, served_edges
+
+    graph = _waiting_graph()  # 0 -> 1 into Nimble's GEMV; 0 -> 5 a user's "attend"; 0 -> 2 a
+    # GEMV whose weight task 0 writes
+    listed = [(0, 1), (0, 5), (0, 2)]
+    prepared = SimpleNamespace(graph=graph, programmatic=frozenset(listed),
+                               schedule=SimpleNamespace(edges=lambda: listed[1:]),
+                               late_edges=[(0, 1)])
+    assert served_edges(prepared) == [(0, 1)]
+    assert plan_version([prepared]) == SERVED_EDGES_VERSION
+    prepared.late_edges = []  # (0, 1) no edge of the built graph
+    assert served_edges(prepared) == [] and plan_version([prepared]) == VERSION

@@ -160,6 +160,24 @@ def plan_check(tmp_path_factory) -> Path:
     return out
 
 
+def _every_edge_served(version: int | None = None):
+    """The plan writer taking every programmatic edge as one into a waiting kernel (the
+    stand-ins' kernels are none of Nimble's: tests/test_c_plan.py tests the rule itself), its
+    plan written as ``version`` where given."""
+    import contextlib
+    from unittest import mock
+
+    from nimble.engine import c_plan as c_plan_module
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(c_plan_module, "waiting_edges",
+                                          lambda graph, edges: frozenset(edges)))
+    if version is not None:
+        stack.enter_context(mock.patch.object(c_plan_module, "plan_version",
+                                              lambda *a, **k: version))
+    return stack
+
+
 def _saved_with_plan(tmp_path, name: str = "googlenet", programmatic=(), **changes
                      ) -> tuple[Path, dict]:
     from c_plan_reader import read_plan
@@ -171,7 +189,8 @@ def _saved_with_plan(tmp_path, name: str = "googlenet", programmatic=(), **chang
     prepared, state, manifest, *_ = _stand_in(name)
     prepared.programmatic = frozenset(programmatic)
     prepared.graph.meta.update(changes)
-    data, _ = c_plan(manifest, [prepared], [state], state.size)
+    with _every_edge_served():
+        data, _ = c_plan(manifest, [prepared], [state], state.size)
     path = SavedFile({"format": "nimble.saved-graph"}, b"\0" * 64,
                      extra={"c_plan": data}).write(tmp_path / f"{name}.nimble")
     return path, read_plan(data)
@@ -245,7 +264,7 @@ def test_the_c_reader_refuses_bad_files_with_their_codes(plan_check, tmp_path):
     assert code(bytes(newer))[0] == 4
     saved = SavedFile.read(path)
     plan = bytearray(saved.extra["c_plan"])
-    for at, value, want in ((0, 7, 3), (8, 4, 4)):  # the magic; a plan version to come
+    for at, value, want in ((0, 7, 3), (8, 5, 4)):  # the magic; a plan version to come
         changed = bytearray(plan)
         struct.pack_into("<Q", changed, at, value)
         rc, _ = code(SavedFile({"format": "x"}, b"\0" * 64, extra={"c_plan": bytes(changed)})
@@ -340,9 +359,9 @@ def _kernel_edges(name: str = "googlenet", count: int = 3) -> list[tuple[int, in
             if tasks[u].kind == TaskKind.KERNEL and tasks[v].kind == TaskKind.KERNEL][:count]
 
 
-def test_a_plan_with_programmatic_edges_is_version_2_and_read_with_them(plan_check, tmp_path):
+def test_a_plan_with_programmatic_edges_is_version_4_and_read_with_them(plan_check, tmp_path):
     path, plan = _saved_with_plan(tmp_path, programmatic=_kernel_edges())
-    assert plan["version"] == 2 and plan["buckets"][0]["programmatic"] == _kernel_edges()
+    assert plan["version"] == 4 and plan["buckets"][0]["programmatic"] == _kernel_edges()
     rc, out = _run(plan_check, path)
     assert rc == 0 and "(programmatic 3)" in out, out
     _, plain = _saved_with_plan(tmp_path)
@@ -408,11 +427,12 @@ def fake_load(request, tmp_path_factory) -> Path:
     return out
 
 
-def _fake_saved(tmp_path, wrong_hashes=(), programmatic=()) -> tuple[Path, dict]:
+def _fake_saved(tmp_path, wrong_hashes=(), programmatic=(), version=None
+                ) -> tuple[Path, dict]:
     """The branchy stand-in with 12 embedded binaries (FAKE_SIZES: one past the checksum's 8 MiB
     chunk) tagged for the fake driver, 40 kernels over them, the weights' bytes in the file; the
     binaries of ``wrong_hashes`` saved with another binary's hash; ``programmatic`` edges
-    marked so in the plan.  (path, where things are)."""
+    marked so in the plan, written as ``version`` where given.  (path, where things are)."""
     import hashlib
     import random
 
@@ -440,7 +460,8 @@ def _fake_saved(tmp_path, wrong_hashes=(), programmatic=()) -> tuple[Path, dict]
     for w in manifest["weights"]:
         w["blob"] = add(rng.randbytes(w["size"]))
     manifest.update(binaries=binaries, kernels=kernels)
-    data, why = c_plan(manifest, [prepared], [state], state.size)
+    with _every_edge_served(version):
+        data, why = c_plan(manifest, [prepared], [state], state.size)
     assert why == ""
     path = SavedFile({"format": "nimble.saved-graph"}, bytes(blobs),
                      extra={"c_plan": data}).write(tmp_path / "fake.nimble")
@@ -494,6 +515,17 @@ def test_a_plans_programmatic_edges_are_built_as_full_dependencies_unless_asked(
     assert rc == 0 and int(lines[1].split()[5]) == built, lines
     instances = _stand_in("branchy")[2]["instances"]
     assert lines[1].endswith(f" programmatic {len(marked) * instances}"), lines
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_an_older_plans_programmatic_edges_are_built_full_even_when_asked(fake_load, tmp_path,
+                                                                          version):
+    """A plan of version 2 or 3 may list the withdrawn rule's edges between Inductor's kernels:
+    with NIMBLE_LOAD_PROGRAMMATIC too, every edge is a full dependency."""
+    path, _ = _fake_saved(tmp_path, programmatic=_kernel_edges("branchy"), version=version)
+    rc, lines = _fake_run(fake_load, path, FAKE_PROGRAMMATIC="1")
+    assert rc == 0 and lines[1].endswith(" programmatic 0"), lines
+    assert int(lines[1].split()[5]) > 0, lines
 
 
 @pytest.mark.parametrize("where", ["binary", "plan", "section table", "weight"])

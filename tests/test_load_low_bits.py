@@ -126,7 +126,7 @@ def _regions_graph():
     graph.buffers = [dataclasses.replace(b, kind=BufferKind.EXTERNAL)
                      if b.kind == BufferKind.RNG else b for b in graph.buffers]
     graph.buffers[kept] = dataclasses.replace(graph.buffers[kept], kind=BufferKind.PARAM)
-    prepared = SimpleNamespace(graph=graph, memplan=SimpleNamespace(offsets={}))
+    prepared = SimpleNamespace(graph=graph, memplan=SimpleNamespace(offsets={}), programmatic=())
     return graph, kept, prepared, SimpleNamespace(private={})
 
 

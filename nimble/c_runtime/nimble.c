@@ -174,15 +174,16 @@ static nimble_status instantiate(nimble_model *m, bucket_t *b, uint64_t j, CUgra
     return NIMBLE_OK;
 }
 
-/* The bucket's edges, a full dependency each; under NIMBLE_LOAD_PROGRAMMATIC the plan's
- * programmatic ones built so, as Python's loader builds them (nimble.engine.loading's
- * LOAD_WAITING_EDGES: the saving process kept only edges into its waiting kernels, and its
- * saved-file check refuses any other).  Without the flag the marks are read and not served. */
+/* The bucket's edges, a full dependency each; under NIMBLE_LOAD_PROGRAMMATIC a plan of version
+ * 4's programmatic ones built so, as Python's loader builds them (nimble.engine.loading's
+ * LOAD_WAITING_EDGES): the writer lists there only edges into Nimble's waiting kernels, where
+ * a plan of version 2 or 3 may list the withdrawn rule's, which raced on a busy GPU
+ * (docs/findings.md).  Otherwise the marks are read and not served. */
 static nimble_status add_edges(const nimble_model *m, bucket_t *b, CUgraph g, CUgraphNode *from,
                                CUgraphNode *to) {
 #if CUDA_VERSION >= 12030
     CUgraphEdgeData *data = NULL; /* NULL: every edge the default, a full dependency */
-    if (m->programmatic && b->programmatic) {
+    if (m->programmatic && m->plan_version >= 4 && b->programmatic) {
         data = calloc(b->nedges, sizeof *data);
         if (!data) return fail(NIMBLE_ERROR_IO, "out of memory");
         for (uint64_t e = 0; e < b->nedges; e++) {

@@ -71,8 +71,8 @@ typedef struct nimble_model nimble_model;
 /* Build the plan's programmatic edges (each into one of Nimble's kernels that waits for its
  * predecessor in its code, kept by the saving process where it measured faster) as
  * programmatic, as Python's loader does, rather than as full dependencies; the proof at load
- * runs with them built.  Needs CUDA 12.3's edge data (built full before it).  Not yet the
- * default: not yet run on a GPU from C. */
+ * runs with them built.  Plans of version 4 only (older ones are built full), and CUDA 12.3's
+ * edge data.  Not yet the default: not yet run on a GPU from C. */
 #define NIMBLE_LOAD_PROGRAMMATIC 2u
 
 /* Load the saved graph at `path` on device ordinal `device`; *model is NULL on failure. */

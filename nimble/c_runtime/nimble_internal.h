@@ -110,7 +110,10 @@ struct nimble_model {
     CUdeviceptr *arenas, *bases; /* per instance: as allocated, and aligned */
     uint8_t *file; size_t file_size; const uint8_t *blobs; size_t blobs_size;
     char launch_note[256]; /* "" while every exec is device-launchable */
-    int programmatic; /* NIMBLE_LOAD_PROGRAMMATIC asked: the plan's programmatic edges built so */
+    /* NIMBLE_LOAD_PROGRAMMATIC asked: a plan of version 4's programmatic edges built so (one
+     * of version 2 or 3 may list the withdrawn rule's edges: built full) */
+    int programmatic;
+    uint64_t plan_version;
     double stage_seconds[NIMBLE_STAGE_COUNT];
 };
 

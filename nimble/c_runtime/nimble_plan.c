@@ -230,11 +230,12 @@ nimble_status nimble_read_plan(nimble_model *m, plan_t *pl) {
     if (rd(pl) != 0x5043454c424d494eULL) /* "NIMBLECP", little-endian */
         return fail(NIMBLE_ERROR_FORMAT, "the file's c_plan section has no NIMBLECP magic");
     uint64_t version = rd(pl);
-    if (version < 1 || version > 3)
-        return fail(NIMBLE_ERROR_VERSION, "c_plan version %llu; this runtime reads 1 to 3: "
+    if (version < 1 || version > 4)
+        return fail(NIMBLE_ERROR_VERSION, "c_plan version %llu; this runtime reads 1 to 4: "
                     "rebuild the C runtime from the Nimble that saved the file",
                     (unsigned long long)version);
     pl->version = version;
+    m->plan_version = version;
     m->arch = rd(pl); m->driver = rd(pl);
     m->arena_size = rd(pl); m->alignment = rd(pl); m->instances = rd(pl); m->nbuckets = rd(pl);
     m->nbinaries = rd(pl);

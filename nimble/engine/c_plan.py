@@ -28,6 +28,7 @@ import math
 import struct
 from typing import Sequence
 
+from ..analysis.programmatic import waiting_edges
 from ..ir.alignment import ALIGNMENT
 from ..ir.taskgraph import BufferKind, TaskKind
 from .arena_layout import (StateLayout, low_word_buffers, low_word_outside, shared_state_buffers,
@@ -41,6 +42,11 @@ PROGRAMMATIC_VERSION = 2
 #: The version of a plan whose buckets list their low-bits buffers (after their plan's size;
 #: their programmatic edges as in version 2, none where none): only a file that has some.
 LOW_BITS_VERSION = 3
+#: The version of a plan (laid out as version 3) whose programmatic edges are each one a load
+#: may build so: into one of Nimble's waiting kernels (:func:`served_edges`).  A plan of
+#: version 2 or 3 may list the withdrawn rule's edges between Inductor's kernels, which the C
+#: runtime never builds programmatic; every plan with programmatic edges is written so now.
+SERVED_EDGES_VERSION = 4
 NONE, ARENA, WEIGHT, MEMORY, LOWBITS = 0, 1, 2, 3, 4
 KERNEL, MEMSET, MEMCPY, EMPTY = 0, 1, 2, 3
 NO_BLOB = (1 << 64) - 1
@@ -217,17 +223,30 @@ def _write_tensor(w: PlanWriter, ref, regions: Regions) -> None:
     w.u(1 if contiguous else 0)
 
 
+def served_edges(prepared) -> list[tuple[int, int]]:
+    """The edges of ``prepared``'s graph a plan lists programmatic: those it serves so that end
+    in one of Nimble's waiting kernels, as a Python load builds them
+    (:func:`nimble.analysis.programmatic.waiting_edges`)."""
+    if not prepared.programmatic:
+        return []
+    edges = set(prepared.schedule.edges()) | set(prepared.late_edges)
+    return sorted(waiting_edges(prepared.graph, set(prepared.programmatic) & edges))
+
+
 def plan_version(preparations: Sequence, manifest: dict | None = None) -> int:
-    """The plan version for ``preparations``: :data:`LOW_BITS_VERSION` where one of them keeps
-    a buffer at its low address bits (a weight storage of ``manifest``'s too), else
-    :data:`PROGRAMMATIC_VERSION` where one serves programmatic edges, else :data:`VERSION`."""
+    """The plan version for ``preparations``: :data:`SERVED_EDGES_VERSION` where one of them
+    serves programmatic edges (:func:`served_edges`), else :data:`LOW_BITS_VERSION` where one
+    keeps a buffer at its low address bits (a weight storage of ``manifest``'s too), else
+    :data:`VERSION`."""
+    if any(served_edges(p) for p in preparations):
+        return SERVED_EDGES_VERSION
     if any(low_word_buffers(p.graph) for p in preparations):
         return LOW_BITS_VERSION
     if manifest is not None and any(
             weights_at_low_bits(p.graph, row["outside"], manifest["weights"])
             for p, row in zip(preparations, manifest["buckets"])):
         return LOW_BITS_VERSION
-    return PROGRAMMATIC_VERSION if any(p.programmatic for p in preparations) else VERSION
+    return VERSION
 
 
 def _write_low_bits(w: PlanWriter, graph, state: StateLayout, private: dict,
@@ -275,7 +294,7 @@ def _write_bucket(w: PlanWriter, prepared, state: StateLayout, row: dict, versio
     for u, v in edges:
         w.u(u, v)
     if version >= PROGRAMMATIC_VERSION:
-        served = sorted(set(prepared.programmatic) & set(edges))
+        served = served_edges(prepared)
         w.u(len(served))
         for u, v in served:
             w.u(u, v)
