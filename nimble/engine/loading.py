@@ -215,8 +215,8 @@ def _build(model, bucket: _Bucket, region: ArenaRegion) -> Prepared:
 #: Whether a load builds the edges a file serves programmatic that end in one of Nimble's
 #: waiting kernels (:func:`~nimble.ir.waiting_kernels.waits_safely`: safe by that kernel's
 #: code, whatever the GPU runs beside it), as the saving process served them; every other edge
-#: stays a full dependency.  On: a loaded decode step of the 1B Llama shape runs 0.870 ms a
-#: token with them against 0.903 without, the tokens as saved (docs/results.md).
+#: stays a full dependency.  On: a loaded decode step runs faster with them, its tokens as
+#: saved (docs/results.md, "A saved decode step loads its programmatic edges").
 LOAD_WAITING_EDGES = True
 
 
