@@ -75,6 +75,7 @@ def test_the_json_summary_holds_the_files_numbers(saved, capsys):
     assert bucket["inputs"] == [{"dtype": "int64", "shape": [1, 128]}]
     assert bucket["outputs"] == [{"dtype": "float16", "shape": [1, 128, 512]}]
     assert bucket["tasks"] == 219 and bucket["streams"] == 1
+    assert bucket["programmatic_edges"] == 0
     assert bucket["arena_bytes"] == m["buckets"][0]["memplan"]["arena_bytes"]
     assert not bucket["training_step"]
     assert s["kernels"] == 42 and s["binaries"]["libraries"] == []
@@ -252,3 +253,16 @@ def test_an_image_stored_packed_is_counted_in_the_file_and_unpacked(saved, capsy
                                     "unpacked_bytes": len(image) + (1 << 20)}
     assert [(r["bytes"], r["unpacked_bytes"]) for r in binaries["largest_images"]] == \
         [(1 << 20, 1 << 20), (len(packed), len(image))]
+
+
+def test_a_buckets_programmatic_edges_are_counted(saved, capsys):
+    """A bucket whose saving process served edges programmatic says how many (the fixture's
+    one-stream chain: two of its edges listed)."""
+    file = _manifest(saved)
+    file.manifest["buckets"][0]["programmatic"] = [[0, 1], [1, 2]]
+    file.write(saved)
+    assert cli.main(["inspect", str(saved), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["buckets"][0]["programmatic_edges"] == 2
+    assert cli.main(["inspect", str(saved)]) == 0
+    assert "    programmatic edges: 2 (into Nimble's waiting kernels, built so at load)\n" in \
+        capsys.readouterr().out

@@ -61,7 +61,10 @@ def _bucket(row: dict, graph: TaskGraph) -> dict:
             "zeroed_bytes": sum(graph.buffers[int(bid)].size
                                 for bid, ref in (row.get("private") or {}).items()
                                 if ref is None),
-            "training_step": row.get("step") is not None}
+            "training_step": row.get("step") is not None,
+            # edges the saving process served programmatic: a load builds those into Nimble's
+            # waiting kernels so (nimble.engine.loading.LOAD_WAITING_EDGES)
+            "programmatic_edges": len(row.get("programmatic") or ())}
 
 
 #: The embedded images a summary names one by one, the largest first.
@@ -203,6 +206,9 @@ def format_saved(path: str, s: dict) -> str:
                   f"{_shapes(b['outputs'])}",
                   f"    tasks: {b['tasks']}, streams: {b['streams']}, arena: "
                   f"{b['arena_bytes'] / MIB:.1f} MiB"]
+        if b["programmatic_edges"]:
+            lines.append(f"    programmatic edges: {b['programmatic_edges']} (into Nimble's "
+                         "waiting kernels, built so at load)")
         if b["private_bytes"]:
             lines.append(f"    private copies of library memory: {_size(b['private_bytes'])}, "
                          "in the file")
