@@ -36,8 +36,8 @@ from .arena_layout import (StateLayout, low_word_buffers, low_word_outside, shar
 
 MAGIC = int.from_bytes(b"NIMBLECP", "little")
 VERSION = 1
-#: The version of a plan whose buckets list their programmatic edges (after their edges): only
-#: a file that has some is written so, so that a runtime reading version 1 reads the rest.
+#: The first version of a plan whose buckets list their programmatic edges (after their
+#: edges); no longer written (:data:`SERVED_EDGES_VERSION` is), read for the files that have it.
 PROGRAMMATIC_VERSION = 2
 #: The version of a plan whose buckets list their low-bits buffers (after their plan's size;
 #: their programmatic edges as in version 2, none where none): only a file that has some.
