@@ -78,8 +78,8 @@ VALUES_EARLY = True
 #: key-value head): every slot's key and value asked for at once, beside the mask rather than
 #: after it, no loop over blocks and no join; the tile's slots are the cache's rounded up to a
 #: power of two.  0: off, every cache walked in blocks of :data:`BLOCK_SLOTS`.  Measured faster
-#: than the split at 128, 192 and 256 slots, batch 1 and 8 (4.23 against 5.50 µs a call at
-#: 192 slots, batch 1: ``tools/experiments/attention_split.py --whole 256``, docs/results.md).
+#: than the split at 128, 192 and 256 slots, batch 1 and 8
+#: (``tools/experiments/attention_split.py --whole 256``, docs/results.md).
 WHOLE_SLOTS = 256
 #: The largest tile of keys (slots × head size, each rounded up to a power of two) read whole:
 #: on 8 warps a thread then holds 64 of its keys and 64 of its values, no spill (the PTX test).

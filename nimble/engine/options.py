@@ -88,7 +88,8 @@ class PrepareOptions:
         withdrawn: graphs built so gave wrong outputs on a busy GPU
         (:data:`nimble.analysis.programmatic.WITHDRAWN`, docs/findings.md).  On by default:
         a graph with none of Nimble's kernels has no such edge and times nothing; a saved
-        graph is loaded with full dependencies.
+        graph is loaded with the file's edges into those kernels built so
+        (:data:`nimble.engine.loading.LOAD_WAITING_EDGES`).
     """
 
     arena_limit: int | str | None = "pool"

@@ -181,7 +181,6 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
     from nimble.cli import decode_bandwidth
     from nimble.cli.decode_loop import compiled_loop
     from nimble.cli.generate_bench import _decode_step_shape, _mismatches, _time_mode
-    from nimble.engine.options import PrepareOptions
     from nimble.generate import Generator, prepare_with_nimble
 
     from nimble import attention_rope_pass as rope_pass
@@ -207,9 +206,7 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
         undo.append(decode_attention(model).undo)
     cache_len = args.prompt + args.new_tokens
     ids = prompts[args.prompt]
-    # programmatic edges only where the variant names them (on by default in PrepareOptions)
-    options = PrepareOptions(prefetch_l2=lever.prefetch_l2,
-                             programmatic_launch=lever.programmatic)
+    options = prepare_options(lever)
     try:
         torch._dynamo.reset()
         # read where the step is traced (the argmax) and where its kernels are recorded (the
@@ -233,11 +230,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                    else gemv_module.EARLY_TILES),
                    "WHOLE_SLOTS": (attention_module, whole_slots(lever, attention_module)),
                    "LEAD_LAUNCH": (phase_timing, lever.lead_timing or phase_timing.LEAD_LAUNCH)}
-        from nimble.gemv_prologue_pass import fusing
-
-        folding = fusing(lever.join_attention, lever.rope_attention) \
-            if lever.gemv_prologues or lever.rope_attention else contextlib.nullcontext()
-        with inductor_config.patch(**lever.inductor), _patched(patches), folding as folded:
+        with inductor_config.patch(**lever.inductor), _patched(patches), \
+                folding(lever) as folded:
             rows = {"compiled loop": compiled_loop(model, cache_len)}
             generator = Generator(model, cache_len, [args.prompt], [args.batch],
                                   prepare_step=single_stream(options) if lever.single_stream
@@ -259,6 +253,24 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
         for step in reversed(undo):
             step()
     return out
+
+
+def prepare_options(lever: Variant):
+    """The ``PrepareOptions`` of ``lever``'s Generator: programmatic edges only where the
+    variant names them (on by default in ``PrepareOptions``)."""
+    from nimble.engine.options import PrepareOptions
+
+    return PrepareOptions(prefetch_l2=lever.prefetch_l2, programmatic_launch=lever.programmatic)
+
+
+def folding(lever: Variant):
+    """The Inductor pass folding ``lever``'s prologues, rotary embedding and join into Nimble's
+    kernels around a compilation (:func:`nimble.gemv_prologue_pass.fusing`), or no pass."""
+    from nimble.gemv_prologue_pass import fusing
+
+    if lever.gemv_prologues or lever.rope_attention:
+        return fusing(lever.join_attention, lever.rope_attention)
+    return contextlib.nullcontext()
 
 
 def whole_slots(lever: Variant, attention_module) -> int:

@@ -42,14 +42,12 @@ def prepared(args):
     """The variant's Generator on a fresh model (its levers applied as ``decode_levers`` applies
     them), closed after the block."""
     import torch._inductor.config as inductor_config
-    from decode_levers import variant
+    from decode_levers import folding, prepare_options, variant
 
     from nimble.cli.decoders import causal_lm
     from nimble.decode_attention import decode_attention
-    from nimble.engine.options import PrepareOptions
     from nimble.fast_gemv import fast_gemv
     from nimble.fused_projections import fuse_projections
-    from nimble.gemv_prologue_pass import fusing
     from nimble.generate import Generator, prepare_with_nimble
 
     lever = variant(args.variant)
@@ -59,12 +57,9 @@ def prepared(args):
         fast_gemv(model, margin=lever.gemv_margin)
     if lever.decode_attention:
         decode_attention(model)
-    folding = fusing(lever.join_attention, lever.rope_attention) \
-        if lever.gemv_prologues or lever.rope_attention else contextlib.nullcontext()
-    options = PrepareOptions(prefetch_l2=lever.prefetch_l2, programmatic_launch=lever.programmatic)
-    with inductor_config.patch(**lever.inductor), folding:
+    with inductor_config.patch(**lever.inductor), folding(lever):
         generator = Generator(model, args.prompt + args.new_tokens, [args.prompt], [1],
-                              prepare_step=prepare_with_nimble(options, True))
+                              prepare_step=prepare_with_nimble(prepare_options(lever), True))
     try:
         yield generator
     finally:
