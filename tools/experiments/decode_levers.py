@@ -246,7 +246,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                               ref.logits, model.dtype)
         if folded is not None:
             out["gemv_prologues"] = [dataclasses.asdict(r) for r in folded.runs if r.gemvs]
-        trace = args.traces / f"{name}.trace.json" if args.traces else None
+        # "+" kept out of the file name: copying tools refuse it
+        trace = args.traces / f"{name.replace('+', '_')}.trace.json" if args.traces else None
         out["decode_step"] = _decode_step_shape(generator, args.batch, ref.needed, copy,
                                                 top=args.top, trace_file=trace)
     finally:
