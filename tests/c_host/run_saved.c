@@ -5,11 +5,12 @@
  *   run_saved FILE INPUTS OUT   INPUTS: bucket 0's inputs as raw bytes, one set after the
  *                               other; OUT: each set's outputs as raw bytes, in order
  *   run_saved FILE --info       bucket 0's inputs and outputs, one JSON line each
- *   run_saved FILE --bench N    load to first call (inputs zeroed), then host microseconds
- *                               per call (nimble_run against a bare cuGraphLaunch of the
- *                               same exec) and GPU milliseconds per call, as one JSON line;
- *                               the inputs are not written again between calls, so it suits
- *                               graphs whose inputs are not indices
+ *   run_saved FILE --bench N    load to first call, then host microseconds per call
+ *                               (nimble_run against a bare cuGraphLaunch of the same exec)
+ *                               and GPU milliseconds per call, as one JSON line; the inputs
+ *                               are zeroed on the run's stream before every call, as nimble.h
+ *                               asks (the memory plan may reuse an input's bytes), the host
+ *                               time not counting it, the GPU time counting it
  *
  * RUN_SAVED_PROGRAMMATIC=1 loads with NIMBLE_LOAD_PROGRAMMATIC (the plan's programmatic edges
  * built so).  Exit status: 0, or the nimble_status of what failed (its message on stderr).
@@ -38,9 +39,22 @@ static int check(CUresult r, const char *what) {
     return r != CUDA_SUCCESS;
 }
 
+/* Every input of bucket 0 zeroed on `s`: written before each call, as nimble.h asks. */
+static int zero_inputs(nimble_model *m, CUstream s) {
+    for (int i = 0; i < nimble_inputs(m, 0); i++) {
+        nimble_tensor_info info;
+        if (nimble_input_info(m, 0, i, &info) != NIMBLE_OK ||
+            check(cuMemsetD8Async(nimble_input_address(m, 0, 0, i), 0, info.nbytes, s),
+                  "cuMemsetD8Async"))
+            return 8;
+    }
+    return 0;
+}
+
 static double host_us(nimble_model *m, CUstream s, double *t, int calls, int bare) {
     CUgraphExec exec = nimble_exec(m, 0, 0);
     for (int i = 0; i < calls; i++) {
+        zero_inputs(m, s);
         cuStreamSynchronize(s); /* the GPU idle before each call: its host cost alone */
         double t0 = now_us();
         if (bare) cuGraphLaunch(exec, s); else nimble_run(m, 0, 0, s);
@@ -62,7 +76,7 @@ static int bench(nimble_model *m, double load_ms, int calls) {
                  check(cuEventCreate(&a, 0), "cuEventCreate") ||
                  check(cuEventCreate(&b, 0), "cuEventCreate") ? 8 : 0;
     for (int i = 0; status == 0 && i < 20; i++) /* warm-up */
-        if (nimble_run(m, 0, 0, s) != NIMBLE_OK) {
+        if (zero_inputs(m, s) || nimble_run(m, 0, 0, s) != NIMBLE_OK) {
             fprintf(stderr, "run_saved: %s\n", nimble_last_error());
             status = 8;
         }
@@ -70,7 +84,10 @@ static int bench(nimble_model *m, double load_ms, int calls) {
         run = host_us(m, s, t, calls, 0);
         bare = host_us(m, s, t, calls, 1);
         cuEventRecord(a, s);
-        for (int i = 0; i < calls; i++) nimble_run(m, 0, 0, s);
+        for (int i = 0; i < calls; i++) {
+            zero_inputs(m, s);
+            nimble_run(m, 0, 0, s);
+        }
         cuEventRecord(b, s);
         if (check(cuEventSynchronize(b), "the timed calls") ||
             check(cuEventElapsedTime(&ms, a, b), "cuEventElapsedTime"))
@@ -116,15 +133,6 @@ static int info(nimble_model *m) {
 /* Zeros into every input of bucket 0: a run reads its inputs fresh, and the memory plan may
  * have reused an input's bytes for later work in the run before (a decode step's token ids
  * then read as activations: an embedding's index out of range). */
-static int zero_inputs(nimble_model *m) {
-    for (int i = 0; i < nimble_inputs(m, 0); i++) {
-        nimble_tensor_info info;
-        if (nimble_input_info(m, 0, i, &info) != NIMBLE_OK ||
-            check(cuMemsetD8(nimble_input_address(m, 0, 0, i), 0, info.nbytes), "cuMemsetD8"))
-            return 8;
-    }
-    return 0;
-}
 
 /* Each set of inputs in turn, until the file of inputs ends, its outputs appended to OUT. */
 static int run_sets(nimble_model *m, const char *inputs, const char *out) {
@@ -186,7 +194,7 @@ static int with_model(char **argv, int bench_calls) {
     if (bench_calls) {
         /* Only the bench makes a call of its own: a graph with state (a decode step's cache)
          * would otherwise run the caller's inputs on a state this call changed. */
-        status = zero_inputs(m);
+        status = zero_inputs(m, NULL);
         if (status == 0 && nimble_run(m, 0, 0, NULL) != NIMBLE_OK) {
             fprintf(stderr, "run_saved: %s\n", nimble_last_error());
             status = 8;
