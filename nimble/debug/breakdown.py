@@ -35,6 +35,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
+from .repeats import RepeatedBlock, format_repeated_block, repeated_block
 from .timeline import Timeline, _union_length, executed_critical_path
 
 
@@ -141,6 +142,7 @@ class StepBreakdown:
     #: kernels whose accesses name no byte: ``(task, kernel name, op name)``
     nameless: list[tuple[int, str, str]] = field(default_factory=list)
     slow_small: list[SlowSmall] = field(default_factory=list)  # the longest first
+    repeated: RepeatedBlock | None = None  # the block the phase repeats (its layers)
 
     @property
     def idle_us(self) -> float:
@@ -184,6 +186,7 @@ class StepBreakdown:
             "late_starts": list(self.late_starts),
             "nameless": [list(k) for k in self.nameless],
             "slow_small": [dataclasses.asdict(k) for k in self.slow_small],
+            "repeated_block": self.repeated.summary() if self.repeated else None,
             "copy_bytes_per_s": self.copy_bytes_per_s,
             "by_name": [{"name": g.name, "count": g.count, "us": g.us, "bytes": g.bytes,
                          "bytes_per_s": g.bytes_per_s, "of_copy": self.of_copy(g.bytes_per_s)}
@@ -216,17 +219,8 @@ def _kernel_times(graph: TaskGraph, times, span: range) -> list[KernelTime]:
     return out
 
 
-def _last_predecessors(timeline: Timeline, span: range, times) -> dict[int, int]:
-    """Per task of ``span`` with a predecessor there: that predecessor of the latest end."""
-    last: dict[int, int] = {}
-    for u, v in timeline.edges():
-        if u in span and v in span and (v not in last or times[u][1] > times[last[v]][1]):
-            last[v] = u
-    return last
-
-
 def _waits(last: dict[int, int], times) -> dict[int, tuple[int, float]]:
-    """Per task with a predecessor (``last``: :func:`_last_predecessors`): that predecessor of
+    """Per task with a predecessor (``last``: :meth:`~nimble.debug.timeline.Timeline.last_predecessors`): that predecessor of
     the latest end, and the task's start less that end."""
     return {v: (u, times[v][0] - times[u][1]) for v, u in last.items()}
 
@@ -302,7 +296,7 @@ def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: in
         raise ValueError(f"no phase {phase} with tasks in the timeline ({len(spans)} phases)")
     span, times = spans[phase], list(timeline.times)
     # the predecessor that ended last is the same after a start is moved (ends stay)
-    last = _last_predecessors(timeline, span, times)
+    last = timeline.last_predecessors(span, times)
     late = _late_starts(graph, span, times, last, copy_bytes_per_s, l2_bytes)
     for t, ready in late.items():
         times[t] = (ready, times[t][1])
@@ -323,7 +317,25 @@ def step_breakdown(timeline: Timeline, graph: TaskGraph | None = None, phase: in
         kernels=kernels, copy_bytes_per_s=copy_bytes_per_s,
         largest_gaps=_largest_gaps(graph, waits), late_starts=sorted(late),
         nameless=_nameless(graph, span),
-        slow_small=_slow_small(graph, kernels, times, begin, last, path))
+        slow_small=_slow_small(graph, kernels, times, begin, last, path),
+        repeated=_repeated(graph, span, times, last))
+
+
+def _repeated(graph: TaskGraph, span: range, times, last: dict[int, int]
+              ) -> RepeatedBlock | None:
+    """The phase's repeated block, over the times as corrected, with each place's bytes where
+    the recording names any."""
+    def bytes_of(k: int) -> int | None:
+        t = span.start + k
+        return touched_bytes(graph, [t]) if graph.tasks[t].accesses else None
+
+    block = repeated_block([graph.tasks[t].short_name or graph.tasks[t].name for t in span],
+                           [times[t] for t in span],
+                           {v - span.start: u - span.start for v, u in last.items()}, bytes_of)
+    if block is None:
+        return None
+    return dataclasses.replace(block, span=dataclasses.replace(
+        block.span, first=block.span.first + span.start))
 
 
 def _rate(rate: float | None, share: float | None) -> str:
@@ -376,4 +388,7 @@ def format_breakdown(b: StepBreakdown, top: int = 10) -> str:
     for g in b.groups()[:top]:
         lines.append(f"    {g.count:4d} x {g.name[:60]:<60} {g.us:8.1f} {g.bytes / 1e6:9.2f}  "
                      f"{_rate(g.bytes_per_s, b.of_copy(g.bytes_per_s))}")
+    if b.repeated is not None:
+        lines.append(format_repeated_block(b.repeated.summary(), b.copy_bytes_per_s)
+                     .rstrip("\n"))
     return "\n".join(lines) + "\n"

@@ -53,6 +53,16 @@ class Timeline:
     def phases(self) -> list[range]:
         return phase_spans(self.schedule.phases, len(self.graph.tasks))
 
+    def last_predecessors(self, span: range, times=None) -> dict[int, int]:
+        """Per task of ``span`` with a predecessor there: that predecessor of the latest end
+        (in ``times``, the timeline's own by default), the one the task waited for last."""
+        times = self.times if times is None else times
+        last: dict[int, int] = {}
+        for u, v in self.edges():
+            if u in span and v in span and (v not in last or times[u][1] > times[last[v]][1]):
+                last[v] = u
+        return last
+
     def summary(self) -> dict:
         """Per phase: makespan, busy and idle µs per stream, achieved concurrency, the executed
         and the planned critical path; and the instrumentation's overhead."""
@@ -90,7 +100,23 @@ class Timeline:
                 "executed_path": executed,
                 "planned_path_us": planned.length,
                 "planned_path_tasks": len(planned.tasks),
-                "late_edges": sum(1 for u, v in self.late_edges if u in span and v in span)}
+                "late_edges": sum(1 for u, v in self.late_edges if u in span and v in span),
+                "repeated_block": self._repeated(span)}
+
+    def _repeated(self, span: range) -> dict | None:
+        """The phase's repeated block (:mod:`nimble.debug.repeats`) as JSON-ready data."""
+        from .repeats import repeated_block
+
+        names = [self.graph.tasks[t].short_name or self.graph.tasks[t].name for t in span]
+        times = [self.times[t] for t in span]
+        last = {v - span.start: u - span.start
+                for v, u in self.last_predecessors(span).items()}
+        block = repeated_block(names, times, last)
+        if block is None:
+            return None
+        out = block.summary()
+        out["first_task"] += span.start
+        return out
 
     def overlapped(self, edges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """The dependencies ``(u, v)`` among ``edges`` (the DAG's,
@@ -261,6 +287,10 @@ def format_timeline(summary: dict) -> str:
                       else ""))
         out.append("  most idle streams: " + ", ".join(
             f"stream {s} {us:.1f} µs" for s, us in idle))
+        if p.get("repeated_block"):
+            from .repeats import format_repeated_block
+
+            out.append(format_repeated_block(p["repeated_block"]).rstrip("\n"))
     if summary.get("overhead") is not None:
         out.append(f"instrumentation: {summary['instrumented_us']:.1f} µs per run against "
                    f"{summary['plain_us']:.1f} µs plain ({summary['overhead']:+.0%})")
