@@ -517,6 +517,27 @@ def test_a_plans_programmatic_edges_are_built_as_full_dependencies_unless_asked(
     assert lines[1].endswith(f" programmatic {len(marked) * instances}"), lines
 
 
+def test_a_run_with_its_inputs_copies_each_into_its_slot_then_launches(fake_load, tmp_path):
+    """nimble_run_with_inputs: each input's bytes copied from the caller's buffer to the
+    address nimble_input_address names (inside the arena), then one launch; a NULL input
+    pointer or a NULL list is refused with nothing queued (no run on half its inputs)."""
+    path, _ = _fake_saved(tmp_path)
+    rc, lines = _fake_run(fake_load, path, FAKE_RUN="1")
+    assert rc == 0, lines
+    import re
+
+    run = next(line for line in lines if line.startswith("run: "))
+    got = re.fullmatch(r"run: status (\d+) copies (\d+) bytes (\d+) launches (\d+) same (\d) "
+                       r"\(of (\d+)\)", run)
+    assert got, run
+    status, copies, copied, launches, same, total = map(int, got.groups())
+    assert (status, launches, same) == (0, 1, 1) and copies > 0 and copied == total > 0, run
+    null = next(line for line in lines if line.startswith("null input: "))
+    assert null.startswith("null input: status 1 queued 0: inputs[") and "is NULL" in null, null
+    none = next(line for line in lines if line.startswith("no inputs: "))
+    assert none.startswith("no inputs: status 1 queued 0: inputs is NULL"), none
+
+
 @pytest.mark.parametrize("version", [2, 3])
 def test_an_older_plans_programmatic_edges_are_built_full_even_when_asked(fake_load, tmp_path,
                                                                           version):

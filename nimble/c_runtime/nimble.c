@@ -427,6 +427,28 @@ nimble_status nimble_run(const nimble_model *m, int k, int instance, CUstream st
     return NIMBLE_OK;
 }
 
+nimble_status nimble_run_with_inputs(const nimble_model *m, int k, int instance,
+                                     const void *const *inputs, CUstream stream) {
+    CUgraphExec exec = nimble_exec(m, k, instance);
+    if (!exec) return fail(NIMBLE_ERROR_ARGUMENT, "no bucket %d, instance %d", k, instance);
+    const bucket_t *b = &m->buckets[k];
+    if (b->ninputs && !inputs)
+        return fail(NIMBLE_ERROR_ARGUMENT, "inputs is NULL: bucket %d takes %llu input(s)", k,
+                    (unsigned long long)b->ninputs);
+    /* every pointer checked before anything is queued: no run on half its inputs */
+    for (uint64_t i = 0; i < b->ninputs; i++)
+        if (!inputs[i] && b->inputs[i].info.nbytes)
+            return fail(NIMBLE_ERROR_ARGUMENT, "inputs[%llu] is NULL (bucket %d takes %llu "
+                        "input(s))", (unsigned long long)i, k, (unsigned long long)b->ninputs);
+    for (uint64_t i = 0; i < b->ninputs; i++) {
+        size_t n = b->inputs[i].info.nbytes;
+        if (n) CU(cuMemcpyAsync(resolve(m, (uint64_t)instance, b->inputs[i].place),
+                                (CUdeviceptr)(uintptr_t)inputs[i], n, stream));
+    }
+    CU(cuGraphLaunch(exec, stream));
+    return NIMBLE_OK;
+}
+
 static void free_bucket(bucket_t *b, uint64_t instances) {
     for (uint64_t j = 0; b->execs && j < instances; j++)
         if (b->execs[j]) cuGraphExecDestroy(b->execs[j]);

@@ -102,6 +102,15 @@ CUdeviceptr nimble_output_address(const nimble_model *model, int bucket, int ins
 /* One launch of `bucket` on `instance`, queued on `stream`; returns without waiting. */
 nimble_status nimble_run(const nimble_model *model, int bucket, int instance, CUstream stream);
 
+/* The inputs written, then the launch, in one call that cannot run on stale inputs: for each
+ * input i of `bucket`, its nimble_input_info nbytes copied from inputs[i] to its address on
+ * `instance`, on `stream` (cuMemcpyAsync: device memory or host memory, pinned or not, as
+ * unified addressing tells them apart; keep a device or pinned source unchanged until the
+ * stream has run the copy, a pageable one is copied when the call returns), then the launch.  NIMBLE_ERROR_ARGUMENT, with nothing queued,
+ * for a bucket or instance out of range, a NULL `inputs` or a NULL inputs[i]. */
+nimble_status nimble_run_with_inputs(const nimble_model *model, int bucket, int instance,
+                                     const void *const *inputs, CUstream stream);
+
 /* "" where every graph was instantiated for device launch (cheap host launches, as Python's
  * load gives); else why the driver refused, and the graphs launch from the host. */
 const char *nimble_launch_note(const nimble_model *model);

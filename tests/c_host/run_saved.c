@@ -3,7 +3,8 @@
  * no libtorch in the process (cuda.h, libcuda and nimble.c only).
  *
  *   run_saved FILE INPUTS OUT   INPUTS: bucket 0's inputs as raw bytes, one set after the
- *                               other; OUT: each set's outputs as raw bytes, in order
+ *                               other, each set run with nimble_run_with_inputs; OUT: each
+ *                               set's outputs as raw bytes, in order
  *   run_saved FILE --info       bucket 0's inputs and outputs, one JSON line each
  *   run_saved FILE --bench N    load to first call, then host microseconds per call
  *                               (nimble_run against a bare cuGraphLaunch of the same exec)
@@ -146,18 +147,21 @@ static int run_sets(nimble_model *m, const char *inputs, const char *out) {
             most = info.nbytes;
     FILE *in = fopen(inputs, "rb"), *o = fopen(out, "wb");
     char *host = malloc(most);
-    int status = in && o && host ? 0 : 2;
+    /* a set's inputs, each in a host buffer of its own: nimble_run_with_inputs copies them */
+    void **set = calloc((size_t)(n_in ? n_in : 1), sizeof *set);
+    int status = in && o && host && set ? 0 : 2;
+    for (int i = 0; status == 0 && i < n_in; i++) {
+        nimble_input_info(m, 0, i, &info);
+        if (!(set[i] = malloc(info.nbytes ? info.nbytes : 1))) status = 2;
+    }
     if (status) fprintf(stderr, "run_saved: cannot open %s or %s\n", inputs, out);
     while (status == 0) {
-        for (int i = 0; more && status == 0 && i < n_in; i++) {
+        for (int i = 0; more && i < n_in; i++) {
             nimble_input_info(m, 0, i, &info);
-            more = fread(host, 1, info.nbytes, in) == info.nbytes;
-            if (more && check(cuMemcpyHtoD(nimble_input_address(m, 0, 0, i), host, info.nbytes),
-                              "cuMemcpyHtoD"))
-                status = 8;
+            more = fread(set[i], 1, info.nbytes, in) == info.nbytes;
         }
-        if (!more || status) break;
-        if (nimble_run(m, 0, 0, NULL) != NIMBLE_OK) {
+        if (!more) break;
+        if (nimble_run_with_inputs(m, 0, 0, (const void *const *)set, NULL) != NIMBLE_OK) {
             fprintf(stderr, "run_saved: %s\n", nimble_last_error());
             status = 8;
         } else if (check(cuCtxSynchronize(), "the run")) {
@@ -172,7 +176,9 @@ static int run_sets(nimble_model *m, const char *inputs, const char *out) {
                 status = 2;
         }
     }
-    int opened = in && o && host;
+    int opened = in && o && host && set;
+    for (int i = 0; set && i < n_in; i++) free(set[i]);
+    free(set);
     free(host);
     if (in) fclose(in);
     if (o && fclose(o) != 0 && status == 0) status = 2; /* a write's error may show only here */
