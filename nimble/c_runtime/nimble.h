@@ -106,8 +106,9 @@ nimble_status nimble_run(const nimble_model *model, int bucket, int instance, CU
  * input i of `bucket`, its nimble_input_info nbytes copied from inputs[i] to its address on
  * `instance`, on `stream` (cuMemcpyAsync: device memory or host memory, pinned or not, as
  * unified addressing tells them apart; keep a device or pinned source unchanged until the
- * stream has run the copy, a pageable one is copied when the call returns), then the launch.  NIMBLE_ERROR_ARGUMENT, with nothing queued,
- * for a bucket or instance out of range, a NULL `inputs` or a NULL inputs[i]. */
+ * stream has run the copy, a pageable one is copied when the call returns), then the launch.
+ * NIMBLE_ERROR_ARGUMENT, with nothing queued, for a bucket or instance out of range, a NULL
+ * `inputs` or a NULL inputs[i]. */
 nimble_status nimble_run_with_inputs(const nimble_model *model, int bucket, int instance,
                                      const void *const *inputs, CUstream stream);
 

@@ -220,8 +220,9 @@ def _kernel_times(graph: TaskGraph, times, span: range) -> list[KernelTime]:
 
 
 def _waits(last: dict[int, int], times) -> dict[int, tuple[int, float]]:
-    """Per task with a predecessor (``last``: :meth:`~nimble.debug.timeline.Timeline.last_predecessors`): that predecessor of
-    the latest end, and the task's start less that end."""
+    """Per task with a predecessor (``last``:
+    :meth:`~nimble.debug.timeline.Timeline.last_predecessors`): that predecessor of the latest
+    end, and the task's start less that end."""
     return {v: (u, times[v][0] - times[u][1]) for v, u in last.items()}
 
 
