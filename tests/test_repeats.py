@@ -115,3 +115,27 @@ def test_a_breakdowns_repeated_block_carries_each_places_bytes():
         assert p.bytes == (touched_bytes(g, [t]) if g.tasks[t].accesses else None)
     assert "tasks repeats" in format_breakdown(b)
     assert b.summary()["repeated_block"]["count"] == block.span.count
+
+
+def test_a_trace_carries_each_tasks_bytes_so_its_block_reads_the_same_offline():
+    """to_chrome writes each task's bytes beside its times: the timeline read back gives the
+    same repeated block, bytes and all, with no recording at hand; a trace written before the
+    field reads as bytes unknown, and one whose list does not fit its tasks is refused."""
+    from nimble.analysis.report import simulate
+    from nimble.ir.json_fields import FieldError
+
+    g = TaskGraph.load(FIXTURE_DIR / "llama_small_float16.json.gz")
+    s = analyze(g).schedule
+    timeline = Timeline(g, s, simulate(g, s))
+    trace = json.loads(json.dumps(timeline.to_chrome()))
+    back = Timeline.from_chrome(trace)
+    (here,), (there,) = timeline.summary()["phases"], back.summary()["phases"]
+    assert here["repeated_block"] is not None
+    assert there["repeated_block"] == here["repeated_block"]
+    assert any(p["bytes"] for p in there["repeated_block"]["places"])
+    del trace["otherData"]["nimble_timeline"]["task_bytes"]
+    (old,) = Timeline.from_chrome(trace).summary()["phases"]
+    assert all(p["bytes"] is None for p in old["repeated_block"]["places"])
+    trace["otherData"]["nimble_timeline"]["task_bytes"] = [1, 2]
+    with pytest.raises(FieldError, match="task_bytes"):
+        Timeline.from_chrome(trace)

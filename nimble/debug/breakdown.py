@@ -35,7 +35,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
-from .repeats import RepeatedBlock, format_repeated_block, repeated_block
+from .repeats import RepeatedBlock, format_repeated_block, repeated_block, task_label
 from .timeline import Timeline, _union_length, executed_critical_path
 
 
@@ -248,11 +248,9 @@ LARGEST_GAPS = 5
 
 
 def _largest_gaps(graph: TaskGraph, waits: dict[int, tuple[int, float]]) -> list[Gap]:
-    def name(t: int) -> str:
-        task = graph.tasks[t]
-        return task.short_name or task.name or task.kind
     longest = sorted(waits.items(), key=lambda kv: -kv[1][1])[:LARGEST_GAPS]
-    return [Gap(v, name(v), u, name(u), us) for v, (u, us) in longest if us > 0]
+    return [Gap(v, task_label(graph.tasks[v]), u, task_label(graph.tasks[u]), us)
+            for v, (u, us) in longest if us > 0]
 
 
 def _op_name(graph: TaskGraph, t: int) -> str:
@@ -330,7 +328,7 @@ def _repeated(graph: TaskGraph, span: range, times, last: dict[int, int]
         t = span.start + k
         return touched_bytes(graph, [t]) if graph.tasks[t].accesses else None
 
-    block = repeated_block([graph.tasks[t].short_name or graph.tasks[t].name for t in span],
+    block = repeated_block([task_label(graph.tasks[t]) for t in span],
                            [times[t] for t in span],
                            {v - span.start: u - span.start for v, u in last.items()}, bytes_of)
     if block is None:

@@ -81,6 +81,12 @@ class RepeatedBlock:
                            for p in self.places]}
 
 
+def task_label(task) -> str:
+    """What a block's place is called: a kernel's short name (or name), else the task's kind
+    (a memset, a copy), as a trace names it."""
+    return task.short_name or task.name or task.kind
+
+
 def find_repeated_block(names: Sequence[str], min_repeats: int = MIN_REPEATS
                         ) -> BlockSpan | None:
     """The block of consecutive names that repeats back to back over the most tasks (whole

@@ -45,6 +45,9 @@ class Timeline:
     #: The built graphs' late edges (:attr:`nimble.engine.prepared.Prepared.late_edges`), which
     #: the run enforced beside the schedule's.
     late_edges: list[tuple[int, int]] = field(default_factory=list)
+    #: Per task, the unique bytes its recorded accesses name (None: none named), where the
+    #: graph no longer says: a timeline read back from a trace (:meth:`from_chrome`).
+    task_bytes: list[int | None] | None = None
 
     def edges(self) -> list[tuple[int, int]]:
         """Every ordering the run enforced: the schedule's edges and the late edges."""
@@ -52,6 +55,14 @@ class Timeline:
 
     def phases(self) -> list[range]:
         return phase_spans(self.schedule.phases, len(self.graph.tasks))
+
+    def bytes_of(self, t: int) -> int | None:
+        """The unique bytes task ``t``'s recorded accesses name; None where none are named."""
+        if self.task_bytes is not None:
+            return self.task_bytes[t]
+        from .breakdown import touched_bytes
+
+        return touched_bytes(self.graph, [t]) if self.graph.tasks[t].accesses else None
 
     def last_predecessors(self, span: range, times=None) -> dict[int, int]:
         """Per task of ``span`` with a predecessor there: that predecessor of the latest end
@@ -105,13 +116,13 @@ class Timeline:
 
     def _repeated(self, span: range) -> dict | None:
         """The phase's repeated block (:mod:`nimble.debug.repeats`) as JSON-ready data."""
-        from .repeats import repeated_block
+        from .repeats import repeated_block, task_label
 
-        names = [self.graph.tasks[t].short_name or self.graph.tasks[t].name for t in span]
+        names = [task_label(self.graph.tasks[t]) for t in span]
         times = [self.times[t] for t in span]
         last = {v - span.start: u - span.start
                 for v, u in self.last_predecessors(span).items()}
-        block = repeated_block(names, times, last)
+        block = repeated_block(names, times, last, lambda k: self.bytes_of(span.start + k))
         if block is None:
             return None
         out = block.summary()
@@ -141,7 +152,8 @@ class Timeline:
             "sync_edges": [list(e) for e in s.sync_edges], "phases": list(s.phases),
             "barrier_edges": [list(e) for e in s.barrier_edges],
             "late_edges": [list(e) for e in self.late_edges],
-            "plain_us": self.plain_us, "instrumented_us": self.instrumented_us}
+            "plain_us": self.plain_us, "instrumented_us": self.instrumented_us,
+            "task_bytes": [self.bytes_of(t) for t in range(len(self.times))]}
         return trace
 
     @classmethod
@@ -173,10 +185,15 @@ class Timeline:
         if len(times) != len(stream_of):
             raise jf.FieldError(f"{where}.times has {len(times)} spans for {len(stream_of)} "
                                 "tasks")
+        task_bytes = get("task_bytes", _optional_counts, None)  # traces before it: none
+        if task_bytes is not None and len(task_bytes) != len(stream_of):
+            raise jf.FieldError(f"{where}.task_bytes has {len(task_bytes)} entries for "
+                                f"{len(stream_of)} tasks")
         return cls(graph, schedule, times,
                    plain_us=get("plain_us", jf.optional(jf.number), None) or 0.0,
                    instrumented_us=get("instrumented_us", jf.optional(jf.number), None) or 0.0,
-                   late_edges=get("late_edges", _pairs, None) or [])
+                   late_edges=get("late_edges", _pairs, None) or [],
+                   task_bytes=task_bytes if task_bytes is not None else [None] * len(stream_of))
 
 
 def _counts(value, where: str) -> list[int]:
@@ -185,6 +202,18 @@ def _counts(value, where: str) -> list[int]:
     if any(c < 0 for c in counts):
         raise jf.FieldError(f"{where} holds a negative number")
     return counts
+
+
+def _optional_counts(value, where: str) -> list[int | None]:
+    """An array of integers of at least 0, or nulls."""
+    def count(v, w):
+        if v is None:
+            return None
+        n = jf.integer(v, w)
+        if n < 0:
+            raise jf.FieldError(f"{w} is negative")
+        return n
+    return jf.items(value, where, count)
 
 
 def _pairs(value, where: str) -> list[tuple[int, int]]:
