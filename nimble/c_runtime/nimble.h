@@ -14,10 +14,10 @@
  *
  * Threads: nimble_load and nimble_free may be called from any thread; they make the device's
  * primary context current on the calling thread.  nimble_run and nimble_run_with_inputs may
- * be called from several threads at once for different instances.  The buckets of one instance share its arena:
- * calls on one instance (any bucket) must not overlap: put them on one stream, or order them,
- * and read a call's outputs before the next call of the same instance.  nimble_last_error is
- * per thread.  Every call of this API needs a current context of the model's device on the
+ * be called from several threads at once for different instances.  The buckets of one
+ * instance share its arena: calls on one instance (any bucket) must not overlap: put them on
+ * one stream, or order them, and read a call's outputs before the next call of the same
+ * instance.  nimble_last_error is per thread.  Every call of this API needs a current context of the model's device on the
  * calling thread (the primary context: cuDevicePrimaryCtxRetain / cuCtxSetCurrent).
  *
  * Build: cc -O2 -std=c11 -I<cuda include> -c nimble.c ; link with -lcuda.
