@@ -17,8 +17,9 @@
  * be called from several threads at once for different instances.  The buckets of one
  * instance share its arena: calls on one instance (any bucket) must not overlap: put them on
  * one stream, or order them, and read a call's outputs before the next call of the same
- * instance.  nimble_last_error is per thread.  Every call of this API needs a current context of the model's device on the
- * calling thread (the primary context: cuDevicePrimaryCtxRetain / cuCtxSetCurrent).
+ * instance.  nimble_last_error is per thread.  Every call of this API needs a current
+ * context of the model's device on the calling thread (the primary context:
+ * cuDevicePrimaryCtxRetain / cuCtxSetCurrent).
  *
  * Build: cc -O2 -std=c11 -I<cuda include> -c nimble.c ; link with -lcuda.
  * (python -m nimble c-runtime --print-include prints this folder.)
