@@ -28,6 +28,7 @@ DECODE_TRACE = FIXTURE_DIR / "traces" / "llama3_1b_decode_step.trace.json.gz"
     (["x", *"abab" * 2, "a", "y"], BlockSpan(1, 2, 4)),  # a block's last partial copy left out
     (list("abcabd"), None),  # twice only
     (list("abcdefgh"), None),
+    (list("xy" * 3) + [f"k{i}" for i in range(30)], None),  # repeats over a sixth of the step
     ([], None),
 ])
 def test_the_block_repeated_over_the_most_tasks_is_found_from_the_names(names, want):

@@ -20,6 +20,9 @@ import numpy as np
 
 #: The fewest repeats a block needs to be reported.
 MIN_REPEATS = 3
+#: The least share of the step's tasks the repeats must cover: a short run of repeats in a
+#: step without layers is chance, not structure.
+MIN_SHARE = 0.2
 #: The longest block looked for: past it the search's time grows with the step's square.
 MAX_LENGTH = 1024
 
@@ -91,7 +94,8 @@ def find_repeated_block(names: Sequence[str], min_repeats: int = MIN_REPEATS
                         ) -> BlockSpan | None:
     """The block of consecutive names that repeats back to back over the most tasks (whole
     blocks counted; the shortest such block where several cover as many), repeated at least
-    ``min_repeats`` times; None where no block is."""
+    ``min_repeats`` times over at least :data:`MIN_SHARE` of the names; None where no block
+    is."""
     n = len(names)
     if n < 2 * min_repeats:
         return None
@@ -108,7 +112,7 @@ def find_repeated_block(names: Sequence[str], min_repeats: int = MIN_REPEATS
         count = (int(runs[k]) + length) // length
         if count >= min_repeats and (best is None or count * length > best.tasks):
             best = BlockSpan(int(starts[k]), length, count)
-    return best
+    return best if best is not None and best.tasks >= MIN_SHARE * n else None
 
 
 def repeated_block(names: Sequence[str], times: Sequence[tuple[float, float]],
