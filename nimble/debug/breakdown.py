@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
 from .repeats import RepeatedBlock, format_repeated_block, repeated_block, task_label
-from .timeline import Timeline, _union_length, executed_critical_path
+from .timeline import Timeline, _union_length, executed_critical_path, touched_bytes
 
 
 @dataclass(frozen=True)
@@ -191,18 +191,6 @@ class StepBreakdown:
             "by_name": [{"name": g.name, "count": g.count, "us": g.us, "bytes": g.bytes,
                          "bytes_per_s": g.bytes_per_s, "of_copy": self.of_copy(g.bytes_per_s)}
                         for g in self.groups()[:top]]}
-
-
-def touched_bytes(graph: TaskGraph, tasks, kinds: frozenset[str] | None = None) -> int:
-    """Unique bytes the accesses of ``tasks`` (ids) name, in buffers of ``kinds`` (every kind
-    when None); a range named twice counts once."""
-    ranges: dict[int, list[tuple[int, int]]] = {}
-    for t in tasks:
-        for a in graph.tasks[t].accesses:
-            if kinds is None or graph.buffers[a.buffer].kind in kinds:
-                ranges.setdefault(a.buffer, []).append((a.offset, a.end))
-    # whole bytes: the float union of integer ranges is exact
-    return sum(int(_union_length(r)) for r in ranges.values())
 
 
 _WEIGHTS = frozenset({BufferKind.PARAM})

@@ -60,8 +60,6 @@ class Timeline:
         """The unique bytes task ``t``'s recorded accesses name; None where none are named."""
         if self.task_bytes is not None:
             return self.task_bytes[t]
-        from .breakdown import touched_bytes
-
         return touched_bytes(self.graph, [t]) if self.graph.tasks[t].accesses else None
 
     def last_predecessors(self, span: range, times=None) -> dict[int, int]:
@@ -248,6 +246,18 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
         total += e - max(b, reach)
         reach = e
     return total
+
+
+def touched_bytes(graph: TaskGraph, tasks, kinds: frozenset[str] | None = None) -> int:
+    """Unique bytes the accesses of ``tasks`` (ids) name, in buffers of ``kinds`` (every kind
+    when None); a range named twice counts once."""
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    for t in tasks:
+        for a in graph.tasks[t].accesses:
+            if kinds is None or graph.buffers[a.buffer].kind in kinds:
+                ranges.setdefault(a.buffer, []).append((a.offset, a.end))
+    # whole bytes: the float union of integer ranges is exact
+    return sum(int(_union_length(r)) for r in ranges.values())
 
 
 def executed_critical_path(schedule: Schedule, times: Sequence[tuple[float, float]],
