@@ -46,3 +46,24 @@ def test_the_parts_line_names_each_part_with_its_median():
                                             "optimizer step": 48.4, "zero_grad": 35.0})
     assert line == ("m backend   host µs, parts alone: forward 348, forward+loss+backward "
                     "3667, optimizer step 48, zero_grad 35")
+
+
+def test_nimbles_backward_call_and_its_launch_are_timed_inside_and_restored_after(monkeypatch):
+    """backward_spans times each call of TrainingStep.run_backward and, within it only, the
+    backward graph's Launcher.run_flat; a launch outside a backward is not counted, and both
+    methods are the originals again after the block."""
+    from nimble.engine.autograd import TrainingStep
+    from nimble.engine.launcher import Launcher
+
+    launched = []
+    monkeypatch.setattr(Launcher, "run_flat", lambda self, inputs: launched.append(inputs) or [])
+    monkeypatch.setattr(TrainingStep, "run_backward",
+                        lambda self, generation, grads: Launcher.run_flat(None, list(grads)))
+    original = TrainingStep.run_backward, Launcher.run_flat
+    with tool.backward_spans() as spans:
+        assert TrainingStep.run_backward(None, 1, (7,)) == []
+        Launcher.run_flat(None, [8])  # a forward's launch
+    assert launched == [[7], [8]]
+    assert len(spans["run_backward"]) == 1 and len(spans["launch"]) == 1
+    assert spans["launch"][0] <= spans["run_backward"][0]
+    assert (TrainingStep.run_backward, Launcher.run_flat) == original

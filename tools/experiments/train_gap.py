@@ -16,6 +16,7 @@ dominates, it does not.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
@@ -107,11 +108,50 @@ def measure(name: str, args) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def backward_spans():
+    """Host µs of each Nimble backward call made inside: ``{"run_backward": [...], "launch":
+    [...]}``, the whole of :meth:`nimble.engine.autograd.TrainingStep.run_backward` (autograd's
+    call into Nimble) and, within it, the backward graph's :meth:`Launcher.run_flat` (its
+    inputs' checks and the launch); the rest of a backward is autograd's and the loss's."""
+    from nimble.engine.autograd import TrainingStep
+    from nimble.engine.launcher import Launcher
+
+    spans: dict[str, list[float]] = {"run_backward": [], "launch": []}
+    run_backward, run_flat = TrainingStep.run_backward, Launcher.run_flat
+    inside = [False]
+
+    def timed_backward(self, generation, grad_outputs):
+        inside[0] = True
+        t0 = time.perf_counter()
+        try:
+            return run_backward(self, generation, grad_outputs)
+        finally:
+            spans["run_backward"].append((time.perf_counter() - t0) * 1e6)
+            inside[0] = False
+
+    def timed_run_flat(self, inputs):
+        if not inside[0]:
+            return run_flat(self, inputs)
+        t0 = time.perf_counter()
+        try:
+            return run_flat(self, inputs)
+        finally:
+            spans["launch"].append((time.perf_counter() - t0) * 1e6)
+    TrainingStep.run_backward, Launcher.run_flat = timed_backward, timed_run_flat
+    try:
+        yield spans
+    finally:
+        TrainingStep.run_backward, Launcher.run_flat = run_backward, run_flat
+
+
 def part_us(forward, model, x, y, count: int) -> dict[str, float]:
     """Median host µs of each part of a step, timed alone (the GPU idle before each): the
-    forward, the forward with the loss and the backward, the optimizer's step (with gradients
-    in place), zero_grad (after a backward each time).  A fresh SGD with momentum, as the
-    step's."""
+    forward, the forward with the loss and the backward (the gradients set to None before
+    each, as a step's zero_grad leaves them), of which Nimble's backward call and its graph's
+    launch (:func:`backward_spans`; absent where no Nimble backward ran), the optimizer's step
+    (with gradients in place), zero_grad (after a backward each time).  A fresh SGD with
+    momentum, as the step's."""
     import torch
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -119,11 +159,17 @@ def part_us(forward, model, x, y, count: int) -> dict[str, float]:
 
     def backward() -> None:
         loss_fn(forward(x), y).backward()
-    times = {"forward": host_samples(lambda: forward(x), count),
-             "forward+loss+backward": host_samples(backward, count),
-             "optimizer step": host_samples(opt.step, count),
-             "zero_grad": host_samples(lambda: opt.zero_grad(set_to_none=True), count,
-                                       before=backward)}
+
+    def no_grads() -> None:
+        opt.zero_grad(set_to_none=True)
+    times = {"forward": host_samples(lambda: forward(x), count)}
+    with backward_spans() as spans:
+        times["forward+loss+backward"] = host_samples(backward, count, before=no_grads)
+    for name, values in spans.items():
+        if values:
+            times[f"of which {name}"] = values
+    times["optimizer step"] = host_samples(opt.step, count)
+    times["zero_grad"] = host_samples(no_grads, count, before=backward)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
