@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .errors import InputError
+from . import kernel_waits
 from .kernel_waits import waits
 
 log = logging.getLogger("nimble")
@@ -94,10 +95,11 @@ def _kernel():
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, WAITS: tl.constexpr, EARLY: tl.constexpr):
+                    BLOCK_K: tl.constexpr, WAITS: tl.constexpr, EARLY: tl.constexpr,
+                    LATE: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
-        if WAITS:  # behind a programmatic edge: the next kernel may launch (and wait) now
+        if WAITS and not LATE:  # behind a programmatic edge: the next kernel may launch now
             tl.extra.cuda.gdc_launch_dependents()
         # the first EARLY steps' weight tiles are asked for before the wait for the input (a
         # constant of the graph: nimble.ir.waiting_kernels.WAITING_KERNELS); their sums are the
@@ -133,6 +135,8 @@ def _kernel():
                         eviction_policy="evict_first")
             x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
             acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+        if WAITS and LATE:  # kernel_waits.LAUNCH_DEPENDENTS_LATE: its weight is read
+            tl.extra.cuda.gdc_launch_dependents()
         tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
 
     _KERNEL.append(gemv_kernel)
@@ -147,7 +151,8 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> to
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     _kernel()[(triton.cdiv(n, config.block_n),)](
         x, weight, y, n, k, weight.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        WAITS=waits(x.device), EARLY=EARLY_TILES, num_warps=config.warps,
+        WAITS=waits(x.device), EARLY=EARLY_TILES, LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE,
+        num_warps=config.warps,
         num_stages=config.stages)
     return y
 

@@ -40,9 +40,10 @@ def prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE: tl.constexp
 @triton.jit
 def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stride_w, eps,
                          PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NORM_BLOCK: tl.constexpr, WAITS: tl.constexpr):
+                         NORM_BLOCK: tl.constexpr, WAITS: tl.constexpr,
+                         LATE: tl.constexpr):
     dt = a_ptr.dtype.element_ty
-    if WAITS:  # behind a programmatic edge: the next kernel may launch (and wait) now
+    if WAITS and not LATE:  # behind a programmatic edge: the next kernel may launch now
         tl.extra.cuda.gdc_launch_dependents()
     programs = tl.num_programs(0)
     blocks = tl.cdiv(N, BLOCK_N)
@@ -88,6 +89,9 @@ def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stri
             x = prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE)
             acc += w.to(tl.float32) * x[None, :].to(tl.float32)
             w = w_next
+        if WAITS and LATE:  # kernel_waits.LAUNCH_DEPENDENTS_LATE: at its last block, once
+            if block + programs >= blocks:  # its weight is read
+                tl.extra.cuda.gdc_launch_dependents()
         tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
 
 

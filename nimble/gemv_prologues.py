@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from .fast_gemv import GemvConfig
+from . import kernel_waits
 from .kernel_waits import waits
 
 _KERNELS: list = []
@@ -82,7 +83,8 @@ def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
         a, b, nw, weight, y, a if total is None else total, n, k, weight.stride(0), eps,
         PROLOGUE=prologue, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NORM_BLOCK=min(triton.next_power_of_2(k), MAX_NORM_BLOCK), WAITS=waits(a.device),
-        num_warps=config.warps, num_stages=config.stages)
+        LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, num_warps=config.warps,
+        num_stages=config.stages)
     return y, total
 
 

@@ -310,9 +310,9 @@ def test_the_kernels_compile_for_a_hopper_gpu_on_a_machine_without_one():
         ptx = compiled(kernels.gemv_prologue_kernel,
                        {**pointers, "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32",
                         "PROLOGUE": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                        "NORM_BLOCK": "constexpr", "WAITS": "constexpr"},
+                        "NORM_BLOCK": "constexpr", "WAITS": "constexpr", "LATE": "constexpr"},
                        {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024, "NORM_BLOCK": 2048,
-                        "WAITS": True})
+                        "WAITS": True, "LATE": False})
         assert "gemv_prologue_kernel" in ptx
     ptx = compiled(kernels.gemv_joined_kernel,
                    {"part_ptr": "*fp32", "stat_ptr": "*fp32", "w_ptr": "*bf16", "y_ptr": "*bf16",

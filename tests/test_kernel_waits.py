@@ -33,15 +33,16 @@ def _memory(lines: list[str], kind: str) -> list[str]:
     return [line for line in lines if kind in line]
 
 
-def _gemv(waits_: bool, early: int = 1) -> list[str]:
+def _gemv(waits_: bool, early: int = 1, late: bool = False) -> list[str]:
     from nimble import fast_gemv
 
     return _ptx(fast_gemv._kernel(), {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
                                       "N": "i32", "K": "i32", "stride_w": "i32"},
-                {"BLOCK_N": 4, "BLOCK_K": 1024, "WAITS": waits_, "EARLY": early}, num_warps=8)
+                {"BLOCK_N": 4, "BLOCK_K": 1024, "WAITS": waits_, "EARLY": early, "LATE": late},
+                num_warps=8)
 
 
-def _prologue(prologue: int) -> list[str]:
+def _prologue(prologue: int, late: bool = False) -> list[str]:
     import nimble.gemv_prologue_kernels as kernels
 
     pointers = {name: "*bf16" for name in ("a_ptr", "b_ptr", "nw_ptr", "w_ptr", "y_ptr",
@@ -49,7 +50,7 @@ def _prologue(prologue: int) -> list[str]:
     return _ptx(kernels.gemv_prologue_kernel,
                 {**pointers, "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32"},
                 {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024, "NORM_BLOCK": 2048,
-                 "WAITS": True}, num_warps=8)
+                 "WAITS": True, "LATE": late}, num_warps=8)
 
 
 def _attention(kernel: str) -> list[str]:
@@ -115,3 +116,29 @@ def test_the_kernels_wait_on_a_gpu_and_not_under_the_interpreter():
     import torch
 
     assert waits(torch.device("cuda", 0)) and not waits(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "rms prologue", "gated prologue"])
+def test_a_gemv_lets_the_next_kernel_launch_at_its_start_or_after_its_weight_is_read(kernel):
+    """kernel_waits.LAUNCH_DEPENDENTS_LATE: the one launch_dependents before any load, or
+    after the wait (the plain GEMV's after every load, before its store: the prologue GEMV's
+    sits in its loop over row blocks, whose blocks PTX lays out in its own order); the wait
+    and the loads before it as they were."""
+    def compiled(late: bool) -> list[str]:
+        return _gemv(True, late=late) if kernel == "gemv" else \
+            _prologue(0 if kernel == "rms prologue" else 2, late=late)
+
+    for late in (False, True):
+        lines = compiled(late)
+        at = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
+        loads = [i for i, line in enumerate(lines) if "ld.global" in line]
+        stores = [i for i, line in enumerate(lines) if "st.global" in line]
+        assert len(at) == 1 and loads and stores, (late, at)
+        if late and kernel == "gemv":
+            assert max(loads) < at[0] < max(stores), (at, loads[-3:], stores)
+        elif late:
+            assert at[0] > len(_before_the_wait(lines)), at
+        else:
+            assert at[0] < min(loads), (at, loads[:3])
+    assert len(_memory(_before_the_wait(compiled(True)), "ld.global")) == \
+        len(_memory(_before_the_wait(compiled(False)), "ld.global"))
