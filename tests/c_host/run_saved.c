@@ -7,11 +7,13 @@
  *                               set's outputs as raw bytes, in order
  *   run_saved FILE --info       bucket 0's inputs and outputs, one JSON line each
  *   run_saved FILE --bench N    load to first call, then host microseconds per call
- *                               (nimble_run against a bare cuGraphLaunch of the same exec)
- *                               and GPU milliseconds per call, as one JSON line; the inputs
- *                               are zeroed on the run's stream before every call, as nimble.h
- *                               asks (the memory plan may reuse an input's bytes), the host
- *                               time not counting it, the GPU time counting it
+ *                               (nimble_run against a bare cuGraphLaunch of the same exec,
+ *                               and nimble_run_with_inputs from device buffers, its copies
+ *                               counted) and GPU milliseconds per call, as one JSON line; the
+ *                               inputs are zeroed on the run's stream before every call, as
+ *                               nimble.h asks (the memory plan may reuse an input's bytes),
+ *                               nimble_run's host time not counting it, the GPU time counting
+ *                               it
  *
  * RUN_SAVED_PROGRAMMATIC=1 loads with NIMBLE_LOAD_PROGRAMMATIC (the plan's programmatic edges
  * built so).  Exit status: 0, or the nimble_status of what failed (its message on stderr).
@@ -52,13 +54,20 @@ static int zero_inputs(nimble_model *m, CUstream s) {
     return 0;
 }
 
-static double host_us(nimble_model *m, CUstream s, double *t, int calls, int bare) {
+/* What a timed call is: nimble_run (its inputs zeroed before, untimed), a bare cuGraphLaunch
+ * of the same exec, or nimble_run_with_inputs from device buffers (the inputs' copies timed). */
+typedef enum { CALL_RUN, CALL_BARE, CALL_WITH_INPUTS } call_kind;
+
+static double host_us(nimble_model *m, CUstream s, double *t, int calls, call_kind kind,
+                      const void *const *sources) {
     CUgraphExec exec = nimble_exec(m, 0, 0);
     for (int i = 0; i < calls; i++) {
-        zero_inputs(m, s);
+        if (kind != CALL_WITH_INPUTS) zero_inputs(m, s);
         cuStreamSynchronize(s); /* the GPU idle before each call: its host cost alone */
         double t0 = now_us();
-        if (bare) cuGraphLaunch(exec, s); else nimble_run(m, 0, 0, s);
+        if (kind == CALL_BARE) cuGraphLaunch(exec, s);
+        else if (kind == CALL_RUN) nimble_run(m, 0, 0, s);
+        else nimble_run_with_inputs(m, 0, 0, sources, s);
         t[i] = now_us() - t0;
     }
     cuStreamSynchronize(s);
@@ -72,18 +81,30 @@ static int bench(nimble_model *m, double load_ms, int calls) {
     CUstream s = NULL;
     CUevent a = NULL, b = NULL;
     float ms = 0;
-    double run = 0, bare = 0, *t = malloc(sizeof(double) * (size_t)calls);
-    int status = !t || check(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate") ||
+    double run = 0, bare = 0, with_inputs = 0, *t = malloc(sizeof(double) * (size_t)calls);
+    int n_in = nimble_inputs(m, 0);
+    /* zeroed device buffers, one per input: the sources of nimble_run_with_inputs */
+    CUdeviceptr *sources = calloc((size_t)(n_in ? n_in : 1), sizeof *sources);
+    int status = !t || !sources ||
+                 check(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate") ||
                  check(cuEventCreate(&a, 0), "cuEventCreate") ||
                  check(cuEventCreate(&b, 0), "cuEventCreate") ? 8 : 0;
+    for (int i = 0; status == 0 && i < n_in; i++) {
+        nimble_tensor_info info;
+        nimble_input_info(m, 0, i, &info);
+        if (check(cuMemAlloc(&sources[i], info.nbytes ? info.nbytes : 1), "cuMemAlloc") ||
+            check(cuMemsetD8(sources[i], 0, info.nbytes), "cuMemsetD8"))
+            status = 8;
+    }
     for (int i = 0; status == 0 && i < 20; i++) /* warm-up */
         if (zero_inputs(m, s) || nimble_run(m, 0, 0, s) != NIMBLE_OK) {
             fprintf(stderr, "run_saved: %s\n", nimble_last_error());
             status = 8;
         }
     if (status == 0) {
-        run = host_us(m, s, t, calls, 0);
-        bare = host_us(m, s, t, calls, 1);
+        run = host_us(m, s, t, calls, CALL_RUN, NULL);
+        bare = host_us(m, s, t, calls, CALL_BARE, NULL);
+        with_inputs = host_us(m, s, t, calls, CALL_WITH_INPUTS, (const void *const *)sources);
         cuEventRecord(a, s);
         for (int i = 0; i < calls; i++) {
             zero_inputs(m, s);
@@ -97,6 +118,9 @@ static int bench(nimble_model *m, double load_ms, int calls) {
     if (b) cuEventDestroy(b);
     if (a) cuEventDestroy(a);
     if (s) cuStreamDestroy(s);
+    for (int i = 0; sources && i < n_in; i++)
+        if (sources[i]) cuMemFree(sources[i]);
+    free(sources);
     free(t);
     if (status != 0) return status;
     /* "_summed": over the kernels' threads, not spans of the load (nimble.h) */
@@ -105,9 +129,9 @@ static int bench(nimble_model *m, double load_ms, int calls) {
         "verify", "kernels", "checksum", "wait"};
     _Static_assert(sizeof stages / sizeof *stages == NIMBLE_STAGE_COUNT, "a name per stage");
     printf("{\"load_to_first_call_ms\": %.3f, \"host_us_nimble_run\": %.2f, "
-           "\"host_us_bare_launch\": %.2f, \"gpu_ms_per_call\": %.4f, "
-           "\"launch\": \"%s\", \"load_stages_ms\": {",
-           load_ms, run, bare, ms / calls,
+           "\"host_us_bare_launch\": %.2f, \"host_us_run_with_inputs\": %.2f, "
+           "\"gpu_ms_per_call\": %.4f, \"launch\": \"%s\", \"load_stages_ms\": {",
+           load_ms, run, bare, with_inputs, ms / calls,
            nimble_launch_note(m)[0] ? nimble_launch_note(m) : "device");
     for (int i = 0; i < NIMBLE_STAGE_COUNT; i++)
         printf("%s\"%s\": %.3f", i ? ", " : "", stages[i],
