@@ -445,8 +445,7 @@ nimble_status nimble_run_with_inputs(const nimble_model *m, int k, int instance,
         if (n) CU(cuMemcpyAsync(resolve(m, (uint64_t)instance, b->inputs[i].place),
                                 (CUdeviceptr)(uintptr_t)inputs[i], n, stream));
     }
-    CU(cuGraphLaunch(exec, stream));
-    return NIMBLE_OK;
+    return nimble_run(m, k, instance, stream);
 }
 
 static void free_bucket(bucket_t *b, uint64_t instances) {

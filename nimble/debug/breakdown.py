@@ -35,7 +35,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
-from .repeats import RepeatedBlock, format_repeated_block, repeated_block, task_label
+from .repeats import RepeatedBlock, format_repeated_block, phase_block, task_label
 from .timeline import Timeline, _union_length, executed_critical_path, touched_bytes
 
 
@@ -312,17 +312,8 @@ def _repeated(graph: TaskGraph, span: range, times, last: dict[int, int]
               ) -> RepeatedBlock | None:
     """The phase's repeated block, over the times as corrected, with each place's bytes where
     the recording names any."""
-    def bytes_of(k: int) -> int | None:
-        t = span.start + k
-        return touched_bytes(graph, [t]) if graph.tasks[t].accesses else None
-
-    block = repeated_block([task_label(graph.tasks[t]) for t in span],
-                           [times[t] for t in span],
-                           {v - span.start: u - span.start for v, u in last.items()}, bytes_of)
-    if block is None:
-        return None
-    return dataclasses.replace(block, span=dataclasses.replace(
-        block.span, first=block.span.first + span.start))
+    return phase_block(span, [task_label(graph.tasks[t]) for t in span], times, last,
+                       lambda t: touched_bytes(graph, [t]) if graph.tasks[t].accesses else None)
 
 
 def _rate(rate: float | None, share: float | None) -> str:

@@ -12,6 +12,7 @@ hundreds: which kernel of the layer runs below the memory's rate, and which wait
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -137,6 +138,22 @@ def repeated_block(names: Sequence[str], times: Sequence[tuple[float, float]],
               for b in range(span.count)]
     block_us = statistics.median(b - a for a, b in zip(firsts, firsts[1:]))
     return RepeatedBlock(span, block_us, places)
+
+
+def phase_block(span: range, labels: Sequence[str], times: Sequence[tuple[float, float]],
+                last: dict[int, int], bytes_of: Callable[[int], int | None] | None = None
+                ) -> RepeatedBlock | None:
+    """:func:`repeated_block` over the tasks of ``span`` (a phase), every id absolute: the
+    phase's ``labels``, the whole step's ``times`` and ``last`` (task to the predecessor it
+    waited for last), ``bytes_of`` a task's bytes; the block's first task an id of the step."""
+    start = span.start
+    block = repeated_block(labels, [times[t] for t in span],
+                           {v - start: u - start for v, u in last.items()},
+                           None if bytes_of is None else lambda k: bytes_of(start + k))
+    if block is None:
+        return None
+    return dataclasses.replace(block, span=dataclasses.replace(block.span,
+                                                               first=block.span.first + start))
 
 
 def format_repeated_block(block: dict, copy_bytes_per_s: float | None = None,

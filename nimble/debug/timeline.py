@@ -114,18 +114,11 @@ class Timeline:
 
     def _repeated(self, span: range) -> dict | None:
         """The phase's repeated block (:mod:`nimble.debug.repeats`) as JSON-ready data."""
-        from .repeats import repeated_block, task_label
+        from .repeats import phase_block, task_label
 
-        names = [task_label(self.graph.tasks[t]) for t in span]
-        times = [self.times[t] for t in span]
-        last = {v - span.start: u - span.start
-                for v, u in self.last_predecessors(span).items()}
-        block = repeated_block(names, times, last, lambda k: self.bytes_of(span.start + k))
-        if block is None:
-            return None
-        out = block.summary()
-        out["first_task"] += span.start
-        return out
+        block = phase_block(span, [task_label(self.graph.tasks[t]) for t in span], self.times,
+                            self.last_predecessors(span), self.bytes_of)
+        return block.summary() if block is not None else None
 
     def overlapped(self, edges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """The dependencies ``(u, v)`` among ``edges`` (the DAG's,
