@@ -178,3 +178,26 @@ def test_a_failed_build_frees_what_pick_built_and_leaves_the_plain_graph_to_its_
     with pytest.raises(RuntimeError, match="instantiate failed"):
         backfill.pick(plain, fake_candidates(2), build, lambda b, count: 1.0)
     assert made[0].closed and not plain.closed
+
+
+def test_a_gain_below_zero_keeps_a_candidate_slower_than_the_plain_graph_by_less_than_it(
+        monkeypatch):
+    """What a GPU test that must see a candidate built asks (MIN_GAIN = -1: up to twice as
+    slow): a plain graph measured fastest, as on a busy GPU, does not stop it."""
+    monkeypatch.setattr(backfill, "MIN_GAIN", -1.0)
+    plain = FakeBuilt("plain")
+    made = []
+
+    def build(edges):
+        made.append(FakeBuilt(str(edges[0])))
+        return made[-1]
+
+    ms = {"plain": 10.0, "(4, 0)": 14.0, "(4, 1)": 12.0}
+    got, report = backfill.pick(plain, fake_candidates(2), build,
+                                lambda b, count: ms[b.name] * count)
+    assert got is made[1] and plain.closed and made[0].closed
+    assert report.kept.deferred == (1,)
+    ms["(4, 0)"] = ms["(4, 1)"] = 25.0  # more than twice as slow: the plain graph stays
+    got, report = backfill.pick(plain := FakeBuilt("plain"), fake_candidates(2), build,
+                                lambda b, count: ms[b.name] * count)
+    assert got is plain and report.kept is None
