@@ -178,19 +178,31 @@ static nimble_status instantiate(nimble_model *m, bucket_t *b, uint64_t j, CUgra
  * 4's programmatic ones built so, as Python's loader builds them (nimble.engine.loading's
  * LOAD_WAITING_EDGES): the writer lists there only edges into Nimble's waiting kernels, where
  * a plan of version 2 or 3 may list the withdrawn rule's, which raced on a busy GPU
- * (docs/findings.md).  Otherwise the marks are read and not served. */
+ * (docs/findings.md).  Otherwise the marks are read and not served.
+ *
+ * An edge out of a root (a node no edge ends in) stays a full dependency: built programmatic
+ * it gave wrong outputs, every time, where the same edges built by Python passed (there each
+ * root kernel waits for an input gather node, which this runtime has none of; docs/findings.md,
+ * "A programmatic edge out of a graph's root"). */
 static nimble_status add_edges(const nimble_model *m, bucket_t *b, CUgraph g, CUgraphNode *from,
                                CUgraphNode *to) {
 #if CUDA_VERSION >= 12030
     CUgraphEdgeData *data = NULL; /* NULL: every edge the default, a full dependency */
     if (m->programmatic && m->plan_version >= 4 && b->programmatic) {
         data = calloc(b->nedges, sizeof *data);
-        if (!data) return fail(NIMBLE_ERROR_IO, "out of memory");
+        uint8_t *entered = calloc(b->nnodes ? b->nnodes : 1, 1);
+        if (!data || !entered) {
+            free(data);
+            free(entered);
+            return fail(NIMBLE_ERROR_IO, "out of memory");
+        }
+        for (uint64_t e = 0; e < b->nedges; e++) entered[b->edges[2 * e + 1]] = 1;
         for (uint64_t e = 0; e < b->nedges; e++) {
-            if (!b->programmatic[e]) continue;
+            if (!b->programmatic[e] || !entered[b->edges[2 * e]]) continue;
             data[e].type = CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC;
             data[e].from_port = CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC;
         }
+        free(entered);
     }
 #if CUDA_VERSION >= 13000
     CUresult r = cuGraphAddDependencies(g, from, to, data, b->nedges);
