@@ -72,8 +72,8 @@ typedef struct nimble_model nimble_model;
 /* Build the plan's programmatic edges (each into one of Nimble's kernels that waits for its
  * predecessor in its code, kept by the saving process where it measured faster) as
  * programmatic, as Python's loader does, rather than as full dependencies; the proof at load
- * runs with them built.  Plans of version 4 only (older ones are built full), and CUDA 12.3's
- * edge data.  Not yet the default: not yet run on a GPU from C. */
+ * runs with them built.  An edge out of a root (a node no edge ends in) stays full.  Plans of
+ * version 4 only (older ones are built full), and CUDA 12.3's edge data.  Not the default. */
 #define NIMBLE_LOAD_PROGRAMMATIC 2u
 
 /* Load the saved graph at `path` on device ordinal `device`; *model is NULL on failure. */
