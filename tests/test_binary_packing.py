@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from nimble.engine import kernel_binaries as kb
+from nimble.engine.kernel_loading import binary_bytes
 from nimble.ir.saved_format import BlobWriter, SavedFile
 from nimble.record import binaries, fatbin_pack as fp
 
@@ -64,7 +65,7 @@ def test_a_cubin_the_driver_loads_packed_is_stored_packed_and_loads_back_as_stor
     assert len(stored) < len(cubin) / 2 and fp.unpacked(stored) == cubin
     assert driver.seen == [stored] and _flags(stored) == 0x2011
     saved = SavedFile({"binaries": table.rows}, blobs.getvalue())
-    assert kb.binary_bytes(table.rows[row], saved) == stored  # held to the hash of what it holds
+    assert binary_bytes(table.rows[row], saved) == stored  # held to the hash of what it holds
 
 
 def test_an_image_is_packed_once_and_each_later_kernel_is_held_to_the_packed_form(monkeypatch):

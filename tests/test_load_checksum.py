@@ -168,9 +168,9 @@ def test_a_kernel_binary_damaged_is_the_checksums_error_not_the_binarys(raw, tmp
                                                                          monkeypatch):
     """The damage breaks the binary's own hash on the kernels' worker first; the checksum's
     error is the one raised, and nothing was built."""
-    from nimble.engine import kernel_binaries
+    from nimble.engine import kernel_loading
 
-    monkeypatch.setattr(loading, "load_kernels", kernel_binaries.load_kernels)
+    monkeypatch.setattr(loading, "load_kernels", kernel_loading.load_kernels)
     path = tmp_path / "m.nimble"
     damaged = SavedFile.from_bytes(raw)
     damaged = SavedFile(damaged.manifest, _flipped(bytes(damaged.blobs),

@@ -261,7 +261,7 @@ def test_every_binary_a_load_reads_is_held_to_its_hash(tmp_path, monkeypatch):
     whose bytes changed is refused with what to do, and no library is loaded."""
     import hashlib
 
-    from nimble.engine import kernel_binaries as kb
+    from nimble.engine import kernel_loading as kl
 
     blobs = BlobWriter()
     good, bad = blobs.add(b"cubin one"), blobs.add(b"cubin two")
@@ -273,19 +273,19 @@ def test_every_binary_a_load_reads_is_held_to_its_hash(tmp_path, monkeypatch):
             {"kind": "embedded", "blob": bad.as_json(), "sha256": hashlib.sha256(b"x").hexdigest()},
             {"kind": "library", "path": str(library), "name": library.name, "file_size": 17,
              "offset": 4, "size": 9, "sha256": hashlib.sha256(b"container").hexdigest()}]
-    assert kb.binary_bytes(rows[0], saved) == b"cubin one"
-    assert kb.binary_bytes(rows[2], saved) == b"container"
+    assert kl.binary_bytes(rows[0], saved) == b"cubin one"
+    assert kl.binary_bytes(rows[2], saved) == b"container"
     loaded = []
-    monkeypatch.setattr(kb.driver.Library, "load_data",
+    monkeypatch.setattr(kl.driver.Library, "load_data",
                         classmethod(lambda cls, image, detail="": loaded.append(1)))
     with pytest.raises(LoadError, match="another version of the library"):
-        kb.load_kernels([{"name": "a", "binary": 0}, {"name": "b", "binary": 1}], rows, saved)
+        kl.load_kernels([{"name": "a", "binary": 0}, {"name": "b", "binary": 1}], rows, saved)
     with pytest.raises(LoadError, match="names binary 7"):
-        kb.load_kernels([{"name": "a", "binary": 7}], rows, saved)
+        kl.load_kernels([{"name": "a", "binary": 7}], rows, saved)
     assert loaded == []
     moved = dict(rows[2], path=str(tmp_path / "gone.so"))
     with pytest.raises(LoadError, match="not at .*gone.so"):
-        kb.binary_bytes(moved, saved)
+        kl.binary_bytes(moved, saved)
 
 
 def test_another_gpu_or_an_older_driver_is_refused_with_what_to_do(monkeypatch):
@@ -383,7 +383,7 @@ def test_the_binaries_load_side_by_side_and_a_failure_frees_every_library(tmp_pa
     import hashlib
     import threading
 
-    from nimble.engine import kernel_binaries as kb
+    from nimble.engine import kernel_loading as kl
 
     blobs = BlobWriter()
     images = [b"cubin %d" % i for i in range(5)]
@@ -401,10 +401,10 @@ def test_the_binaries_load_side_by_side_and_a_failure_frees_every_library(tmp_pa
 
         def close(self):
             closed.append(self)
-    monkeypatch.setattr(kb.driver, "current_context", lambda: "the caller's context")
-    monkeypatch.setattr(kb.driver, "use_context",
+    monkeypatch.setattr(kl.driver, "current_context", lambda: "the caller's context")
+    monkeypatch.setattr(kl.driver, "use_context",
                         lambda ctx: current.__setitem__(threading.get_ident(), ctx))
-    monkeypatch.setattr(kb.driver.Library, "load_data",
+    monkeypatch.setattr(kl.driver.Library, "load_data",
                         classmethod(lambda cls, image, detail="": Library(image)))
     failing: set = set()
 
@@ -417,13 +417,13 @@ def test_the_binaries_load_side_by_side_and_a_failure_frees_every_library(tmp_pa
         if row["name"] in failing:
             raise LoadError(f"kernel {row['name']} differs")
         return (library.image, row["name"])
-    monkeypatch.setattr(kb, "_checked_function", checked)
-    loaded = kb.load_kernels(kernels, rows, saved)
+    monkeypatch.setattr(kl, "_checked_function", checked)
+    loaded = kl.load_kernels(kernels, rows, saved)
     assert loaded.functions == [(images[k["binary"]], k["name"]) for k in kernels]
     assert [library.image for library in loaded.libraries] == [images[b] for b in (4, 0, 2, 1, 3)]
     assert [t.kernels for t in loaded.timings] == [2] * 5 and len(threads) > 1
     made.clear()
     failing.update({"k21", "k10"})  # binaries 2 and 1 fail; 2 comes first in binary order
     with pytest.raises(LoadError, match="kernel k21 differs"):
-        kb.load_kernels(kernels, rows, saved)
+        kl.load_kernels(kernels, rows, saved)
     assert sorted(map(id, closed)) == sorted(map(id, made))

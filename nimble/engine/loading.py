@@ -9,7 +9,7 @@ type and range (:mod:`nimble.ir.saved_manifest`), each bucket's graph against it
 The whole file's checksum is hashed on threads of its own meanwhile and on through the GPU
 work that follows: the GPU's architecture and driver are held against the file's, every
 kernel is loaded from its binary and checked against its saved fingerprint
-(:mod:`nimble.engine.kernel_binaries`, on worker threads, each binary held to its own SHA-256
+(:mod:`nimble.engine.kernel_loading`, on worker threads, each binary held to its own SHA-256
 before the driver sees it) while the weights are put in place (the model's, by name, or the
 file's) and the external memory copied, the private copies of library memory restored.  The
 checksum must hold before any graph is built: a damaged file is its LoadError, whatever the
@@ -48,7 +48,7 @@ from ..ir.saved_manifest import graph_rows
 from ..ir.taskgraph import TaskGraph, TaskKind
 from ..progress import logger as log, say
 from .arena_layout import shared_layout
-from .kernel_binaries import LoadedKernels, load_kernels
+from .kernel_loading import LoadedKernels, load_kernels
 from .loaded_memory import host_bytes, low_bits_rows, on_device, place_memory, place_weights
 from .launcher import CallOrder, run_phases
 from .prepared import ArenaRegion, Placement, Prepared, build_prepared

@@ -52,7 +52,7 @@ def load_ms(image: bytes) -> float:
 def measure(path: str) -> list[str]:
     import torch
 
-    from nimble.engine.kernel_binaries import binary_bytes
+    from nimble.engine.kernel_loading import binary_bytes
     from nimble.ir.saved_format import SavedFile
 
     torch.zeros(1, device="cuda")  # the primary context, current
