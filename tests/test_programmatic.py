@@ -119,6 +119,18 @@ def test_a_captured_graphs_programmatic_edges_are_read_as_node_indices(bindings)
     assert programmatic_pairs("graph", nodes) == []
 
 
+def test_a_graphs_edges_are_read_with_their_kind_and_a_node_outside_the_list_as_none(
+        bindings):
+    """What a tool reads off a built graph: every edge, Nimble's own nodes (not in the task
+    list) as None."""
+    from nimble.driver import GraphEdge, graph_edges
+
+    bindings.captured_edges = [(900, 501, DEFAULT), (501, 502, PROGRAMMATIC)]
+    assert graph_edges("graph", [501, 502]) == [GraphEdge(None, 0, False), GraphEdge(0, 1, True)]
+    bindings.captured_edges = []
+    assert graph_edges("graph", [501, 502]) == []
+
+
 def test_build_graph_adds_a_programmatic_edge_instead_of_the_full_one(bindings):
     # SCHEDULE's edges in phase 0: 0 -> 1, 0 -> 2; make 0 -> 1 programmatic
     spec = GraphSpec(SCHEDULE.edges(), span=SPANS[0], programmatic=frozenset({(0, 1)}))

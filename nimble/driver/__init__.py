@@ -17,7 +17,7 @@ from __future__ import annotations
 from .calls import (bindings, call, checked_status, context_fault, current_context,
                     device_attributes, device_supports_stream_writes, ensure_context, probe,
                     raise_status, synchronize_context, use_context)
-from .edges import add_programmatic_dependencies, programmatic_pairs
+from .edges import GraphEdge, add_programmatic_dependencies, graph_edges, programmatic_pairs
 from .graphs import borrowed_graph, graph_nodes_of, node_count_of, programmatic_edges_of
 from .handles import (DeviceMemory, Event, Graph, GraphExec, LowBitsMemory, Module, close_all,
                       nimble_memory)
@@ -60,7 +60,8 @@ __all__ = [
     "synchronize_context", "upload", "add_function_node", "add_kernel_node_like",
     "add_memcpy_node_like", "add_memset_node_like", "kernel_arguments",
     "set_exec_kernel_arguments", "borrowed_graph", "graph_nodes_of", "node_count_of",
-    "programmatic_edges_of", "programmatic_pairs", "add_programmatic_dependencies",
+    "programmatic_edges_of", "programmatic_pairs", "add_programmatic_dependencies", "graph_edges",
+    "GraphEdge",
     "FunctionResources", "function_resources", "max_active_blocks",
     "SETTABLE_ATTRIBUTES", "Library", "ProcessBoundNode", "StoredNode", "device_architecture",
     "driver_version", "function_attributes", "function_fingerprint", "kernel_node_attributes",

@@ -8,6 +8,7 @@ captured graph; :func:`add_programmatic_dependencies` puts such edges into a gra
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .calls import bindings, call
@@ -18,18 +19,32 @@ def _is_programmatic(data) -> bool:
         bindings().CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
 
 
-def programmatic_pairs(graph, nodes: Sequence) -> list[tuple[int, int]]:
-    """``(u, v)`` indices into ``nodes`` (every node of ``graph``, as
-    :func:`~nimble.driver.nodes.graph_nodes` lists them) of each programmatic edge ``u -> v``
-    of ``graph``."""
+@dataclass(frozen=True)
+class GraphEdge:
+    """One dependency edge of a graph: its ends as indices into the node list it was read
+    against (None: a node not in that list), and whether it is programmatic."""
+
+    source: int | None
+    target: int | None
+    programmatic: bool
+
+
+def graph_edges(graph, nodes: Sequence) -> list[GraphEdge]:
+    """Every edge of ``graph`` (``cuGraphGetEdges``), its ends located in ``nodes``."""
     count = int(call("cuGraphGetEdges", graph, 0)[3])
     if not count:
         return []
     sources, targets, data, count = call("cuGraphGetEdges", graph, count)
-    index = {int(node): i for i, node in enumerate(nodes)}
-    return [(index[int(u)], index[int(v)])
-            for u, v, d in zip(list(sources)[:count], list(targets)[:count], list(data)[:count])
-            if _is_programmatic(d)]
+    index = {int(node): i for i, node in enumerate(nodes) if node is not None}
+    return [GraphEdge(index.get(int(u)), index.get(int(v)), _is_programmatic(d))
+            for u, v, d in zip(list(sources)[:count], list(targets)[:count], list(data)[:count])]
+
+
+def programmatic_pairs(graph, nodes: Sequence) -> list[tuple[int, int]]:
+    """``(u, v)`` indices into ``nodes`` (every node of ``graph``, as
+    :func:`~nimble.driver.nodes.graph_nodes` lists them) of each programmatic edge ``u -> v``
+    of ``graph``."""
+    return [(e.source, e.target) for e in graph_edges(graph, nodes) if e.programmatic]
 
 
 def add_programmatic_dependencies(graph, pairs: Sequence[tuple[Any, Any]]) -> None:

@@ -63,22 +63,18 @@ def build_patched(work: Path) -> Path:
 
 
 def python_edges(saved: Path) -> tuple[dict, list]:
-    """Python's loaded graph's edges between tasks, ``(u, v) -> edge type``, and the sources of
-    those that start at one of Nimble's own nodes (``None`` for the node)."""
+    """Python's loaded graph's edges between tasks, ``(u, v) -> programmatic``, and the tasks
+    that edges from Nimble's own nodes (its input gathers) end in."""
     import nimble
-    from nimble.driver.calls import call
+    from nimble import driver
 
     loaded = nimble.load(saved)
     built = loaded.engine.built
-    count = int(call("cuGraphGetEdges", built.graph.handle, 0)[3])
-    sources, targets, data, count = call("cuGraphGetEdges", built.graph.handle, count)
-    task = {int(n): built.span.start + i for i, n in enumerate(built.nodes) if n is not None}
-    between, own = {}, []
-    for u, v, d in zip(list(sources)[:count], list(targets)[:count], list(data)[:count]):
-        if int(u) in task and int(v) in task:
-            between[(task[int(u)], task[int(v)])] = int(d.type)
-        else:
-            own.append(task.get(int(v)))
+    edges = driver.graph_edges(built.graph.handle, built.nodes)
+    start = built.span.start
+    between = {(start + e.source, start + e.target): e.programmatic for e in edges
+               if e.source is not None and e.target is not None}
+    own = [start + e.target for e in edges if e.source is None and e.target is not None]
     loaded.close()
     return between, own
 
@@ -113,7 +109,7 @@ def main(argv=None) -> None:
                       "same_edges": set(between) == set(edges),
                       "same_programmatic": sorted(e for e, t in between.items() if t)
                       == sorted(marked),
-                      "python_own_node_edges_into": sorted({t for t in own if t is not None})}))
+                      "python_own_node_edges_into": sorted(set(own))}))
     exe = build_patched(args.work)
     failing = []
     for k, (u, v) in enumerate(marked):
