@@ -13,6 +13,7 @@ def test_the_switches_and_their_defaults():
     assert (args.models, args.batch, args.rounds, args.steps) == (["resnet50", "googlenet"], 32,
                                                                    9, 20)
     assert args.block_steps == 100 and tool.parse(["m", "--block-steps", "0"]).block_steps == 0
+    assert args.ops == 0 and tool.parse(["m", "--ops", "25"]).ops == 25
     with pytest.raises(SystemExit):
         tool.parse([])
 
@@ -67,3 +68,23 @@ def test_nimbles_backward_call_and_its_launch_are_timed_inside_and_restored_afte
     assert len(spans["run_backward"]) == 1 and len(spans["launch"]) == 1
     assert spans["launch"][0] <= spans["run_backward"][0]
     assert (TrainingStep.run_backward, Launcher.run_flat) == original
+
+
+def test_the_share_of_gradients_adopted_counts_arena_views_among_the_written_ones():
+    """adopted_share: of the gradients a step's backward writes (an address per parameter,
+    None where none), those whose .grad is still that memory; a copied or missing .grad is
+    not adopted."""
+    import torch
+
+    arena = torch.zeros(3, 4)
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(4)]
+    params[0].grad = arena[0]  # adopted
+    params[1].grad = arena[1].clone()  # copied
+    params[3].grad = arena[2]  # adopted
+    step = type("Step", (), {})()
+    step.params, step._grad_addresses = params, [
+        arena[0].data_ptr(), arena[1].data_ptr(), None, arena[2].data_ptr()]
+    assert tool.adopted_share({step}) == "2/3"
+    assert tool.adopted_share(set()) is None
+    line = tool.parts_line("m", "inductor", {"forward": 1.0, "gradients adopted (no copy)": "2/3"})
+    assert line.endswith("forward 1, gradients adopted (no copy) 2/3")

@@ -12,6 +12,7 @@ dominates, it does not.
     python3 tools/experiments/train_gap.py resnet50 mobilenet_v2 googlenet --batch 32
     python3 tools/experiments/train_gap.py resnet50 --unguarded   # a third step: fewer guards
     python3 tools/experiments/train_gap.py resnet50 --parts 200   # and each part of a step
+    python3 tools/experiments/train_gap.py resnet50 --ops 25      # a step's costliest host ops
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--parts", type=int, default=0, metavar="N",
                    help="also each part of a step (forward, forward+loss+backward, optimizer "
                         "step, zero_grad) timed alone N times per mode; 0: not")
+    p.add_argument("--ops", type=int, default=0, metavar="N",
+                   help="also the N host operations of a step that cost the most host time "
+                        "(torch.profiler over 20 steps per mode: calls and self µs per step); "
+                        "0: not")
     p.add_argument("--block-steps", type=int, default=100,
                    help="after the rounds, each mode's host µs sampled again over this many "
                         "steps in a row (the other mode not run between them); 0: not")
@@ -105,7 +110,27 @@ def measure(name: str, args) -> list[str]:
     if args.parts:
         for k, (forward, model) in modes.items():
             lines.append(parts_line(name, k, part_us(forward, model, x, y, args.parts)))
+    if args.ops:
+        for k, step in steps.items():
+            lines += [f"{name} {k:9s} {row}" for row in host_ops(step, args.ops)]
     return lines
+
+
+def host_ops(step, top: int, steps: int = 20) -> list[str]:
+    """The ``top`` operations of ``steps`` steps by their own host time under torch.profiler
+    (CPU and CUDA activity, so the runtime's launch calls are named), per step: calls and self
+    µs.  The profiler slows every call, the few heaviest most; its rows rank, not time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [f"op {e.key[:60]:60s} calls/step {e.count / steps:7.1f}  self host µs/step "
+            f"{e.self_cpu_time_total / steps:8.1f}" for e in rows[:top]]
 
 
 @contextlib.contextmanager
@@ -122,6 +147,8 @@ def backward_spans():
     inside = [False]
 
     def timed_backward(self, generation, grad_outputs):
+        if self is not None:
+            spans.setdefault("steps", set()).add(self)
         inside[0] = True
         t0 = time.perf_counter()
         try:
@@ -165,17 +192,38 @@ def part_us(forward, model, x, y, count: int) -> dict[str, float]:
     times = {"forward": host_samples(lambda: forward(x), count)}
     with backward_spans() as spans:
         times["forward+loss+backward"] = host_samples(backward, count, before=no_grads)
+    steps = spans.pop("steps", set())
     for name, values in spans.items():
         if values:
             times[f"of which {name}"] = values
+    adopted = adopted_share(steps)
     times["optimizer step"] = host_samples(opt.step, count)
     times["zero_grad"] = host_samples(no_grads, count, before=backward)
-    return {k: statistics.median(v) for k, v in times.items()}
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    if adopted is not None:
+        medians["gradients adopted (no copy)"] = adopted
+    return medians
+
+
+def adopted_share(steps) -> str | None:
+    """``"k/n"``: of the ``n`` gradients the last backward of the Nimble steps ``steps`` wrote,
+    how many autograd took as the parameters' ``.grad`` without a copy (a view into the arena);
+    each one it copied instead costs the host a kernel launch per step.  None: no Nimble step."""
+    if not steps:
+        return None
+    kept = total = 0
+    for step in steps:
+        for p, address in zip(step.params, step._grad_addresses):
+            if address is None:
+                continue
+            total += 1
+            kept += p.grad is not None and p.grad.data_ptr() == address
+    return f"{kept}/{total}"
 
 
 def parts_line(name: str, mode: str, parts: dict[str, float]) -> str:
     return f"{name} {mode:9s} host µs, parts alone: " + ", ".join(
-        f"{k} {v:.0f}" for k, v in parts.items())
+        f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in parts.items())
 
 
 def host_samples(step, count: int, before=None) -> list[float]:
