@@ -15,7 +15,7 @@ from nimble.engine.options import PrepareOptions
 from nimble.engine.rebuild import PhaseOptions
 from nimble.ir.taskgraph import Access, Buffer, Task, TaskGraph, TaskKind
 from helpers import timed_stand_in
-from test_rebuild import SCHEDULE, SPANS, StandIn, served_builder, task_graph
+from test_rebuild import GATHERS, SCHEDULE, SPANS, StandIn, served_builder, task_graph
 
 PROGRAMMATIC, DEFAULT = 1, 0
 
@@ -132,13 +132,31 @@ def test_a_graphs_edges_are_read_with_their_kind_and_a_node_outside_the_list_as_
 
 
 def test_build_graph_adds_a_programmatic_edge_instead_of_the_full_one(bindings):
-    # SCHEDULE's edges in phase 0: 0 -> 1, 0 -> 2; make 0 -> 1 programmatic
-    spec = GraphSpec(SCHEDULE.edges(), span=SPANS[0], programmatic=frozenset({(0, 1)}))
+    # SCHEDULE's edges in phase 0: 0 -> 1, 0 -> 2; make 0 -> 1 programmatic.  Task 0 waits
+    # for the phase's input gather, so it is no root of the graph.
+    spec = GraphSpec(SCHEDULE.edges(), span=SPANS[0], programmatic=frozenset({(0, 1)}),
+                     gathers=tuple(GATHERS[0]))
     built = build_graph(task_graph(), [f"recorded {t}" for t in range(6)], [], spec)
     zero, one, two = built.nodes
+    assert len(bindings.nodes[zero].deps) == 1  # the gather
     assert bindings.nodes[one].deps == []  # not a full dependency ...
     assert bindings.edge_types[(zero, one)] == (PROGRAMMATIC, 1)  # ... a programmatic one
     assert bindings.nodes[two].deps == [zero] and (zero, two) not in bindings.edge_types
+    built.close()
+
+
+def test_an_edge_out_of_a_graphs_root_stays_a_full_dependency(bindings):
+    """A task that waits on no node of its graph (no input gather before it: a later phase, or
+    inputs copied in before the launch) keeps its outgoing edges full, as the C runtime does
+    (docs/findings.md, "A programmatic edge out of a graph's root"); an edge out of a task that
+    waits on another, programmatically or not, is built programmatic."""
+    spec = GraphSpec([(0, 1), (1, 2)], span=SPANS[0],
+                     programmatic=frozenset({(0, 1), (1, 2)}))
+    built = build_graph(task_graph(), [f"recorded {t}" for t in range(6)], [], spec)
+    zero, one, two = built.nodes
+    assert bindings.nodes[zero].deps == []  # a root
+    assert bindings.nodes[one].deps == [zero] and (zero, one) not in bindings.edge_types
+    assert bindings.nodes[two].deps == [] and bindings.edge_types[(one, two)] == (PROGRAMMATIC, 1)
     built.close()
 
 
@@ -236,13 +254,13 @@ def test_programmatic_edges_are_kept_only_where_their_phase_measures_faster(bind
     builts: list = []
     prepared_module._build_phases(builder, rec, [slot], [torch.zeros(1)], torch.device("cpu"),
                                   None, None, builts,
-                                  programmatic_trials={1: frozenset({(3, 4)})})
-    # the trial was built with the edge programmatic
+                                  programmatic_trials={0: frozenset({(0, 1)})})
+    # the trial was built with the edge programmatic (task 0 waits for phase 0's gather)
     assert [kind for kind, _ in bindings.edge_types.values()].count(PROGRAMMATIC) >= 1
-    assert builder.programmatic == ({(3, 4)} if faster else set())
-    assert (builts[1] in trial) is faster  # phase 1 served as timed; phase 0 never tried
+    assert builder.programmatic == ({(0, 1)} if faster else set())
+    assert (builts[0] in trial) is faster  # phase 0 served as timed; phase 1 never tried
     [measured] = builder.graph.meta["programmatic"]
-    assert measured["phase"] == 1 and measured["kept"] is faster and measured["measured"]
+    assert measured["phase"] == 0 and measured["kept"] is faster and measured["measured"]
     assert measured["edges"] == 1 and measured["programmatic_ms"] < measured["plain_ms"]
     for built in builts:
         built.close()

@@ -323,6 +323,10 @@ class _Assembly:
         self.ctx = driver.current_context()
         self.nodes: list = []
         self.gather_nodes: list = []
+        # Tasks whose node waits on another node of this graph: only an edge out of one of
+        # them is built programmatic (an edge out of a root stays full; docs/findings.md, "A
+        # programmatic edge out of a graph's root").
+        self.entered: set[int] = set()
         self.start_stamp: dict[int, Any] = {}
         self.dated = False  # the first root's start is always stamped: it dates the run
         # Nimble's own nodes (gathers, stamps) are tiny: at the top priority they never wait
@@ -360,11 +364,14 @@ class _Assembly:
             before = [u for u in self.preds[tid]
                       if u >= self.span.start and self.node(u) is not None]
             delayed = delay is not None and (spec.delays.tasks is None or tid in spec.delays.tasks)
-            early = [] if delayed else [u for u in before if (u, tid) in spec.programmatic]
+            early = [] if delayed else [u for u in before
+                                        if (u, tid) in spec.programmatic and u in self.entered]
             deps = [self.node(u) for u in before if u not in early] or (
                 [] if early else list(self.gather_nodes))
             if delayed:
                 deps = [self._add_delay(tid, delay, deps)]
+            if deps or early:
+                self.entered.add(tid)
             node = add_task_node(self.handle, task, self.recorded_nodes[tid], self.bases, deps,
                                  self.ctx, spec.nodes_relocated)
             if early:
