@@ -84,7 +84,27 @@ def test_the_share_of_gradients_adopted_counts_arena_views_among_the_written_one
     step = type("Step", (), {})()
     step.params, step._grad_addresses = params, [
         arena[0].data_ptr(), arena[1].data_ptr(), None, arena[2].data_ptr()]
-    assert tool.adopted_share({step}) == "2/3"
+    assert tool.adopted_share({step}) == "2/3 (copied: #1 (4,) strides (1,))"
+    step.param_names = ["a", "b", "c", "d"]
+    assert tool.adopted_share({step}) == "2/3 (copied: b (4,) strides (1,))"
     assert tool.adopted_share(set()) is None
     line = tool.parts_line("m", "inductor", {"forward": 1.0, "gradients adopted (no copy)": "2/3"})
     assert line.endswith("forward 1, gradients adopted (no copy) 2/3")
+
+
+def test_a_copied_gradient_is_named_with_its_arena_layout_beside_its_parameters():
+    """Where the step has its layout (a real TrainingStep), the copied gradient's strides in
+    the arena are said beside its parameter's: a transposed gradient of a square weight."""
+    import torch
+
+    from nimble.engine.autograd import TrainingStep
+    from nimble.record.recorder import StepLayout
+
+    w = torch.nn.Parameter(torch.zeros(3, 3))
+    arena = torch.zeros(3, 3).t()  # the backward graph's gradient, transposed
+    forward = type("Graph", (), {"outputs": [torch.zeros(2)], "return_copies": False})()
+    backward = type("Graph", (), {"outputs": [arena]})()
+    step = TrainingStep(forward, backward, StepLayout(1, 1, [0], [], [w], [1]), ["fc.weight"])
+    w.grad = arena.clone()
+    assert tool.adopted_share({step}) == (
+        "0/1 (copied: fc.weight (3, 3) strides (3, 1), its gradient's (1, 3))")

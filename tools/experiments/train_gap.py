@@ -205,20 +205,41 @@ def part_us(forward, model, x, y, count: int) -> dict[str, float]:
     return medians
 
 
-def adopted_share(steps) -> str | None:
+def adopted_share(steps, named: int = 3) -> str | None:
     """``"k/n"``: of the ``n`` gradients the last backward of the Nimble steps ``steps`` wrote,
     how many autograd took as the parameters' ``.grad`` without a copy (a view into the arena);
-    each one it copied instead costs the host a kernel launch per step.  None: no Nimble step."""
+    each one it copied instead costs the host a kernel launch per step.  The first ``named``
+    copied ones follow by name, with the parameter's strides and those of its gradient in the
+    arena (autograd copies a gradient whose layout differs from its parameter's).  None: no
+    Nimble step."""
     if not steps:
         return None
     kept = total = 0
+    copied = []
     for step in steps:
-        for p, address in zip(step.params, step._grad_addresses):
+        names = getattr(step, "param_names", None) or [f"#{i}" for i in range(len(step.params))]
+        for i, (p, address) in enumerate(zip(step.params, step._grad_addresses)):
             if address is None:
                 continue
             total += 1
-            kept += p.grad is not None and p.grad.data_ptr() == address
-    return f"{kept}/{total}"
+            if p.grad is not None and p.grad.data_ptr() == address:
+                kept += 1
+                continue
+            grad = arena_grad(step, i)
+            where = "" if grad is None else f", its gradient's {tuple(grad.stride())}"
+            copied.append(f"{names[i]} {tuple(p.shape)} strides {tuple(p.stride())}{where}")
+    share = f"{kept}/{total}"
+    return share + (f" (copied: {'; '.join(copied[:named])})" if copied else "")
+
+
+def arena_grad(step, i: int):
+    """The arena tensor the backward graph of ``step`` writes parameter ``i``'s gradient into
+    (None where the step has no layout to say: a stand-in)."""
+    layout, backward = getattr(step, "layout", None), getattr(step, "backward", None)
+    if layout is None or backward is None:
+        return None
+    k = layout.grad_output_of[len(layout.inputs_with_grad) + i]
+    return None if k < 0 else backward.outputs[k - layout.forward_outputs]
 
 
 def parts_line(name: str, mode: str, parts: dict[str, float]) -> str:
