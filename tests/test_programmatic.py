@@ -157,7 +157,42 @@ def test_an_edge_out_of_a_graphs_root_stays_a_full_dependency(bindings):
     assert bindings.nodes[zero].deps == []  # a root
     assert bindings.nodes[one].deps == [zero] and (zero, one) not in bindings.edge_types
     assert bindings.nodes[two].deps == [] and bindings.edge_types[(one, two)] == (PROGRAMMATIC, 1)
+    assert built.programmatic == {(1, 2)}  # what the graph holds, for the plan and the file
     built.close()
+
+
+def test_a_trial_whose_edges_leave_a_root_serves_and_counts_none_of_them(bindings, monkeypatch):
+    """Phase 1's task 3 waits on no node of its graph (the phase has no input gather), so a
+    trial of its edge 3 -> 4 builds it full: kept (timed faster), it gives the builder no
+    programmatic edge to serve and the measurement counts none."""
+    import torch
+
+    from nimble.engine import prepared as prepared_module
+    from test_rebuild import served_input, served_recording
+
+    trial: list = []
+    real_build = served_builder().build.__func__
+
+    def build(self, phase, options=PhaseOptions()):
+        got = real_build(self, phase, options)
+        if options.programmatic_edges is not None:
+            trial.append(got)
+        return got
+    monkeypatch.setattr(prepared_module, "_after_phases",
+                        timed_stand_in(True, lambda built: built in trial))
+    builder = served_builder()
+    monkeypatch.setattr(type(builder), "build", build)
+    builts: list = []
+    prepared_module._build_phases(builder, served_recording(builder), [served_input()],
+                                  [torch.zeros(1)], torch.device("cpu"), None, None, builts,
+                                  programmatic_trials={1: frozenset({(3, 4)})})
+    assert PROGRAMMATIC not in [kind for kind, _ in bindings.edge_types.values()]
+    assert builder.programmatic == frozenset()
+    [measured] = builder.graph.meta["programmatic"]
+    assert measured["phase"] == 1 and measured["edges"] == 0 and measured["kept"]
+    assert builts[1] in trial  # timed faster and served: a graph with every edge full
+    for built in builts:
+        built.close()
 
 
 def test_a_delayed_task_waits_on_full_dependencies(bindings):

@@ -124,6 +124,8 @@ class BuiltGraph:
     #: The module and the nodes of the weight prefetches (:mod:`nimble.engine.prefetch`).
     prefetch_module: driver.Module | None = None
     prefetch_nodes: list = field(default_factory=list)
+    #: The edges built programmatic: the spec's, less those out of a root of this graph.
+    programmatic: frozenset = frozenset()
 
     def launch(self, stream) -> None:
         """Launch on ``stream`` (a ``CUstream`` or its integer handle)."""
@@ -327,6 +329,7 @@ class _Assembly:
         # them is built programmatic (an edge out of a root stays full; docs/findings.md, "A
         # programmatic edge out of a graph's root").
         self.entered: set[int] = set()
+        self.programmatic: set[tuple[int, int]] = set()  # the edges built so
         self.start_stamp: dict[int, Any] = {}
         self.dated = False  # the first root's start is always stamped: it dates the run
         # Nimble's own nodes (gathers, stamps) are tiny: at the top priority they never wait
@@ -377,6 +380,7 @@ class _Assembly:
             if early:
                 driver.add_programmatic_dependencies(self.handle,
                                                      [(self.node(u), node) for u in early])
+                self.programmatic.update((u, tid) for u in early)
             self.nodes.append(node)
             if spec.priorities is not None and task.kind == TaskKind.KERNEL:
                 driver.set_kernel_priority(node, spec.priorities[tid])
@@ -460,7 +464,8 @@ def build_graph(graph: TaskGraph, recorded_nodes: Sequence, bases: Sequence[int]
     return BuiltGraph(owned, exec_, assembly.nodes, span, device_launch=on_device,
                       device_launch_refusal=refusal, module=gather_module,
                       stamp_module=stamp_module, delay_module=delay_module,
-                      prefetch_module=prefetch_module, prefetch_nodes=prefetch_nodes)
+                      prefetch_module=prefetch_module, prefetch_nodes=prefetch_nodes,
+                      programmatic=frozenset(assembly.programmatic))
 
 
 def tasks_reading(graph: TaskGraph, buffers: set[int]) -> list[Task]:

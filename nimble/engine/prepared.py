@@ -488,7 +488,8 @@ def build_prepared(model, rec, schedule: Schedule, plan: MemPlan, *, device_laun
                         weights=Weights(model, graph, placement.outside if placement
                                         else None), seconds=seconds,
                         priorities=builder.priorities, backfill=picked,
-                        prefetch=list(builder.prefetch), programmatic=builder.programmatic,
+                        prefetch=list(builder.prefetch),
+                        programmatic=frozenset().union(*(b.programmatic for b in builts)),
                         low_bits=low_bits)
     if rec.step is not None:
         from .autograd import TrainingStep

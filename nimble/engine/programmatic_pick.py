@@ -88,16 +88,23 @@ def pick_programmatic(builder, phase: int, plain, edges: frozenset, launch: Call
     built so far); the faster returned (``plain`` closed where the edges win, and on an
     error).  Where they win, the builder serves them from then on; what was measured is
     appended to ``graph.meta["programmatic"]``."""
+    # An edge out of a root of the phase's graph is built full (nimble.engine.build): the
+    # builder serves, and the meta counts, the edges the trial really built programmatic.
+    built_edges = []
+
+    def trial():
+        built = builder.build(phase, PhaseOptions(programmatic_edges=edges))
+        built_edges.append(getattr(built, "programmatic", edges))
+        return built
     try:
-        got = backfill.fastest(
-            plain, [lambda: builder.build(phase, PhaseOptions(programmatic_edges=edges))],
-            launch)
+        got = backfill.fastest(plain, [trial], launch)
     except BaseException:
         plain.close()  # fastest frees the graphs it built, not this one
         raise
+    built = built_edges[0] if built_edges else edges
     if got.index:
-        builder.programmatic = frozenset(builder.programmatic) | edges
+        builder.programmatic = frozenset(builder.programmatic) | built
     graph.meta.setdefault(META_KEY, []).append(
         {"phase": phase, "plain_ms": got.plain_ms, "programmatic_ms": got.trial_ms[0],
-         "edges": len(edges), "measured": True, "kept": bool(got.index)})
+         "edges": len(built), "measured": True, "kept": bool(got.index)})
     return got.built
