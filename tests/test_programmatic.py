@@ -165,27 +165,7 @@ def test_a_trial_whose_edges_leave_a_root_serves_and_counts_none_of_them(binding
     """Phase 1's task 3 waits on no node of its graph (the phase has no input gather), so a
     trial of its edge 3 -> 4 builds it full: kept (timed faster), it gives the builder no
     programmatic edge to serve and the measurement counts none."""
-    import torch
-
-    from nimble.engine import prepared as prepared_module
-    from test_rebuild import served_input, served_recording
-
-    trial: list = []
-    real_build = served_builder().build.__func__
-
-    def build(self, phase, options=PhaseOptions()):
-        got = real_build(self, phase, options)
-        if options.programmatic_edges is not None:
-            trial.append(got)
-        return got
-    monkeypatch.setattr(prepared_module, "_after_phases",
-                        timed_stand_in(True, lambda built: built in trial))
-    builder = served_builder()
-    monkeypatch.setattr(type(builder), "build", build)
-    builts: list = []
-    prepared_module._build_phases(builder, served_recording(builder), [served_input()],
-                                  [torch.zeros(1)], torch.device("cpu"), None, None, builts,
-                                  programmatic_trials={1: frozenset({(3, 4)})})
+    builder, trial, builts = _phases_with_a_trial(monkeypatch, True, {1: frozenset({(3, 4)})})
     assert PROGRAMMATIC not in [kind for kind, _ in bindings.edge_types.values()]
     assert builder.programmatic == frozenset()
     [measured] = builder.graph.meta["programmatic"]
@@ -268,28 +248,7 @@ def test_recording_turns_inductors_programmatic_launches_on_only_when_asked():
 @pytest.mark.parametrize("faster", [True, False])
 def test_programmatic_edges_are_kept_only_where_their_phase_measures_faster(bindings, monkeypatch,
                                                                           faster):
-    import torch
-
-    from nimble.engine import prepared as prepared_module
-    from test_rebuild import served_input, served_recording
-
-    trial: list = []
-    real_build = served_builder().build.__func__
-
-    def build(self, phase, options=PhaseOptions()):
-        got = real_build(self, phase, options)
-        if options.programmatic_edges is not None:
-            trial.append(got)
-        return got
-    monkeypatch.setattr(prepared_module, "_after_phases",
-                        timed_stand_in(faster, lambda built: built in trial))
-    builder = served_builder()
-    monkeypatch.setattr(type(builder), "build", build)
-    rec, slot = served_recording(builder), served_input()
-    builts: list = []
-    prepared_module._build_phases(builder, rec, [slot], [torch.zeros(1)], torch.device("cpu"),
-                                  None, None, builts,
-                                  programmatic_trials={0: frozenset({(0, 1)})})
+    builder, trial, builts = _phases_with_a_trial(monkeypatch, faster, {0: frozenset({(0, 1)})})
     # the trial was built with the edge programmatic (task 0 waits for phase 0's gather)
     assert [kind for kind, _ in bindings.edge_types.values()].count(PROGRAMMATIC) >= 1
     assert builder.programmatic == ({(0, 1)} if faster else set())
@@ -492,3 +451,31 @@ def test_a_graph_with_none_of_nimbles_waiting_kernels_plans_nothing_and_reads_no
     assert not has_waiting_kernels(plain)
     plan = programmatic_pick.planned_programmatic(plain, None, None, PrepareOptions())
     assert plan == programmatic_pick.ProgrammaticPlan()
+
+
+def _phases_with_a_trial(monkeypatch, faster: bool, trials: dict):
+    """The served stand-in's phases built with programmatic ``trials`` (per phase, the edges
+    tried), a trial's graph timed faster where ``faster``: ``(builder, the trial graphs,
+    the phases' graphs as served)``."""
+    import torch
+
+    from nimble.engine import prepared as prepared_module
+    from test_rebuild import served_input, served_recording
+
+    trial: list = []
+    real_build = served_builder().build.__func__
+
+    def build(self, phase, options=PhaseOptions()):
+        got = real_build(self, phase, options)
+        if options.programmatic_edges is not None:
+            trial.append(got)
+        return got
+    monkeypatch.setattr(prepared_module, "_after_phases",
+                        timed_stand_in(faster, lambda built: built in trial))
+    builder = served_builder()
+    monkeypatch.setattr(type(builder), "build", build)
+    builts: list = []
+    prepared_module._build_phases(builder, served_recording(builder), [served_input()],
+                                  [torch.zeros(1)], torch.device("cpu"), None, None, builts,
+                                  programmatic_trials=trials)
+    return builder, trial, builts
