@@ -90,18 +90,17 @@ def pick_programmatic(builder, phase: int, plain, edges: frozenset, launch: Call
     appended to ``graph.meta["programmatic"]``."""
     # An edge out of a root of the phase's graph is built full (nimble.engine.build): the
     # builder serves, and the meta counts, the edges the trial really built programmatic.
-    built_edges = []
+    trials = []
 
     def trial():
-        built = builder.build(phase, PhaseOptions(programmatic_edges=edges))
-        built_edges.append(getattr(built, "programmatic", edges))
-        return built
+        trials.append(builder.build(phase, PhaseOptions(programmatic_edges=edges)))
+        return trials[-1]
     try:
         got = backfill.fastest(plain, [trial], launch)
     except BaseException:
         plain.close()  # fastest frees the graphs it built, not this one
         raise
-    built = built_edges[0] if built_edges else edges
+    built = trials[0].programmatic  # fastest built the trial (closed now where it lost)
     if got.index:
         builder.programmatic = frozenset(builder.programmatic) | built
     graph.meta.setdefault(META_KEY, []).append(
