@@ -12,13 +12,14 @@ returns at once.  Which recorded kernels these are, and what each reads before i
 from __future__ import annotations
 
 #: Where Nimble's GEMVs let the kernel behind them launch (``griddepcontrol.launch_dependents``):
-#: at each program's start (False), so that the next kernel's programs launch, ask for their
-#: first weight tile and wait while this one streams; or after each program's last weight
-#: tile is summed (True), so that they launch only as this one ends and take no multiprocessor
-#: slot while it streams.  The same bits either way (the wait still holds the next kernel
-#: until this one has ended); False until measured (``tools/experiments/decode_levers.py``'s
-#: ``late-trigger``).
-LAUNCH_DEPENDENTS_LATE = False
+#: after each program's last weight tile is summed (True), so that the next kernel's programs
+#: launch only as this one ends and take no multiprocessor slot while it streams; or at each
+#: program's start (False), so that they launch, ask for their first weight tile and wait
+#: while this one streams.  The same bits either way (the wait still holds the next kernel
+#: until this one has ended); late is the faster decode step (docs/results.md, "Where the
+#: GEMVs let the next kernel launch"; ``tools/experiments/decode_levers.py``'s
+#: ``late-trigger`` / ``early-trigger``).
+LAUNCH_DEPENDENTS_LATE = True
 
 
 def waits(device) -> bool:

@@ -28,15 +28,17 @@ def test_a_variants_name_joins_the_levers_it_sets():
                  "programmatic+early-tiles+coordinate+gemv-prologues",
                  "whole-cache+rope-attention+coordinate+gemv-prologues",
                  "lead-timing+programmatic+coordinate+gemv-prologues",
-                 "late-trigger+programmatic+rope-attention+coordinate+gemv-prologues"):
+                 "late-trigger+programmatic+rope-attention+coordinate+gemv-prologues",
+                 "early-trigger+programmatic+rope-attention+coordinate+gemv-prologues"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
             "coordinate_descent_tuning")), name
-        assert any(w in name for w in ("gemv", "joined", "early-tiles", "late-trigger")) == \
+        assert any(w in name for w in ("gemv", "joined", "early-tiles", "-trigger")) == \
             variant.fast_gemv, name
         assert ("early-tiles" in name) == variant.early_tiles, name
-        assert ("late-trigger" in name) == variant.late_trigger, name
+        assert variant.late_trigger == (True if "late-trigger" in name else
+                                        False if "early-trigger" in name else None), name
         assert ("joined" in name) == variant.join_attention, name
         assert any(w in name for w in ("attention", "branchless", "last-joins",
                                        "wide-split", "values-", "rope", "whole")) == \

@@ -31,9 +31,9 @@ plain GEMV asking for two weight tiles before its wait: :data:`nimble.fast_gemv.
 ``whole-cache`` (``attention``, a cache of at most 256 slots read as one tile a program, no join:
 :data:`nimble.decode_attention.WHOLE_SLOTS`), ``lead-timing`` (the prepare times each launch of a
 step behind an untimed one, as a loop of calls runs it:
-:data:`nimble.engine.phase_timing.LEAD_LAUNCH`), ``late-trigger`` (``gemv``, each GEMV letting
-the kernel behind it launch only once its weight is read, not at its start:
-:data:`nimble.kernel_waits.LAUNCH_DEPENDENTS_LATE`).
+:data:`nimble.engine.phase_timing.LEAD_LAUNCH`), ``late-trigger`` / ``early-trigger`` (``gemv``,
+each GEMV letting the kernel behind it launch only once its weight is read / at its start:
+:data:`nimble.kernel_waits.LAUNCH_DEPENDENTS_LATE`, late by default).
 Every variant runs on one model (built once, its sibling projections fused unless ``--no-fuse``);
 a ``gemv`` variant changes the model's modules for good and runs after the others. The Inductor
 settings of a variant (``combo_kernels`` always) and the module constants it sets are set around
@@ -75,7 +75,8 @@ class Variant:
     early_tiles: bool = False  # the plain GEMV asks for two weight tiles before its wait
     whole_cache: bool = False  # the attention reads a cache of <= 256 slots as one tile
     lead_timing: bool = False  # prepare times each launch behind an untimed one (LEAD_LAUNCH)
-    late_trigger: bool = False  # the GEMVs let the next kernel launch once their weight is read
+    late_trigger: bool | None = None  # the GEMVs let the next kernel launch once their weight
+    #                                   is read (True), at their start (False); None: the default
 
 
 COMBO = {"combo_kernels": True}
@@ -107,6 +108,7 @@ LEVERS = {
     "whole-cache": {"decode_attention": True, "whole_cache": True},
     "lead-timing": {"lead_timing": True},
     "late-trigger": {"fast_gemv": True, "late_trigger": True},
+    "early-trigger": {"fast_gemv": True, "late_trigger": False},
     "rope-writes-after": {"decode_attention": True, "rope_attention": True,
                           "rope_writes_after": True},
 }
@@ -235,8 +237,9 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                    else gemv_module.EARLY_TILES),
                    "WHOLE_SLOTS": (attention_module, whole_slots(lever, attention_module)),
                    "LEAD_LAUNCH": (phase_timing, lever.lead_timing or phase_timing.LEAD_LAUNCH),
-                   "LAUNCH_DEPENDENTS_LATE": (kernel_waits, lever.late_trigger
-                                              or kernel_waits.LAUNCH_DEPENDENTS_LATE)}
+                   "LAUNCH_DEPENDENTS_LATE": (kernel_waits, kernel_waits.LAUNCH_DEPENDENTS_LATE
+                                              if lever.late_trigger is None
+                                              else lever.late_trigger)}
         with inductor_config.patch(**lever.inductor), _patched(patches), \
                 folding(lever) as folded:
             rows = {"compiled loop": compiled_loop(model, cache_len)}
