@@ -615,3 +615,27 @@ def test_a_split_files_shares_run_each_of_its_tests_once():
                          capture_output=True, text=True, cwd=Path(__file__).parent.parent,
                          env={**os.environ, "NIMBLE_TEST_SHARD": "x.py:2/2"})
     assert bad.returncode == 4 and "NIMBLE_TEST_SHARD" in bad.stdout + bad.stderr
+
+
+def test_the_backend_has_a_row_with_its_outputs_copied_and_one_without(monkeypatch):
+    """``nimble bench``'s backend rows: the default (each call copies its outputs) and
+    ``options={"return_copies": False}``, as ``nimble+inductor`` returns the arena's outputs;
+    each row calls its own compiled model under no_grad."""
+    import torch
+
+    from nimble.cli import bench
+    from nimble.cli.harness import BACKEND_ROW, BACKEND_VIEWS_ROW
+
+    compiled_with = []
+
+    def warm_compile(model, x, **options):
+        compiled_with.append(options)
+        return lambda arg: (options.get("options"), torch.is_grad_enabled(), arg)
+
+    monkeypatch.setattr(bench, "_warm_compile", warm_compile)
+    info: dict = {}
+    rows = bench._on_backend(object(), "x", info, lambda what: None)
+    assert set(rows) == {BACKEND_ROW, BACKEND_VIEWS_ROW} and "backend_seconds" in info
+    assert [o["backend"] for o in compiled_with] == ["nimble", "nimble"]
+    assert rows[BACKEND_ROW]() == (None, False, "x")
+    assert rows[BACKEND_VIEWS_ROW]() == ({"return_copies": False}, False, "x")

@@ -7,8 +7,10 @@ two CUDA events, after a warm-up; the table gives the median per-call time over 
 rounds and the spread (min–max) of the rounds.  Every call of the ``torch.cuda.graph`` row
 copies the input into the graph's static input before the replay, as a Nimble call copies its
 input in.  Beside ``torch.compile(mode="reduce-overhead")`` and Nimble on ``torch.compile(model)``'s
-kernels (``nimble+inductor``), ``torch.compile(model, backend="nimble")`` has a row of its own,
-with the host time per call of the three sampled in turn.
+kernels (``nimble+inductor``), ``torch.compile(model, backend="nimble")`` has a row of its own
+(its calls return copies of the outputs, the backend's default) and another with
+``options={"return_copies": False}`` (the arena's outputs, as ``nimble+inductor`` returns
+them), with the host time per call of the first three sampled in turn.
 
 ``--training`` times training steps instead (:mod:`nimble.cli.train_bench`), ``--generate``
 greedy decoding of causal LMs (:mod:`nimble.cli.generate_bench`), ``--profiler``
@@ -29,9 +31,9 @@ from typing import Callable
 from . import models, serve_bench
 from .common import (add_batch_argument, add_quiet_argument, model_help, names_from,
                      parse_stream_caps, positive_int)
-from .harness import (BACKEND_ROW, Column, add_speedup, format_table, host_us, host_us_beside,
-                      mode_rows, run_models, time_rounds, to_dtype, torch_graph_call,
-                      write_results)
+from .harness import (BACKEND_ROW, BACKEND_VIEWS_ROW, Column, add_speedup, format_table,
+                      host_us, host_us_beside, mode_rows, run_models, time_rounds, to_dtype,
+                      torch_graph_call, write_results)
 from .generate_bench import add_arguments as add_generate_arguments, run as run_generate
 from .profiler_bench import run as run_profiler
 from .train_bench import run as run_training
@@ -175,14 +177,16 @@ def _prepare_on_inductor(model, x, info: dict, step: Callable[[str], None]) -> d
 HOST_ROWS = ("torch.compile", BACKEND_ROW, "nimble+inductor multi")
 
 
-def _on_backend(model, x, info: dict, step: Callable[[str], None]) -> Callable[[], object]:
-    """A call of ``torch.compile(model, backend="nimble")``, compiled and prepared first; its
-    calls return copies of the outputs, as that backend's calls do by default."""
+def _on_backend(model, x, info: dict, step: Callable[[str], None]) -> dict:
+    """Calls of ``torch.compile(model, backend="nimble")``, compiled and prepared first: as the
+    backend's calls are by default (each returns copies of the outputs) and with
+    ``return_copies`` off (the arena's outputs, as the other compiled rows return them)."""
     step("torch.compile(model, backend='nimble'): Inductor, then Nimble at the first call")
     t0 = time.perf_counter()
     compiled = _warm_compile(model, x, backend="nimble")
     info["backend_seconds"] = time.perf_counter() - t0
-    return _no_grad_call(compiled, x)
+    views = _warm_compile(model, x, backend="nimble", options={"return_copies": False})
+    return {BACKEND_ROW: _no_grad_call(compiled, x), BACKEND_VIEWS_ROW: _no_grad_call(views, x)}
 
 
 def _prepare_variants(model, x, args, info: dict) -> dict:
@@ -285,7 +289,7 @@ def bench_model(name: str, args, dtype: str = "float32") -> dict:
     if not args.no_compile and not args.no_inductor:
         inductor = _prepare_on_inductor(model, x, info, step)
         fns.update(_nimble_calls(inductor, x))
-        fns[BACKEND_ROW] = _on_backend(model, x, info, step)
+        fns.update(_on_backend(model, x, info, step))
     step("nimble prepare (multi-stream, recording kept for the others)")
     prepared = _prepare_variants(model, x, args, info)
     fns.update(_nimble_calls(prepared, x))

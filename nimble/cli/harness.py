@@ -28,6 +28,9 @@ from .output import Outputs, outputs
 #: The row of ``torch.compile(model, backend="nimble")`` (:mod:`nimble.compile_backend`) in
 #: ``nimble bench`` and ``nimble bench --training``.
 BACKEND_ROW = "compile backend=nimble"
+#: The same with ``options={"return_copies": False}``: its calls return the arena's outputs, as
+#: a ``Nimble`` call and reduce-overhead's do (the default row copies them on every call).
+BACKEND_VIEWS_ROW = "backend=nimble, no copies"
 
 
 def to_dtype(model, x, dtype: str):
