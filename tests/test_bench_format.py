@@ -636,6 +636,26 @@ def test_the_backend_has_a_row_with_its_outputs_copied_and_one_without(monkeypat
     info: dict = {}
     rows = bench._on_backend(object(), "x", info, lambda what: None)
     assert set(rows) == {BACKEND_ROW, BACKEND_VIEWS_ROW} and "backend_seconds" in info
+    assert info["backend_graphs"] == []  # the stand-in compiled no region
     assert [o["backend"] for o in compiled_with] == ["nimble", "nimble"]
     assert rows[BACKEND_ROW]() == (None, False, "x")
     assert rows[BACKEND_VIEWS_ROW]() == ({"return_copies": False}, False, "x")
+
+
+def test_the_backends_graphs_are_counted_and_said_beside_its_host_time():
+    """Each Nimble graph a region prepared (an Inductor fallback has none) is given by its
+    tasks, streams and syncs on the host line, to set beside nimble+inductor's."""
+    from types import SimpleNamespace as NS
+
+    from nimble.cli import bench
+    from nimble.cli.harness import BACKEND_ROW
+
+    nm = NS(graph=NS(tasks=[0] * 188), schedule=NS(streams=[0, 1], sync_edges=[(0, 1)]))
+    regions = [NS(runs={"a": NS(launch=nm), "b": object()}), NS(runs={})]
+    shapes = bench._graph_shapes(regions)
+    assert shapes == [{"tasks": 188, "streams": 2, "sync_edges": 1}]
+    info = {"host_us_compiled": {"torch.compile": 1.0, BACKEND_ROW: 2.0,
+                                 "nimble+inductor multi": 3.0},
+            "backend_seconds": 2.5, "backend_graphs": shapes}
+    assert bench._compiled_host_line(info).endswith(
+        "compiled and prepared in 2.5 s; its graph: 188 tasks, 2 streams, 1 syncs")

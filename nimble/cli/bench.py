@@ -181,12 +181,30 @@ def _on_backend(model, x, info: dict, step: Callable[[str], None]) -> dict:
     """Calls of ``torch.compile(model, backend="nimble")``, compiled and prepared first: as the
     backend's calls are by default (each returns copies of the outputs) and with
     ``return_copies`` off (the arena's outputs, as the other compiled rows return them)."""
+    from nimble.compile_backend import backend
+
     step("torch.compile(model, backend='nimble'): Inductor, then Nimble at the first call")
+    before = {id(r) for r in backend.regions}
     t0 = time.perf_counter()
     compiled = _warm_compile(model, x, backend="nimble")
     info["backend_seconds"] = time.perf_counter() - t0
+    info["backend_graphs"] = _graph_shapes(r for r in backend.regions if id(r) not in before)
     views = _warm_compile(model, x, backend="nimble", options={"return_copies": False})
     return {BACKEND_ROW: _no_grad_call(compiled, x), BACKEND_VIEWS_ROW: _no_grad_call(views, x)}
+
+
+def _graph_shapes(regions) -> list[dict]:
+    """Tasks, streams and synchronizations of each Nimble graph the regions prepared, to set
+    beside ``nimble+inductor``'s: the same kernels should give the same schedule."""
+    shapes = []
+    for region in regions:
+        for run in region.runs.values():
+            nm = getattr(run, "launch", None)
+            if nm is not None:
+                shapes.append({"tasks": len(nm.graph.tasks),
+                               "streams": len(nm.schedule.streams),
+                               "sync_edges": len(nm.schedule.sync_edges)})
+    return shapes
 
 
 def _prepare_variants(model, x, args, info: dict) -> dict:
@@ -375,7 +393,9 @@ def _compiled_host_line(info: dict) -> str:
     return (f"  host µs/call sampled in turn: torch.compile(mode='reduce-overhead') "
             f"{host['torch.compile']:.1f}, torch.compile(backend='nimble') "
             f"{host[BACKEND_ROW]:.1f}, nimble+inductor multi {host['nimble+inductor multi']:.1f}"
-            f"; backend=nimble compiled and prepared in {info['backend_seconds']:.1f} s")
+            f"; backend=nimble compiled and prepared in {info['backend_seconds']:.1f} s"
+            + "".join(f"; its graph: {g['tasks']} tasks, {g['streams']} streams, "
+                      f"{g['sync_edges']} syncs" for g in info.get("backend_graphs", ())))
 
 
 def _limits_line(lim: dict, over_path: float | None, over_tightest: float | None) -> str:
