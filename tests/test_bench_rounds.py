@@ -90,6 +90,51 @@ def test_time_rounds_runs_the_modes_in_the_rotated_order(monkeypatch):
     modes = {"a": mode("a", 1.0), "b": mode("b", 2.0), "c": mode("c", 3.0)}
     samples = harness.time_rounds(modes, rounds=4, iters=3)
     assert samples == {"a": [1.0] * 4, "b": [2.0] * 4, "c": [3.0] * 4}
-    timed = calls[30:]  # after 10 warm-up calls of each
-    runs = [timed[i] for i in range(0, len(timed), 3)]
+    timed = calls[30:]  # after 10 warm-up calls of each; then per round one untimed and 3
+    runs = [timed[i] for i in range(0, len(timed), 4)]
+    assert all(len(set(timed[i:i + 4])) == 1 for i in range(0, len(timed), 4))
     assert [runs[i:i + 3] for i in range(0, 12, 3)] == round_orders(list(modes), 4)
+
+
+class _Device:
+    """A host clock and a GPU queue: a call takes its host time, then its work runs once the
+    GPU is free and the call has been queued; an event stamps the queue's time."""
+
+    def __init__(self) -> None:
+        self.host = 0.0
+        self.gpu_free = 0.0
+
+    def call(self, host_ms: float, gpu_ms: float):
+        def run() -> None:
+            self.host += host_ms
+            self.gpu_free = max(self.gpu_free, self.host) + gpu_ms
+        return run
+
+    def event(self, enable_timing: bool = False):
+        device = self
+
+        class Event:
+            at = 0.0
+
+            def record(self) -> None:
+                self.at = max(device.gpu_free, device.host)
+
+            def synchronize(self) -> None:
+                device.host = max(device.host, self.at)
+
+            def elapsed_time(self, end) -> float:
+                return end.at - self.at
+        return Event()
+
+
+def test_a_round_does_not_count_its_first_calls_host_time(monkeypatch):
+    """A call whose host time (0.4 ms) is below its GPU time (0.5) is timed at its GPU time:
+    the round's first call is queued while the untimed one runs. A host-bound call (host 0.9,
+    GPU 0.5) is timed at its host time, as a loop of such calls runs."""
+    device = _Device()
+    monkeypatch.setattr(torch.cuda, "Event", device.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    samples = harness.time_rounds({"gpu-bound": device.call(0.4, 0.5),
+                                   "host-bound": device.call(0.9, 0.5)}, rounds=3, iters=5)
+    assert samples["gpu-bound"] == pytest.approx([0.5] * 3)
+    assert samples["host-bound"] == pytest.approx([0.9] * 3)
