@@ -4,9 +4,9 @@
 Baselines: a model and its input in a dtype, the model under ``torch.cuda.graph``.  Timing: every
 mode in turn within each round (interleaved, so clock and thermal drift touch them alike), in an
 order that changes from round to round (:func:`round_orders`), ``iters`` back-to-back calls
-between two CUDA events after a warm-up, behind one untimed call; host time of one call on an idle GPU.  Results: a row
-per mode with the median and the spread (min–max) of its rounds and its speed-ups over other
-modes.  Reporting: fixed-width tables, one case after
+between two CUDA events after a warm-up, behind one untimed call; host time of one call on an
+idle GPU.  Results: a row per mode with the median and the spread (min–max) of its rounds and
+its speed-ups over other modes.  Reporting: fixed-width tables, one case after
 another with a failure reported and the rest still run.
 """
 from __future__ import annotations
