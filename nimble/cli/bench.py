@@ -4,10 +4,10 @@ All modes run in one process on the same model and input.  Each round times ever
 (interleaved, so clock and thermal drift touch them alike, in an order that changes from round
 to round: :func:`~nimble.cli.harness.round_orders`) over ``--iters`` back-to-back calls between
 two CUDA events, after a warm-up and behind one untimed call; the table gives the median
-per-call time over ``--rounds`` rounds and the spread (min–max) of the rounds.  Every call of the ``torch.cuda.graph`` row
-copies the input into the graph's static input before the replay, as a Nimble call copies its
-input in.  Beside ``torch.compile(mode="reduce-overhead")`` and Nimble on ``torch.compile(model)``'s
-kernels (``nimble+inductor``), ``torch.compile(model, backend="nimble")`` has a row of its own
+per-call time over ``--rounds`` rounds and the spread (min–max) of the rounds.  Every call of
+the ``torch.cuda.graph`` row copies the input into the graph's static input before the replay,
+as a Nimble call copies its input in.  Beside ``torch.compile(mode="reduce-overhead")`` and
+Nimble on ``torch.compile(model)``'s kernels (``nimble+inductor``), ``torch.compile(model, backend="nimble")`` has a row of its own
 (its calls return copies of the outputs, the backend's default) and another with
 ``options={"return_copies": False}`` (the arena's outputs, as ``nimble+inductor`` returns
 them), with the host time per call of the first three sampled in turn.
