@@ -7,10 +7,11 @@ two CUDA events, after a warm-up and behind one untimed call; the table gives th
 per-call time over ``--rounds`` rounds and the spread (min–max) of the rounds.  Every call of
 the ``torch.cuda.graph`` row copies the input into the graph's static input before the replay,
 as a Nimble call copies its input in.  Beside ``torch.compile(mode="reduce-overhead")`` and
-Nimble on ``torch.compile(model)``'s kernels (``nimble+inductor``), ``torch.compile(model, backend="nimble")`` has a row of its own
-(its calls return copies of the outputs, the backend's default) and another with
-``options={"return_copies": False}`` (the arena's outputs, as ``nimble+inductor`` returns
-them), with the host time per call of the first three sampled in turn.
+Nimble on ``torch.compile(model)``'s kernels (``nimble+inductor``),
+``torch.compile(model, backend="nimble")`` has a row of its own (its calls return copies of the
+outputs, the backend's default) and another with ``options={"return_copies": False}`` (the
+arena's outputs, as ``nimble+inductor`` returns them), with the host time per call of the first
+three sampled in turn.
 
 ``--training`` times training steps instead (:mod:`nimble.cli.train_bench`), ``--generate``
 greedy decoding of causal LMs (:mod:`nimble.cli.generate_bench`), ``--profiler``
