@@ -110,6 +110,11 @@ def test_inductor_rows_and_the_ratio_to_torch_compile():
     assert "x compile" in text.splitlines()[1]
     assert "nimble+inductor: 7 tasks (5 Triton launches), width 3, 3 streams, 2 syncs" in text
     assert "compile 12.5 s, then prepare 0.75 s" in text
+    assert "programmatic edges" not in text
+    # A record with the prepare's kept choices says them (older records have none).
+    info["inductor"].update(priorities=False, backfilled=0, programmatic=12)
+    assert ("then prepare 0.75 s; priorities off, 0 phases backfilled, 12 programmatic edges"
+            in format_model(info))
     # Eager-kernel Nimble faster than the Inductor rows: the ratio takes it.
     slow = _with_inductor(_info("b", 0.1), compile_ms=0.4, single_ms=0.5, multi_ms=0.45)
     assert summary_table([slow]).splitlines()[2].split()[-1] == "4.00"
@@ -650,12 +655,17 @@ def test_the_backends_graphs_are_counted_and_said_beside_its_host_time():
     from nimble.cli import bench
     from nimble.cli.harness import BACKEND_ROW
 
-    nm = NS(graph=NS(tasks=[0] * 188), schedule=NS(streams=[0, 1], sync_edges=[(0, 1)]))
+    engine = NS(priorities=[0, -1], backfill=[NS(kept=None), NS(kept="late")],
+                programmatic=frozenset())
+    nm = NS(graph=NS(tasks=[0] * 188), schedule=NS(streams=[0, 1], sync_edges=[(0, 1)]),
+            engine=engine)
     regions = [NS(runs={"a": NS(launch=nm), "b": object()}), NS(runs={})]
     shapes = bench._graph_shapes(regions)
-    assert shapes == [{"tasks": 188, "streams": 2, "sync_edges": 1}]
+    assert shapes == [{"tasks": 188, "streams": 2, "sync_edges": 1, "priorities": True,
+                       "backfilled": 1, "programmatic": 0}]
     info = {"host_us_compiled": {"torch.compile": 1.0, BACKEND_ROW: 2.0,
                                  "nimble+inductor multi": 3.0},
             "backend_seconds": 2.5, "backend_graphs": shapes}
     assert bench._compiled_host_line(info).endswith(
-        "compiled and prepared in 2.5 s; its graph: 188 tasks, 2 streams, 1 syncs")
+        "compiled and prepared in 2.5 s; its graph: 188 tasks, 2 streams, 1 syncs, priorities "
+        "on, 1 phases backfilled, 0 programmatic edges")

@@ -169,7 +169,7 @@ def _prepare_on_inductor(model, x, info: dict, step: Callable[[str], None]) -> d
                         "sync_edges": len(multi.schedule.sync_edges),
                         "width": multi.schedule.width,
                         "triton_launches": multi.graph.meta.get("triton_launches", 0),
-                        "arena_mb": multi.memplan.arena_bytes / 2**20}
+                        "arena_mb": multi.memplan.arena_bytes / 2**20, **_choices(multi)}
     return {"nimble+inductor multi": multi, "nimble+inductor single": single}
 
 
@@ -204,8 +204,25 @@ def _graph_shapes(regions) -> list[dict]:
             if nm is not None:
                 shapes.append({"tasks": len(nm.graph.tasks),
                                "streams": len(nm.schedule.streams),
-                               "sync_edges": len(nm.schedule.sync_edges)})
+                               "sync_edges": len(nm.schedule.sync_edges), **_choices(nm)})
     return shapes
+
+
+def _choices(nm) -> dict:
+    """What the prepare measured and kept (two prepares of the same kernels may keep
+    different ones): node priorities, late edges backfilled, programmatic edges."""
+    engine = nm.engine
+    return {"priorities": engine.priorities is not None,
+            "backfilled": sum(p.kept is not None for p in engine.backfill),
+            "programmatic": len(engine.programmatic)}
+
+
+def _choices_text(g: dict, lead: str) -> str:
+    """:func:`_choices`' record said after ``lead``; nothing for a record without it."""
+    if "priorities" not in g:
+        return ""
+    return (f"{lead}priorities {'on' if g['priorities'] else 'off'}, {g['backfilled']} phases "
+            f"backfilled, {g['programmatic']} programmatic edges")
 
 
 def _prepare_variants(model, x, args, info: dict) -> dict:
@@ -369,7 +386,7 @@ def format_model(info: dict) -> str:
                    f"launches), width {ind['width']}, {ind['streams']} streams, "
                    f"{ind['sync_edges']} syncs, arena {ind['arena_mb']:.1f} MB; compile "
                    f"{info['inductor_compile_seconds']:.1f} s, then prepare "
-                   f"{info['inductor_prepare_seconds']:.2f} s")
+                   f"{info['inductor_prepare_seconds']:.2f} s{_choices_text(ind, '; ')}")
     if "host_us_compiled" in info:
         out.append(_compiled_host_line(info))
     if "trace" in info:
@@ -396,7 +413,8 @@ def _compiled_host_line(info: dict) -> str:
             f"{host[BACKEND_ROW]:.1f}, nimble+inductor multi {host['nimble+inductor multi']:.1f}"
             f"; backend=nimble compiled and prepared in {info['backend_seconds']:.1f} s"
             + "".join(f"; its graph: {g['tasks']} tasks, {g['streams']} streams, "
-                      f"{g['sync_edges']} syncs" for g in info.get("backend_graphs", ())))
+                      f"{g['sync_edges']} syncs{_choices_text(g, ', ')}"
+                      for g in info.get("backend_graphs", ())))
 
 
 def _limits_line(lim: dict, over_path: float | None, over_tightest: float | None) -> str:
