@@ -165,11 +165,9 @@ def _prepare_on_inductor(model, x, info: dict, step: Callable[[str], None]) -> d
     info["inductor_prepare_seconds"] = time.perf_counter() - t0
     single = nimble.Nimble(compiled).prepare(
         x, use_multi_stream=False, options=nimble.PrepareOptions(recording=multi.recording))
-    info["inductor"] = {"tasks": len(multi.graph.tasks), "streams": len(multi.schedule.streams),
-                        "sync_edges": len(multi.schedule.sync_edges),
-                        "width": multi.schedule.width,
+    info["inductor"] = {**_graph_record(multi), "width": multi.schedule.width,
                         "triton_launches": multi.graph.meta.get("triton_launches", 0),
-                        "arena_mb": multi.memplan.arena_bytes / 2**20, **_choices(multi)}
+                        "arena_mb": multi.memplan.arena_bytes / 2**20}
     return {"nimble+inductor multi": multi, "nimble+inductor single": single}
 
 
@@ -195,30 +193,27 @@ def _on_backend(model, x, info: dict, step: Callable[[str], None]) -> dict:
 
 
 def _graph_shapes(regions) -> list[dict]:
-    """Tasks, streams and synchronizations of each Nimble graph the regions prepared, to set
-    beside ``nimble+inductor``'s: the same kernels should give the same schedule."""
-    shapes = []
-    for region in regions:
-        for run in region.runs.values():
-            nm = getattr(run, "launch", None)
-            if nm is not None:
-                shapes.append({"tasks": len(nm.graph.tasks),
-                               "streams": len(nm.schedule.streams),
-                               "sync_edges": len(nm.schedule.sync_edges), **_choices(nm)})
-    return shapes
+    """:func:`_graph_record` of each Nimble graph the regions prepared, to set beside
+    ``nimble+inductor``'s: the same kernels should give the same schedule."""
+    return [_graph_record(run.launch) for region in regions for run in region.runs.values()
+            if getattr(run, "launch", None) is not None]
 
 
-def _choices(nm) -> dict:
-    """What the prepare measured and kept (two prepares of the same kernels may keep
-    different ones): node priorities, late edges backfilled, programmatic edges."""
+def _graph_record(nm) -> dict:
+    """A prepared graph's tasks, streams and synchronizations, and what its prepare measured
+    and kept (two prepares of the same kernels may keep different ones): node priorities,
+    late edges backfilled, programmatic edges."""
     engine = nm.engine
-    return {"priorities": engine.priorities is not None,
+    return {"tasks": len(nm.graph.tasks), "streams": len(nm.schedule.streams),
+            "sync_edges": len(nm.schedule.sync_edges),
+            "priorities": engine.priorities is not None,
             "backfilled": sum(p.kept is not None for p in engine.backfill),
             "programmatic": len(engine.programmatic)}
 
 
 def _choices_text(g: dict, lead: str) -> str:
-    """:func:`_choices`' record said after ``lead``; nothing for a record without it."""
+    """:func:`_graph_record`'s kept choices said after ``lead``; nothing for a record without
+    them."""
     if "priorities" not in g:
         return ""
     return (f"{lead}priorities {'on' if g['priorities'] else 'off'}, {g['backfilled']} phases "
