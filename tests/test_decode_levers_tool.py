@@ -99,3 +99,12 @@ def test_the_summary_line_holds_both_rows_and_their_ratio():
     assert "differ 1/1 tie" in line
     assert tool.line({"variant": "base", "error": "RuntimeError: x"}) == \
         "base: RuntimeError: x"
+
+
+def test_a_variants_gemv_margin_is_the_librarys_for_its_prologues_unless_it_names_one():
+    from nimble.fast_gemv import MARGIN, PROLOGUE_MARGIN
+
+    assert tool.gemv_margin(tool.variant("coordinate+gemv")) == MARGIN
+    assert tool.gemv_margin(tool.variant("coordinate+gemv-prologues")) == PROLOGUE_MARGIN
+    assert tool.gemv_margin(tool.variant("gemv-margin-3+gemv-prologues")) == 0.03
+    assert tool.gemv_margin(tool.variant("gemv-within-10+gemv")) == -0.10

@@ -146,6 +146,28 @@ def test_the_bench_lever_is_off_unless_asked():
     assert "fast_gemv" not in info
 
 
+def test_the_bench_keeps_a_gemv_within_the_prologue_margin_only_where_it_folds(monkeypatch):
+    from nimble.cli.generate_levers import add_lever_arguments, gemv_if_asked
+
+    margins = []
+    monkeypatch.setattr(fg, "fast_gemv", lambda model, margin: margins.append(margin) or [])
+    p = argparse.ArgumentParser()
+    add_lever_arguments(p)
+    gemv_if_asked(Block(), p.parse_args(["--fast-gemv"]), {})
+    gemv_if_asked(Block(), p.parse_args(["--fast-gemv", "--gemv-prologues"]), {})
+    assert margins == [fg.MARGIN, fg.PROLOGUE_MARGIN] and fg.PROLOGUE_MARGIN < 0 < fg.MARGIN
+
+
+def test_a_gemv_slower_than_torch_within_a_negative_margin_is_kept(stand_in_gemv):
+    model = nn.Sequential(nn.Linear(16, 8))
+    table = {(8, 16): {None: 5.0, FAST: 5.4}}  # the GEMV 8% slower than torch's GEMM
+    fg.fast_gemv(model, time=timer(table), configs=(FAST,))
+    assert type(model[0]) is nn.Linear
+    [choice] = fg.fast_gemv(model, time=timer(table), configs=(FAST,),
+                            margin=fg.PROLOGUE_MARGIN)
+    assert choice.config == FAST and type(model[0]) is fg.GemvLinear
+
+
 def test_a_weight_whose_rows_are_not_contiguous_is_left_to_torch(stand_in_gemv):
     model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 16))
     with torch.no_grad():

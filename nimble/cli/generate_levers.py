@@ -51,7 +51,8 @@ def add_lever_arguments(p) -> None:
                    help="--generate: every row that compiles (the baseline too) compiled with "
                         "nimble.gemv_prologue_pass, under which a GEMV fed by an RMS norm or a "
                         "gated activation computes that vector itself, one kernel fewer each "
-                        "(with --fast-gemv, whose GEMVs it folds into)")
+                        "(with --fast-gemv, whose GEMVs it folds into, each kept within 10%% "
+                        "of torch's GEMM: nimble.fast_gemv.PROLOGUE_MARGIN)")
     p.add_argument("--decode-attention", action="store_true",
                    help="--generate: every row on the model whose single-query attention runs "
                         "nimble::decode_attention, one kernel over the cache's key-value heads "
@@ -164,7 +165,8 @@ def fuse_if_asked(model, args, info: dict) -> None:
 def gemv_if_asked(model, args, info: dict) -> None:
     """With ``--fast-gemv``, ``model``'s single-row GEMMs given the GEMV where it measured
     faster (after any fusion, whose groups it reaches), before any row runs: what was measured
-    per weight shape in ``info["fast_gemv"]``."""
+    per weight shape in ``info["fast_gemv"]``.  With ``--gemv-prologues`` too, a GEMV is kept
+    within :data:`~nimble.fast_gemv.PROLOGUE_MARGIN` of torch's GEMM, as the folds pay for it."""
     if not getattr(args, "fast_gemv", False):
         if getattr(args, "gemv_prologues", False):
             from ..errors import InputError
@@ -172,9 +174,10 @@ def gemv_if_asked(model, args, info: dict) -> None:
             raise InputError("--gemv-prologues folds norms and activations into the GEMVs "
                              "--fast-gemv gives a model: add --fast-gemv")
         return
-    from ..fast_gemv import fast_gemv
+    from ..fast_gemv import MARGIN, PROLOGUE_MARGIN, fast_gemv
 
-    info["fast_gemv"] = [choice.describe() for choice in fast_gemv(model)]
+    margin = PROLOGUE_MARGIN if getattr(args, "gemv_prologues", False) else MARGIN
+    info["fast_gemv"] = [choice.describe() for choice in fast_gemv(model, margin=margin)]
 
 
 def attention_if_asked(model, args, info: dict) -> None:

@@ -19,8 +19,11 @@ weight prefetch into the L2, Nimble's own, every plan timed; ``window-prefetch``
 ``wide-split`` (the attention's split aiming for twice
 :data:`nimble.decode_attention.TARGET_PROGRAMS`: at batch 8 the kernel alone is faster with 4
 programs a head than the rule's 3), ``gemv-within-10`` (``gemv``, a shape's GEMV kept where it is
-at most 10% slower than torch's GEMM), ``gemv-prologues`` (``gemv``, and each GEMV fed by an RMS
-norm or a gated activation computing that vector itself: :mod:`nimble.gemv_prologue_pass`),
+at most 10% slower than torch's GEMM), ``gemv-margin-3`` (``gemv``, kept only where 3% faster:
+:data:`nimble.fast_gemv.MARGIN`, the default without prologues), ``gemv-prologues`` (``gemv``,
+and each GEMV fed by an RMS norm or a gated activation computing that vector itself:
+:mod:`nimble.gemv_prologue_pass`; its GEMVs kept within
+:data:`nimble.fast_gemv.PROLOGUE_MARGIN`),
 ``joined-attention`` (``gemv-prologues`` and ``attention``, the attention's split joined by the
 output projection's GEMV as it reads it), ``rope-attention`` (``attention``, its rotary embedding
 and cache read in the attention kernel: :mod:`nimble.attention_rope_pass`; ``rope-writes-after``
@@ -56,7 +59,8 @@ class Variant:
     inductor: dict  # torch._inductor.config settings around both rows' compilations
     prefetch_l2: bool | str = False  # PrepareOptions(prefetch_l2=...): Nimble's own
     fast_gemv: bool = False  # nimble.fast_gemv on the model, before both rows
-    gemv_margin: float = 0.03  # fast_gemv's margin (nimble.fast_gemv.MARGIN)
+    # fast_gemv's margin; None: nimble.fast_gemv.PROLOGUE_MARGIN with gemv_prologues, else MARGIN
+    gemv_margin: float | None = None
     decode_attention: bool = False  # nimble.decode_attention on the model, before both rows
     single_stream: bool = False  # the Generator's steps prepared with use_multi_stream=False
     plain_argmax: bool = False  # both rows' argmax one reduction (no decode_steps.split_argmax)
@@ -100,6 +104,7 @@ LEVERS = {
     "wide-split": {"decode_attention": True, "wide_split": True},
     "gemv-prologues": {"fast_gemv": True, "gemv_prologues": True},
     "gemv-within-10": {"fast_gemv": True, "gemv_margin": -0.10},
+    "gemv-margin-3": {"fast_gemv": True, "gemv_margin": 0.03},
     "joined-attention": {"fast_gemv": True, "gemv_prologues": True, "decode_attention": True,
                          "join_attention": True},
     "rope-attention": {"decode_attention": True, "rope_attention": True},
@@ -122,6 +127,16 @@ def variant(name: str) -> Variant:
             raise KeyError(lever)
         fields.update(LEVERS[lever])
     return Variant(**fields)
+
+
+def gemv_margin(lever: Variant) -> float:
+    """The margin ``fast_gemv`` keeps a GEMV by under ``lever``: its own, else the library's
+    for a model whose GEMVs get their prologues folded in or not."""
+    from nimble.fast_gemv import MARGIN, PROLOGUE_MARGIN
+
+    if lever.gemv_margin is not None:
+        return lever.gemv_margin
+    return PROLOGUE_MARGIN if lever.gemv_prologues else MARGIN
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -198,14 +213,15 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
 
     lever = variant(name)
     out: dict = {"variant": name, "settings": dataclasses.asdict(lever)}
-    if lever.fast_gemv and ("fast_gemv", lever.gemv_margin) not in swapped:
+    margin = gemv_margin(lever)
+    if lever.fast_gemv and ("fast_gemv", margin) not in swapped:
         from nimble.fast_gemv import fast_gemv
 
-        out["fast_gemv"] = [c.describe() for c in fast_gemv(model, margin=lever.gemv_margin)]
+        out["fast_gemv"] = [c.describe() for c in fast_gemv(model, margin=margin)]
         # for good: the variants after it run on the swapped layers (chosen again where a
         # variant asks for another margin)
         swapped.clear()
-        swapped.add(("fast_gemv", lever.gemv_margin))
+        swapped.add(("fast_gemv", margin))
     undo = []
     if lever.decode_attention:
         from nimble.decode_attention import decode_attention
