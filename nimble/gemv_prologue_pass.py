@@ -348,7 +348,9 @@ def fusing(join_attention: bool = False, rope_attention: bool = False) -> Iterat
     yields the pass, whose ``runs`` say what it folded in each graph.  ``join_attention``
     also folds the join of a split ``nimble::decode_attention`` into the GEMV that reads it,
     ``rope_attention`` the rotary embedding and the cache read into the attention
-    (:mod:`nimble.attention_rope_pass`); neither measured on a GPU yet: off unless asked."""
+    (:mod:`nimble.attention_rope_pass`).  Both off unless asked: on the 1B Llama shape the join
+    measured slower, the rotary fold faster (docs/results.md), and
+    :func:`nimble.fast_decoding.fast_generator` asks for it."""
     import torch._inductor.config as inductor_config
 
     the_pass = make_pass(inductor_config.post_grad_custom_post_pass, join_attention,

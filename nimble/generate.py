@@ -160,6 +160,9 @@ class Generator:
     #: Groups of sibling projections made one GEMM by ``fuse_projections=True`` (None: not
     #: asked for, or a Generator loaded from a file).
     fused_projections: int | None = None
+    #: What :func:`nimble.fast_decoding.fast_generator` did to the model and its compilation
+    #: (a :class:`~nimble.fast_decoding.DecodeLevers`; None: a Generator built otherwise).
+    levers: Any = None
 
     def __init__(self, model, max_cache_len: int, prompt_buckets: Sequence[int],
                  batch_sizes: Sequence[int] = (1,), prepare_step: PrepareStep | None = None,

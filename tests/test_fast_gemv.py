@@ -158,6 +158,26 @@ def test_the_bench_keeps_a_gemv_within_the_prologue_margin_only_where_it_folds(m
     assert margins == [fg.MARGIN, fg.PROLOGUE_MARGIN] and fg.PROLOGUE_MARGIN < 0 < fg.MARGIN
 
 
+def test_the_bench_folds_the_rotary_embedding_only_beside_the_attention_kernel(monkeypatch):
+    from nimble.cli.generate_levers import (add_lever_arguments, check_lever_arguments,
+                                            gemv_if_asked, inductor_settings)
+
+    p = argparse.ArgumentParser()
+    add_lever_arguments(p)
+    with pytest.raises(InputError, match="add --decode-attention"):
+        check_lever_arguments(p.parse_args(["--rope-attention"]))
+    args = p.parse_args(["--fast-gemv", "--decode-attention", "--rope-attention"])
+    check_lever_arguments(args)
+    assert inductor_settings(args)["post_grad_custom_post_pass"].rope_attention
+    assert not inductor_settings(p.parse_args(["--gemv-prologues"]))[
+        "post_grad_custom_post_pass"].rope_attention
+    assert "post_grad_custom_post_pass" not in inductor_settings(p.parse_args([]))
+    margins = []
+    monkeypatch.setattr(fg, "fast_gemv", lambda model, margin: margins.append(margin) or [])
+    gemv_if_asked(Block(), args, {})  # the rotary fold runs the prologue folds too
+    assert margins == [fg.PROLOGUE_MARGIN]
+
+
 def test_a_gemv_slower_than_torch_within_a_negative_margin_is_kept(stand_in_gemv):
     model = nn.Sequential(nn.Linear(16, 8))
     table = {(8, 16): {None: 5.0, FAST: 5.4}}  # the GEMV 8% slower than torch's GEMM

@@ -55,7 +55,8 @@ from .common import Fail, one_line, positive_int, require_gpu
 from .decode_loop import compiled_loop
 from .decoders import CAUSAL_LMS, causal_lm
 from .generate_levers import (add_lever_arguments, attention_if_asked, cache_length,
-                              compiled_under, fuse_if_asked, gemv_if_asked, nimble_generators)
+                              check_lever_arguments, compiled_under, fuse_if_asked,
+                              gemv_if_asked, nimble_generators)
 from .harness import Case, Column, Outcome, format_table, run_cases, write_results
 from .output import outputs
 from ..progress import say
@@ -304,6 +305,7 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
                   "baseline": BASELINE, "modes": {},
                   "show_breakdown": bool(getattr(args, "breakdown", False)),
                   "sdpa_backends": getattr(args, "sdpa_backends", None)}
+    check_lever_arguments(args)
     fuse_if_asked(model, args, info)
     gemv_if_asked(model, args, info)
     attention_if_asked(model, args, info)

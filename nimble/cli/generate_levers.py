@@ -53,6 +53,11 @@ def add_lever_arguments(p) -> None:
                         "gated activation computes that vector itself, one kernel fewer each "
                         "(with --fast-gemv, whose GEMVs it folds into, each kept within 10%% "
                         "of torch's GEMM: nimble.fast_gemv.PROLOGUE_MARGIN)")
+    p.add_argument("--rope-attention", action="store_true",
+                   help="--generate: with --decode-attention, every row that compiles compiled "
+                        "with nimble.gemv_prologue_pass folding each layer's rotary embedding "
+                        "and cache read into the attention kernel too (the folds of "
+                        "--gemv-prologues included)")
     p.add_argument("--decode-attention", action="store_true",
                    help="--generate: every row on the model whose single-query attention runs "
                         "nimble::decode_attention, one kernel over the cache's key-value heads "
@@ -127,11 +132,27 @@ def inductor_settings(args) -> dict:
     settings = {key: True for key, flag in (("coordinate_descent_tuning", "coordinate_descent"),
                                             ("combo_kernels", "combo_kernels"))
                 if getattr(args, flag, False)}
-    if getattr(args, "gemv_prologues", False):
+    if folds_asked(args):
         from ..gemv_prologue_pass import make_pass
 
-        settings["post_grad_custom_post_pass"] = make_pass()
+        settings["post_grad_custom_post_pass"] = make_pass(
+            rope_attention=bool(getattr(args, "rope_attention", False)))
     return settings
+
+
+def folds_asked(args) -> bool:
+    """Whether the rows compile with the fold pass: ``--gemv-prologues`` or
+    ``--rope-attention``."""
+    return bool(getattr(args, "gemv_prologues", False) or getattr(args, "rope_attention", False))
+
+
+def check_lever_arguments(args) -> None:
+    """The lever flags that need another, refused before any lever changes the model."""
+    from ..errors import InputError
+
+    if getattr(args, "rope_attention", False) and not getattr(args, "decode_attention", False):
+        raise InputError("--rope-attention folds the rotary embedding into the attention "
+                         "kernel of --decode-attention: add --decode-attention")
 
 
 def compiled_under(run, args):
@@ -165,8 +186,9 @@ def fuse_if_asked(model, args, info: dict) -> None:
 def gemv_if_asked(model, args, info: dict) -> None:
     """With ``--fast-gemv``, ``model``'s single-row GEMMs given the GEMV where it measured
     faster (after any fusion, whose groups it reaches), before any row runs: what was measured
-    per weight shape in ``info["fast_gemv"]``.  With ``--gemv-prologues`` too, a GEMV is kept
-    within :data:`~nimble.fast_gemv.PROLOGUE_MARGIN` of torch's GEMM, as the folds pay for it."""
+    per weight shape in ``info["fast_gemv"]``.  With the folds (:func:`folds_asked`), a GEMV
+    is kept within :data:`~nimble.fast_gemv.PROLOGUE_MARGIN` of torch's GEMM, as the folds pay
+    for it."""
     if not getattr(args, "fast_gemv", False):
         if getattr(args, "gemv_prologues", False):
             from ..errors import InputError
@@ -176,7 +198,7 @@ def gemv_if_asked(model, args, info: dict) -> None:
         return
     from ..fast_gemv import MARGIN, PROLOGUE_MARGIN, fast_gemv
 
-    margin = PROLOGUE_MARGIN if getattr(args, "gemv_prologues", False) else MARGIN
+    margin = PROLOGUE_MARGIN if folds_asked(args) else MARGIN
     info["fast_gemv"] = [choice.describe() for choice in fast_gemv(model, margin=margin)]
 
 
