@@ -108,3 +108,20 @@ def test_a_variants_gemv_margin_is_the_librarys_for_its_prologues_unless_it_name
     assert tool.gemv_margin(tool.variant("coordinate+gemv-prologues")) == PROLOGUE_MARGIN
     assert tool.gemv_margin(tool.variant("gemv-margin-3+gemv-prologues")) == 0.03
     assert tool.gemv_margin(tool.variant("gemv-within-10+gemv")) == -0.10
+
+
+def test_the_tuners_picks_are_caught_by_kernel_and_the_slowest_listed():
+    import logging
+
+    logger = logging.getLogger(tool.TUNER_LOGGER)
+    level, propagate = logger.level, logger.propagate
+    with tool.tuner_picks() as picks:
+        logger.debug("= Do coordinate descent tuning for %s =", "k1")
+        for name, best, ms in (("k1", "XBLOCK: 4", 0.0276), ("k2", "XBLOCK: 1", 0.0091),
+                               ("k1", "XBLOCK: 16", 0.0295)):
+            logger.debug("%s: Improve from %s %f -> %s %f, %.3fx", name, "XBLOCK: 2", 0.046,
+                         best, ms, 0.046 / ms)
+    logger.debug("%s: Improve from %s %f -> %s %f, %.3fx", "k3", "a", 1.0, "b", 0.5, 2.0)
+    assert picks == {"k1": ("XBLOCK: 16", 0.0295), "k2": ("XBLOCK: 1", 0.0091)}
+    assert (logger.level, logger.propagate) == (level, propagate)
+    assert tool.slowest_picks(picks, 1) == ["k1: XBLOCK: 16 (29.5 µs alone)"]

@@ -1,7 +1,9 @@
 """Decode-step levers side by side in one process (issue 53): per variant, the compiled tight
 loop (gpt-fast's baseline, compiled under the same Inductor settings) and a Generator on
 Inductor's kernels, ms per token, the share of the copy bandwidth, the tokens against
-transformers' greedy ones, and where the Generator's decode step spends its time.
+transformers' greedy ones, where the Generator's decode step spends its time, and what
+Inductor's coordinate-descent tuning picked for the kernels slowest alone (``--top-picks``: two
+compilations of one variant differ by those picks).
 
     python3 tools/experiments/decode_levers.py --variants base,prefetch,coordinate,gemv
 
@@ -150,6 +152,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", default="base,prefetch,coordinate,gemv")
     p.add_argument("--no-fuse", action="store_true")
     p.add_argument("--top", type=int, default=14, help="kernel names shown per breakdown")
+    p.add_argument("--top-picks", type=int, default=4,
+                   help="Inductor's coordinate-descent picks shown per variant (the kernels "
+                        "slowest alone)")
     p.add_argument("--json", default=None)
     p.add_argument("--traces", type=Path, default=None,
                    help="a folder for each variant's traced decode step (a Chrome trace "
@@ -346,6 +351,48 @@ def line(r: dict) -> str:
             f"  x loop {ratio:.3f}" if ratio else f"{r['variant']}: {r.get('error')}")
 
 
+#: The logger of Inductor's coordinate-descent tuner, and the start of its message for a
+#: kernel's final pick (``name, baseline, its µs, the pick, its µs, the ratio``).
+TUNER_LOGGER = "torch._inductor.runtime.coordinate_descent_tuner"
+PICK_MESSAGE = "%s: Improve from"
+
+
+@contextlib.contextmanager
+def tuner_picks():
+    """The configuration each kernel's coordinate-descent tuning picked inside the block, and
+    its ms timed alone, by kernel name (the last pick where a name is tuned twice): what moves
+    a variant's step between compilations.  The tuner's other messages are dropped while it
+    runs, unless asked for with ``TORCH_LOGS``."""
+    import logging
+
+    picks: dict = {}
+
+    class Picks(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if str(record.msg).startswith(PICK_MESSAGE) and len(record.args or ()) >= 5:
+                name, _, _, best, best_ms = record.args[:5]
+                picks[str(name)] = (str(best), float(best_ms))
+
+    logger = logging.getLogger(TUNER_LOGGER)
+    handler, level, propagate = Picks(logging.DEBUG), logger.level, logger.propagate
+    logger.addHandler(handler)
+    if not logger.isEnabledFor(logging.DEBUG):  # not asked for: to this handler alone
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False
+    try:
+        yield picks
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def slowest_picks(picks: dict, count: int) -> list[str]:
+    """The ``count`` kernels whose picks took longest alone, a line each."""
+    ranked = sorted(picks.items(), key=lambda kv: -kv[1][1])[:count]
+    return [f"{name}: {config} ({ms * 1e3:.1f} µs alone)" for name, (config, ms) in ranked]
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     import torch
@@ -368,7 +415,9 @@ def main(argv=None) -> int:
         print(f"--- {name} ({args.model} {args.dtype}, batch {args.batch}, {fused} fused "
               "groups)", flush=True)
         try:
-            r = run_variant(name, model, args, copy, prompts, ref, swapped)
+            with tuner_picks() as picks:
+                r = run_variant(name, model, args, copy, prompts, ref, swapped)
+            r["tuner_picks"] = picks
         except Exception as e:  # noqa: BLE001 - the other variants still run
             r = {"variant": name, "error": one_line(e)}
         results.append(r)
@@ -383,6 +432,8 @@ def main(argv=None) -> int:
             print(f"  programmatic: {p}", flush=True)
         for folded in r.get("gemv_prologues") or ():
             print(f"  gemv prologues: {folded}", flush=True)
+        for pick in slowest_picks(r.get("tuner_picks") or {}, args.top_picks):
+            print(f"  tuned: {pick}", flush=True)
     print("=== summary")
     for r in results:
         print(line(r))
