@@ -178,6 +178,22 @@ def test_the_bench_folds_the_rotary_embedding_only_beside_the_attention_kernel(m
     assert margins == [fg.PROLOGUE_MARGIN]
 
 
+def test_all_levers_are_the_fast_generators():
+    from nimble import fast_decoding
+    from nimble.cli.generate_levers import (ALL_LEVERS, add_lever_arguments,
+                                            check_lever_arguments, inductor_settings)
+
+    p = argparse.ArgumentParser()
+    add_lever_arguments(p)
+    args = p.parse_args(["--all-levers"])
+    check_lever_arguments(args)
+    assert all(getattr(args, flag) is True for flag in ALL_LEVERS)
+    settings = inductor_settings(args)
+    assert {k: settings[k] for k in fast_decoding.INDUCTOR_SETTINGS} == \
+        fast_decoding.INDUCTOR_SETTINGS
+    assert settings["post_grad_custom_post_pass"].rope_attention
+
+
 def test_a_gemv_slower_than_torch_within_a_negative_margin_is_kept(stand_in_gemv):
     model = nn.Sequential(nn.Linear(16, 8))
     table = {(8, 16): {None: 5.0, FAST: 5.4}}  # the GEMV 8% slower than torch's GEMM

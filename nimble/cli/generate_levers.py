@@ -53,6 +53,11 @@ def add_lever_arguments(p) -> None:
                         "gated activation computes that vector itself, one kernel fewer each "
                         "(with --fast-gemv, whose GEMVs it folds into, each kept within 10%% "
                         "of torch's GEMM: nimble.fast_gemv.PROLOGUE_MARGIN)")
+    p.add_argument("--all-levers", action="store_true",
+                   help="--generate: every lever below that measured faster on the 1B Llama "
+                        "shape, as nimble.fast_decoding.fast_generator applies them: "
+                        "--fuse-projections --fast-gemv --gemv-prologues --decode-attention "
+                        "--rope-attention --coordinate-descent --combo-kernels")
     p.add_argument("--rope-attention", action="store_true",
                    help="--generate: with --decode-attention, every row that compiles compiled "
                         "with nimble.gemv_prologue_pass folding each layer's rotary embedding "
@@ -146,10 +151,19 @@ def folds_asked(args) -> bool:
     return bool(getattr(args, "gemv_prologues", False) or getattr(args, "rope_attention", False))
 
 
+#: The flags ``--all-levers`` sets: :func:`nimble.fast_decoding.fast_generator`'s levers.
+ALL_LEVERS = ("fuse_projections", "fast_gemv", "gemv_prologues", "decode_attention",
+              "rope_attention", "coordinate_descent", "combo_kernels")
+
+
 def check_lever_arguments(args) -> None:
-    """The lever flags that need another, refused before any lever changes the model."""
+    """``--all-levers`` made the flags it stands for; the lever flags that need another
+    refused, before any lever changes the model."""
     from ..errors import InputError
 
+    if getattr(args, "all_levers", False):
+        for flag in ALL_LEVERS:
+            setattr(args, flag, True)
     if getattr(args, "rope_attention", False) and not getattr(args, "decode_attention", False):
         raise InputError("--rope-attention folds the rotary embedding into the attention "
                          "kernel of --decode-attention: add --decode-attention")
