@@ -41,7 +41,7 @@ def prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE: tl.constexp
 def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stride_w, eps,
                          PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          NORM_BLOCK: tl.constexpr, WAITS: tl.constexpr,
-                         LATE: tl.constexpr):
+                         LATE: tl.constexpr, AHEAD: tl.constexpr = 1):
     dt = a_ptr.dtype.element_ty
     if WAITS and not LATE:  # behind a programmatic edge: the next kernel may launch now
         tl.extra.cuda.gdc_launch_dependents()
@@ -55,6 +55,11 @@ def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stri
     # sums its own
     rows = tl.program_id(0) * BLOCK_N + r
     w = weight_tile(w_ptr, rows, rows < N, c, c < K, stride_w)
+    steps = tl.cdiv(K, BLOCK_K)
+    if AHEAD == 2:  # the walk's second tile too: this block's next columns, else the next block
+        rows1 = rows + (1 // steps) * programs * BLOCK_N
+        cols1 = (1 % steps) * BLOCK_K + c
+        w1 = weight_tile(w_ptr, rows1, rows1 < N, cols1, cols1 < K, stride_w)
     if WAITS:  # the weight is a constant of the graph; the inputs are the predecessor's
         tl.extra.cuda.gdc_wait()
     rs = 1.0
@@ -81,14 +86,23 @@ def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stri
         for k in range(0, K, BLOCK_K):
             cols = k + c
             col_ok = cols < K
-            ahead = k + BLOCK_K < K
-            next_rows = tl.where(ahead, rows, rows + programs * BLOCK_N)
-            next_cols = tl.where(ahead, k + BLOCK_K, 0) + c
+            if AHEAD == 2:  # the tile two steps on in the walk, wherever it falls
+                step = k // BLOCK_K + 2
+                next_rows = rows + (step // steps) * programs * BLOCK_N
+                next_cols = (step % steps) * BLOCK_K + c
+            else:
+                ahead = k + BLOCK_K < K
+                next_rows = tl.where(ahead, rows, rows + programs * BLOCK_N)
+                next_cols = tl.where(ahead, k + BLOCK_K, 0) + c
             w_next = weight_tile(w_ptr, next_rows, next_rows < N, next_cols, next_cols < K,
                                  stride_w)
             x = prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE)
             acc += w.to(tl.float32) * x[None, :].to(tl.float32)
-            w = w_next
+            if AHEAD == 2:
+                w = w1
+                w1 = w_next
+            else:
+                w = w_next
         if WAITS and LATE:  # kernel_waits.LAUNCH_DEPENDENTS_LATE: at its last block, once
             if block + programs >= blocks:  # its weight is read
                 tl.extra.cuda.gdc_launch_dependents()

@@ -39,6 +39,10 @@ RMSNORM, ADD_RMSNORM, SILU_GATED = 0, 1, 2
 #: the weight's row blocks grid-stride, each computing the norm once rather than once per block
 #: (a tall weight, the gate-up projection or the LM head, is several waves of blocks).
 PROGRAMS_PER_SM = 4
+#: Weight tiles each program has asked for ahead of the one it sums (1 or 2): with 2, twice
+#: the bytes in flight per program, the same loads in the same order of sums (the same bits).
+#: 1 until measured (``tools/experiments/decode_levers.py``'s ``two-ahead``).
+TILES_AHEAD = 1
 #: The widest step of the norm's pass over the input (one step up to this many elements: its
 #: latency comes once, before the GEMV's first sums).
 MAX_NORM_BLOCK = 8192
@@ -65,11 +69,12 @@ def programs(blocks: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM) -
 
 def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
            norm_weight: Optional[torch.Tensor], eps: float, weight: torch.Tensor,
-           config: GemvConfig, grid: int | None = None
+           config: GemvConfig, grid: int | None = None, ahead: int | None = None
            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``weight @ prologue(a, b)`` for vectors ``a`` (and ``b``) of ``in_features`` elements,
     on the current stream; with :data:`ADD_RMSNORM` also ``a + b``, else None.  ``grid``: the
-    programs to launch (default :func:`programs`), each walking the row blocks grid-stride."""
+    programs to launch (default :func:`programs`), each walking the row blocks grid-stride;
+    ``ahead``: the tiles asked for ahead (default :data:`TILES_AHEAD`)."""
     import triton
 
     n, k = weight.shape
@@ -83,8 +88,8 @@ def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
         a, b, nw, weight, y, a if total is None else total, n, k, weight.stride(0), eps,
         PROLOGUE=prologue, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NORM_BLOCK=min(triton.next_power_of_2(k), MAX_NORM_BLOCK), WAITS=waits(a.device),
-        LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, num_warps=config.warps,
-        num_stages=config.stages)
+        LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, AHEAD=ahead or TILES_AHEAD,
+        num_warps=config.warps, num_stages=config.stages)
     return y, total
 
 

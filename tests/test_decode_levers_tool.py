@@ -29,7 +29,8 @@ def test_a_variants_name_joins_the_levers_it_sets():
                  "whole-cache+rope-attention+coordinate+gemv-prologues",
                  "lead-timing+programmatic+coordinate+gemv-prologues",
                  "late-trigger+programmatic+rope-attention+coordinate+gemv-prologues",
-                 "early-trigger+programmatic+rope-attention+coordinate+gemv-prologues"):
+                 "early-trigger+programmatic+rope-attention+coordinate+gemv-prologues",
+                 "two-ahead+programmatic+rope-attention+coordinate+gemv-prologues"):
         variant = tool.variant(name)
         assert variant.inductor.get("combo_kernels") is True, name
         assert ("coordinate" in name) == bool(variant.inductor.get(
@@ -61,6 +62,7 @@ def test_a_variants_name_joins_the_levers_it_sets():
         assert ("rope-writes-after" in name) == variant.rope_writes_after, name
         assert ("wide-split" in name) == variant.wide_split, name
         assert any(w in name for w in ("prologues", "joined")) == variant.gemv_prologues, name
+        assert ("two-ahead" in name) == variant.two_ahead, name
     with pytest.raises(KeyError):
         tool.variant("attention+warp")
 

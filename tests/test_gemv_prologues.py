@@ -34,6 +34,7 @@ def test_the_kernel_computes_each_prologue_then_the_gemv(interpreted):
         assert r["shape_ok"] and r["error"] < limit, (name, r)
         # the residual sum the layer reads on is the model's sum, bit for bit
         assert r["total_same"] in ((True,) if name.startswith("add_") else (None,)), (name, r)
+        assert r["two_ahead_same"], (name, r)
 
 
 def test_the_gemv_joins_the_attentions_split_as_the_join_kernel_does(interpreted):
@@ -306,13 +307,14 @@ def test_the_kernels_compile_for_a_hopper_gpu_on_a_machine_without_one():
 
     pointers = {name: "*bf16" for name in ("a_ptr", "b_ptr", "nw_ptr", "w_ptr", "y_ptr",
                                            "sum_ptr")}
-    for prologue in (0, 1, 2):
+    for prologue, ahead in ((0, 1), (1, 1), (2, 1), (1, 2), (2, 2)):
         ptx = compiled(kernels.gemv_prologue_kernel,
                        {**pointers, "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32",
                         "PROLOGUE": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                        "NORM_BLOCK": "constexpr", "WAITS": "constexpr", "LATE": "constexpr"},
+                        "NORM_BLOCK": "constexpr", "WAITS": "constexpr", "LATE": "constexpr",
+                        "AHEAD": "constexpr"},
                        {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024, "NORM_BLOCK": 2048,
-                        "WAITS": True, "LATE": False})
+                        "WAITS": True, "LATE": False, "AHEAD": ahead})
         assert "gemv_prologue_kernel" in ptx
     ptx = compiled(kernels.gemv_joined_kernel,
                    {"part_ptr": "*fp32", "stat_ptr": "*fp32", "w_ptr": "*bf16", "y_ptr": "*bf16",

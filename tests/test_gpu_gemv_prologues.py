@@ -38,6 +38,10 @@ def test_each_prologue_gemv_matches_its_reference_in_float64(dtype):
                 assert error < limit, (n, k, prologue, config, error)
                 if prologue == gp.ADD_RMSNORM:
                     assert torch.equal(total.cpu(), want_total), (n, k, config)
+                # two tiles asked ahead: the same loads and sums, so the same bits
+                two_ahead, _ = gp.launch(prologue, a, second, norm_weight, 1e-5, w, config,
+                                         ahead=2)
+                assert torch.equal(two_ahead, got), (n, k, prologue, config)
 
 
 def test_a_llamas_folded_gemvs_prepare_proven_and_decode_as_the_unfolded_ones():

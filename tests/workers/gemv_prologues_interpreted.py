@@ -35,12 +35,16 @@ def main() -> None:
                 second = None if prologue == gp.RMSNORM else b
                 nw = None if prologue == gp.SILU_GATED else norm_weight
                 y, total = gp.launch(prologue, a, second, nw, 1e-6, weight, config, grid)
+                two_ahead, _ = gp.launch(prologue, a, second, nw, 1e-6, weight, config, grid,
+                                         ahead=2)
                 want, want_total = gp.reference(prologue, a, second, nw, 1e-6, weight)
                 error = float((y.double() - want.double()).norm() / want.double().norm())
                 print(json.dumps({
                     "case": f"{name}-{n}x{k}/{grid or 'all'}-"
                             f"{str(dtype).removeprefix('torch.')}",
                     "error": error, "shape_ok": tuple(y.shape) == (n,),
+                    # two tiles asked ahead: the same loads, the same order of sums
+                    "two_ahead_same": bool(torch.equal(two_ahead, y)),
                     "total_same": None if total is None else bool(torch.equal(total,
                                                                               want_total))}))
 

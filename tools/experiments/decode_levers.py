@@ -38,7 +38,9 @@ plain GEMV asking for two weight tiles before its wait: :data:`nimble.fast_gemv.
 step behind an untimed one, as a loop of calls runs it:
 :data:`nimble.engine.phase_timing.LEAD_LAUNCH`), ``late-trigger`` / ``early-trigger`` (``gemv``,
 each GEMV letting the kernel behind it launch only once its weight is read / at its start:
-:data:`nimble.kernel_waits.LAUNCH_DEPENDENTS_LATE`, late by default).
+:data:`nimble.kernel_waits.LAUNCH_DEPENDENTS_LATE`, late by default), ``two-ahead``
+(``gemv-prologues``, each prologue GEMV's program asking for two weight tiles ahead of the one
+it sums: :data:`nimble.gemv_prologues.TILES_AHEAD`).
 Every variant runs on one model (built once, its sibling projections fused unless ``--no-fuse``);
 a ``gemv`` variant changes the model's modules for good and runs after the others. The Inductor
 settings of a variant (``combo_kernels`` always) and the module constants it sets are set around
@@ -80,6 +82,7 @@ class Variant:
     programmatic: bool = False  # PrepareOptions(programmatic_launch=True): into Nimble's kernels
     early_tiles: bool = False  # the plain GEMV asks for two weight tiles before its wait
     whole_cache: bool = False  # the attention reads a cache of <= 256 slots as one tile
+    two_ahead: bool = False  # the prologue GEMVs ask for two weight tiles ahead, not one
     lead_timing: bool = False  # prepare times each launch behind an untimed one (LEAD_LAUNCH)
     late_trigger: bool | None = None  # the GEMVs let the next kernel launch once their weight
     #                                   is read (True), at their start (False); None: the default
@@ -116,6 +119,7 @@ LEVERS = {
     "lead-timing": {"lead_timing": True},
     "late-trigger": {"fast_gemv": True, "late_trigger": True},
     "early-trigger": {"fast_gemv": True, "late_trigger": False},
+    "two-ahead": {"fast_gemv": True, "gemv_prologues": True, "two_ahead": True},
     "rope-writes-after": {"decode_attention": True, "rope_attention": True,
                           "rope_writes_after": True},
 }
@@ -213,6 +217,7 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
     from nimble import decode_attention as attention_module
     from nimble import decode_steps
     from nimble import fast_gemv as gemv_module
+    from nimble import gemv_prologues
     from nimble import kernel_waits
     from nimble.engine import phase_timing
 
@@ -258,6 +263,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                    else gemv_module.EARLY_TILES),
                    "WHOLE_SLOTS": (attention_module, whole_slots(lever, attention_module)),
                    "LEAD_LAUNCH": (phase_timing, lever.lead_timing or phase_timing.LEAD_LAUNCH),
+                   "TILES_AHEAD": (gemv_prologues, 2 if lever.two_ahead
+                                   else gemv_prologues.TILES_AHEAD),
                    "LAUNCH_DEPENDENTS_LATE": (kernel_waits, kernel_waits.LAUNCH_DEPENDENTS_LATE
                                               if lever.late_trigger is None
                                               else lever.late_trigger)}
