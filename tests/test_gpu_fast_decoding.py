@@ -1,5 +1,5 @@
 """nimble.fast_decoding.fast_generator on the GPU: every lever applied, the steps proven, the
-tokens those of the same model's Generator prepared without the folds and Inductor's tuning."""
+tokens those of the same model's Generator prepared without the folds."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,9 @@ def test_a_fast_generator_applies_every_lever_and_decodes_as_a_plain_generator_o
 
     pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
     from nimble.cli.decoders import causal_lm
-    from nimble.fast_decoding import fast_generator
+    import torch._inductor.config as inductor_config
+
+    from nimble.fast_decoding import INDUCTOR_SETTINGS, fast_generator
     from nimble.generate import Generator, prepare_with_nimble
 
     model = causal_lm("llama_small", "bfloat16")
@@ -34,9 +36,11 @@ def test_a_fast_generator_applies_every_lever_and_decodes_as_a_plain_generator_o
     finally:
         fast.close()
     torch._dynamo.reset()
-    # the same (fused, GEMV, attention-swapped) model without the folds and the tuning
-    plain = Generator(model, PROMPT + NEW_TOKENS, [PROMPT], [1],
-                      prepare_step=prepare_with_nimble(None, True))
+    # the same (fused, GEMV, attention-swapped) model under the same Inductor settings,
+    # without the folds
+    with inductor_config.patch(**INDUCTOR_SETTINGS):
+        plain = Generator(model, PROMPT + NEW_TOKENS, [PROMPT], [1],
+                          prepare_step=prepare_with_nimble(None, True))
     try:
         expected = plain.generate(ids, NEW_TOKENS)
     finally:
