@@ -54,7 +54,7 @@ def add_lever_arguments(p) -> None:
                         "(with --fast-gemv, whose GEMVs it folds into, each kept within 10%% "
                         "of torch's GEMM: nimble.fast_gemv.PROLOGUE_MARGIN)")
     p.add_argument("--all-levers", action="store_true",
-                   help="--generate: every lever below that measured faster on the 1B Llama "
+                   help="--generate: every decode lever that measured faster on the 1B Llama "
                         "shape, as nimble.fast_decoding.fast_generator applies them: "
                         "--fuse-projections --fast-gemv --gemv-prologues --decode-attention "
                         "--rope-attention --coordinate-descent --combo-kernels")
