@@ -42,7 +42,7 @@ def _gemv(waits_: bool, early: int = 1, late: bool = False) -> list[str]:
                 num_warps=8)
 
 
-def _prologue(prologue: int, late: bool = False) -> list[str]:
+def _prologue(prologue: int, late: bool = False, ahead: int = 1) -> list[str]:
     import nimble.gemv_prologue_kernels as kernels
 
     pointers = {name: "*bf16" for name in ("a_ptr", "b_ptr", "nw_ptr", "w_ptr", "y_ptr",
@@ -50,7 +50,7 @@ def _prologue(prologue: int, late: bool = False) -> list[str]:
     return _ptx(kernels.gemv_prologue_kernel,
                 {**pointers, "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32"},
                 {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024, "NORM_BLOCK": 2048,
-                 "WAITS": True, "LATE": late}, num_warps=8)
+                 "WAITS": True, "LATE": late, "AHEAD": ahead}, num_warps=8)
 
 
 def _attention(kernel: str) -> list[str]:
@@ -79,12 +79,14 @@ def _attention(kernel: str) -> list[str]:
                  "WAITS": True, "WHOLE": whole}, num_warps=8 if whole else 4)
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "gemv early 2", "rmsnorm", "add_rmsnorm", "gated"])
+@pytest.mark.parametrize("kernel", ["gemv", "gemv early 2", "rmsnorm", "add_rmsnorm", "gated",
+                                    "add_rmsnorm two ahead", "gated two ahead"])
 def test_a_gemv_asks_for_its_first_weight_tile_alone_before_its_wait(kernel):
     """Before the wait: the weight's loads (the only ones evicted first) and no other load,
     no store, no atomic; after it, the rest.  The dependents may launch from the start."""
     lines = _gemv(True, 2 if "early" in kernel else 1) if "gemv" in kernel else _prologue(
-        {"rmsnorm": 0, "add_rmsnorm": 1, "gated": 2}[kernel])
+        {"rmsnorm": 0, "add_rmsnorm": 1, "gated": 2}[kernel.split()[0]],
+        ahead=2 if "two ahead" in kernel else 1)
     early = _before_the_wait(lines)
     loads = _memory(early, "ld.global")
     assert loads and all("evict_first" in line for line in loads)
@@ -100,6 +102,12 @@ def test_the_attentions_kernels_read_and_write_nothing_before_their_wait(kernel)
     assert not [line for line in early if "ld." in line and "param" not in line
                 or "st.global" in line or "atom." in line]
     assert _memory(lines[len(early):], "ld.global")
+
+
+def test_a_prologue_gemv_two_tiles_ahead_asks_for_twice_the_weight_before_its_wait():
+    def early_loads(ahead: int) -> int:
+        return len(_memory(_before_the_wait(_prologue(2, ahead=ahead)), "ld.global"))
+    assert early_loads(2) == 2 * early_loads(1) > 0
 
 
 def test_two_early_tiles_are_twice_the_weight_loads_before_the_wait():
