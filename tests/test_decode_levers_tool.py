@@ -127,3 +127,10 @@ def test_the_tuners_picks_are_caught_by_kernel_and_the_slowest_listed():
     assert picks == {"k1": ("XBLOCK: 16", 0.0295), "k2": ("XBLOCK: 1", 0.0091)}
     assert (logger.level, logger.propagate) == (level, propagate)
     assert tool.slowest_picks(picks, 1) == ["k1: XBLOCK: 16 (29.5 µs alone)"]
+
+
+def test_a_variant_that_folds_the_rotary_embedding_alone_keeps_its_gemvs_by_the_fold_margin():
+    from nimble.fast_gemv import PROLOGUE_MARGIN
+
+    assert tool.folds(tool.variant("rope-attention+gemv"))
+    assert tool.gemv_margin(tool.variant("rope-attention+gemv")) == PROLOGUE_MARGIN

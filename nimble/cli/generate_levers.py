@@ -210,10 +210,10 @@ def gemv_if_asked(model, args, info: dict) -> None:
             raise InputError("--gemv-prologues folds norms and activations into the GEMVs "
                              "--fast-gemv gives a model: add --fast-gemv")
         return
-    from ..fast_gemv import MARGIN, PROLOGUE_MARGIN, fast_gemv
+    from ..fast_gemv import fast_gemv, margin_for
 
-    margin = PROLOGUE_MARGIN if folds_asked(args) else MARGIN
-    info["fast_gemv"] = [choice.describe() for choice in fast_gemv(model, margin=margin)]
+    info["fast_gemv"] = [choice.describe() for choice in
+                         fast_gemv(model, margin=margin_for(folds_asked(args)))]
 
 
 def attention_if_asked(model, args, info: dict) -> None:

@@ -137,12 +137,17 @@ def variant(name: str) -> Variant:
 
 def gemv_margin(lever: Variant) -> float:
     """The margin ``fast_gemv`` keeps a GEMV by under ``lever``: its own, else the library's
-    for a model whose GEMVs get their prologues folded in or not."""
-    from nimble.fast_gemv import MARGIN, PROLOGUE_MARGIN
+    for a compilation with the fold pass (:func:`folding`) or without."""
+    from nimble.fast_gemv import margin_for
 
     if lever.gemv_margin is not None:
         return lever.gemv_margin
-    return PROLOGUE_MARGIN if lever.gemv_prologues else MARGIN
+    return margin_for(folds(lever))
+
+
+def folds(lever: Variant) -> bool:
+    """Whether ``lever``'s compilations run the fold pass."""
+    return lever.gemv_prologues or lever.rope_attention
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -307,7 +312,7 @@ def folding(lever: Variant):
     kernels around a compilation (:func:`nimble.gemv_prologue_pass.fusing`), or no pass."""
     from nimble.gemv_prologue_pass import fusing
 
-    if lever.gemv_prologues or lever.rope_attention:
+    if folds(lever):
         return fusing(lever.join_attention, lever.rope_attention)
     return contextlib.nullcontext()
 
