@@ -166,6 +166,8 @@ def test_the_bench_folds_the_rotary_embedding_only_beside_the_attention_kernel(m
     add_lever_arguments(p)
     with pytest.raises(InputError, match="add --decode-attention"):
         check_lever_arguments(p.parse_args(["--rope-attention"]))
+    with pytest.raises(InputError, match="add --fast-gemv"):
+        check_lever_arguments(p.parse_args(["--gemv-prologues"]))
     args = p.parse_args(["--fast-gemv", "--decode-attention", "--rope-attention"])
     check_lever_arguments(args)
     assert inductor_settings(args)["post_grad_custom_post_pass"].rope_attention

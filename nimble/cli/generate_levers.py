@@ -164,6 +164,9 @@ def check_lever_arguments(args) -> None:
     if getattr(args, "all_levers", False):
         for flag in ALL_LEVERS:
             setattr(args, flag, True)
+    if getattr(args, "gemv_prologues", False) and not getattr(args, "fast_gemv", False):
+        raise InputError("--gemv-prologues folds norms and activations into the GEMVs "
+                         "--fast-gemv gives a model: add --fast-gemv")
     if getattr(args, "rope_attention", False) and not getattr(args, "decode_attention", False):
         raise InputError("--rope-attention folds the rotary embedding into the attention "
                          "kernel of --decode-attention: add --decode-attention")
@@ -204,11 +207,6 @@ def gemv_if_asked(model, args, info: dict) -> None:
     is kept within :data:`~nimble.fast_gemv.PROLOGUE_MARGIN` of torch's GEMM, as the folds pay
     for it."""
     if not getattr(args, "fast_gemv", False):
-        if getattr(args, "gemv_prologues", False):
-            from ..errors import InputError
-
-            raise InputError("--gemv-prologues folds norms and activations into the GEMVs "
-                             "--fast-gemv gives a model: add --fast-gemv")
         return
     from ..fast_gemv import fast_gemv, margin_for
 
