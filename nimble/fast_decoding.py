@@ -103,9 +103,7 @@ def _check(model, max_cache_len: int, prompt_buckets, batch_sizes) -> None:
         raise InputError(f"fast_generator takes a transformers causal LM (an nn.Module), got "
                          f"{type(model).__name__}")
     generate.Limits.checked(max_cache_len, prompt_buckets, batch_sizes)
-    if model.training:
-        raise InputError("the model is in training mode: call model.eval() before building "
-                         "a Generator")
+    generate.refuse_training(model)
     devices = {p.device.type for p in model.parameters()}
     if devices != {"cuda"}:
         raise InputError("fast_generator measures and prepares the model on the GPU: move it "

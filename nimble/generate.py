@@ -139,6 +139,13 @@ class _BatchSteps:
     prefill: Callable | None  # every prompt bucket's, dispatched by the ids' shape
 
 
+def refuse_training(model) -> None:
+    """A model in training mode refused, as a :class:`Generator` refuses it."""
+    if getattr(model, "training", False):
+        raise InputError("the model is in training mode: call model.eval() before building "
+                         "a Generator")
+
+
 class Generator:
     """Greedy generation with a static cache: one prefill launch per prompt, one launch per
     token.
@@ -168,9 +175,7 @@ class Generator:
                  batch_sizes: Sequence[int] = (1,), prepare_step: PrepareStep | None = None,
                  pad_id: int = 0, fuse_projections: bool = False) -> None:
         self.limits = Limits.checked(max_cache_len, prompt_buckets, batch_sizes)
-        if getattr(model, "training", False):
-            raise InputError("the model is in training mode: call model.eval() before building "
-                             "a Generator")
+        refuse_training(model)
         if fuse_projections:
             from .fused_projections import fuse_projections as fuse
 
