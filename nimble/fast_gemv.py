@@ -260,21 +260,35 @@ def graph_timer(config: GemvConfig | None, weights: list, x: torch.Tensor,
     """µs per call of torch's GEMM (``config`` None) or the GEMV over ``weights`` in a CUDA
     graph, median of ``replays``: the weights (repeated past twice the L2 cache) are read once
     each per pass, as a decode step reads them."""
-    def call(v, w):
-        return F.linear(v, w) if config is None else launch_gemv(v, w, config)
-    l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
+    def call(w):
+        return F.linear(x, w) if config is None else launch_gemv(x, w, config)
     size = weights[0].numel() * weights[0].element_size()
-    wanted = min(64, -(-2 * l2 // size))  # copies that pass twice the L2 cache
+    wanted = copies_past_l2(size, x.device)
     rotation = list(weights) + [weights[0].clone() for _ in range(wanted - len(weights))]
-    stream = torch.cuda.Stream(x.device)
+    return replay_us(call, rotation, x.device, replays)
+
+
+def copies_past_l2(size: int, device: torch.device) -> int:
+    """How many weights of ``size`` bytes pass twice ``device``'s L2 cache (at most 64): a
+    rotation over them reads each from DRAM."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, min(64, -(-2 * l2 // size)))
+
+
+def replay_us(call: Callable[[torch.Tensor], object], rotation: list, device: torch.device,
+              replays: int = 5) -> float:
+    """µs per call of ``call(w)`` for each ``w`` of ``rotation`` in turn, captured in one CUDA
+    graph on a side stream (every kernel compiled and warmed before the capture), median of
+    ``replays`` replays after an untimed one."""
+    stream = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
-        for w in rotation:  # compiles and warms every kernel before the capture
-            call(x, w)
+        for w in rotation:
+            call(w)
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         for w in rotation:
-            call(x, w)
+            call(w)
     graph.replay()
     times = []
     for _ in range(replays):

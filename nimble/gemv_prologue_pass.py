@@ -16,6 +16,7 @@ cache keys on this pass's source.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import operator
@@ -26,6 +27,7 @@ from typing import Iterator, Optional
 import torch
 from torch import fx
 
+from .fast_gemv import GemvConfig
 from . import gemv_prologues  # noqa: F401  (registers the operators the pass inserts)
 from .fx_patterns import VIEWS, aten
 from .fx_patterns import is_call as _is
@@ -216,9 +218,11 @@ def _fold_joined(graph, gemv, attention, layout, weight, config):
     gemv.replace_all_uses_with(new)
 
 
-def fuse(graph: fx.Graph, join_attention: bool = False) -> Fused:
+def fuse(graph: fx.Graph, join_attention: bool = False, tune_launches: bool = False) -> Fused:
     """Fold what each ``nimble::gemv`` of ``graph`` reads into it where a pattern matches;
-    with ``join_attention``, also the join of a split attention that only the GEMV reads."""
+    with ``join_attention``, also the join of a split attention that only the GEMV reads;
+    with ``tune_launches``, each folded GEMV launched as :mod:`nimble.gemv_prologue_tuning`
+    measures fastest (else as the plain GEMV's configuration)."""
     done = Fused()
     for gemv in [n for n in graph.nodes if _is(n, torch.ops.nimble.gemv.default)]:
         done.gemvs += 1
@@ -235,10 +239,11 @@ def fuse(graph: fx.Graph, join_attention: bool = False) -> Fused:
             continue
         gated = match_gated(source, k, dtype)
         if gated is not None:
+            launch = _launch_args(gemv_prologues.SILU_GATED, w, config, tune_launches)
             with graph.inserting_before(gemv):
                 args = [_flat(graph, t, k) for t in gated]
                 new = graph.call_function(torch.ops.nimble.gemv_gated.default,
-                                          (*args, weight, *config))
+                                          (*args, weight, *launch))
             new.meta["val"] = _val(gemv)
             gemv.replace_all_uses_with(new)
             done.gated += 1
@@ -249,19 +254,39 @@ def fuse(graph: fx.Graph, join_attention: bool = False) -> Fused:
         value, norm_weight, eps = norm
         summed = _residual_sum(value, k, dtype)
         if summed is not None and _before(graph, (*summed, norm_weight, weight), value):
-            _fold_add_rmsnorm(graph, gemv, value, summed, norm_weight, eps, weight, config, k)
+            launch = _launch_args(gemv_prologues.ADD_RMSNORM, w, config, tune_launches)
+            _fold_add_rmsnorm(graph, gemv, value, summed, norm_weight, eps, weight, launch, k)
             done.add_rmsnorm += 1
         else:
+            launch = _launch_args(gemv_prologues.RMSNORM, w, config, tune_launches)
             with graph.inserting_before(gemv):
                 new = graph.call_function(torch.ops.nimble.gemv_rmsnorm.default,
                                           (_flat(graph, value, k), norm_weight, eps, weight,
-                                           *config))
+                                           *launch))
             new.meta["val"] = _val(gemv)
             gemv.replace_all_uses_with(new)
             done.rmsnorm += 1
     if done.total:
         graph.eliminate_dead_code()
     return done
+
+
+def _launch_args(prologue: int, weight, config, tune: bool) -> tuple:
+    """The folded operator's launch arguments: the plain GEMV's configuration, or with
+    ``tune`` the launch :func:`nimble.gemv_prologue_tuning.choose` measured fastest (its
+    configuration, programs a multiprocessor and tiles ahead)."""
+    if not tune:
+        return tuple(config)
+    from . import gemv_prologue_tuning as tuning
+
+    why_not = tuning.tunable(weight.device)
+    if why_not is not None:
+        log.info("gemv prologues: a folded GEMV keeps its plain launch (%s)", why_not)
+        return tuple(config)
+    shape = tuning.PrologueShape(prologue, weight.shape[0], weight.shape[1], weight.dtype,
+                                 weight.device)
+    chosen = tuning.choose(shape, GemvConfig(*config)).launch
+    return (*dataclasses.astuple(chosen.config), chosen.per_sm, chosen.ahead)
 
 
 def _fold_add_rmsnorm(graph, gemv, value, summed, norm_weight, eps, weight, config, k):
@@ -288,10 +313,11 @@ def _source_hash() -> str:
     digest = hashlib.sha256()
     from . import decode_attention
 
-    from . import attention_rope, attention_rope_pass
+    from . import attention_rope, attention_rope_pass, gemv_prologue_tuning
 
     for path in (Path(__file__), Path(gemv_prologues.__file__), Path(decode_attention.__file__),
-                 Path(attention_rope.__file__), Path(attention_rope_pass.__file__)):
+                 Path(attention_rope.__file__), Path(attention_rope_pass.__file__),
+                 Path(gemv_prologue_tuning.__file__)):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -304,10 +330,11 @@ def _make_pass():
         was set before it (``then``)."""
 
         def __init__(self, then=None, join_attention: bool = False,
-                     rope_attention: bool = False) -> None:
+                     rope_attention: bool = False, tune_launches: bool = False) -> None:
             self.then = then
             self.join_attention = join_attention
             self.rope_attention = rope_attention
+            self.tune_launches = tune_launches
             self.runs: list[Fused] = []  # what each graph compiled with the pass folded
 
         def __call__(self, graph: fx.Graph) -> None:
@@ -316,7 +343,7 @@ def _make_pass():
                 from .attention_rope_pass import fold_rope
 
                 roped = fold_rope(graph)
-            done = fuse(graph, self.join_attention)
+            done = fuse(graph, self.join_attention, self.tune_launches)
             done.roped = roped
             self.runs.append(done)
             if done.total or roped:
@@ -331,29 +358,34 @@ def _make_pass():
             then = self.then.uuid() if self.then is not None else None
             joins = "-joins" if self.join_attention else ""
             rope = "-rope" if self.rope_attention else ""
-            return f"nimble-gemv-prologues{joins}{rope}-{_source_hash()}-{then}"
+            tuned = "-tuned" if self.tune_launches else ""
+            return f"nimble-gemv-prologues{joins}{rope}{tuned}-{_source_hash()}-{then}"
 
     return GemvPrologues
 
 
-def make_pass(then=None, join_attention: bool = False, rope_attention: bool = False):
-    """A fresh pass (chained to ``then``, a pass set before it; ``join_attention``: see
-    :func:`fuse`; ``rope_attention``: :func:`nimble.attention_rope_pass.fold_rope` first)."""
-    return _make_pass()(then, join_attention, rope_attention)
+def make_pass(then=None, join_attention: bool = False, rope_attention: bool = False,
+              tune_launches: bool = False):
+    """A fresh pass (chained to ``then``, a pass set before it; ``join_attention`` and
+    ``tune_launches``: see :func:`fuse`; ``rope_attention``:
+    :func:`nimble.attention_rope_pass.fold_rope` first)."""
+    return _make_pass()(then, join_attention, rope_attention, tune_launches)
 
 
 @contextlib.contextmanager
-def fusing(join_attention: bool = False, rope_attention: bool = False) -> Iterator:
+def fusing(join_attention: bool = False, rope_attention: bool = False,
+           tune_launches: bool = False) -> Iterator:
     """Inductor's compilations inside the block run the pass (after any pass already set);
     yields the pass, whose ``runs`` say what it folded in each graph.  ``join_attention``
     also folds the join of a split ``nimble::decode_attention`` into the GEMV that reads it,
     ``rope_attention`` the rotary embedding and the cache read into the attention
     (:mod:`nimble.attention_rope_pass`).  Both off unless asked: on the 1B Llama shape the join
     measured slower, the rotary fold faster (docs/results.md), and
-    :func:`nimble.fast_decoding.fast_generator` asks for it."""
+    :func:`nimble.fast_decoding.fast_generator` asks for it.  ``tune_launches``: each folded
+    GEMV launched as timed fastest on its own kernel (:mod:`nimble.gemv_prologue_tuning`)."""
     import torch._inductor.config as inductor_config
 
     the_pass = make_pass(inductor_config.post_grad_custom_post_pass, join_attention,
-                         rope_attention)
+                         rope_attention, tune_launches)
     with inductor_config.patch(post_grad_custom_post_pass=the_pass):
         yield the_pass

@@ -69,12 +69,13 @@ def programs(blocks: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM) -
 
 def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
            norm_weight: Optional[torch.Tensor], eps: float, weight: torch.Tensor,
-           config: GemvConfig, grid: int | None = None, ahead: int | None = None
-           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+           config: GemvConfig, grid: int | None = None, ahead: int | None = None,
+           per_sm: int | None = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``weight @ prologue(a, b)`` for vectors ``a`` (and ``b``) of ``in_features`` elements,
     on the current stream; with :data:`ADD_RMSNORM` also ``a + b``, else None.  ``grid``: the
-    programs to launch (default :func:`programs`), each walking the row blocks grid-stride;
-    ``ahead``: the tiles asked for ahead (default :data:`TILES_AHEAD`)."""
+    programs to launch (default :func:`programs` with ``per_sm``, default
+    :data:`PROGRAMS_PER_SM`), each walking the row blocks grid-stride; ``ahead``: the tiles
+    asked for ahead (default :data:`TILES_AHEAD`)."""
     import triton
 
     n, k = weight.shape
@@ -84,7 +85,7 @@ def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
     y = torch.empty(n, dtype=a.dtype, device=a.device)
     total = torch.empty_like(a) if prologue == ADD_RMSNORM else None
     blocks = triton.cdiv(n, config.block_n)
-    _kernels()[0][(grid or programs(blocks, a.device),)](
+    _kernels()[0][(grid or programs(blocks, a.device, per_sm or PROGRAMS_PER_SM),)](
         a, b, nw, weight, y, a if total is None else total, n, k, weight.stride(0), eps,
         PROLOGUE=prologue, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NORM_BLOCK=min(triton.next_power_of_2(k), MAX_NORM_BLOCK), WAITS=waits(a.device),
@@ -136,48 +137,57 @@ def joined_reference(part, stat, weight, layout) -> torch.Tensor:
     return (weight.float() @ x.float()).to(weight.dtype)
 
 
-def _run(prologue: int, a, b, norm_weight, eps: float, weight, config: tuple):
+def _run(prologue: int, a, b, norm_weight, eps: float, weight, config: tuple,
+         per_sm: int = 0, ahead: int = 0):
+    """The operators' body; ``per_sm`` and ``ahead`` 0: the module's defaults at launch."""
     if not a.is_cuda:  # the tests' CPU runs: the same roundings in torch's operations
         return reference(prologue, a, b, norm_weight, eps, weight)
-    return launch(prologue, a, b, norm_weight, eps, weight, GemvConfig(*config))
+    return launch(prologue, a, b, norm_weight, eps, weight, GemvConfig(*config),
+                  ahead=ahead or None, per_sm=per_sm or None)
 
 
 @torch.library.custom_op("nimble::gemv_rmsnorm", mutates_args=())
 def gemv_rmsnorm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                 block_n: int, block_k: int, warps: int, stages: int) -> torch.Tensor:
-    """``weight @ rmsnorm(x)``."""
-    return _run(RMSNORM, x, None, norm_weight, eps, weight, (block_n, block_k, warps, stages))[0]
+                 block_n: int, block_k: int, warps: int, stages: int, per_sm: int = 0,
+                 ahead: int = 0) -> torch.Tensor:
+    """``weight @ rmsnorm(x)`` (``per_sm``, ``ahead``: :func:`launch`'s; 0 its defaults)."""
+    return _run(RMSNORM, x, None, norm_weight, eps, weight, (block_n, block_k, warps, stages),
+                per_sm, ahead)[0]
 
 
 @gemv_rmsnorm.register_fake
-def _gemv_rmsnorm_shape(x, norm_weight, eps, weight, block_n, block_k, warps, stages):
+def _gemv_rmsnorm_shape(x, norm_weight, eps, weight, block_n, block_k, warps, stages,
+                        per_sm=0, ahead=0):
     return x.new_empty(weight.shape[0])
 
 
 @torch.library.custom_op("nimble::gemv_add_rmsnorm", mutates_args=())
 def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                      eps: float, weight: torch.Tensor, block_n: int, block_k: int, warps: int,
-                     stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     stages: int, per_sm: int = 0, ahead: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight @ rmsnorm(x + residual)``, and the sum ``x + residual``."""
     return _run(ADD_RMSNORM, x, residual, norm_weight, eps, weight,
-                (block_n, block_k, warps, stages))
+                (block_n, block_k, warps, stages), per_sm, ahead)
 
 
 @gemv_add_rmsnorm.register_fake
 def _gemv_add_rmsnorm_shape(x, residual, norm_weight, eps, weight, block_n, block_k, warps,
-                            stages):
+                            stages, per_sm=0, ahead=0):
     return x.new_empty(weight.shape[0]), x.new_empty(x.shape)
 
 
 @torch.library.custom_op("nimble::gemv_gated", mutates_args=())
 def gemv_gated(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, block_n: int,
-               block_k: int, warps: int, stages: int) -> torch.Tensor:
+               block_k: int, warps: int, stages: int, per_sm: int = 0,
+               ahead: int = 0) -> torch.Tensor:
     """``weight @ (silu(gate) * up)``."""
-    return _run(SILU_GATED, gate, up, None, 0.0, weight, (block_n, block_k, warps, stages))[0]
+    return _run(SILU_GATED, gate, up, None, 0.0, weight, (block_n, block_k, warps, stages),
+                per_sm, ahead)[0]
 
 
 @gemv_gated.register_fake
-def _gemv_gated_shape(gate, up, weight, block_n, block_k, warps, stages):
+def _gemv_gated_shape(gate, up, weight, block_n, block_k, warps, stages, per_sm=0, ahead=0):
     return gate.new_empty(weight.shape[0])
 
 

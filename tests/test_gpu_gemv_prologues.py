@@ -44,6 +44,39 @@ def test_each_prologue_gemv_matches_its_reference_in_float64(dtype):
                 assert torch.equal(two_ahead, got), (n, k, prologue, config)
 
 
+def test_every_launch_the_tuning_times_computes_the_gemv_and_it_keeps_the_fastest():
+    """Each candidate of nimble.gemv_prologue_tuning (tile, warps, programs a multiprocessor,
+    tiles ahead) against the float64 reference, then a choice made with the real timer."""
+    import torch
+
+    import nimble.gemv_prologue_tuning as tuning
+    import nimble.gemv_prologues as gp
+    from nimble.fast_gemv import GemvConfig
+
+    dt = torch.bfloat16
+    carried = GemvConfig(4, 1024, 8, 1)
+    torch.manual_seed(3)
+    for (n, k), prologue in (((3072, 2048), gp.ADD_RMSNORM), ((2048, 8192), gp.SILU_GATED)):
+        w = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+        a, b = (torch.randn(k, device="cuda", dtype=dt) for _ in range(2))
+        nw = None if prologue == gp.SILU_GATED else (1 + 0.1 * torch.randn(k, device="cuda")
+                                                     ).to(dt)
+        want, _ = gp.reference(prologue, a.cpu(), b.cpu(), None if nw is None else nw.cpu(),
+                               1e-5, w.cpu())
+        for candidate in tuning.CANDIDATES:
+            launch = candidate.launch(carried)
+            got, _ = gp.launch(prologue, a, b, nw, 1e-5, w, launch.config, ahead=launch.ahead,
+                               per_sm=launch.per_sm)
+            error = float((got.cpu().double() - want.double()).norm() / want.double().norm())
+            assert error < 2e-2, (n, k, prologue, launch, error)
+        tuning.forget()
+        shape = tuning.PrologueShape(prologue, n, k, dt, w.device)
+        choice = tuning.choose(shape, carried)
+        distinct = {choice.carried} | {c.launch(carried) for c in tuning.CANDIDATES}
+        assert choice.timed == len(distinct) and 0 < choice.us <= choice.carried_us
+        tuning.forget()
+
+
 def test_a_llamas_folded_gemvs_prepare_proven_and_decode_as_the_unfolded_ones():
     import torch
 

@@ -40,7 +40,9 @@ step behind an untimed one, as a loop of calls runs it:
 each GEMV letting the kernel behind it launch only once its weight is read / at its start:
 :data:`nimble.kernel_waits.LAUNCH_DEPENDENTS_LATE`, late by default), ``two-ahead``
 (``gemv-prologues``, each prologue GEMV's program asking for two weight tiles ahead of the one
-it sums: :data:`nimble.gemv_prologues.TILES_AHEAD`).
+it sums: :data:`nimble.gemv_prologues.TILES_AHEAD`), ``tuned-prologues`` (``gemv-prologues``,
+each folded GEMV launched as :mod:`nimble.gemv_prologue_tuning` times fastest on its own kernel;
+the launches chosen are printed).
 Every variant runs on one model (built once, its sibling projections fused unless ``--no-fuse``);
 a ``gemv`` variant changes the model's modules for good and runs after the others. The Inductor
 settings of a variant (``combo_kernels`` always) and the module constants it sets are set around
@@ -83,6 +85,7 @@ class Variant:
     early_tiles: bool = False  # the plain GEMV asks for two weight tiles before its wait
     whole_cache: bool = False  # the attention reads a cache of <= 256 slots as one tile
     two_ahead: bool = False  # the prologue GEMVs ask for two weight tiles ahead, not one
+    tuned_prologues: bool = False  # each folded GEMV launched as timed fastest on its kernel
     lead_timing: bool = False  # prepare times each launch behind an untimed one (LEAD_LAUNCH)
     late_trigger: bool | None = None  # the GEMVs let the next kernel launch once their weight
     #                                   is read (True), at their start (False); None: the default
@@ -120,6 +123,7 @@ LEVERS = {
     "late-trigger": {"fast_gemv": True, "late_trigger": True},
     "early-trigger": {"fast_gemv": True, "late_trigger": False},
     "two-ahead": {"fast_gemv": True, "gemv_prologues": True, "two_ahead": True},
+    "tuned-prologues": {"fast_gemv": True, "gemv_prologues": True, "tuned_prologues": True},
     "rope-writes-after": {"decode_attention": True, "rope_attention": True,
                           "rope_writes_after": True},
 }
@@ -289,6 +293,11 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                                               ref.logits, model.dtype)
         if folded is not None:
             out["gemv_prologues"] = [dataclasses.asdict(r) for r in folded.runs if r.gemvs]
+        if lever.tuned_prologues:
+            from nimble import gemv_prologue_tuning
+
+            out["prologue_launches"] = [c.describe() for c in gemv_prologue_tuning.chosen()]
+            gemv_prologue_tuning.forget()  # the next variant times its own
         # "+" kept out of the file name: copying tools refuse it
         trace = args.traces / f"{name.replace('+', '_')}.trace.json" if args.traces else None
         out["decode_step"] = _decode_step_shape(generator, args.batch, ref.needed, copy,
@@ -313,7 +322,7 @@ def folding(lever: Variant):
     from nimble.gemv_prologue_pass import fusing
 
     if folds(lever):
-        return fusing(lever.join_attention, lever.rope_attention)
+        return fusing(lever.join_attention, lever.rope_attention, lever.tuned_prologues)
     return contextlib.nullcontext()
 
 
@@ -444,6 +453,8 @@ def main(argv=None) -> int:
             print(f"  programmatic: {p}", flush=True)
         for folded in r.get("gemv_prologues") or ():
             print(f"  gemv prologues: {folded}", flush=True)
+        for launch in r.get("prologue_launches") or ():
+            print(f"  prologue launch: {launch}", flush=True)
         for pick in slowest_picks(r.get("tuner_picks") or {}, args.top_picks):
             print(f"  tuned: {pick}", flush=True)
     print("=== summary")
