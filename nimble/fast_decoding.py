@@ -14,8 +14,10 @@ cache"); they must come in one order, each before the compilation it changes, an
    ``sdpa`` (any other is kept, and said so in the log);
 4. the steps compiled by Inductor (:func:`~nimble.generate.prepare_with_nimble` with
    ``compile_steps=True``) with its combo kernels and coordinate-descent tuning, and the fold
-   pass of :mod:`nimble.gemv_prologue_pass` (norms and gated activations into the GEMVs; with
-   the attention swapped, the rotary embedding and the cache read into the attention kernel);
+   pass of :mod:`nimble.gemv_prologue_pass` (norms and gated activations into the GEMVs, each
+   folded GEMV launched as timed fastest on its own kernel, :mod:`nimble.gemv_prologue_tuning`;
+   with the attention swapped, the rotary embedding and the cache read into the attention
+   kernel);
 5. Nimble's prepare with ``options`` (default :class:`~nimble.PrepareOptions`, whose
    programmatic edges are kept only where the step measures faster).
 
@@ -23,7 +25,8 @@ The model is changed in place by 1-3, as each of those calls changes it (its par
 and ``state_dict`` kept); a failure while preparing points the attention back.  What each
 lever did is the Generator's :attr:`~nimble.generate.Generator.levers`.  The combination is
 what ``tools/experiments/decode_levers.py`` measures as its defaults
-(``programmatic+rope-attention+coordinate+gemv-prologues``, on fused projections).
+(``tuned-prologues+programmatic+rope-attention+coordinate+gemv-prologues``, on fused
+projections).
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from . import fast_gemv as gemv_module
 from . import fused_projections
 from . import generate
 from . import gemv_prologue_pass
+from . import gemv_prologue_tuning
 from .errors import InputError
 
 log = logging.getLogger("nimble")
@@ -54,6 +58,9 @@ class DecodeLevers:
     gemvs: tuple  # fast_gemv's ShapeChoice per weight shape
     attention: Any  # the AttentionSwap (its undo() points the model back), or None: kept
     folds: tuple  # the fold pass's runs that folded something, one per compiled graph
+    # gemv_prologue_tuning's LaunchChoice per folded GEMV shape timed while preparing (a shape
+    # timed before in the process keeps its choice and is not timed again)
+    launches: tuple = ()
 
     def describe(self) -> str:
         kept = sum(1 for choice in self.gemvs if choice.config is not None)
@@ -63,7 +70,8 @@ class DecodeLevers:
                 f"{len(self.gemvs)} weight shape(s); attention "
                 f"{'on nimble_decode' if self.attention else 'not swapped'}; {folded} "
                 f"kernel(s) folded into GEMVs and {roped} rotary embedding(s) into the "
-                f"attention over {len(self.folds)} compiled graph(s)")
+                f"attention over {len(self.folds)} compiled graph(s); {len(self.launches)} "
+                f"folded GEMV launch(es) timed")
 
 
 def fast_generator(model: nn.Module, max_cache_len: int, prompt_buckets: Sequence[int],
@@ -75,6 +83,7 @@ def fast_generator(model: nn.Module, max_cache_len: int, prompt_buckets: Sequenc
     import torch._inductor.config as inductor_config
 
     _check(model, max_cache_len, prompt_buckets, batch_sizes)
+    timed_before = len(gemv_prologue_tuning.chosen())
     fused = fused_projections.fuse_projections(model)
     gemvs = tuple(gemv_module.fast_gemv(model, margin=gemv_module.PROLOGUE_MARGIN))
     attention = _swap_attention(model)
@@ -83,7 +92,8 @@ def fast_generator(model: nn.Module, max_cache_len: int, prompt_buckets: Sequenc
     # and their kernels tune (at their first runs) inside it
     try:
         with inductor_config.patch(**INDUCTOR_SETTINGS), \
-                gemv_prologue_pass.fusing(rope_attention=on_kernel) as folds:
+                gemv_prologue_pass.fusing(rope_attention=on_kernel,
+                                          tune_launches=True) as folds:
             generator = generate.Generator(
                 model, max_cache_len, prompt_buckets, batch_sizes, pad_id=pad_id,
                 prepare_step=generate.prepare_with_nimble(options, compile_steps=True))
@@ -92,7 +102,8 @@ def fast_generator(model: nn.Module, max_cache_len: int, prompt_buckets: Sequenc
             attention.undo()
         raise
     generator.levers = DecodeLevers(fused, gemvs, attention,
-                                    tuple(run for run in folds.runs if run.total or run.roped))
+                                    tuple(run for run in folds.runs if run.total or run.roped),
+                                    tuple(gemv_prologue_tuning.chosen()[timed_before:]))
     log.info("fast_generator: %s", generator.levers.describe())
     return generator
 

@@ -29,6 +29,10 @@ def test_a_fast_generator_applies_every_lever_and_decodes_as_a_plain_generator_o
         assert levers.fused_projections == 2 * layers, levers.describe()
         assert levers.attention is not None, levers.describe()
         assert max(run.roped for run in levers.folds) == layers, levers.describe()
+        # every folded GEMV's launch was timed on its own kernel, in this prepare or before it
+        from nimble import gemv_prologue_tuning
+
+        assert gemv_prologue_tuning.chosen(), levers.describe()
         decode, _ = fast.steps(1)
         assert not decode.graph.meta["verified"]["not_bitwise"]
         tokens = fast.generate(ids, NEW_TOKENS)
