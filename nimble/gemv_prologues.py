@@ -41,7 +41,9 @@ RMSNORM, ADD_RMSNORM, SILU_GATED = 0, 1, 2
 PROGRAMS_PER_SM = 4
 #: Weight tiles each program has asked for ahead of the one it sums (1 or 2): with 2, twice
 #: the bytes in flight per program, the same loads in the same order of sums (the same bits).
-#: 1 until measured (``tools/experiments/decode_levers.py``'s ``two-ahead``).
+#: 1: with 2 for every folded GEMV a 1B Llama's decode step measured 1.6% slower (its down
+#: projection's GEMV slower, docs/results.md); :mod:`nimble.gemv_prologue_tuning` times both
+#: per shape.
 TILES_AHEAD = 1
 #: The widest step of the norm's pass over the input (one step up to this many elements: its
 #: latency comes once, before the GEMV's first sums).

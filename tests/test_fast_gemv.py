@@ -194,6 +194,10 @@ def test_all_levers_are_the_fast_generators():
     assert {k: settings[k] for k in fast_decoding.INDUCTOR_SETTINGS} == \
         fast_decoding.INDUCTOR_SETTINGS
     assert settings["post_grad_custom_post_pass"].rope_attention
+    assert settings["post_grad_custom_post_pass"].tune_launches  # as fast_generator tunes them
+    tuned_alone = p.parse_args(["--fast-gemv", "--tune-prologues"])
+    with pytest.raises(InputError, match="add --gemv-prologues"):
+        check_lever_arguments(tuned_alone)
 
 
 def test_a_gemv_slower_than_torch_within_a_negative_margin_is_kept(stand_in_gemv):

@@ -56,8 +56,12 @@ def add_lever_arguments(p) -> None:
     p.add_argument("--all-levers", action="store_true",
                    help="--generate: every decode lever that measured faster on the 1B Llama "
                         "shape, as nimble.fast_decoding.fast_generator applies them: "
-                        "--fuse-projections --fast-gemv --gemv-prologues --decode-attention "
-                        "--rope-attention --coordinate-descent --combo-kernels")
+                        "--fuse-projections --fast-gemv --gemv-prologues --tune-prologues "
+                        "--decode-attention --rope-attention --coordinate-descent "
+                        "--combo-kernels")
+    p.add_argument("--tune-prologues", action="store_true",
+                   help="--generate: with --gemv-prologues, each folded GEMV launched as timed "
+                        "fastest on its own kernel (nimble.gemv_prologue_tuning)")
     p.add_argument("--rope-attention", action="store_true",
                    help="--generate: with --decode-attention, every row that compiles compiled "
                         "with nimble.gemv_prologue_pass folding each layer's rotary embedding "
@@ -141,7 +145,8 @@ def inductor_settings(args) -> dict:
         from ..gemv_prologue_pass import make_pass
 
         settings["post_grad_custom_post_pass"] = make_pass(
-            rope_attention=bool(getattr(args, "rope_attention", False)))
+            rope_attention=bool(getattr(args, "rope_attention", False)),
+            tune_launches=bool(getattr(args, "tune_prologues", False)))
     return settings
 
 
@@ -152,8 +157,8 @@ def folds_asked(args) -> bool:
 
 
 #: The flags ``--all-levers`` sets: :func:`nimble.fast_decoding.fast_generator`'s levers.
-ALL_LEVERS = ("fuse_projections", "fast_gemv", "gemv_prologues", "decode_attention",
-              "rope_attention", "coordinate_descent", "combo_kernels")
+ALL_LEVERS = ("fuse_projections", "fast_gemv", "gemv_prologues", "tune_prologues",
+              "decode_attention", "rope_attention", "coordinate_descent", "combo_kernels")
 
 
 def check_lever_arguments(args) -> None:
@@ -167,6 +172,9 @@ def check_lever_arguments(args) -> None:
     if getattr(args, "gemv_prologues", False) and not getattr(args, "fast_gemv", False):
         raise InputError("--gemv-prologues folds norms and activations into the GEMVs "
                          "--fast-gemv gives a model: add --fast-gemv")
+    if getattr(args, "tune_prologues", False) and not getattr(args, "gemv_prologues", False):
+        raise InputError("--tune-prologues times the launches of the GEMVs --gemv-prologues "
+                         "folds: add --gemv-prologues (and --fast-gemv)")
     if getattr(args, "rope_attention", False) and not getattr(args, "decode_attention", False):
         raise InputError("--rope-attention folds the rotary embedding into the attention "
                          "kernel of --decode-attention: add --decode-attention")
