@@ -61,17 +61,22 @@ class DecodeLevers:
     # gemv_prologue_tuning's LaunchChoice per folded GEMV shape timed while preparing (a shape
     # timed before in the process keeps its choice and is not timed again)
     launches: tuple = ()
+    # graphs Inductor compiled afresh, each through the fold pass (one from Inductor's cache
+    # holds its folds and launches and runs no pass)
+    compilations: int = 0
 
     def describe(self) -> str:
         kept = sum(1 for choice in self.gemvs if choice.config is not None)
         folded = sum(run.total for run in self.folds)
         roped = sum(run.roped for run in self.folds)
-        return (f"{self.fused_projections} projection group(s) fused; GEMV for {kept} of "
+        head = (f"{self.fused_projections} projection group(s) fused; GEMV for {kept} of "
                 f"{len(self.gemvs)} weight shape(s); attention "
-                f"{'on nimble_decode' if self.attention else 'not swapped'}; {folded} "
-                f"kernel(s) folded into GEMVs and {roped} rotary embedding(s) into the "
-                f"attention over {len(self.folds)} compiled graph(s); {len(self.launches)} "
-                f"folded GEMV launch(es) timed")
+                f"{'on nimble_decode' if self.attention else 'not swapped'}; ")
+        if not self.compilations:
+            return head + "every step's graph from Inductor's cache, its folds with it"
+        return head + (f"{folded} kernel(s) folded into GEMVs and {roped} rotary embedding(s) "
+                       f"into the attention over {self.compilations} compiled graph(s); "
+                       f"{len(self.launches)} folded GEMV launch(es) timed")
 
 
 def fast_generator(model: nn.Module, max_cache_len: int, prompt_buckets: Sequence[int],
@@ -103,7 +108,8 @@ def fast_generator(model: nn.Module, max_cache_len: int, prompt_buckets: Sequenc
         raise
     generator.levers = DecodeLevers(fused, gemvs, attention,
                                     tuple(run for run in folds.runs if run.total or run.roped),
-                                    tuple(gemv_prologue_tuning.chosen()[timed_before:]))
+                                    tuple(gemv_prologue_tuning.chosen()[timed_before:]),
+                                    len(folds.runs))
     log.info("fast_generator: %s", generator.levers.describe())
     return generator
 

@@ -2,6 +2,8 @@
 stand-ins for the GPU's measurement and the Generator)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -70,6 +72,7 @@ class StandIns:
                              "coordinate": inductor_config.coordinate_descent_tuning,
                              "combo": inductor_config.combo_kernels,
                              "rope": the_pass.rope_attention, "joins": the_pass.join_attention,
+                             "tuned": the_pass.tune_launches,
                              "limits": (max_cache_len, prompt_buckets, batch_sizes, pad_id)}
                 if fail:
                     raise InputError("the model cannot be captured")
@@ -88,13 +91,16 @@ def test_the_levers_come_in_their_order_under_the_measured_settings(monkeypatch)
     assert stand_ins.calls == ["check", ("fast_gemv", gemv_module.PROLOGUE_MARGIN, True),
                                "generator"]
     assert stand_ins.seen == {"attention": "nimble_decode", "coordinate": True, "combo": True,
-                              "rope": True, "joins": False,
+                              "rope": True, "joins": False, "tuned": True,
                               "limits": (64, [8, 16], [1, 8], 3)}
     levers = generator.levers
     assert levers.fused_projections == 4 and len(levers.gemvs) == 1
     assert levers.attention is not None and len(levers.folds) == 1
     assert "4 projection group(s) fused; GEMV for 1 of 1" in levers.describe()
     assert "6 kernel(s) folded into GEMVs and 2 rotary" in levers.describe()
+    assert "over 2 compiled graph(s)" in levers.describe()  # the one that folded nothing too
+    cached = dataclasses.replace(levers, folds=(), compilations=0)
+    assert "from Inductor's cache" in cached.describe()
     # the settings were the prepare's only
     assert inductor_config.post_grad_custom_post_pass is before
     assert model.config._attn_implementation == "nimble_decode"
