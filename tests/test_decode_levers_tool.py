@@ -98,7 +98,10 @@ def test_the_summary_line_holds_both_rows_and_their_ratio():
     line = tool.line({"variant": "base", "compiled loop": row(1.2),
                       "nimble+inductor": row(1.0)})
     assert "loop 1.200 ms" in line and "nimble 1.000 ms" in line and "x loop 1.200" in line
-    assert "differ 1/1 tie" in line
+    assert "differ 1/1 tie" in line and "prepare" not in line
+    timed = tool.line({"variant": "base", "compiled loop": row(1.2),
+                       "nimble+inductor": row(1.0), "prepare_s": 41.26})
+    assert timed.endswith("x loop 1.200  prepare 41.3 s")
     assert tool.line({"variant": "base", "error": "RuntimeError: x"}) == \
         "base: RuntimeError: x"
 

@@ -55,6 +55,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -280,9 +281,12 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
         with inductor_config.patch(**lever.inductor), _patched(patches), \
                 folding(lever) as folded:
             rows = {"compiled loop": compiled_loop(model, cache_len)}
+            started = time.perf_counter()
             generator = Generator(model, cache_len, [args.prompt], [args.batch],
                                   prepare_step=single_stream(options) if lever.single_stream
                                   else prepare_with_nimble(options, True))
+            # the steps' compilations (with any launch timing of the pass) and Nimble's prepare
+            out["prepare_s"] = time.perf_counter() - started
             undo.append(generator.close)
             rows["nimble+inductor"] = generator.generate
             for mode, run in rows.items():
@@ -368,8 +372,9 @@ def line(r: dict) -> str:
                 f"{100 * share:.0f}%, differ {differ['sequences']}/{differ['near_ties']} tie)")
     loop, ours = r.get("compiled loop"), r.get("nimble+inductor")
     ratio = loop["token_ms_median"] / ours["token_ms_median"] if loop and ours else None
+    prepared = f"  prepare {r['prepare_s']:.1f} s" if r.get("prepare_s") is not None else ""
     return (f"{r['variant']:<22} loop {cell('compiled loop')}  nimble {cell('nimble+inductor')}"
-            f"  x loop {ratio:.3f}" if ratio else f"{r['variant']}: {r.get('error')}")
+            f"  x loop {ratio:.3f}{prepared}" if ratio else f"{r['variant']}: {r.get('error')}")
 
 
 #: The logger of Inductor's coordinate-descent tuner, and the start of its message for a
