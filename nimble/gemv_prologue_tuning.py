@@ -112,17 +112,17 @@ class LaunchChoice:
 #: stand-in in the tests).
 Timer = Callable[[PrologueShape, PrologueLaunch], float]
 
-_CHOSEN: dict[tuple[PrologueShape, GemvConfig], LaunchChoice] = {}
+_CHOSEN: dict[tuple, LaunchChoice] = {}
 
 
 def choose(shape: PrologueShape, carried: GemvConfig, time: Timer | None = None,
            candidates: Iterable[Candidate] = CANDIDATES) -> LaunchChoice:
     """The fastest launch of the folded GEMV ``shape`` that carries ``carried``, timed once a
     process (the carried launch first: it stays where nothing is faster)."""
-    key = (shape, carried)
+    base = PrologueLaunch(carried, gp.PROGRAMS_PER_SM, gp.TILES_AHEAD)
+    key = (shape, base)  # the module's defaults are part of the launch carried
     if key in _CHOSEN:
         return _CHOSEN[key]
-    base = PrologueLaunch(carried, gp.PROGRAMS_PER_SM, gp.TILES_AHEAD)
     launches = list(dict.fromkeys([base] + [c.launch(carried) for c in candidates]))
     timer = time or graph_timer
     timed = [(timer(shape, launch), launch) for launch in launches]

@@ -23,7 +23,7 @@ def no_choices():
     tuning.forget()
 
 
-def test_the_fastest_launch_is_kept_and_each_shape_is_timed_once_a_process():
+def test_the_fastest_launch_is_kept_and_each_shape_is_timed_once_a_process(monkeypatch):
     timed = []
 
     def time(shape, launch):
@@ -42,9 +42,12 @@ def test_the_fastest_launch_is_kept_and_each_shape_is_timed_once_a_process():
     assert again is choice and len(timed) == choice.timed
     assert tuning.chosen() == [choice]
     assert "4096x2048 bfloat16 add_rmsnorm" in choice.describe()
-    # another carried configuration, or another prologue, is another choice
+    # another carried configuration, or another default of the module, is another choice
     tuning.choose(SHAPE, GemvConfig(4, 1024, 8, 1), time)
     assert len(tuning.chosen()) == 2
+    monkeypatch.setattr(gp, "TILES_AHEAD", 2)
+    assert tuning.choose(SHAPE, CARRIED, time).carried.ahead == 2
+    assert len(tuning.chosen()) == 3
 
 
 def test_the_carried_launch_stays_where_nothing_is_faster():
