@@ -90,7 +90,7 @@ def fast_generator(model: nn.Module, max_cache_len: int, prompt_buckets: Sequenc
     _check(model, max_cache_len, prompt_buckets, batch_sizes)
     timed_before = len(gemv_prologue_tuning.chosen())
     fused = fused_projections.fuse_projections(model)
-    gemvs = tuple(gemv_module.fast_gemv(model, margin=gemv_module.PROLOGUE_MARGIN))
+    gemvs = tuple(gemv_module.fast_gemv(model, margin=gemv_module.margin_for(folded=True)))
     attention = _swap_attention(model)
     on_kernel = _attention(model) == attention_module.NAME
     # the settings around the whole prepare, as decode_levers measures them: the steps compile

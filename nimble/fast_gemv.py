@@ -46,17 +46,18 @@ MARGIN = 0.03
 #: folded GEMV, and where the spread between compilations was").
 PROLOGUE_MARGIN = -0.10
 
+#: The weight tiles (1 or 2) a GEMV's program asks for before it waits for its input: behind a
+#: programmatic edge (``PrepareOptions(programmatic_launch=True)``) they stream while the
+#: predecessor ends; 2 is a whole row block of a weight of up to ``2 * block_k`` columns (an
+#: output projection's).  The same bits either way; 1: 2 measured no faster on a 1B decoder's
+#: step (docs/results.md; ``tools/experiments/decode_levers.py``'s ``early-tiles``).
+EARLY_TILES = 1
+
 
 def margin_for(folded: bool) -> float:
     """The margin a GEMV is kept by: :data:`PROLOGUE_MARGIN` where the fold pass runs on the
     compilation (``folded``), else :data:`MARGIN`."""
     return PROLOGUE_MARGIN if folded else MARGIN
-#: The weight tiles (1 or 2) a GEMV's program asks for before it waits for its input: behind a
-#: programmatic edge (``PrepareOptions(programmatic_launch=True)``) they stream while the
-#: predecessor ends; 2 is a whole row block of a weight of up to ``2 * block_k`` columns (an
-#: output projection's).  The same bits either way; 1 until measured
-#: (``tools/experiments/decode_levers.py``'s ``early-tiles``).
-EARLY_TILES = 1
 
 
 @dataclass(frozen=True)
