@@ -81,6 +81,13 @@ VALUES_EARLY = True
 #: than the split at 128, 192 and 256 slots, batch 1 and 8
 #: (``tools/experiments/attention_split.py --whole 256``, docs/results.md).
 WHOLE_SLOTS = 256
+#: Whether the attention with the rotary embedding folded in, its cache read as one tile,
+#: asks for the cache's keys and values before its wait for the predecessor (behind a
+#: programmatic edge, while the query's projection ends): its step's write of the cache comes
+#: after it, and the new slot is read from the new key and value.  The same loads and the same
+#: bits either way (:data:`nimble.ir.waiting_kernels.WAITING_KERNELS` lets such an edge be
+#: programmatic only where no write of the cache comes before the kernel).
+CACHE_BEFORE_WAIT = True
 #: The largest tile of keys (slots × head size, each rounded up to a power of two) read whole:
 #: on 8 warps a thread then holds 64 of its keys and 64 of its values, no spill (the PTX test).
 WHOLE_ELEMENTS = 256 * 64
@@ -211,6 +218,7 @@ def _launch_attend(query, key, value, mask, scale, plan: Split, branchless: bool
         MASK=kind, SPLIT=parted, IEEE=query.dtype == torch.float32, BRANCHLESS=bool(branchless),
         LAST_JOINS=bool(parted and last_joins), VALUES_EARLY=bool(VALUES_EARLY),
         ROPE=rope is not None, WAITS=waits(query.device), WHOLE=plan.whole,
+        CACHE_EARLY=bool(CACHE_BEFORE_WAIT and plan.whole and rope is not None),
         num_warps=_warps(plan, layout.block_d), num_stages=2)
     return part, stat
 

@@ -71,10 +71,7 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
            BLOCK_L: tl.constexpr, MASK: tl.constexpr, SPLIT: tl.constexpr,
            IEEE: tl.constexpr, BRANCHLESS: tl.constexpr, LAST_JOINS: tl.constexpr,
            VALUES_EARLY: tl.constexpr, ROPE: tl.constexpr, WAITS: tl.constexpr,
-           WHOLE: tl.constexpr):
-    if WAITS:  # behind a programmatic edge: launched early, it reads nothing before the wait
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+           WHOLE: tl.constexpr, CACHE_EARLY: tl.constexpr):
     pair = tl.program_id(0)  # (sequence, key-value head)
     split = tl.program_id(1)
     b = pair // kv_heads
@@ -84,6 +81,23 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
     heads = g * groups + r
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    lo = split * slots_per_split
+    hi = tl.minimum(lo + slots_per_split, slots)
+    if WAITS:  # behind a programmatic edge: launched early, it reads nothing before the wait
+        tl.extra.cuda.gdc_launch_dependents()
+    if CACHE_EARLY:
+        # ...but the whole cache's keys and values, whose writes (this step's, at its
+        # position) come after this kernel: they stream while the predecessor ends, and the
+        # step's new slot is read from the new key and value all the same
+        tl.static_assert(WHOLE and ROPE)
+        early_at = lo + tl.arange(0, BLOCK_L)
+        early_ok = (early_at < hi)[:, None] & d_ok[None, :]
+        k_early = tl.load(k_ptr + b * skb + g * skh + early_at[:, None] * skl + d[None, :],
+                          mask=early_ok, other=0.0)
+        v_early = tl.load(v_ptr + b * svb + g * svh + early_at[:, None] * svl + d[None, :],
+                          mask=early_ok, other=0.0)
+    if WAITS:
+        tl.extra.cuda.gdc_wait()
     if ROPE:
         # the query and the step's new key before their rotary embedding: rotated here, and
         # the new key and value stand in for the cache's slot at the position (which the
@@ -100,8 +114,6 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
     m_i = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-    lo = split * slots_per_split
-    hi = tl.minimum(lo + slots_per_split, slots)
     for start in range(lo, hi, BLOCK_L):
         at = start + tl.arange(0, BLOCK_L)
         ok = at < hi
@@ -132,11 +144,16 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
             read = ok
             run = tl.max(live.to(tl.int32)) > 0
         if run:
-            k = tl.load(k_ptr + b * skb + g * skh + at[:, None] * skl + d[None, :],
-                        mask=read[:, None] & d_ok[None, :], other=0.0)
+            if CACHE_EARLY:  # the one tile, asked for before the wait
+                k = k_early
+            else:
+                k = tl.load(k_ptr + b * skb + g * skh + at[:, None] * skl + d[None, :],
+                            mask=read[:, None] & d_ok[None, :], other=0.0)
             if ROPE:
                 k = tl.where((at == pos)[:, None], k_new[None, :], k)
-            if VALUES_EARLY:  # asked for beside the keys: one memory latency, not two
+            if CACHE_EARLY:
+                v = v_early
+            elif VALUES_EARLY:  # asked for beside the keys: one memory latency, not two
                 v = tl.load(v_ptr + b * svb + g * svh + at[:, None] * svl + d[None, :],
                             mask=read[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
@@ -151,7 +168,7 @@ def attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr
             alpha = tl.exp(m_i - m_use)
             p = tl.exp(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            if not VALUES_EARLY:
+            if not VALUES_EARLY and not CACHE_EARLY:
                 v = tl.load(v_ptr + b * svb + g * svh + at[:, None] * svl + d[None, :],
                             mask=read[:, None] & d_ok[None, :], other=0.0)
             if ROPE:

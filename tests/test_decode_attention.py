@@ -52,6 +52,7 @@ def test_the_kernel_rotates_the_query_and_reads_the_steps_key_and_value_itself(i
         limit = 2e-3 if "float16" in name else 1e-5
         assert r["shape_ok"] and r["same"] and r["error"] < limit, (name, r)
         assert r["whole_same"], (name, r)  # the whole cache as one tile: rotated the same
+        assert r["whole_late_same"], (name, r)  # its cache asked for before or after the wait
         assert r.get("parts_same", True), (name, r)
     assert sum("parts_same" in r for r in rope.values()) == 8  # the split shapes
 
@@ -246,7 +247,8 @@ def test_the_values_early_switch_asks_for_the_values_before_the_scores_in_the_pt
         constexprs = {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16,
                       "BLOCK_L": 256 if whole else 64, "MASK": 1, "SPLIT": not whole,
                       "IEEE": False, "BRANCHLESS": False, "LAST_JOINS": False,
-                      "VALUES_EARLY": early, "ROPE": False, "WAITS": False, "WHOLE": whole}
+                      "VALUES_EARLY": early, "ROPE": False, "WAITS": False, "WHOLE": whole,
+                      "CACHE_EARLY": False}
         signature = {**pointers, "scale": "fp32", **{i: "i32" for i in ints},
                      **{name: "constexpr" for name in constexprs}}
         plan = da.Split(1, 256, 256, True) if whole else da.Split(3, 64)

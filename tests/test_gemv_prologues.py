@@ -345,6 +345,7 @@ def test_the_attend_kernel_compiles_in_both_forms_its_launches_give_it():
                                            (True, "*fp32", False, True, False),
                                            (False, "*bf16", True, True, False),
                                            (False, "*bf16", True, True, True)):
+        cache_early = rope and whole  # what the launcher asks for there
         signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i1",
                      "out_ptr": out, "part_ptr": "*fp32", "stat_ptr": "*fp32",
                      "count_ptr": "*i32", "scale": "fp32", **{i: "i32" for i in ints},
@@ -353,7 +354,8 @@ def test_the_attend_kernel_compiles_in_both_forms_its_launches_give_it():
         constexprs = {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16,
                       "BLOCK_L": 256 if whole else 64, "MASK": 1, "SPLIT": split,
                       "IEEE": False, "BRANCHLESS": False, "LAST_JOINS": False,
-                      "VALUES_EARLY": early, "ROPE": rope, "WAITS": True, "WHOLE": whole}
+                      "VALUES_EARLY": early, "ROPE": rope, "WAITS": True, "WHOLE": whole,
+                      "CACHE_EARLY": cache_early}
         signature.update({name: "constexpr" for name in constexprs})
         kernel = triton.compile(ASTSource(fn=kernels.attend, signature=signature,
                                           constexprs=constexprs),

@@ -45,6 +45,39 @@ def test_the_kernel_rotating_and_reading_the_new_slot_matches_the_plain_kernel(d
             (batch, slots, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_whole_cache_asked_for_before_the_wait_gives_the_same_bits(monkeypatch, dtype):
+    """nimble.decode_attention.CACHE_BEFORE_WAIT: a cache of at most WHOLE_SLOTS, read as one
+    tile with the rotation folded, asked for before or after the kernel's wait: the same
+    bits, the cache's own slot (NaN) never read."""
+    import torch
+
+    import nimble.decode_attention as da
+
+    dt = getattr(torch, dtype)
+    torch.manual_seed(9)
+    for batch, slots in ((1, 192), (8, 152), (1, 256)):
+        heads, kv_heads, head_dim = 32, 8, 64
+        assert da.split_for(batch, kv_heads, slots).whole
+        fused = torch.randn(batch, 1, (heads + 2 * kv_heads) * head_dim, device="cuda",
+                            dtype=dt)
+        q, k_new, v_new = (t.view(batch, 1, -1, head_dim).transpose(1, 2) for t in fused.split(
+            [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1))
+        k, v = (torch.randn(batch, kv_heads, slots, head_dim, device="cuda", dtype=dt)
+                for _ in range(2))
+        position = torch.tensor([slots - 5], device="cuda")
+        k[:, :, position], v[:, :, position] = float("nan"), float("nan")
+        angle = torch.randn(1, 1, 1, head_dim // 2, device="cuda").repeat(1, 1, 1, 2)
+        rope = da.Rope(angle.cos().to(dt), angle.sin().to(dt), k_new, v_new, position)
+        keep = (torch.arange(slots, device="cuda") <= position).view(1, 1, 1, slots)
+        got = {}
+        for early in (True, False):
+            monkeypatch.setattr(da, "CACHE_BEFORE_WAIT", early)
+            got[early] = da.launch(q, k, v, keep, head_dim ** -0.5, None, rope=rope)
+        assert torch.isfinite(got[True]).all(), (batch, slots)
+        assert torch.equal(got[True], got[False]), (batch, slots, dtype)
+
+
 def test_a_swapped_llamas_step_with_its_rotation_folded_prepares_proven_and_decodes_alike():
     import torch
 

@@ -53,7 +53,7 @@ def _prologue(prologue: int, late: bool = False, ahead: int = 1) -> list[str]:
                  "WAITS": True, "LATE": late, "AHEAD": ahead}, num_warps=8)
 
 
-def _attention(kernel: str) -> list[str]:
+def _attention(kernel: str, cache_early: bool = False) -> list[str]:
     import nimble.decode_attention_kernels as kernels
 
     if kernel == "join":
@@ -76,7 +76,8 @@ def _attention(kernel: str) -> list[str]:
                 {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_R": 16, "BLOCK_L": 256 if whole else 64,
                  "MASK": 1, "SPLIT": not whole, "IEEE": False, "BRANCHLESS": False,
                  "LAST_JOINS": not whole, "VALUES_EARLY": whole, "ROPE": "rope" in kernel,
-                 "WAITS": True, "WHOLE": whole}, num_warps=8 if whole else 4)
+                 "WAITS": True, "WHOLE": whole, "CACHE_EARLY": cache_early},
+                num_warps=8 if whole else 4)
 
 
 @pytest.mark.parametrize("kernel", ["gemv", "gemv early 2", "rmsnorm", "add_rmsnorm", "gated",
@@ -102,6 +103,19 @@ def test_the_attentions_kernels_read_and_write_nothing_before_their_wait(kernel)
     assert not [line for line in early if "ld." in line and "param" not in line
                 or "st.global" in line or "atom." in line]
     assert _memory(lines[len(early):], "ld.global")
+
+
+def test_the_whole_cache_rotary_attention_asks_for_its_cache_alone_before_its_wait():
+    """nimble.decode_attention.CACHE_BEFORE_WAIT: the same loads, the cache's moved before the
+    wait, nothing written before it (the query, the new key and value, the rotation and the
+    mask after)."""
+    early, late = (_attention("whole rope attend", cache_early=c) for c in (True, False))
+    before = _before_the_wait(early)
+    loads = _memory(before, "ld.global")
+    assert loads and not _memory(before, "st.global") and not _memory(before, "atom.")
+    assert not _memory(_before_the_wait(late), "ld.global")
+    assert len(_memory(early, "ld.global")) == len(_memory(late, "ld.global"))
+    assert len(_memory(early[len(before):], "ld.global")) > 0
 
 
 def test_a_prologue_gemv_two_tiles_ahead_asks_for_twice_the_weight_before_its_wait():

@@ -402,6 +402,51 @@ def test_edges_into_nimbles_waiting_kernels_are_programmatic_where_their_early_r
     assert waiting_edges(g, [(0, 1)]) == frozenset()
 
 
+def _rope_attention_graph(writer_after: bool) -> TaskGraph:
+    """A GEMV (0) writing the query into an intermediate, Nimble's rotary attention (1)
+    reading it and a static cache (an external buffer) before its wait, and a kernel writing
+    the cache (after the attention, or recorded before it)."""
+    from nimble.ir.taskgraph import Op, Pointer
+
+    g = TaskGraph()
+    g.buffers = [Buffer(0, "intermediate", 256, 0x1000), Buffer(1, "external", 8192, 0x9000),
+                 Buffer(2, "external", 8192, 0xC000), Buffer(3, "intermediate", 256, 0x2000)]
+    g.ops = [Op(0, "nimble::gemv"), Op(1, "nimble::decode_attention_rope"),
+             Op(2, "triton_poi_fused_index_copy_0")]
+    layout = [(0, 8), (8, 8), (16, 8), (24, 8)]
+    attend = Task(1, TaskKind.KERNEL, op=1, name="attend", param_layout=layout,
+                  pointers=[Pointer(0, 0x1000, 0, 0), Pointer(8, 0, 1, 0),
+                            Pointer(16, 0, 2, 0), Pointer(24, 0x2000, 3, 0)],
+                  accesses=[Access(0, 0, 256, False), Access(1, 0, 8192, False),
+                            Access(2, 0, 8192, False), Access(3, 0, 256, True)])
+    write = Task(2, TaskKind.KERNEL, op=2, name="triton_poi_fused_index_copy_0",
+                 accesses=[Access(1, 0, 128, True), Access(2, 0, 128, True)])
+    gemv = Task(0, TaskKind.KERNEL, op=0, name="gemv_kernel",
+                accesses=[Access(0, 0, 256, True)])
+    if writer_after:
+        g.tasks = [gemv, attend, write]
+    else:  # the cache written first: the attention's early read could race it
+        write.id, gemv.id, attend.id = 0, 1, 2
+        write.op, gemv.op, attend.op = 2, 0, 1
+        g.tasks = [write, gemv, attend]
+    return g
+
+
+def test_the_rotary_attention_reads_its_cache_early_only_where_its_writes_come_after_it():
+    from nimble.analysis.programmatic import waiting_edges
+
+    assert waiting_edges(_rope_attention_graph(True), [(0, 1), (1, 2)]) == {(0, 1)}
+    assert waiting_edges(_rope_attention_graph(False), [(0, 1), (1, 2)]) == frozenset()
+    # a cache laid in the arena (an intermediate) is no early read's, wherever it is written
+    g = _rope_attention_graph(True)
+    g.buffers[1] = Buffer(1, "intermediate", 8192, 0x9000)
+    assert waiting_edges(g, [(0, 1)]) == frozenset()
+    # nor one the attention is not recorded reading: nothing orders its writer after it
+    g = _rope_attention_graph(True)
+    g.tasks[1].accesses = [a for a in g.tasks[1].accesses if a.buffer != 2]
+    assert waiting_edges(g, [(0, 1)]) == frozenset()
+
+
 def test_every_waiting_kernel_names_a_weight_parameter_its_operator_passes():
     """The parameter index of each GEMV's early read is its weight's in the kernel's
     signature (pointers first, none left out: the launchers pass a tensor for every one)."""
@@ -413,14 +458,18 @@ def test_every_waiting_kernel_names_a_weight_parameter_its_operator_passes():
     import nimble.gemv_prologue_kernels as prologues
     from nimble import fast_gemv
 
+    import nimble.decode_attention_kernels as attention
+
     kernels = {"gemv_kernel": fast_gemv._kernel(), "gemv_prologue_kernel":
-               prologues.gemv_prologue_kernel}
-    for (op, name), index in WAITING_KERNELS.items():
+               prologues.gemv_prologue_kernel, "attend": attention.attend}
+    early = {"gemv_kernel": ["w_ptr"], "gemv_prologue_kernel": ["w_ptr"],
+             "attend": ["k_ptr", "v_ptr"]}
+    for (op, name), reads in WAITING_KERNELS.items():
         assert op.startswith("nimble::")
-        if index is not None:
+        if reads:
             params = list(inspect.signature(kernels[name].fn).parameters)
-            assert params[index] == "w_ptr", (op, name)
-            assert all(p.endswith("_ptr") for p in params[:index]), (op, name)
+            assert [params[i] for i in reads] == early[name], (op, name)
+            assert all(p.endswith("_ptr") for p in params[:max(reads)]), (op, name)
 
 
 def test_the_waiting_rule_is_the_plans_and_the_recorded_one_only_the_experiments(monkeypatch):

@@ -3,11 +3,12 @@
 The rule a prepare uses (:func:`waiting_edges`): an edge ``u -> v`` into one of Nimble's own
 kernels (:data:`~nimble.ir.waiting_kernels.WAITING_KERNELS`, :mod:`nimble.kernel_waits`),
 which runs ``griddepcontrol.wait`` in every program before it reads anything but its weight
-and writes nothing before it.  Its wait returns once ``u`` has ended and ``u``'s writes are
+(or, the rotary attention, its cache) and writes nothing before it.  Its wait returns once ``u`` has ended and ``u``'s writes are
 visible; ``u`` ends only after everything before it has: a full dependency ended before ``u``
 began, and a programmatic one ends into a kernel of the same kind, whose every program waited
 before it ended.  So after its wait ``v`` sees what it would behind a full dependency, whatever the
-arena lays over what, and before it ``v`` reads only a weight no task of the graph writes.
+arena lays over what, and before it ``v`` reads only memory outside the plan that no task
+writes before it (what tasks recorded after it write waits for ``v`` to end).
 
 The rule before it (:func:`programmatic_edges`, withdrawn: :data:`WITHDRAWN`) kept the edges
 the capture itself launched programmatically between Inductor's kernels:
@@ -35,7 +36,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Sequence
 
 from ..ir.taskgraph import TaskGraph, TaskKind
-from ..ir.waiting_kernels import may_be_programmatic, written_buffers
+from ..ir.waiting_kernels import may_be_programmatic, writers
 from .memplan import MemPlan, plan_memory
 from .plan_check import check_plan
 
@@ -58,7 +59,7 @@ def waiting_edges(graph: TaskGraph, edges: Iterable[tuple[int, int]]) -> frozens
     """The edges of ``edges`` (the built graph's dependencies) that may be programmatic under
     the module docstring's rule (:func:`~nimble.ir.waiting_kernels.may_be_programmatic`), one
     such edge a kernel (from the predecessor recorded last, the likeliest to end last)."""
-    written = written_buffers(graph)
+    written = writers(graph)
     into: dict[int, int] = {}
     for u, v in edges:
         if may_be_programmatic(graph, u, v, written):

@@ -17,7 +17,7 @@ from ..errors import LoadError
 from . import json_fields as jf
 from .saved_manifest import NODE_KINDS, _fail, damaged
 from .taskgraph import BufferKind, TaskGraph
-from .waiting_kernels import may_be_programmatic, written_buffers
+from .waiting_kernels import may_be_programmatic, writers
 
 
 class UndecodableGraph(LoadError):
@@ -92,7 +92,7 @@ def _against_graph(manifest: dict, k: int, graph: TaskGraph,
                                    "names it)")
     _references(row["reference"], graph, where, itemsize)
     recorded = {tuple(e) for e in graph.meta.get("programmatic_edges", [])}
-    written = written_buffers(graph)
+    written = writers(graph)
     for i, edge in enumerate(row.get("programmatic", [])):
         u, v = edge
         if tuple(edge) not in recorded and not may_be_programmatic(graph, u, v, written):

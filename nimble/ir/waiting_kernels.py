@@ -7,21 +7,24 @@ from __future__ import annotations
 from .taskgraph import BufferKind, TaskGraph, TaskKind
 
 #: Nimble's kernels that wait in every program before they read what a predecessor writes
-#: (:mod:`nimble.kernel_waits`): per (recorded operator, kernel name), the index of the kernel
-#: parameter whose buffer it reads before its wait (a GEMV's weight), or None for nothing.
-WAITING_KERNELS: dict[tuple[str, str], int | None] = {
-    ("nimble::gemv", "gemv_kernel"): 1,
-    ("nimble::gemv_rmsnorm", "gemv_prologue_kernel"): 3,
-    ("nimble::gemv_add_rmsnorm", "gemv_prologue_kernel"): 3,
-    ("nimble::gemv_gated", "gemv_prologue_kernel"): 3,
-    ("nimble::gemv_joined", "gemv_joined_kernel"): None,
-    **{(op, kernel): None
-       for op in ("nimble::decode_attention", "nimble::decode_attention_parts",
-                  "nimble::decode_attention_rope", "nimble::decode_attention_rope_parts")
+#: (:mod:`nimble.kernel_waits`): per (recorded operator, kernel name), the indices of the kernel
+#: parameters whose buffers it may read before its wait (a GEMV's weight; the rotary
+#: attention's cache of keys and values, :data:`nimble.decode_attention.CACHE_BEFORE_WAIT`).
+WAITING_KERNELS: dict[tuple[str, str], tuple[int, ...]] = {
+    ("nimble::gemv", "gemv_kernel"): (1,),
+    ("nimble::gemv_rmsnorm", "gemv_prologue_kernel"): (3,),
+    ("nimble::gemv_add_rmsnorm", "gemv_prologue_kernel"): (3,),
+    ("nimble::gemv_gated", "gemv_prologue_kernel"): (3,),
+    ("nimble::gemv_joined", "gemv_joined_kernel"): (),
+    **{(op, kernel): () for op in ("nimble::decode_attention", "nimble::decode_attention_parts")
        for kernel in ("attend", "join")},
+    **{(op, kernel): reads for op in ("nimble::decode_attention_rope",
+                                      "nimble::decode_attention_rope_parts")
+       for kernel, reads in (("attend", (1, 2)), ("join", ()))},
 }
 
-#: Buffers a waiting kernel may read before its wait: the model's, never moved by the plan.
+#: Buffers a waiting kernel may read before its wait: the model's and the memory outside the
+#: recording (a static cache), never moved by the plan.
 CONSTANT_KINDS = frozenset({BufferKind.PARAM, BufferKind.EXTERNAL})
 
 
@@ -47,28 +50,48 @@ def has_waiting_kernels(graph: TaskGraph) -> bool:
     return any(_key(graph, t) in WAITING_KERNELS for t in graph.tasks)
 
 
-def written_buffers(graph: TaskGraph) -> set[int]:
-    """The buffers some task of ``graph`` writes."""
-    return {a.buffer for t in graph.tasks for a in t.accesses if a.write}
+def writers(graph: TaskGraph) -> dict[int, frozenset[int]]:
+    """Per buffer some task of ``graph`` writes, the tasks that write it."""
+    found: dict[int, set[int]] = {}
+    for t in graph.tasks:
+        for a in t.accesses:
+            if a.write:
+                found.setdefault(a.buffer, set()).add(t.id)
+    return {b: frozenset(ts) for b, ts in found.items()}
 
 
-def waits_safely(graph: TaskGraph, task_id: int, written: set[int]) -> bool:
-    """Whether task ``task_id`` is a kernel of :data:`WAITING_KERNELS` whose read before its
-    wait, if any, is of a constant buffer (:data:`CONSTANT_KINDS`) no task writes
-    (``written``: :func:`written_buffers`)."""
+def _read_before_its_writers(graph: TaskGraph, task, buffer: int,
+                             written: dict[int, frozenset[int]]) -> bool:
+    """Whether ``task`` may read ``buffer`` before its wait: a constant kind (the plan lays
+    nothing over it), and every task that writes it recorded after ``task``, which reads it
+    (so the graph orders each such write after ``task``, behind the hazard of a write after a
+    read: it cannot run while ``task``'s early read does, whatever is launched early around
+    ``task``; a write recorded before it might)."""
+    if graph.buffers[buffer].kind not in CONSTANT_KINDS:
+        return False
+    later = written.get(buffer, frozenset())
+    if not later:
+        return True
+    reads = any(a.buffer == buffer and not a.write for a in task.accesses)
+    return reads and min(later) > task.id
+
+
+def waits_safely(graph: TaskGraph, task_id: int, written: dict[int, frozenset[int]]) -> bool:
+    """Whether task ``task_id`` is a kernel of :data:`WAITING_KERNELS` whose reads before its
+    wait, if any, are of buffers it may read so (``written``: :func:`writers`)."""
     task = graph.tasks[task_id]
     key = _key(graph, task)
     if key not in WAITING_KERNELS:
         return False
-    index = WAITING_KERNELS[key]
-    if index is None:
-        return True
-    buffer = _param_buffer(task, index)
-    return (buffer is not None and buffer not in written
-            and graph.buffers[buffer].kind in CONSTANT_KINDS)
+    for index in WAITING_KERNELS[key]:
+        buffer = _param_buffer(task, index)
+        if buffer is None or not _read_before_its_writers(graph, task, buffer, written):
+            return False
+    return True
 
 
-def may_be_programmatic(graph: TaskGraph, u: int, v: int, written: set[int]) -> bool:
+def may_be_programmatic(graph: TaskGraph, u: int, v: int,
+                        written: dict[int, frozenset[int]]) -> bool:
     """Whether edge ``u -> v`` may be programmatic by the waiting kernels' rule: from a kernel
     into a kernel that :func:`waits_safely`."""
     return graph.tasks[u].kind == TaskKind.KERNEL and waits_safely(graph, v, written)

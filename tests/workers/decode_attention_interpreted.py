@@ -116,10 +116,16 @@ def rope_case(shape, dtype_name: str, mask_kind: str) -> dict:
     qr, kr, vr = ar.reference_inputs(q, k, v, rope)
     want = da.launch(qr, kr, vr, mask, head_dim ** -0.5, splits)
     whole = whole_launch(q, k, v, mask, head_dim ** -0.5, rope=rope)
+    da.CACHE_BEFORE_WAIT = False  # the cache asked for after the wait, as the plain kernel does
+    try:
+        whole_late = whole_launch(q, k, v, mask, head_dim ** -0.5, rope=rope)
+    finally:
+        da.CACHE_BEFORE_WAIT = True
     out = {"case": f"rope-{shape}-{dtype_name}-{mask_kind}",
            "same": bool(torch.equal(got, want)),
            "whole_same": bool(torch.equal(whole, whole_launch(qr, kr, vr, mask,
                                                               head_dim ** -0.5))),
+           "whole_late_same": bool(torch.equal(whole, whole_late)),
            "error": error(got, reference(qr, kr, vr, None if mask is None else keep,
                                          head_dim ** -0.5)),
            "shape_ok": tuple(got.shape) == (batch, 1, heads, head_dim)}

@@ -42,7 +42,9 @@ each GEMV letting the kernel behind it launch only once its weight is read / at 
 (``gemv-prologues``, each prologue GEMV's program asking for two weight tiles ahead of the one
 it sums: :data:`nimble.gemv_prologues.TILES_AHEAD`), ``tuned-prologues`` (``gemv-prologues``,
 each folded GEMV launched as :mod:`nimble.gemv_prologue_tuning` times fastest on its own kernel;
-the launches chosen are printed).
+the launches chosen are printed), ``cache-late`` (``rope-attention``, the whole cache's keys and
+values asked for after the attention kernel's wait, not before it:
+:data:`nimble.decode_attention.CACHE_BEFORE_WAIT`).
 Every variant runs on one model (built once, its sibling projections fused unless ``--no-fuse``);
 a ``gemv`` variant changes the model's modules for good and runs after the others. The Inductor
 settings of a variant (``combo_kernels`` always) and the module constants it sets are set around
@@ -87,6 +89,7 @@ class Variant:
     whole_cache: bool = False  # the attention reads a cache of <= 256 slots as one tile
     two_ahead: bool = False  # the prologue GEMVs ask for two weight tiles ahead, not one
     tuned_prologues: bool = False  # each folded GEMV launched as timed fastest on its kernel
+    cache_late: bool = False  # the rotary attention asks for its cache after its wait
     lead_timing: bool = False  # prepare times each launch behind an untimed one (LEAD_LAUNCH)
     late_trigger: bool | None = None  # the GEMVs let the next kernel launch once their weight
     #                                   is read (True), at their start (False); None: the default
@@ -125,6 +128,7 @@ LEVERS = {
     "early-trigger": {"fast_gemv": True, "late_trigger": False},
     "two-ahead": {"fast_gemv": True, "gemv_prologues": True, "two_ahead": True},
     "tuned-prologues": {"fast_gemv": True, "gemv_prologues": True, "tuned_prologues": True},
+    "cache-late": {"decode_attention": True, "rope_attention": True, "cache_late": True},
     "rope-writes-after": {"decode_attention": True, "rope_attention": True,
                           "rope_writes_after": True},
 }
@@ -265,6 +269,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
                    "VALUES_EARLY": (attention_module, (lever.values_early
                                                        or attention_module.VALUES_EARLY)
                                     and not lever.values_late),
+                   "CACHE_BEFORE_WAIT": (attention_module, attention_module.CACHE_BEFORE_WAIT
+                                         and not lever.cache_late),
                    "WRITES_LAST": (rope_pass, rope_pass.WRITES_LAST
                                    and not lever.rope_writes_after),
                    "TARGET_PROGRAMS": (attention_module, attention_module.TARGET_PROGRAMS
