@@ -117,3 +117,17 @@ def test_the_test_extra_installs_every_package_a_cpu_test_skips_without():
                if not path.name.startswith("test_gpu_") for m in _optional_imports(path)}
     assert "transformers" in skipped  # the scan finds them
     assert skipped <= installed, f"CPU tests skip without {sorted(skipped - installed)}"
+
+
+def test_the_kernels_folder_does_not_shadow_an_installed_kernels_package():
+    """transformers (5.25 and newer) imports Hugging Face's ``kernels`` distribution; from the
+    checkout's root (pytest's rootdir, a script run there) a ``kernels/__init__.py`` of ours
+    was found first and transformers' import of it failed."""
+    import subprocess
+    import sys
+
+    found = subprocess.run(
+        [sys.executable, "-c", "import importlib.util as u; s = u.find_spec('kernels'); "
+         "print(s.origin if s and s.origin else '')"],
+        cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    assert not found.startswith(str(ROOT / "kernels")), found

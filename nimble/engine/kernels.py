@@ -1,6 +1,9 @@
 """Nimble's own kernels: PTX from ``kernels/``, loaded through the driver's JIT once per prepare.
 
-Finding a source needs no GPU; loading it does.  The module handle is owned by a
+Finding a source needs no GPU; loading it does.  The folder is data, installed as
+``nimble._kernels``, and holds no ``__init__.py``: a checkout's root on ``sys.path`` (pytest's,
+or a script run there) would otherwise shadow the ``kernels`` distribution transformers imports
+(Hugging Face's kernel hub, a dependency of transformers from 5.25).  The module handle is owned by a
 :class:`~nimble.driver.Module`, which the graph that uses its functions keeps alive.
 """
 from __future__ import annotations
