@@ -13,16 +13,19 @@ shape (rotated past the L2 cache, as a decode step reads them once each), and a 
 GEMV only where its shape's best configuration beat torch's by :data:`MARGIN`.
 
 The swapped layers keep their class's parameters, names and ``state_dict`` (an ``nn.Linear``
-becomes a :class:`GemvLinear`, its subclass); an input of more than one row (a prefill, a
-batch) runs ``F.linear`` as before, so only single-row calls change kernels.  The GEMV is the
-custom operator ``nimble::gemv``, which ``torch.compile`` traces as one opaque call and Nimble
-records as any kernel.  A GEMV sums in another order than cuBLASLt's kernels, so outputs may
-differ in the last bits, as between any two GEMM kernels.
+becomes a :class:`GemvLinear`, its subclass; transformers' ``Conv1D``, GPT-2's projections with
+the weight stored ``in x out``, a ``GemvConv1D``, its weight's values stored column by column
+so that the GEMV reads ``weight.t()``'s rows contiguously); an input of more than one row (a
+prefill, a batch) runs the class's own GEMM as before, so only single-row calls change
+kernels.  The GEMV is the custom operator ``nimble::gemv``, which ``torch.compile`` traces as
+one opaque call and Nimble records as any kernel.  A GEMV sums in another order than cuBLASLt's
+kernels, so outputs may differ in the last bits, as between any two GEMM kernels.
 """
 from __future__ import annotations
 
 import logging
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -186,19 +189,30 @@ def _gemv_shape(x, weight, block_n, block_k, warps, stages):
     return x.new_empty(weight.shape[0])
 
 
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None) -> bool:
+    """Whether ``x`` times ``weight`` (``out_features x in_features``) runs the GEMV: one row on
+    the GPU, a configuration chosen, the weight's rows contiguous, and no gradient to record
+    (a model moved to the CPU, or trained, after :func:`fast_gemv` runs torch's)."""
+    return (config is not None and x.numel() == weight.shape[1] and weight.stride(1) == 1
+            and x.is_cuda and not (torch.is_grad_enabled() and weight.requires_grad))
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          config: GemvConfig) -> torch.Tensor:
+    y = gemv_op(x.reshape(weight.shape[1]).contiguous(), weight, config.block_n,
+                config.block_k, config.warps, config.stages)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 config: GemvConfig | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, on the GEMV where ``x`` is one row on the GPU and
     ``config`` is set (a model moved to the CPU after :func:`fast_gemv` runs torch's)."""
-    k = weight.shape[1]
-    if config is None or x.numel() != k or weight.stride(1) != 1 or not x.is_cuda or (
-            torch.is_grad_enabled() and weight.requires_grad):
+    if not _takes_gemv(x, weight, config):
         return F.linear(x, weight, bias)
-    y = gemv_op(x.reshape(k).contiguous(), weight, config.block_n, config.block_k,
-                config.warps, config.stages)
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return _gemv(x, weight, bias, config)
 
 
 class GemvLinear(nn.Linear):
@@ -208,6 +222,57 @@ class GemvLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemv_linear(x, self.weight, self.bias, self.gemv_config)
+
+
+# ---- transformers' Conv1D (GPT-2's projections) ---------------------------------------------
+
+def _conv1d_class():
+    """transformers' ``Conv1D`` where transformers is loaded (a model of it exists), else None:
+    importing it here would load transformers for every model."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    return getattr(utils, "Conv1D", None)
+
+
+def _conv1d_forward(self, x: torch.Tensor) -> torch.Tensor:
+    weight = self.weight.t()  # out x in: contiguous rows once fast_gemv re-laid it
+    if not _takes_gemv(x, weight, self.gemv_config):
+        return super(gemv_conv1d_class(), self).forward(x)
+    return _gemv(x, weight, self.bias, self.gemv_config)
+
+
+_GEMV_CONV1D: list = []
+
+
+def __getattr__(name: str):
+    # GemvConv1D subclasses transformers' Conv1D, so it is made where that class exists; a
+    # name of the module all the same, so that a pickled model finds it
+    if name == "GemvConv1D" and _conv1d_class() is not None:
+        return gemv_conv1d_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def gemv_conv1d_class() -> type:
+    """``GemvConv1D``: transformers' ``Conv1D`` (``x @ weight + bias``, the weight ``in x
+    out``) whose single-row calls run the GEMV on ``weight.t()``; :func:`fast_gemv` stores that
+    weight column by column (the same shape, values and name; its strides changed) so that the
+    GEMV reads its rows contiguously."""
+    if not _GEMV_CONV1D:
+        base = _conv1d_class()
+        if base is None:
+            raise InputError("GemvConv1D swaps transformers' Conv1D: import transformers first")
+        cls = type("GemvConv1D", (base,), {"gemv_config": None, "forward": _conv1d_forward,
+                                           "__module__": __name__,
+                                           "__doc__": gemv_conv1d_class.__doc__})
+        _GEMV_CONV1D.append(cls)
+    return _GEMV_CONV1D[0]
+
+
+def _relay_by_columns(weight: nn.Parameter) -> None:
+    """``weight`` (``in x out``) stored column by column in place: the Parameter, its shape and
+    its values stay (an optimizer, ``load_state_dict`` and ``state_dict`` see the same tensor),
+    and its transpose is a contiguous ``out x in`` matrix the GEMV reads."""
+    if weight.stride(0) != 1:
+        weight.data = weight.detach().t().contiguous().t()
 
 
 # ---- choosing per shape ---------------------------------------------------------------------
@@ -220,18 +285,29 @@ Timer = Callable[[GemvConfig | None, list, torch.Tensor], float]
 
 def _targets(model: nn.Module) -> list[tuple[object, torch.Tensor]]:
     """Every GEMM the swap can reach: ``(owner, weight)`` of each ``nn.Linear`` (its exact
-    class) and of each group of fused projections (:mod:`nimble.fused_projections`: a member's
-    ``_group``, which reads its ``gemv_config``)."""
+    class), of each group of fused projections (:mod:`nimble.fused_projections`: a member's
+    ``_group``, which reads its ``gemv_config``), and of each transformers ``Conv1D`` (its
+    weight's transpose: ``out x in``, as the GEMV reads it)."""
     found, groups = [], set()
+    conv1d = _conv1d_class()
     for m in model.modules():
         group = getattr(m, "_group", None)
         if type(m) in (nn.Linear, GemvLinear):
             found.append((m, m.weight))
+        elif conv1d is not None and type(m) in (conv1d, *_GEMV_CONV1D):
+            found.append((m, m.weight.t()))
         elif hasattr(group, "gemv_config") and id(group) not in groups and not group.stale:
             groups.add(id(group))
             found.append((group, group.weight))
-    # the GEMV reads each row of the weight contiguously (a transposed view stays torch's)
-    return [(owner, w) for owner, w in found if w.dim() == 2 and w.stride(1) == 1]
+    # the GEMV reads each row of the weight contiguously (a transposed view stays torch's); a
+    # Conv1D's weight is re-laid for it where the GEMV is chosen
+    return [(owner, w) for owner, w in found
+            if w.dim() == 2 and (w.stride(1) == 1 or _is_conv1d(owner))]
+
+
+def _is_conv1d(owner) -> bool:
+    conv1d = _conv1d_class()
+    return conv1d is not None and isinstance(owner, conv1d)
 
 
 def _key(weight: torch.Tensor) -> tuple:
@@ -265,7 +341,11 @@ def graph_timer(config: GemvConfig | None, weights: list, x: torch.Tensor,
         return F.linear(x, w) if config is None else launch_gemv(x, w, config)
     size = weights[0].numel() * weights[0].element_size()
     wanted = copies_past_l2(size, x.device)
+    # clones keep the layout (a Conv1D's transposed view times torch's GEMM on its own); the
+    # GEMV reads rows-contiguous copies, as a chosen Conv1D is re-laid
     rotation = list(weights) + [weights[0].clone() for _ in range(wanted - len(weights))]
+    if config is not None:
+        rotation = [w if w.stride(1) == 1 else w.contiguous() for w in rotation]
     return replay_us(call, rotation, x.device, replays)
 
 
@@ -335,7 +415,13 @@ def fast_gemv(model: nn.Module, time: Timer | None = None,
 
 
 def _give(owner, config: GemvConfig | None) -> None:
-    if isinstance(owner, nn.Linear):
+    if _is_conv1d(owner):
+        if config is not None:
+            _relay_by_columns(owner.weight)
+            owner.__class__ = gemv_conv1d_class()
+        if isinstance(owner, tuple(_GEMV_CONV1D)):
+            owner.gemv_config = config
+    elif isinstance(owner, nn.Linear):
         if type(owner) is nn.Linear and config is not None:
             owner.__class__ = GemvLinear
         if isinstance(owner, GemvLinear):

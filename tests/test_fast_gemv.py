@@ -233,3 +233,97 @@ def test_the_gemv_kernel_gives_the_same_bits_with_one_weight_tile_or_two_asked_e
     for name, case in cases.items():
         assert case["same_bits"], name
         assert case["error"] < (1e-6 if "float32" in name else 2e-3), (name, case["error"])
+
+
+class Gpt2Mlp(nn.Module):
+    """GPT-2's MLP shape: two of transformers' Conv1D (weights stored ``in x out``)."""
+
+    def __init__(self, width=16, hidden=48):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.c_fc, self.c_proj = Conv1D(hidden, width), Conv1D(width, hidden)
+        with torch.no_grad():
+            for m in (self.c_fc, self.c_proj):
+                m.bias.normal_()
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+def test_a_conv1d_is_timed_as_out_by_in_and_a_chosen_one_keeps_its_weight_re_laid(
+        stand_in_gemv):
+    torch.manual_seed(0)
+    model = Gpt2Mlp()
+    x, batch = torch.randn(1, 1, 16), torch.randn(5, 3, 16)
+    with torch.no_grad():
+        want_one, want_rows = model(x), model(batch)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    weight = model.c_fc.weight
+    time = timer({(48, 16): {None: 5.0, FAST: 3.0}, (16, 48): {None: 5.0, FAST: 6.0}})
+    choices = fg.fast_gemv(model, time=time, configs=(FAST,))
+    assert {(c.out_features, c.in_features): c.config for c in choices} == {
+        (48, 16): FAST, (16, 48): None}
+    # the GEMV's shape, out x in: the transpose of the weight torch's GEMM was timed on
+    assert sorted(shape for shape, _, _ in time.seen) == [(16, 48), (16, 48), (48, 16),
+                                                         (48, 16)]
+    fc = model.c_fc
+    assert type(fc).__name__ == "GemvConv1D" and fc.gemv_config == FAST
+    assert type(model.c_proj).__name__ == "Conv1D"  # torch's kept: its layout too
+    assert model.c_proj.weight.is_contiguous()
+    # the same Parameter, shape, values and state_dict; stored column by column
+    assert fc.weight is weight and fc.weight.shape == (16, 48) and fc.weight.stride() == (1, 16)
+    assert fc.weight.t().is_contiguous()
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with torch.no_grad():
+        one = model(gpu_like(x))
+        rows = model(batch)
+    assert stand_in_gemv == [((48, 16), FAST)]
+    assert one.shape == (1, 1, 16) and torch.allclose(one.as_subclass(torch.Tensor), want_one,
+                                                      atol=1e-5)
+    assert torch.equal(rows, want_rows)  # more rows: Conv1D's own addmm
+
+
+def test_a_re_laid_conv1d_loads_a_state_dict_in_its_layout_and_pickles(stand_in_gemv, tmp_path):
+    model = Gpt2Mlp()
+    fg.fast_gemv(model, time=timer({(48, 16): {None: 5.0, FAST: 3.0},
+                                    (16, 48): {None: 5.0, FAST: 3.0}}), configs=(FAST,))
+    fresh = Gpt2Mlp()
+    model.load_state_dict(fresh.state_dict())  # e.g. a checkpoint: copied into the layout
+    assert torch.equal(model.c_fc.weight, fresh.c_fc.weight)
+    assert model.c_fc.weight.t().is_contiguous()
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    assert type(loaded.c_fc) is type(model.c_fc) and loaded.c_fc.gemv_config == FAST
+    with torch.no_grad():
+        assert torch.equal(loaded(torch.ones(2, 16)), model(torch.ones(2, 16)))
+    # chosen again, torch's GEMM wins: the class stays, the GEMV is off
+    fg.fast_gemv(model, time=timer({(48, 16): {None: 1.0, FAST: 3.0},
+                                    (16, 48): {None: 1.0, FAST: 3.0}}), configs=(FAST,))
+    assert model.c_fc.gemv_config is None
+    with torch.no_grad():
+        model(gpu_like(torch.ones(1, 16)))
+    assert stand_in_gemv == []
+
+
+def test_a_gpt2_decoder_reaches_its_projections(stand_in_gemv):
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                     n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    time = timer({(96, 32): {None: 5.0, FAST: 3.0}, (32, 32): {None: 5.0, FAST: 3.0},
+                  (128, 32): {None: 5.0, FAST: 3.0}, (32, 128): {None: 5.0, FAST: 3.0},
+                  (64, 32): {None: 5.0, FAST: 3.0}})
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        want = model(ids).logits
+    choices = fg.fast_gemv(model, time=time, configs=(FAST,))
+    # c_attn, the attention's c_proj, c_fc, the MLP's c_proj (2 layers each), the tied LM head
+    assert sorted((c.out_features, c.in_features, c.layers) for c in choices) == [
+        (32, 32, 2), (32, 128, 2), (64, 32, 1), (96, 32, 2), (128, 32, 2)]
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, want, atol=1e-5)  # a prefill: torch's GEMMs
+    assert torch.equal(model.lm_head.weight, model.transformer.wte.weight)
