@@ -75,3 +75,47 @@ def test_fast_gemv_measures_and_the_swapped_model_prepares_and_compiles():
         assert torch.equal(model(batch), h)
     nm.close()
     inductor.close()
+
+
+class _LastHiddenState(__import__("torch").nn.Module):
+    def __init__(self, decoder) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, ids):
+        return self.decoder(input_ids=ids, use_cache=False).last_hidden_state
+
+
+def test_gpt2s_conv1d_projections_run_the_gemv_and_the_model_prepares_bit_for_bit():
+    import copy
+
+    import torch
+
+    transformers = pytest.importorskip("transformers", reason="needs transformers")
+    import nimble
+    from nimble.cli.decoders import GPT2_TINY
+    from nimble.fast_gemv import fast_gemv
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(**GPT2_TINY)
+    model = _LastHiddenState(transformers.GPT2Model(config)).cuda().half().eval()
+    stock = copy.deepcopy(model)
+    ids = torch.randint(0, config.vocab_size, (1, 1), device="cuda")
+    fast_gemv(model, margin=-10.0)  # every shape on the GEMV, whatever was measured
+    convs = [m for m in model.modules() if type(m).__name__ == "GemvConv1D"]
+    assert len(convs) == 4 * config.n_layer
+    assert all(c.weight.t().is_contiguous() and c.gemv_config for c in convs)
+    with torch.no_grad():
+        eager = model(ids)
+        torch.testing.assert_close(eager.float(), stock(ids).float(), rtol=2e-2, atol=2e-2)
+        nm = nimble.Nimble(model).prepare(ids, return_copies=True)
+        assert not nm.graph.meta["verified"]["not_bitwise"]
+        assert sum("gemv" in t.name for t in nm.graph.kernel_tasks()) >= len(convs)
+        for _ in range(2):
+            fresh = torch.randint(0, config.vocab_size, ids.shape, device="cuda")
+            assert torch.equal(nm(fresh), model(fresh))
+        # six tokens: Conv1D's own addmm, on the weight stored column by column
+        rows = torch.randint(0, config.vocab_size, (1, 6), device="cuda")
+        torch.testing.assert_close(model(rows).float(), stock(rows).float(), rtol=2e-2,
+                                   atol=2e-2)
+    nm.close()
