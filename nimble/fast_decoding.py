@@ -70,7 +70,7 @@ class DecodeLevers:
         folded = sum(run.total for run in self.folds)
         roped = sum(run.roped for run in self.folds)
         head = (f"{self.fused_projections} projection group(s) fused; GEMV for {kept} of "
-                f"{len(self.gemvs)} weight shape(s); attention "
+                f"{len(self.gemvs)} weight shape(s) and row count(s); attention "
                 f"{'on nimble_decode' if self.attention else 'not swapped'}; ")
         if not self.compilations:
             return head + "every step's graph from Inductor's cache, its folds with it"
@@ -90,7 +90,8 @@ def fast_generator(model: nn.Module, max_cache_len: int, prompt_buckets: Sequenc
     _check(model, max_cache_len, prompt_buckets, batch_sizes)
     timed_before = len(gemv_prologue_tuning.chosen())
     fused = fused_projections.fuse_projections(model)
-    gemvs = tuple(gemv_module.fast_gemv(model, margin=gemv_module.margin_for(folded=True)))
+    gemvs = tuple(gemv_module.fast_gemv(model, margin=gemv_module.margin_for(folded=True),
+                                        rows=gemv_module.decode_rows(batch_sizes)))
     attention = _swap_attention(model)
     on_kernel = _attention(model) == attention_module.NAME
     # the settings around the whole prepare, as decode_levers measures them: the steps compile

@@ -23,6 +23,7 @@ kernels, so outputs may differ in the last bits, as between any two GEMM kernels
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import sys
@@ -34,7 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .errors import InputError
-from . import kernel_waits
+from . import gemm_rows, kernel_waits
 from .kernel_waits import waits
 
 log = logging.getLogger("nimble")
@@ -55,6 +56,12 @@ PROLOGUE_MARGIN = -0.10
 #: output projection's).  The same bits either way; 1: 2 measured no faster on a 1B decoder's
 #: step (docs/results.md; ``tools/experiments/decode_levers.py``'s ``early-tiles``).
 EARLY_TILES = 1
+
+
+def decode_rows(batch_sizes: Iterable[int]) -> tuple[int, ...]:
+    """The row counts :func:`fast_gemv` measures for a decode step at ``batch_sizes`` (one
+    token a row): those the GEMV and :mod:`nimble.gemm_rows` take."""
+    return tuple(sorted({b for b in batch_sizes if 1 <= b <= gemm_rows.MAX_ROWS}))
 
 
 def margin_for(folded: bool) -> float:
@@ -78,6 +85,11 @@ class GemvConfig:
 #: grid at a 1B decoder's shapes, and their neighbours.
 CONFIGS = (GemvConfig(4, 1024, 8, 1), GemvConfig(4, 1024, 8, 3), GemvConfig(8, 1024, 8, 1),
            GemvConfig(8, 512, 4, 1), GemvConfig(8, 512, 4, 3), GemvConfig(16, 512, 8, 1))
+#: The launch shapes of :mod:`nimble.gemm_rows` timed per weight shape and row count (2 or more
+#: rows); ``block_n`` and ``block_k`` at least :data:`nimble.gemm_rows.MIN_BLOCK`.
+ROW_CONFIGS = (GemvConfig(16, 256, 4, 3), GemvConfig(16, 512, 4, 3), GemvConfig(16, 512, 8, 4),
+               GemvConfig(32, 256, 4, 3), GemvConfig(32, 512, 8, 3), GemvConfig(64, 128, 4, 4),
+               GemvConfig(64, 256, 8, 3))
 
 
 @dataclass(frozen=True)
@@ -91,11 +103,13 @@ class ShapeChoice:
     torch_us: float
     gemv_us: float
     config: GemvConfig | None  # None: torch's GEMM stays
+    rows: int = 1  # the rows of the input: 1, the GEMV; more, nimble.gemm_rows
 
     def describe(self) -> str:
-        pick = "GEMV" if self.config else "torch"
+        kernel = "GEMV" if self.rows == 1 else f"GEMM of {self.rows} rows"
+        pick = kernel if self.config else "torch"
         return (f"{self.out_features}x{self.in_features} {self.dtype} ({self.layers} layers): "
-                f"torch {self.torch_us:.2f} µs, GEMV {self.gemv_us:.2f} µs -> {pick}")
+                f"torch {self.torch_us:.2f} µs, {kernel} {self.gemv_us:.2f} µs -> {pick}")
 
 
 # ---- the kernel and its operator ------------------------------------------------------------
@@ -189,39 +203,52 @@ def _gemv_shape(x, weight, block_n, block_k, warps, stages):
     return x.new_empty(weight.shape[0])
 
 
-def _takes_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None) -> bool:
-    """Whether ``x`` times ``weight`` (``out_features x in_features``) runs the GEMV: one row on
-    the GPU, a configuration chosen, the weight's rows contiguous, and no gradient to record
-    (a model moved to the CPU, or trained, after :func:`fast_gemv` runs torch's)."""
-    return (config is not None and x.numel() == weight.shape[1] and weight.stride(1) == 1
-            and x.is_cuda and not (torch.is_grad_enabled() and weight.requires_grad))
+#: The configurations of :mod:`nimble.gemm_rows` chosen per row count (2 or more rows).
+RowConfigs = dict[int, GemvConfig]
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-          config: GemvConfig) -> torch.Tensor:
-    y = gemv_op(x.reshape(weight.shape[1]).contiguous(), weight, config.block_n,
-                config.block_k, config.warps, config.stages)
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             config: GemvConfig | None, row_configs: RowConfigs | None) -> torch.Tensor | None:
+    """``x`` times ``weight`` (``out_features x in_features``) plus ``bias`` on the GEMV (one
+    row, ``config`` set) or on :mod:`nimble.gemm_rows` (a row count ``row_configs`` has), else
+    None: torch's GEMM.  Only on the GPU, the weight's rows contiguous and no gradient to
+    record (a model moved to the CPU, or trained, after :func:`fast_gemv` runs torch's)."""
+    k = weight.shape[1]
+    if not (x.is_cuda and x.shape[-1] == k and weight.stride(1) == 1
+            and not (torch.is_grad_enabled() and weight.requires_grad)):
+        return None
+    rows = x.numel() // k
+    if rows == 1 and config is not None:
+        y = gemv_op(x.reshape(k).contiguous(), weight, *dataclasses.astuple(config))
+    elif row_configs and rows in row_configs:
+        y = gemm_rows.gemm_rows_op(x.reshape(rows, k).contiguous(), weight,
+                         *dataclasses.astuple(row_configs[rows]))
+    else:
+        return None
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                config: GemvConfig | None) -> torch.Tensor:
+                config: GemvConfig | None,
+                row_configs: RowConfigs | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, on the GEMV where ``x`` is one row on the GPU and
-    ``config`` is set (a model moved to the CPU after :func:`fast_gemv` runs torch's)."""
-    if not _takes_gemv(x, weight, config):
-        return F.linear(x, weight, bias)
-    return _gemv(x, weight, bias, config)
+    ``config`` is set, on :mod:`nimble.gemm_rows` where its row count has a configuration in
+    ``row_configs`` (a model moved to the CPU after :func:`fast_gemv` runs torch's)."""
+    y = _product(x, weight, bias, config, row_configs)
+    return F.linear(x, weight, bias) if y is None else y
 
 
 class GemvLinear(nn.Linear):
-    """An ``nn.Linear`` whose single-row calls run the GEMV configuration ``gemv_config``."""
+    """An ``nn.Linear`` whose single-row calls run the GEMV configuration ``gemv_config``, and
+    whose calls of a row count in ``row_configs`` run :mod:`nimble.gemm_rows`."""
 
     gemv_config: GemvConfig | None = None
+    row_configs: RowConfigs | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemv_linear(x, self.weight, self.bias, self.gemv_config)
+        return gemv_linear(x, self.weight, self.bias, self.gemv_config, self.row_configs)
 
 
 # ---- transformers' Conv1D (GPT-2's projections) ---------------------------------------------
@@ -234,10 +261,9 @@ def _conv1d_class():
 
 
 def _conv1d_forward(self, x: torch.Tensor) -> torch.Tensor:
-    weight = self.weight.t()  # out x in: contiguous rows once fast_gemv re-laid it
-    if not _takes_gemv(x, weight, self.gemv_config):
-        return super(gemv_conv1d_class(), self).forward(x)
-    return _gemv(x, weight, self.bias, self.gemv_config)
+    # weight.t() is out x in: contiguous rows once fast_gemv re-laid it
+    y = _product(x, self.weight.t(), self.bias, self.gemv_config, self.row_configs)
+    return super(gemv_conv1d_class(), self).forward(x) if y is None else y
 
 
 _GEMV_CONV1D: list = []
@@ -260,7 +286,8 @@ def gemv_conv1d_class() -> type:
         base = _conv1d_class()
         if base is None:
             raise InputError("GemvConv1D swaps transformers' Conv1D: import transformers first")
-        cls = type("GemvConv1D", (base,), {"gemv_config": None, "forward": _conv1d_forward,
+        cls = type("GemvConv1D", (base,), {"gemv_config": None, "row_configs": None,
+                                           "forward": _conv1d_forward,
                                            "__module__": __name__,
                                            "__doc__": gemv_conv1d_class.__doc__})
         _GEMV_CONV1D.append(cls)
@@ -315,11 +342,15 @@ def _key(weight: torch.Tensor) -> tuple:
 
 
 def choose(weights: list, time: Timer, configs: Iterable[GemvConfig] = CONFIGS,
-           margin: float = MARGIN) -> ShapeChoice:
-    """Time torch's GEMM and every configuration on ``weights`` (all of one shape); the
+           margin: float = MARGIN, rows: int = 1) -> ShapeChoice:
+    """Time torch's GEMM and every configuration on ``weights`` (all of one shape) for an
+    input of ``rows`` rows (1: the GEMV's ``configs``; more: :mod:`nimble.gemm_rows`'s); the
     fastest configuration where it beats torch's by ``margin``, else None."""
     n, k = weights[0].shape
-    x = torch.randn(k, dtype=weights[0].dtype, device=weights[0].device)
+    shape = (k,) if rows == 1 else (rows, k)
+    if rows > 1:
+        configs = ROW_CONFIGS
+    x = torch.randn(shape, dtype=weights[0].dtype, device=weights[0].device)
     torch_us = time(None, weights, x)
     best: tuple[float, GemvConfig | None] = (float("inf"), None)
     for config in configs:
@@ -329,16 +360,21 @@ def choose(weights: list, time: Timer, configs: Iterable[GemvConfig] = CONFIGS,
     gemv_us, config = best
     keep = config if gemv_us < torch_us * (1 - margin) else None
     return ShapeChoice(n, k, str(weights[0].dtype).removeprefix("torch."), len(weights),
-                       torch_us, gemv_us, keep)
+                       torch_us, gemv_us, keep, rows)
 
 
 def graph_timer(config: GemvConfig | None, weights: list, x: torch.Tensor,
                 replays: int = 5) -> float:
-    """µs per call of torch's GEMM (``config`` None) or the GEMV over ``weights`` in a CUDA
-    graph, median of ``replays``: the weights (repeated past twice the L2 cache) are read once
-    each per pass, as a decode step reads them."""
+    """µs per call of torch's GEMM (``config`` None) or the GEMV (``x`` one row; else
+    :mod:`nimble.gemm_rows`) over ``weights`` in a CUDA graph, median of ``replays``: the
+    weights (repeated past twice the L2 cache) are read once each per pass, as a decode step
+    reads them."""
     def call(w):
-        return F.linear(x, w) if config is None else launch_gemv(x, w, config)
+        if config is None:
+            return F.linear(x, w)
+        if x.dim() == 1:
+            return launch_gemv(x, w, config)
+        return gemm_rows.launch_gemm_rows(x, w, *dataclasses.astuple(config))
     size = weights[0].numel() * weights[0].element_size()
     wanted = copies_past_l2(size, x.device)
     # clones keep the layout (a Conv1D's transposed view times torch's GEMM on its own); the
@@ -384,17 +420,23 @@ def replay_us(call: Callable[[torch.Tensor], object], rotation: list, device: to
 
 def fast_gemv(model: nn.Module, time: Timer | None = None,
               configs: Iterable[GemvConfig] = CONFIGS,
-              margin: float = MARGIN) -> list[ShapeChoice]:
-    """Give each single-row GEMM of ``model`` the GEMV where it was measured faster (see the
-    module docstring); what was measured and chosen, per weight shape.  Call it after
-    :func:`~nimble.fused_projections.fuse_projections` (whose groups it reaches) and before
-    preparing.  ``time`` replaces the measurement (:data:`Timer`; with the default, the
-    model's weights must be on a CUDA device), ``configs`` the configurations tried,
-    ``margin`` how much faster the GEMV must be (negative: how much slower it may be, where
-    what it allows pays for it, as :mod:`nimble.gemv_prologue_pass`'s folds do).  Called again,
-    it measures and chooses again."""
+              margin: float = MARGIN, rows: Iterable[int] = (1,)) -> list[ShapeChoice]:
+    """Give each GEMM of ``model`` the GEMV (an input of one row) or :mod:`nimble.gemm_rows`
+    (an input of each other row count of ``rows``: a decode step's batch sizes) where it was
+    measured faster (see the module docstring); what was measured and chosen, per weight shape
+    and row count.  Call it after :func:`~nimble.fused_projections.fuse_projections` (whose
+    groups it reaches) and before preparing.  ``time`` replaces the measurement (:data:`Timer`;
+    with the default, the model's weights must be on a CUDA device), ``configs`` the GEMV's
+    configurations tried, ``margin`` how much faster the kernel must be (negative: how much
+    slower it may be, where what it allows pays for it, as :mod:`nimble.gemv_prologue_pass`'s
+    folds do).  Called again, it measures and chooses again: a row count not in ``rows``
+    runs torch's GEMM from then on."""
     if not isinstance(model, nn.Module):
         raise InputError(f"fast_gemv takes an nn.Module, got {type(model).__name__}")
+    rows = sorted(set(rows))
+    if any(r < 1 or (r > 1 and not gemm_rows.takes(r, torch.float16)) for r in rows):
+        raise InputError(f"fast_gemv's rows are 1 (the GEMV) to {gemm_rows.MAX_ROWS} "
+                         f"(nimble.gemm_rows), got {rows}")
     targets = _targets(model)
     devices = {w.device.type for _, w in targets}
     if time is None and targets and devices != {"cuda"}:
@@ -406,25 +448,36 @@ def fast_gemv(model: nn.Module, time: Timer | None = None,
     choices = []
     with torch.no_grad():
         for members in by_shape.values():
-            choice = choose([w for _, w in members], time or graph_timer, configs, margin)
-            choices.append(choice)
-            log.info("fast_gemv: %s", choice.describe())
+            weights = [w for _, w in members]
+            chosen: dict[int, GemvConfig | None] = {}
+            for r in rows:
+                if r > 1 and not gemm_rows.takes(r, weights[0].dtype):
+                    continue  # float32: torch's GEMM (the kernel's tl.dot would round to TF32)
+                choice = choose(weights, time or graph_timer, configs, margin, r)
+                choices.append(choice)
+                chosen[r] = choice.config
+                log.info("fast_gemv: %s", choice.describe())
             for owner, _ in members:
-                _give(owner, choice.config)
+                _give(owner, chosen)
     return choices
 
 
-def _give(owner, config: GemvConfig | None) -> None:
+def _give(owner, chosen: dict[int, GemvConfig | None]) -> None:
+    """``owner``'s kernels as ``chosen`` (per row count; a count absent: torch's GEMM)."""
+    single = chosen.get(1)
+    row_configs = {r: c for r, c in chosen.items() if r > 1 and c is not None}
+    taken = single is not None or bool(row_configs)
     if _is_conv1d(owner):
-        if config is not None:
+        if taken:
             _relay_by_columns(owner.weight)
             owner.__class__ = gemv_conv1d_class()
-        if isinstance(owner, tuple(_GEMV_CONV1D)):
-            owner.gemv_config = config
+        if not isinstance(owner, tuple(_GEMV_CONV1D)):
+            return
     elif isinstance(owner, nn.Linear):
-        if type(owner) is nn.Linear and config is not None:
+        if type(owner) is nn.Linear and taken:
             owner.__class__ = GemvLinear
-        if isinstance(owner, GemvLinear):
-            owner.gemv_config = config
-    else:  # a fused group: its GEMM of the members' shared input
-        owner.gemv_config = config
+        if not isinstance(owner, GemvLinear):
+            return
+    # a swapped layer, or a fused group (its GEMM of the members' shared input)
+    owner.gemv_config = single
+    owner.row_configs = row_configs or None

@@ -52,8 +52,10 @@ class _Group:
         #: Set where a member's tensors were replaced (``model.to()``, ``.half()``): the
         #: group's concatenated ones are stale, and every member computes its own.
         self.stale = False
-        #: The GEMV configuration of a single-row call (:func:`nimble.fast_gemv.fast_gemv`).
+        #: The GEMV configuration of a single-row call, and :mod:`nimble.gemm_rows`'s per row
+        #: count of a few rows (:func:`nimble.fast_gemv.fast_gemv`).
         self.gemv_config = None
+        self.row_configs = None
 
     def __deepcopy__(self, memo) -> "_Group":
         # Parameter's deepcopy clones each member's weight on its own, so a copy's members
@@ -66,7 +68,8 @@ class _Group:
         """Member ``member``'s output for ``x``: a slice of the group's GEMM of ``x``, computed
         once for the members that ask with the same ``x``."""
         if self._input is not x or member not in self._pending:
-            self._output = gemv_linear(x, self.weight, self.bias, self.gemv_config)
+            self._output = gemv_linear(x, self.weight, self.bias, self.gemv_config,
+                                       self.row_configs)
             self._input, self._pending = x, set(range(len(self.spans)))
         lo, hi = self.spans[member]
         out = self._output[..., lo:hi]

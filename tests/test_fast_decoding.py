@@ -52,9 +52,9 @@ class StandIns:
         monkeypatch.setattr(gemv_module, "fast_gemv", self.fast_gemv)
         monkeypatch.setattr(generate, "Generator", self.generator(fail))
 
-    def fast_gemv(self, model, margin):
+    def fast_gemv(self, model, margin, rows):
         fused = isinstance(model.model.layers[0].self_attn.q_proj, FusedSibling)
-        self.calls.append(("fast_gemv", margin, fused))
+        self.calls.append(("fast_gemv", margin, fused, rows))
         return [gemv_module.ShapeChoice(192, 64, "float32", 2, 5.0, 5.3,
                                         gemv_module.CONFIGS[0])]
 
@@ -88,7 +88,8 @@ def test_the_levers_come_in_their_order_under_the_measured_settings(monkeypatch)
     model = tiny_llama()
     before = inductor_config.post_grad_custom_post_pass
     generator = fast_decoding.fast_generator(model, 64, [8, 16], [1, 8], pad_id=3)
-    assert stand_ins.calls == ["check", ("fast_gemv", gemv_module.PROLOGUE_MARGIN, True),
+    # the GEMV measured for batch 1, the GEMM of rows for batch 8
+    assert stand_ins.calls == ["check", ("fast_gemv", gemv_module.PROLOGUE_MARGIN, True, (1, 8)),
                                "generator"]
     assert stand_ins.seen == {"attention": "nimble_decode", "coordinate": True, "combo": True,
                               "rope": True, "joins": False, "tuned": True,

@@ -150,7 +150,8 @@ def test_the_bench_keeps_a_gemv_within_the_prologue_margin_only_where_it_folds(m
     from nimble.cli.generate_levers import add_lever_arguments, gemv_if_asked
 
     margins = []
-    monkeypatch.setattr(fg, "fast_gemv", lambda model, margin: margins.append(margin) or [])
+    monkeypatch.setattr(fg, "fast_gemv",
+                        lambda model, margin, rows: margins.append(margin) or [])
     p = argparse.ArgumentParser()
     add_lever_arguments(p)
     gemv_if_asked(Block(), p.parse_args(["--fast-gemv"]), {})
@@ -175,7 +176,8 @@ def test_the_bench_folds_the_rotary_embedding_only_beside_the_attention_kernel(m
         "post_grad_custom_post_pass"].rope_attention
     assert "post_grad_custom_post_pass" not in inductor_settings(p.parse_args([]))
     margins = []
-    monkeypatch.setattr(fg, "fast_gemv", lambda model, margin: margins.append(margin) or [])
+    monkeypatch.setattr(fg, "fast_gemv",
+                        lambda model, margin, rows: margins.append(margin) or [])
     gemv_if_asked(Block(), args, {})  # the rotary fold runs the prologue folds too
     assert margins == [fg.PROLOGUE_MARGIN]
 

@@ -307,7 +307,7 @@ def bench_generate(name: str, args, dtype: str, batch: int) -> dict:
                   "sdpa_backends": getattr(args, "sdpa_backends", None)}
     check_lever_arguments(args)
     fuse_if_asked(model, args, info)
-    gemv_if_asked(model, args, info)
+    gemv_if_asked(model, args, info, batch)
     attention_if_asked(model, args, info)
     cache_len = cache_length(args)
     step("the reference: transformers' greedy tokens, static cache, eager kernels")

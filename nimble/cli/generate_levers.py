@@ -208,18 +208,20 @@ def fuse_if_asked(model, args, info: dict) -> None:
     info["fused_projections"] = fuse_projections(model)
 
 
-def gemv_if_asked(model, args, info: dict) -> None:
-    """With ``--fast-gemv``, ``model``'s single-row GEMMs given the GEMV where it measured
-    faster (after any fusion, whose groups it reaches), before any row runs: what was measured
-    per weight shape in ``info["fast_gemv"]``.  With the folds (:func:`folds_asked`), a GEMV
+def gemv_if_asked(model, args, info: dict, batch: int = 1) -> None:
+    """With ``--fast-gemv``, ``model``'s GEMMs of a decode step at ``batch`` given the GEMV
+    (batch 1) or :mod:`nimble.gemm_rows` (a few rows) where it measured faster (after any
+    fusion, whose groups it reaches), before any row runs: what was measured per weight shape
+    in ``info["fast_gemv"]``.  With the folds (:func:`folds_asked`), a GEMV
     is kept within :data:`~nimble.fast_gemv.PROLOGUE_MARGIN` of torch's GEMM, as the folds pay
     for it."""
     if not getattr(args, "fast_gemv", False):
         return
-    from ..fast_gemv import fast_gemv, margin_for
+    from ..fast_gemv import decode_rows, fast_gemv, margin_for
 
     info["fast_gemv"] = [choice.describe() for choice in
-                         fast_gemv(model, margin=margin_for(folds_asked(args)))]
+                         fast_gemv(model, margin=margin_for(folds_asked(args)),
+                                   rows=decode_rows([batch]))]
 
 
 def attention_if_asked(model, args, info: dict) -> None:

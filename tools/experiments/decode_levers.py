@@ -241,7 +241,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
     if lever.fast_gemv and ("fast_gemv", margin) not in swapped:
         from nimble.fast_gemv import fast_gemv
 
-        out["fast_gemv"] = [c.describe() for c in fast_gemv(model, margin=margin)]
+        out["fast_gemv"] = [c.describe() for c in fast_gemv(
+            model, margin=margin, rows=gemv_module.decode_rows([args.batch]))]
         # for good: the variants after it run on the swapped layers (chosen again where a
         # variant asks for another margin)
         swapped.clear()

@@ -1,0 +1,114 @@
+"""The GEMM of a few rows (a decode step at a small batch, issue 53): ``x @ weight.t()`` for
+``x`` of 2 to :data:`MAX_ROWS` rows, one pass over the weight.
+
+At batch 8 a decoder's projections are still bound by the weight's bytes (each weight element
+is used 8 times), and cuBLASLt's kernels for so few rows leave much of the bandwidth unused, as
+they do at one row.  Here each program owns ``block_n`` rows of the weight and streams them
+once, multiplying each tile by every row of ``x`` on the tensor cores (``x`` padded to the
+tensor core's 16 rows in registers: the padding costs no memory traffic), the sums in fp32.
+:func:`nimble.fast_gemv.fast_gemv` times it against torch's GEMM per weight shape and batch
+(its ``rows``, in the launch shapes of its ``ROW_CONFIGS``) and swaps it in only where it is
+faster, as it does the single-row GEMV.
+
+Half and bfloat16 only: a float32 ``tl.dot`` would round its inputs to TF32, which torch's
+float32 GEMM does not do by default.  The operator ``nimble::gemm_rows`` is opaque to
+``torch.compile`` and recorded by Nimble as any kernel; its kernel asks for its first weight
+tile before it waits for its input (:data:`nimble.ir.waiting_kernels.WAITING_KERNELS`).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import kernel_waits
+from .kernel_waits import waits
+
+#: The most rows of ``x`` the kernel takes (the tensor core's 16-row tile: one tile of rows).
+MAX_ROWS = 16
+#: The dtypes the kernel takes.
+DTYPES = (torch.float16, torch.bfloat16)
+#: The least ``block_n`` and ``block_k`` of a launch (``tl.dot``'s smallest tile).
+MIN_BLOCK = 16
+
+_KERNEL: list = []
+
+
+def takes(rows: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel computes ``rows`` rows of ``dtype``."""
+    return 2 <= rows <= MAX_ROWS and dtype in DTYPES
+
+
+def _kernel():
+    """The Triton kernel (made on first use: no Triton import where no GEMM of rows runs)."""
+    if _KERNEL:
+        return _KERNEL[0]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemm_rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, M_PAD: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAITS: tl.constexpr,
+                         LATE: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        m = tl.arange(0, M_PAD)
+        m_ok = m < M
+        c = tl.arange(0, BLOCK_K)
+        if WAITS and not LATE:  # behind a programmatic edge: the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
+        # the first weight tile is asked for before the wait for the input (the weight is a
+        # constant of the graph); its product is the loop's first, so the bits are the same
+        w = tl.load(w_ptr + rows[:, None] * stride_w + c[None, :],
+                    mask=row_ok[:, None] & (c < K)[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        if WAITS:
+            tl.extra.cuda.gdc_wait()
+        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            cols = k + c
+            x = tl.load(x_ptr + m[:, None] * K + cols[None, :],
+                        mask=m_ok[:, None] & (cols < K)[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+            next_cols = cols + BLOCK_K
+            w = tl.load(w_ptr + rows[:, None] * stride_w + next_cols[None, :],
+                        mask=row_ok[:, None] & (next_cols < K)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        if WAITS and LATE:  # kernel_waits.LAUNCH_DEPENDENTS_LATE: its weight is read
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.store(y_ptr + m[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & row_ok[None, :])
+
+    _KERNEL.append(gemm_rows_kernel)
+    return gemm_rows_kernel
+
+
+def launch_gemm_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
+                     warps: int, stages: int) -> torch.Tensor:
+    """``x @ weight.t()`` for ``x`` of ``rows x in_features`` (contiguous, 2 to
+    :data:`MAX_ROWS` rows) on the current stream: programs of ``block_n`` weight rows stepping
+    ``block_k`` columns (both at least :data:`MIN_BLOCK`), ``warps`` warps, ``stages`` of
+    Triton's pipelining."""
+    import triton
+
+    rows, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    _kernel()[(triton.cdiv(n, block_n),)](
+        x, weight, y, rows, n, k, weight.stride(0), M_PAD=max(16, triton.next_power_of_2(rows)),
+        BLOCK_N=block_n, BLOCK_K=block_k, WAITS=waits(x.device),
+        LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, num_warps=warps, num_stages=stages)
+    return y
+
+
+@torch.library.custom_op("nimble::gemm_rows", mutates_args=())
+def gemm_rows_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
+                 warps: int, stages: int) -> torch.Tensor:
+    """The GEMM of a few rows as an operator ``torch.compile`` traces as one call (on the CPU,
+    the same product in torch's operations, summed in float32: what the CPU tests compile)."""
+    if not x.is_cuda:
+        return (x.float() @ weight.float().t()).to(x.dtype)
+    return launch_gemm_rows(x, weight, block_n, block_k, warps, stages)
+
+
+@gemm_rows_op.register_fake
+def _gemm_rows_shape(x, weight, block_n, block_k, warps, stages):
+    return x.new_empty(x.shape[0], weight.shape[0])
