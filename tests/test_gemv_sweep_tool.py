@@ -25,3 +25,17 @@ def test_the_grid_keeps_tiles_of_at_most_16k_elements_and_holds_the_chosen_confi
     assert len(configs) == 24 and all(c.block_n * c.block_k <= 16384 for c in configs)
     assert set(CONFIGS) <= set(configs)
     assert tool.grid((32,), (1024,), (4,), (1,)) == []
+    assert set(CONFIGS) <= set(tool.grid(*tool.GRID))
+
+
+def test_the_rows_grid_holds_the_chosen_row_configs_and_bad_rows_are_refused():
+    from nimble.fast_gemv import ROW_CONFIGS
+    from nimble.gemm_rows import MIN_BLOCK
+
+    configs = tool.grid(*tool.ROW_GRID)
+    assert set(ROW_CONFIGS) <= set(configs)
+    assert all(min(c.block_n, c.block_k) >= MIN_BLOCK for c in configs)
+    assert tool.parse(["--rows", "8", "--dtype", "float16"]).rows == 8
+    for bad in (["--rows", "0"], ["--rows", "17"], ["--rows", "8", "--dtype", "float32"]):
+        with pytest.raises(SystemExit):
+            tool.parse(bad)

@@ -1,9 +1,11 @@
 """Every GEMV configuration of a grid against torch's GEMM (cuBLASLt) on single-row products of
 given weight shapes, the weights rotated past the L2 cache (``nimble.fast_gemv.graph_timer``),
 and how far each falls from the device's copy bandwidth: what ``nimble.fast_gemv.CONFIGS`` was
-chosen from (issue 53).
+chosen from (issue 53).  With ``--rows R`` (2 to 16), the products of ``R`` rows on
+``nimble.gemm_rows`` over :data:`ROW_GRID`: what ``nimble.fast_gemv.ROW_CONFIGS`` was chosen from.
 
     python3 tools/experiments/gemv_sweep.py --shapes 3072x2048,2048x2048,16384x2048,2048x8192,128256x2048
+    python3 tools/experiments/gemv_sweep.py --rows 8 --dtype float16 --shapes 2304x768,768x3072
 """
 from __future__ import annotations
 
@@ -14,6 +16,10 @@ import sys
 #: A Llama 3.2 1B shape's projections with the sibling ones fused: query-key-value, output,
 #: gate-up, down, and the LM head.
 DEFAULT_SHAPES = "3072x2048,2048x2048,16384x2048,2048x8192,128256x2048"
+#: The grid of one row (block_n, block_k, warps, stages), and of a few rows (``tl.dot``'s
+#: tiles: block_n and block_k at least 16).
+GRID = ((4, 8, 16), (512, 1024), (4, 8), (1, 3))
+ROW_GRID = ((16, 32, 64), (64, 128, 256, 512), (4, 8), (1, 3, 4))
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -39,7 +45,14 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    return p.parse_args(argv)
+    p.add_argument("--rows", type=int, default=1, help="rows of the input (1: the GEMV)")
+    args = p.parse_args(argv)
+    from nimble.gemm_rows import MAX_ROWS
+
+    if not 1 <= args.rows <= MAX_ROWS or (args.rows > 1 and args.dtype == "float32"):
+        p.error(f"--rows is 1 to {MAX_ROWS}, and 1 in float32 (nimble.gemm_rows takes half "
+                "and bfloat16)")
+    return args
 
 
 def main(argv=None) -> int:
@@ -51,13 +64,14 @@ def main(argv=None) -> int:
 
     dtype = getattr(torch, args.dtype)
     copy = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy / 1e12:.2f} TB/s")
-    configs = grid((4, 8, 16), (512, 1024), (4, 8), (1, 3))
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy / 1e12:.2f} TB/s; "
+          f"{args.rows} row(s)")
+    configs = grid(*(GRID if args.rows == 1 else ROW_GRID))
     for n, k in args.shapes:
         torch.manual_seed(0)
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02]
         size = n * k * weights[0].element_size()
-        x = torch.randn(k, device="cuda", dtype=dtype)
+        x = torch.randn((k,) if args.rows == 1 else (args.rows, k), device="cuda", dtype=dtype)
         theirs = graph_timer(None, weights, x)
         timed = sorted(((graph_timer(c, weights, x), c) for c in configs), key=lambda t: t[0])
         us, best = timed[0]
