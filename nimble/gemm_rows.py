@@ -4,8 +4,11 @@
 At batch 8 a decoder's projections are still bound by the weight's bytes (each weight element
 is used 8 times), and cuBLASLt's kernels for so few rows leave much of the bandwidth unused, as
 they do at one row.  Here each program owns ``block_n`` rows of the weight and streams them
-once, multiplying each tile by every row of ``x`` on the tensor cores (``x`` padded to the
-tensor core's 16 rows in registers: the padding costs no memory traffic), the sums in fp32.
+once, multiplying each tile by every row of ``x``, the sums in fp32: with ``block_n`` of at
+least :data:`MIN_DOT_BLOCK` on the tensor cores (``x`` padded to the tensor core's 16 rows in
+registers: the padding costs no memory traffic), with fewer on the CUDA cores, each lane
+summing its products across the steps as the single-row GEMV does (more programs over a
+short, wide weight, where the tensor cores' 16-row blocks leave too few to fill the GPU).
 :func:`nimble.fast_gemv.fast_gemv` times it against torch's GEMM per weight shape and batch
 (its ``rows``, in the launch shapes of its ``ROW_CONFIGS``) and swaps it in only where it is
 faster, as it does the single-row GEMV.
@@ -26,8 +29,9 @@ from .kernel_waits import waits
 MAX_ROWS = 16
 #: The dtypes the kernel takes.
 DTYPES = (torch.float16, torch.bfloat16)
-#: The least ``block_n`` and ``block_k`` of a launch (``tl.dot``'s smallest tile).
-MIN_BLOCK = 16
+#: The least ``block_n`` and ``block_k`` of a launch on the tensor cores (``tl.dot``'s smallest
+#: tile); a smaller ``block_n`` sums on the CUDA cores.
+MIN_DOT_BLOCK = 16
 
 _KERNEL: list = []
 
@@ -62,16 +66,24 @@ def _kernel():
                     eviction_policy="evict_first")
         if WAITS:
             tl.extra.cuda.gdc_wait()
-        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        if BLOCK_N >= 16:
+            acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        else:  # each lane's products summed across the steps, reduced once at the end
+            lanes = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             cols = k + c
             x = tl.load(x_ptr + m[:, None] * K + cols[None, :],
                         mask=m_ok[:, None] & (cols < K)[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
+            if BLOCK_N >= 16:
+                acc = tl.dot(x, tl.trans(w), acc)
+            else:
+                lanes += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
             next_cols = cols + BLOCK_K
             w = tl.load(w_ptr + rows[:, None] * stride_w + next_cols[None, :],
                         mask=row_ok[:, None] & (next_cols < K)[None, :], other=0.0,
                         eviction_policy="evict_first")
+        if BLOCK_N < 16:
+            acc = tl.sum(lanes, axis=2)
         if WAITS and LATE:  # kernel_waits.LAUNCH_DEPENDENTS_LATE: its weight is read
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(y_ptr + m[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -84,16 +96,18 @@ def _kernel():
 def launch_gemm_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
                      warps: int, stages: int) -> torch.Tensor:
     """``x @ weight.t()`` for ``x`` of ``rows x in_features`` (contiguous, 2 to
-    :data:`MAX_ROWS` rows) on the current stream: programs of ``block_n`` weight rows stepping
-    ``block_k`` columns (both at least :data:`MIN_BLOCK`), ``warps`` warps, ``stages`` of
-    Triton's pipelining."""
+    :data:`MAX_ROWS` rows) on the current stream: programs of ``block_n`` weight rows (on the
+    tensor cores from :data:`MIN_DOT_BLOCK`, with ``block_k`` at least that too) stepping
+    ``block_k`` columns, ``warps`` warps, ``stages`` of Triton's pipelining."""
     import triton
 
     rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    # the tensor cores take 16 rows at least; the CUDA cores' lanes, the rows' power of two
+    padded = max(MIN_DOT_BLOCK if block_n >= MIN_DOT_BLOCK else 1, triton.next_power_of_2(rows))
     _kernel()[(triton.cdiv(n, block_n),)](
-        x, weight, y, rows, n, k, weight.stride(0), M_PAD=max(16, triton.next_power_of_2(rows)),
+        x, weight, y, rows, n, k, weight.stride(0), M_PAD=padded,
         BLOCK_N=block_n, BLOCK_K=block_k, WAITS=waits(x.device),
         LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, num_warps=warps, num_stages=stages)
     return y

@@ -24,7 +24,7 @@ def test_the_kernel_sums_every_row_of_every_case_and_a_row_alone_gives_its_bits(
     from helpers import interpreted_cases
 
     cases = interpreted_cases(Path(__file__).parent / "workers" / "gemm_rows_interpreted.py")
-    assert len(cases) == 4, sorted(cases)
+    assert len(cases) == 6, sorted(cases)
     for name, case in cases.items():
         rows, rest = name.split("x")
         assert case["shape"] == [int(rows), int(rest.split("@")[1])], name

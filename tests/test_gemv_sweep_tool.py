@@ -30,11 +30,14 @@ def test_the_grid_keeps_tiles_of_at_most_16k_elements_and_holds_the_chosen_confi
 
 def test_the_rows_grid_holds_the_chosen_row_configs_and_bad_rows_are_refused():
     from nimble.fast_gemv import ROW_CONFIGS
-    from nimble.gemm_rows import MIN_BLOCK
+    from nimble.gemm_rows import MIN_DOT_BLOCK
 
-    configs = tool.grid(*tool.ROW_GRID)
+    configs = tool.row_grid()
     assert set(ROW_CONFIGS) <= set(configs)
-    assert all(min(c.block_n, c.block_k) >= MIN_BLOCK for c in configs)
+    dots = [c for c in configs if c.block_n >= MIN_DOT_BLOCK]
+    assert dots and all(c.block_k >= MIN_DOT_BLOCK for c in dots)
+    lanes = [c for c in configs if c.block_n < MIN_DOT_BLOCK]  # the CUDA cores' tiles
+    assert lanes and all(c.block_n * c.block_k <= tool.LANE_TILE for c in lanes)
     assert tool.parse(["--rows", "8", "--dtype", "float16"]).rows == 8
     for bad in (["--rows", "0"], ["--rows", "17"], ["--rows", "8", "--dtype", "float32"]):
         with pytest.raises(SystemExit):

@@ -17,6 +17,8 @@ CASES = [  # rows, weight rows, input width, launch: within one step, ragged, ma
     (8, 40, 1000, (32, 256, 4, 3)),
     (16, 64, 2048, (64, 512, 8, 3)),
     (5, 17, 33, (16, 16, 4, 1)),
+    (8, 21, 1000, (4, 256, 4, 1)),  # on the CUDA cores: fewer than 16 weight rows a program
+    (3, 9, 70, (2, 64, 4, 1)),
 ]
 
 

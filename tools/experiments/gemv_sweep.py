@@ -16,10 +16,19 @@ import sys
 #: A Llama 3.2 1B shape's projections with the sibling ones fused: query-key-value, output,
 #: gate-up, down, and the LM head.
 DEFAULT_SHAPES = "3072x2048,2048x2048,16384x2048,2048x8192,128256x2048"
-#: The grid of one row (block_n, block_k, warps, stages), and of a few rows (``tl.dot``'s
-#: tiles: block_n and block_k at least 16).
+#: The grid of one row (block_n, block_k, warps, stages), and of a few rows on the tensor cores
+#: (``tl.dot``'s tiles: block_n and block_k at least 16) and on the CUDA cores (fewer weight
+#: rows a program, the tile at most :data:`LANE_TILE` elements a row of the input).
 GRID = ((4, 8, 16), (512, 1024), (4, 8), (1, 3))
-ROW_GRID = ((16, 32, 64), (64, 128, 256, 512), (4, 8), (1, 3, 4))
+DOT_GRID = ((16, 32, 64), (64, 128, 256, 512), (4, 8), (1, 3, 4))
+LANE_GRID = ((2, 4, 8), (128, 256, 512, 1024), (4, 8), (1, 3))
+LANE_TILE = 2048
+
+
+def row_grid() -> list:
+    """The few rows' grid: :data:`DOT_GRID`'s tiles of at most 16K elements, and
+    :data:`LANE_GRID`'s of at most :data:`LANE_TILE`."""
+    return grid(*DOT_GRID) + [c for c in grid(*LANE_GRID) if c.block_n * c.block_k <= LANE_TILE]
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -66,7 +75,7 @@ def main(argv=None) -> int:
     copy = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy / 1e12:.2f} TB/s; "
           f"{args.rows} row(s)")
-    configs = grid(*(GRID if args.rows == 1 else ROW_GRID))
+    configs = grid(*GRID) if args.rows == 1 else row_grid()
     for n, k in args.shapes:
         torch.manual_seed(0)
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02]
