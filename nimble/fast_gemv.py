@@ -86,10 +86,11 @@ class GemvConfig:
 CONFIGS = (GemvConfig(4, 1024, 8, 1), GemvConfig(4, 1024, 8, 3), GemvConfig(8, 1024, 8, 1),
            GemvConfig(8, 512, 4, 1), GemvConfig(8, 512, 4, 3), GemvConfig(16, 512, 8, 1))
 #: The launch shapes of :mod:`nimble.gemm_rows` timed per weight shape and row count (2 or more
-#: rows); ``block_n`` and ``block_k`` at least :data:`nimble.gemm_rows.MIN_BLOCK`.
-ROW_CONFIGS = (GemvConfig(16, 256, 4, 3), GemvConfig(16, 512, 4, 3), GemvConfig(16, 512, 8, 4),
-               GemvConfig(32, 256, 4, 3), GemvConfig(32, 512, 8, 3), GemvConfig(64, 128, 4, 4),
-               GemvConfig(64, 256, 8, 3))
+#: rows): the winners of ``tools/experiments/gemv_sweep.py --rows 8``'s grid at GPT-2's and a 1B
+#: decoder's shapes (docs/results.md), on the tensor cores and (``block_n`` 2) the CUDA cores.
+ROW_CONFIGS = (GemvConfig(64, 64, 4, 4), GemvConfig(64, 128, 4, 4), GemvConfig(64, 256, 8, 1),
+               GemvConfig(32, 256, 4, 3), GemvConfig(32, 512, 4, 1), GemvConfig(16, 512, 4, 1),
+               GemvConfig(2, 512, 4, 3))
 
 
 @dataclass(frozen=True)
