@@ -430,7 +430,8 @@ def fast_gemv(model: nn.Module, time: Timer | None = None,
     with the default, the model's weights must be on a CUDA device), ``configs`` the GEMV's
     configurations tried, ``margin`` how much faster the kernel must be (negative: how much
     slower it may be, where what it allows pays for it, as :mod:`nimble.gemv_prologue_pass`'s
-    folds do).  Called again, it measures and chooses again: a row count not in ``rows``
+    folds do; a GEMM of rows, which no fold takes, is kept by :data:`MARGIN` at least).  Called
+    again, it measures and chooses again: a row count not in ``rows``
     runs torch's GEMM from then on."""
     if not isinstance(model, nn.Module):
         raise InputError(f"fast_gemv takes an nn.Module, got {type(model).__name__}")
@@ -454,7 +455,9 @@ def fast_gemv(model: nn.Module, time: Timer | None = None,
             for r in rows:
                 if r > 1 and not gemm_rows.takes(r, weights[0].dtype):
                     continue  # float32: torch's GEMM (the kernel's tl.dot would round to TF32)
-                choice = choose(weights, time or graph_timer, configs, margin, r)
+                # nothing is folded into a GEMM of rows: a negative margin does not hold there
+                kept_by = margin if r == 1 else max(margin, MARGIN)
+                choice = choose(weights, time or graph_timer, configs, kept_by, r)
                 choices.append(choice)
                 chosen[r] = choice.config
                 log.info("fast_gemv: %s", choice.describe())

@@ -112,6 +112,17 @@ def test_fast_gemv_chooses_per_row_count_and_a_batch_of_that_count_runs_the_gemm
     assert model.q_proj.row_configs is None and model.down.row_configs is None
 
 
+def test_a_negative_margin_keeps_a_slower_gemv_but_never_a_slower_gemm_of_rows():
+    model = nn.Sequential(nn.Linear(16, 8)).half()
+
+    def time(config, weights, x):  # either kernel 5% slower than torch's GEMM
+        return 5.0 if config is None else 5.25
+    choices = fg.fast_gemv(model, time=time, configs=(FAST,), rows=(1, 8),
+                           margin=fg.PROLOGUE_MARGIN)
+    assert {c.rows: c.config for c in choices} == {1: FAST, 8: None}
+    assert model[0].row_configs is None  # the fold pays only for the GEMV's
+
+
 def test_a_fused_group_takes_its_row_configs(stand_in_rows):
     model = Block().half()
     assert fuse_projections(model, [("q_proj", "k_proj", "v_proj")]) == 1
