@@ -66,8 +66,9 @@ def test_the_reference_rounds_where_the_models_code_rounds():
     assert torch.equal(got, (w.float() @ gated.float()).to(torch.bfloat16))
 
 
-def _gemv_on_every_device(x, weight, bias, config):
-    """``gemv_linear`` without its GPU check: the CPU's compiled graph holds the GEMV too."""
+def _gemv_on_every_device(x, weight, bias, config, row_configs=None):
+    """``gemv_linear`` without its GPU check: the CPU's compiled graph holds the GEMV too (a
+    single row only: ``row_configs`` is not used)."""
     k = weight.shape[1]
     if config is None or x.numel() != k:
         return torch.nn.functional.linear(x, weight, bias)
