@@ -23,7 +23,6 @@ kernels, so outputs may differ in the last bits, as between any two GEMM kernels
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import statistics
 import sys
@@ -79,6 +78,11 @@ class GemvConfig:
     block_k: int
     warps: int
     stages: int
+
+    @property
+    def args(self) -> tuple[int, int, int, int]:
+        """The kernels' operators' launch arguments, in their order."""
+        return self.block_n, self.block_k, self.warps, self.stages
 
 
 #: The configurations timed per weight shape: the winners of tools/experiments/gemv_sweep.py's
@@ -220,10 +224,10 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return None
     rows = x.numel() // k
     if rows == 1 and config is not None:
-        y = gemv_op(x.reshape(k).contiguous(), weight, *dataclasses.astuple(config))
+        y = gemv_op(x.reshape(k).contiguous(), weight, *config.args)
     elif row_configs and rows in row_configs:
         y = gemm_rows.gemm_rows_op(x.reshape(rows, k).contiguous(), weight,
-                         *dataclasses.astuple(row_configs[rows]))
+                                   *row_configs[rows].args)
     else:
         return None
     if bias is not None:
@@ -344,13 +348,11 @@ def _key(weight: torch.Tensor) -> tuple:
 
 def choose(weights: list, time: Timer, configs: Iterable[GemvConfig] = CONFIGS,
            margin: float = MARGIN, rows: int = 1) -> ShapeChoice:
-    """Time torch's GEMM and every configuration on ``weights`` (all of one shape) for an
-    input of ``rows`` rows (1: the GEMV's ``configs``; more: :mod:`nimble.gemm_rows`'s); the
+    """Time torch's GEMM and every configuration of ``configs`` on ``weights`` (all of one
+    shape) for an input of ``rows`` rows (1: the GEMV; more: :mod:`nimble.gemm_rows`); the
     fastest configuration where it beats torch's by ``margin``, else None."""
     n, k = weights[0].shape
     shape = (k,) if rows == 1 else (rows, k)
-    if rows > 1:
-        configs = ROW_CONFIGS
     x = torch.randn(shape, dtype=weights[0].dtype, device=weights[0].device)
     torch_us = time(None, weights, x)
     best: tuple[float, GemvConfig | None] = (float("inf"), None)
@@ -375,7 +377,7 @@ def graph_timer(config: GemvConfig | None, weights: list, x: torch.Tensor,
             return F.linear(x, w)
         if x.dim() == 1:
             return launch_gemv(x, w, config)
-        return gemm_rows.launch_gemm_rows(x, w, *dataclasses.astuple(config))
+        return gemm_rows.launch_gemm_rows(x, w, *config.args)
     size = weights[0].numel() * weights[0].element_size()
     wanted = copies_past_l2(size, x.device)
     # clones keep the layout (a Conv1D's transposed view times torch's GEMM on its own); the
@@ -436,7 +438,7 @@ def fast_gemv(model: nn.Module, time: Timer | None = None,
     if not isinstance(model, nn.Module):
         raise InputError(f"fast_gemv takes an nn.Module, got {type(model).__name__}")
     rows = sorted(set(rows))
-    if any(r < 1 or (r > 1 and not gemm_rows.takes(r, torch.float16)) for r in rows):
+    if any(not 1 <= r <= gemm_rows.MAX_ROWS for r in rows):
         raise InputError(f"fast_gemv's rows are 1 (the GEMV) to {gemm_rows.MAX_ROWS} "
                          f"(nimble.gemm_rows), got {rows}")
     targets = _targets(model)
@@ -457,7 +459,8 @@ def fast_gemv(model: nn.Module, time: Timer | None = None,
                     continue  # float32: torch's GEMM (the kernel's tl.dot would round to TF32)
                 # nothing is folded into a GEMM of rows: a negative margin does not hold there
                 kept_by = margin if r == 1 else max(margin, MARGIN)
-                choice = choose(weights, time or graph_timer, configs, kept_by, r)
+                choice = choose(weights, time or graph_timer,
+                                configs if r == 1 else ROW_CONFIGS, kept_by, r)
                 choices.append(choice)
                 chosen[r] = choice.config
                 log.info("fast_gemv: %s", choice.describe())

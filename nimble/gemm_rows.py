@@ -15,8 +15,9 @@ faster, as it does the single-row GEMV.
 
 Half and bfloat16 only: a float32 ``tl.dot`` would round its inputs to TF32, which torch's
 float32 GEMM does not do by default.  The operator ``nimble::gemm_rows`` is opaque to
-``torch.compile`` and recorded by Nimble as any kernel; its kernel asks for its first weight
-tile before it waits for its input (:data:`nimble.ir.waiting_kernels.WAITING_KERNELS`).
+``torch.compile`` and recorded by Nimble as any kernel.  Its kernel is compiled with the wait
+of :mod:`nimble.kernel_waits`, its first weight tile asked for before it; it is not yet one of
+:data:`nimble.ir.waiting_kernels.WAITING_KERNELS`, so no edge into it is made programmatic.
 """
 from __future__ import annotations
 

@@ -9,8 +9,6 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_gemm_of_rows_sums_every_row_at_ragged_sizes(dtype):
-    import dataclasses
-
     import torch
 
     from nimble.fast_gemv import ROW_CONFIGS
@@ -24,7 +22,7 @@ def test_the_gemm_of_rows_sums_every_row_at_ragged_sizes(dtype):
         want = x.double() @ w.double().t()
         scale = x.double().abs() @ w.double().abs().t()
         for config in ROW_CONFIGS:
-            got = launch_gemm_rows(x, w, *dataclasses.astuple(config))
+            got = launch_gemm_rows(x, w, *config.args)
             assert got.shape == (rows, n)
             tol = scale * (2.0 ** -7 if dt is torch.bfloat16 else 2.0 ** -10) + 1e-6
             assert ((got.double() - want).abs() <= tol).all(), (rows, n, k, config)
