@@ -72,17 +72,24 @@ def margin_for(folded: bool) -> float:
 @dataclass(frozen=True)
 class GemvConfig:
     """One launch shape of the GEMV kernel: rows of the weight per program, the columns read
-    per step, the program's warps and Triton's pipelining stages."""
+    per step, the program's warps and Triton's pipelining stages; for :mod:`nimble.gemm_rows`,
+    also the parts its columns are split into (``split``; 1 for the GEMV)."""
 
     block_n: int
     block_k: int
     warps: int
     stages: int
+    split: int = 1
 
     @property
     def args(self) -> tuple[int, int, int, int]:
-        """The kernels' operators' launch arguments, in their order."""
+        """The GEMV operators' launch arguments, in their order."""
         return self.block_n, self.block_k, self.warps, self.stages
+
+    @property
+    def row_args(self) -> tuple[int, int, int, int, int]:
+        """:func:`nimble.gemm_rows.gemm_rows_op`'s launch arguments, in their order."""
+        return (*self.args, self.split)
 
 
 #: The configurations timed per weight shape: the winners of tools/experiments/gemv_sweep.py's
@@ -215,8 +222,9 @@ RowConfigs = dict[int, GemvConfig]
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              config: GemvConfig | None, row_configs: RowConfigs | None) -> torch.Tensor | None:
     """``x`` times ``weight`` (``out_features x in_features``) plus ``bias`` on the GEMV (one
-    row, ``config`` set) or on :mod:`nimble.gemm_rows` (a row count ``row_configs`` has), else
-    None: torch's GEMM.  Only on the GPU, the weight's rows contiguous and no gradient to
+    row, ``config`` set) or on :mod:`nimble.gemm_rows` (a row count ``row_configs`` has, in a
+    dtype it takes: a model made float32 after :func:`fast_gemv` runs torch's), else None:
+    torch's GEMM.  Only on the GPU, the weight's rows contiguous and no gradient to
     record (a model moved to the CPU, or trained, after :func:`fast_gemv` runs torch's)."""
     k = weight.shape[1]
     if not (x.is_cuda and x.shape[-1] == k and weight.stride(1) == 1
@@ -225,9 +233,9 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     rows = x.numel() // k
     if rows == 1 and config is not None:
         y = gemv_op(x.reshape(k).contiguous(), weight, *config.args)
-    elif row_configs and rows in row_configs:
+    elif row_configs and rows in row_configs and gemm_rows.takes(rows, x.dtype):
         y = gemm_rows.gemm_rows_op(x.reshape(rows, k).contiguous(), weight,
-                                   *row_configs[rows].args)
+                                   *row_configs[rows].row_args)
     else:
         return None
     if bias is not None:
@@ -377,7 +385,7 @@ def graph_timer(config: GemvConfig | None, weights: list, x: torch.Tensor,
             return F.linear(x, w)
         if x.dim() == 1:
             return launch_gemv(x, w, config)
-        return gemm_rows.launch_gemm_rows(x, w, *config.args)
+        return gemm_rows.launch_gemm_rows(x, w, *config.row_args)
     size = weights[0].numel() * weights[0].element_size()
     wanted = copies_past_l2(size, x.device)
     # clones keep the layout (a Conv1D's transposed view times torch's GEMM on its own); the

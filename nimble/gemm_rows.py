@@ -34,6 +34,9 @@ DTYPES = (torch.float16, torch.bfloat16)
 #: tile); a smaller ``block_n`` sums on the CUDA cores.
 MIN_DOT_BLOCK = 16
 
+#: The outputs a program of the split's reduction adds up.
+REDUCE_BLOCK = 1024
+
 _KERNEL: list = []
 
 
@@ -50,20 +53,23 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gemm_rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, M_PAD: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAITS: tl.constexpr,
-                         LATE: tl.constexpr):
+    def gemm_rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, K_CHUNK, M_PAD: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+                         WAITS: tl.constexpr, LATE: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         m = tl.arange(0, M_PAD)
         m_ok = m < M
-        c = tl.arange(0, BLOCK_K)
+        # this program's part of the columns: all of them, or the split's K_CHUNK
+        k_start = tl.program_id(1) * K_CHUNK
+        k_end = tl.minimum(k_start + K_CHUNK, K)
+        c = k_start + tl.arange(0, BLOCK_K)
         if WAITS and not LATE:  # behind a programmatic edge: the next kernel may launch now
             tl.extra.cuda.gdc_launch_dependents()
         # the first weight tile is asked for before the wait for the input (the weight is a
         # constant of the graph); its product is the loop's first, so the bits are the same
         w = tl.load(w_ptr + rows[:, None] * stride_w + c[None, :],
-                    mask=row_ok[:, None] & (c < K)[None, :], other=0.0,
+                    mask=row_ok[:, None] & (c < k_end)[None, :], other=0.0,
                     eviction_policy="evict_first")
         if WAITS:
             tl.extra.cuda.gdc_wait()
@@ -71,35 +77,64 @@ def _kernel():
             acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
         else:  # each lane's products summed across the steps, reduced once at the end
             lanes = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
+        for k in range(0, k_end - k_start, BLOCK_K):
             cols = k + c
             x = tl.load(x_ptr + m[:, None] * K + cols[None, :],
-                        mask=m_ok[:, None] & (cols < K)[None, :], other=0.0)
+                        mask=m_ok[:, None] & (cols < k_end)[None, :], other=0.0)
             if BLOCK_N >= 16:
                 acc = tl.dot(x, tl.trans(w), acc)
             else:
                 lanes += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
             next_cols = cols + BLOCK_K
             w = tl.load(w_ptr + rows[:, None] * stride_w + next_cols[None, :],
-                        mask=row_ok[:, None] & (next_cols < K)[None, :], other=0.0,
+                        mask=row_ok[:, None] & (next_cols < k_end)[None, :], other=0.0,
                         eviction_policy="evict_first")
         if BLOCK_N < 16:
             acc = tl.sum(lanes, axis=2)
         if WAITS and LATE:  # kernel_waits.LAUNCH_DEPENDENTS_LATE: its weight is read
             tl.extra.cuda.gdc_launch_dependents()
-        tl.store(y_ptr + m[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & row_ok[None, :])
+        out = m_ok[:, None] & row_ok[None, :]
+        if PARTIAL:  # the split's float32 sums, at its place in the (splits, M, N) workspace
+            tl.store(y_ptr + tl.program_id(1) * M * N + m[:, None] * N + rows[None, :], acc,
+                     mask=out)
+        else:
+            tl.store(y_ptr + m[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=out)
 
-    _KERNEL.append(gemm_rows_kernel)
+    @triton.jit
+    def gemm_rows_reduce_kernel(parts_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                                WAITS: tl.constexpr):
+        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = at < MN
+        if WAITS:
+            tl.extra.cuda.gdc_wait()
+        # the splits summed in their order: the same bits at every call
+        acc = tl.load(parts_ptr + at, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(parts_ptr + s * MN + at, mask=ok, other=0.0)
+        tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+    _KERNEL.extend((gemm_rows_kernel, gemm_rows_reduce_kernel))
     return gemm_rows_kernel
 
 
+def split_columns(in_features: int, block_k: int, split: int) -> tuple[int, int]:
+    """``(columns a split, splits)`` of ``in_features`` columns cut into at most ``split``
+    parts of whole ``block_k`` steps."""
+    steps = -(-in_features // block_k)
+    chunk = -(-steps // max(1, split)) * block_k
+    return chunk, -(-in_features // chunk)
+
+
 def launch_gemm_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
-                     warps: int, stages: int) -> torch.Tensor:
+                     warps: int, stages: int, split: int = 1) -> torch.Tensor:
     """``x @ weight.t()`` for ``x`` of ``rows x in_features`` (contiguous, 2 to
     :data:`MAX_ROWS` rows) on the current stream: programs of ``block_n`` weight rows (on the
     tensor cores from :data:`MIN_DOT_BLOCK`, with ``block_k`` at least that too) stepping
-    ``block_k`` columns, ``warps`` warps, ``stages`` of Triton's pipelining."""
+    ``block_k`` columns, ``warps`` warps, ``stages`` of Triton's pipelining.  With ``split``
+    more than 1 the columns are cut into that many parts (:func:`split_columns`), each a
+    program's, for more programs over a long weight; the parts' float32 sums are added by a
+    second kernel in their order, so every call gives the same bits."""
     import triton
 
     rows, k = x.shape
@@ -107,23 +142,31 @@ def launch_gemm_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     # the tensor cores take 16 rows at least; the CUDA cores' lanes, the rows' power of two
     padded = max(MIN_DOT_BLOCK if block_n >= MIN_DOT_BLOCK else 1, triton.next_power_of_2(rows))
-    _kernel()[(triton.cdiv(n, block_n),)](
-        x, weight, y, rows, n, k, weight.stride(0), M_PAD=padded,
-        BLOCK_N=block_n, BLOCK_K=block_k, WAITS=waits(x.device),
+    chunk, splits = split_columns(k, block_k, split)
+    partial = splits > 1
+    sums = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if partial else y
+    kernel = _kernel()
+    kernel[(triton.cdiv(n, block_n), splits)](
+        x, weight, sums, rows, n, k, weight.stride(0), chunk, M_PAD=padded,
+        BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=partial, WAITS=waits(x.device),
         LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, num_warps=warps, num_stages=stages)
+    if partial:
+        _KERNEL[1][(triton.cdiv(rows * n, REDUCE_BLOCK),)](
+            sums, y, rows * n, SPLITS=splits, BLOCK=REDUCE_BLOCK, WAITS=waits(x.device),
+            num_warps=4)
     return y
 
 
 @torch.library.custom_op("nimble::gemm_rows", mutates_args=())
 def gemm_rows_op(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
-                 warps: int, stages: int) -> torch.Tensor:
+                 warps: int, stages: int, split: int = 1) -> torch.Tensor:
     """The GEMM of a few rows as an operator ``torch.compile`` traces as one call (on the CPU,
     the same product in torch's operations, summed in float32: what the CPU tests compile)."""
     if not x.is_cuda:
         return (x.float() @ weight.float().t()).to(x.dtype)
-    return launch_gemm_rows(x, weight, block_n, block_k, warps, stages)
+    return launch_gemm_rows(x, weight, block_n, block_k, warps, stages, split)
 
 
 @gemm_rows_op.register_fake
-def _gemm_rows_shape(x, weight, block_n, block_k, warps, stages):
+def _gemm_rows_shape(x, weight, block_n, block_k, warps, stages, split=1):
     return x.new_empty(x.shape[0], weight.shape[0])

@@ -24,12 +24,24 @@ def test_the_kernel_sums_every_row_of_every_case_and_a_row_alone_gives_its_bits(
     from helpers import interpreted_cases
 
     cases = interpreted_cases(Path(__file__).parent / "workers" / "gemm_rows_interpreted.py")
-    assert len(cases) == 6, sorted(cases)
+    assert len(cases) == 8, sorted(cases)
     for name, case in cases.items():
         rows, rest = name.split("x")
         assert case["shape"] == [int(rows), int(rest.split("@")[1])], name
         assert case["error"] < 2e-3, (name, case["error"])
         assert case["rows_alone"], name
+
+
+def test_columns_are_split_into_whole_steps_and_no_part_is_empty():
+    assert gemm_rows.split_columns(1000, 128, 1) == (1024, 1)
+    assert gemm_rows.split_columns(1000, 128, 4) == (256, 4)
+    assert gemm_rows.split_columns(440, 64, 3) == (192, 3)
+    assert gemm_rows.split_columns(8192, 256, 8) == (1024, 8)
+    # more parts asked for than steps: one step a part, every part holding columns
+    assert gemm_rows.split_columns(300, 128, 8) == (128, 3)
+    for k, block, split in ((2048, 64, 5), (4100, 512, 3), (33, 16, 16)):
+        chunk, parts = gemm_rows.split_columns(k, block, split)
+        assert chunk % block == 0 and parts <= split and (parts - 1) * chunk < k <= parts * chunk
 
 
 def test_the_operator_on_the_cpu_and_its_fake_shape():
@@ -41,7 +53,8 @@ def test_the_operator_on_the_cpu_and_its_fake_shape():
 
     with FakeTensorMode() as mode:
         fake = gemm_rows.gemm_rows_op(mode.from_tensor(x), mode.from_tensor(w), 16, 256, 4, 3)
-    assert fake.shape == (8, 24) and fake.dtype == torch.float16
+        split = gemm_rows.gemm_rows_op(mode.from_tensor(x), mode.from_tensor(w), 16, 16, 4, 3, 2)
+    assert fake.shape == split.shape == (8, 24) and fake.dtype == torch.float16
 
 
 def row_timer(wins: dict):
@@ -65,9 +78,9 @@ def _stand_in(monkeypatch, module, name):
     ``(input shape, weight shape, launch)``."""
     calls = []
 
-    def op(x, weight, block_n, block_k, warps, stages):
+    def op(x, weight, block_n, block_k, warps, stages, split=1):
         calls.append((tuple(x.shape), tuple(weight.shape),
-                      fg.GemvConfig(block_n, block_k, warps, stages)))
+                      fg.GemvConfig(block_n, block_k, warps, stages, split)))
         return F.linear(x.as_subclass(torch.Tensor), weight)
     monkeypatch.setattr(module, name, op)
     return calls
@@ -110,6 +123,18 @@ def test_fast_gemv_chooses_per_row_count_and_a_batch_of_that_count_runs_the_gemm
     # chosen again for one row only: the batch goes back to torch's GEMM
     fg.fast_gemv(model, time=time, configs=(FAST,))
     assert model.q_proj.row_configs is None and model.down.row_configs is None
+
+
+def test_a_model_made_float32_after_the_choice_runs_torchs_gemm(stand_in_rows):
+    model = Block().half()
+    fg.fast_gemv(model, time=row_timer({(16, 16): (8,)}), configs=(FAST,), rows=(8,))
+    assert model.q_proj.row_configs == {8: ROWS}
+    with torch.no_grad():
+        model.q_proj(gpu_like(torch.randn(8, 16, dtype=torch.float16)))
+        assert len(stand_in_rows) == 1
+        model.float()  # tl.dot would round float32 to TF32: torch's GEMM, not the kernel
+        got = model.q_proj(gpu_like(torch.randn(8, 16)))
+    assert got.dtype == torch.float32 and len(stand_in_rows) == 1
 
 
 def test_a_negative_margin_keeps_a_slower_gemv_but_never_a_slower_gemm_of_rows():

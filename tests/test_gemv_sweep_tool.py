@@ -39,6 +39,14 @@ def test_the_rows_grid_holds_the_chosen_row_configs_and_bad_rows_are_refused():
     lanes = [c for c in configs if c.block_n < MIN_DOT_BLOCK]  # the CUDA cores' tiles
     assert lanes and all(c.block_n * c.block_k <= tool.LANE_TILE for c in lanes)
     assert tool.parse(["--rows", "8", "--dtype", "float16"]).rows == 8
-    for bad in (["--rows", "0"], ["--rows", "17"], ["--rows", "8", "--dtype", "float32"]):
+    assert {c.split for c in configs} == {1}
+    split = tool.row_grid((1, 4))
+    assert len(split) == 2 * len(configs) and {c.split for c in split} == {1, 4}
+    # a split into 4 parts is timed only where the width holds 4 parts of whole steps
+    four = next(c for c in split if c.split == 4 and c.block_k == 256)
+    assert tool.fits(four, 2048) and not tool.fits(four, 768) and tool.fits(configs[0], 16)
+    assert tool.parse(["--rows", "8", "--splits", "1,2,8"]).splits == (1, 2, 8)
+    for bad in (["--rows", "0"], ["--rows", "17"], ["--rows", "8", "--dtype", "float32"],
+                ["--rows", "8", "--splits", "0"], ["--rows", "8", "--splits", "a"]):
         with pytest.raises(SystemExit):
             tool.parse(bad)

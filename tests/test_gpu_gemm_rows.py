@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 def test_the_gemm_of_rows_sums_every_row_at_ragged_sizes(dtype):
     import torch
 
-    from nimble.fast_gemv import ROW_CONFIGS
+    from nimble.fast_gemv import ROW_CONFIGS, GemvConfig
     from nimble.gemm_rows import launch_gemm_rows
 
     dt = getattr(torch, dtype)
@@ -21,8 +21,10 @@ def test_the_gemm_of_rows_sums_every_row_at_ragged_sizes(dtype):
         x = torch.randn(rows, k, device="cuda", dtype=dt)
         want = x.double() @ w.double().t()
         scale = x.double().abs() @ w.double().abs().t()
-        for config in ROW_CONFIGS:
-            got = launch_gemm_rows(x, w, *config.args)
+        # and the columns split, on the tensor cores and the CUDA cores
+        for config in ROW_CONFIGS + (GemvConfig(16, 128, 4, 3, 4), GemvConfig(64, 64, 4, 4, 8),
+                                     GemvConfig(4, 256, 4, 1, 3)):
+            got = launch_gemm_rows(x, w, *config.row_args)
             assert got.shape == (rows, n)
             tol = scale * (2.0 ** -7 if dt is torch.bfloat16 else 2.0 ** -10) + 1e-6
             assert ((got.double() - want).abs() <= tol).all(), (rows, n, k, config)
@@ -62,3 +64,126 @@ def test_a_batch_of_eight_is_measured_and_a_model_on_the_gemm_of_rows_prepares_b
         assert torch.equal(inductor(fresh), compiled(fresh))
     nm.close()
     inductor.close()
+
+
+def _rows_model():
+    """Two projections on the GEMM of rows at 2, 4, 8 and 16 rows, in launch shapes on the
+    CUDA cores, on the tensor cores, and with the columns split."""
+    import torch
+    from torch import nn
+
+    from nimble.fast_gemv import ROW_CONFIGS, GemvConfig, GemvLinear
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(1024, 2048, bias=False), nn.SiLU(),
+                          nn.Linear(2048, 1024)).cuda().half().eval()
+    configs = {2: ROW_CONFIGS[-1], 4: GemvConfig(16, 128, 4, 3, 4), 8: ROW_CONFIGS[0],
+               16: GemvConfig(32, 256, 4, 3, 2)}
+    for layer in (model[0], model[2]):
+        layer.__class__ = GemvLinear
+        layer.row_configs = dict(configs)
+    return model, configs
+
+
+def test_one_model_on_the_gemm_of_rows_serves_batches_threads_a_profiler_and_new_weights():
+    import threading
+
+    import torch
+    from torch.nn import functional as F
+
+    import nimble
+
+    model, configs = _rows_model()
+    prepared, inputs = {}, {}
+    with torch.no_grad():
+        for rows in configs:
+            x = torch.randn(rows, 1024, device="cuda", dtype=torch.half)
+            want = F.linear(F.silu(F.linear(x, model[0].weight)), model[2].weight, model[2].bias)
+            torch.testing.assert_close(model(x), want, rtol=0.02, atol=0.02)
+            nm = nimble.Nimble(model).prepare(x, return_copies=True)
+            assert not nm.graph.meta["verified"]["not_bitwise"], rows
+            names = [t.name for t in nm.graph.kernel_tasks()]
+            assert sum("gemm_rows_kernel" in n for n in names) == 2, (rows, names)
+            # the split's parts are added by their own kernel, recorded like any other
+            assert sum("gemm_rows_reduce_kernel" in n for n in names) == (2 if configs[rows].split > 1 else 0)
+            prepared[rows] = nm
+            inputs[rows] = [torch.randn_like(x) for _ in range(3)]
+        expected = {r: [model(x) for x in xs] for r, xs in inputs.items()}
+        for r, nm in prepared.items():  # one process, every batch: each graph its own
+            assert all(torch.equal(nm(x), e) for x, e in zip(inputs[r], expected[r])), r
+
+        failures: list[str] = []
+
+        def serve(rows: int) -> None:
+            try:
+                with torch.cuda.stream(torch.cuda.Stream()):
+                    for i in range(60):
+                        j = i % 3
+                        if not torch.equal(prepared[rows](inputs[rows][j]), expected[rows][j]):
+                            failures.append(f"{rows} rows, call {i}")
+            except Exception as e:  # noqa: BLE001 - reported by the main thread
+                failures.append(f"{rows} rows: {type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=serve, args=(r,)) for r in configs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert failures == []
+
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            eager = model(inputs[4][0])
+            graphed = [prepared[r](inputs[r][0]) for r in configs]
+            torch.cuda.synchronize()
+        assert torch.equal(eager, expected[4][0])
+        assert all(torch.equal(g, expected[r][0]) for g, r in zip(graphed, configs))
+        kernels = {e.key for e in prof.key_averages()}
+        assert any("gemm_rows_kernel" in k for k in kernels), sorted(kernels)[:20]
+
+        # weights changed after prepare, in place: every graph reads the new ones
+        model[0].weight.mul_(-0.5)
+        model[2].weight.copy_(torch.randn_like(model[2].weight) * 0.02)
+        for r, nm in prepared.items():
+            x = inputs[r][1]
+            assert not torch.equal(model(x), expected[r][1]), r
+            assert torch.equal(nm(x), model(x)), r
+    for nm in prepared.values():
+        nm.close()
+
+
+def test_a_launch_shape_first_run_from_several_threads_at_once_gives_each_its_product():
+    import threading
+
+    import torch
+
+    from nimble.gemm_rows import launch_gemm_rows
+
+    torch.manual_seed(5)
+    w = torch.randn(3000, 1536, device="cuda", dtype=torch.bfloat16)
+    xs = [torch.randn(r, 1536, device="cuda", dtype=torch.bfloat16) for r in (3, 8, 11, 16)]
+    launch = (16, 64, 8, 1, 3)  # a shape no other test launches: compiled by these threads
+    got: dict = {}
+    errors: list[str] = []
+    start = threading.Barrier(len(xs))
+
+    def run(k: int) -> None:
+        try:
+            start.wait()
+            with torch.cuda.stream(torch.cuda.Stream()):
+                got[k] = launch_gemm_rows(xs[k], w, *launch)
+                torch.cuda.current_stream().synchronize()
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(f"thread {k}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for k, x in enumerate(xs):
+        assert torch.equal(got[k], launch_gemm_rows(x, w, *launch)), k
+        torch.testing.assert_close(got[k].float(), x.float() @ w.float().t(), rtol=0.02,
+                                   atol=0.05)

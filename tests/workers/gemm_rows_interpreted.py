@@ -19,6 +19,9 @@ CASES = [  # rows, weight rows, input width, launch: within one step, ragged, ma
     (5, 17, 33, (16, 16, 4, 1)),
     (8, 21, 1000, (4, 256, 4, 1)),  # on the CUDA cores: fewer than 16 weight rows a program
     (3, 9, 70, (2, 64, 4, 1)),
+    # the columns split: into 4 parts of 2 steps, the last short; into 3 of 3 steps (of 7)
+    (8, 40, 1100, (16, 128, 4, 1, 4)),
+    (4, 19, 440, (4, 64, 4, 1, 3)),
 ]
 
 

@@ -2,10 +2,13 @@
 given weight shapes, the weights rotated past the L2 cache (``nimble.fast_gemv.graph_timer``),
 and how far each falls from the device's copy bandwidth: what ``nimble.fast_gemv.CONFIGS`` was
 chosen from (issue 53).  With ``--rows R`` (2 to 16), the products of ``R`` rows on
-``nimble.gemm_rows`` over :data:`ROW_GRID`: what ``nimble.fast_gemv.ROW_CONFIGS`` was chosen from.
+``nimble.gemm_rows`` over :func:`row_grid` (each launch shape also with its columns split into
+each of ``--splits``' part counts that the shape's width holds): what
+``nimble.fast_gemv.ROW_CONFIGS`` was chosen from.
 
     python3 tools/experiments/gemv_sweep.py --shapes 3072x2048,2048x2048,16384x2048,2048x8192,128256x2048
     python3 tools/experiments/gemv_sweep.py --rows 8 --dtype float16 --shapes 2304x768,768x3072
+    python3 tools/experiments/gemv_sweep.py --rows 8 --splits 1,2,4,8
 """
 from __future__ import annotations
 
@@ -25,10 +28,23 @@ LANE_GRID = ((2, 4, 8), (128, 256, 512, 1024), (4, 8), (1, 3))
 LANE_TILE = 2048
 
 
-def row_grid() -> list:
+def row_grid(splits=(1,)) -> list:
     """The few rows' grid: :data:`DOT_GRID`'s tiles of at most 16K elements, and
-    :data:`LANE_GRID`'s of at most :data:`LANE_TILE`."""
-    return grid(*DOT_GRID) + [c for c in grid(*LANE_GRID) if c.block_n * c.block_k <= LANE_TILE]
+    :data:`LANE_GRID`'s of at most :data:`LANE_TILE`, each with its columns split into each of
+    ``splits`` parts."""
+    from dataclasses import replace
+
+    tiles = grid(*DOT_GRID) + [c for c in grid(*LANE_GRID)
+                               if c.block_n * c.block_k <= LANE_TILE]
+    return [replace(c, split=s) for s in splits for c in tiles]
+
+
+def fits(config, in_features: int) -> bool:
+    """Whether ``in_features`` columns split into ``config``'s parts hold that many (a split
+    with fewer would time another configuration again)."""
+    from nimble.gemm_rows import split_columns
+
+    return split_columns(in_features, config.block_k, config.split)[1] == config.split
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -50,11 +66,24 @@ def grid(block_n, block_k, warps, stages) -> list:
             if c[0] * c[1] <= 16384]
 
 
+def parse_splits(text: str) -> tuple[int, ...]:
+    """``S[,S...]``: part counts of 1 or more."""
+    try:
+        splits = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        splits = ()
+    if not splits or min(splits) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: splits are counts of 1 or more")
+    return splits
+
+
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--rows", type=int, default=1, help="rows of the input (1: the GEMV)")
+    p.add_argument("--splits", type=parse_splits, default=(1,),
+                   help="with --rows: the part counts the columns are split into (1,2,4,8)")
     args = p.parse_args(argv)
     from nimble.gemm_rows import MAX_ROWS
 
@@ -75,8 +104,9 @@ def main(argv=None) -> int:
     copy = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy / 1e12:.2f} TB/s; "
           f"{args.rows} row(s)")
-    configs = grid(*GRID) if args.rows == 1 else row_grid()
+    grid_of_rows = grid(*GRID) if args.rows == 1 else row_grid(args.splits)
     for n, k in args.shapes:
+        configs = [c for c in grid_of_rows if fits(c, k)]
         torch.manual_seed(0)
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02]
         size = n * k * weights[0].element_size()
@@ -87,7 +117,7 @@ def main(argv=None) -> int:
         print(f"{n}x{k} {size / 1e6:.1f} MB: torch {theirs:.2f} µs "
               f"({size / theirs / 1e6 / (copy / 1e12) * 100:.0f}% of copy), best GEMV "
               f"{us:.2f} µs ({size / us / 1e6 / (copy / 1e12) * 100:.0f}%) {best}; next: "
-              + ", ".join(f"{u:.2f} {c.block_n}/{c.block_k}/{c.warps}/{c.stages}"
+              + ", ".join(f"{u:.2f} {c.block_n}/{c.block_k}/{c.warps}/{c.stages}/{c.split}"
                           for u, c in timed[1:4]), flush=True)
         del weights
         torch.cuda.empty_cache()
