@@ -98,10 +98,12 @@ CONFIGS = (GemvConfig(4, 1024, 8, 1), GemvConfig(4, 1024, 8, 3), GemvConfig(8, 1
            GemvConfig(8, 512, 4, 1), GemvConfig(8, 512, 4, 3), GemvConfig(16, 512, 8, 1))
 #: The launch shapes of :mod:`nimble.gemm_rows` timed per weight shape and row count (2 or more
 #: rows): the winners of ``tools/experiments/gemv_sweep.py --rows 8``'s grid at GPT-2's and a 1B
-#: decoder's shapes (docs/results.md), on the tensor cores and (``block_n`` 2) the CUDA cores.
+#: decoder's shapes (docs/results.md), on the tensor cores and (``block_n`` 2) the CUDA cores,
+#: and (``--splits 1,2,4,8``) the columns split into 2, 4 and 8 parts.
 ROW_CONFIGS = (GemvConfig(64, 64, 4, 4), GemvConfig(64, 128, 4, 4), GemvConfig(64, 256, 8, 1),
                GemvConfig(32, 256, 4, 3), GemvConfig(32, 512, 4, 1), GemvConfig(16, 512, 4, 1),
-               GemvConfig(2, 512, 4, 3))
+               GemvConfig(2, 512, 4, 3), GemvConfig(32, 256, 4, 1, 2),
+               GemvConfig(32, 256, 4, 1, 4), GemvConfig(32, 256, 4, 1, 8))
 
 
 @dataclass(frozen=True)
@@ -431,7 +433,8 @@ def replay_us(call: Callable[[torch.Tensor], object], rotation: list, device: to
 
 def fast_gemv(model: nn.Module, time: Timer | None = None,
               configs: Iterable[GemvConfig] = CONFIGS,
-              margin: float = MARGIN, rows: Iterable[int] = (1,)) -> list[ShapeChoice]:
+              margin: float = MARGIN, rows: Iterable[int] = (1,),
+              row_margin: float | None = None) -> list[ShapeChoice]:
     """Give each GEMM of ``model`` the GEMV (an input of one row) or :mod:`nimble.gemm_rows`
     (an input of each other row count of ``rows``: a decode step's batch sizes) where it was
     measured faster (see the module docstring); what was measured and chosen, per weight shape
@@ -440,7 +443,9 @@ def fast_gemv(model: nn.Module, time: Timer | None = None,
     with the default, the model's weights must be on a CUDA device), ``configs`` the GEMV's
     configurations tried, ``margin`` how much faster the kernel must be (negative: how much
     slower it may be, where what it allows pays for it, as :mod:`nimble.gemv_prologue_pass`'s
-    folds do; a GEMM of rows, which no fold takes, is kept by :data:`MARGIN` at least).  Called
+    folds do; a GEMM of rows, which no fold takes, is kept by :data:`MARGIN` at least, or by
+    ``row_margin`` where it is given: an experiment's, for what a step's programmatic edges
+    may pay, which the timing alone does not see).  Called
     again, it measures and chooses again: a row count not in ``rows``
     runs torch's GEMM from then on."""
     if not isinstance(model, nn.Module):
@@ -466,7 +471,8 @@ def fast_gemv(model: nn.Module, time: Timer | None = None,
                 if r > 1 and not gemm_rows.takes(r, weights[0].dtype):
                     continue  # float32: torch's GEMM (the kernel's tl.dot would round to TF32)
                 # nothing is folded into a GEMM of rows: a negative margin does not hold there
-                kept_by = margin if r == 1 else max(margin, MARGIN)
+                kept_by = margin if r == 1 else (
+                    max(margin, MARGIN) if row_margin is None else row_margin)
                 choice = choose(weights, time or graph_timer,
                                 configs if r == 1 else ROW_CONFIGS, kept_by, r)
                 choices.append(choice)

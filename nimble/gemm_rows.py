@@ -15,9 +15,10 @@ faster, as it does the single-row GEMV.
 
 Half and bfloat16 only: a float32 ``tl.dot`` would round its inputs to TF32, which torch's
 float32 GEMM does not do by default.  The operator ``nimble::gemm_rows`` is opaque to
-``torch.compile`` and recorded by Nimble as any kernel.  Its kernel is compiled with the wait
-of :mod:`nimble.kernel_waits`, its first weight tile asked for before it; it is not yet one of
-:data:`nimble.ir.waiting_kernels.WAITING_KERNELS`, so no edge into it is made programmatic.
+``torch.compile`` and recorded by Nimble as any kernel.  Its kernels are compiled with the wait
+of :mod:`nimble.kernel_waits` (the GEMM's first weight tile asked for before it, the split's
+reduction reading nothing before it) and are :data:`nimble.ir.waiting_kernels.WAITING_KERNELS`:
+a prepare with programmatic launch may make the edges into them programmatic.
 """
 from __future__ import annotations
 

@@ -96,6 +96,40 @@ def test_a_gemv_asks_for_its_first_weight_tile_alone_before_its_wait(kernel):
     assert _memory(early, "griddepcontrol.launch_dependents")
 
 
+def _gemm_rows(block_n: int, partial: bool, late: bool = True) -> list[str]:
+    from nimble import gemm_rows
+
+    return _ptx(gemm_rows._kernel(), {"x_ptr": "*bf16", "w_ptr": "*bf16",
+                                      "y_ptr": "*fp32" if partial else "*bf16", "M": "i32",
+                                      "N": "i32", "K": "i32", "stride_w": "i32",
+                                      "K_CHUNK": "i32"},
+                {"M_PAD": 16 if block_n >= 16 else 8, "BLOCK_N": block_n, "BLOCK_K": 128,
+                 "PARTIAL": partial, "WAITS": True, "LATE": late}, num_warps=4)
+
+
+@pytest.mark.parametrize("kernel", ["tensor cores", "cuda cores", "split", "split early"])
+def test_a_gemm_of_rows_asks_for_its_first_weight_tile_alone_before_its_wait(kernel):
+    lines = _gemm_rows(2 if kernel == "cuda cores" else 32, "split" in kernel,
+                       late="early" not in kernel)
+    early = _before_the_wait(lines)
+    loads = _memory(early, "ld.global")
+    assert loads and all("evict_first" in line for line in loads)
+    assert not _memory(early, "st.global") and not _memory(early, "atom.")
+    assert _memory(lines[len(early):], "ld.global")
+    assert bool(_memory(early, "griddepcontrol.launch_dependents")) == ("early" in kernel)
+
+
+def test_the_split_gemm_of_rows_reduction_reads_and_writes_nothing_before_its_wait():
+    from nimble import gemm_rows
+
+    gemm_rows._kernel()
+    lines = _ptx(gemm_rows._KERNEL[1], {"parts_ptr": "*fp32", "y_ptr": "*bf16", "MN": "i32"},
+                 {"SPLITS": 4, "BLOCK": gemm_rows.REDUCE_BLOCK, "WAITS": True})
+    early = _before_the_wait(lines)
+    assert not [line for line in early if "ld.global" in line or "st.global" in line]
+    assert len(_memory(lines[len(early):], "ld.global")) >= 4
+
+
 @pytest.mark.parametrize("kernel", ["attend", "rope attend", "whole rope attend", "join"])
 def test_the_attentions_kernels_read_and_write_nothing_before_their_wait(kernel):
     lines = _attention(kernel)

@@ -460,10 +460,13 @@ def test_every_waiting_kernel_names_a_weight_parameter_its_operator_passes():
 
     import nimble.decode_attention_kernels as attention
 
+    from nimble import gemm_rows
+
     kernels = {"gemv_kernel": fast_gemv._kernel(), "gemv_prologue_kernel":
-               prologues.gemv_prologue_kernel, "attend": attention.attend}
+               prologues.gemv_prologue_kernel, "attend": attention.attend,
+               "gemm_rows_kernel": gemm_rows._kernel()}
     early = {"gemv_kernel": ["w_ptr"], "gemv_prologue_kernel": ["w_ptr"],
-             "attend": ["k_ptr", "v_ptr"]}
+             "attend": ["k_ptr", "v_ptr"], "gemm_rows_kernel": ["w_ptr"]}
     for (op, name), reads in WAITING_KERNELS.items():
         assert op.startswith("nimble::")
         if reads:

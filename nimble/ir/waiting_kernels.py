@@ -9,13 +9,16 @@ from .taskgraph import BufferKind, TaskGraph, TaskKind
 #: Nimble's kernels that wait in every program before they read what a predecessor writes
 #: (:mod:`nimble.kernel_waits`): per (recorded operator, kernel name), the indices of the kernel
 #: parameters whose buffers it may read before its wait (a GEMV's weight; the rotary
-#: attention's cache of keys and values, :data:`nimble.decode_attention.CACHE_BEFORE_WAIT`).
+#: attention's cache of keys and values, :data:`nimble.decode_attention.CACHE_BEFORE_WAIT`; a
+#: GEMM of rows' weight, its split's reduction nothing).
 WAITING_KERNELS: dict[tuple[str, str], tuple[int, ...]] = {
     ("nimble::gemv", "gemv_kernel"): (1,),
     ("nimble::gemv_rmsnorm", "gemv_prologue_kernel"): (3,),
     ("nimble::gemv_add_rmsnorm", "gemv_prologue_kernel"): (3,),
     ("nimble::gemv_gated", "gemv_prologue_kernel"): (3,),
     ("nimble::gemv_joined", "gemv_joined_kernel"): (),
+    ("nimble::gemm_rows", "gemm_rows_kernel"): (1,),
+    ("nimble::gemm_rows", "gemm_rows_reduce_kernel"): (),
     **{(op, kernel): () for op in ("nimble::decode_attention", "nimble::decode_attention_parts")
        for kernel in ("attend", "join")},
     **{(op, kernel): reads for op in ("nimble::decode_attention_rope",

@@ -22,7 +22,10 @@ weight prefetch into the L2, Nimble's own, every plan timed; ``window-prefetch``
 :data:`nimble.decode_attention.TARGET_PROGRAMS`: at batch 8 the kernel alone is faster with 4
 programs a head than the rule's 3), ``gemv-within-10`` (``gemv``, a shape's GEMV kept where it is
 at most 10% slower than torch's GEMM), ``gemv-margin-3`` (``gemv``, kept only where 3% faster:
-:data:`nimble.fast_gemv.MARGIN`, the default without prologues), ``gemv-prologues`` (``gemv``,
+:data:`nimble.fast_gemv.MARGIN`, the default without prologues), ``rows-within-25`` /
+``rows-always`` (``gemv``, a shape's GEMM of rows kept where it is at most 25% slower than
+torch's / wherever it runs: what a step's programmatic edges into it pay, which its timing
+alone does not see), ``gemv-prologues`` (``gemv``,
 and each GEMV fed by an RMS norm or a gated activation computing that vector itself:
 :mod:`nimble.gemv_prologue_pass`; its GEMVs kept within
 :data:`nimble.fast_gemv.PROLOGUE_MARGIN`),
@@ -70,6 +73,7 @@ class Variant:
     fast_gemv: bool = False  # nimble.fast_gemv on the model, before both rows
     # fast_gemv's margin; None: nimble.fast_gemv.PROLOGUE_MARGIN with gemv_prologues, else MARGIN
     gemv_margin: float | None = None
+    row_margin: float | None = None  # fast_gemv's row_margin (a GEMM of rows); None: its own
     decode_attention: bool = False  # nimble.decode_attention on the model, before both rows
     single_stream: bool = False  # the Generator's steps prepared with use_multi_stream=False
     plain_argmax: bool = False  # both rows' argmax one reduction (no decode_steps.split_argmax)
@@ -117,6 +121,8 @@ LEVERS = {
     "gemv-prologues": {"fast_gemv": True, "gemv_prologues": True},
     "gemv-within-10": {"fast_gemv": True, "gemv_margin": -0.10},
     "gemv-margin-3": {"fast_gemv": True, "gemv_margin": 0.03},
+    "rows-within-25": {"fast_gemv": True, "row_margin": -0.25},
+    "rows-always": {"fast_gemv": True, "row_margin": -10.0},
     "joined-attention": {"fast_gemv": True, "gemv_prologues": True, "decode_attention": True,
                          "join_attention": True},
     "rope-attention": {"decode_attention": True, "rope_attention": True},
@@ -238,15 +244,16 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
     lever = variant(name)
     out: dict = {"variant": name, "settings": dataclasses.asdict(lever)}
     margin = gemv_margin(lever)
-    if lever.fast_gemv and ("fast_gemv", margin) not in swapped:
+    if lever.fast_gemv and ("fast_gemv", margin, lever.row_margin) not in swapped:
         from nimble.fast_gemv import fast_gemv
 
         out["fast_gemv"] = [c.describe() for c in fast_gemv(
-            model, margin=margin, rows=gemv_module.decode_rows([args.batch]))]
+            model, margin=margin, rows=gemv_module.decode_rows([args.batch]),
+            row_margin=lever.row_margin)]
         # for good: the variants after it run on the swapped layers (chosen again where a
         # variant asks for another margin)
         swapped.clear()
-        swapped.add(("fast_gemv", margin))
+        swapped.add(("fast_gemv", margin, lever.row_margin))
     undo = []
     if lever.decode_attention:
         from nimble.decode_attention import decode_attention

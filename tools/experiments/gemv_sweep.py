@@ -26,6 +26,8 @@ GRID = ((4, 8, 16), (512, 1024), (4, 8), (1, 3))
 DOT_GRID = ((16, 32, 64), (64, 128, 256, 512), (4, 8), (1, 3, 4))
 LANE_GRID = ((2, 4, 8), (128, 256, 512, 1024), (4, 8), (1, 3))
 LANE_TILE = 2048
+#: The part counts ``nimble.fast_gemv.ROW_CONFIGS``' split launches were chosen from.
+SPLITS = (1, 2, 4, 8)
 
 
 def row_grid(splits=(1,)) -> list:
