@@ -37,6 +37,10 @@ MIN_DOT_BLOCK = 16
 
 #: The outputs a program of the split's reduction adds up.
 REDUCE_BLOCK = 1024
+#: Whether a split's parts are added by the last of each block's programs to finish (each
+#: counts itself on an atomic counter zeroed every call; one kernel boundary fewer) rather
+#: than by a second kernel.
+LAST_JOINS = True
 
 _KERNEL: list = []
 
@@ -54,9 +58,10 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gemm_rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_w, K_CHUNK, M_PAD: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-                         WAITS: tl.constexpr, LATE: tl.constexpr):
+    def gemm_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_w, K_CHUNK,
+                         M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PARTIAL: tl.constexpr, LAST_JOINS: tl.constexpr, WAITS: tl.constexpr,
+                         LATE: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         m = tl.arange(0, M_PAD)
@@ -95,12 +100,25 @@ def _kernel():
         if WAITS and LATE:  # kernel_waits.LAUNCH_DEPENDENTS_LATE: its weight is read
             tl.extra.cuda.gdc_launch_dependents()
         out = m_ok[:, None] & row_ok[None, :]
+        at = m[:, None] * N + rows[None, :]
         if PARTIAL:  # the split's float32 sums, at its place in the (splits, M, N) workspace
-            tl.store(y_ptr + tl.program_id(1) * M * N + m[:, None] * N + rows[None, :], acc,
-                     mask=out)
+            tl.store(part_ptr + tl.program_id(1) * M * N + at, acc, mask=out)
+            if LAST_JOINS:
+                # every thread's stores before the count (a release at the GPU's scope); the
+                # program that counts last adds the parts, read past the L1, in split order
+                # whichever program it is: the bits of the second kernel's sum
+                tl.debug_barrier()
+                splits = tl.num_programs(1)
+                done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel",
+                                     scope="gpu")
+                if done == splits - 1:
+                    total = tl.load(part_ptr + at, mask=out, other=0.0, cache_modifier=".cg")
+                    for s in range(1, splits):
+                        total += tl.load(part_ptr + s * M * N + at, mask=out, other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=out)
         else:
-            tl.store(y_ptr + m[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=out)
+            tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=out)
 
     @triton.jit
     def gemm_rows_reduce_kernel(parts_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
@@ -128,14 +146,16 @@ def split_columns(in_features: int, block_k: int, split: int) -> tuple[int, int]
 
 
 def launch_gemm_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
-                     warps: int, stages: int, split: int = 1) -> torch.Tensor:
+                     warps: int, stages: int, split: int = 1,
+                     last_joins: bool | None = None) -> torch.Tensor:
     """``x @ weight.t()`` for ``x`` of ``rows x in_features`` (contiguous, 2 to
     :data:`MAX_ROWS` rows) on the current stream: programs of ``block_n`` weight rows (on the
     tensor cores from :data:`MIN_DOT_BLOCK`, with ``block_k`` at least that too) stepping
     ``block_k`` columns, ``warps`` warps, ``stages`` of Triton's pipelining.  With ``split``
     more than 1 the columns are cut into that many parts (:func:`split_columns`), each a
-    program's, for more programs over a long weight; the parts' float32 sums are added by a
-    second kernel in their order, so every call gives the same bits."""
+    program's, for more programs over a long weight; the parts' float32 sums are added in
+    their order, so every call gives the same bits: by the last program of each block of weight
+    rows to finish, or (``last_joins`` False) by a second kernel (None: :data:`LAST_JOINS`)."""
     import triton
 
     rows, k = x.shape
@@ -145,13 +165,18 @@ def launch_gemm_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_
     padded = max(MIN_DOT_BLOCK if block_n >= MIN_DOT_BLOCK else 1, triton.next_power_of_2(rows))
     chunk, splits = split_columns(k, block_k, split)
     partial = splits > 1
+    joins = partial and (LAST_JOINS if last_joins is None else last_joins)
+    blocks = triton.cdiv(n, block_n)
     sums = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if partial else y
+    # each block's programs counted from zero at every call
+    count = torch.zeros(blocks, dtype=torch.int32, device=x.device) if joins else y
     kernel = _kernel()
-    kernel[(triton.cdiv(n, block_n), splits)](
-        x, weight, sums, rows, n, k, weight.stride(0), chunk, M_PAD=padded,
-        BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=partial, WAITS=waits(x.device),
-        LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, num_warps=warps, num_stages=stages)
-    if partial:
+    kernel[(blocks, splits)](
+        x, weight, y, sums, count, rows, n, k, weight.stride(0), chunk, M_PAD=padded,
+        BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=partial, LAST_JOINS=joins,
+        WAITS=waits(x.device), LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, num_warps=warps,
+        num_stages=stages)
+    if partial and not joins:
         _KERNEL[1][(triton.cdiv(rows * n, REDUCE_BLOCK),)](
             sums, y, rows * n, SPLITS=splits, BLOCK=REDUCE_BLOCK, WAITS=waits(x.device),
             num_warps=4)

@@ -30,6 +30,7 @@ def test_the_kernel_sums_every_row_of_every_case_and_a_row_alone_gives_its_bits(
         assert case["shape"] == [int(rows), int(rest.split("@")[1])], name
         assert case["error"] < 2e-3, (name, case["error"])
         assert case["rows_alone"], name
+        assert case["second_kernel_same"], name
 
 
 def test_columns_are_split_into_whole_steps_and_no_part_is_empty():

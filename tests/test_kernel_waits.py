@@ -96,27 +96,31 @@ def test_a_gemv_asks_for_its_first_weight_tile_alone_before_its_wait(kernel):
     assert _memory(early, "griddepcontrol.launch_dependents")
 
 
-def _gemm_rows(block_n: int, partial: bool, late: bool = True) -> list[str]:
+def _gemm_rows(block_n: int, partial: bool, late: bool = True, joins: bool = True) -> list[str]:
     from nimble import gemm_rows
 
-    return _ptx(gemm_rows._kernel(), {"x_ptr": "*bf16", "w_ptr": "*bf16",
-                                      "y_ptr": "*fp32" if partial else "*bf16", "M": "i32",
+    return _ptx(gemm_rows._kernel(), {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                                      "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
                                       "N": "i32", "K": "i32", "stride_w": "i32",
                                       "K_CHUNK": "i32"},
                 {"M_PAD": 16 if block_n >= 16 else 8, "BLOCK_N": block_n, "BLOCK_K": 128,
-                 "PARTIAL": partial, "WAITS": True, "LATE": late}, num_warps=4)
+                 "PARTIAL": partial, "LAST_JOINS": partial and joins, "WAITS": True,
+                 "LATE": late}, num_warps=4)
 
 
-@pytest.mark.parametrize("kernel", ["tensor cores", "cuda cores", "split", "split early"])
+@pytest.mark.parametrize("kernel", ["tensor cores", "cuda cores", "split", "split early",
+                                    "split, a second kernel adds"])
 def test_a_gemm_of_rows_asks_for_its_first_weight_tile_alone_before_its_wait(kernel):
     lines = _gemm_rows(2 if kernel == "cuda cores" else 32, "split" in kernel,
-                       late="early" not in kernel)
+                       late="early" not in kernel, joins="second" not in kernel)
     early = _before_the_wait(lines)
     loads = _memory(early, "ld.global")
     assert loads and all("evict_first" in line for line in loads)
     assert not _memory(early, "st.global") and not _memory(early, "atom.")
     assert _memory(lines[len(early):], "ld.global")
     assert bool(_memory(early, "griddepcontrol.launch_dependents")) == ("early" in kernel)
+    # the last program to count adds the parts: the count after the wait, with its release
+    assert bool(_memory(lines, "atom.")) == (kernel in ("split", "split early"))
 
 
 def test_the_split_gemm_of_rows_reduction_reads_and_writes_nothing_before_its_wait():

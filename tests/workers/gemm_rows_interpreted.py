@@ -31,12 +31,16 @@ def main() -> None:
         weight = torch.randn(n, k, dtype=torch.float16) / k ** 0.5
         x = torch.randn(rows, k, dtype=torch.float16)
         got = gemm_rows.launch_gemm_rows(x, weight, *launch)
+        # a split's parts added by a second kernel: the same bits as by the last program
+        second = gemm_rows.launch_gemm_rows(x, weight, *launch, last_joins=False) \
+            if len(launch) > 4 else got
         want = x.double() @ weight.double().t()
         print(json.dumps({
             "case": f"{rows}x{k}@{n}",
             "shape": list(got.shape),
             "error": float((got.double() - want).norm() / want.norm()),
             # each row's sums are its own: a row alone gives the same bits
+            "second_kernel_same": torch.equal(second, got),
             "rows_alone": all(torch.equal(got[i], gemm_rows.launch_gemm_rows(
                 torch.cat([x[i:i + 1], x[i:i + 1]]), weight, *launch)[0])
                 for i in range(rows))}))

@@ -25,7 +25,8 @@ at most 10% slower than torch's GEMM), ``gemv-margin-3`` (``gemv``, kept only wh
 :data:`nimble.fast_gemv.MARGIN`, the default without prologues), ``rows-within-25`` /
 ``rows-always`` (``gemv``, a shape's GEMM of rows kept where it is at most 25% slower than
 torch's / wherever it runs: what a step's programmatic edges into it pay, which its timing
-alone does not see), ``gemv-prologues`` (``gemv``,
+alone does not see), ``rows-second-kernel`` (``gemv``, a split GEMM of rows' parts added by a
+second kernel, not by the last program of each block: :data:`nimble.gemm_rows.LAST_JOINS`), ``gemv-prologues`` (``gemv``,
 and each GEMV fed by an RMS norm or a gated activation computing that vector itself:
 :mod:`nimble.gemv_prologue_pass`; its GEMVs kept within
 :data:`nimble.fast_gemv.PROLOGUE_MARGIN`),
@@ -74,6 +75,7 @@ class Variant:
     # fast_gemv's margin; None: nimble.fast_gemv.PROLOGUE_MARGIN with gemv_prologues, else MARGIN
     gemv_margin: float | None = None
     row_margin: float | None = None  # fast_gemv's row_margin (a GEMM of rows); None: its own
+    rows_second_kernel: bool = False  # a split GEMM of rows' parts added by a second kernel
     decode_attention: bool = False  # nimble.decode_attention on the model, before both rows
     single_stream: bool = False  # the Generator's steps prepared with use_multi_stream=False
     plain_argmax: bool = False  # both rows' argmax one reduction (no decode_steps.split_argmax)
@@ -123,6 +125,7 @@ LEVERS = {
     "gemv-margin-3": {"fast_gemv": True, "gemv_margin": 0.03},
     "rows-within-25": {"fast_gemv": True, "row_margin": -0.25},
     "rows-always": {"fast_gemv": True, "row_margin": -10.0},
+    "rows-second-kernel": {"fast_gemv": True, "rows_second_kernel": True},
     "joined-attention": {"fast_gemv": True, "gemv_prologues": True, "decode_attention": True,
                          "join_attention": True},
     "rope-attention": {"decode_attention": True, "rope_attention": True},
@@ -244,7 +247,8 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
     lever = variant(name)
     out: dict = {"variant": name, "settings": dataclasses.asdict(lever)}
     margin = gemv_margin(lever)
-    if lever.fast_gemv and ("fast_gemv", margin, lever.row_margin) not in swapped:
+    chosen_as = ("fast_gemv", margin, lever.row_margin, lever.rows_second_kernel)
+    if lever.fast_gemv and chosen_as not in swapped:
         from nimble.fast_gemv import fast_gemv
 
         out["fast_gemv"] = [c.describe() for c in fast_gemv(
@@ -253,7 +257,7 @@ def run_variant(name: str, model, args, copy: float, prompts: dict, ref: Referen
         # for good: the variants after it run on the swapped layers (chosen again where a
         # variant asks for another margin)
         swapped.clear()
-        swapped.add(("fast_gemv", margin, lever.row_margin))
+        swapped.add(chosen_as)
     undo = []
     if lever.decode_attention:
         from nimble.decode_attention import decode_attention
@@ -455,7 +459,11 @@ def main(argv=None) -> int:
         print(f"--- {name} ({args.model} {args.dtype}, batch {args.batch}, {fused} fused "
               "groups)", flush=True)
         try:
-            with tuner_picks() as picks:
+            from nimble import gemm_rows
+
+            joins = gemm_rows.LAST_JOINS and not variant(name).rows_second_kernel
+            # around the choice's timing and the step's recording alike
+            with tuner_picks() as picks, _patched({"LAST_JOINS": (gemm_rows, joins)}):
                 r = run_variant(name, model, args, copy, prompts, ref, swapped)
             r["tuner_picks"] = picks
         except Exception as e:  # noqa: BLE001 - the other variants still run
