@@ -222,3 +222,24 @@ def busy_gpu():
     finally:
         stop.set()
         worker.join()
+
+
+def in_threads(body, streams) -> list[str]:
+    """``body(k, failures)`` on one thread per stream, thread ``k`` on ``streams[k]``; what
+    went wrong, an exception included."""
+    import torch
+
+    failures: list[str] = []
+
+    def worker(k: int) -> None:
+        try:
+            with torch.cuda.stream(streams[k]):
+                body(k, failures)
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            failures.append(f"thread {k} stopped: {type(e).__name__}: {e}")
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(streams))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return failures

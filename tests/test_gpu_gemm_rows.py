@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import in_threads
+
 pytestmark = pytest.mark.gpu
 
 
@@ -89,8 +91,6 @@ def _rows_model():
 
 
 def test_one_model_on_the_gemm_of_rows_serves_batches_threads_a_profiler_and_new_weights():
-    import threading
-
     import torch
     from torch.nn import functional as F
 
@@ -117,24 +117,16 @@ def test_one_model_on_the_gemm_of_rows_serves_batches_threads_a_profiler_and_new
         for r, nm in prepared.items():  # one process, every batch: each graph its own
             assert all(torch.equal(nm(x), e) for x, e in zip(inputs[r], expected[r])), r
 
-        failures: list[str] = []
+        batches = list(configs)
 
-        def serve(rows: int) -> None:
-            try:
-                with torch.cuda.stream(torch.cuda.Stream()):
-                    for i in range(60):
-                        j = i % 3
-                        if not torch.equal(prepared[rows](inputs[rows][j]), expected[rows][j]):
-                            failures.append(f"{rows} rows, call {i}")
-            except Exception as e:  # noqa: BLE001 - reported by the main thread
-                failures.append(f"{rows} rows: {type(e).__name__}: {e}")
+        def serve(k: int, failures: list) -> None:
+            rows = batches[k]
+            for i in range(60):
+                j = i % 3
+                if not torch.equal(prepared[rows](inputs[rows][j]), expected[rows][j]):
+                    failures.append(f"{rows} rows, call {i}")
 
-        threads = [threading.Thread(target=serve, args=(r,)) for r in configs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert failures == []
+        assert in_threads(serve, [torch.cuda.Stream() for _ in batches]) == []
 
         from torch.profiler import ProfilerActivity, profile
 
@@ -170,24 +162,14 @@ def test_a_launch_shape_first_run_from_several_threads_at_once_gives_each_its_pr
     xs = [torch.randn(r, 1536, device="cuda", dtype=torch.bfloat16) for r in (3, 8, 11, 16)]
     launch = (16, 64, 8, 1, 3)  # a shape no other test launches: compiled by these threads
     got: dict = {}
-    errors: list[str] = []
     start = threading.Barrier(len(xs))
 
-    def run(k: int) -> None:
-        try:
-            start.wait()
-            with torch.cuda.stream(torch.cuda.Stream()):
-                got[k] = launch_gemm_rows(xs[k], w, *launch)
-                torch.cuda.current_stream().synchronize()
-        except Exception as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(f"thread {k}: {type(e).__name__}: {e}")
+    def run(k: int, failures: list) -> None:
+        start.wait()
+        got[k] = launch_gemm_rows(xs[k], w, *launch)
+        torch.cuda.current_stream().synchronize()
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(xs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert in_threads(run, [torch.cuda.Stream() for _ in xs]) == []
     for k, x in enumerate(xs):
         assert torch.equal(got[k], launch_gemm_rows(x, w, *launch)), k
         torch.testing.assert_close(got[k].float(), x.float() @ w.float().t(), rtol=0.02,

@@ -3,11 +3,10 @@ the C host's reach to every graph, and a load test (googlenet in float16)."""
 from __future__ import annotations
 
 import gc
-import threading
 
 import pytest
 
-from helpers import zoo_model
+from helpers import in_threads, zoo_model
 
 pytestmark = pytest.mark.gpu
 
@@ -46,27 +45,6 @@ def served():
     eager = {b: _eager(model, inputs[b]) for b in BATCHES}
     yield model, nm, inputs, eager
     nm.close()
-
-
-def _in_threads(body, streams) -> list[str]:
-    """``body(k, failures)`` on one thread per stream, thread ``k`` on ``streams[k]``; what
-    went wrong, an exception included."""
-    import torch
-
-    failures: list[str] = []
-
-    def worker(k: int) -> None:
-        try:
-            with torch.cuda.stream(streams[k]):
-                body(k, failures)
-        except Exception as e:  # noqa: BLE001 - reported by the main thread
-            failures.append(f"thread {k} stopped: {type(e).__name__}: {e}")
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(streams))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return failures
 
 
 class _Raw:
@@ -168,7 +146,7 @@ def test_four_threads_on_their_own_streams_run_on_four_instances(served):
             b = BATCHES[(i + k) % len(BATCHES)]
             if not torch.equal(nm(inputs[b]), want[b]):
                 failures.append(f"thread {k} call {i} batch {b}")
-    assert _in_threads(calls, [torch.cuda.Stream() for _ in range(4)]) == []
+    assert in_threads(calls, [torch.cuda.Stream() for _ in range(4)]) == []
 
 
 def test_a_c_host_reaches_every_bucket_of_every_instance(served):
@@ -246,7 +224,7 @@ def _serve_under_load(model, x, inputs, streams, calls_per_thread: int, bad=None
                 if not torch.equal(out, want[b]):
                     failures.append(f"thread {k} call {i} batch {b}")
     try:
-        failures = _in_threads(calls, streams)
+        failures = in_threads(calls, streams)
         return failures, checked, refused, want
     finally:
         nm.close()
