@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import kernel_waits
+from .errors import InputError
 from .kernel_waits import waits
 
 #: The most rows of ``x`` the kernel takes (the tensor core's 16-row tile: one tile of rows).
@@ -145,6 +146,30 @@ def split_columns(in_features: int, block_k: int, split: int) -> tuple[int, int]
     return chunk, -(-in_features // chunk)
 
 
+def check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Raise :class:`~nimble.errors.InputError`, saying what to pass, where the kernel cannot
+    take ``x`` and ``weight``: ``x`` a contiguous ``rows x in_features`` matrix of 2 to
+    :data:`MAX_ROWS` rows in half or bfloat16, ``weight`` an ``out x in_features`` matrix of
+    that dtype on its device, its rows contiguous."""
+    if x.dim() != 2 or not 2 <= x.shape[0] <= MAX_ROWS:
+        raise InputError(f"nimble.gemm_rows takes 2 to {MAX_ROWS} rows as a matrix, got x of "
+                         f"shape {tuple(x.shape)}: one row is the GEMV's (nimble.fast_gemv), "
+                         "more rows torch's GEMM")
+    if x.dtype not in DTYPES:
+        raise InputError(f"nimble.gemm_rows takes float16 or bfloat16, got {x.dtype}: torch's "
+                         "GEMM computes float32 without TF32 rounding")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise InputError(f"nimble.gemm_rows: weight of shape {tuple(weight.shape)} does not "
+                         f"take rows of {x.shape[1]}: it is out_features x in_features")
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise InputError(f"nimble.gemm_rows: x is {x.dtype} on {x.device}, weight "
+                         f"{weight.dtype} on {weight.device}: give both one dtype and device")
+    if not x.is_contiguous() or weight.stride(1) != 1:
+        raise InputError("nimble.gemm_rows reads x contiguously and each row of the weight "
+                         "contiguously: pass x.contiguous() and a weight whose rows are (a "
+                         "transposed view is not)")
+
+
 def launch_gemm_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
                      warps: int, stages: int, split: int = 1,
                      last_joins: bool | None = None) -> torch.Tensor:
@@ -158,6 +183,7 @@ def launch_gemm_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_
     rows to finish, or (``last_joins`` False) by a second kernel (None: :data:`LAST_JOINS`)."""
     import triton
 
+    check_operands(x, weight)
     rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)

@@ -45,6 +45,19 @@ def test_columns_are_split_into_whole_steps_and_no_part_is_empty():
         assert chunk % block == 0 and parts <= split and (parts - 1) * chunk < k <= parts * chunk
 
 
+def test_operands_the_kernel_cannot_take_are_refused_saying_what_to_pass():
+    x = torch.randn(8, 32, dtype=torch.float16)
+    w = torch.randn(24, 32, dtype=torch.float16)
+    gemm_rows.check_operands(x, w)
+    bad = [((x[0], w), "2 to 16 rows"), ((torch.randn(17, 32).half(), w), "2 to 16 rows"),
+           ((x.float(), w.float()), "float16 or bfloat16"), ((x, w[:, :16]), "out_features"),
+           ((x, w.bfloat16()), "one dtype"), ((x.t().contiguous().t(), w), "contiguous"),
+           ((x, w.t().contiguous().t()), "contiguous")]
+    for (a, b), words in bad:
+        with pytest.raises(InputError, match=words):
+            gemm_rows.launch_gemm_rows(a, b, *ROWS.row_args)
+
+
 def test_the_operator_on_the_cpu_and_its_fake_shape():
     torch.manual_seed(0)
     x, w = torch.randn(8, 32, dtype=torch.float16), torch.randn(24, 32, dtype=torch.float16)
