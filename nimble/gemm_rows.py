@@ -40,7 +40,9 @@ MIN_DOT_BLOCK = 16
 REDUCE_BLOCK = 1024
 #: Whether a split's parts are added by the last of each block's programs to finish (each
 #: counts itself on an atomic counter zeroed every call; one kernel boundary fewer) rather
-#: than by a second kernel.
+#: than by a second kernel.  The faster form in a decode step (the counter's zeroing runs on a
+#: side stream), the slower one timed alone, where the zeroing is on the path
+#: (docs/results.md, "The GEMM of rows with its columns split").
 LAST_JOINS = True
 
 _KERNEL: list = []
