@@ -16,7 +16,6 @@ cache keys on this pass's source.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import logging
 import operator
@@ -286,7 +285,7 @@ def _launch_args(prologue: int, weight, config, tune: bool) -> tuple:
     shape = tuning.PrologueShape(prologue, weight.shape[0], weight.shape[1], weight.dtype,
                                  weight.device)
     chosen = tuning.choose(shape, GemvConfig(*config)).launch
-    return (*dataclasses.astuple(chosen.config), chosen.per_sm, chosen.ahead)
+    return (*chosen.config.args, chosen.per_sm, chosen.ahead)
 
 
 def _fold_add_rmsnorm(graph, gemv, value, summed, norm_weight, eps, weight, config, k):
