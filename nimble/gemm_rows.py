@@ -13,6 +13,10 @@ short, wide weight, where the tensor cores' 16-row blocks leave too few to fill 
 (its ``rows``, in the launch shapes of its ``ROW_CONFIGS``) and swaps it in only where it is
 faster, as it does the single-row GEMV.
 
+:func:`launch_gemm_rows_prologue` computes the rows as it reads them, from the inputs of the
+kernel before the GEMM: an RMS norm (of a residual sum, which it writes too) or a SiLU-gated
+product, as :mod:`nimble.gemv_prologues` does for one row, so that that kernel goes.
+
 Half and bfloat16 only: a float32 ``tl.dot`` would round its inputs to TF32, which torch's
 float32 GEMM does not do by default.  The operator ``nimble::gemm_rows`` is opaque to
 ``torch.compile`` and recorded by Nimble as any kernel.  Its kernels are compiled with the wait
@@ -61,10 +65,11 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gemm_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_w, K_CHUNK,
-                         M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PARTIAL: tl.constexpr, LAST_JOINS: tl.constexpr, WAITS: tl.constexpr,
-                         LATE: tl.constexpr):
+    def gemm_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, b_ptr, nw_ptr, sum_ptr, M, N,
+                         K, stride_w, K_CHUNK, eps, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, LAST_JOINS: tl.constexpr,
+                         WAITS: tl.constexpr, LATE: tl.constexpr, PROLOGUE: tl.constexpr = -1,
+                         NORM_BLOCK: tl.constexpr = 16):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         m = tl.arange(0, M_PAD)
@@ -82,14 +87,45 @@ def _kernel():
                     eviction_policy="evict_first")
         if WAITS:
             tl.extra.cuda.gdc_wait()
+        dt = x_ptr.dtype.element_ty
+        rs = tl.full((M_PAD,), 1.0, tl.float32)
+        if PROLOGUE == 0 or PROLOGUE == 1:
+            # each row's sum of squares over all its columns (whatever part this program sums);
+            # with the residual, the sum itself written by the first program
+            squares = tl.zeros((M_PAD, NORM_BLOCK), dtype=tl.float32)
+            for kk in range(0, K, NORM_BLOCK):
+                cols = kk + tl.arange(0, NORM_BLOCK)
+                ok = m_ok[:, None] & (cols < K)[None, :]
+                a = tl.load(x_ptr + m[:, None] * K + cols[None, :], mask=ok, other=0.0)
+                if PROLOGUE == 1:
+                    a = (a.to(tl.float32) + tl.load(b_ptr + m[:, None] * K + cols[None, :],
+                                                    mask=ok, other=0.0).to(tl.float32)).to(dt)
+                    if tl.program_id(0) == 0 and tl.program_id(1) == 0:
+                        tl.store(sum_ptr + m[:, None] * K + cols[None, :], a, mask=ok)
+                a32 = a.to(tl.float32)
+                squares += a32 * a32
+            rs = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
         if BLOCK_N >= 16:
             acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
         else:  # each lane's products summed across the steps, reduced once at the end
             lanes = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in range(0, k_end - k_start, BLOCK_K):
             cols = k + c
-            x = tl.load(x_ptr + m[:, None] * K + cols[None, :],
-                        mask=m_ok[:, None] & (cols < k_end)[None, :], other=0.0)
+            x_ok = m_ok[:, None] & (cols < k_end)[None, :]
+            x = tl.load(x_ptr + m[:, None] * K + cols[None, :], mask=x_ok, other=0.0)
+            # a prologue's input computed as it is read, rounded as the model's code rounds
+            if PROLOGUE == 2:  # silu(gate) * up
+                g = x.to(tl.float32)
+                up = tl.load(b_ptr + m[:, None] * K + cols[None, :], mask=x_ok, other=0.0)
+                x = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+                     * up.to(tl.float32)).to(dt)
+            elif PROLOGUE >= 0:
+                if PROLOGUE == 1:  # the residual's sum first
+                    x = (x.to(tl.float32) + tl.load(b_ptr + m[:, None] * K + cols[None, :],
+                                                    mask=x_ok, other=0.0).to(tl.float32)).to(dt)
+                normed = (x.to(tl.float32) * rs[:, None]).to(dt)
+                nw = tl.load(nw_ptr + cols, mask=cols < k_end, other=0.0)
+                x = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dt)
             if BLOCK_N >= 16:
                 acc = tl.dot(x, tl.trans(w), acc)
             else:
@@ -183,12 +219,48 @@ def launch_gemm_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_
     program's, for more programs over a long weight; the parts' float32 sums are added in
     their order, so every call gives the same bits: by the last program of each block of weight
     rows to finish, or (``last_joins`` False) by a second kernel (None: :data:`LAST_JOINS`)."""
+    check_operands(x, weight)
+    return _launch(x, weight, (block_n, block_k, warps, stages, split), last_joins)[0]
+
+
+def launch_gemm_rows_prologue(prologue: int, a: torch.Tensor, b: torch.Tensor | None,
+                              norm_weight: torch.Tensor | None, eps: float,
+                              weight: torch.Tensor, block_n: int, block_k: int, warps: int,
+                              stages: int, split: int = 1, last_joins: bool | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`launch_gemm_rows` of the rows ``prologue(a, b)``, computed as the weight is read:
+    ``prologue`` is :mod:`nimble.gemv_prologues`' ``RMSNORM`` (each row of ``a`` normalised
+    and scaled by ``norm_weight``, with ``eps``), ``ADD_RMSNORM`` (of ``a + b``, that sum
+    returned too: else None) or ``SILU_GATED`` (``silu(a) * b``), rounded to the rows' dtype
+    where the model's own code rounds, as the single-row GEMV's prologues do.  Each program
+    reads the whole rows (a few tens of kilobytes, from the L2) for the norms."""
+    check_operands(a, weight)
+    if prologue not in (0, 1, 2):
+        raise InputError(f"nimble.gemm_rows: prologue {prologue} is not RMSNORM (0), "
+                         "ADD_RMSNORM (1) or SILU_GATED (2)")
+    if prologue != 0 and (b is None or b.shape != a.shape or b.dtype != a.dtype):
+        raise InputError("nimble.gemm_rows: this prologue reads a second matrix b of a's shape "
+                         f"and dtype ({tuple(a.shape)}, {a.dtype})")
+    if prologue != 2 and (norm_weight is None or norm_weight.numel() != a.shape[1]):
+        raise InputError(f"nimble.gemm_rows: the RMS norm's weight is a vector of {a.shape[1]}")
+    return _launch(a, weight, (block_n, block_k, warps, stages, split), last_joins, prologue,
+                   b if b is None else b.contiguous(),
+                   norm_weight if norm_weight is None else norm_weight.contiguous(), eps)
+
+
+#: Elements of the rows each step of a prologue's norm pass reads (its tile's registers).
+NORM_TILE = 8192
+
+
+def _launch(x, weight, launch: tuple, last_joins, prologue: int = -1, b=None, norm_weight=None,
+            eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     import triton
 
-    check_operands(x, weight)
+    block_n, block_k, warps, stages, split = launch
     rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    total = torch.empty_like(x) if prologue == 1 else None
     # the tensor cores take 16 rows at least; the CUDA cores' lanes, the rows' power of two
     padded = max(MIN_DOT_BLOCK if block_n >= MIN_DOT_BLOCK else 1, triton.next_power_of_2(rows))
     chunk, splits = split_columns(k, block_k, split)
@@ -200,15 +272,18 @@ def launch_gemm_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_
     count = torch.zeros(blocks, dtype=torch.int32, device=x.device) if joins else y
     kernel = _kernel()
     kernel[(blocks, splits)](
-        x, weight, y, sums, count, rows, n, k, weight.stride(0), chunk, M_PAD=padded,
-        BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=partial, LAST_JOINS=joins,
-        WAITS=waits(x.device), LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, num_warps=warps,
-        num_stages=stages)
+        x, weight, y, sums, count, x if b is None else b,
+        x if norm_weight is None else norm_weight, x if total is None else total, rows, n, k,
+        weight.stride(0), chunk, eps, M_PAD=padded, BLOCK_N=block_n, BLOCK_K=block_k,
+        PARTIAL=partial, LAST_JOINS=joins, WAITS=waits(x.device),
+        LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, PROLOGUE=prologue,
+        NORM_BLOCK=max(16, min(triton.next_power_of_2(k), NORM_TILE // padded)),
+        num_warps=warps, num_stages=stages)
     if partial and not joins:
         _KERNEL[1][(triton.cdiv(rows * n, REDUCE_BLOCK),)](
             sums, y, rows * n, SPLITS=splits, BLOCK=REDUCE_BLOCK, WAITS=waits(x.device),
             num_warps=4)
-    return y
+    return y, total
 
 
 @torch.library.custom_op("nimble::gemm_rows", mutates_args=())

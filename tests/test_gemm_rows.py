@@ -24,13 +24,28 @@ def test_the_kernel_sums_every_row_of_every_case_and_a_row_alone_gives_its_bits(
     from helpers import interpreted_cases
 
     cases = interpreted_cases(Path(__file__).parent / "workers" / "gemm_rows_interpreted.py")
-    assert len(cases) == 8, sorted(cases)
+    assert len(cases) == 11, sorted(cases)
     for name, case in cases.items():
+        if name.startswith("prologue"):  # the rows an RMS norm or a gated product of inputs
+            assert case["sum_equal"], name
+            name = name.split()[-1]
         rows, rest = name.split("x")
         assert case["shape"] == [int(rows), int(rest.split("@")[1])], name
         assert case["error"] < 2e-3, (name, case["error"])
         assert case["rows_alone"], name
         assert case["second_kernel_same"], name
+
+
+def test_the_prologues_are_the_gemvs_and_a_bad_one_is_refused():
+    from nimble import gemv_prologues as gp
+
+    assert (gp.RMSNORM, gp.ADD_RMSNORM, gp.SILU_GATED) == (0, 1, 2)
+    a = torch.randn(4, 32, dtype=torch.float16)
+    w = torch.randn(8, 32, dtype=torch.float16)
+    for prologue, b, nw, words in ((3, a, None, "is not RMSNORM"), (1, None, None, "second"),
+                                   (2, a[:, :16], None, "second"), (0, None, a[0, :8], "vector")):
+        with pytest.raises(InputError, match=words):
+            gemm_rows.launch_gemm_rows_prologue(prologue, a, b, nw, 1e-5, w, *ROWS.row_args)
 
 
 def test_columns_are_split_into_whole_steps_and_no_part_is_empty():

@@ -174,3 +174,30 @@ def test_a_launch_shape_first_run_from_several_threads_at_once_gives_each_its_pr
         assert torch.equal(got[k], launch_gemm_rows(x, w, *launch)), k
         torch.testing.assert_close(got[k].float(), x.float() @ w.float().t(), rtol=0.02,
                                    atol=0.05)
+
+
+@pytest.mark.parametrize("prologue", [0, 1, 2])
+def test_a_prologue_computes_the_rows_as_the_model_rounds_them(prologue):
+    import torch
+
+    from nimble import gemv_prologues
+    from nimble.fast_gemv import GemvConfig
+    from nimble.gemm_rows import launch_gemm_rows_prologue
+
+    torch.manual_seed(prologue)
+    for rows, n, k in ((2, 1001, 1500), (8, 3072, 2048), (16, 77, 4100)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        a, b = (torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+        args = (b if prologue else None, nw if prologue != 2 else None, 1e-6, w)
+        want = [gemv_prologues.reference(prologue, a[i].cpu(), b[i].cpu(), nw.cpu(), 1e-6,
+                                         w.cpu()) for i in range(rows)]
+        for config in (GemvConfig(64, 128, 4, 4), GemvConfig(2, 512, 4, 3),
+                       GemvConfig(32, 256, 4, 1, 4)):
+            got, total = launch_gemm_rows_prologue(prologue, a, *args, *config.row_args)
+            ref = torch.stack([y for y, _ in want]).to("cuda")
+            torch.testing.assert_close(got.float(), ref.float(), rtol=0.02, atol=0.02)
+            if prologue == 1:
+                assert torch.equal(total.cpu(), torch.stack([t for _, t in want]))
+            else:
+                assert total is None

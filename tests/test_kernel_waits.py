@@ -96,23 +96,28 @@ def test_a_gemv_asks_for_its_first_weight_tile_alone_before_its_wait(kernel):
     assert _memory(early, "griddepcontrol.launch_dependents")
 
 
-def _gemm_rows(block_n: int, partial: bool, late: bool = True, joins: bool = True) -> list[str]:
+def _gemm_rows(block_n: int, partial: bool, late: bool = True, joins: bool = True,
+               prologue: int = -1) -> list[str]:
     from nimble import gemm_rows
 
     return _ptx(gemm_rows._kernel(), {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
-                                      "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
+                                      "part_ptr": "*fp32", "count_ptr": "*i32", "b_ptr": "*bf16",
+                                      "nw_ptr": "*bf16", "sum_ptr": "*bf16", "M": "i32",
                                       "N": "i32", "K": "i32", "stride_w": "i32",
-                                      "K_CHUNK": "i32"},
+                                      "K_CHUNK": "i32", "eps": "fp32"},
                 {"M_PAD": 16 if block_n >= 16 else 8, "BLOCK_N": block_n, "BLOCK_K": 128,
                  "PARTIAL": partial, "LAST_JOINS": partial and joins, "WAITS": True,
-                 "LATE": late}, num_warps=4)
+                 "LATE": late, "PROLOGUE": prologue, "NORM_BLOCK": 512}, num_warps=4)
 
 
 @pytest.mark.parametrize("kernel", ["tensor cores", "cuda cores", "split", "split early",
-                                    "split, a second kernel adds"])
+                                    "split, a second kernel adds", "rmsnorm", "add_rmsnorm",
+                                    "gated"])
 def test_a_gemm_of_rows_asks_for_its_first_weight_tile_alone_before_its_wait(kernel):
+    prologue = {"rmsnorm": 0, "add_rmsnorm": 1, "gated": 2}.get(kernel, -1)
     lines = _gemm_rows(2 if kernel == "cuda cores" else 32, "split" in kernel,
-                       late="early" not in kernel, joins="second" not in kernel)
+                       late="early" not in kernel, joins="second" not in kernel,
+                       prologue=prologue)
     early = _before_the_wait(lines)
     loads = _memory(early, "ld.global")
     assert loads and all("evict_first" in line for line in loads)

