@@ -66,7 +66,7 @@ def _kernel():
 
     @triton.jit
     def gemm_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, b_ptr, nw_ptr, sum_ptr, M, N,
-                         K, stride_w, K_CHUNK, eps, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                         K, stride_w, stride_x, stride_b, K_CHUNK, eps, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, LAST_JOINS: tl.constexpr,
                          WAITS: tl.constexpr, LATE: tl.constexpr, PROLOGUE: tl.constexpr = -1,
                          NORM_BLOCK: tl.constexpr = 16):
@@ -96,9 +96,9 @@ def _kernel():
             for kk in range(0, K, NORM_BLOCK):
                 cols = kk + tl.arange(0, NORM_BLOCK)
                 ok = m_ok[:, None] & (cols < K)[None, :]
-                a = tl.load(x_ptr + m[:, None] * K + cols[None, :], mask=ok, other=0.0)
+                a = tl.load(x_ptr + m[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
                 if PROLOGUE == 1:
-                    a = (a.to(tl.float32) + tl.load(b_ptr + m[:, None] * K + cols[None, :],
+                    a = (a.to(tl.float32) + tl.load(b_ptr + m[:, None] * stride_b + cols[None, :],
                                                     mask=ok, other=0.0).to(tl.float32)).to(dt)
                     if tl.program_id(0) == 0 and tl.program_id(1) == 0:
                         tl.store(sum_ptr + m[:, None] * K + cols[None, :], a, mask=ok)
@@ -112,16 +112,17 @@ def _kernel():
         for k in range(0, k_end - k_start, BLOCK_K):
             cols = k + c
             x_ok = m_ok[:, None] & (cols < k_end)[None, :]
-            x = tl.load(x_ptr + m[:, None] * K + cols[None, :], mask=x_ok, other=0.0)
+            x = tl.load(x_ptr + m[:, None] * stride_x + cols[None, :], mask=x_ok, other=0.0)
             # a prologue's input computed as it is read, rounded as the model's code rounds
             if PROLOGUE == 2:  # silu(gate) * up
                 g = x.to(tl.float32)
-                up = tl.load(b_ptr + m[:, None] * K + cols[None, :], mask=x_ok, other=0.0)
+                up = tl.load(b_ptr + m[:, None] * stride_b + cols[None, :], mask=x_ok,
+                             other=0.0)
                 x = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
                      * up.to(tl.float32)).to(dt)
             elif PROLOGUE >= 0:
                 if PROLOGUE == 1:  # the residual's sum first
-                    x = (x.to(tl.float32) + tl.load(b_ptr + m[:, None] * K + cols[None, :],
+                    x = (x.to(tl.float32) + tl.load(b_ptr + m[:, None] * stride_b + cols[None, :],
                                                     mask=x_ok, other=0.0).to(tl.float32)).to(dt)
                 normed = (x.to(tl.float32) * rs[:, None]).to(dt)
                 nw = tl.load(nw_ptr + cols, mask=cols < k_end, other=0.0)
@@ -184,11 +185,12 @@ def split_columns(in_features: int, block_k: int, split: int) -> tuple[int, int]
     return chunk, -(-in_features // chunk)
 
 
-def check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
+def check_operands(x: torch.Tensor, weight: torch.Tensor, rows_apart: bool = False) -> None:
     """Raise :class:`~nimble.errors.InputError`, saying what to pass, where the kernel cannot
     take ``x`` and ``weight``: ``x`` a contiguous ``rows x in_features`` matrix of 2 to
     :data:`MAX_ROWS` rows in half or bfloat16, ``weight`` an ``out x in_features`` matrix of
-    that dtype on its device, its rows contiguous."""
+    that dtype on its device, its rows contiguous (``rows_apart``: each row of ``x``
+    contiguous, the rows anywhere)."""
     if x.dim() != 2 or not 2 <= x.shape[0] <= MAX_ROWS:
         raise InputError(f"nimble.gemm_rows takes 2 to {MAX_ROWS} rows as a matrix, got x of "
                          f"shape {tuple(x.shape)}: one row is the GEMV's (nimble.fast_gemv), "
@@ -202,7 +204,7 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.dtype != x.dtype or weight.device != x.device:
         raise InputError(f"nimble.gemm_rows: x is {x.dtype} on {x.device}, weight "
                          f"{weight.dtype} on {weight.device}: give both one dtype and device")
-    if not x.is_contiguous() or weight.stride(1) != 1:
+    if not (x.stride(1) == 1 if rows_apart else x.is_contiguous()) or weight.stride(1) != 1:
         raise InputError("nimble.gemm_rows reads x contiguously and each row of the weight "
                          "contiguously: pass x.contiguous() and a weight whose rows are (a "
                          "transposed view is not)")
@@ -234,18 +236,19 @@ def launch_gemm_rows_prologue(prologue: int, a: torch.Tensor, b: torch.Tensor | 
     returned too: else None) or ``SILU_GATED`` (``silu(a) * b``), rounded to the rows' dtype
     where the model's own code rounds, as the single-row GEMV's prologues do.  Each program
     reads the whole rows (a few tens of kilobytes, from the L2) for the norms."""
-    check_operands(a, weight)
+    # a prologue's rows may lie apart (the halves of a fused gate-up projection's output)
+    check_operands(a, weight, rows_apart=True)
     if prologue not in (0, 1, 2):
         raise InputError(f"nimble.gemm_rows: prologue {prologue} is not RMSNORM (0), "
                          "ADD_RMSNORM (1) or SILU_GATED (2)")
-    if prologue != 0 and (b is None or b.shape != a.shape or b.dtype != a.dtype):
+    if prologue != 0 and (b is None or b.shape != a.shape or b.dtype != a.dtype
+                          or b.stride(1) != 1):
         raise InputError("nimble.gemm_rows: this prologue reads a second matrix b of a's shape "
                          f"and dtype ({tuple(a.shape)}, {a.dtype})")
     if prologue != 2 and (norm_weight is None or norm_weight.numel() != a.shape[1]):
         raise InputError(f"nimble.gemm_rows: the RMS norm's weight is a vector of {a.shape[1]}")
     return _launch(a, weight, (block_n, block_k, warps, stages, split), last_joins, prologue,
-                   b if b is None else b.contiguous(),
-                   norm_weight if norm_weight is None else norm_weight.contiguous(), eps)
+                   b, norm_weight if norm_weight is None else norm_weight.contiguous(), eps)
 
 
 #: Elements of the rows each step of a prologue's norm pass reads (its tile's registers).
@@ -260,7 +263,7 @@ def _launch(x, weight, launch: tuple, last_joins, prologue: int = -1, b=None, no
     rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    total = torch.empty_like(x) if prologue == 1 else None
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if prologue == 1 else None
     # the tensor cores take 16 rows at least; the CUDA cores' lanes, the rows' power of two
     padded = max(MIN_DOT_BLOCK if block_n >= MIN_DOT_BLOCK else 1, triton.next_power_of_2(rows))
     chunk, splits = split_columns(k, block_k, split)
@@ -274,7 +277,7 @@ def _launch(x, weight, launch: tuple, last_joins, prologue: int = -1, b=None, no
     kernel[(blocks, splits)](
         x, weight, y, sums, count, x if b is None else b,
         x if norm_weight is None else norm_weight, x if total is None else total, rows, n, k,
-        weight.stride(0), chunk, eps, M_PAD=padded, BLOCK_N=block_n, BLOCK_K=block_k,
+        weight.stride(0), x.stride(0), x.stride(0) if b is None else b.stride(0), chunk, eps, M_PAD=padded, BLOCK_N=block_n, BLOCK_K=block_k,
         PARTIAL=partial, LAST_JOINS=joins, WAITS=waits(x.device),
         LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, PROLOGUE=prologue,
         NORM_BLOCK=max(16, min(triton.next_power_of_2(k), NORM_TILE // padded)),

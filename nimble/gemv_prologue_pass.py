@@ -37,6 +37,12 @@ from .fx_patterns import val as _val
 
 log = logging.getLogger("nimble")
 
+#: Whether the pass folds into ``nimble::gemm_rows`` too (a GEMM of 2 to 16 rows: a decode
+#: step at a small batch), not only into the GEMV.  Off until measured on the GPU: its kernel
+#: is checked under Triton's interpreter and compiled for sm_90 in the CPU tests only
+#: (``tools/experiments/decode_levers.py``'s ``fold-rows`` lever turns it on).
+FOLD_ROWS = False
+
 
 @dataclass
 class Fused:
@@ -47,6 +53,7 @@ class Fused:
     gated: int = 0
     joined: int = 0  # attentions whose split's join the GEMV after them took
     gemvs: int = 0  # the graph's GEMVs, folded or not
+    gemms_of_rows: int = 0  # the graph's GEMMs of rows (nimble.gemm_rows), folded or not
     roped: int = 0  # attentions that took their rotary embedding and cache read
 
     @property
@@ -54,12 +61,24 @@ class Fused:
         return self.rmsnorm + self.add_rmsnorm + self.gated + self.joined
 
 
-def _vector_of(node, k: int, dtype) -> bool:
-    """Whether ``node`` is a contiguous row of ``k`` elements of ``dtype`` (leading sizes 1:
-    a norm over its last dimension is then a norm over the GEMV's whole input)."""
+def _vector_of(node, k: int, dtype, rows: int = 1) -> bool:
+    """Whether ``node`` is ``rows`` contiguous rows of ``k`` elements of ``dtype`` (its last
+    dimension ``k``: a norm over it is then a norm over each row of the GEMV's input)."""
     v = _val(node)
-    return (v is not None and v.numel() == k and v.dim() >= 1 and v.shape[-1] == k
-            and v.dtype == dtype and v.is_contiguous())
+    if not (v is not None and v.numel() == rows * k and v.dim() >= 1 and v.shape[-1] == k
+            and v.dtype == dtype):
+        return False
+    return v.is_contiguous() or (rows > 1 and v.stride(-1) == 1 and _rows_view(v, rows, k))
+
+
+def _rows_view(v, rows: int, k: int) -> bool:
+    """Whether ``v`` (its rows contiguous, apart: a slice of a fused projection's output) is a
+    ``rows x k`` matrix without a copy, as a GEMM of rows reads it."""
+    try:
+        v.view(rows, k)
+    except RuntimeError:
+        return False
+    return True
 
 
 # ---- the patterns ---------------------------------------------------------------------------
@@ -84,21 +103,24 @@ def _silu_input(node) -> Optional[fx.Node]:
     return None
 
 
-def match_gated(x, k: int, dtype) -> Optional[tuple]:
-    """``(gate, up)`` where ``x`` is ``silu(gate) * up`` over vectors of ``k`` elements."""
+def match_gated(x, k: int, dtype, rows: int = 1) -> Optional[tuple]:
+    """``(gate, up)`` where ``x`` is ``silu(gate) * up`` over ``rows`` rows of ``k``
+    elements."""
     x = _strip_convert(x)
     if not _is(x, aten.mul.Tensor) or x.kwargs:
         return None
     for activated, up in (x.args[:2], x.args[1::-1]):
         gate = _silu_input(activated)
-        if gate is not None and _vector_of(gate, k, dtype) and _vector_of(up, k, dtype):
+        if gate is not None and _vector_of(gate, k, dtype, rows) \
+                and _vector_of(up, k, dtype, rows):
             return gate, up
     return None
 
 
-def match_rmsnorm(x, k: int, dtype) -> Optional[tuple]:
-    """``(input, weight, eps)`` where ``x`` is ``weight * rmsnorm(input)`` over ``k``
-    elements, the norm's arithmetic in float32 (the conversions optional)."""
+def match_rmsnorm(x, k: int, dtype, rows: int = 1) -> Optional[tuple]:
+    """``(input, weight, eps)`` where ``x`` is ``weight * rmsnorm(input)`` over each of
+    ``rows`` rows of ``k`` elements, the norm's arithmetic in float32 (the conversions
+    optional)."""
     x = _strip_convert(x)
     if not _is(x, aten.mul.Tensor) or x.kwargs:
         return None
@@ -111,7 +133,7 @@ def match_rmsnorm(x, k: int, dtype) -> Optional[tuple]:
         for source, rs in (scaled.args[:2], scaled.args[1::-1]):
             eps = _rsqrt_of_mean_square(rs, source)
             value = _strip_convert(source, torch.float32)
-            if eps is not None and _vector_of(value, k, dtype):
+            if eps is not None and _vector_of(value, k, dtype, rows):
                 return value, weight, eps
     return None
 
@@ -137,21 +159,23 @@ def _rsqrt_of_mean_square(rs, source) -> Optional[float]:
     return None
 
 
-def _residual_sum(node, k: int, dtype) -> Optional[tuple]:
-    """``(a, b)`` where ``node`` is ``a + b``, both vectors of ``k`` elements."""
+def _residual_sum(node, k: int, dtype, rows: int = 1) -> Optional[tuple]:
+    """``(a, b)`` where ``node`` is ``a + b``, both ``rows`` rows of ``k`` elements."""
     if not _is(node, aten.add.Tensor) or node.kwargs or len(node.args) != 2:
         return None
     a, b = node.args
-    if _vector_of(a, k, dtype) and _vector_of(b, k, dtype):
+    if _vector_of(a, k, dtype, rows) and _vector_of(b, k, dtype, rows):
         return a, b
     return None
 
 
 # ---- the rewrite ----------------------------------------------------------------------------
 
-def _flat(graph: fx.Graph, node, k: int):
-    view = graph.call_function(aten.reshape.default, (node, [k]))
-    view.meta["val"] = _val(node).reshape(k)
+def _flat(graph: fx.Graph, node, k: int, rows: int = 1):
+    """``node`` as the kernel reads it: a vector of ``k`` (one row), else ``rows x k``."""
+    shape = [k] if rows == 1 else [rows, k]
+    view = graph.call_function(aten.reshape.default, (node, shape))
+    view.meta["val"] = _val(node).reshape(shape)
     return view
 
 
@@ -218,56 +242,83 @@ def _fold_joined(graph, gemv, attention, layout, weight, config):
 
 
 def fuse(graph: fx.Graph, join_attention: bool = False, tune_launches: bool = False) -> Fused:
-    """Fold what each ``nimble::gemv`` of ``graph`` reads into it where a pattern matches;
-    with ``join_attention``, also the join of a split attention that only the GEMV reads;
-    with ``tune_launches``, each folded GEMV launched as :mod:`nimble.gemv_prologue_tuning`
-    measures fastest (else as the plain GEMV's configuration)."""
+    """Fold what each ``nimble::gemv`` (and with :data:`FOLD_ROWS` each ``nimble::gemm_rows``)
+    of ``graph`` reads into it where a pattern matches; with ``join_attention``, also the join of a split attention
+    that only a GEMV reads; with ``tune_launches``, each folded GEMV launched as
+    :mod:`nimble.gemv_prologue_tuning` measures fastest (else as the plain GEMV's
+    configuration; a GEMM of rows keeps its own)."""
     done = Fused()
-    for gemv in [n for n in graph.nodes if _is(n, torch.ops.nimble.gemv.default)]:
-        done.gemvs += 1
-        x, weight, *config = gemv.args
+    products = (torch.ops.nimble.gemv.default,) + (
+        (torch.ops.nimble.gemm_rows.default,) if FOLD_ROWS else ())
+    for product in [n for n in graph.nodes if _is(n, *products)]:
+        x, weight, *config = product.args
         w = _val(weight)
-        if w is None:
+        one_row = product.target == torch.ops.nimble.gemv.default
+        if w is None or not (one_row or _val(x) is not None):
             continue
         k, dtype = w.shape[1], w.dtype
+        rows = 1 if one_row else _val(x).shape[0]
+        if one_row:
+            done.gemvs += 1
+        else:
+            done.gemms_of_rows += 1
         source = _strip_views(x)
-        joined = match_joined_attention(source, gemv, k) if join_attention else None
+        joined = match_joined_attention(source, product, k) if join_attention and one_row \
+            else None
         if joined is not None:
-            _fold_joined(graph, gemv, *joined, weight, config)
+            _fold_joined(graph, product, *joined, weight, config)
             done.joined += 1
             continue
-        gated = match_gated(source, k, dtype)
-        if gated is not None:
-            launch = _launch_args(gemv_prologues.SILU_GATED, w, config, tune_launches)
-            with graph.inserting_before(gemv):
-                args = [_flat(graph, t, k) for t in gated]
-                new = graph.call_function(torch.ops.nimble.gemv_gated.default,
-                                          (*args, weight, *launch))
-            new.meta["val"] = _val(gemv)
-            gemv.replace_all_uses_with(new)
-            done.gated += 1
-            continue
-        norm = match_rmsnorm(source, k, dtype)
-        if norm is None:
-            continue
-        value, norm_weight, eps = norm
-        summed = _residual_sum(value, k, dtype)
-        if summed is not None and _before(graph, (*summed, norm_weight, weight), value):
-            launch = _launch_args(gemv_prologues.ADD_RMSNORM, w, config, tune_launches)
-            _fold_add_rmsnorm(graph, gemv, value, summed, norm_weight, eps, weight, launch, k)
-            done.add_rmsnorm += 1
+        if one_row:
+            def launch(prologue, w=w, config=config):
+                return _launch_args(prologue, w, config, tune_launches)
         else:
-            launch = _launch_args(gemv_prologues.RMSNORM, w, config, tune_launches)
-            with graph.inserting_before(gemv):
-                new = graph.call_function(torch.ops.nimble.gemv_rmsnorm.default,
-                                          (_flat(graph, value, k), norm_weight, eps, weight,
-                                           *launch))
-            new.meta["val"] = _val(gemv)
-            gemv.replace_all_uses_with(new)
-            done.rmsnorm += 1
+            def launch(prologue, config=config):
+                return (*config, 1)[:5]  # a GEMM of rows keeps its launch, split included
+        kind = _fold_prologue(graph, product, source, weight, k, dtype, rows, launch)
+        if kind is not None:
+            setattr(done, kind, getattr(done, kind) + 1)
     if done.total:
         graph.eliminate_dead_code()
     return done
+
+
+def _prologue_op(kind: str, rows: int):
+    """The operator that folds ``kind`` into a GEMV (one row) or a GEMM of ``rows`` rows."""
+    return getattr(torch.ops.nimble, ("gemv_" if rows == 1 else "gemm_rows_") + kind).default
+
+
+def _fold_prologue(graph, product, source, weight, k: int, dtype, rows: int,
+                   launch) -> Optional[str]:
+    """``product`` (a GEMV or a GEMM of ``rows`` rows of ``source``) replaced by the operator
+    that computes its input itself, where ``source`` is a gated activation or an RMS norm (of
+    a residual sum); the kind folded, else None.  ``launch(prologue)``: the new operator's
+    launch arguments."""
+    gated = match_gated(source, k, dtype, rows)
+    if gated is not None:
+        with graph.inserting_before(product):
+            args = [_flat(graph, t, k, rows) for t in gated]
+            new = graph.call_function(_prologue_op("gated", rows),
+                                      (*args, weight, *launch(gemv_prologues.SILU_GATED)))
+        new.meta["val"] = _val(product)
+        product.replace_all_uses_with(new)
+        return "gated"
+    norm = match_rmsnorm(source, k, dtype, rows)
+    if norm is None:
+        return None
+    value, norm_weight, eps = norm
+    summed = _residual_sum(value, k, dtype, rows)
+    if summed is not None and _before(graph, (*summed, norm_weight, weight), value):
+        _fold_add_rmsnorm(graph, product, value, summed, norm_weight, eps, weight,
+                          launch(gemv_prologues.ADD_RMSNORM), k, rows)
+        return "add_rmsnorm"
+    with graph.inserting_before(product):
+        new = graph.call_function(_prologue_op("rmsnorm", rows),
+                                  (_flat(graph, value, k, rows), norm_weight, eps, weight,
+                                   *launch(gemv_prologues.RMSNORM)))
+    new.meta["val"] = _val(product)
+    product.replace_all_uses_with(new)
+    return "rmsnorm"
 
 
 def _launch_args(prologue: int, weight, config, tune: bool) -> tuple:
@@ -288,18 +339,19 @@ def _launch_args(prologue: int, weight, config, tune: bool) -> tuple:
     return (*chosen.config.args, chosen.per_sm, chosen.ahead)
 
 
-def _fold_add_rmsnorm(graph, gemv, value, summed, norm_weight, eps, weight, config, k):
-    """The GEMV of ``rmsnorm(a + b)`` placed where the sum was computed; the sum's every other
-    reader takes the new kernel's copy of it."""
+def _fold_add_rmsnorm(graph, gemv, value, summed, norm_weight, eps, weight, config, k,
+                      rows: int = 1):
+    """The GEMV (or GEMM of ``rows`` rows) of ``rmsnorm(a + b)`` placed where the sum was
+    computed; the sum's every other reader takes the new kernel's copy of it."""
     with graph.inserting_before(value.next):  # in order, right after the sum
-        a, b = (_flat(graph, t, k) for t in summed)
-        new = graph.call_function(torch.ops.nimble.gemv_add_rmsnorm.default,
+        a, b = (_flat(graph, t, k, rows) for t in summed)
+        new = graph.call_function(_prologue_op("add_rmsnorm", rows),
                                   (a, b, norm_weight, eps, weight, *config))
         y = graph.call_function(operator.getitem, (new, 0))
         total = graph.call_function(operator.getitem, (new, 1))
         shaped = graph.call_function(aten.reshape.default, (total, list(_val(value).shape)))
     y.meta["val"] = _val(gemv)
-    total.meta["val"] = _val(value).reshape(k)
+    total.meta["val"] = _val(value).reshape([k] if rows == 1 else [rows, k])
     shaped.meta["val"] = _val(value)
     new.meta["val"] = (y.meta["val"], total.meta["val"])
     gemv.replace_all_uses_with(y)

@@ -212,3 +212,62 @@ def _gemv_joined_shape(part, stat, weight, groups, kv_heads, splits, head_dim, b
                        block_k, warps, stages):
     return weight.new_empty(weight.shape[0])
 
+
+# ---- the same prologues before a GEMM of a few rows (nimble.gemm_rows) ---------------------
+
+def _rows(prologue: int, a, b, norm_weight, eps: float, weight, launch: tuple):
+    """The rows operators' body: :func:`nimble.gemm_rows.launch_gemm_rows_prologue` on the GPU,
+    else :func:`reference` row by row (the tests' CPU runs)."""
+    if not a.is_cuda:
+        outs = [reference(prologue, a[i], None if b is None else b[i], norm_weight, eps, weight)
+                for i in range(a.shape[0])]
+        total = torch.stack([t for _, t in outs]) if prologue == ADD_RMSNORM else None
+        return torch.stack([y for y, _ in outs]), total
+    from . import gemm_rows
+
+    return gemm_rows.launch_gemm_rows_prologue(prologue, a, b, norm_weight, eps, weight,
+                                               *launch)
+
+
+@torch.library.custom_op("nimble::gemm_rows_rmsnorm", mutates_args=())
+def gemm_rows_rmsnorm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, block_n: int, block_k: int, warps: int,
+                      stages: int, split: int = 1) -> torch.Tensor:
+    """``rmsnorm(x) @ weight.t()`` for ``x`` of 2 to 16 rows, each normalised on its own."""
+    return _rows(RMSNORM, x, None, norm_weight, eps, weight,
+                 (block_n, block_k, warps, stages, split))[0]
+
+
+@gemm_rows_rmsnorm.register_fake
+def _gemm_rows_rmsnorm_shape(x, norm_weight, eps, weight, block_n, block_k, warps, stages,
+                             split=1):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("nimble::gemm_rows_add_rmsnorm", mutates_args=())
+def gemm_rows_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                          eps: float, weight: torch.Tensor, block_n: int, block_k: int,
+                          warps: int, stages: int, split: int = 1
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rmsnorm(x + residual) @ weight.t()`` row by row, and the sum ``x + residual``."""
+    return _rows(ADD_RMSNORM, x, residual, norm_weight, eps, weight,
+                 (block_n, block_k, warps, stages, split))
+
+
+@gemm_rows_add_rmsnorm.register_fake
+def _gemm_rows_add_rmsnorm_shape(x, residual, norm_weight, eps, weight, block_n, block_k,
+                                 warps, stages, split=1):
+    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape)
+
+
+@torch.library.custom_op("nimble::gemm_rows_gated", mutates_args=())
+def gemm_rows_gated(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, block_n: int,
+                    block_k: int, warps: int, stages: int, split: int = 1) -> torch.Tensor:
+    """``(silu(gate) * up) @ weight.t()`` for 2 to 16 rows."""
+    return _rows(SILU_GATED, gate, up, None, 0.0, weight,
+                 (block_n, block_k, warps, stages, split))[0]
+
+
+@gemm_rows_gated.register_fake
+def _gemm_rows_gated_shape(gate, up, weight, block_n, block_k, warps, stages, split=1):
+    return gate.new_empty(gate.shape[0], weight.shape[0])

@@ -67,13 +67,18 @@ def test_the_reference_rounds_where_the_models_code_rounds():
 
 
 def _gemv_on_every_device(x, weight, bias, config, row_configs=None):
-    """``gemv_linear`` without its GPU check: the CPU's compiled graph holds the GEMV too (a
-    single row only: ``row_configs`` is not used)."""
+    """``gemv_linear`` without its GPU check: the CPU's compiled graph holds the GEMV (and the
+    GEMM of a row count ``row_configs`` has) too."""
     k = weight.shape[1]
-    if config is None or x.numel() != k:
+    rows = x.numel() // k
+    if row_configs and rows in row_configs:
+        y = torch.ops.nimble.gemm_rows(x.reshape(rows, k).contiguous(), weight,
+                                       *row_configs[rows].row_args)
+    elif config is None or x.numel() != k:
         return torch.nn.functional.linear(x, weight, bias)
-    y = torch.ops.nimble.gemv(x.reshape(k).contiguous(), weight, config.block_n,
-                              config.block_k, config.warps, config.stages)
+    else:
+        y = torch.ops.nimble.gemv(x.reshape(k).contiguous(), weight, config.block_n,
+                                  config.block_k, config.warps, config.stages)
     y = y if bias is None else y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -93,19 +98,21 @@ def _compiled(fn, *args, fusing: bool):
     return out, the_pass
 
 
-def _one_token_logits_folded(model):
-    """A decoder's logits for one token compiled without the pass and with it, its sibling
-    projections fused and every GEMM on the GEMV: ``(plain, folded, the pass)``."""
+def _one_token_logits_folded(model, batch: int = 1):
+    """A decoder's logits for one token a row of ``batch`` compiled without the pass and with
+    it, its sibling projections fused and every GEMM on the GEMV (one row) or the GEMM of
+    rows: ``(plain, folded, the pass)``."""
     from nimble.fast_gemv import fast_gemv
     from nimble.fused_projections import fuse_projections
 
     fuse_projections(model)
-    fast_gemv(model, time=lambda c, weights, x: 1.0 if c is None else 0.5)  # every GEMM
+    fast_gemv(model, time=lambda c, weights, x: 1.0 if c is None else 0.5,  # every GEMM
+              rows=(batch,))
 
     def logits(ids):
         return model(ids, use_cache=False).logits
 
-    ids = torch.tensor([[7]])
+    ids = torch.tensor([[7 + 11 * row] for row in range(batch)])
     with torch.no_grad():
         plain, _ = _compiled(logits, ids, fusing=False)
         folded, the_pass = _compiled(logits, ids, fusing=True)
@@ -133,6 +140,32 @@ def test_a_tiny_llamas_norms_and_gated_activation_fold_into_its_gemvs(monkeypatc
     assert (done.gemvs, done.rmsnorm, done.add_rmsnorm, done.gated) == (9, 1, 4, 2)
     limit = 0 if dtype == torch.float32 else 2 ** -6
     assert (plain.float() - folded.float()).abs().max() <= limit * plain.float().abs().max() + 1e-6
+
+
+def test_a_tiny_llamas_norms_and_gated_activation_fold_into_its_gemms_of_four_rows(
+        monkeypatch):
+    transformers = pytest.importorskip("transformers")
+
+    monkeypatch.setattr(fast_gemv_module, "gemv_linear", _gemv_on_every_device)
+    monkeypatch.setattr(fused_module, "gemv_linear", _gemv_on_every_device)
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=500)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    _, _, left = _one_token_logits_folded(model, batch=4)
+    assert left.runs and sum(r.total for r in left.runs) == 0  # off by default
+    monkeypatch.setattr(prologue_pass, "FOLD_ROWS", True)
+    plain, folded, the_pass = _one_token_logits_folded(model, batch=4)
+    runs = [r for r in the_pass.runs if r.gemms_of_rows]
+    assert len(runs) == 1
+    done = runs[0]  # as at one row: each norm (of a residual sum) and gated activation
+    assert (done.gemms_of_rows, done.gemvs, done.rmsnorm, done.add_rmsnorm, done.gated) == \
+        (9, 0, 1, 4, 2)
+    assert plain.shape == folded.shape == (4, 1, 500)
+    # each row normalised on its own: the rows' logits differ, and match the plain graph's
+    assert not torch.equal(folded[0], folded[1])
+    assert (plain.float() - folded.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()
 
 
 class GemmaNorm(nn.Module):

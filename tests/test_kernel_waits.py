@@ -104,7 +104,8 @@ def _gemm_rows(block_n: int, partial: bool, late: bool = True, joins: bool = Tru
                                       "part_ptr": "*fp32", "count_ptr": "*i32", "b_ptr": "*bf16",
                                       "nw_ptr": "*bf16", "sum_ptr": "*bf16", "M": "i32",
                                       "N": "i32", "K": "i32", "stride_w": "i32",
-                                      "K_CHUNK": "i32", "eps": "fp32"},
+                                      "stride_x": "i32", "stride_b": "i32", "K_CHUNK": "i32",
+                                      "eps": "fp32"},
                 {"M_PAD": 16 if block_n >= 16 else 8, "BLOCK_N": block_n, "BLOCK_K": 128,
                  "PARTIAL": partial, "LAST_JOINS": partial and joins, "WAITS": True,
                  "LATE": late, "PROLOGUE": prologue, "NORM_BLOCK": 512}, num_warps=4)

@@ -39,6 +39,9 @@ def prologue_cases() -> None:
         torch.manual_seed(prologue + rows + n)
         weight = torch.randn(n, k, dtype=torch.float16) / k ** 0.5
         a, b = torch.randn(rows, k, dtype=torch.float16), torch.randn(rows, k, dtype=torch.float16)
+        if prologue == 2:  # the gate and up halves of one fused projection's rows: rows apart
+            a, b = torch.cat([a, b], dim=1).split(k, dim=1)
+            assert a.stride(0) == 2 * k
         nw = torch.rand(k, dtype=torch.float16) + 0.5
         args = (b if prologue else None, nw if prologue != 2 else None, 1e-5, weight)
         got, total = gemm_rows.launch_gemm_rows_prologue(prologue, a, *args, *launch)

@@ -26,7 +26,9 @@ at most 10% slower than torch's GEMM), ``gemv-margin-3`` (``gemv``, kept only wh
 ``rows-always`` (``gemv``, a shape's GEMM of rows kept where it is at most 25% slower than
 torch's / wherever it runs: what a step's programmatic edges into it pay, which its timing
 alone does not see), ``rows-second-kernel`` (``gemv``, a split GEMM of rows' parts added by a
-second kernel, not by the last program of each block: :data:`nimble.gemm_rows.LAST_JOINS`), ``gemv-prologues`` (``gemv``,
+second kernel, not by the last program of each block: :data:`nimble.gemm_rows.LAST_JOINS`),
+``fold-rows`` (``gemv-prologues``, the norms and gated products folded into the GEMMs of rows
+too: :data:`nimble.gemv_prologue_pass.FOLD_ROWS`; with ``rows-always`` every projection), ``gemv-prologues`` (``gemv``,
 and each GEMV fed by an RMS norm or a gated activation computing that vector itself:
 :mod:`nimble.gemv_prologue_pass`; its GEMVs kept within
 :data:`nimble.fast_gemv.PROLOGUE_MARGIN`),
@@ -76,6 +78,7 @@ class Variant:
     gemv_margin: float | None = None
     row_margin: float | None = None  # fast_gemv's row_margin (a GEMM of rows); None: its own
     rows_second_kernel: bool = False  # a split GEMM of rows' parts added by a second kernel
+    fold_rows: bool = False  # the fold pass also folds into the GEMMs of rows (FOLD_ROWS)
     decode_attention: bool = False  # nimble.decode_attention on the model, before both rows
     single_stream: bool = False  # the Generator's steps prepared with use_multi_stream=False
     plain_argmax: bool = False  # both rows' argmax one reduction (no decode_steps.split_argmax)
@@ -126,6 +129,7 @@ LEVERS = {
     "rows-within-25": {"fast_gemv": True, "row_margin": -0.25},
     "rows-always": {"fast_gemv": True, "row_margin": -10.0},
     "rows-second-kernel": {"fast_gemv": True, "rows_second_kernel": True},
+    "fold-rows": {"fast_gemv": True, "gemv_prologues": True, "fold_rows": True},
     "joined-attention": {"fast_gemv": True, "gemv_prologues": True, "decode_attention": True,
                          "join_attention": True},
     "rope-attention": {"decode_attention": True, "rope_attention": True},
@@ -461,9 +465,15 @@ def main(argv=None) -> int:
         try:
             from nimble import gemm_rows
 
-            joins = gemm_rows.LAST_JOINS and not variant(name).rows_second_kernel
+            from nimble import gemv_prologue_pass
+
+            asked = variant(name)
+            joins = gemm_rows.LAST_JOINS and not asked.rows_second_kernel
             # around the choice's timing and the step's recording alike
-            with tuner_picks() as picks, _patched({"LAST_JOINS": (gemm_rows, joins)}):
+            with tuner_picks() as picks, _patched({
+                    "LAST_JOINS": (gemm_rows, joins),
+                    "FOLD_ROWS": (gemv_prologue_pass,
+                                  asked.fold_rows or gemv_prologue_pass.FOLD_ROWS)}):
                 r = run_variant(name, model, args, copy, prompts, ref, swapped)
             r["tuner_picks"] = picks
         except Exception as e:  # noqa: BLE001 - the other variants still run
