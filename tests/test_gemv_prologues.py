@@ -119,8 +119,9 @@ def _one_token_logits_folded(model, batch: int = 1):
     return plain, folded, the_pass
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_tiny_llamas_norms_and_gated_activation_fold_into_its_gemvs(monkeypatch, dtype):
+def _tiny_llama_on_the_gemvs(monkeypatch, dtype):
+    """A seeded two-layer Llama in ``dtype`` whose swapped layers run the GEMV's (and the
+    GEMM of rows') operators on the CPU too."""
     transformers = pytest.importorskip("transformers")
 
     monkeypatch.setattr(fast_gemv_module, "gemv_linear", _gemv_on_every_device)
@@ -129,7 +130,12 @@ def test_a_tiny_llamas_norms_and_gated_activation_fold_into_its_gemvs(monkeypatc
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=500)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_tiny_llamas_norms_and_gated_activation_fold_into_its_gemvs(monkeypatch, dtype):
+    model = _tiny_llama_on_the_gemvs(monkeypatch, dtype)
     plain, folded, the_pass = _one_token_logits_folded(model)
     runs = [r for r in the_pass.runs if r.gemvs]
     assert len(runs) == 1
@@ -144,15 +150,7 @@ def test_a_tiny_llamas_norms_and_gated_activation_fold_into_its_gemvs(monkeypatc
 
 def test_a_tiny_llamas_norms_and_gated_activation_fold_into_its_gemms_of_four_rows(
         monkeypatch):
-    transformers = pytest.importorskip("transformers")
-
-    monkeypatch.setattr(fast_gemv_module, "gemv_linear", _gemv_on_every_device)
-    monkeypatch.setattr(fused_module, "gemv_linear", _gemv_on_every_device)
-    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=500)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = _tiny_llama_on_the_gemvs(monkeypatch, torch.bfloat16)
     _, _, left = _one_token_logits_folded(model, batch=4)
     assert left.runs and sum(r.total for r in left.runs) == 0  # off by default
     monkeypatch.setattr(prologue_pass, "FOLD_ROWS", True)
