@@ -17,24 +17,33 @@ def weight_tile(w_ptr, rows, row_ok, cols, col_ok, stride_w):
 
 
 @triton.jit
-def prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE: tl.constexpr):
-    """The GEMV's input at ``cols``, rounded to the input's dtype where the model's own code
-    rounds it."""
-    dt = a_ptr.dtype.element_ty
-    a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
+def prologue_value(a, b_ptr, b_at, ok, nw_ptr, cols, col_ok, rs, PROLOGUE: tl.constexpr):
+    """A prologue's input from ``a`` (the first input's values; ``b_ptr + b_at`` the second's
+    at the same places, ``ok`` their mask) at columns ``cols``, ``rs`` the norm's scale: rounded
+    to the input's dtype where the model's own code rounds it.  A vector of the GEMV's, or rows
+    of a GEMM of rows (``rs`` a column of the rows' scales, the norm's weight broadcast)."""
+    dt = a.dtype
     if PROLOGUE == 2:  # silu(gate) * up
         g = a.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dt)
-        up = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
+        up = tl.load(b_ptr + b_at, mask=ok, other=0.0)
         x = (act.to(tl.float32) * up.to(tl.float32)).to(dt)
     else:
         if PROLOGUE == 1:  # the residual's sum first
-            a = (a.to(tl.float32) + tl.load(b_ptr + cols, mask=col_ok,
+            a = (a.to(tl.float32) + tl.load(b_ptr + b_at, mask=ok,
                                             other=0.0).to(tl.float32)).to(dt)
         normed = (a.to(tl.float32) * rs).to(dt)
         nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0)
         x = (nw.to(tl.float32) * normed.to(tl.float32)).to(dt)
     return x
+
+
+@triton.jit
+def prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE: tl.constexpr):
+    """The GEMV's input at ``cols``, rounded to the input's dtype where the model's own code
+    rounds it."""
+    a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
+    return prologue_value(a, b_ptr, cols, col_ok, nw_ptr, cols, col_ok, rs, PROLOGUE)
 
 
 @triton.jit
