@@ -9,8 +9,11 @@ does.  ``tests/workers/ddp_worker.py``: an unchanged DDP script whose DDP is cal
 ``Nimble(ddp)`` ends its steps where eager DDP does, at the floor a second eager DDP sets, on
 every rank, with DDP's defaults (buffers broadcast inside the forward graph), with its other
 settings, and with ``SyncBatchNorm``, on two ranks and on four where the machine has four
-GPUs.  A rank that hangs (a collective launched on one rank
-only) fails by timeout.
+GPUs.  ``tests/workers/peer_sum_worker.py``: Nimble's sum over the peers' memory
+(:mod:`nimble.peer_sum`) eager, captured and prepared, equal to the rank-order sum on every
+rank.  ``tests/workers/tp_decode_worker.py``: a Generator on a Llama split over the ranks
+decodes the whole model's tokens, its partial sums summed by NCCL or by the peer sum.  A rank
+that hangs (a collective launched on one rank only) fails by timeout.
 """
 from __future__ import annotations
 
@@ -109,17 +112,39 @@ def test_average_gradients_trains_as_ddp_with_the_all_reduce_in_the_backward_gra
 TP_WORKER = Path(__file__).parent / "workers" / "tp_decode_worker.py"
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_a_generator_on_a_model_split_over_gpus_decodes_the_whole_models_tokens(ranks):
+@pytest.mark.parametrize("ranks,all_reduce", [(2, "nccl"), (4, "nccl"), (2, "peer"),
+                                               (4, "peer")])
+def test_a_generator_on_a_model_split_over_gpus_decodes_the_whole_models_tokens(ranks,
+                                                                               all_reduce):
     """A small Llama split over the ranks as Megatron splits it (heads and MLP columns shared
-    out, the partial sums all-reduced; over four ranks its two key-value heads replicated): a
-    Generator on it decodes transformers' greedy tokens of the whole model (near-ties aside),
-    its decode step holding every layer's two all-reduces."""
+    out, the partial sums all-reduced by NCCL or by Nimble's peer sum; over four ranks its two
+    key-value heads replicated): a Generator on it decodes transformers' greedy tokens of the
+    whole model (near-ties aside), its decode step holding every layer's two all-reduces."""
     pytest.importorskip("transformers")
-    for seen in _two_ranks(TP_WORKER, ranks, ranks=ranks):
+    for seen in _two_ranks(TP_WORKER, ranks, all_reduce, ranks=ranks):
         assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
         assert seen["wrong"] == 0, seen
         assert seen["all_reduces"] >= 2 * seen["layers"], seen
+
+
+PEER_SUM_WORKER = Path(__file__).parent / "workers" / "peer_sum_worker.py"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_peer_sum_gives_every_rank_the_rank_order_sum_eager_captured_and_prepared(ranks):
+    """Nimble's sum over the peers' memory: eager calls in three dtypes and five sizes equal the
+    float32 sum in rank order bit for bit and alike on every rank; eight calls captured in a
+    CUDA graph stay equal over 50 replays; a model summing one branch beside another, prepared
+    on one stream and on several, equals eager bit for bit on fresh inputs."""
+    results = _two_ranks(PEER_SUM_WORKER, ranks, ranks=ranks)
+    for seen in results:
+        assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
+        assert all(seen["eager_equal"]) and seen["graph_equal"], seen
+        assert seen["prepared_equal_single"] and seen["prepared_equal_multi"], seen
+        assert seen["collectives_single"] == seen["collectives_multi"] == 1, seen
+        assert seen["streams_multi"] > 1, seen
+    digests = {tuple(seen["eager_digests"]) for seen in results}
+    assert len(digests) == 1
 
 
 TP_PLAN_WORKER = Path(__file__).parent / "workers" / "tp_plan_worker.py"

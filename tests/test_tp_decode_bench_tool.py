@@ -41,5 +41,6 @@ def test_a_generator_row_says_how_its_decode_step_is_launched():
 def test_the_all_reduce_is_chosen_by_name():
     assert bench.parse_args([]).all_reduce == "nccl"
     assert bench.parse_args(["--all-reduce", "one_shot"]).all_reduce == "one_shot"
+    assert bench.parse_args(["--all-reduce", "peer"]).all_reduce == "peer"
     with pytest.raises(SystemExit):
         bench.parse_args(["--all-reduce", "ring"])

@@ -93,13 +93,14 @@ def test_the_one_shot_all_reduce_is_asked_for_with_what_it_needs():
                                       num_attention_heads=8, num_key_value_heads=4,
                                       vocab_size=50)
     worker = _worker()
-    with pytest.raises(ValueError, match="all_reduce='ring': one of nccl, one_shot"):
+    with pytest.raises(ValueError, match="all_reduce='ring': one of nccl, one_shot, peer"):
         worker.split(transformers.LlamaForCausalLM(config), 0, 2, all_reduce="ring")
     half = transformers.LlamaForCausalLM(config).half()
     with pytest.raises(ValueError, match="bfloat16 or float32, not torch.float16"):
         worker.split(half, 0, 2, all_reduce="one_shot", max_tokens=8)
-    with pytest.raises(ValueError, match="needs max_tokens"):
-        worker.split(transformers.LlamaForCausalLM(config), 0, 2, all_reduce="one_shot")
+    for all_reduce in ("one_shot", "peer"):
+        with pytest.raises(ValueError, match=f"the {all_reduce} all-reduce needs max_tokens"):
+            worker.split(transformers.LlamaForCausalLM(config), 0, 2, all_reduce=all_reduce)
 
 
 def test_a_one_shot_sum_refuses_a_call_larger_than_its_buffer():

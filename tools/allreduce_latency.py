@@ -9,7 +9,9 @@ two per layer: latency).  Rank 0 prints whether GPU 0 reaches GPU 1's memory dir
 access; ``nvidia-smi topo -m`` says over what), then per ``--sizes`` the GPU time of one eager
 float32 all-reduce (the median of 5 rounds of ``--iters`` calls after a warm-up, CUDA events)
 and its rate (bytes / time), then ``--count`` bfloat16 all-reduces of ``--graphed`` bytes
-captured in one CUDA graph: the time of each one replayed.  Multicast stays off (``NCCL_NVLS_ENABLE=0``), and NCCL's
+captured in one CUDA graph: the time of each one replayed; then the same for Nimble's peer sum
+(:class:`nimble.peer_sum.PeerSum`), after its sum of one random tensor is held against NCCL's
+(the largest difference; with two ranks both round one float32 sum, so it is 0).  Multicast stays off (``NCCL_NVLS_ENABLE=0``), and NCCL's
 graph mixing support too unless ``--graph-mixing`` keeps it (its event nodes sit around each
 captured all-reduce).
 """
@@ -71,16 +73,46 @@ def _graphed_us(nbytes: int, count: int, iters: int) -> float:
     import torch.distributed as dist
 
     t = torch.ones(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    return _captured_us(lambda: dist.all_reduce(t), count, iters)
+
+
+def _captured_us(call, count: int, iters: int) -> float:
+    """The GPU µs of each of ``count`` calls of ``call`` captured in one CUDA graph, replayed."""
+    import torch
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        dist.all_reduce(t)  # NCCL's warm-up before a capture
+        call()  # a warm-up before the capture (NCCL's, Triton's compilation)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(count):
-            dist.all_reduce(t)
+            call()
     return _median_ms(graph.replay, iters) * 1e3 / count
+
+
+def _peer_line(nbytes: int, count: int, iters: int) -> str:
+    """The peer sum's difference from NCCL's and its time captured, or why it could not run."""
+    import torch
+    import torch.distributed as dist
+
+    from nimble.cli.common import one_line
+    from nimble.peer_sum import PeerSum
+
+    try:
+        summed = PeerSum(nbytes // 2, torch.bfloat16)
+        torch.manual_seed(dist.get_rank())
+        x = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+        theirs = x.clone()
+        dist.all_reduce(theirs)
+        differs = (summed(x).float() - theirs.float()).abs().max().item()
+        t = torch.ones(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+        us = _captured_us(lambda: summed(t), count, iters)
+    except Exception as e:  # noqa: BLE001 - NCCL's line stands without it
+        return f"graphed: Nimble's peer sum failed: {one_line(e)}"
+    return (f"graphed: {count} x {nbytes} B bfloat16 Nimble peer sum, {us:.1f} us each "
+            f"(largest difference from NCCL's sum: {differs:g})")
 
 
 def main(argv=None) -> int:
@@ -102,6 +134,9 @@ def main(argv=None) -> int:
     if rank == 0:
         print(f"graphed: {args.count} x {args.graphed} B bfloat16 all_reduce, {us:.1f} us each",
               flush=True)
+    line = _peer_line(args.graphed, args.count, args.iters)
+    if rank == 0:
+        print(line, flush=True)
     sys.stdout.flush()
     os._exit(0)  # after a captured collective, destroying the process group can hang
 

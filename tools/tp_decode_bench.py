@@ -3,7 +3,7 @@
 
     torchrun --nproc_per_node=N tools/tp_decode_bench.py [LM] [--dtype bfloat16]
         [--batch 1,8] [--prompt 128] [--new-tokens 64] [--rounds 5] [--modes M,...]
-        [--all-reduce nccl|one_shot] [--graph-mixing] [--json F]
+        [--all-reduce nccl|one_shot|peer] [--graph-mixing] [--json F]
 
 Run it with N = 1 (the whole model: one rank's split is all of it, its all-reduces trivial) and
 with N = 2 or 4 on as many GPUs, and hold the lines against each other.  Every rank runs the
@@ -15,7 +15,8 @@ one-line error; the ranks fail alike, so the others still meet.  Multicast stays
 unless ``--graph-mixing`` keeps it: its event nodes make a graph with collectives host-launched;
 each Generator row says how its decode step is launched.  ``--all-reduce one_shot`` sums the
 split layers' partial sums with torch's one-shot all-reduce over symmetric memory instead of
-NCCL's (:mod:`nimble.cli.tp_decoders`).
+NCCL's, ``--all-reduce peer`` with Nimble's kernel over symmetric memory
+(:mod:`nimble.cli.tp_decoders`, :mod:`nimble.peer_sum`).
 """
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--modes", default="nimble,compiled loop", type=_modes,
                    help=f"which of {', '.join(MODES)} to time (default nimble,compiled loop)")
-    p.add_argument("--all-reduce", default="nccl", choices=("nccl", "one_shot"),
-                   help="how the split layers sum their partial sums: NCCL's all-reduce, or "
-                        "torch's one-shot all-reduce over symmetric memory (bfloat16, float32)")
+    p.add_argument("--all-reduce", default="nccl", choices=("nccl", "one_shot", "peer"),
+                   help="how the split layers sum their partial sums: NCCL's all-reduce, "
+                        "torch's one-shot all-reduce over symmetric memory (bfloat16, float32) "
+                        "or Nimble's peer sum over it")
     p.add_argument("--graph-mixing", action="store_true",
                    help="keep NCCL's graph mixing support (its event nodes make the graphs "
                         "host-launched)")

@@ -10,6 +10,9 @@ symmetric memory instead (``torch.ops.symm_mem.one_shot_all_reduce_copy``: each 
 partial sum into a buffer every rank maps, meets the others at a barrier and reads their
 buffers over NVLink; one kernel, a few KiB in a few µs where NCCL's kernel takes 13 µs on two
 H200s); bfloat16 and float32 only (the op's types), and at most ``max_tokens`` tokens a call.
+``all_reduce="peer"`` sums them with Nimble's own kernel over symmetric memory
+(:class:`nimble.peer_sum.PeerSum`: one wait a call, the ranks added in rank order), for half,
+bfloat16 and float32, at most ``max_tokens`` tokens a call too.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 #: How the partial sums of a split layer are summed over the ranks.
-ALL_REDUCES = ("nccl", "one_shot")
+ALL_REDUCES = ("nccl", "one_shot", "peer")
 
 
 def nccl_sum(y):
@@ -59,7 +62,8 @@ class OneShotSum:
 
 class RowParallel(nn.Module):
     """A linear layer's rows of input features on this rank; the full output summed over the
-    ranks (one all-reduce per call, by ``reduce``: :func:`nccl_sum` or a :class:`OneShotSum`)."""
+    ranks (one all-reduce per call, by ``reduce``: :func:`nccl_sum`, a :class:`OneShotSum` or a
+    :class:`nimble.peer_sum.PeerSum`)."""
 
     def __init__(self, linear: nn.Linear, start: int, stop: int, reduce=nccl_sum) -> None:
         super().__init__()
@@ -87,12 +91,16 @@ def _reduce_of(model, all_reduce: str, max_tokens: int | None):
     if all_reduce == "nccl":
         return nccl_sum
     weight = model.model.layers[0].mlp.down_proj.weight
+    if not max_tokens or max_tokens < 1:
+        raise ValueError(f"the {all_reduce} all-reduce needs max_tokens (batch x prompt length "
+                         "of the largest call) to size its buffer")
+    if all_reduce == "peer":
+        from ..peer_sum import PeerSum
+
+        return PeerSum(max_tokens * model.config.hidden_size, weight.dtype, weight.device)
     if weight.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the one-shot all-reduce sums bfloat16 or float32, not {weight.dtype}: "
-                         "use all_reduce='nccl' for this model")
-    if not max_tokens or max_tokens < 1:
-        raise ValueError("the one-shot all-reduce needs max_tokens (batch x prompt length of "
-                         "the largest call) to size its buffer")
+                         "use all_reduce='nccl' or 'peer' for this model")
     return OneShotSum(max_tokens * model.config.hidden_size, weight.dtype, weight.device)
 
 
@@ -112,8 +120,8 @@ def split(model, rank: int, world: int, all_reduce: str = "nccl",
     share kept; its config then says the heads one rank holds (the static cache is sized from
     it), the head size unchanged.  Key-value heads fewer than the ranks are replicated (each
     rank keeps the one its query heads read).  ``all_reduce`` says how the partial sums are
-    summed (:data:`ALL_REDUCES`; ``"one_shot"`` needs ``max_tokens``, the most tokens one call
-    carries)."""
+    summed (:data:`ALL_REDUCES`; ``"one_shot"`` and ``"peer"`` need ``max_tokens``, the most
+    tokens one call carries)."""
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

@@ -71,11 +71,16 @@ SYMMETRIC_MEMORY_COLLECTIVES = frozenset({
     "multimem_one_shot_all_reduce_kernel", "multimem_all_gather_kernel"})
 
 
+#: Nimble's own collectives (:mod:`nimble.peer_sum`): each rank's kernel reads the others'
+#: buffers and meets them at flags there, through a pointer table in device memory.
+NIMBLE_COLLECTIVES = frozenset({"nimble_peer_sum_kernel"})
+
+
 def collective_kernel(name: str) -> bool:
-    """Whether a kernel is a collective (an all-reduce, all-gather...) of NCCL or of torch's
-    symmetric memory: one that meets the same kernel of every other rank through memory they
-    share, so its launches must keep their order on every rank and that memory must stay where
-    its owner keeps it."""
+    """Whether a kernel is a collective (an all-reduce, all-gather...) of NCCL, of torch's
+    symmetric memory or of Nimble's: one that meets the same kernel of every other rank
+    through memory they share, so its launches must keep their order on every rank and that
+    memory must stay where its owner keeps it."""
     short = short_kernel_name(name, limit=len(name))
     return short.startswith(("ncclDevKernel", "ncclKernel")) or \
-        short.rsplit("::", 1)[-1] in SYMMETRIC_MEMORY_COLLECTIVES
+        short.rsplit("::", 1)[-1] in SYMMETRIC_MEMORY_COLLECTIVES | NIMBLE_COLLECTIVES

@@ -1,8 +1,9 @@
 """One rank of tests/test_gpu_collectives.py's tensor-parallel decoding test (``torchrun``).
 
-``tp_decode_worker.py``: every rank builds the same small Llama (random weights, one seed),
+``tp_decode_worker.py [ALL_REDUCE]``: every rank builds the same small Llama (random weights, one seed),
 takes transformers' greedy tokens from it whole, then splits it over the ranks as Megatron does
-(:mod:`nimble.cli.tp_decoders`) and decodes the same prompt with a
+(:mod:`nimble.cli.tp_decoders`; its partial sums all-reduced by NCCL, or as ``ALL_REDUCE``
+says) and decodes the same prompt with a
 :class:`nimble.generate.Generator` on the split model: its decode step and prefill are prepared
 graphs holding the all-reduces.  One JSON line per rank: the tokens' agreement with the whole
 model's (departures judged at near-ties as the bench judges them), and the all-reduce kernels
@@ -11,6 +12,7 @@ of the decode step's graph.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from ranks import nccl_rank, note_failure, report
@@ -27,7 +29,8 @@ def main() -> None:
     from nimble.ir.kernel_names import collective_kernel
 
     rank, world = nccl_rank(), int(os.environ["WORLD_SIZE"])
-    seen: dict = {"rank": rank, "world": world}
+    all_reduce = sys.argv[1] if len(sys.argv) > 1 else "nccl"
+    seen: dict = {"rank": rank, "world": world, "all_reduce": all_reduce}
     try:
         # float16: the split model sums in another order, and the near-tie judgement (8 units
         # in the last place) is the bench's for this dtype
@@ -35,7 +38,7 @@ def main() -> None:
         torch.manual_seed(5)
         ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), device="cuda")
         want, logits = library_greedy(model, ids, NEW_TOKENS, with_logits=True)
-        split(model, rank, world)
+        split(model, rank, world, all_reduce=all_reduce, max_tokens=PROMPT)
         generator = Generator(model, max_cache_len=PROMPT + NEW_TOKENS, prompt_buckets=[PROMPT],
                               batch_sizes=[1])
         got = generator.generate(ids, NEW_TOKENS)
