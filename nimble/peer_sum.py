@@ -181,6 +181,11 @@ class PeerSum:
         torch.cuda.synchronize(device)
         dist.barrier(group)
 
+    def __deepcopy__(self, memo) -> "PeerSum":
+        # the ranks' buffers are one per group, as the group is: a copied model sums through
+        # them too (a copy of the buffer would be mapped by no peer)
+        return self
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout.ranks == 1:
             return x.clone()

@@ -144,3 +144,12 @@ def test_the_kernel_compiles_for_a_hopper_gpu_with_its_flags_at_system_scope():
     assert any("atom.global.sys.acquire" in line for line in lines[release:])
     peer_reads = [line for line in lines if "ld.global.cv" in line]
     assert len(peer_reads) == 2 and all(".v4.b32" in line for line in peer_reads)
+
+
+def test_a_copied_model_sums_through_the_buffers_its_peers_map():
+    import copy
+
+    summed = PeerSum.__new__(PeerSum)  # no process group on the CPU
+    holder = torch.nn.Module()
+    holder.summed = summed
+    assert copy.deepcopy(holder).summed is summed

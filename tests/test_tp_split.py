@@ -112,3 +112,29 @@ def test_a_one_shot_sum_refuses_a_call_larger_than_its_buffer():
     assert torch.equal(summed(y), y)  # the op gets a view of the buffer shaped as the input
     with pytest.raises(ValueError, match="17 elements: the split was made for 16"):
         summed(torch.zeros(17))
+
+
+def test_the_row_parallel_projections_are_linears_the_gemv_swap_reaches():
+    """The output and down projections' shards are ``nn.Linear`` inside the all-reduce, so
+    that ``fast_gemv`` (and ``fast_generator``) give them its kernels as any other; a copy of
+    the split model keeps summing through the same sum."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    from nimble.fast_gemv import GemvLinear, fast_gemv
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=8, num_key_value_heads=4,
+                                      vocab_size=50)
+    torch.manual_seed(0)
+    whole = transformers.LlamaForCausalLM(config)
+    o_proj = whole.model.layers[0].self_attn.o_proj.weight.detach().clone()
+    model = _worker().split(whole, 1, 2)
+    layer = model.model.layers[0]
+    assert torch.equal(layer.self_attn.o_proj.weight, o_proj[:, 32:])
+    assert layer.mlp.down_proj.weight.shape == (64, 48)
+    fast_gemv(model, time=lambda config, weights, x: 1.0 if config is None else 0.5)
+    assert isinstance(layer.self_attn.o_proj.linear, GemvLinear)
+    assert isinstance(layer.mlp.down_proj.linear, GemvLinear)
+    copied = copy.deepcopy(model)
+    assert copied.model.layers[0].mlp.down_proj.reduce is layer.mlp.down_proj.reduce

@@ -1,5 +1,8 @@
 """Tensor-parallel decoding's speed (issue 51): a Generator on a causal LM split over the ranks
 (:mod:`nimble.cli.tp_decoders`), beside the compiled tight loop on the same split.
+``nimble+fast`` is :func:`nimble.fast_decoding.fast_generator` on a copy of the split model
+(each rank measures its own GEMV choices and Inductor its own tuning: the ranks' replicated
+kernels may differ, and with them the last bits of the logits at a near-tie).
 
     torchrun --nproc_per_node=N tools/tp_decode_bench.py [LM] [--dtype bfloat16]
         [--batch 1,8] [--prompt 128] [--new-tokens 64] [--rounds 5] [--modes M,...]
@@ -29,8 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 from gpu_suite import start_rank  # tools/ is a script's first path entry
 
-#: Nimble's Generator on the model's eager kernels, on Inductor's kernels, and the compiled loop.
-MODES = ("nimble", "nimble+inductor", "compiled loop")
+#: Nimble's Generator on the model's eager kernels, on Inductor's kernels, with every decode
+#: lever of ``fast_generator`` (on a copy of the split model: the levers change it), and the
+#: compiled loop.
+MODES = ("nimble", "nimble+inductor", "nimble+fast", "compiled loop")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -105,22 +110,30 @@ def _case(model, args, batch: int, report) -> dict:
             except Exception as e:  # noqa: BLE001 - the other modes still run
                 rows[mode] = {"error": one_line(e)}
         else:
-            rows[mode] = _generator_row(model, args, batch, prompts, mode == "nimble+inductor")
+            rows[mode] = _generator_row(model, args, batch, prompts, mode)
         report(mode, rows[mode])
     return rows
 
 
-def _generator_row(model, args, batch: int, prompts: dict, inductor: bool) -> dict:
-    """A Generator's timing on the model's eager kernels or Inductor's, with its decode step's
-    all-reduce kernels."""
+def _generator_row(model, args, batch: int, prompts: dict, mode: str) -> dict:
+    """A Generator's timing on the model's eager kernels, Inductor's or with every decode lever
+    (:data:`MODES`), with its decode step's all-reduce kernels."""
+    import copy
+
     from nimble.cli.common import one_line
+    from nimble.fast_decoding import fast_generator
     from nimble.generate import Generator, prepare_with_nimble
     from nimble.ir.kernel_names import collective_kernel
 
+    length, buckets = args.prompt + args.new_tokens, [args.prompt]
     try:
-        generator = Generator(model, max_cache_len=args.prompt + args.new_tokens,
-                              prompt_buckets=[args.prompt], batch_sizes=[batch],
-                              prepare_step=prepare_with_nimble(None, inductor))
+        if mode == "nimble+fast":
+            generator = fast_generator(copy.deepcopy(model), max_cache_len=length,
+                                       prompt_buckets=buckets, batch_sizes=[batch])
+        else:
+            generator = Generator(model, max_cache_len=length, prompt_buckets=buckets,
+                                  batch_sizes=[batch], prepare_step=prepare_with_nimble(
+                                      None, mode == "nimble+inductor"))
     except Exception as e:  # noqa: BLE001 - the other modes still run
         return {"error": one_line(e)}
     try:

@@ -52,6 +52,9 @@ class OneShotSum:
             self.op = lambda buffer, local, op, group_name: ops.one_shot_all_reduce(
                 buffer.copy_(local), op, group_name)
 
+    def __deepcopy__(self, memo) -> "OneShotSum":
+        return self  # the buffer every rank maps is the group's (see PeerSum.__deepcopy__)
+
     def __call__(self, y):
         n = y.numel()
         if n > self.buffer.numel():
@@ -61,17 +64,24 @@ class OneShotSum:
 
 
 class RowParallel(nn.Module):
-    """A linear layer's rows of input features on this rank; the full output summed over the
-    ranks (one all-reduce per call, by ``reduce``: :func:`nccl_sum`, a :class:`OneShotSum` or a
-    :class:`nimble.peer_sum.PeerSum`)."""
+    """A linear layer's rows of input features on this rank (its ``linear``: an ``nn.Linear``
+    of those features, which :func:`nimble.fast_gemv.fast_gemv` may swap as any other); the
+    full output summed over the ranks (one all-reduce per call, by ``reduce``:
+    :func:`nccl_sum`, a :class:`OneShotSum` or a :class:`nimble.peer_sum.PeerSum`)."""
 
     def __init__(self, linear: nn.Linear, start: int, stop: int, reduce=nccl_sum) -> None:
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach()[:, start:stop].clone())
+        self.linear = nn.Linear(stop - start, linear.out_features, bias=False,
+                                device=linear.weight.device, dtype=linear.weight.dtype)
+        self.linear.weight.data.copy_(linear.weight.detach()[:, start:stop])
         self.reduce = reduce
 
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.linear.weight
+
     def forward(self, x):
-        return self.reduce(nn.functional.linear(x, self.weight))
+        return self.reduce(self.linear(x))
 
 
 def _columns(linear: nn.Linear, start: int, stop: int) -> nn.Linear:
