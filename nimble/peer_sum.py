@@ -12,7 +12,9 @@ holds the same bits.
 the operator ``nimble::peer_sum``, opaque to ``torch.compile`` and recorded by Nimble as any
 kernel.  The kernel's name is one of :data:`nimble.ir.kernel_names.NIMBLE_COLLECTIVES`: a
 prepared graph keeps its launches in order, and its buffers (reached through the table, which
-the graph reads where it is) are never copied, snapshotted or restored.  As with any
+the graph reads where it is) are never copied, snapshotted or restored.  It is one of
+:data:`nimble.ir.waiting_kernels.WAITING_KERNELS` (it reads only the table before its wait): a
+prepare with programmatic launch may make the edge into it programmatic.  As with any
 collective, every rank must make the same calls: a rank whose peer never comes waits for ever.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernel_waits
 from .errors import InputError
 
 #: The most programs a call launches: every call launches all of its layout's, few enough to be
@@ -133,7 +136,8 @@ def launch_peer_sum(x: torch.Tensor, table: torch.Tensor, rank: int,
     _kernel()[(layout.programs,)](
         x, out, table, n, rank, layout.slot_elements, RANKS=layout.ranks,
         RANKS_POW2=triton.next_power_of_2(layout.ranks), PROGRAMS=layout.programs,
-        DATA_AT=layout.data_at, BLOCK=block, num_warps=8 if block >= WIDE_BLOCK else 4)
+        DATA_AT=layout.data_at, BLOCK=block, WAITS=kernel_waits.waits(x.device),
+        num_warps=8 if block >= WIDE_BLOCK else 4)
     return out
 
 

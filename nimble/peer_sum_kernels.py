@@ -20,7 +20,10 @@ call, so had ended the call before, the last to read the slot.  (Which blocks a 
 may change from call to call with ``BLOCK``: the argument holds for the whole slot.)  The flags
 are compared in wrapping arithmetic, so the counter may wrap.  Every rank adds in the same
 order: the ranks' sums are equal bit for bit.  The programs are few (all resident at once), so
-no program waits for a peer's that cannot start.
+no program waits for a peer's that cannot start.  Compiled with ``WAITS``, every program waits
+for its predecessor (``griddepcontrol.wait``, :mod:`nimble.kernel_waits`) after reading its
+buffer's address and before anything else: behind a programmatic edge the kernel launches while
+the projection before it ends, and the argument above holds from the wait on.
 """
 from __future__ import annotations
 
@@ -40,10 +43,13 @@ def _data(base, slot, offsets, DATA_AT: tl.constexpr, BLOCK: tl.constexpr,
 @triton.jit
 def nimble_peer_sum_kernel(x_ptr, out_ptr, table_ptr, n, rank, slot_elements,
                            RANKS: tl.constexpr, RANKS_POW2: tl.constexpr,
-                           PROGRAMS: tl.constexpr, DATA_AT: tl.constexpr, BLOCK: tl.constexpr):
+                           PROGRAMS: tl.constexpr, DATA_AT: tl.constexpr, BLOCK: tl.constexpr,
+                           WAITS: tl.constexpr):
     pid = tl.program_id(0)
     element = x_ptr.dtype.element_ty
-    own = tl.load(table_ptr + rank)
+    own = tl.load(table_ptr + rank)  # the table is the graph's constant: before the wait
+    if WAITS:  # behind a programmatic edge: the predecessor's writes, the last call's counter
+        tl.extra.cuda.gdc_wait()
     counters = own.to(tl.pointer_type(tl.int32)) + RANKS * PROGRAMS + pid
     count = tl.load(counters) + 1
     slot = (count & 1) * slot_elements

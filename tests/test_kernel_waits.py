@@ -140,6 +140,23 @@ def test_the_split_gemm_of_rows_reduction_reads_and_writes_nothing_before_its_wa
     assert len(_memory(lines[len(early):], "ld.global")) >= 4
 
 
+def test_the_peer_sum_reads_only_its_table_before_its_wait():
+    """Before the wait: one 8-byte load (its buffer's address, from the table), no store, no
+    flag; after it, the counter, the copy, the flags and the peers' reads."""
+    from nimble import peer_sum
+
+    lines = _ptx(peer_sum._kernel(), {"x_ptr": "*bf16", "out_ptr": "*bf16",
+                                      "table_ptr": "*i64", "n": "i32", "rank": "i32",
+                                      "slot_elements": "i32"},
+                 {"RANKS": 2, "RANKS_POW2": 2, "PROGRAMS": 16, "DATA_AT": 256, "BLOCK": 512,
+                  "WAITS": True})
+    early = _before_the_wait(lines)
+    assert [line.split()[0] for line in _memory(early, "ld.global")] == ["ld.global.b64"]
+    assert not _memory(early, "st.global") and not _memory(early, "atom.")
+    after = lines[len(early):]
+    assert _memory(after, "atom.global.sys.release") and _memory(after, "ld.global.cv")
+
+
 @pytest.mark.parametrize("kernel", ["attend", "rope attend", "whole rope attend", "join"])
 def test_the_attentions_kernels_read_and_write_nothing_before_their_wait(kernel):
     lines = _attention(kernel)

@@ -131,8 +131,9 @@ def test_the_kernel_compiles_for_a_hopper_gpu_with_its_flags_at_system_scope():
     signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "table_ptr": "*i64", "n": "i32",
                  "rank": "i32", "slot_elements": "i32", "RANKS": "constexpr",
                  "RANKS_POW2": "constexpr", "PROGRAMS": "constexpr", "DATA_AT": "constexpr",
-                 "BLOCK": "constexpr"}
-    constexprs = {"RANKS": 2, "RANKS_POW2": 2, "PROGRAMS": 16, "DATA_AT": 256, "BLOCK": 1024}
+                 "BLOCK": "constexpr", "WAITS": "constexpr"}
+    constexprs = {"RANKS": 2, "RANKS_POW2": 2, "PROGRAMS": 16, "DATA_AT": 256, "BLOCK": 1024,
+                  "WAITS": True}
     # as a launch specializes them: the pointers and sizes divisible by 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5)}
     ptx = triton.compile(ASTSource(fn=nimble_peer_sum_kernel, signature=signature,

@@ -462,11 +462,15 @@ def test_every_waiting_kernel_names_a_weight_parameter_its_operator_passes():
 
     from nimble import gemm_rows
 
+    from nimble import peer_sum
+
     kernels = {"gemv_kernel": fast_gemv._kernel(), "gemv_prologue_kernel":
                prologues.gemv_prologue_kernel, "attend": attention.attend,
-               "gemm_rows_kernel": gemm_rows._kernel()}
+               "gemm_rows_kernel": gemm_rows._kernel(), "nimble_peer_sum_kernel":
+               peer_sum._kernel()}
     early = {"gemv_kernel": ["w_ptr"], "gemv_prologue_kernel": ["w_ptr"],
-             "attend": ["k_ptr", "v_ptr"], "gemm_rows_kernel": ["w_ptr"]}
+             "attend": ["k_ptr", "v_ptr"], "gemm_rows_kernel": ["w_ptr"],
+             "nimble_peer_sum_kernel": ["table_ptr"]}
     for (op, name), reads in WAITING_KERNELS.items():
         assert op.startswith("nimble::")
         if reads:

@@ -10,7 +10,8 @@ from .taskgraph import BufferKind, TaskGraph, TaskKind
 #: (:mod:`nimble.kernel_waits`): per (recorded operator, kernel name), the indices of the kernel
 #: parameters whose buffers it may read before its wait (a GEMV's weight; the rotary
 #: attention's cache of keys and values, :data:`nimble.decode_attention.CACHE_BEFORE_WAIT`; a
-#: GEMM of rows' weight, its split's reduction nothing).
+#: GEMM of rows' weight, its split's reduction nothing; the peer sum its table of the ranks'
+#: buffers, :mod:`nimble.peer_sum`).
 WAITING_KERNELS: dict[tuple[str, str], tuple[int, ...]] = {
     ("nimble::gemv", "gemv_kernel"): (1,),
     ("nimble::gemv_rmsnorm", "gemv_prologue_kernel"): (3,),
@@ -19,6 +20,7 @@ WAITING_KERNELS: dict[tuple[str, str], tuple[int, ...]] = {
     ("nimble::gemv_joined", "gemv_joined_kernel"): (),
     ("nimble::gemm_rows", "gemm_rows_kernel"): (1,),
     ("nimble::gemm_rows", "gemm_rows_reduce_kernel"): (),
+    ("nimble::peer_sum", "nimble_peer_sum_kernel"): (2,),
     **{(op, kernel): () for op in ("nimble::decode_attention", "nimble::decode_attention_parts")
        for kernel in ("attend", "join")},
     **{(op, kernel): reads for op in ("nimble::decode_attention_rope",
