@@ -116,9 +116,9 @@ TP_WORKER = Path(__file__).parent / "workers" / "tp_decode_worker.py"
                                                (4, "peer")])
 def test_a_generator_on_a_model_split_over_gpus_decodes_the_whole_models_tokens(ranks,
                                                                                all_reduce):
-    """A small Llama split over the ranks as Megatron splits it (heads and MLP columns shared
-    out, the partial sums all-reduced by NCCL or by Nimble's peer sum; over four ranks its two
-    key-value heads replicated): a Generator on it decodes transformers' greedy tokens of the
+    """A small Llama split over the ranks as Megatron splits it (heads, MLP columns and the LM
+    head's vocabulary shared out, the partial sums all-reduced by NCCL or by Nimble's peer sum,
+    the logits gathered; over four ranks its two key-value heads replicated): a Generator on it decodes transformers' greedy tokens of the
     whole model (near-ties aside), its decode step holding every layer's two all-reduces."""
     pytest.importorskip("transformers")
     for seen in _two_ranks(TP_WORKER, ranks, all_reduce, ranks=ranks):

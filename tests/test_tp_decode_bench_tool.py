@@ -43,5 +43,7 @@ def test_the_all_reduce_is_chosen_by_name():
     assert bench.parse_args([]).all_reduce == "nccl"
     assert bench.parse_args(["--all-reduce", "one_shot"]).all_reduce == "one_shot"
     assert bench.parse_args(["--all-reduce", "peer"]).all_reduce == "peer"
+    assert bench.parse_args([]).head == "vocab"
+    assert bench.parse_args(["--head", "whole"]).head == "whole"
     with pytest.raises(SystemExit):
         bench.parse_args(["--all-reduce", "ring"])

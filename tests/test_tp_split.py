@@ -54,7 +54,8 @@ def test_the_ranks_shards_with_their_sums_give_the_whole_models_logits(monkeypat
     shards = []
     for rank in range(world):
         torch.manual_seed(0)
-        shards.append(worker.split(transformers.LlamaForCausalLM(config).eval(), rank, world))
+        shards.append(worker.split(transformers.LlamaForCausalLM(config).eval(), rank, world,
+                                   head="whole"))
     assert shards[0].config.num_attention_heads == 8 // world
     assert shards[0].config.num_key_value_heads == max(kv_heads // world, 1)
     assert shards[0].config.head_dim == 8
@@ -138,3 +139,77 @@ def test_the_row_parallel_projections_are_linears_the_gemv_swap_reaches():
     assert isinstance(layer.mlp.down_proj.linear, GemvLinear)
     copied = copy.deepcopy(model)
     assert copied.model.layers[0].mlp.down_proj.reduce is layer.mlp.down_proj.reduce
+
+
+class LockstepGather:
+    """``all_gather_into_tensor(parts, local)`` for ``world`` threads, each named by its rank."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world)
+        self.deposited: dict[int, torch.Tensor] = {}
+        self.calls = 0
+
+    def __call__(self, parts, local) -> None:
+        self.deposited[int(threading.current_thread().name)] = local.clone()
+        self.barrier.wait()
+        parts.copy_(torch.stack([self.deposited[r] for r in range(self.world)]))
+        if self.barrier.wait() == 0:
+            self.calls += 1
+        self.barrier.wait()
+
+
+@pytest.mark.parametrize("world,vocabulary", [(2, 50), (4, 50), (3, 50)])
+def test_a_head_split_by_the_vocabulary_gives_the_whole_models_logits(monkeypatch, world,
+                                                                      vocabulary):
+    """The LM head's rows shared out (50 over 4 and 3 ranks: the last share padded), the
+    logits gathered in rank order and the padding cut off; tied to the embedding in the
+    whole model, which every rank keeps."""
+    transformers = pytest.importorskip("transformers")
+    worker = _worker()
+    config = transformers.LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=12, num_key_value_heads=12,
+                                      vocab_size=vocabulary, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    whole = transformers.LlamaForCausalLM(config).eval()
+    assert whole.lm_head.weight is whole.model.embed_tokens.weight
+    ids = torch.randint(0, vocabulary, (2, 5))
+    with torch.no_grad():
+        want = whole(input_ids=ids, use_cache=False).logits
+    shards = []
+    for rank in range(world):
+        torch.manual_seed(0)
+        shards.append(worker.split(transformers.LlamaForCausalLM(config).eval(), rank, world))
+    assert isinstance(shards[0].lm_head, worker.VocabParallel)
+    assert shards[0].lm_head.linear.weight.shape == (-(-vocabulary // world), 48)
+    monkeypatch.setattr(worker.dist, "all_reduce", LockstepSum(world))
+    monkeypatch.setattr(worker.dist, "get_world_size", lambda *a: world)
+    gather = LockstepGather(world)
+    monkeypatch.setattr(worker.dist, "all_gather_into_tensor", gather)
+    got: list = [None] * world
+
+    def run(rank: int) -> None:
+        with torch.no_grad():
+            got[rank] = shards[rank](input_ids=ids, use_cache=False).logits
+    threads = [threading.Thread(target=run, args=(rank,), name=str(rank))
+               for rank in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert gather.calls == 1
+    for logits in got:
+        assert logits.shape == want.shape
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_head_is_kept_whole_when_asked_and_refused_by_another_name():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=8, num_key_value_heads=4,
+                                      vocab_size=50)
+    worker = _worker()
+    model = worker.split(transformers.LlamaForCausalLM(config), 0, 2, head="whole")
+    assert isinstance(model.lm_head, torch.nn.Linear)
+    with pytest.raises(ValueError, match="head='rows': one of vocab, whole"):
+        worker.split(transformers.LlamaForCausalLM(config), 0, 2, head="rows")

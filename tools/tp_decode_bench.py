@@ -6,7 +6,7 @@ kernels may differ, and with them the last bits of the logits at a near-tie).
 
     torchrun --nproc_per_node=N tools/tp_decode_bench.py [LM] [--dtype bfloat16]
         [--batch 1,8] [--prompt 128] [--new-tokens 64] [--rounds 5] [--modes M,...]
-        [--all-reduce nccl|one_shot|peer] [--graph-mixing] [--json F]
+        [--all-reduce nccl|one_shot|peer] [--head vocab|whole] [--graph-mixing] [--json F]
 
 Run it with N = 1 (the whole model: one rank's split is all of it, its all-reduces trivial) and
 with N = 2 or 4 on as many GPUs, and hold the lines against each other.  Every rank runs the
@@ -19,7 +19,8 @@ unless ``--graph-mixing`` keeps it: its event nodes make a graph with collective
 each Generator row says how its decode step is launched.  ``--all-reduce one_shot`` sums the
 split layers' partial sums with torch's one-shot all-reduce over symmetric memory instead of
 NCCL's, ``--all-reduce peer`` with Nimble's kernel over symmetric memory
-(:mod:`nimble.cli.tp_decoders`, :mod:`nimble.peer_sum`).
+(:mod:`nimble.cli.tp_decoders`, :mod:`nimble.peer_sum`).  The LM head is split by the
+vocabulary (its logits gathered) unless ``--head whole`` keeps it whole on every rank.
 """
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="how the split layers sum their partial sums: NCCL's all-reduce, "
                         "torch's one-shot all-reduce over symmetric memory (bfloat16, float32) "
                         "or Nimble's peer sum over it")
+    p.add_argument("--head", default="vocab", choices=("vocab", "whole"),
+                   help="the LM head split by rows of the vocabulary, its logits gathered "
+                        "(default), or whole on every rank")
     p.add_argument("--graph-mixing", action="store_true",
                    help="keep NCCL's graph mixing support (its event nodes make the graphs "
                         "host-launched)")
@@ -153,9 +157,10 @@ def main(argv=None) -> int:
     from nimble.cli.tp_decoders import split
 
     model = split(causal_lm(args.model, args.dtype), rank, world, all_reduce=args.all_reduce,
-                  max_tokens=max(args.batch) * args.prompt)
+                  max_tokens=max(args.batch) * args.prompt, head=args.head)
     results = {"model": args.model, "dtype": args.dtype, "world": world,
-               "all_reduce": args.all_reduce, "graph_mixing": args.graph_mixing, "batches": {}}
+               "all_reduce": args.all_reduce, "head": args.head,
+               "graph_mixing": args.graph_mixing, "batches": {}}
     for batch in args.batch:
         def report(mode: str, row: dict, batch: int = batch) -> None:
             if rank == 0:

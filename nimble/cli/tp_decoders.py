@@ -2,8 +2,10 @@
 and tests of tensor-parallel decoding (issue 51): each attention's query, key and value heads
 and each MLP's intermediate columns shared out, the output and down projections split by rows
 and their partial sums all-reduced (one ``torch.distributed.all_reduce`` each, which a prepared
-graph holds as NCCL kernels); the embedding and the head kept whole.  Llama-architecture models
-of transformers (:mod:`nimble.cli.decoders`'s ``llama_*``).  Imports torch.
+graph holds as NCCL kernels); the embedding kept whole, the LM head split by rows of the
+vocabulary and its logits gathered (one ``all_gather_into_tensor``; ``head="whole"`` keeps it
+whole on every rank, as this split did before: at 1B the head is a fifth of the weights,
+streamed by every rank).  Llama-architecture models of transformers (:mod:`nimble.cli.decoders`'s ``llama_*``).  Imports torch.
 
 ``all_reduce="one_shot"`` sums the partial sums with torch's one-shot all-reduce over
 symmetric memory instead (``torch.ops.symm_mem.one_shot_all_reduce_copy``: each rank copies its
@@ -16,6 +18,7 @@ bfloat16 and float32, at most ``max_tokens`` tokens a call too.
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -84,6 +87,41 @@ class RowParallel(nn.Module):
         return self.reduce(self.linear(x))
 
 
+def nccl_gather(local):
+    """``local`` (every rank's of one shape) from every rank, stacked in rank order, by NCCL."""
+    parts = local.new_empty((dist.get_world_size(),) + tuple(local.shape))
+    dist.all_gather_into_tensor(parts, local.contiguous())
+    return parts
+
+
+class VocabParallel(nn.Module):
+    """The head's rows of the vocabulary on this rank (its ``linear``: an ``nn.Linear`` of
+    ``ceil(vocabulary / world)`` rows, the last rank's padded with zero rows), the logits
+    gathered from every rank (by ``gather``: :func:`nccl_gather`) and the padding cut off: each
+    rank streams its share of the head's weight, the largest of a small model's."""
+
+    def __init__(self, head: nn.Linear, rank: int, world: int, gather=nccl_gather) -> None:
+        super().__init__()
+        self.vocabulary = head.out_features
+        share = -(-self.vocabulary // world)
+        start, stop = min(rank * share, self.vocabulary), min((rank + 1) * share,
+                                                              self.vocabulary)
+        self.linear = nn.Linear(head.in_features, share, bias=head.bias is not None,
+                                device=head.weight.device, dtype=head.weight.dtype)
+        with torch.no_grad():
+            self.linear.weight.zero_()
+            self.linear.weight[:stop - start].copy_(head.weight.detach()[start:stop])
+            if head.bias is not None:
+                self.linear.bias.zero_()
+                self.linear.bias[:stop - start].copy_(head.bias.detach()[start:stop])
+        self.gather = gather
+
+    def forward(self, x):
+        lead = x.shape[:-1]
+        parts = self.gather(self.linear(x.reshape(-1, x.shape[-1])))  # (ranks, tokens, share)
+        return parts.permute(1, 0, 2).reshape(*lead, -1)[..., :self.vocabulary]
+
+
 def _columns(linear: nn.Linear, start: int, stop: int) -> nn.Linear:
     """A linear layer's output features ``start:stop``."""
     part = nn.Linear(linear.in_features, stop - start, bias=False,
@@ -124,14 +162,23 @@ def _kv_heads_of_rank(kv_heads: int, rank: int, world: int) -> range:
     return range(head, head + 1)
 
 
+#: Where the LM head lies: split by rows of the vocabulary (its logits gathered), or whole on
+#: every rank.
+HEADS = ("vocab", "whole")
+
+
 def split(model, rank: int, world: int, all_reduce: str = "nccl",
-          max_tokens: int | None = None):
+          max_tokens: int | None = None, head: str = "vocab"):
     """``model`` (a ``LlamaForCausalLM``) split over ``world`` ranks in place, this rank's
     share kept; its config then says the heads one rank holds (the static cache is sized from
     it), the head size unchanged.  Key-value heads fewer than the ranks are replicated (each
     rank keeps the one its query heads read).  ``all_reduce`` says how the partial sums are
     summed (:data:`ALL_REDUCES`; ``"one_shot"`` and ``"peer"`` need ``max_tokens``, the most
-    tokens one call carries)."""
+    tokens one call carries); ``head`` whether the LM head is split by the vocabulary
+    (:class:`VocabParallel`: untied from the embedding, which every rank keeps whole) or kept
+    whole (:data:`HEADS`)."""
+    if head not in HEADS:
+        raise ValueError(f"head={head!r}: one of {', '.join(HEADS)}")
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -156,6 +203,8 @@ def split(model, rank: int, world: int, all_reduce: str = "nccl",
         ffn.gate_proj = _columns(ffn.gate_proj, m.start, m.stop)
         ffn.up_proj = _columns(ffn.up_proj, m.start, m.stop)
         ffn.down_proj = RowParallel(ffn.down_proj, m.start, m.stop, reduce)
+    if head == "vocab" and world > 1:
+        model.lm_head = VocabParallel(model.lm_head, rank, world)
     local = type(config).from_dict(config.to_dict())
     local.num_attention_heads, local.num_key_value_heads = heads // world, len(kept)
     local.head_dim = head_dim
