@@ -21,8 +21,8 @@ may change from call to call with ``BLOCK``: the argument holds for the whole sl
 are compared in wrapping arithmetic, so the counter may wrap.  Every rank adds in the same
 order: the ranks' sums are equal bit for bit.  The programs are few (all resident at once), so
 no program waits for a peer's that cannot start.  Compiled with ``WAITS``, every program waits
-for its predecessor (``griddepcontrol.wait``, :mod:`nimble.kernel_waits`) after reading its
-buffer's address and before anything else: behind a programmatic edge the kernel launches while
+for its predecessor (``griddepcontrol.wait``, :mod:`nimble.kernel_waits`) after reading the
+ranks' buffers' addresses and before anything else: behind a programmatic edge the kernel launches while
 the projection before it ends, and the argument above holds from the wait on.
 """
 from __future__ import annotations
@@ -47,7 +47,12 @@ def nimble_peer_sum_kernel(x_ptr, out_ptr, table_ptr, n, rank, slot_elements,
                            WAITS: tl.constexpr):
     pid = tl.program_id(0)
     element = x_ptr.dtype.element_ty
-    own = tl.load(table_ptr + rank)  # the table is the graph's constant: before the wait
+    # the table is the graph's constant: read before the wait (the peers' entries then hit the
+    # L1 when the sum reads them)
+    own = tl.load(table_ptr + rank)
+    ranks = tl.arange(0, RANKS_POW2)
+    present = ranks < RANKS
+    bases = tl.load(table_ptr + ranks, mask=present, other=0)
     if WAITS:  # behind a programmatic edge: the predecessor's writes, the last call's counter
         tl.extra.cuda.gdc_wait()
     counters = own.to(tl.pointer_type(tl.int32)) + RANKS * PROGRAMS + pid
@@ -59,9 +64,6 @@ def nimble_peer_sum_kernel(x_ptr, out_ptr, table_ptr, n, rank, slot_elements,
         tl.store(_data(own, slot, offsets, DATA_AT, BLOCK, element),
                  tl.load(x_ptr + offsets, mask=inside), mask=inside)
     tl.debug_barrier()
-    ranks = tl.arange(0, RANKS_POW2)
-    present = ranks < RANKS
-    bases = tl.load(table_ptr + ranks, mask=present, other=0)
     theirs = bases.to(tl.pointer_type(tl.int32)) + rank * PROGRAMS + pid
     tl.atomic_xchg(theirs, count + ranks * 0, mask=present, sem="release", scope="sys")
     mine = own.to(tl.pointer_type(tl.int32)) + ranks * PROGRAMS + pid

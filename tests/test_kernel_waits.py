@@ -141,8 +141,8 @@ def test_the_split_gemm_of_rows_reduction_reads_and_writes_nothing_before_its_wa
 
 
 def test_the_peer_sum_reads_only_its_table_before_its_wait():
-    """Before the wait: one 8-byte load (its buffer's address, from the table), no store, no
-    flag; after it, the counter, the copy, the flags and the peers' reads."""
+    """Before the wait: only 8-byte loads (the ranks' buffers' addresses, from the table), no
+    store, no flag; after it, the counter, the copy, the flags and the peers' reads."""
     from nimble import peer_sum
 
     lines = _ptx(peer_sum._kernel(), {"x_ptr": "*bf16", "out_ptr": "*bf16",
@@ -151,7 +151,9 @@ def test_the_peer_sum_reads_only_its_table_before_its_wait():
                  {"RANKS": 2, "RANKS_POW2": 2, "PROGRAMS": 16, "DATA_AT": 256, "BLOCK": 512,
                   "WAITS": True})
     early = _before_the_wait(lines)
-    assert [line.split()[0] for line in _memory(early, "ld.global")] == ["ld.global.b64"]
+    loads = [next(word for word in line.split() if word.startswith("ld.global"))
+             for line in _memory(early, "ld.global")]
+    assert loads and all(op.endswith(".b64") for op in loads), loads
     assert not _memory(early, "st.global") and not _memory(early, "atom.")
     after = lines[len(early):]
     assert _memory(after, "atom.global.sys.release") and _memory(after, "ld.global.cv")
