@@ -135,14 +135,19 @@ def test_the_peer_sum_gives_every_rank_the_rank_order_sum_eager_captured_and_pre
     """Nimble's sum over the peers' memory: eager calls in three dtypes and five sizes equal the
     float32 sum in rank order bit for bit and alike on every rank; eight calls captured in a
     CUDA graph stay equal over 50 replays; a model summing one branch beside another, prepared
-    on one stream and on several, equals eager bit for bit on fresh inputs."""
+    on one stream, on several and with the gap prefetch served unmeasured, equals eager bit for
+    bit on fresh inputs."""
     results = _two_ranks(PEER_SUM_WORKER, ranks, ranks=ranks)
     for seen in results:
         assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
         assert all(seen["eager_equal"]) and seen["graph_equal"], seen
-        assert seen["prepared_equal_single"] and seen["prepared_equal_multi"], seen
-        assert seen["collectives_single"] == seen["collectives_multi"] == 1, seen
+        assert all(seen[f"prepared_equal_{k}"] for k in ("single", "multi", "gaps")), seen
+        assert all(seen[f"collectives_{k}"] == 1 for k in ("single", "multi", "gaps")), seen
         assert seen["streams_multi"] > 1, seen
+        # the second branch's weight, after the sum and the activation, served unmeasured
+        served = seen["prefetch_gaps"]
+        assert served and all(not r["measured"] and r["windows"] >= 1 for r in served), seen
+        assert not seen["prefetch_multi"], seen
     digests = {tuple(seen["eager_digests"]) for seen in results}
     assert len(digests) == 1
 

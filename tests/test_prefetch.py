@@ -320,3 +320,21 @@ def test_the_option_is_off_by_default_and_plans_on_the_devices_l2(monkeypatch):
         PrepareOptions(prefetch_l2="everything")
     monkeypatch.setattr(prefetch_module, "communicates", lambda graph: True)
     assert prefetch_module.planned_prefetch(g, PrepareOptions(prefetch_l2=True)) is None
+
+
+def test_a_graph_of_collectives_serves_the_plan_asked_for_by_name_unmeasured(monkeypatch):
+    """Its ranks must launch alike: nothing is timed; the plan named is served as planned (the
+    graph's and the L2's, the same on every rank), and said so in the graph's meta."""
+    monkeypatch.setattr(prefetch_module, "l2_bytes", lambda: 20 * MB)
+    gapped = _with_idle(_chain([4 * MB] * 5), {2: 1})
+    gaps = PrepareOptions(prefetch_l2="gaps")
+    assert prefetch_module.served_prefetch(gapped, gaps) is None  # no collective: timed
+    monkeypatch.setattr(prefetch_module, "communicates", lambda graph: True)
+    assert prefetch_module.planned_prefetch(gapped, gaps) is None
+    served = prefetch_module.served_prefetch(gapped, gaps)
+    assert [[(p.after, p.tasks) for p in phase] for phase in served] == [[(2, (4,))]]
+    assert gapped.meta["prefetch_l2"] == [{"phase": 0, "plan": "gaps", "windows": 1,
+                                           "bytes": 4 * MB, "measured": False, "kept": True}]
+    assert prefetch_module.served_prefetch(gapped, PrepareOptions(prefetch_l2=True)) is None
+    assert prefetch_module.served_prefetch(gapped, PrepareOptions()) is None
+    assert prefetch_module.served_prefetch(_chain([4 * MB] * 5), gaps) is None  # no gap

@@ -45,5 +45,7 @@ def test_the_all_reduce_is_chosen_by_name():
     assert bench.parse_args(["--all-reduce", "peer"]).all_reduce == "peer"
     assert bench.parse_args([]).head == "vocab"
     assert bench.parse_args(["--head", "whole"]).head == "whole"
+    assert bench.parse_args([]).prefetch is None
+    assert bench.parse_args(["--prefetch", "gaps"]).prefetch == "gaps"
     with pytest.raises(SystemExit):
         bench.parse_args(["--all-reduce", "ring"])

@@ -6,7 +6,8 @@ kernels may differ, and with them the last bits of the logits at a near-tie).
 
     torchrun --nproc_per_node=N tools/tp_decode_bench.py [LM] [--dtype bfloat16]
         [--batch 1,8] [--prompt 128] [--new-tokens 64] [--rounds 5] [--modes M,...]
-        [--all-reduce nccl|one_shot|peer] [--head vocab|whole] [--graph-mixing] [--json F]
+        [--all-reduce nccl|one_shot|peer] [--head vocab|whole] [--prefetch gaps|windows]
+        [--graph-mixing] [--json F]
 
 Run it with N = 1 (the whole model: one rank's split is all of it, its all-reduces trivial) and
 with N = 2 or 4 on as many GPUs, and hold the lines against each other.  Every rank runs the
@@ -21,6 +22,9 @@ split layers' partial sums with torch's one-shot all-reduce over symmetric memor
 NCCL's, ``--all-reduce peer`` with Nimble's kernel over symmetric memory
 (:mod:`nimble.cli.tp_decoders`, :mod:`nimble.peer_sum`).  The LM head is split by the
 vocabulary (its logits gathered) unless ``--head whole`` keeps it whole on every rank.
+``--prefetch gaps`` has every Generator's steps ask the L2 for the weights read after kernels
+that read none (the all-reduces among them) while those run, served unmeasured as a graph of
+collectives serves it (``PrepareOptions(prefetch_l2="gaps")``).
 """
 from __future__ import annotations
 
@@ -58,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head", default="vocab", choices=("vocab", "whole"),
                    help="the LM head split by rows of the vocabulary, its logits gathered "
                         "(default), or whole on every rank")
+    p.add_argument("--prefetch", choices=("gaps", "windows"),
+                   help="serve this weight prefetch plan in the Generators' steps")
     p.add_argument("--graph-mixing", action="store_true",
                    help="keep NCCL's graph mixing support (its event nodes make the graphs "
                         "host-launched)")
@@ -124,20 +130,23 @@ def _generator_row(model, args, batch: int, prompts: dict, mode: str) -> dict:
     (:data:`MODES`), with its decode step's all-reduce kernels."""
     import copy
 
+    from nimble import PrepareOptions
     from nimble.cli.common import one_line
     from nimble.fast_decoding import fast_generator
     from nimble.generate import Generator, prepare_with_nimble
     from nimble.ir.kernel_names import collective_kernel
 
     length, buckets = args.prompt + args.new_tokens, [args.prompt]
+    options = PrepareOptions(prefetch_l2=args.prefetch) if args.prefetch else None
     try:
         if mode == "nimble+fast":
             generator = fast_generator(copy.deepcopy(model), max_cache_len=length,
-                                       prompt_buckets=buckets, batch_sizes=[batch])
+                                       prompt_buckets=buckets, batch_sizes=[batch],
+                                       options=options)
         else:
             generator = Generator(model, max_cache_len=length, prompt_buckets=buckets,
                                   batch_sizes=[batch], prepare_step=prepare_with_nimble(
-                                      None, mode == "nimble+inductor"))
+                                      options, mode == "nimble+inductor"))
     except Exception as e:  # noqa: BLE001 - the other modes still run
         return {"error": one_line(e)}
     try:
@@ -159,7 +168,7 @@ def main(argv=None) -> int:
     model = split(causal_lm(args.model, args.dtype), rank, world, all_reduce=args.all_reduce,
                   max_tokens=max(args.batch) * args.prompt, head=args.head)
     results = {"model": args.model, "dtype": args.dtype, "world": world,
-               "all_reduce": args.all_reduce, "head": args.head,
+               "all_reduce": args.all_reduce, "head": args.head, "prefetch": args.prefetch,
                "graph_mixing": args.graph_mixing, "batches": {}}
     for batch in args.batch:
         def report(mode: str, row: dict, batch: int = batch) -> None:

@@ -73,7 +73,9 @@ class PrepareOptions:
         the phase measures faster at prepare.  True times both plans, ``"windows"`` (every
         weight, a window of the L2 ahead) and ``"gaps"`` (only the weights read after kernels
         that read none, fetched while those run), and keeps the fastest; a plan's name times
-        that one alone.  A prefetch only reads weights: the outputs
+        that one alone; a graph of collectives, whose ranks must launch alike, times nothing
+        and serves a plan asked for by name unmeasured.  A prefetch only reads weights: the
+        outputs
         and the proof are unchanged.  ``nm.graph.meta["prefetch_l2"]`` says what was measured
         and kept.  Off until measured on the GPU; not written by ``save`` (a loaded graph
         runs without them).

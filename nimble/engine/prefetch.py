@@ -12,7 +12,9 @@ it computed without them, and the proof holds as for any build.
 :func:`pick_prefetch` builds a phase with the plan and times it against the phase as built
 (:func:`nimble.analysis.backfill.fastest`, the measured choice the tail backfill and the
 resource-aware priorities use), one build per plan asked for: the fastest plan is kept only
-where it gains.
+where it gains.  A graph of collectives times nothing (its ranks must launch alike): it
+serves the plan asked for by name as it is (:func:`served_prefetch`), as it serves its
+programmatic edges.
 """
 from __future__ import annotations
 
@@ -60,15 +62,37 @@ def asked_plans(prefetch_l2) -> tuple[str, ...]:
 
 
 def planned_prefetch(graph: TaskGraph, options) -> dict[int, dict[str, tuple]] | None:
-    """What ``PrepareOptions(prefetch_l2=...)`` asks of a recording: nothing (off, or a graph
-    of collectives, whose ranks must launch alike rather than by their own timings), or each
-    phase's prefetches to time, per plan (:func:`plan_phases` on the current device's L2)."""
+    """What ``PrepareOptions(prefetch_l2=...)`` asks of a recording to time: nothing (off, or a
+    graph of collectives, whose ranks must launch alike rather than by their own timings:
+    :func:`served_prefetch`), or each phase's prefetches to time, per plan
+    (:func:`plan_phases` on the current device's L2)."""
     graph.meta.pop("prefetch_l2", None)  # a reused recording's is of an earlier prepare
     kinds = asked_plans(options.prefetch_l2)
     if not kinds or communicates(graph):
         return None
     spans = phase_spans(graph.meta.get("phases") or [], len(graph.tasks))
     return plan_phases(graph, spans, l2_bytes(), kinds) or None
+
+
+def served_prefetch(graph: TaskGraph, options) -> list[tuple] | None:
+    """Per phase, the prefetches a graph of collectives serves unmeasured: its ranks must
+    launch alike, so none times a choice of its own (:func:`planned_prefetch`); a plan asked
+    for by name (``PrepareOptions(prefetch_l2="gaps")``) is served as asked, the plan being
+    the graph's and the L2's, the same on every rank.  None for any other graph or option
+    (``True`` asks for a timed choice).  Call it after :func:`planned_prefetch`; what is
+    served goes to ``graph.meta["prefetch_l2"]`` (``"measured": False``)."""
+    kind = options.prefetch_l2
+    if not isinstance(kind, str) or not communicates(graph):
+        return None
+    spans = phase_spans(graph.meta.get("phases") or [], len(graph.tasks))
+    plans = plan_phases(graph, spans, l2_bytes(), (kind,))
+    if not plans:
+        return None
+    served = [plans.get(k, {}).get(kind, ()) for k in range(len(spans))]
+    graph.meta["prefetch_l2"] = [
+        {"phase": k, "plan": kind, "windows": len(p), "bytes": sum(f.nbytes for f in p),
+         "measured": False, "kept": True} for k, p in enumerate(served) if p]
+    return served
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from .collectives import (check_data_parallel, check_instances, check_training_c
 from .kernel_owners import keep_owners
 from .launcher import CallOrder
 from .options import PrepareOptions
-from .prefetch import planned_prefetch
+from .prefetch import planned_prefetch, served_prefetch
 from .programmatic_pick import planned_programmatic, recorded_rule
 from .profiler_guard import device_launch_allowed
 from .prepared import (ArenaRegion, Prepared, arena_limit_bytes, backfill_trials, build_prepared,
@@ -215,6 +215,10 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
     prefetch_trials = planned_prefetch(planned.rec.graph, options) if first is None else None
     if prefetch_trials:
         say(f"timing weight prefetch in {len(prefetch_trials)} phase(s) against none", quiet)
+    served = first.prefetch if first else served_prefetch(planned.rec.graph, options)
+    for r in planned.rec.graph.meta.get("prefetch_l2", []) if first is None and served else ():
+        say(f"phase {r['phase']}: {r['windows']} weight prefetch(es) ({r['plan']}) of "
+            f"{r['bytes'] / 2**20:.1f} MiB served unmeasured (a graph of collectives)", quiet)
     programmatic = planned_programmatic(planned.rec.graph, planned.schedule, planned.memplan,
                                         options, first)
     if programmatic.trials:
@@ -228,8 +232,7 @@ def _build(model, planned: _Planned, options: PrepareOptions, region: ArenaRegio
                            region=region, late_edges=first.late_edges if first else (),
                            priority_trials=planned.ordering if first is None else (),
                            prefetch_trials=prefetch_trials,
-                           prefetch=first.prefetch if first else None,
-                           programmatic=programmatic)
+                           prefetch=served, programmatic=programmatic)
     seconds["build"] = time.perf_counter() - t0
     if first is not None:
         built.backfill = first.backfill

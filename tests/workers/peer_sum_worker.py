@@ -5,8 +5,9 @@ takes, of one program's size, several, ragged and the largest, and holds each su
 float32 sum of every rank's tensor (gathered by NCCL) in rank order, rounded once: equal bit
 for bit, on every rank alike.  Then calls captured in a CUDA graph replayed many times (the
 slots' parities and the counters cycle), and a model whose forward sums one branch while an
-independent branch runs beside it, prepared by Nimble on one stream and on several (the proof
-replays both ranks' graphs in step), called on fresh inputs against eager.  One JSON line per
+independent branch runs beside it, prepared by Nimble on one stream, on several, and with the
+gap prefetch served (the proof replays both ranks' graphs in step), called on fresh inputs
+against eager.  One JSON line per
 rank.
 """
 from __future__ import annotations
@@ -81,15 +82,22 @@ def captured_calls(rank: int, world: int) -> dict:
 
 
 class SummedBranch(nn.Module):
-    """One branch summed over the ranks while an independent branch runs beside it."""
+    """One branch summed over the ranks while an independent branch runs beside it (its
+    weight, read after the sum and an activation that read none, a gap prefetch's)."""
 
     def __init__(self, summed) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(256, 512), nn.Linear(256, 512)
+        self.a, self.b = nn.Linear(1024, 2048), nn.Linear(1024, 2048)
         self.summed = summed
 
     def forward(self, x):
         return torch.relu(self.summed(self.a(x))) + self.b(x)
+
+
+#: The prepares of the model: on one stream, on several, and on several with the gap prefetch
+#: (served unmeasured, as a graph of collectives serves it).
+PREPARES = {"single": {"use_multi_stream": False}, "multi": {"use_multi_stream": True},
+            "gaps": {"use_multi_stream": True, "prefetch_l2": "gaps"}}
 
 
 def prepared_calls(rank: int) -> dict:
@@ -98,20 +106,23 @@ def prepared_calls(rank: int) -> dict:
     from nimble.peer_sum import PeerSum
 
     torch.manual_seed(0)
-    model = SummedBranch(PeerSum(8 * 512, torch.float16)).cuda().half().eval()
+    model = SummedBranch(PeerSum(8 * 2048, torch.float16)).cuda().half().eval()
     seen: dict = {}
     with torch.no_grad():
-        for multi in (False, True):
-            x = torch.randn(8, 256, device="cuda", dtype=torch.float16) * (rank + 1)
-            nm = nimble.Nimble(model).prepare(x, use_multi_stream=multi)
+        for name, settings in PREPARES.items():
+            x = torch.randn(8, 1024, device="cuda", dtype=torch.float16) * (rank + 1)
+            prefetch = settings.get("prefetch_l2", False)
+            nm = nimble.Nimble(model).prepare(
+                x, use_multi_stream=settings["use_multi_stream"],
+                options=nimble.PrepareOptions(prefetch_l2=prefetch))
             equal = []
             for k in range(20):
-                fresh = _drawn(rank, 8 * 256, torch.float16, salt=k).view(8, 256)
+                fresh = _drawn(rank, 8 * 1024, torch.float16, salt=k).view(8, 1024)
                 equal.append(bool(torch.equal(nm(fresh), model(fresh))))
-            seen[f"prepared_equal_{'multi' if multi else 'single'}"] = all(equal)
-            seen[f"collectives_{'multi' if multi else 'single'}"] = sum(
-                collective_kernel(t.name) for t in nm.graph.tasks)
-            seen[f"streams_{'multi' if multi else 'single'}"] = len(nm.schedule.streams)
+            seen[f"prepared_equal_{name}"] = all(equal)
+            seen[f"collectives_{name}"] = sum(collective_kernel(t.name) for t in nm.graph.tasks)
+            seen[f"streams_{name}"] = len(nm.schedule.streams)
+            seen[f"prefetch_{name}"] = nm.graph.meta.get("prefetch_l2", [])
     return seen
 
 
