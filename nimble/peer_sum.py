@@ -1,5 +1,6 @@
 """A sum over the ranks of one host in one kernel that reads the peers' memory (issue 51): the
-all-reduce of a tensor-parallel decode step's partial sums, a few KiB each, two a layer.
+all-reduce of a tensor-parallel decode step's partial sums, a few KiB each, two a layer; and
+the same kernel's all-gather (:meth:`PeerSum.gather`: a vocabulary-split head's logits).
 
 NCCL's all-reduce of 8 KiB takes 13 µs inside a CUDA graph on two H200s (docs/results.md,
 "One all-reduce on these two GPUs"), the floor under every split layer.  Here each rank copies
@@ -9,7 +10,7 @@ how and why one wait a call is enough).  The ranks add in rank order in float32,
 holds the same bits.
 
 :class:`PeerSum` owns a process group's buffers and pointer table; calling it on a tensor is
-the operator ``nimble::peer_sum``, opaque to ``torch.compile`` and recorded by Nimble as any
+the operator ``nimble::peer_sum`` (its ``gather``, ``nimble::peer_gather``), opaque to ``torch.compile`` and recorded by Nimble as any
 kernel.  The kernel's name is one of :data:`nimble.ir.kernel_names.NIMBLE_COLLECTIVES`: a
 prepared graph keeps its launches in order, and its buffers (reached through the table, which
 the graph reads where it is) are never copied, snapshotted or restored.  It is one of
@@ -121,14 +122,15 @@ def check_call(x: torch.Tensor, layout: PeerSumLayout, table: torch.Tensor) -> N
 
 
 def launch_peer_sum(x: torch.Tensor, table: torch.Tensor, rank: int,
-                    layout: PeerSumLayout) -> torch.Tensor:
+                    layout: PeerSumLayout, gather: bool = False) -> torch.Tensor:
     """``x`` summed over the ranks whose buffers' addresses ``table`` holds (int64, in rank
-    order, on ``x``'s device); a new tensor of ``x``'s shape."""
+    order, on ``x``'s device); a new tensor of ``x``'s shape.  With ``gather``, every rank's
+    ``x`` stacked in rank order instead (``ranks x x.shape``)."""
     import triton
 
     check_call(x, layout, table)
     x = x.contiguous()
-    out = torch.empty_like(x)
+    out = x.new_empty((layout.ranks,) + tuple(x.shape)) if gather else torch.empty_like(x)
     n = x.numel()
     if n == 0:
         return out
@@ -136,7 +138,7 @@ def launch_peer_sum(x: torch.Tensor, table: torch.Tensor, rank: int,
     _kernel()[(layout.programs,)](
         x, out, table, n, rank, layout.slot_elements, RANKS=layout.ranks,
         RANKS_POW2=triton.next_power_of_2(layout.ranks), PROGRAMS=layout.programs,
-        DATA_AT=layout.data_at, BLOCK=block, WAITS=kernel_waits.waits(x.device),
+        DATA_AT=layout.data_at, BLOCK=block, WAITS=kernel_waits.waits(x.device), GATHER=gather,
         num_warps=8 if block >= WIDE_BLOCK else 4)
     return out
 
@@ -152,6 +154,19 @@ def peer_sum_op(x: torch.Tensor, table: torch.Tensor, rank: int, ranks: int, pro
 @peer_sum_op.register_fake
 def _peer_sum_shape(x, table, rank, ranks, programs, capacity):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("nimble::peer_gather", mutates_args=())
+def peer_gather_op(x: torch.Tensor, table: torch.Tensor, rank: int, ranks: int, programs: int,
+                   capacity: int) -> torch.Tensor:
+    """Every rank's ``x`` stacked in rank order by :func:`launch_peer_sum`, as one operator."""
+    layout = PeerSumLayout(ranks, programs, x.element_size(), capacity)
+    return launch_peer_sum(x, table, rank, layout, gather=True)
+
+
+@peer_gather_op.register_fake
+def _peer_gather_shape(x, table, rank, ranks, programs, capacity):
+    return x.new_empty((ranks,) + tuple(x.shape))
 
 
 class PeerSum:
@@ -191,7 +206,16 @@ class PeerSum:
         return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the ranks (every rank calls it with a tensor of one shape)."""
         if self.layout.ranks == 1:
             return x.clone()
         return torch.ops.nimble.peer_sum(x, self.table, self.rank, self.layout.ranks,
                                          self.layout.programs, self.layout.capacity)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` stacked in rank order (``ranks x x.shape``): an all-gather
+        through the same buffers (and the same count of calls on every rank)."""
+        if self.layout.ranks == 1:
+            return x.unsqueeze(0).clone()
+        return torch.ops.nimble.peer_gather(x, self.table, self.rank, self.layout.ranks,
+                                            self.layout.programs, self.layout.capacity)

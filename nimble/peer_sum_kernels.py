@@ -1,5 +1,5 @@
-"""The kernel of :mod:`nimble.peer_sum`: a sum over the ranks of one host through memory every
-rank maps.  Imports Triton.
+"""The kernel of :mod:`nimble.peer_sum`: a sum (or a gathering) over the ranks of one host
+through memory every rank maps.  Imports Triton.
 
 Each rank's buffer (:class:`nimble.peer_sum.PeerSumLayout`) holds, in int32 words, a flag per
 sending rank and program, then a call counter per program, then two slots of data from
@@ -12,7 +12,9 @@ of a call's programs hold the same count.  A program of a call:
 3. writes the count into its flag in every rank's buffer (a release at system scope, after a
    barrier of the program's threads: its copies are seen before its flag);
 4. waits until every rank's flag in its own buffer holds the count (an acquire at system scope);
-5. reads its blocks from every rank's slot, in rank order, sums in float32 and writes ``out``.
+5. reads its blocks from every rank's slot, in rank order, sums in float32 and writes ``out``
+   (with ``GATHER``, writes each rank's blocks in their place of ``out``, ``ranks x n``: an
+   all-gather).
 
 One wait a call is enough: a rank writes a slot again two calls later, after its kernel of the
 call between has ended; a program of that kernel passed its wait, so every peer had begun that
@@ -44,7 +46,7 @@ def _data(base, slot, offsets, DATA_AT: tl.constexpr, BLOCK: tl.constexpr,
 def nimble_peer_sum_kernel(x_ptr, out_ptr, table_ptr, n, rank, slot_elements,
                            RANKS: tl.constexpr, RANKS_POW2: tl.constexpr,
                            PROGRAMS: tl.constexpr, DATA_AT: tl.constexpr, BLOCK: tl.constexpr,
-                           WAITS: tl.constexpr):
+                           WAITS: tl.constexpr, GATHER: tl.constexpr):
     pid = tl.program_id(0)
     element = x_ptr.dtype.element_ty
     # the table is the graph's constant: read before the wait (the peers' entries then hit the
@@ -77,7 +79,12 @@ def nimble_peer_sum_kernel(x_ptr, out_ptr, table_ptr, n, rank, slot_elements,
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for peer in tl.static_range(RANKS):
             # past the L1: a peer's writes reach this GPU's view of its memory, not its L1
-            total += tl.load(_data(tl.load(table_ptr + peer), slot, offsets, DATA_AT, BLOCK,
-                                   element), mask=inside, cache_modifier=".cv").to(tl.float32)
-        tl.store(out_ptr + offsets, total.to(element), mask=inside)
+            part = tl.load(_data(tl.load(table_ptr + peer), slot, offsets, DATA_AT, BLOCK,
+                                 element), mask=inside, cache_modifier=".cv")
+            if GATHER:  # each rank's tensor in its place, rank after rank
+                tl.store(out_ptr + peer * n + offsets, part, mask=inside)
+            else:
+                total += part.to(tl.float32)
+        if not GATHER:
+            tl.store(out_ptr + offsets, total.to(element), mask=inside)
     tl.store(counters, count)

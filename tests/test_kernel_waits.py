@@ -149,7 +149,7 @@ def test_the_peer_sum_reads_only_its_table_before_its_wait():
                                       "table_ptr": "*i64", "n": "i32", "rank": "i32",
                                       "slot_elements": "i32"},
                  {"RANKS": 2, "RANKS_POW2": 2, "PROGRAMS": 16, "DATA_AT": 256, "BLOCK": 512,
-                  "WAITS": True})
+                  "WAITS": True, "GATHER": False})
     early = _before_the_wait(lines)
     loads = [next(word for word in line.split() if word.startswith("ld.global"))
              for line in _memory(early, "ld.global")]

@@ -118,10 +118,11 @@ def test_every_rank_sums_its_peers_buffers_to_the_same_bits_over_many_calls(tmp_
         assert len({c["digest"] for c in calls}) == 1, calls
 
 
-def test_the_kernel_compiles_for_a_hopper_gpu_with_its_flags_at_system_scope():
+@pytest.mark.parametrize("gather", [False, True])
+def test_the_kernel_compiles_for_a_hopper_gpu_with_its_flags_at_system_scope(gather):
     """PTX for sm_90: the flag written to the peers with a release at system scope after a
     barrier of the program's threads, the wait an acquire at system scope, the peers' data read
-    past the L1 in 16-byte vectors."""
+    past the L1 in 16-byte vectors (summed, or stored each in its place: the gather)."""
     triton = pytest.importorskip("triton", reason="compiles with Triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -131,9 +132,9 @@ def test_the_kernel_compiles_for_a_hopper_gpu_with_its_flags_at_system_scope():
     signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "table_ptr": "*i64", "n": "i32",
                  "rank": "i32", "slot_elements": "i32", "RANKS": "constexpr",
                  "RANKS_POW2": "constexpr", "PROGRAMS": "constexpr", "DATA_AT": "constexpr",
-                 "BLOCK": "constexpr", "WAITS": "constexpr"}
+                 "BLOCK": "constexpr", "WAITS": "constexpr", "GATHER": "constexpr"}
     constexprs = {"RANKS": 2, "RANKS_POW2": 2, "PROGRAMS": 16, "DATA_AT": 256, "BLOCK": 1024,
-                  "WAITS": True}
+                  "WAITS": True, "GATHER": gather}
     # as a launch specializes them: the pointers and sizes divisible by 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5)}
     ptx = triton.compile(ASTSource(fn=nimble_peer_sum_kernel, signature=signature,
@@ -145,6 +146,8 @@ def test_the_kernel_compiles_for_a_hopper_gpu_with_its_flags_at_system_scope():
     assert any("atom.global.sys.acquire" in line for line in lines[release:])
     peer_reads = [line for line in lines if "ld.global.cv" in line]
     assert len(peer_reads) == 2 and all(".v4.b32" in line for line in peer_reads)
+    stores = [line for line in lines[release:] if "st.global.v4.b32" in line]
+    assert len(stores) == (2 if gather else 1)
 
 
 def test_a_copied_model_sums_through_the_buffers_its_peers_map():

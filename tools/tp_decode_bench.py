@@ -1,8 +1,10 @@
 """Tensor-parallel decoding's speed (issue 51): a Generator on a causal LM split over the ranks
 (:mod:`nimble.cli.tp_decoders`), beside the compiled tight loop on the same split.
 ``nimble+fast`` is :func:`nimble.fast_decoding.fast_generator` on a copy of the split model
-(each rank measures its own GEMV choices and Inductor its own tuning: the ranks' replicated
-kernels may differ, and with them the last bits of the logits at a near-tie).
+(each rank measures its own GEMV choices and Inductor its own tuning; the ranks still agree on
+every token: what each computes alone feeds only its own share, which the sums and the
+gathered logits join, except a head kept whole by ``--head whole``, whose logits may then
+differ in their last bits from rank to rank).
 
     torchrun --nproc_per_node=N tools/tp_decode_bench.py [LM] [--dtype bfloat16]
         [--batch 1,8] [--prompt 128] [--new-tokens 64] [--rounds 5] [--modes M,...]
@@ -166,7 +168,8 @@ def main(argv=None) -> int:
     from nimble.cli.tp_decoders import split
 
     model = split(causal_lm(args.model, args.dtype), rank, world, all_reduce=args.all_reduce,
-                  max_tokens=max(args.batch) * args.prompt, head=args.head)
+                  max_tokens=max(args.batch) * args.prompt, head=args.head,
+                  max_batch=max(args.batch))
     results = {"model": args.model, "dtype": args.dtype, "world": world,
                "all_reduce": args.all_reduce, "head": args.head, "prefetch": args.prefetch,
                "graph_mixing": args.graph_mixing, "batches": {}}

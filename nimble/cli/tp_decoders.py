@@ -167,8 +167,20 @@ def _kv_heads_of_rank(kv_heads: int, rank: int, world: int) -> range:
 HEADS = ("vocab", "whole")
 
 
+def _gather_of(head: nn.Linear, world: int, all_reduce: str, max_rows: int | None):
+    """How a vocabulary-split head's logits are gathered: by NCCL, or with ``"peer"`` by
+    Nimble's kernel (:meth:`nimble.peer_sum.PeerSum.gather`) through buffers of ``max_rows``
+    rows of logits."""
+    if all_reduce != "peer":
+        return nccl_gather
+    from ..peer_sum import PeerSum
+
+    share = -(-head.out_features // world)
+    return PeerSum(max_rows * share, head.weight.dtype, head.weight.device).gather
+
+
 def split(model, rank: int, world: int, all_reduce: str = "nccl",
-          max_tokens: int | None = None, head: str = "vocab"):
+          max_tokens: int | None = None, head: str = "vocab", max_batch: int | None = None):
     """``model`` (a ``LlamaForCausalLM``) split over ``world`` ranks in place, this rank's
     share kept; its config then says the heads one rank holds (the static cache is sized from
     it), the head size unchanged.  Key-value heads fewer than the ranks are replicated (each
@@ -176,7 +188,9 @@ def split(model, rank: int, world: int, all_reduce: str = "nccl",
     summed (:data:`ALL_REDUCES`; ``"one_shot"`` and ``"peer"`` need ``max_tokens``, the most
     tokens one call carries); ``head`` whether the LM head is split by the vocabulary
     (:class:`VocabParallel`: untied from the embedding, which every rank keeps whole) or kept
-    whole (:data:`HEADS`)."""
+    whole (:data:`HEADS`).  With ``"peer"`` the split head's logits are gathered by the same
+    kernel, through buffers of ``max_batch`` rows (the head's most: a step's batch; default
+    ``max_tokens``)."""
     if head not in HEADS:
         raise ValueError(f"head={head!r}: one of {', '.join(HEADS)}")
     config = model.config
@@ -204,7 +218,8 @@ def split(model, rank: int, world: int, all_reduce: str = "nccl",
         ffn.up_proj = _columns(ffn.up_proj, m.start, m.stop)
         ffn.down_proj = RowParallel(ffn.down_proj, m.start, m.stop, reduce)
     if head == "vocab" and world > 1:
-        model.lm_head = VocabParallel(model.lm_head, rank, world)
+        model.lm_head = VocabParallel(model.lm_head, rank, world, _gather_of(
+            model.lm_head, world, all_reduce, max_batch or max_tokens))
     local = type(config).from_dict(config.to_dict())
     local.num_attention_heads, local.num_key_value_heads = heads // world, len(kept)
     local.head_dim = head_dim

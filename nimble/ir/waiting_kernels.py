@@ -21,6 +21,7 @@ WAITING_KERNELS: dict[tuple[str, str], tuple[int, ...]] = {
     ("nimble::gemm_rows", "gemm_rows_kernel"): (1,),
     ("nimble::gemm_rows", "gemm_rows_reduce_kernel"): (),
     ("nimble::peer_sum", "nimble_peer_sum_kernel"): (2,),
+    ("nimble::peer_gather", "nimble_peer_sum_kernel"): (2,),
     **{(op, kernel): () for op in ("nimble::decode_attention", "nimble::decode_attention_parts")
        for kernel in ("attend", "join")},
     **{(op, kernel): reads for op in ("nimble::decode_attention_rope",

@@ -7,7 +7,7 @@ The ranks' buffers are files in ``DIR`` (made and zeroed by the test, one per dt
 their peers' memory.  Each rank makes the same calls, of :data:`SIZES` elements, its input of
 each drawn from a seed of its own; it draws its peers' too, to know the sum.  One JSON line per
 call: whether the sum equals the float32 sum in rank order rounded to the dtype bit for bit
-(:func:`rounded`),
+(:func:`rounded`), or a gathering call (:data:`GATHERS`) every rank's tensor in rank order,
 and a digest of its bytes (the test holds the ranks' digests equal).
 """
 from __future__ import annotations
@@ -26,6 +26,8 @@ from nimble.peer_sum import PeerSumLayout, launch_peer_sum
 #: most (over 3 programs of 4096: two blocks for the first), one, then calls in a row of each
 #: slot parity.
 SIZES = (64, 512, 1000, 13000, 1, 64, 300, 300)
+#: The calls that gather rather than sum (through the same buffers, between sums).
+GATHERS = (2, 6)
 #: The most elements a call takes, and the programs a call launches (few: blocks in turn).
 MAX_NUMEL, PROGRAMS = 13000, 3
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -58,9 +60,14 @@ def main() -> None:
                                    dtype=torch.uint8) for r in range(world)]
         table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
         for call, n in enumerate(SIZES):
-            got = launch_peer_sum(drawn(rank, call, n, dtype), table, rank, shape)
-            want = rounded(sum(drawn(r, call, n, dtype).float() for r in range(world)), dtype)
-            print(json.dumps({"dtype": name, "call": call, "rank": rank,
+            gather = call in GATHERS
+            got = launch_peer_sum(drawn(rank, call, n, dtype), table, rank, shape, gather)
+            if gather:
+                want = torch.stack([drawn(r, call, n, dtype) for r in range(world)])
+            else:
+                want = rounded(sum(drawn(r, call, n, dtype).float() for r in range(world)),
+                               dtype)
+            print(json.dumps({"dtype": name, "call": call, "rank": rank, "gather": gather,
                               "equal": torch.equal(got, want), "shape": list(got.shape),
                               "digest": hashlib.sha256(got.view(torch.uint8).numpy()
                                                        .tobytes()).hexdigest()}), flush=True)

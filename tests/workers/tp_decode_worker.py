@@ -38,7 +38,7 @@ def main() -> None:
         torch.manual_seed(5)
         ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), device="cuda")
         want, logits = library_greedy(model, ids, NEW_TOKENS, with_logits=True)
-        split(model, rank, world, all_reduce=all_reduce, max_tokens=PROMPT)
+        split(model, rank, world, all_reduce=all_reduce, max_tokens=PROMPT, max_batch=1)
         generator = Generator(model, max_cache_len=PROMPT + NEW_TOKENS, prompt_buckets=[PROMPT],
                               batch_sizes=[1])
         got = generator.generate(ids, NEW_TOKENS)
