@@ -194,8 +194,11 @@ class PeerSum:
         self.buffer = symm_mem.empty(self.layout.nbytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, group)
         self.buffer.zero_()  # no flag set and every counter at zero before any rank signals
-        self.table = torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64,
-                                  device=device)
+        # the handle's pointers are its allocations' starts; the buffer lies at the same
+        # offset into each (a symmetric allocation may share one)
+        offset = self.buffer.data_ptr() - int(handle.buffer_ptrs[self.rank])
+        self.table = torch.tensor([int(p) + offset for p in handle.buffer_ptrs],
+                                  dtype=torch.int64, device=device)
         self._handle = handle  # the peers' mappings live as long as it does
         torch.cuda.synchronize(device)
         dist.barrier(group)
