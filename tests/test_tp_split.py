@@ -37,6 +37,23 @@ class LockstepSum:
         self.barrier.wait()
 
 
+def _logits_in_threads(shards: list, ids) -> list:
+    """Each rank's shard run on ``ids`` in a thread of its own, named by its rank (as the
+    lockstep collectives find it); their logits in rank order."""
+    got: list = [None] * len(shards)
+
+    def run(rank: int) -> None:
+        with torch.no_grad():
+            got[rank] = shards[rank](input_ids=ids, use_cache=False).logits
+    threads = [threading.Thread(target=run, args=(rank,), name=str(rank))
+               for rank in range(len(shards))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
+
+
 @pytest.mark.parametrize("world,kv_heads", [(2, 4), (4, 4), (4, 2), (4, 1)])
 def test_the_ranks_shards_with_their_sums_give_the_whole_models_logits(monkeypatch, world,
                                                                         kv_heads):
@@ -61,16 +78,7 @@ def test_the_ranks_shards_with_their_sums_give_the_whole_models_logits(monkeypat
     assert shards[0].config.head_dim == 8
     reduce = LockstepSum(world)
     monkeypatch.setattr(worker.dist, "all_reduce", reduce)
-    got: list = [None] * world
-
-    def run(rank: int) -> None:
-        with torch.no_grad():
-            got[rank] = shards[rank](input_ids=ids, use_cache=False).logits
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    got = _logits_in_threads(shards, ids)
     assert reduce.calls == 2 * config.num_hidden_layers
     for logits in got:
         torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
@@ -186,17 +194,7 @@ def test_a_head_split_by_the_vocabulary_gives_the_whole_models_logits(monkeypatc
     monkeypatch.setattr(worker.dist, "get_world_size", lambda *a: world)
     gather = LockstepGather(world)
     monkeypatch.setattr(worker.dist, "all_gather_into_tensor", gather)
-    got: list = [None] * world
-
-    def run(rank: int) -> None:
-        with torch.no_grad():
-            got[rank] = shards[rank](input_ids=ids, use_cache=False).logits
-    threads = [threading.Thread(target=run, args=(rank,), name=str(rank))
-               for rank in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    got = _logits_in_threads(shards, ids)
     assert gather.calls == 1
     for logits in got:
         assert logits.shape == want.shape

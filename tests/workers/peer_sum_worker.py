@@ -17,7 +17,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from ranks import nccl_rank, note_failure, report
+from ranks import nccl_rank, run_and_exit
 from torch import nn
 
 #: Elements of each eager call: one program, a batch-8 step's hidden state, ragged, the most.
@@ -128,15 +128,8 @@ def prepared_calls(rank: int) -> dict:
 
 def main() -> None:
     rank, world = nccl_rank(), int(os.environ["WORLD_SIZE"])
-    seen: dict = {"rank": rank, "world": world}
-    try:
-        seen.update(eager_calls(rank, world))
-        seen.update(captured_calls(rank, world))
-        seen.update(prepared_calls(rank))
-    except Exception as e:  # noqa: BLE001 - the test reports it with the rank
-        note_failure(seen, e)
-    report(seen)
-    os._exit(0)  # after captured collectives, destroying the process group can hang
+    run_and_exit({"rank": rank, "world": world}, lambda: {
+        **eager_calls(rank, world), **captured_calls(rank, world), **prepared_calls(rank)})
 
 
 if __name__ == "__main__":

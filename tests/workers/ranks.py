@@ -30,3 +30,15 @@ def report(seen: dict) -> None:
     """``seen`` as one JSON line on stdout, in one write."""
     sys.stdout.write(json.dumps(seen) + "\n")
     sys.stdout.flush()
+
+
+def run_and_exit(seen: dict, work) -> None:
+    """``seen`` updated with what ``work()`` returns (or its failure noted), reported, and the
+    process ended at once: after captured collectives, destroying the process group can
+    hang."""
+    try:
+        seen.update(work())
+    except Exception as e:  # noqa: BLE001 - the test reports it with the rank
+        note_failure(seen, e)
+    report(seen)
+    os._exit(0)

@@ -15,7 +15,7 @@ import os
 import sys
 
 import torch
-from ranks import nccl_rank, note_failure, report
+from ranks import nccl_rank, run_and_exit
 
 NEW_TOKENS = 24
 PROMPT = 16
@@ -30,8 +30,8 @@ def main() -> None:
 
     rank, world = nccl_rank(), int(os.environ["WORLD_SIZE"])
     all_reduce = sys.argv[1] if len(sys.argv) > 1 else "nccl"
-    seen: dict = {"rank": rank, "world": world, "all_reduce": all_reduce}
-    try:
+
+    def work() -> dict:
         # float16: the split model sums in another order, and the near-tie judgement (8 units
         # in the last place) is the bench's for this dtype
         model = causal_lm("llama_small", "float16")
@@ -44,14 +44,10 @@ def main() -> None:
         got = generator.generate(ids, NEW_TOKENS)
         mismatch = _mismatches(got, want, logits, torch.float16)
         decode, _ = generator.steps(1)
-        seen.update(mismatch=mismatch, wrong=wrong_sequences(mismatch),
+        return dict(mismatch=mismatch, wrong=wrong_sequences(mismatch),
                     all_reduces=sum(collective_kernel(t.name) for t in decode.graph.tasks),
                     layers=len(model.model.layers), streams=len(decode.schedule.streams))
-    except Exception as e:  # noqa: BLE001 - the test reports it with the rank
-        note_failure(seen, e)
-    report(seen)
-    os._exit(0)  # after captured collectives, destroying the process group can hang
-
+    run_and_exit({"rank": rank, "world": world, "all_reduce": all_reduce}, work)
 
 if __name__ == "__main__":
     main()
