@@ -37,6 +37,12 @@ class LockstepSum:
         self.barrier.wait()
 
 
+def _one_layer(transformers):
+    """A one-layer Llama's config: 8 query heads, 4 key-value heads, a vocabulary of 50."""
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                    num_attention_heads=8, num_key_value_heads=4, vocab_size=50)
+
+
 def _logits_in_threads(shards: list, ids) -> list:
     """Each rank's shard run on ``ids`` in a thread of its own, named by its rank (as the
     lockstep collectives find it); their logits in rank order."""
@@ -86,9 +92,7 @@ def test_the_ranks_shards_with_their_sums_give_the_whole_models_logits(monkeypat
 
 def test_a_model_whose_heads_do_not_split_is_refused():
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                      num_attention_heads=8, num_key_value_heads=4,
-                                      vocab_size=50)
+    config = _one_layer(transformers)
     with pytest.raises(ValueError, match="do not split over 3"):  # 8 heads over 3 ranks
         _worker().split(transformers.LlamaForCausalLM(config), 0, 3)
     config.num_attention_heads, config.num_key_value_heads, config.hidden_size = 12, 4, 96
@@ -98,9 +102,7 @@ def test_a_model_whose_heads_do_not_split_is_refused():
 
 def test_the_one_shot_all_reduce_is_asked_for_with_what_it_needs():
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                      num_attention_heads=8, num_key_value_heads=4,
-                                      vocab_size=50)
+    config = _one_layer(transformers)
     worker = _worker()
     with pytest.raises(ValueError, match="all_reduce='ring': one of nccl, one_shot, peer"):
         worker.split(transformers.LlamaForCausalLM(config), 0, 2, all_reduce="ring")
@@ -132,9 +134,7 @@ def test_the_row_parallel_projections_are_linears_the_gemv_swap_reaches():
     transformers = pytest.importorskip("transformers")
     from nimble.fast_gemv import GemvLinear, fast_gemv
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                      num_attention_heads=8, num_key_value_heads=4,
-                                      vocab_size=50)
+    config = _one_layer(transformers)
     torch.manual_seed(0)
     whole = transformers.LlamaForCausalLM(config)
     o_proj = whole.model.layers[0].self_attn.o_proj.weight.detach().clone()
@@ -203,9 +203,7 @@ def test_a_head_split_by_the_vocabulary_gives_the_whole_models_logits(monkeypatc
 
 def test_the_head_is_kept_whole_when_asked_and_refused_by_another_name():
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                      num_attention_heads=8, num_key_value_heads=4,
-                                      vocab_size=50)
+    config = _one_layer(transformers)
     worker = _worker()
     model = worker.split(transformers.LlamaForCausalLM(config), 0, 2, head="whole")
     assert isinstance(model.lm_head, torch.nn.Linear)
