@@ -169,14 +169,23 @@ def _peer_gather_shape(x, table, rank, ranks, programs, capacity):
     return x.new_empty((ranks,) + tuple(x.shape))
 
 
-class PeerSum:
+class PeerSum(torch.nn.Module):
     """Sums over the ranks of ``group`` (default: the world) of at most ``max_numel`` elements
-    of ``dtype`` per call, on the current CUDA device (one per process, as NCCL's ranks).
+    of ``dtype`` per call, on the current CUDA device (one per process, as NCCL's ranks); made
+    with ``gathers``, a call gathers instead (:meth:`gather`).
     Made by every rank together (a rendezvous and a barrier); each buffer is freed by torch's
-    symmetric memory when the last reference to it goes."""
+    symmetric memory when the last reference to it goes.
 
-    def __init__(self, max_numel: int, dtype: torch.dtype, device=None, group=None) -> None:
+    A module whose ``table`` (the ranks' buffers' addresses, the one tensor its kernel is
+    given) is a buffer of it, not saved in a ``state_dict`` (the addresses are this
+    process's): a prepared graph reads it as one of the model's weights, by its name."""
+
+    def __init__(self, max_numel: int, dtype: torch.dtype, device=None, group=None,
+                 gathers: bool = False) -> None:
         import torch.distributed as dist
+
+        super().__init__()
+        self.gathers = gathers  # called, it gathers (:meth:`gather`) rather than sums
 
         if not dist.is_available() or not dist.is_initialized():
             raise InputError("a peer sum is made by every rank of a process group: call "
@@ -197,8 +206,9 @@ class PeerSum:
         # the handle's pointers are its allocations' starts; the buffer lies at the same
         # offset into each (a symmetric allocation may share one)
         offset = self.buffer.data_ptr() - int(handle.buffer_ptrs[self.rank])
-        self.table = torch.tensor([int(p) + offset for p in handle.buffer_ptrs],
-                                  dtype=torch.int64, device=device)
+        self.register_buffer("table", torch.tensor(
+            [int(p) + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
+            persistent=False)
         self._handle = handle  # the peers' mappings live as long as it does
         torch.cuda.synchronize(device)
         dist.barrier(group)
@@ -208,8 +218,11 @@ class PeerSum:
         # them too (a copy of the buffer would be mapped by no peer)
         return self
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the ranks (every rank calls it with a tensor of one shape)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the ranks (every rank calls it with a tensor of one shape), or
+        gathered where made with ``gathers``."""
+        if self.gathers:
+            return self.gather(x)
         if self.layout.ranks == 1:
             return x.clone()
         return torch.ops.nimble.peer_sum(x, self.table, self.rank, self.layout.ranks,

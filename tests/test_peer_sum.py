@@ -150,10 +150,32 @@ def test_the_kernel_compiles_for_a_hopper_gpu_with_its_flags_at_system_scope(gat
     assert len(stores) == (2 if gather else 1)
 
 
+def _made_elsewhere(table: torch.Tensor) -> PeerSum:
+    """A peer sum as ``__init__`` leaves it, without a process group (none on the CPU)."""
+    summed = PeerSum.__new__(PeerSum)
+    torch.nn.Module.__init__(summed)
+    summed.register_buffer("table", table, persistent=False)
+    summed.gathers = False
+    return summed
+
+
 def test_a_copied_model_sums_through_the_buffers_its_peers_map():
     import copy
 
-    summed = PeerSum.__new__(PeerSum)  # no process group on the CPU
+    summed = _made_elsewhere(torch.zeros(2, dtype=torch.int64))
     holder = torch.nn.Module()
     holder.summed = summed
     assert copy.deepcopy(holder).summed is summed
+
+
+def test_the_table_is_a_weight_of_the_model_by_name_and_no_state_of_it():
+    """A graph reads the table as one of the model's weights, by name, while a state_dict
+    (the addresses are this process's) leaves it out."""
+    from nimble.record.module_weights import module_weights
+
+    summed = _made_elsewhere(torch.arange(2, dtype=torch.int64))
+    layer = torch.nn.Module()
+    layer.proj, layer.reduce = torch.nn.Linear(4, 4), summed
+    assert module_weights(layer)["reduce.table"] is summed.table
+    assert "reduce.table" not in layer.state_dict()
+    assert layer.half().reduce.table.dtype == torch.int64  # .half() leaves the addresses

@@ -169,14 +169,14 @@ HEADS = ("vocab", "whole")
 
 def _gather_of(head: nn.Linear, world: int, all_reduce: str, max_rows: int | None):
     """How a vocabulary-split head's logits are gathered: by NCCL, or with ``"peer"`` by
-    Nimble's kernel (:meth:`nimble.peer_sum.PeerSum.gather`) through buffers of ``max_rows``
-    rows of logits."""
+    Nimble's kernel (a :class:`nimble.peer_sum.PeerSum` that gathers: a submodule of the head,
+    its table one of the model's buffers) through buffers of ``max_rows`` rows of logits."""
     if all_reduce != "peer":
         return nccl_gather
     from ..peer_sum import PeerSum
 
     share = -(-head.out_features // world)
-    return PeerSum(max_rows * share, head.weight.dtype, head.weight.device).gather
+    return PeerSum(max_rows * share, head.weight.dtype, head.weight.device, gathers=True)
 
 
 def split(model, rank: int, world: int, all_reduce: str = "nccl",
