@@ -20,7 +20,8 @@ def test_sizes_read_with_their_units():
 def test_arguments_default_to_the_gradient_and_decode_sizes():
     args = tool.parse_args([])
     assert args.sizes == [16 << 10, 1 << 20, 25 << 20, 94 << 20]
-    assert (args.graphed, args.count) == (8 << 10, 32)
+    assert (args.graphed, args.count) == ([8 << 10, 32 << 10], 32)
+    assert tool.parse_args(["--graphed", "8K"]).graphed == [8 << 10]
     assert tool.parse_args(["--sizes", "4K,8M"]).sizes == [4 << 10, 8 << 20]
 
 

@@ -1,14 +1,15 @@
 """What one NCCL all-reduce costs on this machine's GPUs, by size, eagerly and inside a CUDA graph.
 
     torchrun --nproc_per_node=N tools/allreduce_latency.py [--sizes 16K,1M,25M,94M]
-        [--graphed 8K] [--count 32] [--iters 20] [--graph-mixing]
+        [--graphed 8K,32K] [--count 32] [--iters 20] [--graph-mixing]
 
 The floor under the two places Nimble puts all-reduces: a data-parallel backward's gradient
 buckets (large: bandwidth) and a tensor-parallel decode step's partial sums (a few KiB each,
 two per layer: latency).  Rank 0 prints whether GPU 0 reaches GPU 1's memory directly (peer
 access; ``nvidia-smi topo -m`` says over what), then per ``--sizes`` the GPU time of one eager
 float32 all-reduce (the median of 5 rounds of ``--iters`` calls after a warm-up, CUDA events)
-and its rate (bytes / time), then ``--count`` bfloat16 all-reduces of ``--graphed`` bytes
+and its rate (bytes / time), then per ``--graphed`` size (a decode step's hidden state at batch
+1 and 8 of a 2048-wide model by default) ``--count`` bfloat16 all-reduces of that many bytes
 captured in one CUDA graph: the time of each one replayed; then the same for Nimble's peer sum
 (:class:`nimble.peer_sum.PeerSum`), after its sum of one random tensor is held against NCCL's
 (the largest difference; with two ranks both round one float32 sum, so it is 0).  Multicast stays off (``NCCL_NVLS_ENABLE=0``), and NCCL's
@@ -46,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=[size(s) for s in ("16K", "1M", "25M", "94M")],
                    type=lambda text: [size(s) for s in text.split(",") if s.strip()])
-    p.add_argument("--graphed", type=size, default=size("8K"))
+    p.add_argument("--graphed", default=[size("8K"), size("32K")],
+                   type=lambda text: [size(s) for s in text.split(",") if s.strip()])
     p.add_argument("--count", type=int, default=32)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--graph-mixing", action="store_true",
@@ -130,13 +132,14 @@ def main(argv=None) -> int:
         us = _median_ms(lambda t=t: dist.all_reduce(t), args.iters) * 1e3
         if rank == 0:
             print(rate_line(nbytes, us), flush=True)
-    us = _graphed_us(args.graphed, args.count, args.iters)
-    if rank == 0:
-        print(f"graphed: {args.count} x {args.graphed} B bfloat16 all_reduce, {us:.1f} us each",
-              flush=True)
-    line = _peer_line(args.graphed, args.count, args.iters)
-    if rank == 0:
-        print(line, flush=True)
+    for nbytes in args.graphed:
+        us = _graphed_us(nbytes, args.count, args.iters)
+        if rank == 0:
+            print(f"graphed: {args.count} x {nbytes} B bfloat16 all_reduce, {us:.1f} us each",
+                  flush=True)
+        line = _peer_line(nbytes, args.count, args.iters)
+        if rank == 0:
+            print(line, flush=True)
     sys.stdout.flush()
     os._exit(0)  # after a captured collective, destroying the process group can hang
 
