@@ -179,7 +179,9 @@ class Nimble(GraphViews):
         process that did not call :func:`nimble.keep_kernel_binaries` first) before anything is
         written; returns the file's path.  Saving launches the graph of every bucket on
         instance 0 to record the reference outputs a load is proven against: call it while no
-        other thread calls the model.
+        other thread calls the model.  A graph whose sums over the ranks are
+        :class:`nimble.peer_sum.PeerSum`'s is saved by every rank at once, each to a file of
+        its own, which that rank loads with its model (``nimble.load(path, model=...)``).
         """
         from .engine.saving import save_serving
 

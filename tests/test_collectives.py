@@ -183,3 +183,28 @@ def test_several_instances_of_a_graph_with_collectives_are_refused():
     with pytest.raises(InputError, match="instances=2 .* prepare one instance"):
         check_instances(g, 2)
     check_instances(TaskGraph.load(FIXTURE_DIR / "resnet50.json.gz"), 4)
+
+
+def test_a_graph_whose_collectives_are_peer_sums_through_the_models_table_can_be_saved():
+    """Nimble's peer sum reads only the model's table and the arena: its graph's file binds the
+    table of the model it is loaded with.  NCCL's kernel, or a peer sum whose table is memory
+    of this process no tensor of the model names, cannot be written down."""
+    from nimble.engine.saving import collectives_through_the_model
+    from nimble.ir.taskgraph import Task
+
+    def graph(name: str, table_kind: str) -> TaskGraph:
+        g = TaskGraph()
+        g.buffers = [Buffer(0, table_kind, 16, 0x1000), Buffer(1, "intermediate", 64, 0x2000),
+                     Buffer(2, "intermediate", 64, 0x3000)]
+        g.tasks = [Task(0, TaskKind.KERNEL, name="gemv_kernel",
+                        accesses=[Access(1, 0, 64, True)]),
+                   Task(1, TaskKind.KERNEL, name=name, accesses=[
+                       Access(1, 0, 64, False), Access(2, 0, 64, True), Access(0, 0, 16, False)])]
+        return g
+    assert collectives_through_the_model(graph("nimble_peer_sum_kernel", "param"))
+    assert not collectives_through_the_model(graph("nimble_peer_sum_kernel", "external"))
+    assert not collectives_through_the_model(graph(
+        "_Z39ncclDevKernel_AllReduce_Sum_f32_RING_LL24ncclDevKernelArgsStorageILm4096EE",
+        "param"))
+    assert not collectives_through_the_model(graph("triton_poi_fused_add_0", "param"))
+    assert not collectives_through_the_model(TaskGraph.load(ALLREDUCE))  # a recorded NCCL

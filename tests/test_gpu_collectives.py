@@ -11,7 +11,8 @@ every rank, with DDP's defaults (buffers broadcast inside the forward graph), wi
 settings, and with ``SyncBatchNorm``, on two ranks and on four where the machine has four
 GPUs.  ``tests/workers/peer_sum_worker.py``: Nimble's sum over the peers' memory
 (:mod:`nimble.peer_sum`) eager, captured and prepared, equal to the rank-order sum on every
-rank.  ``tests/workers/tp_decode_worker.py``: a Generator on a Llama split over the ranks
+rank; ``peer_sum_saved_worker.py``: its graph saved on every rank and loaded in fresh
+processes.  ``tests/workers/tp_decode_worker.py``: a Generator on a Llama split over the ranks
 decodes the whole model's tokens, its partial sums summed by NCCL or by the peer sum.  A rank
 that hangs (a collective launched on one rank only) fails by timeout.
 """
@@ -150,6 +151,21 @@ def test_the_peer_sum_gives_every_rank_the_rank_order_sum_eager_captured_and_pre
         assert not seen["prefetch_multi"], seen
     digests = {tuple(seen["eager_digests"]) for seen in results}
     assert len(digests) == 1
+
+
+SAVED_PEER_SUM_WORKER = Path(__file__).parent / "workers" / "peer_sum_saved_worker.py"
+
+
+def test_a_graph_of_peer_sums_saved_on_every_rank_loads_in_fresh_processes(tmp_path):
+    """Each rank saves its prepared graph (the peer sum's table a weight of the model); fresh
+    processes make the model again, each loads its own file with it and gives the outputs
+    saved, bit for bit, and eager's; a rank is refused another rank's file."""
+    for seen in _two_ranks(SAVED_PEER_SUM_WORKER, 2, "save", str(tmp_path)):
+        assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
+    for seen in _two_ranks(SAVED_PEER_SUM_WORKER, 2, "load", str(tmp_path)):
+        assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
+        assert seen["equal_saved"] and seen["equal_eager"] and seen["collectives"] == 1, seen
+        assert "load each rank's file on that rank" in seen["other_rank_refused"], seen
 
 
 TP_PLAN_WORKER = Path(__file__).parent / "workers" / "tp_plan_worker.py"

@@ -251,3 +251,38 @@ def test_reading_a_file_times_its_mapping_and_its_checks_apart(tmp_path):
     _, _, checksum = read_checked(_small().write(tmp_path / "m.nimble"), seconds)
     assert set(seconds) == {"read_file", "read_check"} and all(v >= 0 for v in seconds.values())
     checksum.verify()  # left hashing: the load waits for it later
+
+
+def test_a_file_that_sums_over_the_ranks_loads_with_the_model_on_the_rank_that_saved_it(
+        tmp_path, no_gpu_work):
+    """A graph of Nimble's peer sums reads the table of the ranks' buffers as the model's
+    weight: its file loads only with model= and on its rank, each refusal before any GPU
+    work, saying what to do; its manifest's ranks are checked like any field."""
+    saved = _small()
+    saved.manifest["peer_sums"] = {"rank": 1, "ranks": 2}
+    check_manifest(saved.manifest, len(saved.blobs))
+    path = saved.write(tmp_path / "rank1.nimble")
+    with pytest.raises(LoadError, match="load it with model= \\(the model made on this rank"):
+        nimble.load(path)
+    with pytest.raises(LoadError, match="rank 1's of 2, and this process is no process group: "
+                                        "load each rank's file on that rank"):
+        nimble.load(path, model=torch.nn.Linear(2, 2))
+    saved.manifest["peer_sums"] = {"rank": 2, "ranks": 2}
+    with pytest.raises(LoadError, match=r"peer_sums\.rank is 2, not below ranks \(2\)"):
+        check_manifest(saved.manifest, len(saved.blobs), "m.nimble")
+
+
+def test_a_rank_loads_only_its_own_file(monkeypatch):
+    import torch.distributed as dist
+
+    from nimble.engine.loading import check_ranks
+
+    manifest = {"peer_sums": {"rank": 0, "ranks": 2}}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
+    with pytest.raises(LoadError, match="rank 0's of 2, and this process is rank 1 of 2"):
+        check_ranks(manifest, object(), "f")
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
+    check_ranks(manifest, object(), "f")
+    check_ranks({}, None, "f")  # a graph of no collectives: nothing to check

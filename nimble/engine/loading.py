@@ -390,6 +390,7 @@ def _load_graphs(path, model, *, verify: bool, quiet: bool, single: bool,
             raise LoadError(f"{path} holds {len(rows)} graphs "
                             f"({', '.join(r['name'] for r in rows)}): a Generator's file, "
                             "which nimble.generate.Generator.load reads")
+        check_ranks(manifest, model, path)
         device = _this_gpu(manifest)
         seconds["read"] = time.perf_counter() - began
         graphs = _built(saved, decoded, rows, model, device, checksum, seconds,
@@ -398,6 +399,29 @@ def _load_graphs(path, model, *, verify: bool, quiet: bool, single: bool,
     say(f"loaded {path}: {len(manifest['buckets'])} bucket(s) of {len(graphs)} graph(s) in "
         f"{total:.2f} s", quiet)
     return manifest, [(graph.name, graph.serving(seconds, total)) for graph in graphs]
+
+
+def check_ranks(manifest: dict, model, path) -> None:
+    """A file whose graphs sum over the ranks (Nimble's peer sums, ``peer_sums`` in its
+    manifest) loads only with the model (whose table of the ranks' buffers the graphs read:
+    the file's is the saving process's) on the rank that saved it, in a process group of as
+    many ranks; else a :class:`LoadError` saying what to do."""
+    saved = manifest.get("peer_sums")
+    if saved is None:
+        return
+    import torch.distributed as dist
+
+    rank, ranks = saved["rank"], saved["ranks"]
+    if model is None:
+        raise LoadError(f"{path} sums over {ranks} ranks through the model's peer sums "
+                        "(nimble.peer_sum), whose buffers are made in each process: load it "
+                        "with model= (the model made on this rank, its peer sums with it)")
+    here = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and \
+        dist.is_initialized() else None
+    if here != (rank, ranks):
+        now = f"rank {here[0]} of {here[1]}" if here else "no process group"
+        raise LoadError(f"{path} is rank {rank}'s of {ranks}, and this process is {now}: "
+                        f"load each rank's file on that rank, in a process group of {ranks}")
 
 
 def _this_gpu(manifest: dict):

@@ -17,7 +17,8 @@ model's weights (batch norm's running statistics) is put back after the referenc
 
 What cannot be written down raises :class:`~nimble.errors.SaveError` before any file is
 written: a graph with NCCL collectives (a communicator is a live connection to other
-processes), a graph that draws random numbers, a kernel whose binary is on no disk, a node that
+processes; Nimble's peer sums, reached through a table that is the model's, are written down:
+each rank saves its graph and loads it with its model, :func:`collectives_through_the_model`), a graph that draws random numbers, a kernel whose binary is on no disk, a node that
 names memory of this process (a host-memory copy, an access-policy window).
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .. import driver
 from .._version import __version__
 from ..analysis.deps import communicates
 from ..errors import CudaError, SaveError
+from ..ir.kernel_names import NIMBLE_COLLECTIVES, collective_kernel, short_kernel_name
 from ..ir.saved_format import C_PLAN, ZEROED_WORKSPACES_VERSION, BlobWriter, SavedFile
 from ..ir.saved_manifest import FORMAT_NAME
 from ..ir.taskgraph import BufferKind, TaskGraph, TaskKind
@@ -53,14 +55,29 @@ from .proving import gradient_outputs
 REFERENCE_SEED = 0x5A7ED
 
 
+def collectives_through_the_model(graph: TaskGraph) -> bool:
+    """Whether ``graph`` has collectives, all of them Nimble's peer sums
+    (:mod:`nimble.peer_sum`) whose only memory outside the arena is the model's (the table of
+    the ranks' buffers, a buffer of the model): a load with ``model=`` binds the table the
+    model made in that process, where NCCL's communicator or torch's shared buffers would be
+    this process's."""
+    collectives = [t for t in graph.tasks
+                   if t.kind == TaskKind.KERNEL and collective_kernel(t.name)]
+    return bool(collectives) and all(
+        short_kernel_name(t.name, limit=len(t.name)) in NIMBLE_COLLECTIVES
+        and all(graph.buffers[a.buffer].kind != BufferKind.EXTERNAL for a in t.accesses)
+        for t in collectives)
+
+
 def check_savable(prepared: Prepared) -> None:
     """Raise :class:`SaveError` for a graph this version cannot write down."""
     graph = prepared.graph
-    if communicates(graph):
+    if communicates(graph) and not collectives_through_the_model(graph):
         raise SaveError("this graph holds collectives (NCCL's, or torch's over symmetric "
                         "memory), whose communicator or shared buffers are a live connection "
                         "between this process and its peers: prepare it in each process "
-                        "instead of loading it")
+                        "instead of loading it, or sum with nimble.peer_sum.PeerSum, whose "
+                        "graphs each rank saves and loads with its model")
     if graph.meta.get("rng"):
         raise SaveError("this graph draws random numbers (dropout or sampling in the "
                         "forward), which saving does not support yet: prepare it in the "
@@ -396,6 +413,11 @@ def save_graphs(graphs: list, path, *, weights: bool = True, quiet: bool = True,
     preparations = [b.instances[0] for serving in servings for b in serving.buckets]
     for prepared in preparations:
         check_savable(prepared)
+    if len(graphs) > 1 and any(communicates(p.graph) for p in preparations):
+        raise SaveError("these steps sum over the ranks through the model's peer sums "
+                        "(nimble.peer_sum), whose buffers are made in each process, and a "
+                        "file of several graphs (a Generator's) loads with no model to bind "
+                        "them: prepare them on each rank")
     if any(any(phase) for p in preparations for phase in p.prefetch):
         log.warning("the weight prefetches (prefetch_l2) this graph serves are not written "
                     "down: the loaded graph runs without them")
@@ -429,13 +451,20 @@ def save_graphs(graphs: list, path, *, weights: bool = True, quiet: bool = True,
                     for k, b in zip(kernels.kernels, found)],
         "weights": outside.storages, "memory": memory, "buckets": buckets, **(extra or {}),
     }
-    if len(graphs) == 1:
+    summing = any(communicates(p.graph) for p in preparations)
+    if summing:
+        manifest["peer_sums"] = _ranks_here()
+    if len(graphs) > 1:
+        manifest["graphs"] = _graph_rows(graphs)
+    why = ("it sums over the ranks through the model's peer sums (nimble.peer_sum): load it "
+           "from Python on the rank that saved it, with model=") if summing else \
+        "several graphs in one file (a Generator): load it from Python" if len(graphs) > 1 \
+        else ""
+    if why:
+        plan, _ = c_plan(manifest, [], [], 0, unsupported=why)
+    else:
         plan, why = c_plan(manifest, preparations, servings[0].layout.states,
                            servings[0].layout.size)
-    else:
-        manifest["graphs"] = _graph_rows(graphs)
-        why = "several graphs in one file (a Generator): load it from Python"
-        plan, _ = c_plan(manifest, [], [], 0, unsupported=why)
     manifest["c_runtime"] = why or "supported"
     version = ZEROED_WORKSPACES_VERSION if any(
         ref is None for row in buckets for ref in row["private"].values()) else 1
@@ -443,6 +472,14 @@ def save_graphs(graphs: list, path, *, weights: bool = True, quiet: bool = True,
     say(f"saved {os.path.getsize(out) / 2**20:.1f} MiB to {out} in "
         f"{time.perf_counter() - began:.1f} s", quiet)
     return Path(out)
+
+
+def _ranks_here() -> dict:
+    """This process's rank and the ranks' count (the default group's), for a graph that sums
+    over them: a load on another rank would meet its peers with the wrong part."""
+    import torch.distributed as dist
+
+    return {"rank": dist.get_rank(), "ranks": dist.get_world_size()}
 
 
 def _graph_rows(graphs: list) -> list[dict]:

@@ -466,6 +466,16 @@ def _generator(names: set[str]) -> Read:
     return read
 
 
+def _ranks(value: Any, where: str) -> dict:
+    """``peer_sums``: the rank that saved a graph summing over the ranks, and their count."""
+    row = jf.obj(value, where)
+    ranks = jf.member(row, "ranks", where, _positive)
+    rank = jf.member(row, "rank", where, _natural)
+    if rank >= ranks:
+        raise _fail(f"{where}.rank", f"is {rank}, not below ranks ({ranks})")
+    return row
+
+
 # ---- the whole manifest --------------------------------------------------------------------
 
 def _check(m: dict, blobs_size: int, path: str) -> None:
@@ -491,6 +501,7 @@ def _check(m: dict, blobs_size: int, path: str) -> None:
     graphs = jf.member(m, "graphs", "", jf.optional(_graphs(len(buckets))), None)
     names = {g["name"] for g in graphs} if graphs else set()
     jf.member(m, "generator", "", jf.optional(_generator(names)), None)
+    jf.member(m, "peer_sums", "", jf.optional(_ranks), None)
 
 
 def graph_rows(manifest: dict) -> list[dict]:
