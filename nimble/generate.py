@@ -351,17 +351,21 @@ class Generator:
         return save_graphs(graphs, path, weights=True, quiet=quiet, extra=extra)
 
     @classmethod
-    def load(cls, path, *, verify: bool = True, quiet: bool = True) -> "Generator":
+    def load(cls, path, *, model=None, verify: bool = True, quiet: bool = True) -> "Generator":
         """A Generator serving the graphs :meth:`save` wrote at ``path``, built in this process
         and proven against the outputs saved with them (:func:`nimble.load`'s proof), with no
-        model, recording or preparing: ``generate`` runs as on the Generator saved.  Each batch
+        recording or preparing: ``generate`` runs as on the Generator saved.  Each batch
         size's static cache lives in memory of its own, starting as it was saved; ``caches``
-        holds None (no transformers cache object backs it)."""
+        holds None (no transformers cache object backs it).  The weights are the file's, or
+        with ``model`` (the model the Generator was made of, made again here as it was then)
+        the model's, by name: what steps whose sums over the ranks are Nimble's peer sums
+        need (:mod:`nimble.peer_sum`: the model's table names the buffers made here)."""
         from .api import Nimble
         from .engine.loading import load_graphs
         from .errors import LoadError
 
-        manifest, graphs = load_graphs(path, verify=verify, quiet=quiet)
+        manifest, graphs = load_graphs(path, None if model is None else step_weights(model),
+                                       verify=verify, quiet=quiet)
         spec = manifest.get("generator")
         if spec is None:
             for _, serving in graphs:
@@ -388,6 +392,17 @@ class Generator:
                 if close is not None:
                     close()
         self._steps = {}
+
+
+def step_weights(model) -> torch.nn.Module:
+    """A module naming ``model``'s weights as the Generator's prepared steps name them: the
+    step module's ``model.``, and ``_orig_mod.model.`` for a step compiled by
+    ``torch.compile`` (its wrapper's name for the module inside)."""
+    compiled = torch.nn.Module()
+    compiled.model = model
+    named = torch.nn.Module()
+    named.model, named._orig_mod = model, compiled
+    return named
 
 
 @contextmanager

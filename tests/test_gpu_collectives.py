@@ -12,9 +12,10 @@ settings, and with ``SyncBatchNorm``, on two ranks and on four where the machine
 GPUs.  ``tests/workers/peer_sum_worker.py``: Nimble's sum over the peers' memory
 (:mod:`nimble.peer_sum`) eager, captured and prepared, equal to the rank-order sum on every
 rank; ``peer_sum_saved_worker.py``: its graph saved on every rank and loaded in fresh
-processes.  ``tests/workers/tp_decode_worker.py``: a Generator on a Llama split over the ranks
-decodes the whole model's tokens, its partial sums summed by NCCL or by the peer sum.  A rank
-that hangs (a collective launched on one rank only) fails by timeout.
+processes, and ``tp_saved_worker.py`` a split Generator's.  ``tp_decode_worker.py``: a
+Generator on a Llama split over the ranks decodes the whole model's tokens, its partial sums
+summed by NCCL or by the peer sum.  A rank that hangs (a collective launched on one rank only)
+fails by timeout.
 """
 from __future__ import annotations
 
@@ -119,8 +120,9 @@ def test_a_generator_on_a_model_split_over_gpus_decodes_the_whole_models_tokens(
                                                                                all_reduce):
     """A small Llama split over the ranks as Megatron splits it (heads, MLP columns and the LM
     head's vocabulary shared out, the partial sums all-reduced by NCCL or by Nimble's peer sum,
-    the logits gathered; over four ranks its two key-value heads replicated): a Generator on it decodes transformers' greedy tokens of the
-    whole model (near-ties aside), its decode step holding every layer's two all-reduces."""
+    the logits gathered; over four ranks its two key-value heads replicated): a Generator on
+    it decodes transformers' greedy tokens of the whole model (near-ties aside), its decode
+    step holding every layer's two all-reduces."""
     pytest.importorskip("transformers")
     for seen in _two_ranks(TP_WORKER, ranks, all_reduce, ranks=ranks):
         assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
@@ -166,6 +168,21 @@ def test_a_graph_of_peer_sums_saved_on_every_rank_loads_in_fresh_processes(tmp_p
         assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
         assert seen["equal_saved"] and seen["equal_eager"] and seen["collectives"] == 1, seen
         assert "load each rank's file on that rank" in seen["other_rank_refused"], seen
+
+
+TP_SAVED_WORKER = Path(__file__).parent / "workers" / "tp_saved_worker.py"
+
+
+def test_a_generator_split_over_gpus_with_peer_sums_is_saved_and_loaded_on_every_rank(tmp_path):
+    """A Generator on a Llama split over two ranks (its sums and logits through peer sums),
+    saved by each rank; in fresh processes each rank splits the model again and loads its file
+    with it: the tokens are the saved ones."""
+    pytest.importorskip("transformers")
+    for seen in _two_ranks(TP_SAVED_WORKER, 2, "save", str(tmp_path)):
+        assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
+    for seen in _two_ranks(TP_SAVED_WORKER, 2, "load", str(tmp_path)):
+        assert "error" not in seen, f"rank {seen['rank']}: {seen['error']}\n{seen['trace']}"
+        assert seen["equal_saved"], seen
 
 
 TP_PLAN_WORKER = Path(__file__).parent / "workers" / "tp_plan_worker.py"

@@ -427,3 +427,21 @@ def test_the_binaries_load_side_by_side_and_a_failure_frees_every_library(tmp_pa
     with pytest.raises(LoadError, match="kernel k21 differs"):
         kl.load_kernels(kernels, rows, saved)
     assert sorted(map(id, closed)) == sorted(map(id, made))
+
+
+def test_a_generator_loaded_with_its_model_finds_every_weight_by_the_steps_names():
+    """``Generator.load(path, model=...)`` binds the model's weights by the names the steps
+    recorded them under: the step module's, and inside ``torch.compile``'s wrapper."""
+    import torch
+    from helpers import tiny_decoder
+
+    from nimble.decode_steps import DecodeStep
+    from nimble.generate import step_weights
+    from nimble.record.module_weights import module_weights
+
+    model = tiny_decoder("Llama")
+    named = module_weights(step_weights(model))
+    for step in (DecodeStep(model, cache=None), torch.compile(DecodeStep(model, cache=None))):
+        recorded = module_weights(step)
+        assert recorded and set(recorded) <= set(named)
+        assert all(named[name] is t for name, t in recorded.items())

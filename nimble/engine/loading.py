@@ -415,7 +415,8 @@ def check_ranks(manifest: dict, model, path) -> None:
     if model is None:
         raise LoadError(f"{path} sums over {ranks} ranks through the model's peer sums "
                         "(nimble.peer_sum), whose buffers are made in each process: load it "
-                        "with model= (the model made on this rank, its peer sums with it)")
+                        "with model= (the model made on this rank, its peer sums with it: "
+                        "nimble.load(path, model=...), Generator.load(path, model=...))")
     here = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and \
         dist.is_initialized() else None
     if here != (rank, ranks):

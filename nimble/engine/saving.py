@@ -413,11 +413,6 @@ def save_graphs(graphs: list, path, *, weights: bool = True, quiet: bool = True,
     preparations = [b.instances[0] for serving in servings for b in serving.buckets]
     for prepared in preparations:
         check_savable(prepared)
-    if len(graphs) > 1 and any(communicates(p.graph) for p in preparations):
-        raise SaveError("these steps sum over the ranks through the model's peer sums "
-                        "(nimble.peer_sum), whose buffers are made in each process, and a "
-                        "file of several graphs (a Generator's) loads with no model to bind "
-                        "them: prepare them on each rank")
     if any(any(phase) for p in preparations for phase in p.prefetch):
         log.warning("the weight prefetches (prefetch_l2) this graph serves are not written "
                     "down: the loaded graph runs without them")

@@ -1,6 +1,6 @@
 """One rank of the peer sum under Triton's interpreter, for ``tests/test_peer_sum.py``: run as
-one process per rank with ``TRITON_INTERPRET=1``, ``RANK WORLD DIR`` as arguments (the test imports its
-constants).
+one process per rank with ``TRITON_INTERPRET=1``, ``RANK WORLD DIR`` as arguments (the test
+imports its constants).
 
 The ranks' buffers are files in ``DIR`` (made and zeroed by the test, one per dtype and rank,
 ``{dtype}-{rank}``) that every rank maps shared, so each reaches the others' as GPUs reach

@@ -1,11 +1,11 @@
 """One rank of tests/test_gpu_collectives.py's tensor-parallel decoding test (``torchrun``).
 
-``tp_decode_worker.py [ALL_REDUCE]``: every rank builds the same small Llama (random weights, one seed),
-takes transformers' greedy tokens from it whole, then splits it over the ranks as Megatron does
-(:mod:`nimble.cli.tp_decoders`; its partial sums all-reduced by NCCL, or as ``ALL_REDUCE``
-says) and decodes the same prompt with a
-:class:`nimble.generate.Generator` on the split model: its decode step and prefill are prepared
-graphs holding the all-reduces.  One JSON line per rank: the tokens' agreement with the whole
+``tp_decode_worker.py [ALL_REDUCE]``: every rank builds the same small Llama (random weights,
+one seed), takes transformers' greedy tokens from it whole, then splits it over the ranks as
+Megatron does (:mod:`nimble.cli.tp_decoders`; its partial sums all-reduced by NCCL, or as
+``ALL_REDUCE`` says) and decodes the same prompt with a :class:`nimble.generate.Generator` on
+the split model: its decode step and prefill are prepared graphs holding the all-reduces.
+One JSON line per rank: the tokens' agreement with the whole
 model's (departures judged at near-ties as the bench judges them), and the all-reduce kernels
 of the decode step's graph.
 """
