@@ -10,8 +10,8 @@ how and why one wait a call is enough).  The ranks add in rank order in float32,
 holds the same bits.
 
 :class:`PeerSum` owns a process group's buffers and pointer table; calling it on a tensor is
-the operator ``nimble::peer_sum`` (its ``gather``, ``nimble::peer_gather``), opaque to ``torch.compile`` and recorded by Nimble as any
-kernel.  The kernel's name is one of :data:`nimble.ir.kernel_names.NIMBLE_COLLECTIVES`: a
+the operator ``nimble::peer_sum`` (its ``gather``, ``nimble::peer_gather``), opaque to
+``torch.compile`` and recorded by Nimble as any kernel.  The kernel's name is one of :data:`nimble.ir.kernel_names.NIMBLE_COLLECTIVES`: a
 prepared graph keeps its launches in order, and its buffers (reached through the table, which
 the graph reads where it is) are never copied, snapshotted or restored.  It is one of
 :data:`nimble.ir.waiting_kernels.WAITING_KERNELS` (it reads only the table before its wait): a
@@ -130,7 +130,7 @@ def launch_peer_sum(x: torch.Tensor, table: torch.Tensor, rank: int,
 
     check_call(x, layout, table)
     x = x.contiguous()
-    out = x.new_empty((layout.ranks,) + tuple(x.shape)) if gather else torch.empty_like(x)
+    out = x.new_empty((layout.ranks,) + tuple(x.shape)) if gather else x.new_empty(x.shape)
     n = x.numel()
     if n == 0:
         return out
@@ -153,7 +153,7 @@ def peer_sum_op(x: torch.Tensor, table: torch.Tensor, rank: int, ranks: int, pro
 
 @peer_sum_op.register_fake
 def _peer_sum_shape(x, table, rank, ranks, programs, capacity):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the kernel writes it
 
 
 @torch.library.custom_op("nimble::peer_gather", mutates_args=())
