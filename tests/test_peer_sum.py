@@ -179,3 +179,24 @@ def test_the_table_is_a_weight_of_the_model_by_name_and_no_state_of_it():
     assert module_weights(layer)["reduce.table"] is summed.table
     assert "reduce.table" not in layer.state_dict()
     assert layer.half().reduce.table.dtype == torch.int64  # .half() leaves the addresses
+
+
+def test_a_traced_model_holds_the_sum_and_the_gather_as_one_operator_each():
+    """Traced with fake tensors (as torch.compile traces): one ``nimble::peer_sum`` and one
+    ``nimble::peer_gather``, their results shaped as the kernel writes them."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    summed = _made_elsewhere(torch.zeros(2, dtype=torch.int64))
+    summed.rank, summed.layout = 0, PeerSumLayout.for_elements(64, 2, torch.float16)
+
+    def step(x):
+        total = summed(x)
+        return summed.gather(total.t())
+
+    traced = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
+        torch.zeros(4, 8, dtype=torch.float16))
+    ops = [str(n.target) for n in traced.graph.nodes if n.op == "call_function"]
+    assert ops.count("nimble.peer_sum.default") == 1
+    assert ops.count("nimble.peer_gather.default") == 1
+    out = [n for n in traced.graph.nodes if n.op == "output"][0].args[0]
+    assert tuple(out.meta["val"].shape) == (2, 8, 4)
