@@ -148,6 +148,31 @@ def test_a_tiny_llamas_norms_and_gated_activation_fold_into_its_gemvs(monkeypatc
     assert (plain.float() - folded.float()).abs().max() <= limit * plain.float().abs().max() + 1e-6
 
 
+@torch.library.custom_op("nimble_test::rank_sum", mutates_args=())
+def _rank_sum(x: torch.Tensor) -> torch.Tensor:
+    """A stand-in for a sum over the ranks, opaque as ``nimble::peer_sum`` is (one rank's)."""
+    return x.clone()
+
+
+@_rank_sum.register_fake
+def _rank_sum_shape(x):
+    return x.new_empty(x.shape)
+
+
+def test_a_split_llamas_norms_fold_across_its_sums_over_the_ranks(monkeypatch):
+    """One rank's shard of a Llama split over two (nimble.cli.tp_decoders), its projections'
+    partial sums through an opaque operator as the peer sum's: each residual sum's norm after
+    a sum over the ranks still folds into the GEMV after it, as in the whole model."""
+    from nimble.cli.tp_decoders import split
+
+    model = split(_tiny_llama_on_the_gemvs(monkeypatch, torch.bfloat16), 0, 2, head="whole")
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.reduce = layer.mlp.down_proj.reduce = _rank_sum
+    _, _, the_pass = _one_token_logits_folded(model)
+    [done] = [r for r in the_pass.runs if r.gemvs]
+    assert (done.gemvs, done.rmsnorm, done.add_rmsnorm, done.gated) == (9, 1, 4, 2)
+
+
 def test_a_tiny_llamas_norms_and_gated_activation_fold_into_its_gemms_of_four_rows(
         monkeypatch):
     model = _tiny_llama_on_the_gemvs(monkeypatch, torch.bfloat16)
