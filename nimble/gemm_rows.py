@@ -118,27 +118,41 @@ def launch_gemm_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_
 def launch_gemm_rows_prologue(prologue: int, a: torch.Tensor, b: torch.Tensor | None,
                               norm_weight: torch.Tensor | None, eps: float,
                               weight: torch.Tensor, block_n: int, block_k: int, warps: int,
-                              stages: int, split: int = 1, last_joins: bool | None = None
+                              stages: int, split: int = 1, last_joins: bool | None = None,
+                              bias: torch.Tensor | None = None,
+                              norm_bias: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`launch_gemm_rows` of the rows ``prologue(a, b)``, computed as the weight is read:
-    ``prologue`` is :mod:`nimble.gemv_prologues`' ``RMSNORM`` (each row of ``a`` normalised
-    and scaled by ``norm_weight``, with ``eps``), ``ADD_RMSNORM`` (of ``a + b``, that sum
-    returned too: else None) or ``SILU_GATED`` (``silu(a) * b``), rounded to the rows' dtype
-    where the model's own code rounds, as the single-row GEMV's prologues do.  Each program
-    reads the whole rows (a few tens of kilobytes, from the L2) for the norms."""
+    ``prologue`` is one of :mod:`nimble.gemv_prologues`' kinds: ``RMSNORM`` (each row of ``a``
+    normalised and scaled by ``norm_weight``, with ``eps``), ``ADD_RMSNORM`` (of ``a + b``,
+    that sum returned too: else None), ``SILU_GATED`` (``silu(a) * b``), ``LAYERNORM`` and
+    ``ADD_LAYERNORM`` (each row centred, scaled by ``norm_weight`` and shifted by
+    ``norm_bias`` where given), ``GELU_TANH`` and ``GELU_ERF``; ``bias`` (a vector) is added to
+    ``a`` first where a residual sum or a GELU reads a projection's output.  Rounded to the
+    rows' dtype where the model's own code rounds, as the single-row GEMV's prologues do.
+    Each program reads the whole rows (a few tens of kilobytes, from the L2) for the norms."""
+    from . import prologue_kinds as gp
+
     # a prologue's rows may lie apart (the halves of a fused gate-up projection's output)
     check_operands(a, weight, rows_apart=True)
-    if prologue not in (0, 1, 2):
-        raise InputError(f"nimble.gemm_rows: prologue {prologue} is not RMSNORM (0), "
-                         "ADD_RMSNORM (1) or SILU_GATED (2)")
-    if prologue != 0 and (b is None or b.shape != a.shape or b.dtype != a.dtype
-                          or b.stride(1) != 1):
+    k = a.shape[1]
+    if prologue not in range(7):
+        raise InputError(f"nimble.gemm_rows: prologue {prologue} is none of "
+                         "nimble.gemv_prologues' kinds (0 to 6)")
+    if gp.second_input(prologue) and (b is None or b.shape != a.shape or b.dtype != a.dtype
+                                      or b.stride(1) != 1):
         raise InputError("nimble.gemm_rows: this prologue reads a second matrix b of a's shape "
                          f"and dtype ({tuple(a.shape)}, {a.dtype})")
-    if prologue != 2 and (norm_weight is None or norm_weight.numel() != a.shape[1]):
-        raise InputError(f"nimble.gemm_rows: the RMS norm's weight is a vector of {a.shape[1]}")
+    if prologue in gp.NORMS and (norm_weight is None or norm_weight.numel() != k):
+        raise InputError(f"nimble.gemm_rows: the norm's weight is a vector of {k}")
+    for name, vector in (("bias", bias), ("norm_bias", norm_bias)):
+        if vector is not None and vector.numel() != k:
+            raise InputError(f"nimble.gemm_rows: the prologue's {name} is a vector of {k}, "
+                             f"not {tuple(vector.shape)}")
+    vectors = tuple(None if v is None else v.contiguous() for v in (norm_weight, bias,
+                                                                    norm_bias))
     return _launch(a, weight, (block_n, block_k, warps, stages, split), last_joins, prologue,
-                   b, norm_weight if norm_weight is None else norm_weight.contiguous(), eps)
+                   b, *vectors, eps)
 
 
 #: Elements of the rows each step of a prologue's norm pass reads (its tile's registers).
@@ -146,14 +160,16 @@ NORM_TILE = 8192
 
 
 def _launch(x, weight, launch: tuple, last_joins, prologue: int = -1, b=None, norm_weight=None,
-            eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+            bias=None, norm_bias=None, eps: float = 0.0
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     import triton
 
     block_n, block_k, warps, stages, split = launch
     rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if prologue == 1 else None
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if prologue in (1, 4) \
+        else None
     # the tensor cores take 16 rows at least; the CUDA cores' lanes, the rows' power of two
     padded = max(MIN_DOT_BLOCK if block_n >= MIN_DOT_BLOCK else 1, triton.next_power_of_2(rows))
     chunk, splits = split_columns(k, block_k, split)
@@ -166,12 +182,14 @@ def _launch(x, weight, launch: tuple, last_joins, prologue: int = -1, b=None, no
     kernel = _kernel()
     kernel[(blocks, splits)](
         x, weight, y, sums, count, x if b is None else b,
-        x if norm_weight is None else norm_weight, x if total is None else total, rows, n, k,
+        x if norm_weight is None else norm_weight, x if total is None else total,
+        x if bias is None else bias, x if norm_bias is None else norm_bias, rows, n, k,
         weight.stride(0), x.stride(0), x.stride(0) if b is None else b.stride(0), chunk, eps,
         M_PAD=padded, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=partial, LAST_JOINS=joins,
         WAITS=waits(x.device), LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, PROLOGUE=prologue,
         NORM_BLOCK=max(16, min(triton.next_power_of_2(k), NORM_TILE // padded)),
-        num_warps=warps, num_stages=stages)
+        HAS_C=bias is not None, HAS_NB=norm_bias is not None, num_warps=warps,
+        num_stages=stages)
     if partial and not joins:
         _KERNEL[1][(triton.cdiv(rows * n, REDUCE_BLOCK),)](
             sums, y, rows * n, SPLITS=splits, BLOCK=REDUCE_BLOCK, WAITS=waits(x.device),

@@ -6,15 +6,57 @@ names, so they live at a module's top level."""
 import triton
 import triton.language as tl
 
-from .gemv_prologue_kernels import prologue_value  # noqa: F401  (the kernel's callee)
+from .gemv_prologue_kernels import prologue_value, summed_input  # noqa: F401  (callees)
 
 
 @triton.jit
-def gemm_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, b_ptr, nw_ptr, sum_ptr, M, N,
+def rows_stats(x_ptr, b_ptr, c_ptr, sum_ptr, m, m_ok, M_PAD: tl.constexpr, K, stride_x,
+               stride_b, eps, stores, NORM_BLOCK: tl.constexpr, PROLOGUE: tl.constexpr,
+               HAS_C: tl.constexpr):
+    """Each row's norm centre and scale over all its columns (whatever part this program
+    sums), as :func:`nimble.gemv_prologue_kernels.vector_stats` computes a vector's: columns
+    of ``M_PAD``; with the residual, its sum written where ``stores`` (the first program)."""
+    total = tl.zeros((M_PAD, NORM_BLOCK), dtype=tl.float32)
+    for kk in range(0, K, NORM_BLOCK):
+        cols = kk + tl.arange(0, NORM_BLOCK)
+        col_ok = cols < K
+        ok = m_ok[:, None] & col_ok[None, :]
+        a = tl.load(x_ptr + m[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+        if PROLOGUE == 1 or PROLOGUE == 4:
+            a = summed_input(a, b_ptr, m[:, None] * stride_b + cols[None, :], ok, c_ptr, cols,
+                             col_ok, HAS_C)
+            if stores:
+                tl.store(sum_ptr + m[:, None] * K + cols[None, :], a, mask=ok)
+        a32 = a.to(tl.float32)
+        if PROLOGUE <= 1:
+            total += a32 * a32
+        else:
+            total += a32
+    mean = tl.zeros((M_PAD,), dtype=tl.float32)
+    if PROLOGUE >= 3:
+        mean = tl.sum(total, axis=1) / K
+        total = tl.zeros((M_PAD, NORM_BLOCK), dtype=tl.float32)
+        for kk in range(0, K, NORM_BLOCK):
+            cols = kk + tl.arange(0, NORM_BLOCK)
+            col_ok = cols < K
+            ok = m_ok[:, None] & col_ok[None, :]
+            a = tl.load(x_ptr + m[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+            if PROLOGUE == 4:
+                a = summed_input(a, b_ptr, m[:, None] * stride_b + cols[None, :], ok, c_ptr,
+                                 cols, col_ok, HAS_C)
+            d = tl.where(ok, a.to(tl.float32) - mean[:, None], 0.0)
+            total += d * d
+    return mean, tl.rsqrt(tl.sum(total, axis=1) / K + eps)
+
+
+@triton.jit
+def gemm_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, b_ptr, nw_ptr, sum_ptr, c_ptr,
+                     nb_ptr, M, N,
                      K, stride_w, stride_x, stride_b, K_CHUNK, eps, M_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
                      LAST_JOINS: tl.constexpr, WAITS: tl.constexpr, LATE: tl.constexpr,
-                     PROLOGUE: tl.constexpr = -1, NORM_BLOCK: tl.constexpr = 16):
+                     PROLOGUE: tl.constexpr = -1, NORM_BLOCK: tl.constexpr = 16,
+                     HAS_C: tl.constexpr = False, HAS_NB: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     m = tl.arange(0, M_PAD)
@@ -32,24 +74,12 @@ def gemm_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, b_ptr, nw_ptr, su
                 eviction_policy="evict_first")
     if WAITS:
         tl.extra.cuda.gdc_wait()
-    dt = x_ptr.dtype.element_ty
+    mean = tl.zeros((M_PAD,), dtype=tl.float32)
     rs = tl.full((M_PAD,), 1.0, tl.float32)
-    if PROLOGUE == 0 or PROLOGUE == 1:
-        # each row's sum of squares over all its columns (whatever part this program sums);
-        # with the residual, the sum itself written by the first program
-        squares = tl.zeros((M_PAD, NORM_BLOCK), dtype=tl.float32)
-        for kk in range(0, K, NORM_BLOCK):
-            cols = kk + tl.arange(0, NORM_BLOCK)
-            ok = m_ok[:, None] & (cols < K)[None, :]
-            a = tl.load(x_ptr + m[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
-            if PROLOGUE == 1:
-                b = tl.load(b_ptr + m[:, None] * stride_b + cols[None, :], mask=ok, other=0.0)
-                a = (a.to(tl.float32) + b.to(tl.float32)).to(dt)
-                if tl.program_id(0) == 0 and tl.program_id(1) == 0:
-                    tl.store(sum_ptr + m[:, None] * K + cols[None, :], a, mask=ok)
-            a32 = a.to(tl.float32)
-            squares += a32 * a32
-        rs = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+    if PROLOGUE == 0 or PROLOGUE == 1 or PROLOGUE == 3 or PROLOGUE == 4:
+        mean, rs = rows_stats(x_ptr, b_ptr, c_ptr, sum_ptr, m, m_ok, M_PAD, K, stride_x,
+                              stride_b, eps, (tl.program_id(0) == 0) & (tl.program_id(1) == 0),
+                              NORM_BLOCK, PROLOGUE, HAS_C)
     if BLOCK_N >= 16:
         acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     else:  # each lane's products summed across the steps, reduced once at the end
@@ -59,8 +89,9 @@ def gemm_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, b_ptr, nw_ptr, su
         x_ok = m_ok[:, None] & (cols < k_end)[None, :]
         x = tl.load(x_ptr + m[:, None] * stride_x + cols[None, :], mask=x_ok, other=0.0)
         if PROLOGUE >= 0:  # a prologue's input computed as it is read, as the GEMV's is
-            x = prologue_value(x, b_ptr, m[:, None] * stride_b + cols[None, :], x_ok, nw_ptr,
-                               cols, cols < k_end, rs[:, None], PROLOGUE)
+            x = prologue_value(x, b_ptr, m[:, None] * stride_b + cols[None, :], x_ok, c_ptr,
+                               nw_ptr, nb_ptr, cols, cols < k_end, mean[:, None], rs[:, None],
+                               PROLOGUE, HAS_C, HAS_NB)
         if BLOCK_N >= 16:
             acc = tl.dot(x, tl.trans(w), acc)
         else:

@@ -1,6 +1,6 @@
 """The Triton kernels of :mod:`nimble.gemv_prologues` (imported on first use, so that no Triton
-import happens where no GEMV runs): the GEMV whose input is an RMS norm or a gated activation
-computed as it is read, and the GEMV whose input is a split attention joined as it is read.
+import happens where no GEMV runs): the GEMV whose input is an RMS norm, a layer norm, a gated
+activation or a GELU computed as it is read, and the GEMV whose input is a split attention joined as it is read.
 Triton resolves a kernel's callees among its module's names, so they live at a module's top
 level."""
 import triton
@@ -17,41 +17,120 @@ def weight_tile(w_ptr, rows, row_ok, cols, col_ok, stride_w):
 
 
 @triton.jit
-def prologue_value(a, b_ptr, b_at, ok, nw_ptr, cols, col_ok, rs, PROLOGUE: tl.constexpr):
+def summed_input(a, b_ptr, b_at, ok, c_ptr, cols, col_ok, HAS_C: tl.constexpr):
+    """A residual sum's value from ``a`` (its first operand's values, with the bias
+    ``c_ptr`` added first where ``HAS_C``: the projection before it) and the second operand
+    at ``b_ptr + b_at``, each sum rounded to the input's dtype as the model's code rounds it."""
+    dt = a.dtype
+    if HAS_C:
+        a = (a.to(tl.float32) + tl.load(c_ptr + cols, mask=col_ok,
+                                        other=0.0).to(tl.float32)).to(dt)
+    return (a.to(tl.float32) + tl.load(b_ptr + b_at, mask=ok, other=0.0).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def activated(a, c_ptr, cols, col_ok, PROLOGUE: tl.constexpr, HAS_C: tl.constexpr):
+    """GELU of ``a`` (plus the bias ``c_ptr`` where ``HAS_C``, rounded first): the tanh
+    approximation (``PROLOGUE`` 5) or the error function's (6), in float32, rounded once, as
+    Inductor's kernel computes it."""
+    dt = a.dtype
+    if HAS_C:
+        a = (a.to(tl.float32) + tl.load(c_ptr + cols, mask=col_ok,
+                                        other=0.0).to(tl.float32)).to(dt)
+    g = a.to(tl.float32)
+    if PROLOGUE == 5:
+        u = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+        # tanh(u) as 1 - 2 / (exp(2u) + 1): exact at both ends (exp overflows to inf: 1)
+        t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+    else:
+        t = tl.erf(g * 0.7071067811865476)
+    return (0.5 * g * (1.0 + t)).to(dt)
+
+
+@triton.jit
+def prologue_value(a, b_ptr, b_at, ok, c_ptr, nw_ptr, nb_ptr, cols, col_ok, mean, rs,
+                   PROLOGUE: tl.constexpr, HAS_C: tl.constexpr, HAS_NB: tl.constexpr):
     """A prologue's input from ``a`` (the first input's values; ``b_ptr + b_at`` the second's
-    at the same places, ``ok`` their mask) at columns ``cols``, ``rs`` the norm's scale: rounded
-    to the input's dtype where the model's own code rounds it.  A vector of the GEMV's, or rows
-    of a GEMM of rows (``rs`` a column of the rows' scales, the norm's weight broadcast)."""
+    at the same places, ``ok`` their mask) at columns ``cols``, ``mean`` and ``rs`` the norm's
+    centre and scale: rounded to the input's dtype where the model's own code rounds it.  A
+    vector of the GEMV's, or rows of a GEMM of rows (``mean`` and ``rs`` columns of the rows',
+    the norm's weight and bias broadcast)."""
     dt = a.dtype
     if PROLOGUE == 2:  # silu(gate) * up
         g = a.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dt)
         up = tl.load(b_ptr + b_at, mask=ok, other=0.0)
         x = (act.to(tl.float32) * up.to(tl.float32)).to(dt)
+    elif PROLOGUE >= 5:
+        x = activated(a, c_ptr, cols, col_ok, PROLOGUE, HAS_C)
     else:
-        if PROLOGUE == 1:  # the residual's sum first
-            a = (a.to(tl.float32) + tl.load(b_ptr + b_at, mask=ok,
-                                            other=0.0).to(tl.float32)).to(dt)
-        normed = (a.to(tl.float32) * rs).to(dt)
+        if PROLOGUE == 1 or PROLOGUE == 4:  # the residual's sum first
+            a = summed_input(a, b_ptr, b_at, ok, c_ptr, cols, col_ok, HAS_C)
         nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0)
-        x = (nw.to(tl.float32) * normed.to(tl.float32)).to(dt)
+        if PROLOGUE <= 1:  # RMS norm: rounded, then scaled and rounded again
+            normed = (a.to(tl.float32) * rs).to(dt)
+            x = (nw.to(tl.float32) * normed.to(tl.float32)).to(dt)
+        else:  # layer norm: centred, scaled, shifted in float32, rounded once
+            y = (a.to(tl.float32) - mean) * rs * nw.to(tl.float32)
+            if HAS_NB:
+                y += tl.load(nb_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            x = y.to(dt)
     return x
 
 
 @triton.jit
-def prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE: tl.constexpr):
+def prologue_input(a_ptr, b_ptr, c_ptr, nw_ptr, nb_ptr, cols, col_ok, mean, rs,
+                   PROLOGUE: tl.constexpr, HAS_C: tl.constexpr, HAS_NB: tl.constexpr):
     """The GEMV's input at ``cols``, rounded to the input's dtype where the model's own code
     rounds it."""
     a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
-    return prologue_value(a, b_ptr, cols, col_ok, nw_ptr, cols, col_ok, rs, PROLOGUE)
+    return prologue_value(a, b_ptr, cols, col_ok, c_ptr, nw_ptr, nb_ptr, cols, col_ok, mean,
+                          rs, PROLOGUE, HAS_C, HAS_NB)
 
 
 @triton.jit
-def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stride_w, eps,
-                         PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NORM_BLOCK: tl.constexpr, WAITS: tl.constexpr,
-                         LATE: tl.constexpr, AHEAD: tl.constexpr = 1):
-    dt = a_ptr.dtype.element_ty
+def vector_stats(a_ptr, b_ptr, c_ptr, sum_ptr, K, eps, stores, NORM_BLOCK: tl.constexpr,
+                 PROLOGUE: tl.constexpr, HAS_C: tl.constexpr):
+    """A norm's centre and scale over the whole input vector (of its residual sum, which is
+    written to ``sum_ptr`` where ``stores``: the first program): ``(0, rsqrt(mean(x^2) +
+    eps))`` for an RMS norm (``PROLOGUE`` 0, 1), ``(mean, rsqrt(var + eps))`` for a layer norm
+    (3, 4), its variance from a second pass over the input (read from the L2) about the mean
+    of the first."""
+    total = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
+    for k in range(0, K, NORM_BLOCK):
+        cols = k + tl.arange(0, NORM_BLOCK)
+        col_ok = cols < K
+        a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
+        if PROLOGUE == 1 or PROLOGUE == 4:
+            a = summed_input(a, b_ptr, cols, col_ok, c_ptr, cols, col_ok, HAS_C)
+            if stores:
+                tl.store(sum_ptr + cols, a, mask=col_ok)
+        a32 = a.to(tl.float32)
+        if PROLOGUE <= 1:
+            total += a32 * a32
+        else:
+            total += a32
+    mean = 0.0
+    if PROLOGUE >= 3:
+        mean = tl.sum(total, axis=0) / K
+        total = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
+        for k in range(0, K, NORM_BLOCK):
+            cols = k + tl.arange(0, NORM_BLOCK)
+            col_ok = cols < K
+            a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
+            if PROLOGUE == 4:
+                a = summed_input(a, b_ptr, cols, col_ok, c_ptr, cols, col_ok, HAS_C)
+            d = tl.where(col_ok, a.to(tl.float32) - mean, 0.0)
+            total += d * d
+    return mean, tl.rsqrt(tl.sum(total, axis=0) / K + eps)
+
+
+@triton.jit
+def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, c_ptr, nb_ptr, N, K,
+                         stride_w, eps, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, WAITS: tl.constexpr,
+                         LATE: tl.constexpr, AHEAD: tl.constexpr = 1,
+                         HAS_C: tl.constexpr = False, HAS_NB: tl.constexpr = False):
     if WAITS and not LATE:  # behind a programmatic edge: the next kernel may launch now
         tl.extra.cuda.gdc_launch_dependents()
     programs = tl.num_programs(0)
@@ -71,23 +150,13 @@ def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stri
         w1 = weight_tile(w_ptr, rows1, rows1 < N, cols1, cols1 < K, stride_w)
     if WAITS:  # the weight is a constant of the graph; the inputs are the predecessor's
         tl.extra.cuda.gdc_wait()
+    mean = 0.0
     rs = 1.0
-    if PROLOGUE != 2:
-        # the norm's sum of squares over the whole input, once per program (the programs walk
-        # the row blocks grid-stride, so it is not paid again per wave of programs)
-        squares = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
-        for k in range(0, K, NORM_BLOCK):
-            cols = k + tl.arange(0, NORM_BLOCK)
-            col_ok = cols < K
-            a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
-            if PROLOGUE == 1:
-                a = (a.to(tl.float32) + tl.load(b_ptr + cols, mask=col_ok,
-                                                other=0.0).to(tl.float32)).to(dt)
-                if tl.program_id(0) == 0:
-                    tl.store(sum_ptr + cols, a, mask=col_ok)
-            a32 = a.to(tl.float32)
-            squares += a32 * a32
-        rs = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    if PROLOGUE <= 1 or PROLOGUE == 3 or PROLOGUE == 4:
+        # the norm over the whole input, once per program (the programs walk the row blocks
+        # grid-stride, so it is not paid again per wave of programs)
+        mean, rs = vector_stats(a_ptr, b_ptr, c_ptr, sum_ptr, K, eps, tl.program_id(0) == 0,
+                                NORM_BLOCK, PROLOGUE, HAS_C)
     for block in range(tl.program_id(0), blocks, programs):
         rows = block * BLOCK_N + r
         row_ok = rows < N
@@ -105,7 +174,8 @@ def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, N, K, stri
                 next_cols = tl.where(ahead, k + BLOCK_K, 0) + c
             w_next = weight_tile(w_ptr, next_rows, next_rows < N, next_cols, next_cols < K,
                                  stride_w)
-            x = prologue_input(a_ptr, b_ptr, nw_ptr, cols, col_ok, rs, PROLOGUE)
+            x = prologue_input(a_ptr, b_ptr, c_ptr, nw_ptr, nb_ptr, cols, col_ok, mean, rs,
+                               PROLOGUE, HAS_C, HAS_NB)
             acc += w.to(tl.float32) * x[None, :].to(tl.float32)
             if AHEAD == 2:
                 w = w1

@@ -1,17 +1,18 @@
 """An Inductor graph pass that folds the kernel before a GEMV into it (issue 53): where a
-compiled graph feeds :func:`nimble.fast_gemv`'s ``nimble::gemv`` an RMS norm (of a residual
-sum or of a plain vector) or a SiLU-gated product, the pass calls the GEMV of
-:mod:`nimble.gemv_prologues` that computes that vector itself, and the separate kernel goes.
+compiled graph feeds :func:`nimble.fast_gemv`'s ``nimble::gemv`` (or, with :data:`FOLD_ROWS`,
+``nimble::gemm_rows``) an RMS or layer norm (of a residual sum or of a plain vector), a
+SiLU-gated product or a GELU, the pass calls the GEMV of :mod:`nimble.gemv_prologues` that
+computes that vector itself, and the separate kernel goes.  Where the residual sum or the GELU
+reads a projection's output plus its bias (GPT-2's and BERT's projections), the bias is added
+in too, so that the kernel of the bias's add goes as well.
 
-The pass matches the operations as Inductor hands them over after its decompositions (an RMS
-norm as ``x * rsqrt(mean(x**2) + eps)`` times its weight, in float32 between the conversions
-the model's code makes; SiLU as ``x / (1 + exp(-x))``, ``x * sigmoid(x)`` or ``silu``), on
-vectors of the GEMV's input width, every tensor of the GEMV's dtype.  What it does not match
-stays as it was: the pass only ever replaces a GEMV by one that computes the same vector, and
-where the norm's input is a residual sum the layer goes on to read, the new GEMV writes that
-sum for it.  Turn it on around a compilation with :func:`fusing` (or set
-``torch._inductor.config.post_grad_custom_post_pass`` to :data:`PASS`); the step's compile
-cache keys on this pass's source.
+The patterns (:mod:`nimble.gemv_prologue_patterns`) are the operations as Inductor hands them
+over after its decompositions, on vectors of the GEMV's input width, every tensor of the
+GEMV's dtype.  What it does not match stays as it was: the pass only ever replaces a GEMV by
+one that computes the same vector, and where the norm's input is a residual sum the layer goes
+on to read, the new GEMV writes that sum for it.  Turn it on around a compilation with
+:func:`fusing` (or set ``torch._inductor.config.post_grad_custom_post_pass`` to
+:data:`PASS`); the step's compile cache keys on this pass's source.
 """
 from __future__ import annotations
 
@@ -27,13 +28,13 @@ import torch
 from torch import fx
 
 from .fast_gemv import GemvConfig
-from . import gemv_prologues  # noqa: F401  (registers the operators the pass inserts)
+from . import gemv_prologue_patterns, gemv_prologues  # gemv_prologues registers the operators
 from .fx_patterns import VIEWS, aten
 from .fx_patterns import is_call as _is
-from .fx_patterns import other_operand as _other
-from .fx_patterns import strip_convert as _strip_convert
 from .fx_patterns import strip_views as _strip_views
 from .fx_patterns import val as _val
+from .gemv_prologue_patterns import (Norm, biased, match_gated, match_gelu, match_layernorm,
+                                     match_rmsnorm, residual_sum)
 
 log = logging.getLogger("nimble")
 
@@ -55,118 +56,14 @@ class Fused:
     gemvs: int = 0  # the graph's GEMVs, folded or not
     gemms_of_rows: int = 0  # the graph's GEMMs of rows (nimble.gemm_rows), folded or not
     roped: int = 0  # attentions that took their rotary embedding and cache read
+    layernorm: int = 0
+    add_layernorm: int = 0
+    gelu: int = 0
 
     @property
     def total(self) -> int:
-        return self.rmsnorm + self.add_rmsnorm + self.gated + self.joined
-
-
-def _vector_of(node, k: int, dtype, rows: int = 1) -> bool:
-    """Whether ``node`` is ``rows`` contiguous rows of ``k`` elements of ``dtype`` (its last
-    dimension ``k``: a norm over it is then a norm over each row of the GEMV's input)."""
-    v = _val(node)
-    if not (v is not None and v.numel() == rows * k and v.dim() >= 1 and v.shape[-1] == k
-            and v.dtype == dtype):
-        return False
-    return v.is_contiguous() or (rows > 1 and v.stride(-1) == 1 and _rows_view(v, rows, k))
-
-
-def _rows_view(v, rows: int, k: int) -> bool:
-    """Whether ``v`` (its rows contiguous, apart: a slice of a fused projection's output) is a
-    ``rows x k`` matrix without a copy, as a GEMM of rows reads it."""
-    try:
-        v.view(rows, k)
-    except RuntimeError:
-        return False
-    return True
-
-
-# ---- the patterns ---------------------------------------------------------------------------
-
-def _silu_input(node) -> Optional[fx.Node]:
-    """``x`` where ``node`` is SiLU of ``x`` (in float32 between conversions, as decomposed)."""
-    node = _strip_convert(node)
-    if _is(node, aten.silu.default):
-        return _strip_convert(node.args[0], torch.float32)
-    if _is(node, aten.div.Tensor):
-        x, denominator = node.args[:2]
-        if (_is(denominator, aten.add.Tensor) and 1 in denominator.args[:2]
-                and len(denominator.args) == 2 and not denominator.kwargs):
-            e = _other(denominator, 1)
-            if _is(e, aten.exp.default) and _is(e.args[0], aten.neg.default) \
-                    and e.args[0].args[0] is x:
-                return _strip_convert(x, torch.float32)
-    if _is(node, aten.mul.Tensor):
-        for s, x in (node.args[:2], node.args[1::-1]):
-            if _is(s, aten.sigmoid.default) and s.args[0] is x:
-                return _strip_convert(x, torch.float32)
-    return None
-
-
-def match_gated(x, k: int, dtype, rows: int = 1) -> Optional[tuple]:
-    """``(gate, up)`` where ``x`` is ``silu(gate) * up`` over ``rows`` rows of ``k``
-    elements."""
-    x = _strip_convert(x)
-    if not _is(x, aten.mul.Tensor) or x.kwargs:
-        return None
-    for activated, up in (x.args[:2], x.args[1::-1]):
-        gate = _silu_input(activated)
-        if gate is not None and _vector_of(gate, k, dtype, rows) \
-                and _vector_of(up, k, dtype, rows):
-            return gate, up
-    return None
-
-
-def match_rmsnorm(x, k: int, dtype, rows: int = 1) -> Optional[tuple]:
-    """``(input, weight, eps)`` where ``x`` is ``weight * rmsnorm(input)`` over each of
-    ``rows`` rows of ``k`` elements, the norm's arithmetic in float32 (the conversions
-    optional)."""
-    x = _strip_convert(x)
-    if not _is(x, aten.mul.Tensor) or x.kwargs:
-        return None
-    for weight, normed in (x.args[:2], x.args[1::-1]):
-        if not _vector_of(weight, k, dtype):
-            continue
-        scaled = _strip_convert(normed)
-        if not _is(scaled, aten.mul.Tensor):
-            continue
-        for source, rs in (scaled.args[:2], scaled.args[1::-1]):
-            eps = _rsqrt_of_mean_square(rs, source)
-            value = _strip_convert(source, torch.float32)
-            if eps is not None and _vector_of(value, k, dtype, rows):
-                return value, weight, eps
-    return None
-
-
-def _rsqrt_of_mean_square(rs, source) -> Optional[float]:
-    """``eps`` where ``rs`` is ``rsqrt(mean(source ** 2, -1, keepdim) + eps)``."""
-    if not _is(rs, aten.rsqrt.default) or not _is(rs.args[0], aten.add.Tensor):
-        return None
-    mean, eps = rs.args[0].args[:2]
-    if not isinstance(eps, float) or rs.args[0].kwargs or not _is(mean, aten.mean.dim):
-        return None
-    dims = mean.args[1] if len(mean.args) > 1 else None
-    if _val(source) is None:
-        return None
-    rank = _val(source).dim()
-    if list(dims or []) not in ([-1], [rank - 1]) or not (len(mean.args) > 2 and mean.args[2]):
-        return None
-    square = mean.args[0]
-    if _is(square, aten.pow.Tensor_Scalar) and square.args[0] is source and square.args[1] == 2:
-        return eps
-    if _is(square, aten.mul.Tensor) and square.args[0] is source and square.args[1] is source:
-        return eps
-    return None
-
-
-def _residual_sum(node, k: int, dtype, rows: int = 1) -> Optional[tuple]:
-    """``(a, b)`` where ``node`` is ``a + b``, both ``rows`` rows of ``k`` elements."""
-    if not _is(node, aten.add.Tensor) or node.kwargs or len(node.args) != 2:
-        return None
-    a, b = node.args
-    if _vector_of(a, k, dtype, rows) and _vector_of(b, k, dtype, rows):
-        return a, b
-    return None
+        return (self.rmsnorm + self.add_rmsnorm + self.gated + self.joined + self.layernorm
+                + self.add_layernorm + self.gelu)
 
 
 # ---- the rewrite ----------------------------------------------------------------------------
@@ -183,6 +80,34 @@ def _before(graph: fx.Graph, nodes, where) -> bool:
     """Whether every fx node of ``nodes`` comes before ``where`` in ``graph``."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     return all(order[n] < order[where] for n in nodes if isinstance(n, fx.Node))
+
+
+#: Operations on a weight that read no data (a view of the parameter, re-laid or not):
+#: copied to where a folded operator needs its weight earlier than the graph computes it.
+_WEIGHT_VIEWS = VIEWS + (aten.permute.default, aten.t.default)
+
+
+def _available_before(graph: fx.Graph, node, where):
+    """``node``, or a copy of its chain of views of earlier nodes made right before ``where``
+    (a Conv1D's weight is ``weight.t()``, taken where the product is), so that an operator
+    placed at ``where`` can read it; None where it is computed otherwise."""
+    if not isinstance(node, fx.Node) or _before(graph, (node,), where):
+        return node
+    if not _is(node, *_WEIGHT_VIEWS):
+        return None
+    source = _available_before(graph, node.args[0], where)
+    if source is None:
+        return None
+    with graph.inserting_before(where):
+        copy = graph.call_function(node.target, (source, *node.args[1:]), dict(node.kwargs))
+    copy.meta["val"] = _val(node)
+    return copy
+
+
+def _first_reader(graph: fx.Graph, node):
+    """The first node of ``graph`` that reads ``node``."""
+    readers = set(node.users)
+    return next(n for n in graph.nodes if n in readers)
 
 
 def _only_feeds(node, gemv) -> bool:
@@ -291,9 +216,9 @@ def _prologue_op(kind: str, rows: int):
 def _fold_prologue(graph, product, source, weight, k: int, dtype, rows: int,
                    launch) -> Optional[str]:
     """``product`` (a GEMV or a GEMM of ``rows`` rows of ``source``) replaced by the operator
-    that computes its input itself, where ``source`` is a gated activation or an RMS norm (of
-    a residual sum); the kind folded, else None.  ``launch(prologue)``: the new operator's
-    launch arguments."""
+    that computes its input itself, where ``source`` is a gated activation, a GELU, or an RMS
+    or layer norm (of a residual sum); the kind folded, else None.  ``launch(prologue)``: the
+    new operator's launch arguments."""
     gated = match_gated(source, k, dtype, rows)
     if gated is not None:
         with graph.inserting_before(product):
@@ -303,22 +228,98 @@ def _fold_prologue(graph, product, source, weight, k: int, dtype, rows: int,
         new.meta["val"] = _val(product)
         product.replace_all_uses_with(new)
         return "gated"
-    norm = match_rmsnorm(source, k, dtype, rows)
+    gelu = match_gelu(source, k, dtype, rows)
+    if gelu is not None:
+        kind = gemv_prologues.GELU_TANH if gelu.tanh else gemv_prologues.GELU_ERF
+        first, bias = biased(gelu.value, k, dtype, rows) or (gelu.value, None)
+        _fold_generic(graph, product, kind, Folded(first, bias=bias), weight, launch, k, rows)
+        return "gelu"
+    norm = match_rmsnorm(source, k, dtype, rows) or match_layernorm(source, k, dtype, rows)
     if norm is None:
         return None
-    value, norm_weight, eps = norm
-    summed = _residual_sum(value, k, dtype, rows)
-    if summed is not None and _before(graph, (*summed, norm_weight, weight), value):
-        _fold_add_rmsnorm(graph, product, value, summed, norm_weight, eps, weight,
-                          launch(gemv_prologues.ADD_RMSNORM), k, rows)
-        return "add_rmsnorm"
+    summed = residual_sum(norm.value, k, dtype, rows)
+    after_sum = norm.value.next  # where a fold of the sum goes: before its first reader
+    if summed is not None and _before(graph, (*summed, norm.weight, norm.bias), norm.value):
+        weight = _available_before(graph, weight, after_sum) or weight
+    if summed is not None and _before(graph, (*summed, norm.weight, norm.bias, weight),
+                                      after_sum):
+        first, second, bias = _bias_beneath(summed, k, dtype, rows)
+        if not norm.centred and bias is None:
+            _fold_add_rmsnorm(graph, product, norm.value, summed, norm.weight, norm.eps, weight,
+                              launch(gemv_prologues.ADD_RMSNORM), k, rows)
+            return "add_rmsnorm"
+        kind = gemv_prologues.ADD_LAYERNORM if norm.centred else gemv_prologues.ADD_RMSNORM
+        _fold_generic(graph, product, kind, Folded(first, second, bias, norm), weight, launch,
+                      k, rows)
+        return "add_layernorm" if norm.centred else "add_rmsnorm"
+    if norm.centred:
+        _fold_generic(graph, product, gemv_prologues.LAYERNORM, Folded(norm.value, norm=norm),
+                      weight, launch, k, rows)
+        return "layernorm"
     with graph.inserting_before(product):
         new = graph.call_function(_prologue_op("rmsnorm", rows),
-                                  (_flat(graph, value, k, rows), norm_weight, eps, weight,
-                                   *launch(gemv_prologues.RMSNORM)))
+                                  (_flat(graph, norm.value, k, rows), norm.weight, norm.eps,
+                                   weight, *launch(gemv_prologues.RMSNORM)))
     new.meta["val"] = _val(product)
     product.replace_all_uses_with(new)
     return "rmsnorm"
+
+
+def _bias_beneath(summed: tuple, k: int, dtype, rows: int) -> tuple:
+    """``(first, second, bias)`` of a residual sum's operands ``summed``: where one of them is a
+    projection's output plus its bias, that output first and the bias apart (the kernel adds
+    it in), else the operands as they are and no bias."""
+    for first, second in (summed, summed[::-1]):
+        found = biased(first, k, dtype, rows)
+        if found is not None:
+            return found[0], second, found[1]
+    return summed[0], summed[1], None
+
+
+@dataclass(frozen=True)
+class Folded:
+    """What a generic prologue operator (``nimble::gemv_prologue``, ``gemm_rows_prologue``)
+    reads: its input, the residual's other operand, the projection's bias added to the input
+    first, and the norm (for a norm's kinds)."""
+
+    first: fx.Node
+    second: Optional[fx.Node] = None
+    bias: Optional[fx.Node] = None
+    norm: Optional[Norm] = None
+
+
+def _fold_generic(graph, product, kind: int, folded: Folded, weight, launch, k: int,
+                  rows: int) -> None:
+    """``product`` replaced by the generic prologue operator of ``kind``; for a residual sum's
+    kinds placed right after the sum (``folded.norm.value``), whose every other reader takes
+    the new kernel's copy of it."""
+    norm = folded.norm
+    adds = kind in gemv_prologues.ADDS
+    op = (torch.ops.nimble.gemv_prologue.default if rows == 1
+          else torch.ops.nimble.gemm_rows_prologue.default)
+    # a residual sum's kinds right after the sum (any copy of the weight's view made for it
+    # lies between the two), the others where the product was
+    where = _first_reader(graph, norm.value) if adds else product
+    with graph.inserting_before(where):
+        first = _flat(graph, folded.first, k, rows)
+        second = None if folded.second is None else _flat(graph, folded.second, k, rows)
+        new = graph.call_function(op, (
+            first, second, folded.bias, None if norm is None else norm.weight,
+            None if norm is None else norm.bias, 0.0 if norm is None else norm.eps, weight,
+            kind, *launch(kind)))
+        y = graph.call_function(operator.getitem, (new, 0))
+        total = graph.call_function(operator.getitem, (new, 1))
+        shaped = graph.call_function(aten.reshape.default, (total, list(_val(norm.value).shape))
+                                     ) if adds else None
+    y.meta["val"] = _val(product)
+    like = _val(folded.first)
+    total.meta["val"] = like.new_empty([k] if rows == 1 else [rows, k]) if adds \
+        else like.new_empty(0)
+    new.meta["val"] = (y.meta["val"], total.meta["val"])
+    product.replace_all_uses_with(y)
+    if adds:
+        shaped.meta["val"] = _val(norm.value)
+        norm.value.replace_all_uses_with(shaped)
 
 
 def _launch_args(prologue: int, weight, config, tune: bool) -> tuple:
@@ -343,7 +344,7 @@ def _fold_add_rmsnorm(graph, gemv, value, summed, norm_weight, eps, weight, conf
                       rows: int = 1):
     """The GEMV (or GEMM of ``rows`` rows) of ``rmsnorm(a + b)`` placed where the sum was
     computed; the sum's every other reader takes the new kernel's copy of it."""
-    with graph.inserting_before(value.next):  # in order, right after the sum
+    with graph.inserting_before(_first_reader(graph, value)):  # in order, after the sum
         a, b = (_flat(graph, t, k, rows) for t in summed)
         new = graph.call_function(_prologue_op("add_rmsnorm", rows),
                                   (a, b, norm_weight, eps, weight, *config))
@@ -367,6 +368,7 @@ def _source_hash() -> str:
     from . import attention_rope, attention_rope_pass, gemv_prologue_tuning
 
     for path in (Path(__file__), Path(gemv_prologues.__file__), Path(decode_attention.__file__),
+                 Path(gemv_prologue_patterns.__file__),
                  Path(attention_rope.__file__), Path(attention_rope_pass.__file__),
                  Path(gemv_prologue_tuning.__file__)):
         digest.update(path.read_bytes())
@@ -398,10 +400,13 @@ def _make_pass():
             done.roped = roped
             self.runs.append(done)
             if done.total or roped:
-                log.info("gemv prologues: %d of %d GEMVs folded (%d norms of a residual sum, "
-                         "%d norms, %d gated activations, %d attention joins); %d attentions "
+                log.info("gemv prologues: %d of %d GEMVs and %d GEMMs of rows folded (%d RMS "
+                         "and %d layer norms of a residual sum, %d RMS and %d layer norms, %d "
+                         "gated activations, %d GELUs, %d attention joins); %d attentions "
                          "took their rotary embedding", done.total, done.gemvs,
-                         done.add_rmsnorm, done.rmsnorm, done.gated, done.joined, roped)
+                         done.gemms_of_rows, done.add_rmsnorm, done.add_layernorm,
+                         done.rmsnorm, done.layernorm, done.gated, done.gelu, done.joined,
+                         roped)
             if self.then is not None:
                 self.then(graph)
 

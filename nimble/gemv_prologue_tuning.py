@@ -32,7 +32,9 @@ from .fast_gemv import GemvConfig, copies_past_l2, replay_us
 log = logging.getLogger("nimble")
 
 PROLOGUE_NAMES = {gp.RMSNORM: "rmsnorm", gp.ADD_RMSNORM: "add_rmsnorm",
-                  gp.SILU_GATED: "silu_gated"}
+                  gp.SILU_GATED: "silu_gated", gp.LAYERNORM: "layernorm",
+                  gp.ADD_LAYERNORM: "add_layernorm", gp.GELU_TANH: "gelu_tanh",
+                  gp.GELU_ERF: "gelu_erf"}
 
 
 @dataclass(frozen=True)
@@ -154,12 +156,17 @@ def graph_timer(shape: PrologueShape, launch: PrologueLaunch, replays: int = 5) 
         rotation = [weight] + [weight.clone() for _ in range(copies_past_l2(size, device) - 1)]
         a, b = (torch.randn(k, device=device, dtype=dt, generator=g) for _ in range(2))
         norm_weight = torch.ones(k, device=device, dtype=dt)
-        second = None if shape.prologue == gp.RMSNORM else b
-        norm = None if shape.prologue == gp.SILU_GATED else norm_weight
+        second = b if gp.second_input(shape.prologue) else None
+        norm = norm_weight if shape.prologue in gp.NORMS else None
+        # the biases a GPT-2's folds read (a layer norm's, the projection's before it): a
+        # vector more from the L2, timed as the step reads it
+        bias = b if shape.prologue in gp.BIASED and shape.prologue != gp.ADD_RMSNORM else None
+        norm_bias = b if shape.prologue in (gp.LAYERNORM, gp.ADD_LAYERNORM) else None
 
         def call(w):
             return gp.launch(shape.prologue, a, second, norm, 1e-6, w, launch.config,
-                             ahead=launch.ahead, per_sm=launch.per_sm)
+                             ahead=launch.ahead, per_sm=launch.per_sm, bias=bias,
+                             norm_bias=norm_bias)
         return replay_us(call, rotation, device, replays)
 
 

@@ -29,12 +29,12 @@ import torch
 from .fast_gemv import GemvConfig
 from . import kernel_waits
 from .kernel_waits import waits
+# the kinds, a name of this module too (the tests' and the tuning's gp.RMSNORM, gp.ADDS...)
+from .prologue_kinds import (ADD_LAYERNORM, ADD_RMSNORM, ADDS, BIASED, GELU_ERF,  # noqa: F401
+                             GELU_TANH, LAYERNORM, NORMS, RMSNORM, SILU_GATED, second_input)
 
 _KERNELS: list = []
 
-#: What a prologue computes: an RMS norm of the input, of the input plus a residual, or a
-#: SiLU-gated product of two inputs (the kernel's ``PROLOGUE``).
-RMSNORM, ADD_RMSNORM, SILU_GATED = 0, 1, 2
 #: Programs per multiprocessor the prologue GEMV launches at most: past that, its programs walk
 #: the weight's row blocks grid-stride, each computing the norm once rather than once per block
 #: (a tall weight, the gate-up projection or the LM head, is several waves of blocks).
@@ -72,12 +72,15 @@ def programs(blocks: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM) -
 def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
            norm_weight: Optional[torch.Tensor], eps: float, weight: torch.Tensor,
            config: GemvConfig, grid: int | None = None, ahead: int | None = None,
-           per_sm: int | None = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+           per_sm: int | None = None, bias: Optional[torch.Tensor] = None,
+           norm_bias: Optional[torch.Tensor] = None
+           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``weight @ prologue(a, b)`` for vectors ``a`` (and ``b``) of ``in_features`` elements,
-    on the current stream; with :data:`ADD_RMSNORM` also ``a + b``, else None.  ``grid``: the
-    programs to launch (default :func:`programs` with ``per_sm``, default
-    :data:`PROGRAMS_PER_SM`), each walking the row blocks grid-stride; ``ahead``: the tiles
-    asked for ahead (default :data:`TILES_AHEAD`)."""
+    on the current stream; with :data:`ADD_RMSNORM` or :data:`ADD_LAYERNORM` also ``a + b``,
+    else None.  ``bias``: a vector added to ``a`` first (:data:`BIASED` prologues);
+    ``norm_bias``: a layer norm's shift.  ``grid``: the programs to launch (default
+    :func:`programs` with ``per_sm``, default :data:`PROGRAMS_PER_SM`), each walking the row
+    blocks grid-stride; ``ahead``: the tiles asked for ahead (default :data:`TILES_AHEAD`)."""
     import triton
 
     n, k = weight.shape
@@ -85,33 +88,63 @@ def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
     b = a if b is None else b.contiguous()
     nw = a if norm_weight is None else norm_weight.contiguous()
     y = torch.empty(n, dtype=a.dtype, device=a.device)
-    total = torch.empty_like(a) if prologue == ADD_RMSNORM else None
+    total = torch.empty_like(a) if prologue in ADDS else None
     blocks = triton.cdiv(n, config.block_n)
     _kernels()[0][(grid or programs(blocks, a.device, per_sm or PROGRAMS_PER_SM),)](
-        a, b, nw, weight, y, a if total is None else total, n, k, weight.stride(0), eps,
+        a, b, nw, weight, y, a if total is None else total,
+        a if bias is None else bias.contiguous(),
+        a if norm_bias is None else norm_bias.contiguous(), n, k, weight.stride(0), eps,
         PROLOGUE=prologue, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NORM_BLOCK=min(triton.next_power_of_2(k), MAX_NORM_BLOCK), WAITS=waits(a.device),
         LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, AHEAD=ahead or TILES_AHEAD,
-        num_warps=config.warps, num_stages=config.stages)
+        HAS_C=bias is not None, HAS_NB=norm_bias is not None, num_warps=config.warps,
+        num_stages=config.stages)
     return y, total
 
 
 def reference(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
               norm_weight: Optional[torch.Tensor], eps: float,
-              weight: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+              weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              norm_bias: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """What :func:`launch` computes, in torch's operations (rounded where the kernel rounds,
     the product summed in float32): the CPU's kernel and the tests' reference."""
+    x, total = prologue_reference(prologue, a, b, norm_weight, eps, bias, norm_bias)
+    return (weight.float() @ x.float()).to(a.dtype), total
+
+
+def prologue_reference(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
+                       norm_weight: Optional[torch.Tensor], eps: float,
+                       bias: Optional[torch.Tensor] = None,
+                       norm_bias: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The vector a prologue computes from ``a`` (a vector, or rows normalised each on its
+    own), and the residual sum where it adds one, rounded where the kernels round."""
     dt = a.dtype
-    total = None
+    if prologue in BIASED and bias is not None:
+        a = (a.float() + bias.float()).to(dt)
     if prologue == SILU_GATED:
-        x = (torch.nn.functional.silu(a.float()).to(dt).float() * b.float()).to(dt)
-    else:
-        if prologue == ADD_RMSNORM:
-            a = total = (a.float() + b.float()).to(dt)
-        a32 = a.float()
-        rs = torch.rsqrt(a32.pow(2).mean() + eps)
-        x = (norm_weight.float() * (a32 * rs).to(dt).float()).to(dt)
-    return (weight.float() @ x.float()).to(dt), total
+        return (torch.nn.functional.silu(a.float()).to(dt).float() * b.float()).to(dt), None
+    if prologue in (GELU_TANH, GELU_ERF):
+        g = a.float()
+        if prologue == GELU_TANH:
+            t = torch.tanh(0.7978845608028654 * (g + 0.044715 * (g * g * g)))
+        else:
+            t = torch.erf(g * 0.7071067811865476)
+        return (0.5 * g * (1.0 + t)).to(dt), None
+    total = None
+    if prologue in ADDS:
+        a = total = (a.float() + b.float()).to(dt)
+    a32 = a.float()
+    if prologue in (RMSNORM, ADD_RMSNORM):
+        rs = torch.rsqrt(a32.pow(2).mean(-1, keepdim=True) + eps)
+        return (norm_weight.float() * (a32 * rs).to(dt).float()).to(dt), total
+    mean = a32.mean(-1, keepdim=True)
+    rs = torch.rsqrt((a32 - mean).pow(2).mean(-1, keepdim=True) + eps)
+    y = (a32 - mean) * rs * norm_weight.float()
+    if norm_bias is not None:
+        y = y + norm_bias.float()
+    return y.to(dt), total
 
 
 def launch_joined(part: torch.Tensor, stat: torch.Tensor, weight: torch.Tensor,
@@ -140,12 +173,38 @@ def joined_reference(part, stat, weight, layout) -> torch.Tensor:
 
 
 def _run(prologue: int, a, b, norm_weight, eps: float, weight, config: tuple,
-         per_sm: int = 0, ahead: int = 0):
+         per_sm: int = 0, ahead: int = 0, bias=None, norm_bias=None):
     """The operators' body; ``per_sm`` and ``ahead`` 0: the module's defaults at launch."""
     if not a.is_cuda:  # the tests' CPU runs: the same roundings in torch's operations
-        return reference(prologue, a, b, norm_weight, eps, weight)
+        return reference(prologue, a, b, norm_weight, eps, weight, bias, norm_bias)
     return launch(prologue, a, b, norm_weight, eps, weight, GemvConfig(*config),
-                  ahead=ahead or None, per_sm=per_sm or None)
+                  ahead=ahead or None, per_sm=per_sm or None, bias=bias, norm_bias=norm_bias)
+
+
+def _no_sum(x: torch.Tensor) -> torch.Tensor:
+    """The generic operators' second result where their prologue adds no residual."""
+    return x.new_empty(0)
+
+
+@torch.library.custom_op("nimble::gemv_prologue", mutates_args=())
+def gemv_prologue(x: torch.Tensor, second: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                  norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+                  eps: float, weight: torch.Tensor, prologue: int, block_n: int, block_k: int,
+                  warps: int, stages: int, per_sm: int = 0, ahead: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight @ prologue(x, second)`` for any prologue (the layer norms and the GELUs fold
+    through it): the product, and the residual sum where the prologue adds one (else an
+    empty tensor)."""
+    y, total = _run(prologue, x, second, norm_weight, eps, weight,
+                    (block_n, block_k, warps, stages), per_sm, ahead, bias, norm_bias)
+    return y, _no_sum(x) if total is None else total
+
+
+@gemv_prologue.register_fake
+def _gemv_prologue_shape(x, second, bias, norm_weight, norm_bias, eps, weight, prologue,
+                         block_n, block_k, warps, stages, per_sm=0, ahead=0):
+    return x.new_empty(weight.shape[0]), x.new_empty(x.shape) if prologue in ADDS \
+        else _no_sum(x)
 
 
 @torch.library.custom_op("nimble::gemv_rmsnorm", mutates_args=())
@@ -215,18 +274,39 @@ def _gemv_joined_shape(part, stat, weight, groups, kv_heads, splits, head_dim, b
 
 # ---- the same prologues before a GEMM of a few rows (nimble.gemm_rows) ---------------------
 
-def _rows(prologue: int, a, b, norm_weight, eps: float, weight, launch: tuple):
+def _rows(prologue: int, a, b, norm_weight, eps: float, weight, launch: tuple, bias=None,
+          norm_bias=None):
     """The rows operators' body: :func:`nimble.gemm_rows.launch_gemm_rows_prologue` on the GPU,
     else :func:`reference` row by row (the tests' CPU runs)."""
     if not a.is_cuda:
-        outs = [reference(prologue, a[i], None if b is None else b[i], norm_weight, eps, weight)
-                for i in range(a.shape[0])]
-        total = torch.stack([t for _, t in outs]) if prologue == ADD_RMSNORM else None
+        outs = [reference(prologue, a[i], None if b is None else b[i], norm_weight, eps, weight,
+                          bias, norm_bias) for i in range(a.shape[0])]
+        total = torch.stack([t for _, t in outs]) if prologue in ADDS else None
         return torch.stack([y for y, _ in outs]), total
     from . import gemm_rows
 
     return gemm_rows.launch_gemm_rows_prologue(prologue, a, b, norm_weight, eps, weight,
-                                               *launch)
+                                               *launch, bias=bias, norm_bias=norm_bias)
+
+
+@torch.library.custom_op("nimble::gemm_rows_prologue", mutates_args=())
+def gemm_rows_prologue(x: torch.Tensor, second: Optional[torch.Tensor],
+                       bias: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor],
+                       norm_bias: Optional[torch.Tensor], eps: float, weight: torch.Tensor,
+                       prologue: int, block_n: int, block_k: int, warps: int, stages: int,
+                       split: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prologue(x, second) @ weight.t()`` for ``x`` of 2 to 16 rows, each row on its own, for
+    any prologue: the product, and the residual sum where it adds one (else empty)."""
+    y, total = _rows(prologue, x, second, norm_weight, eps, weight,
+                     (block_n, block_k, warps, stages, split), bias, norm_bias)
+    return y, _no_sum(x) if total is None else total
+
+
+@gemm_rows_prologue.register_fake
+def _gemm_rows_prologue_shape(x, second, bias, norm_weight, norm_bias, eps, weight, prologue,
+                              block_n, block_k, warps, stages, split=1):
+    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape) \
+        if prologue in ADDS else _no_sum(x)
 
 
 @torch.library.custom_op("nimble::gemm_rows_rmsnorm", mutates_args=())

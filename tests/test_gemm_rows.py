@@ -24,7 +24,7 @@ def test_the_kernel_sums_every_row_of_every_case_and_a_row_alone_gives_its_bits(
     from helpers import interpreted_cases
 
     cases = interpreted_cases(Path(__file__).parent / "workers" / "gemm_rows_interpreted.py")
-    assert len(cases) == 11, sorted(cases)
+    assert len(cases) == 15, sorted(cases)
     for name, case in cases.items():
         if name.startswith("prologue"):  # the rows an RMS norm or a gated product of inputs
             assert case["sum_equal"], name
@@ -42,10 +42,14 @@ def test_the_prologues_are_the_gemvs_and_a_bad_one_is_refused():
     assert (gp.RMSNORM, gp.ADD_RMSNORM, gp.SILU_GATED) == (0, 1, 2)
     a = torch.randn(4, 32, dtype=torch.float16)
     w = torch.randn(8, 32, dtype=torch.float16)
-    for prologue, b, nw, words in ((3, a, None, "is not RMSNORM"), (1, None, None, "second"),
+    for prologue, b, nw, words in ((7, a, None, "none of"), (1, None, None, "second"),
+                                   (4, None, a[0], "second"), (3, None, None, "norm's weight"),
                                    (2, a[:, :16], None, "second"), (0, None, a[0, :8], "vector")):
         with pytest.raises(InputError, match=words):
             gemm_rows.launch_gemm_rows_prologue(prologue, a, b, nw, 1e-5, w, *ROWS.row_args)
+    with pytest.raises(InputError, match="bias is a vector of 32"):
+        gemm_rows.launch_gemm_rows_prologue(gp.GELU_TANH, a, None, None, 0.0, w,
+                                            *ROWS.row_args, bias=a[0, :16])
 
 
 def test_columns_are_split_into_whole_steps_and_no_part_is_empty():

@@ -3,6 +3,7 @@ float32 and float16), and the pass on graphs Inductor compiles on the CPU: what 
 tiny Llama, what it leaves, and the outputs it keeps."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ def interpreted() -> dict:
 
 
 def test_the_kernel_computes_each_prologue_then_the_gemv(interpreted):
-    assert len(interpreted) == 36
+    assert len(interpreted) == 86
     for name, r in interpreted.items():
         if name.startswith("joined"):
             continue
@@ -363,15 +364,18 @@ def test_the_kernels_compile_for_a_hopper_gpu_on_a_machine_without_one():
         return kernel.asm["ptx"]
 
     pointers = {name: "*bf16" for name in ("a_ptr", "b_ptr", "nw_ptr", "w_ptr", "y_ptr",
-                                           "sum_ptr")}
-    for prologue, ahead in ((0, 1), (1, 1), (2, 1), (1, 2), (2, 2)):
+                                           "sum_ptr", "c_ptr", "nb_ptr")}
+    flags = ("PROLOGUE", "BLOCK_N", "BLOCK_K", "NORM_BLOCK", "WAITS", "LATE", "AHEAD", "HAS_C",
+             "HAS_NB")
+    for prologue, ahead, biased in ((0, 1, False), (1, 1, False), (2, 1, False), (1, 2, False),
+                                    (2, 2, False), (1, 1, True), (3, 1, True), (4, 1, True),
+                                    (4, 2, False), (5, 1, True), (6, 1, False)):
         ptx = compiled(kernels.gemv_prologue_kernel,
                        {**pointers, "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32",
-                        "PROLOGUE": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                        "NORM_BLOCK": "constexpr", "WAITS": "constexpr", "LATE": "constexpr",
-                        "AHEAD": "constexpr"},
+                        **{f: "constexpr" for f in flags}},
                        {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024, "NORM_BLOCK": 2048,
-                        "WAITS": True, "LATE": False, "AHEAD": ahead})
+                        "WAITS": True, "LATE": False, "AHEAD": ahead, "HAS_C": biased,
+                        "HAS_NB": biased})
         assert "gemv_prologue_kernel" in ptx
     ptx = compiled(kernels.gemv_joined_kernel,
                    {"part_ptr": "*fp32", "stat_ptr": "*fp32", "w_ptr": "*bf16", "y_ptr": "*bf16",
@@ -437,3 +441,122 @@ def test_other_decoders_norms_and_activations_fold_where_they_are_the_patterns(m
     assert (done.rmsnorm, done.add_rmsnorm, done.gated) == folds
     limit = 2 ** -6
     assert (plain.float() - folded.float()).abs().max() <= limit * plain.float().abs().max()
+
+
+def _product_on_every_device(x, weight, bias, config, row_configs=None):
+    """``fast_gemv._product`` without its GPU check: the swapped layers (``nn.Linear`` and
+    transformers' ``Conv1D``, GPT-2's) run the GEMV's and the GEMM of rows' operators in the
+    CPU's compiled graphs too."""
+    k = weight.shape[1]
+    rows = x.numel() // k
+    if rows == 1 and config is not None:
+        y = torch.ops.nimble.gemv(x.reshape(k).contiguous(), weight, *config.args)
+    elif row_configs and rows in row_configs and x.dtype != torch.float32:
+        y = torch.ops.nimble.gemm_rows(x.reshape(rows, k).contiguous(), weight,
+                                       *row_configs[rows].row_args)
+    else:
+        return None
+    y = y if bias is None else y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _tiny_gpt2(monkeypatch, dtype):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(fast_gemv_module, "_product", _product_on_every_device)
+    config = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=500,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).to(dtype).eval()
+
+
+@contextlib.contextmanager
+def _prologue_calls():
+    """The generic prologue operators each compilation's pass leaves inside the block, as
+    (kind, has a bias, has a norm's bias): seen by a pass set before the fold pass, which the
+    fold chains to."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    seen = []
+    generic = (torch.ops.nimble.gemv_prologue.default, torch.ops.nimble.gemm_rows_prologue.default)
+
+    class Look(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append([(n.args[7], n.args[2] is not None, n.args[4] is not None)
+                         for n in graph.nodes if n.op == "call_function" and n.target in generic])
+
+        def uuid(self):
+            return "look"
+
+    with inductor_config.patch(post_grad_custom_post_pass=Look()):
+        yield seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tiny_gpt2s_layer_norms_and_gelus_fold_with_the_projections_biases(monkeypatch, dtype):
+    """GPT-2 on the GEMV (its Conv1D projections): each layer norm reads a residual sum (the
+    first, the embeddings' sum) whose operand is a projection's output plus its bias, and each
+    MLP's GELU (tanh) reads the up projection's output plus its bias; every one folds, the
+    biases with them, and the logits are the unfolded graph's."""
+    with _prologue_calls() as seen:
+        plain, folded, the_pass = _one_token_logits_folded(_tiny_gpt2(monkeypatch, dtype))
+    [done] = [r for r in the_pass.runs if r.gemvs]
+    assert (done.gemvs, done.layernorm, done.add_layernorm, done.gelu, done.rmsnorm) == \
+        (9, 0, 5, 2, 0)
+    calls = next(c for c in seen if c)
+    gp = prologue_pass.gemv_prologues
+    # the embeddings' sum has no bias; each later norm's sum, and each GELU, takes one
+    assert sorted(calls) == sorted([(gp.ADD_LAYERNORM, False, True)]
+                                   + [(gp.ADD_LAYERNORM, True, True)] * 4
+                                   + [(gp.GELU_TANH, True, False)] * 2), calls
+    limit = 1e-5 if dtype == torch.float32 else 2 ** -6
+    assert (plain.float() - folded.float()).abs().max() <= limit * plain.float().abs().max()
+
+
+def test_a_tiny_gpt2s_folds_reach_its_gemms_of_four_rows(monkeypatch):
+    monkeypatch.setattr(prologue_pass, "FOLD_ROWS", True)
+    plain, folded, the_pass = _one_token_logits_folded(_tiny_gpt2(monkeypatch, torch.bfloat16),
+                                                       batch=4)
+    [done] = [r for r in the_pass.runs if r.gemms_of_rows]
+    # the embeddings' sum broadcasts the positions' row over the batch: no residual sum of
+    # rows, a plain layer norm of it
+    assert (done.gemms_of_rows, done.layernorm, done.add_layernorm, done.gelu) == (9, 1, 4, 2)
+    assert not torch.equal(folded[0], folded[1])
+    assert (plain.float() - folded.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()
+
+
+class NormedMLP(nn.Module):
+    """A layer norm without a bias of its own, a projection with a bias, an exact GELU, and
+    a projection without: every GEMM a GEMV."""
+
+    def __init__(self, k, bias_in_norm: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(k, bias=bias_in_norm)
+        self.up = nn.Linear(k, 2 * k)
+        self.down = nn.Linear(2 * k, k, bias=False)
+
+    def forward(self, x):
+        return self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+@pytest.mark.parametrize("bias_in_norm", [False, True])
+def test_a_layer_norm_and_an_exact_gelu_fold_into_the_gemvs_after_them(monkeypatch,
+                                                                       bias_in_norm):
+    from nimble.fast_gemv import fast_gemv
+
+    monkeypatch.setattr(fast_gemv_module, "_product", _product_on_every_device)
+    torch.manual_seed(5)
+    model = NormedMLP(64, bias_in_norm).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        model.norm.weight.add_(0.1 * torch.randn(64, dtype=torch.bfloat16))
+    fast_gemv(model, time=lambda c, weights, x: 1.0 if c is None else 0.5)
+    x = (torch.randn(1, 64) + 2.0).to(torch.bfloat16)  # an offset the centring takes out
+    with torch.no_grad(), _prologue_calls() as seen:
+        plain, _ = _compiled(model, x, fusing=False)
+        folded, the_pass = _compiled(model, x, fusing=True)
+    done = the_pass.runs[-1]
+    assert (done.gemvs, done.layernorm, done.gelu, done.add_layernorm) == (2, 1, 1, 0)
+    gp = prologue_pass.gemv_prologues
+    assert sorted(next(c for c in seen if c)) == [(gp.LAYERNORM, False, bias_in_norm),
+                                                  (gp.GELU_ERF, True, False)]
+    assert (plain.float() - folded.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()

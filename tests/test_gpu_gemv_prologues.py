@@ -24,23 +24,29 @@ def test_each_prologue_gemv_matches_its_reference_in_float64(dtype):
         w = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
         a, b = (torch.randn(k, device="cuda", dtype=dt) for _ in range(2))
         nw = (1 + 0.1 * torch.randn(k, device="cuda")).to(dt)
-        for prologue in (gp.RMSNORM, gp.ADD_RMSNORM, gp.SILU_GATED):
-            second = None if prologue == gp.RMSNORM else b
-            norm_weight = None if prologue == gp.SILU_GATED else nw
+        bias, nb = ((0.3 * torch.randn(k, device="cuda")).to(dt) for _ in range(2))
+        for prologue in range(7):  # every kind, the biased ones with their biases
+            second = b if gp.second_input(prologue) else None
+            norm_weight = nw if prologue in gp.NORMS else None
+            extra = {"bias": bias if prologue in gp.BIASED and prologue != gp.ADD_RMSNORM
+                     else None,
+                     "norm_bias": nb if prologue in (gp.LAYERNORM, gp.ADD_LAYERNORM) else None}
+            cpu = {name: None if v is None else v.cpu() for name, v in extra.items()}
             want, want_total = gp.reference(prologue, a.cpu(), None if second is None
                                             else second.cpu(), None if norm_weight is None
-                                            else norm_weight.cpu(), 1e-5, w.cpu())
+                                            else norm_weight.cpu(), 1e-5, w.cpu(), **cpu)
             for config in CONFIGS:
-                got, total = gp.launch(prologue, a, second, norm_weight, 1e-5, w, config)
+                got, total = gp.launch(prologue, a, second, norm_weight, 1e-5, w, config,
+                                       **extra)
                 error = float((got.cpu().double() - want.double()).norm()
                               / want.double().norm())
                 limit = {torch.bfloat16: 2e-2, torch.float16: 3e-3}.get(dt, 1e-5)
                 assert error < limit, (n, k, prologue, config, error)
-                if prologue == gp.ADD_RMSNORM:
+                if prologue in gp.ADDS:
                     assert torch.equal(total.cpu(), want_total), (n, k, config)
                 # two tiles asked ahead: the same loads and sums, so the same bits
                 two_ahead, _ = gp.launch(prologue, a, second, norm_weight, 1e-5, w, config,
-                                         ahead=2)
+                                         ahead=2, **extra)
                 assert torch.equal(two_ahead, got), (n, k, prologue, config)
 
 
@@ -117,6 +123,102 @@ def test_a_llamas_folded_gemvs_prepare_proven_and_decode_as_the_unfolded_ones():
     # the folds round as the model's code does, so only the GEMV's order of sums and
     # Inductor's unrounded intermediates differ: the first tokens are the same (later ones
     # may part at a near-tie, and all after it with it)
+    assert torch.equal(tokens[True][:, :136], tokens[False][:, :136]), (tokens[True],
+                                                                        tokens[False])
+
+
+def test_a_llamas_gemms_of_four_rows_fold_their_norms_prepare_proven_and_decode_as_unfolded(
+        monkeypatch):
+    """FOLD_ROWS: at batch 4 every projection on the GEMM of rows, each norm (of a residual
+    sum) and gated activation computed by the GEMM after it, row by row; the decode step
+    proven bit for bit and its tokens those of the unfolded step."""
+    import torch
+
+    pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+    import nimble.gemv_prologue_pass as prologue_pass
+    from nimble.cli.decoders import causal_lm
+    from nimble.fast_gemv import fast_gemv
+    from nimble.fused_projections import fuse_projections
+    from nimble.generate import Generator, prepare_with_nimble
+
+    batch = 4
+    model = causal_lm("llama_small", "bfloat16")
+    fuse_projections(model)
+    fast_gemv(model, time=lambda config, weights, x: 1.0 if config is None else 0.5,
+              rows=(batch,), row_margin=-10.0)
+    torch.manual_seed(4)
+    ids = torch.randint(0, model.config.vocab_size, (batch, 128), device="cuda")
+    tokens, tasks = {}, {}
+    for folded in (False, True):
+        monkeypatch.setattr(prologue_pass, "FOLD_ROWS", folded)
+        torch._dynamo.reset()
+        with prologue_pass.fusing() as the_pass:
+            generator = Generator(model, max_cache_len=128 + NEW_TOKENS, prompt_buckets=[128],
+                                  batch_sizes=[batch],
+                                  prepare_step=prepare_with_nimble(None, True))
+        try:
+            decode, _ = generator.steps(batch)
+            assert not decode.graph.meta["verified"]["not_bitwise"]
+            tasks[folded] = len(decode.graph.tasks)
+            tokens[folded] = generator.generate(ids, NEW_TOKENS)
+            assert torch.equal(generator.generate(ids, NEW_TOKENS), tokens[folded])
+        finally:
+            generator.close()
+        if folded:  # every layer's two norms and its gated activation, and the final norm
+            done = [r for r in the_pass.runs if r.gemms_of_rows]
+            assert max(r.total for r in done) == 3 * model.config.num_hidden_layers + 1, done
+        else:
+            assert sum(r.total for r in the_pass.runs) == 0, the_pass.runs
+    assert tasks[True] < tasks[False], tasks
+    assert torch.equal(tokens[True][:, :136], tokens[False][:, :136]), (tokens[True],
+                                                                        tokens[False])
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_gpt2s_layer_norms_and_gelus_fold_prepare_proven_and_decode_as_unfolded(
+        monkeypatch, batch):
+    """GPT-2 (its Conv1D projections on the GEMV, at batch 4 on the GEMM of rows with
+    FOLD_ROWS): each layer norm of a residual sum and each GELU folded with the projection's
+    bias before it; the step proven bit for bit, fewer tasks, the unfolded step's tokens."""
+    import torch
+
+    pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+    import nimble.gemv_prologue_pass as prologue_pass
+    from nimble.cli.decoders import causal_lm
+    from nimble.fast_gemv import fast_gemv
+    from nimble.fused_projections import fuse_projections
+    from nimble.generate import Generator, prepare_with_nimble
+
+    model = causal_lm("gpt2_tiny", "float16")
+    fuse_projections(model)
+    fast_gemv(model, time=lambda config, weights, x: 1.0 if config is None else 0.5,
+              rows=(batch,), row_margin=-10.0)
+    monkeypatch.setattr(prologue_pass, "FOLD_ROWS", True)
+    torch.manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (batch, 128), device="cuda")
+    tokens, tasks = {}, {}
+    for folded in (False, True):
+        torch._dynamo.reset()
+        with (prologue_pass.fusing() if folded else contextlib.nullcontext()) as the_pass:
+            generator = Generator(model, max_cache_len=128 + NEW_TOKENS, prompt_buckets=[128],
+                                  batch_sizes=[batch],
+                                  prepare_step=prepare_with_nimble(None, True))
+        try:
+            decode, _ = generator.steps(batch)
+            assert not decode.graph.meta["verified"]["not_bitwise"]
+            tasks[folded] = len(decode.graph.tasks)
+            tokens[folded] = generator.generate(ids, NEW_TOKENS)
+            assert torch.equal(generator.generate(ids, NEW_TOKENS), tokens[folded])
+        finally:
+            generator.close()
+        if folded:
+            done = max(the_pass.runs, key=lambda r: r.total)
+            layers = model.config.n_layer
+            # every norm (the first of the embeddings' sum: a plain one where the batch
+            # broadcasts the positions' row), every GELU
+            assert done.layernorm + done.add_layernorm == 2 * layers + 1, done
+            assert done.gelu == layers, done
+    assert tasks[True] < tasks[False], tasks
     assert torch.equal(tokens[True][:, :136], tokens[False][:, :136]), (tokens[True],
                                                                         tokens[False])
 

@@ -46,11 +46,12 @@ def _prologue(prologue: int, late: bool = False, ahead: int = 1) -> list[str]:
     import nimble.gemv_prologue_kernels as kernels
 
     pointers = {name: "*bf16" for name in ("a_ptr", "b_ptr", "nw_ptr", "w_ptr", "y_ptr",
-                                           "sum_ptr")}
+                                           "sum_ptr", "c_ptr", "nb_ptr")}
     return _ptx(kernels.gemv_prologue_kernel,
                 {**pointers, "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32"},
                 {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024, "NORM_BLOCK": 2048,
-                 "WAITS": True, "LATE": late, "AHEAD": ahead}, num_warps=8)
+                 "WAITS": True, "LATE": late, "AHEAD": ahead, "HAS_C": prologue in (4, 5),
+                 "HAS_NB": prologue == 4}, num_warps=8)
 
 
 def _attention(kernel: str, cache_early: bool = False) -> list[str]:
@@ -81,12 +82,14 @@ def _attention(kernel: str, cache_early: bool = False) -> list[str]:
 
 
 @pytest.mark.parametrize("kernel", ["gemv", "gemv early 2", "rmsnorm", "add_rmsnorm", "gated",
-                                    "add_rmsnorm two ahead", "gated two ahead"])
+                                    "add_rmsnorm two ahead", "gated two ahead", "layernorm",
+                                    "add_layernorm", "gelu_tanh", "gelu_erf"])
 def test_a_gemv_asks_for_its_first_weight_tile_alone_before_its_wait(kernel):
     """Before the wait: the weight's loads (the only ones evicted first) and no other load,
     no store, no atomic; after it, the rest.  The dependents may launch from the start."""
     lines = _gemv(True, 2 if "early" in kernel else 1) if "gemv" in kernel else _prologue(
-        {"rmsnorm": 0, "add_rmsnorm": 1, "gated": 2}[kernel.split()[0]],
+        {"rmsnorm": 0, "add_rmsnorm": 1, "gated": 2, "layernorm": 3, "add_layernorm": 4,
+         "gelu_tanh": 5, "gelu_erf": 6}[kernel.split()[0]],
         ahead=2 if "two ahead" in kernel else 1)
     early = _before_the_wait(lines)
     loads = _memory(early, "ld.global")
@@ -102,20 +105,23 @@ def _gemm_rows(block_n: int, partial: bool, late: bool = True, joins: bool = Tru
 
     return _ptx(gemm_rows._kernel(), {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
                                       "part_ptr": "*fp32", "count_ptr": "*i32", "b_ptr": "*bf16",
-                                      "nw_ptr": "*bf16", "sum_ptr": "*bf16", "M": "i32",
+                                      "nw_ptr": "*bf16", "sum_ptr": "*bf16",
+                                      "c_ptr": "*bf16", "nb_ptr": "*bf16", "M": "i32",
                                       "N": "i32", "K": "i32", "stride_w": "i32",
                                       "stride_x": "i32", "stride_b": "i32", "K_CHUNK": "i32",
                                       "eps": "fp32"},
                 {"M_PAD": 16 if block_n >= 16 else 8, "BLOCK_N": block_n, "BLOCK_K": 128,
                  "PARTIAL": partial, "LAST_JOINS": partial and joins, "WAITS": True,
-                 "LATE": late, "PROLOGUE": prologue, "NORM_BLOCK": 512}, num_warps=4)
+                 "LATE": late, "PROLOGUE": prologue, "NORM_BLOCK": 512,
+                 "HAS_C": prologue in (4, 5), "HAS_NB": prologue == 4}, num_warps=4)
 
 
 @pytest.mark.parametrize("kernel", ["tensor cores", "cuda cores", "split", "split early",
                                     "split, a second kernel adds", "rmsnorm", "add_rmsnorm",
-                                    "gated"])
+                                    "gated", "add_layernorm", "gelu"])
 def test_a_gemm_of_rows_asks_for_its_first_weight_tile_alone_before_its_wait(kernel):
-    prologue = {"rmsnorm": 0, "add_rmsnorm": 1, "gated": 2}.get(kernel, -1)
+    prologue = {"rmsnorm": 0, "add_rmsnorm": 1, "gated": 2, "add_layernorm": 4,
+                "gelu": 5}.get(kernel, -1)
     lines = _gemm_rows(2 if kernel == "cuda cores" else 32, "split" in kernel,
                        late="early" not in kernel, joins="second" not in kernel,
                        prologue=prologue)

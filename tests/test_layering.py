@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nimble"
 RANK = {"_version": 0, "errors": 0, "progress": 0, "driver": 1, "ir": 1, "analysis": 2, "record": 3,
         "engine": 4, "debug": 5, "api": 6, "inspection": 6, "generate": 7, "decode_steps": 7,
         "fused_projections": 7, "fast_gemv": 7, "gemm_rows": 7, "gemm_rows_kernels": 7, "gemv_prologues": 7,
-        "gemv_prologue_pass": 7, "gemv_prologue_kernels": 7, "gemv_prologue_tuning": 7,
+        "gemv_prologue_pass": 7, "gemv_prologue_patterns": 7, "prologue_kinds": 7, "gemv_prologue_kernels": 7, "gemv_prologue_tuning": 7,
         "kernel_waits": 7, "peer_sum": 7, "peer_sum_kernels": 7,
         "decode_attention": 7, "decode_attention_kernels": 7, "attention_rope": 7,
         "attention_rope_pass": 7, "fx_patterns": 7, "compile_backend": 7, "fast_decoding": 7,

@@ -17,9 +17,13 @@ WAITING_KERNELS: dict[tuple[str, str], tuple[int, ...]] = {
     ("nimble::gemv_rmsnorm", "gemv_prologue_kernel"): (3,),
     ("nimble::gemv_add_rmsnorm", "gemv_prologue_kernel"): (3,),
     ("nimble::gemv_gated", "gemv_prologue_kernel"): (3,),
+    ("nimble::gemv_prologue", "gemv_prologue_kernel"): (3,),
     ("nimble::gemv_joined", "gemv_joined_kernel"): (),
     ("nimble::gemm_rows", "gemm_rows_kernel"): (1,),
     ("nimble::gemm_rows", "gemm_rows_reduce_kernel"): (),
+    **{(op, kernel): reads for op in ("nimble::gemm_rows_rmsnorm", "nimble::gemm_rows_add_rmsnorm",
+                                      "nimble::gemm_rows_gated", "nimble::gemm_rows_prologue")
+       for kernel, reads in (("gemm_rows_kernel", (1,)), ("gemm_rows_reduce_kernel", ()))},
     ("nimble::peer_sum", "nimble_peer_sum_kernel"): (2,),
     ("nimble::peer_gather", "nimble_peer_sum_kernel"): (2,),
     **{(op, kernel): () for op in ("nimble::decode_attention", "nimble::decode_attention_parts")

@@ -25,38 +25,51 @@ CASES = [  # rows, weight rows, input width, launch: within one step, ragged, ma
 ]
 
 
-PROLOGUE_CASES = [  # prologue, rows, weight rows, input width, launch
-    (0, 3, 20, 300, (16, 64, 4, 1)),
-    (1, 8, 21, 1000, (32, 128, 4, 1, 4)),  # the residual's sum, the columns split
-    (2, 5, 9, 200, (4, 64, 4, 1)),  # the gated product on the CUDA cores
+PROLOGUE_CASES = [  # prologue, rows, weight rows, input width, launch, biased
+    (0, 3, 20, 300, (16, 64, 4, 1), False),
+    (1, 8, 21, 1000, (32, 128, 4, 1, 4), False),  # the residual's sum, the columns split
+    (2, 5, 9, 200, (4, 64, 4, 1), False),  # the gated product on the CUDA cores
+    # a layer norm (shifted by its bias) of the residual sum with the projection's bias,
+    # the columns split; of the rows alone on the CUDA cores; the GELUs
+    (4, 8, 21, 1000, (32, 128, 4, 1, 4), True),
+    (3, 5, 9, 200, (4, 64, 4, 1), True),
+    (5, 4, 33, 300, (16, 64, 4, 1), True),
+    (6, 3, 20, 300, (16, 64, 4, 1), False),
 ]
 
 
 def prologue_cases() -> None:
-    from nimble import gemv_prologues
+    from nimble import gemv_prologues as gp
 
-    for prologue, rows, n, k, launch in PROLOGUE_CASES:
+    for prologue, rows, n, k, launch, biased in PROLOGUE_CASES:
         torch.manual_seed(prologue + rows + n)
         weight = torch.randn(n, k, dtype=torch.float16) / k ** 0.5
         a, b = torch.randn(rows, k, dtype=torch.float16), torch.randn(rows, k, dtype=torch.float16)
-        if prologue == 2:  # the gate and up halves of one fused projection's rows: rows apart
-            a, b = torch.cat([a, b], dim=1).split(k, dim=1)
+        if prologue == gp.SILU_GATED:  # the gate and up halves of one fused projection's
+            a, b = torch.cat([a, b], dim=1).split(k, dim=1)  # rows: rows apart
             assert a.stride(0) == 2 * k
+        if prologue in (gp.LAYERNORM, gp.ADD_LAYERNORM):  # an offset the centring takes out
+            a = (a.float() + 2.0).to(torch.float16)
         nw = torch.rand(k, dtype=torch.float16) + 0.5
-        args = (b if prologue else None, nw if prologue != 2 else None, 1e-5, weight)
-        got, total = gemm_rows.launch_gemm_rows_prologue(prologue, a, *args, *launch)
-        want = [gemv_prologues.reference(prologue, a[i], b[i], nw, 1e-5, weight)
-                for i in range(rows)]
+        second = b if gp.second_input(prologue) else None
+        extra = {"bias": (0.5 * torch.randn(k)).half() if biased and prologue in gp.BIASED
+                 else None,
+                 "norm_bias": (0.1 * torch.randn(k)).half() if biased and prologue in (
+                     gp.LAYERNORM, gp.ADD_LAYERNORM) else None}
+        args = (nw if prologue in gp.NORMS else None, 1e-5, weight)
+        got, total = gemm_rows.launch_gemm_rows_prologue(prologue, a, second, *args, *launch,
+                                                         **extra)
+        want = [gp.reference(prologue, a[i], b[i], *args, **extra) for i in range(rows)]
         ref = torch.stack([w[0] for w in want]).double()
         alone = [gemm_rows.launch_gemm_rows_prologue(
-            prologue, torch.cat([a[i:i + 1]] * 2), *(
-                (torch.cat([b[i:i + 1]] * 2) if prologue else None,) + args[1:]), *launch)[0][0]
-            for i in range(rows)]
+            prologue, torch.cat([a[i:i + 1]] * 2),
+            None if second is None else torch.cat([b[i:i + 1]] * 2), *args, *launch,
+            **extra)[0][0] for i in range(rows)]
         print(json.dumps({
             "case": f"prologue {prologue} {rows}x{k}@{n}",
             "shape": list(got.shape),
             "error": float((got.double() - ref).norm() / ref.norm()),
-            "sum_equal": total is None if prologue != 1 else torch.equal(
+            "sum_equal": total is None if prologue not in gp.ADDS else torch.equal(
                 total, torch.stack([w[1] for w in want])),
             "second_kernel_same": True,
             "rows_alone": all(torch.equal(got[i], alone[i]) for i in range(rows))}))

@@ -21,7 +21,12 @@ SHAPES = [  # rows, input width, configuration, programs: ragged rows and column
     (45, 300, GemvConfig(4, 128, 4, 1), 3),
     (64, 10000, GemvConfig(8, 1024, 8, 1), 2),  # the norm's pass in two steps
 ]
-PROLOGUES = {"rmsnorm": gp.RMSNORM, "add_rmsnorm": gp.ADD_RMSNORM, "silu_gated": gp.SILU_GATED}
+#: Per case, its prologue and whether the projection's bias before it is added in first (and,
+#: for a layer norm, whether it shifts by a bias of its own).
+PROLOGUES = {"rmsnorm": (gp.RMSNORM, False), "add_rmsnorm": (gp.ADD_RMSNORM, False),
+             "silu_gated": (gp.SILU_GATED, False), "add_rmsnorm_biased": (gp.ADD_RMSNORM, True),
+             "layernorm": (gp.LAYERNORM, True), "add_layernorm": (gp.ADD_LAYERNORM, True),
+             "gelu_tanh": (gp.GELU_TANH, True), "gelu_erf": (gp.GELU_ERF, False)}
 
 
 def main() -> None:
@@ -31,13 +36,22 @@ def main() -> None:
             weight = torch.randn(n, k, dtype=dtype) / k ** 0.5
             a, b = torch.randn(k, dtype=dtype), torch.randn(k, dtype=dtype)
             norm_weight = (1 + 0.1 * torch.randn(k)).to(dtype)
-            for name, prologue in PROLOGUES.items():
-                second = None if prologue == gp.RMSNORM else b
-                nw = None if prologue == gp.SILU_GATED else norm_weight
-                y, total = gp.launch(prologue, a, second, nw, 1e-6, weight, config, grid)
-                two_ahead, _ = gp.launch(prologue, a, second, nw, 1e-6, weight, config, grid,
-                                         ahead=2)
-                want, want_total = gp.reference(prologue, a, second, nw, 1e-6, weight)
+            # an offset the layer norm's centring must take out (an RMS norm keeps it)
+            shifted = (a.float() + 3.0).to(dtype)
+            bias, norm_bias = (0.5 * torch.randn(k)).to(dtype), (0.1 * torch.randn(k)).to(dtype)
+            for name, (prologue, biased) in PROLOGUES.items():
+                second = b if gp.second_input(prologue) else None
+                nw = norm_weight if prologue in gp.NORMS else None
+                first = shifted if prologue in (gp.LAYERNORM, gp.ADD_LAYERNORM) else a
+                extra = {"bias": bias if biased and prologue in gp.BIASED else None,
+                         "norm_bias": norm_bias if biased and prologue in (
+                             gp.LAYERNORM, gp.ADD_LAYERNORM) else None}
+                y, total = gp.launch(prologue, first, second, nw, 1e-6, weight, config, grid,
+                                     **extra)
+                two_ahead, _ = gp.launch(prologue, first, second, nw, 1e-6, weight, config,
+                                         grid, ahead=2, **extra)
+                want, want_total = gp.reference(prologue, first, second, nw, 1e-6, weight,
+                                                **extra)
                 error = float((y.double() - want.double()).norm() / want.double().norm())
                 print(json.dumps({
                     "case": f"{name}-{n}x{k}/{grid or 'all'}-"
