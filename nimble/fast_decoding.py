@@ -14,7 +14,8 @@ cache"); they must come in one order, each before the compilation it changes, an
    ``sdpa`` (any other is kept, and said so in the log);
 4. the steps compiled by Inductor (:func:`~nimble.generate.prepare_with_nimble` with
    ``compile_steps=True``) with its combo kernels and coordinate-descent tuning, and the fold
-   pass of :mod:`nimble.gemv_prologue_pass` (norms and gated activations into the GEMVs, each
+   pass of :mod:`nimble.gemv_prologue_pass` (RMS and layer norms, gated activations and GELUs
+   into the GEMVs, each
    folded GEMV launched as timed fastest on its own kernel, :mod:`nimble.gemv_prologue_tuning`;
    with the attention swapped, the rotary embedding and the cache read into the attention
    kernel);
