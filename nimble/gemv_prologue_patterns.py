@@ -277,15 +277,15 @@ def match_gelu(x, k: int, dtype, rows: int = 1) -> Optional[Activation]:
 
 def biased(node, k: int, dtype, rows: int = 1) -> Optional[tuple]:
     """``(output, bias)`` where ``node`` (beneath views) is a projection's ``output`` (``rows``
-    rows of ``k``, computed in the graph) plus its ``bias`` (a vector of ``k``, an input of the
-    graph: the model's parameter)."""
+    rows of ``k``, computed in the graph) plus its ``bias`` (a vector of ``k``, an input or a
+    constant of the graph: the model's parameter)."""
     node = _strip_views(node)
     if not _is(node, aten.add.Tensor) or node.kwargs or len(node.args) != 2:
         return None
     for output, bias in _orders(node):
         v = _val(bias)
-        if (isinstance(bias, fx.Node) and bias.op == "placeholder" and v is not None
-                and v.dim() == 1 and vector_of(bias, k, dtype)
+        if (isinstance(bias, fx.Node) and bias.op in ("placeholder", "get_attr")
+                and v is not None and v.dim() == 1 and vector_of(bias, k, dtype)
                 and isinstance(output, fx.Node) and output.op == "call_function"
                 and vector_of(output, k, dtype, rows)):
             return output, bias
