@@ -90,38 +90,51 @@ def prologue_input(a_ptr, b_ptr, c_ptr, nw_ptr, nb_ptr, cols, col_ok, mean, rs,
 
 @triton.jit
 def vector_stats(a_ptr, b_ptr, c_ptr, sum_ptr, K, eps, stores, NORM_BLOCK: tl.constexpr,
-                 PROLOGUE: tl.constexpr, HAS_C: tl.constexpr):
+                 PROLOGUE: tl.constexpr, HAS_C: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """A norm's centre and scale over the whole input vector (of its residual sum, which is
     written to ``sum_ptr`` where ``stores``: the first program): ``(0, rsqrt(mean(x^2) +
     eps))`` for an RMS norm (``PROLOGUE`` 0, 1), ``(mean, rsqrt(var + eps))`` for a layer norm
-    (3, 4), its variance from a second pass over the input (read from the L2) about the mean
-    of the first."""
-    total = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
-    for k in range(0, K, NORM_BLOCK):
-        cols = k + tl.arange(0, NORM_BLOCK)
+    (3, 4), its variance about the mean of the first pass: from the registers where the input
+    is one block (``ONE_BLOCK``), else from a second pass over it (read from the L2)."""
+    if PROLOGUE >= 3 and ONE_BLOCK:
+        cols = tl.arange(0, NORM_BLOCK)
         col_ok = cols < K
         a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
-        if PROLOGUE == 1 or PROLOGUE == 4:
+        if PROLOGUE == 4:
             a = summed_input(a, b_ptr, cols, col_ok, c_ptr, cols, col_ok, HAS_C)
             if stores:
                 tl.store(sum_ptr + cols, a, mask=col_ok)
         a32 = a.to(tl.float32)
-        if PROLOGUE <= 1:
-            total += a32 * a32
-        else:
-            total += a32
-    mean = 0.0
-    if PROLOGUE >= 3:
-        mean = tl.sum(total, axis=0) / K
+        mean = tl.sum(a32, axis=0) / K
+        d = tl.where(col_ok, a32 - mean, 0.0)
+        total = d * d
+    else:
         total = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
         for k in range(0, K, NORM_BLOCK):
             cols = k + tl.arange(0, NORM_BLOCK)
             col_ok = cols < K
             a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
-            if PROLOGUE == 4:
+            if PROLOGUE == 1 or PROLOGUE == 4:
                 a = summed_input(a, b_ptr, cols, col_ok, c_ptr, cols, col_ok, HAS_C)
-            d = tl.where(col_ok, a.to(tl.float32) - mean, 0.0)
-            total += d * d
+                if stores:
+                    tl.store(sum_ptr + cols, a, mask=col_ok)
+            a32 = a.to(tl.float32)
+            if PROLOGUE <= 1:
+                total += a32 * a32
+            else:
+                total += a32
+        mean = 0.0
+        if PROLOGUE >= 3:
+            mean = tl.sum(total, axis=0) / K
+            total = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
+            for k in range(0, K, NORM_BLOCK):
+                cols = k + tl.arange(0, NORM_BLOCK)
+                col_ok = cols < K
+                a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
+                if PROLOGUE == 4:
+                    a = summed_input(a, b_ptr, cols, col_ok, c_ptr, cols, col_ok, HAS_C)
+                d = tl.where(col_ok, a.to(tl.float32) - mean, 0.0)
+                total += d * d
     return mean, tl.rsqrt(tl.sum(total, axis=0) / K + eps)
 
 
@@ -130,7 +143,8 @@ def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, c_ptr, nb_
                          stride_w, eps, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, WAITS: tl.constexpr,
                          LATE: tl.constexpr, AHEAD: tl.constexpr = 1,
-                         HAS_C: tl.constexpr = False, HAS_NB: tl.constexpr = False):
+                         HAS_C: tl.constexpr = False, HAS_NB: tl.constexpr = False,
+                         ONE_BLOCK: tl.constexpr = False):
     if WAITS and not LATE:  # behind a programmatic edge: the next kernel may launch now
         tl.extra.cuda.gdc_launch_dependents()
     programs = tl.num_programs(0)
@@ -156,7 +170,7 @@ def gemv_prologue_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, y_ptr, sum_ptr, c_ptr, nb_
         # the norm over the whole input, once per program (the programs walk the row blocks
         # grid-stride, so it is not paid again per wave of programs)
         mean, rs = vector_stats(a_ptr, b_ptr, c_ptr, sum_ptr, K, eps, tl.program_id(0) == 0,
-                                NORM_BLOCK, PROLOGUE, HAS_C)
+                                NORM_BLOCK, PROLOGUE, HAS_C, ONE_BLOCK)
     for block in range(tl.program_id(0), blocks, programs):
         rows = block * BLOCK_N + r
         row_ok = rows < N

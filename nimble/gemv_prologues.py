@@ -97,8 +97,8 @@ def launch(prologue: int, a: torch.Tensor, b: Optional[torch.Tensor],
         PROLOGUE=prologue, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NORM_BLOCK=min(triton.next_power_of_2(k), MAX_NORM_BLOCK), WAITS=waits(a.device),
         LATE=kernel_waits.LAUNCH_DEPENDENTS_LATE, AHEAD=ahead or TILES_AHEAD,
-        HAS_C=bias is not None, HAS_NB=norm_bias is not None, num_warps=config.warps,
-        num_stages=config.stages)
+        HAS_C=bias is not None, HAS_NB=norm_bias is not None,
+        ONE_BLOCK=k <= MAX_NORM_BLOCK, num_warps=config.warps, num_stages=config.stages)
     return y, total
 
 

@@ -137,7 +137,7 @@ def launch_peer_sum(x: torch.Tensor, table: torch.Tensor, rank: int,
     block = layout.block(n)
     _kernel()[(layout.programs,)](
         x, out, table, n, rank, layout.slot_elements, RANKS=layout.ranks,
-        RANKS_POW2=triton.next_power_of_2(layout.ranks), PROGRAMS=layout.programs,
+        PROGRAMS=layout.programs,
         DATA_AT=layout.data_at, BLOCK=block, WAITS=kernel_waits.waits(x.device), GATHER=gather,
         num_warps=8 if block >= WIDE_BLOCK else 4)
     return out

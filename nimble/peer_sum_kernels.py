@@ -44,7 +44,7 @@ def _data(base, slot, offsets, DATA_AT: tl.constexpr, BLOCK: tl.constexpr,
 
 @triton.jit
 def nimble_peer_sum_kernel(x_ptr, out_ptr, table_ptr, n, rank, slot_elements,
-                           RANKS: tl.constexpr, RANKS_POW2: tl.constexpr,
+                           RANKS: tl.constexpr,
                            PROGRAMS: tl.constexpr, DATA_AT: tl.constexpr, BLOCK: tl.constexpr,
                            WAITS: tl.constexpr, GATHER: tl.constexpr):
     pid = tl.program_id(0)
@@ -52,9 +52,6 @@ def nimble_peer_sum_kernel(x_ptr, out_ptr, table_ptr, n, rank, slot_elements,
     # the table is the graph's constant: read before the wait (the peers' entries then hit the
     # L1 when the sum reads them)
     own = tl.load(table_ptr + rank)
-    ranks = tl.arange(0, RANKS_POW2)
-    present = ranks < RANKS
-    bases = tl.load(table_ptr + ranks, mask=present, other=0)
     if WAITS:  # behind a programmatic edge: the predecessor's writes, the last call's counter
         tl.extra.cuda.gdc_wait()
     counters = own.to(tl.pointer_type(tl.int32)) + RANKS * PROGRAMS + pid
@@ -66,12 +63,16 @@ def nimble_peer_sum_kernel(x_ptr, out_ptr, table_ptr, n, rank, slot_elements,
         tl.store(_data(own, slot, offsets, DATA_AT, BLOCK, element),
                  tl.load(x_ptr + offsets, mask=inside), mask=inside)
     tl.debug_barrier()
-    theirs = bases.to(tl.pointer_type(tl.int32)) + rank * PROGRAMS + pid
-    tl.atomic_xchg(theirs, count + ranks * 0, mask=present, sem="release", scope="sys")
-    mine = own.to(tl.pointer_type(tl.int32)) + ranks * PROGRAMS + pid
-    seen = tl.atomic_add(mine, ranks * 0, mask=present, sem="acquire", scope="sys")
-    while tl.min(tl.where(present, seen - count, 0), 0) < 0:
-        seen = tl.atomic_add(mine, ranks * 0, mask=present, sem="acquire", scope="sys")
+    # one scalar flag at a time: a spin over a vector of flags (a loop carrying a tensor)
+    # fails Triton 3.6's layout pass
+    for peer in tl.static_range(RANKS):
+        theirs = tl.load(table_ptr + peer).to(tl.pointer_type(tl.int32)) + rank * PROGRAMS + pid
+        tl.atomic_xchg(theirs, count, sem="release", scope="sys")
+    for peer in tl.static_range(RANKS):
+        mine = own.to(tl.pointer_type(tl.int32)) + peer * PROGRAMS + pid
+        seen = tl.atomic_add(mine, 0, sem="acquire", scope="sys")
+        while seen - count < 0:  # wrapping arithmetic: the count may wrap
+            seen = tl.atomic_add(mine, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
     for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):
         offsets = start + tl.arange(0, BLOCK)

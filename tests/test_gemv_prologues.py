@@ -366,7 +366,7 @@ def test_the_kernels_compile_for_a_hopper_gpu_on_a_machine_without_one():
     pointers = {name: "*bf16" for name in ("a_ptr", "b_ptr", "nw_ptr", "w_ptr", "y_ptr",
                                            "sum_ptr", "c_ptr", "nb_ptr")}
     flags = ("PROLOGUE", "BLOCK_N", "BLOCK_K", "NORM_BLOCK", "WAITS", "LATE", "AHEAD", "HAS_C",
-             "HAS_NB")
+             "HAS_NB", "ONE_BLOCK")
     for prologue, ahead, biased in ((0, 1, False), (1, 1, False), (2, 1, False), (1, 2, False),
                                     (2, 2, False), (1, 1, True), (3, 1, True), (4, 1, True),
                                     (4, 2, False), (5, 1, True), (6, 1, False)):
@@ -375,7 +375,7 @@ def test_the_kernels_compile_for_a_hopper_gpu_on_a_machine_without_one():
                         **{f: "constexpr" for f in flags}},
                        {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024, "NORM_BLOCK": 2048,
                         "WAITS": True, "LATE": False, "AHEAD": ahead, "HAS_C": biased,
-                        "HAS_NB": biased})
+                        "HAS_NB": biased, "ONE_BLOCK": prologue in (3, 4) and ahead == 1})
         assert "gemv_prologue_kernel" in ptx
     ptx = compiled(kernels.gemv_joined_kernel,
                    {"part_ptr": "*fp32", "stat_ptr": "*fp32", "w_ptr": "*bf16", "y_ptr": "*bf16",

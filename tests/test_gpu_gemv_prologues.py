@@ -35,7 +35,9 @@ def test_each_prologue_gemv_matches_its_reference_in_float64(dtype):
             want, want_total = gp.reference(prologue, a.cpu(), None if second is None
                                             else second.cpu(), None if norm_weight is None
                                             else norm_weight.cpu(), 1e-5, w.cpu(), **cpu)
-            for config in CONFIGS:
+            # the first kinds on every configuration; the layer norms' and GELUs' (the same
+            # walk of the weight) on two
+            for config in CONFIGS if prologue <= gp.SILU_GATED else CONFIGS[:2]:
                 got, total = gp.launch(prologue, a, second, norm_weight, 1e-5, w, config,
                                        **extra)
                 error = float((got.cpu().double() - want.double()).norm()

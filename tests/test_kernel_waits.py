@@ -51,7 +51,7 @@ def _prologue(prologue: int, late: bool = False, ahead: int = 1) -> list[str]:
                 {**pointers, "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32"},
                 {"PROLOGUE": prologue, "BLOCK_N": 4, "BLOCK_K": 1024, "NORM_BLOCK": 2048,
                  "WAITS": True, "LATE": late, "AHEAD": ahead, "HAS_C": prologue in (4, 5),
-                 "HAS_NB": prologue == 4}, num_warps=8)
+                 "HAS_NB": prologue == 4, "ONE_BLOCK": prologue == 4}, num_warps=8)
 
 
 def _attention(kernel: str, cache_early: bool = False) -> list[str]:
@@ -154,7 +154,7 @@ def test_the_peer_sum_reads_only_its_table_before_its_wait():
     lines = _ptx(peer_sum._kernel(), {"x_ptr": "*bf16", "out_ptr": "*bf16",
                                       "table_ptr": "*i64", "n": "i32", "rank": "i32",
                                       "slot_elements": "i32"},
-                 {"RANKS": 2, "RANKS_POW2": 2, "PROGRAMS": 16, "DATA_AT": 256, "BLOCK": 512,
+                 {"RANKS": 2, "PROGRAMS": 16, "DATA_AT": 256, "BLOCK": 512,
                   "WAITS": True, "GATHER": False})
     early = _before_the_wait(lines)
     loads = [next(word for word in line.split() if word.startswith("ld.global"))
