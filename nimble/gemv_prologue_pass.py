@@ -38,6 +38,12 @@ from .gemv_prologue_patterns import (Norm, biased, match_gated, match_gelu, matc
 
 log = logging.getLogger("nimble")
 
+#: Whether the pass folds layer norms and GELUs (GPT-2's, BERT's, Phi's) as well as RMS norms
+#: and gated activations.  Off until measured faster: on GPT-2 at batch 1 (an H100, every
+#: projection on the GEMV) the folds took a step from 116 tasks to 79 and its busy time from
+#: 288.6 to 257.9 µs, but the token from 0.331 to 0.341 ms (docs/results.md);
+#: ``tools/experiments/decode_levers.py``'s ``layer-norms`` lever turns it on.
+FOLD_LAYER_NORMS = False
 #: Whether the pass folds into ``nimble::gemm_rows`` too (a GEMM of 2 to 16 rows: a decode
 #: step at a small batch), not only into the GEMV.  Off until measured on the GPU: its kernel
 #: is checked under Triton's interpreter and compiled for sm_90 in the CPU tests only
@@ -228,13 +234,14 @@ def _fold_prologue(graph, product, source, weight, k: int, dtype, rows: int,
         new.meta["val"] = _val(product)
         product.replace_all_uses_with(new)
         return "gated"
-    gelu = match_gelu(source, k, dtype, rows)
+    gelu = match_gelu(source, k, dtype, rows) if FOLD_LAYER_NORMS else None
     if gelu is not None:
         kind = gemv_prologues.GELU_TANH if gelu.tanh else gemv_prologues.GELU_ERF
         first, bias = biased(gelu.value, k, dtype, rows) or (gelu.value, None)
         _fold_generic(graph, product, kind, Folded(first, bias=bias), weight, launch, k, rows)
         return "gelu"
-    norm = match_rmsnorm(source, k, dtype, rows) or match_layernorm(source, k, dtype, rows)
+    norm = match_rmsnorm(source, k, dtype, rows) or (
+        match_layernorm(source, k, dtype, rows) if FOLD_LAYER_NORMS else None)
     if norm is None:
         return None
     summed = residual_sum(norm.value, k, dtype, rows)

@@ -42,7 +42,9 @@ def _data(base, slot, offsets, DATA_AT: tl.constexpr, BLOCK: tl.constexpr,
     return tl.max_contiguous(tl.multiple_of(pointers, 16), BLOCK)
 
 
-@triton.jit
+# the rank is not specialized on (Triton would compile rank 1 apart, as a value of 1): every
+# rank runs one binary, and no rank's first call loads a module while a peer's kernel spins
+@triton.jit(do_not_specialize=["rank"])
 def nimble_peer_sum_kernel(x_ptr, out_ptr, table_ptr, n, rank, slot_elements,
                            RANKS: tl.constexpr,
                            PROGRAMS: tl.constexpr, DATA_AT: tl.constexpr, BLOCK: tl.constexpr,

@@ -463,6 +463,7 @@ def _product_on_every_device(x, weight, bias, config, row_configs=None):
 def _tiny_gpt2(monkeypatch, dtype):
     transformers = pytest.importorskip("transformers")
     monkeypatch.setattr(fast_gemv_module, "_product", _product_on_every_device)
+    monkeypatch.setattr(prologue_pass, "FOLD_LAYER_NORMS", True)
     config = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=500,
                                      n_positions=64, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
@@ -545,6 +546,7 @@ def test_a_layer_norm_and_an_exact_gelu_fold_into_the_gemvs_after_them(monkeypat
     from nimble.fast_gemv import fast_gemv
 
     monkeypatch.setattr(fast_gemv_module, "_product", _product_on_every_device)
+    monkeypatch.setattr(prologue_pass, "FOLD_LAYER_NORMS", True)
     torch.manual_seed(5)
     model = NormedMLP(64, bias_in_norm).to(torch.bfloat16).eval()
     with torch.no_grad():
@@ -569,7 +571,19 @@ def test_layer_normed_decoders_fold_their_norms_and_activations(monkeypatch, fam
     with its bias) and StableLM's (a SiLU gate); as (layer norms, of a residual sum, GELUs,
     gated activations)."""
     monkeypatch.setattr(fast_gemv_module, "_product", _product_on_every_device)
+    monkeypatch.setattr(prologue_pass, "FOLD_LAYER_NORMS", True)
     plain, folded, the_pass = _one_token_logits_folded(tiny_decoder(family).to(torch.bfloat16))
     done = [r for r in the_pass.runs if r.gemvs][-1]
     assert (done.layernorm, done.add_layernorm, done.gelu, done.gated) == folds, done
     assert (plain.float() - folded.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()
+
+
+def test_layer_norms_and_gelus_stay_unless_asked(monkeypatch):
+    """FOLD_LAYER_NORMS off (the default, until measured faster): a GPT-2's norms and GELUs
+    keep their kernels."""
+    model = _tiny_gpt2(monkeypatch, torch.float32)
+    monkeypatch.setattr(prologue_pass, "FOLD_LAYER_NORMS", False)
+    plain, folded, the_pass = _one_token_logits_folded(model)
+    [done] = [r for r in the_pass.runs if r.gemvs]
+    assert (done.gemvs, done.total) == (9, 0)
+    assert torch.equal(plain, folded)

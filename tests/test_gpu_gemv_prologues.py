@@ -196,6 +196,7 @@ def test_a_gpt2s_layer_norms_and_gelus_fold_prepare_proven_and_decode_as_unfolde
     fast_gemv(model, time=lambda config, weights, x: 1.0 if config is None else 0.5,
               rows=(batch,), row_margin=-10.0)
     monkeypatch.setattr(prologue_pass, "FOLD_ROWS", True)
+    monkeypatch.setattr(prologue_pass, "FOLD_LAYER_NORMS", True)
     torch.manual_seed(5)
     ids = torch.randint(0, model.config.vocab_size, (batch, 128), device="cuda")
     tokens, tasks = {}, {}

@@ -28,7 +28,9 @@ torch's / wherever it runs: what a step's programmatic edges into it pay, which 
 alone does not see), ``rows-second-kernel`` (``gemv``, a split GEMM of rows' parts added by a
 second kernel, not by the last program of each block: :data:`nimble.gemm_rows.LAST_JOINS`),
 ``fold-rows`` (``gemv-prologues``, the norms and gated products folded into the GEMMs of rows
-too: :data:`nimble.gemv_prologue_pass.FOLD_ROWS`; with ``rows-always`` every projection), ``gemv-prologues`` (``gemv``,
+too: :data:`nimble.gemv_prologue_pass.FOLD_ROWS`; with ``rows-always`` every projection),
+``layer-norms`` (``gemv-prologues``, layer norms and GELUs folded too:
+:data:`nimble.gemv_prologue_pass.FOLD_LAYER_NORMS`), ``gemv-prologues`` (``gemv``,
 and each GEMV fed by an RMS norm or a gated activation computing that vector itself:
 :mod:`nimble.gemv_prologue_pass`; its GEMVs kept within
 :data:`nimble.fast_gemv.PROLOGUE_MARGIN`),
@@ -79,6 +81,7 @@ class Variant:
     row_margin: float | None = None  # fast_gemv's row_margin (a GEMM of rows); None: its own
     rows_second_kernel: bool = False  # a split GEMM of rows' parts added by a second kernel
     fold_rows: bool = False  # the fold pass also folds into the GEMMs of rows (FOLD_ROWS)
+    layer_norms: bool = False  # the fold pass folds layer norms and GELUs (FOLD_LAYER_NORMS)
     decode_attention: bool = False  # nimble.decode_attention on the model, before both rows
     single_stream: bool = False  # the Generator's steps prepared with use_multi_stream=False
     plain_argmax: bool = False  # both rows' argmax one reduction (no decode_steps.split_argmax)
@@ -130,6 +133,7 @@ LEVERS = {
     "rows-always": {"fast_gemv": True, "row_margin": -10.0},
     "rows-second-kernel": {"fast_gemv": True, "rows_second_kernel": True},
     "fold-rows": {"fast_gemv": True, "gemv_prologues": True, "fold_rows": True},
+    "layer-norms": {"fast_gemv": True, "gemv_prologues": True, "layer_norms": True},
     "joined-attention": {"fast_gemv": True, "gemv_prologues": True, "decode_attention": True,
                          "join_attention": True},
     "rope-attention": {"decode_attention": True, "rope_attention": True},
@@ -473,7 +477,9 @@ def main(argv=None) -> int:
             with tuner_picks() as picks, _patched({
                     "LAST_JOINS": (gemm_rows, joins),
                     "FOLD_ROWS": (gemv_prologue_pass,
-                                  asked.fold_rows or gemv_prologue_pass.FOLD_ROWS)}):
+                                  asked.fold_rows or gemv_prologue_pass.FOLD_ROWS),
+                    "FOLD_LAYER_NORMS": (gemv_prologue_pass, asked.layer_norms
+                                         or gemv_prologue_pass.FOLD_LAYER_NORMS)}):
                 r = run_variant(name, model, args, copy, prompts, ref, swapped)
             r["tuner_picks"] = picks
         except Exception as e:  # noqa: BLE001 - the other variants still run
