@@ -162,7 +162,7 @@ def test_the_peer_sum_reads_only_its_table_before_its_wait():
     assert loads and all(op.endswith(".b64") for op in loads), loads
     assert not _memory(early, "st.global") and not _memory(early, "atom.")
     after = lines[len(early):]
-    assert _memory(after, "atom.global.sys.release") and _memory(after, "ld.global.cv")
+    assert _memory(after, "atom.global.sys.release") and _memory(after, "global.sys.acquire")
 
 
 @pytest.mark.parametrize("kernel", ["attend", "rope attend", "whole rope attend", "join"])

@@ -147,8 +147,14 @@ def test_the_kernel_compiles_for_a_hopper_gpu_with_its_flags_at_system_scope(gat
     # load)
     assert any("global.sys.acquire" in line and ("atom." in line or "ld." in line)
                for line in lines[release:])
-    peer_reads = [line for line in lines if "ld.global.cv" in line]
-    assert len(peer_reads) == 2 and all(".v4.b32" in line for line in peer_reads)
+    acquired = max(k for k, line in enumerate(lines) if "global.sys.acquire" in line)
+    peer_reads = [line for line in lines[acquired:] if "ld.global" in line and ".v4.b32" in line]
+    assert len(peer_reads) == 2
+    # past the L1 where this Triton keeps the modifier (Triton 3.6, the GPU machine's, drops
+    # it: then the acquire at system scope, and the barrier after it, order the reads after
+    # the peers' writes by PTX's memory model all the same)
+    assert all(".cv" in line for line in peer_reads) or not any(".cv" in line for line in lines)
+    assert any(line.startswith("bar.sync") for line in lines[acquired:acquired + 40])
     stores = [line for line in lines[release:] if "st.global.v4.b32" in line]
     assert len(stores) == (2 if gather else 1)
 
