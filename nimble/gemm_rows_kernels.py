@@ -10,6 +10,20 @@ from .gemv_prologue_kernels import prologue_value, summed_input  # noqa: F401  (
 
 
 @triton.jit
+def rows_input(x_ptr, b_ptr, c_ptr, m, m_ok, cols, K, stride_x, stride_b,
+               PROLOGUE: tl.constexpr, HAS_C: tl.constexpr):
+    """The rows ``m`` of a prologue's input at ``cols`` (with the residual, its sum), and their
+    mask."""
+    col_ok = cols < K
+    ok = m_ok[:, None] & col_ok[None, :]
+    a = tl.load(x_ptr + m[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+    if PROLOGUE == 1 or PROLOGUE == 4:
+        a = summed_input(a, b_ptr, m[:, None] * stride_b + cols[None, :], ok, c_ptr, cols,
+                         col_ok, HAS_C)
+    return a, ok
+
+
+@triton.jit
 def rows_stats(x_ptr, b_ptr, c_ptr, sum_ptr, m, m_ok, M_PAD: tl.constexpr, K, stride_x,
                stride_b, eps, stores, NORM_BLOCK: tl.constexpr, PROLOGUE: tl.constexpr,
                HAS_C: tl.constexpr):
@@ -19,12 +33,9 @@ def rows_stats(x_ptr, b_ptr, c_ptr, sum_ptr, m, m_ok, M_PAD: tl.constexpr, K, st
     total = tl.zeros((M_PAD, NORM_BLOCK), dtype=tl.float32)
     for kk in range(0, K, NORM_BLOCK):
         cols = kk + tl.arange(0, NORM_BLOCK)
-        col_ok = cols < K
-        ok = m_ok[:, None] & col_ok[None, :]
-        a = tl.load(x_ptr + m[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+        a, ok = rows_input(x_ptr, b_ptr, c_ptr, m, m_ok, cols, K, stride_x, stride_b,
+                           PROLOGUE, HAS_C)
         if PROLOGUE == 1 or PROLOGUE == 4:
-            a = summed_input(a, b_ptr, m[:, None] * stride_b + cols[None, :], ok, c_ptr, cols,
-                             col_ok, HAS_C)
             if stores:
                 tl.store(sum_ptr + m[:, None] * K + cols[None, :], a, mask=ok)
         a32 = a.to(tl.float32)
@@ -38,12 +49,8 @@ def rows_stats(x_ptr, b_ptr, c_ptr, sum_ptr, m, m_ok, M_PAD: tl.constexpr, K, st
         total = tl.zeros((M_PAD, NORM_BLOCK), dtype=tl.float32)
         for kk in range(0, K, NORM_BLOCK):
             cols = kk + tl.arange(0, NORM_BLOCK)
-            col_ok = cols < K
-            ok = m_ok[:, None] & col_ok[None, :]
-            a = tl.load(x_ptr + m[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
-            if PROLOGUE == 4:
-                a = summed_input(a, b_ptr, m[:, None] * stride_b + cols[None, :], ok, c_ptr,
-                                 cols, col_ok, HAS_C)
+            a, ok = rows_input(x_ptr, b_ptr, c_ptr, m, m_ok, cols, K, stride_x, stride_b,
+                               PROLOGUE, HAS_C)
             d = tl.where(ok, a.to(tl.float32) - mean[:, None], 0.0)
             total += d * d
     return mean, tl.rsqrt(tl.sum(total, axis=1) / K + eps)

@@ -141,7 +141,6 @@ def test_a_llamas_gemms_of_four_rows_fold_their_norms_prepare_proven_and_decode_
     from nimble.cli.decoders import causal_lm
     from nimble.fast_gemv import fast_gemv
     from nimble.fused_projections import fuse_projections
-    from nimble.generate import Generator, prepare_with_nimble
 
     batch = 4
     model = causal_lm("llama_small", "bfloat16")
@@ -150,11 +149,31 @@ def test_a_llamas_gemms_of_four_rows_fold_their_norms_prepare_proven_and_decode_
               rows=(batch,), row_margin=-10.0)
     torch.manual_seed(4)
     ids = torch.randint(0, model.config.vocab_size, (batch, 128), device="cuda")
-    tokens, tasks = {}, {}
-    for folded in (False, True):
+
+    def compiling(folded):
         monkeypatch.setattr(prologue_pass, "FOLD_ROWS", folded)
+        return prologue_pass.fusing()
+
+    runs = _decoded_both_ways(model, ids, batch, compiling)
+    # every layer's two norms and its gated activation, and the final norm
+    done = [r for r in runs[True] if r.gemms_of_rows]
+    assert max(r.total for r in done) == 3 * model.config.num_hidden_layers + 1, done
+    assert sum(r.total for r in runs[False]) == 0, runs[False]
+
+
+def _decoded_both_ways(model, ids, batch: int, compiling) -> dict:
+    """A Generator's decode step at ``batch`` compiled inside ``compiling(folded)`` unfolded and
+    folded: each proven bit for bit and decoding ``ids`` the same twice, the folded step of
+    fewer tasks, its first tokens the unfolded step's (later ones may part at a near-tie); the
+    fold pass's runs by ``folded`` (none where ``compiling`` yields no pass)."""
+    import torch
+
+    from nimble.generate import Generator, prepare_with_nimble
+
+    tokens, tasks, runs = {}, {}, {}
+    for folded in (False, True):
         torch._dynamo.reset()
-        with prologue_pass.fusing() as the_pass:
+        with compiling(folded) as the_pass:
             generator = Generator(model, max_cache_len=128 + NEW_TOKENS, prompt_buckets=[128],
                                   batch_sizes=[batch],
                                   prepare_step=prepare_with_nimble(None, True))
@@ -166,14 +185,11 @@ def test_a_llamas_gemms_of_four_rows_fold_their_norms_prepare_proven_and_decode_
             assert torch.equal(generator.generate(ids, NEW_TOKENS), tokens[folded])
         finally:
             generator.close()
-        if folded:  # every layer's two norms and its gated activation, and the final norm
-            done = [r for r in the_pass.runs if r.gemms_of_rows]
-            assert max(r.total for r in done) == 3 * model.config.num_hidden_layers + 1, done
-        else:
-            assert sum(r.total for r in the_pass.runs) == 0, the_pass.runs
+        runs[folded] = [] if the_pass is None else the_pass.runs
     assert tasks[True] < tasks[False], tasks
     assert torch.equal(tokens[True][:, :136], tokens[False][:, :136]), (tokens[True],
                                                                         tokens[False])
+    return runs
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -189,7 +205,6 @@ def test_a_gpt2s_layer_norms_and_gelus_fold_prepare_proven_and_decode_as_unfolde
     from nimble.cli.decoders import causal_lm
     from nimble.fast_gemv import fast_gemv
     from nimble.fused_projections import fuse_projections
-    from nimble.generate import Generator, prepare_with_nimble
 
     model = causal_lm("gpt2_tiny", "float16")
     fuse_projections(model)
@@ -199,31 +214,14 @@ def test_a_gpt2s_layer_norms_and_gelus_fold_prepare_proven_and_decode_as_unfolde
     monkeypatch.setattr(prologue_pass, "FOLD_LAYER_NORMS", True)
     torch.manual_seed(5)
     ids = torch.randint(0, model.config.vocab_size, (batch, 128), device="cuda")
-    tokens, tasks = {}, {}
-    for folded in (False, True):
-        torch._dynamo.reset()
-        with (prologue_pass.fusing() if folded else contextlib.nullcontext()) as the_pass:
-            generator = Generator(model, max_cache_len=128 + NEW_TOKENS, prompt_buckets=[128],
-                                  batch_sizes=[batch],
-                                  prepare_step=prepare_with_nimble(None, True))
-        try:
-            decode, _ = generator.steps(batch)
-            assert not decode.graph.meta["verified"]["not_bitwise"]
-            tasks[folded] = len(decode.graph.tasks)
-            tokens[folded] = generator.generate(ids, NEW_TOKENS)
-            assert torch.equal(generator.generate(ids, NEW_TOKENS), tokens[folded])
-        finally:
-            generator.close()
-        if folded:
-            done = max(the_pass.runs, key=lambda r: r.total)
-            layers = model.config.n_layer
-            # every norm (the first of the embeddings' sum: a plain one where the batch
-            # broadcasts the positions' row), every GELU
-            assert done.layernorm + done.add_layernorm == 2 * layers + 1, done
-            assert done.gelu == layers, done
-    assert tasks[True] < tasks[False], tasks
-    assert torch.equal(tokens[True][:, :136], tokens[False][:, :136]), (tokens[True],
-                                                                        tokens[False])
+    runs = _decoded_both_ways(model, ids, batch, lambda folded: prologue_pass.fusing()
+                              if folded else contextlib.nullcontext())
+    done = max(runs[True], key=lambda r: r.total)
+    layers = model.config.n_layer
+    # every norm (the first of the embeddings' sum: a plain one where the batch broadcasts the
+    # positions' row), every GELU
+    assert done.layernorm + done.add_layernorm == 2 * layers + 1, done
+    assert done.gelu == layers, done
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
