@@ -17,6 +17,7 @@ on to read, the new GEMV writes that sum for it.  Turn it on around a compilatio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import operator
@@ -244,7 +245,10 @@ def _fold_prologue(graph, product, source, weight, k: int, dtype, rows: int,
         match_layernorm(source, k, dtype, rows) if FOLD_LAYER_NORMS else None)
     if norm is None:
         return None
-    summed = residual_sum(norm.value, k, dtype, rows)
+    # the sum beneath any views of it (OPT flattens its rows before the norm)
+    summed = residual_sum(_strip_views(norm.value), k, dtype, rows)
+    if summed is not None:
+        norm = dataclasses.replace(norm, value=_strip_views(norm.value))
     after_sum = norm.value.next  # where a fold of the sum goes: before its first reader
     if summed is not None and _before(graph, (*summed, norm.weight, norm.bias), norm.value):
         weight = _available_before(graph, weight, after_sum) or weight

@@ -564,12 +564,14 @@ def test_a_layer_norm_and_an_exact_gelu_fold_into_the_gemvs_after_them(monkeypat
     assert (plain.float() - folded.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()
 
 
-@pytest.mark.parametrize("family, folds", [("Phi", (3, 2, 2, 0)), ("StableLm", (1, 4, 0, 2))])
+@pytest.mark.parametrize("family, folds", [("Phi", (3, 2, 2, 0)), ("StableLm", (1, 4, 0, 2)),
+                                           ("GPTNeoX", (3, 2, 2, 0)), ("OPT", (0, 5, 0, 0))])
 def test_layer_normed_decoders_fold_their_norms_and_activations(monkeypatch, family, folds):
-    """Tiny bfloat16 decoders with layer norms, every GEMM on the GEMV: Phi's (one norm read by
-    the attention's and the MLP's projections alike, a residual sum of three, the MLP's GELU
-    with its bias) and StableLM's (a SiLU gate); as (layer norms, of a residual sum, GELUs,
-    gated activations)."""
+    """Tiny bfloat16 decoders with layer norms, every GEMM on the GEMV: Phi's and GPT-NeoX's
+    (one norm read by the attention's and the MLP's projections alike, a residual sum of
+    three, the MLP's GELU with its bias), StableLM's (a SiLU gate) and OPT's (its rows
+    flattened between the residual sum and the norm; a ReLU, which stays); as (layer norms, of
+    a residual sum, GELUs, gated activations)."""
     monkeypatch.setattr(fast_gemv_module, "_product", _product_on_every_device)
     monkeypatch.setattr(prologue_pass, "FOLD_LAYER_NORMS", True)
     plain, folded, the_pass = _one_token_logits_folded(tiny_decoder(family).to(torch.bfloat16))
