@@ -426,7 +426,12 @@ def _make_pass():
             joins = "-joins" if self.join_attention else ""
             rope = "-rope" if self.rope_attention else ""
             tuned = "-tuned" if self.tune_launches else ""
-            return f"nimble-gemv-prologues{joins}{rope}{tuned}-{_source_hash()}-{then}"
+            # the module's switches change what the pass folds: a compilation cached with one
+            # setting is not the other's
+            rows = "-rows" if FOLD_ROWS else ""
+            layer_norms = "-layer-norms" if FOLD_LAYER_NORMS else ""
+            return (f"nimble-gemv-prologues{joins}{rope}{tuned}{rows}{layer_norms}-"
+                    f"{_source_hash()}-{then}")
 
     return GemvPrologues
 

@@ -279,6 +279,16 @@ def test_the_pass_chains_to_a_pass_set_before_it_and_keys_the_cache_on_both():
     GemvConfig(*CONFIG)
 
 
+def test_the_cache_key_follows_the_modules_switches(monkeypatch):
+    """A compilation cached with the layer norms (or the GEMMs of rows) folded is not the one
+    without: the pass's key names its switches."""
+    keys = {prologue_pass.make_pass().uuid()}
+    for switch in ("FOLD_LAYER_NORMS", "FOLD_ROWS"):
+        monkeypatch.setattr(prologue_pass, switch, True)
+        keys.add(prologue_pass.make_pass().uuid())
+    assert len(keys) == 3
+
+
 def test_a_norm_over_part_of_the_gemvs_input_is_not_folded():
     """A norm over rows of half the GEMV's width, the rows then read as one vector: a fold
     would normalise over the whole, so the pass leaves it."""
