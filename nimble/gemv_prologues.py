@@ -1,6 +1,6 @@
 """The GEMV of :mod:`nimble.fast_gemv` with the kernel before it folded into its loads: an
-RMS norm (with the residual add before it) or a gated activation, a decode step's lever
-(issue 53).
+RMS or layer norm (with the residual add before it), a gated activation or a GELU, a decode
+step's lever (issue 53).
 
 At batch 1 a decoder layer's GEMVs are separated by small kernels over one vector: the residual
 add and RMS norm before the attention's projections, the activation of a gated MLP before its
@@ -13,6 +13,10 @@ than a launch.  The kernels:
   and the sum ``x + residual`` itself (written by the first program), which the layer's next
   residual add reads; without a residual, ``weight @ rmsnorm(x)``.
 - ``gemv_gated(gate, up, weight)``: ``weight @ (silu(gate) * up)``.
+- ``gemv_prologue(x, second, bias, norm_weight, norm_bias, eps, weight, prologue, ...)``: any
+  kind of :mod:`nimble.prologue_kinds`, the layer norms (centred, scaled, shifted by
+  ``norm_bias``, rounded once) and the GELUs (in float32, rounded once, as Inductor computes
+  them) among them; ``bias``, the projection's before, added to ``x`` first.
 
 Each rounds where the model's own code rounds (the sum, the normalised vector and its product
 with the norm's weight, the activation and the gated product, all to the input's dtype), so the
