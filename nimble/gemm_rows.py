@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from . import kernel_waits
+from . import prologue_kinds as kinds
 from .errors import InputError
 from .kernel_waits import waits
 
@@ -123,7 +124,7 @@ def launch_gemm_rows_prologue(prologue: int, a: torch.Tensor, b: torch.Tensor | 
                               norm_bias: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`launch_gemm_rows` of the rows ``prologue(a, b)``, computed as the weight is read:
-    ``prologue`` is one of :mod:`nimble.gemv_prologues`' kinds: ``RMSNORM`` (each row of ``a``
+    ``prologue`` is one of :mod:`nimble.prologue_kinds`: ``RMSNORM`` (each row of ``a``
     normalised and scaled by ``norm_weight``, with ``eps``), ``ADD_RMSNORM`` (of ``a + b``,
     that sum returned too: else None), ``SILU_GATED`` (``silu(a) * b``), ``LAYERNORM`` and
     ``ADD_LAYERNORM`` (each row centred, scaled by ``norm_weight`` and shifted by
@@ -131,19 +132,17 @@ def launch_gemm_rows_prologue(prologue: int, a: torch.Tensor, b: torch.Tensor | 
     ``a`` first where a residual sum or a GELU reads a projection's output.  Rounded to the
     rows' dtype where the model's own code rounds, as the single-row GEMV's prologues do.
     Each program reads the whole rows (a few tens of kilobytes, from the L2) for the norms."""
-    from . import prologue_kinds as gp
-
     # a prologue's rows may lie apart (the halves of a fused gate-up projection's output)
     check_operands(a, weight, rows_apart=True)
     k = a.shape[1]
-    if prologue not in range(7):
+    if prologue not in kinds.ALL:
         raise InputError(f"nimble.gemm_rows: prologue {prologue} is none of "
-                         "nimble.gemv_prologues' kinds (0 to 6)")
-    if gp.second_input(prologue) and (b is None or b.shape != a.shape or b.dtype != a.dtype
+                         f"nimble.prologue_kinds' kinds ({min(kinds.ALL)} to {max(kinds.ALL)})")
+    if kinds.second_input(prologue) and (b is None or b.shape != a.shape or b.dtype != a.dtype
                                       or b.stride(1) != 1):
         raise InputError("nimble.gemm_rows: this prologue reads a second matrix b of a's shape "
                          f"and dtype ({tuple(a.shape)}, {a.dtype})")
-    if prologue in gp.NORMS and (norm_weight is None or norm_weight.numel() != k):
+    if prologue in kinds.NORMS and (norm_weight is None or norm_weight.numel() != k):
         raise InputError(f"nimble.gemm_rows: the norm's weight is a vector of {k}")
     for name, vector in (("bias", bias), ("norm_bias", norm_bias)):
         if vector is not None and vector.numel() != k:
@@ -168,7 +167,7 @@ def _launch(x, weight, launch: tuple, last_joins, prologue: int = -1, b=None, no
     rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if prologue in (1, 4) \
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if prologue in kinds.ADDS \
         else None
     # the tensor cores take 16 rows at least; the CUDA cores' lanes, the rows' power of two
     padded = max(MIN_DOT_BLOCK if block_n >= MIN_DOT_BLOCK else 1, triton.next_power_of_2(rows))

@@ -35,9 +35,8 @@ def rows_stats(x_ptr, b_ptr, c_ptr, sum_ptr, m, m_ok, M_PAD: tl.constexpr, K, st
         cols = kk + tl.arange(0, NORM_BLOCK)
         a, ok = rows_input(x_ptr, b_ptr, c_ptr, m, m_ok, cols, K, stride_x, stride_b,
                            PROLOGUE, HAS_C)
-        if PROLOGUE == 1 or PROLOGUE == 4:
-            if stores:
-                tl.store(sum_ptr + m[:, None] * K + cols[None, :], a, mask=ok)
+        if (PROLOGUE == 1 or PROLOGUE == 4) and stores:
+            tl.store(sum_ptr + m[:, None] * K + cols[None, :], a, mask=ok)
         a32 = a.to(tl.float32)
         if PROLOGUE <= 1:
             total += a32 * a32

@@ -1,6 +1,7 @@
 """The Triton kernels of :mod:`nimble.gemv_prologues` (imported on first use, so that no Triton
 import happens where no GEMV runs): the GEMV whose input is an RMS norm, a layer norm, a gated
-activation or a GELU computed as it is read, and the GEMV whose input is a split attention joined as it is read.
+activation or a GELU computed as it is read, and the GEMV whose input is a split attention
+joined as it is read.
 Triton resolves a kernel's callees among its module's names, so they live at a module's top
 level."""
 import triton
@@ -17,15 +18,23 @@ def weight_tile(w_ptr, rows, row_ok, cols, col_ok, stride_w):
 
 
 @triton.jit
-def summed_input(a, b_ptr, b_at, ok, c_ptr, cols, col_ok, HAS_C: tl.constexpr):
-    """A residual sum's value from ``a`` (its first operand's values, with the bias
-    ``c_ptr`` added first where ``HAS_C``: the projection before it) and the second operand
-    at ``b_ptr + b_at``, each sum rounded to the input's dtype as the model's code rounds it."""
-    dt = a.dtype
+def with_bias(a, c_ptr, cols, col_ok, HAS_C: tl.constexpr):
+    """``a`` plus the bias at ``c_ptr`` (the projection's before it) where ``HAS_C``, rounded
+    to ``a``'s dtype as the model's code rounds the projection's output."""
     if HAS_C:
         a = (a.to(tl.float32) + tl.load(c_ptr + cols, mask=col_ok,
-                                        other=0.0).to(tl.float32)).to(dt)
-    return (a.to(tl.float32) + tl.load(b_ptr + b_at, mask=ok, other=0.0).to(tl.float32)).to(dt)
+                                        other=0.0).to(tl.float32)).to(a.dtype)
+    return a
+
+
+@triton.jit
+def summed_input(a, b_ptr, b_at, ok, c_ptr, cols, col_ok, HAS_C: tl.constexpr):
+    """A residual sum's value from ``a`` (its first operand's values, with the bias
+    ``c_ptr`` added first where ``HAS_C``) and the second operand at ``b_ptr + b_at``, each sum
+    rounded to the input's dtype as the model's code rounds it."""
+    a = with_bias(a, c_ptr, cols, col_ok, HAS_C)
+    return (a.to(tl.float32) + tl.load(b_ptr + b_at, mask=ok, other=0.0).to(tl.float32)
+            ).to(a.dtype)
 
 
 @triton.jit
@@ -33,18 +42,14 @@ def activated(a, c_ptr, cols, col_ok, PROLOGUE: tl.constexpr, HAS_C: tl.constexp
     """GELU of ``a`` (plus the bias ``c_ptr`` where ``HAS_C``, rounded first): the tanh
     approximation (``PROLOGUE`` 5) or the error function's (6), in float32, rounded once, as
     Inductor's kernel computes it."""
-    dt = a.dtype
-    if HAS_C:
-        a = (a.to(tl.float32) + tl.load(c_ptr + cols, mask=col_ok,
-                                        other=0.0).to(tl.float32)).to(dt)
-    g = a.to(tl.float32)
+    g = with_bias(a, c_ptr, cols, col_ok, HAS_C).to(tl.float32)
     if PROLOGUE == 5:
         u = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
         # tanh(u) as 1 - 2 / (exp(2u) + 1): exact at both ends (exp overflows to inf: 1)
         t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
     else:
         t = tl.erf(g * 0.7071067811865476)
-    return (0.5 * g * (1.0 + t)).to(dt)
+    return (0.5 * g * (1.0 + t)).to(a.dtype)
 
 
 @triton.jit
@@ -89,6 +94,16 @@ def prologue_input(a_ptr, b_ptr, c_ptr, nw_ptr, nb_ptr, cols, col_ok, mean, rs,
 
 
 @triton.jit
+def vector_input(a_ptr, b_ptr, c_ptr, cols, K, PROLOGUE: tl.constexpr, HAS_C: tl.constexpr):
+    """A norm's input vector at ``cols`` (with the residual, its sum), and their mask."""
+    col_ok = cols < K
+    a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
+    if PROLOGUE == 1 or PROLOGUE == 4:
+        a = summed_input(a, b_ptr, cols, col_ok, c_ptr, cols, col_ok, HAS_C)
+    return a, col_ok
+
+
+@triton.jit
 def vector_stats(a_ptr, b_ptr, c_ptr, sum_ptr, K, eps, stores, NORM_BLOCK: tl.constexpr,
                  PROLOGUE: tl.constexpr, HAS_C: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """A norm's centre and scale over the whole input vector (of its residual sum, which is
@@ -96,14 +111,12 @@ def vector_stats(a_ptr, b_ptr, c_ptr, sum_ptr, K, eps, stores, NORM_BLOCK: tl.co
     eps))`` for an RMS norm (``PROLOGUE`` 0, 1), ``(mean, rsqrt(var + eps))`` for a layer norm
     (3, 4), its variance about the mean of the first pass: from the registers where the input
     is one block (``ONE_BLOCK``), else from a second pass over it (read from the L2)."""
+    adds = PROLOGUE == 1 or PROLOGUE == 4
     if PROLOGUE >= 3 and ONE_BLOCK:
         cols = tl.arange(0, NORM_BLOCK)
-        col_ok = cols < K
-        a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
-        if PROLOGUE == 4:
-            a = summed_input(a, b_ptr, cols, col_ok, c_ptr, cols, col_ok, HAS_C)
-            if stores:
-                tl.store(sum_ptr + cols, a, mask=col_ok)
+        a, col_ok = vector_input(a_ptr, b_ptr, c_ptr, cols, K, PROLOGUE, HAS_C)
+        if adds and stores:
+            tl.store(sum_ptr + cols, a, mask=col_ok)
         a32 = a.to(tl.float32)
         mean = tl.sum(a32, axis=0) / K
         d = tl.where(col_ok, a32 - mean, 0.0)
@@ -112,12 +125,9 @@ def vector_stats(a_ptr, b_ptr, c_ptr, sum_ptr, K, eps, stores, NORM_BLOCK: tl.co
         total = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
         for k in range(0, K, NORM_BLOCK):
             cols = k + tl.arange(0, NORM_BLOCK)
-            col_ok = cols < K
-            a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
-            if PROLOGUE == 1 or PROLOGUE == 4:
-                a = summed_input(a, b_ptr, cols, col_ok, c_ptr, cols, col_ok, HAS_C)
-                if stores:
-                    tl.store(sum_ptr + cols, a, mask=col_ok)
+            a, col_ok = vector_input(a_ptr, b_ptr, c_ptr, cols, K, PROLOGUE, HAS_C)
+            if adds and stores:
+                tl.store(sum_ptr + cols, a, mask=col_ok)
             a32 = a.to(tl.float32)
             if PROLOGUE <= 1:
                 total += a32 * a32
@@ -129,10 +139,7 @@ def vector_stats(a_ptr, b_ptr, c_ptr, sum_ptr, K, eps, stores, NORM_BLOCK: tl.co
             total = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
             for k in range(0, K, NORM_BLOCK):
                 cols = k + tl.arange(0, NORM_BLOCK)
-                col_ok = cols < K
-                a = tl.load(a_ptr + cols, mask=col_ok, other=0.0)
-                if PROLOGUE == 4:
-                    a = summed_input(a, b_ptr, cols, col_ok, c_ptr, cols, col_ok, HAS_C)
+                a, col_ok = vector_input(a_ptr, b_ptr, c_ptr, cols, K, PROLOGUE, HAS_C)
                 d = tl.where(col_ok, a.to(tl.float32) - mean, 0.0)
                 total += d * d
     return mean, tl.rsqrt(tl.sum(total, axis=0) / K + eps)

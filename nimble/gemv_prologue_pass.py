@@ -246,10 +246,11 @@ def _fold_prologue(graph, product, source, weight, k: int, dtype, rows: int,
     if norm is None:
         return None
     # the sum beneath any views of it (OPT flattens its rows before the norm)
-    summed = residual_sum(_strip_views(norm.value), k, dtype, rows)
+    sum_node = _strip_views(norm.value)
+    summed = residual_sum(sum_node, k, dtype, rows)
     if summed is not None:
-        norm = dataclasses.replace(norm, value=_strip_views(norm.value))
-    after_sum = norm.value.next  # where a fold of the sum goes: before its first reader
+        norm = dataclasses.replace(norm, value=sum_node)
+    after_sum = norm.value.next  # a weight's view the fold needs is copied before it
     if summed is not None and _before(graph, (*summed, norm.weight, norm.bias), norm.value):
         weight = _available_before(graph, weight, after_sum) or weight
     if summed is not None and _before(graph, (*summed, norm.weight, norm.bias, weight),

@@ -120,11 +120,7 @@ def _rsqrt_of_mean_square(rs, source) -> Optional[float]:
     mean, eps = rs.args[0].args[:2]
     if not isinstance(eps, float) or rs.args[0].kwargs or not _is(mean, aten.mean.dim):
         return None
-    dims = mean.args[1] if len(mean.args) > 1 else None
-    if _val(source) is None:
-        return None
-    rank = _val(source).dim()
-    if list(dims or []) not in ([-1], [rank - 1]) or not (len(mean.args) > 2 and mean.args[2]):
+    if not _over_last(mean, source) or not (len(mean.args) > 2 and mean.args[2]):
         return None
     square = mean.args[0]
     if _is(square, aten.pow.Tensor_Scalar) and square.args[0] is source and square.args[1] == 2:
@@ -212,6 +208,7 @@ _HALF, _ROOT_HALF, _TANH_SCALE, _CUBE = 0.5, 0.7071067811865476, 0.7978845608028
 
 
 def _is_number(x, want: float) -> bool:
+    """Whether ``x`` is the constant ``want`` (as the decomposition wrote it, to rounding)."""
     return isinstance(x, (int, float)) and abs(x - want) <= 1e-7 * max(1.0, abs(want))
 
 

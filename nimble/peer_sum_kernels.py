@@ -23,9 +23,11 @@ may change from call to call with ``BLOCK``: the argument holds for the whole sl
 are compared in wrapping arithmetic, so the counter may wrap.  Every rank adds in the same
 order: the ranks' sums are equal bit for bit.  The programs are few (all resident at once), so
 no program waits for a peer's that cannot start.  Compiled with ``WAITS``, every program waits
-for its predecessor (``griddepcontrol.wait``, :mod:`nimble.kernel_waits`) after reading the
-ranks' buffers' addresses and before anything else: behind a programmatic edge the kernel launches while
-the projection before it ends, and the argument above holds from the wait on.
+for its predecessor (``griddepcontrol.wait``, :mod:`nimble.kernel_waits`) after reading its own
+buffer's address and before anything else: behind a programmatic edge the kernel launches
+while the projection before it ends, and the argument above holds from the wait on.  The
+flags are written and awaited one peer at a time, each a scalar: a spin over a vector of flags
+does not compile with Triton 3.6.
 """
 from __future__ import annotations
 
@@ -51,8 +53,7 @@ def nimble_peer_sum_kernel(x_ptr, out_ptr, table_ptr, n, rank, slot_elements,
                            WAITS: tl.constexpr, GATHER: tl.constexpr):
     pid = tl.program_id(0)
     element = x_ptr.dtype.element_ty
-    # the table is the graph's constant: read before the wait (the peers' entries then hit the
-    # L1 when the sum reads them)
+    # the table is the graph's constant: this rank's entry read before the wait
     own = tl.load(table_ptr + rank)
     if WAITS:  # behind a programmatic edge: the predecessor's writes, the last call's counter
         tl.extra.cuda.gdc_wait()

@@ -8,6 +8,7 @@ from __future__ import annotations
 #: function.  Where a residual sum or a GELU reads a projection's output, the projection's
 #: bias may be added in first (``bias``).
 RMSNORM, ADD_RMSNORM, SILU_GATED, LAYERNORM, ADD_LAYERNORM, GELU_TANH, GELU_ERF = range(7)
+ALL = frozenset(range(7))
 #: The prologues that add a residual (and return the sum), that normalise, that take a bias.
 ADDS = frozenset({ADD_RMSNORM, ADD_LAYERNORM})
 NORMS = frozenset({RMSNORM, ADD_RMSNORM, LAYERNORM, ADD_LAYERNORM})
